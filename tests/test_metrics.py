@@ -1,0 +1,21 @@
+import json
+
+from training.metrics import MetricsLogger, read_metrics, save_run_args
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    logger = MetricsLogger(tmp_path, prefix="train/")
+    logger.log(1, {"loss": 2.5, "lr": 1e-3})
+    logger.log(2, {"loss": float("nan")})
+    logger.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["train/loss"] == 2.5
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_run_args_are_recorded(tmp_path):
+    import argparse
+
+    save_run_args(tmp_path, argparse.Namespace(zero_stage=3, data_path=["embedded"]))
+    assert json.loads((tmp_path / "args.json").read_text()) == {"zero_stage": 3, "data_path": ["embedded"]}

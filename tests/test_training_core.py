@@ -1,0 +1,157 @@
+"""The shared DeepSpeed core: loading, ZeRO training, LoRA, saving, distributed start-up."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import REPO_ROOT
+from tiny_models import ARCHITECTURES, make_tokenizer
+from training.dist import free_port
+from training.engine import OptimizationSettings, create_train_engine
+from training.errors import UserError
+from training.lora import apply_lora, lora_target_modules
+from training.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.save import save_hf_model
+
+TEXT = ["Human: What is the capital of France? Assistant: The capital of France is Paris."] * 4
+
+
+def _batch(tokenizer):
+    enc = tokenizer(TEXT, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _train(engine, tokenizer, steps=8):
+    ids, mask = _batch(tokenizer)
+    losses = []
+    for _ in range(steps):
+        loss = engine(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _settings(stage, **kw):
+    return OptimizationSettings(learning_rate=1e-2, num_training_steps=8, zero_stage=stage, micro_batch_size=4,
+                                lr_scheduler_type="constant_with_warmup", **kw)
+
+
+def test_tokenizer_gets_pad_distinct_from_eos(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.pad_token_id is not None
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    enc = tokenizer(["hello world" + tokenizer.eos_token, "hi"], padding=True)
+    assert tokenizer.eos_token_id in [t for t, m in zip(enc["input_ids"][0], enc["attention_mask"][0]) if m]
+
+
+def test_tokenizer_without_unk_adds_pad_and_model_resizes(tmp_path):
+    tokenizer = make_tokenizer()
+    tokenizer.unk_token = None
+    model_dir = tmp_path / "m"
+    from tiny_models import make_tiny_model
+
+    model, _ = make_tiny_model("llama", tokenizer)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    loaded_tok = load_tokenizer(str(model_dir))
+    assert loaded_tok.pad_token == "<|pad|>" and len(loaded_tok) == len(tokenizer) + 1
+    model = load_causal_lm(str(model_dir), loaded_tok)
+    assert model.get_input_embeddings().weight.shape[0] >= len(loaded_tok)
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(UserError, match="not found locally"):
+        load_tokenizer(str(tmp_path / "nope"))
+    with pytest.raises(UserError, match="hub"):
+        load_causal_lm("no-such-org/no-such-model")
+
+
+def test_dtype_rules_on_cpu():
+    assert resolve_dtype("fp32") == torch.float32
+    assert resolve_dtype("bf16") == torch.bfloat16
+    with pytest.raises(UserError, match="fp16"):
+        resolve_dtype("fp16")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_few_steps_lower_the_loss(distributed, tiny_model_dir, arch, stage):
+    path = tiny_model_dir(arch)
+    tokenizer = load_tokenizer(path)
+    settings = _settings(stage)
+    model = load_causal_lm(path, tokenizer, ds_config=settings.ds_config(), disable_dropout_layers=True)
+    engine = create_train_engine(model, settings)
+    losses = _train(engine, tokenizer)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_save_then_load_gives_identical_logits(distributed, tiny_model_dir, tmp_path, stage):
+    path = tiny_model_dir("gpt2")
+    tokenizer = load_tokenizer(path)
+    settings = _settings(stage)
+    engine = create_train_engine(load_causal_lm(path, tokenizer, ds_config=settings.ds_config()), settings)
+    _train(engine, tokenizer, steps=2)
+    engine.eval()
+    ids, mask = _batch(tokenizer)
+    with torch.no_grad():
+        expected = engine(input_ids=ids, attention_mask=mask).logits
+    out = tmp_path / "saved"
+    save_hf_model(engine, tokenizer, out)
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer_config.json").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        actual = reloaded(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,module_name", [("llama", "layers."), ("gpt2", "h."), ("opt", "decoder.layers.")])
+def test_lora_saved_merged_matches_unmerged(distributed, tiny_model_dir, tmp_path, arch, module_name):
+    path = tiny_model_dir(arch)
+    tokenizer = load_tokenizer(path)
+    model = apply_lora(load_causal_lm(path, tokenizer), lora_dim=4, lora_module_name=module_name, only_optimize_lora=True)
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+    settings = _settings(2, lora_learning_rate=5e-2)
+    engine = create_train_engine(model, settings)
+    _train(engine, tokenizer, steps=3)
+    engine.eval()
+    ids, mask = _batch(tokenizer)
+    with torch.no_grad():
+        expected = engine(input_ids=ids, attention_mask=mask).logits
+        base = model.get_base_model()
+        with model.disable_adapter():
+            without_adapters = engine(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(expected, without_adapters, atol=1e-4), "LoRA training changed nothing"
+    out = tmp_path / "merged"
+    save_hf_model(engine, tokenizer, out)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not any("lora" in n for n, _ in reloaded.named_parameters())
+    with torch.no_grad():
+        actual = reloaded(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
+    assert base is model.get_base_model()
+
+
+def test_lora_module_name_that_matches_nothing(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir("llama"))
+    assert "model.layers.0.self_attn.q_proj" in lora_target_modules(model, "layers.")
+    with pytest.raises(UserError, match="matches no linear layer"):
+        apply_lora(model, 4, "no_such_block.")
+
+
+def test_two_process_zero3_over_gloo_trains_and_saves(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    out = tmp_path / "zero3-out"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(REPO_ROOT / "tests" / "scripts" / "zero3_worker.py"), path, str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "LOSS_FELL" in result.stdout
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in reloaded.parameters()) > 0

@@ -1,0 +1,86 @@
+"""Distributed initialisation that works as a plain process, under torchrun and under `deepspeed`.
+
+Both launchers export RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. A plain
+`python step1_sft/main.py` exports none of them, so we fill in a world of one on 127.0.0.1 with a
+free port, which lets the same DeepSpeed code path run everywhere.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as torch_dist
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_single_process_env() -> None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed once; safe to call repeatedly."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_init_required=False)
+        return
+    _ensure_single_process_env()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(get_local_rank())
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+
+
+def is_initialized() -> bool:
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def get_rank() -> int:
+    return torch_dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def get_world_size() -> int:
+    return torch_dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if is_initialized():
+        torch_dist.barrier()
+
+
+def current_device() -> torch.device:
+    """The accelerator device this rank computes on (`cpu` on a CPU machine)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def print_rank0(*args, **kwargs) -> None:
+    if is_main_process():
+        print(*args, **kwargs, flush=True)

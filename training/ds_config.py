@@ -1,0 +1,85 @@
+"""DeepSpeed configuration dictionaries for trained and for frozen (inference-only) models."""
+from __future__ import annotations
+
+from typing import Any
+
+from .dist import get_world_size
+
+def _precision_section(dtype: str) -> dict[str, Any]:
+    if dtype == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale_window": 100, "initial_scale_power": 16}}
+    if dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    if dtype == "fp32":
+        return {}
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+def _zero_section(stage: int, offload: bool, offload_params: bool) -> dict[str, Any]:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+    zero: dict[str, Any] = {"stage": stage}
+    if offload and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if offload_params and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    if stage == 3:
+        zero.update(
+            stage3_param_persistence_threshold=10_000,
+            stage3_max_live_parameters=30_000_000,
+            stage3_prefetch_bucket_size=30_000_000,
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+    return zero
+
+
+def get_train_ds_config(
+    stage: int = 0,
+    offload: bool = False,
+    dtype: str = "fp32",
+    train_micro_batch_size_per_gpu: int = 1,
+    gradient_accumulation_steps: int = 1,
+    gradient_clipping: float = 1.0,
+    tensorboard_dir: str | None = None,
+    job_name: str = "train",
+    offload_params: bool | None = None,
+    steps_per_print: int = 10**9,
+) -> dict[str, Any]:
+    """Config for a model that trains: ZeRO stage, optimizer (and, at stage 3, parameter) offload,
+    precision, accumulation and clipping. The optimizer and scheduler are passed to
+    `deepspeed.initialize` as objects, so the dict carries neither."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "train_batch_size": train_micro_batch_size_per_gpu * gradient_accumulation_steps * get_world_size(),
+        "gradient_clipping": gradient_clipping,
+        "steps_per_print": steps_per_print,
+        "wall_clock_breakdown": False,
+        "zero_optimization": _zero_section(stage, offload, offload if offload_params is None else offload_params),
+        **_precision_section(dtype),
+    }
+    if offload:
+        # a client torch optimizer with offload is otherwise refused by DeepSpeed
+        config["zero_force_ds_cpu_optimizer"] = False
+    if tensorboard_dir:
+        config["tensorboard"] = {"enabled": True, "output_path": tensorboard_dir, "job_name": job_name}
+    return config
+
+
+def get_eval_ds_config(stage: int = 0, offload: bool = False, dtype: str = "fp32", micro_batch_size: int = 1) -> dict[str, Any]:
+    """Config for a frozen model (reference, reward): no optimizer. ZeRO-3 shards its weights; lower
+    stages keep a full copy per rank. `offload` keeps the weights in CPU memory, which DeepSpeed only
+    supports through ZeRO-3 parameter offload, so it implies stage 3."""
+    zero: dict[str, Any] = {"stage": 3 if stage == 3 or offload else 0}
+    if zero["stage"] == 3:
+        zero["stage3_param_persistence_threshold"] = 10_000
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "train_batch_size": micro_batch_size * get_world_size(),
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        **_precision_section(dtype),
+    }

@@ -1,0 +1,75 @@
+"""DeepSpeed engines for a model that trains and for a frozen one."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+
+from .ds_config import get_eval_ds_config, get_train_ds_config
+from .optim import build_lr_scheduler, build_optimizer
+
+
+@dataclass
+class OptimizationSettings:
+    """What `deepspeed.initialize` needs to train one model."""
+
+    learning_rate: float
+    num_training_steps: int
+    weight_decay: float = 0.0
+    zero_stage: int = 0
+    offload: bool = False
+    dtype: str = "fp32"
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 1.0
+    lr_scheduler_type: str = "cosine"
+    num_warmup_steps: int = 0
+    lora_learning_rate: float | None = None
+    optimizer: str = "auto"
+    tensorboard_dir: str | None = None
+    job_name: str = "train"
+
+    def ds_config(self) -> dict:
+        return get_train_ds_config(
+            stage=self.zero_stage,
+            offload=self.offload,
+            dtype=self.dtype,
+            train_micro_batch_size_per_gpu=self.micro_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            gradient_clipping=self.gradient_clipping,
+            tensorboard_dir=self.tensorboard_dir,
+            job_name=self.job_name,
+        )
+
+
+def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings) -> deepspeed.DeepSpeedEngine:
+    """Wrap `model` with its optimizer and warm-up schedule in a ZeRO engine.
+
+    The schedule counts optimizer steps (micro-batches / gradient accumulation).
+    """
+    optimizer = build_optimizer(
+        model,
+        learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay,
+        offload=settings.offload,
+        lora_learning_rate=settings.lora_learning_rate,
+        kind=settings.optimizer,
+    )
+    scheduler = build_lr_scheduler(
+        optimizer, settings.lr_scheduler_type, settings.num_warmup_steps, max(1, settings.num_training_steps)
+    )
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=settings.ds_config()
+    )
+    return engine
+
+
+def create_frozen_engine(
+    model: torch.nn.Module, zero_stage: int = 0, offload: bool = False, dtype: str = "fp32"
+) -> deepspeed.DeepSpeedEngine:
+    """An inference-only engine (reference or reward model): eval mode, no gradients."""
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=get_eval_ds_config(zero_stage, offload, dtype))
+    engine.eval()
+    return engine

@@ -1,0 +1,33 @@
+"""User-facing errors: one clear line that says what went wrong and what to do.
+
+Anything a user can cause (a bad path, an unknown dataset, no network for a hub name, malformed
+input) is raised as `UserError`; `run_cli` turns it into a single `error: ...` line and exit code 2
+instead of a deep traceback.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """An error the user can fix; its message must say how."""
+
+
+def run_cli(main: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a console entry point so a `UserError` ends the process with one clear line."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+    return wrapper

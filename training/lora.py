@@ -1,0 +1,67 @@
+"""LoRA through peft, selected the DeepSpeed-Chat way: `--lora_module_name` is a substring of the
+module path (e.g. `layers.` or `decoder.layers.`) and every linear layer under it gets an adapter."""
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers.pytorch_utils import Conv1D
+
+from .errors import UserError
+
+_LINEAR_TYPES = (torch.nn.Linear, Conv1D)
+
+
+def lora_target_modules(model: torch.nn.Module, lora_module_name: str) -> list[str]:
+    """Full names of the linear layers whose path contains `lora_module_name` (never the LM head)."""
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, _LINEAR_TYPES) and lora_module_name in name and "lm_head" not in name
+    ]
+    if not names:
+        raise UserError(
+            f"--lora_module_name {lora_module_name!r} matches no linear layer of this model; "
+            "pick a substring of its layer names such as 'layers.' (Llama), 'h.' (GPT-2) or 'decoder.layers.' (OPT)"
+        )
+    return names
+
+
+def apply_lora(
+    model: torch.nn.Module,
+    lora_dim: int,
+    lora_module_name: str = "layers.",
+    only_optimize_lora: bool = False,
+    lora_alpha: float | None = None,
+    lora_dropout: float = 0.0,
+) -> PeftModel:
+    """Wrap `model` with LoRA adapters of rank `lora_dim`.
+
+    peft freezes the base weights; unless `only_optimize_lora`, they are made trainable again so the
+    adapters and the base train together (DeepSpeed-Chat's default).
+    """
+    if lora_dim <= 0:
+        raise ValueError("lora_dim must be positive")
+    config = LoraConfig(
+        r=lora_dim,
+        lora_alpha=lora_alpha if lora_alpha is not None else lora_dim,
+        lora_dropout=lora_dropout,
+        target_modules=lora_target_modules(model, lora_module_name),
+        fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
+        bias="none",
+    )
+    peft_model = get_peft_model(model, config)
+    if not only_optimize_lora:
+        for param in peft_model.parameters():
+            param.requires_grad_(True)
+    return peft_model
+
+
+def is_lora_model(model: torch.nn.Module) -> bool:
+    return isinstance(model, PeftModel)
+
+
+def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the base model with the adapters folded into its weights (a no-op for non-LoRA models)."""
+    if isinstance(model, PeftModel):
+        return model.merge_and_unload()
+    return model

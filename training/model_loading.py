@@ -1,0 +1,159 @@
+"""Load any Hugging Face causal LM and its tokenizer, by hub name, local path or the embedded default."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .embedded_model import EMBEDDED_MODEL_NAME, embedded_model_path, is_embedded_name
+from .errors import UserError
+
+__all__ = [
+    "EMBEDDED_MODEL_NAME",
+    "resolve_model_path",
+    "resolve_dtype",
+    "load_tokenizer",
+    "load_config",
+    "load_causal_lm",
+    "disable_dropout",
+    "zero3_construction",
+]
+
+_PAD_TOKEN = "<|pad|>"
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the embedded default's short name to its local folder; return anything else unchanged."""
+    if is_embedded_name(name_or_path):
+        return embedded_model_path()
+    return name_or_path
+
+
+def resolve_dtype(name: str | None) -> torch.dtype:
+    """`bf16`/`fp16`/`fp32`, or None for the device's best: bf16 where supported, else fp16 on GPU, fp32 on CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    on_cpu = accelerator.device_name() == "cpu"
+    if name is None or name == "auto":
+        if accelerator.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32 if on_cpu else torch.float16
+    if name not in _DTYPES:
+        raise UserError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
+    if name == "fp16" and on_cpu:
+        raise UserError("fp16 is not supported on CPU; use --dtype bf16 or --dtype fp32")
+    if name == "bf16" and not accelerator.is_bf16_supported():
+        raise UserError("this device does not support bf16; use --dtype fp32 (or fp16 on a GPU)")
+    return _DTYPES[name]
+
+
+def _hub_call(what: str, name_or_path: str, load):
+    """Run a from_pretrained call, turning 'not found' and 'offline' into one clear message."""
+    try:
+        return load()
+    except OSError as err:
+        if Path(name_or_path).exists():
+            raise UserError(f"could not load the {what} from {name_or_path}: {err}") from err
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(err).lower() or "connect" in str(err).lower()
+        hint = (
+            "the hub cannot be reached from here; download the model elsewhere and pass its local folder"
+            if offline
+            else "check the spelling, or pass a local folder that holds config.json"
+        )
+        raise UserError(
+            f"{what} '{name_or_path}' was not found locally and could not be fetched from the hub: {hint} "
+            f"(or use the embedded default '{EMBEDDED_MODEL_NAME}')"
+        ) from err
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load a tokenizer whose pad token is real and distinct from EOS.
+
+    Padding shares the EOS id in many checkpoints; masking pad ids would then also mask the EOS the
+    model must learn to emit. We reuse `unk` when it is distinct, otherwise add a dedicated pad token
+    (the model's embeddings are resized by `load_causal_lm`).
+    """
+    path = resolve_model_path(name_or_path)
+    tokenizer = _hub_call(
+        "tokenizer", name_or_path, lambda: AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    )
+    if tokenizer.eos_token is None:
+        raise UserError(f"the tokenizer of {name_or_path} has no EOS token; set one in its tokenizer_config.json")
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        if tokenizer.unk_token is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
+            tokenizer.pad_token = tokenizer.unk_token
+        else:
+            tokenizer.add_special_tokens({"pad_token": _PAD_TOKEN})
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def load_config(name_or_path: str, trust_remote_code: bool = False):
+    path = resolve_model_path(name_or_path)
+    return _hub_call("model", name_or_path, lambda: AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Zero every dropout probability (RLHF needs deterministic log-probs)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
+                    "embd_pdrop", "attn_pdrop", "summary_first_dropout"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
+
+
+@contextmanager
+def zero3_construction(ds_config: dict | None) -> Iterator[None]:
+    """Within this context `from_pretrained`/`from_config` build ZeRO-3-partitioned weights when the
+    config asks for stage 3. transformers only holds a weak reference to `HfDeepSpeedConfig`, so we
+    keep it alive for the duration of the construction."""
+    if not ds_config or ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    keep_alive = HfDeepSpeedConfig(ds_config)
+    yield
+    del keep_alive
+
+
+def load_causal_lm(
+    name_or_path: str,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    dtype: torch.dtype = torch.float32,
+    ds_config: dict | None = None,
+    disable_dropout_layers: bool = False,
+    trust_remote_code: bool = False,
+    **from_pretrained_kwargs: Any,
+) -> PreTrainedModel:
+    """Load a causal LM, ZeRO-3 aware, with embeddings matching the tokenizer and EOS/pad ids set."""
+    path = resolve_model_path(name_or_path)
+    with zero3_construction(ds_config):
+        model = _hub_call(
+            "model",
+            name_or_path,
+            lambda: AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code, **from_pretrained_kwargs
+            ),
+        )
+    if tokenizer is not None:
+        if len(tokenizer) > model.config.vocab_size:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+        if model.generation_config is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if disable_dropout_layers:
+        disable_dropout(model)
+    return model

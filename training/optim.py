@@ -1,0 +1,77 @@
+"""Optimizer and learning-rate schedule construction.
+
+Which Adam: DeepSpeed's FusedAdam on GPU, DeepSpeedCPUAdam when the optimizer state is offloaded
+to the CPU, and plain torch AdamW otherwise on a CPU machine (no C++ op to compile). `--optimizer`
+overrides the choice.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import get_scheduler
+
+OPTIMIZER_CHOICES = ("auto", "torch_adamw", "fused_adam", "cpu_adam")
+SCHEDULER_CHOICES = ("cosine", "linear", "constant_with_warmup")
+_NO_DECAY_MARKERS = ("bias", "norm", "ln_", "layernorm", "layer_norm")
+
+
+def _is_lora(name: str) -> bool:
+    return "lora_" in name
+
+
+def parameter_groups(
+    model: torch.nn.Module, weight_decay: float, learning_rate: float, lora_learning_rate: float | None = None
+) -> list[dict]:
+    """Split trainable parameters into decay / no-decay groups, with LoRA weights at their own rate."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decays = not any(marker in name.lower() for marker in _NO_DECAY_MARKERS)
+        groups.setdefault((decays, _is_lora(name)), []).append(param)
+    result = []
+    for (decays, lora), params in groups.items():
+        lr = lora_learning_rate if lora and lora_learning_rate is not None else learning_rate
+        result.append({"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": lr})
+    return result
+
+
+def resolve_optimizer_kind(kind: str, offload: bool) -> str:
+    if kind != "auto":
+        return kind
+    from deepspeed.accelerator import get_accelerator
+
+    if offload:
+        return "cpu_adam"
+    return "torch_adamw" if get_accelerator().device_name() == "cpu" else "fused_adam"
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    learning_rate: float,
+    weight_decay: float = 0.0,
+    offload: bool = False,
+    lora_learning_rate: float | None = None,
+    kind: str = "auto",
+    betas: tuple[float, float] = (0.9, 0.95),
+) -> torch.optim.Optimizer:
+    groups = parameter_groups(model, weight_decay, learning_rate, lora_learning_rate)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    kind = resolve_optimizer_kind(kind, offload)
+    if kind == "cpu_adam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas, adamw_mode=True)
+    if kind == "fused_adam":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, lr=learning_rate, betas=betas, adam_w_mode=True)
+    if kind == "torch_adamw":
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+    raise ValueError(f"unknown optimizer {kind!r}; choose from {OPTIMIZER_CHOICES}")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, name: str, num_warmup_steps: int, num_training_steps: int):
+    if name not in SCHEDULER_CHOICES:
+        raise ValueError(f"unknown lr scheduler {name!r}; choose from {SCHEDULER_CHOICES}")
+    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps)

@@ -1,0 +1,86 @@
+"""Write a final model as a Hugging Face folder (safetensors, config, tokenizer).
+
+Correct under ZeRO-3 (every parameter is gathered, one at a time, and only rank 0 keeps a copy)
+and for LoRA (adapters folded into the weights, so the folder loads with plain `from_pretrained`).
+The folder appears atomically: it is written under a temporary name and renamed into place.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from peft import PeftModel
+
+from .atomic import atomic_directory
+from .dist import barrier, is_main_process
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DeepSpeed engine (or the module itself)."""
+    return getattr(model, "module", model)
+
+
+def _is_zero3_param(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full CPU state dict on rank 0 (empty on other ranks), gathering ZeRO-3 partitions one tensor at a time."""
+    import deepspeed
+
+    state: dict[str, torch.Tensor] = {}
+    keep = is_main_process()
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if _is_zero3_param(tensor):
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                if keep:
+                    state[name] = tensor.detach().to("cpu", copy=True)
+        elif keep:
+            state[name] = tensor.detach().to("cpu", copy=True)
+    return state
+
+
+def merge_lora_state_dict(peft_model: PeftModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fold LoRA adapters into the base weights of a peft state dict and return base-model keys.
+
+    Done on the gathered CPU tensors so that no second model copy is needed: W' = W + s * B @ A
+    (transposed for GPT-2's Conv1D layers, which peft marks `fan_in_fan_out`).
+    """
+    adapter = peft_model.active_adapter
+    config = peft_model.peft_config[adapter]
+    scaling = config.lora_alpha / config.r
+    prefix = "base_model.model."
+    merged: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        if ".base_layer." in key:
+            module_path = key.split(".base_layer.")[0]
+            if key.endswith(".weight"):
+                lora_a = state[f"{module_path}.lora_A.{adapter}.weight"].float()
+                lora_b = state[f"{module_path}.lora_B.{adapter}.weight"].float()
+                delta = (lora_b @ lora_a) * scaling
+                if config.fan_in_fan_out:
+                    delta = delta.T
+                value = (value.float() + delta).to(value.dtype)
+            key = key.replace(".base_layer.", ".")
+        merged[key[len(prefix):] if key.startswith(prefix) else key] = value
+    return merged
+
+
+def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLike) -> None:
+    """Save a (possibly ZeRO-3-partitioned, possibly LoRA) model as a loadable HF folder.
+
+    Every rank must call this (ZeRO-3 gathers are collective); rank 0 writes.
+    """
+    module = unwrap(model)
+    state = gathered_state_dict(module)
+    if is_main_process():
+        if isinstance(module, PeftModel):
+            state = merge_lora_state_dict(module, state)
+            module = module.get_base_model()
+        with atomic_directory(output_dir) as tmp:
+            module.save_pretrained(tmp, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+    barrier()
