@@ -155,3 +155,14 @@ def test_two_process_zero3_over_gloo_trains_and_saves(tiny_model_dir, tmp_path):
     assert "LOSS_FELL" in result.stdout
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in reloaded.parameters()) > 0
+
+
+def test_a_step_run_folder_resolves_to_its_final_model(tiny_model_dir, tmp_path):
+    from training.model_loading import FINAL_MODEL_SUBDIR, resolve_model_path
+
+    run_dir = tmp_path / "run"
+    model_dir = tiny_model_dir("opt")
+    (run_dir).mkdir()
+    os.replace(model_dir, run_dir / FINAL_MODEL_SUBDIR)
+    assert resolve_model_path(str(run_dir)) == str(run_dir / FINAL_MODEL_SUBDIR)
+    assert load_tokenizer(str(run_dir)).pad_token_id is not None

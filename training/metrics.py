@@ -16,6 +16,7 @@ from .dist import is_main_process
 
 METRICS_FILE = "metrics.jsonl"
 ARGS_FILE = "args.json"
+SUMMARY_FILE = "summary.json"
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -34,6 +35,14 @@ def save_run_args(run_dir: str | os.PathLike, args: Any) -> None:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     values = vars(args) if hasattr(args, "__dict__") else dict(args)
     (Path(run_dir) / ARGS_FILE).write_text(json.dumps(values, indent=2, default=str) + "\n")
+
+
+def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> None:
+    """Write a step's result summary (what its `main` returns) as `summary.json` in the run folder."""
+    if not is_main_process():
+        return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(dict(summary), indent=2, default=str) + "\n")
 
 
 class MetricsLogger:

@@ -14,6 +14,7 @@ from .errors import UserError
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
+    "FINAL_MODEL_SUBDIR",
     "resolve_model_path",
     "resolve_dtype",
     "load_tokenizer",
@@ -27,10 +28,17 @@ _PAD_TOKEN = "<|pad|>"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+FINAL_MODEL_SUBDIR = "model"
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Map the embedded default's short name to its local folder; return anything else unchanged."""
+    """Map the embedded default's short name to its local folder, and a step's run folder to the
+    final model inside it (`<output_dir>/model`); return anything else unchanged."""
     if is_embedded_name(name_or_path):
         return embedded_model_path()
+    run_dir = Path(name_or_path)
+    if not (run_dir / "config.json").is_file() and (run_dir / FINAL_MODEL_SUBDIR / "config.json").is_file():
+        return str(run_dir / FINAL_MODEL_SUBDIR)
     return name_or_path
 
 
