@@ -20,6 +20,7 @@ __all__ = [
     "load_tokenizer",
     "load_config",
     "load_causal_lm",
+    "match_tokenizer",
     "disable_dropout",
     "zero3_construction",
 ]
@@ -135,6 +136,17 @@ def zero3_construction(ds_config: dict | None) -> Iterator[None]:
     del keep_alive
 
 
+def match_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Grow the embeddings to the tokenizer (a pad token may have been added) and record its pad/EOS ids."""
+    if len(tokenizer) > model.config.vocab_size:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+
+
 def load_causal_lm(
     name_or_path: str,
     tokenizer: PreTrainedTokenizerBase | None = None,
@@ -155,13 +167,7 @@ def load_causal_lm(
             ),
         )
     if tokenizer is not None:
-        if len(tokenizer) > model.config.vocab_size:
-            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
-        model.config.pad_token_id = tokenizer.pad_token_id
-        model.config.eos_token_id = tokenizer.eos_token_id
-        if model.generation_config is not None:
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
-            model.generation_config.eos_token_id = tokenizer.eos_token_id
+        match_tokenizer(model, tokenizer)
     if disable_dropout_layers:
         disable_dropout(model)
     return model

@@ -1,0 +1,233 @@
+"""Reward model and critic: any causal LM's transformer backbone plus a scalar value head.
+
+A saved reward model is a Hugging Face folder:
+- `config.json` + `model.safetensors` (or shards): the backbone as a base model, loadable on its
+  own with `AutoModel.from_pretrained(folder)`;
+- `value_head.safetensors`: the head's `v_head.weight` [1, hidden];
+- `reward_model.json`: the marker that says the folder holds a trained value head.
+
+ZeRO-3: the backbone is always built by `AutoModel.from_pretrained` inside
+`training.model_loading.zero3_construction(ds_config)`, so transformers partitions it while it
+loads. The value head (hidden_size numbers) is built unpartitioned; `deepspeed.initialize`
+converts it to a ZeRO-3 parameter together with any other unpartitioned parameter. Always run a
+ZeRO-3 reward model or critic through a DeepSpeed engine, and save it with
+`training.save.save_hf_model(engine, tokenizer, folder)`, which gathers the weights and calls
+`RewardModel.save_pretrained(folder, state_dict=...)`.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
+
+from training.dist import current_device
+from training.errors import UserError
+from training.model_loading import disable_dropout, load_config, match_tokenizer, resolve_model_path, zero3_construction
+
+MARKER_FILE = "reward_model.json"
+VALUE_HEAD_FILE = "value_head.safetensors"
+_FORMAT = "rlhf-reward-model"
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a [B, T] mask (0 for an all-zero row); right or left padding alike."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(-1)
+
+
+def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so a left-padded sequence sees the same positions as unpadded."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone_output_size(config) -> int:
+    """Width of the backbone's last hidden state (OPT projects it to `word_embed_proj_dim`)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "word_embed_proj_dim", None) or text_config.hidden_size
+
+
+class RewardModel(nn.Module):
+    """`forward(input_ids, attention_mask)` -> {"values": [B, T], "end_scores": [B]}.
+
+    `values` are per-token scalars (the critic's value estimates; 0 on padding); `end_scores` is the
+    value at each sequence's last real token (the reward). Sequences may be left- or right-padded.
+    """
+
+    def __init__(self, backbone: PreTrainedModel):
+        super().__init__()
+        self.backbone = backbone
+        self.config = backbone.config
+        dtype = next(backbone.parameters()).dtype
+        self.v_head = nn.Linear(backbone_output_size(backbone.config), 1, bias=False, dtype=dtype)
+        self._takes_position_ids = "position_ids" in inspect.signature(backbone.forward).parameters
+
+    @classmethod
+    def from_causal_lm(
+        cls,
+        model_or_path: str | PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        dtype: torch.dtype = torch.float32,
+        ds_config: dict | None = None,
+        disable_dropout_layers: bool = False,
+        trust_remote_code: bool = False,
+    ) -> "RewardModel":
+        """A reward model with a freshly initialised head on a causal LM's backbone (step-1 output or a base model).
+
+        Given a folder, only the backbone is loaded (ZeRO-3 partitioned when `ds_config` is stage 3);
+        given a model object, its backbone is reused without a copy. With `tokenizer`, the embeddings
+        grow to fit it and the pad id is recorded in the config.
+        """
+        if isinstance(model_or_path, nn.Module):
+            backbone = model_or_path.base_model  # the causal LM minus its LM head
+        else:
+            backbone = _load_backbone(model_or_path, dtype, ds_config, trust_remote_code)
+        if tokenizer is not None:
+            match_tokenizer(backbone, tokenizer)
+        model = cls(backbone)
+        if disable_dropout_layers:
+            disable_dropout(model)
+        return model
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: torch.dtype = torch.float32,
+        ds_config: dict | None = None,
+        disable_dropout_layers: bool = False,
+        trust_remote_code: bool = False,
+    ) -> "RewardModel":
+        """Load a reward model saved by step 2 (as the frozen reward model, or to initialise the critic)."""
+        folder = Path(resolve_model_path(str(path)))
+        if not folder.is_dir():
+            raise UserError(f"reward model folder {folder} does not exist; pass the output folder of step 2")
+        if not (folder / MARKER_FILE).is_file() or not (folder / VALUE_HEAD_FILE).is_file():
+            raise UserError(
+                f"{folder} has no value head: it was not trained by step 2; run step 2 "
+                "(step2_reward/main.py) or pass a reward model folder"
+            )
+        backbone = _load_backbone(str(folder), dtype, ds_config, trust_remote_code)
+        head_weight = load_file(str(folder / VALUE_HEAD_FILE))["v_head.weight"]
+        model = cls(backbone)
+        if tuple(head_weight.shape) != tuple(model.v_head.weight.shape):
+            raise UserError(
+                f"the value head in {folder} has shape {tuple(head_weight.shape)} but the backbone needs "
+                f"{tuple(model.v_head.weight.shape)}; the folder is damaged, re-run step 2"
+            )
+        with torch.no_grad():
+            model.v_head.weight.copy_(head_weight.to(model.v_head.weight.dtype))
+        if disable_dropout_layers:
+            disable_dropout(model)
+        return model
+
+    def save_pretrained(
+        self, path: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | None = None, **kwargs
+    ) -> None:
+        """Write the folder described in the module docstring.
+
+        `state_dict` (keys `backbone.*` and `v_head.weight`) is what `training.save.save_hf_model`
+        passes after gathering ZeRO-3 partitions; without it the module's own tensors are used.
+        """
+        state = dict(state_dict) if state_dict is not None else self.state_dict()
+        prefix = "backbone."
+        backbone_state = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        path = Path(path)
+        self.backbone.save_pretrained(path, state_dict=backbone_state, **kwargs)
+        save_file({"v_head.weight": state["v_head.weight"].detach().cpu().contiguous()}, str(path / VALUE_HEAD_FILE))
+        marker = {
+            "format": _FORMAT,
+            "version": 1,
+            "value_head_file": VALUE_HEAD_FILE,
+            "backbone_class": type(self.backbone).__name__,
+            "hidden_size": int(self.v_head.in_features),
+            "score": "value head output at the last token whose attention_mask is 1",
+        }
+        (path / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+        if self._takes_position_ids and "position_ids" not in kwargs:
+            kwargs["position_ids"] = position_ids_from_attention_mask(attention_mask)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)[0]
+        values = self.v_head(hidden).squeeze(-1)
+        values = torch.where(attention_mask.bool(), values, torch.zeros_like(values))
+        rows = torch.arange(values.shape[0], device=values.device)
+        end_scores = values[rows, last_token_index(attention_mask)]
+        return {"values": values, "end_scores": end_scores}
+
+
+def _load_backbone(path: str, dtype: torch.dtype, ds_config: dict | None, trust_remote_code: bool) -> PreTrainedModel:
+    """`AutoModel.from_pretrained` (causal-LM folders load without their LM head), ZeRO-3 partitioned on request."""
+    config = load_config(path, trust_remote_code)  # a missing folder or unreachable hub name becomes a UserError
+    with zero3_construction(ds_config):
+        return AutoModel.from_pretrained(
+            resolve_model_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+
+
+def pairwise_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry preference loss: mean of -log sigmoid(chosen - rejected), computed in fp32."""
+    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float()).mean()
+
+
+def split_chosen_rejected(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of a [2B] pairwise batch (chosen stacked before rejected, as `PairwiseCollator` builds it)."""
+    half = scores.shape[0] // 2
+    return scores[:half], scores[half:]
+
+
+@dataclass
+class PairwiseEvaluation:
+    accuracy: float
+    chosen_mean: float
+    rejected_mean: float
+    margin_mean: float
+    num_pairs: int
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], device: torch.device | str | None = None,
+    max_batches: int | None = None,
+) -> PairwiseEvaluation:
+    """Accuracy (chosen scored strictly above rejected), mean scores and mean margin over pairwise batches.
+
+    `model` is a `RewardModel` or a DeepSpeed engine around one. Under torch.distributed the totals
+    are summed over ranks, so every rank returns the same numbers (every rank must call it).
+    """
+    was_training = model.training
+    model.eval()
+    device = device if device is not None else current_device()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # correct, sum chosen, sum rejected, pairs
+    for index, batch in enumerate(batches):
+        if max_batches is not None and index >= max_batches:
+            break
+        scores = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        chosen, rejected = split_chosen_rejected(scores["end_scores"].double())
+        totals[0] += (chosen > rejected).sum()
+        totals[1] += chosen.sum()
+        totals[2] += rejected.sum()
+        totals[3] += chosen.numel()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals)
+    model.train(was_training)
+    pairs = max(int(totals[3].item()), 1)
+    chosen_mean, rejected_mean = totals[1].item() / pairs, totals[2].item() / pairs
+    return PairwiseEvaluation(
+        accuracy=totals[0].item() / pairs,
+        chosen_mean=chosen_mean,
+        rejected_mean=rejected_mean,
+        margin_mean=chosen_mean - rejected_mean,
+        num_pairs=int(totals[3].item()),
+    )

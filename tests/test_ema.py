@@ -1,0 +1,188 @@
+"""Actor EMA: exact update arithmetic, swapping weights in and out, resume state, ZeRO-3 partitions."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import deepspeed
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from step3_rlhf.ema import ModelEMA, save_ema_model
+from training.ds_config import get_train_ds_config
+from training.model_loading import load_causal_lm, load_tokenizer
+from training.save import gathered_state_dict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _linear_with_frozen_bias():
+    layer = torch.nn.Linear(2, 2)
+    layer.bias.requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    return layer
+
+
+def test_update_is_exact_and_skips_frozen_parameters():
+    layer = _linear_with_frozen_bias()
+    ema = ModelEMA(layer, beta=0.75)
+    with torch.no_grad():
+        layer.weight.fill_(3.0)
+    ema.update(layer)  # 0.75 * 1 + 0.25 * 3 = 1.5 (dyadic: exact in fp32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[0.5, -1.0], [2.0, 0.0]]))
+    ema.update(layer)  # 0.75 * 1.5 + 0.25 * w
+    state = ema.state_dict()
+    assert set(state["shadow"]) == {"weight"} and state["num_updates"] == 2
+    assert torch.equal(state["shadow"]["weight"], torch.tensor([[1.25, 0.875], [1.625, 1.125]]))
+
+
+def test_applied_to_swaps_in_and_restores_exactly_and_state_resumes():
+    layer = _linear_with_frozen_bias()
+    ema = ModelEMA(layer, beta=0.5)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(2, 2))
+    ema.update(layer)
+    own = layer.weight.detach().clone()
+    expected = (0.5 * torch.ones(2, 2) + 0.5 * own)
+    with ema.applied_to(layer):
+        assert torch.equal(layer.weight, expected)
+    assert torch.equal(layer.weight, own)
+
+    resumed = ModelEMA(layer, beta=0.9)
+    resumed.load_state_dict(ema.state_dict())
+    assert resumed.beta == 0.5 and resumed.num_updates == 1
+    assert torch.equal(resumed.state_dict()["shadow"]["weight"], expected)
+
+
+def test_rejects_bad_beta():
+    with pytest.raises(ValueError):
+        ModelEMA(torch.nn.Linear(1, 1), beta=1.0)
+
+
+def _full_params(engine):
+    """Full trainable weights on rank 0 (an empty dict on other ranks); collective under ZeRO-3."""
+    state = gathered_state_dict(engine.module)
+    return {name: state[name].float() for name, p in engine.module.named_parameters() if p.requires_grad and state}
+
+
+@pytest.mark.parametrize("persistence_threshold", [0, 10_000], ids=["partitioned", "persistent"])
+def test_zero3_ema_tracks_partitions_and_saves_ema_weights(persistence_threshold, distributed, tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    config = get_train_ds_config(stage=3, train_micro_batch_size_per_gpu=2)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence_threshold
+    model = load_causal_lm(path, tokenizer, ds_config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=config)
+    assert all(hasattr(p, "ds_tensor") for p in engine.module.parameters())
+    ema = ModelEMA(engine, beta=0.5)
+    expected = _full_params(engine)
+    batch = tokenizer(["Human: hi Assistant: hello there", "Human: bye Assistant: see you"], return_tensors="pt",
+                      padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    for _ in range(2):
+        engine.backward(engine(**batch, labels=labels).loss)
+        engine.step()
+        ema.update(engine)
+        current = _full_params(engine)
+        expected = {name: 0.5 * expected[name] + 0.5 * current[name] for name in expected}
+    shadow = ema.state_dict()["shadow"]
+    assert set(shadow) == set(expected)
+    for name in expected:
+        assert torch.equal(shadow[name], expected[name]), name
+    assert not torch.equal(expected["model.embed_tokens.weight"], current["model.embed_tokens.weight"])
+
+    out_dir = tmp_path / "actor_ema"
+    save_ema_model(ema, engine, tokenizer, out_dir)
+    saved = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
+    for name in expected:
+        assert torch.equal(saved[name], expected[name]), name
+    after = _full_params(engine)
+    for name in current:
+        assert torch.equal(after[name], current[name]), f"{name} was not restored after saving the EMA"
+    with torch.no_grad():
+        own_loss = engine(**batch, labels=labels).loss
+        reference = AutoModelForCausalLM.from_pretrained(path)
+        reference.load_state_dict({k: v for k, v in current.items()}, strict=False)
+        reference_loss = reference(**batch, labels=labels).loss
+    torch.testing.assert_close(own_loss, reference_loss, atol=1e-5, rtol=1e-5)
+
+    resumed = ModelEMA(engine, beta=0.9)
+    resumed.load_state_dict(ema.state_dict())
+    for name, value in resumed.state_dict()["shadow"].items():
+        assert torch.equal(value, expected[name]), name
+
+
+def _two_rank_worker() -> None:
+    """Run under `torch.distributed.run --nproc_per_node 2`: odd-sized parameters, so partitions are padded."""
+    from training.dist import get_rank, init_distributed
+
+    init_distributed()
+    rank = get_rank()
+    for threshold in (0, 10_000):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        config = get_train_ds_config(stage=3, train_micro_batch_size_per_gpu=2)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                          config=config)
+        assert all(p.ds_tensor.numel() == (p.ds_numel + 1) // 2 for p in engine.module.parameters())
+        ema = ModelEMA(engine, beta=0.5)
+        expected = _full_params(engine)
+        torch.manual_seed(1 + rank)
+        for _ in range(3):
+            inputs = torch.randn(2, 3)
+            engine.backward((engine(inputs) - 1.0).pow(2).mean())
+            engine.step()
+            ema.update(engine)
+            current = _full_params(engine)
+            if rank == 0:
+                expected = {name: 0.5 * expected[name] + 0.5 * current[name] for name in expected}
+        state = ema.state_dict()
+        if rank == 0:
+            for name in expected:
+                assert torch.equal(state["shadow"][name], expected[name]), (threshold, name)
+        else:
+            assert state["shadow"] == {}
+        probe = torch.ones(2, 3)
+        with ema.applied_to(engine):
+            inside = _full_params(engine)
+            with torch.no_grad():
+                ema_output = engine(probe)
+        after = _full_params(engine)
+        if rank == 0:
+            for name in expected:
+                assert torch.equal(inside[name], expected[name]), (threshold, "applied_to", name)
+                assert torch.equal(after[name], current[name]), (threshold, "restore", name)
+            reference = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+            reference.load_state_dict(expected)
+            torch.testing.assert_close(ema_output, reference(probe))
+        full_state = [state]
+        torch.distributed.broadcast_object_list(full_state, src=0)
+        resumed = ModelEMA(engine, beta=0.9)
+        resumed.load_state_dict(full_state[0])
+        resumed_state = resumed.state_dict()
+        if rank == 0:
+            for name in expected:
+                assert torch.equal(resumed_state["shadow"][name], expected[name]), (threshold, "resume", name)
+    if rank == 0:
+        print("EMA_TWO_RANKS_OK")
+
+
+@pytest.mark.slow
+def test_zero3_ema_over_two_ranks_with_padded_partitions():
+    from training.dist import free_port
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), __file__]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "EMA_TWO_RANKS_OK" in result.stdout
+
+
+if __name__ == "__main__":
+    _two_rank_worker()

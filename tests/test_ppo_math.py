@@ -1,0 +1,161 @@
+"""PPO arithmetic against numbers worked out by hand."""
+import math
+
+import pytest
+import torch
+
+from step3_rlhf.ppo_math import (
+    AdaptiveKLController,
+    FixedKLController,
+    actor_loss,
+    apply_no_eos_penalty,
+    compute_advantages_and_returns,
+    compute_rewards,
+    critic_loss,
+    entropy_from_logits,
+    gather_log_probs,
+    masked_mean,
+    whiten,
+)
+
+GARBAGE = 1e4  # placed on masked-out positions: it must never reach a result
+
+
+def test_gae_by_hand_with_prompt_and_padding():
+    # position 0 is prompt, 1-2 the answer, 3 padding after EOS
+    values = torch.tensor([[GARBAGE, 1.0, 2.0, GARBAGE]])
+    rewards = torch.tensor([[GARBAGE, 0.5, 1.0, GARBAGE]])
+    mask = torch.tensor([[0, 1, 1, 0]])
+    advantages, returns = compute_advantages_and_returns(values, rewards, mask, gamma=0.9, lam=0.8)
+    # t=2 (last token): delta = 1.0 + 0 - 2.0 = -1.0 ; A = -1.0
+    # t=1: delta = 0.5 + 0.9 * 2.0 - 1.0 = 1.3 ; A = 1.3 + 0.9 * 0.8 * (-1.0) = 0.58
+    torch.testing.assert_close(advantages, torch.tensor([[0.0, 0.58, -1.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.0, 1.58, 1.0, 0.0]]))
+
+
+def _reference_gae(values, rewards, gamma, lam):
+    """Textbook GAE over one unpadded episode."""
+    n = len(values)
+    advantages = [0.0] * n
+    running = 0.0
+    for t in reversed(range(n)):
+        next_value = values[t + 1] if t + 1 < n else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+def test_gae_matches_textbook_loop_per_episode():
+    torch.manual_seed(0)
+    values, rewards = torch.randn(3, 7), torch.randn(3, 7)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0]])
+    advantages, returns = compute_advantages_and_returns(values, rewards, mask, gamma=0.95, lam=0.9)
+    for row in range(3):
+        idx = mask[row].nonzero().squeeze(-1)
+        ref_adv, ref_ret = _reference_gae(values[row, idx].tolist(), rewards[row, idx].tolist(), 0.95, 0.9)
+        torch.testing.assert_close(advantages[row, idx], torch.tensor(ref_adv))
+        torch.testing.assert_close(returns[row, idx], torch.tensor(ref_ret))
+        assert torch.all(advantages[row][mask[row] == 0] == 0)
+
+
+def test_actor_loss_by_hand():
+    old = torch.zeros(1, 4)
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 0.5, 3.0]]))
+    advantages = torch.tensor([[1.0, 1.0, -2.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    out = actor_loss(logprobs, old, advantages, mask, cliprange=0.2)
+    # per token max(-A r, -A clip(r)): [-1.2 (clipped), -0.5, 1.6 (clipped)]
+    torch.testing.assert_close(out.loss, torch.tensor(-0.1 / 3))
+    torch.testing.assert_close(out.clip_fraction, torch.tensor(2 / 3))
+    expected_kl = ((0.5 - math.log(1.5)) + 2 * (-0.5 - math.log(0.5))) / 3
+    torch.testing.assert_close(out.approx_kl, torch.tensor(expected_kl))
+
+
+def test_actor_loss_gradient_is_zero_where_clipped():
+    logprobs = torch.log(torch.tensor([[1.5, 0.9]])).requires_grad_(True)
+    out = actor_loss(logprobs, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), cliprange=0.2)
+    out.loss.backward()
+    assert logprobs.grad[0, 0] == 0  # ratio 1.5 > 1.2 with positive advantage: clipped
+    torch.testing.assert_close(logprobs.grad[0, 1], torch.tensor(-0.9 / 2))
+
+
+def test_critic_loss_by_hand():
+    values = torch.tensor([[1.0, 0.0, 100.0]])
+    old_values = torch.tensor([[0.5, 0.1, 0.0]])
+    returns = torch.tensor([[1.0, 0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    out = critic_loss(values, old_values, returns, mask, cliprange_value=0.2)
+    # token 1: max(0, (0.7 - 1)^2 = 0.09); token 2: max(0.25, 0.25)
+    torch.testing.assert_close(out.loss, torch.tensor(0.5 * (0.09 + 0.25) / 2))
+    torch.testing.assert_close(out.clip_fraction, torch.tensor(0.5))
+
+
+def test_rewards_kl_penalty_and_score_placement():
+    logprobs = torch.tensor([[GARBAGE, -1.0, -2.0, -0.5, GARBAGE], [GARBAGE, GARBAGE, -1.0, GARBAGE, GARBAGE]])
+    ref_logprobs = torch.tensor([[0.0, -1.5, -1.0, -0.5, 0.0], [0.0, 0.0, -1.2, 0.0, 0.0]])
+    # row 0: answer at 1-3 then padding; row 1: an answer that ended early (EOS at 2) then padding
+    action_mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]])
+    scores = torch.tensor([10.0, -2.0])
+    rewards, kl = compute_rewards(scores, logprobs, ref_logprobs, action_mask, kl_coef=0.1, clip_reward_value=5.0)
+    expected = torch.tensor([[0.0, -0.05, 0.1, 5.0, 0.0], [0.0, 0.0, -2.02, 0.0, 0.0]])
+    torch.testing.assert_close(rewards, expected)
+    torch.testing.assert_close(kl, torch.tensor([-0.5, 0.2]))
+
+
+def test_rewards_for_an_empty_answer_are_zero():
+    rewards, kl = compute_rewards(torch.tensor([3.0]), torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, 3), 0.1, 5.0)
+    assert torch.all(rewards == 0) and kl.item() == 0
+
+
+def test_log_probs_and_entropy():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11)
+    labels = torch.randint(0, 11, (2, 3))
+    expected = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(gather_log_probs(logits, labels), expected)
+    uniform = torch.zeros(1, 2, 8)
+    peaked = torch.full((1, 2, 8), -1e4)
+    peaked[..., 0] = 0.0
+    both = torch.cat([uniform, peaked], dim=1)
+    torch.testing.assert_close(entropy_from_logits(both, torch.tensor([[1, 1, 0, 0]])), torch.tensor(math.log(8)))
+    torch.testing.assert_close(entropy_from_logits(both, torch.tensor([[0, 0, 1, 1]])), torch.tensor(0.0))
+
+
+def test_whiten_uses_only_masked_entries():
+    x = torch.tensor([[1.0, 2.0, 3.0, GARBAGE], [5.0, GARBAGE, GARBAGE, GARBAGE]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    out = whiten(x, mask)
+    assert torch.all(out[mask == 0] == 0)
+    torch.testing.assert_close(masked_mean(out, mask), torch.tensor(0.0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(masked_mean(out**2, mask), torch.tensor(1.0), atol=1e-5, rtol=0)
+    kept = whiten(x, mask, shift_mean=False)
+    torch.testing.assert_close(masked_mean(kept, mask), masked_mean(x, mask))
+
+
+def test_no_eos_penalty_only_hits_unfinished_answers():
+    out = apply_no_eos_penalty(torch.tensor([1.0, 1.0]), torch.tensor([True, False]), penalty=2.0)
+    torch.testing.assert_close(out, torch.tensor([1.0, -1.0]))
+
+
+def test_adaptive_kl_controller_direction_and_resume():
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
+    ctl.update(current_kl=12.0, n_steps=100)  # KL too high: error clipped to +0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
+    high = ctl.value
+    ctl.update(current_kl=3.0, n_steps=100)  # KL too low: error -0.5 clipped to -0.2
+    assert ctl.value == pytest.approx(high * (1 - 0.2 * 100 / 10000))
+    ctl.update(current_kl=6.0, n_steps=100)  # on target: unchanged
+    assert ctl.value == pytest.approx(high * (1 - 0.2 * 100 / 10000))
+    resumed = AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
+    resumed.load_state_dict(ctl.state_dict())
+    assert resumed.value == ctl.value
+
+
+def test_fixed_kl_controller_never_moves():
+    ctl = FixedKLController(0.05)
+    ctl.update(100.0, 1000)
+    assert ctl.value == 0.05
+    other = FixedKLController(1.0)
+    other.load_state_dict(ctl.state_dict())
+    assert other.value == 0.05

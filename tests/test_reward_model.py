@@ -1,0 +1,183 @@
+"""Reward model / critic: scoring position, save and load, ZeRO-3, and that it can learn preferences."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForCausalLM
+
+from step2_reward.reward_model import (
+    MARKER_FILE,
+    RewardModel,
+    evaluate_pairs,
+    last_token_index,
+    pairwise_loss,
+    split_chosen_rejected,
+)
+from tiny_models import ARCHITECTURES
+from training.errors import UserError
+from training.model_loading import load_tokenizer
+
+TEXTS = ["Human: What is the capital of France? Assistant: Paris.", "Human: Tell me a joke.", "hello"]
+
+
+def _encode(tokenizer, texts, side):
+    tokenizer.padding_side = side
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+def test_last_token_index_left_and_right():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert last_token_index(mask).tolist() == [2, 4, 2, 4]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_score_is_at_last_real_token_for_any_padding(arch, tiny_model_dir):
+    path = tiny_model_dir(arch)
+    tokenizer = load_tokenizer(path)
+    model = RewardModel.from_causal_lm(path, tokenizer).eval()
+    with torch.no_grad():
+        alone = torch.stack([model(**tokenizer([t], return_tensors="pt"))["end_scores"][0] for t in TEXTS])
+        for side in ("right", "left"):
+            batch = _encode(tokenizer, TEXTS, side)
+            out = model(**batch)
+            assert out["values"].shape == batch["input_ids"].shape
+            torch.testing.assert_close(out["end_scores"], alone, atol=1e-5, rtol=1e-4)
+            assert torch.all(out["values"][batch["attention_mask"] == 0] == 0)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_backbone_comes_from_the_causal_lm_and_save_load_round_trips(arch, tiny_model_dir, tmp_path):
+    path = tiny_model_dir(arch)
+    tokenizer = load_tokenizer(path)
+    model = RewardModel.from_causal_lm(path, tokenizer).eval()
+    causal_lm = AutoModelForCausalLM.from_pretrained(path)
+    torch.testing.assert_close(model.backbone.get_input_embeddings().weight, causal_lm.get_input_embeddings().weight)
+
+    out_dir = tmp_path / "rm"
+    model.save_pretrained(out_dir)
+    assert json.loads((out_dir / MARKER_FILE).read_text())["format"] == "rlhf-reward-model"
+    loaded = RewardModel.from_pretrained(out_dir).eval()
+    batch = _encode(tokenizer, TEXTS, "right")
+    with torch.no_grad():
+        before, after = model(**batch), loaded(**batch)
+    assert torch.equal(before["end_scores"], after["end_scores"])
+    assert torch.equal(before["values"], after["values"])
+    # the folder is an ordinary HF folder too: the backbone loads with AutoModel
+    plain = AutoModel.from_pretrained(out_dir)
+    torch.testing.assert_close(plain.get_input_embeddings().weight, model.backbone.get_input_embeddings().weight)
+
+
+def test_bf16_model_scores_in_bf16(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    model = RewardModel.from_causal_lm(path, dtype=torch.bfloat16)
+    assert model.v_head.weight.dtype == torch.bfloat16
+    out = model(input_ids=torch.tensor([[5, 6, 7]]), attention_mask=torch.ones(1, 3, dtype=torch.long))
+    assert out["end_scores"].dtype == torch.bfloat16 and torch.isfinite(out["end_scores"]).all()
+
+
+def test_causal_lm_folder_is_not_a_reward_model(tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match="not trained by step 2"):
+        RewardModel.from_pretrained(tiny_model_dir("llama"))
+    with pytest.raises(UserError, match="does not exist"):
+        RewardModel.from_pretrained(tmp_path / "missing")
+
+
+def test_pairwise_loss_value():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    expected = -(F.logsigmoid(torch.tensor(2.0)) + F.logsigmoid(torch.tensor(0.0))) / 2
+    torch.testing.assert_close(pairwise_loss(chosen, rejected), expected)
+
+
+def _preference_batches(tokenizer, good, bad, n_batches=2, pairs=4):
+    """Chosen answers contain `good`, rejected ones `bad`; stacked chosen-then-rejected, right-padded."""
+    batches = []
+    for b in range(n_batches):
+        prompts = [f"Human: question {b * pairs + i} Assistant:" + " filler" * (i % 3) for i in range(pairs)]
+        texts = [p + good for p in prompts] + [p + bad for p in prompts]
+        batches.append(dict(_encode(tokenizer, texts, "right")))
+    return batches
+
+
+def test_tiny_reward_model_learns_a_separable_preference(tiny_model_dir):
+    torch.manual_seed(0)
+    path = tiny_model_dir("gpt2")
+    tokenizer = load_tokenizer(path)
+    model = RewardModel.from_causal_lm(path, tokenizer, disable_dropout_layers=True)
+    batches = _preference_batches(tokenizer, " good", " bad")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(30):
+        for batch in batches:
+            loss = pairwise_loss(*split_chosen_rejected(model(**batch)["end_scores"]))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    result = evaluate_pairs(model, batches)
+    assert result.accuracy == 1.0 and result.num_pairs == 8
+    with torch.no_grad():
+        scores = [split_chosen_rejected(model(**b)["end_scores"]) for b in batches]
+    chosen = torch.cat([c for c, _ in scores])
+    rejected = torch.cat([r for _, r in scores])
+    assert result.chosen_mean == pytest.approx(chosen.mean().item(), abs=1e-5)
+    assert result.rejected_mean == pytest.approx(rejected.mean().item(), abs=1e-5)
+    assert result.margin_mean == pytest.approx((chosen - rejected).mean().item(), abs=1e-5)
+    assert result.margin_mean > 1.0 and model.training
+
+
+def test_zero3_reward_model_and_critic_load_score_and_save(distributed, tiny_model_dir, tmp_path):
+    """Step 2 saves through save_hf_model; step 3 loads the folder partitioned, as reward and as critic."""
+    from training.ds_config import get_eval_ds_config
+    from training.engine import create_frozen_engine
+    from training.save import save_hf_model
+
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    reference = RewardModel.from_causal_lm(path, tokenizer).eval()
+    rm_dir = tmp_path / "rm"
+    reference.save_pretrained(rm_dir)
+    batch = _encode(tokenizer, TEXTS, "left")
+    with torch.no_grad():
+        expected = reference(**batch)
+
+    zero3 = RewardModel.from_pretrained(rm_dir, ds_config=get_eval_ds_config(stage=3))
+    assert all(hasattr(p, "ds_id") for p in zero3.backbone.parameters()), "backbone was not partitioned"
+    engine = create_frozen_engine(zero3, zero_stage=3)
+    with torch.no_grad():
+        got = engine(**batch)
+    torch.testing.assert_close(got["end_scores"], expected["end_scores"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got["values"], expected["values"], atol=1e-5, rtol=1e-4)
+
+    saved_dir = tmp_path / "rm-from-zero3"
+    save_hf_model(engine, tokenizer, saved_dir)
+    with torch.no_grad():
+        reloaded = RewardModel.from_pretrained(saved_dir).eval()(**batch)
+    torch.testing.assert_close(reloaded["end_scores"], expected["end_scores"], atol=1e-6, rtol=1e-5)
+
+
+def test_zero3_lora_training_from_a_causal_lm_then_save(distributed, tiny_model_dir, tmp_path):
+    """Step 2's path: fresh head on a partitioned backbone, LoRA, a ZeRO-3 engine, save_hf_model, reload."""
+    from training.engine import OptimizationSettings, create_train_engine
+    from training.lora import apply_lora
+    from training.save import save_hf_model
+
+    path = tiny_model_dir("opt")
+    tokenizer = load_tokenizer(path)
+    settings = OptimizationSettings(learning_rate=1e-2, num_training_steps=4, zero_stage=3, micro_batch_size=4,
+                                    lr_scheduler_type="constant_with_warmup")
+    model = RewardModel.from_causal_lm(path, tokenizer, ds_config=settings.ds_config(), disable_dropout_layers=True)
+    engine = create_train_engine(apply_lora(model, lora_dim=4, lora_module_name="decoder.layers."), settings)
+    assert hasattr(engine.module.get_base_model().v_head.weight, "ds_id"), "the value head was not partitioned"
+    batch = _encode(tokenizer, ["a good", "b good", "a bad", "b bad"], "right")
+    losses = []
+    for _ in range(4):
+        loss = pairwise_loss(*split_chosen_rejected(engine(**batch)["end_scores"]))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    with torch.no_grad():
+        expected = engine(**batch)["end_scores"]
+    save_hf_model(engine, tokenizer, tmp_path / "rm")
+    with torch.no_grad():
+        reloaded = RewardModel.from_pretrained(tmp_path / "rm").eval()(**batch)["end_scores"]
+    torch.testing.assert_close(reloaded, expected, atol=1e-5, rtol=1e-4)
