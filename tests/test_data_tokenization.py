@@ -1,0 +1,127 @@
+"""Prompt rendering, per-phase tokenisation rules, collators."""
+import pytest
+import torch
+
+from tiny_models import make_tokenizer
+from training.errors import UserError
+from utils.data import IGNORE_INDEX, PairwiseCollator, PromptCollator, PromptFormatter, SFTCollator
+from utils.data.samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample
+from utils.data.tokenization import TokenLimits, tokenize_samples
+
+TURNS = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Tell me a joke"})
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    return make_tokenizer(chat_template=True, with_pad=True)
+
+
+@pytest.fixture(scope="module")
+def plain_tok():
+    return make_tokenizer(chat_template=False, with_pad=True)
+
+
+def test_chat_template_renders_all_turns_with_generation_prompt(chat_tok):
+    formatter = PromptFormatter(chat_tok, "auto")
+    assert formatter.style == "chat_template"
+    row = formatter.row(Sample(TURNS, "Why?", "No."))
+    assert row["prompt"] == chat_tok.apply_chat_template(list(TURNS), tokenize=False, add_generation_prompt=True)
+    assert row["prompt"].count("<|im_start|>user") == 2 and row["prompt"].endswith("<|im_start|>assistant\n")
+    assert (row["chosen"], row["rejected"]) == ("Why?", "No.")
+
+
+def test_fallback_is_deepspeed_chat_human_assistant(plain_tok, chat_tok):
+    for formatter in (PromptFormatter(plain_tok, "auto"), PromptFormatter(chat_tok, "human_assistant"), PromptFormatter(None)):
+        row = formatter.row(Sample(TURNS, "Why?"))
+        assert row["prompt"] == " Human: Hi Assistant: Hello Human: Tell me a joke Assistant:"
+        assert row["chosen"] == " Why?" and row["rejected"] is None
+    with pytest.raises(UserError, match="chat template"):
+        PromptFormatter(plain_tok, "chat_template")
+    with pytest.raises(UserError, match="unknown prompt format"):
+        PromptFormatter(plain_tok, "alpaca")
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_sft_masks_prompt_and_appends_eos(chat_tok):
+    formatter = PromptFormatter(chat_tok)
+    sample = Sample(TURNS, "Why did the chicken cross the road?")
+    (item,) = tokenize_samples([sample], KIND_SFT, formatter, chat_tok, TokenLimits(max_seq_len=200))
+    prompt = _ids(chat_tok, formatter.prompt(TURNS))
+    answer = _ids(chat_tok, sample.chosen)
+    assert item["input_ids"].tolist() == prompt + answer + [chat_tok.eos_token_id]
+    assert item["labels"].tolist() == [IGNORE_INDEX] * len(prompt) + answer + [chat_tok.eos_token_id]
+    assert item["attention_mask"].tolist() == [1] * len(item["input_ids"])
+    (whole,) = tokenize_samples([sample], KIND_SFT, formatter, chat_tok, TokenLimits(200, whole_sequence_loss=True))
+    assert whole["labels"].tolist() == whole["input_ids"].tolist()
+
+
+def test_sft_truncates_the_answer_and_drops_overlong_prompts(chat_tok):
+    formatter = PromptFormatter(chat_tok)
+    prompt_len = len(_ids(chat_tok, formatter.prompt(TURNS)))
+    long_turns = ({"role": "user", "content": "fox " * 200},)
+    data = tokenize_samples([Sample(TURNS, "word " * 100), Sample(long_turns, "ok")], KIND_SFT, formatter, chat_tok,
+                            TokenLimits(max_seq_len=prompt_len + 5))
+    assert data.stats == {"items": 1, "dropped:prompt_too_long": 1}
+    item = data[0]
+    assert len(item["input_ids"]) == prompt_len + 5
+    assert (item["labels"] != IGNORE_INDEX).sum() == 5
+    assert item["input_ids"][-1] != chat_tok.eos_token_id
+
+
+def test_pairs_append_eos_truncate_and_drop_identical(plain_tok):
+    formatter = PromptFormatter(plain_tok)
+    samples = [Sample(TURNS, "yes good", "no bad"), Sample(TURNS, "same start then A", "same start then B")]
+    prompt_len = len(plain_tok(formatter.prompt(TURNS))["input_ids"])
+    data = tokenize_samples(samples, KIND_PAIRS, formatter, plain_tok, TokenLimits(max_seq_len=prompt_len + 40))
+    assert len(data) == 2
+    assert data[0]["chosen_input_ids"][-1] == plain_tok.eos_token_id == data[0]["rejected_input_ids"][-1]
+    assert plain_tok.decode(data[0]["chosen_input_ids"][prompt_len:-1]) == " yes good"
+    cut = tokenize_samples(samples, KIND_PAIRS, formatter, plain_tok, TokenLimits(max_seq_len=prompt_len + 2))
+    assert cut.stats["dropped:identical_after_truncation"] == 1
+    assert len(cut) == 1 and len(cut[0]["chosen_input_ids"]) == prompt_len + 2
+
+
+def test_prompts_drop_or_left_truncate_overlong(chat_tok):
+    formatter = PromptFormatter(chat_tok)
+    short = Sample(({"role": "user", "content": "Hi"},))
+    long = Sample(TURNS + ({"role": "assistant", "content": "fox " * 30}, {"role": "user", "content": "End now"}))
+    limit = len(_ids(chat_tok, formatter.prompt(short.turns))) + 3
+    dropped = tokenize_samples([short, long], KIND_PROMPTS, formatter, chat_tok, TokenLimits(64, limit))
+    assert dropped.stats == {"items": 1, "dropped:prompt_too_long": 1}
+    kept = tokenize_samples([short, long], KIND_PROMPTS, formatter, chat_tok, TokenLimits(64, limit, "left_truncate"))
+    assert kept.stats == {"items": 2, "left_truncated": 1}
+    full = _ids(chat_tok, formatter.prompt(long.turns))
+    assert kept[1]["input_ids"].tolist() == full[-limit:]
+
+
+def test_prompt_collator_left_pads(chat_tok):
+    pad = chat_tok.pad_token_id
+    batch = PromptCollator(pad)([
+        {"input_ids": torch.tensor([5, 6, 7]), "attention_mask": torch.ones(3, dtype=torch.long)},
+        {"input_ids": torch.tensor([8]), "attention_mask": torch.ones(1, dtype=torch.long)},
+    ])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [pad, pad, 8]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_sft_and_pairwise_collators_right_pad(chat_tok):
+    pad = chat_tok.pad_token_id
+    sft = SFTCollator(pad, pad_to_multiple_of=4)([
+        {"input_ids": torch.tensor([1, 2, 3]), "attention_mask": torch.ones(3, dtype=torch.long), "labels": torch.tensor([-100, 2, 3])},
+        {"input_ids": torch.tensor([4]), "attention_mask": torch.ones(1, dtype=torch.long), "labels": torch.tensor([4])},
+    ])
+    assert sft["input_ids"].tolist() == [[1, 2, 3, pad], [4, pad, pad, pad]]
+    assert sft["labels"].tolist() == [[-100, 2, 3, -100], [4, -100, -100, -100]]
+    assert sft["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    ones = lambda n: torch.ones(n, dtype=torch.long)  # noqa: E731
+    pairs = PairwiseCollator(pad)([
+        {"chosen_input_ids": torch.tensor([1, 2]), "chosen_attention_mask": ones(2),
+         "rejected_input_ids": torch.tensor([3]), "rejected_attention_mask": ones(1)},
+        {"chosen_input_ids": torch.tensor([4]), "chosen_attention_mask": ones(1),
+         "rejected_input_ids": torch.tensor([5, 6, 7]), "rejected_attention_mask": ones(3)},
+    ])
+    assert pairs["input_ids"].tolist() == [[1, 2, pad], [4, pad, pad], [3, pad, pad], [5, 6, 7]]
+    assert pairs["attention_mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]]

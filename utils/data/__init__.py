@@ -1,0 +1,38 @@
+"""Data abstraction and blending layer: every source yields prompt/chosen/rejected rows, split into
+disjoint per-step shards, blended, tokenised and cached for the three RLHF steps."""
+from .args import DataArguments, add_data_args, add_unsupervised_data_args
+from .collators import PairwiseCollator, PromptCollator, SFTCollator
+from .embedded import EMBEDDED_SOURCE
+from .formatting import PROMPT_FORMATS, PromptFormatter
+from .phases import build_phase_datasets, phase_splits
+from .rows import read_rows
+from .readers import FORMATS, detect_format
+from .samples import Sample
+from .sources import SourceSpec, load_source, parse_source_spec
+from .tokenization import IGNORE_INDEX
+from .tokenized import TokenizedDataset
+from .unsupervised import build_unsupervised_dataset
+
+__all__ = [
+    "DataArguments",
+    "add_data_args",
+    "add_unsupervised_data_args",
+    "SFTCollator",
+    "PairwiseCollator",
+    "PromptCollator",
+    "EMBEDDED_SOURCE",
+    "PROMPT_FORMATS",
+    "PromptFormatter",
+    "build_phase_datasets",
+    "phase_splits",
+    "FORMATS",
+    "detect_format",
+    "Sample",
+    "SourceSpec",
+    "load_source",
+    "parse_source_spec",
+    "IGNORE_INDEX",
+    "TokenizedDataset",
+    "build_unsupervised_dataset",
+    "read_rows",
+]

@@ -1,0 +1,79 @@
+"""Print how much data each step gets: `python -m utils.data.inspect --data_path embedded [--tokenizer PATH]`.
+
+For each phase shard (train and eval) it counts the SFT pairs, preference pairs and prompts the
+sources yield. With `--tokenizer` it also builds (or loads from the cache) the phase's tokenised
+datasets and prints how many items survive the length limits.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+
+from training.errors import run_cli
+
+from .args import DataArguments, add_data_args
+from .phases import phase_splits
+from .samples import KINDS, PHASE_KINDS
+from .sources import load_source
+
+_KIND_LABELS = {"sft": "SFT pairs", "pairs": "preference pairs", "prompts": "prompts"}
+
+
+def raw_counts(data: DataArguments) -> dict:
+    """{phase: {kind: {"train": n, "eval": n}}} before tokenisation."""
+    load = functools.lru_cache(maxsize=None)(load_source)
+    counts = {}
+    for phase in PHASE_KINDS:
+        counts[phase] = {}
+        for kind in KINDS:
+            splits = phase_splits(
+                phase, data.data_path, data.data_split, data.seed, data.eval_fraction, data.sft_only_data_path, kind=kind, load=load
+            )
+            counts[phase][kind] = {
+                "train": sum(len(s.train) for s in splits),
+                "eval": sum(len(s.eval) for s in splits),
+            }
+    return counts
+
+
+def _table(counts: dict, tokenized: dict) -> str:
+    header = f"{'step':<5}{'split':<7}" + "".join(f"{_KIND_LABELS[k]:>18}" for k in KINDS)
+    if tokenized:
+        header += f"{'tokenised items':>18}"
+    lines = [header]
+    for phase, by_kind in counts.items():
+        for split in ("train", "eval"):
+            line = f"{phase:<5}{split:<7}" + "".join(f"{by_kind[k][split]:>18,}" for k in KINDS)
+            if tokenized:
+                line += f"{tokenized[phase][split]:>18,}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_data_args(parser)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer (model name or folder) to count tokenised items with")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    data = DataArguments.from_namespace(args)
+    counts = raw_counts(data)
+    tokenized = {}
+    if args.tokenizer:
+        from training.model_loading import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+        for phase in PHASE_KINDS:
+            train, evaluation = data.build(phase, tokenizer)
+            tokenized[phase] = {"train": len(train), "eval": len(evaluation)}
+    print(f"data: {' '.join(data.data_path)}  split {data.data_split}  seed {data.seed}  eval_fraction {data.eval_fraction}"
+          + (f"  sft_only: {' '.join(data.sft_only_data_path)}" if data.sft_only_data_path else ""))
+    print("samples per step shard (each step trains on its own shard: step 1 SFT pairs, step 2 preference pairs, step 3 prompts)")
+    print(_table(counts, tokenized))
+    return {"raw": counts, "tokenized": tokenized}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Build each step's train/eval datasets from several sources: shard, parse, blend, tokenise, cache."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from training.errors import UserError
+
+from .cache import build_or_load, cache_file, tokenizer_fingerprint
+from .formatting import PromptFormatter
+from .samples import PHASE_KINDS, Sample, SkipRow, unusable_reason
+from .sources import LoadedSource, SourceSpec, load_source, parse_source_spec, source_fingerprint
+from .splits import holdout, parse_data_split, phase_shard, seeded_order
+from .tokenization import TokenLimits, tokenize_samples
+from .tokenized import TokenizedDataset
+
+logger = logging.getLogger("utils.data")
+
+
+@dataclass
+class SourceSplit:
+    """One source's usable samples for one phase and kind, and why the rest were skipped."""
+
+    source: LoadedSource
+    train: list = field(default_factory=list)
+    eval: list = field(default_factory=list)
+    records: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self, phase: int, kind: str) -> str:
+        skipped = Counter(self.source.load_skips) + self.skipped
+        reasons = ", ".join(f"{reason}={count}" for reason, count in sorted(skipped.items())) or "none"
+        return (
+            f"data source '{self.source.spec}' (format {self.source.format}), step {phase} {kind}: "
+            f"{self.records} records -> {len(self.train)} train / {len(self.eval)} eval samples; skipped: {reasons}"
+        )
+
+
+def _usable_samples(source: LoadedSource, indices: np.ndarray, kind: str, seed: int, skipped: Counter) -> list[Sample]:
+    samples: list[Sample] = []
+    for group, record in zip(indices.tolist(), source.take(indices.tolist())):
+        try:
+            samples.extend(source.parse(record, group))
+        except SkipRow as skip:
+            skipped[skip.reason] += 1
+    if kind == "pairs" and source.add_rejections is not None:
+        samples = source.add_rejections(samples, seed)
+    usable = []
+    for sample in samples:
+        reason = unusable_reason(sample, kind)
+        if reason is None:
+            usable.append(sample)
+        else:
+            skipped[reason] += 1
+    return usable
+
+
+def split_source(
+    source: LoadedSource, phase: int, kind: str, data_split: str, seed: int, eval_fraction: float, whole: bool = False
+) -> SourceSplit:
+    """`source`'s samples for `phase`: its shard of the records (all of them when `whole`), train and eval."""
+    indices = seeded_order(len(source), seed) if whole else phase_shard(len(source), data_split, phase, seed)
+    train_indices, eval_indices = holdout(indices, eval_fraction)
+    result = SourceSplit(source, records=len(indices))
+    result.train = _usable_samples(source, train_indices, kind, seed, result.skipped)
+    result.eval = _usable_samples(source, eval_indices, kind, seed + 1, result.skipped)
+    return result
+
+
+def blend(parts: Sequence[list], seed: int) -> list:
+    """Concatenate the sources' samples, then shuffle them with the seed."""
+    combined = [sample for part in parts for sample in part]
+    return [combined[i] for i in seeded_order(len(combined), seed)]
+
+
+def phase_splits(
+    phase: int, data_paths: Sequence[str], data_split: str, seed: int, eval_fraction: float,
+    sft_only_data_paths: Sequence[str] = (), kind: str | None = None,
+    load: Callable[[SourceSpec], LoadedSource] = load_source,
+) -> list[SourceSplit]:
+    """Per source, the samples `phase` uses; step-1-only sources join phase 1 entirely.
+
+    `load` reads a source; pass a memoised one to reuse loaded sources across calls.
+    """
+    kind = kind or PHASE_KINDS[phase]
+    parse_data_split(data_split)
+    splits = [
+        split_source(load(parse_source_spec(path)), phase, kind, data_split, seed, eval_fraction)
+        for path in data_paths
+    ]
+    if phase == 1:
+        splits += [
+            split_source(load(parse_source_spec(path)), phase, kind, data_split, seed, eval_fraction, whole=True)
+            for path in sft_only_data_paths
+        ]
+    return splits
+
+
+def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: PromptFormatter, limits: TokenLimits, seed: int) -> dict:
+    splits = phase_splits(phase, kind=kind, seed=seed, **splits_args)
+    for split in splits:
+        logger.log(logging.WARNING if split.skipped or split.source.load_skips else logging.INFO, split.summary(phase, kind))
+        if not split.train and not split.eval:
+            raise UserError(
+                f"data source '{split.source.spec}' has no usable rows for step {phase} ({kind}); "
+                f"skipped: {dict(split.skipped)}. Check the source, its format (PATH:FORMAT) and --data_split"
+            )
+    train = tokenize_samples(blend([s.train for s in splits], seed), kind, formatter, tokenizer, limits)
+    evaluation = tokenize_samples(blend([s.eval for s in splits], seed), kind, formatter, tokenizer, limits)
+    logger.info("step %d %s data: train %s; eval %s", phase, kind, train.stats, evaluation.stats)
+    if len(train) == 0:
+        raise UserError(
+            f"no step-{phase} training items are left after tokenisation ({train.stats}); "
+            "raise --max_seq_len / --max_prompt_seq_len or use --prompt_overflow left_truncate"
+        )
+    return {"train": train.state(), "eval": evaluation.state()}
+
+
+def build_phase_datasets(
+    phase: int,
+    data_paths: Sequence[str],
+    data_split: str,
+    tokenizer,
+    max_seq_len: int,
+    seed: int,
+    data_output_path: str,
+    sft_only_data_paths: Sequence[str] = (),
+    rebuild_cache: bool = False,
+    eval_fraction: float = 0.1,
+    max_train_samples: int | None = None,
+    max_eval_samples: int | None = None,
+    max_prompt_seq_len: int = 256,
+    prompt_format: str = "auto",
+    prompt_overflow: str = "drop",
+    whole_sequence_loss: bool = False,
+) -> tuple[TokenizedDataset, TokenizedDataset]:
+    """Tokenised (train, eval) datasets for step `phase` (1 SFT, 2 reward pairs, 3 PPO prompts).
+
+    Built once and cached under `data_output_path`; `max_*_samples` cap the loaded data (the
+    first items of the seeded blend), so changing them never rebuilds the cache.
+    """
+    if phase not in PHASE_KINDS:
+        raise UserError(f"phase must be 1, 2 or 3, not {phase}")
+    if not data_paths and not (phase == 1 and sft_only_data_paths):
+        raise UserError("no data sources given: pass --data_path (e.g. --data_path embedded)")
+    kind = PHASE_KINDS[phase]
+    weights = parse_data_split(data_split)
+    if weights[phase - 1] == 0 and data_paths:
+        raise UserError(f"--data_split {data_split} gives step {phase} no share of the data; give it a positive weight")
+    formatter = PromptFormatter(tokenizer, prompt_format)
+    limits = TokenLimits(max_seq_len, max_prompt_seq_len, prompt_overflow, whole_sequence_loss)
+    whole_sources = tuple(sft_only_data_paths) if phase == 1 else ()
+    splits_args = dict(
+        data_paths=tuple(data_paths), data_split=data_split, eval_fraction=eval_fraction, sft_only_data_paths=whole_sources
+    )
+    key_inputs = {
+        "phase": phase,
+        "sources": [source_fingerprint(parse_source_spec(p)) for p in data_paths],
+        "sft_only_sources": [source_fingerprint(parse_source_spec(p)) for p in whole_sources],
+        "data_split": weights,
+        "seed": seed,
+        "eval_fraction": eval_fraction,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "prompt_format": formatter.style,
+        "limits": limits.key(kind),
+    }
+    path = cache_file(data_output_path, f"step{phase}_{kind}", key_inputs)
+    state, built = build_or_load(
+        path, lambda: _build(phase, kind, splits_args, tokenizer, formatter, limits, seed), rebuild=rebuild_cache
+    )
+    train = TokenizedDataset.from_state(state["train"]).head(max_train_samples)
+    evaluation = TokenizedDataset.from_state(state["eval"]).head(max_eval_samples)
+    logger.info(
+        "step %d data %s %s: %d train / %d eval items", phase, "built into" if built else "loaded from cache", path,
+        len(train), len(evaluation),
+    )
+    return train, evaluation

@@ -1,0 +1,124 @@
+"""One parser per supported row format; each maps a raw record to `Sample`s or raises `SkipRow`.
+
+Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the columns):
+- `deepspeed_chat`: `prompt` [+ `chosen` or `response`] [+ `rejected`] (Dahoas/rm-static,
+  Dahoas/full-hh-rlhf, Dahoas/synthetic-instruct-gptj-pairwise); a prompt holding
+  "Human:/Assistant:" markers is parsed into turns.
+- `hh_rlhf`: `chosen`/`rejected` full transcripts (Anthropic/hh-rlhf); split at the last
+  Assistant turn, the shared prompt is everything before it. An empty last Assistant turn is
+  kept as the reply "" (usable in pairs, not for SFT).
+- `shp`: `history`, `human_ref_A`, `human_ref_B`, `labels` (stanfordnlp/SHP; label 1 = A preferred).
+- `webgpt`: `question.full_text`, `answer_0/1`, `score_0/1` (openai/webgpt_comparisons; ties skipped).
+- `sharegpt`: `conversations` of {from, value}; `messages`: `messages` of {role, content}.
+  A conversation gives one sample: the turns before its last assistant reply, and that reply
+  (a conversation that ends on a user turn gives a prompt only).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+from .samples import Sample, SkipRow, optional_text_field, text_field
+from .turns import parse_messages, parse_transcript, split_last_reply
+
+Parser = Callable[[Any, int], list]
+_EMPTY_LAST_REPLY = re.compile(r"(?:\A|\n\n)Assistant:\s*\Z")
+
+
+def parse_deepspeed_chat(record: Any, group: int) -> list[Sample]:
+    turns = parse_transcript(text_field(record, "prompt"))
+    chosen_key = "chosen" if record.get("chosen") is not None else "response"
+    chosen = optional_text_field(record, chosen_key)
+    rejected = optional_text_field(record, "rejected")
+    return [Sample(tuple(turns), chosen, rejected, group)]
+
+
+def _dialogue_reply(record: dict, key: str) -> tuple[list[dict], str]:
+    """(context, reply) of a transcript; a transcript ending on an empty "Assistant:" turn has the
+    reply "" (in hh-rlhf an empty answer can be the preferred one, e.g. to a harmful request)."""
+    transcript = text_field(record, key)
+    if _EMPTY_LAST_REPLY.search(transcript):
+        return parse_transcript(transcript), ""
+    context, reply = split_last_reply(parse_transcript(transcript))
+    if reply is None:
+        raise SkipRow(f"no_assistant_reply:{key}")
+    return context, reply
+
+
+def parse_hh_rlhf(record: Any, group: int) -> list[Sample]:
+    chosen_context, chosen = _dialogue_reply(record, "chosen")
+    if record.get("rejected") is None:
+        return [Sample(tuple(chosen_context), chosen, None, group)]
+    rejected_context, rejected = _dialogue_reply(record, "rejected")
+    if rejected_context != chosen_context:
+        raise SkipRow("prompt_mismatch")
+    return [Sample(tuple(chosen_context), chosen, rejected, group)]
+
+
+def parse_shp(record: Any, group: int) -> list[Sample]:
+    history = text_field(record, "history")
+    reply_a, reply_b = text_field(record, "human_ref_A"), text_field(record, "human_ref_B")
+    label = record.get("labels")
+    if isinstance(label, bool) or label not in (0, 1):
+        raise SkipRow("wrong_type:labels" if label is not None else "missing:labels")
+    chosen, rejected = (reply_a, reply_b) if label == 1 else (reply_b, reply_a)
+    return [Sample(({"role": "user", "content": history},), chosen, rejected, group)]
+
+
+def parse_webgpt(record: Any, group: int) -> list[Sample]:
+    if not isinstance(record, dict):
+        raise SkipRow("not_an_object")
+    question = record.get("question")
+    question_text = text_field(question, "full_text") if isinstance(question, dict) else text_field(record, "question")
+    answers = [text_field(record, "answer_0"), text_field(record, "answer_1")]
+    scores = [record.get("score_0"), record.get("score_1")]
+    for index, score in enumerate(scores):
+        if isinstance(score, bool) or not isinstance(score, (int, float)):
+            raise SkipRow(f"wrong_type:score_{index}" if score is not None else f"missing:score_{index}")
+    if scores[0] == scores[1]:
+        raise SkipRow("tie")
+    best = 0 if scores[0] > scores[1] else 1
+    return [Sample(({"role": "user", "content": question_text},), answers[best], answers[1 - best], group)]
+
+
+def _conversation_parser(column: str, role_key: str, content_key: str) -> Parser:
+    def parse(record: Any, group: int) -> list[Sample]:
+        if not isinstance(record, dict):
+            raise SkipRow("not_an_object")
+        if record.get(column) is None:
+            raise SkipRow(f"missing:{column}")
+        context, reply = split_last_reply(parse_messages(record[column], role_key, content_key))
+        if not context and reply is None:
+            raise SkipRow(f"empty:{column}")
+        return [Sample(tuple(context), reply, None, group)]
+
+    return parse
+
+
+PARSERS: dict[str, Parser] = {
+    "deepspeed_chat": parse_deepspeed_chat,
+    "hh_rlhf": parse_hh_rlhf,
+    "shp": parse_shp,
+    "webgpt": parse_webgpt,
+    "sharegpt": _conversation_parser("conversations", "from", "value"),
+    "messages": _conversation_parser("messages", "role", "content"),
+}
+FORMATS = tuple(PARSERS)
+
+
+def detect_format(columns: Iterable[str]) -> str | None:
+    """Pick a format from a record's column names; None when nothing matches."""
+    names = set(columns)
+    if "conversations" in names:
+        return "sharegpt"
+    if "messages" in names:
+        return "messages"
+    if {"history", "human_ref_A", "human_ref_B"} <= names:
+        return "shp"
+    if {"question", "answer_0", "answer_1"} <= names:
+        return "webgpt"
+    if "prompt" in names:
+        return "deepspeed_chat"
+    if {"chosen", "rejected"} <= names:
+        return "hh_rlhf"
+    return None

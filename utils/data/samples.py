@@ -1,0 +1,97 @@
+"""The internal unit every reader produces: a dialogue context plus optional replies.
+
+A `Sample` keeps the conversation as a list of turns so the prompt can be rendered with the
+tokenizer's chat template (or the DeepSpeed-Chat " Human: ... Assistant:" fallback) later,
+once the tokenizer is known. `SkipRow` carries the reason a raw record was unusable; reasons are
+counted per source and reported in one log line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+Turn = dict  # {"role": "system" | "user" | "assistant", "content": str}
+
+USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
+
+# Speaker names used by the supported formats, mapped to chat-template roles.
+ROLE_ALIASES = {
+    "human": USER,
+    "user": USER,
+    "prompter": USER,
+    "gpt": ASSISTANT,
+    "chatgpt": ASSISTANT,
+    "bing": ASSISTANT,
+    "bard": ASSISTANT,
+    "assistant": ASSISTANT,
+    "model": ASSISTANT,
+    "system": SYSTEM,
+}
+
+# What each phase needs from a sample.
+KIND_SFT, KIND_PAIRS, KIND_PROMPTS = "sft", "pairs", "prompts"
+KINDS = (KIND_SFT, KIND_PAIRS, KIND_PROMPTS)
+PHASE_KINDS = {1: KIND_SFT, 2: KIND_PAIRS, 3: KIND_PROMPTS}
+
+
+class SkipRow(Exception):
+    """A raw record cannot be used; `reason` is a short key such as `empty:chosen`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Sample:
+    """`turns`: the conversation before the assistant reply; `chosen`/`rejected`: replies (stripped;
+    None when absent, "" for an explicitly empty reply).
+
+    `group` is the index of the raw record the sample came from, so samples of one conversation
+    can be told apart from samples of another (the embedded pair rule relies on it).
+    """
+
+    turns: tuple
+    chosen: str | None = None
+    rejected: str | None = None
+    group: int = 0
+
+
+def unusable_reason(sample: Sample, kind: str) -> str | None:
+    """Why `sample` cannot serve `kind` (None when it can)."""
+    if not sample.turns:
+        return "no_prompt"
+    if kind == KIND_PROMPTS:
+        return None
+    if sample.chosen is None:
+        return "no_chosen"
+    if kind == KIND_SFT and not sample.chosen:
+        return "empty_reply"
+    if kind == KIND_PAIRS:
+        if sample.rejected is None:
+            return "no_rejected"
+        if sample.chosen == sample.rejected:
+            return "identical_replies"
+    return None
+
+
+def text_field(record: Any, key: str) -> str:
+    """The stripped, non-empty string at `record[key]`, or `SkipRow` saying what is wrong with it."""
+    if not isinstance(record, dict):
+        raise SkipRow("not_an_object")
+    if key not in record or record[key] is None:
+        raise SkipRow(f"missing:{key}")
+    value = record[key]
+    if not isinstance(value, str):
+        raise SkipRow(f"wrong_type:{key}")
+    value = value.strip()
+    if not value:
+        raise SkipRow(f"empty:{key}")
+    return value
+
+
+def optional_text_field(record: dict, key: str) -> str | None:
+    """Like `text_field`, but an absent (or null) column is simply None."""
+    if record.get(key) is None:
+        return None
+    return text_field(record, key)

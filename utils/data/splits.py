@@ -1,0 +1,53 @@
+"""Seeded phase shards (`--data_split 2,4,4`) and held-out eval splits, at the raw-record level.
+
+Each source's records are permuted with the seed and cut into three contiguous, disjoint shards in
+the split's proportions: step N trains only on shard N. Within a shard the first `eval_fraction`
+of records are held out for evaluation. Splitting records (not samples) keeps every sample of one
+conversation inside one shard and one side of the eval split.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from training.errors import UserError
+
+NUM_PHASES = 3
+
+
+def parse_data_split(data_split: str) -> list[float]:
+    """'2,4,4' -> [2.0, 4.0, 4.0]; three non-negative weights with a positive sum."""
+    try:
+        weights = [float(part) for part in str(data_split).split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != NUM_PHASES or any(w < 0 or w != w for w in weights) or sum(weights) <= 0:
+        raise UserError(
+            f"--data_split '{data_split}' must be three non-negative numbers with a positive sum, "
+            "one per step, e.g. 2,4,4"
+        )
+    return weights
+
+
+def phase_shard(num_records: int, data_split: str, phase: int, seed: int) -> np.ndarray:
+    """Indices (in seeded shuffled order) of the records that belong to `phase` (1, 2 or 3)."""
+    if phase not in (1, 2, 3):
+        raise ValueError(f"phase must be 1, 2 or 3, not {phase}")
+    weights = parse_data_split(data_split)
+    bounds = np.round(np.cumsum([0.0] + weights) / sum(weights) * num_records).astype(int)
+    order = np.random.RandomState(seed).permutation(num_records)
+    return order[bounds[phase - 1] : bounds[phase]]
+
+
+def holdout(indices: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval): eval is the first `eval_fraction` (at least one record when there are two or more)."""
+    if not 0 <= eval_fraction < 1:
+        raise UserError(f"--eval_fraction must be in [0, 1), not {eval_fraction}")
+    num_eval = int(round(len(indices) * eval_fraction))
+    if eval_fraction > 0 and len(indices) >= 2:
+        num_eval = max(num_eval, 1)
+    return indices[num_eval:], indices[:num_eval]
+
+
+def seeded_order(num_items: int, seed: int) -> np.ndarray:
+    """The blend order: several sources are concatenated, then shuffled with this permutation."""
+    return np.random.RandomState(seed).permutation(num_items)

@@ -1,0 +1,122 @@
+"""Tokenise samples into the items each phase trains on, dropping and counting what cannot fit.
+
+- sft (phase 1): prompt + reply + EOS; labels are -100 on the prompt unless whole-sequence loss.
+  Too long: the reply is truncated (the prompt kept); a prompt that alone fills `max_seq_len` is dropped.
+- pairs (phase 2): prompt + chosen + EOS and prompt + rejected + EOS, each cut to `max_seq_len`;
+  pairs whose two sides are identical after the cut (nothing to compare) are dropped.
+- prompts (phase 3): the prompt alone; over `max_prompt_seq_len` it is dropped, or left-truncated
+  (its most recent tokens kept) with `prompt_overflow="left_truncate"`.
+The prompt and the reply are tokenised separately, so the prompt/answer boundary is exact.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from training.dist import is_main_process
+from training.errors import UserError
+
+from .formatting import PromptFormatter
+from .samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample, SkipRow
+from .tokenized import TokenizedDataset
+
+IGNORE_INDEX = -100
+PROMPT_OVERFLOW = ("drop", "left_truncate")
+_PROGRESS_MIN_ITEMS = 2000
+_EMPTY_COLUMNS = {
+    KIND_SFT: ("input_ids", "labels"),
+    KIND_PAIRS: ("chosen_input_ids", "rejected_input_ids"),
+    KIND_PROMPTS: ("input_ids",),
+}
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    max_seq_len: int = 512
+    max_prompt_seq_len: int = 256
+    prompt_overflow: str = "drop"
+    whole_sequence_loss: bool = False
+
+    def __post_init__(self):
+        if self.prompt_overflow not in PROMPT_OVERFLOW:
+            raise UserError(f"--prompt_overflow must be one of {', '.join(PROMPT_OVERFLOW)}, not '{self.prompt_overflow}'")
+        if self.max_seq_len < 2 or self.max_prompt_seq_len < 1:
+            raise UserError("--max_seq_len must be at least 2 and --max_prompt_seq_len at least 1")
+
+    def key(self, kind: str) -> dict:
+        """The limits that change `kind`'s items (for the cache key)."""
+        if kind == KIND_SFT:
+            return {"max_seq_len": self.max_seq_len, "whole_sequence_loss": self.whole_sequence_loss}
+        if kind == KIND_PAIRS:
+            return {"max_seq_len": self.max_seq_len}
+        return {"max_prompt_seq_len": self.max_prompt_seq_len, "prompt_overflow": self.prompt_overflow}
+
+
+def _token_ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _sft_item(prompt: list[int], answer: list[int], limits: TokenLimits) -> dict | str:
+    if len(prompt) >= limits.max_seq_len:
+        return "prompt_too_long"
+    input_ids = (prompt + answer)[: limits.max_seq_len]
+    labels = list(input_ids) if limits.whole_sequence_loss else [IGNORE_INDEX] * len(prompt) + input_ids[len(prompt) :]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _pair_item(prompt: list[int], chosen: list[int], rejected: list[int], limits: TokenLimits) -> dict | str:
+    if len(prompt) >= limits.max_seq_len:
+        return "prompt_too_long"
+    chosen_ids, rejected_ids = (prompt + chosen)[: limits.max_seq_len], (prompt + rejected)[: limits.max_seq_len]
+    if chosen_ids == rejected_ids:
+        return "identical_after_truncation"
+    return {"chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids}
+
+
+def _prompt_item(prompt: list[int], limits: TokenLimits, counts: Counter) -> dict | str:
+    if len(prompt) > limits.max_prompt_seq_len:
+        if limits.prompt_overflow == "drop":
+            return "prompt_too_long"
+        counts["left_truncated"] += 1
+        prompt = prompt[-limits.max_prompt_seq_len :]
+    return {"input_ids": prompt}
+
+
+def tokenize_samples(
+    samples: list[Sample], kind: str, formatter: PromptFormatter, tokenizer, limits: TokenLimits
+) -> TokenizedDataset:
+    """Items for `kind` from `samples` (order kept); `stats` counts items and drops per reason."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the tokenizer has no EOS token; set eos_token in its tokenizer_config.json")
+    counts: Counter = Counter()
+    rows = []
+    for sample in tqdm(samples, desc=f"formatting {kind}", disable=not is_main_process() or len(samples) < _PROGRESS_MIN_ITEMS):
+        try:
+            rows.append(formatter.row(sample))
+        except SkipRow as skip:
+            counts[f"dropped:{skip.reason}"] += 1
+    prompts = _token_ids(tokenizer, [row["prompt"] for row in rows], formatter.style == "human_assistant")
+    chosen = _token_ids(tokenizer, [row["chosen"] for row in rows], False) if kind != KIND_PROMPTS else []
+    rejected = _token_ids(tokenizer, [row["rejected"] for row in rows], False) if kind == KIND_PAIRS else []
+    columns: dict[str, list] = {}
+    for index, prompt in enumerate(prompts):
+        if kind == KIND_SFT:
+            item = _sft_item(prompt, chosen[index] + [eos], limits)
+        elif kind == KIND_PAIRS:
+            item = _pair_item(prompt, chosen[index] + [eos], rejected[index] + [eos], limits)
+        else:
+            item = _prompt_item(prompt, limits, counts)
+        if isinstance(item, str):
+            counts[f"dropped:{item}"] += 1
+            continue
+        for name, ids in item.items():
+            columns.setdefault(name, []).append(ids)
+    counts["items"] = len(next(iter(columns.values()), []))
+    if not columns:
+        columns = {name: [] for name in _EMPTY_COLUMNS[kind]}
+    return TokenizedDataset.from_lists(columns, dict(counts))

@@ -1,0 +1,87 @@
+"""Parse dialogues into `{role, content}` turns: hh-rlhf transcripts and chat message lists."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .samples import ASSISTANT, ROLE_ALIASES, USER, SkipRow
+
+_BLANK_LINE_MARKER = re.compile(r"(?:\A\s*|\n\n)(Human|Assistant):")
+_INLINE_MARKER = re.compile(r"(?:^|\s)(Human|Assistant):")
+_MARKER_ROLES = {"Human": USER, "Assistant": ASSISTANT}
+
+
+def parse_transcript(text: str) -> list[dict]:
+    """Split "\\n\\nHuman: ...\\n\\nAssistant: ..." (or " Human: ... Assistant: ...") into turns.
+
+    Text without speaker markers is one user turn. A trailing empty "Assistant:" (the
+    DeepSpeed-Chat prompt ending) yields no turn. Empty turns are dropped.
+    """
+    if "\n\nHuman:" in text or "\n\nAssistant:" in text:
+        pattern = _BLANK_LINE_MARKER
+    elif text.lstrip().startswith(("Human:", "Assistant:")):
+        pattern = _INLINE_MARKER
+    else:
+        return clean_turns([{"role": USER, "content": text}])
+    pieces = pattern.split(text)
+    turns = []
+    if pieces[0].strip():
+        turns.append({"role": USER, "content": pieces[0]})
+    for speaker, content in zip(pieces[1::2], pieces[2::2]):
+        turns.append({"role": _MARKER_ROLES[speaker], "content": content})
+    return clean_turns(turns)
+
+
+def message_text(content: Any) -> str | None:
+    """The text of a message's content: a string, or the text parts of a multimodal part list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type", "text") == "text"]
+        texts = [text for text in parts if isinstance(text, str)]
+        return "\n".join(texts) if texts else None
+    return None
+
+
+def parse_messages(messages: Any, role_key: str, content_key: str) -> list[dict]:
+    """Turn a list of message dicts (ShareGPT from/value, or role/content) into clean turns.
+
+    Non-text and empty messages are dropped; an unknown speaker makes the whole row unusable.
+    """
+    if not isinstance(messages, list):
+        raise SkipRow("wrong_type:messages")
+    turns = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise SkipRow("wrong_type:message")
+        speaker = message.get(role_key)
+        role = ROLE_ALIASES.get(speaker.lower()) if isinstance(speaker, str) else None
+        if role is None:
+            raise SkipRow("unknown_role")
+        text = message_text(message.get(content_key))
+        if text is not None:
+            turns.append({"role": role, "content": text})
+    return clean_turns(turns)
+
+
+def clean_turns(turns: list[dict]) -> list[dict]:
+    """Strip contents, drop empty turns and leading assistant turns, merge consecutive same-role turns."""
+    cleaned: list[dict] = []
+    for turn in turns:
+        content = turn["content"].strip()
+        if not content:
+            continue
+        if not cleaned and turn["role"] == ASSISTANT:
+            continue
+        if cleaned and cleaned[-1]["role"] == turn["role"]:
+            cleaned[-1] = {"role": turn["role"], "content": cleaned[-1]["content"] + "\n\n" + content}
+        else:
+            cleaned.append({"role": turn["role"], "content": content})
+    return cleaned
+
+
+def split_last_reply(turns: list[dict]) -> tuple[list[dict], str | None]:
+    """(context, reply): the reply is the last turn when it is the assistant's, else None."""
+    if turns and turns[-1]["role"] == ASSISTANT:
+        return turns[:-1], turns[-1]["content"]
+    return turns, None

@@ -1,0 +1,134 @@
+"""Unsupervised text for step 3's pretraining mixture: documents tokenised, joined with EOS and cut
+into fixed-length blocks (`input_ids` = `labels`), shuffled with the seed and cached on disk.
+
+Sources: a hub name (with an optional config) through `datasets`, a local .txt file (documents
+separated by blank lines), a local .json/.jsonl/.parquet file or folder with a `text` column, or
+`embedded` (the assistant replies of the embedded ShareGPT conversations).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from training.errors import UserError
+
+from . import embedded
+from .cache import build_or_load, cache_file, tokenizer_fingerprint
+from .samples import ASSISTANT, ROLE_ALIASES, SkipRow, text_field
+from .sources import file_fingerprint, load_hub_dataset, looks_local, read_local_records
+from .tokenized import TokenizedDataset
+
+logger = logging.getLogger("utils.data")
+_BATCH_DOCS = 512
+
+
+def _embedded_texts() -> list[str]:
+    return [
+        message["value"].strip()
+        for conversation in embedded.load_embedded_conversations()
+        for message in conversation.get("conversations", [])
+        if ROLE_ALIASES.get(str(message.get("from")).lower()) == ASSISTANT
+        and isinstance(message.get("value"), str) and message["value"].strip()
+    ]
+
+
+def _column_texts(records, text_column: str, skipped: Counter) -> list[str]:
+    texts = []
+    for record in records:
+        try:
+            texts.append(text_field(record, text_column))
+        except SkipRow as skip:
+            skipped[skip.reason] += 1
+    return texts
+
+
+def load_texts(source: str, text_column: str = "text", config_name: str | None = None) -> tuple[list[str], Counter]:
+    """The source's documents, and counts of rows skipped per reason."""
+    skipped: Counter = Counter()
+    if source == embedded.EMBEDDED_SOURCE:
+        return _embedded_texts(), skipped
+    if looks_local(source):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise UserError(f"unsupervised data path {source} does not exist")
+        if path.suffix == ".txt":
+            paragraphs = re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))
+            return [p.strip() for p in paragraphs if p.strip()], skipped
+        return _column_texts(read_local_records(path, skipped), text_column, skipped), skipped
+    dataset = load_hub_dataset(source, config_name, split="train")
+    if text_column not in dataset.column_names:
+        raise UserError(f"unsupervised dataset '{source}' has no '{text_column}' column (it has {dataset.column_names})")
+    return _column_texts(({text_column: text} for text in dataset[text_column]), text_column, skipped), skipped
+
+
+def _fingerprint(source: str, config_name: str | None) -> dict:
+    if source == embedded.EMBEDDED_SOURCE:
+        return {"source": source, "files": file_fingerprint([embedded.embedded_data_file()])}
+    if looks_local(source):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise UserError(f"unsupervised data path {source} does not exist")
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        return {"source": source, "files": file_fingerprint(files)}
+    return {"source": source, "config": config_name, "hub": True}
+
+
+def _blocks(texts: list[str], tokenizer, block_size: int, seed: int, max_blocks: int | None) -> list[list[int]]:
+    """Tokenise documents in seeded order until `max_blocks` blocks are filled (all when None)."""
+    order = np.random.RandomState(seed).permutation(len(texts))
+    stream: list[int] = []
+    needed = None if max_blocks is None else max_blocks * block_size
+    for start in range(0, len(order), _BATCH_DOCS):
+        batch = [texts[i] for i in order[start : start + _BATCH_DOCS]]
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            stream.extend(ids + [tokenizer.eos_token_id])
+        if needed is not None and len(stream) >= needed:
+            break
+    count = len(stream) // block_size if max_blocks is None else min(max_blocks, len(stream) // block_size)
+    return [stream[i * block_size : (i + 1) * block_size] for i in range(count)]
+
+
+def build_unsupervised_dataset(
+    source: str,
+    tokenizer,
+    block_size: int,
+    seed: int,
+    data_output_path: str,
+    rebuild_cache: bool = False,
+    config_name: str | None = None,
+    text_column: str = "text",
+    max_blocks: int | None = None,
+) -> TokenizedDataset:
+    """Blocks of `block_size` tokens with `input_ids`, `attention_mask` and `labels` (= input_ids)."""
+    if block_size < 2:
+        raise UserError("the unsupervised block size must be at least 2 tokens")
+
+    def build() -> dict:
+        texts, skipped = load_texts(source, text_column, config_name)
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
+        logger.log(logging.WARNING if skipped else logging.INFO,
+                   "unsupervised source '%s': %d documents; skipped: %s", source, len(texts), reasons)
+        blocks = _blocks(texts, tokenizer, block_size, seed, max_blocks)
+        if not blocks:
+            raise UserError(
+                f"unsupervised source '{source}' gives no block of {block_size} tokens "
+                f"({len(texts)} usable documents); give it more text or a smaller block size"
+            )
+        stats = {"documents": len(texts), "blocks": len(blocks), **{f"skipped:{k}": v for k, v in skipped.items()}}
+        return TokenizedDataset.from_lists({"input_ids": blocks, "labels": blocks}, stats).state()
+
+    key_inputs = {
+        "source": _fingerprint(source, config_name),
+        "text_column": text_column,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "block_size": block_size,
+        "seed": seed,
+        "max_blocks": max_blocks,
+    }
+    path = cache_file(data_output_path, "unsupervised", key_inputs)
+    state, _ = build_or_load(path, build, rebuild=rebuild_cache)
+    return TokenizedDataset.from_state(state)
