@@ -84,3 +84,21 @@ def current_device() -> torch.device:
 def print_rank0(*args, **kwargs) -> None:
     if is_main_process():
         print(*args, **kwargs, flush=True)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on at least one (collective: every rank must call it)."""
+    if not is_initialized() or get_world_size() == 1:
+        return bool(flag)
+    value = torch.tensor([1.0 if flag else 0.0], device=current_device())
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def broadcast_from_main(value):
+    """Rank 0's picklable `value`, returned on every rank (collective: every rank must call it)."""
+    if not is_initialized() or get_world_size() == 1:
+        return value
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]

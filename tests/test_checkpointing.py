@@ -1,0 +1,307 @@
+"""Resume checkpoints: exact continuation, crash-safe saves, the `latest` pointer, pruning, atomic folders."""
+import argparse
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_models import make_tiny_model
+from training.atomic import atomic_directory, shared_atomic_directory
+from training.checkpointing import (
+    LATEST_FILE,
+    MARKER_FILE,
+    CheckpointManager,
+    add_checkpoint_args,
+    capture_rng_state,
+    check_weights_only_safe,
+    restore_rng_state,
+)
+from training.engine import OptimizationSettings, create_train_engine
+from training.errors import UserError
+
+NUM_SEQUENCES, BATCH, SEQ_LEN = 10, 2, 12
+BATCHES_PER_EPOCH = NUM_SEQUENCES // BATCH
+TOTAL_STEPS = 6
+
+
+def build_engine(stage: int, seed: int = 0, arch: str = "gpt2"):
+    # gpt2's default dropout (0.1) makes the result depend on the torch RNG, so resume must restore it
+    model, _ = make_tiny_model(arch, seed=seed)
+    settings = OptimizationSettings(
+        learning_rate=5e-3, num_training_steps=TOTAL_STEPS, zero_stage=stage, micro_batch_size=BATCH,
+        num_warmup_steps=3, optimizer="torch_adamw", lr_scheduler_type="cosine",
+    )
+    engine = create_train_engine(model, settings)
+    engine.train()
+    return engine
+
+
+def dataset(vocab_size: int = 200) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (NUM_SEQUENCES, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+
+
+def epoch_batches(data: torch.Tensor, epoch: int, skip: int):
+    """A seeded sampler's batches of `epoch`, after the `skip` already consumed."""
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(100 + epoch))
+    for index in range(skip, BATCHES_PER_EPOCH):
+        yield data[order[index * BATCH:(index + 1) * BATCH]]
+
+
+def train(engines: dict, data, position: dict, until: int, manager=None, save_at=()) -> dict:
+    """Train every engine on the same batches up to optimizer step `until`; saves at the steps in `save_at`."""
+    lead = next(iter(engines.values()))
+    while lead.global_steps < until:
+        for batch in epoch_batches(data, position["epoch"], position["batches_done"]):
+            for engine in engines.values():
+                loss = engine(input_ids=batch, labels=batch).loss
+                engine.backward(loss)
+                engine.step()
+            position["batches_done"] += 1
+            step = lead.global_steps
+            if step in save_at:
+                extra = {"ema": {"shadow": lead.module.lm_head.weight.detach().clone()}, "kl_coef": 0.1 * step}
+                manager.save(step, engines, {**position, **extra})
+            if step >= until:
+                break
+        if position["batches_done"] >= BATCHES_PER_EPOCH:
+            position.update(epoch=position["epoch"] + 1, batches_done=0)
+    return position
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage,names", [(0, ("actor", "critic")), (2, ("actor",))])
+def test_resume_reproduces_the_uninterrupted_run(distributed, tmp_path, stage, names):
+    data = dataset()
+    manager = CheckpointManager(tmp_path / "run", keep_last=2)
+    engines = {name: build_engine(stage, seed=seed) for seed, name in enumerate(names)}
+    torch.manual_seed(1)
+    train(engines, data, {"epoch": 0, "batches_done": 0}, TOTAL_STEPS, manager, save_at={2, 4})
+    expected = {name: weights(engine) for name, engine in engines.items()}
+    assert [info.step for info in manager.complete_checkpoints()] == [2, 4]
+
+    # resume from step 2, the older of the two: point `latest` at it
+    (manager.checkpoints_dir / LATEST_FILE).write_text("step2")
+    resumed = {name: build_engine(stage, seed=10 + seed) for seed, name in enumerate(names)}
+    torch.manual_seed(999)
+    random.seed(999)
+    state = manager.load_latest(resumed)
+    assert state["step"] == 2 and state["kl_coef"] == pytest.approx(0.2)
+    assert (state["epoch"], state["batches_done"]) == (0, 2)
+    assert isinstance(state["ema"]["shadow"], torch.Tensor)
+    assert all(engine.global_steps == 2 for engine in resumed.values())
+    train(resumed, data, {"epoch": state["epoch"], "batches_done": state["batches_done"]}, TOTAL_STEPS)
+    for name, engine in resumed.items():
+        for key, value in weights(engine).items():
+            assert torch.allclose(value, expected[name][key], atol=1e-6, rtol=0), (name, key)
+        assert engine.get_lr() == engines[name].get_lr()
+
+
+def test_interrupted_save_keeps_previous_checkpoint(distributed, tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path / "run", keep_last=2)
+    engines = {"actor": build_engine(0), "critic": build_engine(0, seed=1)}
+    first = manager.save(1, engines, {"epoch": 0, "batches_done": 1})
+
+    critic = engines["critic"]
+
+    def crash(save_dir, tag, **kwargs):
+        (tmp_path / "crashed_in").write_text(save_dir)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(critic, "save_checkpoint", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        manager.save(2, engines, {"epoch": 0, "batches_done": 2})
+    monkeypatch.undo()
+    staged = (tmp_path / "crashed_in").read_text()
+    assert ".tmp-" in staged and not (tmp_path / "run" / "checkpoints" / "step2").exists()
+    assert (manager.checkpoints_dir / LATEST_FILE).read_text() == "step1"
+    assert not any(path.name.startswith(".") for path in manager.checkpoints_dir.iterdir())
+
+    # a killed save can also leave a folder without marker and a pointer to it: both are skipped
+    (manager.checkpoints_dir / "step5" / "actor").mkdir(parents=True)
+    (manager.checkpoints_dir / LATEST_FILE).write_text("step5")
+    (manager.checkpoints_dir / ".step6.tmp-deadbeef").mkdir()
+    assert manager.latest().path == first
+    state = manager.load_latest({"actor": build_engine(0), "critic": build_engine(0, seed=1)})
+    assert state["step"] == 1 and state["batches_done"] == 1
+
+    # the next save sweeps the staging folder and prunes the incomplete one
+    manager.save(2, engines, {"epoch": 0, "batches_done": 2})
+    names = sorted(path.name for path in manager.checkpoints_dir.iterdir())
+    assert names == ["latest", "step1", "step2"]
+
+
+def test_prune_keeps_latest_and_newest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        folder = manager.checkpoints_dir / f"step{step}"
+        folder.mkdir(parents=True)
+        (folder / MARKER_FILE).write_text(json.dumps({"step": step, "engines": ["actor"]}))
+    (manager.checkpoints_dir / LATEST_FILE).write_text("step1")
+    removed = manager.prune()
+    assert sorted(path.name for path in removed) == ["step2"]
+    assert [info.step for info in manager.complete_checkpoints()] == [1, 3, 4]
+    assert manager.latest().step == 1
+
+
+def test_restore_follows_resume_flag(distributed, tmp_path):
+    manager = CheckpointManager(tmp_path / "run")
+    engines = {"actor": build_engine(0)}
+    assert manager.restore(engines, resume=False) is None
+    with pytest.raises(UserError, match="no complete checkpoint .* run without --resume"):
+        manager.restore(engines, resume=True)
+    manager.save(4, engines, {"epoch": 1})
+    with pytest.raises(UserError, match="earlier run \\(latest: step 4\\); pass --resume"):
+        manager.restore(engines, resume=False)
+    with pytest.raises(UserError, match="holds the models \\['actor'\\].*\\['actor', 'critic'\\]"):
+        manager.restore({"actor": engines["actor"], "critic": engines["actor"]}, resume=True)
+    assert manager.restore({"actor": build_engine(0)}, resume=True)["epoch"] == 1
+
+
+def test_saving_the_same_step_twice_keeps_the_first(distributed, tmp_path):
+    manager = CheckpointManager(tmp_path / "run")
+    engines = {"actor": build_engine(0)}
+    path = manager.save(2, engines, {"tag": "first"})
+    assert manager.save(2, engines, {"tag": "second"}) == path
+    assert torch.load(path / "client_state.pt", weights_only=True)["tag"] == "first"
+
+
+def test_client_state_must_be_plain_data(distributed, tmp_path):
+    with pytest.raises(TypeError, match=r"client_state\['position'\] is a Namespace"):
+        check_weights_only_safe({"position": argparse.Namespace(epoch=1)})
+    with pytest.raises(TypeError, match=r"client_state\[.bad.\]\[.x.\] is a ndarray"):
+        check_weights_only_safe({"ok": [1, 2.0, "x", None, torch.zeros(2)], "bad": {"x": np.zeros(2)}})
+    with pytest.raises(ValueError, match="client_state\\['step'\\] is 3"):
+        CheckpointManager(tmp_path).save(4, {}, {"step": 3})
+
+
+def test_rng_state_round_trip_through_weights_only_load(tmp_path):
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    np.random.randn()  # leaves a cached gaussian in numpy's state
+    torch.save(capture_rng_state(), tmp_path / "rng.pt")
+    expected = (random.random(), np.random.randn(), torch.rand(3))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.randn()) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_checkpoint_args_and_interval():
+    parser = argparse.ArgumentParser()
+    add_checkpoint_args(parser)
+    parser.add_argument("--output_dir")
+    args = parser.parse_args(["--output_dir", "x", "--save_interval", "5", "--resume"])
+    manager = CheckpointManager.from_args(args)
+    assert args.resume and manager.keep_last == 2
+    assert [step for step in range(1, 16) if manager.should_save(step)] == [5, 10, 15]
+    with pytest.raises(UserError, match="--keep_last_checkpoints must be at least 1"):
+        CheckpointManager("x", keep_last=0)
+
+
+def test_atomic_directory_replaces_or_leaves_untouched(tmp_path):
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final) as tmp:
+            (tmp / "new.txt").write_text("new")
+            raise RuntimeError("crash")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert (final / "old.txt").read_text() == "old"
+    with atomic_directory(final) as tmp:
+        (tmp / "new.txt").write_text("new")
+        assert not (final / "new.txt").exists()
+    assert sorted(p.name for p in final.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_shared_atomic_directory_single_rank(distributed, tmp_path):
+    final = tmp_path / "ckpt"
+    with shared_atomic_directory(final) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".ckpt.tmp-")
+        (tmp / "rank0.pt").write_text("x")
+    assert (final / "rank0.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+@pytest.mark.parametrize("victim", ["actor/mp_rank_00_model_states.pt", "client_state.pt"])
+def test_tampered_checkpoint_is_refused_without_running_code(distributed, tmp_path, capsys, victim):
+    manager = CheckpointManager(tmp_path / "run")
+    path = manager.save(1, {"actor": build_engine(0)}, {"epoch": 0})
+    torch.save({"module": _RunsCode()}, path / victim)
+    with pytest.raises(UserError, match="safe load refuses .*GLOBAL print was not an allowed global"):
+        manager.load_latest({"actor": build_engine(0)})
+    assert "this must never run" not in capsys.readouterr().out
+
+
+TWO_RANKS = """
+import math, os, signal, sys
+import torch
+from training.dist import barrier, get_rank, init_distributed
+init_distributed()
+import test_checkpointing as t
+from training.checkpointing import CheckpointManager
+from training.errors import UserError
+from training.guards import NonFiniteError, check_finite
+from training.run_lock import RunLock
+from training.signals import GracefulInterrupt
+
+output_dir, rank = sys.argv[1], get_rank()
+with RunLock(output_dir):
+    try:
+        RunLock(output_dir).acquire()
+    except UserError:
+        print(rank, "lock refused", flush=True)
+    manager = CheckpointManager(output_dir, keep_last=1)
+    engines = {"actor": t.build_engine(2)}
+    torch.manual_seed(rank)
+    t.train(engines, t.dataset(), {"epoch": 0, "batches_done": 0}, t.TOTAL_STEPS, manager, save_at={2})
+    resumed = {"actor": t.build_engine(2, seed=3)}
+    state = manager.load_latest(resumed)
+    t.train(resumed, t.dataset(), {"epoch": state["epoch"], "batches_done": state["batches_done"]}, t.TOTAL_STEPS)
+    diff = max((a - b).abs().max().item() for a, b in zip(t.weights(engines["actor"]).values(), t.weights(resumed["actor"]).values()))
+    print(rank, "diff", diff, flush=True)
+    try:
+        check_finite("loss", math.nan if rank == 1 else 1.0, step=5, checkpoint_manager=manager)
+    except NonFiniteError:
+        print(rank, "non-finite agreed", flush=True)
+    with GracefulInterrupt() as stop:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        barrier()
+        print(rank, "stop", stop.should_stop(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
+    """torchrun with 2 ranks: ZeRO-2 resume is exact; lock, non-finite and stop decisions reach both ranks."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, TESTS_DIR
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0", str(script), str(tmp_path / "run")],
+        capture_output=True, text=True, env=env, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        for line in ("lock refused", "diff 0.0", "non-finite agreed", "stop True"):
+            assert f"{rank} {line}" in result.stdout, result.stdout
+    step2 = tmp_path / "run" / "checkpoints" / "step2"
+    assert sorted(p.name for p in (step2 / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
+    assert json.loads((step2 / MARKER_FILE).read_text())["world_size"] == 2

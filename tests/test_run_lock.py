@@ -1,0 +1,54 @@
+"""One run per output folder: a second run is refused with a clear message; a killed holder frees the folder."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from training.errors import UserError
+from training.run_lock import OWNER_FILE, RunLock
+
+HOLDER = """
+import sys, time
+from training.run_lock import RunLock
+lock = RunLock(sys.argv[1]).acquire()  # keep a reference: a collected lock is released
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def start_holder(output_dir) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(output_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_second_run_is_refused_until_the_holder_is_killed(tmp_path):
+    output_dir = tmp_path / "run"
+    holder = start_holder(output_dir)
+    try:
+        with pytest.raises(UserError) as refused:
+            RunLock(output_dir).acquire()
+        message = str(refused.value)
+        assert f"output dir {output_dir} is in use by another run (pid {holder.pid} on " in message
+        assert "started 20" in message and "wait for it to finish or choose another --output_dir" in message
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert holder.returncode == -signal.SIGKILL
+    # the kernel dropped the dead holder's lock: the next run gets the folder and records itself
+    with RunLock(output_dir):
+        assert f'"pid": {os.getpid()}' in (output_dir / OWNER_FILE).read_text()
+    assert not (output_dir / OWNER_FILE).exists()
+
+
+def test_lock_is_exclusive_within_one_process_and_reusable_after_release(tmp_path):
+    first = RunLock(tmp_path).acquire()
+    with pytest.raises(UserError, match=f"pid {os.getpid()} on "):
+        RunLock(tmp_path).acquire()
+    first.release()
+    with RunLock(tmp_path):
+        pass

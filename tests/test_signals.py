@@ -1,0 +1,101 @@
+"""SIGTERM/SIGINT: finish the step, save, print the resume command; a second Ctrl-C aborts."""
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from training.signals import EXIT_INTERRUPTED, GracefulInterrupt, resume_command
+
+LOOP = """
+import argparse, sys, time
+import torch, deepspeed
+from training.dist import init_distributed
+from training.checkpointing import CheckpointManager, add_checkpoint_args
+from training.signals import GracefulInterrupt
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--output_dir")
+parser.add_argument("--max_steps", type=int)
+add_checkpoint_args(parser)
+args = parser.parse_args()
+init_distributed()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                                  config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}})
+manager = CheckpointManager.from_args(args)
+state = manager.restore({"model": engine}, resume=args.resume) or {}
+print("start", engine.global_steps, state.get("note"), flush=True)
+with GracefulInterrupt() as stop:
+    while engine.global_steps < args.max_steps:
+        loss = engine(torch.randn(1, 4)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        print("step", engine.global_steps, flush=True)
+        time.sleep(0.05)
+        if stop.should_stop():
+            path = manager.save(engine.global_steps, {"model": engine}, {"note": "interrupted"})
+            stop.exit_for_resume(engine.global_steps, path)
+print("done", engine.global_steps, flush=True)
+"""
+
+
+def test_sigterm_saves_a_checkpoint_and_the_resume_command_continues(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    output_dir = tmp_path / "run"
+    command = [sys.executable, str(script), "--output_dir", str(output_dir), "--max_steps", "100000"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    for line in run.stdout:
+        if line.strip() == "step 3":
+            run.send_signal(signal.SIGTERM)
+            break
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == EXIT_INTERRUPTED, stderr[-2000:]
+    steps = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step ")]
+    stopped_at = steps[-1] if steps else 3
+    assert stopped_at <= 4  # the step under way when the signal came is finished, no more
+    assert "received SIGTERM: stopping after this step" in stderr
+    expected = shlex.join(command + ["--resume"])
+    assert f"stopped on SIGTERM after step {stopped_at}; checkpoint saved to {output_dir / 'checkpoints' / f'step{stopped_at}'}" in stdout
+    assert f"to continue: {expected}" in stdout
+    assert (output_dir / "checkpoints" / "latest").read_text() == f"step{stopped_at}"
+
+    resumed = subprocess.run(shlex.split(expected.replace("100000", str(stopped_at + 2))), capture_output=True,
+                             text=True, env=env, cwd=tmp_path, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"start {stopped_at} interrupted" in resumed.stdout
+    assert f"done {stopped_at + 2}" in resumed.stdout
+
+
+def test_first_signal_requests_a_stop_and_a_second_sigint_aborts():
+    before = signal.getsignal(signal.SIGTERM)
+    with GracefulInterrupt() as stop:
+        assert not stop.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.should_stop() and stop.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM (launcher forwarding) changes nothing
+        with pytest.raises(KeyboardInterrupt, match="second interrupt"):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_exit_for_resume_prints_the_command_and_exits_with_the_documented_code(capsys):
+    stop = GracefulInterrupt()
+    stop.received = signal.SIGINT
+    with pytest.raises(SystemExit) as exited:
+        stop.exit_for_resume(7, "/runs/a/checkpoints/step7", argv=["python", "train.py", "--output_dir", "/runs/a"])
+    assert exited.value.code == EXIT_INTERRUPTED
+    out = capsys.readouterr().out
+    assert "stopped on SIGINT after step 7; checkpoint saved to /runs/a/checkpoints/step7" in out
+    assert "to continue: python train.py --output_dir /runs/a --resume" in out
+
+
+def test_resume_command_drops_the_launcher_rank_and_adds_resume_once():
+    assert resume_command(["step1_sft/main.py", "--local_rank=1", "--lr", "1e-3"]) == "step1_sft/main.py --lr 1e-3 --resume"
+    assert resume_command(["main.py", "--local_rank", "0", "--resume", "--data", "a b"]) == "main.py --resume --data 'a b'"

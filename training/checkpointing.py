@@ -1,0 +1,335 @@
+"""Resume checkpoints: everything a run needs to continue as if it had never stopped.
+
+One checkpoint is one folder `<output_dir>/checkpoints/step<N>/` holding
+- `<engine name>/`: each DeepSpeed engine's own checkpoint (module, optimizer, LR scheduler, its
+  step counters), written by `engine.save_checkpoint` from every rank;
+- `rng/rank<R>.pt`: each rank's python, numpy, torch and accelerator RNG states;
+- `client_state.pt`: rank 0's `client_state` (data position, KL controller, EMA weights, ...);
+- `checkpoint.json`: the completion marker, written last.
+The folder is staged under a hidden temporary name and renamed into place once every rank has
+finished (`training.atomic.shared_atomic_directory`); only then is the `latest` pointer file
+replaced atomically. A crash at any moment leaves `latest` on the previous complete checkpoint.
+
+Every file loads with `torch.load(weights_only=True)`, so a tampered checkpoint cannot run code:
+`client_state` must hold only plain data (tensors, numbers, strings, None, and lists/tuples/dicts
+of those). DeepSpeed 0.19.8 hard-codes `weights_only=False` in `TorchCheckpointEngine.load`, so
+while loading we replace that method on the engine's checkpoint engine with a weights-only load
+that allows the four DeepSpeed classes its ZeRO optimizer files contain (`DEEPSPEED_SAFE_GLOBALS`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pickle
+import random
+import re
+import shutil
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .atomic import atomic_torch_save, atomic_write_text, remove_temporaries, shared_atomic_directory
+from .dist import barrier, broadcast_from_main, get_rank, get_world_size, is_main_process
+from .errors import UserError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+LATEST_FILE = "latest"
+MARKER_FILE = "checkpoint.json"
+CLIENT_STATE_FILE = "client_state.pt"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_TAG_PATTERN = re.compile(r"^step(\d+)$")
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument("--save_interval", type=int, default=0,
+                       help="save a resume checkpoint every N optimizer steps (0: only when interrupted)")
+    group.add_argument("--resume", action="store_true",
+                       help="continue from the latest complete checkpoint in <output_dir>/checkpoints")
+    group.add_argument("--keep_last_checkpoints", type=int, default=2,
+                       help="how many resume checkpoints to keep (older ones are deleted)")
+
+
+# RNG ----------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This rank's python, numpy, torch and accelerator RNG states, as weights_only-loadable data."""
+    from deepspeed.accelerator import get_accelerator
+
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.get_rng_state(),
+    }
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        state["accelerator"] = accelerator.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    numpy_state = state["numpy"]
+    np.random.set_state((
+        numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+        numpy_state["has_gauss"], numpy_state["cached_gaussian"],
+    ))
+    torch.set_rng_state(state["torch"])
+    if "accelerator" in state:
+        get_accelerator().set_rng_state(state["accelerator"])
+
+
+# client state -------------------------------------------------------------------------------------
+
+_PLAIN_SCALARS = (bool, int, float, str, type(None), torch.Tensor, torch.Size)
+
+
+def check_weights_only_safe(value: Any, where: str = "client_state") -> None:
+    """Raise TypeError naming the first entry `torch.load(weights_only=True)` could not read back.
+
+    Checked when saving, so a bad entry fails the first save rather than the resume.
+    """
+    if isinstance(value, _PLAIN_SCALARS):
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            check_weights_only_safe(item, f"{where}[{index}]")
+        return
+    if isinstance(value, (dict, OrderedDict)):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
+            check_weights_only_safe(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(value).__name__}; checkpoints hold only tensors, numbers, strings, None and "
+        "lists/tuples/dicts of those (convert it, e.g. dataclasses.asdict or .state_dict())"
+    )
+
+
+# DeepSpeed's own files -------------------------------------------------------------------------
+
+
+def deepspeed_safe_globals() -> list[type]:
+    """The classes DeepSpeed pickles into its ZeRO optimizer files (loss scaler, stage enum, fragment map)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_load(path: str | Path, map_location=None, allowed: list[type] = ()) -> Any:
+    """`torch.load(weights_only=True)`; a file that needs anything else ends in a `UserError`."""
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|$)", str(err), re.MULTILINE)
+        reason = found.group(1) if found else type(err).__name__
+        raise UserError(
+            f"{path} holds objects a safe load refuses ({reason}); it was written by another version or "
+            "altered: resume from a checkpoint this version wrote, or start without --resume"
+        ) from err
+
+
+@contextmanager
+def weights_only_engine_loads(engine) -> Iterator[None]:
+    """Within this context `engine.load_checkpoint` reads its files with `safe_load`."""
+    checkpoint_engine = engine.checkpoint_engine
+    allowed = deepspeed_safe_globals()
+    checkpoint_engine.load = lambda path, map_location=None: safe_load(path, map_location, allowed)
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
+
+
+# the manager --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    engines: tuple[str, ...]
+
+
+def _read_marker(folder: Path) -> CheckpointInfo | None:
+    """The checkpoint in `folder` if its completion marker is present and readable."""
+    try:
+        marker = json.loads((folder / MARKER_FILE).read_text())
+        return CheckpointInfo(path=folder, step=int(marker["step"]), engines=tuple(marker["engines"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class CheckpointManager:
+    """Saves and restores resume checkpoints under `<output_dir>/checkpoints` (all ranks call every method
+    except `latest`, `complete_checkpoints` and `should_save`, which only read)."""
+
+    def __init__(self, output_dir: str | Path, keep_last: int = 2, save_interval: int = 0):
+        if keep_last < 1:
+            raise UserError(f"--keep_last_checkpoints must be at least 1, got {keep_last}")
+        if save_interval < 0:
+            raise UserError(f"--save_interval must be 0 (off) or a positive number of steps, got {save_interval}")
+        self.checkpoints_dir = Path(output_dir) / CHECKPOINTS_SUBDIR
+        self.keep_last = keep_last
+        self.save_interval = save_interval
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "CheckpointManager":
+        return cls(args.output_dir, keep_last=args.keep_last_checkpoints, save_interval=args.save_interval)
+
+    def should_save(self, step: int) -> bool:
+        """Whether `--save_interval` asks for a checkpoint after optimizer step `step`."""
+        return self.save_interval > 0 and step > 0 and step % self.save_interval == 0
+
+    # reading ----------------------------------------------------------------------------------
+
+    def complete_checkpoints(self) -> list[CheckpointInfo]:
+        """Every checkpoint whose completion marker is present, oldest first."""
+        if not self.checkpoints_dir.is_dir():
+            return []
+        found = []
+        for folder in self.checkpoints_dir.iterdir():
+            if folder.is_dir() and _TAG_PATTERN.match(folder.name):
+                info = _read_marker(folder)
+                if info is not None:
+                    found.append(info)
+        return sorted(found, key=lambda info: info.step)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The checkpoint `latest` points to; if the pointer is missing or names an incomplete folder,
+        the newest complete checkpoint."""
+        pointer = self.checkpoints_dir / LATEST_FILE
+        if pointer.is_file():
+            tag = pointer.read_text().strip()
+            if _TAG_PATTERN.match(tag):
+                info = _read_marker(self.checkpoints_dir / tag)
+                if info is not None:
+                    return info
+            logger.warning("%s names '%s', which is not a complete checkpoint; using the newest complete one", pointer, tag)
+        complete = self.complete_checkpoints()
+        return complete[-1] if complete else None
+
+    # writing ----------------------------------------------------------------------------------
+
+    def save(self, step: int, engines: Mapping[str, Any], client_state: Mapping[str, Any] | None = None) -> Path:
+        """Write checkpoint `step<step>` (every rank calls it, right after an optimizer step) and return its folder.
+
+        `client_state` is taken from rank 0 and handed back to every rank by `load_latest`; it gets
+        a `step` entry. A checkpoint of the same step that is already complete is kept as it is.
+        """
+        client_state = dict(client_state or {})
+        if client_state.setdefault("step", step) != step:
+            raise ValueError(f"client_state['step'] is {client_state['step']}, but the checkpoint is for step {step}")
+        check_weights_only_safe(client_state)
+        final = self.checkpoints_dir / f"step{step}"
+        if broadcast_from_main(_read_marker(final) is not None):
+            logger.info("checkpoint for step %d already saved at %s", step, final)
+            return final
+        if is_main_process():
+            self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            remove_temporaries(self.checkpoints_dir)
+        with shared_atomic_directory(final) as tmp:
+            for name, engine in engines.items():
+                engine.save_checkpoint(str(tmp), tag=name, save_latest=False)
+            (tmp / RNG_DIR).mkdir(exist_ok=True)
+            atomic_torch_save(capture_rng_state(), tmp / RNG_DIR / f"rank{get_rank()}.pt")
+            barrier()
+            if is_main_process():
+                atomic_torch_save(client_state, tmp / CLIENT_STATE_FILE)
+                marker = {"format": FORMAT_VERSION, "step": step, "engines": list(engines),
+                          "world_size": get_world_size(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                atomic_write_text(tmp / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
+        if is_main_process():
+            atomic_write_text(self.checkpoints_dir / LATEST_FILE, final.name)
+            self.prune()
+        barrier()
+        logger.info("saved checkpoint for step %d to %s", step, final)
+        return final
+
+    def prune(self) -> list[Path]:
+        """Delete all but the newest `keep_last` complete checkpoints, never the one `latest` names (rank 0 only)."""
+        keep = {info.path for info in self.complete_checkpoints()[-self.keep_last:]}
+        current = self.latest()
+        if current is not None:
+            keep.add(current.path)
+        removed = []
+        for folder in sorted(self.checkpoints_dir.iterdir()):
+            if folder.is_dir() and _TAG_PATTERN.match(folder.name) and folder not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+        return removed
+
+    # restoring --------------------------------------------------------------------------------
+
+    def load_latest(self, engines: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Load the latest complete checkpoint into `engines` and this rank's RNG; return the client
+        state (with its `step`), or None when there is no checkpoint. Every rank calls it."""
+        path = broadcast_from_main(None if (info := self.latest()) is None else str(info.path))
+        if path is None:
+            return None
+        info = _read_marker(Path(path))
+        if info is None:
+            raise UserError(f"checkpoint {path} vanished while loading; is another run using {self.checkpoints_dir}?")
+        return self._load(info, engines)
+
+    def restore(self, engines: Mapping[str, Any], resume: bool) -> dict[str, Any] | None:
+        """`load_latest` behind the `--resume` rules: with it, a checkpoint must exist; without it, none may
+        (a fresh run would otherwise mix its checkpoints with an earlier run's and prune them)."""
+        found = broadcast_from_main(None if (info := self.latest()) is None else info.step)
+        if not resume:
+            if found is not None:
+                raise UserError(
+                    f"{self.checkpoints_dir} holds checkpoints of an earlier run (latest: step {found}); "
+                    "pass --resume to continue it, or choose another --output_dir"
+                )
+            return None
+        if found is None:
+            raise UserError(
+                f"--resume: there is no complete checkpoint in {self.checkpoints_dir}; "
+                "run without --resume to start from the beginning"
+            )
+        return self.load_latest(engines)
+
+    def _load(self, info: CheckpointInfo, engines: Mapping[str, Any]) -> dict[str, Any]:
+        if set(info.engines) != set(engines):
+            raise UserError(
+                f"checkpoint {info.path} holds the models {sorted(info.engines)}, but this run trains "
+                f"{sorted(engines)}; resume with the same settings, or choose another --output_dir"
+            )
+        for name, engine in engines.items():
+            with weights_only_engine_loads(engine):
+                load_path, _ = engine.load_checkpoint(str(info.path), tag=name)
+            if load_path is None:
+                raise UserError(
+                    f"checkpoint {info.path} is damaged: '{name}' could not be loaded; delete that folder "
+                    "to resume from the one before it"
+                )
+        rng_file = info.path / RNG_DIR / f"rank{get_rank()}.pt"
+        if rng_file.is_file():
+            restore_rng_state(safe_load(rng_file))
+        else:
+            logger.warning("%s has no RNG state for rank %d (the world size changed); random streams restart",
+                           info.path, get_rank())
+        client_state = safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu")
+        logger.info("resumed from %s (step %d)", info.path, info.step)
+        return client_state

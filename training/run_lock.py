@@ -1,0 +1,84 @@
+"""One run per output folder: an OS-level lock that dies with the process that holds it.
+
+`filelock.FileLock` on Linux/macOS is an `flock` on `<output_dir>/.run.lock`; the kernel drops it
+when the holder exits for any reason (SIGKILL and power loss included), so a crashed run never
+blocks the next one. Who holds it (pid, host, start time) is kept in a separate file, because
+older filelock versions truncate the lock file on every attempt to take it. Rank 0 takes the lock
+for the whole job and tells the other ranks whether it got it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import filelock
+
+from .atomic import atomic_write_text
+from .dist import broadcast_from_main, is_main_process
+from .errors import UserError
+
+LOCK_FILE = ".run.lock"
+OWNER_FILE = ".run.lock.json"
+
+
+class RunLock:
+    """Hold `<output_dir>/.run.lock` while a run writes there (context manager; every rank enters it)."""
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.output_dir = Path(output_dir)
+        self._lock: filelock.BaseFileLock | None = None
+
+    @property
+    def owner_path(self) -> Path:
+        return self.output_dir / OWNER_FILE
+
+    def _holder(self) -> str:
+        try:
+            owner = json.loads(self.owner_path.read_text())
+            return f"pid {owner['pid']} on {owner['host']}, started {owner['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "pid unknown"
+
+    def _try_acquire(self) -> str | None:
+        """Take the lock; None on success, else the holder's description."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(self.output_dir / LOCK_FILE), timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            return self._holder()
+        if isinstance(lock, filelock.SoftFileLock):
+            warnings.warn(f"{self.output_dir} does not support OS file locks; a crashed run's lock must be "
+                          f"removed by hand ({self.output_dir / LOCK_FILE})", stacklevel=3)
+        self._lock = lock
+        owner = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": list(sys.orig_argv)}
+        atomic_write_text(self.owner_path, json.dumps(owner, indent=2) + "\n")
+        return None
+
+    def acquire(self) -> "RunLock":
+        holder = self._try_acquire() if is_main_process() else None
+        holder = broadcast_from_main(holder)
+        if holder is not None:
+            raise UserError(
+                f"output dir {self.output_dir} is in use by another run ({holder}); "
+                "wait for it to finish or choose another --output_dir"
+            )
+        return self
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self.owner_path.unlink(missing_ok=True)
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

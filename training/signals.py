@@ -1,0 +1,102 @@
+"""Stop cleanly on SIGTERM/SIGINT: finish the optimizer step, save a checkpoint, say how to resume.
+
+The first signal only sets a flag. The training loop asks `should_stop()` after every optimizer
+step (all ranks, at the same point: the answer is agreed across ranks, since a launcher or a
+scheduler may signal the ranks at slightly different moments), saves a checkpoint and calls
+`exit_for_resume`, which prints the command to continue and exits with `EXIT_INTERRUPTED`.
+A second SIGINT (Ctrl-C again) aborts at once; the last complete checkpoint stays valid.
+
+Only a second SIGINT aborts, not a SIGTERM after a SIGINT: Ctrl-C under the `deepspeed` launcher
+reaches each rank twice (SIGINT from the terminal, then SIGTERM from the launcher). That launcher
+kills its ranks 30 s after forwarding the signal, so a checkpoint that takes longer to write is
+lost there, and the run resumes from the previous one.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import NoReturn, Sequence
+
+from .dist import any_rank, get_world_size, print_rank0
+
+EXIT_INTERRUPTED = 3
+"""Exit status of a run stopped on request after saving its checkpoint (0: finished, 2: user error)."""
+
+
+def resume_command(argv: Sequence[str] | None = None) -> str:
+    """The command that started this process, with `--resume` added (and the launcher's `--local_rank` removed)."""
+    words = list(sys.orig_argv if argv is None else argv)
+    kept: list[str] = []
+    skip_value = False
+    for word in words:
+        if skip_value:
+            skip_value = False
+            continue
+        if word == "--local_rank":
+            skip_value = True
+            continue
+        if word.startswith("--local_rank="):
+            continue
+        kept.append(word)
+    if "--resume" not in kept:
+        kept.append("--resume")
+    return shlex.join(kept)
+
+
+def _launched_by_launcher() -> bool:
+    return get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class GracefulInterrupt:
+    """Context manager that turns SIGINT/SIGTERM into a stop request at the next step boundary."""
+
+    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)):
+        self.signals = tuple(signals)
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> "GracefulInterrupt":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        signum = signal.Signals(signum)
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
+        if self.received is None:
+            self.received = signum
+            print(f"\nreceived {signum.name}: stopping after this step and saving a checkpoint "
+                  "(press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+
+    @property
+    def requested(self) -> bool:
+        """Whether this rank received a signal (local; the loop should use `should_stop`)."""
+        return self.received is not None
+
+    def should_stop(self) -> bool:
+        """Whether any rank received a signal. Collective: every rank calls it after each optimizer step."""
+        return any_rank(self.requested)
+
+    def exit_for_resume(self, step: int, checkpoint: os.PathLike | str, argv: Sequence[str] | None = None) -> NoReturn:
+        """Print where the checkpoint is and how to continue, then exit with `EXIT_INTERRUPTED` (every rank)."""
+        reason = self.received.name if self.received is not None else "a signal on another rank"
+        command = resume_command(argv)
+        if _launched_by_launcher():
+            hint = f"run the same launcher command with --resume added (this rank ran: {command})"
+        else:
+            hint = command
+        print_rank0(f"stopped on {reason} after step {step}; checkpoint saved to {checkpoint}\n"
+                    f"to continue: {hint}")
+        sys.stdout.flush()
+        raise SystemExit(EXIT_INTERRUPTED)

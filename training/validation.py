@@ -1,0 +1,216 @@
+"""Start-up checks of what the user passed, each ending in one `UserError` line that says what to do.
+
+Steps call these before they write anything, so a bad argument never overwrites earlier work.
+Batch sizes are checked by `training.args.check_positive`; `--data_split` by the data layer's
+`parse_data_split` (re-exported here so every start-up check can be found in one place).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable, Sequence
+
+from utils.data.splits import parse_data_split
+
+from .embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
+from .errors import UserError
+from .model_loading import resolve_model_path
+
+__all__ = [
+    "check_output_dir",
+    "estimate_output_bytes",
+    "check_disk_space",
+    "model_max_positions",
+    "check_sequence_lengths",
+    "parse_data_split",
+    "check_model_source",
+    "check_remote_code",
+    "check_reward_model_dir",
+]
+
+GB = 1024**3
+_POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_OFFLINE_VALUES = {"1", "ON", "YES", "TRUE"}
+
+
+# output folder and disk -------------------------------------------------------------------------
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--output_dir") -> Path:
+    """Create the run folder (and its parents) unless something in the way is a file or unwritable."""
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{flag} {folder} is a file, not a folder; choose another {flag} (the file was left as it is)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        raise UserError(f"{flag} {folder} cannot be created: part of that path is a file; choose another {flag}") from err
+    except PermissionError as err:
+        raise UserError(f"{flag} {folder} cannot be created (permission denied); choose a folder you can write to") from err
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {folder} is not writable; choose a folder you can write to")
+    return folder
+
+
+def estimate_output_bytes(
+    num_params: int,
+    param_bytes: int,
+    trainable_params: int | None = None,
+    keep_last_checkpoints: int = 0,
+    final_models: int = 1,
+) -> int:
+    """Bytes a run writes for one model: its final folder(s) plus resume checkpoints.
+
+    A checkpoint holds the weights in the training dtype, the Adam moments (8 bytes per trainable
+    parameter) and, below fp32, an fp32 master copy; while one is written the previous
+    `keep_last_checkpoints` still exist, hence one more than kept.
+    """
+    trainable = num_params if trainable_params is None else trainable_params
+    optimizer_bytes_per_param = 8 + (4 if param_bytes < 4 else 0)
+    checkpoint = num_params * param_bytes + trainable * optimizer_bytes_per_param
+    checkpoints = keep_last_checkpoints + 1 if keep_last_checkpoints > 0 else 0
+    return final_models * num_params * param_bytes + checkpoints * checkpoint
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk_space(path: str | os.PathLike, needed_bytes: int, what: str = "this run") -> None:
+    """Fail early when the disk under `path` has less free space than `needed_bytes`."""
+    free = shutil.disk_usage(_existing_ancestor(Path(path))).free
+    if free < needed_bytes:
+        raise UserError(
+            f"only {free / GB:.2f} GB are free on the disk of {path}, but {what} will write about "
+            f"{needed_bytes / GB:.2f} GB; free some space, keep fewer checkpoints (--keep_last_checkpoints), "
+            "or choose an --output_dir on another disk"
+        )
+
+
+# sequence lengths -------------------------------------------------------------------------------
+
+
+def model_max_positions(config) -> tuple[int, str] | None:
+    """The number of positions a model config supports, and the attribute that says so."""
+    for attribute in _POSITION_ATTRIBUTES:
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 0:
+            return value, attribute
+    return None
+
+
+def check_sequence_lengths(
+    config,
+    *,
+    max_seq_len: int | None = None,
+    max_prompt_seq_len: int | None = None,
+    max_answer_seq_len: int | None = None,
+    model: str = "the model",
+) -> None:
+    """Lengths must be positive, and a whole sequence must fit the model's position embeddings."""
+    named = {"--max_seq_len": max_seq_len, "--max_prompt_seq_len": max_prompt_seq_len,
+             "--max_answer_seq_len": max_answer_seq_len}
+    for flag, value in named.items():
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be a positive number of tokens, got {value}")
+    limit = model_max_positions(config)
+    if limit is None:
+        return
+    positions, attribute = limit
+    if max_seq_len is not None and max_seq_len > positions:
+        raise UserError(
+            f"--max_seq_len {max_seq_len} exceeds the {positions} positions of {model} ({attribute}); "
+            f"pass --max_seq_len {positions} or less"
+        )
+    if max_prompt_seq_len is not None and max_answer_seq_len is not None:
+        total = max_prompt_seq_len + max_answer_seq_len
+        if total > positions:
+            raise UserError(
+                f"--max_prompt_seq_len {max_prompt_seq_len} + --max_answer_seq_len {max_answer_seq_len} = {total} "
+                f"tokens exceed the {positions} positions of {model} ({attribute}); lower them so they sum to "
+                f"at most {positions}"
+            )
+
+
+# models -----------------------------------------------------------------------------------------
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(name, "").upper() in _OFFLINE_VALUES for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _cached_on_hub(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_model_source(name_or_path: str, flag: str = "--model_name_or_path") -> None:
+    """The model must be the embedded default, a local model/run folder, or a hub name that can be fetched."""
+    if is_embedded_name(name_or_path):
+        return
+    alternatives = f"a Hugging Face model folder, a previous step's run folder, or '{EMBEDDED_MODEL_NAME}'"
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{flag} {name_or_path} is a file; pass {alternatives}")
+        if not (Path(resolve_model_path(str(path))) / "config.json").is_file():
+            raise UserError(f"{flag} {name_or_path} holds no config.json (nor model/config.json); pass {alternatives}")
+        return
+    if not _HUB_ID.match(name_or_path) or ".." in name_or_path:
+        raise UserError(f"{flag} {name_or_path}: no such folder; check the path, or pass {alternatives}")
+    if _hub_offline() and not _cached_on_hub(name_or_path):
+        raise UserError(
+            f"{flag} {name_or_path} is not a local folder and the Hugging Face hub is offline (HF_HUB_OFFLINE) "
+            "with no cached copy; download the model on a connected machine and pass its local folder, "
+            f"or use '{EMBEDDED_MODEL_NAME}'"
+        )
+
+
+def check_remote_code(name_or_path: str, trust_remote_code: bool, flag: str = "--model_name_or_path") -> None:
+    """A local model whose config asks for its own code (`auto_map`) runs only with `--trust_remote_code`."""
+    if trust_remote_code or is_embedded_name(name_or_path):
+        return
+    config_file = Path(resolve_model_path(name_or_path)) / "config.json"
+    try:
+        auto_map = json.loads(config_file.read_text()).get("auto_map")
+    except (OSError, ValueError):
+        return
+    if auto_map:
+        raise UserError(
+            f"{flag} {name_or_path} ships its own model code (auto_map in config.json), which runs only with "
+            "--trust_remote_code; add that flag if you trust the code, or choose another model"
+        )
+
+
+def check_reward_model_dir(
+    name_or_path: str,
+    has_value_head: Callable[[Path], bool] | Sequence[str],
+    flag: str = "--critic_model_name_or_path",
+) -> Path:
+    """The folder of a trained reward model (a step-2 run folder or its `model/`); returns the model folder.
+
+    `has_value_head` is either a predicate on the folder or the file names that must all be present
+    (the reward-model module owns which files mark a value head).
+    """
+    hint = "pass the run folder (or model folder) written by step 2"
+    if is_embedded_name(name_or_path):
+        raise UserError(f"{flag} {name_or_path} is a base language model with no value head; {hint}")
+    folder = Path(resolve_model_path(name_or_path))
+    if not folder.is_dir():
+        raise UserError(f"{flag} {name_or_path}: no such folder; {hint}")
+    if callable(has_value_head):
+        present, missing = has_value_head(folder), "a value head"
+    else:
+        absent = [name for name in has_value_head if not (folder / name).is_file()]
+        present, missing = not absent, ", ".join(absent)
+    if not present:
+        raise UserError(f"{flag} {name_or_path} is not a reward model (missing {missing}); {hint}")
+    return folder
