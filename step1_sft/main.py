@@ -1,0 +1,95 @@
+"""Step 1: supervised fine-tuning of a causal LM on prompt -> answer pairs, with DeepSpeed.
+
+The loss covers the answer tokens (and the EOS appended to each answer) only, unless
+`--whole_sequence_loss`. Held-out perplexity is measured before training and after each epoch.
+Example (CPU quick run on the embedded model and data):
+
+    python step1_sft/main.py --output_dir runs/step1 --max_steps 50 --max_seq_len 256
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from transformers import PreTrainedTokenizerBase  # noqa: E402
+
+from step1_sft.objective import evaluate_perplexity, sft_loss  # noqa: E402
+from training.args import (  # noqa: E402
+    add_lora_args,
+    add_model_args,
+    add_optimization_args,
+    add_run_args,
+    add_schedule_args,
+    add_supervised_loop_args,
+    add_zero_args,
+)
+from training.checkpointing import add_checkpoint_args  # noqa: E402
+from training.errors import run_cli  # noqa: E402
+from training.metrics import save_summary  # noqa: E402
+from training.model_loading import load_causal_lm  # noqa: E402
+from training.supervised_step import SupervisedStep, run_supervised_step  # noqa: E402
+from utils.data import SFTCollator, add_data_args  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Step 1: supervised fine-tuning (SFT) with DeepSpeed")
+    add_model_args(parser)
+    add_run_args(parser)
+    add_data_args(parser)
+    add_supervised_loop_args(parser, train_batch_size=8)
+    add_optimization_args(parser, learning_rate=1e-5)
+    add_schedule_args(parser)
+    add_zero_args(parser)
+    add_lora_args(parser)
+    add_checkpoint_args(parser)
+    return parser.parse_args(argv)
+
+
+def build_sft_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
+                    dtype: torch.dtype) -> torch.nn.Module:
+    return load_causal_lm(args.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
+                          disable_dropout_layers=args.disable_dropout, trust_remote_code=args.trust_remote_code)
+
+
+SFT_STEP = SupervisedStep(
+    phase=1,
+    name="step1_sft",
+    build_model=build_sft_model,
+    make_collator=SFTCollator,
+    loss_fn=sft_loss,
+    eval_fn=evaluate_perplexity,
+)
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> dict:
+    """Run step 1 and return its summary (also written to `<output_dir>/summary.json`)."""
+    args = parse_args(argv)
+    outcome = run_supervised_step(args, SFT_STEP)
+    result = outcome.result
+    summary = {
+        "step": "step1_sft",
+        "model_dir": str(outcome.model_dir),
+        "optimizer_steps": result.steps,
+        "epochs_completed": result.epochs_completed,
+        "train_items": outcome.train_items,
+        "eval_items": outcome.eval_items,
+        "dtype": outcome.dtype,
+        "final_train_loss": result.train_loss,
+        "eval_perplexity_before": result.first_eval.get("perplexity"),
+        "eval_perplexity_after": result.final_eval.get("perplexity"),
+        "eval_loss_before": result.first_eval.get("loss"),
+        "eval_loss_after": result.final_eval.get("loss"),
+        "wall_time_s": round(result.wall_time_s, 1),
+    }
+    save_summary(args.output_dir, summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

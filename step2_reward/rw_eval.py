@@ -1,0 +1,151 @@
+"""Score prompt/answer pairs with a reward model trained by step 2.
+
+    python step2_reward/rw_eval.py --model_name_or_path runs/step2 \\
+        --prompt "How do I boil an egg?" --answer "Boil water, add the egg, wait 8 minutes." --answer "No."
+    python step2_reward/rw_eval.py --model_name_or_path runs/step2 --input_file pairs.jsonl
+
+`--input_file` takes any `--data_path` source (json/jsonl/parquet; prompt + response, prompt +
+chosen + rejected, hh-rlhf transcripts, ...). Rows with a rejected answer also get a verdict and
+the file's accuracy and mean margin. Prompts are rendered and tokenised as in training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from transformers import PreTrainedTokenizerBase  # noqa: E402
+
+from step2_reward.reward_model import RewardModel  # noqa: E402
+from training.errors import UserError, run_cli  # noqa: E402
+from training.model_loading import load_tokenizer, resolve_dtype  # noqa: E402
+from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows  # noqa: E402
+from utils.data.collators import pad_sequences  # noqa: E402
+
+
+class RewardScorer:
+    """Scores (rendered prompt, answer) texts: prompt tokens + answer tokens + EOS, cut to `max_seq_len`,
+    the same sequence step 2 trained on."""
+
+    def __init__(self, model: RewardModel, tokenizer: PreTrainedTokenizerBase, prompt_format: str = "auto",
+                 max_seq_len: int = 512, batch_size: int = 8):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.formatter = PromptFormatter(tokenizer, prompt_format)
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, **kwargs) -> "RewardScorer":
+        return cls(RewardModel.from_pretrained(path, dtype=dtype), load_tokenizer(path), **kwargs)
+
+    def user_prompt(self, text: str) -> str:
+        return self.formatter.prompt([{"role": "user", "content": text}])
+
+    def encode(self, prompt: str, answer: str) -> torch.Tensor:
+        # a chat template writes its own special tokens; the Human/Assistant format takes the tokenizer's
+        prompt_ids = self.tokenizer(prompt, add_special_tokens=self.formatter.style == "human_assistant")["input_ids"]
+        answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        return torch.tensor((prompt_ids + answer_ids + [self.tokenizer.eos_token_id])[: self.max_seq_len])
+
+    @torch.no_grad()
+    def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """Reward of each (rendered prompt, formatted answer) pair."""
+        scores: list[float] = []
+        device = next(self.model.parameters()).device
+        for start in range(0, len(pairs), self.batch_size):
+            sequences = [self.encode(p, a) for p, a in pairs[start : start + self.batch_size]]
+            input_ids = pad_sequences(sequences, self.tokenizer.pad_token_id).to(device)
+            attention_mask = pad_sequences([torch.ones_like(s) for s in sequences], 0).to(device)
+            scores += self.model(input_ids=input_ids, attention_mask=attention_mask)["end_scores"].float().tolist()
+        return scores
+
+    def score_rows(self, rows: list[dict]) -> list[dict]:
+        """Add `chosen_score` (and `rejected_score`, `chosen_preferred`) to canonical rows."""
+        chosen = self.score([(row["prompt"], row["chosen"]) for row in rows])
+        with_rejected = [index for index, row in enumerate(rows) if row.get("rejected") is not None]
+        rejected = self.score([(rows[i]["prompt"], rows[i]["rejected"]) for i in with_rejected])
+        results = [{**row, "chosen_score": score} for row, score in zip(rows, chosen)]
+        for index, score in zip(with_rejected, rejected):
+            results[index].update(rejected_score=score, chosen_preferred=results[index]["chosen_score"] > score)
+        return results
+
+
+def pair_statistics(results: list[dict]) -> dict:
+    judged = [row for row in results if "rejected_score" in row]
+    if not judged:
+        return {"rows": len(results)}
+    margins = [row["chosen_score"] - row["rejected_score"] for row in judged]
+    return {
+        "rows": len(results),
+        "pairs": len(judged),
+        "accuracy": sum(row["chosen_preferred"] for row in judged) / len(judged),
+        "margin_mean": sum(margins) / len(margins),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Score prompt/answer pairs with a step-2 reward model")
+    parser.add_argument("--model_name_or_path", required=True, help="step 2's run folder or its model folder")
+    parser.add_argument("--prompt", help="a user prompt (with --answer)")
+    parser.add_argument("--answer", action="append", default=[], help="an answer to --prompt; repeat to compare several")
+    parser.add_argument("--input_file", help="a data file of prompt/answer rows (any --data_path format)")
+    parser.add_argument("--prompt_format", choices=PROMPT_FORMATS, default="auto")
+    parser.add_argument("--max_seq_len", type=int, default=512)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--max_rows", type=int, default=None, help="score at most this many rows of --input_file")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="fp32")
+    parser.add_argument("--output_file", help="write the scored rows to this JSONL file")
+    args = parser.parse_args(argv)
+    if not args.input_file and not (args.prompt and args.answer):
+        parser.error("give --prompt with at least one --answer, or --input_file")
+    return args
+
+
+def _rows(args: argparse.Namespace, scorer: RewardScorer) -> list[dict]:
+    rows = []
+    if args.prompt:
+        rendered = scorer.user_prompt(args.prompt)
+        rows += [{"prompt": rendered, "chosen": scorer.formatter.answer(a), "rejected": None} for a in args.answer]
+    if args.input_file:
+        file_rows = [row for row in read_rows(args.input_file, scorer.tokenizer, args.prompt_format) if row.get("chosen")]
+        if not file_rows:
+            raise UserError(f"{args.input_file} has no rows with a prompt and an answer to score")
+        rows += file_rows[: args.max_rows]
+    return rows
+
+
+def _short(text: str, limit: int) -> str:
+    """A one-line excerpt: the first `limit` characters, or the last `-limit`."""
+    flat = " ".join(text.split())
+    return repr(flat[:limit] if limit > 0 else flat[limit:])
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    scorer = RewardScorer.from_pretrained(args.model_name_or_path, resolve_dtype(args.dtype),
+                                          prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
+                                          batch_size=args.batch_size)
+    results = scorer.score_rows(_rows(args, scorer))
+    for row in results:
+        line = f"score {row['chosen_score']:+.4f}"
+        if "rejected_score" in row:
+            line = f"chosen {row['chosen_score']:+.4f}  rejected {row['rejected_score']:+.4f}  " \
+                   f"{'ok' if row['chosen_preferred'] else 'WRONG'}"
+        print(f"{line}  | {_short(row['prompt'], -60)} -> {_short(row['chosen'], 60)}", flush=True)
+    stats = pair_statistics(results)
+    print(json.dumps(stats), flush=True)
+    if args.output_file:
+        Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_file).write_text("".join(json.dumps(row) + "\n" for row in results), encoding="utf-8")
+    return {"results": results, **stats}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Step 1 (SFT): the loss covers answer tokens only, and `main` runs end to end on a tiny model."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, set_seed
+
+from step1_sft import prompt_eval
+from step1_sft.main import main
+from step1_sft.objective import sft_loss
+from supervised_data import write_arithmetic_jsonl
+from tiny_models import make_tiny_model, make_tokenizer
+from training.metrics import read_metrics
+from training.model_loading import load_causal_lm, load_tokenizer
+from utils.data import SFTCollator, build_phase_datasets
+
+
+def _args(model_dir, data, tmp_path, *extra):
+    return [
+        "--model_name_or_path", model_dir, "--data_path", data, "--data_split", "1,1,0",
+        "--data_output_path", str(tmp_path / "cache"), "--output_dir", str(tmp_path / "run"),
+        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--learning_rate", "3e-3",
+        "--dtype", "fp32", "--max_seq_len", "64", "--log_interval", "1", *extra,
+    ]
+
+
+def _logit_grads(model_dir, data, tmp_path, whole_sequence_loss):
+    """Gradient of `sft_loss` w.r.t. the logits, and the labels, of one collated batch of the real data path."""
+    tokenizer = load_tokenizer(model_dir)
+    train, _ = build_phase_datasets(1, [data], "1,1,0", tokenizer, 64, 1234, str(tmp_path / f"cache{whole_sequence_loss}"),
+                                    whole_sequence_loss=whole_sequence_loss)
+    batch = SFTCollator(tokenizer.pad_token_id)([train[i] for i in range(4)])
+    model = load_causal_lm(model_dir, tokenizer)
+    captured = {}
+
+    def keep_logits(module, inputs, output):
+        output.retain_grad()
+        captured["logits"] = output
+
+    model.get_output_embeddings().register_forward_hook(keep_logits)
+    sft_loss(model, batch).backward()
+    # logits at position t predict token t + 1
+    return captured["logits"].grad[:, :-1].abs().sum(-1), batch["labels"][:, 1:], batch, tokenizer
+
+
+def test_prompt_tokens_carry_no_loss_and_the_answer_ends_with_eos(tiny_model_dir, tmp_path):
+    model_dir, data = tiny_model_dir("llama"), write_arithmetic_jsonl(tmp_path / "d.jsonl")
+    grads, next_labels, batch, tokenizer = _logit_grads(model_dir, data, tmp_path, whole_sequence_loss=False)
+    predicts_prompt = next_labels == -100
+    assert predicts_prompt.any() and (~predicts_prompt).any()
+    assert torch.all(grads[predicts_prompt] == 0)
+    assert torch.all(grads[~predicts_prompt] > 0)
+    for row, mask in zip(batch["labels"], batch["attention_mask"]):
+        answer = row[row != -100]
+        assert answer[-1] == tokenizer.eos_token_id
+        assert row[0] == -100 and len(answer) < int(mask.sum())
+
+    whole_grads, whole_labels, _, _ = _logit_grads(model_dir, data, tmp_path, whole_sequence_loss=True)
+    real = whole_labels != -100  # everything but padding
+    assert torch.all(whole_grads[real] > 0)
+
+
+def test_main_trains_evaluates_and_saves_a_loadable_model(distributed, tiny_model_dir, tmp_path):
+    model_dir, data = tiny_model_dir("llama"), write_arithmetic_jsonl(tmp_path / "d.jsonl")
+    summary = main(_args(model_dir, data, tmp_path, "--num_train_epochs", "2"))
+    run = tmp_path / "run"
+    assert summary == json.loads((run / "summary.json").read_text())
+    assert summary["eval_perplexity_after"] < 0.7 * summary["eval_perplexity_before"]
+    assert summary["epochs_completed"] == 2 and summary["optimizer_steps"] == 2 * 6  # 22 items / batch 4
+    records = read_metrics(run)
+    losses = [r["train/loss"] for r in records if "train/loss" in r]
+    assert len(losses) == summary["optimizer_steps"] and losses[-1] < losses[0]
+    assert [r["step"] for r in records if "eval/perplexity" in r] == [0, 6, 12]  # before, after each epoch
+    assert (run / "args.json").is_file() and any((run / "tensorboard").iterdir())
+    model = AutoModelForCausalLM.from_pretrained(summary["model_dir"])
+    assert load_tokenizer(str(run)).pad_token_id is not None
+    assert model.config.eos_token_id == load_tokenizer(str(run)).eos_token_id
+
+    answers_file = tmp_path / "answers.jsonl"
+    rows = prompt_eval.main(["--model_name_or_path_baseline", model_dir, "--model_name_or_path_finetune", str(run),
+                             "--prompts", "What is 2 plus 3?", "What is 4 plus 1?", "--max_new_tokens", "6",
+                             "--output_file", str(answers_file), "--dtype", "fp32"])
+    assert [row["prompt"] for row in rows] == ["What is 2 plus 3?", "What is 4 plus 1?"]
+    assert all(row["finetune"] and row["finetune"] != row["baseline"] for row in rows)
+    assert [json.loads(line) for line in answers_file.read_text().splitlines()] == rows
+
+
+def test_lora_zero2_bf16_gradient_checkpointing_saves_a_merged_model(distributed, tiny_model_dir, tmp_path):
+    model_dir, data = tiny_model_dir("gpt2"), write_arithmetic_jsonl(tmp_path / "d.jsonl", 16)
+    summary = main(_args(model_dir, data, tmp_path, "--dtype", "bf16", "--zero_stage", "2", "--lora_dim", "4",
+                         "--lora_module_name", "h.", "--only_optimize_lora", "--gradient_checkpointing",
+                         "--gradient_accumulation_steps", "2", "--max_steps", "1", "--disable_dropout"))
+    assert summary["optimizer_steps"] == 1 and summary["dtype"] == "bf16"
+    weights = load_file(f"{summary['model_dir']}/model.safetensors")
+    assert not any("lora" in key for key in weights)
+    base = load_file(f"{model_dir}/model.safetensors")
+    changed = [key for key in base if key in weights and not torch.equal(base[key], weights[key].to(base[key].dtype))]
+    assert any(".attn." in key for key in changed)  # the adapters were folded into the attention weights
+
+
+def test_prompt_eval_samples_when_asked(tmp_path):
+    model, tokenizer = make_tiny_model("opt", make_tokenizer(with_pad=True))
+    settings = prompt_eval.GenerationSettings(max_new_tokens=5, do_sample=True, top_k=20, batch_size=2)
+    answers = {
+        seed: (set_seed(seed), prompt_eval.generate_answers(model, tokenizer, ["hello", "a", "b"], settings))[1]
+        for seed in (1, 2)
+    }
+    assert all(len(a) == 3 for a in answers.values()) and answers[1] != answers[2]
+    settings.do_sample = False
+    greedy = [prompt_eval.generate_answers(model, tokenizer, ["hello"], settings) for _ in range(2)]
+    assert greedy[0] == greedy[1]
+
+
+def test_a_bad_flag_value_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(_args(tiny_model_dir("llama"), "unused.jsonl", tmp_path, "--max_steps", "0"))
+    assert exit_info.value.code == 2
+    assert "--max_steps must be positive" in capsys.readouterr().err
+
+
+def test_run_folder_rules_lock_checkpoints_and_resume(distributed, tiny_model_dir, tmp_path, capsys):
+    from training.run_lock import RunLock
+
+    model_dir, data = tiny_model_dir("llama"), write_arithmetic_jsonl(tmp_path / "d.jsonl", 16)
+    args = _args(model_dir, data, tmp_path, "--max_steps", "2", "--save_interval", "1")
+    with RunLock(tmp_path / "run"), pytest.raises(SystemExit) as locked:
+        main(args)
+    assert locked.value.code == 2 and "in use by another run" in capsys.readouterr().err
+
+    first = main(args)
+    with pytest.raises(SystemExit) as refused:  # a fresh run must not overwrite the earlier run's checkpoints
+        main(args)
+    assert refused.value.code == 2 and "--resume" in capsys.readouterr().err
+    resumed = main([*args, "--resume"])  # nothing left to train: the same result comes back
+    assert resumed["eval_perplexity_after"] == pytest.approx(first["eval_perplexity_after"])
+    assert resumed["eval_perplexity_before"] == pytest.approx(first["eval_perplexity_before"])

@@ -1,0 +1,108 @@
+"""Step 2 (reward model): `main` end to end after step 1 in one process, the saved model scores as
+it did when training ended, and `rw_eval` scores pairs from the command line and from a file."""
+import json
+
+import pytest
+import torch
+
+from step1_sft.main import main as step1_main
+from step2_reward import rw_eval
+from step2_reward.main import main as step2_main
+from step2_reward.reward_model import RewardModel, evaluate_pairs
+from supervised_data import write_arithmetic_jsonl
+from training.metrics import read_metrics
+from training.model_loading import load_tokenizer
+from utils.data import PairwiseCollator, build_phase_datasets
+
+SCORE_KEYS = ("accuracy", "chosen_mean", "rejected_mean", "margin_mean")
+
+
+def _common(data, cache, out, *extra):
+    return ["--data_path", data, "--data_split", "1,1,0", "--data_output_path", str(cache), "--output_dir", str(out),
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_seq_len", "64",
+            "--log_interval", "1", *extra]
+
+
+def _reload_scores(run_dir, data, cache, dtype=torch.float32):
+    """Held-out scores of the saved model, on the same held-out pairs the run evaluated."""
+    model = RewardModel.from_pretrained(run_dir, dtype=dtype)
+    tokenizer = load_tokenizer(str(run_dir))
+    _, eval_data = build_phase_datasets(2, [data], "1,1,0", tokenizer, 64, 1234, str(cache))
+    collate = PairwiseCollator(tokenizer.pad_token_id)
+    batches = [collate([eval_data[i] for i in range(start, min(start + 4, len(eval_data)))])
+               for start in range(0, len(eval_data), 4)]
+    return evaluate_pairs(model, batches)
+
+
+@pytest.fixture(scope="module")
+def trained(distributed, tmp_path_factory):
+    """Step 1 then step 2 on its run folder, in this one process (as train.py runs them on CPU)."""
+    from tiny_models import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("steps")
+    model_dir = make_tiny_model_dir(root / "tiny", "llama")
+    data = write_arithmetic_jsonl(root / "pairs.jsonl", 64)
+    step1 = step1_main(["--model_name_or_path", model_dir, "--learning_rate", "3e-3", "--max_steps", "2",
+                        "--dtype", "fp32", *_common(data, root / "cache", root / "step1")])
+    summary = step2_main(["--model_name_or_path", str(root / "step1"), "--learning_rate", "2e-3",
+                          "--num_train_epochs", "2", "--dtype", "fp32",
+                          *_common(data, root / "cache", root / "step2")])
+    return {"root": root, "data": data, "step1": step1, "summary": summary, "run": root / "step2"}
+
+
+def test_reward_model_learns_the_pairs_and_reports_each_epoch(trained):
+    summary, run = trained["summary"], trained["run"]
+    assert summary == json.loads((run / "summary.json").read_text())
+    assert summary["eval_accuracy_after"] == 1.0
+    assert summary["eval_margin_after"] > summary["eval_margin_before"] + 1.0
+    assert summary["epochs_completed"] == 2 and summary["optimizer_steps"] == 16  # 29 pairs / batch 4 = 8 per epoch
+    evals = [r for r in read_metrics(run) if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 8, 16]
+    assert all(f"eval/{key}" in evals[-1] for key in SCORE_KEYS)
+    assert (run / "model" / "value_head.safetensors").is_file()
+
+
+def test_saved_reward_model_loads_back_with_the_same_scores(trained):
+    summary = trained["summary"]
+    reloaded = _reload_scores(trained["run"], trained["data"], trained["root"] / "cache")
+    assert reloaded.num_pairs == summary["eval_pairs"]
+    assert reloaded.accuracy == summary["eval_accuracy_after"]
+    assert reloaded.margin_mean == pytest.approx(summary["eval_margin_after"], abs=1e-5)
+    assert reloaded.chosen_mean == pytest.approx(summary["eval_chosen_mean_after"], abs=1e-5)
+    # the run folder itself is accepted wherever a model is (step 3 passes it as the critic/reward model)
+    direct = RewardModel.from_pretrained(trained["run"] / "model")
+    assert torch.equal(direct.v_head.weight, RewardModel.from_pretrained(trained["run"]).v_head.weight)
+
+
+def test_rw_eval_scores_command_line_pairs_and_files(trained, tmp_path):
+    run = str(trained["run"])
+    cli = rw_eval.main(["--model_name_or_path", run, "--prompt", "What is 3 plus 4?",
+                        "--answer", "3 plus 4 is 7.", "--answer", "I do not know."])
+    right, refusal = (row["chosen_score"] for row in cli["results"])
+    assert right > refusal
+
+    out = tmp_path / "scored.jsonl"
+    from_file = rw_eval.main(["--model_name_or_path", run, "--input_file", trained["data"], "--max_rows", "10",
+                              "--output_file", str(out)])
+    assert from_file["pairs"] == 10 and from_file["accuracy"] == 1.0 and from_file["margin_mean"] > 0
+    assert len(out.read_text().splitlines()) == 10
+    # the same text scores the same through the CLI and through the file path
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    scorer = rw_eval.RewardScorer.from_pretrained(run)
+    assert scorer.score([(rows[0]["prompt"], rows[0]["chosen"])])[0] == pytest.approx(rows[0]["chosen_score"], abs=1e-5)
+
+
+def test_rw_eval_needs_something_to_score(trained):
+    with pytest.raises(SystemExit):
+        rw_eval.main(["--model_name_or_path", str(trained["run"])])
+
+
+def test_zero3_bf16_reward_model_saves_and_reloads_with_its_scores(distributed, tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("opt")
+    data = write_arithmetic_jsonl(tmp_path / "pairs.jsonl", 24)
+    summary = step2_main(["--model_name_or_path", model_dir, "--learning_rate", "2e-3", "--max_steps", "3",
+                          "--zero_stage", "3", "--dtype", "bf16", *_common(data, tmp_path / "cache", tmp_path / "run")])
+    assert summary["optimizer_steps"] == 3 and summary["dtype"] == "bf16"
+    reloaded = _reload_scores(tmp_path / "run", data, tmp_path / "cache", dtype=torch.bfloat16)
+    assert reloaded.chosen_mean == pytest.approx(summary["eval_chosen_mean_after"], abs=2e-2)
+    assert reloaded.rejected_mean == pytest.approx(summary["eval_rejected_mean_after"], abs=2e-2)

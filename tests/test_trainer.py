@@ -1,0 +1,210 @@
+"""The shared supervised loop: step counting, accumulation, evaluation cadence, metrics, and the
+reliability wiring (periodic checkpoints, exact resume, stop on a signal, stop on a non-finite loss)."""
+import os
+import signal
+
+import pytest
+import torch
+
+from step1_sft.objective import evaluate_perplexity, sft_loss
+from tiny_models import make_tiny_model
+from training.engine import OptimizationSettings, create_train_engine
+from training.errors import UserError
+from training.metrics import MetricsLogger, read_metrics
+from training.checkpointing import CheckpointManager
+from training.guards import NonFiniteError
+from training.signals import EXIT_INTERRUPTED, GracefulInterrupt
+from training.trainer import LoopConfig, SkipFirst, SupervisedTrainer, count_optimizer_steps
+
+TEXTS = [
+    "Human: What is the capital of France? Assistant: The capital of France is Paris.",
+    "Human: Tell me a joke. Assistant: Why did the chicken cross the road?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Reinforcement learning from human feedback trains a reward model and a policy.",
+]
+
+
+def _items(tokenizer, count):
+    items = []
+    for index in range(count):
+        ids = torch.tensor(tokenizer(TEXTS[index % len(TEXTS)])["input_ids"] + [tokenizer.eos_token_id])
+        items.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return items
+
+
+def _collate(items):
+    length = max(len(i["input_ids"]) for i in items)
+    out = {"input_ids": torch.zeros(len(items), length, dtype=torch.long),
+           "attention_mask": torch.zeros(len(items), length, dtype=torch.long),
+           "labels": torch.full((len(items), length), -100, dtype=torch.long)}
+    for row, item in enumerate(items):
+        for key in out:
+            out[key][row, : len(item[key])] = item[key]
+    return out
+
+
+def _trainer(tmp_path, config, train_count=8, lr=3e-3, seed=0, arch="llama", loss_fn=sft_loss, **reliability):
+    model, tokenizer = make_tiny_model(arch, seed=seed)
+    steps = count_optimizer_steps(train_count, config, world_size=1)
+    settings = OptimizationSettings(
+        learning_rate=lr, num_training_steps=steps, micro_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps, lr_scheduler_type="constant_with_warmup",
+    )
+    engine = create_train_engine(model, settings)
+    metrics = MetricsLogger(tmp_path, enable_tensorboard=False)
+    trainer = SupervisedTrainer(
+        engine, _items(tokenizer, train_count), _items(tokenizer, 4), _collate, loss_fn, evaluate_perplexity,
+        config, metrics, num_training_steps=steps, **reliability,
+    )
+    return trainer
+
+
+def test_step_count_spans_epochs_and_is_capped():
+    config = LoopConfig(num_train_epochs=3, per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    # 10 examples on 2 ranks: 5 per rank -> 3 micro-batches per epoch, 9 in all -> 2 optimizer steps
+    assert count_optimizer_steps(10, config, world_size=2) == 2
+    config.max_steps = 1
+    assert count_optimizer_steps(10, config, world_size=2) == 1
+    with pytest.raises(UserError, match="gradient_accumulation_steps"):
+        count_optimizer_steps(3, LoopConfig(per_device_train_batch_size=2, gradient_accumulation_steps=4), world_size=1)
+
+
+def test_skip_first_resumes_mid_epoch():
+    assert list(SkipFirst(range(7), 3)) == [3, 4, 5, 6]
+    assert len(SkipFirst(range(7), 3)) == 4
+    assert list(SkipFirst(range(2), 5)) == []
+
+
+def test_fit_accumulates_evaluates_each_epoch_and_logs(distributed, tmp_path):
+    config = LoopConfig(num_train_epochs=2, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                        gradient_accumulation_steps=2, log_interval=1)
+    trainer = _trainer(tmp_path, config)
+    result = trainer.fit()
+    # 8 examples / batch 2 = 4 micro-batches per epoch, 2 per optimizer step, 2 epochs -> 4 steps
+    assert result.steps == 4 and trainer.engine.global_steps == 4
+    assert result.epochs_completed == 2
+    assert [e["step"] for e in result.evaluations] == [0, 2, 4]
+    assert result.final_eval["perplexity"] < result.first_eval["perplexity"]
+    records = read_metrics(tmp_path)
+    train_losses = [r["train/loss"] for r in records if "train/loss" in r]
+    assert len(train_losses) == 4 and train_losses[-1] < train_losses[0]
+    assert sum("eval/perplexity" in r for r in records) == 3
+
+
+def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path):
+    config = LoopConfig(num_train_epochs=5, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+                        max_steps=3, eval_interval=2, log_interval=10)
+    trainer = _trainer(tmp_path, config)
+    result = trainer.fit()
+    assert result.steps == 3 and result.epochs_completed == 0
+    assert [e["step"] for e in result.evaluations] == [0, 2, 3]
+    # the last step is always logged even when it is not a multiple of log_interval
+    assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [3]
+
+
+def test_flag_groups_compose_per_model_with_prefixes():
+    import argparse
+
+    from training.args import add_lora_args, add_optimization_args, add_schedule_args, add_zero_args, optimization_settings
+
+    parser = argparse.ArgumentParser()
+    for prefix in ("actor_", "critic_"):
+        add_zero_args(parser, prefix)
+        add_lora_args(parser, prefix)
+        add_optimization_args(parser, prefix)
+    add_schedule_args(parser)
+    args = parser.parse_args(["--actor_zero_stage", "3", "--critic_learning_rate", "5e-6", "--critic_offload",
+                              "--actor_lora_dim", "8", "--gradient_accumulation_steps", "2"])
+    args.dtype = "fp32"
+    actor = optimization_settings(args, 10, micro_batch_size=2, prefix="actor_")
+    critic = optimization_settings(args, 10, micro_batch_size=2, prefix="critic_")
+    assert (actor.zero_stage, actor.offload, critic.zero_stage, critic.offload) == (3, False, 0, True)
+    assert critic.learning_rate == 5e-6 and actor.gradient_accumulation_steps == critic.gradient_accumulation_steps == 2
+    assert args.actor_lora_dim == 8 and args.critic_lora_dim == 0
+
+
+def test_only_optimize_lora_keeps_named_heads_trainable(tiny_model_dir):
+    import argparse
+
+    from step2_reward.reward_model import RewardModel
+    from training.args import apply_model_options
+
+    path = tiny_model_dir("llama")
+    flags = argparse.Namespace(gradient_checkpointing=True, lora_dim=4, lora_module_name="layers.",
+                               only_optimize_lora=True)
+    model = apply_model_options(RewardModel.from_causal_lm(path), flags, trainable_heads=("v_head",))
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert trainable and all("lora_" in name or "v_head" in name for name in trainable)
+    assert any("v_head" in name for name in trainable)
+    flags.lora_dim = 0
+    with pytest.raises(UserError, match="only_optimize_lora needs"):
+        apply_model_options(RewardModel.from_causal_lm(path), flags)
+
+
+RESUME_CONFIG = dict(num_train_epochs=3, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+                     gradient_accumulation_steps=2, eval_interval=3, log_interval=1)  # 2 steps per epoch, 6 in all
+
+
+def _weights(trainer):
+    return {name: param.detach().clone() for name, param in trainer.engine.module.named_parameters()}
+
+
+def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path):
+    """GPT-2's dropout is on, so the resumed run matches only if RNG, data position and optimizer all come back."""
+    torch.manual_seed(7)
+    straight = _trainer(tmp_path / "straight", LoopConfig(**RESUME_CONFIG), arch="gpt2")
+    expected = straight.fit()
+
+    micro_batches = []
+
+    def signalled_during_step_3(model, batch):
+        micro_batches.append(1)
+        if len(micro_batches) == 5:  # first micro-batch of optimizer step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return sft_loss(model, batch)
+
+    run_dir = tmp_path / "stopped"
+    torch.manual_seed(7)
+    with GracefulInterrupt() as interrupt:
+        stopped = _trainer(run_dir, LoopConfig(**RESUME_CONFIG), arch="gpt2", loss_fn=signalled_during_step_3,
+                           checkpoints=CheckpointManager(run_dir), interrupt=interrupt)
+        with pytest.raises(SystemExit) as exit_info:
+            stopped.fit()
+    assert exit_info.value.code == EXIT_INTERRUPTED
+    assert stopped.engine.global_steps == 3 and len(micro_batches) == 6  # the step under way was finished
+    assert [c.step for c in CheckpointManager(run_dir).complete_checkpoints()] == [3]
+
+    torch.manual_seed(12345)  # the checkpoint's RNG state must win over whatever the new process has
+    resumed = _trainer(run_dir, LoopConfig(**RESUME_CONFIG), arch="gpt2", seed=99,
+                       checkpoints=CheckpointManager(run_dir), resume=True)
+    result = resumed.fit()
+    assert result.steps == 6 and result.epochs_completed == 3
+    for name, value in _weights(straight).items():
+        assert torch.equal(value, _weights(resumed)[name]), name
+    assert [e["step"] for e in result.evaluations] == [e["step"] for e in expected.evaluations] == [0, 2, 3, 4, 6]
+    for got, want in zip(result.evaluations, expected.evaluations):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert result.train_loss == pytest.approx(expected.train_loss, rel=1e-6)
+
+
+def test_checkpoints_are_saved_every_save_interval_steps(distributed, tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2, save_interval=2)
+    _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), checkpoints=manager).fit()
+    assert [c.step for c in manager.complete_checkpoints()] == [4, 6]  # step 2's was pruned
+    with pytest.raises(UserError, match="--resume"):  # a fresh run must not overwrite them
+        _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), checkpoints=manager).fit()
+
+
+def test_a_non_finite_loss_stops_before_its_update_and_names_the_checkpoint(distributed, tmp_path):
+    calls = []
+
+    def nan_at_step_3(model, batch):
+        calls.append(1)
+        loss = sft_loss(model, batch)
+        return loss * float("nan") if len(calls) == 5 else loss
+
+    manager = CheckpointManager(tmp_path, save_interval=2)
+    trainer = _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), loss_fn=nan_at_step_3, checkpoints=manager)
+    with pytest.raises(NonFiniteError, match=r"at step 3.*step2"):
+        trainer.fit()
+    assert all(torch.isfinite(p).all() for p in _weights(trainer).values())

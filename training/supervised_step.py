@@ -1,0 +1,126 @@
+"""Run one supervised step (1: SFT, 2: reward model) end to end: start-up checks, the run lock,
+data, model, DeepSpeed engine, the shared loop (with checkpoints and graceful stops), the final HF
+folder. A step states only what differs in a `SupervisedStep`."""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import PreTrainedTokenizerBase, set_seed
+
+from utils.data import DataArguments
+
+from .args import apply_model_options, check_positive, final_model_dir, optimization_settings
+from .checkpointing import CheckpointManager
+from .dist import init_distributed
+from .engine import create_train_engine
+from .metrics import MetricsLogger, save_run_args, setup_logging
+from .model_loading import load_config, load_tokenizer, resolve_dtype
+from .run_lock import RunLock
+from .save import save_hf_model
+from .signals import GracefulInterrupt
+from .trainer import EvalFn, LoopConfig, LossFn, SupervisedTrainer, TrainResult, count_optimizer_steps
+from .validation import (
+    check_disk_space,
+    check_model_source,
+    check_output_dir,
+    check_remote_code,
+    check_sequence_lengths,
+    estimate_output_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+ModelBuilder = Callable[[argparse.Namespace, PreTrainedTokenizerBase, dict, torch.dtype], torch.nn.Module]
+
+
+@dataclass
+class SupervisedStep:
+    """What distinguishes step 1 from step 2."""
+
+    phase: int
+    name: str
+    build_model: ModelBuilder  # (args, tokenizer, ds_config, dtype) -> model, ZeRO-3 aware
+    make_collator: Callable[[int], Callable]  # pad token id -> collator
+    loss_fn: LossFn
+    eval_fn: EvalFn
+    trainable_heads: tuple[str, ...] = ()  # parameters that train even under --only_optimize_lora
+
+
+@dataclass
+class SupervisedOutcome:
+    result: TrainResult
+    model_dir: Path
+    train_items: int
+    eval_items: int
+    dtype: str
+
+
+def run_supervised_step(args: argparse.Namespace, step: SupervisedStep) -> SupervisedOutcome:
+    """Train `step` as `args` say and save the final model in `<output_dir>/model` (every rank calls it).
+
+    The engine is destroyed and collected before returning, so a caller (train.py) can start the
+    next step's engine in the same process.
+    """
+    outcome = _train_and_save(args, step)
+    gc.collect()
+    return outcome
+
+
+def _train_and_save(args: argparse.Namespace, step: SupervisedStep) -> SupervisedOutcome:
+    setup_logging()
+    check_positive(args, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                   "num_train_epochs", "max_steps", "log_interval", "max_seq_len")
+    check_model_source(args.model_name_or_path)
+    check_remote_code(args.model_name_or_path, args.trust_remote_code)
+    init_distributed()
+    run_dir = check_output_dir(args.output_dir)
+    with RunLock(run_dir):
+        checkpoints = CheckpointManager.from_args(args)
+        if not args.resume:
+            checkpoints.restore({}, resume=False)  # refuses to start over an earlier run's checkpoints
+        set_seed(args.seed)
+        save_run_args(run_dir, args)
+        tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        check_sequence_lengths(load_config(args.model_name_or_path, args.trust_remote_code),
+                               max_seq_len=args.max_seq_len, model=args.model_name_or_path)
+        train_data, eval_data = DataArguments.from_namespace(args).build(step.phase, tokenizer)
+        loop = LoopConfig.from_args(args, description=step.name)
+        num_steps = count_optimizer_steps(len(train_data), loop)
+        settings = optimization_settings(args, num_steps, args.per_device_train_batch_size, job_name=step.name)
+        dtype = resolve_dtype(args.dtype)
+        model = step.build_model(args, tokenizer, settings.ds_config(), dtype)
+        model = apply_model_options(model, args, trainable_heads=step.trainable_heads)
+        check_disk_space(run_dir, _output_bytes(model, dtype, args.keep_last_checkpoints), step.name)
+        engine = create_train_engine(model, settings)
+        metrics = MetricsLogger(run_dir)
+        logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),
+                    len(eval_data), num_steps, settings.dtype, settings.zero_stage)
+        try:
+            with GracefulInterrupt() as interrupt:
+                trainer = SupervisedTrainer(
+                    engine, train_data, eval_data, step.make_collator(tokenizer.pad_token_id), step.loss_fn,
+                    step.eval_fn, loop, metrics, num_training_steps=num_steps, checkpoints=checkpoints,
+                    interrupt=interrupt, resume=args.resume,
+                )
+                result = trainer.fit()
+            model_dir = final_model_dir(args)
+            save_hf_model(engine, tokenizer, model_dir)
+            logger.info("%s: saved the final model to %s", step.name, model_dir)
+        finally:
+            metrics.close()
+            engine.destroy()
+    return SupervisedOutcome(result, model_dir, len(train_data), len(eval_data), settings.dtype)
+
+
+def _output_bytes(model: torch.nn.Module, dtype: torch.dtype, keep_last_checkpoints: int) -> int:
+    """What the run will write: the final model and its resume checkpoints (ZeRO-3 aware parameter counts)."""
+    params = list(model.parameters())
+    count = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+    return estimate_output_bytes(count, torch.finfo(dtype).bits // 8, trainable, keep_last_checkpoints)

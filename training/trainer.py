@@ -1,0 +1,344 @@
+"""The supervised training loop shared by step 1 (SFT) and step 2 (reward model).
+
+Epochs over a `DistributedSampler`, gradient accumulation through the DeepSpeed engine (one
+optimizer step every `gradient_accumulation_steps` micro-batches, counted across epoch ends),
+a progress bar on rank 0, evaluation before training, after every epoch and every
+`eval_interval` steps, and metrics through `MetricsLogger`. What a step trains is given as two
+functions: `loss_fn(engine, batch) -> loss` and `eval_fn(engine, batches) -> {name: value}`.
+
+Reliability: with a `CheckpointManager` the loop saves every `--save_interval` optimizer steps
+(engine, RNG, data position, evaluations so far) and resumes from the latest checkpoint, so a
+resumed run ends exactly where an uninterrupted one would; with a `GracefulInterrupt` a
+SIGTERM/SIGINT finishes the current step, saves and exits with a resume hint; a non-finite loss
+stops the run before its gradients are applied, naming the step and the last good checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from tqdm.auto import tqdm
+
+from .checkpointing import CheckpointManager
+from .dist import current_device, get_rank, get_world_size, is_initialized, is_main_process
+from .errors import UserError
+from .guards import check_finite
+from .metrics import MetricsLogger
+from .signals import GracefulInterrupt
+
+logger = logging.getLogger(__name__)
+
+ENGINE_NAME = "model"  # the engine's name inside a checkpoint
+
+Batch = Mapping[str, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+EvalFn = Callable[[torch.nn.Module, Iterable[Batch]], Mapping[str, float]]
+
+
+@dataclass
+class LoopConfig:
+    num_train_epochs: int = 1
+    per_device_train_batch_size: int = 1
+    per_device_eval_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    max_steps: int | None = None
+    eval_interval: int = 0
+    eval_iters: int | None = None
+    log_interval: int = 10
+    seed: int = 1234
+    description: str = "train"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, description: str = "train") -> "LoopConfig":
+        return cls(
+            num_train_epochs=args.num_train_epochs,
+            per_device_train_batch_size=args.per_device_train_batch_size,
+            per_device_eval_batch_size=args.per_device_eval_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            max_steps=args.max_steps,
+            eval_interval=args.eval_interval,
+            eval_iters=args.eval_iters,
+            log_interval=args.log_interval,
+            seed=args.seed,
+            description=description,
+        )
+
+
+def micro_batches_per_epoch(num_examples: int, batch_size: int, world_size: int) -> int:
+    """Micro-batches each rank sees per epoch (`DistributedSampler` pads every rank to the same count)."""
+    return math.ceil(math.ceil(num_examples / world_size) / batch_size)
+
+
+def count_optimizer_steps(num_examples: int, config: LoopConfig, world_size: int | None = None) -> int:
+    """Optimizer steps the run will take: all epochs' micro-batches / accumulation, capped by `max_steps`."""
+    world_size = world_size or get_world_size()
+    micro_batches = micro_batches_per_epoch(num_examples, config.per_device_train_batch_size, world_size)
+    steps = micro_batches * config.num_train_epochs // config.gradient_accumulation_steps
+    if steps == 0:
+        raise UserError(
+            f"{num_examples} training examples make {micro_batches} micro-batches per rank, fewer than one "
+            f"optimizer step of {config.gradient_accumulation_steps}; add data, lower "
+            "--gradient_accumulation_steps or --per_device_train_batch_size"
+        )
+    return min(steps, config.max_steps) if config.max_steps else steps
+
+
+class SkipFirst(Sampler):
+    """The indices of `sampler` after its first `count` (resuming part-way through an epoch)."""
+
+    def __init__(self, sampler: Sampler, count: int):
+        self.sampler = sampler
+        self.count = count
+
+    def __iter__(self) -> Iterator[int]:
+        for position, index in enumerate(self.sampler):
+            if position >= self.count:
+                yield index
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.count, 0)
+
+
+def to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def _mean_over_ranks(total: float, count: int) -> float:
+    """Mean of per-rank sums (every rank must call it)."""
+    if not is_initialized() or get_world_size() == 1:
+        return total / max(count, 1)
+    pair = torch.tensor([total, float(count)], dtype=torch.float64, device=current_device())
+    torch.distributed.all_reduce(pair)
+    return pair[0].item() / max(pair[1].item(), 1.0)
+
+
+@dataclass
+class LoopPosition:
+    """Where the loop stands in the data: the epoch and how many of its micro-batches are done."""
+
+    epoch: int = 0
+    batches_done: int = 0
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    epochs_completed: int
+    train_loss: float
+    wall_time_s: float
+    evaluations: list[dict] = field(default_factory=list)
+
+    @property
+    def first_eval(self) -> dict:
+        return self.evaluations[0] if self.evaluations else {}
+
+    @property
+    def final_eval(self) -> dict:
+        return self.evaluations[-1] if self.evaluations else {}
+
+
+class SupervisedTrainer:
+    def __init__(
+        self,
+        engine: torch.nn.Module,
+        train_dataset: Dataset,
+        eval_dataset: Dataset | None,
+        collator: Callable,
+        loss_fn: LossFn,
+        eval_fn: EvalFn | None,
+        config: LoopConfig,
+        metrics: MetricsLogger,
+        num_training_steps: int | None = None,
+        checkpoints: CheckpointManager | None = None,
+        interrupt: GracefulInterrupt | None = None,
+        resume: bool = False,
+    ):
+        self.engine = engine
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.collator = collator
+        self.loss_fn = loss_fn
+        self.eval_fn = eval_fn
+        self.config = config
+        self.metrics = metrics
+        self.num_training_steps = num_training_steps or count_optimizer_steps(len(train_dataset), config)
+        self.checkpoints = checkpoints
+        self.interrupt = interrupt
+        self.resume = resume
+        self.position = LoopPosition()
+        self.evaluations: list[dict] = []
+        self._loss_sum = 0.0
+        self._loss_count = 0
+        self._last_train_loss = float("nan")
+
+    # data ---------------------------------------------------------------------------------------
+
+    def train_loader(self, epoch: int, skip_batches: int = 0) -> DataLoader:
+        sampler = DistributedSampler(
+            self.train_dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=True, seed=self.config.seed
+        )
+        sampler.set_epoch(epoch)
+        skipped = SkipFirst(sampler, skip_batches * self.config.per_device_train_batch_size)
+        # a private generator keeps the loader from drawing on the global RNG, so that a resumed run
+        # (which creates its loader at a different moment) sees the same dropout masks
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.config.per_device_train_batch_size,
+            sampler=skipped,
+            collate_fn=self.collator,
+            generator=torch.Generator(),
+        )
+
+    def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        sampler = DistributedSampler(self.eval_dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=False)
+        loader = DataLoader(
+            self.eval_dataset,
+            batch_size=self.config.per_device_eval_batch_size,
+            sampler=sampler,
+            collate_fn=self.collator,
+            generator=torch.Generator(),
+        )
+        device = self.engine.device
+        for index, batch in enumerate(loader):
+            if self.config.eval_iters is not None and index >= self.config.eval_iters:
+                return
+            yield to_device(batch, device)
+
+    # evaluation ---------------------------------------------------------------------------------
+
+    def evaluate(self, step: int) -> dict:
+        """Run `eval_fn` on the held-out set, log it under `eval/`, and remember it."""
+        if self.eval_fn is None or self.eval_dataset is None or len(self.eval_dataset) == 0:
+            return {}
+        self.engine.eval()
+        with torch.no_grad():
+            values = dict(self.eval_fn(self.engine, self.eval_batches()))
+        self.engine.train()
+        record = {"step": step, "epoch": self.position.epoch, **values}
+        self.evaluations.append(record)
+        self.metrics.log(step, {f"eval/{key}": value for key, value in values.items()})
+        summary = ", ".join(f"{key} {value:.4g}" for key, value in values.items() if isinstance(value, (int, float)))
+        logger.info("eval at step %d (epoch %d): %s", step, self.position.epoch, summary)
+        return record
+
+    # checkpoints --------------------------------------------------------------------------------
+
+    def _client_state(self) -> dict:
+        return {
+            "position": asdict(self.position),
+            "evaluations": self.evaluations,
+            "loss_window": [self._loss_sum, self._loss_count],
+            "last_train_loss": self._last_train_loss,
+        }
+
+    def _restore(self) -> None:
+        """Continue from the latest checkpoint under `--resume` (and refuse to overwrite one without it)."""
+        if self.checkpoints is None:
+            return
+        state = self.checkpoints.restore({ENGINE_NAME: self.engine}, self.resume)
+        if state is None:
+            return
+        self.position = LoopPosition(**state["position"])
+        self.evaluations = list(state["evaluations"])
+        self._loss_sum, self._loss_count = state["loss_window"]
+        self._last_train_loss = state["last_train_loss"]
+        logger.info("resuming at step %d (epoch %d, micro-batch %d)", self.engine.global_steps,
+                    self.position.epoch, self.position.batches_done)
+
+    def _save(self, step: int) -> Path:
+        return self.checkpoints.save(step, {ENGINE_NAME: self.engine}, self._client_state())
+
+    def _after_step(self, step: int) -> None:
+        """Periodic checkpoint, then a requested stop: save (unless just saved) and exit with a resume hint."""
+        saved = None
+        if self.checkpoints is not None and self.checkpoints.should_save(step):
+            saved = self._save(step)
+        if self.interrupt is not None and self.interrupt.should_stop():
+            if self.checkpoints is None:
+                raise UserError(f"stopped on a signal after step {step}; no checkpoint manager, nothing was saved")
+            self.interrupt.exit_for_resume(step, saved or self._save(step))
+
+    # training -----------------------------------------------------------------------------------
+
+    def _log_training(self, step: int, window_start: float, samples: int) -> None:
+        loss = _mean_over_ranks(self._loss_sum, self._loss_count)
+        self._last_train_loss = loss
+        elapsed = max(time.perf_counter() - window_start, 1e-9)
+        self.metrics.log(
+            step,
+            {
+                "train/loss": loss,
+                "train/lr": self.engine.get_lr()[0],
+                "train/samples_per_s": samples * get_world_size() / elapsed,
+                "train/epoch": self.position.epoch + self.position.batches_done / max(self._batches_per_epoch, 1),
+            },
+        )
+        self._loss_sum, self._loss_count = 0.0, 0
+
+    @property
+    def _batches_per_epoch(self) -> int:
+        return micro_batches_per_epoch(len(self.train_dataset), self.config.per_device_train_batch_size, get_world_size())
+
+    def fit(self) -> TrainResult:
+        """Train for `num_training_steps` optimizer steps; returns the losses and every evaluation."""
+        config, engine = self.config, self.engine
+        started = time.perf_counter()
+        total = self.num_training_steps
+        self._restore()
+        if not self.evaluations:
+            self.evaluate(step=0)
+        engine.train()
+        bar = tqdm(
+            total=total, initial=engine.global_steps, desc=config.description, unit="step",
+            disable=not is_main_process(), dynamic_ncols=True,
+        )
+        window_start, window_samples = time.perf_counter(), 0
+        step_losses: list[float] = []
+        while engine.global_steps < total and self.position.epoch < config.num_train_epochs:
+            loader = self.train_loader(self.position.epoch, self.position.batches_done)
+            for batch in loader:
+                loss = self.loss_fn(engine, to_device(batch, engine.device))
+                check_finite("training loss", loss, engine.global_steps + 1, self.checkpoints)
+                engine.backward(loss)
+                at_boundary = engine.is_gradient_accumulation_boundary()
+                engine.step()
+                self.position.batches_done += 1
+                value = loss.detach().float().item()
+                step_losses.append(value)
+                self._loss_sum += value
+                self._loss_count += 1
+                window_samples += config.per_device_train_batch_size
+                if not at_boundary:
+                    continue
+                step = engine.global_steps
+                bar.set_postfix(loss=f"{sum(step_losses) / len(step_losses):.4f}", lr=f"{engine.get_lr()[0]:.2e}")
+                bar.update(1)
+                step_losses.clear()
+                if step % config.log_interval == 0 or step == total:
+                    self._log_training(step, window_start, window_samples)
+                    window_start, window_samples = time.perf_counter(), 0
+                if config.eval_interval and step % config.eval_interval == 0 and step < total:
+                    self.evaluate(step)
+                self._after_step(step)
+                if step >= total:
+                    break
+            if self.position.batches_done >= self._batches_per_epoch:
+                self.position = LoopPosition(epoch=self.position.epoch + 1)
+                self.evaluate(engine.global_steps)
+        bar.close()
+        if not self.evaluations or self.evaluations[-1]["step"] != engine.global_steps:
+            self.evaluate(engine.global_steps)
+        return TrainResult(
+            steps=engine.global_steps,
+            epochs_completed=self.position.epoch,
+            train_loss=self._last_train_loss,
+            wall_time_s=time.perf_counter() - started,
+            evaluations=list(self.evaluations),
+        )
