@@ -1,0 +1,149 @@
+"""Time the two generation backends on the same prompts: the hybrid engine and plain `generate`.
+
+    python bench/generation.py --zero_stage 3 --batch_size 8 --max_new_tokens 128 --output bench_generation.json
+
+Both backends decode greedily by default, so they must produce the same tokens (the JSON says
+whether they did) and do the same amount of work; tokens/s counts generated answer tokens
+(through each row's EOS). The hybrid timing includes entering and leaving generate mode (gathering,
+LoRA merging, building the inference copy), since every rollout pays it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.dist import init_distributed, is_main_process  # noqa: E402
+from training.engine import OptimizationSettings, create_train_engine  # noqa: E402
+from training.errors import run_cli  # noqa: E402
+from training.generation import GenerationConfig, answer_logprobs  # noqa: E402
+from training.hybrid_engine import HybridEngineSettings, build_generator  # noqa: E402
+from training.lora import apply_lora  # noqa: E402
+from training.model_loading import EMBEDDED_MODEL_NAME, load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
+
+QUESTIONS = [
+    "Explain how a reward model is trained from human preference pairs.",
+    "Write a short poem about the sea at night.",
+    "What are the main differences between Python lists and tuples?",
+    "Give me three tips for learning to cook at home.",
+    "Summarise the causes of the French Revolution.",
+    "How does a transformer language model generate text one token at a time?",
+    "Describe a good morning routine for a busy student.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EMBEDDED_MODEL_NAME, help="model name or folder")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--prompt_length", type=int, default=64, help="longest prompt, in tokens")
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--zero_stage", type=int, default=3, choices=(0, 1, 2, 3))
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--generation_dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                        help="dtype of the hybrid engine's inference copy (default: --dtype)")
+    parser.add_argument("--lora_dim", type=int, default=0)
+    parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy (outputs then differ)")
+    parser.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
+    parser.add_argument("--tp_gather_partition_size", type=int, default=8)
+    parser.add_argument("--output", default="bench_generation.json", help="where to write the JSON result")
+    return parser.parse_args(argv)
+
+
+def make_prompts(tokenizer, batch_size: int, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-formatted questions, each cut to at most `prompt_length` tokens, left-padded."""
+    rows = []
+    for i in range(batch_size):
+        question = QUESTIONS[i % len(QUESTIONS)] + " Please be detailed." * (i // len(QUESTIONS))
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = f" Human: {question} Assistant:"
+        rows.append(tokenizer(text, add_special_tokens=False)["input_ids"][-prompt_length:])
+    width = max(len(r) for r in rows)
+    ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(batch_size, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def time_backend(generator, ids, mask, config) -> tuple[float, object]:
+    start = time.perf_counter()
+    output = generator.generate(ids, mask, config)
+    return time.perf_counter() - start, output
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    init_distributed()
+    tokenizer = load_tokenizer(args.model)
+    settings = OptimizationSettings(learning_rate=1e-5, num_training_steps=1, zero_stage=args.zero_stage,
+                                    dtype=args.dtype, micro_batch_size=args.batch_size, optimizer="torch_adamw")
+    model = load_causal_lm(args.model, tokenizer, dtype=resolve_dtype(args.dtype), ds_config=settings.ds_config(),
+                           disable_dropout_layers=True)
+    if args.lora_dim:
+        model = apply_lora(model, args.lora_dim)
+    engine = create_train_engine(model, settings)
+    ids, mask = make_prompts(tokenizer, args.batch_size, args.prompt_length)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        seed=0,
+        eos_token_id=-1 if args.ignore_eos else tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    hybrid_settings = HybridEngineSettings(enable=True, tp_gather_partition_size=args.tp_gather_partition_size,
+                                           generation_dtype=args.generation_dtype)
+    results = {}
+    outputs = {}
+    for backend in ("hybrid", "hf"):
+        generator = build_generator(backend, engine, tokenizer, hybrid_settings)
+        seconds, outputs[backend] = time_backend(generator, ids, mask, config)
+        tokens = int(outputs[backend].answer_mask.sum())
+        results[backend] = {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 2)}
+    fast = outputs["hybrid"]
+    with torch.no_grad():
+        train_logprobs = answer_logprobs(engine.module, fast.sequences, fast.attention_mask, fast.prompt_length)
+    summary = {
+        "model": args.model,
+        "zero_stage": args.zero_stage,
+        "dtype": args.dtype,
+        "generation_dtype": args.generation_dtype or args.dtype,
+        "batch_size": args.batch_size,
+        "prompt_tokens": int(ids.shape[1]),
+        "max_new_tokens": args.max_new_tokens,
+        "lora_dim": args.lora_dim,
+        "do_sample": args.do_sample,
+        "threads": torch.get_num_threads(),
+        "hybrid_tokens_per_s": results["hybrid"]["tokens_per_s"],
+        "hf_tokens_per_s": results["hf"]["tokens_per_s"],
+        "speedup": round(results["hybrid"]["tokens_per_s"] / results["hf"]["tokens_per_s"], 2),
+        "backends": results,
+        "identical_sequences": bool(torch.equal(fast.sequences, outputs["hf"].sequences)),
+        "max_logprob_diff_vs_train_forward": float(((train_logprobs - fast.logprobs) * fast.answer_mask).abs().max()),
+    }
+    if is_main_process():
+        print(f"{'backend':<8} {'seconds':>9} {'tokens':>7} {'tokens/s':>9}")
+        for backend, row in results.items():
+            print(f"{backend:<8} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f}")
+        print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
+              f"max |logprob - train forward| = {summary['max_logprob_diff_vs_train_forward']:.2e}")
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Helpers for the hybrid-engine tests, and the worker the 2-process tests launch.
+
+As a worker (`torchrun --nproc_per_node 2 hybrid_engine_worker.py MODEL_DIR MODE`), each rank
+generates for its own prompts with the hybrid engine and checks, on every rank: greedy tokens equal
+the `hf` backend's, and the reported log-probs equal the train-mode forward's. Rank 0 prints
+`HYBRID_OK <mode>` when all ranks passed.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from training.engine import OptimizationSettings  # noqa: E402
+from training.generation import GenerationConfig, HFGenerator, answer_logprobs  # noqa: E402
+from training.hybrid_engine import HybridEngine, HybridEngineSettings  # noqa: E402
+from training.lora import apply_lora  # noqa: E402
+from training.model_loading import load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
+
+LORA_MODULE_NAMES = {"llama": "layers.", "gpt2": "h.", "opt": "decoder.layers."}
+PROMPTS = [
+    "Human: What is the capital of France? Assistant:",
+    "Human: hi",
+    "The quick brown fox",
+    "yes no maybe",
+    "Human: Tell me a joke. Assistant: Why",
+    "0 1 2 3",
+]
+
+
+def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtype: str = "fp32", seed: int = 0):
+    """A training engine for a tiny model; at ZeRO-3 no parameter is persistent, so every one is really partitioned."""
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(model_path)
+    settings = OptimizationSettings(learning_rate=1e-2, num_training_steps=8, zero_stage=stage, micro_batch_size=2,
+                                    dtype=dtype, lr_scheduler_type="constant")
+    config = settings.ds_config()
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    model = load_causal_lm(model_path, tokenizer, dtype=resolve_dtype(dtype), ds_config=config,
+                           disable_dropout_layers=True)
+    if lora_arch is not None:
+        model = apply_lora(model, lora_dim=4, lora_module_name=LORA_MODULE_NAMES[lora_arch])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, tokenizer
+
+
+def train_step(engine, tokenizer, texts=PROMPTS[:2]) -> float:
+    tokenizer.padding_side = "right"
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    loss = engine(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], labels=labels).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def prompt_batch(tokenizer, texts):
+    """Left-padded prompts, as the data layer's PromptCollator produces them."""
+    tokenizer.padding_side = "left"
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True)
+    tokenizer.padding_side = "right"
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def greedy_config(tokenizer, max_new_tokens=10, eos_token_id=None) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id)
+
+
+def frequent_token(sequences: torch.Tensor, prompt_length: int) -> int:
+    """A token the model emits early in the first answer (rank 0's, so all ranks agree): used as EOS so
+    that rows finish at different steps."""
+    token = sequences[0, prompt_length + 2].clone()
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast(token, src=0)
+    return int(token)
+
+
+def train_mode_logprobs(engine, output) -> torch.Tensor:
+    with torch.no_grad():
+        return answer_logprobs(engine.module, output.sequences, output.attention_mask, output.prompt_length)
+
+
+def check_parity(engine, hybrid, tokenizer, texts, atol=1e-4):
+    """Greedy tokens equal to the hf backend's and log-probs equal to the train-mode forward's."""
+    ids, mask = prompt_batch(tokenizer, texts)
+    probe = hybrid.generate(ids, mask, greedy_config(tokenizer))
+    config = greedy_config(tokenizer, eos_token_id=frequent_token(probe.sequences, probe.prompt_length))
+    fast = hybrid.generate(ids, mask, config)
+    baseline = HFGenerator(engine).generate(ids, mask, config)
+    assert torch.equal(fast.sequences, baseline.sequences), (fast.sequences, baseline.sequences)
+    assert torch.equal(fast.attention_mask, baseline.attention_mask)
+    expected = train_mode_logprobs(engine, fast) * fast.answer_mask
+    torch.testing.assert_close(fast.logprobs, expected, rtol=0, atol=atol)
+    return fast
+
+
+def main(model_path: str, mode: str) -> None:
+    from training.dist import get_rank, init_distributed
+
+    init_distributed()
+    rank = get_rank()
+    texts = PROMPTS[rank * 3:(rank + 1) * 3] if rank == 0 else PROMPTS[3:5]  # unequal batches on purpose
+    if mode == "zero3":
+        engine, tokenizer = build_engine(model_path, stage=3)
+        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1))
+    elif mode == "zero3_lora_tp2":
+        engine, tokenizer = build_engine(model_path, stage=3, lora_arch="llama")
+        train_step(engine, tokenizer)
+        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, inference_tp_size=2))
+    elif mode == "zero2_tp2":
+        engine, tokenizer = build_engine(model_path, stage=2)
+        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, inference_tp_size=2))
+    elif mode == "zero3_unpinned":
+        engine, tokenizer = build_engine(model_path, stage=3)
+        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, unpin_actor_parameters=True))
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    check_parity(engine, hybrid, tokenizer, texts)
+    train_step(engine, tokenizer)  # training still works after generate mode (collectives in step)
+    torch.distributed.barrier()
+    if rank == 0:
+        print("HYBRID_OK", mode, flush=True)
+
+
+if __name__ == "__main__":
+    for worker_mode in sys.argv[2:]:
+        main(sys.argv[1], worker_mode)
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,125 @@
+"""Shared generation pieces: token selection, output assembly, positions, and the `hf` backend."""
+import argparse
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from training.generation import (
+    GenerationConfig,
+    HFGenerator,
+    answer_logprobs,
+    answer_mask_from_tokens,
+    assemble_output,
+    position_ids_from_attention_mask,
+    select_next_tokens,
+    token_logprobs,
+)
+from training.hybrid_engine import (
+    add_hybrid_engine_args,
+    generation_backend_from_args,
+    hybrid_settings_from_args,
+)
+
+
+def _config(**kwargs) -> GenerationConfig:
+    return GenerationConfig(**{"max_new_tokens": 4, "eos_token_id": 2, "pad_token_id": 0, **kwargs})
+
+
+def test_positions_count_real_tokens_only():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids_from_attention_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_greedy_and_degenerate_filters_pick_the_argmax():
+    logits = torch.randn(16, 50)
+    best = logits.argmax(-1)
+    assert torch.equal(select_next_tokens(logits, _config(do_sample=False), None), best)
+    assert torch.equal(select_next_tokens(logits, _config(top_k=1), None), best)
+    assert torch.equal(select_next_tokens(logits, _config(top_p=1e-6), None), best)
+
+
+def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4)
+    generator = torch.Generator().manual_seed(0)
+    top_k = select_next_tokens(logits, _config(top_k=2), generator)
+    assert set(top_k.tolist()) == {0, 1}
+    top_p = select_next_tokens(logits, _config(top_p=0.7), generator)  # 0.5 < 0.7 <= 0.8: keep tokens 0 and 1
+    assert set(top_p.tolist()) == {0, 1}
+    frequencies = torch.bincount(top_p, minlength=4).float() / len(top_p)
+    assert abs(frequencies[0] - 0.625) < 0.05  # renormalised 0.5 / 0.8
+    cold = select_next_tokens(logits, _config(temperature=0.05), generator)
+    assert (cold == 0).float().mean() > 0.99
+
+
+def test_seeded_sampling_repeats():
+    logits = torch.randn(8, 30)
+    draws = [select_next_tokens(logits, _config(), torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.equal(*draws)
+
+
+def test_answer_mask_covers_tokens_through_the_first_eos():
+    answers = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 9, 9, 9]])
+    assert answer_mask_from_tokens(answers, 2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_assembled_output_pads_after_eos_and_trims_unused_columns():
+    prompt = torch.tensor([[0, 4, 5], [3, 4, 5]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    answers = torch.tensor([[7, 2, 9, 9], [2, 8, 8, 8]])
+    mask = answer_mask_from_tokens(answers, 2)
+    out = assemble_output(prompt, prompt_mask, answers, torch.full((2, 4), -1.0), mask, pad_token_id=0)
+    assert out.sequences.tolist() == [[0, 4, 5, 7, 2], [3, 4, 5, 2, 0]]
+    assert out.attention_mask.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert out.logprobs.tolist() == [[-1.0, -1.0], [-1.0, 0.0]]
+    assert out.prompt_length == 3 and out.answers.tolist() == [[7, 2], [2, 0]]
+
+
+def test_token_logprobs_are_log_softmax_of_raw_logits():
+    logits = torch.randn(3, 5, 11)
+    tokens = torch.randint(0, 11, (3, 5))
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, tokens), expected)
+
+
+def test_invalid_configs_are_refused():
+    with pytest.raises(ValueError):
+        _config(max_new_tokens=0)
+    with pytest.raises(ValueError):
+        _config(temperature=0.0)
+    with pytest.raises(ValueError):
+        _config(top_p=0.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_hf_backend_reports_train_forward_logprobs_and_pads_after_eos(arch):
+    model, tokenizer = make_tiny_model(arch)
+    tokenizer.pad_token = tokenizer.unk_token
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["Human: hi", "The quick brown fox jumps"], return_tensors="pt", padding=True)
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)
+    model.train()
+    probe = HFGenerator(model).generate(enc["input_ids"], enc["attention_mask"], config)
+    eos = int(probe.answers[0, 1])
+    config = GenerationConfig(**{**config.__dict__, "eos_token_id": eos})
+    out = HFGenerator(model).generate(enc["input_ids"], enc["attention_mask"], config)
+    assert out.answer_mask[0].sum() <= 2 and out.answers[0, int(out.answer_mask[0].sum()) - 1] == eos
+    assert (out.answers[out.answer_mask == 0] == tokenizer.pad_token_id).all()
+    with torch.no_grad():
+        expected = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length) * out.answer_mask
+    torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
+    assert model.training  # the generator restores the module's mode
+
+
+def test_cli_flags_mirror_deepspeed_chat():
+    parser = argparse.ArgumentParser()
+    add_hybrid_engine_args(parser)
+    args = parser.parse_args(["--enable_hybrid_engine", "--inference_tp_size", "2", "--tp_gather_partition_size", "4",
+                              "--release_inference_cache", "--unpin_actor_parameters"])
+    settings = hybrid_settings_from_args(args)
+    assert settings.enable and settings.inference_tp_size == 2 and settings.tp_gather_partition_size == 4
+    assert settings.release_inference_cache and settings.unpin_actor_parameters and settings.cuda_graph
+    assert generation_backend_from_args(args) == "hybrid"
+    assert generation_backend_from_args(parser.parse_args([])) == "hf"
+    assert generation_backend_from_args(parser.parse_args(["--enable_hybrid_engine", "--generation_backend", "hf"])) == "hf"

@@ -1,0 +1,144 @@
+"""The hybrid engine on one rank: parity with the hf backend and with the train-mode forward at
+ZeRO 0/2/3, with LoRA, in bf16; and the switch back to training leaves no trace."""
+import logging
+
+import pytest
+import torch
+from scripts.hybrid_engine_worker import (
+    PROMPTS,
+    build_engine,
+    check_parity,
+    greedy_config,
+    prompt_batch,
+    train_mode_logprobs,
+    train_step,
+)
+
+from training.generation import GenerationConfig, HFGenerator
+from training.hybrid_engine import HybridEngine, HybridEngineSettings, build_generator
+
+
+def _hybrid(engine, **kwargs):
+    return HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1, **kwargs))
+
+
+def _full_weights(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    weights = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            weights[name] = param.detach().clone()
+    return weights
+
+
+@pytest.mark.parametrize(
+    "arch,stage", [("llama", 0), ("llama", 2), ("llama", 3), ("gpt2", 2), ("gpt2", 3), ("opt", 0), ("opt", 3)]
+)
+def test_greedy_equals_hf_and_logprobs_equal_train_forward(distributed, tiny_model_dir, arch, stage):
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage)
+    fast = check_parity(engine, _hybrid(engine), tokenizer, PROMPTS)
+    lengths = fast.answer_mask.sum(-1)
+    assert lengths.min() < lengths.max(), "rows should finish at different steps (batch shrinking exercised)"
+    assert fast.sequences.shape[1] == fast.prompt_length + lengths.max()
+
+
+@pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3)])
+def test_lora_is_merged_for_generation_and_training_weights_stay_untouched(distributed, tiny_model_dir, arch, stage):
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch)
+    for _ in range(2):
+        train_step(engine, tokenizer)  # makes lora_B non-zero, so merging matters
+    before = _full_weights(engine)
+    assert any("lora_B" in n and w.abs().sum() > 0 for n, w in before.items())
+    check_parity(engine, _hybrid(engine), tokenizer, PROMPTS)
+    after = _full_weights(engine)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_sampling_logprobs_are_the_policy_logprobs_and_seeded_runs_repeat(distributed, tiny_model_dir):
+    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=3)
+    hybrid = _hybrid(engine)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.7, top_p=0.9, top_k=20, seed=3,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with hybrid.generate_mode():
+        first = hybrid.generate(ids, mask, config)
+        second = hybrid.generate(ids, mask, config)
+    assert torch.equal(first.sequences, second.sequences)
+    torch.testing.assert_close(first.logprobs, train_mode_logprobs(engine, first) * first.answer_mask, rtol=0, atol=1e-4)
+    other = hybrid.generate(ids, mask, GenerationConfig(**{**config.__dict__, "seed": 4}))
+    assert not torch.equal(first.sequences, other.sequences)
+
+
+def test_left_padding_does_not_change_an_answer(distributed, tiny_model_dir):
+    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
+    hybrid = _hybrid(engine)
+    config = greedy_config(tokenizer)
+    alone = hybrid.generate(*prompt_batch(tokenizer, PROMPTS[1:2]), config)
+    in_batch = hybrid.generate(*prompt_batch(tokenizer, PROMPTS[:2]), config)
+    assert torch.equal(alone.answers, in_batch.answers[1:2, : alone.answers.shape[1]])
+
+
+def test_bf16_engine_parity(distributed, tiny_model_dir):
+    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=2, dtype="bf16")
+    hybrid = _hybrid(engine)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    fast = hybrid.generate(ids, mask, greedy_config(tokenizer))
+    assert hybrid.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.logprobs, train_mode_logprobs(engine, fast) * fast.answer_mask, rtol=0, atol=2e-2)
+
+
+def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):
+    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=3)
+    check_parity(engine, _hybrid(engine, unpin_actor_parameters=True), tokenizer, PROMPTS)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_generate_mode_leaves_no_trace(distributed, tiny_model_dir, stage):
+    path = tiny_model_dir("gpt2")
+    with_generation, tokenizer = build_engine(path, stage)
+    without_generation, _ = build_engine(path, stage)
+    hybrid = _hybrid(with_generation)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    sampling = GenerationConfig(max_new_tokens=8, seed=0, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+    losses = {id(with_generation): [], id(without_generation): []}
+    for _ in range(2):
+        with_generation.train()
+        hybrid.generate(ids, mask, sampling)
+        assert with_generation.module.training and all(m.training for m in with_generation.module.modules())
+        for engine in (with_generation, without_generation):
+            losses[id(engine)].append(train_step(engine, tokenizer))
+    assert losses[id(with_generation)] == losses[id(without_generation)]
+    if stage == 3:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in with_generation.module.parameters())
+    with_generation.eval()
+    hybrid.generate(ids, mask, sampling)
+    assert not with_generation.module.training
+
+
+def test_kv_cache_is_kept_between_rollouts_unless_released(distributed, tiny_model_dir):
+    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    kept = _hybrid(engine)
+    kept.generate(ids, mask, greedy_config(tokenizer))
+    cache = kept.kv_cache.cache
+    assert cache is not None and not kept.in_generate_mode
+    kept.generate(ids[:3], mask[:3], greedy_config(tokenizer, max_new_tokens=6))
+    assert kept.kv_cache.cache is cache, "a smaller rollout must reuse the cache"
+    released = _hybrid(engine, release_inference_cache=True)
+    released.generate(ids, mask, greedy_config(tokenizer))
+    assert released.kv_cache.cache is None
+
+
+def test_a_model_the_engine_cannot_serve_falls_back_to_hf_loudly(distributed, tiny_model_dir, caplog):
+    engine, tokenizer = build_engine(tiny_model_dir("gpt2"), stage=0)
+    settings = HybridEngineSettings(enable=True, inference_tp_size=2)
+    with caplog.at_level(logging.WARNING):
+        generator = build_generator("hybrid", engine, tokenizer, settings)
+    assert isinstance(generator, HFGenerator)
+    assert "falling back" in caplog.text and "gpt2" in caplog.text
+    assert isinstance(build_generator("hybrid", engine, tokenizer, HybridEngineSettings(enable=True)), HybridEngine)

@@ -1,0 +1,205 @@
+"""Generation for PPO rollouts: the shared configuration and output types, token selection, and the
+`hf` backend (plain `generate` on the actor's module), the baseline the hybrid engine is measured
+against and its fallback.
+
+Conventions shared by every backend:
+- input is a LEFT-padded prompt batch (`input_ids`, `attention_mask` [B, P]);
+- positions come from the attention mask (`position_ids_from_attention_mask`), so left padding
+  gives every prompt the positions 0, 1, ... of an unpadded one, for rotary and learned positions;
+- `logprobs[b, t]` is log_softmax(raw logits)[token] at temperature 1: the policy's log-probability,
+  which is what a train-mode forward (`answer_logprobs`) computes; temperature, top-k and top-p only
+  change which token is drawn, never the reported log-probability;
+- answers are right-padded with `pad_token_id` after their EOS; N is the longest answer in the batch.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+from .dist import get_world_size
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int
+    eos_token_id: int
+    pad_token_id: int
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError("temperature must be positive when sampling (use do_sample=False for greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must lie in (0, 1]")
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # [B, P+N] prompt (left-padded) + answer (right-padded with pad)
+    attention_mask: torch.Tensor  # [B, P+N] prompt mask + answer_mask
+    logprobs: torch.Tensor  # [B, N] fp32 log-prob of each generated token, 0 where padded
+    prompt_length: int  # P
+    answer_mask: torch.Tensor  # [B, N] 1 for generated tokens including the EOS
+
+    @property
+    def answers(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_length:]
+
+
+class Generator(Protocol):
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig
+    ) -> GenerationOutput: ...
+
+
+def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens of each row; pads get 0 (their outputs are never used)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[token] in fp32: logits [..., V], tokens [...] -> [...]."""
+    logits = logits.float()
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def answer_logprobs(
+    module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
+) -> torch.Tensor:
+    """The train-mode log-probabilities of the answer tokens: [B, N] (not masked).
+
+    One forward over prompt + answer with positions from the mask; logits at position t predict t+1.
+    """
+    logits = module(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_attention_mask(attention_mask),
+        use_cache=False,
+    ).logits
+    return token_logprobs(logits[:, prompt_length - 1:-1], sequences[:, prompt_length:])
+
+
+def select_next_tokens(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B]."""
+    logits = logits.float()
+    if not config.do_sample:
+        return logits.argmax(-1)
+    logits = logits / config.temperature
+    if config.top_k > 0:
+        kth = torch.topk(logits, min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already cover top_p (the first one always stays)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= config.top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def sampling_generator(config: GenerationConfig, device: torch.device | str) -> torch.Generator | None:
+    """A private RNG when the config carries a seed (reproducible draws), else None (the global RNG)."""
+    if config.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(config.seed)
+    return generator
+
+
+def assemble_output(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    answers: torch.Tensor,
+    logprobs: torch.Tensor,
+    answer_mask: torch.Tensor,
+    pad_token_id: int,
+) -> GenerationOutput:
+    """Trim answer columns no sequence uses, pad after EOS, zero padded log-probs, and join prompt + answer."""
+    used = int(answer_mask.sum(-1).max().item()) if answer_mask.numel() else 0
+    used = max(used, 1) if answers.shape[1] else 0
+    answers, logprobs, answer_mask = answers[:, :used], logprobs[:, :used].float(), answer_mask[:, :used].long()
+    answers = answers.masked_fill(answer_mask == 0, pad_token_id)
+    logprobs = logprobs.masked_fill(answer_mask == 0, 0.0)
+    return GenerationOutput(
+        sequences=torch.cat([input_ids, answers.to(input_ids.dtype)], dim=1),
+        attention_mask=torch.cat([attention_mask.long(), answer_mask], dim=1),
+        logprobs=logprobs,
+        prompt_length=input_ids.shape[1],
+        answer_mask=answer_mask,
+    )
+
+
+def answer_mask_from_tokens(answers: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 up to and including each row's first EOS, 0 after it: [B, N] -> [B, N] long."""
+    is_eos = (answers == eos_token_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos
+    return (eos_before == 0).long()
+
+
+def _is_zero3(module: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Eval mode for the duration, then each submodule's own train/eval flag restored."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for submodule, training in flags:
+            submodule.training = training
+
+
+class HFGenerator:
+    """`generate` on the engine's module (peft or plain), ZeRO-3 hooks and all. transformers derives
+    the positions from the attention mask itself, as `position_ids_from_attention_mask` does.
+
+    `synced_gpus=True` under ZeRO-3 with several ranks keeps every rank stepping until all finish,
+    because each forward gathers weights collectively.
+    """
+
+    def __init__(self, engine: torch.nn.Module):
+        self.engine = engine
+        self.module = getattr(engine, "module", engine)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+        device = next(self.module.parameters()).device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k) if config.do_sample else {}
+        rng = torch.random.fork_rng(devices=[]) if config.seed is not None else contextlib.nullcontext()
+        with rng, eval_mode(self.module), torch.no_grad():
+            if config.seed is not None:
+                torch.manual_seed(config.seed)
+            out = self.module.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=config.max_new_tokens,
+                do_sample=config.do_sample,
+                eos_token_id=config.eos_token_id,
+                pad_token_id=config.pad_token_id,
+                synced_gpus=_is_zero3(self.module) and get_world_size() > 1,
+                return_dict_in_generate=True,
+                output_logits=True,
+                **sampling,
+            )
+        answers = out.sequences[:, input_ids.shape[1]:]
+        logits = torch.stack(out.logits, dim=1)[:, : answers.shape[1]]
+        return assemble_output(
+            input_ids,
+            attention_mask,
+            answers,
+            token_logprobs(logits, answers),
+            answer_mask_from_tokens(answers, config.eos_token_id),
+            config.pad_token_id,
+        )

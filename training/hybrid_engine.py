@@ -1,0 +1,334 @@
+"""The hybrid engine: the actor's DeepSpeed engine switched between training and fast generation.
+
+Train mode is the ZeRO engine as it is. Generate mode (`HybridEngine.generate_mode()`):
+1. builds a plain inference copy of the model (same architecture, constructed on the meta device,
+   then materialised) and loads the actor's weights into it, gathering ZeRO-3 partitions one bounded
+   group of decoder layers at a time (`tp_gather_partition_size`) and folding LoRA adapters into
+   the copied weights (W + scale * B @ A), so the training weights are never merged in place;
+2. with `inference_tp_size > 1`, the copy holds only this rank's tensor-parallel shard, and the ranks
+   of a tensor-parallel group decode their prompts together (`tensor_parallel.py`);
+3. decodes with `KVCacheDecoder` (one preallocated KV cache, finished rows leave the batch).
+Leaving generate mode drops the copy (and, with `release_inference_cache`, the KV cache); the
+engine's module is never modified, and its train/eval flags are left as they were.
+
+With `unpin_actor_parameters` no copy is built: the decoder runs on the engine's own module, whose
+ZeRO-3 hooks gather each layer at every step (less memory, slower), as DeepSpeed-Chat's flag does.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import deepspeed
+import torch
+import torch.distributed as torch_dist
+
+from .dist import current_device, get_world_size
+from .errors import UserError
+from .fast_decoder import KVCacheDecoder, RolloutKVCache
+from .generation import GenerationConfig, GenerationOutput, Generator, HFGenerator, eval_mode
+from .model_loading import resolve_dtype
+from .tensor_parallel import TensorParallelGroup, TensorParallelPlan, gather_tp_shard
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("hybrid", "hf")
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class HybridEngineSettings:
+    enable: bool = False
+    inference_tp_size: int = 1
+    tp_gather_partition_size: int = 8
+    release_inference_cache: bool = False
+    unpin_actor_parameters: bool = False
+    cuda_graph: bool = True
+    generation_dtype: str | None = None  # None: the training dtype
+
+
+def add_hybrid_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("hybrid engine (generation)")
+    group.add_argument("--enable_hybrid_engine", action="store_true",
+                       help="generate rollouts with the hybrid engine instead of plain generate()")
+    group.add_argument("--generation_backend", choices=BACKENDS, default=None,
+                       help="override the backend: 'hybrid' (default with --enable_hybrid_engine) or 'hf'")
+    group.add_argument("--inference_tp_size", type=int, default=1,
+                       help="split generation tensor-parallel across this many ranks (Llama-style models)")
+    group.add_argument("--tp_gather_partition_size", type=int, default=8,
+                       help="decoder layers gathered at once when loading ZeRO-3 weights for generation")
+    group.add_argument("--release_inference_cache", action="store_true",
+                       help="free the KV cache after every rollout instead of keeping it for the next one")
+    group.add_argument("--unpin_actor_parameters", action="store_true",
+                       help="do not gather a full inference copy of the actor; generate through ZeRO-3 hooks "
+                            "(less memory, slower)")
+    group.add_argument("--disable_cuda_graph", action="store_true",
+                       help="on GPU, do not capture the decode step as a CUDA graph")
+    group.add_argument("--generation_dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                       help="dtype of the inference copy (default: the training dtype)")
+
+
+def hybrid_settings_from_args(args: argparse.Namespace) -> HybridEngineSettings:
+    return HybridEngineSettings(
+        enable=args.enable_hybrid_engine,
+        inference_tp_size=args.inference_tp_size,
+        tp_gather_partition_size=args.tp_gather_partition_size,
+        release_inference_cache=args.release_inference_cache,
+        unpin_actor_parameters=args.unpin_actor_parameters,
+        cuda_graph=not args.disable_cuda_graph,
+        generation_dtype=args.generation_dtype,
+    )
+
+
+def generation_backend_from_args(args: argparse.Namespace) -> str:
+    if args.generation_backend is not None:
+        return args.generation_backend
+    return "hybrid" if args.enable_hybrid_engine else "hf"
+
+
+def build_generator(backend: str, engine: torch.nn.Module, tokenizer, settings: HybridEngineSettings) -> Generator:
+    """The generator for `backend`; a model the hybrid engine cannot serve falls back to `hf`, loudly."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown generation backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "hf":
+        return HFGenerator(engine)
+    reason = unsupported_reason(getattr(engine, "module", engine), settings)
+    if reason is not None:
+        logger.warning("hybrid engine cannot serve this model (%s); falling back to the 'hf' generation backend", reason)
+        return HFGenerator(engine)
+    return HybridEngine(engine, settings)
+
+
+def _is_peft(module: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(module, PeftModel)
+
+
+def _base_model(module: torch.nn.Module) -> torch.nn.Module:
+    return module.get_base_model() if _is_peft(module) else module
+
+
+def _peft_reason(module: torch.nn.Module) -> str | None:
+    from peft.tuners.lora import LoraLayer
+
+    for config in module.peft_config.values():
+        if getattr(config, "peft_type", None) is None or config.peft_type.value != "LORA":
+            return f"peft adapter type {config.peft_type} (only LoRA is merged)"
+    for name, sub in module.named_modules():
+        if isinstance(sub, LoraLayer):
+            if any(sub.use_dora.get(a, False) for a in sub.active_adapters) or len(sub.lora_embedding_A):
+                return f"DoRA or embedding LoRA at {name}"
+        elif "modules_to_save" in name:
+            return "peft modules_to_save"
+    return None
+
+
+def unsupported_reason(module: torch.nn.Module, settings: HybridEngineSettings) -> str | None:
+    """Why the hybrid engine cannot generate for this module, or None when it can."""
+    from transformers import GenerationMixin, PreTrainedModel
+
+    base = _base_model(module)
+    if not isinstance(base, PreTrainedModel) or not isinstance(base, GenerationMixin):
+        return f"{type(base).__name__} is not a transformers causal LM"
+    if _is_peft(module) and (reason := _peft_reason(module)) is not None:
+        return reason
+    if settings.inference_tp_size > 1:
+        return TensorParallelPlan.unsupported_reason(base, settings.inference_tp_size)
+    return None
+
+
+@dataclass
+class _Entry:
+    """One parameter of the inference copy and where its value comes from in the training module."""
+
+    target_name: str
+    source: torch.nn.Parameter
+    lora_layer: torch.nn.Module | None = None
+    lora_params: list[torch.nn.Parameter] = field(default_factory=list)
+
+
+def _active_lora(layer: torch.nn.Module) -> list[str]:
+    if layer.disable_adapters or layer.merged:
+        return []
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def _lora_delta(layer: torch.nn.Module) -> torch.Tensor | None:
+    """scale * B @ A summed over active adapters, in the weight's layout (fp32)."""
+    delta = None
+    for adapter in _active_lora(layer):
+        product = layer.lora_B[adapter].weight.float() @ layer.lora_A[adapter].weight.float()
+        if layer.fan_in_fan_out:
+            product = product.T
+        product = product * layer.scaling[adapter]
+        delta = product if delta is None else delta + product
+    return delta
+
+
+class WeightSource:
+    """The training module's parameters, named as the plain model's, in bounded gather groups."""
+
+    def __init__(self, module: torch.nn.Module, partition_size: int):
+        self.module = module
+        self.partition_size = max(1, partition_size)
+        peft = _is_peft(module)
+        self.entries: list[_Entry] = []
+        for name, param in module.named_parameters():
+            if ".lora_" in name:
+                continue
+            target = name[len(_PEFT_PREFIX):] if peft and name.startswith(_PEFT_PREFIX) else name
+            entry = _Entry(target.replace(".base_layer.", "."), param)
+            if ".base_layer." in name and name.endswith(".weight"):
+                layer = module.get_submodule(name.rsplit(".base_layer.", 1)[0])
+                entry.lora_layer = layer
+                entry.lora_params = [p for a in _active_lora(layer) for p in
+                                     (layer.lora_A[a].weight, layer.lora_B[a].weight)]
+            self.entries.append(entry)
+        self.buffers = {
+            (n[len(_PEFT_PREFIX):] if peft and n.startswith(_PEFT_PREFIX) else n): b for n, b in module.named_buffers()
+        }
+        self.layers_prefix = _decoder_layers_prefix(_base_model(module))
+
+    def groups(self) -> list[list[_Entry]]:
+        """Non-layer parameters first, then `partition_size` decoder layers per group."""
+        grouped: dict[int, list[_Entry]] = {}
+        for entry in self.entries:
+            key = -1
+            if self.layers_prefix and entry.target_name.startswith(self.layers_prefix + "."):
+                key = int(entry.target_name[len(self.layers_prefix) + 1:].split(".")[0]) // self.partition_size
+            grouped.setdefault(key, []).append(entry)
+        return [grouped[k] for k in sorted(grouped)]
+
+
+def _decoder_layers_prefix(model: torch.nn.Module) -> str | None:
+    """Name of the ModuleList holding the decoder layers (the one with the most parameters)."""
+    best, best_size = None, 0
+    for name, sub in model.named_modules():
+        if isinstance(sub, torch.nn.ModuleList) and len(sub) > 0:
+            size = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in sub.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    return best
+
+
+def _training_dtype(module: torch.nn.Module) -> torch.dtype:
+    return next(p for p in module.parameters() if p.is_floating_point()).dtype
+
+
+class InferenceCopy:
+    """A plain, non-partitioned copy of the base model (optionally one tensor-parallel shard)."""
+
+    def __init__(self, base: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                 plan: TensorParallelPlan | None):
+        config = copy.deepcopy(base.config)
+        with torch.device("meta"):
+            model = type(base)(config)
+        model.to(dtype)
+        if plan is not None:
+            plan.shard_skeleton(model)
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.plan = plan
+
+    @torch.no_grad()
+    def load_from(self, source: WeightSource) -> None:
+        """Copy (gather, merge, shard) every parameter group by group; buffers are never partitioned."""
+        targets = dict(self.model.named_parameters())
+        loaded: set[str] = set()
+        for group in source.groups():
+            sharded = {e.target_name for e in group if self.plan is not None and self.plan.is_sharded(e.target_name)}
+            gathered = [p for e in group for p in ([] if e.target_name in sharded else [e.source]) + e.lora_params]
+            with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None):
+                for entry in group:
+                    targets[entry.target_name].copy_(self._value(entry, entry.target_name in sharded))
+                    loaded.add(entry.target_name)
+        for name, buffer in self.model.named_buffers():
+            if name in source.buffers:
+                buffer.copy_(source.buffers[name])
+        missing = set(targets) - loaded
+        if missing:
+            raise RuntimeError(f"inference copy parameters not loaded: {sorted(missing)[:5]}")
+
+    def _value(self, entry: _Entry, sharded: bool) -> torch.Tensor:
+        delta = _lora_delta(entry.lora_layer) if entry.lora_layer is not None else None
+        if sharded:
+            value = gather_tp_shard(entry.source, self.plan, entry.target_name)
+        else:
+            value = entry.source.data
+        if delta is not None:
+            value = value.float() + (self.plan.shard(entry.target_name, delta) if sharded else delta)
+        if self.plan is not None and not sharded:
+            value = self.plan.shard(entry.target_name, value)
+        return value
+
+
+class HybridEngine:
+    """Switches a DeepSpeed engine's actor between training and fast generation (see module doc)."""
+
+    def __init__(self, engine: torch.nn.Module, settings: HybridEngineSettings):
+        if settings.inference_tp_size > 1 and settings.unpin_actor_parameters:
+            raise UserError("--inference_tp_size > 1 needs the gathered inference copy; drop --unpin_actor_parameters")
+        self.engine = engine
+        self.module = getattr(engine, "module", engine)
+        self.settings = settings
+        self.device = current_device()
+        self.dtype = resolve_dtype(settings.generation_dtype) if settings.generation_dtype else _training_dtype(self.module)
+        self.tp = TensorParallelGroup.create(settings.inference_tp_size) if settings.inference_tp_size > 1 else None
+        self.kv_cache = RolloutKVCache()
+        self._decoder: KVCacheDecoder | None = None
+
+    @property
+    def in_generate_mode(self) -> bool:
+        return self._decoder is not None
+
+    @contextlib.contextmanager
+    def generate_mode(self) -> Iterator["HybridEngine"]:
+        """Generate mode for the block: weights gathered (and merged) once for every `generate` in it."""
+        if self._decoder is not None:
+            yield self
+            return
+        with contextlib.ExitStack() as stack:
+            self._decoder = self._enter(stack)
+            try:
+                yield self
+            finally:
+                self._decoder = None
+                if self.settings.release_inference_cache:
+                    self.kv_cache.release()
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+        with self.generate_mode():
+            if self.tp is not None:
+                return self.tp.generate_together(self._decoder, input_ids, attention_mask, config)
+            return self._decoder.decode(input_ids, attention_mask, config)
+
+    def _enter(self, stack: contextlib.ExitStack) -> KVCacheDecoder:
+        if self.settings.unpin_actor_parameters:
+            stack.enter_context(eval_mode(self.module))
+            collective = get_world_size() > 1 and any(hasattr(p, "ds_id") for p in self.module.parameters())
+            return KVCacheDecoder(self.module, self.kv_cache, cuda_graph=False, no_grad_only=True,
+                                  sync_done=_all_ranks_done if collective else None)
+        base = _base_model(self.module)
+        plan = TensorParallelPlan(base, self.tp) if self.tp is not None else None
+        inference_copy = InferenceCopy(base, self.dtype, self.device, plan)
+        inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
+        return KVCacheDecoder(inference_copy.model, self.kv_cache, cuda_graph=self.settings.cuda_graph,
+                              sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)
+
+    def release_cache(self) -> None:
+        """Free the KV cache kept between rollouts."""
+        self.kv_cache.release()
+
+
+def _all_ranks_done(local_done: bool) -> bool:
+    flag = torch.tensor([0 if local_done else 1], dtype=torch.int32)
+    torch_dist.all_reduce(flag)
+    return int(flag.item()) == 0

@@ -1,0 +1,225 @@
+"""Tensor-parallel generation for the hybrid engine (`--inference_tp_size N`).
+
+Ranks are grouped N consecutive ranks at a time. In a group, each rank holds one shard of every
+attention and MLP projection (Megatron-style: q/k/v and gate/up split by output rows, o/down split by
+input columns and summed with an all-reduce); norms, embeddings and the LM head stay whole. The
+ranks of a group decode their prompts as one batch and share every drawn token.
+
+Under ZeRO-3 a rank fetches only the part of each sharded weight it needs: the shard is a set of flat
+indices into the weight, ZeRO-3 keeps the flat weight split in contiguous partitions across ranks, so
+each rank sends every other rank exactly the elements of its partition that rank's shard contains
+(point-to-point), instead of all-gathering the whole matrix.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .dist import get_rank, get_world_size
+from .errors import UserError
+from .fast_decoder import KVCacheDecoder
+from .generation import GenerationConfig, GenerationOutput, assemble_output
+
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class TensorParallelGroup:
+    """This rank's tensor-parallel group: N consecutive ranks that decode one joint batch."""
+
+    _groups: dict[int, "TensorParallelGroup"] = {}
+
+    def __init__(self, size: int, group: dist.ProcessGroup, ranks: list[int]):
+        self.size = size
+        self.group = group
+        self.ranks = ranks
+        self.rank = ranks.index(get_rank())
+
+    @classmethod
+    def create(cls, size: int) -> "TensorParallelGroup":
+        """Every rank must call this (new_group is collective); groups are made once per size."""
+        if size in cls._groups:
+            return cls._groups[size]
+        world = get_world_size()
+        if size < 1 or world % size:
+            raise UserError(f"--inference_tp_size {size} must divide the number of ranks ({world})")
+        mine = None
+        for start in range(0, world, size):
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks)
+            if get_rank() in ranks:
+                mine = cls(size, group, ranks)
+        cls._groups[size] = mine
+        return mine
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(tokens, src=self.leader, group=self.group)
+        return tokens
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        pieces = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=self.group)
+        return pieces
+
+    def generate_together(
+        self, decoder: KVCacheDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig
+    ) -> GenerationOutput:
+        """Decode the group's prompts as one batch (left-padded to a common length) and keep this rank's rows."""
+        batch, prompt_len = input_ids.shape
+        sizes = self._all_gather(torch.tensor([batch, prompt_len], dtype=torch.long))
+        max_batch = max(int(s[0]) for s in sizes)
+        max_len = max(int(s[1]) for s in sizes)
+        padded_ids = input_ids.new_full((max_batch, max_len), config.pad_token_id)
+        padded_mask = attention_mask.new_zeros((max_batch, max_len))
+        padded_ids[:batch, max_len - prompt_len:] = input_ids
+        padded_mask[:batch, max_len - prompt_len:] = attention_mask
+        all_ids, all_masks = self._all_gather(padded_ids), self._all_gather(padded_mask)
+        counts = [int(s[0]) for s in sizes]
+        joint = decoder.decode(
+            torch.cat([ids[:n] for ids, n in zip(all_ids, counts)]),
+            torch.cat([mask[:n] for mask, n in zip(all_masks, counts)]),
+            config,
+        )
+        first = sum(counts[: self.rank])
+        mine = slice(first, first + batch)
+        return assemble_output(
+            input_ids,
+            attention_mask,
+            joint.answers[mine].to(input_ids.device),
+            joint.logprobs[mine],
+            joint.answer_mask[mine],
+            config.pad_token_id,
+        )
+
+
+class TensorParallelPlan:
+    """Which parameters of a Llama-style model are split, along which dimension, for one rank."""
+
+    def __init__(self, model: torch.nn.Module, group: TensorParallelGroup):
+        self.group = group
+        self.size = group.size
+        self.rank = group.rank
+
+    @staticmethod
+    def unsupported_reason(model: torch.nn.Module, size: int) -> str | None:
+        config = model.config
+        if getattr(config, "model_type", None) not in _SUPPORTED_MODEL_TYPES:
+            return f"tensor-parallel generation supports {_SUPPORTED_MODEL_TYPES}, not {config.model_type!r}"
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for what, count in (("attention heads", heads), ("key/value heads", kv_heads),
+                            ("intermediate size", config.intermediate_size)):
+            if count % size:
+                return f"{what} ({count}) not divisible by --inference_tp_size {size}"
+        return None
+
+    @staticmethod
+    def _kind(name: str) -> tuple[str | None, str]:
+        """('column'|'row'|None, 'weight'|'bias') for a parameter name."""
+        module, _, leaf = name.rpartition(".")
+        proj = module.rpartition(".")[2]
+        if proj in _COLUMN_PARALLEL:
+            return "column", leaf
+        if proj in _ROW_PARALLEL:
+            return "row", leaf
+        return None, leaf
+
+    def is_sharded(self, name: str) -> bool:
+        kind, leaf = self._kind(name)
+        return kind == "column" or (kind == "row" and leaf == "weight")
+
+    def _dim(self, name: str) -> int:
+        return 0 if self._kind(name)[0] == "column" else 1
+
+    def shard_shape(self, name: str, shape: torch.Size) -> torch.Size:
+        dim = self._dim(name)
+        return torch.Size(s // self.size if d == dim else s for d, s in enumerate(shape))
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full tensor (a row-parallel bias is added by the group's first rank only)."""
+        kind, leaf = self._kind(name)
+        if kind == "row" and leaf == "bias":
+            return full if self.rank == 0 else torch.zeros_like(full)
+        if not self.is_sharded(name):
+            return full
+        dim = self._dim(name)
+        step = full.shape[dim] // self.size
+        return full.narrow(dim, self.rank * step, step)
+
+    def flat_indices(self, name: str, shape: torch.Size, tp_rank: int) -> torch.Tensor:
+        """Ascending flat indices of `tp_rank`'s shard within the full tensor of `shape`."""
+        dim = self._dim(name)
+        step = shape[dim] // self.size
+        if dim == 0:
+            inner = int(torch.Size(shape[1:]).numel())
+            return torch.arange(tp_rank * step * inner, (tp_rank + 1) * step * inner)
+        rows, cols = shape[0], shape[1]
+        return (torch.arange(rows)[:, None] * cols + torch.arange(tp_rank * step, (tp_rank + 1) * step)[None, :]).reshape(-1)
+
+    def shard_skeleton(self, model: torch.nn.Module) -> None:
+        """Give the (meta) model shard-sized projections and all-reduce the row-parallel outputs."""
+        for module_name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            weight_name = f"{module_name}.weight"
+            if not self.is_sharded(weight_name):
+                continue
+            module.weight = torch.nn.Parameter(
+                torch.empty(self.shard_shape(weight_name, module.weight.shape), dtype=module.weight.dtype, device="meta"),
+                requires_grad=False,
+            )
+            module.out_features, module.in_features = module.weight.shape
+            if self._kind(weight_name)[0] == "column" and module.bias is not None:
+                module.bias = torch.nn.Parameter(
+                    torch.empty(module.out_features, dtype=module.bias.dtype, device="meta"), requires_grad=False
+                )
+            if self._kind(weight_name)[0] == "row":
+                module.register_forward_hook(self._all_reduce_output)
+
+    def _all_reduce_output(self, module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=self.group.group)
+        return output
+
+
+def gather_tp_shard(param: torch.nn.Parameter, plan: TensorParallelPlan, name: str) -> torch.Tensor:
+    """This rank's TP shard of `param`; for a ZeRO-3 parameter, fetched point-to-point from the
+    partitions that hold it (collective over the parameter's ZeRO group)."""
+    if not hasattr(param, "ds_id"):
+        return plan.shard(name, param.data)
+    group = param.ds_process_group
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel = param.ds_shape, param.ds_numel
+    per_rank = param.ds_tensor.numel()
+    local = param.ds_tensor.data.reshape(-1)
+    tp_size = plan.size
+
+    def needed(group_rank: int) -> torch.Tensor:
+        return plan.flat_indices(name, shape, dist.get_global_rank(group, group_rank) % tp_size)
+
+    mine = needed(me)
+    pieces: dict[int, torch.Tensor] = {}
+    ops = []
+    low, high = me * per_rank, min((me + 1) * per_rank, numel)
+    for other in range(world):
+        wanted = needed(other)
+        send = local[wanted[(wanted >= low) & (wanted < high)] - low]
+        other_low, other_high = other * per_rank, min((other + 1) * per_rank, numel)
+        receive_count = int(((mine >= other_low) & (mine < other_high)).sum())
+        if other == me:
+            pieces[other] = send
+            continue
+        peer = dist.get_global_rank(group, other)
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), peer, group))
+        if receive_count:
+            pieces[other] = torch.empty(receive_count, dtype=local.dtype, device=local.device)
+            ops.append(dist.P2POp(dist.irecv, pieces[other], peer, group))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return torch.cat([pieces[r] for r in sorted(pieces)]).view(plan.shard_shape(name, shape))
