@@ -1,0 +1,117 @@
+"""The chatbot: which folder it loads, multi-turn prompts, streaming, commands, non-interactive use."""
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+from inference.chatbot import ChatSession, SamplingOptions, chat, converse, resolve_chat_model
+from tiny_models import make_tiny_model
+from training.errors import UserError
+
+GREEDY = SamplingOptions(max_new_tokens=6, greedy=True)
+
+
+def session(prompt_format="auto", chat_template=True, options=GREEDY):
+    from tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer(chat_template=chat_template)
+    model, tokenizer = make_tiny_model("llama", tokenizer)
+    tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    model.resize_token_embeddings(len(tokenizer))
+    return ChatSession(model.eval(), tokenizer, options, prompt_format)
+
+
+def test_run_folders_resolve_to_the_model_to_chat_with(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    pipeline = tmp_path / "runs"
+    for sub in ("step3/actor", "step3/actor_ema", "step1/model"):
+        shutil.copytree(model, pipeline / sub)
+    assert resolve_chat_model(str(pipeline)) == str(pipeline / "step3" / "actor")
+    assert resolve_chat_model(str(pipeline), ema=True) == str(pipeline / "step3" / "actor_ema")
+    assert resolve_chat_model(str(pipeline / "step3")) == str(pipeline / "step3" / "actor")
+    assert resolve_chat_model(str(pipeline / "step1")) == str(pipeline / "step1" / "model")
+    assert resolve_chat_model(model) == model
+    with pytest.raises(UserError, match="no EMA actor"):
+        resolve_chat_model(str(pipeline / "step1"), ema=True)
+
+
+def test_a_reward_model_is_refused(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    (tmp_path / "step2").mkdir()
+    os.replace(model, tmp_path / "step2" / "model")
+    (tmp_path / "step2" / "model" / "reward_model.json").write_text(json.dumps({"format": "rlhf-reward-model"}))
+    with pytest.raises(UserError, match="reward model"):
+        resolve_chat_model(str(tmp_path / "step2"))
+
+
+def test_each_turn_sees_the_whole_conversation_in_the_chat_template():
+    chat_session = session()
+    first = chat_session.reply("hello world")
+    chat_session.reply("how are you")
+    prompt = chat_session.tokenizer.decode(chat_session._encode()[0])
+    assert prompt.startswith("<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.count("<|im_start|>user") == 2 and prompt.count("<|im_start|>assistant") == 3
+    assert "<|im_start|>user\nhow are you<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert [turn["role"] for turn in chat_session.history] == ["user", "assistant", "user", "assistant"]
+    assert chat_session.history[1]["content"] == first
+    chat_session.clear()
+    assert chat_session.history == []
+
+
+def test_the_human_assistant_format_is_used_without_a_chat_template():
+    chat_session = session(chat_template=False)
+    assert chat_session.style == "human_assistant"
+    chat_session.history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                            {"role": "user", "content": "bye"}]
+    assert chat_session.tokenizer.decode(chat_session._encode()[0]) == " Human: hi Assistant: yo Human: bye Assistant:"
+
+
+def test_old_turns_are_dropped_when_the_context_is_full():
+    chat_session = session()
+    chat_session.model.config.max_position_embeddings = 60
+    for index in range(8):
+        chat_session.reply(f"tell me a joke number {index} please")
+    prompt = chat_session.tokenizer.decode(chat_session._encode()[0])
+    assert len(chat_session._encode()[0]) <= 60 - GREEDY.max_new_tokens
+    assert "number 7" in prompt and "number 0" not in prompt
+
+
+def test_answers_stream_and_commands_work():
+    chat_session = session()
+    out = io.StringIO()
+    answers = converse(chat_session, ["hello", "", "clear", "yes no maybe", "quit", "never answered"], out, True)
+    text = out.getvalue()
+    assert len(answers) == 2
+    assert "Human: hello\nAssistant: " in text and "(conversation cleared)" in text
+    assert "never answered" not in text
+    assert answers[1] in text  # streamed to the output as generated
+    assert len(chat_session.history) == 2  # cleared after the first exchange
+
+
+def test_sampling_is_reproducible_with_a_seed_and_greedy_is_deterministic(tiny_model_dir, capsys):
+    model = tiny_model_dir("llama")
+    base = ["--path", model, "--prompt", "hello", "--prompt", "again", "--max_new_tokens", "5"]
+    assert chat(base + ["--greedy"]) == chat(base + ["--greedy"])
+    assert chat(base + ["--seed", "3", "--temperature", "1.5"]) == chat(base + ["--seed", "3", "--temperature", "1.5"])
+    printed = capsys.readouterr().out
+    assert printed.count("Human: hello") == 4 and printed.count("Human: again") == 4
+    with pytest.raises(SystemExit):
+        from inference.chatbot import main
+
+        main(base + ["--temperature", "0"])
+
+
+def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
+    model = tiny_model_dir("gpt2")
+    result = subprocess.run(
+        [sys.executable, "-m", "inference.chatbot", "--path", model, "--greedy", "--max_new_tokens", "4"],
+        input="hello\nclear\nhow are you\nquit\nignored\n", cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("Assistant: ") == 2
+    assert "(conversation cleared)" in result.stdout and "ignored" not in result.stdout

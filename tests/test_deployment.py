@@ -1,0 +1,219 @@
+"""Deployment types: hostfile validation, the settings each type picks, launch commands, dry runs."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO_ROOT
+from training.errors import UserError
+from training.pipeline.deployment import (
+    DeploymentType,
+    MemoryChoice,
+    ModelSizes,
+    detect_deployment,
+    plan_cpu,
+    plan_gpu,
+    state_bytes_per_gpu,
+)
+from training.pipeline.hardware import Hardware, ModelSize
+from training.pipeline.hostfile import Host, read_hostfile
+from training.pipeline.launch import Launcher
+
+SMALL = ModelSize(parameters=135_000_000, hidden_size=576, num_layers=30, vocab_size=49152)
+B7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
+B70 = ModelSize(parameters=70_000_000_000, hidden_size=8192, num_layers=80, vocab_size=32000)
+H100 = Hardware(num_gpus=8, gpu_memory_gib=80, cpu_memory_gib=1000, cpu_cores=96, bf16=True)
+LAPTOP_GPU = Hardware(num_gpus=1, gpu_memory_gib=24, cpu_memory_gib=64, cpu_cores=8, bf16=True)
+TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+# --------------------------------------------------------------------------- hostfile
+
+
+def test_a_good_hostfile_is_read_with_comments_and_blank_lines(tmp_path):
+    hostfile = write(tmp_path / "hosts", "# two nodes\nworker-1 slots=8\n\nworker-2 slots=4  # smaller\n")
+    assert read_hostfile(hostfile) == [Host("worker-1", 8), Host("worker-2", 4)]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("worker-1 slots=8\nworker-1 slots=8\n", "listed twice"),
+        ("worker-1 slots=0\n", "positive"),
+        ("worker-1 slots=-2\n", "positive"),
+        ("worker-1\n", "expected 'HOST slots=N'"),
+        ("worker-1 gpus=8\n", "expected 'HOST slots=N'"),
+        ("worker-1 slots=eight\n", "expected 'HOST slots=N'"),
+        ("# nothing\n\n", "lists no hosts"),
+    ],
+)
+def test_a_malformed_hostfile_is_a_user_error_naming_the_problem(tmp_path, text, message):
+    with pytest.raises(UserError, match=message):
+        read_hostfile(write(tmp_path / "hosts", text))
+
+
+def test_a_missing_hostfile_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        read_hostfile(tmp_path / "nope")
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def test_deployment_is_detected_from_the_machine():
+    assert detect_deployment(TWO_CORES, hostfile_given=False) is DeploymentType.CPU
+    assert detect_deployment(LAPTOP_GPU, hostfile_given=False) is DeploymentType.SINGLE_GPU
+    assert detect_deployment(H100, hostfile_given=False) is DeploymentType.SINGLE_NODE
+    assert detect_deployment(TWO_CORES, hostfile_given=True) is DeploymentType.MULTI_NODE
+
+
+def test_zero_partitions_the_training_states_across_ranks():
+    full = state_bytes_per_gpu(1_000, 1, MemoryChoice(0))
+    assert full == 16_000  # 2 weights + 2 grads + 12 Adam bytes per parameter
+    assert state_bytes_per_gpu(1_000, 8, MemoryChoice(1)) == 2_000 + 2_000 + 1_500
+    assert state_bytes_per_gpu(1_000, 8, MemoryChoice(2)) == 2_000 + 1_750
+    assert state_bytes_per_gpu(1_000, 8, MemoryChoice(3)) == 2_000
+    assert state_bytes_per_gpu(1_000, 1, MemoryChoice(2, offload=True)) == 4_000
+
+
+def test_a_small_model_on_one_big_gpu_trains_plainly_with_large_batches():
+    plan = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(SMALL, SMALL), H100, None)
+    sft = plan.steps[1].flags
+    assert (sft["zero_stage"], sft["offload"], sft["lora_dim"]) == (0, False, 0)
+    assert sft["per_device_train_batch_size"] == 16 and sft["gradient_accumulation_steps"] == 4
+    assert plan.world_size == 1
+    assert plan.steps[3].flags["enable_hybrid_engine"] is True
+
+
+def test_a_7b_model_on_one_24gb_gpu_needs_lora_and_offload():
+    plan = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, SMALL), LAPTOP_GPU, None)
+    sft = plan.steps[1].flags
+    assert sft["zero_stage"] == 3 and sft["offload"] is True and sft["lora_dim"] > 0
+    assert plan.steps[2].flags["lora_dim"] == 0  # the 135M reward model still trains fully
+    assert plan.steps[3].flags["actor_lora_dim"] > 0
+
+
+def test_one_node_of_eight_gpus_shards_a_7b_model_with_zero2():
+    plan = plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B7, B7), H100, None)
+    assert plan.world_size == 8
+    assert plan.steps[1].flags["zero_stage"] == 2 and plan.steps[1].flags["lora_dim"] == 0
+
+
+def test_more_nodes_let_a_70b_model_train_fully_without_offload():
+    one_node = plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B70, SMALL), H100, None)
+    hosts = [Host(f"worker-{i}", 8) for i in range(4)]
+    four_nodes = plan_gpu(DeploymentType.MULTI_NODE, ModelSizes(B70, SMALL), H100, hosts)
+    # on one node its Adam states fit neither the GPUs nor (offloaded) 1000 GiB of host memory: LoRA
+    assert one_node.steps[1].flags["lora_dim"] > 0
+    assert four_nodes.world_size == 32
+    assert four_nodes.steps[1].flags["zero_stage"] == 3
+    assert four_nodes.steps[1].flags["offload"] is False and four_nodes.steps[1].flags["lora_dim"] == 0
+
+
+def test_a_model_that_cannot_fit_is_a_user_error():
+    huge = ModelSize(parameters=2_000_000_000_000, hidden_size=16384, num_layers=200, vocab_size=32000)
+    small_host = Hardware(num_gpus=1, gpu_memory_gib=24, cpu_memory_gib=64, cpu_cores=8, bf16=True)
+    with pytest.raises(UserError, match="do not fit"):
+        plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(huge, SMALL), small_host, None)
+
+
+def test_the_cpu_quick_run_fits_the_embedded_model_in_the_time_budget():
+    plan = plan_cpu(ModelSizes(SMALL, SMALL), TWO_CORES)
+    sft, reward, rlhf = (plan.steps[i].flags for i in (1, 2, 3))
+    assert sft["dtype"] == "bf16" and sft["max_seq_len"] == 256 and sft["zero_stage"] == 0
+    assert 20 <= sft["max_steps"] <= 120 and sft["max_train_samples"] == sft["max_steps"] * sft["per_device_train_batch_size"]
+    assert 10 <= reward["max_steps"] <= 120
+    assert 10 <= rlhf["max_steps"] <= 60 and rlhf["max_answer_seq_len"] <= 64
+
+
+def test_the_cpu_quick_run_takes_fewer_steps_for_bigger_models_and_fp32():
+    base = plan_cpu(ModelSizes(SMALL, SMALL), TWO_CORES).steps[1].flags["max_steps"]
+    bigger = ModelSize(parameters=4 * SMALL.parameters, hidden_size=1024, num_layers=30, vocab_size=49152)
+    no_bf16 = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=False)
+    assert plan_cpu(ModelSizes(bigger, SMALL), TWO_CORES).steps[1].flags["max_steps"] < base
+    fp32 = plan_cpu(ModelSizes(SMALL, SMALL), no_bf16).steps[1].flags
+    assert fp32["max_steps"] < base and fp32["dtype"] == "fp32"
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def test_launch_commands_use_the_deepspeed_launcher(tmp_path):
+    script = tmp_path / "main.py"
+    single = Launcher(DeploymentType.SINGLE_NODE, num_gpus=4).command(script, ["--zero_stage", "2"])
+    assert single == ["deepspeed", "--no_local_rank", "--num_gpus", "4", str(script), "--zero_stage", "2"]
+    local = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=29611).command(script, [])
+    assert local == ["deepspeed", "--no_local_rank", "--num_gpus", "1", "--master_port", "29611", str(script)]
+    multi = Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])
+    assert multi == ["deepspeed", "--no_local_rank", "--hostfile", "/h", str(script)]
+
+
+def _train(*args, timeout=120):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_multi_node_with_a_bad_hostfile_fails_fast_with_a_clear_message(tmp_path):
+    hostfile = write(tmp_path / "hosts", "worker-1 slots=8\nworker-2 slots=0\n")
+    started = time.perf_counter()
+    result = _train("--deployment-type", "multi_node", "--hostfile", hostfile, "--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {hostfile}:2: worker-2 has slots=0; slots must be a positive GPU count"
+    )
+    assert "Traceback" not in result.stderr
+    assert time.perf_counter() - started < 60
+    assert not (tmp_path / "out").exists()
+
+    missing = _train("--deployment-type", "multi_node", "--output-dir", str(tmp_path / "out"))
+    assert missing.returncode == 2 and "needs --hostfile" in missing.stderr
+
+
+def test_dry_run_prints_the_multi_node_launch_commands(tmp_path, tiny_model_dir, capsys):
+    from training.pipeline.cli import run
+
+    model = tiny_model_dir("llama")
+    hostfile = write(tmp_path / "hosts", "worker-1 slots=2\nworker-2 slots=2\n")
+    out = tmp_path / "out"
+    summary = run(["--deployment-type", "multi_node", "--hostfile", hostfile, "--actor-model", model,
+                   "--reward-model", model, "--output-dir", str(out), "--dry-run", "--learning_rate", "3e-5"])
+    printed = capsys.readouterr().out
+    assert "deployment: multi_node (4 processes)" in printed
+    for step, script in ((1, "step1_sft/main.py"), (2, "step2_reward/main.py"), (3, "step3_rlhf/main.py")):
+        command = summary["commands"][step]
+        assert command[:4] == ["deepspeed", "--no_local_rank", "--hostfile", hostfile]
+        assert command[4].endswith(script)
+        assert f"step {step}: deepspeed --no_local_rank --hostfile {hostfile} " in printed
+    step3 = summary["commands"][3]
+    assert step3[step3.index("--actor_model_name_or_path") + 1] == str(out / "step1")
+    assert step3[step3.index("--critic_model_name_or_path") + 1] == str(out / "step2")
+    assert summary["commands"][1][-2:] == ["--learning_rate", "3e-5"]  # passed through to the steps that take it
+    assert not out.exists()  # nothing was run
+
+
+@pytest.mark.slow
+def test_single_gpu_launches_a_step_through_the_deepspeed_launcher(tmp_path, tiny_model_dir):
+    """On this CPU machine the launcher starts one CPU rank; the path is the one a GPU machine takes."""
+    model = tiny_model_dir("llama")
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(
+        f'{{"prompt": " Human: count to {i} Assistant:", "chosen": " {i} {i + 1}"}}\n' for i in range(30)
+    ))
+    out = tmp_path / "out"
+    result = _train("--step", "1", "--deployment-type", "single_gpu", "--actor-model", model, "--output-dir", str(out),
+                    "--data_path", str(data), "--data_output_path", str(tmp_path / "cache"), "--max_steps", "1",
+                    "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--dtype", "fp32",
+                    "--max_eval_samples", "2", timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step 1: deepspeed --no_local_rank --num_gpus 1 --master_port " in result.stdout
+    log = (out / "logs" / "step1.log").read_text()
+    assert log.startswith("$ deepspeed") and "step1_sft" in log  # the step's own output, teed
+    assert (out / "step1" / "model" / "config.json").is_file()
+    assert json.loads((out / "summary.json").read_text())["deployment"] == "single_gpu"

@@ -1,0 +1,214 @@
+"""train.py: steps in order with outputs chained, prerequisites, flag routing, logs, summary; and a real
+end-to-end run on a tiny model with the chatbot answering from its result."""
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+from training.errors import UserError, run_cli
+from training.pipeline.cli import parse_config
+from training.pipeline.hardware import Hardware
+from training.pipeline.runner import run_pipeline
+
+TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
+MODEL_FLAGS = {1: ["--model_name_or_path"], 2: ["--model_name_or_path"],
+               3: ["--actor_model_name_or_path", "--critic_model_name_or_path"]}
+
+
+class FakeSteps:
+    """Step mains with real argparse CLIs that record their calls and save a (tiny) model where the real
+    steps do."""
+
+    def __init__(self, model_dir: str, extra_options=None, fail_step=None):
+        self.model_dir = model_dir
+        self.calls: list[tuple[int, argparse.Namespace, list[str]]] = []
+        self.extra_options = extra_options or {}
+        self.fail_step = fail_step
+
+    def parser(self, step: int) -> argparse.ArgumentParser:
+        from training.pipeline.deployment import ModelSizes, plan_cpu, plan_gpu, DeploymentType
+        from training.pipeline.hardware import ModelSize
+
+        size = ModelSize(1000, 8, 2, 100)
+        planned = set(plan_cpu(ModelSizes(size, size), TWO_CORES).steps[step].flags)
+        planned |= set(plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(size, size), TWO_CORES, None).steps[step].flags)
+        parser = argparse.ArgumentParser()
+        for flag in MODEL_FLAGS[step] + ["--output_dir", "--seed"] + [f"--{name}" for name in planned] + \
+                self.extra_options.get(step, []):
+            parser.add_argument(flag, nargs="?", const=True)
+        return parser
+
+    def main(self, step: int):
+        @run_cli
+        def main(argv):
+            args = self.parser(step).parse_args(argv)
+            self.calls.append((step, args, list(argv)))
+            print(f"fake step {step} prints")
+            logging.getLogger("fake").info("fake step %d logs", step)
+            if step == self.fail_step:
+                raise UserError("the data file is empty; pass a bigger one")
+            out = Path(args.output_dir)
+            saved = out / ("actor" if step == 3 else "model")
+            shutil.copytree(self.model_dir, saved, dirs_exist_ok=True)
+            if step == 2:
+                (saved / "reward_model.json").write_text("{}")
+            summary = {"model_dir": str(saved), "eval_loss_before": 2.5, "eval_loss_after": 1.25, "optimizer_steps": 3}
+            (out / "summary.json").write_text(json.dumps(summary))
+            return summary
+
+        return main
+
+    def entries(self):
+        return {step: self.main(step) for step in (1, 2, 3)}
+
+
+def run(argv, fakes):
+    return run_pipeline(parse_config(argv), entries=fakes.entries(), hardware=TWO_CORES)
+
+
+@pytest.fixture
+def fakes(tiny_model_dir):
+    return FakeSteps(tiny_model_dir("llama"))
+
+
+def common(tmp_path, model):
+    return ["--actor-model", model, "--reward-model", model, "--output-dir", str(tmp_path / "out")]
+
+
+def test_steps_run_in_order_each_feeding_the_next_with_logs_and_a_summary(tmp_path, fakes, capsys):
+    out = tmp_path / "out"
+    report = run(common(tmp_path, fakes.model_dir) + ["--seed", "7"], fakes)
+    assert [call[0] for call in fakes.calls] == [1, 2, 3]
+    (_, sft, _), (_, reward, _), (_, rlhf, _) = fakes.calls
+    assert sft.model_name_or_path == fakes.model_dir and sft.output_dir == str(out / "step1")
+    assert reward.output_dir == str(out / "step2")
+    assert rlhf.actor_model_name_or_path == str(out / "step1")
+    assert rlhf.critic_model_name_or_path == str(out / "step2")
+    assert sft.seed == reward.seed == rlhf.seed == "7"
+    assert sft.dtype == "bf16" and sft.max_seq_len == "256" and rlhf.max_answer_seq_len == "48"
+
+    for step in (1, 2, 3):
+        log = (out / "logs" / f"step{step}.log").read_text()
+        assert f"fake step {step} prints" in log and f"fake step {step} logs" in log
+        assert f"fake step {step % 3 + 1} prints" not in log
+    printed = capsys.readouterr().out
+    settings = printed.index("deployment: cpu")
+    assert settings < printed.index("=== step 1") < printed.index("=== step 2") < printed.index("=== step 3")
+    assert "eval_loss 2.5 -> 1.25" in printed and str(out / "step3" / "actor") in printed
+    assert "total" in printed.splitlines()[-1]
+    saved = json.loads((out / "summary.json").read_text())
+    assert set(saved["steps"]) == {"1", "2", "3"} and saved["steps"]["2"]["summary"]["optimizer_steps"] == 3
+    assert report["total_seconds"] >= sum(step["seconds"] for step in saved["steps"].values())
+
+
+def test_step3_alone_needs_the_outputs_of_steps_1_and_2(tmp_path, fakes):
+    argv = common(tmp_path, fakes.model_dir) + ["--step", "3"]
+    with pytest.raises(UserError, match="step 3 needs the step-1 model.*--step1-output"):
+        run(argv, fakes)
+    shutil.copytree(fakes.model_dir, tmp_path / "out" / "step1" / "model")
+    with pytest.raises(UserError, match="step 3 needs the step-2 reward model"):
+        run(argv, fakes)
+    shutil.copytree(fakes.model_dir, tmp_path / "out" / "step2" / "model")
+    with pytest.raises(UserError, match="step-2 reward model"):  # a causal LM is not a reward model
+        run(argv, fakes)
+    (tmp_path / "out" / "step2" / "model" / "reward_model.json").write_text("{}")
+    run(argv, fakes)
+    assert [call[0] for call in fakes.calls] == [3]
+
+
+def test_explicit_step_outputs_feed_step3(tmp_path, fakes):
+    run(common(tmp_path, fakes.model_dir) + ["--step", "1", "2", "--output-dir", str(tmp_path / "first")], fakes)
+    argv = common(tmp_path, fakes.model_dir) + ["--step", "3", "--step1-output", str(tmp_path / "first" / "step1"),
+                                               "--step2-output", str(tmp_path / "first" / "step2")]
+    run(argv, fakes)
+    _, rlhf, _ = fakes.calls[-1]
+    assert rlhf.actor_model_name_or_path == str(tmp_path / "first" / "step1")
+    assert rlhf.output_dir == str(tmp_path / "out" / "step3")
+
+
+def test_flags_go_to_the_steps_that_accept_them_and_user_values_win(tmp_path, tiny_model_dir):
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options={2: ["--only_step2"], 3: ["--only_step2"]})
+    argv = common(tmp_path, fakes.model_dir) + [
+        "--only_step2", "x", "--max_steps=9", "--step1-args", "--max_seq_len 64 --seed -1",
+        "--actor-zero-stage", "3", "--reward-zero-stage", "1",
+    ]
+    run(argv, fakes)
+    (_, sft, sft_argv), (_, reward, _), (_, rlhf, _) = fakes.calls
+    assert "--only_step2" not in sft_argv  # step 1's CLI does not take it
+    assert reward.only_step2 == "x" and rlhf.only_step2 == "x"
+    assert sft.max_steps == reward.max_steps == rlhf.max_steps == "9"  # over the planned values
+    assert sft.max_seq_len == "64" and sft.seed == "-1" and reward.max_seq_len == "256"
+    assert sft.zero_stage == "3" and rlhf.actor_zero_stage == "3"
+    assert reward.zero_stage == "1" and rlhf.critic_zero_stage == "1"
+    with pytest.raises(UserError, match="--bogus is not a flag of train.py nor of step"):
+        run(common(tmp_path, fakes.model_dir) + ["--bogus", "1"], fakes)
+
+
+def test_a_failing_step_stops_the_run_with_its_message(tmp_path, tiny_model_dir):
+    fakes = FakeSteps(tiny_model_dir("llama"), fail_step=2)
+    with pytest.raises(UserError, match=r"step 2 \(reward model\): the data file is empty"):
+        run(common(tmp_path, fakes.model_dir), fakes)
+    assert [call[0] for call in fakes.calls] == [1, 2]
+    assert "the data file is empty" in (tmp_path / "out" / "logs" / "step2.log").read_text()
+
+
+def test_launcher_runs_tee_the_output_into_the_log(tmp_path):
+    from training.pipeline.launch import run_subprocess
+
+    log = tmp_path / "logs" / "step1.log"
+    run_subprocess([sys.executable, "-c", "import sys; print('to stdout'); print('to stderr', file=sys.stderr)"], log, "step 1")
+    text = log.read_text()
+    assert "to stdout" in text and "to stderr" in text and text.startswith("$ ")
+    with pytest.raises(UserError, match=r"step 1 failed \(exit status 3\).*step1.log"):
+        run_subprocess([sys.executable, "-c", "raise SystemExit(3)"], log, "step 1")
+
+
+def _write_tiny_data(path: Path) -> str:
+    rows = []
+    for index in range(24):
+        rows.append({
+            "prompt": f" Human: What is {index} plus one? Assistant:",
+            "chosen": f" {index} plus one is {index + 1}.",
+            "rejected": " I do not know.",
+        })
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_train_py_runs_all_three_steps_then_the_chatbot_answers(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    data = _write_tiny_data(tmp_path / "pairs.jsonl")
+    out = tmp_path / "run"
+    started = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "train.py", "--actor-model", model, "--reward-model", model, "--output-dir", str(out),
+         "--deployment-type", "cpu", "--data_path", data, "--data_output_path", str(tmp_path / "cache"),
+         "--max_steps", "2", "--max_train_samples", "8", "--max_eval_samples", "4", "--dtype", "fp32"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert elapsed < 180
+    for step in (1, 2, 3):
+        assert (out / "logs" / f"step{step}.log").stat().st_size > 0
+        assert (out / f"step{step}" / "summary.json").is_file()
+    assert (out / "step3" / "actor" / "config.json").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["deployment"] == "cpu" and set(summary["steps"]) == {"1", "2", "3"}
+    assert "total" in result.stdout.strip().splitlines()[-1]
+
+    chat = subprocess.run(
+        [sys.executable, "-m", "inference.chatbot", "--path", str(out), "--prompt", "What is 2 plus one?",
+         "--greedy", "--max_new_tokens", "8"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "Human: What is 2 plus one?\nAssistant: " in chat.stdout

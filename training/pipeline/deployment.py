@@ -1,0 +1,311 @@
+"""Deployment types and the settings each one picks for the models' sizes and the hardware.
+
+GPU deployments size ZeRO stage, offload, LoRA and batch sizes from a memory model (mixed-precision
+Adam keeps 16 bytes per trained parameter; ZeRO partitions them across the ranks) and the
+accelerator memory. The `cpu` deployment is a quick run: it sizes each step's number of optimizer
+steps so that the three steps finish within a time budget on this machine's cores.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from training.errors import UserError
+
+from .hardware import GIB, Hardware, ModelSize
+from .hostfile import Host
+
+
+class DeploymentType(str, enum.Enum):
+    SINGLE_GPU = "single_gpu"
+    SINGLE_NODE = "single_node"
+    MULTI_NODE = "multi_node"
+    CPU = "cpu"
+
+
+def detect_deployment(hardware: Hardware, hostfile_given: bool) -> DeploymentType:
+    """multi_node when a hostfile is named, else by the local GPU count."""
+    if hostfile_given:
+        return DeploymentType.MULTI_NODE
+    if hardware.num_gpus == 0:
+        return DeploymentType.CPU
+    return DeploymentType.SINGLE_GPU if hardware.num_gpus == 1 else DeploymentType.SINGLE_NODE
+
+
+@dataclass
+class StepSettings:
+    """One step's planned CLI flags (name without dashes -> value; True is a bare switch, False omits it)."""
+
+    flags: dict[str, Any] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        args: list[str] = []
+        for name, value in self.flags.items():
+            if value is False or value is None:
+                continue
+            args.append(f"--{name}")
+            if value is not True:
+                args.append(str(value))
+        return args
+
+
+@dataclass
+class DeploymentPlan:
+    deployment: DeploymentType
+    world_size: int
+    steps: dict[int, StepSettings]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    actor: ModelSize
+    reward: ModelSize
+
+
+# --------------------------------------------------------------------------- GPU memory model
+
+_STATE_BUDGET = 0.55  # share of accelerator memory for weights/gradients/optimizer; the rest is activations
+_ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained parameter
+_LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
+_GPU_LORA_DIM = 128
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    zero_stage: int
+    offload: bool = False
+    lora: bool = False
+
+
+def _ladder(world: int) -> list[MemoryChoice]:
+    """Choices from the cheapest in communication to the most memory-frugal."""
+    first = [MemoryChoice(0)] if world == 1 else [MemoryChoice(2), MemoryChoice(3)]
+    return first + [MemoryChoice(2, offload=True), MemoryChoice(3, offload=True),
+                    MemoryChoice(3, lora=True), MemoryChoice(3, offload=True, lora=True)]
+
+
+def state_bytes_per_gpu(params: int, world: int, choice: MemoryChoice, trained: bool = True) -> float:
+    """Weights + gradients + optimizer states on one accelerator (2-byte weights)."""
+    if not trained:
+        weights = 0.0 if choice.offload else 2 * params / (world if choice.zero_stage == 3 else 1)
+        return weights
+    trainable = params * _LORA_TRAINABLE if choice.lora else params
+    weights = 0.0 if (choice.offload and choice.zero_stage == 3) else 2 * params / (world if choice.zero_stage == 3 else 1)
+    grads = 2 * trainable / (world if choice.zero_stage >= 2 else 1)
+    optimizer = 0.0 if choice.offload else _ADAM_BYTES * trainable / (world if choice.zero_stage >= 1 else 1)
+    return weights + grads + optimizer
+
+
+def activation_bytes_per_sequence(size: ModelSize, seq_len: int, checkpointing: bool) -> float:
+    """Training activations of one sequence (Korthikanti et al.: ~34*s*h bytes per layer at 2 bytes,
+    flash attention), plus the logits with their fp32 copy and gradient."""
+    per_layer = 34 * seq_len * size.hidden_size
+    layers = (2 * seq_len * size.hidden_size * size.num_layers + per_layer) if checkpointing else per_layer * size.num_layers
+    return layers + seq_len * size.vocab_size * 10
+
+
+def _pow2_floor(value: float, cap: int) -> int:
+    if value < 1:
+        return 0
+    return min(cap, 2 ** int(math.log2(value)))
+
+
+def _host_memory_fits(params: int, choice: MemoryChoice, nodes: int, hardware: Hardware) -> bool:
+    if not choice.offload:
+        return True
+    trainable = params * _LORA_TRAINABLE if choice.lora else params
+    return (_ADAM_BYTES + 2) * trainable / nodes <= 0.7 * hardware.cpu_memory_gib * GIB
+
+
+@dataclass(frozen=True)
+class _Fit:
+    choice: MemoryChoice
+    micro_batch: int
+    checkpointing: bool
+
+
+def _fit_training(
+    trained: list[ModelSize], frozen: list[ModelSize], seq_len: int, seqs_per_sample: int, cap: int,
+    world: int, nodes: int, hardware: Hardware, what: str, extra_per_sample: float = 0.0,
+) -> _Fit:
+    """The first ladder choice whose states fit, and the largest power-of-two micro batch beside them."""
+    memory = (hardware.gpu_memory_gib or hardware.cpu_memory_gib) * GIB
+    for choice in _ladder(world):
+        if not all(_host_memory_fits(m.parameters, choice, nodes, hardware) for m in trained):
+            continue
+        states = sum(state_bytes_per_gpu(m.parameters, world, choice) for m in trained)
+        states += sum(state_bytes_per_gpu(m.parameters, world, choice, trained=False) for m in frozen)
+        if states > _STATE_BUDGET * memory:
+            continue
+        free = memory * 0.9 - states
+        for checkpointing in (False, True):
+            per_sample = seqs_per_sample * max(activation_bytes_per_sequence(m, seq_len, checkpointing) for m in trained)
+            micro = _pow2_floor(free / (per_sample + extra_per_sample), cap)
+            if micro >= 1:
+                return _Fit(choice, micro, checkpointing)
+    total = sum(m.parameters for m in trained + frozen) / 1e9
+    raise UserError(
+        f"{what}: {total:.1f}B parameters do not fit on {world} accelerator(s) of "
+        f"{memory / GIB:.0f} GiB even with ZeRO-3, offload and LoRA; use more GPUs (--deployment-type "
+        "multi_node with a --hostfile) or a smaller model"
+    )
+
+
+def _accumulation(target_global: int, micro: int, world: int) -> int:
+    return max(1, target_global // (micro * world))
+
+
+_SEQ_LEN = 512
+_PROMPT_LEN = 256
+_ANSWER_LEN = 256
+
+
+def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None) -> DeploymentPlan:
+    """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one)."""
+    if deployment is DeploymentType.MULTI_NODE:
+        assert hosts, "multi_node needs the validated hostfile"
+        world, nodes = sum(h.slots for h in hosts), len(hosts)
+    else:
+        world, nodes = (1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)), 1
+    dtype = "bf16" if hardware.bf16 else ("fp16" if hardware.num_gpus else "fp32")
+    notes = []
+    if hardware.num_gpus == 0:
+        notes.append("no GPU found here: sizes assume accelerators with this machine's RAM")
+    elif deployment is DeploymentType.MULTI_NODE:
+        notes.append(f"{nodes} nodes, {world} GPUs; each assumed like this one ({hardware.gpu_memory_gib:.0f} GiB)")
+
+    sft = _fit_training([sizes.actor], [], _SEQ_LEN, 1, 16, world, nodes, hardware, "step 1")
+    reward = _fit_training([sizes.reward], [], _SEQ_LEN, 2, 8, world, nodes, hardware, "step 2")
+    rl_seq = _PROMPT_LEN + _ANSWER_LEN
+    kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
+    rlhf = _fit_training(
+        [sizes.actor, sizes.reward], [sizes.actor, sizes.reward], rl_seq, 1, 16, world, nodes, hardware, "step 3",
+        extra_per_sample=kv_cache,
+    )
+    steps = {
+        1: StepSettings(_supervised_flags(sft, dtype, _accumulation(64, sft.micro_batch, world))),
+        2: StepSettings(_supervised_flags(reward, dtype, _accumulation(32, reward.micro_batch, world))),
+        3: StepSettings({
+            "actor_zero_stage": rlhf.choice.zero_stage,
+            "critic_zero_stage": rlhf.choice.zero_stage,
+            "actor_offload": rlhf.choice.offload,
+            "critic_offload": rlhf.choice.offload,
+            "offload_reference_model": rlhf.choice.offload,
+            "actor_lora_dim": _GPU_LORA_DIM if rlhf.choice.lora else 0,
+            "critic_lora_dim": _GPU_LORA_DIM if rlhf.choice.lora else 0,
+            "actor_gradient_checkpointing": rlhf.checkpointing,
+            "critic_gradient_checkpointing": rlhf.checkpointing,
+            "per_device_generation_batch_size": rlhf.micro_batch,
+            "per_device_training_batch_size": rlhf.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "max_prompt_seq_len": _PROMPT_LEN,
+            "max_answer_seq_len": _ANSWER_LEN,
+            "enable_hybrid_engine": True,
+            "dtype": dtype,
+        }),
+    }
+    return DeploymentPlan(deployment, world, steps, notes)
+
+
+def _supervised_flags(fit: _Fit, dtype: str, accumulation: int) -> dict[str, Any]:
+    return {
+        "zero_stage": fit.choice.zero_stage,
+        "offload": fit.choice.offload,
+        "lora_dim": _GPU_LORA_DIM if fit.choice.lora else 0,
+        "gradient_checkpointing": fit.checkpointing,
+        "per_device_train_batch_size": fit.micro_batch,
+        "per_device_eval_batch_size": fit.micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "max_seq_len": _SEQ_LEN,
+        "dtype": dtype,
+    }
+
+
+# --------------------------------------------------------------------------- CPU quick run
+
+
+@dataclass(frozen=True)
+class CpuQuickRun:
+    """Time budget and shapes of the `cpu` deployment's quick run.
+
+    Step times are estimated as 6 * parameters * tokens FLOPs at `flops_per_core_bf16` (measured through
+    step 1 on SmolLM2-135M: ~5.8 s per optimizer step of 4 x 256 tokens in bf16 on 2 shared cores; fp32
+    about half as fast) and a PPO step as `ppo_seconds_per_sample` per generated sample per 270M
+    parameters (actor + critic), ~20 s at batch 8. `step_overhead_s` covers loading, tokenising,
+    evaluating and saving.
+    """
+
+    step_budget_s: tuple[float, float, float] = (360.0, 360.0, 720.0)
+    step_overhead_s: tuple[float, float, float] = (45.0, 45.0, 120.0)
+    flops_per_core_bf16: float = 7.0e10
+    ppo_seconds_per_sample: float = 2.5
+    reference_ppo_params: float = 270e6
+    max_seq_len: int = 256
+    sft_batch: int = 4
+    reward_batch: int = 2
+    eval_samples: int = 32
+    max_prompt_seq_len: int = 128
+    max_answer_seq_len: int = 48
+    ppo_batch: int = 4
+    min_steps: int = 4
+    max_steps: int = 500
+
+
+def _steps_within(budget_s: float, overhead_s: float, seconds_per_step: float, quick: CpuQuickRun) -> int:
+    return max(quick.min_steps, min(quick.max_steps, int((budget_s - overhead_s) / seconds_per_step)))
+
+
+def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun()) -> DeploymentPlan:
+    dtype = "bf16" if hardware.bf16 else "fp32"
+    flops = quick.flops_per_core_bf16 * hardware.cpu_cores * (1.0 if hardware.bf16 else 0.5)
+    sft_step_s = 6 * sizes.actor.parameters * quick.sft_batch * quick.max_seq_len / flops
+    reward_step_s = 6 * sizes.reward.parameters * 2 * quick.reward_batch * quick.max_seq_len / flops
+    ppo_scale = (sizes.actor.parameters + sizes.reward.parameters) / quick.reference_ppo_params
+    ppo_step_s = quick.ppo_seconds_per_sample * quick.ppo_batch * ppo_scale * (2 / hardware.cpu_cores) * (
+        1.0 if hardware.bf16 else 2.0
+    )
+    sft_steps = _steps_within(quick.step_budget_s[0], quick.step_overhead_s[0], sft_step_s, quick)
+    reward_steps = _steps_within(quick.step_budget_s[1], quick.step_overhead_s[1], reward_step_s, quick)
+    ppo_steps = _steps_within(quick.step_budget_s[2], quick.step_overhead_s[2], ppo_step_s, quick)
+    common = {"zero_stage": 0, "offload": False, "lora_dim": 0, "dtype": dtype, "max_seq_len": quick.max_seq_len,
+              "gradient_accumulation_steps": 1, "max_eval_samples": quick.eval_samples}
+    steps = {
+        1: StepSettings({**common, "per_device_train_batch_size": quick.sft_batch,
+                         "per_device_eval_batch_size": quick.sft_batch * 2, "max_steps": sft_steps,
+                         "max_train_samples": sft_steps * quick.sft_batch}),
+        2: StepSettings({**common, "per_device_train_batch_size": quick.reward_batch,
+                         "per_device_eval_batch_size": quick.reward_batch * 2, "max_steps": reward_steps,
+                         "max_train_samples": reward_steps * quick.reward_batch}),
+        3: StepSettings({
+            "actor_zero_stage": 0, "critic_zero_stage": 0, "dtype": dtype,
+            "per_device_generation_batch_size": quick.ppo_batch, "per_device_training_batch_size": quick.ppo_batch,
+            "gradient_accumulation_steps": 1, "max_prompt_seq_len": quick.max_prompt_seq_len,
+            "max_answer_seq_len": quick.max_answer_seq_len, "enable_hybrid_engine": True,
+            "max_steps": ppo_steps, "max_train_samples": ppo_steps * quick.ppo_batch,
+        }),
+    }
+    notes = [f"quick run sized for {hardware.cpu_cores} CPU cores: about "
+             f"{sum(quick.step_budget_s) / 60:.0f} min for the three steps; pass --max_steps etc. to change"]
+    return DeploymentPlan(DeploymentType.CPU, 1, steps, notes)
+
+
+def plan_deployment(
+    deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None = None
+) -> DeploymentPlan:
+    if deployment is DeploymentType.CPU:
+        return plan_cpu(sizes, hardware)
+    return plan_gpu(deployment, sizes, hardware, hosts)
+
+
+def apply_zero_overrides(plan: DeploymentPlan, actor_stage: int | None, reward_stage: int | None) -> None:
+    """`--actor-zero-stage` sets step 1 and step 3's actor; `--reward-zero-stage` step 2 and step 3's critic."""
+    targets = {1: ("zero_stage", actor_stage), 2: ("zero_stage", reward_stage),
+               3: [("actor_zero_stage", actor_stage), ("critic_zero_stage", reward_stage)]}
+    for step, settings in plan.steps.items():
+        pairs = targets[step] if isinstance(targets[step], list) else [targets[step]]
+        for flag, stage in pairs:
+            if stage is not None:
+                settings.flags[flag] = stage

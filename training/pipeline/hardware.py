@@ -1,0 +1,70 @@
+"""What the planner needs to know about the machine and the models: memory, cores, parameter counts."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from training.model_loading import load_config
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One node: its accelerators (0 on a CPU machine) and host resources."""
+
+    num_gpus: int
+    gpu_memory_gib: float | None
+    cpu_memory_gib: float
+    cpu_cores: int
+    bf16: bool
+
+
+def detect_hardware() -> Hardware:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpu_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / GIB
+        return Hardware(count, memory, cpu_memory, cores, torch.cuda.is_bf16_supported())
+    return Hardware(0, None, cpu_memory, cores, _cpu_supports_bf16())
+
+
+def _cpu_supports_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The numbers memory and time estimates scale with."""
+
+    parameters: int
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+def model_size(name_or_path: str) -> ModelSize:
+    """Read a model's size from its config alone: the model is built on the meta device (no weights)."""
+    config = load_config(name_or_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0))
+    layers = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0))
+    vocab = int(getattr(text, "vocab_size", 0))
+    return ModelSize(_count_parameters(config, hidden, layers, vocab), hidden, layers, vocab)
+
+
+def _count_parameters(config, hidden: int, layers: int, vocab: int) -> int:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in model.parameters())
+    except (ValueError, KeyError, TypeError, RuntimeError, ImportError):
+        return 12 * layers * hidden * hidden + vocab * hidden  # the usual transformer estimate

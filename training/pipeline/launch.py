@@ -1,0 +1,142 @@
+"""Running one step: in this process (the `cpu` deployment) or through the `deepspeed` launcher,
+either way with its output teed into a log file."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterator, Sequence
+
+from training.errors import UserError
+
+from .deployment import DeploymentType
+from .steps import StepMain
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How step scripts are started: `deepspeed` on the local GPUs or on a hostfile's nodes."""
+
+    deployment: DeploymentType
+    num_gpus: int = 1
+    hostfile: str | None = None
+    master_port: int | None = None  # None: the launcher's default (29500)
+
+    def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
+        # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
+        command = ["deepspeed", "--no_local_rank"]
+        if self.deployment is DeploymentType.MULTI_NODE:
+            command += ["--hostfile", str(self.hostfile)]
+        else:
+            command += ["--num_gpus", str(self.num_gpus)]
+        if self.master_port is not None:
+            command += ["--master_port", str(self.master_port)]
+        return command + [str(script), *step_argv]
+
+
+def format_command(command: Sequence[str]) -> str:
+    return shlex.join(command)
+
+
+class _Tee:
+    """A text stream that writes to a console stream and a log file."""
+
+    def __init__(self, console: IO[str], log: IO[str]) -> None:
+        self._console, self._log = console, log
+
+    def write(self, text: str) -> int:
+        self._console.write(text)
+        self._log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._console.flush()
+        self._log.flush()
+
+    def isatty(self) -> bool:
+        return self._console.isatty()
+
+    def __getattr__(self, name: str):
+        return getattr(self._console, name)
+
+
+@contextlib.contextmanager
+def teed_output(log_path: Path) -> Iterator[None]:
+    """Copy stdout, stderr and log records of the code inside into `log_path` (appending)."""
+    from training.metrics import setup_logging
+
+    setup_logging()  # console handler first, so a step's own basicConfig adds no second one
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a", encoding="utf-8") as log:
+        handler = logging.StreamHandler(log)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        level = root.level
+        root.setLevel(min(level, logging.INFO) if level else logging.INFO)
+        stdout, stderr = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(stdout, log), _Tee(stderr, log)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = stdout, stderr
+            root.removeHandler(handler)
+            root.setLevel(level)
+
+
+def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) -> dict:
+    """Call a step's main directly. Its UserError keeps its message; any other exit becomes a UserError
+    that points at the log."""
+    entry = getattr(main, "__wrapped__", main)  # past run_cli, so a UserError reaches us whole
+    with teed_output(log_path):
+        try:
+            summary = entry(argv)
+        except UserError as err:
+            logging.getLogger(__name__).error("%s failed: %s", label, err)
+            raise UserError(f"{label}: {err}") from err
+        except SystemExit as exit_:
+            if exit_.code in (0, None):
+                return {}
+            raise UserError(f"{label} exited with status {exit_.code}; see the messages above and {log_path}") from exit_
+        except Exception:
+            logging.getLogger(__name__).exception("%s crashed", label)
+            raise
+    return summary if isinstance(summary, dict) else {}
+
+
+def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict[str, str] | None = None) -> None:
+    """Run a launcher command, streaming its combined output to the console and the log as it comes."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        log.write(f"$ {format_command(command)}\n".encode())
+        try:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        except FileNotFoundError as err:
+            raise UserError(f"cannot start {command[0]!r}: is DeepSpeed installed (pip install deepspeed)?") from err
+        assert process.stdout is not None
+        console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+        while chunk := os.read(process.stdout.fileno(), 65536):
+            log.write(chunk)
+            log.flush()
+            if console is not None:
+                console.write(chunk)
+                console.flush()
+            else:
+                sys.stdout.write(chunk.decode(errors="replace"))
+        status = process.wait()
+    if status != 0:
+        raise UserError(f"{label} failed (exit status {status}); its output is in {log_path}")
+
+
+def launcher_env(repo_root: Path) -> dict[str, str]:
+    """The environment for launched steps: the project importable from every rank."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
+    return env
