@@ -30,7 +30,9 @@ def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     state: dict[str, torch.Tensor] = {}
     keep = is_main_process()
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+    persistent = set(model.state_dict().keys())  # non-persistent buffers (rotary inv_freq) are not saved
+    buffers = [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
+    for name, tensor in list(model.named_parameters()) + buffers:
         if _is_zero3_param(tensor):
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                 if keep:

@@ -1,0 +1,286 @@
+"""PPO for language models with a small public API: `generate_experience` and `train_rlhf`.
+
+A custom loop needs only these two calls (and `train_unsupervised` for the pretraining mixture):
+
+    trainer = PPOTrainer(rlhf_engine, generator, PPOConfig(...))
+    for prompts in prompt_loader:
+        experience = trainer.generate_experience(prompts)
+        for _ in range(ppo_epochs):
+            for part in experience.split(micro_batch_size):
+                stats = trainer.train_rlhf(part)
+
+Layout of an experience: `sequences` [B, P+N] are left-padded prompts followed by right-padded
+answers; every per-token tensor ([B, N]) is aligned with the answer tokens, so position j holds the
+log-probability / value / reward of answer token j, and `action_mask` is 1 on the generated
+tokens, the EOS included (the EOS is an action the policy is rewarded or penalised for).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+import torch
+
+from step3_rlhf.ppo_math import (
+    AdaptiveKLController,
+    FixedKLController,
+    actor_loss,
+    apply_no_eos_penalty,
+    compute_advantages_and_returns,
+    compute_rewards,
+    critic_loss,
+    entropy_from_logits,
+    gather_log_probs,
+    masked_mean,
+    whiten,
+)
+from step3_rlhf.rlhf_engine import RLHFEngine
+from training.dist import current_device, get_world_size, is_initialized
+from training.generation import GenerationConfig, Generator, eval_mode, position_ids_from_attention_mask
+from training.guards import check_finite
+
+
+@dataclass
+class PPOConfig:
+    """Every constant of the PPO update (the step-3 flags of the same names)."""
+
+    max_answer_seq_len: int = 256
+    kl_ctl: float = 0.1
+    target_kl: float | None = None  # set: adaptive KL coefficient steering toward this per-sequence KL
+    kl_horizon: float = 10000.0
+    clip_reward_value: float = 5.0
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    no_eos_penalty: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    unsup_coef: float = 27.8
+
+
+@dataclass
+class Experience:
+    """One rollout batch with everything the PPO update needs (see the module docstring for the layout)."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    action_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor  # [B] reward-model score (after the no-EOS penalty, before clipping)
+    kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer
+    ended_with_eos: torch.Tensor  # [B] bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.sequences.shape[0]
+
+    def split(self, micro_batch_size: int) -> list["Experience"]:
+        """Consecutive row slices of at most `micro_batch_size` rows."""
+        parts = []
+        for start in range(0, self.batch_size, micro_batch_size):
+            rows = slice(start, start + micro_batch_size)
+            parts.append(Experience(**{
+                f.name: value if not isinstance(value := getattr(self, f.name), torch.Tensor) else value[rows]
+                for f in fields(self)
+            }))
+        return parts
+
+
+def mean_over_ranks(stats: Mapping[str, float]) -> dict[str, float]:
+    """Average a dict of per-rank scalars across ranks (every rank must call it with the same keys)."""
+    if not is_initialized() or get_world_size() == 1:
+        return dict(stats)
+    keys = sorted(stats)
+    values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=current_device())
+    torch.distributed.all_reduce(values)
+    return {k: v / get_world_size() for k, v in zip(keys, values.tolist())}
+
+
+def _forward_logits(module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    return module(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_attention_mask(attention_mask),
+        use_cache=False,
+    ).logits
+
+
+def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                   prompt_length: int) -> torch.Tensor:
+    """The critic's value of the state before each answer token: [B, N] (read at the preceding position)."""
+    values = critic(input_ids=sequences, attention_mask=attention_mask)["values"]
+    return values[:, prompt_length - 1:-1].float()
+
+
+class PPOTrainer:
+    """Rollouts and PPO updates for the actor and critic of an `RLHFEngine`."""
+
+    def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig):
+        self.engine = engine
+        self.generator = generator
+        self.config = config
+        tokenizer = engine.tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id
+        self.kl_controller = (
+            AdaptiveKLController(config.kl_ctl, config.target_kl, config.kl_horizon)
+            if config.target_kl is not None else FixedKLController(config.kl_ctl)
+        )
+
+    def generation_config(self, do_sample: bool = True) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=self.config.max_answer_seq_len,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            do_sample=do_sample,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            top_k=self.config.top_k,
+        )
+
+    # rollouts -----------------------------------------------------------------------------------
+
+    def generate_experience(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
+        """Sample answers to a left-padded prompt batch and score them: log-probs of actor and reference,
+        critic values, reward-model scores, per-token rewards, advantages and returns. The adaptive KL
+        coefficient then moves toward its target.
+
+        Everything after generation runs in eval mode (dropout is off anyway), so the old log-probs
+        and values are exactly what the first PPO epoch's train-mode forward starts from.
+        """
+        experience = self._rollout(prompt_batch, do_sample=True)
+        self.kl_controller.update(experience.kl.mean().item(), experience.batch_size)
+        return experience
+
+    def evaluate_prompts(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
+        """Greedy answers to a prompt batch, scored like a rollout; changes no training state."""
+        return self._rollout(prompt_batch, do_sample=False)
+
+    @torch.no_grad()
+    def _rollout(self, prompt_batch: Mapping[str, torch.Tensor], do_sample: bool) -> Experience:
+        engine, config = self.engine, self.config
+        device = engine.actor.device
+        input_ids = prompt_batch["input_ids"].to(device)
+        prompt_mask = prompt_batch["attention_mask"].to(device)
+        started = time.perf_counter()
+        output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample))
+        generated = time.perf_counter()
+        # clones: a backend may return inference-mode tensors, which autograd refuses to train on
+        sequences, attention_mask = output.sequences.clone(), output.attention_mask.clone()
+        prompt_length = output.prompt_length
+        action_mask = output.answer_mask.clone().to(device)
+        answers = sequences[:, prompt_length:]
+        with eval_mode(engine.actor.module), eval_mode(engine.critic.module):
+            logits = _forward_logits(engine.actor, sequences, attention_mask)
+            old_logprobs = gather_log_probs(logits[:, prompt_length - 1:-1], answers)
+            del logits
+            ref_logits = _forward_logits(engine.reference, sequences, attention_mask)
+            ref_logprobs = gather_log_probs(ref_logits[:, prompt_length - 1:-1], answers)
+            del ref_logits
+            old_values = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
+            scores = engine.reward(input_ids=sequences, attention_mask=attention_mask)["end_scores"].float()
+        ended_with_eos = ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
+        if config.no_eos_penalty:
+            scores = apply_no_eos_penalty(scores, ended_with_eos, config.no_eos_penalty)
+        rewards, kl = compute_rewards(scores, old_logprobs, ref_logprobs, action_mask, self.kl_controller.value,
+                                      config.clip_reward_value)
+        advantages, returns = compute_advantages_and_returns(old_values, rewards, action_mask, config.gamma, config.lam)
+        if config.whiten_advantages:
+            advantages = whiten(advantages, action_mask)
+        scored = time.perf_counter()
+        self.last_timing = {"generation_s": generated - started, "scoring_s": scored - generated,
+                            "generated_tokens": float(action_mask.sum().item())}
+        return Experience(sequences, attention_mask, prompt_length, action_mask, old_logprobs, ref_logprobs,
+                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos)
+
+    # updates ------------------------------------------------------------------------------------
+
+    def train_rlhf(self, experience: Experience) -> dict[str, float]:
+        """One PPO update of the actor (clipped surrogate) and the critic (clipped value loss) on `experience`."""
+        engine, config = self.engine, self.config
+        actor, critic = engine.actor, engine.critic
+        mask = experience.action_mask
+        prompt_length = experience.prompt_length
+        step = actor.global_steps + 1
+
+        logits = _forward_logits(actor, experience.sequences, experience.attention_mask)[:, prompt_length - 1:-1]
+        logprobs = gather_log_probs(logits, experience.sequences[:, prompt_length:])
+        policy = actor_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config.cliprange)
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits.detach(), mask)
+        del logits
+        check_finite("actor loss", policy.loss, step)
+        self._step_actor(policy.loss)
+
+        values = _answer_values(critic, experience.sequences, experience.attention_mask, prompt_length)
+        value = critic_loss(values, experience.old_values, experience.returns, mask, config.cliprange_value)
+        check_finite("critic loss", value.loss, step)
+        critic.backward(value.loss)
+        critic.step()
+        return {
+            "actor_loss": policy.loss.item(),
+            "critic_loss": value.loss.item(),
+            "clip_fraction": policy.clip_fraction.item(),
+            "value_clip_fraction": value.clip_fraction.item(),
+            "approx_kl": policy.approx_kl.item(),
+            "entropy": entropy.item(),
+        }
+
+    def train_unsupervised(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """One language-modelling update of the actor on pretraining text, weighted by `unsup_coef`
+        (the PPO-ptx mixture that keeps the actor's general language ability)."""
+        actor = self.engine.actor
+        batch = {key: value.to(actor.device) for key, value in batch.items()}
+        loss = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     labels=batch["labels"], use_cache=False).loss
+        check_finite("unsupervised loss", loss, actor.global_steps + 1)
+        self._step_actor(self.config.unsup_coef * loss)
+        return loss.item()
+
+    def _step_actor(self, loss: torch.Tensor) -> None:
+        """Backward and (micro-)step the actor; the EMA follows every optimizer step actually taken."""
+        actor = self.engine.actor
+        steps_before = actor.global_steps
+        actor.backward(loss)
+        actor.step()
+        if self.engine.actor_ema is not None and actor.global_steps > steps_before:
+            self.engine.actor_ema.update(actor)
+
+    # checkpoint state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs besides the engines: the KL coefficient (and the EMA weights)."""
+        state = {"kl_controller": self.kl_controller.state_dict()}
+        if self.engine.actor_ema is not None:
+            state["actor_ema"] = self.engine.actor_ema.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.engine.actor_ema is not None:
+            self.engine.actor_ema.load_state_dict(state["actor_ema"])
+
+
+def experience_stats(experience: Experience) -> dict[str, float]:
+    """Rollout metrics of one experience batch (this rank's rows)."""
+    mask = experience.action_mask.float()
+    lengths = mask.sum(-1)
+    return {
+        "reward/score_mean": experience.scores.mean().item(),
+        "reward/score_std": experience.scores.std(unbiased=False).item(),
+        "reward/kl": experience.kl.mean().item(),
+        "reward/total_mean": (experience.rewards * mask).sum(-1).mean().item(),
+        "rollout/response_length": lengths.mean().item(),
+        "rollout/eos_fraction": experience.ended_with_eos.float().mean().item(),
+        "rollout/value_mean": masked_mean(experience.old_values, experience.action_mask).item(),
+    }

@@ -1,0 +1,102 @@
+"""The four models of PPO as DeepSpeed engines: actor and critic train, reference and reward are frozen.
+
+- actor: the step-1 model, trained by PPO (its own ZeRO stage, offload and LoRA);
+- reference: a frozen copy of the step-1 model, the anchor of the KL penalty;
+- critic: initialised from the step-2 reward model (backbone + value head), trained on the returns;
+- reward: the step-2 reward model, frozen, scores each finished answer;
+- optionally an EMA of the actor's weights (`--enable_ema`).
+Every model is built ZeRO-3 aware, and dropout is switched off in all of them: PPO compares
+log-probabilities and values of the same tokens across forward passes, which dropout would blur.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from step2_reward.reward_model import RewardModel
+from step3_rlhf.ema import ModelEMA
+from training.args import apply_model_options, dtype_name, optimization_settings
+from training.ds_config import get_eval_ds_config
+from training.engine import create_frozen_engine, create_train_engine
+from training.errors import UserError
+from training.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RLHFEngine:
+    actor: torch.nn.Module
+    reference: torch.nn.Module
+    critic: torch.nn.Module
+    reward: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    actor_ema: ModelEMA | None = None
+
+    def destroy(self) -> None:
+        """Release the engines' DeepSpeed state (so a caller can start another step in this process)."""
+        for engine in (self.actor, self.reference, self.critic, self.reward):
+            destroy = getattr(engine, "destroy", None)
+            if destroy is not None:
+                destroy()
+
+
+def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_tokenizer: PreTrainedTokenizerBase,
+                          critic_path: str) -> None:
+    """The critic scores the actor's tokens one by one, so both must read token ids the same way."""
+    if actor_tokenizer.get_vocab() != critic_tokenizer.get_vocab():
+        raise UserError(
+            f"the reward/critic model {critic_path} uses a different tokenizer from the actor; train the "
+            "reward model (step 2) from the same base model family as the actor"
+        )
+
+
+def _frozen_ds_config(args: argparse.Namespace, stage: int, offload: bool) -> dict:
+    return get_eval_ds_config(stage, offload, dtype_name(args))
+
+
+def build_rlhf_engine(
+    args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, num_actor_steps: int, num_critic_steps: int
+) -> RLHFEngine:
+    """Build the four engines (and the EMA) from the step-3 flags."""
+    dtype = resolve_dtype(args.dtype)
+    micro_batch = args.per_device_training_batch_size
+    check_same_vocabulary(tokenizer, load_tokenizer(args.critic_model_name_or_path, args.trust_remote_code),
+                          args.critic_model_name_or_path)
+
+    actor_settings = optimization_settings(args, num_actor_steps, micro_batch, prefix="actor_", job_name="actor")
+    actor_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, dtype=dtype,
+                                 ds_config=actor_settings.ds_config(), disable_dropout_layers=True,
+                                 trust_remote_code=args.trust_remote_code)
+    actor_model = apply_model_options(actor_model, args, prefix="actor_")
+    actor = create_train_engine(actor_model, actor_settings)
+
+    reference_stage = 3 if args.actor_zero_stage == 3 else 0
+    reference_config = _frozen_ds_config(args, reference_stage, args.offload_reference_model)
+    reference_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, dtype=dtype, ds_config=reference_config,
+                                     disable_dropout_layers=True, trust_remote_code=args.trust_remote_code)
+    reference = create_frozen_engine(reference_model, reference_stage, args.offload_reference_model, dtype_name(args))
+
+    critic_settings = optimization_settings(args, num_critic_steps, micro_batch, prefix="critic_", job_name="critic")
+    critic_model = RewardModel.from_pretrained(args.critic_model_name_or_path, dtype=dtype,
+                                               ds_config=critic_settings.ds_config(), disable_dropout_layers=True,
+                                               trust_remote_code=args.trust_remote_code)
+    critic_model = apply_model_options(critic_model, args, prefix="critic_", trainable_heads=("v_head",))
+    critic = create_train_engine(critic_model, critic_settings)
+
+    reward_stage = 3 if args.critic_zero_stage == 3 else 0
+    reward_config = _frozen_ds_config(args, reward_stage, args.offload_reward_model)
+    reward_model = RewardModel.from_pretrained(args.critic_model_name_or_path, dtype=dtype, ds_config=reward_config,
+                                               disable_dropout_layers=True, trust_remote_code=args.trust_remote_code)
+    reward = create_frozen_engine(reward_model, reward_stage, args.offload_reward_model, dtype_name(args))
+
+    ema = ModelEMA(actor, beta=args.ema_beta, offload=args.actor_offload) if args.enable_ema else None
+    logger.info("RLHF engine: actor ZeRO-%d%s, critic ZeRO-%d%s, reference ZeRO-%d, reward ZeRO-%d, %s%s",
+                args.actor_zero_stage, f" LoRA r={args.actor_lora_dim}" if args.actor_lora_dim else "",
+                args.critic_zero_stage, f" LoRA r={args.critic_lora_dim}" if args.critic_lora_dim else "",
+                reference_stage, reward_stage, dtype_name(args), ", EMA" if ema is not None else "")
+    return RLHFEngine(actor, reference, critic, reward, tokenizer, ema)

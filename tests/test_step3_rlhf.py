@@ -1,0 +1,271 @@
+"""Step 3 (PPO) on tiny models: the trainer's tensors line up, a rule-based reward is learnt, the
+pretraining mixture reaches the actor, and the entry point writes every output a user expects."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO_ROOT
+from supervised_data import write_arithmetic_jsonl
+from tiny_models import make_tiny_model_dir
+
+from step2_reward.reward_model import RewardModel
+from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
+from step3_rlhf.rlhf_engine import RLHFEngine
+from training.engine import OptimizationSettings, create_frozen_engine, create_train_engine
+from training.generation import GenerationOutput, HFGenerator, answer_logprobs, assemble_output
+from training.model_loading import load_causal_lm, load_tokenizer
+from utils.data import PromptCollator
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tiny step-1 model, a step-2-style reward model folder, prompts and pretraining text."""
+    root = tmp_path_factory.mktemp("step3_inputs")
+    actor = make_tiny_model_dir(root / "actor", "llama")
+    tokenizer = load_tokenizer(actor)
+    reward = RewardModel.from_causal_lm(make_tiny_model_dir(root / "reward_base", "llama", seed=1), tokenizer)
+    reward.save_pretrained(root / "reward")
+    tokenizer.save_pretrained(root / "reward")
+    (root / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 100)
+    return {"actor": actor, "reward": str(root / "reward"), "data": write_arithmetic_jsonl(root / "prompts.jsonl", 48),
+            "text": str(root / "text.txt"), "root": root}
+
+
+def step3_argv(inputs, output_dir, *extra) -> list[str]:
+    return ["--actor_model_name_or_path", inputs["actor"], "--critic_model_name_or_path", inputs["reward"],
+            "--output_dir", str(output_dir), "--data_path", inputs["data"], "--data_split", "0,0,1",
+            "--data_output_path", str(inputs["root"] / "cache"), "--max_prompt_seq_len", "96",
+            "--max_answer_seq_len", "8", "--eval_samples", "8", "--dtype", "fp32", *extra]
+
+
+# trainer internals ---------------------------------------------------------------------------------
+
+
+class SetReward(torch.nn.Module):
+    """Rule-based reward: the share of a sequence's answer tokens that belong to a chosen token set."""
+
+    def __init__(self, chosen: torch.Tensor, prompt_length: int):
+        super().__init__()
+        self.register_buffer("chosen", chosen)
+        self.prompt_length = prompt_length
+
+    def forward(self, input_ids, attention_mask, **_):
+        answers = input_ids[:, self.prompt_length:]
+        mask = attention_mask[:, self.prompt_length:].float()
+        hits = torch.isin(answers, self.chosen).float() * mask
+        return {"end_scores": hits.sum(-1) / mask.sum(-1).clamp(min=1)}
+
+
+class FixedAnswers:
+    """A generator stub that 'generates' given answers, so a test controls the experience exactly."""
+
+    def __init__(self, answers: torch.Tensor, eos_token_id: int, pad_token_id: int):
+        self.answers = answers
+        self.eos, self.pad = eos_token_id, pad_token_id
+
+    def generate(self, input_ids, attention_mask, config) -> GenerationOutput:
+        from training.generation import answer_mask_from_tokens
+
+        mask = answer_mask_from_tokens(self.answers, self.eos)
+        return assemble_output(input_ids, attention_mask, self.answers, torch.zeros(self.answers.shape), mask, self.pad)
+
+
+def build_engine(inputs, lr: float = 1e-3, reward: torch.nn.Module | None = None, seed_offset: int = 0) -> RLHFEngine:
+    tokenizer = load_tokenizer(inputs["actor"])
+    settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
+                                    micro_batch_size=4)
+    actor = create_train_engine(load_causal_lm(inputs["actor"], tokenizer, disable_dropout_layers=True), settings)
+    reference_dir = make_tiny_model_dir(inputs["root"] / f"reference{seed_offset}", "llama", seed=7 + seed_offset)
+    reference = create_frozen_engine(load_causal_lm(reference_dir, tokenizer, disable_dropout_layers=True))
+    critic_settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
+                                           micro_batch_size=4)
+    critic = create_train_engine(RewardModel.from_pretrained(inputs["reward"], disable_dropout_layers=True), critic_settings)
+    if reward is None:
+        reward = create_frozen_engine(RewardModel.from_pretrained(inputs["reward"], disable_dropout_layers=True))
+    return RLHFEngine(actor, reference, critic, reward, tokenizer)
+
+
+def prompt_batch(tokenizer, count: int = 4) -> dict[str, torch.Tensor]:
+    prompts = [f"Human: What is {i} plus {i + 1}? Assistant:" for i in range(count)]
+    items = [{"input_ids": torch.tensor(ids), "attention_mask": torch.ones(len(ids), dtype=torch.long)}
+             for ids in tokenizer(prompts)["input_ids"]]
+    return PromptCollator(tokenizer.pad_token_id)(items)
+
+
+def test_experience_places_reward_and_kl_on_the_right_tokens(distributed, inputs):
+    engine = build_engine(inputs)
+    tokenizer = engine.tokenizer
+    prompts = prompt_batch(tokenizer, 2)
+    eos = tokenizer.eos_token_id
+    answers = torch.tensor([[5, 6, 7, eos, 9], [10, 11, 12, 13, 14]])  # row 0 stops at its EOS; row 1 is cut off
+    kl_ctl, clip = 0.3, 0.05
+    trainer = PPOTrainer(engine, FixedAnswers(answers, eos, tokenizer.pad_token_id),
+                         PPOConfig(max_answer_seq_len=5, kl_ctl=kl_ctl, clip_reward_value=clip, no_eos_penalty=1.0))
+    experience = trainer.generate_experience(prompts)
+    P = prompts["input_ids"].shape[1]
+    assert experience.action_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert experience.ended_with_eos.tolist() == [True, False]
+
+    seqs, mask = experience.sequences, experience.attention_mask
+    with torch.no_grad():
+        actor_lp = answer_logprobs(engine.actor.module, seqs, mask, P)
+        ref_lp = answer_logprobs(engine.reference.module, seqs, mask, P)
+        raw = engine.reward(input_ids=seqs, attention_mask=mask)["end_scores"]
+    action = experience.action_mask.bool()
+    torch.testing.assert_close(experience.old_logprobs[action], actor_lp[action], atol=1e-5, rtol=0)
+    torch.testing.assert_close(experience.ref_logprobs[action], ref_lp[action], atol=1e-5, rtol=0)
+    expected_scores = raw - torch.tensor([0.0, 1.0])  # the cut-off answer pays the no-EOS penalty
+    torch.testing.assert_close(experience.scores, expected_scores, atol=1e-5, rtol=0)
+
+    expected = torch.where(action, -kl_ctl * (actor_lp - ref_lp), torch.zeros_like(actor_lp))
+    expected[0, 3] += expected_scores[0].clamp(-clip, clip)  # the EOS is row 0's last action
+    expected[1, 4] += expected_scores[1].clamp(-clip, clip)
+    torch.testing.assert_close(experience.rewards, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(experience.kl, ((actor_lp - ref_lp) * action).sum(-1), atol=1e-5, rtol=0)
+
+    # the value of answer token j is the critic's score of the sequence that ends just before it
+    for j in range(4):
+        with torch.no_grad():
+            before = engine.critic(input_ids=seqs[:, :P + j], attention_mask=mask[:, :P + j])["end_scores"]
+        torch.testing.assert_close(experience.old_values[:, j], before.float(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_ppo_raises_a_rule_based_reward(distributed, inputs):
+    tokenizer = load_tokenizer(inputs["actor"])
+    prompts = prompt_batch(tokenizer, 8)
+    chosen = torch.arange(0, len(tokenizer), 2)  # reward: share of answer tokens with an even id
+    engine = build_engine(inputs, lr=5e-3, reward=SetReward(chosen, prompts["input_ids"].shape[1]))
+    trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=6, kl_ctl=0.01))
+    torch.manual_seed(0)
+    scores = []
+    for _ in range(30):
+        experience = trainer.generate_experience(prompts)
+        scores.append(experience.scores.mean().item())
+        for _ in range(4):
+            for part in experience.split(4):
+                trainer.train_rlhf(part)
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert last > first + 0.15, f"rule-based reward did not rise: {first:.3f} -> {last:.3f} ({scores})"
+
+
+def test_pretraining_mixture_reaches_the_actor(distributed, inputs):
+    engine = build_engine(inputs)
+    tokenizer = engine.tokenizer
+    ids = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]] * 2)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    generator = HFGenerator(engine.actor)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in engine.actor.module.named_parameters()}
+
+    before = weights()
+    PPOTrainer(engine, generator, PPOConfig(unsup_coef=0.0)).train_unsupervised(batch)
+    assert all(torch.equal(before[n], p) for n, p in engine.actor.module.named_parameters())
+
+    trainer = PPOTrainer(engine, generator, PPOConfig(unsup_coef=1.0))
+    losses = [trainer.train_unsupervised(batch) for _ in range(5)]
+    assert not torch.equal(before["lm_head.weight"], engine.actor.module.lm_head.weight.detach())
+    assert losses[-1] < losses[0]
+
+
+# the entry point -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step3_run(distributed, inputs):
+    from step3_rlhf.main import main
+
+    run = inputs["root"] / "run"
+    summary = main(step3_argv(inputs, run, "--max_steps", "3", "--enable_hybrid_engine", "--enable_ema",
+                              "--unsupervised_dataset_name", inputs["text"], "--unsup_coef", "1.0",
+                              "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3"))
+    return run, summary
+
+
+def test_step3_writes_models_metrics_plot_and_summary(step3_run):
+    run, summary = step3_run
+    assert summary["ppo_steps"] == 3
+    assert json.loads((run / "summary.json").read_text())["ppo_steps"] == 3
+    for folder in ("actor", "critic", "actor_ema"):
+        assert (run / folder / "model.safetensors").is_file(), folder
+    assert (run / "critic" / "value_head.safetensors").is_file()
+    assert (run / "reward_kl.png").read_bytes()[:4] == b"\x89PNG"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "reward/score_mean" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    for key in ("reward/score_std", "reward/kl", "train/entropy", "train/clip_fraction", "train/critic_loss",
+                "train/actor_loss", "train/unsup_loss", "rollout/response_length", "time/generation_s",
+                "time/scoring_s", "time/training_s", "rollout/generated_tokens_per_s"):
+        assert all(key in r for r in trained), key
+    assert [e["step"] for e in summary["evaluations"]] == [0, 3]
+
+
+def test_step3_models_load_back(step3_run, inputs):
+    run, _ = step3_run
+    actor = load_file(str(run / "actor" / "model.safetensors"))
+    ema = load_file(str(run / "actor_ema" / "model.safetensors"))
+    start = load_file(str(Path(inputs["actor"]) / "model.safetensors"))
+    changed = [name for name in actor if not torch.equal(actor[name], start[name])]
+    assert changed, "PPO did not change the actor"
+    # the EMA lies between the start and the trained actor, closer to the start (beta 0.992, 3 steps)
+    name = changed[0]
+    assert (ema[name] - start[name]).abs().sum() < (actor[name] - start[name]).abs().sum()
+    critic = RewardModel.from_pretrained(run / "critic")
+    assert critic.v_head.weight.shape[0] == 1
+
+
+def test_critic_without_a_value_head_is_refused(distributed, inputs, tmp_path):
+    from step3_rlhf.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(step3_argv({**inputs, "reward": inputs["actor"]}, tmp_path / "run", "--max_steps", "1"))
+    assert stop.value.code != 0
+    assert not (tmp_path / "run").exists()
+
+
+# resume after SIGKILL ------------------------------------------------------------------------------
+
+
+def _final_actor(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "actor" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_sigkilled_step3_resumes_to_the_same_weights(inputs, tmp_path):
+    script = [sys.executable, str(REPO_ROOT / "step3_rlhf" / "main.py")]
+    flags = ["--max_steps", "8", "--save_interval", "2", "--actor_learning_rate", "1e-3", "--enable_ema",
+             "--enable_hybrid_engine"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    reference = tmp_path / "uninterrupted"
+    subprocess.run(script + step3_argv(inputs, reference, *flags), check=True, env=env, capture_output=True)
+
+    run = tmp_path / "killed"
+    process = subprocess.Popen(script + step3_argv(inputs, run, *flags), env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (run / "checkpoints" / "latest").is_file() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (run / "actor").exists(), "the run finished before it could be killed"
+    resumed = subprocess.run(script + step3_argv(inputs, run, *flags, "--resume"), env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resum" in resumed.stderr
+    expected, actual = _final_actor(reference), _final_actor(run)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(expected[name], actual[name]), name
+    ema_expected = load_file(str(reference / "actor_ema" / "model.safetensors"))
+    ema_actual = load_file(str(run / "actor_ema" / "model.safetensors"))
+    assert all(torch.equal(ema_expected[n], ema_actual[n]) for n in ema_expected)
