@@ -19,35 +19,15 @@ import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 from step1_sft.objective import evaluate_perplexity, sft_loss  # noqa: E402
-from training.args import (  # noqa: E402
-    add_lora_args,
-    add_model_args,
-    add_optimization_args,
-    add_run_args,
-    add_schedule_args,
-    add_supervised_loop_args,
-    add_zero_args,
-)
-from training.checkpointing import add_checkpoint_args  # noqa: E402
 from training.errors import run_cli  # noqa: E402
 from training.metrics import save_summary  # noqa: E402
 from training.model_loading import load_causal_lm  # noqa: E402
-from training.supervised_step import SupervisedStep, run_supervised_step  # noqa: E402
-from utils.data import SFTCollator, add_data_args  # noqa: E402
+from training.supervised_step import SupervisedStep, run_supervised_step, supervised_step_parser  # noqa: E402
+from utils.data import SFTCollator  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Step 1: supervised fine-tuning (SFT) with DeepSpeed")
-    add_model_args(parser)
-    add_run_args(parser)
-    add_data_args(parser)
-    add_supervised_loop_args(parser, train_batch_size=8)
-    add_optimization_args(parser, learning_rate=1e-5)
-    add_schedule_args(parser)
-    add_zero_args(parser)
-    add_lora_args(parser)
-    add_checkpoint_args(parser)
-    return parser.parse_args(argv)
+    return supervised_step_parser("Step 1: supervised fine-tuning (SFT) with DeepSpeed", learning_rate=1e-5).parse_args(argv)
 
 
 def build_sft_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, ds_config: dict,

@@ -387,13 +387,13 @@ def run_step3(args: argparse.Namespace) -> dict:
         if not args.resume:
             checkpoints.restore({}, resume=False)
         set_seed(args.seed)
-        save_run_args(run_dir, args)
         tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code)
         check_sequence_lengths(load_config(args.actor_model_name_or_path, args.trust_remote_code),
                                max_prompt_seq_len=args.max_prompt_seq_len, max_answer_seq_len=args.max_answer_seq_len,
                                model=args.actor_model_name_or_path)
         prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer)
         total_steps = count_ppo_steps(args, prompts)
+        save_run_args(run_dir, args)  # after every check, so a refused run never overwrites an earlier one's
         actor_steps = total_steps * optimizer_steps_per_ppo_step(args, unsupervised is not None)
         critic_steps = total_steps * optimizer_steps_per_ppo_step(args, False)
         engine = build_rlhf_engine(args, tokenizer, actor_steps, critic_steps)

@@ -256,11 +256,18 @@ from training.run_lock import RunLock
 from training.signals import GracefulInterrupt
 
 output_dir, rank = sys.argv[1], get_rank()
+
+
+def say(*words):  # one write per line, so the two ranks' lines do not interleave
+    sys.stdout.write(" ".join(map(str, (rank, *words))) + "\\n")
+    sys.stdout.flush()
+
+
 with RunLock(output_dir):
     try:
         RunLock(output_dir).acquire()
     except UserError:
-        print(rank, "lock refused", flush=True)
+        say("lock refused")
     manager = CheckpointManager(output_dir, keep_last=1)
     engines = {"actor": t.build_engine(2)}
     torch.manual_seed(rank)
@@ -269,16 +276,16 @@ with RunLock(output_dir):
     state = manager.load_latest(resumed)
     t.train(resumed, t.dataset(), {"epoch": state["epoch"], "batches_done": state["batches_done"]}, t.TOTAL_STEPS)
     diff = max((a - b).abs().max().item() for a, b in zip(t.weights(engines["actor"]).values(), t.weights(resumed["actor"]).values()))
-    print(rank, "diff", diff, flush=True)
+    say("diff", diff)
     try:
         check_finite("loss", math.nan if rank == 1 else 1.0, step=5, checkpoint_manager=manager)
     except NonFiniteError:
-        print(rank, "non-finite agreed", flush=True)
+        say("non-finite agreed")
     with GracefulInterrupt() as stop:
         if rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         barrier()
-        print(rank, "stop", stop.should_stop(), flush=True)
+        say("stop", stop.should_stop())
 """
 
 
@@ -290,12 +297,13 @@ def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
     import sys
 
     from conftest import REPO_ROOT, TESTS_DIR
+    from training.dist import free_port
 
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
     env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0", str(script), str(tmp_path / "run")],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), str(tmp_path / "run")],
         capture_output=True, text=True, env=env, timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from crash_resume import step_env
 from training.signals import EXIT_INTERRUPTED, GracefulInterrupt, resume_command
 
 LOOP = """
@@ -49,7 +49,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resume_command_continues(tmp_path):
     script.write_text(LOOP)
     output_dir = tmp_path / "run"
     command = [sys.executable, str(script), "--output_dir", str(output_dir), "--max_steps", "100000"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = step_env()  # without this process's own MASTER_PORT, which a test may have taken
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     for line in run.stdout:
         if line.strip() == "step 3":

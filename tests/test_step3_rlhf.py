@@ -3,11 +3,6 @@ pretraining mixture reaches the actor, and the entry point writes every output a
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT
+from crash_resume import assert_same_weights, kill_after_checkpoint, launch_step, output_dir_of, run_step
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
@@ -237,35 +233,17 @@ def test_critic_without_a_value_head_is_refused(distributed, inputs, tmp_path):
 # resume after SIGKILL ------------------------------------------------------------------------------
 
 
-def _final_actor(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "actor" / "model.safetensors"))
-
-
 @pytest.mark.slow
 def test_sigkilled_step3_resumes_to_the_same_weights(inputs, tmp_path):
-    script = [sys.executable, str(REPO_ROOT / "step3_rlhf" / "main.py")]
+    script = REPO_ROOT / "step3_rlhf" / "main.py"
     flags = ["--max_steps", "8", "--save_interval", "2", "--actor_learning_rate", "1e-3", "--enable_ema",
              "--enable_hybrid_engine"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     reference = tmp_path / "uninterrupted"
-    subprocess.run(script + step3_argv(inputs, reference, *flags), check=True, env=env, capture_output=True)
+    run_step(script, step3_argv(inputs, reference, *flags), tmp_path / "reference.log")
 
-    run = tmp_path / "killed"
-    process = subprocess.Popen(script + step3_argv(inputs, run, *flags), env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (run / "checkpoints" / "latest").is_file() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (run / "actor").exists(), "the run finished before it could be killed"
-    resumed = subprocess.run(script + step3_argv(inputs, run, *flags, "--resume"), env=env, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resum" in resumed.stderr
-    expected, actual = _final_actor(reference), _final_actor(run)
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        assert torch.equal(expected[name], actual[name]), name
-    ema_expected = load_file(str(reference / "actor_ema" / "model.safetensors"))
-    ema_actual = load_file(str(run / "actor_ema" / "model.safetensors"))
-    assert all(torch.equal(ema_expected[n], ema_actual[n]) for n in ema_expected)
+    argv = step3_argv(inputs, tmp_path / "killed", *flags)
+    kill_after_checkpoint(launch_step(script, argv, tmp_path / "killed.log"), min_step=2)
+    resumed = run_step(script, [*argv, "--resume"], tmp_path / "resumed.log")
+    assert "resuming step 3 after PPO step" in resumed
+    for folder in ("actor", "critic", "actor_ema"):
+        assert_same_weights(reference / folder, output_dir_of(argv) / folder)

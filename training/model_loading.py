@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -66,6 +67,11 @@ def _hub_call(what: str, name_or_path: str, load):
     """Run a from_pretrained call, turning 'not found' and 'offline' into one clear message."""
     try:
         return load()
+    except pickle.UnpicklingError as err:  # a .bin file that torch.load(weights_only=True) refuses
+        raise UserError(
+            f"the {what} files in {name_or_path} hold pickled objects that a safe load refuses (they could run "
+            "code); use a model saved as safetensors, or convert it with a tool you trust"
+        ) from err
     except OSError as err:
         if Path(name_or_path).exists():
             raise UserError(f"could not load the {what} from {name_or_path}: {err}") from err

@@ -13,10 +13,22 @@ from typing import Callable
 import torch
 from transformers import PreTrainedTokenizerBase, set_seed
 
-from utils.data import DataArguments
+from utils.data import DataArguments, add_data_args
 
-from .args import apply_model_options, check_positive, final_model_dir, optimization_settings
-from .checkpointing import CheckpointManager
+from .args import (
+    add_lora_args,
+    add_model_args,
+    add_optimization_args,
+    add_run_args,
+    add_schedule_args,
+    add_supervised_loop_args,
+    add_zero_args,
+    apply_model_options,
+    check_positive,
+    final_model_dir,
+    optimization_settings,
+)
+from .checkpointing import CheckpointManager, add_checkpoint_args
 from .dist import init_distributed
 from .engine import create_train_engine
 from .metrics import MetricsLogger, save_run_args, setup_logging
@@ -61,6 +73,21 @@ class SupervisedOutcome:
     dtype: str
 
 
+def supervised_step_parser(description: str, learning_rate: float, train_batch_size: int = 8) -> argparse.ArgumentParser:
+    """The command line of a supervised step (steps 1 and 2 differ only in their defaults)."""
+    parser = argparse.ArgumentParser(description=description)
+    add_model_args(parser)
+    add_run_args(parser)
+    add_data_args(parser)
+    add_supervised_loop_args(parser, train_batch_size=train_batch_size)
+    add_optimization_args(parser, learning_rate=learning_rate)
+    add_schedule_args(parser)
+    add_zero_args(parser)
+    add_lora_args(parser)
+    add_checkpoint_args(parser)
+    return parser
+
+
 def run_supervised_step(args: argparse.Namespace, step: SupervisedStep) -> SupervisedOutcome:
     """Train `step` as `args` say and save the final model in `<output_dir>/model` (every rank calls it).
 
@@ -85,7 +112,6 @@ def _train_and_save(args: argparse.Namespace, step: SupervisedStep) -> Supervise
         if not args.resume:
             checkpoints.restore({}, resume=False)  # refuses to start over an earlier run's checkpoints
         set_seed(args.seed)
-        save_run_args(run_dir, args)
         tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
         check_sequence_lengths(load_config(args.model_name_or_path, args.trust_remote_code),
                                max_seq_len=args.max_seq_len, model=args.model_name_or_path)
@@ -97,6 +123,7 @@ def _train_and_save(args: argparse.Namespace, step: SupervisedStep) -> Supervise
         model = step.build_model(args, tokenizer, settings.ds_config(), dtype)
         model = apply_model_options(model, args, trainable_heads=step.trainable_heads)
         check_disk_space(run_dir, _output_bytes(model, dtype, args.keep_last_checkpoints), step.name)
+        save_run_args(run_dir, args)  # only now: a bad argument must leave an earlier run's files as they were
         engine = create_train_engine(model, settings)
         metrics = MetricsLogger(run_dir)
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),

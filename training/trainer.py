@@ -295,44 +295,43 @@ class SupervisedTrainer:
         if not self.evaluations:
             self.evaluate(step=0)
         engine.train()
-        bar = tqdm(
+        with tqdm(
             total=total, initial=engine.global_steps, desc=config.description, unit="step",
             disable=not is_main_process(), dynamic_ncols=True,
-        )
-        window_start, window_samples = time.perf_counter(), 0
-        step_losses: list[float] = []
-        while engine.global_steps < total and self.position.epoch < config.num_train_epochs:
-            loader = self.train_loader(self.position.epoch, self.position.batches_done)
-            for batch in loader:
-                loss = self.loss_fn(engine, to_device(batch, engine.device))
-                check_finite("training loss", loss, engine.global_steps + 1, self.checkpoints)
-                engine.backward(loss)
-                at_boundary = engine.is_gradient_accumulation_boundary()
-                engine.step()
-                self.position.batches_done += 1
-                value = loss.detach().float().item()
-                step_losses.append(value)
-                self._loss_sum += value
-                self._loss_count += 1
-                window_samples += config.per_device_train_batch_size
-                if not at_boundary:
-                    continue
-                step = engine.global_steps
-                bar.set_postfix(loss=f"{sum(step_losses) / len(step_losses):.4f}", lr=f"{engine.get_lr()[0]:.2e}")
-                bar.update(1)
-                step_losses.clear()
-                if step % config.log_interval == 0 or step == total:
-                    self._log_training(step, window_start, window_samples)
-                    window_start, window_samples = time.perf_counter(), 0
-                if config.eval_interval and step % config.eval_interval == 0 and step < total:
-                    self.evaluate(step)
-                self._after_step(step)
-                if step >= total:
-                    break
-            if self.position.batches_done >= self._batches_per_epoch:
-                self.position = LoopPosition(epoch=self.position.epoch + 1)
-                self.evaluate(engine.global_steps)
-        bar.close()
+        ) as bar:  # closed on an error too, so a stop message starts on its own line
+            window_start, window_samples = time.perf_counter(), 0
+            step_losses: list[float] = []
+            while engine.global_steps < total and self.position.epoch < config.num_train_epochs:
+                loader = self.train_loader(self.position.epoch, self.position.batches_done)
+                for batch in loader:
+                    loss = self.loss_fn(engine, to_device(batch, engine.device))
+                    check_finite("training loss", loss, engine.global_steps + 1, self.checkpoints)
+                    engine.backward(loss)
+                    at_boundary = engine.is_gradient_accumulation_boundary()
+                    engine.step()
+                    self.position.batches_done += 1
+                    value = loss.detach().float().item()
+                    step_losses.append(value)
+                    self._loss_sum += value
+                    self._loss_count += 1
+                    window_samples += config.per_device_train_batch_size
+                    if not at_boundary:
+                        continue
+                    step = engine.global_steps
+                    bar.set_postfix(loss=f"{sum(step_losses) / len(step_losses):.4f}", lr=f"{engine.get_lr()[0]:.2e}")
+                    bar.update(1)
+                    step_losses.clear()
+                    if step % config.log_interval == 0 or step == total:
+                        self._log_training(step, window_start, window_samples)
+                        window_start, window_samples = time.perf_counter(), 0
+                    if config.eval_interval and step % config.eval_interval == 0 and step < total:
+                        self.evaluate(step)
+                    self._after_step(step)
+                    if step >= total:
+                        break
+                if self.position.batches_done >= self._batches_per_epoch:
+                    self.position = LoopPosition(epoch=self.position.epoch + 1)
+                    self.evaluate(engine.global_steps)
         if not self.evaluations or self.evaluations[-1]["step"] != engine.global_steps:
             self.evaluate(engine.global_steps)
         return TrainResult(

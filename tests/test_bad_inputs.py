@@ -1,0 +1,173 @@
+"""Each bad input to a real step entry point ends in one `error: ...` line (exit 2) and leaves the
+earlier run in the output folder exactly as it was."""
+import hashlib
+import json
+import re
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from step1_sft.main import main as step1_main
+from step2_reward.main import main as step2_main
+from step2_reward.reward_model import RewardModel
+from step3_rlhf.main import main as step3_main
+from supervised_data import write_arithmetic_jsonl
+from tiny_models import make_tiny_model_dir
+from training.errors import EXIT_USER_ERROR, UserError
+from training.run_lock import LOCK_FILE
+
+STEPS = {"step1": step1_main, "step2": step2_main}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A tiny model, a data file, and an output folder holding a finished earlier run."""
+    model = make_tiny_model_dir(tmp_path / "tiny-llama", "llama")
+    data = write_arithmetic_jsonl(tmp_path / "pairs.jsonl", 16)
+    run = tmp_path / "run"
+    shutil.copytree(model, run / "model")
+    for name, text in {"summary.json": '{"step": "step1_sft"}\n', "args.json": "{}\n",
+                       "metrics.jsonl": '{"step": 1, "train/loss": 2.0}\n'}.items():
+        (run / name).write_text(text)
+    return namedtuple("Setup", "model data run tmp")(model, data, run, tmp_path)
+
+
+def step_args(setup, **overrides) -> list[str]:
+    values = {
+        "model_name_or_path": setup.model, "data_path": setup.data, "data_split": "1,1,0",
+        "data_output_path": str(setup.tmp / "cache"), "output_dir": str(setup.run),
+        "per_device_train_batch_size": "2", "per_device_eval_batch_size": "2", "max_seq_len": "64",
+        "dtype": "fp32", "max_steps": "1", **overrides,
+    }
+    return [word for flag, value in values.items() for word in (f"--{flag}", value)]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under `folder` with its content hash and modification time."""
+    return {
+        str(path.relative_to(folder)): (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+        for path in sorted(folder.rglob("*")) if path.is_file()
+    }
+
+
+def assert_refused_and_untouched(main, argv, message: str, folder: Path, capsys) -> str:
+    """`main(argv)` exits 2 with `message` on its `error:` line, and `folder` is as it was before."""
+    before = snapshot(folder)
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == EXIT_USER_ERROR
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], errors
+    after = snapshot(folder)
+    assert {path: after[path] for path in before} == before, "an earlier file was changed"
+    assert set(after) - set(before) <= {LOCK_FILE}, f"new files: {sorted(set(after) - set(before))}"
+    return errors[0]
+
+
+CASES = {
+    # id: (step, flag overrides; "{tmp}" is the test's folder, message on the error line)
+    "model_path_missing": ("step1", {"model_name_or_path": "{tmp}/missing/model"}, "no such folder; check the path"),
+    "model_name_unknown_offline_hub": ("step2", {"model_name_or_path": "nobody/no-such-model"},
+                                       "is not a local folder and the Hugging Face hub is offline"),
+    "model_folder_without_config": ("step1", {"model_name_or_path": "{tmp}"}, "holds no config.json"),
+    "dataset_path_missing": ("step1", {"data_path": "{tmp}/missing.jsonl"}, "missing.jsonl does not exist"),
+    "dataset_name_unknown": ("step2", {"data_path": "no_such_dataset"},
+                             "could not load dataset 'no_such_dataset' from the Hugging Face hub"),
+    "dataset_hub_offline": ("step1", {"data_path": "someone/preference-pairs"},
+                            "could not load dataset 'someone/preference-pairs' from the Hugging Face hub"),
+    "data_split_sums_to_zero": ("step1", {"data_split": "0,0,0"},
+                                "--data_split '0,0,0' must be three non-negative numbers with a positive sum"),
+    "data_split_gives_no_share": ("step2", {"data_split": "1,0,1"}, "gives step 2 no share of the data"),
+    "train_batch_size_zero": ("step1", {"per_device_train_batch_size": "0"},
+                              "--per_device_train_batch_size must be positive, got 0"),
+    "eval_batch_size_negative": ("step2", {"per_device_eval_batch_size": "-1"},
+                                 "--per_device_eval_batch_size must be positive, got -1"),
+    "accumulation_beyond_the_data": ("step1", {"gradient_accumulation_steps": "64"},
+                                     "fewer than one optimizer step of 64"),
+    "max_seq_len_zero": ("step1", {"max_seq_len": "0"}, "--max_seq_len must be positive, got 0"),
+    "max_seq_len_beyond_positions": ("step2", {"max_seq_len": "1024"},
+                                     "--max_seq_len 1024 exceeds the 256 positions of"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_clear_error_and_overwrites_nothing(distributed, setup, capsys, case):
+    step, overrides, message = CASES[case]
+    overrides = {flag: value.format(tmp=setup.tmp) for flag, value in overrides.items()}
+    assert_refused_and_untouched(STEPS[step], step_args(setup, **overrides), message, setup.run, capsys)
+
+
+def test_output_dir_that_is_a_file(distributed, setup, capsys):
+    results = setup.tmp / "results.txt"
+    results.write_text("earlier results")
+    assert_refused_and_untouched(step1_main, step_args(setup, output_dir=str(results)),
+                                 f"--output_dir {results} is a file, not a folder", setup.tmp, capsys)
+
+
+def test_no_disk_space(distributed, setup, capsys, monkeypatch):
+    usage = shutil.disk_usage(setup.tmp)
+    monkeypatch.setattr("training.validation.shutil.disk_usage", lambda path: usage._replace(free=1000))
+    assert_refused_and_untouched(step2_main, step_args(setup), "only 0.00 GB are free on the disk of", setup.run, capsys)
+
+
+def test_model_with_its_own_code_needs_trust_remote_code(distributed, setup, capsys):
+    config_file = Path(setup.model) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    config_file.write_text(json.dumps(config))
+    assert_refused_and_untouched(step1_main, step_args(setup), "runs only with --trust_remote_code", setup.run, capsys)
+
+
+class _RunsCode:
+    """Unpickling this would create the file named in `marker`: the proof that a load ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickled_model_weights_are_refused_without_running_code(distributed, setup, capsys):
+    import torch
+
+    marker = setup.tmp / "code_ran"
+    (Path(setup.model) / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, Path(setup.model) / "pytorch_model.bin")
+    assert_refused_and_untouched(step1_main, step_args(setup), "hold pickled objects that a safe load refuses",
+                                 setup.run, capsys)
+    assert not marker.exists()
+
+
+def test_reward_model_without_a_value_head(distributed, setup, capsys):
+    """Step 3 needs step 2's output as its critic and reward model; an SFT model folder is refused."""
+    step3_run = setup.tmp / "step3"
+    (step3_run / "actor").mkdir(parents=True)
+    (step3_run / "actor" / "config.json").write_text("{}\n")
+    argv = ["--actor_model_name_or_path", setup.model, "--critic_model_name_or_path", str(setup.run),
+            "--data_path", setup.data, "--data_output_path", str(setup.tmp / "cache"), "--output_dir", str(step3_run)]
+    assert_refused_and_untouched(step3_main, argv, "is not a reward model (missing reward_model.json, "
+                                 "value_head.safetensors); pass the run folder", step3_run, capsys)
+    with pytest.raises(UserError, match="has no value head: it was not trained by step 2"):
+        RewardModel.from_pretrained(setup.run)
+
+
+def test_a_diverging_run_stops_at_the_non_finite_loss_naming_the_step_and_last_good_checkpoint(
+        distributed, setup, capsys):
+    run = setup.tmp / "diverging"
+    argv = step_args(setup, output_dir=str(run), learning_rate="1e30", max_steps="6", save_interval="1",
+                     gradient_clipping="0")
+    with pytest.raises(SystemExit) as exited:
+        step1_main(argv)
+    assert exited.value.code == EXIT_USER_ERROR
+    error = capsys.readouterr().err.splitlines()[-1]
+    found = re.fullmatch(r"error: training loss is not finite \((nan|inf)\) at step (\d+); stopping\. the last good "
+                         r"checkpoint is (\S+) \(step (\d+)\): continue from it with --resume, e\.g\. with a lower "
+                         r"--learning_rate.*", error)
+    assert found, error
+    failed_step, checkpoint, good_step = int(found[2]), Path(found[3]), int(found[4])
+    assert 1 < failed_step < 6 and good_step == failed_step - 1
+    assert checkpoint == run / "checkpoints" / f"step{good_step}" and (checkpoint / "checkpoint.json").is_file()
+    assert not (run / "checkpoints" / f"step{failed_step}").exists() and not (run / "model").exists()
