@@ -9,6 +9,7 @@ import pytest
 from conftest import REPO_ROOT
 from training.errors import UserError
 from training.pipeline.deployment import (
+    CpuQuickRun,
     DeploymentType,
     MemoryChoice,
     ModelSizes,
@@ -117,6 +118,18 @@ def test_more_nodes_let_a_70b_model_train_fully_without_offload():
     assert four_nodes.steps[1].flags["offload"] is False and four_nodes.steps[1].flags["lora_dim"] == 0
 
 
+def test_sequence_lengths_stay_within_the_models_positions():
+    short = ModelSize(parameters=1_000_000, hidden_size=64, num_layers=2, vocab_size=1000, max_positions=256)
+    for plan in (plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(short, SMALL), H100, None),
+                 plan_cpu(ModelSizes(SMALL, short), TWO_CORES)):
+        rlhf = plan.steps[3].flags
+        assert rlhf["max_prompt_seq_len"] + rlhf["max_answer_seq_len"] <= 256
+        assert rlhf["max_prompt_seq_len"] > 0 and rlhf["max_answer_seq_len"] > 0
+    gpu = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(short, SMALL), H100, None)
+    assert gpu.steps[1].flags["max_seq_len"] == 256 and gpu.steps[2].flags["max_seq_len"] == 512
+    assert plan_cpu(ModelSizes(SMALL, short), TWO_CORES).steps[2].flags["max_seq_len"] <= 256
+
+
 def test_a_model_that_cannot_fit_is_a_user_error():
     huge = ModelSize(parameters=2_000_000_000_000, hidden_size=16384, num_layers=200, vocab_size=32000)
     small_host = Hardware(num_gpus=1, gpu_memory_gib=24, cpu_memory_gib=64, cpu_cores=8, bf16=True)
@@ -125,12 +138,20 @@ def test_a_model_that_cannot_fit_is_a_user_error():
 
 
 def test_the_cpu_quick_run_fits_the_embedded_model_in_the_time_budget():
-    plan = plan_cpu(ModelSizes(SMALL, SMALL), TWO_CORES)
+    quick = CpuQuickRun()
+    plan = plan_cpu(ModelSizes(SMALL, SMALL), TWO_CORES, quick)
     sft, reward, rlhf = (plan.steps[i].flags for i in (1, 2, 3))
     assert sft["dtype"] == "bf16" and sft["max_seq_len"] == 256 and sft["zero_stage"] == 0
-    assert 20 <= sft["max_steps"] <= 120 and sft["max_train_samples"] == sft["max_steps"] * sft["per_device_train_batch_size"]
-    assert 10 <= reward["max_steps"] <= 120
-    assert 10 <= rlhf["max_steps"] <= 60 and rlhf["max_answer_seq_len"] <= 64
+    assert sft["max_train_samples"] == sft["max_steps"] * sft["per_device_train_batch_size"]
+    assert 0 < sft["num_warmup_steps"] < sft["max_steps"] and 0 < reward["num_warmup_steps"] < reward["max_steps"]
+    # the reward model needs ~600 pairs for high held-out accuracy, at a learning rate above step 1's
+    assert reward["max_steps"] * reward["per_device_train_batch_size"] >= 600
+    assert reward["learning_rate"] > sft["learning_rate"]
+    assert reward["max_seq_len"] >= rlhf["max_prompt_seq_len"] + rlhf["max_answer_seq_len"]
+    assert 20 <= rlhf["max_steps"] <= 60 and rlhf["max_answer_seq_len"] <= 64
+    seconds_per_step = (quick.sft_step_s, quick.reward_step_s, quick.ppo_step_s)
+    planned = sum(quick.step_overhead_s[i] + plan.steps[i + 1].flags["max_steps"] * seconds_per_step[i] for i in range(3))
+    assert planned <= 27 * 60  # README's main command: all three steps within 30 minutes, with start-up to spare
 
 
 def test_the_cpu_quick_run_takes_fewer_steps_for_bigger_models_and_fp32():

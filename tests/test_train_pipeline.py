@@ -144,7 +144,7 @@ def test_flags_go_to_the_steps_that_accept_them_and_user_values_win(tmp_path, ti
     assert "--only_step2" not in sft_argv  # step 1's CLI does not take it
     assert reward.only_step2 == "x" and rlhf.only_step2 == "x"
     assert sft.max_steps == reward.max_steps == rlhf.max_steps == "9"  # over the planned values
-    assert sft.max_seq_len == "64" and sft.seed == "-1" and reward.max_seq_len == "256"
+    assert sft.max_seq_len == "64" and sft.seed == "-1" and reward.max_seq_len == "192"
     assert sft.zero_stage == "3" and rlhf.actor_zero_stage == "3"
     assert reward.zero_stage == "1" and rlhf.critic_zero_stage == "1"
     with pytest.raises(UserError, match="--bogus is not a flag of train.py nor of step"):

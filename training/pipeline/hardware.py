@@ -47,6 +47,7 @@ class ModelSize:
     hidden_size: int
     num_layers: int
     vocab_size: int
+    max_positions: int | None = None  # the longest sequence the model takes; None: no stated limit
 
 
 def model_size(name_or_path: str) -> ModelSize:
@@ -56,7 +57,9 @@ def model_size(name_or_path: str) -> ModelSize:
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0))
     layers = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0))
     vocab = int(getattr(text, "vocab_size", 0))
-    return ModelSize(_count_parameters(config, hidden, layers, vocab), hidden, layers, vocab)
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return ModelSize(_count_parameters(config, hidden, layers, vocab), hidden, layers, vocab,
+                     int(positions) if positions else None)
 
 
 def _count_parameters(config, hidden: int, layers: int, vocab: int) -> int:
