@@ -12,12 +12,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
-import torch
-from transformers import TextStreamer
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.errors import UserError, run_cli
-from training.model_loading import EMBEDDED_MODEL_NAME, load_causal_lm, load_tokenizer, resolve_dtype, resolve_model_path
-from utils.data.formatting import PROMPT_FORMATS, render_human_assistant, resolve_prompt_format
+import torch  # noqa: E402
+from transformers import TextStreamer  # noqa: E402
+
+from training.errors import UserError, run_cli  # noqa: E402
+from training.model_loading import (  # noqa: E402
+    EMBEDDED_MODEL_NAME,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_path,
+)
+from utils.data.formatting import PROMPT_FORMATS, render_human_assistant, resolve_prompt_format  # noqa: E402
 
 CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})

@@ -106,10 +106,11 @@ def test_hf_backend_reports_train_forward_logprobs_and_pads_after_eos(arch):
     out = HFGenerator(model).generate(enc["input_ids"], enc["attention_mask"], config)
     assert out.answer_mask[0].sum() <= 2 and out.answers[0, int(out.answer_mask[0].sum()) - 1] == eos
     assert (out.answers[out.answer_mask == 0] == tokenizer.pad_token_id).all()
+    assert model.training  # the generator restores the module's mode
+    model.eval()  # the reference forward without dropout (OPT's tiny config has some), as RLHF trains
     with torch.no_grad():
         expected = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length) * out.answer_mask
     torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
-    assert model.training  # the generator restores the module's mode
 
 
 def test_cli_flags_mirror_deepspeed_chat():

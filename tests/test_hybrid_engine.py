@@ -1,10 +1,15 @@
-"""The hybrid engine on one rank: parity with the hf backend and with the train-mode forward at
-ZeRO 0/2/3, with LoRA, in bf16; and the switch back to training leaves no trace."""
+"""The hybrid engine: parity with the hf backend and with the train-mode forward at ZeRO 0/2/3, with
+LoRA, in bf16, on 2 gloo ranks and with tensor parallelism; and the switch back to training leaves no trace."""
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import REPO_ROOT, TESTS_DIR
 from scripts.hybrid_engine_worker import (
+    MODES,
     PROMPTS,
     build_engine,
     check_parity,
@@ -14,6 +19,8 @@ from scripts.hybrid_engine_worker import (
     train_step,
 )
 
+from training.dist import free_port
+from training.fused_llama import fused_llama_unsupported_reason
 from training.generation import GenerationConfig, HFGenerator
 from training.hybrid_engine import HybridEngine, HybridEngineSettings, build_generator
 
@@ -140,5 +147,28 @@ def test_a_model_the_engine_cannot_serve_falls_back_to_hf_loudly(distributed, ti
     with caplog.at_level(logging.WARNING):
         generator = build_generator("hybrid", engine, tokenizer, settings)
     assert isinstance(generator, HFGenerator)
-    assert "falling back" in caplog.text and "gpt2" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warnings) == 1 and "gpt2" in warnings[0] and warnings[0].startswith("hybrid engine cannot serve")
     assert isinstance(build_generator("hybrid", engine, tokenizer, HybridEngineSettings(enable=True)), HybridEngine)
+
+
+def test_fused_decoder_serves_llama_only():
+    from tiny_models import make_tiny_model
+
+    assert fused_llama_unsupported_reason(make_tiny_model("llama")[0]) is None
+    assert "gpt2" in fused_llama_unsupported_reason(make_tiny_model("gpt2")[0])
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_with_zero3_lora_and_tensor_parallel(tiny_model_dir):
+    """torchrun, 2 ranks with unequal prompt batches: ZeRO-3, ZeRO-3 + LoRA + --inference_tp_size 2,
+    ZeRO-2 + TP 2, and unpinned ZeRO-3 (collective forwards until both ranks finish)."""
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(TESTS_DIR / "scripts" / "hybrid_engine_worker.py"), tiny_model_dir("llama"), *MODES],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for mode in MODES:
+        assert f"HYBRID_OK {mode}" in result.stdout, result.stdout

@@ -1,22 +1,27 @@
-"""Autoregressive decoding on a Hugging Face causal LM with one preallocated KV cache.
+"""Autoregressive decoding with one preallocated KV cache, kept across calls while it fits.
 
-The cache is a transformers `StaticCache`, allocated at the first prefill and reused by every later
-call that fits (batch and length), so a rollout of several batches allocates it once. Rows whose
-sequence has emitted EOS leave the running batch: their cache rows are compacted in place (the
-remaining rows are copied to the front of the same buffers), so later steps compute only live rows.
+`KVCacheDecoder` runs the token loop over a `StepModel`, the forward passes of one model over its cache:
+- `FusedCachedModel`: Llama-family models through `FusedLlama` (fused projections, own K/V buffers);
+- `HFCachedModel`: any transformers causal LM through its own forward and a `StaticCache`.
+Either cache is allocated at the first prefill and reused by every later call that fits (batch and
+length), so a rollout of several batches allocates it once. Rows whose sequence has emitted EOS leave
+the running batch: their cache rows are compacted in place (the remaining rows are copied to the
+front of the same buffers), so later steps compute only live rows.
 
-On CUDA, with `cuda_graph=True`, decode steps run through `torch.compile(mode="reduce-overhead")`,
-which captures them as CUDA graphs; that needs static shapes, so the batch then does not shrink
-(finished rows keep decoding and their tokens are discarded). This path has not been run here (no
-GPU in the build environment).
+On CUDA, with `cuda_graph=True`, the `HFCachedModel` decode steps run through
+`torch.compile(mode="reduce-overhead")`, which captures them as CUDA graphs; that needs static shapes,
+so the batch then does not shrink (finished rows keep decoding and their tokens are discarded). This
+path has not been run here (no GPU in the build environment).
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 from transformers import StaticCache
 
+from .fused_llama import FusedKVBuffers, FusedLlama
 from .generation import (
     GenerationConfig,
     GenerationOutput,
@@ -33,49 +38,132 @@ DoneSync = Callable[[bool], bool]
 
 
 class RolloutKVCache:
-    """A StaticCache kept across `decode` calls (and rollouts) while it fits the batch and length."""
+    """KV storage kept across `decode` calls (and rollouts) while it fits the batch and length.
+
+    `cache` is whatever the step model allocated (`_StaticStorage` or `FusedKVBuffers`)."""
 
     def __init__(self) -> None:
-        self.cache: StaticCache | None = None
+        self.cache: object | None = None
         self.rows = 0
         self.length = 0
-        self._full_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def release(self) -> None:
         self.cache = None
         self.rows = 0
         self.length = 0
-        self._full_buffers = []
 
-    def prepare(self, config, batch: int, length: int) -> StaticCache:
-        """Reuse the cache when it fits; otherwise allocate one for this batch and length.
+    def reusable(self, kind: type, batch: int, length: int) -> bool:
+        return isinstance(self.cache, kind) and batch <= self.rows and length <= self.length
 
-        The buffers themselves are allocated at the first prefill (StaticCache does it lazily)."""
-        if self.cache is None or batch > self.rows or length > self.length:
-            self.release()
-            self.cache = StaticCache(config=config, max_cache_len=length)
-            self.rows, self.length = batch, length
-            return self.cache
-        for layer, (keys, values) in zip(self.cache.layers, self._full_buffers):
+    def keep(self, cache: object, rows: int, length: int) -> None:
+        self.cache, self.rows, self.length = cache, rows, length
+
+
+class StepModel(Protocol):
+    """One model's forward passes over its cache; each returns the logits [B, V] of the last position.
+
+    `mask` [B, T] marks the filled, non-pad cache columns (T = prompt + answer length); `column` is the
+    cache column of the step's token."""
+
+    shrinks: bool  # finished rows may leave the batch
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor: ...
+
+    def keep_rows(self, keep: torch.Tensor) -> None: ...
+
+
+@dataclass
+class _StaticStorage:
+    cache: StaticCache
+    full_buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class HFCachedModel:
+    """A transformers causal LM whose forward accepts `past_key_values` and `position_ids`."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: RolloutKVCache, cuda_graph: bool = False):
+        self.model = model
+        self.kv_cache = kv_cache
+        device = next(model.parameters()).device
+        self.shrinks = not (cuda_graph and torch.cuda.is_available() and device.type == "cuda")
+        self._step = model if self.shrinks else torch.compile(model, mode="reduce-overhead", dynamic=False)
+        self._storage: _StaticStorage | None = None
+
+    def _cache_wide(self, mask: torch.Tensor) -> torch.Tensor:
+        """The mask widened to the cache length, as a StaticCache forward expects."""
+        wide = mask.new_zeros(mask.shape[0], self.kv_cache.length)
+        wide[:, :mask.shape[1]] = mask
+        return wide
+
+    def _forward(self, model, input_ids, mask, positions, **kwargs) -> torch.Tensor:
+        out = model(input_ids=input_ids, attention_mask=self._cache_wide(mask), position_ids=positions,
+                    past_key_values=self._storage.cache, use_cache=True, **kwargs)
+        return out.logits[:, -1]
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        batch, length = mask.shape
+        if not self.kv_cache.reusable(_StaticStorage, batch, length):
+            self.kv_cache.release()
+            self.kv_cache.keep(_StaticStorage(StaticCache(config=self.model.config, max_cache_len=length)), batch, length)
+        self._storage = self.kv_cache.cache
+        for layer, (keys, values) in zip(self._storage.cache.layers, self._storage.full_buffers):
             layer.keys, layer.values = keys[:batch], values[:batch]
-        self.cache.reset()
-        return self.cache
+        self._storage.cache.reset()
+        logits = self._forward(self.model, input_ids, mask, positions, logits_to_keep=1)
+        if not self._storage.full_buffers:
+            self._storage.full_buffers = [(layer.keys, layer.values) for layer in self._storage.cache.layers]
+        return logits
 
-    def after_prefill(self) -> None:
-        if not self._full_buffers:
-            self._full_buffers = [(layer.keys, layer.values) for layer in self.cache.layers]
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
+        return self._forward(self._step, tokens[:, None], mask, positions)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        """Move the rows `keep` to the front of the same buffers and run on those only."""
         count = keep.numel()
-        for layer in self.cache.layers:
+        for layer in self._storage.cache.layers:
             layer.keys[:count] = layer.keys[keep]
             layer.values[:count] = layer.values[keep]
             layer.keys, layer.values = layer.keys[:count], layer.values[:count]
 
 
+class FusedCachedModel:
+    """`FusedLlama` over `FusedKVBuffers`."""
+
+    shrinks = True
+
+    def __init__(self, fused: FusedLlama, kv_cache: RolloutKVCache):
+        self.fused = fused
+        self.kv_cache = kv_cache
+        self._buffers: FusedKVBuffers | None = None
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        batch, length = mask.shape
+        if not self.kv_cache.reusable(FusedKVBuffers, batch, length):
+            self.kv_cache.release()
+            self.kv_cache.keep(self.fused.allocate(batch, length), batch, length)
+        full = self.kv_cache.cache
+        self._buffers = FusedKVBuffers(full.keys[:, :batch], full.values[:, :batch])
+        prompt_len = input_ids.shape[1]
+        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=mask.device).tril()
+        # a pad query also sees itself, so that no row of the attention is empty (NaN)
+        attend = causal & mask[:, None, :prompt_len].bool() | torch.eye(prompt_len, dtype=torch.bool, device=mask.device)
+        return self.fused.forward(input_ids, positions, self._buffers, 0, attend[:, None])
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
+        attend = mask[:, None, None, :column + 1].bool()
+        return self.fused.forward(tokens[:, None], positions, self._buffers, column, attend)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        count = keep.numel()
+        keys, values = self._buffers.keys, self._buffers.values
+        keys[:, :count] = keys[:, keep]
+        values[:, :count] = values[:, keep]
+        self._buffers = FusedKVBuffers(keys[:, :count], values[:, :count])
+
+
 class KVCacheDecoder:
-    """Decode with `model` (a causal LM whose forward accepts `past_key_values` and `position_ids`).
+    """The token loop over a `StepModel`.
 
     `sync_tokens` makes ranks that decode the same batch (a tensor-parallel group) agree on each
     drawn token; `sync_done` makes ranks whose forward passes are collective (ZeRO-3 hooks) keep
@@ -85,41 +173,30 @@ class KVCacheDecoder:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        kv_cache: RolloutKVCache,
-        cuda_graph: bool = False,
+        model: StepModel,
+        device: torch.device,
         sync_tokens: TokenSync | None = None,
         sync_done: DoneSync | None = None,
         no_grad_only: bool = False,
     ):
         self.model = model
-        self.kv_cache = kv_cache
+        self.device = device
         self.sync_tokens = sync_tokens
         self.sync_done = sync_done
         self.no_grad_only = no_grad_only
-        self.device = next(model.parameters()).device
-        self.static_batch = cuda_graph and torch.cuda.is_available() and self.device.type == "cuda"
-        self._step = torch.compile(model, mode="reduce-overhead", dynamic=False) if self.static_batch else model
 
     def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
         grad_mode = torch.no_grad() if self.no_grad_only else torch.inference_mode()
         with grad_mode:
             return self._decode(input_ids.to(self.device), attention_mask.to(self.device), config)
 
-    def _forward(self, step, input_ids, mask, positions, cache, **kwargs) -> torch.Tensor:
-        out = step(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, **kwargs)
-        return out.logits[:, -1]
-
     def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
         batch, prompt_len = input_ids.shape
         new_tokens = config.max_new_tokens
-        cache = self.kv_cache.prepare(self.model.config, batch, prompt_len + new_tokens)
-        mask = torch.zeros(batch, self.kv_cache.length, dtype=attention_mask.dtype, device=self.device)
+        mask = torch.zeros(batch, prompt_len + new_tokens, dtype=attention_mask.dtype, device=self.device)
         mask[:, :prompt_len] = attention_mask
         positions = position_ids_from_attention_mask(attention_mask)
-        logits = self._forward(self.model, input_ids, mask, positions, cache, logits_to_keep=1)
-        self.kv_cache.after_prefill()
+        logits = self.model.prefill(input_ids, mask, positions)
         next_position = positions[:, -1:] + 1
 
         generator = sampling_generator(config, self.device)
@@ -139,12 +216,13 @@ class KVCacheDecoder:
                 done = self.sync_done(done)
             if done:
                 break
-            if not self.static_batch and not bool(alive.all()):
+            if self.model.shrinks and not bool(alive.all()):
                 keep = alive.nonzero().squeeze(-1) if bool(alive.any()) else alive.new_zeros(1, dtype=torch.long)
                 rows, alive, tokens, next_position, mask = rows[keep], alive[keep], tokens[keep], next_position[keep], mask[keep]
-                self.kv_cache.keep_rows(keep)
-            mask[:, prompt_len + step] = 1
-            logits = self._forward(self._step, tokens[:, None], mask, next_position, cache)
+                self.model.keep_rows(keep)
+            column = prompt_len + step
+            mask[:, column] = 1
+            logits = self.model.step(tokens, mask, next_position, column)
             next_position = next_position + 1
         return assemble_output(
             input_ids,

@@ -7,7 +7,8 @@ Train mode is the ZeRO engine as it is. Generate mode (`HybridEngine.generate_mo
    the copied weights (W + scale * B @ A), so the training weights are never merged in place;
 2. with `inference_tp_size > 1`, the copy holds only this rank's tensor-parallel shard, and the ranks
    of a tensor-parallel group decode their prompts together (`tensor_parallel.py`);
-3. decodes with `KVCacheDecoder` (one preallocated KV cache, finished rows leave the batch).
+3. decodes with `KVCacheDecoder` (one preallocated KV cache, finished rows leave the batch), through
+   `FusedLlama` for Llama-family models and the copy's own transformers forward for the others.
 Leaving generate mode drops the copy (and, with `release_inference_cache`, the KV cache); the
 engine's module is never modified, and its train/eval flags are left as they were.
 
@@ -29,7 +30,8 @@ import torch.distributed as torch_dist
 
 from .dist import current_device, get_world_size
 from .errors import UserError
-from .fast_decoder import KVCacheDecoder, RolloutKVCache
+from .fast_decoder import FusedCachedModel, HFCachedModel, KVCacheDecoder, RolloutKVCache
+from .fused_llama import FusedLlama, fused_llama_unsupported_reason
 from .generation import GenerationConfig, GenerationOutput, Generator, HFGenerator, eval_mode
 from .model_loading import resolve_dtype
 from .tensor_parallel import TensorParallelGroup, TensorParallelPlan, gather_tp_shard
@@ -314,13 +316,19 @@ class HybridEngine:
         if self.settings.unpin_actor_parameters:
             stack.enter_context(eval_mode(self.module))
             collective = get_world_size() > 1 and any(hasattr(p, "ds_id") for p in self.module.parameters())
-            return KVCacheDecoder(self.module, self.kv_cache, cuda_graph=False, no_grad_only=True,
+            return KVCacheDecoder(HFCachedModel(self.module, self.kv_cache), self.device, no_grad_only=True,
                                   sync_done=_all_ranks_done if collective else None)
         base = _base_model(self.module)
         plan = TensorParallelPlan(base, self.tp) if self.tp is not None else None
         inference_copy = InferenceCopy(base, self.dtype, self.device, plan)
         inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
-        return KVCacheDecoder(inference_copy.model, self.kv_cache, cuda_graph=self.settings.cuda_graph,
+        model = inference_copy.model
+        if fused_llama_unsupported_reason(model) is None:
+            step_model = FusedCachedModel(FusedLlama(model, self.tp.all_reduce if self.tp is not None else None),
+                                          self.kv_cache)
+        else:
+            step_model = HFCachedModel(model, self.kv_cache, cuda_graph=self.settings.cuda_graph)
+        return KVCacheDecoder(step_model, self.device,
                               sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)
 
     def release_cache(self) -> None:

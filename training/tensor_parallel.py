@@ -61,6 +61,11 @@ class TensorParallelGroup:
         dist.broadcast(tokens, src=self.leader, group=self.group)
         return tokens
 
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place (the row-parallel projections' partial outputs)."""
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         pieces = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(pieces, tensor.contiguous(), group=self.group)
@@ -182,8 +187,7 @@ class TensorParallelPlan:
                 module.register_forward_hook(self._all_reduce_output)
 
     def _all_reduce_output(self, module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(output, group=self.group.group)
-        return output
+        return self.group.all_reduce(output)
 
 
 def gather_tp_shard(param: torch.nn.Parameter, plan: TensorParallelPlan, name: str) -> torch.Tensor:

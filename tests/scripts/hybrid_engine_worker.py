@@ -1,9 +1,10 @@
 """Helpers for the hybrid-engine tests, and the worker the 2-process tests launch.
 
-As a worker (`torchrun --nproc_per_node 2 hybrid_engine_worker.py MODEL_DIR MODE`), each rank
+As a worker (`torchrun --nproc_per_node 2 hybrid_engine_worker.py MODEL_DIR MODE...`), each rank
 generates for its own prompts with the hybrid engine and checks, on every rank: greedy tokens equal
-the `hf` backend's, and the reported log-probs equal the train-mode forward's. Rank 0 prints
-`HYBRID_OK <mode>` when all ranks passed.
+the `hf` backend's, the reported log-probs equal the train-mode forward's, and the next training
+step's loss equals that of a twin engine that never generated. Rank 0 prints `HYBRID_OK <mode>` when
+all ranks passed.
 """
 from __future__ import annotations
 
@@ -101,29 +102,30 @@ def check_parity(engine, hybrid, tokenizer, texts, atol=1e-4):
     return fast
 
 
+MODES = {  # mode: (ZeRO stage, LoRA, hybrid engine settings)
+    "zero3": (3, False, dict(tp_gather_partition_size=1)),
+    "zero3_lora_tp2": (3, True, dict(inference_tp_size=2)),
+    "zero2_tp2": (2, False, dict(inference_tp_size=2)),
+    "zero3_unpinned": (3, False, dict(unpin_actor_parameters=True)),
+}
+
+
 def main(model_path: str, mode: str) -> None:
+    """Parity on every rank, then the next training step's loss equals a twin engine's that never generated."""
     from training.dist import get_rank, init_distributed
 
     init_distributed()
     rank = get_rank()
-    texts = PROMPTS[rank * 3:(rank + 1) * 3] if rank == 0 else PROMPTS[3:5]  # unequal batches on purpose
-    if mode == "zero3":
-        engine, tokenizer = build_engine(model_path, stage=3)
-        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1))
-    elif mode == "zero3_lora_tp2":
-        engine, tokenizer = build_engine(model_path, stage=3, lora_arch="llama")
-        train_step(engine, tokenizer)
-        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, inference_tp_size=2))
-    elif mode == "zero2_tp2":
-        engine, tokenizer = build_engine(model_path, stage=2)
-        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, inference_tp_size=2))
-    elif mode == "zero3_unpinned":
-        engine, tokenizer = build_engine(model_path, stage=3)
-        hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, unpin_actor_parameters=True))
-    else:
-        raise SystemExit(f"unknown mode {mode}")
-    check_parity(engine, hybrid, tokenizer, texts)
-    train_step(engine, tokenizer)  # training still works after generate mode (collectives in step)
+    texts = PROMPTS[:3] if rank == 0 else PROMPTS[3:5]  # unequal batches on purpose
+    stage, lora, settings = MODES[mode]
+    engine, tokenizer = build_engine(model_path, stage, lora_arch="llama" if lora else None)
+    twin, _ = build_engine(model_path, stage, lora_arch="llama" if lora else None)
+    if lora:
+        for trained in (engine, twin):
+            train_step(trained, tokenizer)  # makes lora_B non-zero, so merging matters
+    check_parity(engine, HybridEngine(engine, HybridEngineSettings(enable=True, **settings)), tokenizer, texts)
+    loss, twin_loss = train_step(engine, tokenizer), train_step(twin, tokenizer)
+    assert loss == twin_loss, (loss, twin_loss)
     torch.distributed.barrier()
     if rank == 0:
         print("HYBRID_OK", mode, flush=True)

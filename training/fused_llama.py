@@ -1,0 +1,178 @@
+"""A decode-only forward for Llama-family causal LMs, the hybrid engine's fast path on CPU.
+
+The transformers forward spends much of a decode step outside the matmuls: building the 4-D mask,
+updating the cache object, and many small ops per layer. This forward runs the same math on the
+same weights with fewer, larger ops: q/k/v and gate/up each in one matmul (the model's own weights
+become views into the fused tensors, so no memory is duplicated), keys and values written into one
+preallocated buffer, attention only over the columns filled so far, and fused RMSNorm.
+
+It serves an inference copy (plain, or one tensor-parallel shard: head counts are read from the
+weight shapes, and `reduce` sums the row-parallel outputs across the group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T; not `F.linear`, which DeepSpeed ZeRO-3 replaces process-wide with a slower autograd wrapper."""
+    return torch.matmul(x, weight.t())
+
+
+def fused_llama_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `FusedLlama` cannot run this model, or None when it can."""
+    config = model.config
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r} is not llama"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "projection biases"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} depends on the sequence length"
+    return None
+
+
+@dataclass
+class FusedKVBuffers:
+    """Keys and values of every layer: [layers, rows, kv_heads, length, head_dim]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[3]
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    out: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """Concatenate the weights by output rows and make each Linear's weight a view into the result."""
+    fused = torch.cat([linear.weight.data for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = fused[start:start + rows]
+        start += rows
+    return fused
+
+
+class FusedLlama:
+    """Prefill and single-token steps over `FusedKVBuffers` for a `LlamaForCausalLM`."""
+
+    def __init__(self, model: torch.nn.Module, reduce: Reduce | None = None):
+        inner = model.model
+        config = model.config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        first = inner.layers[0].self_attn
+        self.heads = first.q_proj.weight.shape[0] // self.head_dim
+        self.kv_heads = first.k_proj.weight.shape[0] // self.head_dim
+        self.eps = config.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self.reduce = reduce
+        self.layers = [
+            _Layer(
+                input_norm=layer.input_layernorm.weight,
+                qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                out=layer.self_attn.o_proj.weight,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                down=layer.mlp.down_proj.weight,
+            )
+            for layer in inner.layers
+        ]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self._cos = self._sin = None
+
+    def allocate(self, rows: int, length: int) -> FusedKVBuffers:
+        shape = (len(self.layers), rows, self.kv_heads, length, self.head_dim)
+        return FusedKVBuffers(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                              torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..length-1 ([length, head_dim]), computed as the model's rotary module does."""
+        if self._cos is None or self._cos.shape[0] < length:
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos, self._sin
+
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.eps)
+        return weight * normed.to(hidden.dtype)
+
+    def _project_out(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = _linear(hidden, weight)
+        return self.reduce(out) if self.reduce is not None else out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention as two batched matmuls, softmax in fp32: q [B, H, S, D], keys/values
+        [B, KV, T, D], attend [B, 1, S, T] -> [B, H, S, D]. On CPU, for one query token, this is several
+        times faster than `scaled_dot_product_attention`'s flash kernel."""
+        batch, _, length, _ = q.shape
+        group, columns = self.heads // self.kv_heads, keys.shape[2]
+        # 3-D views: the cache prefix is strided, and bmm reads it in place where a 4-D matmul would copy it
+        keys = keys.view(batch * self.kv_heads, columns, self.head_dim)
+        values = values.view(batch * self.kv_heads, columns, self.head_dim)
+        grouped = q.reshape(batch * self.kv_heads, group * length, self.head_dim)  # query heads of one kv head together
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * self.head_dim ** -0.5
+        scores = scores.view(batch, self.kv_heads, group, length, columns).masked_fill(~attend[:, :, None], float("-inf"))
+        weights = scores.softmax(-1).to(values.dtype).view(batch * self.kv_heads, group * length, columns)
+        return torch.bmm(weights, values).view(batch, self.heads, length, self.head_dim)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: FusedKVBuffers, column: int,
+                attend: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the last position. `input_ids` [B, S] fill cache columns column..column+S-1;
+        `attend` [B, 1, S, column+S] (bool) says which cached columns each query may see."""
+        batch, length = input_ids.shape
+        end = column + length
+        cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        hidden = F.embedding(input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            qkv = _linear(self._norm(hidden, layer.input_norm), layer.qkv)
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = self._rotate(q.view(batch, length, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+            k = self._rotate(k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            keys, values = cache.keys[index], cache.values[index]
+            keys[:, :, column:end] = k
+            values[:, :, column:end] = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            attention = self._attend(q, keys[:, :, :end], values[:, :, :end], attend)
+            hidden = hidden + self._project_out(attention.transpose(1, 2).reshape(batch, length, q_size), layer.out)
+            gate, up = _linear(self._norm(hidden, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + self._project_out(F.silu(gate) * up, layer.down)
+        return _linear(self._norm(hidden[:, -1], self.norm), self.lm_head)
