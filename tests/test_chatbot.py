@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT
+from crash_resume import step_env
 from inference.chatbot import ChatSession, SamplingOptions, chat, converse, resolve_chat_model
 from tiny_models import make_tiny_model
 from training.errors import UserError
@@ -110,7 +111,7 @@ def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     model = tiny_model_dir("gpt2")
     result = subprocess.run(
         [sys.executable, "-m", "inference.chatbot", "--path", model, "--greedy", "--max_new_tokens", "4"],
-        input="hello\nclear\nhow are you\nquit\nignored\n", cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        input="hello\nclear\nhow are you\nquit\nignored\n", cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Assistant: ") == 2

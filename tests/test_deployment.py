@@ -7,6 +7,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT
+from crash_resume import step_env
 from training.errors import UserError
 from training.pipeline.deployment import (
     CpuQuickRun,
@@ -177,7 +178,7 @@ def test_launch_commands_use_the_deepspeed_launcher(tmp_path):
 
 
 def _train(*args, timeout=120):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
+from crash_resume import step_env
 from training.errors import UserError, run_cli
 from training.pipeline.cli import parse_config
 from training.pipeline.hardware import Hardware
@@ -192,7 +193,7 @@ def test_train_py_runs_all_three_steps_then_the_chatbot_answers(tmp_path, tiny_m
         [sys.executable, "train.py", "--actor-model", model, "--reward-model", model, "--output-dir", str(out),
          "--deployment-type", "cpu", "--data_path", data, "--data_output_path", str(tmp_path / "cache"),
          "--max_steps", "2", "--max_train_samples", "8", "--max_eval_samples", "4", "--dtype", "fp32"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=300,
     )
     elapsed = time.perf_counter() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -208,7 +209,7 @@ def test_train_py_runs_all_three_steps_then_the_chatbot_answers(tmp_path, tiny_m
     chat = subprocess.run(
         [sys.executable, "-m", "inference.chatbot", "--path", str(out), "--prompt", "What is 2 plus one?",
          "--greedy", "--max_new_tokens", "8"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=120,
     )
     assert chat.returncode == 0, chat.stderr
     assert "Human: What is 2 plus one?\nAssistant: " in chat.stdout
