@@ -8,6 +8,11 @@ whether they did) and do the same amount of work; tokens/s counts generated answ
 (through each row's EOS); each backend runs `--repeats` times, alternating, and its fastest run
 counts. The hybrid timing includes entering and leaving generate mode (gathering,
 LoRA merging, building the inference copy), since every rollout pays it.
+
+`weight_pass_tokens_per_s` is the ceiling a decode step bound by reading the weights can reach on
+this machine: one `batch_size`-row matmul over every weight matrix (the input embedding excluded
+unless tied to the output head), timed on the same device in the generation dtype. At small
+batches a decode step streams every weight once, so neither backend can beat it by much.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.dist import init_distributed, is_main_process  # noqa: E402
+from training.dist import current_device, init_distributed, is_main_process  # noqa: E402
 from training.engine import OptimizationSettings, create_train_engine  # noqa: E402
 from training.errors import run_cli  # noqa: E402
 from training.generation import GenerationConfig, answer_logprobs  # noqa: E402
@@ -55,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy (outputs then differ)")
     parser.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     parser.add_argument("--tp_gather_partition_size", type=int, default=8)
+    parser.add_argument("--disable_cuda_graph", action="store_true",
+                        help="on GPU, do not capture the hybrid engine's decode step as a CUDA graph")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per backend, alternating; the fastest counts (the CPU is shared)")
     parser.add_argument("--output", default="bench_generation.json", help="where to write the JSON result")
@@ -81,6 +88,27 @@ def make_prompts(tokenizer, batch_size: int, prompt_length: int) -> tuple[torch.
     return ids, mask
 
 
+def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, device: torch.device,
+                             repeats: int = 3) -> float:
+    """Tokens/s of a decode step that did nothing but one batch-row matmul over each weight matrix."""
+    input_embedding = model.get_input_embeddings().weight
+    output_embedding = model.get_output_embeddings().weight
+    matrices = [p.detach().to(device) for p in model.parameters()
+                if p.dim() == 2 and (p is not input_embedding or p is output_embedding)]
+    inputs = {width: torch.randn(batch_size, width, dtype=matrices[0].dtype, device=device)
+              for width in {m.shape[1] for m in matrices}}
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for matrix in matrices:
+                torch.matmul(inputs[matrix.shape[1]], matrix.t())
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+    return batch_size / best
+
+
 def time_backend(generator, ids, mask, config) -> tuple[float, object]:
     start = time.perf_counter()
     output = generator.generate(ids, mask, config)
@@ -93,6 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     init_distributed()
     tokenizer = load_tokenizer(args.model)
+    plain = load_causal_lm(args.model, tokenizer, dtype=resolve_dtype(args.generation_dtype or args.dtype))
+    bound_tokens_per_s = round(weight_pass_tokens_per_s(plain, args.batch_size, current_device()), 2)
+    del plain
     settings = OptimizationSettings(learning_rate=1e-5, num_training_steps=1, zero_stage=args.zero_stage,
                                     dtype=args.dtype, micro_batch_size=args.batch_size, optimizer="torch_adamw")
     model = load_causal_lm(args.model, tokenizer, dtype=resolve_dtype(args.dtype), ds_config=settings.ds_config(),
@@ -109,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         pad_token_id=tokenizer.pad_token_id,
     )
     hybrid_settings = HybridEngineSettings(enable=True, tp_gather_partition_size=args.tp_gather_partition_size,
+                                           cuda_graph=not args.disable_cuda_graph,
                                            generation_dtype=args.generation_dtype)
     generators = {backend: build_generator(backend, engine, tokenizer, hybrid_settings) for backend in ("hybrid", "hf")}
     runs: dict[str, list[float]] = {backend: [] for backend in generators}
@@ -138,11 +170,15 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "lora_dim": args.lora_dim,
         "do_sample": args.do_sample,
+        "cuda_graph": hybrid_settings.cuda_graph,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "hybrid_tokens_per_s": results["hybrid"]["tokens_per_s"],
         "hf_tokens_per_s": results["hf"]["tokens_per_s"],
         "speedup": round(results["hybrid"]["tokens_per_s"] / results["hf"]["tokens_per_s"], 2),
+        "weight_pass_tokens_per_s": bound_tokens_per_s,
+        "hybrid_share_of_weight_pass": round(results["hybrid"]["tokens_per_s"] / bound_tokens_per_s, 3),
+        "hf_share_of_weight_pass": round(results["hf"]["tokens_per_s"] / bound_tokens_per_s, 3),
         "backends": results,
         "identical_sequences": bool(torch.equal(fast.sequences, outputs["hf"].sequences)),
         "max_logprob_diff_vs_train_forward": logprob_error,
@@ -153,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{backend:<8} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f}")
         print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
               f"max |logprob - train forward|: hybrid {logprob_error['hybrid']:.2e}, hf {logprob_error['hf']:.2e}")
+        print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s: hybrid reaches "
+              f"{summary['hybrid_share_of_weight_pass']:.0%}, hf {summary['hf_share_of_weight_pass']:.0%}")
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
