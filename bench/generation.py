@@ -88,18 +88,23 @@ def make_prompts(tokenizer, batch_size: int, prompt_length: int) -> tuple[torch.
     return ids, mask
 
 
-def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, device: torch.device,
-                             repeats: int = 3) -> float:
-    """Tokens/s of a decode step that did nothing but one batch-row matmul over each weight matrix."""
+def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device,
+                             repeats: int = 4) -> float:
+    """Tokens/s of a decode step that did nothing but one batch-row matmul over each weight matrix.
+
+    Only the shapes matter, so the matrices are fresh tensors of the model's full (ZeRO-3: `ds_shape`)
+    weight shapes; the model is neither gathered nor loaded again. LoRA adapters are left out: generation
+    reads them merged into the base weights."""
     input_embedding = model.get_input_embeddings().weight
     output_embedding = model.get_output_embeddings().weight
-    matrices = [p.detach().to(device) for p in model.parameters()
-                if p.dim() == 2 and (p is not input_embedding or p is output_embedding)]
-    inputs = {width: torch.randn(batch_size, width, dtype=matrices[0].dtype, device=device)
-              for width in {m.shape[1] for m in matrices}}
+    full_shapes = (tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()
+                   if "lora_" not in name and (p is not input_embedding or p is output_embedding))
+    shapes = [shape for shape in full_shapes if len(shape) == 2]
+    matrices = [torch.randn(shape, dtype=dtype, device=device) for shape in shapes]
+    inputs = {width: torch.randn(batch_size, width, dtype=dtype, device=device) for width in {s[1] for s in shapes}}
     best = float("inf")
     with torch.no_grad():
-        for _ in range(repeats + 1):
+        for _ in range(repeats):
             start = time.perf_counter()
             for matrix in matrices:
                 torch.matmul(inputs[matrix.shape[1]], matrix.t())
@@ -121,9 +126,6 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     init_distributed()
     tokenizer = load_tokenizer(args.model)
-    plain = load_causal_lm(args.model, tokenizer, dtype=resolve_dtype(args.generation_dtype or args.dtype))
-    bound_tokens_per_s = round(weight_pass_tokens_per_s(plain, args.batch_size, current_device()), 2)
-    del plain
     settings = OptimizationSettings(learning_rate=1e-5, num_training_steps=1, zero_stage=args.zero_stage,
                                     dtype=args.dtype, micro_batch_size=args.batch_size, optimizer="torch_adamw")
     model = load_causal_lm(args.model, tokenizer, dtype=resolve_dtype(args.dtype), ds_config=settings.ds_config(),
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lora_dim:
         model = apply_lora(model, args.lora_dim)
     engine = create_train_engine(model, settings)
+    bound_tokens_per_s = round(weight_pass_tokens_per_s(
+        engine.module, args.batch_size, resolve_dtype(args.generation_dtype or args.dtype), current_device()), 2)
     ids, mask = make_prompts(tokenizer, args.batch_size, args.prompt_length)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
