@@ -9,10 +9,13 @@ whether they did) and do the same amount of work; tokens/s counts generated answ
 counts. The hybrid timing includes entering and leaving generate mode (gathering,
 LoRA merging, building the inference copy), since every rollout pays it.
 
-`weight_pass_tokens_per_s` is the ceiling a decode step bound by reading the weights can reach on
-this machine: one `batch_size`-row matmul over every weight matrix (the input embedding excluded
-unless tied to the output head), timed on the same device in the generation dtype. At small
-batches a decode step streams every weight once, so neither backend can beat it by much.
+`weight_pass_tokens_per_s` is the ceiling a decode step bound by its weight products can reach on
+this machine: one `batch_size`-row product with every weight matrix (the input embedding excluded
+unless tied to the output head), timed on the same device in the generation dtype through the
+kernel the hybrid engine uses (oneDNN-prepacked on CPU where available, see training/cpu_linear.py).
+`weight_pass_matmul_tokens_per_s` is the same pass through `torch.matmul`, the kernel the `hf`
+backend's linear layers use. At small batches a decode step streams every weight once, so neither
+backend can beat its kernel's ceiling by much.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from training.dist import current_device, init_distributed, is_main_process  # noqa: E402
+from training.cpu_linear import LinearWeight  # noqa: E402
 from training.engine import OptimizationSettings, create_train_engine  # noqa: E402
 from training.errors import run_cli  # noqa: E402
 from training.generation import GenerationConfig, answer_logprobs  # noqa: E402
@@ -89,8 +93,9 @@ def make_prompts(tokenizer, batch_size: int, prompt_length: int) -> tuple[torch.
 
 
 def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device,
-                             repeats: int = 4) -> float:
-    """Tokens/s of a decode step that did nothing but one batch-row matmul over each weight matrix.
+                             pack: bool, repeats: int = 4) -> float:
+    """Tokens/s of a decode step that did nothing but one batch-row product with each weight matrix,
+    through `LinearWeight` (oneDNN-prepacked where available when `pack`, `torch.matmul` otherwise).
 
     Only the shapes matter, so the matrices are fresh tensors of the model's full (ZeRO-3: `ds_shape`)
     weight shapes; the model is neither gathered nor loaded again. LoRA adapters are left out: generation
@@ -100,14 +105,14 @@ def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: tor
     full_shapes = (tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()
                    if "lora_" not in name and (p is not input_embedding or p is output_embedding))
     shapes = [shape for shape in full_shapes if len(shape) == 2]
-    matrices = [torch.randn(shape, dtype=dtype, device=device) for shape in shapes]
+    matrices = [LinearWeight(torch.randn(shape, dtype=dtype, device=device), pack=pack) for shape in shapes]
     inputs = {width: torch.randn(batch_size, width, dtype=dtype, device=device) for width in {s[1] for s in shapes}}
     best = float("inf")
     with torch.no_grad():
         for _ in range(repeats):
             start = time.perf_counter()
             for matrix in matrices:
-                torch.matmul(inputs[matrix.shape[1]], matrix.t())
+                matrix(inputs[matrix.in_features])
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
@@ -133,8 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lora_dim:
         model = apply_lora(model, args.lora_dim)
     engine = create_train_engine(model, settings)
-    bound_tokens_per_s = round(weight_pass_tokens_per_s(
-        engine.module, args.batch_size, resolve_dtype(args.generation_dtype or args.dtype), current_device()), 2)
+    generation_dtype = resolve_dtype(args.generation_dtype or args.dtype)
+    bound_tokens_per_s, matmul_bound_tokens_per_s = (
+        round(weight_pass_tokens_per_s(engine.module, args.batch_size, generation_dtype, current_device(), pack), 2)
+        for pack in (True, False))
     ids, mask = make_prompts(tokenizer, args.batch_size, args.prompt_length)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -181,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_tokens_per_s": results["hf"]["tokens_per_s"],
         "speedup": round(results["hybrid"]["tokens_per_s"] / results["hf"]["tokens_per_s"], 2),
         "weight_pass_tokens_per_s": bound_tokens_per_s,
+        "weight_pass_matmul_tokens_per_s": matmul_bound_tokens_per_s,
         "hybrid_share_of_weight_pass": round(results["hybrid"]["tokens_per_s"] / bound_tokens_per_s, 3),
         "hf_share_of_weight_pass": round(results["hf"]["tokens_per_s"] / bound_tokens_per_s, 3),
         "backends": results,
@@ -193,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{backend:<8} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f}")
         print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
               f"max |logprob - train forward|: hybrid {logprob_error['hybrid']:.2e}, hf {logprob_error['hf']:.2e}")
-        print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s: hybrid reaches "
+        print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s "
+              f"({summary['weight_pass_matmul_tokens_per_s']:.2f} with torch.matmul): hybrid reaches "
               f"{summary['hybrid_share_of_weight_pass']:.0%}, hf {summary['hf_share_of_weight_pass']:.0%}")
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")

@@ -2,8 +2,8 @@
 
 The transformers forward spends much of a decode step outside the matmuls: building the 4-D mask,
 updating the cache object, and many small ops per layer. This forward runs the same math on the
-same weights with fewer, larger ops: q/k/v and gate/up each in one matmul (the model's own weights
-become views into the fused tensors, so no memory is duplicated), keys and values written into one
+same weights with fewer, larger ops: q/k/v and gate/up each in one matmul, every projection through
+a `LinearWeight` (oneDNN-prepacked on CPU, see `cpu_linear.py`), keys and values written into one
 preallocated buffer, attention only over the columns filled so far, and fused RMSNorm.
 
 It serves an inference copy (plain, or one tensor-parallel shard: head counts are read from the
@@ -17,14 +17,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .cpu_linear import LinearWeight
+
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T; not `F.linear`, which DeepSpeed ZeRO-3 replaces process-wide with a slower autograd wrapper."""
-    return torch.matmul(x, weight.t())
 
 
 def fused_llama_unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -63,22 +60,16 @@ class FusedKVBuffers:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    out: torch.Tensor
+    qkv: LinearWeight
+    out: LinearWeight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: LinearWeight
+    down: LinearWeight
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenate the weights by output rows and make each Linear's weight a view into the result."""
-    fused = torch.cat([linear.weight.data for linear in linears])
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight.data = fused[start:start + rows]
-        start += rows
-    return fused
+def _fuse(linears: list[torch.nn.Linear]) -> LinearWeight:
+    """One projection for several Linears: their weights concatenated by output rows."""
+    return LinearWeight(torch.cat([linear.weight.detach() for linear in linears]))
 
 
 class FusedLlama:
@@ -94,17 +85,17 @@ class FusedLlama:
         self.eps = config.rms_norm_eps
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = LinearWeight(model.lm_head.weight.detach())
         self.rotary = inner.rotary_emb
         self.reduce = reduce
         self.layers = [
             _Layer(
                 input_norm=layer.input_layernorm.weight,
                 qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                out=layer.self_attn.o_proj.weight,
+                out=LinearWeight(layer.self_attn.o_proj.weight.detach()),
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]),
-                down=layer.mlp.down_proj.weight,
+                down=LinearWeight(layer.mlp.down_proj.weight.detach()),
             )
             for layer in inner.layers
         ]
@@ -129,8 +120,8 @@ class FusedLlama:
         normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.eps)
         return weight * normed.to(hidden.dtype)
 
-    def _project_out(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out = _linear(hidden, weight)
+    def _project_out(self, hidden: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+        out = weight(hidden)
         return self.reduce(out) if self.reduce is not None else out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
@@ -164,7 +155,7 @@ class FusedLlama:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         hidden = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
-            qkv = _linear(self._norm(hidden, layer.input_norm), layer.qkv)
+            qkv = layer.qkv(self._norm(hidden, layer.input_norm))
             q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
             q = self._rotate(q.view(batch, length, self.heads, self.head_dim).transpose(1, 2), cos, sin)
             k = self._rotate(k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
@@ -173,6 +164,6 @@ class FusedLlama:
             values[:, :, column:end] = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
             attention = self._attend(q, keys[:, :, :end], values[:, :, :end], attend)
             hidden = hidden + self._project_out(attention.transpose(1, 2).reshape(batch, length, q_size), layer.out)
-            gate, up = _linear(self._norm(hidden, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+            gate, up = layer.gate_up(self._norm(hidden, layer.post_norm)).chunk(2, dim=-1)
             hidden = hidden + self._project_out(F.silu(gate) * up, layer.down)
-        return _linear(self._norm(hidden[:, -1], self.norm), self.lm_head)
+        return self.lm_head(self._norm(hidden[:, -1], self.norm))

@@ -8,7 +8,8 @@ Train mode is the ZeRO engine as it is. Generate mode (`HybridEngine.generate_mo
 2. with `inference_tp_size > 1`, the copy holds only this rank's tensor-parallel shard, and the ranks
    of a tensor-parallel group decode their prompts together (`tensor_parallel.py`);
 3. decodes with `KVCacheDecoder` (one preallocated KV cache, finished rows leave the batch), through
-   `FusedLlama` for Llama-family models and the copy's own transformers forward for the others.
+   `FusedLlama` for Llama-family models and the copy's own transformers forward for the others; on
+   CPU the copy's linear weights are prepacked for oneDNN (`cpu_linear.py`).
 Leaving generate mode drops the copy (and, with `release_inference_cache`, the KV cache); the
 engine's module is never modified, and its train/eval flags are left as they were.
 
@@ -28,6 +29,7 @@ import deepspeed
 import torch
 import torch.distributed as torch_dist
 
+from .cpu_linear import pack_linear_layers
 from .dist import current_device, get_world_size
 from .errors import UserError
 from .fast_decoder import FusedCachedModel, HFCachedModel, KVCacheDecoder, RolloutKVCache
@@ -327,6 +329,7 @@ class HybridEngine:
             step_model = FusedCachedModel(FusedLlama(model, self.tp.all_reduce if self.tp is not None else None),
                                           self.kv_cache)
         else:
+            pack_linear_layers(model)
             step_model = HFCachedModel(model, self.kv_cache, cuda_graph=self.settings.cuda_graph)
         return KVCacheDecoder(step_model, self.device,
                               sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)

@@ -1,0 +1,60 @@
+"""oneDNN-prepacked linear weights: same products as torch.matmul, and a model with them packed gives the same logits."""
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+import training.cpu_linear as cpu_linear
+from training.cpu_linear import LinearWeight, PackedLinear, onednn_packing_available, pack_linear_layers
+
+ONEDNN = torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this PyTorch build has no oneDNN")
+def test_an_x86_build_packs_float32_weights():
+    assert onednn_packing_available(torch.float32)
+    assert LinearWeight(torch.randn(6, 4)).packed
+
+
+@pytest.mark.parametrize("shape", [(8, 32), (1, 32), (3, 1, 32), (2, 5, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_weight_equals_the_matmul_for_any_row_count(shape, with_bias):
+    torch.manual_seed(0)
+    weight, x = torch.randn(48, 32), torch.randn(shape)
+    bias = torch.randn(48) if with_bias else None
+    expected = x @ weight.t() + (bias if with_bias else 0)
+    out = LinearWeight(weight, bias)(x)
+    assert out.shape == (*shape[:-1], 48)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_that_need_gradients_or_packing_turned_off_stay_plain():
+    weight = torch.randn(6, 4)
+    assert not LinearWeight(weight, pack=False).packed
+    assert LinearWeight(weight, pack=False).weight is weight
+    assert not LinearWeight(weight.clone().requires_grad_()).packed
+
+
+def test_without_onednn_the_plain_matmul_runs(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "onednn_packing_available", lambda dtype: False)
+    weight, x = torch.randn(6, 4), torch.randn(3, 4)
+    linear = LinearWeight(weight, torch.ones(6))
+    assert not linear.packed
+    torch.testing.assert_close(linear(x), x @ weight.t() + 1)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this PyTorch build has no oneDNN")
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])
+def test_packing_a_models_linear_layers_keeps_its_logits(arch):
+    model, tokenizer = make_tiny_model(arch)
+    model.eval().requires_grad_(False)
+    ids = torch.randint(3, len(tokenizer), (2, 7))
+    linear_layers = [m for m in model.modules() if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        replaced = pack_linear_layers(model)
+        out = model(input_ids=ids).logits
+    assert replaced == len(linear_layers) > 0
+    assert not any(type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D" for m in model.modules())
+    assert all(m.linear.packed for m in model.modules() if isinstance(m, PackedLinear))
+    assert isinstance(model.get_input_embeddings().weight, torch.nn.Parameter)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
