@@ -1,7 +1,7 @@
 """Time the two generation backends on the same prompts: the hybrid engine and plain `generate`.
 
-    python bench/generation.py --zero_stage 3 --batch_size 8 --max_new_tokens 128 --dtype bf16 \
-        --output bench/results/generation_cpu_zero3_b8_bf16.json
+    python bench/generation.py --zero_stage 3 --batch_size 8 --max_new_tokens 128 --dtype fp32 \
+        --output bench/results/generation_cpu_avx2_zero3_b8_fp32.json
 
 Both backends decode greedily by default, so they must produce the same tokens (the JSON says
 whether they did) and do the same amount of work; tokens/s counts generated answer tokens
@@ -12,7 +12,8 @@ LoRA merging, building the inference copy), since every rollout pays it.
 `weight_pass_tokens_per_s` is the ceiling a decode step bound by its weight products can reach on
 this machine: one `batch_size`-row product with every weight matrix (the input embedding excluded
 unless tied to the output head), timed on the same device in the generation dtype through the
-kernel the hybrid engine uses (oneDNN-prepacked on CPU where available, see training/cpu_linear.py).
+fastest kernel here, the one the hybrid engine uses by default (oneDNN-prepacked on CPU where
+available, see training/cpu_linear.py; the same with `--disable_onednn_packing`, so runs compare).
 `weight_pass_matmul_tokens_per_s` is the same pass through `torch.matmul`, the kernel the `hf`
 backend's linear layers use. At small batches a decode step streams every weight once, so neither
 backend can beat its kernel's ceiling by much.
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp_gather_partition_size", type=int, default=8)
     parser.add_argument("--disable_cuda_graph", action="store_true",
                         help="on GPU, do not capture the hybrid engine's decode step as a CUDA graph")
+    parser.add_argument("--disable_onednn_packing", action="store_true",
+                        help="on CPU, the hybrid engine keeps its linear weights plain (torch.matmul)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per backend, alternating; the fastest counts (the CPU is shared)")
     parser.add_argument("--output", default="bench_generation.json", help="where to write the JSON result")
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     hybrid_settings = HybridEngineSettings(enable=True, tp_gather_partition_size=args.tp_gather_partition_size,
                                            cuda_graph=not args.disable_cuda_graph,
+                                           onednn_packing=not args.disable_onednn_packing,
                                            generation_dtype=args.generation_dtype)
     generators = {backend: build_generator(backend, engine, tokenizer, hybrid_settings) for backend in ("hybrid", "hf")}
     runs: dict[str, list[float]] = {backend: [] for backend in generators}
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         "lora_dim": args.lora_dim,
         "do_sample": args.do_sample,
         "cuda_graph": hybrid_settings.cuda_graph,
+        "onednn_packing": hybrid_settings.onednn_packing,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "hybrid_tokens_per_s": results["hybrid"]["tokens_per_s"],

@@ -121,6 +121,8 @@ def test_cli_flags_mirror_deepspeed_chat():
     settings = hybrid_settings_from_args(args)
     assert settings.enable and settings.inference_tp_size == 2 and settings.tp_gather_partition_size == 4
     assert settings.release_inference_cache and settings.unpin_actor_parameters and settings.cuda_graph
+    assert settings.onednn_packing
+    assert not hybrid_settings_from_args(parser.parse_args(["--disable_onednn_packing"])).onednn_packing
     assert generation_backend_from_args(args) == "hybrid"
     assert generation_backend_from_args(parser.parse_args([])) == "hf"
     assert generation_backend_from_args(parser.parse_args(["--enable_hybrid_engine", "--generation_backend", "hf"])) == "hf"

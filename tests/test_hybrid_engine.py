@@ -19,6 +19,7 @@ from scripts.hybrid_engine_worker import (
     train_step,
 )
 
+from training.cpu_linear import PackedLinear
 from training.dist import free_port
 from training.fused_llama import fused_llama_unsupported_reason
 from training.generation import GenerationConfig, HFGenerator
@@ -48,6 +49,31 @@ def test_greedy_equals_hf_and_logprobs_equal_train_forward(distributed, tiny_mod
     lengths = fast.answer_mask.sum(-1)
     assert lengths.min() < lengths.max(), "rows should finish at different steps (batch shrinking exercised)"
     assert fast.sequences.shape[1] == fast.prompt_length + lengths.max()
+
+
+def _packed_linears(hybrid: HybridEngine) -> list[bool]:
+    """Whether each linear weight of the decode path in use is oneDNN-packed."""
+    step_model = hybrid._decoder.model
+    if hasattr(step_model, "fused"):
+        fused = step_model.fused
+        return [w.packed for layer in fused.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)] + [
+            fused.lm_head.packed]
+    return [m.linear.packed if isinstance(m, PackedLinear) else False for m in step_model.model.modules()
+            if isinstance(m, PackedLinear) or type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_hf(distributed, tiny_model_dir, arch):
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage=3)
+    outputs = {}
+    for packing in (True, False):
+        hybrid = _hybrid(engine, onednn_packing=packing)
+        with hybrid.generate_mode():
+            packed = _packed_linears(hybrid)
+            outputs[packing] = check_parity(engine, hybrid, tokenizer, PROMPTS)
+        assert packed and all(p == packing for p in packed)
+    assert torch.equal(outputs[True].sequences, outputs[False].sequences)
 
 
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3)])

@@ -67,15 +67,15 @@ class _Layer:
     down: LinearWeight
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> LinearWeight:
+def _fuse(linears: list[torch.nn.Linear], pack: bool) -> LinearWeight:
     """One projection for several Linears: their weights concatenated by output rows."""
-    return LinearWeight(torch.cat([linear.weight.detach() for linear in linears]))
+    return LinearWeight(torch.cat([linear.weight.detach() for linear in linears]), pack=pack)
 
 
 class FusedLlama:
     """Prefill and single-token steps over `FusedKVBuffers` for a `LlamaForCausalLM`."""
 
-    def __init__(self, model: torch.nn.Module, reduce: Reduce | None = None):
+    def __init__(self, model: torch.nn.Module, reduce: Reduce | None = None, pack: bool = True):
         inner = model.model
         config = model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -85,17 +85,17 @@ class FusedLlama:
         self.eps = config.rms_norm_eps
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = LinearWeight(model.lm_head.weight.detach())
+        self.lm_head = LinearWeight(model.lm_head.weight.detach(), pack=pack)
         self.rotary = inner.rotary_emb
         self.reduce = reduce
         self.layers = [
             _Layer(
                 input_norm=layer.input_layernorm.weight,
-                qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                out=LinearWeight(layer.self_attn.o_proj.weight.detach()),
+                qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
+                out=LinearWeight(layer.self_attn.o_proj.weight.detach(), pack=pack),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]),
-                down=LinearWeight(layer.mlp.down_proj.weight.detach()),
+                gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
+                down=LinearWeight(layer.mlp.down_proj.weight.detach(), pack=pack),
             )
             for layer in inner.layers
         ]

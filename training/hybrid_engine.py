@@ -52,6 +52,7 @@ class HybridEngineSettings:
     release_inference_cache: bool = False
     unpin_actor_parameters: bool = False
     cuda_graph: bool = True
+    onednn_packing: bool = True
     generation_dtype: str | None = None  # None: the training dtype
 
 
@@ -72,6 +73,9 @@ def add_hybrid_engine_args(parser: argparse.ArgumentParser) -> None:
                             "(less memory, slower)")
     group.add_argument("--disable_cuda_graph", action="store_true",
                        help="on GPU, do not capture the decode step as a CUDA graph")
+    group.add_argument("--disable_onednn_packing", action="store_true",
+                       help="on CPU, keep the inference copy's linear weights plain (torch.matmul) instead of "
+                            "prepacking them for oneDNN")
     group.add_argument("--generation_dtype", choices=("bf16", "fp16", "fp32"), default=None,
                        help="dtype of the inference copy (default: the training dtype)")
 
@@ -84,6 +88,7 @@ def hybrid_settings_from_args(args: argparse.Namespace) -> HybridEngineSettings:
         release_inference_cache=args.release_inference_cache,
         unpin_actor_parameters=args.unpin_actor_parameters,
         cuda_graph=not args.disable_cuda_graph,
+        onednn_packing=not args.disable_onednn_packing,
         generation_dtype=args.generation_dtype,
     )
 
@@ -326,10 +331,11 @@ class HybridEngine:
         inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
         model = inference_copy.model
         if fused_llama_unsupported_reason(model) is None:
-            step_model = FusedCachedModel(FusedLlama(model, self.tp.all_reduce if self.tp is not None else None),
-                                          self.kv_cache)
+            step_model = FusedCachedModel(FusedLlama(model, self.tp.all_reduce if self.tp is not None else None,
+                                                     pack=self.settings.onednn_packing), self.kv_cache)
         else:
-            pack_linear_layers(model)
+            if self.settings.onednn_packing:
+                pack_linear_layers(model)
             step_model = HFCachedModel(model, self.kv_cache, cuda_graph=self.settings.cuda_graph)
         return KVCacheDecoder(step_model, self.device,
                               sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)

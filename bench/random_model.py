@@ -1,0 +1,54 @@
+"""Write a model folder with random weights, for timing an architecture whose real weights are not here.
+
+    python bench/random_model.py --arch gpt2 --output /tmp/gpt2-random
+    python bench/generation.py --model /tmp/gpt2-random --ignore_eos ...
+
+Shapes: `gpt2` is GPT-2 small (12 layers, 768 wide), `opt` is OPT-125m, `smollm2` the embedded
+SmolLM2-135M's own config. Every folder gets the embedded tokenizer (vocabulary resized to it), so no
+hub download is needed. Random weights give nearly flat logits: time with `--ignore_eos`, and expect
+greedy tokens to part at near-ties between backends (parity is what the tests check on real shapes).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, OPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from training.embedded_model import embedded_model_path  # noqa: E402
+from training.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer  # noqa: E402
+
+SHAPES = {
+    "gpt2": lambda: GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+    "opt": lambda: OPTConfig(hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
+                             word_embed_proj_dim=768, max_position_embeddings=2048),
+    "smollm2": lambda: AutoConfig.from_pretrained(embedded_model_path()),
+}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--output", required=True, help="folder to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_NAME)
+    config = SHAPES[args.arch]()
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config)
+    output = Path(args.output)
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    print(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M random parameters -> {output}")
+    return output
+
+
+if __name__ == "__main__":
+    main()
