@@ -55,24 +55,26 @@ def _packed_linears(hybrid: HybridEngine) -> list[bool]:
     """Whether each linear weight of the decode path in use is oneDNN-packed."""
     step_model = hybrid._decoder.model
     if hasattr(step_model, "fused"):
-        fused = step_model.fused
-        return [w.packed for layer in fused.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)] + [
-            fused.lm_head.packed]
+        return [w.packed for w in step_model.fused.linear_weights()]
     return [m.linear.packed if isinstance(m, PackedLinear) else False for m in step_model.model.modules()
             if isinstance(m, PackedLinear) or type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN")
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_hf(distributed, tiny_model_dir, arch):
+def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_hf(distributed, tiny_model_dir, arch,
+                                                                                    caplog):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage=3)
     outputs = {}
     for packing in (True, False):
         hybrid = _hybrid(engine, onednn_packing=packing)
-        with hybrid.generate_mode():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="training.hybrid_engine"), hybrid.generate_mode():
             packed = _packed_linears(hybrid)
             outputs[packing] = check_parity(engine, hybrid, tokenizer, PROMPTS)
         assert packed and all(p == packing for p in packed)
+        path = "fused Llama" if arch == "llama" else "transformers forward"
+        assert f"{path} decode path on cpu, torch.float32, {sum(packed)} linear weights prepacked" in caplog.text
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
 
 

@@ -103,6 +103,9 @@ class FusedLlama:
         self.device = self.embed.device
         self._cos = self._sin = None
 
+    def linear_weights(self) -> list[LinearWeight]:
+        return [w for layer in self.layers for w in (layer.qkv, layer.out, layer.gate_up, layer.down)] + [self.lm_head]
+
     def allocate(self, rows: int, length: int) -> FusedKVBuffers:
         shape = (len(self.layers), rows, self.kv_heads, length, self.head_dim)
         return FusedKVBuffers(torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -293,6 +293,7 @@ class HybridEngine:
         self.tp = TensorParallelGroup.create(settings.inference_tp_size) if settings.inference_tp_size > 1 else None
         self.kv_cache = RolloutKVCache()
         self._decoder: KVCacheDecoder | None = None
+        self._described = False  # the decode path is logged on the first entry into generate mode
 
     @property
     def in_generate_mode(self) -> bool:
@@ -333,10 +334,16 @@ class HybridEngine:
         if fused_llama_unsupported_reason(model) is None:
             step_model = FusedCachedModel(FusedLlama(model, self.tp.all_reduce if self.tp is not None else None,
                                                      pack=self.settings.onednn_packing), self.kv_cache)
+            packed = sum(w.packed for w in step_model.fused.linear_weights())
+            path = "fused Llama"
         else:
-            if self.settings.onednn_packing:
-                pack_linear_layers(model)
+            packed = pack_linear_layers(model) if self.settings.onednn_packing else 0
             step_model = HFCachedModel(model, self.kv_cache, cuda_graph=self.settings.cuda_graph)
+            path = "transformers forward" + (" (CUDA graphs)" if not step_model.shrinks else "")
+        if not self._described:
+            logger.info("hybrid engine: %s decode path on %s, %s, %d linear weights prepacked for oneDNN",
+                        path, self.device, self.dtype, packed)
+            self._described = True
         return KVCacheDecoder(step_model, self.device,
                               sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)
 
