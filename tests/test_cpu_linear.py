@@ -2,6 +2,7 @@
 import pytest
 import torch
 from tiny_models import make_tiny_model
+from transformers.pytorch_utils import Conv1D
 
 import training.cpu_linear as cpu_linear
 from training.cpu_linear import LinearWeight, PackedLinear, onednn_packing_available, pack_linear_layers
@@ -48,13 +49,13 @@ def test_packing_a_models_linear_layers_keeps_its_logits(arch):
     model, tokenizer = make_tiny_model(arch)
     model.eval().requires_grad_(False)
     ids = torch.randint(3, len(tokenizer), (2, 7))
-    linear_layers = [m for m in model.modules() if type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
+    linear_layers = [m for m in model.modules() if type(m) in (torch.nn.Linear, Conv1D)]
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         replaced = pack_linear_layers(model)
         out = model(input_ids=ids).logits
     assert replaced == len(linear_layers) > 0
-    assert not any(type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D" for m in model.modules())
+    assert not any(type(m) in (torch.nn.Linear, Conv1D) for m in model.modules())
     assert all(m.linear.packed for m in model.modules() if isinstance(m, PackedLinear))
     assert isinstance(model.get_input_embeddings().weight, torch.nn.Parameter)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

@@ -18,6 +18,7 @@ from scripts.hybrid_engine_worker import (
     train_mode_logprobs,
     train_step,
 )
+from transformers.pytorch_utils import Conv1D
 
 from training.cpu_linear import PackedLinear
 from training.dist import free_port
@@ -57,7 +58,7 @@ def _packed_linears(hybrid: HybridEngine) -> list[bool]:
     if hasattr(step_model, "fused"):
         return [w.packed for w in step_model.fused.linear_weights()]
     return [m.linear.packed if isinstance(m, PackedLinear) else False for m in step_model.model.modules()
-            if isinstance(m, PackedLinear) or type(m) is torch.nn.Linear or type(m).__name__ == "Conv1D"]
+            if isinstance(m, PackedLinear) or type(m) in (torch.nn.Linear, Conv1D)]
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN")

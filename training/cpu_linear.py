@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 _PACKING_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 
@@ -81,7 +82,7 @@ def _weight_out_in(module: torch.nn.Module) -> torch.Tensor | None:
     """The layer's weight as [out, in], or None for a module that is not a plain linear layer."""
     if type(module) is torch.nn.Linear:
         return module.weight
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # GPT-2's transposed linear: x @ W + b
+    if type(module) is Conv1D:  # GPT-2's transposed linear: x @ W + b
         return module.weight.t()
     return None
 
