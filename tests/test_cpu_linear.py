@@ -59,3 +59,21 @@ def test_packing_a_models_linear_layers_keeps_its_logits(arch):
     assert all(m.linear.packed for m in model.modules() if isinstance(m, PackedLinear))
     assert isinstance(model.get_input_embeddings().weight, torch.nn.Parameter)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_reduced_linear_keeps_its_reduce_when_packed(pack):
+    """The cross-rank sum of a row-parallel shard is part of the layer: packing must not drop it."""
+    calls = []
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape)
+        return 2 * x
+
+    model = torch.nn.Sequential(cpu_linear.ReducedLinear(8, 4, reduce, bias=True)).requires_grad_(False)
+    x = torch.randn(3, 8)
+    expected = 2 * (x @ model[0].weight.T + model[0].bias)
+    if pack:
+        assert pack_linear_layers(model) == (1 if ONEDNN else 0)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [torch.Size([3, 4])]

@@ -14,11 +14,13 @@ from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
+    MistralConfig,
     OPTConfig,
+    Qwen2Config,
     PreTrainedTokenizerFast,
 )
 
-ARCHITECTURES = ("llama", "gpt2", "opt")
+ARCHITECTURES = ("llama", "gpt2", "opt", "qwen2", "mistral")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -61,34 +63,43 @@ def make_tokenizer(vocab_size: int = 256, chat_template: bool = True, with_pad: 
 
 
 def make_config(arch: str, vocab_size: int, pad_token_id: int | None = None, eos_token_id: int | None = None,
-                bos_token_id: int | None = None):
-    common = dict(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+                bos_token_id: int | None = None, max_positions: int = 256, initializer_range: float = 0.02):
+    """A 2-layer config of `arch`; Qwen2 (q/k/v biases) and Mistral take the transformers-forward decode path."""
+    common = dict(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+                  initializer_range=initializer_range)
+    rope_family = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False, **common)
     if arch == "llama":
-        return LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, **common,
-        )
+        return LlamaConfig(**rope_family)
+    if arch == "qwen2":
+        return Qwen2Config(**rope_family)
+    if arch == "mistral":
+        return MistralConfig(sliding_window=None, **rope_family)
     if arch == "gpt2":
-        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=max_positions, **common)
     if arch == "opt":
         return OPTConfig(
             hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=256, word_embed_proj_dim=32, **common,
+            max_position_embeddings=max_positions, word_embed_proj_dim=32, **common,
         )
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
-def make_tiny_model(arch: str = "llama", tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0):
+def make_tiny_model(arch: str = "llama", tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,
+                    **config_kwargs):
     tokenizer = tokenizer or make_tokenizer()
     torch.manual_seed(seed)
-    config = make_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
+    config = make_config(arch, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id,
+                         **config_kwargs)
     return AutoModelForCausalLM.from_config(config), tokenizer
 
 
-def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int = 0, **tokenizer_kwargs) -> str:
+def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int = 0, max_positions: int = 256,
+                        initializer_range: float = 0.02, **tokenizer_kwargs) -> str:
     """Write a loadable HF folder (weights + tokenizer) for a tiny model and return its path."""
     path = Path(path)
-    model, tokenizer = make_tiny_model(arch, make_tokenizer(**tokenizer_kwargs), seed=seed)
+    model, tokenizer = make_tiny_model(arch, make_tokenizer(**tokenizer_kwargs), seed=seed,
+                                       max_positions=max_positions, initializer_range=initializer_range)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

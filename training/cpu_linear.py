@@ -9,17 +9,24 @@ engine builds a fresh inference copy per rollout, so it packs there once and eve
 
 `LinearWeight` is one weight ready for `x @ W.T (+ b)`: packed where oneDNN supports the device and
 dtype (checked once per dtype by running it), the plain matmul otherwise (GPU, or bf16 on a CPU
-without native bf16 instructions). `pack_linear_layers` swaps a model's `nn.Linear` and GPT-2-style
-`Conv1D` layers for `PackedLinear` modules holding such weights.
+without native bf16 instructions). `pack_linear_layers` swaps a model's `nn.Linear`, GPT-2-style
+`Conv1D` and `ReducedLinear` layers for `PackedLinear` modules holding such weights.
+
+`ReducedLinear` is a linear layer whose output is summed across ranks (a tensor-parallel shard's
+row-parallel projection). The sum is part of the layer, and of its `LinearWeight`, so every decode
+path keeps it, packed or not; a forward hook would be lost with the module it hangs on.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from transformers.pytorch_utils import Conv1D
 
 _PACKING_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,13 +52,16 @@ def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class LinearWeight:
-    """A weight [out, in] (and optional bias [out]) applied as x @ W.T + b, oneDNN-packed where possible.
+    """A weight [out, in] (and optional bias [out]) applied as x @ W.T + b, oneDNN-packed where possible,
+    the result passed through `reduce` when given (the cross-rank sum of a row-parallel shard).
 
     The packed copy is a new tensor: the caller drops its own reference to `weight` to free the plain one."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
+                 reduce: Reduce | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.reduce = reduce
         self.packed = (pack and weight.device.type == "cpu" and not weight.requires_grad
                        and onednn_packing_available(weight.dtype))
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACKING_BATCH_HINT) \
@@ -59,8 +69,22 @@ class LinearWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return _plain_linear(x, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        else:
+            out = _plain_linear(x, self.weight, self.bias)
+        return out if self.reduce is None else self.reduce(out)
+
+
+class ReducedLinear(torch.nn.Linear):
+    """An `nn.Linear` (same parameters, same names) whose output is passed through `reduce`."""
+
+    def __init__(self, in_features: int, out_features: int, reduce: Reduce, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(_plain_linear(x, self.weight, self.bias))
 
 
 class PackedLinear(torch.nn.Module):
@@ -80,7 +104,7 @@ class PackedLinear(torch.nn.Module):
 
 def _weight_out_in(module: torch.nn.Module) -> torch.Tensor | None:
     """The layer's weight as [out, in], or None for a module that is not a plain linear layer."""
-    if type(module) is torch.nn.Linear:
+    if type(module) in (torch.nn.Linear, ReducedLinear):
         return module.weight
     if type(module) is Conv1D:  # GPT-2's transposed linear: x @ W + b
         return module.weight.t()
@@ -101,6 +125,7 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         bias = module.bias.detach() if module.bias is not None else None
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(LinearWeight(weight.detach(), bias)))
+        reduce = module.reduce if isinstance(module, ReducedLinear) else None
+        setattr(parent, child, PackedLinear(LinearWeight(weight.detach(), bias, reduce=reduce)))
         replaced += 1
     return replaced

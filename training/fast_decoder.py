@@ -209,7 +209,7 @@ class KVCacheDecoder:
             if self.sync_tokens is not None:
                 tokens = self.sync_tokens(tokens)
             answers[rows[alive], step] = tokens[alive]
-            logprobs[rows[alive], step] = token_logprobs(logits[alive], tokens[alive])
+            logprobs[rows[alive], step] = token_logprobs(logits[alive], tokens[alive], config.logprob_temperature)
             alive &= tokens != config.eos_token_id
             done = step == new_tokens - 1 or not bool(alive.any())
             if self.sync_done is not None:

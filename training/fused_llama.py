@@ -7,21 +7,19 @@ a `LinearWeight` (oneDNN-prepacked on CPU, see `cpu_linear.py`), keys and values
 preallocated buffer, attention only over the columns filled so far, and fused RMSNorm.
 
 It serves an inference copy (plain, or one tensor-parallel shard: head counts are read from the
-weight shapes, and `reduce` sums the row-parallel outputs across the group).
+weight shapes, and a shard's row-parallel projections are `ReducedLinear` layers, whose cross-rank
+sum their `LinearWeight` keeps).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .cpu_linear import LinearWeight
+from .cpu_linear import LinearWeight, ReducedLinear
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def fused_llama_unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -72,10 +70,16 @@ def _fuse(linears: list[torch.nn.Linear], pack: bool) -> LinearWeight:
     return LinearWeight(torch.cat([linear.weight.detach() for linear in linears]), pack=pack)
 
 
+def _single(linear: torch.nn.Linear, pack: bool) -> LinearWeight:
+    """One Linear's projection, its cross-rank sum included when it is a row-parallel shard."""
+    reduce = linear.reduce if isinstance(linear, ReducedLinear) else None
+    return LinearWeight(linear.weight.detach(), pack=pack, reduce=reduce)
+
+
 class FusedLlama:
     """Prefill and single-token steps over `FusedKVBuffers` for a `LlamaForCausalLM`."""
 
-    def __init__(self, model: torch.nn.Module, reduce: Reduce | None = None, pack: bool = True):
+    def __init__(self, model: torch.nn.Module, pack: bool = True):
         inner = model.model
         config = model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -87,15 +91,14 @@ class FusedLlama:
         self.norm = inner.norm.weight
         self.lm_head = LinearWeight(model.lm_head.weight.detach(), pack=pack)
         self.rotary = inner.rotary_emb
-        self.reduce = reduce
         self.layers = [
             _Layer(
                 input_norm=layer.input_layernorm.weight,
                 qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
-                out=LinearWeight(layer.self_attn.o_proj.weight.detach(), pack=pack),
+                out=_single(layer.self_attn.o_proj, pack),
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
-                down=LinearWeight(layer.mlp.down_proj.weight.detach(), pack=pack),
+                down=_single(layer.mlp.down_proj, pack),
             )
             for layer in inner.layers
         ]
@@ -123,24 +126,12 @@ class FusedLlama:
         normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.eps)
         return weight * normed.to(hidden.dtype)
 
-    def _project_out(self, hidden: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
-        out = weight(hidden)
-        return self.reduce(out) if self.reduce is not None else out
-
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        """Grouped-query attention as two batched matmuls, softmax in fp32: q [B, H, S, D], keys/values
-        [B, KV, T, D], attend [B, 1, S, T] -> [B, H, S, D]. On CPU, for one query token, this is several
-        times faster than `scaled_dot_product_attention`'s flash kernel."""
-        batch, _, length, _ = q.shape
-        group, columns = self.heads // self.kv_heads, keys.shape[2]
-        # 3-D views: the cache prefix is strided, and bmm reads it in place where a 4-D matmul would copy it
-        keys = keys.view(batch * self.kv_heads, columns, self.head_dim)
-        values = values.view(batch * self.kv_heads, columns, self.head_dim)
-        grouped = q.reshape(batch * self.kv_heads, group * length, self.head_dim)  # query heads of one kv head together
-        scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * self.head_dim ** -0.5
-        scores = scores.view(batch, self.kv_heads, group, length, columns).masked_fill(~attend[:, :, None], float("-inf"))
-        weights = scores.softmax(-1).to(values.dtype).view(batch * self.kv_heads, group * length, columns)
-        return torch.bmm(weights, values).view(batch, self.heads, length, self.head_dim)
+        """Grouped-query attention through the kernel the transformers forward uses (sdpa): q [B, H, S, D],
+        keys/values [B, KV, T, D], attend [B, 1, S, T] (bool) -> [B, H, S, D]. Its scores accumulate in fp32;
+        two bf16 batched matmuls would round them to bf16 first and sample from a visibly different
+        distribution at long positions."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, enable_gqa=self.heads != self.kv_heads)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,7 +157,7 @@ class FusedLlama:
             keys[:, :, column:end] = k
             values[:, :, column:end] = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
             attention = self._attend(q, keys[:, :, :end], values[:, :, :end], attend)
-            hidden = hidden + self._project_out(attention.transpose(1, 2).reshape(batch, length, q_size), layer.out)
+            hidden = hidden + layer.out(attention.transpose(1, 2).reshape(batch, length, q_size))
             gate, up = layer.gate_up(self._norm(hidden, layer.post_norm)).chunk(2, dim=-1)
-            hidden = hidden + self._project_out(F.silu(gate) * up, layer.down)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         return self.lm_head(self._norm(hidden[:, -1], self.norm))

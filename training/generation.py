@@ -6,9 +6,10 @@ Conventions shared by every backend:
 - input is a LEFT-padded prompt batch (`input_ids`, `attention_mask` [B, P]);
 - positions come from the attention mask (`position_ids_from_attention_mask`), so left padding
   gives every prompt the positions 0, 1, ... of an unpadded one, for rotary and learned positions;
-- `logprobs[b, t]` is log_softmax(raw logits)[token] at temperature 1: the policy's log-probability,
-  which is what a train-mode forward (`answer_logprobs`) computes; temperature, top-k and top-p only
-  change which token is drawn, never the reported log-probability;
+- `logprobs[b, t]` is log_softmax(logits / T)[token], T the temperature the token was drawn at
+  (`GenerationConfig.logprob_temperature`: 1 for greedy decoding): the log-probability under the
+  distribution that drew it, which a train-mode forward computes as `answer_logprobs(..., temperature=T)`.
+  Top-k and top-p truncation are not reflected in it (the RLHF trainer refuses them for that reason);
 - answers are right-padded with `pad_token_id` after their EOS; N is the longest answer in the batch.
 """
 from __future__ import annotations
@@ -41,12 +42,17 @@ class GenerationConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must lie in (0, 1]")
 
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution tokens are drawn from (greedy decoding reports T = 1)."""
+        return self.temperature if self.do_sample else 1.0
+
 
 @dataclass
 class GenerationOutput:
     sequences: torch.Tensor  # [B, P+N] prompt (left-padded) + answer (right-padded with pad)
     attention_mask: torch.Tensor  # [B, P+N] prompt mask + answer_mask
-    logprobs: torch.Tensor  # [B, N] fp32 log-prob of each generated token, 0 where padded
+    logprobs: torch.Tensor  # [B, N] fp32 log-prob of each generated token at the sampling temperature, 0 where padded
     prompt_length: int  # P
     answer_mask: torch.Tensor  # [B, N] 1 for generated tokens including the EOS
 
@@ -66,16 +72,20 @@ def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tens
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[token] in fp32: logits [..., V], tokens [...] -> [...]."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[token] in fp32: logits [..., V], tokens [...] -> [...].
+
+    Computed as logit[token] - logsumexp(logits), so no [..., V] log-softmax tensor is kept."""
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def answer_logprobs(
+def answer_logits(
     module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
 ) -> torch.Tensor:
-    """The train-mode log-probabilities of the answer tokens: [B, N] (not masked).
+    """The train-mode forward's logits that predict the answer tokens: [B, N, V] (module dtype, raw).
 
     One forward over prompt + answer with positions from the mask; logits at position t predict t+1.
     """
@@ -85,7 +95,16 @@ def answer_logprobs(
         position_ids=position_ids_from_attention_mask(attention_mask),
         use_cache=False,
     ).logits
-    return token_logprobs(logits[:, prompt_length - 1:-1], sequences[:, prompt_length:])
+    return logits[:, prompt_length - 1:-1]
+
+
+def answer_logprobs(
+    module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The train-mode log-probabilities of the answer tokens at `temperature`: [B, N] (not masked)."""
+    logits = answer_logits(module, sequences, attention_mask, prompt_length)
+    return token_logprobs(logits, sequences[:, prompt_length:], temperature)
 
 
 def select_next_tokens(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
@@ -199,7 +218,7 @@ class HFGenerator:
             input_ids,
             attention_mask,
             answers,
-            token_logprobs(logits, answers),
+            token_logprobs(logits, answers, config.logprob_temperature),
             answer_mask_from_tokens(answers, config.eos_token_id),
             config.pad_token_id,
         )

@@ -246,6 +246,7 @@ class InferenceCopy:
         model.requires_grad_(False)
         self.model = model
         self.plan = plan
+        self.device = device
 
     @torch.no_grad()
     def load_from(self, source: WeightSource) -> None:
@@ -259,12 +260,21 @@ class InferenceCopy:
                 for entry in group:
                     targets[entry.target_name].copy_(self._value(entry, entry.target_name in sharded))
                     loaded.add(entry.target_name)
-        for name, buffer in self.model.named_buffers():
-            if name in source.buffers:
-                buffer.copy_(source.buffers[name])
+        self._load_buffers(source.buffers)
         missing = set(targets) - loaded
         if missing:
             raise RuntimeError(f"inference copy parameters not loaded: {sorted(missing)[:5]}")
+
+    def _load_buffers(self, sources: dict[str, torch.Tensor]) -> None:
+        """Each buffer as the training module holds it, in its dtype too: the copy was cast to the generation
+        dtype whole, but transformers keeps e.g. RoPE's `inv_freq` in fp32 under a bf16 model, and rounding
+        it to bf16 moves every rotary angle (3e-3 relative error: a different next-token distribution at
+        positions in the hundreds)."""
+        for name, _ in list(self.model.named_buffers()):
+            if name in sources:
+                owner_name, _, leaf = name.rpartition(".")
+                owner = self.model.get_submodule(owner_name) if owner_name else self.model
+                setattr(owner, leaf, sources[name].detach().to(self.device, copy=True))
 
     def _value(self, entry: _Entry, sharded: bool) -> torch.Tensor:
         delta = _lora_delta(entry.lora_layer) if entry.lora_layer is not None else None
@@ -332,8 +342,7 @@ class HybridEngine:
         inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
         model = inference_copy.model
         if fused_llama_unsupported_reason(model) is None:
-            step_model = FusedCachedModel(FusedLlama(model, self.tp.all_reduce if self.tp is not None else None,
-                                                     pack=self.settings.onednn_packing), self.kv_cache)
+            step_model = FusedCachedModel(FusedLlama(model, pack=self.settings.onednn_packing), self.kv_cache)
             packed = sum(w.packed for w in step_model.fused.linear_weights())
             path = "fused Llama"
         else:

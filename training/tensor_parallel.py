@@ -2,7 +2,7 @@
 
 Ranks are grouped N consecutive ranks at a time. In a group, each rank holds one shard of every
 attention and MLP projection (Megatron-style: q/k/v and gate/up split by output rows, o/down split by
-input columns and summed with an all-reduce); norms, embeddings and the LM head stay whole. The
+input columns and summed with an all-reduce inside the layer, a `ReducedLinear`); norms, embeddings and the LM head stay whole. The
 ranks of a group decode their prompts as one batch and share every drawn token.
 
 Under ZeRO-3 a rank fetches only the part of each sharded weight it needs: the shard is a set of flat
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .cpu_linear import ReducedLinear
 from .dist import get_rank, get_world_size
 from .errors import UserError
 from .fast_decoder import KVCacheDecoder
@@ -167,27 +168,23 @@ class TensorParallelPlan:
         return (torch.arange(rows)[:, None] * cols + torch.arange(tp_rank * step, (tp_rank + 1) * step)[None, :]).reshape(-1)
 
     def shard_skeleton(self, model: torch.nn.Module) -> None:
-        """Give the (meta) model shard-sized projections and all-reduce the row-parallel outputs."""
-        for module_name, module in model.named_modules():
+        """Give the (meta) model shard-sized projections; the row-parallel ones become `ReducedLinear`
+        layers that all-reduce their partial outputs over the group."""
+        for module_name, module in list(model.named_modules()):
             if not isinstance(module, torch.nn.Linear):
                 continue
             weight_name = f"{module_name}.weight"
             if not self.is_sharded(weight_name):
                 continue
-            module.weight = torch.nn.Parameter(
-                torch.empty(self.shard_shape(weight_name, module.weight.shape), dtype=module.weight.dtype, device="meta"),
-                requires_grad=False,
-            )
-            module.out_features, module.in_features = module.weight.shape
-            if self._kind(weight_name)[0] == "column" and module.bias is not None:
-                module.bias = torch.nn.Parameter(
-                    torch.empty(module.out_features, dtype=module.bias.dtype, device="meta"), requires_grad=False
-                )
+            out_features, in_features = self.shard_shape(weight_name, module.weight.shape)
+            options = dict(bias=module.bias is not None, device="meta", dtype=module.weight.dtype)
             if self._kind(weight_name)[0] == "row":
-                module.register_forward_hook(self._all_reduce_output)
-
-    def _all_reduce_output(self, module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(output)
+                shard = ReducedLinear(in_features, out_features, self.group.all_reduce, **options)
+            else:
+                shard = torch.nn.Linear(in_features, out_features, **options)
+            shard.requires_grad_(False)
+            parent_name, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, shard)
 
 
 def gather_tp_shard(param: torch.nn.Parameter, plan: TensorParallelPlan, name: str) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Helpers for the hybrid-engine tests, and the worker the 2-process tests launch.
 
-As a worker (`torchrun --nproc_per_node 2 hybrid_engine_worker.py MODEL_DIR MODE...`), each rank
+As a worker (`torchrun --nproc_per_node 2 hybrid_engine_worker.py MODELS_DIR MODE...`, with a tiny
+model of each mode's architecture at MODELS_DIR/tiny-ARCH), each rank
 generates for its own prompts with the hybrid engine and checks, on every rank: greedy tokens equal
 the `hf` backend's, the reported log-probs equal the train-mode forward's, and the next training
 step's loss equals that of a twin engine that never generated. Rank 0 prints `HYBRID_OK <mode>` when
@@ -22,7 +23,7 @@ from training.hybrid_engine import HybridEngine, HybridEngineSettings  # noqa: E
 from training.lora import apply_lora  # noqa: E402
 from training.model_loading import load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
 
-LORA_MODULE_NAMES = {"llama": "layers.", "gpt2": "h.", "opt": "decoder.layers."}
+LORA_MODULE_NAMES = {"llama": "layers.", "qwen2": "layers.", "mistral": "layers.", "gpt2": "h.", "opt": "decoder.layers."}
 PROMPTS = [
     "Human: What is the capital of France? Assistant:",
     "Human: hi",
@@ -83,9 +84,10 @@ def frequent_token(sequences: torch.Tensor, prompt_length: int) -> int:
     return int(token)
 
 
-def train_mode_logprobs(engine, output) -> torch.Tensor:
+def train_mode_logprobs(engine, output, temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
-        return answer_logprobs(engine.module, output.sequences, output.attention_mask, output.prompt_length)
+        return answer_logprobs(engine.module, output.sequences, output.attention_mask, output.prompt_length,
+                               temperature)
 
 
 def check_parity(engine, hybrid, tokenizer, texts, atol=1e-4):
@@ -102,24 +104,34 @@ def check_parity(engine, hybrid, tokenizer, texts, atol=1e-4):
     return fast
 
 
-MODES = {  # mode: (ZeRO stage, LoRA, hybrid engine settings)
-    "zero3": (3, False, dict(tp_gather_partition_size=1)),
-    "zero3_lora_tp2": (3, True, dict(inference_tp_size=2)),
-    "zero2_tp2": (2, False, dict(inference_tp_size=2)),
-    "zero3_unpinned": (3, False, dict(unpin_actor_parameters=True)),
+MODES = {  # mode: (architecture, ZeRO stage, LoRA, hybrid engine settings)
+    "zero3": ("llama", 3, False, dict(tp_gather_partition_size=1)),
+    "zero3_lora_tp2": ("llama", 3, True, dict(inference_tp_size=2)),
+    "zero2_tp2": ("llama", 2, False, dict(inference_tp_size=2)),
+    "zero3_unpinned": ("llama", 3, False, dict(unpin_actor_parameters=True)),
+    # Qwen2 and Mistral decode through the transformers forward, whose linear layers packing replaces
+    "qwen2_zero3_tp2_packed": ("qwen2", 3, False, dict(inference_tp_size=2, onednn_packing=True)),
+    "qwen2_zero3_tp2_unpacked": ("qwen2", 3, False, dict(inference_tp_size=2, onednn_packing=False)),
+    "mistral_zero2_tp2_packed": ("mistral", 2, False, dict(inference_tp_size=2, onednn_packing=True)),
+    "mistral_zero2_tp2_unpacked": ("mistral", 2, False, dict(inference_tp_size=2, onednn_packing=False)),
 }
 
 
-def main(model_path: str, mode: str) -> None:
+def modes_architectures(modes) -> set[str]:
+    return {MODES[mode][0] for mode in modes}
+
+
+def main(models_dir: str, mode: str) -> None:
     """Parity on every rank, then the next training step's loss equals a twin engine's that never generated."""
     from training.dist import get_rank, init_distributed
 
     init_distributed()
     rank = get_rank()
     texts = PROMPTS[:3] if rank == 0 else PROMPTS[3:5]  # unequal batches on purpose
-    stage, lora, settings = MODES[mode]
-    engine, tokenizer = build_engine(model_path, stage, lora_arch="llama" if lora else None)
-    twin, _ = build_engine(model_path, stage, lora_arch="llama" if lora else None)
+    arch, stage, lora, settings = MODES[mode]
+    model_path = str(Path(models_dir) / f"tiny-{arch}")
+    engine, tokenizer = build_engine(model_path, stage, lora_arch=arch if lora else None)
+    twin, _ = build_engine(model_path, stage, lora_arch=arch if lora else None)
     if lora:
         for trained in (engine, twin):
             train_step(trained, tokenizer)  # makes lora_B non-zero, so merging matters
