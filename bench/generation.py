@@ -4,7 +4,8 @@
         --output bench/results/generation_cpu_avx2_zero3_b8_fp32.json
 
 Both backends decode greedily by default, so they must produce the same tokens (the JSON says
-whether they did) and do the same amount of work; tokens/s counts generated answer tokens
+whether they did) and do the same amount of work; each backend's reported log-probs are compared
+with the train-mode forward's over the generated tokens (max and mean absolute difference); tokens/s counts generated answer tokens
 (through each row's EOS); each backend runs `--repeats` times, alternating, and its fastest run
 counts. The hybrid timing includes entering and leaving generate mode (gathering,
 LoRA merging, building the inference copy), since every rollout pays it.
@@ -21,7 +22,10 @@ backend can beat its kernel's ceiling by much.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -34,7 +38,7 @@ from training.dist import current_device, init_distributed, is_main_process  # n
 from training.cpu_linear import LinearWeight  # noqa: E402
 from training.engine import OptimizationSettings, create_train_engine  # noqa: E402
 from training.errors import run_cli  # noqa: E402
-from training.generation import GenerationConfig, answer_logprobs  # noqa: E402
+from training.generation import GenerationConfig, GenerationOutput, answer_logprobs  # noqa: E402
 from training.hybrid_engine import HybridEngineSettings, build_generator  # noqa: E402
 from training.lora import apply_lora  # noqa: E402
 from training.model_loading import EMBEDDED_MODEL_NAME, load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
@@ -63,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="dtype of the hybrid engine's inference copy (default: --dtype)")
     parser.add_argument("--lora_dim", type=int, default=0)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy (outputs then differ)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature with --do_sample (log-probs are compared at it)")
     parser.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     parser.add_argument("--tp_gather_partition_size", type=int, default=8)
     parser.add_argument("--disable_cuda_graph", action="store_true",
@@ -122,6 +128,24 @@ def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: tor
     return batch_size / best
 
 
+@torch.no_grad()
+def logprob_diff_vs_train_forward(module: torch.nn.Module, out: GenerationOutput, temperature: float) -> dict[str, float]:
+    """Max and mean |reported log-prob - train forward's| over the generated tokens (at the sampling temperature)."""
+    train_logprobs = answer_logprobs(module, out.sequences, out.attention_mask, out.prompt_length, temperature)
+    diff = (train_logprobs - out.logprobs).abs()[out.answer_mask.bool()]
+    return {"max": float(diff.max()), "mean": float(diff.mean())}
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model name (and whether it has native bf16) with the threads used."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
+    bf16 = "native bf16" if "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo else "no native bf16"
+    return f"{names[0] if names else platform.machine()} CPU ({bf16}), {torch.get_num_threads()} threads"
+
+
 def time_backend(generator, ids, mask, config) -> tuple[float, object]:
     start = time.perf_counter()
     output = generator.generate(ids, mask, config)
@@ -149,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
+        temperature=args.temperature,
         seed=0,
         eos_token_id=-1 if args.ignore_eos else tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -170,12 +195,12 @@ def main(argv: list[str] | None = None) -> dict:
         results[backend] = {"seconds": min(seconds), "runs_seconds": seconds, "tokens": tokens,
                             "tokens_per_s": round(tokens / min(seconds), 2)}
     fast = outputs["hybrid"]
-    logprob_error = {}
-    with torch.no_grad():
-        for backend, out in outputs.items():
-            train_logprobs = answer_logprobs(engine.module, out.sequences, out.attention_mask, out.prompt_length)
-            logprob_error[backend] = float(((train_logprobs - out.logprobs) * out.answer_mask).abs().max())
+    logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config.logprob_temperature)
+                     for backend, out in outputs.items()}
     summary = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "device": device_name(current_device()),
+        "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "deepspeed")},
         "model": args.model,
         "zero_stage": args.zero_stage,
         "dtype": args.dtype,
@@ -185,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "lora_dim": args.lora_dim,
         "do_sample": args.do_sample,
+        "temperature": config.logprob_temperature,
         "cuda_graph": hybrid_settings.cuda_graph,
         "onednn_packing": hybrid_settings.onednn_packing,
         "threads": torch.get_num_threads(),
@@ -198,14 +224,16 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_share_of_weight_pass": round(results["hf"]["tokens_per_s"] / bound_tokens_per_s, 3),
         "backends": results,
         "identical_sequences": bool(torch.equal(fast.sequences, outputs["hf"].sequences)),
-        "max_logprob_diff_vs_train_forward": logprob_error,
+        "max_logprob_diff_vs_train_forward": {backend: error["max"] for backend, error in logprob_error.items()},
+        "mean_logprob_diff_vs_train_forward": {backend: error["mean"] for backend, error in logprob_error.items()},
     }
     if is_main_process():
         print(f"{'backend':<8} {'seconds':>9} {'tokens':>7} {'tokens/s':>9}")
         for backend, row in results.items():
             print(f"{backend:<8} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f}")
         print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
-              f"max |logprob - train forward|: hybrid {logprob_error['hybrid']:.2e}, hf {logprob_error['hf']:.2e}")
+              f"|logprob - train forward| max / mean: hybrid {logprob_error['hybrid']['max']:.2e} / "
+              f"{logprob_error['hybrid']['mean']:.2e}, hf {logprob_error['hf']['max']:.2e} / {logprob_error['hf']['mean']:.2e}")
         print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s "
               f"({summary['weight_pass_matmul_tokens_per_s']:.2f} with torch.matmul): hybrid reaches "
               f"{summary['hybrid_share_of_weight_pass']:.0%}, hf {summary['hf_share_of_weight_pass']:.0%}")

@@ -110,9 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ppo.add_argument("--disable_advantage_whitening", action="store_true", help="use raw advantages")
     ppo.add_argument("--no_eos_penalty", type=float, default=0.0,
                      help="subtract this from the score of answers cut off before emitting EOS")
-    ppo.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
-    ppo.add_argument("--top_p", type=float, default=1.0, help="rollout nucleus sampling threshold")
-    ppo.add_argument("--top_k", type=int, default=0, help="rollout top-k sampling (0: off)")
+    ppo.add_argument("--temperature", type=float, default=1.0,
+                     help="rollout sampling temperature; the policy PPO trains (old, new and reference log-probs, "
+                          "KL, entropy) is softmax(logits / temperature), the distribution the answers are drawn from")
+    ppo.add_argument("--top_p", type=float, default=1.0,
+                     help="refused below 1: truncated sampling would train on other log-probs than drew the tokens")
+    ppo.add_argument("--top_k", type=int, default=0,
+                     help="refused above 0: truncated sampling would train on other log-probs than drew the tokens")
     ppo.add_argument("--unsup_coef", type=float, default=27.8, help="weight of the pretraining-mixture loss")
     ppo.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     ppo.add_argument("--ema_beta", type=float, default=0.992, help="EMA decay per actor optimizer step")
@@ -146,8 +150,6 @@ def ppo_config(args: argparse.Namespace) -> PPOConfig:
         whiten_advantages=not args.disable_advantage_whitening,
         no_eos_penalty=args.no_eos_penalty,
         temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
         unsup_coef=args.unsup_coef,
     )
 
@@ -162,8 +164,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema_beta}")
     if args.temperature <= 0:
         raise UserError(f"--temperature must be positive, got {args.temperature}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise UserError(f"--top_p must lie in (0, 1], got {args.top_p}")
+    if args.top_p != 1.0 or args.top_k != 0:
+        raise UserError(
+            f"--top_p {args.top_p} / --top_k {args.top_k}: step 3 samples rollouts from the full distribution at "
+            "--temperature, because PPO's ratios and KL must use the log-probabilities of the distribution that drew "
+            "each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower --temperature to sharpen "
+            "sampling); truncated sampling stays available in inference/chatbot.py"
+        )
     for flag in ("actor_model_name_or_path", "critic_model_name_or_path"):
         check_model_source(getattr(args, flag), f"--{flag}")
         check_remote_code(getattr(args, flag), args.trust_remote_code, f"--{flag}")

@@ -35,16 +35,6 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
-def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label under `logits`: logits [B, T, V], labels [B, T] -> [B, T] (fp32).
-
-    Computed as logit[label] - logsumexp(logits) so no [B, T, V] log-softmax tensor is kept.
-    """
-    logits = logits.float()
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean entropy (nats) of the token distributions at masked positions: logits [B, T, V], mask [B, T] -> scalar."""
     logits = logits.float()

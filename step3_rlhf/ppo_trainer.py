@@ -31,13 +31,19 @@ from step3_rlhf.ppo_math import (
     compute_rewards,
     critic_loss,
     entropy_from_logits,
-    gather_log_probs,
     masked_mean,
     whiten,
 )
 from step3_rlhf.rlhf_engine import RLHFEngine
 from training.dist import current_device, get_world_size, is_initialized
-from training.generation import GenerationConfig, Generator, eval_mode, position_ids_from_attention_mask
+from training.generation import (
+    GenerationConfig,
+    Generator,
+    answer_logits,
+    answer_logprobs,
+    eval_mode,
+    token_logprobs,
+)
 from training.guards import check_finite
 
 
@@ -56,9 +62,7 @@ class PPOConfig:
     lam: float = 0.95
     whiten_advantages: bool = True
     no_eos_penalty: float = 0.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = 1.0  # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it
     unsup_coef: float = 27.8
 
 
@@ -106,15 +110,6 @@ def mean_over_ranks(stats: Mapping[str, float]) -> dict[str, float]:
     return {k: v / get_world_size() for k, v in zip(keys, values.tolist())}
 
 
-def _forward_logits(module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return module(
-        input_ids=sequences,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_attention_mask(attention_mask),
-        use_cache=False,
-    ).logits
-
-
 def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_length: int) -> torch.Tensor:
     """The critic's value of the state before each answer token: [B, N] (read at the preceding position)."""
@@ -144,8 +139,6 @@ class PPOTrainer:
             pad_token_id=self.pad_token_id,
             do_sample=do_sample,
             temperature=self.config.temperature,
-            top_p=self.config.top_p,
-            top_k=self.config.top_k,
         )
 
     # rollouts -----------------------------------------------------------------------------------
@@ -181,12 +174,9 @@ class PPOTrainer:
         action_mask = output.answer_mask.clone().to(device)
         answers = sequences[:, prompt_length:]
         with eval_mode(engine.actor.module), eval_mode(engine.critic.module):
-            logits = _forward_logits(engine.actor, sequences, attention_mask)
-            old_logprobs = gather_log_probs(logits[:, prompt_length - 1:-1], answers)
-            del logits
-            ref_logits = _forward_logits(engine.reference, sequences, attention_mask)
-            ref_logprobs = gather_log_probs(ref_logits[:, prompt_length - 1:-1], answers)
-            del ref_logits
+            old_logprobs = answer_logprobs(engine.actor, sequences, attention_mask, prompt_length, config.temperature)
+            ref_logprobs = answer_logprobs(engine.reference, sequences, attention_mask, prompt_length,
+                                           config.temperature)
             old_values = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
             scores = engine.reward(input_ids=sequences, attention_mask=attention_mask)["end_scores"].float()
         ended_with_eos = ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
@@ -213,11 +203,11 @@ class PPOTrainer:
         prompt_length = experience.prompt_length
         step = actor.global_steps + 1
 
-        logits = _forward_logits(actor, experience.sequences, experience.attention_mask)[:, prompt_length - 1:-1]
-        logprobs = gather_log_probs(logits, experience.sequences[:, prompt_length:])
+        logits = answer_logits(actor, experience.sequences, experience.attention_mask, prompt_length)
+        logprobs = token_logprobs(logits, experience.sequences[:, prompt_length:], config.temperature)
         policy = actor_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config.cliprange)
         with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), mask)
+            entropy = entropy_from_logits(logits.detach() / config.temperature, mask)
         del logits
         check_finite("actor loss", policy.loss, step)
         self._step_actor(policy.loss)

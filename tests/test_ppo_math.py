@@ -13,10 +13,10 @@ from step3_rlhf.ppo_math import (
     compute_rewards,
     critic_loss,
     entropy_from_logits,
-    gather_log_probs,
     masked_mean,
     whiten,
 )
+from training.generation import token_logprobs
 
 GARBAGE = 1e4  # placed on masked-out positions: it must never reach a result
 
@@ -113,7 +113,7 @@ def test_log_probs_and_entropy():
     logits = torch.randn(2, 3, 11)
     labels = torch.randint(0, 11, (2, 3))
     expected = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(gather_log_probs(logits, labels), expected)
+    torch.testing.assert_close(token_logprobs(logits, labels), expected)
     uniform = torch.zeros(1, 2, 8)
     peaked = torch.full((1, 2, 8), -1e4)
     peaked[..., 0] = 0.0

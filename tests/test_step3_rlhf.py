@@ -18,7 +18,15 @@ from step2_reward.reward_model import RewardModel
 from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
 from training.engine import OptimizationSettings, create_frozen_engine, create_train_engine
-from training.generation import GenerationOutput, HFGenerator, answer_logprobs, assemble_output
+from training.errors import EXIT_USER_ERROR
+from training.generation import (
+    GenerationOutput,
+    HFGenerator,
+    answer_logprobs,
+    assemble_output,
+    position_ids_from_attention_mask,
+)
+from training.hybrid_engine import HybridEngine, HybridEngineSettings
 from training.model_loading import load_causal_lm, load_tokenizer
 from utils.data import PromptCollator
 
@@ -136,6 +144,44 @@ def test_experience_places_reward_and_kl_on_the_right_tokens(distributed, inputs
         torch.testing.assert_close(experience.old_values[:, j], before.float(), atol=1e-5, rtol=0)
 
 
+class RecordingGenerator:
+    """Wraps a generator and keeps its last output."""
+
+    def __init__(self, inner):
+        self.inner, self.last = inner, None
+
+    def generate(self, input_ids, attention_mask, config) -> GenerationOutput:
+        self.last = self.inner.generate(input_ids, attention_mask, config)
+        return self.last
+
+
+def test_rollouts_sampled_at_a_temperature_are_trained_on_that_temperatures_logprobs(distributed, inputs):
+    """Tokens drawn from softmax(logits / T): the generator's reported log-probs, the old and reference
+    log-probs, the first update's ratios and the entropy all belong to that distribution."""
+    engine = build_engine(inputs)
+    temperature = 0.7
+    generator = RecordingGenerator(HybridEngine(engine.actor, HybridEngineSettings(enable=True)))
+    trainer = PPOTrainer(engine, generator, PPOConfig(max_answer_seq_len=8, temperature=temperature))
+    experience = trainer.generate_experience(prompt_batch(engine.tokenizer, 4))
+    seqs, mask, P = experience.sequences, experience.attention_mask, experience.prompt_length
+    action = experience.action_mask.bool()
+    with torch.no_grad():
+        logits = engine.actor.module(input_ids=seqs, attention_mask=mask,
+                                     position_ids=position_ids_from_attention_mask(mask)).logits[:, P - 1:-1].float()
+        ref_logits = engine.reference.module(input_ids=seqs, attention_mask=mask,
+                                             position_ids=position_ids_from_attention_mask(mask)).logits[:, P - 1:-1]
+    tempered = torch.log_softmax(logits / temperature, -1)
+    expected = tempered.gather(-1, seqs[:, P:, None]).squeeze(-1)
+    expected_ref = torch.log_softmax(ref_logits.float() / temperature, -1).gather(-1, seqs[:, P:, None]).squeeze(-1)
+    torch.testing.assert_close(generator.last.logprobs[action], expected[action], atol=1e-4, rtol=0)
+    torch.testing.assert_close(experience.old_logprobs[action], expected[action], atol=1e-5, rtol=0)
+    torch.testing.assert_close(experience.ref_logprobs[action], expected_ref[action], atol=1e-5, rtol=0)
+    stats = trainer.train_rlhf(experience)
+    assert stats["approx_kl"] < 1e-6 and stats["clip_fraction"] == 0.0  # the first update starts at ratio 1
+    entropy = -(tempered.exp() * tempered).sum(-1)[action].mean()
+    assert stats["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
+
+
 @pytest.mark.slow
 def test_ppo_raises_a_rule_based_reward(distributed, inputs):
     tokenizer = load_tokenizer(inputs["actor"])
@@ -227,6 +273,18 @@ def test_critic_without_a_value_head_is_refused(distributed, inputs, tmp_path):
     with pytest.raises(SystemExit) as stop:
         main(step3_argv({**inputs, "reward": inputs["actor"]}, tmp_path / "run", "--max_steps", "1"))
     assert stop.value.code != 0
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("truncation", [["--top_p", "0.9"], ["--top_k", "20"]])
+def test_truncated_sampling_for_rollouts_is_refused_with_the_reason(distributed, inputs, tmp_path, capsys, truncation):
+    from step3_rlhf.main import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(step3_argv(inputs, tmp_path / "run", "--max_steps", "1", *truncation))
+    assert stop.value.code == EXIT_USER_ERROR
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "log-probabilities of the distribution that drew each token" in errors[0], errors
     assert not (tmp_path / "run").exists()
 
 
