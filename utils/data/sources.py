@@ -73,9 +73,8 @@ def file_fingerprint(files: Sequence[Path]) -> list:
 
 def source_fingerprint(spec: SourceSpec) -> dict:
     """What identifies the source's content, without reading it (part of the cache key)."""
-    if spec.is_embedded:
-        rules = [embedded.RULE_VERSION, embedded.MAX_CONTEXT_CHARS, embedded.MAX_REPLY_CHARS, embedded.MIN_WORDS_TO_CUT]
-        return {"source": str(spec), "files": file_fingerprint([embedded.embedded_data_file()]), "rules": rules}
+    if spec.is_embedded:  # its sample and pair rules are code: `cache.code_version` covers them
+        return {"source": str(spec), "files": file_fingerprint([embedded.embedded_data_file()])}
     if looks_local(spec.path):
         return {"source": str(spec), "files": file_fingerprint(_local_files(Path(spec.path).expanduser()))}
     return {"source": str(spec), "hub": True}
