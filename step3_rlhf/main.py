@@ -327,7 +327,8 @@ class PPORun:
 
 
 def _build_streams(args: argparse.Namespace, tokenizer) -> tuple[BatchStream, BatchStream | None, BatchStream | None]:
-    train_prompts, eval_prompts = DataArguments.from_namespace(args).build(3, tokenizer)
+    data = DataArguments.from_namespace(args)
+    train_prompts, eval_prompts = data.build(3, tokenizer)
     collator = PromptCollator(tokenizer.pad_token_id)
     prompts = BatchStream(train_prompts, args.per_device_generation_batch_size, collator, args.seed)
     held_out = None
@@ -338,7 +339,7 @@ def _build_streams(args: argparse.Namespace, tokenizer) -> tuple[BatchStream, Ba
         blocks = build_unsupervised_dataset(
             args.unsupervised_dataset_name, tokenizer, args.max_prompt_seq_len + args.max_answer_seq_len, args.seed,
             args.data_output_path, rebuild_cache=args.rebuild_data_cache,
-            config_name=args.unsupervised_dataset_config_name,
+            config_name=args.unsupervised_dataset_config_name, shard=data.shard_settings(),
         )
         unsupervised = BatchStream(blocks, args.per_device_training_batch_size, SFTCollator(tokenizer.pad_token_id),
                                    args.seed)
