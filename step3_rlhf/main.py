@@ -58,6 +58,7 @@ from training.run_lock import RunLock  # noqa: E402
 from training.save import save_hf_model  # noqa: E402
 from training.signals import GracefulInterrupt  # noqa: E402
 from training.validation import (  # noqa: E402
+    check_input_run_shards,
     check_model_source,
     check_output_dir,
     check_remote_code,
@@ -167,6 +168,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in ("actor_model_name_or_path", "critic_model_name_or_path"):
         check_model_source(getattr(args, flag), f"--{flag}")
         check_remote_code(getattr(args, flag), args.trust_remote_code, f"--{flag}")
+        check_input_run_shards(getattr(args, flag), args, f"--{flag}")
     check_reward_model_dir(args.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
 
 

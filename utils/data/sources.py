@@ -67,6 +67,14 @@ def looks_local(path: str) -> bool:
     return os.path.exists(path) or path.startswith((".", "/", "~")) or Path(path).suffix in LOCAL_SUFFIXES + (".txt",)
 
 
+def source_identity(text: str) -> str:
+    """What a `--data_path` entry reads, whatever its stated format: a local path resolved, else the name."""
+    spec = parse_source_spec(text)
+    if spec.is_embedded or not looks_local(spec.path):
+        return spec.path
+    return str(Path(spec.path).expanduser().resolve())
+
+
 def file_fingerprint(files: Sequence[Path]) -> list:
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 

@@ -36,6 +36,11 @@ def shard_fractions(data_split: str) -> np.ndarray:
     return np.cumsum([0.0] + weights) / sum(weights)
 
 
+def same_shards(seed: int, data_split: str, other_seed: int, other_data_split: str) -> bool:
+    """Whether both settings put every record of any source in the same shard."""
+    return seed == other_seed and np.array_equal(shard_fractions(data_split), shard_fractions(other_data_split))
+
+
 def phase_shard(num_records: int, data_split: str, phase: int, seed: int) -> np.ndarray:
     """Indices (in seeded shuffled order) of the records that belong to `phase` (1, 2 or 3)."""
     if phase not in (1, 2, 3):
