@@ -58,6 +58,7 @@ from training.run_lock import RunLock  # noqa: E402
 from training.save import save_hf_model  # noqa: E402
 from training.signals import GracefulInterrupt  # noqa: E402
 from training.validation import (  # noqa: E402
+    check_input_run_shards,
     check_model_source,
     check_output_dir,
     check_remote_code,
@@ -174,6 +175,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in ("actor_model_name_or_path", "critic_model_name_or_path"):
         check_model_source(getattr(args, flag), f"--{flag}")
         check_remote_code(getattr(args, flag), args.trust_remote_code, f"--{flag}")
+        check_input_run_shards(getattr(args, flag), args, f"--{flag}")
     check_reward_model_dir(args.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
 
 
@@ -334,7 +336,8 @@ class PPORun:
 
 
 def _build_streams(args: argparse.Namespace, tokenizer) -> tuple[BatchStream, BatchStream | None, BatchStream | None]:
-    train_prompts, eval_prompts = DataArguments.from_namespace(args).build(3, tokenizer)
+    data = DataArguments.from_namespace(args)
+    train_prompts, eval_prompts = data.build(3, tokenizer)
     collator = PromptCollator(tokenizer.pad_token_id)
     prompts = BatchStream(train_prompts, args.per_device_generation_batch_size, collator, args.seed)
     held_out = None
@@ -345,7 +348,7 @@ def _build_streams(args: argparse.Namespace, tokenizer) -> tuple[BatchStream, Ba
         blocks = build_unsupervised_dataset(
             args.unsupervised_dataset_name, tokenizer, args.max_prompt_seq_len + args.max_answer_seq_len, args.seed,
             args.data_output_path, rebuild_cache=args.rebuild_data_cache,
-            config_name=args.unsupervised_dataset_config_name,
+            config_name=args.unsupervised_dataset_config_name, shard=data.shard_settings(),
         )
         unsupervised = BatchStream(blocks, args.per_device_training_batch_size, SFTCollator(tokenizer.pad_token_id),
                                    args.seed)

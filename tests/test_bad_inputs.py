@@ -171,3 +171,59 @@ def test_a_diverging_run_stops_at_the_non_finite_loss_naming_the_step_and_last_g
     assert 1 < failed_step < 6 and good_step == failed_step - 1
     assert checkpoint == run / "checkpoints" / f"step{good_step}" and (checkpoint / "checkpoint.json").is_file()
     assert not (run / "checkpoints" / f"step{failed_step}").exists() and not (run / "model").exists()
+
+
+def write_earlier_run(setup, name: str, **recorded) -> Path:
+    """A run folder as an earlier step leaves it: its final model and the args.json it recorded."""
+    run = setup.tmp / name
+    shutil.copytree(setup.model, run / "model")
+    values = {"model_name_or_path": setup.model, "data_path": [setup.data], "data_split": "1,1,0", "seed": 1234,
+              "eval_fraction": 0.1, "output_dir": str(run), **recorded}
+    (run / "args.json").write_text(json.dumps(values, indent=2))
+    return run
+
+
+def test_step2_refuses_a_step1_model_whose_shards_overlap_its_own(distributed, setup, capsys):
+    step1 = write_earlier_run(setup, "step1", seed=7)
+    error = assert_refused_and_untouched(step2_main, step_args(setup, model_name_or_path=str(step1)),
+                                         f"--model_name_or_path {step1} was trained on", setup.run, capsys)
+    assert "--seed 7 --data_split 1,1,0" in error and "--seed 1234 --data_split 1,1,0" in error
+    assert f"rerun with --seed 7 --data_split 1,1,0 to match {step1}" in error
+    split = write_earlier_run(setup, "split", data_split="2,1,0")
+    assert_refused_and_untouched(step2_main, step_args(setup, model_name_or_path=str(split / "model")),
+                                 "--seed 1234 --data_split 2,1,0", setup.run, capsys)
+
+
+def test_step3_refuses_step1_and_step2_models_cut_another_way(distributed, setup, capsys):
+    from step2_reward.reward_model import MARKER_FILE, VALUE_HEAD_FILE
+
+    step1 = write_earlier_run(setup, "step1", data_split="1,1,1")
+    step2 = write_earlier_run(setup, "step2", seed=99, data_split="1,1,1")
+    for marker in (MARKER_FILE, VALUE_HEAD_FILE):
+        (step2 / "model" / marker).write_text("{}")
+    step3_run = setup.tmp / "step3"
+    step3_run.mkdir()
+    argv = ["--actor_model_name_or_path", str(step1), "--critic_model_name_or_path", str(step2),
+            "--data_path", setup.data, "--data_split", "1,1,1", "--data_output_path", str(setup.tmp / "cache"),
+            "--max_prompt_seq_len", "64", "--max_answer_seq_len", "32", "--output_dir", str(step3_run)]
+    assert_refused_and_untouched(step3_main, argv, f"--critic_model_name_or_path {step2} was trained on", step3_run,
+                                 capsys)
+    assert_refused_and_untouched(step3_main, argv + ["--seed", "99"],
+                                 f"--actor_model_name_or_path {step1} was trained on", step3_run, capsys)
+
+
+def test_input_runs_with_the_same_shards_or_other_data_pass_the_shard_check(setup, tmp_path):
+    import argparse
+
+    from training.validation import check_input_run_shards
+    from utils.data import add_data_args
+
+    args = add_data_args(argparse.ArgumentParser()).parse_args(["--data_path", setup.data, "--data_split", "2,2,0"])
+    check_input_run_shards(str(write_earlier_run(setup, "same", data_split="1,1,0")), args)  # 2,2,0 cuts as 1,1,0
+    check_input_run_shards(str(write_earlier_run(setup, "other_data", seed=7, data_path=["embedded"])), args)
+    check_input_run_shards(setup.model, args)  # a plain model folder: no args.json
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "args.json").write_text('{"seed": 7}')  # not this project's run arguments
+    check_input_run_shards(str(tmp_path / "foreign"), args)
+    with pytest.raises(UserError, match="was trained on"):
+        check_input_run_shards(str(write_earlier_run(setup, "other_seed", seed=7)), args)

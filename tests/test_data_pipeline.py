@@ -168,3 +168,33 @@ def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypa
     monkeypatch.setattr(cache, "get_local_rank", lambda: 1)
     state, built = cache.build_or_load(target, lambda: pytest.fail("only local rank 0 builds"))
     assert state["value"].tolist() == [1] and not built
+
+
+@pytest.mark.parametrize("special", ["add_bos_token", "add_eos_token"])
+def test_tokenizers_that_insert_special_tokens_differently_get_their_own_cache(tmp_path, special):
+    """The prompts of the human_assistant format are encoded with the tokenizer's special tokens."""
+    path = write_pairs(tmp_path / "a.jsonl", 20, "a")
+    plain, inserting = make_tokenizer(chat_template=False), make_tokenizer(chat_template=False)
+    setattr(inserting, special, True)
+    args = (3, [path], "1,1,1")
+    cache = tmp_path / "cache"
+    build_phase_datasets(*args, plain, 64, 0, str(cache))
+    cached, _ = build_phase_datasets(*args, inserting, 64, 0, str(cache))
+    fresh, _ = build_phase_datasets(*args, inserting, 64, 0, str(tmp_path / "fresh"))
+    assert len(list(cache.glob("*.pt"))) == 2
+    assert [item["input_ids"].tolist() for item in cached] == [item["input_ids"].tolist() for item in fresh]
+    special_id = inserting.bos_token_id if special == "add_bos_token" else inserting.eos_token_id
+    assert all(special_id in item["input_ids"].tolist() for item in fresh)
+
+
+def test_the_cache_key_follows_the_data_code(tmp_path):
+    import shutil
+
+    import utils.data.cache as cache
+
+    copy = tmp_path / "data_code"
+    shutil.copytree(cache.DATA_CODE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert cache.source_version(copy) == cache.source_version() == cache.code_version()["data_code"]
+    tokenization = copy / "tokenization.py"
+    tokenization.write_text(tokenization.read_text().replace("IGNORE_INDEX = -100", "IGNORE_INDEX = -1"))
+    assert cache.source_version(copy) != cache.source_version()

@@ -61,3 +61,38 @@ def test_embedded_pairs_follow_the_documented_rule_deterministically():
             swapped += 1
     assert cut > 500 and swapped > 500
     assert all(len(s.chosen) <= 1200 for s in split.train)
+
+
+@pytest.mark.slow
+@needs_sharegpt
+def test_embedded_pretraining_text_is_only_step3s_training_conversations(tmp_path, monkeypatch):
+    from tiny_models import make_tokenizer
+    from utils.data import build_unsupervised_dataset, embedded, phase_splits
+    from utils.data.splits import ShardSettings, holdout, phase_shard
+    from utils.data.unsupervised import load_texts
+
+    conversations = embedded.load_embedded_conversations()
+    monkeypatch.setattr(embedded, "load_embedded_conversations", lambda: conversations)  # read the file once
+
+    def replies(indices) -> list[str]:
+        return [m["value"].strip() for i in indices for m in conversations[i]["conversations"]
+                if m["from"] in ("gpt", "chatgpt", "bing", "bard") and m["value"].strip()]
+
+    shard = ShardSettings("2,4,4", seed=5, eval_fraction=0.1)
+    texts, _ = load_texts("embedded", shard=shard)
+    train, held_out = holdout(phase_shard(len(conversations), "2,4,4", 3, 5), 0.1)
+    trained = set(replies(train))
+    elsewhere = set(replies(set(range(len(conversations))) - set(train))) - trained
+    assert sorted(texts) == sorted(replies(train))
+    assert len(elsewhere) > 10_000 and not elsewhere & set(texts)
+    (step3,) = phase_splits(3, ["embedded"], "2,4,4", seed=5, eval_fraction=0.1)
+    references = {sample.chosen for sample in step3.eval} - trained
+    assert len(references) > 100 and not references & set(texts)
+    merged = [sample for sample in step3.train if sample.chosen not in texts]  # consecutive replies joined
+    assert len(merged) < 10 and all(set(replies([sample.group])) <= set(texts) for sample in merged)
+
+    tok, cache = make_tokenizer(), tmp_path / "cache"
+    for data_split in ("2,4,4", "1,2,2", "2,4,5"):
+        build_unsupervised_dataset("embedded", tok, 16, 5, str(cache), max_blocks=2,
+                                   shard=ShardSettings(data_split, seed=5, eval_fraction=0.1))
+    assert len(list(cache.glob("*.pt"))) == 2, "the same shards share a cache file, other shards get their own"

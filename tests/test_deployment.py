@@ -1,5 +1,7 @@
 """Deployment types: hostfile validation, the settings each type picks, launch commands, dry runs."""
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -8,6 +10,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from crash_resume import step_env
+from training.dist import free_port
 from training.errors import UserError
 from training.pipeline.deployment import (
     CpuQuickRun,
@@ -167,14 +170,31 @@ def test_the_cpu_quick_run_takes_fewer_steps_for_bigger_models_and_fp32():
 # --------------------------------------------------------------------------- launching
 
 
-def test_launch_commands_use_the_deepspeed_launcher(tmp_path):
+LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank"]
+
+
+def test_launch_commands_start_the_deepspeed_launcher_with_this_python(tmp_path):
     script = tmp_path / "main.py"
     single = Launcher(DeploymentType.SINGLE_NODE, num_gpus=4).command(script, ["--zero_stage", "2"])
-    assert single == ["deepspeed", "--no_local_rank", "--num_gpus", "4", str(script), "--zero_stage", "2"]
+    assert single == LAUNCHER + ["--num_gpus", "4", str(script), "--zero_stage", "2"]
     local = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=29611).command(script, [])
-    assert local == ["deepspeed", "--no_local_rank", "--num_gpus", "1", "--master_port", "29611", str(script)]
+    assert local == LAUNCHER + ["--num_gpus", "1", "--master_port", "29611", str(script)]
     multi = Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])
-    assert multi == ["deepspeed", "--no_local_rank", "--hostfile", "/h", str(script)]
+    assert multi == LAUNCHER + ["--hostfile", "/h", str(script)]
+
+
+def test_the_launcher_starts_without_a_deepspeed_script_on_path(tmp_path):
+    """An unactivated virtual environment: its python runs train.py, but its bin/ is not on PATH."""
+    from training.pipeline.launch import run_subprocess
+
+    script = tmp_path / "main.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['LOCAL_RANK'], 'of', os.environ['WORLD_SIZE'], sys.argv[1:])\n")
+    env = {**step_env(), "PATH": "/usr/bin:/bin"}
+    assert shutil.which("deepspeed", path=env["PATH"]) is None
+    log = tmp_path / "step1.log"
+    command = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=free_port()).command(script, ["--x", "1"])
+    run_subprocess(command, log, "step 1", env=env)
+    assert "rank 0 of 1 ['--x', '1']" in log.read_text()
 
 
 def _train(*args, timeout=120):
@@ -210,9 +230,9 @@ def test_dry_run_prints_the_multi_node_launch_commands(tmp_path, tiny_model_dir,
     assert "deployment: multi_node (4 processes)" in printed
     for step, script in ((1, "step1_sft/main.py"), (2, "step2_reward/main.py"), (3, "step3_rlhf/main.py")):
         command = summary["commands"][step]
-        assert command[:4] == ["deepspeed", "--no_local_rank", "--hostfile", hostfile]
-        assert command[4].endswith(script)
-        assert f"step {step}: deepspeed --no_local_rank --hostfile {hostfile} " in printed
+        assert command[:6] == LAUNCHER + ["--hostfile", hostfile]
+        assert command[6].endswith(script)
+        assert f"step {step}: {shlex.join(LAUNCHER)} --hostfile {hostfile} " in printed
     step3 = summary["commands"][3]
     assert step3[step3.index("--actor_model_name_or_path") + 1] == str(out / "step1")
     assert step3[step3.index("--critic_model_name_or_path") + 1] == str(out / "step2")
@@ -234,8 +254,8 @@ def test_single_gpu_launches_a_step_through_the_deepspeed_launcher(tmp_path, tin
                     "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--dtype", "fp32",
                     "--max_eval_samples", "2", timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "step 1: deepspeed --no_local_rank --num_gpus 1 --master_port " in result.stdout
+    assert f"step 1: {shlex.join(LAUNCHER)} --num_gpus 1 --master_port " in result.stdout
     log = (out / "logs" / "step1.log").read_text()
-    assert log.startswith("$ deepspeed") and "step1_sft" in log  # the step's own output, teed
+    assert log.startswith(f"$ {shlex.join(LAUNCHER)}") and "step1_sft" in log  # the step's own output, teed
     assert (out / "step1" / "model" / "config.json").is_file()
     assert json.loads((out / "summary.json").read_text())["deployment"] == "single_gpu"

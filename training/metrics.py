@@ -37,6 +37,15 @@ def save_run_args(run_dir: str | os.PathLike, args: Any) -> None:
     (Path(run_dir) / ARGS_FILE).write_text(json.dumps(values, indent=2, default=str) + "\n")
 
 
+def read_run_args(run_dir: str | os.PathLike) -> dict | None:
+    """The arguments `save_run_args` recorded in `run_dir`; None when it holds none or they do not parse."""
+    try:
+        values = json.loads((Path(run_dir) / ARGS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
 def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> None:
     """Write a step's result summary (what its `main` returns) as `summary.json` in the run folder."""
     if not is_main_process():

@@ -39,6 +39,7 @@ from .signals import GracefulInterrupt
 from .trainer import EvalFn, LoopConfig, LossFn, SupervisedTrainer, TrainResult, count_optimizer_steps
 from .validation import (
     check_disk_space,
+    check_input_run_shards,
     check_model_source,
     check_output_dir,
     check_remote_code,
@@ -105,6 +106,7 @@ def _train_and_save(args: argparse.Namespace, step: SupervisedStep) -> Supervise
                    "num_train_epochs", "max_steps", "log_interval", "max_seq_len")
     check_model_source(args.model_name_or_path)
     check_remote_code(args.model_name_or_path, args.trust_remote_code)
+    check_input_run_shards(args.model_name_or_path, args)
     init_distributed()
     run_dir = check_output_dir(args.output_dir)
     with RunLock(run_dir):

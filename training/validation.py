@@ -6,6 +6,7 @@ Batch sizes are checked by `training.args.check_positive`; `--data_split` by the
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -13,10 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
+from utils.data.shard_match import check_same_shards
 from utils.data.splits import parse_data_split
 
 from .embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
 from .errors import UserError
+from .metrics import ARGS_FILE, read_run_args
 from .model_loading import resolve_model_path
 
 __all__ = [
@@ -29,6 +32,7 @@ __all__ = [
     "check_model_source",
     "check_remote_code",
     "check_reward_model_dir",
+    "check_input_run_shards",
 ]
 
 GB = 1024**3
@@ -214,3 +218,27 @@ def check_reward_model_dir(
     if not present:
         raise UserError(f"{flag} {name_or_path} is not a reward model (missing {missing}); {hint}")
     return folder
+
+
+def _run_dir_of(model: Path) -> Path | None:
+    """The run folder that holds `model`'s args.json: `model` itself, or its parent when `model` is the
+    model folder a step saved inside its run folder (`<run>/model`, step 3's `<run>/actor`)."""
+    if (model / ARGS_FILE).is_file():
+        return model
+    if (model / "config.json").is_file() and (model.parent / ARGS_FILE).is_file():
+        return model.parent
+    return None
+
+
+def check_input_run_shards(name_or_path: str, args: argparse.Namespace, flag: str = "--model_name_or_path") -> None:
+    """A model an earlier step of this project trained must come from the same data shards as this step's.
+
+    Its run folder's args.json says how it cut the data (`utils.data.shard_match`); a model without
+    one (the embedded default, a hub name, a plain HF folder) is not checked.
+    """
+    if is_embedded_name(name_or_path):
+        return
+    run_dir = _run_dir_of(Path(name_or_path).expanduser())
+    earlier = read_run_args(run_dir) if run_dir is not None else None
+    if earlier is not None:
+        check_same_shards(vars(args), earlier, f"{flag} {name_or_path}", str(run_dir))

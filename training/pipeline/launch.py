@@ -1,8 +1,9 @@
-"""Running one step: in this process (the `cpu` deployment) or through the `deepspeed` launcher,
+"""Running one step: in this process (the `cpu` deployment) or through DeepSpeed's launcher,
 either way with its output teed into a log file."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import shlex
@@ -18,9 +19,26 @@ from .deployment import DeploymentType
 from .steps import StepMain
 
 
+LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
+
+
+def check_launcher_installed() -> None:
+    """DeepSpeed's launcher must be importable by this interpreter (it starts the launcher, see `Launcher`)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError(
+            f"the {LAUNCHER_MODULE} launcher needs DeepSpeed, which {sys.executable} cannot import; install it "
+            f"with: {sys.executable} -m pip install deepspeed (or use --deployment-type cpu)"
+        )
+
+
 @dataclass(frozen=True)
 class Launcher:
-    """How step scripts are started: `deepspeed` on the local GPUs or on a hostfile's nodes."""
+    """How step scripts are started: DeepSpeed's launcher on the local GPUs or on a hostfile's nodes.
+
+    The launcher runs as `python -m deepspeed.launcher.runner` under this very interpreter, not as the
+    `deepspeed` script looked up on PATH: a virtual environment's python that was never activated
+    has no `deepspeed` on PATH (or finds another environment's).
+    """
 
     deployment: DeploymentType
     num_gpus: int = 1
@@ -29,7 +47,7 @@ class Launcher:
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
-        command = ["deepspeed", "--no_local_rank"]
+        command = [sys.executable, "-m", LAUNCHER_MODULE, "--no_local_rank"]
         if self.deployment is DeploymentType.MULTI_NODE:
             command += ["--hostfile", str(self.hostfile)]
         else:
@@ -119,7 +137,7 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
         try:
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         except FileNotFoundError as err:
-            raise UserError(f"cannot start {command[0]!r}: is DeepSpeed installed (pip install deepspeed)?") from err
+            raise UserError(f"cannot start {command[0]!r} ({err.strerror}); check that this program exists") from err
         assert process.stdout is not None
         console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
         while chunk := os.read(process.stdout.fileno(), 65536):

@@ -18,7 +18,7 @@ from training.model_loading import resolve_model_path
 from .deployment import DeploymentPlan, DeploymentType, ModelSizes, apply_zero_overrides, detect_deployment, plan_deployment
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, read_hostfile
-from .launch import Launcher, format_command, launcher_env, run_in_process, run_subprocess
+from .launch import Launcher, check_launcher_installed, format_command, launcher_env, run_in_process, run_subprocess
 from .steps import STEPS, StepMain, accepted_options, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
@@ -97,6 +97,7 @@ def _model_sizes(config: PipelineConfig, step3_inputs: tuple[str, str] | None) -
 def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hardware) -> Launcher | None:
     if deployment is DeploymentType.CPU:
         return None
+    check_launcher_installed()
     if deployment is DeploymentType.MULTI_NODE:
         return Launcher(deployment, hostfile=config.hostfile)
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)

@@ -9,6 +9,7 @@ from training.embedded_model import cache_root
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
 from .phases import build_phase_datasets
+from .splits import ShardSettings
 from .tokenization import PROMPT_OVERFLOW
 from .tokenized import TokenizedDataset
 
@@ -37,6 +38,9 @@ class DataArguments:
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> "DataArguments":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def shard_settings(self) -> ShardSettings:
+        return ShardSettings(self.data_split, self.seed, self.eval_fraction)
 
     def build(self, phase: int, tokenizer) -> tuple[TokenizedDataset, TokenizedDataset]:
         """`build_phase_datasets` with these options."""
@@ -95,6 +99,7 @@ def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse.Argu
     """Step 3's pretraining-mixture source (`build_unsupervised_dataset`)."""
     group = parser.add_argument_group("unsupervised data")
     group.add_argument("--unsupervised_dataset_name", default=None,
-                       help="text for the pretraining mixture: hub name, local .txt/.jsonl/.json/.parquet, or 'embedded'")
+                       help="text for the pretraining mixture: hub name, local .txt/.jsonl/.json/.parquet, or 'embedded' "
+                            "(the replies of the embedded conversations in step 3's training shard)")
     group.add_argument("--unsupervised_dataset_config_name", default=None, help="the hub dataset's config name")
     return parser

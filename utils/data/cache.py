@@ -6,10 +6,12 @@ crash never leaves a half-written cache behind.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import uuid
+from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
@@ -19,15 +21,54 @@ from filelock import FileLock
 from training.dist import barrier, get_local_rank
 from training.errors import UserError
 
-CACHE_VERSION = 1
+DATA_CODE_DIR = Path(__file__).resolve().parent
+PROBE_TEXT = "Probe: Hello, World! 12 + 30 = 42.\n\tTabs, accents (é, ü) and 漢字."
+PROBE_CONVERSATION = (
+    {"role": "user", "content": "Hi there."},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "What is 12 + 30?"},
+)
 
 
 def stable_hash(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
+def source_version(folder: Path = DATA_CODE_DIR) -> str:
+    """Hash of the names and contents of the Python files in `folder` (by default this data package)."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.py")):
+        digest.update(path.name.encode("utf-8") + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.cache
+def code_version() -> dict:
+    """The version of the code that turns rows into cached items, derived rather than hand-bumped.
+
+    It hashes the source of the whole data package, not a list of the modules that tokenise and
+    format: a list goes stale when a helper moves or a module is added, and a forgotten constant
+    bump silently reuses data built by older code, whereas a needless rebuild after an unrelated edit
+    costs only the build time. The tokenizer libraries' versions join it, since they encode the text.
+    """
+    return {"data_code": source_version(), "transformers": version("transformers"), "tokenizers": version("tokenizers")}
+
+
+def _probe_encodings(tokenizer) -> dict:
+    """How the tokenizer encodes a fixed text with its special tokens (BOS/EOS insertion, post-processor)
+    and, when it has a chat template, a fixed conversation rendered with it."""
+    probes = {"text": tokenizer(PROBE_TEXT, add_special_tokens=True)["input_ids"]}
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            rendered = tokenizer.apply_chat_template(list(PROBE_CONVERSATION), tokenize=False, add_generation_prompt=True)
+            probes["chat"] = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        except Exception as err:  # jinja templates raise their own errors; the failure is part of the behaviour
+            probes["chat"] = f"error: {type(err).__name__}: {err}"
+    return probes
+
+
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """Name plus hashes of the vocabulary, special tokens and chat template."""
+    """Name, hashes of the vocabulary, special tokens and chat template, and the probe encodings."""
     return {
         "name": getattr(tokenizer, "name_or_path", ""),
         "class": type(tokenizer).__name__,
@@ -35,11 +76,12 @@ def tokenizer_fingerprint(tokenizer) -> dict:
         "special": {name: str(value) for name, value in sorted(tokenizer.special_tokens_map.items())},
         "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
         "chat_template": stable_hash(getattr(tokenizer, "chat_template", None)),
+        "probes": _probe_encodings(tokenizer),
     }
 
 
 def cache_file(data_output_path: str | os.PathLike, prefix: str, key_inputs: dict) -> Path:
-    key = stable_hash({"version": CACHE_VERSION, **key_inputs})[:20]
+    key = stable_hash({"code": code_version(), **key_inputs})[:20]
     return Path(data_output_path).expanduser() / f"{prefix}_{key}.pt"
 
 

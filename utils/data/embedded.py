@@ -32,7 +32,6 @@ MAX_REPLY_CHARS = 1200
 MIN_WORDS_TO_CUT = 12
 CUT_FRACTION = 1 / 3
 _DRAWS_PER_MISMATCH = 20
-RULE_VERSION = 1  # bump when the sample or pair rule changes (it is part of the cache key)
 
 
 def embedded_data_file() -> Path:

@@ -14,7 +14,7 @@ from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .formatting import PromptFormatter
 from .samples import PHASE_KINDS, Sample, SkipRow, unusable_reason
 from .sources import LoadedSource, SourceSpec, load_source, parse_source_spec, source_fingerprint
-from .splits import holdout, parse_data_split, phase_shard, seeded_order
+from .splits import ShardSettings, holdout, parse_data_split, seeded_order
 from .tokenization import TokenLimits, tokenize_samples
 from .tokenized import TokenizedDataset
 
@@ -63,9 +63,11 @@ def split_source(
     source: LoadedSource, phase: int, kind: str, data_split: str, seed: int, eval_fraction: float, whole: bool = False
 ) -> SourceSplit:
     """`source`'s samples for `phase`: its shard of the records (all of them when `whole`), train and eval."""
-    indices = seeded_order(len(source), seed) if whole else phase_shard(len(source), data_split, phase, seed)
-    train_indices, eval_indices = holdout(indices, eval_fraction)
-    result = SourceSplit(source, records=len(indices))
+    if whole:
+        train_indices, eval_indices = holdout(seeded_order(len(source), seed), eval_fraction)
+    else:
+        train_indices, eval_indices = ShardSettings(data_split, seed, eval_fraction).records(len(source), phase)
+    result = SourceSplit(source, records=len(train_indices) + len(eval_indices))
     result.train = _usable_samples(source, train_indices, kind, seed, result.skipped)
     result.eval = _usable_samples(source, eval_indices, kind, seed + 1, result.skipped)
     return result

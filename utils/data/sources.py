@@ -67,15 +67,22 @@ def looks_local(path: str) -> bool:
     return os.path.exists(path) or path.startswith((".", "/", "~")) or Path(path).suffix in LOCAL_SUFFIXES + (".txt",)
 
 
+def source_identity(text: str) -> str:
+    """What a `--data_path` entry reads, whatever its stated format: a local path resolved, else the name."""
+    spec = parse_source_spec(text)
+    if spec.is_embedded or not looks_local(spec.path):
+        return spec.path
+    return str(Path(spec.path).expanduser().resolve())
+
+
 def file_fingerprint(files: Sequence[Path]) -> list:
     return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def source_fingerprint(spec: SourceSpec) -> dict:
     """What identifies the source's content, without reading it (part of the cache key)."""
-    if spec.is_embedded:
-        rules = [embedded.RULE_VERSION, embedded.MAX_CONTEXT_CHARS, embedded.MAX_REPLY_CHARS, embedded.MIN_WORDS_TO_CUT]
-        return {"source": str(spec), "files": file_fingerprint([embedded.embedded_data_file()]), "rules": rules}
+    if spec.is_embedded:  # its sample and pair rules are code: `cache.code_version` covers them
+        return {"source": str(spec), "files": file_fingerprint([embedded.embedded_data_file()])}
     if looks_local(spec.path):
         return {"source": str(spec), "files": file_fingerprint(_local_files(Path(spec.path).expanduser()))}
     return {"source": str(spec), "hub": True}

@@ -7,6 +7,8 @@ conversation inside one shard and one side of the eval split.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from training.errors import UserError
@@ -28,12 +30,22 @@ def parse_data_split(data_split: str) -> list[float]:
     return weights
 
 
+def shard_fractions(data_split: str) -> np.ndarray:
+    """Where the shards start and end, as fractions of a source: '2,4,4' and '1,2,2' cut alike."""
+    weights = parse_data_split(data_split)
+    return np.cumsum([0.0] + weights) / sum(weights)
+
+
+def same_shards(seed: int, data_split: str, other_seed: int, other_data_split: str) -> bool:
+    """Whether both settings put every record of any source in the same shard."""
+    return seed == other_seed and np.array_equal(shard_fractions(data_split), shard_fractions(other_data_split))
+
+
 def phase_shard(num_records: int, data_split: str, phase: int, seed: int) -> np.ndarray:
     """Indices (in seeded shuffled order) of the records that belong to `phase` (1, 2 or 3)."""
     if phase not in (1, 2, 3):
         raise ValueError(f"phase must be 1, 2 or 3, not {phase}")
-    weights = parse_data_split(data_split)
-    bounds = np.round(np.cumsum([0.0] + weights) / sum(weights) * num_records).astype(int)
+    bounds = np.round(shard_fractions(data_split) * num_records).astype(int)
     order = np.random.RandomState(seed).permutation(num_records)
     return order[bounds[phase - 1] : bounds[phase]]
 
@@ -51,3 +63,20 @@ def holdout(indices: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.n
 def seeded_order(num_items: int, seed: int) -> np.ndarray:
     """The blend order: several sources are concatenated, then shuffled with this permutation."""
     return np.random.RandomState(seed).permutation(num_items)
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """The settings that cut every source: `--data_split` shards by `--seed`, `--eval_fraction` of each held out."""
+
+    data_split: str
+    seed: int
+    eval_fraction: float
+
+    def records(self, num_records: int, phase: int) -> tuple[np.ndarray, np.ndarray]:
+        """(train, eval) indices of the records of `phase`'s shard."""
+        return holdout(phase_shard(num_records, self.data_split, phase, self.seed), self.eval_fraction)
+
+    def key(self) -> dict:
+        """What decides `records` (for a cache key)."""
+        return {"fractions": shard_fractions(self.data_split).tolist(), "seed": self.seed, "eval_fraction": self.eval_fraction}

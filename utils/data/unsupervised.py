@@ -3,7 +3,9 @@ into fixed-length blocks (`input_ids` = `labels`), shuffled with the seed and ca
 
 Sources: a hub name (with an optional config) through `datasets`, a local .txt file (documents
 separated by blank lines), a local .json/.jsonl/.parquet file or folder with a `text` column, or
-`embedded` (the assistant replies of the embedded ShareGPT conversations).
+`embedded`: the assistant replies of the embedded ShareGPT conversations that step 3 trains on (its
+shard less the held-out part, as `ShardSettings` cuts them), so the text never holds a reply that
+another step trains on or that step 3's evaluation compares against.
 """
 from __future__ import annotations
 
@@ -20,17 +22,25 @@ from . import embedded
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .samples import ASSISTANT, ROLE_ALIASES, SkipRow, text_field
 from .sources import file_fingerprint, load_hub_dataset, looks_local, read_local_records
+from .splits import ShardSettings
 from .tokenized import TokenizedDataset
 
 logger = logging.getLogger("utils.data")
 _BATCH_DOCS = 512
 
 
-def _embedded_texts() -> list[str]:
+EMBEDDED_PHASE = 3  # the step whose training conversations give the embedded text
+
+
+def _embedded_texts(shard: ShardSettings | None) -> list[str]:
+    if shard is None:
+        raise ValueError("the embedded unsupervised text is cut from step 3's shard: pass its ShardSettings")
+    conversations = embedded.load_embedded_conversations()
+    train, _ = shard.records(len(conversations), EMBEDDED_PHASE)
     return [
         message["value"].strip()
-        for conversation in embedded.load_embedded_conversations()
-        for message in conversation.get("conversations", [])
+        for index in train.tolist()
+        for message in conversations[index].get("conversations", [])
         if ROLE_ALIASES.get(str(message.get("from")).lower()) == ASSISTANT
         and isinstance(message.get("value"), str) and message["value"].strip()
     ]
@@ -46,11 +56,13 @@ def _column_texts(records, text_column: str, skipped: Counter) -> list[str]:
     return texts
 
 
-def load_texts(source: str, text_column: str = "text", config_name: str | None = None) -> tuple[list[str], Counter]:
-    """The source's documents, and counts of rows skipped per reason."""
+def load_texts(
+    source: str, text_column: str = "text", config_name: str | None = None, shard: ShardSettings | None = None
+) -> tuple[list[str], Counter]:
+    """The source's documents, and counts of rows skipped per reason; `shard` cuts the embedded source."""
     skipped: Counter = Counter()
     if source == embedded.EMBEDDED_SOURCE:
-        return _embedded_texts(), skipped
+        return _embedded_texts(shard), skipped
     if looks_local(source):
         path = Path(source).expanduser()
         if not path.exists():
@@ -65,9 +77,10 @@ def load_texts(source: str, text_column: str = "text", config_name: str | None =
     return _column_texts(({text_column: text} for text in dataset[text_column]), text_column, skipped), skipped
 
 
-def _fingerprint(source: str, config_name: str | None) -> dict:
+def _fingerprint(source: str, config_name: str | None, shard: ShardSettings | None) -> dict:
     if source == embedded.EMBEDDED_SOURCE:
-        return {"source": source, "files": file_fingerprint([embedded.embedded_data_file()])}
+        shard_key = shard.key() if shard is not None else None
+        return {"source": source, "files": file_fingerprint([embedded.embedded_data_file()]), "shard": shard_key}
     if looks_local(source):
         path = Path(source).expanduser()
         if not path.exists():
@@ -102,13 +115,17 @@ def build_unsupervised_dataset(
     config_name: str | None = None,
     text_column: str = "text",
     max_blocks: int | None = None,
+    shard: ShardSettings | None = None,
 ) -> TokenizedDataset:
-    """Blocks of `block_size` tokens with `input_ids`, `attention_mask` and `labels` (= input_ids)."""
+    """Blocks of `block_size` tokens with `input_ids`, `attention_mask` and `labels` (= input_ids).
+
+    `shard`: the run's data settings, which pick the embedded source's conversations (see the module docstring).
+    """
     if block_size < 2:
         raise UserError("the unsupervised block size must be at least 2 tokens")
 
     def build() -> dict:
-        texts, skipped = load_texts(source, text_column, config_name)
+        texts, skipped = load_texts(source, text_column, config_name, shard)
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
         logger.log(logging.WARNING if skipped else logging.INFO,
                    "unsupervised source '%s': %d documents; skipped: %s", source, len(texts), reasons)
@@ -122,7 +139,7 @@ def build_unsupervised_dataset(
         return TokenizedDataset.from_lists({"input_ids": blocks, "labels": blocks}, stats).state()
 
     key_inputs = {
-        "source": _fingerprint(source, config_name),
+        "source": _fingerprint(source, config_name, shard),
         "text_column": text_column,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "block_size": block_size,

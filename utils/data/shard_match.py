@@ -1,0 +1,51 @@
+"""Steps that feed each other must cut their shared data sources alike.
+
+Step N trains on shard N of every source: `--seed` permutes a source's records and the fractions of
+`--data_split` cut the permutation. A step that starts from an earlier step's model but has other
+values cuts a shared source differently, so its shard overlaps the rows that model trained on
+(seeds 1234 and 7 put 68 of step 1's 200 records of 1,000 into step 2's shard). Only those
+two settings decide the shards: `--eval_fraction` splits a shard within one step, and a stated
+format (`PATH:FORMAT`) changes how rows parse, not which rows a shard holds. A source whose record
+count changed between the runs is permuted anew too; args.json does not record that, so it is not
+checked here.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from training.errors import UserError
+
+from .sources import source_identity
+from .splits import same_shards
+
+RUN_DATA_KEYS = ("data_path", "seed", "data_split")
+
+
+def shared_sources(data_paths: Sequence[str], other_data_paths: Sequence[str]) -> list[str]:
+    """The entries of `data_paths` that read a source `other_data_paths` reads too."""
+    others = {source_identity(path) for path in other_data_paths}
+    return [path for path in data_paths if source_identity(path) in others]
+
+
+def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str, earlier_run: str) -> None:
+    """Refuse a step whose shards would overlap those of the run that trained its input model.
+
+    `current` and `earlier` are run arguments (a step's parsed flags; the input run's `args.json`);
+    `earlier_name` says where the input came from (its flag and value), `earlier_run` is its run
+    folder. Arguments that hold no data settings (not this project's) and runs that share no data
+    source with this step are not checked.
+    """
+    if not all(key in earlier for key in RUN_DATA_KEYS) or not isinstance(earlier["data_path"], list):
+        return
+    shared = shared_sources(current["data_path"], earlier["data_path"])
+    seed, data_split = int(current["seed"]), str(current["data_split"])
+    earlier_seed, earlier_split = int(earlier["seed"]), str(earlier["data_split"])
+    if not shared or same_shards(seed, data_split, earlier_seed, earlier_split):
+        return
+    theirs = f"--seed {earlier_seed} --data_split {earlier_split}"
+    ours = f"--seed {seed} --data_split {data_split}"
+    raise UserError(
+        f"{earlier_name} was trained on {', '.join(shared)} cut with {theirs}, but this step cuts it with {ours}, "
+        f"so its shard would overlap the rows that model trained on; rerun with {theirs} to match {earlier_run}, "
+        f"or retrain {earlier_run} with {ours}"
+    )
