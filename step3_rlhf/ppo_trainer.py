@@ -106,6 +106,22 @@ def mean_over_ranks(stats: Mapping[str, float]) -> dict[str, float]:
     return {k: v / get_world_size() for k, v in zip(keys, values.tolist())}
 
 
+def global_sum_and_count(values: torch.Tensor) -> tuple[float, int]:
+    """The sum of `values` and their number, over every rank's rows (collective: every rank must call it)."""
+    totals = torch.tensor([values.sum().item(), values.numel()], dtype=torch.float64, device=current_device())
+    if is_initialized() and get_world_size() > 1:
+        torch.distributed.all_reduce(totals)
+    total, count = totals.tolist()
+    return total, int(count)
+
+
+def update_kl_controller(controller: AdaptiveKLController | FixedKLController, kl: torch.Tensor) -> None:
+    """One update from the global batch: the mean per-answer KL over every rank's answers, with the
+    global answer count as the step count, so every rank holds the same coefficient (collective)."""
+    total, count = global_sum_and_count(kl)
+    controller.update(total / max(count, 1), count)
+
+
 def _forward_logits(module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return module(
         input_ids=sequences,
@@ -153,13 +169,13 @@ class PPOTrainer:
     def generate_experience(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
         """Sample answers to a left-padded prompt batch and score them: log-probs of actor and reference,
         critic values, reward-model scores, per-token rewards, advantages and returns. The adaptive KL
-        coefficient then moves toward its target.
+        coefficient then moves toward its target, from every rank's answers together (collective).
 
         Everything after generation runs in eval mode (dropout is off anyway), so the old log-probs
         and values are exactly what the first PPO epoch's train-mode forward starts from.
         """
         experience = self._rollout(prompt_batch, do_sample=True)
-        self.kl_controller.update(experience.kl.mean().item(), experience.batch_size)
+        update_kl_controller(self.kl_controller, experience.kl)
         return experience
 
     def evaluate_prompts(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:

@@ -3,13 +3,16 @@ pretraining mixture reaches the actor, and the entry point writes every output a
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, TESTS_DIR
 from crash_resume import assert_same_weights, kill_after_checkpoint, launch_step, output_dir_of, run_step
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
@@ -19,6 +22,7 @@ from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
 from training.engine import OptimizationSettings, create_frozen_engine, create_train_engine
 from training.generation import GenerationOutput, HFGenerator, answer_logprobs, assemble_output
+from training.dist import free_port
 from training.model_loading import load_causal_lm, load_tokenizer
 from utils.data import PromptCollator
 
@@ -173,6 +177,19 @@ def test_pretraining_mixture_reaches_the_actor(distributed, inputs):
     losses = [trainer.train_unsupervised(batch) for _ in range(5)]
     assert not torch.equal(before["lm_head.weight"], engine.actor.module.lm_head.weight.detach())
     assert losses[-1] < losses[0]
+
+
+def test_adaptive_kl_coefficient_is_updated_from_the_global_batch_on_two_ranks():
+    """torchrun, 2 ranks with different KLs and batch sizes: both hold the coefficient computed from
+    the pooled batch, and a resume from rank 0's state restores it on both."""
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(TESTS_DIR / "scripts" / "kl_controller_worker.py")],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "KL_OK" in result.stdout, result.stdout
 
 
 # the entry point -----------------------------------------------------------------------------------
