@@ -2,8 +2,9 @@
 reward model scores the answers (frozen) and initialises the critic.
 
 One PPO step = `--generation_batches` prompt batches answered and scored, then `--ppo_epochs`
-passes of actor and critic updates over those experiences (plus, with `--unsupervised_dataset_name`,
-one pretraining-text update of the actor per PPO micro-batch, weighted by `--unsup_coef`).
+passes of actor and critic updates over those experiences (with `--unsupervised_dataset_name`, each
+actor update minimises the PPO loss plus `--unsup_coef` times the language-model loss of a batch of
+pretraining text: one objective, one optimizer step).
 Held-out prompts are answered greedily and scored before training, every `--eval_interval` steps
 and at the end: the mean reward-model score and the KL to the reference are the run's headline.
 Example (CPU quick run on the outputs of steps 1 and 2):
@@ -113,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ppo.add_argument("--temperature", type=float, default=1.0, help="rollout sampling temperature")
     ppo.add_argument("--top_p", type=float, default=1.0, help="rollout nucleus sampling threshold")
     ppo.add_argument("--top_k", type=int, default=0, help="rollout top-k sampling (0: off)")
-    ppo.add_argument("--unsup_coef", type=float, default=27.8, help="weight of the pretraining-mixture loss")
+    ppo.add_argument("--unsup_coef", type=float, default=27.8,
+                     help="weight of the pretraining LM loss added to the actor's PPO loss (PPO-ptx)")
     ppo.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     ppo.add_argument("--ema_beta", type=float, default=0.992, help="EMA decay per actor optimizer step")
 
@@ -175,10 +177,9 @@ def experiences_per_step(args: argparse.Namespace) -> int:
     return args.generation_batches * args.per_device_generation_batch_size
 
 
-def optimizer_steps_per_ppo_step(args: argparse.Namespace, with_unsupervised: bool) -> int:
+def optimizer_steps_per_ppo_step(args: argparse.Namespace) -> int:
+    """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none)."""
     micro_batches = args.ppo_epochs * -(-experiences_per_step(args) // args.per_device_training_batch_size)
-    if with_unsupervised:
-        micro_batches *= 2
     return max(1, micro_batches // args.gradient_accumulation_steps)
 
 
@@ -285,11 +286,9 @@ class PPORun:
         for _ in range(args.ppo_epochs):
             for experience in experiences:
                 for part in experience.split(args.per_device_training_batch_size):
-                    for key, value in trainer.train_rlhf(part).items():
+                    pretraining = self.unsupervised.next() if self.unsupervised is not None else None
+                    for key, value in trainer.train_rlhf(part, pretraining).items():
                         updates[key] = updates.get(key, 0.0) + value
-                    if self.unsupervised is not None:
-                        updates["unsup_loss"] = updates.get("unsup_loss", 0.0) + trainer.train_unsupervised(
-                            self.unsupervised.next())
                     count += 1
         training_s = time.perf_counter() - started
         stats = {**rollout, **{f"train/{key}": value / count for key, value in updates.items()},
@@ -394,9 +393,8 @@ def run_step3(args: argparse.Namespace) -> dict:
         prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer)
         total_steps = count_ppo_steps(args, prompts)
         save_run_args(run_dir, args)  # after every check, so a refused run never overwrites an earlier one's
-        actor_steps = total_steps * optimizer_steps_per_ppo_step(args, unsupervised is not None)
-        critic_steps = total_steps * optimizer_steps_per_ppo_step(args, False)
-        engine = build_rlhf_engine(args, tokenizer, actor_steps, critic_steps)
+        optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
+        engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps)
         generator = build_generator(generation_backend_from_args(args), engine.actor, tokenizer,
                                     hybrid_settings_from_args(args))
         trainer = PPOTrainer(engine, generator, ppo_config(args))

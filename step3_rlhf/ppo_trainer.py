@@ -1,6 +1,6 @@
 """PPO for language models with a small public API: `generate_experience` and `train_rlhf`.
 
-A custom loop needs only these two calls (and `train_unsupervised` for the pretraining mixture):
+A custom loop needs only these two calls (`train_rlhf(part, text_batch)` adds the pretraining mixture):
 
     trainer = PPOTrainer(rlhf_engine, generator, PPOConfig(...))
     for prompts in prompt_loader:
@@ -221,8 +221,15 @@ class PPOTrainer:
 
     # updates ------------------------------------------------------------------------------------
 
-    def train_rlhf(self, experience: Experience) -> dict[str, float]:
-        """One PPO update of the actor (clipped surrogate) and the critic (clipped value loss) on `experience`."""
+    def train_rlhf(self, experience: Experience,
+                   unsupervised_batch: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """One PPO update of the actor (clipped surrogate) and the critic (clipped value loss) on `experience`.
+
+        With `unsupervised_batch` (pretraining text: the PPO-ptx mixture), the actor minimises InstructGPT's
+        single objective, policy loss + unsup_coef * language-model loss, in one backward and ONE optimizer
+        step: separate steps would let Adam normalise the coefficient away. Both forward graphs are alive
+        until that backward.
+        """
         engine, config = self.engine, self.config
         actor, critic = engine.actor, engine.critic
         mask = experience.action_mask
@@ -236,7 +243,13 @@ class PPOTrainer:
             entropy = entropy_from_logits(logits.detach(), mask)
         del logits
         check_finite("actor loss", policy.loss, step)
-        self._step_actor(policy.loss)
+        objective, mixture_stats = policy.loss, {}
+        if unsupervised_batch is not None:
+            lm_loss = self._language_model_loss(unsupervised_batch)
+            check_finite("unsupervised loss", lm_loss, step)
+            objective = objective + config.unsup_coef * lm_loss
+            mixture_stats["unsup_loss"] = lm_loss.item()
+        self._step_actor(objective)
 
         values = _answer_values(critic, experience.sequences, experience.attention_mask, prompt_length)
         value = critic_loss(values, experience.old_values, experience.returns, mask, config.cliprange_value)
@@ -250,18 +263,15 @@ class PPOTrainer:
             "value_clip_fraction": value.clip_fraction.item(),
             "approx_kl": policy.approx_kl.item(),
             "entropy": entropy.item(),
+            **mixture_stats,
         }
 
-    def train_unsupervised(self, batch: Mapping[str, torch.Tensor]) -> float:
-        """One language-modelling update of the actor on pretraining text, weighted by `unsup_coef`
-        (the PPO-ptx mixture that keeps the actor's general language ability)."""
+    def _language_model_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The actor's next-token loss on pretraining text (the term that keeps its general language ability)."""
         actor = self.engine.actor
         batch = {key: value.to(actor.device) for key, value in batch.items()}
-        loss = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        return actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      labels=batch["labels"], use_cache=False).loss
-        check_finite("unsupervised loss", loss, actor.global_steps + 1)
-        self._step_actor(self.config.unsup_coef * loss)
-        return loss.item()
 
     def _step_actor(self, loss: torch.Tensor) -> None:
         """Backward and (micro-)step the actor; the EMA follows every optimizer step actually taken."""

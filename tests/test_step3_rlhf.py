@@ -1,7 +1,9 @@
 """Step 3 (PPO) on tiny models: the trainer's tensors line up, a rule-based reward is learnt, the
-pretraining mixture reaches the actor, and the entry point writes every output a user expects."""
+pretraining mixture and the PPO loss make one actor step, the adaptive KL coefficient agrees across
+ranks, and the entry point writes every output a user expects."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -18,13 +20,15 @@ from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
 from step2_reward.reward_model import RewardModel
+from step3_rlhf.ema import ModelEMA
+from step3_rlhf.ppo_math import actor_loss
 from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
+from training.dist import free_port
 from training.engine import OptimizationSettings, create_frozen_engine, create_train_engine
 from training.generation import GenerationOutput, HFGenerator, answer_logprobs, assemble_output
-from training.dist import free_port
 from training.model_loading import load_causal_lm, load_tokenizer
-from utils.data import PromptCollator
+from utils.data import PromptCollator, SFTCollator
 
 
 @pytest.fixture(scope="module")
@@ -159,24 +163,64 @@ def test_ppo_raises_a_rule_based_reward(distributed, inputs):
     assert last > first + 0.15, f"rule-based reward did not rise: {first:.3f} -> {last:.3f} ({scores})"
 
 
-def test_pretraining_mixture_reaches_the_actor(distributed, inputs):
-    engine = build_engine(inputs)
+class ListStream:
+    """A stand-in for a BatchStream that hands out the given batches in order."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]):
+        self.batches = iter(batches)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        return next(self.batches)
+
+
+def text_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
+    """Pretraining text as the unsupervised stream yields it: input ids, mask and labels."""
+    ids = [torch.tensor(row) for row in tokenizer(texts)["input_ids"]]
+    return SFTCollator(tokenizer.pad_token_id)(
+        [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids])
+
+
+def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed, inputs):
+    """PPO-ptx optimises InstructGPT's one objective: each PPO micro-batch takes ONE actor step on
+    policy loss + unsup_coef * LM loss (not a PPO step, then an LM step), and the EMA follows it."""
+    from step3_rlhf.main import PPORun, optimizer_steps_per_ppo_step
+
+    config = PPOConfig(max_answer_seq_len=5, unsup_coef=0.5)
+    args = argparse.Namespace(generation_batches=1, ppo_epochs=2, per_device_generation_batch_size=4,
+                              per_device_training_batch_size=2, gradient_accumulation_steps=1)
+    engine, twin = build_engine(inputs), build_engine(inputs)
+    engine.actor_ema = ModelEMA(engine.actor, beta=0.9)
     tokenizer = engine.tokenizer
-    ids = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]] * 2)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    generator = HFGenerator(engine.actor)
+    prompts = prompt_batch(tokenizer, 4)
+    eos = tokenizer.eos_token_id
+    answers = torch.tensor([[5, 6, 7, eos, 9], [10, 11, 12, 13, 14], [15, eos, 17, 18, 19], [20, 21, 22, 23, eos]])
+    generator = FixedAnswers(answers, eos, tokenizer.pad_token_id)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Human: hi Assistant: hello", "0 1 2 3 4 5",
+             "yes no maybe good bad great", "Reinforcement learning from human feedback.", "how are you today"]
+    unsupervised = [text_batch(tokenizer, texts[i:i + 2]) for i in range(4)]
 
-    def weights() -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in engine.actor.module.named_parameters()}
+    run = PPORun(args, engine, PPOTrainer(engine, generator, config), ListStream([prompts]), None,
+                 ListStream(unsupervised), total_steps=1, checkpoints=None, metrics=None)
+    steps_before = engine.actor.global_steps
+    stats = run.ppo_step()
+    assert engine.actor.global_steps - steps_before == 4, "one actor step per PPO micro-batch (2 epochs x 2)"
+    assert optimizer_steps_per_ppo_step(args) == 4, "the LR schedule must count the steps actually taken"
+    assert engine.actor_ema.num_updates == 4
 
-    before = weights()
-    PPOTrainer(engine, generator, PPOConfig(unsup_coef=0.0)).train_unsupervised(batch)
-    assert all(torch.equal(before[n], p) for n, p in engine.actor.module.named_parameters())
-
-    trainer = PPOTrainer(engine, generator, PPOConfig(unsup_coef=1.0))
-    losses = [trainer.train_unsupervised(batch) for _ in range(5)]
-    assert not torch.equal(before["lm_head.weight"], engine.actor.module.lm_head.weight.detach())
-    assert losses[-1] < losses[0]
+    # the twin takes one plain step on the summed loss per micro-batch, on the same experience
+    experience = PPOTrainer(twin, generator, config).generate_experience(prompts)
+    batches, lm_losses = iter(unsupervised), []
+    for _ in range(args.ppo_epochs):
+        for part in experience.split(args.per_device_training_batch_size):
+            logprobs = answer_logprobs(twin.actor, part.sequences, part.attention_mask, part.prompt_length)
+            policy = actor_loss(logprobs, part.old_logprobs, part.advantages, part.action_mask, config.cliprange)
+            lm_loss = twin.actor(**next(batches), use_cache=False).loss
+            twin.actor.backward(policy.loss + config.unsup_coef * lm_loss)
+            twin.actor.step()
+            lm_losses.append(lm_loss.item())
+    for (name, trained), expected in zip(engine.actor.module.named_parameters(), twin.actor.module.parameters()):
+        torch.testing.assert_close(trained, expected, msg=name)
+    assert stats["train/unsup_loss"] == pytest.approx(sum(lm_losses) / len(lm_losses))
 
 
 def test_adaptive_kl_coefficient_is_updated_from_the_global_batch_on_two_ranks():
