@@ -6,7 +6,8 @@ passes of actor and critic updates over those experiences (with `--unsupervised_
 actor update minimises the PPO loss plus `--unsup_coef` times the language-model loss of a batch of
 pretraining text: one objective, one optimizer step).
 Held-out prompts are answered greedily and scored before training, every `--eval_interval` steps
-and at the end: the mean reward-model score and the KL to the reference are the run's headline.
+and at the end: the mean reward-model score and the exact KL to the reference along the answers
+(`kl_exact`, see `PPOTrainer.evaluate_prompts`) are the run's headline.
 Example (CPU quick run on the outputs of steps 1 and 2):
 
     python step3_rlhf/main.py --actor_model_name_or_path runs/step1 --critic_model_name_or_path runs/step2 \\
@@ -32,7 +33,7 @@ from transformers import set_seed  # noqa: E402
 from step2_reward.reward_model import MARKER_FILE, VALUE_HEAD_FILE  # noqa: E402
 from step3_rlhf.ema import save_ema_model  # noqa: E402
 from step3_rlhf.plots import plot_reward_kl  # noqa: E402
-from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer, experience_stats, mean_over_ranks  # noqa: E402
+from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer, experience_stats, mean_over_ranks  # noqa: E402
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine  # noqa: E402
 from training.args import (  # noqa: E402
     add_lora_args,
@@ -72,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR = "actor", "critic", "actor_ema"
 PLOT_FILE = "reward_kl.png"
+HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_length": "response_length",
+                          "rollout/eos_fraction": "eos_fraction"}  # experience_stats key: held-out name
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -194,18 +197,22 @@ def count_ppo_steps(args: argparse.Namespace, prompts: BatchStream) -> int:
     return min(total, args.max_steps) if args.max_steps else total
 
 
+def held_out_stats(experience: Experience) -> dict[str, float]:
+    """Metrics of one batch of greedy held-out answers (this rank's rows): score, exact KL, length, EOS share."""
+    stats = experience_stats(experience)
+    return {**{name: stats[key] for key, name in HELD_OUT_ROLLOUT_STATS.items()},
+            "kl_exact": experience.exact_kl.mean().item()}
+
+
 @torch.no_grad()
 def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_batches: int) -> dict[str, float]:
-    """Greedy answers to the first held-out prompts, scored by the reward model: mean score, KL, length."""
+    """Greedy answers to the first held-out prompts, scored by the reward model: `held_out_stats` averaged."""
     prompts.load_state_dict({"epoch": 0, "batches_done": 0})
     totals: dict[str, float] = {}
     for _ in range(num_batches):
-        stats = experience_stats(trainer.evaluate_prompts(prompts.next()))
-        for key in ("reward/score_mean", "reward/kl", "rollout/response_length", "rollout/eos_fraction"):
-            totals[key] = totals.get(key, 0.0) + stats[key] / num_batches
-    names = {"reward/score_mean": "score_mean", "reward/kl": "kl", "rollout/response_length": "response_length",
-             "rollout/eos_fraction": "eos_fraction"}
-    return {names[key]: value for key, value in mean_over_ranks(totals).items()}
+        for key, value in held_out_stats(trainer.evaluate_prompts(prompts.next())).items():
+            totals[key] = totals.get(key, 0.0) + value / num_batches
+    return mean_over_ranks(totals)
 
 
 class PPORun:
@@ -263,8 +270,8 @@ class PPORun:
         record = {"step": self.step, **values}
         self.evaluations.append(record)
         self.metrics.log(self.step, {f"eval/{key}": value for key, value in values.items()})
-        logger.info("held-out at PPO step %d: score %.4f, KL %.4f, length %.1f", self.step, values["score_mean"],
-                    values["kl"], values["response_length"])
+        logger.info("held-out at PPO step %d: score %.4f, exact KL %.4f, length %.1f", self.step,
+                    values["score_mean"], values["kl_exact"], values["response_length"])
         return record
 
     def ppo_step(self) -> dict[str, float]:
@@ -365,7 +372,7 @@ def _summary(run: PPORun, saved: Mapping[str, str | None], plot: Path | None, wa
         "ppo_steps": run.step,
         "reward_first": first.get("score_mean"),
         "reward_last": last.get("score_mean"),
-        "kl_last": last.get("kl"),
+        "kl_exact_last": last.get("kl_exact"),
         "response_length_last": last.get("response_length"),
         "rollout_reward_last": run.last_stats.get("reward/score_mean"),
         "rollout_kl_last": run.last_stats.get("reward/kl"),

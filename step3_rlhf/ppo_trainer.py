@@ -32,6 +32,7 @@ from step3_rlhf.ppo_math import (
     critic_loss,
     entropy_from_logits,
     gather_log_probs,
+    kl_from_logits,
     masked_mean,
     whiten,
 )
@@ -77,8 +78,9 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
     scores: torch.Tensor  # [B] reward-model score (after the no-EOS penalty, before clipping)
-    kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer
+    kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer (a KL estimate if sampled)
     ended_with_eos: torch.Tensor  # [B] bool
+    exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
 
     @property
     def batch_size(self) -> int:
@@ -179,11 +181,17 @@ class PPOTrainer:
         return experience
 
     def evaluate_prompts(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
-        """Greedy answers to a prompt batch, scored like a rollout; changes no training state."""
-        return self._rollout(prompt_batch, do_sample=False)
+        """Greedy answers to a prompt batch, scored like a rollout; changes no training state.
+
+        Greedy tokens are not samples of the actor, so their summed log-ratio (`kl`) estimates no KL;
+        `exact_kl` is the real one along each answer: at every answer position, the KL between the
+        actor's and the reference's full next-token distributions, summed over the answer.
+        """
+        return self._rollout(prompt_batch, do_sample=False, with_exact_kl=True)
 
     @torch.no_grad()
-    def _rollout(self, prompt_batch: Mapping[str, torch.Tensor], do_sample: bool) -> Experience:
+    def _rollout(self, prompt_batch: Mapping[str, torch.Tensor], do_sample: bool,
+                 with_exact_kl: bool = False) -> Experience:
         engine, config = self.engine, self.config
         device = engine.actor.device
         input_ids = prompt_batch["input_ids"].to(device)
@@ -199,10 +207,13 @@ class PPOTrainer:
         with eval_mode(engine.actor.module), eval_mode(engine.critic.module):
             logits = _forward_logits(engine.actor, sequences, attention_mask)
             old_logprobs = gather_log_probs(logits[:, prompt_length - 1:-1], answers)
+            answer_logits = logits[:, prompt_length - 1:-1].clone() if with_exact_kl else None
             del logits
             ref_logits = _forward_logits(engine.reference, sequences, attention_mask)
             ref_logprobs = gather_log_probs(ref_logits[:, prompt_length - 1:-1], answers)
-            del ref_logits
+            exact_kl = (kl_from_logits(answer_logits, ref_logits[:, prompt_length - 1:-1], action_mask)
+                        if with_exact_kl else None)
+            del ref_logits, answer_logits
             old_values = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
             scores = engine.reward(input_ids=sequences, attention_mask=attention_mask)["end_scores"].float()
         ended_with_eos = ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
@@ -217,7 +228,7 @@ class PPOTrainer:
         self.last_timing = {"generation_s": generated - started, "scoring_s": scored - generated,
                             "generated_tokens": float(action_mask.sum().item())}
         return Experience(sequences, attention_mask, prompt_length, action_mask, old_logprobs, ref_logprobs,
-                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos)
+                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos, exact_kl)
 
     # updates ------------------------------------------------------------------------------------
 

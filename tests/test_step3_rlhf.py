@@ -24,9 +24,16 @@ from step3_rlhf.ema import ModelEMA
 from step3_rlhf.ppo_math import actor_loss
 from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
+from training.batch_stream import BatchStream
 from training.dist import free_port
 from training.engine import OptimizationSettings, create_frozen_engine, create_train_engine
-from training.generation import GenerationOutput, HFGenerator, answer_logprobs, assemble_output
+from training.generation import (
+    GenerationOutput,
+    HFGenerator,
+    answer_logprobs,
+    assemble_output,
+    position_ids_from_attention_mask,
+)
 from training.model_loading import load_causal_lm, load_tokenizer
 from utils.data import PromptCollator, SFTCollator
 
@@ -84,12 +91,15 @@ class FixedAnswers:
         return assemble_output(input_ids, attention_mask, self.answers, torch.zeros(self.answers.shape), mask, self.pad)
 
 
-def build_engine(inputs, lr: float = 1e-3, reward: torch.nn.Module | None = None, seed_offset: int = 0) -> RLHFEngine:
+def build_engine(inputs, lr: float = 1e-3, reward: torch.nn.Module | None = None, seed_offset: int = 0,
+                 reference_dir: str | None = None) -> RLHFEngine:
+    """Tiny actor, critic and reward engines; the reference is another tiny model unless `reference_dir` is given."""
     tokenizer = load_tokenizer(inputs["actor"])
     settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
                                     micro_batch_size=4)
     actor = create_train_engine(load_causal_lm(inputs["actor"], tokenizer, disable_dropout_layers=True), settings)
-    reference_dir = make_tiny_model_dir(inputs["root"] / f"reference{seed_offset}", "llama", seed=7 + seed_offset)
+    if reference_dir is None:
+        reference_dir = make_tiny_model_dir(inputs["root"] / f"reference{seed_offset}", "llama", seed=7 + seed_offset)
     reference = create_frozen_engine(load_causal_lm(reference_dir, tokenizer, disable_dropout_layers=True))
     critic_settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
                                            micro_batch_size=4)
@@ -223,6 +233,44 @@ def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed
     assert stats["train/unsup_loss"] == pytest.approx(sum(lm_losses) / len(lm_losses))
 
 
+def exact_kl_along_greedy_answers(engine: RLHFEngine, trainer: PPOTrainer, prompts: dict[str, torch.Tensor]) -> float:
+    """Mean over answers of the sum over the greedy answer's positions of KL(actor || reference) between
+    the full next-token distributions, from plain log-softmaxes of both models."""
+    output = HFGenerator(engine.actor).generate(prompts["input_ids"], prompts["attention_mask"],
+                                                trainer.generation_config(do_sample=False))
+    positions = position_ids_from_attention_mask(output.attention_mask)
+
+    def log_probs(module: torch.nn.Module) -> torch.Tensor:
+        logits = module(input_ids=output.sequences, attention_mask=output.attention_mask, position_ids=positions).logits
+        return torch.log_softmax(logits[:, output.prompt_length - 1:-1].float(), dim=-1)
+
+    with torch.no_grad():
+        actor, reference = log_probs(engine.actor.module), log_probs(engine.reference.module)
+    per_position = (actor.exp() * (actor - reference)).sum(-1)
+    return (per_position * output.answer_mask).sum(-1).mean().item()
+
+
+def test_held_out_kl_is_the_exact_kl_along_the_greedy_answers(distributed, inputs):
+    """Greedy answers are not samples of the actor, so their summed log-ratio is no KL estimate: the
+    held-out KL is the exact KL of the next-token distributions at every answer position, summed."""
+    from step3_rlhf.main import evaluate
+
+    tokenizer = load_tokenizer(inputs["actor"])
+    prompts = prompt_batch(tokenizer, 4)
+    rows = [{key: prompts[key][i] for key in prompts} for i in range(4)]
+    for reference_dir in (None, inputs["actor"]):  # a different reference model, then the actor itself
+        engine = build_engine(inputs, reference_dir=reference_dir)
+        trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=6))
+        held_out = BatchStream(rows, 4, PromptCollator(tokenizer.pad_token_id), seed=0, shuffle=False)
+        reported = evaluate(trainer, held_out, num_batches=1)["kl_exact"]
+        expected = exact_kl_along_greedy_answers(engine, trainer, prompts)
+        assert reported == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        if reference_dir is None:
+            assert expected > 0.01
+        else:
+            assert expected == pytest.approx(0.0, abs=1e-6)
+
+
 def test_adaptive_kl_coefficient_is_updated_from_the_global_batch_on_two_ranks():
     """torchrun, 2 ranks with different KLs and batch sizes: both hold the coefficient computed from
     the pooled batch, and a resume from rank 0's state restores it on both."""
@@ -266,6 +314,9 @@ def test_step3_writes_models_metrics_plot_and_summary(step3_run):
                 "time/scoring_s", "time/training_s", "rollout/generated_tokens_per_s"):
         assert all(key in r for r in trained), key
     assert [e["step"] for e in summary["evaluations"]] == [0, 3]
+    held_out = [r for r in records if "eval/score_mean" in r]
+    assert [r["step"] for r in held_out] == [0, 3] and all(r["eval/kl_exact"] >= 0 for r in held_out)
+    assert summary["kl_exact_last"] == summary["evaluations"][-1]["kl_exact"] == held_out[-1]["eval/kl_exact"]
 
 
 def test_step3_models_load_back(step3_run, inputs):
