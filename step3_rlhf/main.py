@@ -2,10 +2,12 @@
 reward model scores the answers (frozen) and initialises the critic.
 
 One PPO step = `--generation_batches` prompt batches answered and scored, then `--ppo_epochs`
-passes of actor and critic updates over those experiences (plus, with `--unsupervised_dataset_name`,
-one pretraining-text update of the actor per PPO micro-batch, weighted by `--unsup_coef`).
+passes of actor and critic updates over those experiences (with `--unsupervised_dataset_name`, each
+actor update minimises the PPO loss plus `--unsup_coef` times the language-model loss of a batch of
+pretraining text: one objective, one optimizer step).
 Held-out prompts are answered greedily and scored before training, every `--eval_interval` steps
-and at the end: the mean reward-model score and the KL to the reference are the run's headline.
+and at the end: the mean reward-model score and the exact KL to the reference along the answers
+(`kl_exact`, see `PPOTrainer.evaluate_prompts`) are the run's headline.
 Example (CPU quick run on the outputs of steps 1 and 2):
 
     python step3_rlhf/main.py --actor_model_name_or_path runs/step1 --critic_model_name_or_path runs/step2 \\
@@ -31,7 +33,7 @@ from transformers import set_seed  # noqa: E402
 from step2_reward.reward_model import MARKER_FILE, VALUE_HEAD_FILE  # noqa: E402
 from step3_rlhf.ema import save_ema_model  # noqa: E402
 from step3_rlhf.plots import plot_reward_kl  # noqa: E402
-from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer, experience_stats, mean_over_ranks  # noqa: E402
+from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer, experience_stats, mean_over_ranks  # noqa: E402
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine  # noqa: E402
 from training.args import (  # noqa: E402
     add_lora_args,
@@ -72,6 +74,8 @@ logger = logging.getLogger(__name__)
 
 ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR = "actor", "critic", "actor_ema"
 PLOT_FILE = "reward_kl.png"
+HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_length": "response_length",
+                          "rollout/eos_fraction": "eos_fraction"}  # experience_stats key: held-out name
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,7 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="refused below 1: truncated sampling would train on other log-probs than drew the tokens")
     ppo.add_argument("--top_k", type=int, default=0,
                      help="refused above 0: truncated sampling would train on other log-probs than drew the tokens")
-    ppo.add_argument("--unsup_coef", type=float, default=27.8, help="weight of the pretraining-mixture loss")
+    ppo.add_argument("--unsup_coef", type=float, default=27.8,
+                     help="weight of the pretraining LM loss added to the actor's PPO loss (PPO-ptx)")
     ppo.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     ppo.add_argument("--ema_beta", type=float, default=0.992, help="EMA decay per actor optimizer step")
 
@@ -184,10 +189,9 @@ def experiences_per_step(args: argparse.Namespace) -> int:
     return args.generation_batches * args.per_device_generation_batch_size
 
 
-def optimizer_steps_per_ppo_step(args: argparse.Namespace, with_unsupervised: bool) -> int:
+def optimizer_steps_per_ppo_step(args: argparse.Namespace) -> int:
+    """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none)."""
     micro_batches = args.ppo_epochs * -(-experiences_per_step(args) // args.per_device_training_batch_size)
-    if with_unsupervised:
-        micro_batches *= 2
     return max(1, micro_batches // args.gradient_accumulation_steps)
 
 
@@ -202,18 +206,22 @@ def count_ppo_steps(args: argparse.Namespace, prompts: BatchStream) -> int:
     return min(total, args.max_steps) if args.max_steps else total
 
 
+def held_out_stats(experience: Experience) -> dict[str, float]:
+    """Metrics of one batch of greedy held-out answers (this rank's rows): score, exact KL, length, EOS share."""
+    stats = experience_stats(experience)
+    return {**{name: stats[key] for key, name in HELD_OUT_ROLLOUT_STATS.items()},
+            "kl_exact": experience.exact_kl.mean().item()}
+
+
 @torch.no_grad()
 def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_batches: int) -> dict[str, float]:
-    """Greedy answers to the first held-out prompts, scored by the reward model: mean score, KL, length."""
+    """Greedy answers to the first held-out prompts, scored by the reward model: `held_out_stats` averaged."""
     prompts.load_state_dict({"epoch": 0, "batches_done": 0})
     totals: dict[str, float] = {}
     for _ in range(num_batches):
-        stats = experience_stats(trainer.evaluate_prompts(prompts.next()))
-        for key in ("reward/score_mean", "reward/kl", "rollout/response_length", "rollout/eos_fraction"):
-            totals[key] = totals.get(key, 0.0) + stats[key] / num_batches
-    names = {"reward/score_mean": "score_mean", "reward/kl": "kl", "rollout/response_length": "response_length",
-             "rollout/eos_fraction": "eos_fraction"}
-    return {names[key]: value for key, value in mean_over_ranks(totals).items()}
+        for key, value in held_out_stats(trainer.evaluate_prompts(prompts.next())).items():
+            totals[key] = totals.get(key, 0.0) + value / num_batches
+    return mean_over_ranks(totals)
 
 
 class PPORun:
@@ -271,8 +279,8 @@ class PPORun:
         record = {"step": self.step, **values}
         self.evaluations.append(record)
         self.metrics.log(self.step, {f"eval/{key}": value for key, value in values.items()})
-        logger.info("held-out at PPO step %d: score %.4f, KL %.4f, length %.1f", self.step, values["score_mean"],
-                    values["kl"], values["response_length"])
+        logger.info("held-out at PPO step %d: score %.4f, exact KL %.4f, length %.1f", self.step,
+                    values["score_mean"], values["kl_exact"], values["response_length"])
         return record
 
     def ppo_step(self) -> dict[str, float]:
@@ -294,11 +302,9 @@ class PPORun:
         for _ in range(args.ppo_epochs):
             for experience in experiences:
                 for part in experience.split(args.per_device_training_batch_size):
-                    for key, value in trainer.train_rlhf(part).items():
+                    pretraining = self.unsupervised.next() if self.unsupervised is not None else None
+                    for key, value in trainer.train_rlhf(part, pretraining).items():
                         updates[key] = updates.get(key, 0.0) + value
-                    if self.unsupervised is not None:
-                        updates["unsup_loss"] = updates.get("unsup_loss", 0.0) + trainer.train_unsupervised(
-                            self.unsupervised.next())
                     count += 1
         training_s = time.perf_counter() - started
         stats = {**rollout, **{f"train/{key}": value / count for key, value in updates.items()},
@@ -376,7 +382,7 @@ def _summary(run: PPORun, saved: Mapping[str, str | None], plot: Path | None, wa
         "ppo_steps": run.step,
         "reward_first": first.get("score_mean"),
         "reward_last": last.get("score_mean"),
-        "kl_last": last.get("kl"),
+        "kl_exact_last": last.get("kl_exact"),
         "response_length_last": last.get("response_length"),
         "rollout_reward_last": run.last_stats.get("reward/score_mean"),
         "rollout_kl_last": run.last_stats.get("reward/kl"),
@@ -404,9 +410,8 @@ def run_step3(args: argparse.Namespace) -> dict:
         prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer)
         total_steps = count_ppo_steps(args, prompts)
         save_run_args(run_dir, args)  # after every check, so a refused run never overwrites an earlier one's
-        actor_steps = total_steps * optimizer_steps_per_ppo_step(args, unsupervised is not None)
-        critic_steps = total_steps * optimizer_steps_per_ppo_step(args, False)
-        engine = build_rlhf_engine(args, tokenizer, actor_steps, critic_steps)
+        optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
+        engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps)
         generator = build_generator(generation_backend_from_args(args), engine.actor, tokenizer,
                                     hybrid_settings_from_args(args))
         trainer = PPOTrainer(engine, generator, ppo_config(args))

@@ -1,4 +1,9 @@
-"""The end-of-run picture of step 3: reward-model score and KL to the reference over PPO steps."""
+"""The end-of-run picture of step 3: reward-model score and KL to the reference over PPO steps.
+
+The two KL lines are different quantities: the rollout's is the log-ratio summed over sampled answers
+(an unbiased estimate of the sequence KL), the held-out one the exact per-state KL summed along
+greedy answers (see `PPOTrainer.evaluate_prompts`).
+"""
 from __future__ import annotations
 
 import os
@@ -22,12 +27,14 @@ def series(records: Iterable[Mapping], key: str) -> tuple[list[int], list[float]
 
 
 def plot_reward_kl(records: list[Mapping], path: str | os.PathLike) -> Path:
-    """Two panels: rollout and held-out reward scores; rollout and held-out KL. Returns the PNG path."""
+    """Two panels: rollout and held-out reward scores; rollout KL estimate and held-out exact KL. Returns the path."""
     figure, (reward_axis, kl_axis) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     for axis, keys, ylabel in (
         (reward_axis, (("reward/score_mean", "rollout (sampled)"), ("eval/score_mean", "held-out (greedy)")),
          "reward-model score"),
-        (kl_axis, (("reward/kl", "rollout (sampled)"), ("eval/kl", "held-out (greedy)")), "KL to reference (nats)"),
+        (kl_axis, (("reward/kl", "rollout (sampled): summed log-ratio"),
+                   ("eval/kl_exact", "held-out (greedy): exact KL along the answer")),
+         "KL to reference (nats per answer)"),
     ):
         for key, label in keys:
             steps, values = series(records, key)

@@ -43,6 +43,22 @@ def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     return masked_mean(log_z - expected_logit, mask)
 
 
+def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Exact KL(p || q) between the next-token distributions p = softmax(logits / T) and q = softmax(ref_logits / T),
+    summed over each row's masked positions: logits/ref_logits [B, T, V], mask [B, T] -> [B] (fp32).
+
+    One row at a time in fp32, so no [B, T, V] log-softmax tensor is ever built.
+    """
+    per_row = []
+    for row_logits, row_ref_logits, row_mask in zip(logits, ref_logits, mask):
+        log_p = torch.log_softmax(row_logits.float() / temperature, dim=-1)
+        log_q = torch.log_softmax(row_ref_logits.float() / temperature, dim=-1)
+        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+        per_row.append(torch.where(row_mask.bool(), per_position, torch.zeros_like(per_position)).sum())
+    return torch.stack(per_row)
+
+
 def compute_rewards(
     reward_scores: torch.Tensor,
     logprobs: torch.Tensor,

@@ -1,6 +1,6 @@
 """PPO for language models with a small public API: `generate_experience` and `train_rlhf`.
 
-A custom loop needs only these two calls (and `train_unsupervised` for the pretraining mixture):
+A custom loop needs only these two calls (`train_rlhf(part, text_batch)` adds the pretraining mixture):
 
     trainer = PPOTrainer(rlhf_engine, generator, PPOConfig(...))
     for prompts in prompt_loader:
@@ -31,6 +31,7 @@ from step3_rlhf.ppo_math import (
     compute_rewards,
     critic_loss,
     entropy_from_logits,
+    kl_from_logits,
     masked_mean,
     whiten,
 )
@@ -40,7 +41,6 @@ from training.generation import (
     GenerationConfig,
     Generator,
     answer_logits,
-    answer_logprobs,
     eval_mode,
     token_logprobs,
 )
@@ -81,8 +81,9 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
     scores: torch.Tensor  # [B] reward-model score (after the no-EOS penalty, before clipping)
-    kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer
+    kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer (a KL estimate if sampled)
     ended_with_eos: torch.Tensor  # [B] bool
+    exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
 
     @property
     def batch_size(self) -> int:
@@ -108,6 +109,22 @@ def mean_over_ranks(stats: Mapping[str, float]) -> dict[str, float]:
     values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=current_device())
     torch.distributed.all_reduce(values)
     return {k: v / get_world_size() for k, v in zip(keys, values.tolist())}
+
+
+def global_sum_and_count(values: torch.Tensor) -> tuple[float, int]:
+    """The sum of `values` and their number, over every rank's rows (collective: every rank must call it)."""
+    totals = torch.tensor([values.sum().item(), values.numel()], dtype=torch.float64, device=current_device())
+    if is_initialized() and get_world_size() > 1:
+        torch.distributed.all_reduce(totals)
+    total, count = totals.tolist()
+    return total, int(count)
+
+
+def update_kl_controller(controller: AdaptiveKLController | FixedKLController, kl: torch.Tensor) -> None:
+    """One update from the global batch: the mean per-answer KL over every rank's answers, with the
+    global answer count as the step count, so every rank holds the same coefficient (collective)."""
+    total, count = global_sum_and_count(kl)
+    controller.update(total / max(count, 1), count)
 
 
 def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -146,21 +163,27 @@ class PPOTrainer:
     def generate_experience(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
         """Sample answers to a left-padded prompt batch and score them: log-probs of actor and reference,
         critic values, reward-model scores, per-token rewards, advantages and returns. The adaptive KL
-        coefficient then moves toward its target.
+        coefficient then moves toward its target, from every rank's answers together (collective).
 
         Everything after generation runs in eval mode (dropout is off anyway), so the old log-probs
         and values are exactly what the first PPO epoch's train-mode forward starts from.
         """
         experience = self._rollout(prompt_batch, do_sample=True)
-        self.kl_controller.update(experience.kl.mean().item(), experience.batch_size)
+        update_kl_controller(self.kl_controller, experience.kl)
         return experience
 
     def evaluate_prompts(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
-        """Greedy answers to a prompt batch, scored like a rollout; changes no training state."""
-        return self._rollout(prompt_batch, do_sample=False)
+        """Greedy answers to a prompt batch, scored like a rollout; changes no training state.
+
+        Greedy tokens are not samples of the actor, so their summed log-ratio (`kl`) estimates no KL;
+        `exact_kl` is the real one along each answer: at every answer position, the KL between the
+        actor's and the reference's full next-token distributions, summed over the answer.
+        """
+        return self._rollout(prompt_batch, do_sample=False, with_exact_kl=True)
 
     @torch.no_grad()
-    def _rollout(self, prompt_batch: Mapping[str, torch.Tensor], do_sample: bool) -> Experience:
+    def _rollout(self, prompt_batch: Mapping[str, torch.Tensor], do_sample: bool,
+                 with_exact_kl: bool = False) -> Experience:
         engine, config = self.engine, self.config
         device = engine.actor.device
         input_ids = prompt_batch["input_ids"].to(device)
@@ -174,9 +197,15 @@ class PPOTrainer:
         action_mask = output.answer_mask.clone().to(device)
         answers = sequences[:, prompt_length:]
         with eval_mode(engine.actor.module), eval_mode(engine.critic.module):
-            old_logprobs = answer_logprobs(engine.actor, sequences, attention_mask, prompt_length, config.temperature)
-            ref_logprobs = answer_logprobs(engine.reference, sequences, attention_mask, prompt_length,
-                                           config.temperature)
+            logits = answer_logits(engine.actor, sequences, attention_mask, prompt_length)
+            old_logprobs = token_logprobs(logits, answers, config.temperature)
+            actor_logits = logits if with_exact_kl else None
+            del logits
+            ref_logits = answer_logits(engine.reference, sequences, attention_mask, prompt_length)
+            ref_logprobs = token_logprobs(ref_logits, answers, config.temperature)
+            exact_kl = (kl_from_logits(actor_logits, ref_logits, action_mask, config.temperature)
+                        if with_exact_kl else None)
+            del ref_logits, actor_logits
             old_values = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
             scores = engine.reward(input_ids=sequences, attention_mask=attention_mask)["end_scores"].float()
         ended_with_eos = ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
@@ -191,12 +220,19 @@ class PPOTrainer:
         self.last_timing = {"generation_s": generated - started, "scoring_s": scored - generated,
                             "generated_tokens": float(action_mask.sum().item())}
         return Experience(sequences, attention_mask, prompt_length, action_mask, old_logprobs, ref_logprobs,
-                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos)
+                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos, exact_kl)
 
     # updates ------------------------------------------------------------------------------------
 
-    def train_rlhf(self, experience: Experience) -> dict[str, float]:
-        """One PPO update of the actor (clipped surrogate) and the critic (clipped value loss) on `experience`."""
+    def train_rlhf(self, experience: Experience,
+                   unsupervised_batch: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """One PPO update of the actor (clipped surrogate) and the critic (clipped value loss) on `experience`.
+
+        With `unsupervised_batch` (pretraining text: the PPO-ptx mixture), the actor minimises InstructGPT's
+        single objective, policy loss + unsup_coef * language-model loss, in one backward and ONE optimizer
+        step: separate steps would let Adam normalise the coefficient away. Both forward graphs are alive
+        until that backward.
+        """
         engine, config = self.engine, self.config
         actor, critic = engine.actor, engine.critic
         mask = experience.action_mask
@@ -210,7 +246,13 @@ class PPOTrainer:
             entropy = entropy_from_logits(logits.detach() / config.temperature, mask)
         del logits
         check_finite("actor loss", policy.loss, step)
-        self._step_actor(policy.loss)
+        objective, mixture_stats = policy.loss, {}
+        if unsupervised_batch is not None:
+            lm_loss = self._language_model_loss(unsupervised_batch)
+            check_finite("unsupervised loss", lm_loss, step)
+            objective = objective + config.unsup_coef * lm_loss
+            mixture_stats["unsup_loss"] = lm_loss.item()
+        self._step_actor(objective)
 
         values = _answer_values(critic, experience.sequences, experience.attention_mask, prompt_length)
         value = critic_loss(values, experience.old_values, experience.returns, mask, config.cliprange_value)
@@ -224,18 +266,15 @@ class PPOTrainer:
             "value_clip_fraction": value.clip_fraction.item(),
             "approx_kl": policy.approx_kl.item(),
             "entropy": entropy.item(),
+            **mixture_stats,
         }
 
-    def train_unsupervised(self, batch: Mapping[str, torch.Tensor]) -> float:
-        """One language-modelling update of the actor on pretraining text, weighted by `unsup_coef`
-        (the PPO-ptx mixture that keeps the actor's general language ability)."""
+    def _language_model_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The actor's next-token loss on pretraining text (the term that keeps its general language ability)."""
         actor = self.engine.actor
         batch = {key: value.to(actor.device) for key, value in batch.items()}
-        loss = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        return actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      labels=batch["labels"], use_cache=False).loss
-        check_finite("unsupervised loss", loss, actor.global_steps + 1)
-        self._step_actor(self.config.unsup_coef * loss)
-        return loss.item()
 
     def _step_actor(self, loss: torch.Tensor) -> None:
         """Backward and (micro-)step the actor; the EMA follows every optimizer step actually taken."""

@@ -13,6 +13,7 @@ from step3_rlhf.ppo_math import (
     compute_rewards,
     critic_loss,
     entropy_from_logits,
+    kl_from_logits,
     masked_mean,
     whiten,
 )
@@ -120,6 +121,18 @@ def test_log_probs_and_entropy():
     both = torch.cat([uniform, peaked], dim=1)
     torch.testing.assert_close(entropy_from_logits(both, torch.tensor([[1, 1, 0, 0]])), torch.tensor(math.log(8)))
     torch.testing.assert_close(entropy_from_logits(both, torch.tensor([[0, 0, 1, 1]])), torch.tensor(0.0))
+
+
+def test_kl_from_logits_is_the_exact_kl_summed_over_masked_positions():
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(2, 4, 9), torch.randn(2, 4, 9)
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])
+    ref_logits[0, 0] = GARBAGE  # masked-out positions never reach the result
+    per_position = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=logits),
+                                                     torch.distributions.Categorical(logits=ref_logits))
+    torch.testing.assert_close(kl_from_logits(logits, ref_logits, mask), (per_position * mask).sum(-1))
+    assert torch.all(kl_from_logits(logits, ref_logits, mask) > 0)
+    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), mask), torch.zeros(2))
 
 
 def test_whiten_uses_only_masked_entries():

@@ -1,22 +1,31 @@
 """Step 3 (PPO) on tiny models: the trainer's tensors line up, a rule-based reward is learnt, the
-pretraining mixture reaches the actor, and the entry point writes every output a user expects."""
+pretraining mixture and the PPO loss make one actor step, the adaptive KL coefficient agrees across
+ranks, and the entry point writes every output a user expects."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, TESTS_DIR
 from crash_resume import assert_same_weights, kill_after_checkpoint, launch_step, output_dir_of, run_step
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
 from step2_reward.reward_model import RewardModel
+from step3_rlhf.ema import ModelEMA
+from step3_rlhf.ppo_math import actor_loss
 from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
+from training.batch_stream import BatchStream
+from training.dist import free_port
 from training.engine import OptimizationSettings, create_frozen_engine, create_train_engine
 from training.errors import EXIT_USER_ERROR
 from training.generation import (
@@ -28,7 +37,7 @@ from training.generation import (
 )
 from training.hybrid_engine import HybridEngine, HybridEngineSettings
 from training.model_loading import load_causal_lm, load_tokenizer
-from utils.data import PromptCollator
+from utils.data import PromptCollator, SFTCollator
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +93,15 @@ class FixedAnswers:
         return assemble_output(input_ids, attention_mask, self.answers, torch.zeros(self.answers.shape), mask, self.pad)
 
 
-def build_engine(inputs, lr: float = 1e-3, reward: torch.nn.Module | None = None, seed_offset: int = 0) -> RLHFEngine:
+def build_engine(inputs, lr: float = 1e-3, reward: torch.nn.Module | None = None, seed_offset: int = 0,
+                 reference_dir: str | None = None) -> RLHFEngine:
+    """Tiny actor, critic and reward engines; the reference is another tiny model unless `reference_dir` is given."""
     tokenizer = load_tokenizer(inputs["actor"])
     settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
                                     micro_batch_size=4)
     actor = create_train_engine(load_causal_lm(inputs["actor"], tokenizer, disable_dropout_layers=True), settings)
-    reference_dir = make_tiny_model_dir(inputs["root"] / f"reference{seed_offset}", "llama", seed=7 + seed_offset)
+    if reference_dir is None:
+        reference_dir = make_tiny_model_dir(inputs["root"] / f"reference{seed_offset}", "llama", seed=7 + seed_offset)
     reference = create_frozen_engine(load_causal_lm(reference_dir, tokenizer, disable_dropout_layers=True))
     critic_settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
                                            micro_batch_size=4)
@@ -201,24 +213,115 @@ def test_ppo_raises_a_rule_based_reward(distributed, inputs):
     assert last > first + 0.15, f"rule-based reward did not rise: {first:.3f} -> {last:.3f} ({scores})"
 
 
-def test_pretraining_mixture_reaches_the_actor(distributed, inputs):
-    engine = build_engine(inputs)
+class ListStream:
+    """A stand-in for a BatchStream that hands out the given batches in order."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]):
+        self.batches = iter(batches)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        return next(self.batches)
+
+
+def text_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
+    """Pretraining text as the unsupervised stream yields it: input ids, mask and labels."""
+    ids = [torch.tensor(row) for row in tokenizer(texts)["input_ids"]]
+    return SFTCollator(tokenizer.pad_token_id)(
+        [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids])
+
+
+def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed, inputs):
+    """PPO-ptx optimises InstructGPT's one objective: each PPO micro-batch takes ONE actor step on
+    policy loss + unsup_coef * LM loss (not a PPO step, then an LM step), and the EMA follows it."""
+    from step3_rlhf.main import PPORun, optimizer_steps_per_ppo_step
+
+    config = PPOConfig(max_answer_seq_len=5, unsup_coef=0.5)
+    args = argparse.Namespace(generation_batches=1, ppo_epochs=2, per_device_generation_batch_size=4,
+                              per_device_training_batch_size=2, gradient_accumulation_steps=1)
+    engine, twin = build_engine(inputs), build_engine(inputs)
+    engine.actor_ema = ModelEMA(engine.actor, beta=0.9)
     tokenizer = engine.tokenizer
-    ids = torch.tensor([tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]] * 2)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-    generator = HFGenerator(engine.actor)
+    prompts = prompt_batch(tokenizer, 4)
+    eos = tokenizer.eos_token_id
+    answers = torch.tensor([[5, 6, 7, eos, 9], [10, 11, 12, 13, 14], [15, eos, 17, 18, 19], [20, 21, 22, 23, eos]])
+    generator = FixedAnswers(answers, eos, tokenizer.pad_token_id)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Human: hi Assistant: hello", "0 1 2 3 4 5",
+             "yes no maybe good bad great", "Reinforcement learning from human feedback.", "how are you today"]
+    unsupervised = [text_batch(tokenizer, texts[i:i + 2]) for i in range(4)]
 
-    def weights() -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in engine.actor.module.named_parameters()}
+    run = PPORun(args, engine, PPOTrainer(engine, generator, config), ListStream([prompts]), None,
+                 ListStream(unsupervised), total_steps=1, checkpoints=None, metrics=None)
+    steps_before = engine.actor.global_steps
+    stats = run.ppo_step()
+    assert engine.actor.global_steps - steps_before == 4, "one actor step per PPO micro-batch (2 epochs x 2)"
+    assert optimizer_steps_per_ppo_step(args) == 4, "the LR schedule must count the steps actually taken"
+    assert engine.actor_ema.num_updates == 4
 
-    before = weights()
-    PPOTrainer(engine, generator, PPOConfig(unsup_coef=0.0)).train_unsupervised(batch)
-    assert all(torch.equal(before[n], p) for n, p in engine.actor.module.named_parameters())
+    # the twin takes one plain step on the summed loss per micro-batch, on the same experience
+    experience = PPOTrainer(twin, generator, config).generate_experience(prompts)
+    batches, lm_losses = iter(unsupervised), []
+    for _ in range(args.ppo_epochs):
+        for part in experience.split(args.per_device_training_batch_size):
+            logprobs = answer_logprobs(twin.actor, part.sequences, part.attention_mask, part.prompt_length)
+            policy = actor_loss(logprobs, part.old_logprobs, part.advantages, part.action_mask, config.cliprange)
+            lm_loss = twin.actor(**next(batches), use_cache=False).loss
+            twin.actor.backward(policy.loss + config.unsup_coef * lm_loss)
+            twin.actor.step()
+            lm_losses.append(lm_loss.item())
+    for (name, trained), expected in zip(engine.actor.module.named_parameters(), twin.actor.module.parameters()):
+        torch.testing.assert_close(trained, expected, msg=name)
+    assert stats["train/unsup_loss"] == pytest.approx(sum(lm_losses) / len(lm_losses))
 
-    trainer = PPOTrainer(engine, generator, PPOConfig(unsup_coef=1.0))
-    losses = [trainer.train_unsupervised(batch) for _ in range(5)]
-    assert not torch.equal(before["lm_head.weight"], engine.actor.module.lm_head.weight.detach())
-    assert losses[-1] < losses[0]
+
+def exact_kl_along_greedy_answers(engine: RLHFEngine, trainer: PPOTrainer, prompts: dict[str, torch.Tensor]) -> float:
+    """Mean over answers of the sum over the greedy answer's positions of KL(actor || reference) between
+    the full next-token distributions, from plain log-softmaxes of both models."""
+    output = HFGenerator(engine.actor).generate(prompts["input_ids"], prompts["attention_mask"],
+                                                trainer.generation_config(do_sample=False))
+    positions = position_ids_from_attention_mask(output.attention_mask)
+
+    def log_probs(module: torch.nn.Module) -> torch.Tensor:
+        logits = module(input_ids=output.sequences, attention_mask=output.attention_mask, position_ids=positions).logits
+        return torch.log_softmax(logits[:, output.prompt_length - 1:-1].float(), dim=-1)
+
+    with torch.no_grad():
+        actor, reference = log_probs(engine.actor.module), log_probs(engine.reference.module)
+    per_position = (actor.exp() * (actor - reference)).sum(-1)
+    return (per_position * output.answer_mask).sum(-1).mean().item()
+
+
+def test_held_out_kl_is_the_exact_kl_along_the_greedy_answers(distributed, inputs):
+    """Greedy answers are not samples of the actor, so their summed log-ratio is no KL estimate: the
+    held-out KL is the exact KL of the next-token distributions at every answer position, summed."""
+    from step3_rlhf.main import evaluate
+
+    tokenizer = load_tokenizer(inputs["actor"])
+    prompts = prompt_batch(tokenizer, 4)
+    rows = [{key: prompts[key][i] for key in prompts} for i in range(4)]
+    for reference_dir in (None, inputs["actor"]):  # a different reference model, then the actor itself
+        engine = build_engine(inputs, reference_dir=reference_dir)
+        trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=6))
+        held_out = BatchStream(rows, 4, PromptCollator(tokenizer.pad_token_id), seed=0, shuffle=False)
+        reported = evaluate(trainer, held_out, num_batches=1)["kl_exact"]
+        expected = exact_kl_along_greedy_answers(engine, trainer, prompts)
+        assert reported == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        if reference_dir is None:
+            assert expected > 0.01
+        else:
+            assert expected == pytest.approx(0.0, abs=1e-6)
+
+
+def test_adaptive_kl_coefficient_is_updated_from_the_global_batch_on_two_ranks():
+    """torchrun, 2 ranks with different KLs and batch sizes: both hold the coefficient computed from
+    the pooled batch, and a resume from rank 0's state restores it on both."""
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(TESTS_DIR / "scripts" / "kl_controller_worker.py")],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "KL_OK" in result.stdout, result.stdout
 
 
 # the entry point -----------------------------------------------------------------------------------
@@ -251,6 +354,9 @@ def test_step3_writes_models_metrics_plot_and_summary(step3_run):
                 "time/scoring_s", "time/training_s", "rollout/generated_tokens_per_s"):
         assert all(key in r for r in trained), key
     assert [e["step"] for e in summary["evaluations"]] == [0, 3]
+    held_out = [r for r in records if "eval/score_mean" in r]
+    assert [r["step"] for r in held_out] == [0, 3] and all(r["eval/kl_exact"] >= 0 for r in held_out)
+    assert summary["kl_exact_last"] == summary["evaluations"][-1]["kl_exact"] == held_out[-1]["eval/kl_exact"]
 
 
 def test_step3_models_load_back(step3_run, inputs):
