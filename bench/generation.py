@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=EMBEDDED_MODEL_NAME, help="model name or folder")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--prompt_length", type=int, default=64, help="longest prompt, in tokens")
+    parser.add_argument("--context_tokens", type=int, default=0,
+                        help="put this many tokens of text before each question (generation then runs at positions "
+                             "past it: the bf16 numerics far from position 0); raise --prompt_length to keep them")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--zero_stage", type=int, default=3, choices=(0, 1, 2, 3))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
@@ -81,11 +84,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_prompts(tokenizer, batch_size: int, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chat-formatted questions, each cut to at most `prompt_length` tokens, left-padded."""
+def make_prompts(tokenizer, batch_size: int, prompt_length: int, context_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chat-formatted questions, each after `context_tokens` tokens of context text (the other questions,
+    repeated) and cut to at most `prompt_length` tokens, left-padded."""
+    context = ""
+    if context_tokens:
+        passage = tokenizer(" ".join(QUESTIONS), add_special_tokens=False)["input_ids"]
+        context = tokenizer.decode((passage * (context_tokens // len(passage) + 1))[:context_tokens]) + "\n\n"
     rows = []
     for i in range(batch_size):
-        question = QUESTIONS[i % len(QUESTIONS)] + " Please be detailed." * (i // len(QUESTIONS))
+        question = context + QUESTIONS[i % len(QUESTIONS)] + " Please be detailed." * (i // len(QUESTIONS))
         if tokenizer.chat_template:
             text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                                  add_generation_prompt=True)
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     bound_tokens_per_s, matmul_bound_tokens_per_s = (
         round(weight_pass_tokens_per_s(engine.module, args.batch_size, generation_dtype, current_device(), pack), 2)
         for pack in (True, False))
-    ids, mask = make_prompts(tokenizer, args.batch_size, args.prompt_length)
+    ids, mask = make_prompts(tokenizer, args.batch_size, args.prompt_length, args.context_tokens)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,

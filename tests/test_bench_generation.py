@@ -11,7 +11,8 @@ def test_the_generation_benchmark_times_both_backends_and_writes_its_json(tiny_m
     output = tmp_path / "bench.json"
     result = subprocess.run(
         [sys.executable, "bench/generation.py", "--model", tiny_model_dir("llama"), "--zero_stage", "3",
-         "--batch_size", "3", "--max_new_tokens", "6", "--ignore_eos", "--repeats", "1", "--output", str(output)],
+         "--batch_size", "3", "--max_new_tokens", "6", "--ignore_eos", "--repeats", "1", "--context_tokens", "30",
+         "--prompt_length", "80", "--output", str(output)],
         cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -19,6 +20,11 @@ def test_the_generation_benchmark_times_both_backends_and_writes_its_json(tiny_m
     assert "speedup" in result.stdout and "weight-streaming ceiling" in result.stdout
     assert summary["identical_sequences"] is True
     assert max(summary["max_logprob_diff_vs_train_forward"].values()) < 1e-4
+    for backend, mean in summary["mean_logprob_diff_vs_train_forward"].items():
+        assert 0 <= mean <= summary["max_logprob_diff_vs_train_forward"][backend]
+    assert summary["prompt_tokens"] > 30, "the context goes before each question"
+    assert summary["device"] and set(summary["versions"]) == {"torch", "transformers", "deepspeed"}
+    assert "bench/generation.py" in summary["command"]
     for backend in ("hybrid", "hf"):
         row = summary["backends"][backend]
         assert row["tokens"] == 3 * 6
