@@ -4,8 +4,8 @@ The logic lives in `training.pipeline`; `training.pipeline.cli.run(argv)` return
 """
 from __future__ import annotations
 
-from training.errors import run_cli
 from training.pipeline.cli import run
+from utils.errors import run_cli
 
 
 @run_cli

@@ -32,16 +32,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.dist import current_device, init_distributed, is_main_process  # noqa: E402
-from training.cpu_linear import LinearWeight  # noqa: E402
-from training.engine import OptimizationSettings, create_train_engine  # noqa: E402
-from training.errors import run_cli  # noqa: E402
-from training.generation import GenerationConfig, GenerationOutput, answer_logprobs  # noqa: E402
-from training.hybrid_engine import HybridEngineSettings, build_generator  # noqa: E402
-from training.lora import apply_lora  # noqa: E402
-from training.model_loading import EMBEDDED_MODEL_NAME, load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
+from training.core.engine import OptimizationSettings, create_train_engine
+from training.core.lora import apply_lora
+from training.core.model_loading import (
+    EMBEDDED_MODEL_NAME,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+)
+from training.core.sequences import answer_logprobs
+from training.generation.cpu_linear import LinearWeight
+from training.generation.generator import GenerationConfig, GenerationOutput
+from training.generation.hybrid_engine import HybridEngineSettings, build_generator
+from utils.dist import current_device, init_distributed, is_main_process
+from utils.errors import run_cli
 
 QUESTIONS = [
     "Explain how a reward model is trained from human preference pairs.",

@@ -11,16 +11,13 @@ greedy tokens to part at near-ties between backends (parity is what the tests ch
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, OPTConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.embedded_model import embedded_model_path  # noqa: E402
-from training.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer  # noqa: E402
+from training.core.embedded_model import embedded_model_path
+from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
 
 SHAPES = {
     "gpt2": lambda: GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12),

@@ -12,26 +12,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import TextStreamer
 
-import torch  # noqa: E402
-from transformers import TextStreamer  # noqa: E402
-
-from training.errors import UserError, run_cli  # noqa: E402
-from training.model_loading import (  # noqa: E402
+from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
     resolve_model_path,
 )
-from utils.data.formatting import PROMPT_FORMATS, render_human_assistant, resolve_prompt_format  # noqa: E402
+from training.core.reward_model import is_reward_model_dir
+from utils.data.formatting import (
+    PROMPT_FORMATS,
+    render_human_assistant,
+    resolve_prompt_format,
+)
+from utils.errors import UserError, run_cli
 
 CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
-_REWARD_MARKER = "reward_model.json"
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
@@ -45,7 +46,7 @@ def resolve_chat_model(path: str, ema: bool = False) -> str:
     if ema:
         raise UserError(f"{path} holds no EMA actor ({actor}/); run step 3 with --enable_ema or drop --ema")
     resolved = resolve_model_path(path)
-    if (Path(resolved) / _REWARD_MARKER).is_file():
+    if is_reward_model_dir(resolved):
         raise UserError(f"{path} is a reward model (step 2), which scores text but cannot chat; pass a step-1 or step-3 model")
     return resolved
 

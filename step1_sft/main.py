@@ -9,25 +9,28 @@ Example (CPU quick run on the embedded model and data):
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import PreTrainedTokenizerBase
 
-import torch  # noqa: E402
-from transformers import PreTrainedTokenizerBase  # noqa: E402
+from step1_sft.objective import evaluate_perplexity, sft_loss
+from training.core.model_loading import load_causal_lm
+from training.loops.supervised_step import (
+    SupervisedStep,
+    run_supervised_step,
+    supervised_step_parser,
+)
+from training.reliability.run_records import save_summary
+from utils.data import SFTCollator
+from utils.errors import run_cli
 
-from step1_sft.objective import evaluate_perplexity, sft_loss  # noqa: E402
-from training.errors import run_cli  # noqa: E402
-from training.metrics import save_summary  # noqa: E402
-from training.model_loading import load_causal_lm  # noqa: E402
-from training.supervised_step import SupervisedStep, run_supervised_step, supervised_step_parser  # noqa: E402
-from utils.data import SFTCollator  # noqa: E402
+
+def build_parser() -> argparse.ArgumentParser:
+    return supervised_step_parser("Step 1: supervised fine-tuning (SFT) with DeepSpeed", learning_rate=1e-5)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return supervised_step_parser("Step 1: supervised fine-tuning (SFT) with DeepSpeed", learning_rate=1e-5).parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def build_sft_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, ds_config: dict,

@@ -6,7 +6,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from training.dist import is_initialized
+from utils.dist import is_initialized
 
 IGNORE_INDEX = -100
 
@@ -34,7 +34,7 @@ def evaluate_perplexity(model: torch.nn.Module, batches: Iterable[Mapping[str, t
         totals[0] += sft_loss(model, batch).double().item() * tokens
         totals[1] += tokens
     if is_initialized():
-        from training.dist import current_device
+        from utils.dist import current_device
 
         totals = totals.to(current_device())
         torch.distributed.all_reduce(totals)

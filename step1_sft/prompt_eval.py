@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-import torch  # noqa: E402
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed  # noqa: E402
-
-from training.errors import UserError, run_cli  # noqa: E402
-from training.model_loading import EMBEDDED_MODEL_NAME, load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
-from utils.data import PROMPT_FORMATS, PromptFormatter  # noqa: E402
+from training.core.model_loading import (
+    EMBEDDED_MODEL_NAME,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+)
+from utils.data import PROMPT_FORMATS, PromptFormatter
+from utils.errors import UserError, run_cli
 
 DEFAULT_PROMPTS = (
     "How do I make a cup of tea?",

@@ -11,26 +11,30 @@ Example (CPU quick run on the embedded model and data):
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Iterable, Mapping
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import PreTrainedTokenizerBase
 
-import torch  # noqa: E402
-from transformers import PreTrainedTokenizerBase  # noqa: E402
+from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_rejected
+from training.core.reward_model import RewardModel
+from training.loops.supervised_step import (
+    SupervisedStep,
+    run_supervised_step,
+    supervised_step_parser,
+)
+from training.reliability.run_records import save_summary
+from utils.data import PairwiseCollator
+from utils.errors import run_cli
 
-from step2_reward.reward_model import RewardModel, evaluate_pairs, pairwise_loss, split_chosen_rejected  # noqa: E402
-from training.errors import run_cli  # noqa: E402
-from training.metrics import save_summary  # noqa: E402
-from training.supervised_step import SupervisedStep, run_supervised_step, supervised_step_parser  # noqa: E402
-from utils.data import PairwiseCollator  # noqa: E402
+
+def build_parser() -> argparse.ArgumentParser:
+    return supervised_step_parser("Step 2: reward model training on preference pairs with DeepSpeed", learning_rate=2e-5)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return supervised_step_parser("Step 2: reward model training on preference pairs with DeepSpeed", learning_rate=2e-5).parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def build_reward_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, ds_config: dict,

@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from transformers import PreTrainedTokenizerBase
 
-import torch  # noqa: E402
-from transformers import PreTrainedTokenizerBase  # noqa: E402
-
-from step2_reward.reward_model import RewardModel  # noqa: E402
-from training.errors import UserError, run_cli  # noqa: E402
-from training.model_loading import load_tokenizer, resolve_dtype  # noqa: E402
-from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows  # noqa: E402
-from utils.data.collators import pad_sequences  # noqa: E402
+from training.core.model_loading import load_tokenizer, resolve_dtype
+from training.core.reward_model import RewardModel
+from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
+from utils.data.collators import pad_sequences
+from utils.errors import UserError, run_cli
 
 
 class RewardScorer:

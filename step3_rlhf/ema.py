@@ -18,8 +18,8 @@ from typing import Any, Iterator
 
 import torch
 
-from training.dist import get_rank
-from training.save import save_hf_model, unwrap
+from training.core.save import save_hf_model, unwrap
+from utils.dist import get_rank
 
 
 def _is_zero3(param: torch.Tensor) -> bool:

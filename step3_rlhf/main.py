@@ -18,24 +18,24 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Mapping
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from tqdm.auto import tqdm
+from transformers import set_seed
 
-import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-from transformers import set_seed  # noqa: E402
-
-from step2_reward.reward_model import MARKER_FILE, VALUE_HEAD_FILE  # noqa: E402
-from step3_rlhf.ema import save_ema_model  # noqa: E402
-from step3_rlhf.plots import plot_reward_kl  # noqa: E402
-from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer, experience_stats, mean_over_ranks  # noqa: E402
-from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine  # noqa: E402
-from training.args import (  # noqa: E402
+from step3_rlhf.ema import save_ema_model
+from step3_rlhf.plots import plot_reward_kl
+from step3_rlhf.ppo_trainer import (
+    Experience,
+    PPOConfig,
+    PPOTrainer,
+    experience_stats,
+)
+from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
+from training.core.args import (
     add_lora_args,
     add_optimization_args,
     add_run_args,
@@ -43,23 +43,23 @@ from training.args import (  # noqa: E402
     add_zero_args,
     check_positive,
 )
-from training.batch_stream import BatchStream  # noqa: E402
-from training.checkpointing import CheckpointManager, add_checkpoint_args  # noqa: E402
-from training.dist import init_distributed, is_main_process  # noqa: E402
-from training.errors import UserError, run_cli  # noqa: E402
-from training.guards import check_finite  # noqa: E402
-from training.hybrid_engine import (  # noqa: E402
+from training.core.model_loading import load_config, load_tokenizer
+from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
+from training.core.save import save_hf_model
+from training.generation.hybrid_engine import (
     add_hybrid_engine_args,
     build_generator,
     generation_backend_from_args,
     hybrid_settings_from_args,
 )
-from training.metrics import MetricsLogger, read_metrics, save_run_args, save_summary, setup_logging  # noqa: E402
-from training.model_loading import load_config, load_tokenizer  # noqa: E402
-from training.run_lock import RunLock  # noqa: E402
-from training.save import save_hf_model  # noqa: E402
-from training.signals import GracefulInterrupt  # noqa: E402
-from training.validation import (  # noqa: E402
+from training.loops.batch_stream import BatchStream
+from training.loops.metrics import MetricsLogger, read_metrics
+from training.reliability.checkpointing import CheckpointManager, add_checkpoint_args
+from training.reliability.guards import check_finite
+from training.reliability.run_lock import RunLock
+from training.reliability.run_records import save_run_args, save_summary
+from training.reliability.signals import GracefulInterrupt
+from training.reliability.validation import (
     check_input_run_shards,
     check_model_source,
     check_output_dir,
@@ -67,8 +67,17 @@ from training.validation import (  # noqa: E402
     check_reward_model_dir,
     check_sequence_lengths,
 )
-from utils.data import DataArguments, PromptCollator, SFTCollator, add_data_args, add_unsupervised_data_args  # noqa: E402
-from utils.data import build_unsupervised_dataset  # noqa: E402
+from utils.data import (
+    DataArguments,
+    PromptCollator,
+    SFTCollator,
+    add_data_args,
+    add_unsupervised_data_args,
+    build_unsupervised_dataset,
+)
+from utils.dist import init_distributed, is_main_process, mean_over_ranks
+from utils.errors import UserError, run_cli
+from utils.log import setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +87,7 @@ HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_l
                           "rollout/eos_fraction": "eos_fraction"}  # experience_stats key: held-out name
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Step 3: RLHF with PPO (actor, critic, reference and reward model)")
     models = parser.add_argument_group("models")
     models.add_argument("--actor_model_name_or_path", required=True,
@@ -139,7 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_lora_args(parser, prefix="critic_")
     add_hybrid_engine_args(parser)
     add_checkpoint_args(parser)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def ppo_config(args: argparse.Namespace) -> PPOConfig:

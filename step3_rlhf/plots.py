@@ -13,7 +13,7 @@ from typing import Iterable, Mapping
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def series(records: Iterable[Mapping], key: str) -> tuple[list[int], list[float]]:

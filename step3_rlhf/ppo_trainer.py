@@ -36,15 +36,10 @@ from step3_rlhf.ppo_math import (
     whiten,
 )
 from step3_rlhf.rlhf_engine import RLHFEngine
-from training.dist import current_device, get_world_size, is_initialized
-from training.generation import (
-    GenerationConfig,
-    Generator,
-    answer_logits,
-    eval_mode,
-    token_logprobs,
-)
-from training.guards import check_finite
+from training.core.sequences import answer_logits, token_logprobs
+from training.generation.generator import GenerationConfig, Generator, eval_mode
+from training.reliability.guards import check_finite
+from utils.dist import sum_over_ranks
 
 
 @dataclass
@@ -101,22 +96,9 @@ class Experience:
         return parts
 
 
-def mean_over_ranks(stats: Mapping[str, float]) -> dict[str, float]:
-    """Average a dict of per-rank scalars across ranks (every rank must call it with the same keys)."""
-    if not is_initialized() or get_world_size() == 1:
-        return dict(stats)
-    keys = sorted(stats)
-    values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=current_device())
-    torch.distributed.all_reduce(values)
-    return {k: v / get_world_size() for k, v in zip(keys, values.tolist())}
-
-
 def global_sum_and_count(values: torch.Tensor) -> tuple[float, int]:
     """The sum of `values` and their number, over every rank's rows (collective: every rank must call it)."""
-    totals = torch.tensor([values.sum().item(), values.numel()], dtype=torch.float64, device=current_device())
-    if is_initialized() and get_world_size() > 1:
-        torch.distributed.all_reduce(totals)
-    total, count = totals.tolist()
+    total, count = sum_over_ranks([values.sum().item(), values.numel()])
     return total, int(count)
 
 

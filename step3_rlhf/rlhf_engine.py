@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from step2_reward.reward_model import RewardModel
 from step3_rlhf.ema import ModelEMA
-from training.args import apply_model_options, dtype_name, optimization_settings
-from training.ds_config import get_eval_ds_config
-from training.engine import create_frozen_engine, create_train_engine
-from training.errors import UserError
-from training.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.args import apply_model_options, dtype_name, optimization_settings
+from training.core.ds_config import get_eval_ds_config
+from training.core.engine import create_frozen_engine, create_train_engine
+from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.reward_model import RewardModel
+from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 

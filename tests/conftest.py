@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def distributed():
     """A single-process DeepSpeed world (gloo on 127.0.0.1), shared by every test in the process."""
-    from training.dist import init_distributed
+    from utils.dist import init_distributed
 
     init_distributed()
     return True

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from conftest import REPO_ROOT, TESTS_DIR
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, TESTS_DIR
-from training.checkpointing import CheckpointManager
+from training.reliability.checkpointing import CheckpointManager
 
 STEP_RUNNER = TESTS_DIR / "scripts" / "run_step.py"
 POLL_S = 0.02

@@ -8,15 +8,15 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+from supervised_data import write_arithmetic_jsonl
+from tiny_models import make_tiny_model_dir
 
 from step1_sft.main import main as step1_main
 from step2_reward.main import main as step2_main
-from step2_reward.reward_model import RewardModel
 from step3_rlhf.main import main as step3_main
-from supervised_data import write_arithmetic_jsonl
-from tiny_models import make_tiny_model_dir
-from training.errors import EXIT_USER_ERROR, UserError
-from training.run_lock import LOCK_FILE
+from training.core.reward_model import RewardModel
+from training.reliability.run_lock import LOCK_FILE
+from utils.errors import EXIT_USER_ERROR, UserError
 
 STEPS = {"step1": step1_main, "step2": step2_main}
 
@@ -108,7 +108,7 @@ def test_output_dir_that_is_a_file(distributed, setup, capsys):
 
 def test_no_disk_space(distributed, setup, capsys, monkeypatch):
     usage = shutil.disk_usage(setup.tmp)
-    monkeypatch.setattr("training.validation.shutil.disk_usage", lambda path: usage._replace(free=1000))
+    monkeypatch.setattr("training.reliability.validation.shutil.disk_usage", lambda path: usage._replace(free=1000))
     assert_refused_and_untouched(step2_main, step_args(setup), "only 0.00 GB are free on the disk of", setup.run, capsys)
 
 
@@ -195,7 +195,7 @@ def test_step2_refuses_a_step1_model_whose_shards_overlap_its_own(distributed, s
 
 
 def test_step3_refuses_step1_and_step2_models_cut_another_way(distributed, setup, capsys):
-    from step2_reward.reward_model import MARKER_FILE, VALUE_HEAD_FILE
+    from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 
     step1 = write_earlier_run(setup, "step1", data_split="1,1,1")
     step2 = write_earlier_run(setup, "step2", seed=99, data_split="1,1,1")
@@ -215,7 +215,7 @@ def test_step3_refuses_step1_and_step2_models_cut_another_way(distributed, setup
 def test_input_runs_with_the_same_shards_or_other_data_pass_the_shard_check(setup, tmp_path):
     import argparse
 
-    from training.validation import check_input_run_shards
+    from training.reliability.validation import check_input_run_shards
     from utils.data import add_data_args
 
     args = add_data_args(argparse.ArgumentParser()).parse_args(["--data_path", setup.data, "--data_split", "2,2,0"])

@@ -7,12 +7,18 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from inference.chatbot import ChatSession, SamplingOptions, chat, converse, resolve_chat_model
 from tiny_models import make_tiny_model
-from training.errors import UserError
+
+from inference.chatbot import (
+    ChatSession,
+    SamplingOptions,
+    chat,
+    converse,
+    resolve_chat_model,
+)
+from utils.errors import UserError
 
 GREEDY = SamplingOptions(max_new_tokens=6, greedy=True)
 

@@ -6,10 +6,10 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from tiny_models import make_tiny_model
-from training.atomic import atomic_directory, shared_atomic_directory
-from training.checkpointing import (
+
+from training.core.engine import OptimizationSettings, create_train_engine
+from training.reliability.checkpointing import (
     LATEST_FILE,
     MARKER_FILE,
     CheckpointManager,
@@ -18,8 +18,8 @@ from training.checkpointing import (
     check_weights_only_safe,
     restore_rng_state,
 )
-from training.engine import OptimizationSettings, create_train_engine
-from training.errors import UserError
+from utils.atomic import atomic_directory, shared_atomic_directory
+from utils.errors import UserError
 
 NUM_SEQUENCES, BATCH, SEQ_LEN = 10, 2, 12
 BATCHES_PER_EPOCH = NUM_SEQUENCES // BATCH
@@ -246,14 +246,14 @@ def test_tampered_checkpoint_is_refused_without_running_code(distributed, tmp_pa
 TWO_RANKS = """
 import math, os, signal, sys
 import torch
-from training.dist import barrier, get_rank, init_distributed
+from utils.dist import barrier, get_rank, init_distributed
 init_distributed()
 import test_checkpointing as t
-from training.checkpointing import CheckpointManager
-from training.errors import UserError
-from training.guards import NonFiniteError, check_finite
-from training.run_lock import RunLock
-from training.signals import GracefulInterrupt
+from training.reliability.checkpointing import CheckpointManager
+from utils.errors import UserError
+from training.reliability.guards import NonFiniteError, check_finite
+from training.reliability.run_lock import RunLock
+from training.reliability.signals import GracefulInterrupt
 
 output_dir, rank = sys.argv[1], get_rank()
 
@@ -297,7 +297,8 @@ def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
     import sys
 
     from conftest import REPO_ROOT, TESTS_DIR
-    from training.dist import free_port
+
+    from utils.dist import free_port
 
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)

@@ -4,8 +4,13 @@ import torch
 from tiny_models import make_tiny_model
 from transformers.pytorch_utils import Conv1D
 
-import training.cpu_linear as cpu_linear
-from training.cpu_linear import LinearWeight, PackedLinear, onednn_packing_available, pack_linear_layers
+import training.generation.cpu_linear as cpu_linear
+from training.generation.cpu_linear import (
+    LinearWeight,
+    PackedLinear,
+    onednn_packing_available,
+    pack_linear_layers,
+)
 
 ONEDNN = torch.backends.mkldnn.is_available()
 

@@ -6,7 +6,6 @@ import signal
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
 from crash_resume import (
     assert_same_weights,
@@ -16,12 +15,13 @@ from crash_resume import (
     run_step,
     wait_for_stalled_save,
 )
-from step1_sft.main import main as step1_main
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
-from training.atomic import is_temporary
-from training.checkpointing import MARKER_FILE
-from training.signals import EXIT_INTERRUPTED
+
+from step1_sft.main import main as step1_main
+from training.reliability.checkpointing import MARKER_FILE
+from training.reliability.signals import EXIT_INTERRUPTED
+from utils.atomic import is_temporary
 
 pytestmark = pytest.mark.slow
 

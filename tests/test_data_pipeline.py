@@ -3,12 +3,18 @@ import json
 
 import pytest
 import torch
+from tiny_models import make_tokenizer
 
 import utils.data.phases as phases
-from tiny_models import make_tokenizer
-from training.errors import UserError
-from utils.data import DataArguments, add_data_args, build_phase_datasets, build_unsupervised_dataset, phase_splits
+from utils.data import (
+    DataArguments,
+    add_data_args,
+    build_phase_datasets,
+    build_unsupervised_dataset,
+    phase_splits,
+)
 from utils.data.splits import parse_data_split
+from utils.errors import UserError
 
 
 @pytest.fixture(scope="module")

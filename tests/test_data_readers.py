@@ -4,10 +4,10 @@ import logging
 
 import pytest
 
-from training.errors import UserError
 from utils.data import load_source, parse_source_spec, phase_splits, read_rows
 from utils.data.jsonio import decode_array_prefix
 from utils.data.samples import Sample
+from utils.errors import UserError
 
 HH_CHOSEN = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant: Blue."
 HH_REJECTED = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant: No."
@@ -170,6 +170,7 @@ def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
 
 def test_source_without_usable_rows_stops_the_run(tmp_path):
     from tiny_models import make_tokenizer
+
     from utils.data import build_phase_datasets
 
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])

@@ -2,8 +2,8 @@
 import importlib.util
 
 import pytest
-
 from conftest import SHARED_DATA
+
 from utils.data import read_rows
 from utils.data.embedded import cut_short
 
@@ -29,7 +29,7 @@ needs_sharegpt = pytest.mark.skipif(
 
 @needs_sharegpt
 def test_embedded_default_yields_thousands_and_inspect_prints_them(capsys):
-    from utils.data.inspect import main
+    from training.pipeline.inspect_data import main
 
     counts = main(["--data_path", "embedded"])["raw"]
     printed = capsys.readouterr().out
@@ -67,6 +67,7 @@ def test_embedded_pairs_follow_the_documented_rule_deterministically():
 @needs_sharegpt
 def test_embedded_pretraining_text_is_only_step3s_training_conversations(tmp_path, monkeypatch):
     from tiny_models import make_tokenizer
+
     from utils.data import build_unsupervised_dataset, embedded, phase_splits
     from utils.data.splits import ShardSettings, holdout, phase_shard
     from utils.data.unsupervised import load_texts

@@ -1,12 +1,18 @@
 """Prompt rendering, per-phase tokenisation rules, collators."""
 import pytest
 import torch
-
 from tiny_models import make_tokenizer
-from training.errors import UserError
-from utils.data import IGNORE_INDEX, PairwiseCollator, PromptCollator, PromptFormatter, SFTCollator
+
+from utils.data import (
+    IGNORE_INDEX,
+    PairwiseCollator,
+    PromptCollator,
+    PromptFormatter,
+    SFTCollator,
+)
 from utils.data.samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample
 from utils.data.tokenization import TokenLimits, tokenize_samples
+from utils.errors import UserError
 
 TURNS = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Tell me a joke"})
 

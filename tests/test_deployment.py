@@ -7,11 +7,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from training.dist import free_port
-from training.errors import UserError
+
 from training.pipeline.deployment import (
     CpuQuickRun,
     DeploymentType,
@@ -25,6 +23,8 @@ from training.pipeline.deployment import (
 from training.pipeline.hardware import Hardware, ModelSize
 from training.pipeline.hostfile import Host, read_hostfile
 from training.pipeline.launch import Launcher
+from utils.dist import free_port
+from utils.errors import UserError
 
 SMALL = ModelSize(parameters=135_000_000, hidden_size=576, num_layers=30, vocab_size=49152)
 B7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from step3_rlhf.ema import ModelEMA, save_ema_model
-from training.ds_config import get_train_ds_config
-from training.model_loading import load_causal_lm, load_tokenizer
-from training.save import gathered_state_dict
+from training.core.ds_config import get_train_ds_config
+from training.core.model_loading import load_causal_lm, load_tokenizer
+from training.core.save import gathered_state_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ def test_zero3_ema_tracks_partitions_and_saves_ema_weights(persistence_threshold
 
 def _two_rank_worker() -> None:
     """Run under `torch.distributed.run --nproc_per_node 2`: odd-sized parameters, so partitions are padded."""
-    from training.dist import get_rank, init_distributed
+    from utils.dist import get_rank, init_distributed
 
     init_distributed()
     rank = get_rank()
@@ -174,7 +174,7 @@ def _two_rank_worker() -> None:
 
 @pytest.mark.slow
 def test_zero3_ema_over_two_ranks_with_padded_partitions():
-    from training.dist import free_port
+    from utils.dist import free_port
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -11,7 +11,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_embedded_model_loads_by_short_name_and_generates_coherent_text():
-    from training.model_loading import EMBEDDED_MODEL_NAME, load_causal_lm, load_tokenizer
+    from training.core.model_loading import (
+        EMBEDDED_MODEL_NAME,
+        load_causal_lm,
+        load_tokenizer,
+    )
 
     tokenizer = load_tokenizer(EMBEDDED_MODEL_NAME)
     model = load_causal_lm(EMBEDDED_MODEL_NAME, tokenizer).eval()

@@ -5,17 +5,19 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from training.generation import (
-    GenerationConfig,
-    HFGenerator,
+from training.core.sequences import (
     answer_logprobs,
-    answer_mask_from_tokens,
-    assemble_output,
     position_ids_from_attention_mask,
-    select_next_tokens,
     token_logprobs,
 )
-from training.hybrid_engine import (
+from training.generation.generator import (
+    GenerationConfig,
+    HFGenerator,
+    answer_mask_from_tokens,
+    assemble_output,
+    select_next_tokens,
+)
+from training.generation.hybrid_engine import (
     add_hybrid_engine_args,
     generation_backend_from_args,
     hybrid_settings_from_args,

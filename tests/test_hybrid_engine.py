@@ -21,11 +21,16 @@ from scripts.hybrid_engine_worker import (
 )
 from transformers.pytorch_utils import Conv1D
 
-from training.cpu_linear import PackedLinear
-from training.dist import free_port
-from training.fused_llama import fused_llama_unsupported_reason
-from training.generation import GenerationConfig, HFGenerator, answer_logits
-from training.hybrid_engine import HybridEngine, HybridEngineSettings, build_generator
+from training.core.sequences import answer_logits
+from training.generation.cpu_linear import PackedLinear
+from training.generation.fused_llama import fused_llama_unsupported_reason
+from training.generation.generator import GenerationConfig, HFGenerator
+from training.generation.hybrid_engine import (
+    HybridEngine,
+    HybridEngineSettings,
+    build_generator,
+)
+from utils.dist import free_port
 
 
 def _hybrid(engine, **kwargs):
@@ -71,7 +76,7 @@ def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_
     for packing in (True, False):
         hybrid = _hybrid(engine, onednn_packing=packing)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="training.hybrid_engine"), hybrid.generate_mode():
+        with caplog.at_level(logging.INFO, logger="training.generation.hybrid_engine"), hybrid.generate_mode():
             packed = _packed_linears(hybrid)
             outputs[packing] = check_parity(engine, hybrid, tokenizer, PROMPTS)
         assert packed and all(p == packing for p in packed)

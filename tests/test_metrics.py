@@ -1,6 +1,7 @@
 import json
 
-from training.metrics import MetricsLogger, read_metrics, save_run_args
+from training.loops.metrics import MetricsLogger, read_metrics
+from training.reliability.run_records import save_run_args
 
 
 def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):

@@ -17,7 +17,7 @@ from step3_rlhf.ppo_math import (
     masked_mean,
     whiten,
 )
-from training.generation import token_logprobs
+from training.core.sequences import token_logprobs
 
 GARBAGE = 1e4  # placed on masked-out positions: it must never reach a result
 

@@ -4,19 +4,14 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import ARCHITECTURES
 from transformers import AutoModel, AutoModelForCausalLM
 
-from step2_reward.reward_model import (
-    MARKER_FILE,
-    RewardModel,
-    evaluate_pairs,
-    last_token_index,
-    pairwise_loss,
-    split_chosen_rejected,
-)
-from tiny_models import ARCHITECTURES
-from training.errors import UserError
-from training.model_loading import load_tokenizer
+from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_rejected
+from training.core.model_loading import load_tokenizer
+from training.core.reward_model import MARKER_FILE, RewardModel
+from training.core.sequences import last_token_index
+from utils.errors import UserError
 
 TEXTS = ["Human: What is the capital of France? Assistant: Paris.", "Human: Tell me a joke.", "hello"]
 
@@ -126,9 +121,9 @@ def test_tiny_reward_model_learns_a_separable_preference(tiny_model_dir):
 
 def test_zero3_reward_model_and_critic_load_score_and_save(distributed, tiny_model_dir, tmp_path):
     """Step 2 saves through save_hf_model; step 3 loads the folder partitioned, as reward and as critic."""
-    from training.ds_config import get_eval_ds_config
-    from training.engine import create_frozen_engine
-    from training.save import save_hf_model
+    from training.core.ds_config import get_eval_ds_config
+    from training.core.engine import create_frozen_engine
+    from training.core.save import save_hf_model
 
     path = tiny_model_dir("llama")
     tokenizer = load_tokenizer(path)
@@ -156,9 +151,9 @@ def test_zero3_reward_model_and_critic_load_score_and_save(distributed, tiny_mod
 
 def test_zero3_lora_training_from_a_causal_lm_then_save(distributed, tiny_model_dir, tmp_path):
     """Step 2's path: fresh head on a partitioned backbone, LoRA, a ZeRO-3 engine, save_hf_model, reload."""
-    from training.engine import OptimizationSettings, create_train_engine
-    from training.lora import apply_lora
-    from training.save import save_hf_model
+    from training.core.engine import OptimizationSettings, create_train_engine
+    from training.core.lora import apply_lora
+    from training.core.save import save_hf_model
 
     path = tiny_model_dir("opt")
     tokenizer = load_tokenizer(path)

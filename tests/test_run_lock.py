@@ -5,14 +5,14 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
-from training.errors import UserError
-from training.run_lock import OWNER_FILE, RunLock
+
+from training.reliability.run_lock import OWNER_FILE, RunLock
+from utils.errors import UserError
 
 HOLDER = """
 import sys, time
-from training.run_lock import RunLock
+from training.reliability.run_lock import RunLock
 lock = RunLock(sys.argv[1]).acquire()  # keep a reference: a collected lock is released
 print("locked", flush=True)
 time.sleep(120)

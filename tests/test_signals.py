@@ -6,16 +6,20 @@ import subprocess
 import sys
 
 import pytest
-
 from crash_resume import step_env
-from training.signals import EXIT_INTERRUPTED, GracefulInterrupt, resume_command
+
+from training.reliability.signals import (
+    EXIT_INTERRUPTED,
+    GracefulInterrupt,
+    resume_command,
+)
 
 LOOP = """
 import argparse, sys, time
 import torch, deepspeed
-from training.dist import init_distributed
-from training.checkpointing import CheckpointManager, add_checkpoint_args
-from training.signals import GracefulInterrupt
+from utils.dist import init_distributed
+from training.reliability.checkpointing import CheckpointManager, add_checkpoint_args
+from training.reliability.signals import GracefulInterrupt
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--output_dir")

@@ -4,15 +4,15 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from supervised_data import write_arithmetic_jsonl
+from tiny_models import make_tiny_model, make_tokenizer
 from transformers import AutoModelForCausalLM, set_seed
 
 from step1_sft import prompt_eval
 from step1_sft.main import main
 from step1_sft.objective import sft_loss
-from supervised_data import write_arithmetic_jsonl
-from tiny_models import make_tiny_model, make_tokenizer
-from training.metrics import read_metrics
-from training.model_loading import load_causal_lm, load_tokenizer
+from training.core.model_loading import load_causal_lm, load_tokenizer
+from training.loops.metrics import read_metrics
 from utils.data import SFTCollator, build_phase_datasets
 
 
@@ -120,7 +120,7 @@ def test_a_bad_flag_value_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
 
 
 def test_run_folder_rules_lock_checkpoints_and_resume(distributed, tiny_model_dir, tmp_path, capsys):
-    from training.run_lock import RunLock
+    from training.reliability.run_lock import RunLock
 
     model_dir, data = tiny_model_dir("llama"), write_arithmetic_jsonl(tmp_path / "d.jsonl", 16)
     args = _args(model_dir, data, tmp_path, "--max_steps", "2", "--save_interval", "1")

@@ -4,14 +4,15 @@ import json
 
 import pytest
 import torch
+from supervised_data import write_arithmetic_jsonl
 
 from step1_sft.main import main as step1_main
 from step2_reward import rw_eval
 from step2_reward.main import main as step2_main
-from step2_reward.reward_model import RewardModel, evaluate_pairs
-from supervised_data import write_arithmetic_jsonl
-from training.metrics import read_metrics
-from training.model_loading import load_tokenizer
+from step2_reward.objective import evaluate_pairs
+from training.core.model_loading import load_tokenizer
+from training.core.reward_model import RewardModel
+from training.loops.metrics import read_metrics
 from utils.data import PairwiseCollator, build_phase_datasets
 
 SCORE_KEYS = ("accuracy", "chosen_mean", "rejected_mean", "margin_mean")

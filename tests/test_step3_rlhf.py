@@ -12,32 +12,36 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO_ROOT, TESTS_DIR
-from crash_resume import assert_same_weights, kill_after_checkpoint, launch_step, output_dir_of, run_step
+from crash_resume import (
+    assert_same_weights,
+    kill_after_checkpoint,
+    launch_step,
+    output_dir_of,
+    run_step,
+)
+from safetensors.torch import load_file
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
-from step2_reward.reward_model import RewardModel
 from step3_rlhf.ema import ModelEMA
 from step3_rlhf.ppo_math import actor_loss
 from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
-from training.batch_stream import BatchStream
-from training.dist import free_port
-from training.engine import OptimizationSettings, create_frozen_engine, create_train_engine
-from training.errors import EXIT_USER_ERROR
-from training.generation import (
-    GenerationOutput,
-    HFGenerator,
-    answer_logprobs,
-    assemble_output,
-    position_ids_from_attention_mask,
+from training.core.engine import (
+    OptimizationSettings,
+    create_frozen_engine,
+    create_train_engine,
 )
-from training.hybrid_engine import HybridEngine, HybridEngineSettings
-from training.model_loading import load_causal_lm, load_tokenizer
+from training.core.model_loading import load_causal_lm, load_tokenizer
+from training.core.reward_model import RewardModel
+from training.core.sequences import answer_logprobs, position_ids_from_attention_mask
+from training.generation.generator import GenerationOutput, HFGenerator, assemble_output
+from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
+from training.loops.batch_stream import BatchStream
 from utils.data import PromptCollator, SFTCollator
+from utils.dist import free_port
+from utils.errors import EXIT_USER_ERROR
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +91,7 @@ class FixedAnswers:
         self.eos, self.pad = eos_token_id, pad_token_id
 
     def generate(self, input_ids, attention_mask, config) -> GenerationOutput:
-        from training.generation import answer_mask_from_tokens
+        from training.generation.generator import answer_mask_from_tokens
 
         mask = answer_mask_from_tokens(self.answers, self.eos)
         return assemble_output(input_ids, attention_mask, self.answers, torch.zeros(self.answers.shape), mask, self.pad)

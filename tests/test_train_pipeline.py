@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from training.errors import UserError, run_cli
+
 from training.pipeline.cli import parse_config
 from training.pipeline.hardware import Hardware
 from training.pipeline.runner import run_pipeline
+from utils.errors import UserError, run_cli
 
 TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
 MODEL_FLAGS = {1: ["--model_name_or_path"], 2: ["--model_name_or_path"],
@@ -34,7 +34,12 @@ class FakeSteps:
         self.fail_step = fail_step
 
     def parser(self, step: int) -> argparse.ArgumentParser:
-        from training.pipeline.deployment import ModelSizes, plan_cpu, plan_gpu, DeploymentType
+        from training.pipeline.deployment import (
+            DeploymentType,
+            ModelSizes,
+            plan_cpu,
+            plan_gpu,
+        )
         from training.pipeline.hardware import ModelSize
 
         size = ModelSize(1000, 8, 2, 100)

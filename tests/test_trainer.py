@@ -5,16 +5,21 @@ import signal
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from step1_sft.objective import evaluate_perplexity, sft_loss
-from tiny_models import make_tiny_model
-from training.engine import OptimizationSettings, create_train_engine
-from training.errors import UserError
-from training.metrics import MetricsLogger, read_metrics
-from training.checkpointing import CheckpointManager
-from training.guards import NonFiniteError
-from training.signals import EXIT_INTERRUPTED, GracefulInterrupt
-from training.trainer import LoopConfig, SkipFirst, SupervisedTrainer, count_optimizer_steps
+from training.core.engine import OptimizationSettings, create_train_engine
+from training.loops.metrics import MetricsLogger, read_metrics
+from training.loops.trainer import (
+    LoopConfig,
+    SkipFirst,
+    SupervisedTrainer,
+    count_optimizer_steps,
+)
+from training.reliability.checkpointing import CheckpointManager
+from training.reliability.guards import NonFiniteError
+from training.reliability.signals import EXIT_INTERRUPTED, GracefulInterrupt
+from utils.errors import UserError
 
 TEXTS = [
     "Human: What is the capital of France? Assistant: The capital of France is Paris.",
@@ -105,7 +110,13 @@ def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path
 def test_flag_groups_compose_per_model_with_prefixes():
     import argparse
 
-    from training.args import add_lora_args, add_optimization_args, add_schedule_args, add_zero_args, optimization_settings
+    from training.core.args import (
+        add_lora_args,
+        add_optimization_args,
+        add_schedule_args,
+        add_zero_args,
+        optimization_settings,
+    )
 
     parser = argparse.ArgumentParser()
     for prefix in ("actor_", "critic_"):
@@ -126,8 +137,8 @@ def test_flag_groups_compose_per_model_with_prefixes():
 def test_only_optimize_lora_keeps_named_heads_trainable(tiny_model_dir):
     import argparse
 
-    from step2_reward.reward_model import RewardModel
-    from training.args import apply_model_options
+    from training.core.args import apply_model_options
+    from training.core.reward_model import RewardModel
 
     path = tiny_model_dir("llama")
     flags = argparse.Namespace(gradient_checkpointing=True, lora_dim=4, lora_module_name="layers.",

@@ -5,16 +5,16 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import REPO_ROOT
 from tiny_models import ARCHITECTURES, make_tokenizer
-from training.dist import free_port
-from training.engine import OptimizationSettings, create_train_engine
-from training.errors import UserError
-from training.lora import apply_lora, lora_target_modules
-from training.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
-from training.save import save_hf_model
+from transformers import AutoModelForCausalLM
+
+from training.core.engine import OptimizationSettings, create_train_engine
+from training.core.lora import apply_lora, lora_target_modules
+from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.save import save_hf_model
+from utils.dist import free_port
+from utils.errors import UserError
 
 TEXT = ["Human: What is the capital of France? Assistant: The capital of France is Paris."] * 4
 
@@ -158,7 +158,7 @@ def test_two_process_zero3_over_gloo_trains_and_saves(tiny_model_dir, tmp_path):
 
 
 def test_a_step_run_folder_resolves_to_its_final_model(tiny_model_dir, tmp_path):
-    from training.model_loading import FINAL_MODEL_SUBDIR, resolve_model_path
+    from training.core.model_loading import FINAL_MODEL_SUBDIR, resolve_model_path
 
     run_dir = tmp_path / "run"
     model_dir = tiny_model_dir("opt")

@@ -7,12 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from tiny_models import make_config
-from training.checkpointing import MARKER_FILE, CheckpointManager
-from training.errors import UserError
-from training.guards import NonFiniteError, check_finite
-from training.validation import (
+
+from training.reliability.checkpointing import MARKER_FILE, CheckpointManager
+from training.reliability.guards import NonFiniteError, check_finite
+from training.reliability.validation import (
     check_disk_space,
     check_model_source,
     check_output_dir,
@@ -23,6 +22,7 @@ from training.validation import (
     model_max_positions,
     parse_data_split,
 )
+from utils.errors import UserError
 
 REWARD_FILES = ("reward_model.json", "value_head.safetensors")
 
@@ -60,7 +60,7 @@ def test_sequence_lengths_must_fit_the_model(arch, attribute):
     with pytest.raises(UserError, match=f"--max_prompt_seq_len 200 \\+ --max_answer_seq_len 100 = 300 tokens exceed "
                                         f"the 256 positions of the model \\({attribute}\\); lower them"):
         check_sequence_lengths(config, max_prompt_seq_len=200, max_answer_seq_len=100)
-    with pytest.raises(UserError, match=f"--max_seq_len 512 exceeds the 256 positions .*pass --max_seq_len 256 or less"):
+    with pytest.raises(UserError, match="--max_seq_len 512 exceeds the 256 positions .*pass --max_seq_len 256 or less"):
         check_sequence_lengths(config, max_seq_len=512)
     with pytest.raises(UserError, match="--max_answer_seq_len must be a positive number of tokens, got 0"):
         check_sequence_lengths(config, max_prompt_seq_len=10, max_answer_seq_len=0)

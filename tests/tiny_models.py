@@ -16,8 +16,8 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     OPTConfig,
-    Qwen2Config,
     PreTrainedTokenizerFast,
+    Qwen2Config,
 )
 
 ARCHITECTURES = ("llama", "gpt2", "opt", "qwen2", "mistral")

@@ -17,11 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training.engine import OptimizationSettings  # noqa: E402
-from training.generation import GenerationConfig, HFGenerator, answer_logprobs  # noqa: E402
-from training.hybrid_engine import HybridEngine, HybridEngineSettings  # noqa: E402
-from training.lora import apply_lora  # noqa: E402
-from training.model_loading import load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
+from training.core.engine import OptimizationSettings  # noqa: E402
+from training.core.lora import apply_lora  # noqa: E402
+from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
+from training.core.sequences import answer_logprobs  # noqa: E402
+from training.generation.generator import GenerationConfig, HFGenerator  # noqa: E402
+from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings  # noqa: E402
 
 LORA_MODULE_NAMES = {"llama": "layers.", "qwen2": "layers.", "mistral": "layers.", "gpt2": "h.", "opt": "decoder.layers."}
 PROMPTS = [
@@ -123,7 +124,7 @@ def modes_architectures(modes) -> set[str]:
 
 def main(models_dir: str, mode: str) -> None:
     """Parity on every rank, then the next training step's loss equals a twin engine's that never generated."""
-    from training.dist import get_rank, init_distributed
+    from utils.dist import get_rank, init_distributed
 
     init_distributed()
     rank = get_rank()

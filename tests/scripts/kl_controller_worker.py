@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from step3_rlhf.ppo_math import AdaptiveKLController  # noqa: E402
 from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer  # noqa: E402
-from training.dist import broadcast_from_main, get_rank, init_distributed  # noqa: E402
+from utils.dist import broadcast_from_main, get_rank, init_distributed  # noqa: E402
 
 CONFIG = PPOConfig(kl_ctl=0.1, target_kl=5.0, kl_horizon=20.0)
 ROLLOUT_KLS = {  # rank: the per-answer KLs of each of its rollouts (different batch sizes on purpose)

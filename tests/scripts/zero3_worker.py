@@ -3,10 +3,10 @@ import sys
 
 import torch
 
-from training.dist import get_rank, get_world_size, init_distributed
-from training.engine import OptimizationSettings, create_train_engine
-from training.model_loading import load_causal_lm, load_tokenizer
-from training.save import save_hf_model
+from training.core.engine import OptimizationSettings, create_train_engine
+from training.core.model_loading import load_causal_lm, load_tokenizer
+from training.core.save import save_hf_model
+from utils.dist import get_rank, get_world_size, init_distributed
 
 
 def main(model_path: str, output_dir: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from training.model_loading import EMBEDDED_MODEL_NAME
+from training.core.model_loading import EMBEDDED_MODEL_NAME
 
 from .deployment import DeploymentType
 from .runner import PipelineConfig, run_pipeline

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from .hardware import GIB, Hardware, ModelSize
 from .hostfile import Host

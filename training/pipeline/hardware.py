@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.model_loading import load_config
+from training.core.model_loading import load_config
 
 GIB = 1024**3
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.errors import UserError
+from utils.errors import UserError
 
 _LINE = re.compile(r"(?P<host>\S+)\s+slots\s*=\s*(?P<slots>-?\d+)")
 _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"

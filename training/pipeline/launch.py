@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterator, Sequence
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from .deployment import DeploymentType
 from .steps import StepMain
-
 
 LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
 
@@ -86,7 +85,7 @@ class _Tee:
 @contextlib.contextmanager
 def teed_output(log_path: Path) -> Iterator[None]:
     """Copy stdout, stderr and log records of the code inside into `log_path` (appending)."""
-    from training.metrics import setup_logging
+    from utils.log import setup_logging
 
     setup_logging()  # console handler first, so a step's own basicConfig adds no second one
     log_path.parent.mkdir(parents=True, exist_ok=True)

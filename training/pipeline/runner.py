@@ -11,19 +11,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from training.dist import free_port
-from training.errors import UserError
-from training.model_loading import resolve_model_path
+from training.core.model_loading import resolve_model_path
+from training.core.reward_model import is_reward_model_dir
+from utils.dist import free_port
+from utils.errors import UserError
 
-from .deployment import DeploymentPlan, DeploymentType, ModelSizes, apply_zero_overrides, detect_deployment, plan_deployment
+from .deployment import (
+    DeploymentPlan,
+    DeploymentType,
+    ModelSizes,
+    apply_zero_overrides,
+    detect_deployment,
+    plan_deployment,
+)
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, read_hostfile
-from .launch import Launcher, check_launcher_installed, format_command, launcher_env, run_in_process, run_subprocess
+from .launch import (
+    Launcher,
+    check_launcher_installed,
+    format_command,
+    launcher_env,
+    run_in_process,
+    run_subprocess,
+)
 from .steps import STEPS, StepMain, accepted_options, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REWARD_MARKER = "reward_model.json"  # written by step2_reward.reward_model.RewardModel.save_pretrained
 
 
 @dataclass
@@ -53,10 +67,6 @@ def _has_model(path: str | Path) -> bool:
     return (Path(resolve_model_path(str(path))) / "config.json").is_file()
 
 
-def _has_reward_model(path: str | Path) -> bool:
-    return (Path(resolve_model_path(str(path))) / REWARD_MARKER).is_file()
-
-
 def _step3_inputs(config: PipelineConfig) -> tuple[str, str]:
     """The actor and critic step 3 starts from; checked now when no step of this run produces them."""
     actor = str(config.run_dir(1)) if 1 in config.steps else (config.step1_output or str(config.run_dir(1)))
@@ -66,7 +76,7 @@ def _step3_inputs(config: PipelineConfig) -> tuple[str, str]:
             f"step 3 needs the step-1 model, and {actor} holds none; run step 1 first "
             f"(--step 1 3), or point --step1-output at a step-1 run folder or a fine-tuned model"
         )
-    if 2 not in config.steps and not _has_reward_model(critic):
+    if 2 not in config.steps and not is_reward_model_dir(critic):
         raise UserError(
             f"step 3 needs the step-2 reward model, and {critic} holds none; run step 2 first "
             f"(--step 2 3), or point --step2-output at a step-2 run folder"
@@ -119,7 +129,7 @@ def _read_summary(run_dir: Path) -> dict:
 
 def _check_output(config: PipelineConfig, step: int) -> None:
     run_dir = config.run_dir(step)
-    produced = _has_reward_model(run_dir) if step == 2 else _has_model(run_dir / "actor" if step == 3 else run_dir)
+    produced = is_reward_model_dir(run_dir) if step == 2 else _has_model(run_dir / "actor" if step == 3 else run_dir)
     if not produced:
         raise UserError(f"step {step} ended without saving its model in {run_dir}; see {config.log_path(step)}")
 

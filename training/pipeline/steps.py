@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from training.errors import UserError
+from utils.errors import UserError
 
 StepMain = Callable[[list[str]], dict]
 

@@ -5,8 +5,8 @@ from .collators import PairwiseCollator, PromptCollator, SFTCollator
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS, PromptFormatter
 from .phases import build_phase_datasets, phase_splits
-from .rows import read_rows
 from .readers import FORMATS, detect_format
+from .rows import read_rows
 from .samples import Sample
 from .sources import SourceSpec, load_source, parse_source_spec
 from .tokenization import IGNORE_INDEX

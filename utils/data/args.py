@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
-from training.embedded_model import cache_root
+from utils.paths import cache_root
 
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS

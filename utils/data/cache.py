@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from filelock import FileLock
 
-from training.dist import barrier, get_local_rank
-from training.errors import UserError
+from utils.dist import barrier, get_local_rank
+from utils.errors import UserError
 
 DATA_CODE_DIR = Path(__file__).resolve().parent
 PROBE_TEXT = "Probe: Hello, World! 12 + 30 = 42.\n\tTabs, accents (é, ü) and 漢字."

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from .jsonio import decode_array_prefix
 from .samples import ASSISTANT, USER, Sample, SkipRow

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from .samples import ASSISTANT, SYSTEM, Sample, SkipRow
 

@@ -8,12 +8,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .formatting import PromptFormatter
 from .samples import PHASE_KINDS, Sample, SkipRow, unusable_reason
-from .sources import LoadedSource, SourceSpec, load_source, parse_source_spec, source_fingerprint
+from .sources import (
+    LoadedSource,
+    SourceSpec,
+    load_source,
+    parse_source_spec,
+    source_fingerprint,
+)
 from .splits import ShardSettings, holdout, parse_data_split, seeded_order
 from .tokenization import TokenLimits, tokenize_samples
 from .tokenized import TokenizedDataset

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from .sources import source_identity
 from .splits import same_shards

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from . import embedded
 from .jsonio import read_json_file

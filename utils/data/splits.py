@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training.errors import UserError
+from utils.errors import UserError
 
 NUM_PHASES = 3
 

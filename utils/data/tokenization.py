@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from training.dist import is_main_process
-from training.errors import UserError
+from utils.dist import is_main_process
+from utils.errors import UserError
 
 from .formatting import PromptFormatter
 from .samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample, SkipRow

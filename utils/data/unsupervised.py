@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.errors import UserError
+from utils.errors import UserError
 
 from . import embedded
 from .cache import build_or_load, cache_file, tokenizer_fingerprint

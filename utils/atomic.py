@@ -19,8 +19,8 @@ from typing import Iterator
 
 import torch
 
-from .dist import any_rank, barrier, broadcast_from_main, is_main_process
-from .errors import UserError
+from utils.dist import any_rank, barrier, broadcast_from_main, is_main_process
+from utils.errors import UserError
 
 TMP_MARK = ".tmp-"
 

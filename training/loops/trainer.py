@@ -26,12 +26,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from tqdm.auto import tqdm
 
-from .checkpointing import CheckpointManager
-from .dist import current_device, get_rank, get_world_size, is_initialized, is_main_process
-from .errors import UserError
-from .guards import check_finite
-from .metrics import MetricsLogger
-from .signals import GracefulInterrupt
+from training.loops.metrics import MetricsLogger
+from training.reliability.checkpointing import CheckpointManager
+from training.reliability.guards import check_finite
+from training.reliability.signals import GracefulInterrupt
+from utils.dist import (
+    get_rank,
+    get_world_size,
+    is_main_process,
+    sum_over_ranks,
+)
+from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -108,15 +113,6 @@ class SkipFirst(Sampler):
 
 def to_device(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
     return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-
-
-def _mean_over_ranks(total: float, count: int) -> float:
-    """Mean of per-rank sums (every rank must call it)."""
-    if not is_initialized() or get_world_size() == 1:
-        return total / max(count, 1)
-    pair = torch.tensor([total, float(count)], dtype=torch.float64, device=current_device())
-    torch.distributed.all_reduce(pair)
-    return pair[0].item() / max(pair[1].item(), 1.0)
 
 
 @dataclass
@@ -268,7 +264,8 @@ class SupervisedTrainer:
     # training -----------------------------------------------------------------------------------
 
     def _log_training(self, step: int, window_start: float, samples: int) -> None:
-        loss = _mean_over_ranks(self._loss_sum, self._loss_count)
+        total, count = sum_over_ranks([self._loss_sum, self._loss_count])
+        loss = total / max(count, 1.0)
         self._last_train_loss = loss
         elapsed = max(time.perf_counter() - window_start, 1e-9)
         self.metrics.log(

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import filelock
 
-from .atomic import atomic_write_text
-from .dist import broadcast_from_main, is_main_process
-from .errors import UserError
+from utils.atomic import atomic_write_text
+from utils.dist import broadcast_from_main, is_main_process
+from utils.errors import UserError
 
 LOCK_FILE = ".run.lock"
 OWNER_FILE = ".run.lock.json"

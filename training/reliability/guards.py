@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .dist import any_rank
-from .errors import UserError
+from utils.dist import any_rank
+from utils.errors import UserError
 
 if TYPE_CHECKING:
-    from .checkpointing import CheckpointManager
+    from training.reliability.checkpointing import CheckpointManager
 
 
 class NonFiniteError(UserError):

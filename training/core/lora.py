@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.pytorch_utils import Conv1D
 
-from .errors import UserError
+from utils.errors import UserError
 
 _LINEAR_TYPES = (torch.nn.Linear, Conv1D)
 

@@ -1,4 +1,4 @@
-"""Print how much data each step gets: `python -m utils.data.inspect --data_path embedded [--tokenizer PATH]`.
+"""Print how much data each step gets: `python -m training.pipeline.inspect_data --data_path embedded [--tokenizer PATH]`.
 
 For each phase shard (train and eval) it counts the SFT pairs, preference pairs and prompts the
 sources yield. With `--tokenizer` it also builds (or loads from the cache) the phase's tokenised
@@ -10,12 +10,12 @@ import argparse
 import functools
 import logging
 
-from training.errors import run_cli
-
-from .args import DataArguments, add_data_args
-from .phases import phase_splits
-from .samples import KINDS, PHASE_KINDS
-from .sources import load_source
+from training.core.model_loading import load_tokenizer
+from utils.data.args import DataArguments, add_data_args
+from utils.data.phases import phase_splits
+from utils.data.samples import KINDS, PHASE_KINDS
+from utils.data.sources import load_source
+from utils.errors import run_cli
 
 _KIND_LABELS = {"sft": "SFT pairs", "pairs": "preference pairs", "prompts": "prompts"}
 
@@ -62,8 +62,6 @@ def main(argv: list[str] | None = None) -> dict:
     counts = raw_counts(data)
     tokenized = {}
     if args.tokenizer:
-        from training.model_loading import load_tokenizer
-
         tokenizer = load_tokenizer(args.tokenizer)
         for phase in PHASE_KINDS:
             train, evaluation = data.build(phase, tokenizer)

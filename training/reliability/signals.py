@@ -21,7 +21,7 @@ import threading
 from types import FrameType
 from typing import NoReturn, Sequence
 
-from .dist import any_rank, get_world_size, print_rank0
+from utils.dist import any_rank, get_world_size, print_rank0
 
 EXIT_INTERRUPTED = 3
 """Exit status of a run stopped on request after saving its checkpoint (0: finished, 2: user error)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -102,3 +103,20 @@ def broadcast_from_main(value):
     box = [value]
     torch_dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def sum_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise sum of each rank's numbers, in float64 (collective: every rank must call it)."""
+    if not is_initialized() or get_world_size() == 1:
+        return [float(value) for value in values]
+    totals = torch.tensor([float(value) for value in values], dtype=torch.float64, device=current_device())
+    torch_dist.all_reduce(totals)
+    return totals.tolist()
+
+
+def mean_over_ranks(stats: Mapping[str, float]) -> dict[str, float]:
+    """The mean over ranks of each per-rank scalar (collective: every rank must call it with the same keys)."""
+    if not is_initialized() or get_world_size() == 1:
+        return dict(stats)
+    keys = sorted(stats)
+    return {key: total / get_world_size() for key, total in zip(keys, sum_over_ranks([stats[k] for k in keys]))}

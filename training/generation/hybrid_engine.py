@@ -29,14 +29,29 @@ import deepspeed
 import torch
 import torch.distributed as torch_dist
 
-from .cpu_linear import pack_linear_layers
-from .dist import current_device, get_world_size
-from .errors import UserError
-from .fast_decoder import FusedCachedModel, HFCachedModel, KVCacheDecoder, RolloutKVCache
-from .fused_llama import FusedLlama, fused_llama_unsupported_reason
-from .generation import GenerationConfig, GenerationOutput, Generator, HFGenerator, eval_mode
-from .model_loading import resolve_dtype
-from .tensor_parallel import TensorParallelGroup, TensorParallelPlan, gather_tp_shard
+from training.core.model_loading import resolve_dtype
+from training.generation.cpu_linear import pack_linear_layers
+from training.generation.fast_decoder import (
+    FusedCachedModel,
+    HFCachedModel,
+    KVCacheDecoder,
+    RolloutKVCache,
+)
+from training.generation.fused_llama import FusedLlama, fused_llama_unsupported_reason
+from training.generation.generator import (
+    GenerationConfig,
+    GenerationOutput,
+    Generator,
+    HFGenerator,
+    eval_mode,
+)
+from training.generation.tensor_parallel import (
+    TensorParallelGroup,
+    TensorParallelPlan,
+    gather_tp_shard,
+)
+from utils.dist import current_device, get_world_size
+from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ One checkpoint is one folder `<output_dir>/checkpoints/step<N>/` holding
 - `client_state.pt`: rank 0's `client_state` (data position, KL controller, EMA weights, ...);
 - `checkpoint.json`: the completion marker, written last.
 The folder is staged under a hidden temporary name and renamed into place once every rank has
-finished (`training.atomic.shared_atomic_directory`); only then is the `latest` pointer file
+finished (`utils.atomic.shared_atomic_directory`); only then is the `latest` pointer file
 replaced atomically. A crash at any moment leaves `latest` on the previous complete checkpoint.
 
 Every file loads with `torch.load(weights_only=True)`, so a tampered checkpoint cannot run code:
@@ -35,9 +35,20 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from .atomic import atomic_torch_save, atomic_write_text, remove_temporaries, shared_atomic_directory
-from .dist import barrier, broadcast_from_main, get_rank, get_world_size, is_main_process
-from .errors import UserError
+from utils.atomic import (
+    atomic_torch_save,
+    atomic_write_text,
+    remove_temporaries,
+    shared_atomic_directory,
+)
+from utils.dist import (
+    barrier,
+    broadcast_from_main,
+    get_rank,
+    get_world_size,
+    is_main_process,
+)
+from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 

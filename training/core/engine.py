@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 
-from .ds_config import get_eval_ds_config, get_train_ds_config
-from .optim import build_lr_scheduler, build_optimizer
+from training.core.ds_config import get_eval_ds_config, get_train_ds_config
+from training.core.optim import build_lr_scheduler, build_optimizer
 
 
 @dataclass

@@ -13,9 +13,7 @@ from typing import Callable
 import torch
 from transformers import PreTrainedTokenizerBase, set_seed
 
-from utils.data import DataArguments, add_data_args
-
-from .args import (
+from training.core.args import (
     add_lora_args,
     add_model_args,
     add_optimization_args,
@@ -28,16 +26,23 @@ from .args import (
     final_model_dir,
     optimization_settings,
 )
-from .checkpointing import CheckpointManager, add_checkpoint_args
-from .dist import init_distributed
-from .engine import create_train_engine
-from .metrics import MetricsLogger, save_run_args, setup_logging
-from .model_loading import load_config, load_tokenizer, resolve_dtype
-from .run_lock import RunLock
-from .save import save_hf_model
-from .signals import GracefulInterrupt
-from .trainer import EvalFn, LoopConfig, LossFn, SupervisedTrainer, TrainResult, count_optimizer_steps
-from .validation import (
+from training.core.engine import create_train_engine
+from training.core.model_loading import load_config, load_tokenizer, resolve_dtype
+from training.core.save import save_hf_model
+from training.loops.metrics import MetricsLogger
+from training.loops.trainer import (
+    EvalFn,
+    LoopConfig,
+    LossFn,
+    SupervisedTrainer,
+    TrainResult,
+    count_optimizer_steps,
+)
+from training.reliability.checkpointing import CheckpointManager, add_checkpoint_args
+from training.reliability.run_lock import RunLock
+from training.reliability.run_records import save_run_args
+from training.reliability.signals import GracefulInterrupt
+from training.reliability.validation import (
     check_disk_space,
     check_input_run_shards,
     check_model_source,
@@ -46,6 +51,9 @@ from .validation import (
     check_sequence_lengths,
     estimate_output_bytes,
 )
+from utils.data import DataArguments, add_data_args
+from utils.dist import init_distributed
+from utils.log import setup_logging
 
 logger = logging.getLogger(__name__)
 

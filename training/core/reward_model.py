@@ -7,11 +7,11 @@ A saved reward model is a Hugging Face folder:
 - `reward_model.json`: the marker that says the folder holds a trained value head.
 
 ZeRO-3: the backbone is always built by `AutoModel.from_pretrained` inside
-`training.model_loading.zero3_construction(ds_config)`, so transformers partitions it while it
+`training.core.model_loading.zero3_construction(ds_config)`, so transformers partitions it while it
 loads. The value head (hidden_size numbers) is built unpartitioned; `deepspeed.initialize`
 converts it to a ZeRO-3 parameter together with any other unpartitioned parameter. Always run a
 ZeRO-3 reward model or critic through a DeepSpeed engine, and save it with
-`training.save.save_hf_model(engine, tokenizer, folder)`, which gathers the weights and calls
+`training.core.save.save_hf_model(engine, tokenizer, folder)`, which gathers the weights and calls
 `RewardModel.save_pretrained(folder, state_dict=...)`.
 """
 from __future__ import annotations
@@ -19,34 +19,32 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
-from training.dist import current_device
-from training.errors import UserError
-from training.model_loading import disable_dropout, load_config, match_tokenizer, resolve_model_path, zero3_construction
+from training.core.model_loading import (
+    disable_dropout,
+    load_config,
+    match_tokenizer,
+    resolve_model_path,
+    zero3_construction,
+)
+from training.core.sequences import last_token_index, position_ids_from_attention_mask
+from utils.errors import UserError
 
 MARKER_FILE = "reward_model.json"
 VALUE_HEAD_FILE = "value_head.safetensors"
 _FORMAT = "rlhf-reward-model"
 
 
-def last_token_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last 1 in each row of a [B, T] mask (0 for an all-zero row); right or left padding alike."""
-    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(-1)
-
-
-def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that count only real tokens, so a left-padded sequence sees the same positions as unpadded."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+def is_reward_model_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` (a folder, a run folder or a hub name already resolved) holds a saved reward model."""
+    return (Path(resolve_model_path(str(path))) / MARKER_FILE).is_file()
 
 
 def backbone_output_size(config) -> int:
@@ -134,7 +132,7 @@ class RewardModel(nn.Module):
     ) -> None:
         """Write the folder described in the module docstring.
 
-        `state_dict` (keys `backbone.*` and `v_head.weight`) is what `training.save.save_hf_model`
+        `state_dict` (keys `backbone.*` and `v_head.weight`) is what `training.core.save.save_hf_model`
         passes after gathering ZeRO-3 partitions; without it the module's own tensors are used.
         """
         state = dict(state_dict) if state_dict is not None else self.state_dict()
@@ -174,60 +172,3 @@ def _load_backbone(path: str, dtype: torch.dtype, ds_config: dict | None, trust_
         return AutoModel.from_pretrained(
             resolve_model_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code
         )
-
-
-def pairwise_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
-    """Bradley-Terry preference loss: mean of -log sigmoid(chosen - rejected), computed in fp32."""
-    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float()).mean()
-
-
-def split_chosen_rejected(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of a [2B] pairwise batch (chosen stacked before rejected, as `PairwiseCollator` builds it)."""
-    half = scores.shape[0] // 2
-    return scores[:half], scores[half:]
-
-
-@dataclass
-class PairwiseEvaluation:
-    accuracy: float
-    chosen_mean: float
-    rejected_mean: float
-    margin_mean: float
-    num_pairs: int
-
-
-@torch.no_grad()
-def evaluate_pairs(
-    model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], device: torch.device | str | None = None,
-    max_batches: int | None = None,
-) -> PairwiseEvaluation:
-    """Accuracy (chosen scored strictly above rejected), mean scores and mean margin over pairwise batches.
-
-    `model` is a `RewardModel` or a DeepSpeed engine around one. Under torch.distributed the totals
-    are summed over ranks, so every rank returns the same numbers (every rank must call it).
-    """
-    was_training = model.training
-    model.eval()
-    device = device if device is not None else current_device()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)  # correct, sum chosen, sum rejected, pairs
-    for index, batch in enumerate(batches):
-        if max_batches is not None and index >= max_batches:
-            break
-        scores = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
-        chosen, rejected = split_chosen_rejected(scores["end_scores"].double())
-        totals[0] += (chosen > rejected).sum()
-        totals[1] += chosen.sum()
-        totals[2] += rejected.sum()
-        totals[3] += chosen.numel()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(totals)
-    model.train(was_training)
-    pairs = max(int(totals[3].item()), 1)
-    chosen_mean, rejected_mean = totals[1].item() / pairs, totals[2].item() / pairs
-    return PairwiseEvaluation(
-        accuracy=totals[0].item() / pairs,
-        chosen_mean=chosen_mean,
-        rejected_mean=rejected_mean,
-        margin_mean=chosen_mean - rejected_mean,
-        num_pairs=int(totals[3].item()),
-    )

@@ -15,11 +15,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .cpu_linear import ReducedLinear
-from .dist import get_rank, get_world_size
-from .errors import UserError
-from .fast_decoder import KVCacheDecoder
-from .generation import GenerationConfig, GenerationOutput, assemble_output
+from training.generation.cpu_linear import ReducedLinear
+from training.generation.fast_decoder import KVCacheDecoder
+from training.generation.generator import (
+    GenerationConfig,
+    GenerationOutput,
+    assemble_output,
+)
+from utils.dist import get_rank, get_world_size
+from utils.errors import UserError
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")

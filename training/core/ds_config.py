@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dist import get_world_size
+from utils.dist import get_world_size
+
 
 def _precision_section(dtype: str) -> dict[str, Any]:
     if dtype == "fp16":

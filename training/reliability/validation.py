@@ -1,7 +1,7 @@
 """Start-up checks of what the user passed, each ending in one `UserError` line that says what to do.
 
 Steps call these before they write anything, so a bad argument never overwrites earlier work.
-Batch sizes are checked by `training.args.check_positive`; `--data_split` by the data layer's
+Batch sizes are checked by `training.core.args.check_positive`; `--data_split` by the data layer's
 `parse_data_split` (re-exported here so every start-up check can be found in one place).
 """
 from __future__ import annotations
@@ -14,13 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
+from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
+from training.core.model_loading import resolve_model_path
+from training.reliability.run_records import ARGS_FILE, read_run_args
 from utils.data.shard_match import check_same_shards
 from utils.data.splits import parse_data_split
-
-from .embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
-from .errors import UserError
-from .metrics import ARGS_FILE, read_run_args
-from .model_loading import resolve_model_path
+from utils.errors import UserError
 
 __all__ = [
     "check_output_dir",

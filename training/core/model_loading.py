@@ -8,10 +8,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from .embedded_model import EMBEDDED_MODEL_NAME, embedded_model_path, is_embedded_name
-from .errors import UserError
+from training.core.embedded_model import (
+    EMBEDDED_MODEL_NAME,
+    embedded_model_path,
+    is_embedded_name,
+)
+from utils.errors import UserError
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",

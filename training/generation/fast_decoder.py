@@ -21,16 +21,15 @@ from typing import Callable, Protocol
 import torch
 from transformers import StaticCache
 
-from .fused_llama import FusedKVBuffers, FusedLlama
-from .generation import (
+from training.core.sequences import position_ids_from_attention_mask, token_logprobs
+from training.generation.fused_llama import FusedKVBuffers, FusedLlama
+from training.generation.generator import (
     GenerationConfig,
     GenerationOutput,
     answer_mask_from_tokens,
     assemble_output,
-    position_ids_from_attention_mask,
     sampling_generator,
     select_next_tokens,
-    token_logprobs,
 )
 
 TokenSync = Callable[[torch.Tensor], torch.Tensor]

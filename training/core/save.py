@@ -11,8 +11,8 @@ import os
 import torch
 from peft import PeftModel
 
-from .atomic import atomic_directory
-from .dist import barrier, is_main_process
+from utils.atomic import atomic_directory
+from utils.dist import barrier, is_main_process
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_linear import LinearWeight, ReducedLinear
+from training.generation.cpu_linear import LinearWeight, ReducedLinear
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 

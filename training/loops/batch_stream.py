@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .dist import get_rank, get_world_size
-from .trainer import SkipFirst, micro_batches_per_epoch
+from training.loops.trainer import SkipFirst, micro_batches_per_epoch
+from utils.dist import get_rank, get_world_size
 
 
 @dataclass

@@ -12,11 +12,11 @@ from typing import Sequence
 
 import torch
 
-from .engine import OptimizationSettings
-from .errors import UserError
-from .lora import apply_lora
-from .model_loading import EMBEDDED_MODEL_NAME, resolve_dtype
-from .optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
+from training.core.engine import OptimizationSettings
+from training.core.lora import apply_lora
+from training.core.model_loading import EMBEDDED_MODEL_NAME, resolve_dtype
+from training.core.optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
+from utils.errors import UserError
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -173,6 +173,6 @@ def apply_model_options(
 
 
 def final_model_dir(args: argparse.Namespace) -> Path:
-    from .model_loading import FINAL_MODEL_SUBDIR
+    from training.core.model_loading import FINAL_MODEL_SUBDIR
 
     return Path(args.output_dir) / FINAL_MODEL_SUBDIR

