@@ -41,6 +41,7 @@ from training.core.model_loading import (
     resolve_dtype,
 )
 from training.core.sequences import answer_logprobs
+from training.core.zero import full_shape
 from training.generation.cpu_linear import LinearWeight
 from training.generation.generator import GenerationConfig, GenerationOutput
 from training.generation.hybrid_engine import HybridEngineSettings, build_generator
@@ -123,7 +124,7 @@ def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: tor
     reads them merged into the base weights."""
     input_embedding = model.get_input_embeddings().weight
     output_embedding = model.get_output_embeddings().weight
-    full_shapes = (tuple(getattr(p, "ds_shape", p.shape)) for name, p in model.named_parameters()
+    full_shapes = (full_shape(p) for name, p in model.named_parameters()
                    if "lora_" not in name and (p is not input_embedding or p is output_embedding))
     shapes = [shape for shape in full_shapes if len(shape) == 2]
     matrices = [LinearWeight(torch.randn(shape, dtype=dtype, device=device), pack=pack) for shape in shapes]

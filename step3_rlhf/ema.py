@@ -19,16 +19,13 @@ from typing import Any, Iterator
 import torch
 
 from training.core.save import save_hf_model, unwrap
+from training.core.zero import is_zero3_param
 from utils.dist import get_rank
-
-
-def _is_zero3(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `param`: its ZeRO-3 partition (flat, zero-padded) or the whole tensor."""
-    if not _is_zero3(param):
+    if not is_zero3_param(param):
         return param.data
     from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
 
@@ -68,7 +65,7 @@ def _write_partitions(param: torch.Tensor, local: torch.Tensor) -> None:
     ZeRO-3 parameters go through `GatheredParameters(modifier_rank=0)` so DeepSpeed itself
     re-partitions the new value (primary and secondary partitions, persistent parameters alike).
     """
-    if not _is_zero3(param):
+    if not is_zero3_param(param):
         param.data.copy_(local)
         return
     import deepspeed
@@ -148,7 +145,7 @@ class ModelEMA:
         shadow: dict[str, torch.Tensor] = {}
         for name, param in self._params.items():
             local = self._shadow[name]
-            full = _gather_partitions(param, local) if _is_zero3(param) else local.detach().cpu().clone()
+            full = _gather_partitions(param, local) if is_zero3_param(param) else local.detach().cpu().clone()
             if get_rank() == 0:
                 shadow[name] = full
         return {"beta": self.beta, "num_updates": self.num_updates, "shadow": shadow}
@@ -164,7 +161,7 @@ class ModelEMA:
             if name not in state["shadow"]:
                 raise KeyError(f"EMA state has no entry for parameter {name}")
             full = state["shadow"][name].float()
-            local = _own_partition(param, full) if _is_zero3(param) else full
+            local = _own_partition(param, full) if is_zero3_param(param) else full
             if local.shape != shadow.shape:
                 raise ValueError(f"EMA state for {name} has shape {tuple(full.shape)}, the model's differs")
             shadow.copy_(local.to(shadow.device))

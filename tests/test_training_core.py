@@ -13,6 +13,7 @@ from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.lora import apply_lora, lora_target_modules
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.save import save_hf_model
+from training.core.zero import full_numel, full_shape, is_zero3_module, is_zero3_param
 from utils.dist import free_port
 from utils.errors import UserError
 
@@ -76,6 +77,22 @@ def test_dtype_rules_on_cpu():
     assert resolve_dtype("bf16") == torch.bfloat16
     with pytest.raises(UserError, match="fp16"):
         resolve_dtype("fp16")
+
+
+def test_zero3_helpers_report_full_sizes_of_partitioned_parameters(distributed):
+    import deepspeed
+
+    from training.core.ds_config import get_eval_ds_config
+
+    plain = torch.nn.Linear(4, 3)
+    with deepspeed.zero.Init(config_dict_or_path=get_eval_ds_config(stage=3)):
+        partitioned = torch.nn.Linear(4, 3)
+    assert partitioned.weight.numel() == 0, "ZeRO-3 should have emptied the parameter"
+    assert is_zero3_param(partitioned.weight) and is_zero3_module(partitioned)
+    assert not is_zero3_param(plain.weight) and not is_zero3_module(plain)
+    for module in (plain, partitioned):
+        assert (full_numel(module.weight), full_shape(module.weight)) == (12, (3, 4))
+        assert (full_numel(module.bias), full_shape(module.bias)) == (3, (3,))
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

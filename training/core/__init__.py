@@ -36,3 +36,4 @@ from training.core.model_loading import (
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE, RewardModel, is_reward_model_dir
 from training.core.save import gathered_state_dict, save_hf_model, unwrap
 from training.core.sequences import answer_logprobs, last_token_index, position_ids_from_attention_mask, token_logprobs
+from training.core.zero import full_numel, full_shape, is_zero3_module, is_zero3_param

@@ -11,6 +11,7 @@ import os
 import torch
 from peft import PeftModel
 
+from training.core.zero import is_zero3_param
 from utils.atomic import atomic_directory
 from utils.dist import barrier, is_main_process
 
@@ -18,10 +19,6 @@ from utils.dist import barrier, is_main_process
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DeepSpeed engine (or the module itself)."""
     return getattr(model, "module", model)
-
-
-def _is_zero3_param(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id")
 
 
 def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -33,7 +30,7 @@ def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     persistent = set(model.state_dict().keys())  # non-persistent buffers (rotary inv_freq) are not saved
     buffers = [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
     for name, tensor in list(model.named_parameters()) + buffers:
-        if _is_zero3_param(tensor):
+        if is_zero3_param(tensor):
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                 if keep:
                     state[name] = tensor.detach().to("cpu", copy=True)

@@ -21,6 +21,7 @@ from typing import Iterator, Protocol
 import torch
 
 from training.core.sequences import token_logprobs
+from training.core.zero import is_zero3_module
 from utils.dist import get_world_size
 
 
@@ -125,10 +126,6 @@ def answer_mask_from_tokens(answers: torch.Tensor, eos_token_id: int) -> torch.T
     return (eos_before == 0).long()
 
 
-def _is_zero3(module: torch.nn.Module) -> bool:
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
 @contextlib.contextmanager
 def eval_mode(module: torch.nn.Module) -> Iterator[None]:
     """Eval mode for the duration, then each submodule's own train/eval flag restored."""
@@ -168,7 +165,7 @@ class HFGenerator:
                 do_sample=config.do_sample,
                 eos_token_id=config.eos_token_id,
                 pad_token_id=config.pad_token_id,
-                synced_gpus=_is_zero3(self.module) and get_world_size() > 1,
+                synced_gpus=is_zero3_module(self.module) and get_world_size() > 1,
                 return_dict_in_generate=True,
                 output_logits=True,
                 **sampling,

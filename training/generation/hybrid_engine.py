@@ -30,6 +30,7 @@ import torch
 import torch.distributed as torch_dist
 
 from training.core.model_loading import resolve_dtype
+from training.core.zero import full_numel, is_zero3_module
 from training.generation.cpu_linear import pack_linear_layers
 from training.generation.fast_decoder import (
     FusedCachedModel,
@@ -234,7 +235,7 @@ def _decoder_layers_prefix(model: torch.nn.Module) -> str | None:
     best, best_size = None, 0
     for name, sub in model.named_modules():
         if isinstance(sub, torch.nn.ModuleList) and len(sub) > 0:
-            size = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in sub.parameters())
+            size = sum(full_numel(p) for p in sub.parameters())
             if size > best_size:
                 best, best_size = name, size
     return best
@@ -348,7 +349,7 @@ class HybridEngine:
     def _enter(self, stack: contextlib.ExitStack) -> KVCacheDecoder:
         if self.settings.unpin_actor_parameters:
             stack.enter_context(eval_mode(self.module))
-            collective = get_world_size() > 1 and any(hasattr(p, "ds_id") for p in self.module.parameters())
+            collective = get_world_size() > 1 and is_zero3_module(self.module)
             return KVCacheDecoder(HFCachedModel(self.module, self.kv_cache), self.device, no_grad_only=True,
                                   sync_done=_all_ranks_done if collective else None)
         base = _base_model(self.module)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from training.core.zero import is_zero3_param
 from training.generation.cpu_linear import ReducedLinear
 from training.generation.fast_decoder import KVCacheDecoder
 from training.generation.generator import (
@@ -194,7 +195,7 @@ class TensorParallelPlan:
 def gather_tp_shard(param: torch.nn.Parameter, plan: TensorParallelPlan, name: str) -> torch.Tensor:
     """This rank's TP shard of `param`; for a ZeRO-3 parameter, fetched point-to-point from the
     partitions that hold it (collective over the parameter's ZeRO group)."""
-    if not hasattr(param, "ds_id"):
+    if not is_zero3_param(param):
         return plan.shard(name, param.data)
     group = param.ds_process_group
     world, me = dist.get_world_size(group), dist.get_rank(group)

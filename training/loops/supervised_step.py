@@ -29,6 +29,7 @@ from training.core.args import (
 from training.core.engine import create_train_engine
 from training.core.model_loading import load_config, load_tokenizer, resolve_dtype
 from training.core.save import save_hf_model
+from training.core.zero import full_numel
 from training.loops.metrics import MetricsLogger
 from training.loops.trainer import (
     EvalFn,
@@ -158,6 +159,6 @@ def _train_and_save(args: argparse.Namespace, step: SupervisedStep) -> Supervise
 def _output_bytes(model: torch.nn.Module, dtype: torch.dtype, keep_last_checkpoints: int) -> int:
     """What the run will write: the final model and its resume checkpoints (ZeRO-3 aware parameter counts)."""
     params = list(model.parameters())
-    count = sum(getattr(p, "ds_numel", p.numel()) for p in params)
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+    count = sum(full_numel(p) for p in params)
+    trainable = sum(full_numel(p) for p in params if p.requires_grad)
     return estimate_output_bytes(count, torch.finfo(dtype).bits // 8, trainable, keep_last_checkpoints)
