@@ -176,6 +176,30 @@ def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypa
     assert state["value"].tolist() == [1] and not built
 
 
+def test_a_failed_cache_write_leaves_no_partial_file_and_a_finished_one_is_fsynced(tmp_path, monkeypatch):
+    import os
+
+    import utils.data.cache as cache
+
+    target = tmp_path / "cache" / "x.pt"
+    real_save, real_fsync = torch.save, os.fsync
+
+    def failing_save(obj, path):
+        open(path, "wb").write(b"half a tensor")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        cache.build_or_load(target, lambda: {"value": torch.tensor([1])})
+    assert [path.name for path in target.parent.iterdir() if path.name != "x.pt.lock"] == []
+
+    synced_inodes = []
+    monkeypatch.setattr(torch, "save", real_save)
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced_inodes.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
+    cache.build_or_load(target, lambda: {"value": torch.tensor([1])})
+    assert target.stat().st_ino in synced_inodes, "the cache file must reach the disk before it is renamed into place"
+
+
 @pytest.mark.parametrize("special", ["add_bos_token", "add_eos_token"])
 def test_tokenizers_that_insert_special_tokens_differently_get_their_own_cache(tmp_path, special):
     """The prompts of the human_assistant format are encoded with the tokenizer's special tokens."""

@@ -1,8 +1,8 @@
 """On-disk cache of tokenised data, keyed by a hash of everything that changes it.
 
 One process per node (local rank 0) builds under a file lock while the other ranks wait at a
-barrier, then every rank loads the file. Writes go to a temporary file renamed into place, so a
-crash never leaves a half-written cache behind.
+barrier, then every rank loads the file. Writes go to a temporary file, fsynced and renamed into
+place, so a crash never leaves a half-written cache behind.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import functools
 import hashlib
 import json
 import os
-import uuid
 from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
@@ -18,6 +17,7 @@ from typing import Callable
 import torch
 from filelock import FileLock
 
+from utils.atomic import atomic_torch_save
 from utils.dist import barrier, get_local_rank
 from utils.errors import UserError
 
@@ -83,15 +83,6 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 def cache_file(data_output_path: str | os.PathLike, prefix: str, key_inputs: dict) -> Path:
     key = stable_hash({"code": code_version(), **key_inputs})[:20]
     return Path(data_output_path).expanduser() / f"{prefix}_{key}.pt"
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def build_or_load(path: Path, build: Callable[[], dict], rebuild: bool = False) -> tuple[dict, bool]:
