@@ -6,20 +6,14 @@ private generator rather than the global RNG.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from training.loops.trainer import SkipFirst, micro_batches_per_epoch
+from training.loops.trainer import LoopPosition, SkipFirst, micro_batches_per_epoch
 from utils.dist import get_rank, get_world_size
-
-
-@dataclass
-class StreamPosition:
-    epoch: int = 0
-    batches_done: int = 0
 
 
 class BatchStream:
@@ -29,7 +23,7 @@ class BatchStream:
         self.collator = collator
         self.seed = seed
         self.shuffle = shuffle
-        self.position = StreamPosition()
+        self.position = LoopPosition()
         self._batches: Iterator | None = None
 
     @property
@@ -47,7 +41,7 @@ class BatchStream:
     def next(self) -> dict[str, torch.Tensor]:
         """The next batch; a new epoch (reshuffled) starts when this one is used up."""
         if self.position.batches_done >= self.batches_per_epoch:
-            self.position = StreamPosition(self.position.epoch + 1, 0)
+            self.position = LoopPosition(self.position.epoch + 1, 0)
             self._batches = None
         if self._batches is None:
             self._batches = iter(self._loader())
@@ -59,5 +53,5 @@ class BatchStream:
         return asdict(self.position)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = StreamPosition(**state)
+        self.position = LoopPosition(**state)
         self._batches = None
