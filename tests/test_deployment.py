@@ -16,13 +16,12 @@ from training.pipeline.deployment import (
     MemoryChoice,
     ModelSizes,
     detect_deployment,
-    plan_cpu,
-    plan_gpu,
     state_bytes_per_gpu,
 )
 from training.pipeline.hardware import Hardware, ModelSize
 from training.pipeline.hostfile import Host, read_hostfile
 from training.pipeline.launch import Launcher
+from training.pipeline.planning import plan_cpu, plan_gpu
 from utils.dist import free_port
 from utils.errors import UserError
 

@@ -1,6 +1,7 @@
 """train.py: steps in order with outputs chained, prerequisites, flag routing, logs, summary; and a real
 end-to-end run on a tiny model with the chatbot answering from its result."""
 import argparse
+import functools
 import json
 import logging
 import shutil
@@ -13,9 +14,12 @@ import pytest
 from conftest import REPO_ROOT
 from crash_resume import step_env
 
+from training.core.model_loading import EMBEDDED_MODEL_NAME
 from training.pipeline.cli import parse_config
+from training.pipeline.deployment import DeploymentType
 from training.pipeline.hardware import Hardware
 from training.pipeline.runner import run_pipeline
+from training.pipeline.steps import StepEntry
 from utils.errors import UserError, run_cli
 
 TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
@@ -34,13 +38,9 @@ class FakeSteps:
         self.fail_step = fail_step
 
     def parser(self, step: int) -> argparse.ArgumentParser:
-        from training.pipeline.deployment import (
-            DeploymentType,
-            ModelSizes,
-            plan_cpu,
-            plan_gpu,
-        )
+        from training.pipeline.deployment import ModelSizes
         from training.pipeline.hardware import ModelSize
+        from training.pipeline.planning import plan_cpu, plan_gpu
 
         size = ModelSize(1000, 8, 2, 100)
         planned = set(plan_cpu(ModelSizes(size, size), TWO_CORES).steps[step].flags)
@@ -72,7 +72,7 @@ class FakeSteps:
         return main
 
     def entries(self):
-        return {step: self.main(step) for step in (1, 2, 3)}
+        return {step: StepEntry(self.main(step), functools.partial(self.parser, step)) for step in (1, 2, 3)}
 
 
 def run(argv, fakes):
@@ -155,6 +155,35 @@ def test_flags_go_to_the_steps_that_accept_them_and_user_values_win(tmp_path, ti
     assert reward.zero_stage == "1" and rlhf.critic_zero_stage == "1"
     with pytest.raises(UserError, match="--bogus is not a flag of train.py nor of step"):
         run(common(tmp_path, fakes.model_dir) + ["--bogus", "1"], fakes)
+
+
+def test_underscore_spellings_of_train_py_flags_go_to_the_steps(tmp_path, fakes):
+    """--actor_zero_stage is step 3's flag; train.py's is --actor-zero-stage (step 1 and step 3's actor)."""
+    run(common(tmp_path, fakes.model_dir) + ["--actor_zero_stage", "2"], fakes)
+    (_, sft, _), _, (_, rlhf, _) = fakes.calls
+    assert rlhf.actor_zero_stage == "2" and sft.zero_stage == "0"
+
+
+def test_train_py_flags_parse_into_the_pipeline_config():
+    config = parse_config(["--step", "3", "1", "1", "--deployment-type", "cpu", "--actor-zero-stage", "2",
+                           "--step1-output", "/m", "--step2-args", "--seed 1", "--dry-run", "--seed", "7"])
+    assert config.steps == [1, 3] and config.deployment_type is DeploymentType.CPU and config.actor_zero_stage == 2
+    assert config.step_outputs == {1: "/m", 2: None, 3: None}
+    assert config.step_args == {1: [], 2: ["--seed", "1"], 3: []}
+    assert config.extra_args == ["--seed", "7"] and config.dry_run is True
+    defaults = parse_config([])
+    assert defaults.steps == [1, 2, 3] and defaults.actor_model == defaults.reward_model == EMBEDDED_MODEL_NAME
+    assert defaults.deployment_type is None and defaults.reward_zero_stage is None and defaults.dry_run is False
+    assert defaults.output_dir == Path("runs/default").resolve() and defaults.extra_args == []
+    for bad in (["--step", "4"], ["--deployment-type", "gpu"], ["--reward-zero-stage", "5"]):
+        with pytest.raises(SystemExit):
+            parse_config(bad)
+
+
+def test_no_args_file_beside_the_script_is_read(tmp_path, monkeypatch):
+    (tmp_path / "train.args").write_text("--dry-run\n")
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "train.py")])
+    assert parse_config([]).dry_run is False
 
 
 def test_a_failing_step_stops_the_run_with_its_message(tmp_path, tiny_model_dir):

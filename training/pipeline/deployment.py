@@ -10,12 +10,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from utils.errors import UserError
 
 from .hardware import GIB, Hardware, ModelSize
 from .hostfile import Host
+from .plans import RLHFPlan, StepPlan, SupervisedPlan
 
 
 class DeploymentType(str, enum.Enum):
@@ -35,28 +35,20 @@ def detect_deployment(hardware: Hardware, hostfile_given: bool) -> DeploymentTyp
 
 
 @dataclass
-class StepSettings:
-    """One step's planned CLI flags (name without dashes -> value; True is a bare switch, False omits it)."""
-
-    flags: dict[str, Any] = field(default_factory=dict)
-
-    def argv(self) -> list[str]:
-        args: list[str] = []
-        for name, value in self.flags.items():
-            if value is False or value is None:
-                continue
-            args.append(f"--{name}")
-            if value is not True:
-                args.append(str(value))
-        return args
-
-
-@dataclass
 class DeploymentPlan:
+    """Every registered step's planned settings, by step number."""
+
     deployment: DeploymentType
     world_size: int
-    steps: dict[int, StepSettings]
+    steps: dict[int, StepPlan]
     notes: list[str] = field(default_factory=list)
+
+
+class Model(str, enum.Enum):
+    """The two models train.py is given (--actor-model, --reward-model) and the steps train on."""
+
+    ACTOR = "actor"
+    REWARD = "reward"
 
 
 @dataclass(frozen=True)
@@ -128,10 +120,11 @@ class _Fit:
 
 
 def _fit_training(
-    trained: list[ModelSize], frozen: list[ModelSize], seq_len: int, seqs_per_sample: int, cap: int,
-    world: int, nodes: int, hardware: Hardware, what: str, extra_per_sample: float = 0.0,
+    target: Target, trained: list[ModelSize], frozen: list[ModelSize], seq_len: int, seqs_per_sample: int, cap: int,
+    what: str, extra_per_sample: float = 0.0,
 ) -> _Fit:
     """The first ladder choice whose states fit, and the largest power-of-two micro batch beside them."""
+    world, nodes, hardware = target.world, target.nodes, target.hardware
     memory = (hardware.gpu_memory_gib or hardware.cpu_memory_gib) * GIB
     for choice in _ladder(world):
         if not all(_host_memory_fits(m.parameters, choice, nodes, hardware) for m in trained):
@@ -176,69 +169,6 @@ def _accumulation(target_global: int, micro: int, world: int) -> int:
 _SEQ_LEN = 512
 _PROMPT_LEN = 256
 _ANSWER_LEN = 256
-
-
-def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None) -> DeploymentPlan:
-    """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one)."""
-    if deployment is DeploymentType.MULTI_NODE:
-        assert hosts, "multi_node needs the validated hostfile"
-        world, nodes = sum(h.slots for h in hosts), len(hosts)
-    else:
-        world, nodes = (1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)), 1
-    dtype = "bf16" if hardware.bf16 else ("fp16" if hardware.num_gpus else "fp32")
-    notes = []
-    if hardware.num_gpus == 0:
-        notes.append("no GPU found here: sizes assume accelerators with this machine's RAM")
-    elif deployment is DeploymentType.MULTI_NODE:
-        notes.append(f"{nodes} nodes, {world} GPUs; each assumed like this one ({hardware.gpu_memory_gib:.0f} GiB)")
-
-    sft_len, reward_len = fit_length(_SEQ_LEN, sizes.actor), fit_length(_SEQ_LEN, sizes.reward)
-    prompt_len, answer_len = fit_prompt_and_answer(_PROMPT_LEN, _ANSWER_LEN, sizes.actor, sizes.reward)
-    sft = _fit_training([sizes.actor], [], sft_len, 1, 16, world, nodes, hardware, "step 1")
-    reward = _fit_training([sizes.reward], [], reward_len, 2, 8, world, nodes, hardware, "step 2")
-    rl_seq = prompt_len + answer_len
-    kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
-    rlhf = _fit_training(
-        [sizes.actor, sizes.reward], [sizes.actor, sizes.reward], rl_seq, 1, 16, world, nodes, hardware, "step 3",
-        extra_per_sample=kv_cache,
-    )
-    steps = {
-        1: StepSettings(_supervised_flags(sft, dtype, _accumulation(64, sft.micro_batch, world), sft_len)),
-        2: StepSettings(_supervised_flags(reward, dtype, _accumulation(32, reward.micro_batch, world), reward_len)),
-        3: StepSettings({
-            "actor_zero_stage": rlhf.choice.zero_stage,
-            "critic_zero_stage": rlhf.choice.zero_stage,
-            "actor_offload": rlhf.choice.offload,
-            "critic_offload": rlhf.choice.offload,
-            "offload_reference_model": rlhf.choice.offload,
-            "actor_lora_dim": _GPU_LORA_DIM if rlhf.choice.lora else 0,
-            "critic_lora_dim": _GPU_LORA_DIM if rlhf.choice.lora else 0,
-            "actor_gradient_checkpointing": rlhf.checkpointing,
-            "critic_gradient_checkpointing": rlhf.checkpointing,
-            "per_device_generation_batch_size": rlhf.micro_batch,
-            "per_device_training_batch_size": rlhf.micro_batch,
-            "gradient_accumulation_steps": 1,
-            "max_prompt_seq_len": prompt_len,
-            "max_answer_seq_len": answer_len,
-            "enable_hybrid_engine": True,
-            "dtype": dtype,
-        }),
-    }
-    return DeploymentPlan(deployment, world, steps, notes)
-
-
-def _supervised_flags(fit: _Fit, dtype: str, accumulation: int, seq_len: int) -> dict[str, Any]:
-    return {
-        "zero_stage": fit.choice.zero_stage,
-        "offload": fit.choice.offload,
-        "lora_dim": _GPU_LORA_DIM if fit.choice.lora else 0,
-        "gradient_checkpointing": fit.checkpointing,
-        "per_device_train_batch_size": fit.micro_batch,
-        "per_device_eval_batch_size": fit.micro_batch,
-        "gradient_accumulation_steps": accumulation,
-        "max_seq_len": seq_len,
-        "dtype": dtype,
-    }
 
 
 # --------------------------------------------------------------------------- CPU quick run
@@ -297,59 +227,141 @@ class CpuQuickRun:
         return max(self.min_steps, min(self.max_steps, int(usable / seconds_per_step)))
 
 
-def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun()) -> DeploymentPlan:
-    dtype = "bf16" if hardware.bf16 else "fp32"
-    slowdown = (quick.reference_cores / hardware.cpu_cores) * (1.0 if hardware.bf16 else quick.fp32_slowdown)
-    actor_scale = sizes.actor.parameters / quick.reference_params * slowdown
-    reward_scale = sizes.reward.parameters / quick.reference_params * slowdown
-    sft_steps = quick.steps_within(1, quick.sft_step_s * actor_scale)
-    reward_steps = quick.steps_within(2, quick.reward_step_s * reward_scale)
-    ppo_steps = quick.steps_within(3, quick.ppo_step_s * (actor_scale + reward_scale) / 2)
-    common = {"zero_stage": 0, "offload": False, "lora_dim": 0, "dtype": dtype, "gradient_accumulation_steps": 1}
-
-    def supervised(steps: int, batch: int, seq_len: int, learning_rate: float, eval_samples: int) -> StepSettings:
-        return StepSettings({
-            **common, "max_seq_len": seq_len, "per_device_train_batch_size": batch,
-            "per_device_eval_batch_size": batch * 2, "learning_rate": learning_rate,
-            "num_warmup_steps": max(1, int(steps * quick.warmup_fraction)), "max_steps": steps,
-            "max_train_samples": steps * batch, "max_eval_samples": eval_samples,
-        })
-
-    prompt_len, answer_len = fit_prompt_and_answer(
-        quick.max_prompt_seq_len, quick.max_answer_seq_len, sizes.actor, sizes.reward)
-    steps = {
-        1: supervised(sft_steps, quick.sft_batch, fit_length(quick.sft_max_seq_len, sizes.actor),
-                      quick.sft_learning_rate, quick.sft_eval_samples),
-        2: supervised(reward_steps, quick.reward_batch, fit_length(quick.reward_max_seq_len, sizes.reward),
-                      quick.reward_learning_rate, quick.reward_eval_samples),
-        3: StepSettings({
-            "actor_zero_stage": 0, "critic_zero_stage": 0, "dtype": dtype,
-            "per_device_generation_batch_size": quick.ppo_batch, "per_device_training_batch_size": quick.ppo_batch,
-            "gradient_accumulation_steps": 1, "max_prompt_seq_len": prompt_len,
-            "max_answer_seq_len": answer_len, "enable_hybrid_engine": True,
-            "actor_learning_rate": quick.ppo_actor_learning_rate,
-            "max_steps": ppo_steps, "max_train_samples": ppo_steps * quick.ppo_batch,
-        }),
-    }
-    notes = [f"quick run sized for {hardware.cpu_cores} CPU cores: about "
-             f"{sum(quick.step_budget_s) / 60:.0f} min for the three steps; pass --max_steps etc. to change"]
-    return DeploymentPlan(DeploymentType.CPU, 1, steps, notes)
+# --------------------------------------------------------------------------- what the planners size for
 
 
-def plan_deployment(
-    deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None = None
-) -> DeploymentPlan:
-    if deployment is DeploymentType.CPU:
-        return plan_cpu(sizes, hardware)
-    return plan_gpu(deployment, sizes, hardware, hosts)
+@dataclass(frozen=True)
+class Target:
+    """The machine a deployment runs the steps on, as each step's planner sees it.
+
+    `quick` is the `cpu` deployment's quick run: set, the planners size a run by time on this CPU;
+    None (GPU deployments), by accelerator memory.
+    """
+
+    hardware: Hardware
+    world: int
+    nodes: int
+    dtype: str
+    quick: CpuQuickRun | None = None
+
+    def cpu_cost(self, size: ModelSize) -> float:
+        """A quick-run step's time for a model of `size`, relative to the reference model on the reference cores."""
+        assert self.quick is not None, "only the cpu deployment has a quick run"
+        quick, hardware = self.quick, self.hardware
+        slowdown = (quick.reference_cores / hardware.cpu_cores) * (1.0 if hardware.bf16 else quick.fp32_slowdown)
+        return size.parameters / quick.reference_params * slowdown
 
 
-def apply_zero_overrides(plan: DeploymentPlan, actor_stage: int | None, reward_stage: int | None) -> None:
-    """`--actor-zero-stage` sets step 1 and step 3's actor; `--reward-zero-stage` step 2 and step 3's critic."""
-    targets = {1: ("zero_stage", actor_stage), 2: ("zero_stage", reward_stage),
-               3: [("actor_zero_stage", actor_stage), ("critic_zero_stage", reward_stage)]}
-    for step, settings in plan.steps.items():
-        pairs = targets[step] if isinstance(targets[step], list) else [targets[step]]
-        for flag, stage in pairs:
-            if stage is not None:
-                settings.flags[flag] = stage
+def gpu_target(deployment: DeploymentType, hardware: Hardware, hosts: list[Host] | None) -> tuple[Target, list[str]]:
+    """single_gpu, single_node and multi_node (nodes assumed alike to this one), with notes for the table."""
+    if deployment is DeploymentType.MULTI_NODE:
+        assert hosts, "multi_node needs the validated hostfile"
+        world, nodes = sum(h.slots for h in hosts), len(hosts)
+    else:
+        world, nodes = (1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)), 1
+    dtype = "bf16" if hardware.bf16 else ("fp16" if hardware.num_gpus else "fp32")
+    notes = []
+    if hardware.num_gpus == 0:
+        notes.append("no GPU found here: sizes assume accelerators with this machine's RAM")
+    elif deployment is DeploymentType.MULTI_NODE:
+        notes.append(f"{nodes} nodes, {world} GPUs; each assumed like this one ({hardware.gpu_memory_gib:.0f} GiB)")
+    return Target(hardware, world, nodes, dtype), notes
+
+
+def cpu_target(hardware: Hardware, quick: CpuQuickRun) -> tuple[Target, list[str]]:
+    """The `cpu` deployment: one process in this one."""
+    notes = [(f"quick run sized for {hardware.cpu_cores} CPU cores: about "
+              f"{sum(quick.step_budget_s) / 60:.0f} min for the three steps; pass --max_steps etc. to change")]
+    return Target(hardware, 1, 1, "bf16" if hardware.bf16 else "fp32", quick), notes
+
+
+# --------------------------------------------------------------------------- each step's planner
+
+
+def _gpu_supervised(target: Target, fit: _Fit, target_global: int, seq_len: int) -> SupervisedPlan:
+    return SupervisedPlan(
+        zero_stage=fit.choice.zero_stage,
+        offload=fit.choice.offload,
+        lora_dim=_GPU_LORA_DIM if fit.choice.lora else 0,
+        gradient_checkpointing=fit.checkpointing,
+        per_device_train_batch_size=fit.micro_batch,
+        per_device_eval_batch_size=fit.micro_batch,
+        gradient_accumulation_steps=_accumulation(target_global, fit.micro_batch, target.world),
+        max_seq_len=seq_len,
+        dtype=target.dtype,
+    )
+
+
+def _quick_supervised(quick: CpuQuickRun, dtype: str, steps: int, batch: int, seq_len: int, learning_rate: float,
+                      eval_samples: int) -> SupervisedPlan:
+    return SupervisedPlan(
+        zero_stage=0, offload=False, lora_dim=0, dtype=dtype, gradient_accumulation_steps=1,
+        max_seq_len=seq_len, per_device_train_batch_size=batch, per_device_eval_batch_size=batch * 2,
+        learning_rate=learning_rate, num_warmup_steps=max(1, int(steps * quick.warmup_fraction)),
+        max_steps=steps, max_train_samples=steps * batch, max_eval_samples=eval_samples,
+    )
+
+
+def plan_sft(target: Target, sizes: ModelSizes) -> SupervisedPlan:
+    """Step 1 trains the actor: one sequence a sample, 64 samples an optimizer step on GPUs."""
+    quick = target.quick
+    if quick is not None:
+        steps = quick.steps_within(1, quick.sft_step_s * target.cpu_cost(sizes.actor))
+        return _quick_supervised(quick, target.dtype, steps, quick.sft_batch,
+                                 fit_length(quick.sft_max_seq_len, sizes.actor), quick.sft_learning_rate,
+                                 quick.sft_eval_samples)
+    seq_len = fit_length(_SEQ_LEN, sizes.actor)
+    return _gpu_supervised(target, _fit_training(target, [sizes.actor], [], seq_len, 1, 16, "step 1"), 64, seq_len)
+
+
+def plan_reward(target: Target, sizes: ModelSizes) -> SupervisedPlan:
+    """Step 2 trains the reward model: two sequences (chosen, rejected) a sample, 32 pairs an optimizer step on GPUs."""
+    quick = target.quick
+    if quick is not None:
+        steps = quick.steps_within(2, quick.reward_step_s * target.cpu_cost(sizes.reward))
+        return _quick_supervised(quick, target.dtype, steps, quick.reward_batch,
+                                 fit_length(quick.reward_max_seq_len, sizes.reward), quick.reward_learning_rate,
+                                 quick.reward_eval_samples)
+    seq_len = fit_length(_SEQ_LEN, sizes.reward)
+    return _gpu_supervised(target, _fit_training(target, [sizes.reward], [], seq_len, 2, 8, "step 2"), 32, seq_len)
+
+
+def plan_rlhf(target: Target, sizes: ModelSizes) -> RLHFPlan:
+    """Step 3 trains actor and critic beside their frozen copies (reference and reward models)."""
+    quick = target.quick
+    if quick is not None:
+        prompt_len, answer_len = fit_prompt_and_answer(
+            quick.max_prompt_seq_len, quick.max_answer_seq_len, sizes.actor, sizes.reward)
+        steps = quick.steps_within(
+            3, quick.ppo_step_s * (target.cpu_cost(sizes.actor) + target.cpu_cost(sizes.reward)) / 2)
+        return RLHFPlan(
+            actor_zero_stage=0, critic_zero_stage=0, dtype=target.dtype,
+            per_device_generation_batch_size=quick.ppo_batch, per_device_training_batch_size=quick.ppo_batch,
+            gradient_accumulation_steps=1, max_prompt_seq_len=prompt_len, max_answer_seq_len=answer_len,
+            enable_hybrid_engine=True, actor_learning_rate=quick.ppo_actor_learning_rate,
+            max_steps=steps, max_train_samples=steps * quick.ppo_batch,
+        )
+    prompt_len, answer_len = fit_prompt_and_answer(_PROMPT_LEN, _ANSWER_LEN, sizes.actor, sizes.reward)
+    rl_seq = prompt_len + answer_len
+    kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
+    fit = _fit_training(target, [sizes.actor, sizes.reward], [sizes.actor, sizes.reward], rl_seq, 1, 16, "step 3",
+                        extra_per_sample=kv_cache)
+    lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
+    return RLHFPlan(
+        actor_zero_stage=fit.choice.zero_stage,
+        critic_zero_stage=fit.choice.zero_stage,
+        actor_offload=fit.choice.offload,
+        critic_offload=fit.choice.offload,
+        offload_reference_model=fit.choice.offload,
+        actor_lora_dim=lora_dim,
+        critic_lora_dim=lora_dim,
+        actor_gradient_checkpointing=fit.checkpointing,
+        critic_gradient_checkpointing=fit.checkpointing,
+        per_device_generation_batch_size=fit.micro_batch,
+        per_device_training_batch_size=fit.micro_batch,
+        gradient_accumulation_steps=1,
+        max_prompt_seq_len=prompt_len,
+        max_answer_seq_len=answer_len,
+        enable_hybrid_engine=True,
+        dtype=target.dtype,
+    )

@@ -7,23 +7,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from training.core.model_loading import resolve_model_path
-from training.core.reward_model import is_reward_model_dir
 from utils.dist import free_port
 from utils.errors import UserError
 
-from .deployment import (
-    DeploymentPlan,
-    DeploymentType,
-    ModelSizes,
-    apply_zero_overrides,
-    detect_deployment,
-    plan_deployment,
-)
+from .config import PipelineConfig
+from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, read_hostfile
 from .launch import (
@@ -34,74 +26,55 @@ from .launch import (
     run_in_process,
     run_subprocess,
 )
-from .steps import STEPS, StepMain, accepted_options, route_extra_flags
+from .planning import apply_zero_overrides, plan_deployment
+from .steps import STEPS, ModelInput, StepEntry, accepted_options, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-
-@dataclass
-class PipelineConfig:
-    steps: list[int]
-    actor_model: str
-    reward_model: str
-    output_dir: Path
-    deployment: DeploymentType | None = None
-    actor_zero_stage: int | None = None
-    reward_zero_stage: int | None = None
-    hostfile: str | None = None
-    step1_output: str | None = None
-    step2_output: str | None = None
-    dry_run: bool = False
-    extra_args: list[str] = field(default_factory=list)
-    step_args: dict[int, list[str]] = field(default_factory=dict)
-
-    def run_dir(self, step: int) -> Path:
-        return self.output_dir / STEPS[step].run_dir_name
-
-    def log_path(self, step: int) -> Path:
-        return self.output_dir / "logs" / f"step{step}.log"
+Inputs = dict[int, list[tuple[ModelInput, str]]]
 
 
-def _has_model(path: str | Path) -> bool:
-    return (Path(resolve_model_path(str(path))) / "config.json").is_file()
-
-
-def _step3_inputs(config: PipelineConfig) -> tuple[str, str]:
-    """The actor and critic step 3 starts from; checked now when no step of this run produces them."""
-    actor = str(config.run_dir(1)) if 1 in config.steps else (config.step1_output or str(config.run_dir(1)))
-    critic = str(config.run_dir(2)) if 2 in config.steps else (config.step2_output or str(config.run_dir(2)))
-    if 1 not in config.steps and not _has_model(actor):
+def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str:
+    """The model a step starts from; an earlier step's output that this run does not make is checked now."""
+    if source.from_step is None:
+        return config.base_model(source.model)
+    producer = STEPS[source.from_step]
+    if producer.number in config.steps:
+        return str(config.run_dir(producer.number))
+    path = config.step_outputs.get(producer.number) or str(config.run_dir(producer.number))
+    if not producer.output.saved_in(path):
         raise UserError(
-            f"step 3 needs the step-1 model, and {actor} holds none; run step 1 first "
-            f"(--step 1 3), or point --step1-output at a step-1 run folder or a fine-tuned model"
+            f"step {step} needs the step-{producer.number} {producer.output.what}, and {path} holds none; "
+            f"run step {producer.number} first (--step {producer.number} {step}), or point "
+            f"--{producer.name}-output at {producer.output.points_at}"
         )
-    if 2 not in config.steps and not is_reward_model_dir(critic):
-        raise UserError(
-            f"step 3 needs the step-2 reward model, and {critic} holds none; run step 2 first "
-            f"(--step 2 3), or point --step2-output at a step-2 run folder"
-        )
-    return actor, critic
+    return path
+
+
+def _inputs(config: PipelineConfig) -> Inputs:
+    """Each step's model flags with their values."""
+    return {step: [(source, _input_value(config, step, source)) for source in STEPS[step].inputs]
+            for step in config.steps}
 
 
 def step_argv(config: PipelineConfig, step: int, plan: DeploymentPlan, routed: Mapping[int, list[str]],
-              step3_inputs: tuple[str, str] | None) -> list[str]:
+              inputs: Inputs) -> list[str]:
     """Model and run-folder flags, then the plan's flags, then the user's (argparse keeps the last value)."""
-    if step == 1:
-        base = ["--model_name_or_path", config.actor_model]
-    elif step == 2:
-        base = ["--model_name_or_path", config.reward_model]
-    else:
-        assert step3_inputs is not None
-        base = ["--actor_model_name_or_path", step3_inputs[0], "--critic_model_name_or_path", step3_inputs[1]]
+    base = [token for source, value in inputs[step] for token in (source.flag, value)]
     base += ["--output_dir", str(config.run_dir(step))]
     return base + plan.steps[step].argv() + routed.get(step, []) + config.step_args.get(step, [])
 
 
-def _model_sizes(config: PipelineConfig, step3_inputs: tuple[str, str] | None) -> ModelSizes:
-    actor = config.actor_model if 1 in config.steps or step3_inputs is None else step3_inputs[0]
-    reward = config.reward_model if 2 in config.steps or step3_inputs is None else step3_inputs[1]
-    return ModelSizes(actor=model_size(actor), reward=model_size(reward))
+def _model_sizes(config: PipelineConfig, inputs: Inputs) -> ModelSizes:
+    """Each model's size from --actor-model/--reward-model, or, where the step training it is not run,
+    from the earlier output a step of this run starts from."""
+    sources = {model: config.base_model(model) for model in Model}
+    for pairs in inputs.values():
+        for source, value in pairs:
+            if source.from_step is not None and source.from_step not in config.steps:
+                sources[source.model] = value
+    return ModelSizes(actor=model_size(sources[Model.ACTOR]), reward=model_size(sources[Model.REWARD]))
 
 
 def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hardware) -> Launcher | None:
@@ -129,8 +102,7 @@ def _read_summary(run_dir: Path) -> dict:
 
 def _check_output(config: PipelineConfig, step: int) -> None:
     run_dir = config.run_dir(step)
-    produced = is_reward_model_dir(run_dir) if step == 2 else _has_model(run_dir / "actor" if step == 3 else run_dir)
-    if not produced:
+    if not STEPS[step].output.saved_in(run_dir):
         raise UserError(f"step {step} ended without saving its model in {run_dir}; see {config.log_path(step)}")
 
 
@@ -144,16 +116,16 @@ class PreparedRun:
     commands: dict[int, list[str]]
 
 
-def prepare_run(config: PipelineConfig, entry: Callable[[int], StepMain], hardware: Hardware) -> PreparedRun:
+def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> PreparedRun:
     """Validate the inputs (hostfile, prerequisites, flags), plan the deployment, build each step's command."""
-    deployment = config.deployment or detect_deployment(hardware, config.hostfile is not None)
+    deployment = config.deployment_type or detect_deployment(hardware, config.hostfile is not None)
     hosts = _hosts(config, deployment)
-    inputs = _step3_inputs(config) if 3 in config.steps else None
+    inputs = _inputs(config)
     routed = route_extra_flags(
-        config.extra_args, config.steps, {s: accepted_options(entry(s)) for s in config.steps}
+        config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps}
     ) if config.extra_args else {}
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts)
-    apply_zero_overrides(plan, config.actor_zero_stage, config.reward_zero_stage)
+    apply_zero_overrides(plan, config.zero_stages())
     launcher = _launcher(config, deployment, hardware)
     argvs = {step: step_argv(config, step, plan, routed, inputs) for step in config.steps}
     commands = {
@@ -164,13 +136,13 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepMain], hardwa
     return PreparedRun(plan, launcher, argvs, commands)
 
 
-def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepMain]) -> StepResult:
+def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
     spec = STEPS[step]
     print(f"\n=== step {step}: {spec.title} -> {config.run_dir(step)} (log: {config.log_path(step)}) ===", flush=True)
     started = time.perf_counter()
     label = f"step {step} ({spec.title})"
     if prepared.launcher is None:
-        summary = run_in_process(entry(step), prepared.argvs[step], config.log_path(step), label)
+        summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
     else:
         run_subprocess(prepared.commands[step], config.log_path(step), label, env=launcher_env(REPO_ROOT))
         summary = _read_summary(config.run_dir(step))
@@ -180,13 +152,13 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
 
 def run_pipeline(
     config: PipelineConfig,
-    entries: Mapping[int, StepMain] | None = None,
+    entries: Mapping[int, StepEntry] | None = None,
     hardware: Hardware | None = None,
 ) -> dict:
     """Plan, print and (unless a dry run) run the steps; returns what `summary.json` holds, or for a dry
-    run the commands. `entries` replaces step mains and `hardware` the detected machine (tests)."""
+    run the commands. `entries` replaces steps' entry points and `hardware` the detected machine (tests)."""
 
-    def entry(step: int) -> StepMain:
+    def entry(step: int) -> StepEntry:
         return (entries or {}).get(step) or STEPS[step].entry()
 
     prepared = prepare_run(config, entry, hardware or detect_hardware())

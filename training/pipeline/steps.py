@@ -1,31 +1,89 @@
-"""The three steps as the pipeline sees them: where each one's entry point and script live, which
-flags it accepts, and how flags given to `train.py` are routed to the steps that accept them."""
+"""The step registry: each step as the pipeline sees it (its entry point, the models it starts from,
+where its model lands, how a deployment plans it), and how flags given to `train.py` are routed to
+the steps that accept them. A new step is one entry in `STEPS`."""
 from __future__ import annotations
 
-import contextlib
+import argparse
 import importlib
 import importlib.util
-import io
+import os
 import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from training.core.model_loading import resolve_model_path
+from training.core.reward_model import is_reward_model_dir
 from utils.errors import UserError
 
+from .deployment import Model, ModelSizes, Target, plan_reward, plan_rlhf, plan_sft
+from .plans import RLHFPlan, StepPlan, SupervisedPlan
+
 StepMain = Callable[[list[str]], dict]
+Planner = Callable[[Target, ModelSizes], StepPlan]
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """A step's main and the builder of its CLI's parser (what its flags are read from)."""
+
+    main: StepMain
+    build_parser: Callable[[], argparse.ArgumentParser]
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """A model flag of a step: it carries `model`, from step `from_step`'s output, or with none from
+    train.py's --actor-model/--reward-model."""
+
+    flag: str
+    model: Model
+    from_step: int | None = None
+
+
+def has_model(path: str | os.PathLike) -> bool:
+    """Whether `path` (a model folder, a run folder, the embedded model's name) holds a saved model."""
+    return (Path(resolve_model_path(str(path))) / "config.json").is_file()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Where a step's model lands in its run folder and how to tell it was saved.
+
+    For an output a later step takes, `points_at` says (in messages) and `flag_help` (in --help) what
+    --NAME-output may name instead when the step is not run.
+    """
+
+    what: str
+    check: Callable[[str | os.PathLike], bool]
+    subdir: str | None = None  # None: the run folder itself, which `check` resolves
+    points_at: str = ""
+    flag_help: str = ""
+
+    def saved_in(self, folder: str | os.PathLike) -> bool:
+        return self.check(os.path.join(folder, self.subdir) if self.subdir else folder)
 
 
 @dataclass(frozen=True)
 class StepSpec:
+    """One step: `name` names its run folder, its log and its --NAME-args/--NAME-output flags;
+    `planner` gives its `plan` for a deployment; `zero_stage_fields` names the plan field that
+    --actor-zero-stage/--reward-zero-stage set."""
+
     number: int
+    name: str
     title: str
     module: str
-    run_dir_name: str
+    inputs: tuple[ModelInput, ...]
+    output: StepOutput
+    plan: type[StepPlan]
+    planner: Planner
+    zero_stage_fields: Mapping[Model, str]
 
-    def entry(self) -> StepMain:
-        return importlib.import_module(self.module).main
+    def entry(self) -> StepEntry:
+        module = importlib.import_module(self.module)
+        return StepEntry(module.main, module.build_parser)
 
     def script(self) -> Path:
         spec = importlib.util.find_spec(self.module)
@@ -34,27 +92,42 @@ class StepSpec:
         return Path(spec.origin)
 
 
-STEPS: dict[int, StepSpec] = {
-    1: StepSpec(1, "supervised fine-tuning", "step1_sft.main", "step1"),
-    2: StepSpec(2, "reward model", "step2_reward.main", "step2"),
-    3: StepSpec(3, "RLHF (PPO)", "step3_rlhf.main", "step3"),
-}
+STEPS: dict[int, StepSpec] = {spec.number: spec for spec in (
+    StepSpec(
+        1, "step1", "supervised fine-tuning", "step1_sft.main",
+        inputs=(ModelInput("--model_name_or_path", Model.ACTOR),),
+        output=StepOutput("model", has_model, points_at="a step-1 run folder or a fine-tuned model",
+                          flag_help="its run folder or a fine-tuned model for step 3's actor"),
+        plan=SupervisedPlan, planner=plan_sft, zero_stage_fields={Model.ACTOR: "zero_stage"},
+    ),
+    StepSpec(
+        2, "step2", "reward model", "step2_reward.main",
+        inputs=(ModelInput("--model_name_or_path", Model.REWARD),),
+        output=StepOutput("reward model", is_reward_model_dir, points_at="a step-2 run folder",
+                          flag_help="its run folder for step 3's critic and reward model"),
+        plan=SupervisedPlan, planner=plan_reward, zero_stage_fields={Model.REWARD: "zero_stage"},
+    ),
+    StepSpec(
+        3, "step3", "RLHF (PPO)", "step3_rlhf.main",
+        inputs=(ModelInput("--actor_model_name_or_path", Model.ACTOR, from_step=1),
+                ModelInput("--critic_model_name_or_path", Model.REWARD, from_step=2)),
+        output=StepOutput("actor", has_model, subdir="actor"),
+        plan=RLHFPlan, planner=plan_rlhf,
+        zero_stage_fields={Model.ACTOR: "actor_zero_stage", Model.REWARD: "critic_zero_stage"},
+    ),
+)}
 
-_OPTION_LINE = re.compile(r"^\s{1,8}(-[^\s,]+(?:[^\n]*?,\s+-[^\s,]+)*)")
 _NUMBER = re.compile(r"-?\d+(\.\d*)?([eE]-?\d+)?")
 
 
-def accepted_options(main: StepMain) -> frozenset[str]:
-    """The option strings a step's argparse CLI accepts, read from its `--help` output."""
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
-        main(["--help"])
-    options: set[str] = set()
-    for line in text.getvalue().splitlines():
-        match = _OPTION_LINE.match(line)
-        if match:
-            options.update(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", match[1]))
-    return frozenset(options)
+def step_args_flags() -> str:
+    """`--step1-args/--step2-args/...`, for messages."""
+    return "/".join(f"--{spec.name}-args" for spec in STEPS.values())
+
+
+def accepted_options(parser: argparse.ArgumentParser) -> frozenset[str]:
+    """The option strings a step's CLI accepts, from its parser (argparse's or HfArgumentParser)."""
+    return frozenset(option for action in parser._actions for option in action.option_strings)
 
 
 def group_flags(tokens: Sequence[str]) -> list[list[str]]:
@@ -85,7 +158,7 @@ def route_extra_flags(
             names = ", ".join(str(step) for step in steps)
             raise UserError(
                 f"{flag} is not a flag of train.py nor of step(s) {names}; check the spelling "
-                "(run the step's main.py --help) or target one step with --step1-args/--step2-args/--step3-args"
+                f"(run the step's main.py --help) or target one step with {step_args_flags()}"
             )
         for step in takers:
             routed[step].extend(group)

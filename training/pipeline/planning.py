@@ -1,0 +1,49 @@
+"""A deployment's plan: each registered step's planner run for the deployment's target and the models."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+from .deployment import (
+    CpuQuickRun,
+    DeploymentPlan,
+    DeploymentType,
+    Model,
+    ModelSizes,
+    Target,
+    cpu_target,
+    gpu_target,
+)
+from .hardware import Hardware
+from .hostfile import Host
+from .steps import STEPS
+
+
+def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: ModelSizes) -> DeploymentPlan:
+    steps = {number: spec.planner(target, sizes) for number, spec in STEPS.items()}
+    return DeploymentPlan(deployment, target.world, steps, notes)
+
+
+def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None) -> DeploymentPlan:
+    """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one)."""
+    return _plan(deployment, *gpu_target(deployment, hardware, hosts), sizes)
+
+
+def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun()) -> DeploymentPlan:
+    return _plan(DeploymentType.CPU, *cpu_target(hardware, quick), sizes)
+
+
+def plan_deployment(
+    deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None = None
+) -> DeploymentPlan:
+    if deployment is DeploymentType.CPU:
+        return plan_cpu(sizes, hardware)
+    return plan_gpu(deployment, sizes, hardware, hosts)
+
+
+def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None]) -> None:
+    """Set each model's ZeRO stage (None: keep the planned one) in the plan field each step names for it."""
+    for number, spec in STEPS.items():
+        overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items() if stages[model] is not None}
+        if overrides:
+            plan.steps[number] = replace(plan.steps[number], **overrides)
