@@ -1,5 +1,6 @@
 """Step 3: RLHF with PPO. The step-1 model is the actor (and, frozen, the reference); the step-2
-reward model scores the answers (frozen) and initialises the critic.
+reward model scores the answers (frozen) and initialises the critic (built only when the
+`--advantage_estimator` needs one).
 
 One PPO step = `--generation_batches` prompt batches answered and scored, then `--ppo_epochs`
 passes of actor and critic updates over those experiences (with `--unsupervised_dataset_name`, each
@@ -35,6 +36,7 @@ from step3_rlhf.ppo_trainer import (
     experience_stats,
 )
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
+from training.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
 from training.core.args import (
     add_lora_args,
     add_optimization_args,
@@ -133,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refused above 0: truncated sampling would train on other log-probs than drew the tokens")
     ppo.add_argument("--unsup_coef", type=float, default=27.8,
                      help="weight of the pretraining LM loss added to the actor's PPO loss (PPO-ptx)")
+    ppo.add_argument("--advantage_estimator", default="gae", choices=ADVANTAGE_ESTIMATORS.names(),
+                     help="advantage estimator; one that needs no critic trains none (no critic folder is saved)")
+    ppo.add_argument("--policy_loss", default="ppo", choices=POLICY_LOSSES.names(), help="actor loss")
+    ppo.add_argument("--value_loss", default="clipped", choices=VALUE_LOSSES.names(), help="critic loss")
     ppo.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     ppo.add_argument("--ema_beta", type=float, default=0.992, help="EMA decay per actor optimizer step")
 
@@ -170,6 +176,9 @@ def ppo_config(args: argparse.Namespace) -> PPOConfig:
         no_eos_penalty=args.no_eos_penalty,
         temperature=args.temperature,
         unsup_coef=args.unsup_coef,
+        advantage_estimator=args.advantage_estimator,
+        policy_loss=args.policy_loss,
+        value_loss=args.value_loss,
     )
 
 
@@ -258,7 +267,9 @@ class PPORun:
 
     @property
     def engines(self) -> dict[str, torch.nn.Module]:
-        return {"actor": self.engine.actor, "critic": self.engine.critic}
+        """The trained engines a checkpoint holds (no critic without one)."""
+        engines = {"actor": self.engine.actor, "critic": self.engine.critic}
+        return {name: engine for name, engine in engines.items() if engine is not None}
 
     def client_state(self) -> dict:
         return {
@@ -325,7 +336,9 @@ class PPORun:
                  "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
                  "time/training_s": training_s,
                  "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
-                 "train/actor_lr": self.engine.actor.get_lr()[0], "train/critic_lr": self.engine.critic.get_lr()[0]}
+                 "train/actor_lr": self.engine.actor.get_lr()[0]}
+        if self.engine.critic is not None:
+            stats["train/critic_lr"] = self.engine.critic.get_lr()[0]
         return mean_over_ranks(stats)
 
     def fit(self, interrupt: GracefulInterrupt) -> None:
@@ -377,12 +390,15 @@ def _build_streams(args: argparse.Namespace, tokenizer) -> tuple[BatchStream, Ba
 def _save_models(args: argparse.Namespace, engine: RLHFEngine) -> dict[str, str | None]:
     run_dir = Path(args.output_dir)
     save_hf_model(engine.actor, engine.tokenizer, run_dir / ACTOR_SUBDIR)
-    save_hf_model(engine.critic, engine.tokenizer, run_dir / CRITIC_SUBDIR)
+    critic_dir = None
+    if engine.critic is not None:
+        critic_dir = run_dir / CRITIC_SUBDIR
+        save_hf_model(engine.critic, engine.tokenizer, critic_dir)
     ema_dir = None
     if engine.actor_ema is not None:
         ema_dir = run_dir / EMA_SUBDIR
         save_ema_model(engine.actor_ema, engine.actor, engine.tokenizer, ema_dir)
-    return {"actor_dir": str(run_dir / ACTOR_SUBDIR), "critic_dir": str(run_dir / CRITIC_SUBDIR),
+    return {"actor_dir": str(run_dir / ACTOR_SUBDIR), "critic_dir": str(critic_dir) if critic_dir is not None else None,
             "ema_dir": str(ema_dir) if ema_dir is not None else None}
 
 

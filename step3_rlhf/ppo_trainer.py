@@ -17,29 +17,30 @@ tokens, the EOS included (the EOS is an action the policy is rewarded or penalis
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 import torch
 
-from step3_rlhf.ppo_math import (
+from step3_rlhf.rlhf_engine import RLHFEngine
+from training.algorithms import (
     AdaptiveKLController,
     FixedKLController,
-    actor_loss,
     apply_no_eos_penalty,
-    compute_advantages_and_returns,
     compute_rewards,
-    critic_loss,
     entropy_from_logits,
+    get_advantage_estimator,
+    get_policy_loss,
+    get_value_loss,
     kl_from_logits,
     masked_mean,
-    whiten,
 )
-from step3_rlhf.rlhf_engine import RLHFEngine
 from training.core.sequences import answer_logits, token_logprobs
 from training.generation.generator import GenerationConfig, Generator, eval_mode
 from training.reliability.guards import check_finite
 from utils.dist import sum_over_ranks
+from utils.errors import UserError
 
 
 @dataclass
@@ -59,6 +60,11 @@ class PPOConfig:
     no_eos_penalty: float = 0.0
     temperature: float = 1.0  # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it
     unsup_coef: float = 27.8
+    advantage_estimator: str = field(default="gae", metadata={
+        "help": "advantage estimator (training.algorithms registry); one that needs no critic trains none"})
+    policy_loss: str = field(default="ppo", metadata={"help": "actor loss (training.algorithms registry)"})
+    value_loss: str = field(default="clipped", metadata={
+        "help": "critic loss (training.algorithms registry); unused without a critic"})
 
 
 @dataclass
@@ -71,7 +77,7 @@ class Experience:
     action_mask: torch.Tensor
     old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
-    old_values: torch.Tensor
+    old_values: torch.Tensor | None  # None without a critic
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
@@ -79,6 +85,7 @@ class Experience:
     kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer (a KL estimate if sampled)
     ended_with_eos: torch.Tensor  # [B] bool
     exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
+    group_index: torch.Tensor | None = None  # [B] long: rows answering the same prompt share it (group baselines)
 
     @property
     def batch_size(self) -> int:
@@ -117,12 +124,22 @@ def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_m
 
 
 class PPOTrainer:
-    """Rollouts and PPO updates for the actor and critic of an `RLHFEngine`."""
+    """Rollouts and PPO updates for the actor (and the critic, when the advantage estimator needs one)
+    of an `RLHFEngine`; the estimator and losses are looked up by name in `training.algorithms`."""
 
     def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig):
         self.engine = engine
         self.generator = generator
         self.config = config
+        self.advantage_estimator = get_advantage_estimator(config.advantage_estimator)
+        self.policy_loss = get_policy_loss(config.policy_loss)
+        self.value_loss = get_value_loss(config.value_loss)
+        if self.advantage_estimator.needs_critic != (engine.critic is not None):
+            raise UserError(
+                f"advantage estimator {config.advantage_estimator!r} "
+                f"{'needs a critic' if self.advantage_estimator.needs_critic else 'trains no critic'}, but the engine "
+                f"{'has none' if engine.critic is None else 'has one'}; build the engine for the same estimator"
+            )
         tokenizer = engine.tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
@@ -144,8 +161,10 @@ class PPOTrainer:
 
     def generate_experience(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
         """Sample answers to a left-padded prompt batch and score them: log-probs of actor and reference,
-        critic values, reward-model scores, per-token rewards, advantages and returns. The adaptive KL
-        coefficient then moves toward its target, from every rank's answers together (collective).
+        critic values (with a critic), reward-model scores, per-token rewards, advantages and returns
+        (a `group_index` entry of the batch, [B], rows answering the same prompt sharing it, is passed to
+        the estimator and kept). The adaptive KL coefficient then moves toward its target, from every
+        rank's answers together (collective).
 
         Everything after generation runs in eval mode (dropout is off anyway), so the old log-probs
         and values are exactly what the first PPO epoch's train-mode forward starts from.
@@ -178,7 +197,11 @@ class PPOTrainer:
         prompt_length = output.prompt_length
         action_mask = output.answer_mask.clone().to(device)
         answers = sequences[:, prompt_length:]
-        with eval_mode(engine.actor.module), eval_mode(engine.critic.module):
+        group_index = prompt_batch.get("group_index")
+        if group_index is not None:
+            group_index = group_index.to(device)
+        critic = engine.critic
+        with eval_mode(engine.actor.module), eval_mode(critic.module) if critic is not None else nullcontext():
             logits = answer_logits(engine.actor, sequences, attention_mask, prompt_length)
             old_logprobs = token_logprobs(logits, answers, config.temperature)
             actor_logits = logits if with_exact_kl else None
@@ -188,27 +211,27 @@ class PPOTrainer:
             exact_kl = (kl_from_logits(actor_logits, ref_logits, action_mask, config.temperature)
                         if with_exact_kl else None)
             del ref_logits, actor_logits
-            old_values = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
+            old_values = (_answer_values(critic, sequences, attention_mask, prompt_length)
+                          if critic is not None else None)
             scores = engine.reward(input_ids=sequences, attention_mask=attention_mask)["end_scores"].float()
         ended_with_eos = ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
         if config.no_eos_penalty:
             scores = apply_no_eos_penalty(scores, ended_with_eos, config.no_eos_penalty)
         rewards, kl = compute_rewards(scores, old_logprobs, ref_logprobs, action_mask, self.kl_controller.value,
                                       config.clip_reward_value)
-        advantages, returns = compute_advantages_and_returns(old_values, rewards, action_mask, config.gamma, config.lam)
-        if config.whiten_advantages:
-            advantages = whiten(advantages, action_mask)
+        advantages, returns = self.advantage_estimator(rewards, action_mask, old_values, group_index, config)
         scored = time.perf_counter()
         self.last_timing = {"generation_s": generated - started, "scoring_s": scored - generated,
                             "generated_tokens": float(action_mask.sum().item())}
         return Experience(sequences, attention_mask, prompt_length, action_mask, old_logprobs, ref_logprobs,
-                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos, exact_kl)
+                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos, exact_kl, group_index)
 
     # updates ------------------------------------------------------------------------------------
 
     def train_rlhf(self, experience: Experience,
                    unsupervised_batch: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
-        """One PPO update of the actor (clipped surrogate) and the critic (clipped value loss) on `experience`.
+        """One PPO update on `experience` of the actor (the policy loss) and, if there is one, the critic
+        (the value loss).
 
         With `unsupervised_batch` (pretraining text: the PPO-ptx mixture), the actor minimises InstructGPT's
         single objective, policy loss + unsup_coef * language-model loss, in one backward and ONE optimizer
@@ -223,7 +246,7 @@ class PPOTrainer:
 
         logits = answer_logits(actor, experience.sequences, experience.attention_mask, prompt_length)
         logprobs = token_logprobs(logits, experience.sequences[:, prompt_length:], config.temperature)
-        policy = actor_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config.cliprange)
+        policy = self.policy_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config)
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach() / config.temperature, mask)
         del logits
@@ -235,21 +258,17 @@ class PPOTrainer:
             objective = objective + config.unsup_coef * lm_loss
             mixture_stats["unsup_loss"] = lm_loss.item()
         self._step_actor(objective)
+        stats = {"actor_loss": policy.loss.item(), "clip_fraction": policy.clip_fraction.item(),
+                 "approx_kl": policy.approx_kl.item(), "entropy": entropy.item(), **mixture_stats}
+        if critic is None:
+            return stats
 
         values = _answer_values(critic, experience.sequences, experience.attention_mask, prompt_length)
-        value = critic_loss(values, experience.old_values, experience.returns, mask, config.cliprange_value)
+        value = self.value_loss(values, experience.old_values, experience.returns, mask, config)
         check_finite("critic loss", value.loss, step)
         critic.backward(value.loss)
         critic.step()
-        return {
-            "actor_loss": policy.loss.item(),
-            "critic_loss": value.loss.item(),
-            "clip_fraction": policy.clip_fraction.item(),
-            "value_clip_fraction": value.clip_fraction.item(),
-            "approx_kl": policy.approx_kl.item(),
-            "entropy": entropy.item(),
-            **mixture_stats,
-        }
+        return {**stats, "critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
 
     def _language_model_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The actor's next-token loss on pretraining text (the term that keeps its general language ability)."""
@@ -286,12 +305,14 @@ def experience_stats(experience: Experience) -> dict[str, float]:
     """Rollout metrics of one experience batch (this rank's rows)."""
     mask = experience.action_mask.float()
     lengths = mask.sum(-1)
-    return {
+    stats = {
         "reward/score_mean": experience.scores.mean().item(),
         "reward/score_std": experience.scores.std(unbiased=False).item(),
         "reward/kl": experience.kl.mean().item(),
         "reward/total_mean": (experience.rewards * mask).sum(-1).mean().item(),
         "rollout/response_length": lengths.mean().item(),
         "rollout/eos_fraction": experience.ended_with_eos.float().mean().item(),
-        "rollout/value_mean": masked_mean(experience.old_values, experience.action_mask).item(),
     }
+    if experience.old_values is not None:
+        stats["rollout/value_mean"] = masked_mean(experience.old_values, experience.action_mask).item()
+    return stats

@@ -1,8 +1,9 @@
-"""The four models of PPO as DeepSpeed engines: actor and critic train, reference and reward are frozen.
+"""The models of PPO as DeepSpeed engines: actor and critic train, reference and reward are frozen.
 
 - actor: the step-1 model, trained by PPO (its own ZeRO stage, offload and LoRA);
 - reference: a frozen copy of the step-1 model, the anchor of the KL penalty;
 - critic: initialised from the step-2 reward model (backbone + value head), trained on the returns;
+  built only when the advantage estimator needs one (`--advantage_estimator`), None otherwise;
 - reward: the step-2 reward model, frozen, scores each finished answer;
 - optionally an EMA of the actor's weights (`--enable_ema`).
 Every model is built ZeRO-3 aware, and dropout is switched off in all of them: PPO compares
@@ -18,6 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from step3_rlhf.ema import ModelEMA
+from training.algorithms import get_advantage_estimator
 from training.core.args import apply_model_options, dtype_name, optimization_settings
 from training.core.ds_config import get_eval_ds_config
 from training.core.engine import create_frozen_engine, create_train_engine
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 class RLHFEngine:
     actor: torch.nn.Module
     reference: torch.nn.Module
-    critic: torch.nn.Module
+    critic: torch.nn.Module | None  # None when the advantage estimator needs no critic
     reward: torch.nn.Module
     tokenizer: PreTrainedTokenizerBase
     actor_ema: ModelEMA | None = None
@@ -62,7 +64,8 @@ def _frozen_ds_config(args: argparse.Namespace, stage: int, offload: bool) -> di
 def build_rlhf_engine(
     args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, num_actor_steps: int, num_critic_steps: int
 ) -> RLHFEngine:
-    """Build the four engines (and the EMA) from the step-3 flags."""
+    """Build the engines (and the EMA) from the step-3 flags; the critic (and its optimizer) only if
+    `--advantage_estimator` needs one."""
     dtype = resolve_dtype(args.dtype)
     micro_batch = args.per_device_training_batch_size
     check_same_vocabulary(tokenizer, load_tokenizer(args.critic_model_name_or_path, args.trust_remote_code),
@@ -81,12 +84,15 @@ def build_rlhf_engine(
                                      disable_dropout_layers=True, trust_remote_code=args.trust_remote_code)
     reference = create_frozen_engine(reference_model, reference_stage, args.offload_reference_model, dtype_name(args))
 
-    critic_settings = optimization_settings(args, num_critic_steps, micro_batch, prefix="critic_", job_name="critic")
-    critic_model = RewardModel.from_pretrained(args.critic_model_name_or_path, dtype=dtype,
-                                               ds_config=critic_settings.ds_config(), disable_dropout_layers=True,
-                                               trust_remote_code=args.trust_remote_code)
-    critic_model = apply_model_options(critic_model, args, prefix="critic_", trainable_heads=("v_head",))
-    critic = create_train_engine(critic_model, critic_settings)
+    critic = None
+    if get_advantage_estimator(args.advantage_estimator).needs_critic:
+        critic_settings = optimization_settings(args, num_critic_steps, micro_batch, prefix="critic_",
+                                                job_name="critic")
+        critic_model = RewardModel.from_pretrained(args.critic_model_name_or_path, dtype=dtype,
+                                                   ds_config=critic_settings.ds_config(), disable_dropout_layers=True,
+                                                   trust_remote_code=args.trust_remote_code)
+        critic_model = apply_model_options(critic_model, args, prefix="critic_", trainable_heads=("v_head",))
+        critic = create_train_engine(critic_model, critic_settings)
 
     reward_stage = 3 if args.critic_zero_stage == 3 else 0
     reward_config = _frozen_ds_config(args, reward_stage, args.offload_reward_model)
@@ -95,8 +101,9 @@ def build_rlhf_engine(
     reward = create_frozen_engine(reward_model, reward_stage, args.offload_reward_model, dtype_name(args))
 
     ema = ModelEMA(actor, beta=args.ema_beta, offload=args.actor_offload) if args.enable_ema else None
-    logger.info("RLHF engine: actor ZeRO-%d%s, critic ZeRO-%d%s, reference ZeRO-%d, reward ZeRO-%d, %s%s",
+    critic_desc = "no critic" if critic is None else (
+        f"critic ZeRO-{args.critic_zero_stage}" + (f" LoRA r={args.critic_lora_dim}" if args.critic_lora_dim else ""))
+    logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, reward ZeRO-%d, %s%s",
                 args.actor_zero_stage, f" LoRA r={args.actor_lora_dim}" if args.actor_lora_dim else "",
-                args.critic_zero_stage, f" LoRA r={args.critic_lora_dim}" if args.critic_lora_dim else "",
-                reference_stage, reward_stage, dtype_name(args), ", EMA" if ema is not None else "")
+                critic_desc, reference_stage, reward_stage, dtype_name(args), ", EMA" if ema is not None else "")
     return RLHFEngine(actor, reference, critic, reward, tokenizer, ema)

@@ -25,9 +25,9 @@ from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
 from step3_rlhf.ema import ModelEMA
-from step3_rlhf.ppo_math import actor_loss
-from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
-from step3_rlhf.rlhf_engine import RLHFEngine
+from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer, experience_stats
+from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
+from training.algorithms import ADVANTAGE_ESTIMATORS, actor_loss, register_advantage_estimator
 from training.core.engine import (
     OptimizationSettings,
     create_frozen_engine,
@@ -39,9 +39,10 @@ from training.core.sequences import answer_logprobs, position_ids_from_attention
 from training.generation.generator import GenerationOutput, HFGenerator, assemble_output
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 from training.loops.batch_stream import BatchStream
+from training.reliability.checkpointing import CheckpointManager
 from utils.data import PromptCollator, SFTCollator
 from utils.dist import free_port
-from utils.errors import EXIT_USER_ERROR
+from utils.errors import EXIT_USER_ERROR, UserError
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +327,86 @@ def test_adaptive_kl_coefficient_is_updated_from_the_global_batch_on_two_ranks()
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "KL_OK" in result.stdout, result.stdout
+
+
+# critic-free estimators --------------------------------------------------------------------------------
+
+TOY_ESTIMATOR = "toy_group_baseline"
+
+
+@pytest.fixture
+def critic_free_estimator(monkeypatch) -> list[dict]:
+    """Registers, for one test, a toy critic-free estimator (each answer's total reward minus its prompt
+    group's mean, on every answer token); returns the list of what each call was given."""
+    monkeypatch.setattr(ADVANTAGE_ESTIMATORS, "entries", dict(ADVANTAGE_ESTIMATORS.entries))
+    calls = []
+
+    @register_advantage_estimator(TOY_ESTIMATOR, needs_critic=False)
+    def group_baseline(rewards, action_mask, values, group_index, config):
+        calls.append({"values": values, "group_index": group_index})
+        groups = group_index if group_index is not None else torch.zeros(rewards.shape[0], dtype=torch.long)
+        totals = (rewards * action_mask).sum(-1)
+        same = (groups[:, None] == groups[None, :]).float()
+        advantages = (totals - same @ totals / same.sum(-1))[:, None] * action_mask
+        return advantages, advantages
+
+    return calls
+
+
+def test_experience_split_keeps_the_group_index():
+    rows = torch.zeros(5, 2)
+    experience = Experience(sequences=rows.long(), attention_mask=rows.long(), prompt_length=1, action_mask=rows.long(),
+                            old_logprobs=rows, ref_logprobs=rows, old_values=None, rewards=rows, advantages=rows,
+                            returns=rows, scores=rows[:, 0], kl=rows[:, 0], ended_with_eos=rows[:, 0].bool(),
+                            group_index=torch.tensor([0, 0, 1, 1, 2]))
+    parts = experience.split(2)
+    assert [part.group_index.tolist() for part in parts] == [[0, 0], [1, 1], [2]]
+    assert all(part.old_values is None for part in parts)
+
+
+def test_a_critic_free_estimator_builds_no_critic_and_trains_the_actor(distributed, inputs, tmp_path,
+                                                                        critic_free_estimator):
+    from step3_rlhf.main import parse_args, ppo_config
+
+    args = parse_args(step3_argv(inputs, tmp_path / "run", "--advantage_estimator", TOY_ESTIMATOR))
+    tokenizer = load_tokenizer(inputs["actor"])
+    engine = build_rlhf_engine(args, tokenizer, 10, 10)
+    assert engine.critic is None
+    eos = tokenizer.eos_token_id
+    answers = torch.tensor([[5, 6, 7, eos, 9], [10, 11, 12, 13, 14], [15, eos, 17, 18, 19], [20, 21, 22, 23, eos]])
+    generator = FixedAnswers(answers, eos, tokenizer.pad_token_id)
+    prompts = {**prompt_batch(tokenizer, 4), "group_index": torch.tensor([0, 0, 1, 1])}
+    trainer = PPOTrainer(engine, generator, ppo_config(args))
+    experience = trainer.generate_experience(prompts)
+    assert experience.old_values is None and experience.group_index.tolist() == [0, 0, 1, 1]
+    assert critic_free_estimator[-1]["values"] is None
+    assert critic_free_estimator[-1]["group_index"].tolist() == [0, 0, 1, 1]
+    assert "rollout/value_mean" not in experience_stats(experience)
+    steps_before = engine.actor.global_steps
+    for part in experience.split(2):
+        stats = trainer.train_rlhf(part)
+        assert "critic_loss" not in stats and "actor_loss" in stats
+    assert engine.actor.global_steps - steps_before == 2
+
+    with pytest.raises(UserError, match="'gae' needs a critic, but the engine has none"):
+        PPOTrainer(engine, generator, PPOConfig())
+    with pytest.raises(UserError, match=f"'{TOY_ESTIMATOR}' trains no critic, but the engine has one"):
+        PPOTrainer(build_engine(inputs), generator, PPOConfig(advantage_estimator=TOY_ESTIMATOR))
+
+
+def test_a_critic_free_run_saves_checkpoints_and_logs_no_critic(distributed, inputs, tmp_path, critic_free_estimator):
+    from step3_rlhf.main import main
+
+    run = tmp_path / "run"
+    summary = main(step3_argv(inputs, run, "--max_steps", "1", "--save_interval", "1",
+                              "--advantage_estimator", TOY_ESTIMATOR))
+    assert critic_free_estimator and all(call["values"] is None for call in critic_free_estimator)
+    assert (run / "actor" / "model.safetensors").is_file() and not (run / "critic").exists()
+    assert summary["critic_dir"] is None
+    assert CheckpointManager(run).latest().engines == ("actor",)
+    trained = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/actor_lr" in r]
+    assert len(trained) == 1
+    assert not any(key.startswith(("train/critic", "train/value")) for key in trained[0]), trained[0]
 
 
 # the entry point -----------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from step3_rlhf.ppo_math import AdaptiveKLController  # noqa: E402
 from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer  # noqa: E402
+from training.algorithms import AdaptiveKLController  # noqa: E402
 from utils.dist import broadcast_from_main, get_rank, init_distributed  # noqa: E402
 
 CONFIG = PPOConfig(kl_ctl=0.1, target_kl=5.0, kl_horizon=20.0)
@@ -40,7 +40,8 @@ class ScriptedRollouts(PPOTrainer):
     """A trainer whose rollouts are scripted; `generate_experience` itself runs unchanged."""
 
     def __init__(self, rollouts: list[list[float]]):
-        engine = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0, pad_token_id=0), actor_ema=None)
+        engine = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0, pad_token_id=0), actor_ema=None,
+                                 critic=SimpleNamespace())  # a stand-in critic: the default estimator (GAE) needs one
         super().__init__(engine, generator=None, config=CONFIG)
         self.rollouts = iter(rollouts)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training import checkpointing  # noqa: E402
+from training.reliability import checkpointing  # noqa: E402
 
 
 def stall_before_marker(step: int, stall_file: Path) -> None:

@@ -1,10 +1,12 @@
-"""PPO arithmetic against numbers worked out by hand."""
+"""The algorithm layer: PPO arithmetic against numbers worked out by hand, and the registries."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from step3_rlhf.ppo_math import (
+from training.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     actor_loss,
@@ -13,11 +15,16 @@ from step3_rlhf.ppo_math import (
     compute_rewards,
     critic_loss,
     entropy_from_logits,
+    get_advantage_estimator,
+    get_policy_loss,
+    get_value_loss,
     kl_from_logits,
     masked_mean,
+    register_advantage_estimator,
     whiten,
 )
 from training.core.sequences import token_logprobs
+from utils.errors import UserError
 
 GARBAGE = 1e4  # placed on masked-out positions: it must never reach a result
 
@@ -172,3 +179,52 @@ def test_fixed_kl_controller_never_moves():
     other = FixedKLController(1.0)
     other.load_state_dict(ctl.state_dict())
     assert other.value == 0.05
+
+
+# registries -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("getter,kind,known", [(get_advantage_estimator, "advantage estimator", "gae"),
+                                               (get_policy_loss, "policy loss", "ppo"),
+                                               (get_value_loss, "value loss", "clipped")])
+def test_an_unknown_name_is_refused_with_the_choices(getter, kind, known):
+    with pytest.raises(UserError, match=f"unknown {kind} 'nope'; choose one of: {known}"):
+        getter("nope")
+
+
+def test_a_registered_estimator_is_picked_up_with_its_critic_need(monkeypatch):
+    monkeypatch.setattr(ADVANTAGE_ESTIMATORS, "entries", dict(ADVANTAGE_ESTIMATORS.entries))
+
+    @register_advantage_estimator("toy", needs_critic=False)
+    def toy(rewards, action_mask, values, group_index, config):
+        return rewards * config.scale, rewards
+
+    estimator = get_advantage_estimator("toy")
+    assert not estimator.needs_critic and get_advantage_estimator("gae").needs_critic
+    assert ADVANTAGE_ESTIMATORS.names() == ["gae", "toy"]
+    rewards = torch.tensor([[1.0, 2.0]])
+    advantages, returns = estimator(rewards, torch.ones(1, 2), None, None, SimpleNamespace(scale=3.0))
+    assert advantages.tolist() == [[3.0, 6.0]] and returns.tolist() == [[1.0, 2.0]]
+    with pytest.raises(ValueError, match="'toy' is already registered"):
+        register_advantage_estimator("toy", needs_critic=True)(toy)
+
+
+@pytest.mark.parametrize("whiten_advantages", [True, False])
+def test_gae_estimator_is_gae_then_optional_whitening(whiten_advantages):
+    torch.manual_seed(0)
+    values, rewards = torch.randn(3, 5), torch.randn(3, 5)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]])
+    config = SimpleNamespace(gamma=0.9, lam=0.8, whiten_advantages=whiten_advantages)
+    advantages, returns = get_advantage_estimator("gae")(rewards, mask, values, None, config)
+    expected, expected_returns = compute_advantages_and_returns(values, rewards, mask, 0.9, 0.8)
+    torch.testing.assert_close(advantages, whiten(expected, mask) if whiten_advantages else expected, rtol=0, atol=0)
+    torch.testing.assert_close(returns, expected_returns, rtol=0, atol=0)
+
+
+def test_registered_losses_are_the_clipped_losses_at_the_configs_ranges():
+    torch.manual_seed(0)
+    new, old, advantages = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    config = SimpleNamespace(cliprange=0.1, cliprange_value=0.3)
+    assert get_policy_loss("ppo")(new, old, advantages, mask, config) == actor_loss(new, old, advantages, mask, 0.1)
+    assert get_value_loss("clipped")(new, old, advantages, mask, config) == critic_loss(new, old, advantages, mask, 0.3)

@@ -1,0 +1,99 @@
+"""KL to the reference policy: the KL-penalty reward shaping, the exact KL between two models'
+next-token distributions, and the controllers of the penalty's coefficient (shapes as in `core`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from training.core.sequences import last_token_index
+
+
+def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Exact KL(p || q) between the next-token distributions p = softmax(logits / T) and q = softmax(ref_logits / T),
+    summed over each row's masked positions: logits/ref_logits [B, T, V], mask [B, T] -> [B] (fp32).
+
+    One row at a time in fp32, so no [B, T, V] log-softmax tensor is ever built.
+    """
+    per_row = []
+    for row_logits, row_ref_logits, row_mask in zip(logits, ref_logits, mask):
+        log_p = torch.log_softmax(row_logits.float() / temperature, dim=-1)
+        log_q = torch.log_softmax(row_ref_logits.float() / temperature, dim=-1)
+        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+        per_row.append(torch.where(row_mask.bool(), per_position, torch.zeros_like(per_position)).sum())
+    return torch.stack(per_row)
+
+
+def compute_rewards(
+    reward_scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    kl_coef: float,
+    clip_reward_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: -kl_coef * (logprob - ref_logprob) on every answer token, plus the reward
+    model's score clipped to [-clip_reward_value, clip_reward_value] on the last answer token.
+
+    reward_scores [B], logprobs/ref_logprobs/action_mask [B, T] -> (rewards [B, T], kl [B]) where
+    kl is each sequence's summed log-ratio over its answer (the sample KL estimate).
+    """
+    mask = action_mask.bool()
+    log_ratio = logprobs.float() - ref_logprobs.float()
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    rewards = -kl_coef * log_ratio
+    clipped = reward_scores.float().clamp(-clip_reward_value, clip_reward_value)
+    has_answer = mask.any(-1)
+    last = last_token_index(action_mask)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards[rows, last] += torch.where(has_answer, clipped, torch.zeros_like(clipped))
+    return rewards, log_ratio.sum(-1)
+
+
+def apply_no_eos_penalty(scores: torch.Tensor, ended_with_eos: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Subtract `penalty` from the reward-model score of every answer that never emitted EOS (cut off at the length limit)."""
+    return torch.where(ended_with_eos.bool(), scores, scores - penalty)
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. (2019): steer the measured KL toward `target`.
+
+    error = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + error * n_steps / horizon.
+    `current_kl` is the mean per-sequence KL of the batch; `n_steps` the samples it was measured on.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError("the adaptive KL controller needs a positive target and horizon")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if not math.isfinite(current_kl):
+            return
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
