@@ -3,7 +3,6 @@ pretraining mixture and the PPO loss make one actor step, the adaptive KL coeffi
 ranks, and the entry point writes every output a user expects."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -237,11 +236,12 @@ def text_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
 def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed, inputs):
     """PPO-ptx optimises InstructGPT's one objective: each PPO micro-batch takes ONE actor step on
     policy loss + unsup_coef * LM loss (not a PPO step, then an LM step), and the EMA follows it."""
-    from step3_rlhf.main import PPORun, optimizer_steps_per_ppo_step
+    from step3_rlhf.main import PPORun, optimizer_steps_per_ppo_step, parse_args
 
     config = PPOConfig(max_answer_seq_len=5, unsup_coef=0.5)
-    args = argparse.Namespace(generation_batches=1, ppo_epochs=2, per_device_generation_batch_size=4,
-                              per_device_training_batch_size=2, gradient_accumulation_steps=1)
+    args = parse_args(step3_argv(inputs, "unused", "--generation_batches", "1", "--ppo_epochs", "2",
+                                 "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
+                                 "--gradient_accumulation_steps", "1"))
     engine, twin = build_engine(inputs), build_engine(inputs)
     engine.actor_ema = ModelEMA(engine.actor, beta=0.9)
     tokenizer = engine.tokenizer
@@ -264,8 +264,8 @@ def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed
     # the twin takes one plain step on the summed loss per micro-batch, on the same experience
     experience = PPOTrainer(twin, generator, config).generate_experience(prompts)
     batches, lm_losses = iter(unsupervised), []
-    for _ in range(args.ppo_epochs):
-        for part in experience.split(args.per_device_training_batch_size):
+    for _ in range(args.loop.ppo_epochs):
+        for part in experience.split(args.loop.per_device_training_batch_size):
             logprobs = answer_logprobs(twin.actor, part.sequences, part.attention_mask, part.prompt_length)
             policy = actor_loss(logprobs, part.old_logprobs, part.advantages, part.action_mask, config.cliprange)
             lm_loss = twin.actor(**next(batches), use_cache=False).loss
