@@ -85,10 +85,9 @@ def parse_args(argv: list[str] | None = None) -> Step3Settings:
 
 def check_args(args: Step3Settings) -> None:
     """Everything that can be checked before anything is loaded or written."""
-    check_positive(args.loop, "per_device_generation_batch_size", "per_device_training_batch_size",
-                   "generation_batches", "ppo_epochs", "num_train_epochs")
-    check_positive(args.schedule, "gradient_accumulation_steps", "max_steps")
-    check_positive(args.loop, "eval_samples")
+    check_positive(flag_values(args), "per_device_generation_batch_size", "per_device_training_batch_size",
+                   "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
+                   "eval_samples")
     if args.loop.eval_interval < 0:
         raise UserError(f"--eval_interval must be 0 or positive, got {args.loop.eval_interval}")
     if not 0.0 <= args.ema.ema_beta < 1.0:

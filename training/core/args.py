@@ -211,9 +211,10 @@ class ScheduleSettings:
 # reading them -------------------------------------------------------------------------------------
 
 
-def check_positive(settings: Any, *names: str) -> None:
+def check_positive(flags: Mapping[str, Any], *names: str) -> None:
+    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but not positive."""
     for name in names:
-        value = getattr(settings, name)
+        value = flags[name]
         if value is not None and value <= 0:
             raise UserError(f"--{name} must be positive, got {value}")
 

@@ -55,7 +55,6 @@ from utils.log import setup_logging
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class SupervisedLoopArguments:
     """Epochs, batch sizes and evaluation cadence of the supervised loop."""
@@ -132,10 +131,8 @@ def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> Super
 
 def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> SupervisedOutcome:
     setup_logging()
-    check_positive(args.loop, "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
-                   "log_interval")
-    check_positive(args.schedule, "gradient_accumulation_steps", "max_steps")
-    check_positive(args.data, "max_seq_len")
+    check_positive(flag_values(args), "per_device_train_batch_size", "per_device_eval_batch_size",
+                   "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len")
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)
