@@ -6,15 +6,15 @@ a line, when it is not a terminal) are answered in order as one conversation, th
 """
 from __future__ import annotations
 
-import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 import torch
 from transformers import TextStreamer
 
+from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     load_causal_lm,
@@ -23,6 +23,7 @@ from training.core.model_loading import (
     resolve_model_path,
 )
 from training.core.reward_model import is_reward_model_dir
+from training.generation.generator import DecodingSettings
 from utils.data.formatting import (
     PROMPT_FORMATS,
     render_human_assistant,
@@ -52,25 +53,40 @@ def resolve_chat_model(path: str, ema: bool = False) -> str:
 
 
 @dataclass
-class SamplingOptions:
-    max_new_tokens: int = 128
+class SamplingOptions(DecodingSettings):
+    """The chatbot's decoding: samples by default (`--greedy` turns it off)."""
+
     temperature: float = 0.7
     top_p: float = 0.9
-    top_k: int = 50
+    do_sample: bool = field(default=True, metadata={
+        "flag": "greedy", "negated": True, "help": "pick the most likely token (no sampling)"})
     repetition_penalty: float = 1.1
-    greedy: bool = False
 
-    def generate_kwargs(self) -> dict:
-        if self.greedy:
-            return {"do_sample": False, "max_new_tokens": self.max_new_tokens, "repetition_penalty": self.repetition_penalty}
-        return {
-            "do_sample": True,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "repetition_penalty": self.repetition_penalty,
-        }
+
+@dataclass
+class ChatArguments:
+    """Which model to chat with, and how the conversation is rendered."""
+
+    path: str = field(default=EMBEDDED_MODEL_NAME, metadata={
+        "aliases": ["--model"],
+        "help": "train.py output dir, step-3 run folder (its actor), step-1 run folder, HF folder or hub name"})
+    ema: bool = field(default=False, metadata={"help": "chat with step 3's EMA actor (actor_ema/)"})
+    prompt: list[str] | None = field(default=None, metadata={
+        "action": "append", "nargs": None,
+        "help": "answer this message and exit (repeat for a multi-turn conversation)"})
+    seed: int | None = field(default=None, metadata={"help": "seed for sampling (reproducible answers)"})
+    prompt_format: str = field(default="auto", metadata={
+        "choices": PROMPT_FORMATS,
+        "help": "the tokenizer's chat template, or ' Human: ... Assistant:' (auto: template if any)"})
+    system: str | None = field(default=None, metadata={"help": "a system message at the start of the conversation"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
+    trust_remote_code: bool = False
+
+
+@dataclass
+class ChatSettings:
+    chat: ChatArguments
+    sampling: SamplingOptions
 
 
 class _ChunkStreamer(TextStreamer):
@@ -185,50 +201,32 @@ def _interactive_lines() -> Iterable[str]:
             return
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Chat with a model trained by this project, or any HF causal LM.")
-    parser.add_argument("--path", "--model", dest="path", default=EMBEDDED_MODEL_NAME,
-                        help="train.py output dir, step-3 run folder (its actor), step-1 run folder, HF folder or hub name")
-    parser.add_argument("--ema", action="store_true", help="chat with step 3's EMA actor (actor_ema/)")
-    parser.add_argument("--prompt", action="append", default=None,
-                        help="answer this message and exit (repeat for a multi-turn conversation)")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top_p", type=float, default=0.9)
-    parser.add_argument("--top_k", type=int, default=50)
-    parser.add_argument("--repetition_penalty", type=float, default=1.1)
-    parser.add_argument("--greedy", action="store_true", help="pick the most likely token (no sampling)")
-    parser.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible answers)")
-    parser.add_argument("--prompt_format", choices=PROMPT_FORMATS, default="auto",
-                        help="the tokenizer's chat template, or ' Human: ... Assistant:' (auto: template if any)")
-    parser.add_argument("--system", default=None, help="a system message at the start of the conversation")
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
-    parser.add_argument("--trust_remote_code", action="store_true")
-    return parser
+def build_parser() -> SettingsParser:
+    return SettingsParser(ChatSettings, description="Chat with a model trained by this project, or any HF causal LM.")
 
 
-def load_session(args: argparse.Namespace) -> ChatSession:
-    path = resolve_chat_model(args.path, args.ema)
-    tokenizer = load_tokenizer(path, trust_remote_code=args.trust_remote_code)
-    model = load_causal_lm(path, tokenizer, dtype=resolve_dtype(args.dtype), trust_remote_code=args.trust_remote_code)
+def load_session(args: ChatSettings) -> ChatSession:
+    chat_args = args.chat
+    path = resolve_chat_model(chat_args.path, chat_args.ema)
+    tokenizer = load_tokenizer(path, trust_remote_code=chat_args.trust_remote_code)
+    model = load_causal_lm(path, tokenizer, dtype=resolve_dtype(chat_args.dtype),
+                           trust_remote_code=chat_args.trust_remote_code)
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    options = SamplingOptions(args.max_new_tokens, args.temperature, args.top_p, args.top_k,
-                              args.repetition_penalty, args.greedy)
-    return ChatSession(model, tokenizer, options, args.prompt_format, args.system)
+    return ChatSession(model, tokenizer, args.sampling, chat_args.prompt_format, chat_args.system)
 
 
 def chat(argv: list[str] | None = None) -> list[str]:
     """Run the chatbot; returns the answers given (the console entry point is `main`)."""
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens <= 0:
+    if args.sampling.max_new_tokens <= 0:
         raise UserError("--max_new_tokens must be positive")
-    if not args.greedy and args.temperature <= 0:
+    if args.sampling.do_sample and args.sampling.temperature <= 0:
         raise UserError("--temperature must be positive; use --greedy for deterministic answers")
-    if args.seed is not None:
-        torch.manual_seed(args.seed)
+    if args.chat.seed is not None:
+        torch.manual_seed(args.chat.seed)
     session = load_session(args)
-    if args.prompt:
-        return converse(session, args.prompt, sys.stdout, show_prompts=True)
+    if args.chat.prompt:
+        return converse(session, args.chat.prompt, sys.stdout, show_prompts=True)
     if not sys.stdin.isatty():
         return converse(session, sys.stdin, sys.stdout, show_prompts=True)
     return converse(session, _interactive_lines(), sys.stdout, show_prompts=False)

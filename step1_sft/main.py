@@ -8,14 +8,14 @@ Example (CPU quick run on the embedded model and data):
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from step1_sft.objective import evaluate_perplexity, sft_loss
+from training.core.args import SettingsParser
 from training.core.model_loading import load_causal_lm
 from training.loops.supervised_step import (
+    SupervisedSettings,
     SupervisedStep,
     run_supervised_step,
     supervised_step_parser,
@@ -25,18 +25,19 @@ from utils.data import SFTCollator
 from utils.errors import run_cli
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> SettingsParser:
     return supervised_step_parser("Step 1: supervised fine-tuning (SFT) with DeepSpeed", learning_rate=1e-5)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> SupervisedSettings:
     return build_parser().parse_args(argv)
 
 
-def build_sft_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
+def build_sft_model(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
                     dtype: torch.dtype) -> torch.nn.Module:
-    return load_causal_lm(args.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
-                          disable_dropout_layers=args.disable_dropout, trust_remote_code=args.trust_remote_code)
+    return load_causal_lm(args.model.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
+                          disable_dropout_layers=args.model.disable_dropout,
+                          trust_remote_code=args.run.trust_remote_code)
 
 
 SFT_STEP = SupervisedStep(
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_loss_after": result.final_eval.get("loss"),
         "wall_time_s": round(result.wall_time_s, 1),
     }
-    save_summary(args.output_dir, summary)
+    save_summary(args.run.output_dir, summary)
     return summary
 
 

@@ -8,20 +8,21 @@ Decoding is greedy unless `--do_sample`; `--output_file` also writes the answers
 """
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
+from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
 )
+from training.generation.generator import DecodingSettings
 from utils.data import PROMPT_FORMATS, PromptFormatter
 from utils.errors import UserError, run_cli
 
@@ -35,22 +36,39 @@ DEFAULT_PROMPTS = (
 
 
 @dataclass
-class GenerationSettings:
-    max_new_tokens: int = 128
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 50
+class GenerationSettings(DecodingSettings):
+    """Decoding (greedy unless `--do_sample`) and the batch size of the comparison."""
+
     num_beams: int = 1
-    repetition_penalty: float = 1.0
     batch_size: int = 8
 
     def generate_kwargs(self) -> dict:
-        kwargs = dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample, num_beams=self.num_beams,
-                      repetition_penalty=self.repetition_penalty)
-        if self.do_sample:
-            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        return kwargs
+        return {**super().generate_kwargs(), "num_beams": self.num_beams}
+
+
+@dataclass
+class PromptEvalArguments:
+    """The two models, the prompts and where the answers go."""
+
+    model_name_or_path_finetune: str = field(metadata={
+        "help": "the fine-tuned model: step 1's run folder or its model folder"})
+    model_name_or_path_baseline: str = field(default=EMBEDDED_MODEL_NAME, metadata={
+        "help": "the model before fine-tuning (hub name, folder, or the embedded default)"})
+    prompts: list[str] | None = field(default=None, metadata={
+        "nargs": "*", "help": "prompts to answer (default: a few built-in ones)"})
+    prompts_file: str | None = field(default=None, metadata={"help": "a text file with one prompt per line"})
+    prompt_format: str = field(default="auto", metadata={"choices": PROMPT_FORMATS})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
+    seed: int = 1234
+    trust_remote_code: bool = False
+    output_file: str | None = field(default=None, metadata={
+        "help": "also write {prompt, baseline, finetune} rows to this JSONL file"})
+
+
+@dataclass
+class PromptEvalSettings:
+    run: PromptEvalArguments
+    generation: GenerationSettings
 
 
 def render_prompt(formatter: PromptFormatter, text: str) -> str:
@@ -86,7 +104,7 @@ def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code
     return model.eval(), tokenizer
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
+def read_prompts(args: PromptEvalArguments) -> list[str]:
     prompts = list(args.prompts or [])
     if args.prompts_file:
         path = Path(args.prompts_file)
@@ -96,45 +114,25 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts or list(DEFAULT_PROMPTS)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Side-by-side answers of a base model and a fine-tuned model")
-    parser.add_argument("--model_name_or_path_baseline", default=EMBEDDED_MODEL_NAME,
-                        help="the model before fine-tuning (hub name, folder, or the embedded default)")
-    parser.add_argument("--model_name_or_path_finetune", required=True,
-                        help="the fine-tuned model: step 1's run folder or its model folder")
-    parser.add_argument("--prompts", nargs="*", help="prompts to answer (default: a few built-in ones)")
-    parser.add_argument("--prompts_file", help="a text file with one prompt per line")
-    parser.add_argument("--prompt_format", choices=PROMPT_FORMATS, default="auto")
-    parser.add_argument("--max_new_tokens", type=int, default=GenerationSettings.max_new_tokens)
-    parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy decoding")
-    parser.add_argument("--temperature", type=float, default=GenerationSettings.temperature)
-    parser.add_argument("--top_p", type=float, default=GenerationSettings.top_p)
-    parser.add_argument("--top_k", type=int, default=GenerationSettings.top_k)
-    parser.add_argument("--num_beams", type=int, default=GenerationSettings.num_beams)
-    parser.add_argument("--repetition_penalty", type=float, default=GenerationSettings.repetition_penalty)
-    parser.add_argument("--batch_size", type=int, default=GenerationSettings.batch_size)
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--trust_remote_code", action="store_true")
-    parser.add_argument("--output_file", help="also write {prompt, baseline, finetune} rows to this JSONL file")
-    return parser.parse_args(argv)
+def build_parser() -> SettingsParser:
+    return SettingsParser(PromptEvalSettings, description="Side-by-side answers of a base model and a fine-tuned model")
+
+
+def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
+    return build_parser().parse_args(argv)
 
 
 @run_cli
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
+    settings = parse_args(argv)
+    args = settings.run
     set_seed(args.seed)
-    settings = GenerationSettings(
-        max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, num_beams=args.num_beams, repetition_penalty=args.repetition_penalty,
-        batch_size=args.batch_size,
-    )
     prompts = read_prompts(args)
     dtype = resolve_dtype(args.dtype)
     answers = {}
     for label, name in (("baseline", args.model_name_or_path_baseline), ("finetune", args.model_name_or_path_finetune)):
         model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code)
-        answers[label] = generate_answers(model, tokenizer, prompts, settings, args.prompt_format)
+        answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, args.prompt_format)
         del model
     rows = [{"prompt": p, "baseline": b, "finetune": f} for p, b, f in zip(prompts, answers["baseline"], answers["finetune"])]
     for row in rows:

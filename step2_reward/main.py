@@ -10,7 +10,6 @@ Example (CPU quick run on the embedded model and data):
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict
 from typing import Iterable, Mapping
 
@@ -18,8 +17,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_rejected
+from training.core.args import SettingsParser
 from training.core.reward_model import RewardModel
 from training.loops.supervised_step import (
+    SupervisedSettings,
     SupervisedStep,
     run_supervised_step,
     supervised_step_parser,
@@ -29,19 +30,19 @@ from utils.data import PairwiseCollator
 from utils.errors import run_cli
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> SettingsParser:
     return supervised_step_parser("Step 2: reward model training on preference pairs with DeepSpeed", learning_rate=2e-5)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> SupervisedSettings:
     return build_parser().parse_args(argv)
 
 
-def build_reward_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
+def build_reward_model(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
                        dtype: torch.dtype) -> RewardModel:
-    return RewardModel.from_causal_lm(args.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
-                                      disable_dropout_layers=args.disable_dropout,
-                                      trust_remote_code=args.trust_remote_code)
+    return RewardModel.from_causal_lm(args.model.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
+                                      disable_dropout_layers=args.model.disable_dropout,
+                                      trust_remote_code=args.run.trust_remote_code)
 
 
 def reward_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_rejected_mean_after": after.get("rejected_mean"),
         "wall_time_s": round(result.wall_time_s, 1),
     }
-    save_summary(args.output_dir, summary)
+    save_summary(args.run.output_dir, summary)
     return summary
 
 

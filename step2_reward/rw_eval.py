@@ -10,13 +10,14 @@ the file's accuracy and mean margin. Prompts are rendered and tokenised as in tr
 """
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import load_tokenizer, resolve_dtype
 from training.core.reward_model import RewardModel
 from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
@@ -85,25 +86,42 @@ def pair_statistics(results: list[dict]) -> dict:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Score prompt/answer pairs with a step-2 reward model")
-    parser.add_argument("--model_name_or_path", required=True, help="step 2's run folder or its model folder")
-    parser.add_argument("--prompt", help="a user prompt (with --answer)")
-    parser.add_argument("--answer", action="append", default=[], help="an answer to --prompt; repeat to compare several")
-    parser.add_argument("--input_file", help="a data file of prompt/answer rows (any --data_path format)")
-    parser.add_argument("--prompt_format", choices=PROMPT_FORMATS, default="auto")
-    parser.add_argument("--max_seq_len", type=int, default=512)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--max_rows", type=int, default=None, help="score at most this many rows of --input_file")
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="fp32")
-    parser.add_argument("--output_file", help="write the scored rows to this JSONL file")
-    args = parser.parse_args(argv)
+@dataclass
+class RewardEvalArguments:
+    """The reward model, what it scores, and where the scores go."""
+
+    model_name_or_path: str = field(metadata={"help": "step 2's run folder or its model folder"})
+    prompt: str | None = field(default=None, metadata={"help": "a user prompt (with --answer)"})
+    answer: list[str] = field(default_factory=list, metadata={
+        "action": "append", "nargs": None, "help": "an answer to --prompt; repeat to compare several"})
+    input_file: str | None = field(default=None, metadata={
+        "help": "a data file of prompt/answer rows (any --data_path format)"})
+    prompt_format: str = field(default="auto", metadata={"choices": PROMPT_FORMATS})
+    max_seq_len: int = 512
+    batch_size: int = 8
+    max_rows: int | None = field(default=None, metadata={"help": "score at most this many rows of --input_file"})
+    dtype: str = field(default="fp32", metadata={"choices": DTYPE_CHOICES})
+    output_file: str | None = field(default=None, metadata={"help": "write the scored rows to this JSONL file"})
+
+
+@dataclass
+class RewardEvalSettings:
+    scoring: RewardEvalArguments
+
+
+def build_parser() -> SettingsParser:
+    return SettingsParser(RewardEvalSettings, description="Score prompt/answer pairs with a step-2 reward model")
+
+
+def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
+    parser = build_parser()
+    args = parser.parse_args(argv).scoring
     if not args.input_file and not (args.prompt and args.answer):
         parser.error("give --prompt with at least one --answer, or --input_file")
     return args
 
 
-def _rows(args: argparse.Namespace, scorer: RewardScorer) -> list[dict]:
+def _rows(args: RewardEvalArguments, scorer: RewardScorer) -> list[dict]:
     rows = []
     if args.prompt:
         rendered = scorer.user_prompt(args.prompt)

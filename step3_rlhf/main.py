@@ -16,10 +16,10 @@ Example (CPU quick run on the outputs of steps 1 and 2):
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 
@@ -31,32 +31,20 @@ from step3_rlhf.ema import save_ema_model
 from step3_rlhf.plots import plot_reward_kl
 from step3_rlhf.ppo_trainer import (
     Experience,
-    PPOConfig,
     PPOTrainer,
     experience_stats,
 )
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
-from training.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, VALUE_LOSSES
-from training.core.args import (
-    add_lora_args,
-    add_optimization_args,
-    add_run_args,
-    add_schedule_args,
-    add_zero_args,
-    check_positive,
-)
+from step3_rlhf.settings import Step3Settings
+from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
+from training.core.args import SettingsParser, check_positive, flag_values
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.core.save import save_hf_model
-from training.generation.hybrid_engine import (
-    add_hybrid_engine_args,
-    build_generator,
-    generation_backend_from_args,
-    hybrid_settings_from_args,
-)
+from training.generation.hybrid_engine import build_generator
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
-from training.reliability.checkpointing import CheckpointManager, add_checkpoint_args
+from training.reliability.checkpointing import CheckpointManager
 from training.reliability.guards import check_finite
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args, save_summary
@@ -70,11 +58,8 @@ from training.reliability.validation import (
     check_sequence_lengths,
 )
 from utils.data import (
-    DataArguments,
     PromptCollator,
     SFTCollator,
-    add_data_args,
-    add_unsupervised_data_args,
     build_unsupervised_dataset,
 )
 from utils.dist import init_distributed, is_main_process, mean_over_ranks
@@ -89,143 +74,66 @@ HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_l
                           "rollout/eos_fraction": "eos_fraction"}  # experience_stats key: held-out name
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Step 3: RLHF with PPO (actor, critic, reference and reward model)")
-    models = parser.add_argument_group("models")
-    models.add_argument("--actor_model_name_or_path", required=True,
-                        help="the step-1 run folder (or any causal LM): the actor and the frozen reference")
-    models.add_argument("--critic_model_name_or_path", required=True,
-                        help="the step-2 run folder: the frozen reward model and the critic's initialisation")
-    models.add_argument("--actor_gradient_checkpointing", action="store_true")
-    models.add_argument("--critic_gradient_checkpointing", action="store_true")
-    add_run_args(parser)
-    add_data_args(parser)
-    add_unsupervised_data_args(parser)
-
-    loop = parser.add_argument_group("PPO loop")
-    loop.add_argument("--per_device_generation_batch_size", type=int, default=4, help="prompts per rollout batch per rank")
-    loop.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO micro-batch size per rank")
-    loop.add_argument("--generation_batches", type=int, default=1, help="rollout batches collected per PPO step")
-    loop.add_argument("--ppo_epochs", type=int, default=1, help="passes over each PPO step's experiences")
-    loop.add_argument("--num_train_epochs", type=int, default=1, help="passes over the prompt set")
-    loop.add_argument("--max_answer_seq_len", type=int, default=128, help="maximum generated tokens per answer")
-    loop.add_argument("--eval_interval", type=int, default=0,
-                      help="score held-out prompts every N PPO steps (0: only before and after training)")
-    loop.add_argument("--eval_samples", type=int, default=32, help="held-out prompts scored per evaluation (per rank)")
-
-    ppo = parser.add_argument_group("PPO")
-    ppo.add_argument("--kl_ctl", type=float, default=0.1, help="KL penalty coefficient (initial value if adaptive)")
-    ppo.add_argument("--target_kl", type=float, default=None,
-                     help="make the KL coefficient adaptive, steering the per-answer KL toward this value")
-    ppo.add_argument("--kl_horizon", type=float, default=10000.0, help="adaptation horizon (samples) of the adaptive KL")
-    ppo.add_argument("--clip_reward_value", type=float, default=5.0, help="clip reward-model scores to +-this")
-    ppo.add_argument("--cliprange", type=float, default=0.2, help="PPO ratio clip range of the actor")
-    ppo.add_argument("--cliprange_value", type=float, default=0.2, help="value clip range of the critic")
-    ppo.add_argument("--gamma", type=float, default=1.0, help="discount factor")
-    ppo.add_argument("--lam", type=float, default=0.95, help="GAE lambda")
-    ppo.add_argument("--disable_advantage_whitening", action="store_true", help="use raw advantages")
-    ppo.add_argument("--no_eos_penalty", type=float, default=0.0,
-                     help="subtract this from the score of answers cut off before emitting EOS")
-    ppo.add_argument("--temperature", type=float, default=1.0,
-                     help="rollout sampling temperature; the policy PPO trains (old, new and reference log-probs, "
-                          "KL, entropy) is softmax(logits / temperature), the distribution the answers are drawn from")
-    ppo.add_argument("--top_p", type=float, default=1.0,
-                     help="refused below 1: truncated sampling would train on other log-probs than drew the tokens")
-    ppo.add_argument("--top_k", type=int, default=0,
-                     help="refused above 0: truncated sampling would train on other log-probs than drew the tokens")
-    ppo.add_argument("--unsup_coef", type=float, default=27.8,
-                     help="weight of the pretraining LM loss added to the actor's PPO loss (PPO-ptx)")
-    ppo.add_argument("--advantage_estimator", default="gae", choices=ADVANTAGE_ESTIMATORS.names(),
-                     help="advantage estimator; one that needs no critic trains none (no critic folder is saved)")
-    ppo.add_argument("--policy_loss", default="ppo", choices=POLICY_LOSSES.names(), help="actor loss")
-    ppo.add_argument("--value_loss", default="clipped", choices=VALUE_LOSSES.names(), help="critic loss")
-    ppo.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
-    ppo.add_argument("--ema_beta", type=float, default=0.992, help="EMA decay per actor optimizer step")
-
-    add_optimization_args(parser, prefix="actor_", learning_rate=1e-5)
-    add_optimization_args(parser, prefix="critic_", learning_rate=1e-5)
-    add_schedule_args(parser)
-    add_zero_args(parser, prefix="actor_")
-    add_zero_args(parser, prefix="critic_")
-    frozen = parser.add_argument_group("frozen models")
-    frozen.add_argument("--offload_reference_model", action="store_true", help="keep the reference model in CPU memory")
-    frozen.add_argument("--offload_reward_model", action="store_true", help="keep the reward model in CPU memory")
-    add_lora_args(parser, prefix="actor_")
-    add_lora_args(parser, prefix="critic_")
-    add_hybrid_engine_args(parser)
-    add_checkpoint_args(parser)
+def build_parser() -> SettingsParser:
+    parser = SettingsParser(Step3Settings,
+                            description="Step 3: RLHF with PPO (actor, critic, reference and reward model)")
+    parser.set_defaults(max_answer_seq_len=128)  # PPOConfig's library default is 256
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> Step3Settings:
     return build_parser().parse_args(argv)
 
 
-def ppo_config(args: argparse.Namespace) -> PPOConfig:
-    return PPOConfig(
-        max_answer_seq_len=args.max_answer_seq_len,
-        kl_ctl=args.kl_ctl,
-        target_kl=args.target_kl,
-        kl_horizon=args.kl_horizon,
-        clip_reward_value=args.clip_reward_value,
-        cliprange=args.cliprange,
-        cliprange_value=args.cliprange_value,
-        gamma=args.gamma,
-        lam=args.lam,
-        whiten_advantages=not args.disable_advantage_whitening,
-        no_eos_penalty=args.no_eos_penalty,
-        temperature=args.temperature,
-        unsup_coef=args.unsup_coef,
-        advantage_estimator=args.advantage_estimator,
-        policy_loss=args.policy_loss,
-        value_loss=args.value_loss,
-    )
-
-
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: Step3Settings) -> None:
     """Everything that can be checked before anything is loaded or written."""
-    check_positive(args, "per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
-                   "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps", "eval_samples")
-    if args.eval_interval < 0:
-        raise UserError(f"--eval_interval must be 0 or positive, got {args.eval_interval}")
-    if not 0.0 <= args.ema_beta < 1.0:
-        raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema_beta}")
-    if args.temperature <= 0:
-        raise UserError(f"--temperature must be positive, got {args.temperature}")
-    if args.top_p != 1.0 or args.top_k != 0:
+    check_positive(flag_values(args), "per_device_generation_batch_size", "per_device_training_batch_size",
+                   "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
+                   "eval_samples")
+    if args.loop.eval_interval < 0:
+        raise UserError(f"--eval_interval must be 0 or positive, got {args.loop.eval_interval}")
+    if not 0.0 <= args.ema.ema_beta < 1.0:
+        raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
+    if args.sampling.temperature <= 0:
+        raise UserError(f"--temperature must be positive, got {args.sampling.temperature}")
+    if args.sampling.top_p != 1.0 or args.sampling.top_k != 0:
         raise UserError(
-            f"--top_p {args.top_p} / --top_k {args.top_k}: step 3 samples rollouts from the full distribution at "
-            "--temperature, because PPO's ratios and KL must use the log-probabilities of the distribution that drew "
-            "each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower --temperature to sharpen "
-            "sampling); truncated sampling stays available in inference/chatbot.py"
+            f"--top_p {args.sampling.top_p} / --top_k {args.sampling.top_k}: step 3 samples rollouts from the full "
+            "distribution at --temperature, because PPO's ratios and KL must use the log-probabilities of the "
+            "distribution that drew each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower "
+            "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
         )
-    for flag in ("actor_model_name_or_path", "critic_model_name_or_path"):
-        check_model_source(getattr(args, flag), f"--{flag}")
-        check_remote_code(getattr(args, flag), args.trust_remote_code, f"--{flag}")
-        check_input_run_shards(getattr(args, flag), args, f"--{flag}")
-    check_reward_model_dir(args.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
+    get_advantage_estimator(args.ppo.advantage_estimator)  # an unknown name fails here, listing the known ones
+    get_policy_loss(args.ppo.policy_loss)
+    get_value_loss(args.ppo.value_loss)
+    for flag, model in asdict(args.models).items():
+        check_model_source(model, f"--{flag}")
+        check_remote_code(model, args.run.trust_remote_code, f"--{flag}")
+        check_input_run_shards(model, args.data, f"--{flag}")
+    check_reward_model_dir(args.models.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
 
 
-def experiences_per_step(args: argparse.Namespace) -> int:
+def experiences_per_step(args: Step3Settings) -> int:
     """Rows one PPO step trains on, per rank."""
-    return args.generation_batches * args.per_device_generation_batch_size
+    return args.loop.generation_batches * args.loop.per_device_generation_batch_size
 
 
-def optimizer_steps_per_ppo_step(args: argparse.Namespace) -> int:
+def optimizer_steps_per_ppo_step(args: Step3Settings) -> int:
     """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none)."""
-    micro_batches = args.ppo_epochs * -(-experiences_per_step(args) // args.per_device_training_batch_size)
-    return max(1, micro_batches // args.gradient_accumulation_steps)
+    micro_batches = args.loop.ppo_epochs * -(-experiences_per_step(args) // args.loop.per_device_training_batch_size)
+    return max(1, micro_batches // args.schedule.gradient_accumulation_steps)
 
 
-def count_ppo_steps(args: argparse.Namespace, prompts: BatchStream) -> int:
-    per_epoch = prompts.batches_per_epoch // args.generation_batches
+def count_ppo_steps(args: Step3Settings, prompts: BatchStream) -> int:
+    per_epoch = prompts.batches_per_epoch // args.loop.generation_batches
     if per_epoch == 0:
         raise UserError(
-            f"{len(prompts.dataset)} training prompts give fewer than --generation_batches {args.generation_batches} "
-            f"batches of {args.per_device_generation_batch_size}; add prompts or lower those flags"
+            f"{len(prompts.dataset)} training prompts give fewer than --generation_batches "
+            f"{args.loop.generation_batches} "
+            f"batches of {args.loop.per_device_generation_batch_size}; add prompts or lower those flags"
         )
-    total = per_epoch * args.num_train_epochs
-    return min(total, args.max_steps) if args.max_steps else total
+    total = per_epoch * args.loop.num_train_epochs
+    return min(total, args.schedule.max_steps) if args.schedule.max_steps else total
 
 
 def held_out_stats(experience: Experience) -> dict[str, float]:
@@ -249,7 +157,7 @@ def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_batches: int) -> dic
 class PPORun:
     """The step-3 loop around a `PPOTrainer`: rollouts, updates, metrics, evaluation, checkpoints."""
 
-    def __init__(self, args: argparse.Namespace, engine: RLHFEngine, trainer: PPOTrainer, prompts: BatchStream,
+    def __init__(self, args: Step3Settings, engine: RLHFEngine, trainer: PPOTrainer, prompts: BatchStream,
                  eval_prompts: BatchStream | None, unsupervised: BatchStream | None, total_steps: int,
                  checkpoints: CheckpointManager, metrics: MetricsLogger):
         self.args = args
@@ -282,7 +190,7 @@ class PPORun:
         }
 
     def restore(self) -> None:
-        state = self.checkpoints.restore(self.engines, self.args.resume)
+        state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
         if state is None:
             return
         self.step = state["ppo_step"]
@@ -298,7 +206,7 @@ class PPORun:
         if self.eval_prompts is None:
             return {}
         num_batches = max(1, min(self.eval_prompts.batches_per_epoch,
-                                 -(-self.args.eval_samples // self.eval_prompts.batch_size)))
+                                 -(-self.args.loop.eval_samples // self.eval_prompts.batch_size)))
         values = evaluate(self.trainer, self.eval_prompts, num_batches)
         record = {"step": self.step, **values}
         self.evaluations.append(record)
@@ -312,20 +220,20 @@ class PPORun:
         args, trainer = self.args, self.trainer
         timing = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0.0}
         experiences, rollout = [], {}
-        for _ in range(args.generation_batches):
+        for _ in range(args.loop.generation_batches):
             experience = trainer.generate_experience(self.prompts.next())
             experiences.append(experience)
             for key, value in trainer.last_timing.items():
                 timing[key] += value
             for key, value in experience_stats(experience).items():
-                rollout[key] = rollout.get(key, 0.0) + value / args.generation_batches
+                rollout[key] = rollout.get(key, 0.0) + value / args.loop.generation_batches
         check_finite("reward", torch.cat([e.scores for e in experiences]), self.step + 1, self.checkpoints)
         started = time.perf_counter()
         updates: dict[str, float] = {}
         count = 0
-        for _ in range(args.ppo_epochs):
+        for _ in range(args.loop.ppo_epochs):
             for experience in experiences:
-                for part in experience.split(args.per_device_training_batch_size):
+                for part in experience.split(args.loop.per_device_training_batch_size):
                     pretraining = self.unsupervised.next() if self.unsupervised is not None else None
                     for key, value in trainer.train_rlhf(part, pretraining).items():
                         updates[key] = updates.get(key, 0.0) + value
@@ -355,7 +263,8 @@ class PPORun:
             bar.set_postfix(score=f"{stats['reward/score_mean']:.3f}", kl=f"{stats['reward/kl']:.3f}",
                             len=f"{stats['rollout/response_length']:.0f}")
             bar.update(1)
-            if self.args.eval_interval and self.step % self.args.eval_interval == 0 and self.step < self.total_steps:
+            eval_interval = self.args.loop.eval_interval
+            if eval_interval and self.step % eval_interval == 0 and self.step < self.total_steps:
                 self.evaluate()
             saved = self.checkpoints.save(self.step, self.engines, self.client_state()) \
                 if self.checkpoints.should_save(self.step) else None
@@ -367,28 +276,29 @@ class PPORun:
             self.evaluate()
 
 
-def _build_streams(args: argparse.Namespace, tokenizer) -> tuple[BatchStream, BatchStream | None, BatchStream | None]:
-    data = DataArguments.from_namespace(args)
+def _build_streams(args: Step3Settings, tokenizer) -> tuple[BatchStream, BatchStream | None, BatchStream | None]:
+    data, loop, seed = args.data, args.loop, args.data.seed
     train_prompts, eval_prompts = data.build(3, tokenizer)
     collator = PromptCollator(tokenizer.pad_token_id)
-    prompts = BatchStream(train_prompts, args.per_device_generation_batch_size, collator, args.seed)
+    prompts = BatchStream(train_prompts, loop.per_device_generation_batch_size, collator, seed)
     held_out = None
     if len(eval_prompts) > 0:
-        held_out = BatchStream(eval_prompts, args.per_device_generation_batch_size, collator, args.seed, shuffle=False)
+        held_out = BatchStream(eval_prompts, loop.per_device_generation_batch_size, collator, seed, shuffle=False)
     unsupervised = None
-    if args.unsupervised_dataset_name:
+    if args.unsupervised.unsupervised_dataset_name:
         blocks = build_unsupervised_dataset(
-            args.unsupervised_dataset_name, tokenizer, args.max_prompt_seq_len + args.max_answer_seq_len, args.seed,
-            args.data_output_path, rebuild_cache=args.rebuild_data_cache,
-            config_name=args.unsupervised_dataset_config_name, shard=data.shard_settings(),
+            args.unsupervised.unsupervised_dataset_name, tokenizer,
+            data.max_prompt_seq_len + args.ppo.max_answer_seq_len, seed, data.data_output_path,
+            rebuild_cache=data.rebuild_data_cache,
+            config_name=args.unsupervised.unsupervised_dataset_config_name, shard=data.shard_settings(),
         )
-        unsupervised = BatchStream(blocks, args.per_device_training_batch_size, SFTCollator(tokenizer.pad_token_id),
-                                   args.seed)
+        unsupervised = BatchStream(blocks, loop.per_device_training_batch_size, SFTCollator(tokenizer.pad_token_id),
+                                   seed)
     return prompts, held_out, unsupervised
 
 
-def _save_models(args: argparse.Namespace, engine: RLHFEngine) -> dict[str, str | None]:
-    run_dir = Path(args.output_dir)
+def _save_models(args: Step3Settings, engine: RLHFEngine) -> dict[str, str | None]:
+    run_dir = Path(args.run.output_dir)
     save_hf_model(engine.actor, engine.tokenizer, run_dir / ACTOR_SUBDIR)
     critic_dir = None
     if engine.critic is not None:
@@ -421,29 +331,30 @@ def _summary(run: PPORun, saved: Mapping[str, str | None], plot: Path | None, wa
     }
 
 
-def run_step3(args: argparse.Namespace) -> dict:
+def run_step3(args: Step3Settings) -> dict:
     started = time.perf_counter()
     setup_logging()
     check_args(args)
     init_distributed()
-    run_dir = check_output_dir(args.output_dir)
+    run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = CheckpointManager.from_args(args)
-        if not args.resume:
+        checkpoints = args.checkpoints.manager(args.run.output_dir)
+        if not args.checkpoints.resume:
             checkpoints.restore({}, resume=False)
-        set_seed(args.seed)
-        tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code)
-        check_sequence_lengths(load_config(args.actor_model_name_or_path, args.trust_remote_code),
-                               max_prompt_seq_len=args.max_prompt_seq_len, max_answer_seq_len=args.max_answer_seq_len,
-                               model=args.actor_model_name_or_path)
+        set_seed(args.data.seed)
+        actor_path = args.models.actor_model_name_or_path
+        tokenizer = load_tokenizer(actor_path, args.run.trust_remote_code)
+        check_sequence_lengths(load_config(actor_path, args.run.trust_remote_code),
+                               max_prompt_seq_len=args.data.max_prompt_seq_len,
+                               max_answer_seq_len=args.ppo.max_answer_seq_len, model=actor_path)
         prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer)
         total_steps = count_ppo_steps(args, prompts)
-        save_run_args(run_dir, args)  # after every check, so a refused run never overwrites an earlier one's
+        # after every check, so a refused run never overwrites an earlier one's
+        save_run_args(run_dir, flag_values(args))
         optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
         engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps)
-        generator = build_generator(generation_backend_from_args(args), engine.actor, tokenizer,
-                                    hybrid_settings_from_args(args))
-        trainer = PPOTrainer(engine, generator, ppo_config(args))
+        generator = build_generator(args.hybrid.backend, engine.actor, tokenizer, args.hybrid)
+        trainer = PPOTrainer(engine, generator, args.ppo)
         metrics = MetricsLogger(run_dir)
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__)

@@ -45,21 +45,26 @@ from utils.errors import UserError
 
 @dataclass
 class PPOConfig:
-    """Every constant of the PPO update (the step-3 flags of the same names)."""
+    """Every constant of the PPO update; each field is a step-3 flag (see its metadata and `training.core.args`)."""
 
-    max_answer_seq_len: int = 256
-    kl_ctl: float = 0.1
-    target_kl: float | None = None  # set: adaptive KL coefficient steering toward this per-sequence KL
-    kl_horizon: float = 10000.0
-    clip_reward_value: float = 5.0
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = True
-    no_eos_penalty: float = 0.0
-    temperature: float = 1.0  # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it
-    unsup_coef: float = 27.8
+    max_answer_seq_len: int = field(default=256, metadata={"help": "maximum generated tokens per answer"})
+    kl_ctl: float = field(default=0.1, metadata={"help": "KL penalty coefficient (initial value if adaptive)"})
+    target_kl: float | None = field(default=None, metadata={
+        "help": "make the KL coefficient adaptive, steering the per-answer KL toward this value"})
+    kl_horizon: float = field(default=10000.0, metadata={"help": "adaptation horizon (samples) of the adaptive KL"})
+    clip_reward_value: float = field(default=5.0, metadata={"help": "clip reward-model scores to +-this"})
+    cliprange: float = field(default=0.2, metadata={"help": "PPO ratio clip range of the actor"})
+    cliprange_value: float = field(default=0.2, metadata={"help": "value clip range of the critic"})
+    gamma: float = field(default=1.0, metadata={"help": "discount factor"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
+    whiten_advantages: bool = field(default=True, metadata={
+        "flag": "disable_advantage_whitening", "negated": True, "help": "use raw advantages"})
+    no_eos_penalty: float = field(default=0.0, metadata={
+        "help": "subtract this from the score of answers cut off before emitting EOS"})
+    # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it; step 3's --temperature
+    temperature: float = field(default=1.0, metadata={"flag": None})
+    unsup_coef: float = field(default=27.8, metadata={
+        "help": "weight of the pretraining LM loss added to the actor's PPO loss (PPO-ptx)"})
     advantage_estimator: str = field(default="gae", metadata={
         "help": "advantage estimator (training.algorithms registry); one that needs no critic trains none"})
     policy_loss: str = field(default="ppo", metadata={"help": "actor loss (training.algorithms registry)"})

@@ -11,21 +11,24 @@ log-probabilities and values of the same tokens across forward passes, which dro
 """
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from step3_rlhf.ema import ModelEMA
 from training.algorithms import get_advantage_estimator
-from training.core.args import apply_model_options, dtype_name, optimization_settings
+from training.core.args import apply_model_options, optimization_settings
 from training.core.ds_config import get_eval_ds_config
 from training.core.engine import create_frozen_engine, create_train_engine
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.reward_model import RewardModel
 from utils.errors import UserError
+
+if TYPE_CHECKING:  # settings.py imports ppo_trainer, which imports this module
+    from step3_rlhf.settings import Step3Settings
 
 logger = logging.getLogger(__name__)
 
@@ -57,53 +60,50 @@ def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_token
         )
 
 
-def _frozen_ds_config(args: argparse.Namespace, stage: int, offload: bool) -> dict:
-    return get_eval_ds_config(stage, offload, dtype_name(args))
-
-
 def build_rlhf_engine(
-    args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, num_actor_steps: int, num_critic_steps: int
+    args: Step3Settings, tokenizer: PreTrainedTokenizerBase, num_actor_steps: int, num_critic_steps: int
 ) -> RLHFEngine:
-    """Build the engines (and the EMA) from the step-3 flags; the critic (and its optimizer) only if
+    """Build the engines (and the EMA) from the step-3 settings; the critic (and its optimizer) only if
     `--advantage_estimator` needs one."""
-    dtype = resolve_dtype(args.dtype)
-    micro_batch = args.per_device_training_batch_size
-    check_same_vocabulary(tokenizer, load_tokenizer(args.critic_model_name_or_path, args.trust_remote_code),
-                          args.critic_model_name_or_path)
+    dtype = resolve_dtype(args.run.dtype)
+    dtype_name, trust_remote_code = args.run.dtype_name, args.run.trust_remote_code
+    actor_path, critic_path = args.models.actor_model_name_or_path, args.models.critic_model_name_or_path
+    micro_batch = args.loop.per_device_training_batch_size
+    check_same_vocabulary(tokenizer, load_tokenizer(critic_path, trust_remote_code), critic_path)
 
-    actor_settings = optimization_settings(args, num_actor_steps, micro_batch, prefix="actor_", job_name="actor")
-    actor_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, dtype=dtype,
-                                 ds_config=actor_settings.ds_config(), disable_dropout_layers=True,
-                                 trust_remote_code=args.trust_remote_code)
-    actor_model = apply_model_options(actor_model, args, prefix="actor_")
+    actor_settings = optimization_settings(args.actor, args.schedule, dtype_name, num_actor_steps, micro_batch,
+                                           job_name="actor")
+    actor_model = load_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=actor_settings.ds_config(),
+                                 disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+    actor_model = apply_model_options(actor_model, args.actor, flag_prefix="actor_")
     actor = create_train_engine(actor_model, actor_settings)
 
-    reference_stage = 3 if args.actor_zero_stage == 3 else 0
-    reference_config = _frozen_ds_config(args, reference_stage, args.offload_reference_model)
-    reference_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, dtype=dtype, ds_config=reference_config,
-                                     disable_dropout_layers=True, trust_remote_code=args.trust_remote_code)
-    reference = create_frozen_engine(reference_model, reference_stage, args.offload_reference_model, dtype_name(args))
+    reference_stage = 3 if args.actor.zero_stage == 3 else 0
+    reference_config = get_eval_ds_config(reference_stage, args.frozen.offload_reference_model, dtype_name)
+    reference_model = load_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=reference_config,
+                                     disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+    reference = create_frozen_engine(reference_model, reference_stage, args.frozen.offload_reference_model, dtype_name)
 
     critic = None
-    if get_advantage_estimator(args.advantage_estimator).needs_critic:
-        critic_settings = optimization_settings(args, num_critic_steps, micro_batch, prefix="critic_",
+    if get_advantage_estimator(args.ppo.advantage_estimator).needs_critic:
+        critic_settings = optimization_settings(args.critic, args.schedule, dtype_name, num_critic_steps, micro_batch,
                                                 job_name="critic")
-        critic_model = RewardModel.from_pretrained(args.critic_model_name_or_path, dtype=dtype,
-                                                   ds_config=critic_settings.ds_config(), disable_dropout_layers=True,
-                                                   trust_remote_code=args.trust_remote_code)
-        critic_model = apply_model_options(critic_model, args, prefix="critic_", trainable_heads=("v_head",))
+        critic_model = RewardModel.from_pretrained(critic_path, dtype=dtype, ds_config=critic_settings.ds_config(),
+                                                   disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+        critic_model = apply_model_options(critic_model, args.critic, trainable_heads=("v_head",),
+                                           flag_prefix="critic_")
         critic = create_train_engine(critic_model, critic_settings)
 
-    reward_stage = 3 if args.critic_zero_stage == 3 else 0
-    reward_config = _frozen_ds_config(args, reward_stage, args.offload_reward_model)
-    reward_model = RewardModel.from_pretrained(args.critic_model_name_or_path, dtype=dtype, ds_config=reward_config,
-                                               disable_dropout_layers=True, trust_remote_code=args.trust_remote_code)
-    reward = create_frozen_engine(reward_model, reward_stage, args.offload_reward_model, dtype_name(args))
+    reward_stage = 3 if args.critic.zero_stage == 3 else 0
+    reward_config = get_eval_ds_config(reward_stage, args.frozen.offload_reward_model, dtype_name)
+    reward_model = RewardModel.from_pretrained(critic_path, dtype=dtype, ds_config=reward_config,
+                                               disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+    reward = create_frozen_engine(reward_model, reward_stage, args.frozen.offload_reward_model, dtype_name)
 
-    ema = ModelEMA(actor, beta=args.ema_beta, offload=args.actor_offload) if args.enable_ema else None
+    ema = ModelEMA(actor, beta=args.ema.ema_beta, offload=args.actor.offload) if args.ema.enable_ema else None
     critic_desc = "no critic" if critic is None else (
-        f"critic ZeRO-{args.critic_zero_stage}" + (f" LoRA r={args.critic_lora_dim}" if args.critic_lora_dim else ""))
+        f"critic ZeRO-{args.critic.zero_stage}" + (f" LoRA r={args.critic.lora_dim}" if args.critic.lora_dim else ""))
     logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, reward ZeRO-%d, %s%s",
-                args.actor_zero_stage, f" LoRA r={args.actor_lora_dim}" if args.actor_lora_dim else "",
-                critic_desc, reference_stage, reward_stage, dtype_name(args), ", EMA" if ema is not None else "")
+                args.actor.zero_stage, f" LoRA r={args.actor.lora_dim}" if args.actor.lora_dim else "",
+                critic_desc, reference_stage, reward_stage, dtype_name, ", EMA" if ema is not None else "")
     return RLHFEngine(actor, reference, critic, reward, tokenizer, ema)

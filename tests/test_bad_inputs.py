@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 from collections import namedtuple
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from step2_reward.main import main as step2_main
 from step3_rlhf.main import main as step3_main
 from training.core.reward_model import RewardModel
 from training.reliability.run_lock import LOCK_FILE
+from utils.data import DataArguments
 from utils.errors import EXIT_USER_ERROR, UserError
 
 STEPS = {"step1": step1_main, "step2": step2_main}
@@ -212,13 +214,16 @@ def test_step3_refuses_step1_and_step2_models_cut_another_way(distributed, setup
                                  f"--actor_model_name_or_path {step1} was trained on", step3_run, capsys)
 
 
+@dataclass
+class _DataCLI:
+    data: DataArguments
+
+
 def test_input_runs_with_the_same_shards_or_other_data_pass_the_shard_check(setup, tmp_path):
-    import argparse
-
+    from training.core.args import SettingsParser
     from training.reliability.validation import check_input_run_shards
-    from utils.data import add_data_args
 
-    args = add_data_args(argparse.ArgumentParser()).parse_args(["--data_path", setup.data, "--data_split", "2,2,0"])
+    args = SettingsParser(_DataCLI).parse_args(["--data_path", setup.data, "--data_split", "2,2,0"]).data
     check_input_run_shards(str(write_earlier_run(setup, "same", data_split="1,1,0")), args)  # 2,2,0 cuts as 1,1,0
     check_input_run_shards(str(write_earlier_run(setup, "other_data", seed=7, data_path=["embedded"])), args)
     check_input_run_shards(setup.model, args)  # a plain model folder: no args.json

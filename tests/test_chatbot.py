@@ -20,7 +20,7 @@ from inference.chatbot import (
 )
 from utils.errors import UserError
 
-GREEDY = SamplingOptions(max_new_tokens=6, greedy=True)
+GREEDY = SamplingOptions(max_new_tokens=6, do_sample=False)
 
 
 def session(prompt_format="auto", chat_template=True, options=GREEDY):

@@ -2,18 +2,20 @@
 import argparse
 import json
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from tiny_models import make_tiny_model
 
+from training.core.args import RunArguments, SettingsParser
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.reliability.checkpointing import (
     LATEST_FILE,
     MARKER_FILE,
     CheckpointManager,
-    add_checkpoint_args,
+    CheckpointSettings,
     capture_rng_state,
     check_weights_only_safe,
     restore_rng_state,
@@ -190,12 +192,16 @@ def test_rng_state_round_trip_through_weights_only_load(tmp_path):
     assert torch.equal(torch.rand(3), expected[2])
 
 
+@dataclass
+class _CheckpointCLI:
+    run: RunArguments
+    checkpoints: CheckpointSettings
+
+
 def test_checkpoint_args_and_interval():
-    parser = argparse.ArgumentParser()
-    add_checkpoint_args(parser)
-    parser.add_argument("--output_dir")
-    args = parser.parse_args(["--output_dir", "x", "--save_interval", "5", "--resume"])
-    manager = CheckpointManager.from_args(args)
+    settings = SettingsParser(_CheckpointCLI).parse_args(["--output_dir", "x", "--save_interval", "5", "--resume"])
+    args = settings.checkpoints
+    manager = args.manager(settings.run.output_dir)
     assert args.resume and manager.keep_last == 2
     assert [step for step in range(1, 16) if manager.should_save(step)] == [5, 10, 15]
     with pytest.raises(UserError, match="--keep_last_checkpoints must be at least 1"):

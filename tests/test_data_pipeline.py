@@ -1,5 +1,6 @@
 """Phase shards, eval hold-out, blending, step-1-only sources, the on-disk cache, unsupervised blocks."""
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -8,7 +9,6 @@ from tiny_models import make_tokenizer
 import utils.data.phases as phases
 from utils.data import (
     DataArguments,
-    add_data_args,
     build_phase_datasets,
     build_unsupervised_dataset,
     phase_splits,
@@ -133,14 +133,19 @@ def test_cached_data_matches_a_fresh_build(tmp_path, tok):
     assert not list((tmp_path / "c1").glob(".*tmp*")), "no temporary files may remain"
 
 
-def test_data_args_round_trip_and_defaults():
-    import argparse
+@dataclass
+class _DataCLI:
+    data: DataArguments
 
-    parser = add_data_args(argparse.ArgumentParser())
+
+def test_data_args_round_trip_and_defaults():
+    from training.core.args import SettingsParser
+
+    parser = SettingsParser(_DataCLI)
     args = parser.parse_args(["--data_path", "a.jsonl", "b.jsonl:hh_rlhf", "--data_split", "1,1,1", "--max_seq_len", "128"])
-    data = DataArguments.from_namespace(args)
+    data = args.data
     assert data.data_path == ["a.jsonl", "b.jsonl:hh_rlhf"] and data.max_seq_len == 128 and data.seed == 1234
-    defaults = DataArguments.from_namespace(parser.parse_args([]))
+    defaults = parser.parse_args([]).data
     assert defaults.data_path == ["embedded"] and defaults.data_split == "2,4,4"
 
 

@@ -1,10 +1,11 @@
 """Shared generation pieces: token selection, output assembly, positions, and the `hf` backend."""
-import argparse
+from dataclasses import dataclass
 
 import pytest
 import torch
 from tiny_models import make_tiny_model
 
+from training.core.args import SettingsParser
 from training.core.sequences import (
     answer_logprobs,
     position_ids_from_attention_mask,
@@ -17,11 +18,7 @@ from training.generation.generator import (
     assemble_output,
     select_next_tokens,
 )
-from training.generation.hybrid_engine import (
-    add_hybrid_engine_args,
-    generation_backend_from_args,
-    hybrid_settings_from_args,
-)
+from training.generation.hybrid_engine import HybridEngineSettings
 
 
 def _config(**kwargs) -> GenerationConfig:
@@ -115,16 +112,19 @@ def test_hf_backend_reports_train_forward_logprobs_and_pads_after_eos(arch):
     torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
 
 
+@dataclass
+class _HybridCLI:
+    hybrid: HybridEngineSettings
+
+
 def test_cli_flags_mirror_deepspeed_chat():
-    parser = argparse.ArgumentParser()
-    add_hybrid_engine_args(parser)
-    args = parser.parse_args(["--enable_hybrid_engine", "--inference_tp_size", "2", "--tp_gather_partition_size", "4",
-                              "--release_inference_cache", "--unpin_actor_parameters"])
-    settings = hybrid_settings_from_args(args)
+    parser = SettingsParser(_HybridCLI)
+    settings = parser.parse_args(["--enable_hybrid_engine", "--inference_tp_size", "2", "--tp_gather_partition_size",
+                                  "4", "--release_inference_cache", "--unpin_actor_parameters"]).hybrid
     assert settings.enable and settings.inference_tp_size == 2 and settings.tp_gather_partition_size == 4
     assert settings.release_inference_cache and settings.unpin_actor_parameters and settings.cuda_graph
     assert settings.onednn_packing
-    assert not hybrid_settings_from_args(parser.parse_args(["--disable_onednn_packing"])).onednn_packing
-    assert generation_backend_from_args(args) == "hybrid"
-    assert generation_backend_from_args(parser.parse_args([])) == "hf"
-    assert generation_backend_from_args(parser.parse_args(["--enable_hybrid_engine", "--generation_backend", "hf"])) == "hf"
+    assert not parser.parse_args(["--disable_onednn_packing"]).hybrid.onednn_packing
+    assert settings.backend == "hybrid"
+    assert parser.parse_args([]).hybrid.backend == "hf"
+    assert parser.parse_args(["--enable_hybrid_engine", "--generation_backend", "hf"]).hybrid.backend == "hf"

@@ -15,27 +15,32 @@ from training.reliability.signals import (
 )
 
 LOOP = """
-import argparse, sys, time
+import sys, time
+from dataclasses import dataclass
 import torch, deepspeed
 from utils.dist import init_distributed
-from training.reliability.checkpointing import CheckpointManager, add_checkpoint_args
+from training.core.args import RunArguments, ScheduleSettings, SettingsParser
+from training.reliability.checkpointing import CheckpointSettings
 from training.reliability.signals import GracefulInterrupt
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--output_dir")
-parser.add_argument("--max_steps", type=int)
-add_checkpoint_args(parser)
-args = parser.parse_args()
+@dataclass
+class LoopCLI:
+    run: RunArguments
+    schedule: ScheduleSettings
+    checkpoints: CheckpointSettings
+
+settings = SettingsParser(LoopCLI).parse_args()
+args = settings.checkpoints
 init_distributed()
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
                                   config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}})
-manager = CheckpointManager.from_args(args)
+manager = args.manager(settings.run.output_dir)
 state = manager.restore({"model": engine}, resume=args.resume) or {}
 print("start", engine.global_steps, state.get("note"), flush=True)
 with GracefulInterrupt() as stop:
-    while engine.global_steps < args.max_steps:
+    while engine.global_steps < settings.schedule.max_steps:
         loss = engine(torch.randn(1, 4)).pow(2).mean()
         engine.backward(loss)
         engine.step()

@@ -3,7 +3,6 @@ pretraining mixture and the PPO loss make one actor step, the adaptive KL coeffi
 ranks, and the entry point writes every output a user expects."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -238,11 +237,12 @@ def text_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
 def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed, inputs):
     """PPO-ptx optimises InstructGPT's one objective: each PPO micro-batch takes ONE actor step on
     policy loss + unsup_coef * LM loss (not a PPO step, then an LM step), and the EMA follows it."""
-    from step3_rlhf.main import PPORun, optimizer_steps_per_ppo_step
+    from step3_rlhf.main import PPORun, optimizer_steps_per_ppo_step, parse_args
 
     config = PPOConfig(max_answer_seq_len=5, unsup_coef=0.5)
-    args = argparse.Namespace(generation_batches=1, ppo_epochs=2, per_device_generation_batch_size=4,
-                              per_device_training_batch_size=2, gradient_accumulation_steps=1)
+    args = parse_args(step3_argv(inputs, "unused", "--generation_batches", "1", "--ppo_epochs", "2",
+                                 "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "2",
+                                 "--gradient_accumulation_steps", "1"))
     engine, twin = build_engine(inputs), build_engine(inputs)
     engine.actor_ema = ModelEMA(engine.actor, beta=0.9)
     tokenizer = engine.tokenizer
@@ -265,8 +265,8 @@ def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed
     # the twin takes one plain step on the summed loss per micro-batch, on the same experience
     experience = PPOTrainer(twin, generator, config).generate_experience(prompts)
     batches, lm_losses = iter(unsupervised), []
-    for _ in range(args.ppo_epochs):
-        for part in experience.split(args.per_device_training_batch_size):
+    for _ in range(args.loop.ppo_epochs):
+        for part in experience.split(args.loop.per_device_training_batch_size):
             logprobs = answer_logprobs(twin.actor, part.sequences, part.attention_mask, part.prompt_length)
             policy = actor_loss(logprobs, part.old_logprobs, part.advantages, part.action_mask, config.cliprange)
             lm_loss = twin.actor(**next(batches), use_cache=False).loss
@@ -366,7 +366,7 @@ def test_experience_split_keeps_the_group_index():
 
 def test_a_critic_free_estimator_builds_no_critic_and_trains_the_actor(distributed, inputs, tmp_path,
                                                                         critic_free_estimator):
-    from step3_rlhf.main import parse_args, ppo_config
+    from step3_rlhf.main import parse_args
 
     args = parse_args(step3_argv(inputs, tmp_path / "run", "--advantage_estimator", TOY_ESTIMATOR))
     tokenizer = load_tokenizer(inputs["actor"])
@@ -376,7 +376,7 @@ def test_a_critic_free_estimator_builds_no_critic_and_trains_the_actor(distribut
     answers = torch.tensor([[5, 6, 7, eos, 9], [10, 11, 12, 13, 14], [15, eos, 17, 18, 19], [20, 21, 22, 23, eos]])
     generator = FixedAnswers(answers, eos, tokenizer.pad_token_id)
     prompts = {**prompt_batch(tokenizer, 4), "group_index": torch.tensor([0, 0, 1, 1])}
-    trainer = PPOTrainer(engine, generator, ppo_config(args))
+    trainer = PPOTrainer(engine, generator, args.ppo)
     experience = trainer.generate_experience(prompts)
     assert experience.old_values is None and experience.group_index.tolist() == [0, 0, 1, 1]
     assert critic_free_estimator[-1]["values"] is None

@@ -2,12 +2,14 @@
 reliability wiring (periodic checkpoints, exact resume, stop on a signal, stop on a non-finite loss)."""
 import os
 import signal
+from dataclasses import dataclass
 
 import pytest
 import torch
 from tiny_models import make_tiny_model
 
 from step1_sft.objective import evaluate_perplexity, sft_loss
+from training.core.args import ModelTrainingConfig, ScheduleSettings, group
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.loops.trainer import (
@@ -107,42 +109,36 @@ def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path
     assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [3]
 
 
+@dataclass
+class _TwoModelsCLI:
+    actor: ModelTrainingConfig = group("actor_")
+    critic: ModelTrainingConfig = group("critic_")
+    schedule: ScheduleSettings
+
+
 def test_flag_groups_compose_per_model_with_prefixes():
-    import argparse
+    from types import SimpleNamespace
 
-    from training.core.args import (
-        add_lora_args,
-        add_optimization_args,
-        add_schedule_args,
-        add_zero_args,
-        optimization_settings,
-    )
+    from training.core.args import SettingsParser, flag_values, optimization_settings
 
-    parser = argparse.ArgumentParser()
-    for prefix in ("actor_", "critic_"):
-        add_zero_args(parser, prefix)
-        add_lora_args(parser, prefix)
-        add_optimization_args(parser, prefix)
-    add_schedule_args(parser)
-    args = parser.parse_args(["--actor_zero_stage", "3", "--critic_learning_rate", "5e-6", "--critic_offload",
-                              "--actor_lora_dim", "8", "--gradient_accumulation_steps", "2"])
-    args.dtype = "fp32"
-    actor = optimization_settings(args, 10, micro_batch_size=2, prefix="actor_")
-    critic = optimization_settings(args, 10, micro_batch_size=2, prefix="critic_")
+    settings = SettingsParser(_TwoModelsCLI).parse_args(
+        ["--actor_zero_stage", "3", "--critic_learning_rate", "5e-6", "--critic_offload", "--actor_lora_dim", "8",
+         "--gradient_accumulation_steps", "2"])
+    actor = optimization_settings(settings.actor, settings.schedule, "fp32", 10, micro_batch_size=2)
+    critic = optimization_settings(settings.critic, settings.schedule, "fp32", 10, micro_batch_size=2)
+    args = SimpleNamespace(**flag_values(settings))
     assert (actor.zero_stage, actor.offload, critic.zero_stage, critic.offload) == (3, False, 0, True)
     assert critic.learning_rate == 5e-6 and actor.gradient_accumulation_steps == critic.gradient_accumulation_steps == 2
     assert args.actor_lora_dim == 8 and args.critic_lora_dim == 0
 
 
 def test_only_optimize_lora_keeps_named_heads_trainable(tiny_model_dir):
-    import argparse
-
     from training.core.args import apply_model_options
     from training.core.reward_model import RewardModel
 
     path = tiny_model_dir("llama")
-    flags = argparse.Namespace(gradient_checkpointing=True, lora_dim=4, lora_module_name="layers.",
-                               only_optimize_lora=True)
+    flags = ModelTrainingConfig(gradient_checkpointing=True, lora_dim=4, lora_module_name="layers.",
+                                only_optimize_lora=True)
     model = apply_model_options(RewardModel.from_causal_lm(path), flags, trainable_heads=("v_head",))
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     assert trainable and all("lora_" in name or "v_head" in name for name in trainable)

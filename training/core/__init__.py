@@ -1,16 +1,14 @@
 """Models and DeepSpeed: loading, the reward/critic model, LoRA, engines, optimizers, saving."""
 from training.core.args import (
-    add_lora_args,
-    add_model_args,
-    add_optimization_args,
-    add_run_args,
-    add_schedule_args,
-    add_supervised_loop_args,
-    add_zero_args,
+    ModelSource,
+    ModelTrainingConfig,
+    RunArguments,
+    ScheduleSettings,
+    SettingsParser,
     apply_model_options,
     check_positive,
-    dtype_name,
-    final_model_dir,
+    flag_values,
+    group,
     optimization_settings,
 )
 from training.core.ds_config import get_eval_ds_config, get_train_ds_config

@@ -1,178 +1,270 @@
-"""Command-line flag groups shared by the step entry points, and the code that reads them back.
+"""Settings defined once: dataclass groups whose fields are the command-line flags.
 
-Each `add_*` function adds one group; `prefix` names the model a group belongs to when a step
-trains several (step 3: `add_zero_args(parser, prefix="actor_")` gives `--actor_zero_stage`,
-`--actor_offload`). Steps 1 and 2 use no prefix, so their flags read like DeepSpeed-Chat's.
+A group is a dataclass whose every field is one flag, its help in `field(metadata={"help": ...})`
+and its choices in `metadata["choices"]`. A tool's settings are a dataclass of groups (step 3:
+`Step3Settings.actor: ModelTrainingConfig`), and `SettingsParser(settings)`, a transformers
+`HfArgumentParser`, derives the flags from them and parses a command line into the typed groups.
+Field metadata beyond argparse's:
+- "flag": the flag's name where it differs from the field's (`HybridEngineSettings.enable` is
+  `--enable_hybrid_engine`), or None for a field that is no flag (set by the settings' own code);
+- "negated": the flag is a switch that turns the field (default True) off (`--disable_cuda_graph`);
+- "nargs": replaces the nargs HfArgumentParser derives (list flags accept no values: "*"; None with
+  action="append").
+A settings field declared with `group(prefix)` gets its group's flags prefixed: step 3 trains two
+models with one `ModelTrainingConfig` each, `--actor_zero_stage` and `--critic_zero_stage`.
+Switches are bool fields (default False): `--flag` alone means True.
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence, TypeVar, get_type_hints
 
 import torch
+from transformers import HfArgumentParser
 
 from training.core.engine import OptimizationSettings
 from training.core.lora import apply_lora
-from training.core.model_loading import EMBEDDED_MODEL_NAME, resolve_dtype
+from training.core.model_loading import EMBEDDED_MODEL_NAME, FINAL_MODEL_SUBDIR, resolve_dtype
 from training.core.optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
 from utils.errors import UserError
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_OWN_METADATA = ("flag", "negated")
+
+S = TypeVar("S")
 
 
-def prefixed(args: argparse.Namespace, prefix: str, name: str):
-    """The value of flag `--{prefix}{name}`."""
-    return getattr(args, f"{prefix}{name}")
+# the machinery -----------------------------------------------------------------------------------
 
 
-def add_run_args(parser: argparse.ArgumentParser) -> None:
-    """Run folder, precision and launcher plumbing (every step; `--seed` comes with `utils.data.add_data_args`)."""
-    group = parser.add_argument_group("run")
-    group.add_argument("--output_dir", required=True,
-                       help="run folder: final model in <output_dir>/model, metrics, args, checkpoints")
-    group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                       help="training precision; auto = bf16 where supported, else fp16 on GPU, fp32 on CPU")
-    group.add_argument("--trust_remote_code", action="store_true", help="allow models whose code lives on the hub")
-    group.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+def group(prefix: str) -> Any:
+    """A settings field whose group's flags are named `prefix + name` (`group("actor_")`)."""
+    return field(metadata={"prefix": prefix})
 
 
-def add_model_args(parser: argparse.ArgumentParser, prefix: str = "", default: str | None = EMBEDDED_MODEL_NAME) -> None:
-    """Which model, and the per-model switches: gradient checkpointing and dropout."""
-    group = parser.add_argument_group(f"{prefix}model")
-    group.add_argument(f"--{prefix}model_name_or_path", default=default, required=default is None,
-                       help=f"hub name, local HF folder, a previous step's run folder, or '{EMBEDDED_MODEL_NAME}'")
-    group.add_argument(f"--{prefix}gradient_checkpointing", action="store_true",
-                       help="recompute activations in the backward pass (less memory, ~30%% slower)")
-    group.add_argument(f"--{prefix}disable_dropout", action="store_true", help="set every dropout probability to 0")
+@dataclass(frozen=True)
+class _Flag:
+    field: str  # the group's field
+    name: str  # the flag, prefix included
+    negated: bool
 
 
-def add_zero_args(parser: argparse.ArgumentParser, prefix: str = "", with_offload: bool = True) -> None:
-    """ZeRO stage and optimizer-state offload of one trained model."""
-    group = parser.add_argument_group(f"{prefix}zero")
-    group.add_argument(f"--{prefix}zero_stage", type=int, choices=(0, 1, 2, 3), default=0,
-                       help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
-    if with_offload:
-        group.add_argument(f"--{prefix}offload", action="store_true",
-                           help="keep optimizer state (and at stage 3 the parameters) in CPU memory")
+def _flags(group_type: type, prefix: str) -> list[_Flag]:
+    return [_Flag(f.name, prefix + f.metadata.get("flag", f.name), f.metadata.get("negated", False))
+            for f in fields(group_type) if f.metadata.get("flag", f.name) is not None]
 
 
-def add_lora_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    """LoRA adapters on the linear layers whose name contains `--lora_module_name`."""
-    group = parser.add_argument_group(f"{prefix}lora")
-    group.add_argument(f"--{prefix}lora_dim", type=int, default=0, help="LoRA rank; 0 trains without LoRA")
-    group.add_argument(f"--{prefix}lora_module_name", default="layers.",
-                       help="substring of the module paths that get adapters ('layers.' Llama, 'h.' GPT-2)")
-    group.add_argument(f"--{prefix}only_optimize_lora", action="store_true",
-                       help="freeze the base weights and train only the adapters")
-    group.add_argument(f"--{prefix}lora_learning_rate", type=float, default=None,
-                       help="learning rate of the adapters (default: the model's --learning_rate)")
+def _flag_class(group_type: type, prefix: str, title: str) -> type:
+    """`group_type` as HfArgumentParser sees it: one field per flag, named and defaulted as the flag."""
+    hints = get_type_hints(group_type)
+    by_name = {f.name: f for f in fields(group_type)}
+    specs = []
+    for flag in _flags(group_type, prefix):
+        source = by_name[flag.field]
+        metadata = {key: value for key, value in source.metadata.items() if key not in _OWN_METADATA}
+        if flag.negated:
+            specs.append((flag.name, bool, field(default=False, metadata=metadata)))
+        else:
+            specs.append((flag.name, hints[flag.field], field(metadata=metadata, **_default_of(source))))
+    flag_class = make_dataclass(f"{group_type.__name__}Flags", specs)
+    flag_class._argument_group_name = title
+    return flag_class
 
 
-def add_optimization_args(parser: argparse.ArgumentParser, prefix: str = "", learning_rate: float = 1e-5) -> None:
-    """Learning rate and weight decay of one trained model."""
-    group = parser.add_argument_group(f"{prefix}optimizer")
-    group.add_argument(f"--{prefix}learning_rate", type=float, default=learning_rate, help="peak learning rate")
-    group.add_argument(f"--{prefix}weight_decay", type=float, default=0.0, help="AdamW weight decay")
+def _default_of(source: Field) -> dict[str, Any]:
+    if source.default is not MISSING:
+        return {"default": source.default}
+    if source.default_factory is not MISSING:
+        return {"default_factory": source.default_factory}
+    return {}  # a required flag
 
 
-def add_schedule_args(parser: argparse.ArgumentParser, num_warmup_steps: int = 0) -> None:
+def _groups(settings: type) -> list[tuple[str, type, str]]:
+    """(attribute, group type, flag prefix) of each group of a settings dataclass."""
+    hints = get_type_hints(settings)
+    return [(f.name, hints[f.name], f.metadata.get("prefix", "")) for f in fields(settings)]
+
+
+def flag_values(settings: Any) -> dict[str, Any]:
+    """{flag name: value}, one entry per flag of `settings` (what a run's `args.json` records)."""
+    values = {}
+    for name, group_type, prefix in _groups(type(settings)):
+        value = getattr(settings, name)
+        for flag in _flags(group_type, prefix):
+            values[flag.name] = not getattr(value, flag.field) if flag.negated else getattr(value, flag.field)
+    return values
+
+
+class _ExactFlags:
+    """Takes HfArgumentParser's `add_argument` call for one field: drops the dashed alias it adds
+    (`--zero-stage`), so a tool accepts exactly its DeepSpeed-Chat flag names, and applies the
+    field's "nargs"."""
+
+    def __init__(self, container: argparse._ActionsContainer, source: Field):
+        self.container = container
+        self.source = source
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        if "nargs" in self.source.metadata:
+            kwargs["nargs"] = self.source.metadata["nargs"]
+        return self.container.add_argument(*(name for name in names if "-" not in name[2:]), **kwargs)
+
+
+class SettingsParser(HfArgumentParser):
+    """The command line of a settings dataclass; `parse_args` returns an instance of it."""
+
+    def __init__(self, settings: type[S], **kwargs: Any):
+        self.settings = settings
+        groups = _groups(settings)
+        super().__init__([_flag_class(group_type, prefix, f"{name} settings") for name, group_type, prefix in groups],
+                         **kwargs)
+
+    @staticmethod
+    def _parse_dataclass_field(parser: argparse._ActionsContainer, source: Field) -> None:
+        HfArgumentParser._parse_dataclass_field(_ExactFlags(parser, source), source)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> S:
+        values = vars(super().parse_args(args, namespace))
+        return self.settings(**{name: _group_from_flags(group_type, prefix, values)
+                                for name, group_type, prefix in _groups(self.settings)})
+
+
+def _group_from_flags(group_type: type, prefix: str, values: Mapping[str, Any]) -> Any:
+    return group_type(**{flag.field: not values[flag.name] if flag.negated else values[flag.name]
+                         for flag in _flags(group_type, prefix)})
+
+
+# the groups every step shares -----------------------------------------------------------------------
+
+
+@dataclass
+class RunArguments:
+    """Run folder, precision and launcher plumbing (every step; `--seed` is a data flag)."""
+
+    output_dir: str = field(
+        metadata={"help": "run folder: final model in <output_dir>/model, metrics, args, checkpoints"})
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPE_CHOICES,
+        "help": "training precision; auto = bf16 where supported, else fp16 on GPU, fp32 on CPU"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
+    local_rank: int = field(default=-1, metadata={"help": argparse.SUPPRESS})  # set by the deepspeed launcher
+
+    @property
+    def dtype_name(self) -> str:
+        """`--dtype` resolved for this device, as the DeepSpeed config spells it ("bf16", "fp16", "fp32")."""
+        return _DTYPE_NAMES[resolve_dtype(self.dtype)]
+
+    @property
+    def final_model_dir(self) -> Path:
+        return Path(self.output_dir) / FINAL_MODEL_SUBDIR
+
+
+@dataclass
+class ModelSource:
+    """The model steps 1 and 2 start from."""
+
+    model_name_or_path: str = field(default=EMBEDDED_MODEL_NAME, metadata={
+        "help": f"hub name, local HF folder, a previous step's run folder, or '{EMBEDDED_MODEL_NAME}'"})
+    disable_dropout: bool = field(default=False, metadata={"help": "set every dropout probability to 0"})
+
+
+@dataclass
+class ModelTrainingConfig:
+    """How one trained model trains: gradient checkpointing, ZeRO, LoRA and its optimizer (steps 1 and 2
+    have one, unprefixed; step 3 one per model, `--actor_*` and `--critic_*`)."""
+
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in the backward pass (less memory, ~30%% slower)"})
+    zero_stage: int = field(default=0, metadata={
+        "choices": (0, 1, 2, 3), "help": "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters"})
+    offload: bool = field(default=False, metadata={
+        "help": "keep optimizer state (and at stage 3 the parameters) in CPU memory"})
+    lora_dim: int = field(default=0, metadata={"help": "LoRA rank; 0 trains without LoRA"})
+    lora_module_name: str = field(default="layers.", metadata={
+        "help": "substring of the module paths that get adapters ('layers.' Llama, 'h.' GPT-2)"})
+    only_optimize_lora: bool = field(default=False, metadata={
+        "help": "freeze the base weights and train only the adapters"})
+    lora_learning_rate: float | None = field(default=None, metadata={
+        "help": "learning rate of the adapters (default: the model's --learning_rate)"})
+    learning_rate: float = field(default=1e-5, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+
+
+@dataclass
+class ScheduleSettings:
     """What every optimizer of a step shares: schedule, accumulation, clipping, optimizer kind, step cap."""
-    group = parser.add_argument_group("schedule")
-    group.add_argument("--lr_scheduler_type", choices=SCHEDULER_CHOICES, default="cosine")
-    group.add_argument("--num_warmup_steps", type=int, default=num_warmup_steps,
-                       help="linear warm-up, in optimizer steps")
-    group.add_argument("--gradient_accumulation_steps", type=int, default=1,
-                       help="micro-batches per optimizer step")
-    group.add_argument("--gradient_clipping", type=float, default=1.0, help="max gradient norm (0 disables)")
-    group.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="auto",
-                       help="auto: torch AdamW on CPU, DeepSpeedCPUAdam with --offload, FusedAdam on GPU")
-    group.add_argument("--max_steps", type=int, default=None,
-                       help="stop after this many optimizer steps (for quick runs); the schedule spans them")
+
+    lr_scheduler_type: str = field(default="cosine", metadata={"choices": SCHEDULER_CHOICES})
+    num_warmup_steps: int = field(default=0, metadata={"help": "linear warm-up, in optimizer steps"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    gradient_clipping: float = field(default=1.0, metadata={"help": "max gradient norm (0 disables)"})
+    optimizer: str = field(default="auto", metadata={
+        "choices": OPTIMIZER_CHOICES,
+        "help": "auto: torch AdamW on CPU, DeepSpeedCPUAdam with --offload, FusedAdam on GPU"})
+    max_steps: int | None = field(default=None, metadata={
+        "help": "stop after this many optimizer steps (for quick runs); the schedule spans them"})
 
 
-def add_supervised_loop_args(parser: argparse.ArgumentParser, train_batch_size: int = 8) -> None:
-    """Epochs, batch sizes and evaluation cadence of the supervised loop (steps 1 and 2)."""
-    group = parser.add_argument_group("loop")
-    group.add_argument("--per_device_train_batch_size", type=int, default=train_batch_size,
-                       help="micro-batch size per rank")
-    group.add_argument("--per_device_eval_batch_size", type=int, default=train_batch_size)
-    group.add_argument("--num_train_epochs", type=int, default=1)
-    group.add_argument("--eval_interval", type=int, default=0,
-                       help="also evaluate every N optimizer steps (0: only before training and after each epoch)")
-    group.add_argument("--eval_iters", type=int, default=None,
-                       help="evaluate on at most this many held-out batches per rank (default: all)")
-    group.add_argument("--log_interval", type=int, default=10, help="log the training loss every N optimizer steps")
+# reading them -------------------------------------------------------------------------------------
 
 
-def check_positive(args: argparse.Namespace, *names: str) -> None:
+def check_positive(flags: Mapping[str, Any], *names: str) -> None:
+    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but not positive."""
     for name in names:
-        value = getattr(args, name)
+        value = flags[name]
         if value is not None and value <= 0:
             raise UserError(f"--{name} must be positive, got {value}")
 
 
-def dtype_name(args: argparse.Namespace) -> str:
-    """`--dtype` resolved for this device, as the DeepSpeed config spells it ("bf16", "fp16", "fp32")."""
-    return _DTYPE_NAMES[resolve_dtype(args.dtype)]
-
-
 def optimization_settings(
-    args: argparse.Namespace,
+    model: ModelTrainingConfig,
+    schedule: ScheduleSettings,
+    dtype: str,
     num_training_steps: int,
     micro_batch_size: int,
-    prefix: str = "",
     job_name: str = "train",
 ) -> OptimizationSettings:
-    """The `OptimizationSettings` of the model whose flags carry `prefix`."""
+    """The `OptimizationSettings` of one trained model (`dtype` as `RunArguments.dtype_name` gives it)."""
     return OptimizationSettings(
-        learning_rate=prefixed(args, prefix, "learning_rate"),
+        learning_rate=model.learning_rate,
         num_training_steps=num_training_steps,
-        weight_decay=prefixed(args, prefix, "weight_decay"),
-        zero_stage=prefixed(args, prefix, "zero_stage"),
-        offload=bool(getattr(args, f"{prefix}offload", getattr(args, "offload", False))),
-        dtype=dtype_name(args),
+        weight_decay=model.weight_decay,
+        zero_stage=model.zero_stage,
+        offload=model.offload,
+        dtype=dtype,
         micro_batch_size=micro_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_clipping=args.gradient_clipping,
-        lr_scheduler_type=args.lr_scheduler_type,
-        num_warmup_steps=args.num_warmup_steps,
-        lora_learning_rate=prefixed(args, prefix, "lora_learning_rate"),
-        optimizer=args.optimizer,
+        gradient_accumulation_steps=schedule.gradient_accumulation_steps,
+        gradient_clipping=schedule.gradient_clipping,
+        lr_scheduler_type=schedule.lr_scheduler_type,
+        num_warmup_steps=schedule.num_warmup_steps,
+        lora_learning_rate=model.lora_learning_rate,
+        optimizer=schedule.optimizer,
         job_name=job_name,
     )
 
 
 def apply_model_options(
-    model: torch.nn.Module, args: argparse.Namespace, prefix: str = "", trainable_heads: Sequence[str] = ()
+    model: torch.nn.Module, config: ModelTrainingConfig, trainable_heads: Sequence[str] = (), flag_prefix: str = ""
 ) -> torch.nn.Module:
-    """Apply the model's `--gradient_checkpointing` and LoRA flags; returns the (possibly peft-wrapped) model.
+    """Apply the model's gradient checkpointing and LoRA settings; returns the (possibly peft-wrapped) model.
 
     `trainable_heads` name freshly initialised parameters (a reward model's `v_head`) that must
-    train even under `--only_optimize_lora`, which otherwise freezes everything but the adapters.
+    train even under `only_optimize_lora`, which otherwise freezes everything but the adapters;
+    `flag_prefix` names the model's flags in errors (`actor_`).
     """
-    if prefixed(args, prefix, "gradient_checkpointing"):
+    if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "config"):
             model.config.use_cache = False
-    lora_dim = prefixed(args, prefix, "lora_dim")
-    if lora_dim > 0:
-        model = apply_lora(
-            model,
-            lora_dim,
-            lora_module_name=prefixed(args, prefix, "lora_module_name"),
-            only_optimize_lora=prefixed(args, prefix, "only_optimize_lora"),
-        )
+    if config.lora_dim > 0:
+        model = apply_lora(model, config.lora_dim, lora_module_name=config.lora_module_name,
+                           only_optimize_lora=config.only_optimize_lora)
         for name, param in model.named_parameters():
             if any(head in name for head in trainable_heads):
                 param.requires_grad_(True)
-    elif prefixed(args, prefix, "only_optimize_lora"):
-        raise UserError(f"--{prefix}only_optimize_lora needs --{prefix}lora_dim > 0")
+    elif config.only_optimize_lora:
+        raise UserError(f"--{flag_prefix}only_optimize_lora needs --{flag_prefix}lora_dim > 0")
     return model
-
-
-def final_model_dir(args: argparse.Namespace) -> Path:
-    from training.core.model_loading import FINAL_MODEL_SUBDIR
-
-    return Path(args.output_dir) / FINAL_MODEL_SUBDIR

@@ -7,17 +7,16 @@ from training.generation.cpu_linear import (
 )
 from training.generation.fused_llama import fused_llama_unsupported_reason
 from training.generation.generator import (
+    DecodingSettings,
     GenerationConfig,
     GenerationOutput,
     Generator,
     HFGenerator,
+    SamplingSettings,
     eval_mode,
 )
 from training.generation.hybrid_engine import (
     HybridEngine,
     HybridEngineSettings,
-    add_hybrid_engine_args,
     build_generator,
-    generation_backend_from_args,
-    hybrid_settings_from_args,
 )

@@ -15,7 +15,7 @@ Conventions shared by every backend:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
 import torch
@@ -48,6 +48,35 @@ class GenerationConfig:
     def logprob_temperature(self) -> float:
         """The temperature of the distribution tokens are drawn from (greedy decoding reports T = 1)."""
         return self.temperature if self.do_sample else 1.0
+
+
+@dataclass
+class SamplingSettings:
+    """The distribution the next token is drawn from: the sampling flags of step 3, the chatbot and
+    prompt_eval (each tool keeps its own defaults and help in a subclass)."""
+
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "sample from the smallest set of tokens holding this much "
+                                                        "probability (1: all)"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens (0: all)"})
+
+
+@dataclass
+class DecodingSettings(SamplingSettings):
+    """Sampling plus the rest of a `model.generate` call, for the tools that answer with transformers."""
+
+    top_k: int = 50
+    max_new_tokens: int = 128
+    do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
+    repetition_penalty: float = 1.0
+
+    def generate_kwargs(self) -> dict:
+        """The `model.generate` keyword arguments; the sampling ones only when sampling."""
+        kwargs = dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
+                      repetition_penalty=self.repetition_penalty)
+        if self.do_sample:
+            kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        return kwargs
 
 
 @dataclass

@@ -18,7 +18,6 @@ ZeRO-3 hooks gather each layer at every step (less memory, slower), as DeepSpeed
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import logging
@@ -62,57 +61,36 @@ _PEFT_PREFIX = "base_model.model."
 
 @dataclass
 class HybridEngineSettings:
-    enable: bool = False
-    inference_tp_size: int = 1
-    tp_gather_partition_size: int = 8
-    release_inference_cache: bool = False
-    unpin_actor_parameters: bool = False
-    cuda_graph: bool = True
-    onednn_packing: bool = True
-    generation_dtype: str | None = None  # None: the training dtype
+    """How rollouts are generated (the step-3 flags; `enable` is `--enable_hybrid_engine`)."""
 
+    enable: bool = field(default=False, metadata={
+        "flag": "enable_hybrid_engine",
+        "help": "generate rollouts with the hybrid engine instead of plain generate()"})
+    generation_backend: str | None = field(default=None, metadata={
+        "choices": BACKENDS, "help": "override the backend: 'hybrid' (default with --enable_hybrid_engine) or 'hf'"})
+    inference_tp_size: int = field(default=1, metadata={
+        "help": "split generation tensor-parallel across this many ranks (Llama-style models)"})
+    tp_gather_partition_size: int = field(default=8, metadata={
+        "help": "decoder layers gathered at once when loading ZeRO-3 weights for generation"})
+    release_inference_cache: bool = field(default=False, metadata={
+        "help": "free the KV cache after every rollout instead of keeping it for the next one"})
+    unpin_actor_parameters: bool = field(default=False, metadata={
+        "help": "do not gather a full inference copy of the actor; generate through ZeRO-3 hooks (less memory, slower)"})
+    cuda_graph: bool = field(default=True, metadata={
+        "flag": "disable_cuda_graph", "negated": True, "help": "on GPU, do not capture the decode step as a CUDA graph"})
+    onednn_packing: bool = field(default=True, metadata={
+        "flag": "disable_onednn_packing", "negated": True,
+        "help": "on CPU, keep the inference copy's linear weights plain (torch.matmul) instead of prepacking them for "
+                "oneDNN"})
+    generation_dtype: str | None = field(default=None, metadata={
+        "choices": ("bf16", "fp16", "fp32"), "help": "dtype of the inference copy (default: the training dtype)"})
 
-def add_hybrid_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("hybrid engine (generation)")
-    group.add_argument("--enable_hybrid_engine", action="store_true",
-                       help="generate rollouts with the hybrid engine instead of plain generate()")
-    group.add_argument("--generation_backend", choices=BACKENDS, default=None,
-                       help="override the backend: 'hybrid' (default with --enable_hybrid_engine) or 'hf'")
-    group.add_argument("--inference_tp_size", type=int, default=1,
-                       help="split generation tensor-parallel across this many ranks (Llama-style models)")
-    group.add_argument("--tp_gather_partition_size", type=int, default=8,
-                       help="decoder layers gathered at once when loading ZeRO-3 weights for generation")
-    group.add_argument("--release_inference_cache", action="store_true",
-                       help="free the KV cache after every rollout instead of keeping it for the next one")
-    group.add_argument("--unpin_actor_parameters", action="store_true",
-                       help="do not gather a full inference copy of the actor; generate through ZeRO-3 hooks "
-                            "(less memory, slower)")
-    group.add_argument("--disable_cuda_graph", action="store_true",
-                       help="on GPU, do not capture the decode step as a CUDA graph")
-    group.add_argument("--disable_onednn_packing", action="store_true",
-                       help="on CPU, keep the inference copy's linear weights plain (torch.matmul) instead of "
-                            "prepacking them for oneDNN")
-    group.add_argument("--generation_dtype", choices=("bf16", "fp16", "fp32"), default=None,
-                       help="dtype of the inference copy (default: the training dtype)")
-
-
-def hybrid_settings_from_args(args: argparse.Namespace) -> HybridEngineSettings:
-    return HybridEngineSettings(
-        enable=args.enable_hybrid_engine,
-        inference_tp_size=args.inference_tp_size,
-        tp_gather_partition_size=args.tp_gather_partition_size,
-        release_inference_cache=args.release_inference_cache,
-        unpin_actor_parameters=args.unpin_actor_parameters,
-        cuda_graph=not args.disable_cuda_graph,
-        onednn_packing=not args.disable_onednn_packing,
-        generation_dtype=args.generation_dtype,
-    )
-
-
-def generation_backend_from_args(args: argparse.Namespace) -> str:
-    if args.generation_backend is not None:
-        return args.generation_backend
-    return "hybrid" if args.enable_hybrid_engine else "hf"
+    @property
+    def backend(self) -> str:
+        """`generation_backend`, else 'hybrid' with `enable` and 'hf' without."""
+        if self.generation_backend is not None:
+            return self.generation_backend
+        return "hybrid" if self.enable else "hf"
 
 
 def build_generator(backend: str, engine: torch.nn.Module, tokenizer, settings: HybridEngineSettings) -> Generator:

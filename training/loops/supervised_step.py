@@ -3,10 +3,9 @@ data, model, DeepSpeed engine, the shared loop (with checkpoints and graceful st
 folder. A step states only what differs in a `SupervisedStep`."""
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -14,16 +13,14 @@ import torch
 from transformers import PreTrainedTokenizerBase, set_seed
 
 from training.core.args import (
-    add_lora_args,
-    add_model_args,
-    add_optimization_args,
-    add_run_args,
-    add_schedule_args,
-    add_supervised_loop_args,
-    add_zero_args,
+    ModelSource,
+    ModelTrainingConfig,
+    RunArguments,
+    ScheduleSettings,
+    SettingsParser,
     apply_model_options,
     check_positive,
-    final_model_dir,
+    flag_values,
     optimization_settings,
 )
 from training.core.engine import create_train_engine
@@ -39,7 +36,7 @@ from training.loops.trainer import (
     TrainResult,
     count_optimizer_steps,
 )
-from training.reliability.checkpointing import CheckpointManager, add_checkpoint_args
+from training.reliability.checkpointing import CheckpointSettings
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args
 from training.reliability.signals import GracefulInterrupt
@@ -52,13 +49,45 @@ from training.reliability.validation import (
     check_sequence_lengths,
     estimate_output_bytes,
 )
-from utils.data import DataArguments, add_data_args
+from utils.data import DataArguments
 from utils.dist import init_distributed
 from utils.log import setup_logging
 
 logger = logging.getLogger(__name__)
 
-ModelBuilder = Callable[[argparse.Namespace, PreTrainedTokenizerBase, dict, torch.dtype], torch.nn.Module]
+
+@dataclass
+class SupervisedLoopArguments:
+    """Epochs, batch sizes and evaluation cadence of the supervised loop."""
+
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "micro-batch size per rank"})
+    per_device_eval_batch_size: int = 8
+    num_train_epochs: int = 1
+    eval_interval: int = field(default=0, metadata={
+        "help": "also evaluate every N optimizer steps (0: only before training and after each epoch)"})
+    eval_iters: int | None = field(default=None, metadata={
+        "help": "evaluate on at most this many held-out batches per rank (default: all)"})
+    log_interval: int = field(default=10, metadata={"help": "log the training loss every N optimizer steps"})
+
+
+@dataclass
+class SupervisedSettings:
+    """The command line of a supervised step (steps 1 and 2)."""
+
+    model: ModelSource
+    run: RunArguments
+    data: DataArguments
+    loop: SupervisedLoopArguments
+    training: ModelTrainingConfig
+    schedule: ScheduleSettings
+    checkpoints: CheckpointSettings
+
+    def loop_config(self, description: str) -> LoopConfig:
+        return LoopConfig(**asdict(self.loop), gradient_accumulation_steps=self.schedule.gradient_accumulation_steps,
+                          max_steps=self.schedule.max_steps, seed=self.data.seed, description=description)
+
+
+ModelBuilder = Callable[[SupervisedSettings, PreTrainedTokenizerBase, dict, torch.dtype], torch.nn.Module]
 
 
 @dataclass
@@ -83,22 +112,14 @@ class SupervisedOutcome:
     dtype: str
 
 
-def supervised_step_parser(description: str, learning_rate: float, train_batch_size: int = 8) -> argparse.ArgumentParser:
-    """The command line of a supervised step (steps 1 and 2 differ only in their defaults)."""
-    parser = argparse.ArgumentParser(description=description)
-    add_model_args(parser)
-    add_run_args(parser)
-    add_data_args(parser)
-    add_supervised_loop_args(parser, train_batch_size=train_batch_size)
-    add_optimization_args(parser, learning_rate=learning_rate)
-    add_schedule_args(parser)
-    add_zero_args(parser)
-    add_lora_args(parser)
-    add_checkpoint_args(parser)
+def supervised_step_parser(description: str, learning_rate: float) -> SettingsParser:
+    """The command line of a supervised step (steps 1 and 2 differ only in their learning rate)."""
+    parser = SettingsParser(SupervisedSettings, description=description)
+    parser.set_defaults(learning_rate=learning_rate)
     return parser
 
 
-def run_supervised_step(args: argparse.Namespace, step: SupervisedStep) -> SupervisedOutcome:
+def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> SupervisedOutcome:
     """Train `step` as `args` say and save the final model in `<output_dir>/model` (every rank calls it).
 
     The engine is destroyed and collected before returning, so a caller (train.py) can start the
@@ -109,32 +130,34 @@ def run_supervised_step(args: argparse.Namespace, step: SupervisedStep) -> Super
     return outcome
 
 
-def _train_and_save(args: argparse.Namespace, step: SupervisedStep) -> SupervisedOutcome:
+def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> SupervisedOutcome:
     setup_logging()
-    check_positive(args, "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                   "num_train_epochs", "max_steps", "log_interval", "max_seq_len")
-    check_model_source(args.model_name_or_path)
-    check_remote_code(args.model_name_or_path, args.trust_remote_code)
-    check_input_run_shards(args.model_name_or_path, args)
+    check_positive(flag_values(args), "per_device_train_batch_size", "per_device_eval_batch_size",
+                   "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len")
+    model_name = args.model.model_name_or_path
+    check_model_source(model_name)
+    check_remote_code(model_name, args.run.trust_remote_code)
+    check_input_run_shards(model_name, args.data)
     init_distributed()
-    run_dir = check_output_dir(args.output_dir)
+    run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = CheckpointManager.from_args(args)
-        if not args.resume:
+        checkpoints = args.checkpoints.manager(args.run.output_dir)
+        if not args.checkpoints.resume:
             checkpoints.restore({}, resume=False)  # refuses to start over an earlier run's checkpoints
-        set_seed(args.seed)
-        tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-        check_sequence_lengths(load_config(args.model_name_or_path, args.trust_remote_code),
-                               max_seq_len=args.max_seq_len, model=args.model_name_or_path)
-        train_data, eval_data = DataArguments.from_namespace(args).build(step.phase, tokenizer)
-        loop = LoopConfig.from_args(args, description=step.name)
+        set_seed(args.data.seed)
+        tokenizer = load_tokenizer(model_name, args.run.trust_remote_code)
+        check_sequence_lengths(load_config(model_name, args.run.trust_remote_code),
+                               max_seq_len=args.data.max_seq_len, model=model_name)
+        train_data, eval_data = args.data.build(step.phase, tokenizer)
+        loop = args.loop_config(step.name)
         num_steps = count_optimizer_steps(len(train_data), loop)
-        settings = optimization_settings(args, num_steps, args.per_device_train_batch_size, job_name=step.name)
-        dtype = resolve_dtype(args.dtype)
+        settings = optimization_settings(args.training, args.schedule, args.run.dtype_name, num_steps,
+                                         args.loop.per_device_train_batch_size, job_name=step.name)
+        dtype = resolve_dtype(args.run.dtype)
         model = step.build_model(args, tokenizer, settings.ds_config(), dtype)
-        model = apply_model_options(model, args, trainable_heads=step.trainable_heads)
-        check_disk_space(run_dir, _output_bytes(model, dtype, args.keep_last_checkpoints), step.name)
-        save_run_args(run_dir, args)  # only now: a bad argument must leave an earlier run's files as they were
+        model = apply_model_options(model, args.training, trainable_heads=step.trainable_heads)
+        check_disk_space(run_dir, _output_bytes(model, dtype, args.checkpoints.keep_last_checkpoints), step.name)
+        save_run_args(run_dir, flag_values(args))  # only now: a bad argument must leave an earlier run's files as they were
         engine = create_train_engine(model, settings)
         metrics = MetricsLogger(run_dir)
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),
@@ -144,10 +167,10 @@ def _train_and_save(args: argparse.Namespace, step: SupervisedStep) -> Supervise
                 trainer = SupervisedTrainer(
                     engine, train_data, eval_data, step.make_collator(tokenizer.pad_token_id), step.loss_fn,
                     step.eval_fn, loop, metrics, num_training_steps=num_steps, checkpoints=checkpoints,
-                    interrupt=interrupt, resume=args.resume,
+                    interrupt=interrupt, resume=args.checkpoints.resume,
                 )
                 result = trainer.fit()
-            model_dir = final_model_dir(args)
+            model_dir = args.run.final_model_dir
             save_hf_model(engine, tokenizer, model_dir)
             logger.info("%s: saved the final model to %s", step.name, model_dir)
         finally:

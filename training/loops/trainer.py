@@ -14,7 +14,6 @@ stops the run before its gradients are applied, naming the step and the last goo
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import time
@@ -59,21 +58,6 @@ class LoopConfig:
     log_interval: int = 10
     seed: int = 1234
     description: str = "train"
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, description: str = "train") -> "LoopConfig":
-        return cls(
-            num_train_epochs=args.num_train_epochs,
-            per_device_train_batch_size=args.per_device_train_batch_size,
-            per_device_eval_batch_size=args.per_device_eval_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            max_steps=args.max_steps,
-            eval_interval=args.eval_interval,
-            eval_iters=args.eval_iters,
-            log_interval=args.log_interval,
-            seed=args.seed,
-            description=description,
-        )
 
 
 def micro_batches_per_epoch(num_examples: int, batch_size: int, world_size: int) -> int:

@@ -6,12 +6,13 @@ datasets and prints how many items survive the length limits.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
+from dataclasses import dataclass, field
 
+from training.core.args import SettingsParser
 from training.core.model_loading import load_tokenizer
-from utils.data.args import DataArguments, add_data_args
+from utils.data.args import DataArguments
 from utils.data.phases import phase_splits
 from utils.data.samples import KINDS, PHASE_KINDS
 from utils.data.sources import load_source
@@ -51,18 +52,27 @@ def _table(counts: dict, tokenized: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class TokenizerArguments:
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer (model name or folder) to count tokenised items with"})
+
+
+@dataclass
+class InspectSettings:
+    data: DataArguments
+    counting: TokenizerArguments
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_data_args(parser)
-    parser.add_argument("--tokenizer", default=None, help="tokenizer (model name or folder) to count tokenised items with")
-    args = parser.parse_args(argv)
+    settings = SettingsParser(InspectSettings, description=__doc__.splitlines()[0]).parse_args(argv)
+    data = settings.data
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    data = DataArguments.from_namespace(args)
     counts = raw_counts(data)
     tokenized = {}
-    if args.tokenizer:
-        tokenizer = load_tokenizer(args.tokenizer)
+    if settings.counting.tokenizer:
+        tokenizer = load_tokenizer(settings.counting.tokenizer)
         for phase in PHASE_KINDS:
             train, evaluation = data.build(phase, tokenizer)
             tokenized[phase] = {"train": len(train), "eval": len(evaluation)}

@@ -1,5 +1,5 @@
 """Crash safety and clear failures: checkpoints and resume, run locks, signals, guards, input checks."""
-from training.reliability.checkpointing import CheckpointManager, add_checkpoint_args
+from training.reliability.checkpointing import CheckpointManager, CheckpointSettings
 from training.reliability.guards import NonFiniteError, check_finite
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import (

@@ -18,7 +18,6 @@ that allows the four DeepSpeed classes its ZeRO optimizer files contain (`DEEPSP
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import pickle
@@ -28,7 +27,7 @@ import shutil
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -61,14 +60,19 @@ FORMAT_VERSION = 1
 _TAG_PATTERN = re.compile(r"^step(\d+)$")
 
 
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("checkpoints")
-    group.add_argument("--save_interval", type=int, default=0,
-                       help="save a resume checkpoint every N optimizer steps (0: only when interrupted)")
-    group.add_argument("--resume", action="store_true",
-                       help="continue from the latest complete checkpoint in <output_dir>/checkpoints")
-    group.add_argument("--keep_last_checkpoints", type=int, default=2,
-                       help="how many resume checkpoints to keep (older ones are deleted)")
+@dataclass
+class CheckpointSettings:
+    """The resume-checkpoint flags of a step."""
+
+    save_interval: int = field(default=0, metadata={
+        "help": "save a resume checkpoint every N optimizer steps (0: only when interrupted)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the latest complete checkpoint in <output_dir>/checkpoints"})
+    keep_last_checkpoints: int = field(default=2, metadata={
+        "help": "how many resume checkpoints to keep (older ones are deleted)"})
+
+    def manager(self, output_dir: str | Path) -> "CheckpointManager":
+        return CheckpointManager(output_dir, keep_last=self.keep_last_checkpoints, save_interval=self.save_interval)
 
 
 # RNG ----------------------------------------------------------------------------------------------
@@ -203,10 +207,6 @@ class CheckpointManager:
         self.checkpoints_dir = Path(output_dir) / CHECKPOINTS_SUBDIR
         self.keep_last = keep_last
         self.save_interval = save_interval
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "CheckpointManager":
-        return cls(args.output_dir, keep_last=args.keep_last_checkpoints, save_interval=args.save_interval)
 
     def should_save(self, step: int) -> bool:
         """Whether `--save_interval` asks for a checkpoint after optimizer step `step`."""

@@ -6,7 +6,6 @@ Batch sizes are checked by `training.core.args.check_positive`; `--data_split` b
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -17,6 +16,7 @@ from typing import Callable, Sequence
 from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
 from training.core.model_loading import resolve_model_path
 from training.reliability.run_records import ARGS_FILE, read_run_args
+from utils.data.args import DataArguments
 from utils.data.shard_match import check_same_shards
 from utils.data.splits import parse_data_split
 from utils.errors import UserError
@@ -229,7 +229,7 @@ def _run_dir_of(model: Path) -> Path | None:
     return None
 
 
-def check_input_run_shards(name_or_path: str, args: argparse.Namespace, flag: str = "--model_name_or_path") -> None:
+def check_input_run_shards(name_or_path: str, data: DataArguments, flag: str = "--model_name_or_path") -> None:
     """A model an earlier step of this project trained must come from the same data shards as this step's.
 
     Its run folder's args.json says how it cut the data (`utils.data.shard_match`); a model without
@@ -240,4 +240,4 @@ def check_input_run_shards(name_or_path: str, args: argparse.Namespace, flag: st
     run_dir = _run_dir_of(Path(name_or_path).expanduser())
     earlier = read_run_args(run_dir) if run_dir is not None else None
     if earlier is not None:
-        check_same_shards(vars(args), earlier, f"{flag} {name_or_path}", str(run_dir))
+        check_same_shards(vars(data), earlier, f"{flag} {name_or_path}", str(run_dir))

@@ -1,6 +1,6 @@
 """Data abstraction and blending layer: every source yields prompt/chosen/rejected rows, split into
 disjoint per-step shards, blended, tokenised and cached for the three RLHF steps."""
-from .args import DataArguments, add_data_args, add_unsupervised_data_args
+from .args import DataArguments, UnsupervisedDataArguments
 from .collators import PairwiseCollator, PromptCollator, SFTCollator
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS, PromptFormatter
@@ -15,8 +15,7 @@ from .unsupervised import build_unsupervised_dataset
 
 __all__ = [
     "DataArguments",
-    "add_data_args",
-    "add_unsupervised_data_args",
+    "UnsupervisedDataArguments",
     "SFTCollator",
     "PairwiseCollator",
     "PromptCollator",
