@@ -15,14 +15,12 @@ from pathlib import Path
 import deepspeed
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from training.core.engine import OptimizationSettings  # noqa: E402
-from training.core.lora import apply_lora  # noqa: E402
-from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype  # noqa: E402
-from training.core.sequences import answer_logprobs  # noqa: E402
-from training.generation.generator import GenerationConfig, HFGenerator  # noqa: E402
-from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings  # noqa: E402
+from training.core.engine import OptimizationSettings
+from training.core.lora import apply_lora
+from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.sequences import answer_logprobs
+from training.generation.generator import GenerationConfig, HFGenerator
+from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 
 LORA_MODULE_NAMES = {"llama": "layers.", "qwen2": "layers.", "mistral": "layers.", "gpt2": "h.", "opt": "decoder.layers."}
 PROMPTS = [

@@ -9,17 +9,13 @@ Rank 0 prints `KL_OK` when all ranks passed.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer  # noqa: E402
-from training.algorithms import AdaptiveKLController  # noqa: E402
-from utils.dist import broadcast_from_main, get_rank, init_distributed  # noqa: E402
+from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer
+from training.algorithms import AdaptiveKLController
+from utils.dist import broadcast_from_main, get_rank, init_distributed
 
 CONFIG = PPOConfig(kl_ctl=0.1, target_kl=5.0, kl_horizon=20.0)
 ROLLOUT_KLS = {  # rank: the per-answer KLs of each of its rollouts (different batch sizes on purpose)

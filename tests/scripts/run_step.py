@@ -12,9 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from training.reliability import checkpointing  # noqa: E402
+from training.reliability import checkpointing
 
 
 def stall_before_marker(step: int, stall_file: Path) -> None:
