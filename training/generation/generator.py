@@ -26,14 +26,24 @@ from utils.dist import get_world_size
 
 
 @dataclass
-class GenerationConfig:
+class SamplingSettings:
+    """The distribution the next token is drawn from: the sampling flags of step 3, the chatbot and
+    prompt_eval (each tool keeps its own defaults and help in a subclass)."""
+
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "sample from the smallest set of tokens holding this much "
+                                                        "probability (1: all)"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens (0: all)"})
+
+
+@dataclass(kw_only=True)
+class GenerationConfig(SamplingSettings):
+    """One call of this project's generators: the sampling settings plus length, special tokens and seed."""
+
     max_new_tokens: int
     eos_token_id: int
     pad_token_id: int
     do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -48,17 +58,6 @@ class GenerationConfig:
     def logprob_temperature(self) -> float:
         """The temperature of the distribution tokens are drawn from (greedy decoding reports T = 1)."""
         return self.temperature if self.do_sample else 1.0
-
-
-@dataclass
-class SamplingSettings:
-    """The distribution the next token is drawn from: the sampling flags of step 3, the chatbot and
-    prompt_eval (each tool keeps its own defaults and help in a subclass)."""
-
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
-    top_p: float = field(default=1.0, metadata={"help": "sample from the smallest set of tokens holding this much "
-                                                        "probability (1: all)"})
-    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens (0: all)"})
 
 
 @dataclass
