@@ -75,10 +75,7 @@ HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_l
 
 
 def build_parser() -> SettingsParser:
-    parser = SettingsParser(Step3Settings,
-                            description="Step 3: RLHF with PPO (actor, critic, reference and reward model)")
-    parser.set_defaults(max_answer_seq_len=128)  # PPOConfig's library default is 256
-    return parser
+    return SettingsParser(Step3Settings, description="Step 3: RLHF with PPO (actor, critic, reference and reward model)")
 
 
 def parse_args(argv: list[str] | None = None) -> Step3Settings:

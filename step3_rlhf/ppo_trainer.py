@@ -47,7 +47,7 @@ from utils.errors import UserError
 class PPOConfig:
     """Every constant of the PPO update; each field is a step-3 flag (see its metadata and `training.core.args`)."""
 
-    max_answer_seq_len: int = field(default=256, metadata={"help": "maximum generated tokens per answer"})
+    max_answer_seq_len: int = field(default=128, metadata={"help": "maximum generated tokens per answer"})
     kl_ctl: float = field(default=0.1, metadata={"help": "KL penalty coefficient (initial value if adaptive)"})
     target_kl: float | None = field(default=None, metadata={
         "help": "make the KL coefficient adaptive, steering the per-answer KL toward this value"})

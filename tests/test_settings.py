@@ -85,7 +85,7 @@ def test_step3_settings_flags_that_differ_from_their_fields():
                                                                    "0.5", "--disable_cuda_graph"])
     assert not settings.ppo.whiten_advantages and settings.ppo.temperature == 0.5
     assert not settings.hybrid.cuda_graph and settings.hybrid.onednn_packing
-    assert settings.ppo.max_answer_seq_len == 128  # step 3's default, not PPOConfig's library default
+    assert settings.ppo.max_answer_seq_len == 128
     with pytest.raises(SystemExit):
         step3_parser().parse_args(["--output_dir", "run"])  # the two model paths are required
 
