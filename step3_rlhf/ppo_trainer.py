@@ -108,17 +108,11 @@ class Experience:
         return parts
 
 
-def global_sum_and_count(values: torch.Tensor) -> tuple[float, int]:
-    """The sum of `values` and their number, over every rank's rows (collective: every rank must call it)."""
-    total, count = sum_over_ranks([values.sum().item(), values.numel()])
-    return total, int(count)
-
-
 def update_kl_controller(controller: AdaptiveKLController | FixedKLController, kl: torch.Tensor) -> None:
     """One update from the global batch: the mean per-answer KL over every rank's answers, with the
     global answer count as the step count, so every rank holds the same coefficient (collective)."""
-    total, count = global_sum_and_count(kl)
-    controller.update(total / max(count, 1), count)
+    total, count = sum_over_ranks([kl.sum().item(), kl.numel()])
+    controller.update(total / max(count, 1.0), int(count))
 
 
 def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
