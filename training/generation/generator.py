@@ -10,7 +10,10 @@ Conventions shared by every backend:
   (`GenerationConfig.logprob_temperature`: 1 for greedy decoding): the log-probability under the
   distribution that drew it, which a train-mode forward computes as `answer_logprobs(..., temperature=T)`.
   Top-k and top-p truncation are not reflected in it (the RLHF trainer refuses them for that reason);
-- answers are right-padded with `pad_token_id` after their EOS; N is the longest answer in the batch.
+- answers are right-padded with `pad_token_id` after their EOS; N is the longest answer in the batch;
+- with `num_return_sequences` K > 1 (group sampling), every output tensor has B*K rows, prompt-major:
+  row i*K + j is the j-th continuation of prompt i, and its prompt part equals prompt i as given
+  (padding included). K = 1 is the plain one-answer-per-prompt layout.
 """
 from __future__ import annotations
 
@@ -45,10 +48,13 @@ class GenerationConfig(SamplingSettings):
     pad_token_id: int
     do_sample: bool = True
     seed: int | None = None
+    num_return_sequences: int = 1  # K continuations per prompt, prompt-major (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        if self.num_return_sequences < 1:
+            raise ValueError("num_return_sequences must be at least 1")
         if self.do_sample and self.temperature <= 0:
             raise ValueError("temperature must be positive when sampling (use do_sample=False for greedy)")
         if not 0 < self.top_p <= 1:
@@ -80,6 +86,8 @@ class DecodingSettings(SamplingSettings):
 
 @dataclass
 class GenerationOutput:
+    """B rows are B*K with K continuations per prompt (prompt-major, see the module docstring)."""
+
     sequences: torch.Tensor  # [B, P+N] prompt (left-padded) + answer (right-padded with pad)
     attention_mask: torch.Tensor  # [B, P+N] prompt mask + answer_mask
     logprobs: torch.Tensor  # [B, N] fp32 log-prob of each generated token at the sampling temperature, 0 where padded
@@ -122,6 +130,11 @@ def sampling_generator(config: GenerationConfig, device: torch.device | str) -> 
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed)
     return generator
+
+
+def repeat_per_prompt(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row repeated `k` times in a row ([B, ...] -> [B*k, ...]): the prompt-major layout of K continuations."""
+    return rows if k == 1 else rows.repeat_interleave(k, dim=0)
 
 
 def assemble_output(
@@ -172,6 +185,11 @@ class HFGenerator:
 
     `synced_gpus=True` under ZeRO-3 with several ranks keeps every rank stepping until all finish,
     because each forward gathers weights collectively.
+
+    K continuations per prompt (`num_return_sequences`) repeat each prompt K times before `generate`, which
+    is what transformers' own `num_return_sequences` does (it expands the inputs before the prefill, so the
+    prefill runs on B*K rows); transformers refuses that argument for greedy decoding, so the expansion is
+    done here for both. The layout is the hybrid engine's: row i*K + j continues prompt i.
     """
 
     def __init__(self, engine: torch.nn.Module):
@@ -180,7 +198,8 @@ class HFGenerator:
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
         device = next(self.module.parameters()).device
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        input_ids = repeat_per_prompt(input_ids.to(device), config.num_return_sequences)
+        attention_mask = repeat_per_prompt(attention_mask.to(device), config.num_return_sequences)
         sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k) if config.do_sample else {}
         rng = torch.random.fork_rng(devices=[]) if config.seed is not None else contextlib.nullcontext()
         with rng, eval_mode(self.module), torch.no_grad():
