@@ -3,12 +3,14 @@
 As a worker (`torchrun --nproc_per_node 2 hybrid_engine_worker.py MODELS_DIR MODE...`, with a tiny
 model of each mode's architecture at MODELS_DIR/tiny-ARCH), each rank
 generates for its own prompts with the hybrid engine and checks, on every rank: greedy tokens equal
-the `hf` backend's, the reported log-probs equal the train-mode forward's, and the next training
+the `hf` backend's, the reported log-probs equal the train-mode forward's, two continuations per
+prompt repeat each greedy answer twice, and the next training
 step's loss equals that of a twin engine that never generated. Rank 0 prints `HYBRID_OK <mode>` when
 all ranks passed.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -89,8 +91,19 @@ def train_mode_logprobs(engine, output, temperature: float = 1.0) -> torch.Tenso
                                temperature)
 
 
+def check_group_repeats(generator, ids, mask, config, single, per_prompt=2, atol=1e-4):
+    """`per_prompt` greedy continuations per prompt are the prompt's greedy answer `single` that many times,
+    prompt-major (rows i*K .. i*K + K-1 continue prompt i)."""
+    group = generator.generate(ids, mask, dataclasses.replace(config, num_return_sequences=per_prompt))
+    assert torch.equal(group.sequences, single.sequences.repeat_interleave(per_prompt, 0)), group.sequences
+    assert torch.equal(group.attention_mask, single.attention_mask.repeat_interleave(per_prompt, 0))
+    torch.testing.assert_close(group.logprobs, single.logprobs.repeat_interleave(per_prompt, 0), rtol=0, atol=atol)
+    return group
+
+
 def check_parity(engine, hybrid, tokenizer, texts, atol=1e-4):
-    """Greedy tokens equal to the hf backend's and log-probs equal to the train-mode forward's."""
+    """Greedy tokens equal to the hf backend's, log-probs equal to the train-mode forward's, and two
+    continuations per prompt repeat each answer."""
     ids, mask = prompt_batch(tokenizer, texts)
     probe = hybrid.generate(ids, mask, greedy_config(tokenizer))
     config = greedy_config(tokenizer, eos_token_id=frequent_token(probe.sequences, probe.prompt_length))
@@ -100,6 +113,7 @@ def check_parity(engine, hybrid, tokenizer, texts, atol=1e-4):
     assert torch.equal(fast.attention_mask, baseline.attention_mask)
     expected = train_mode_logprobs(engine, fast) * fast.answer_mask
     torch.testing.assert_close(fast.logprobs, expected, rtol=0, atol=atol)
+    check_group_repeats(hybrid, ids, mask, config, fast, atol=atol)
     return fast
 
 

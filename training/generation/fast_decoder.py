@@ -8,10 +8,17 @@ length), so a rollout of several batches allocates it once. Rows whose sequence 
 the running batch: their cache rows are compacted in place (the remaining rows are copied to the
 front of the same buffers), so later steps compute only live rows.
 
+K continuations per prompt (`GenerationConfig.num_return_sequences`) share one prefill: the cache is
+allocated for B*K rows, the B prompts are prefilled into its first B rows, and `repeat_rows(K)` copies
+each prompt's cached columns into K consecutive rows in place (prompt-major, row i*K + j continues
+prompt i) before the first token is drawn; then the B*K rows decode as any batch does.
+
 On CUDA, with `cuda_graph=True`, the `HFCachedModel` decode steps run through
 `torch.compile(mode="reduce-overhead")`, which captures them as CUDA graphs; that needs static shapes,
-so the batch then does not shrink (finished rows keep decoding and their tokens are discarded). This
-path has not been run here (no GPU in the build environment).
+so the batch then does not shrink (finished rows keep decoding and their tokens are discarded). The
+prefill is not compiled, and the decode steps of K continuations see B*K rows from their first step on,
+so group sampling takes this path unchanged. This path has not been run here (no GPU in the build
+environment).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from training.generation.generator import (
     GenerationOutput,
     answer_mask_from_tokens,
     assemble_output,
+    repeat_per_prompt,
     sampling_generator,
     select_next_tokens,
 )
@@ -62,21 +70,57 @@ class StepModel(Protocol):
     """One model's forward passes over its cache; each returns the logits [B, V] of the last position.
 
     `mask` [B, T] marks the filled, non-pad cache columns (T = prompt + answer length); `column` is the
-    cache column of the step's token."""
+    cache column of the step's token. `prefill` allocates (or reuses) a cache of at least `rows` rows and
+    fills its first B; `repeat_rows(k)` then makes it B*k rows, row i copied to rows i*k .. i*k + k-1."""
 
     shrinks: bool  # finished rows may leave the batch
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
+        ...
+
+    def repeat_rows(self, k: int) -> None: ...
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor: ...
 
     def keep_rows(self, keep: torch.Tensor) -> None: ...
 
 
+def repeat_filled_rows(full: torch.Tensor, batch: int, k: int, filled: int) -> None:
+    """In a [rows, heads, length, dim] buffer, copy the first `filled` columns of rows 0..batch-1 to rows
+    0..batch*k-1, each row k times in a row (the later rows' other columns are left as they are)."""
+    full[:batch * k, :, :filled] = full[:batch, :, :filled].repeat_interleave(k, dim=0)
+
+
 @dataclass
 class _StaticStorage:
+    """A StaticCache allocated for `rows` rows, whose layers work on views of the rows in use.
+
+    transformers sizes a StaticCache layer by the batch of the first update it sees (its lazy
+    allocation); each layer's allocation is wrapped so that it allocates all `rows` rows instead (kept
+    in `full_buffers`) and hands the layer the prefill's first rows of them."""
+
     cache: StaticCache
+    rows: int
     full_buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for layer in self.cache.layers:
+            layer.lazy_initialization = self._allocate_all_rows(layer, layer.lazy_initialization)
+
+    def _allocate_all_rows(self, layer, allocate: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable:
+        def allocate_all_rows(keys: torch.Tensor, values: torch.Tensor) -> None:
+            # zero-length probes of the full row count: the layer allocates from their shape, dtype and device
+            allocate(keys.new_empty(self.rows, keys.shape[1], 0, keys.shape[-1]),
+                     values.new_empty(self.rows, values.shape[1], 0, values.shape[-1]))
+            self.full_buffers.append((layer.keys, layer.values))
+            layer.keys, layer.values = layer.keys[:keys.shape[0]], layer.values[:values.shape[0]]
+
+        return allocate_all_rows
+
+    def use_rows(self, count: int) -> None:
+        """Point every allocated layer at the first `count` rows of its buffers."""
+        for layer, (keys, values) in zip(self.cache.layers, self.full_buffers):
+            layer.keys, layer.values = keys[:count], values[:count]
 
 
 class HFCachedModel:
@@ -89,6 +133,7 @@ class HFCachedModel:
         self.shrinks = not (cuda_graph and torch.cuda.is_available() and device.type == "cuda")
         self._step = model if self.shrinks else torch.compile(model, mode="reduce-overhead", dynamic=False)
         self._storage: _StaticStorage | None = None
+        self._prefilled = (0, 0)  # rows and columns of the last prefill
 
     def _cache_wide(self, mask: torch.Tensor) -> torch.Tensor:
         """The mask widened to the cache length, as a StaticCache forward expects."""
@@ -101,19 +146,24 @@ class HFCachedModel:
                     past_key_values=self._storage.cache, use_cache=True, **kwargs)
         return out.logits[:, -1]
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
         batch, length = mask.shape
-        if not self.kv_cache.reusable(_StaticStorage, batch, length):
+        if not self.kv_cache.reusable(_StaticStorage, rows, length):
             self.kv_cache.release()
-            self.kv_cache.keep(_StaticStorage(StaticCache(config=self.model.config, max_cache_len=length)), batch, length)
+            storage = _StaticStorage(StaticCache(config=self.model.config, max_cache_len=length), rows)
+            self.kv_cache.keep(storage, rows, length)
         self._storage = self.kv_cache.cache
-        for layer, (keys, values) in zip(self._storage.cache.layers, self._storage.full_buffers):
-            layer.keys, layer.values = keys[:batch], values[:batch]
+        self._storage.use_rows(batch)
         self._storage.cache.reset()
-        logits = self._forward(self.model, input_ids, mask, positions, logits_to_keep=1)
-        if not self._storage.full_buffers:
-            self._storage.full_buffers = [(layer.keys, layer.values) for layer in self._storage.cache.layers]
-        return logits
+        self._prefilled = tuple(input_ids.shape)
+        return self._forward(self.model, input_ids, mask, positions, logits_to_keep=1)
+
+    def repeat_rows(self, k: int) -> None:
+        batch, filled = self._prefilled
+        for keys, values in self._storage.full_buffers:
+            repeat_filled_rows(keys, batch, k, filled)
+            repeat_filled_rows(values, batch, k, filled)
+        self._storage.use_rows(batch * k)
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
         return self._forward(self._step, tokens[:, None], mask, positions)
@@ -135,19 +185,31 @@ class FusedCachedModel:
         self.fused = fused
         self.kv_cache = kv_cache
         self._buffers: FusedKVBuffers | None = None
+        self._prefilled = (0, 0)  # rows and columns of the last prefill
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        batch, length = mask.shape
-        if not self.kv_cache.reusable(FusedKVBuffers, batch, length):
-            self.kv_cache.release()
-            self.kv_cache.keep(self.fused.allocate(batch, length), batch, length)
+    def _use_rows(self, count: int) -> None:
         full = self.kv_cache.cache
-        self._buffers = FusedKVBuffers(full.keys[:, :batch], full.values[:, :batch])
+        self._buffers = FusedKVBuffers(full.keys[:, :count], full.values[:, :count])
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
+        batch, length = mask.shape
+        if not self.kv_cache.reusable(FusedKVBuffers, rows, length):
+            self.kv_cache.release()
+            self.kv_cache.keep(self.fused.allocate(rows, length), rows, length)
+        self._use_rows(batch)
+        self._prefilled = tuple(input_ids.shape)
         prompt_len = input_ids.shape[1]
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=mask.device).tril()
         # a pad query also sees itself, so that no row of the attention is empty (NaN)
         attend = causal & mask[:, None, :prompt_len].bool() | torch.eye(prompt_len, dtype=torch.bool, device=mask.device)
         return self.fused.forward(input_ids, positions, self._buffers, 0, attend[:, None])
+
+    def repeat_rows(self, k: int) -> None:
+        full, (batch, filled) = self.kv_cache.cache, self._prefilled
+        for layer in range(full.keys.shape[0]):  # one layer at a time bounds the temporary copy
+            repeat_filled_rows(full.keys[layer], batch, k, filled)
+            repeat_filled_rows(full.values[layer], batch, k, filled)
+        self._use_rows(batch * k)
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
         attend = mask[:, None, None, :column + 1].bool()
@@ -190,12 +252,18 @@ class KVCacheDecoder:
             return self._decode(input_ids.to(self.device), attention_mask.to(self.device), config)
 
     def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
-        batch, prompt_len = input_ids.shape
+        prompts, prompt_len = input_ids.shape
+        group = config.num_return_sequences
         new_tokens = config.max_new_tokens
-        mask = torch.zeros(batch, prompt_len + new_tokens, dtype=attention_mask.dtype, device=self.device)
+        mask = torch.zeros(prompts, prompt_len + new_tokens, dtype=attention_mask.dtype, device=self.device)
         mask[:, :prompt_len] = attention_mask
         positions = position_ids_from_attention_mask(attention_mask)
-        logits = self.model.prefill(input_ids, mask, positions)
+        logits = self.model.prefill(input_ids, mask, positions, prompts * group)
+        if group > 1:
+            self.model.repeat_rows(group)
+            input_ids, attention_mask, mask, positions, logits = (
+                repeat_per_prompt(t, group) for t in (input_ids, attention_mask, mask, positions, logits))
+        batch = prompts * group
         next_position = positions[:, -1:] + 1
 
         generator = sampling_generator(config, self.device)

@@ -22,6 +22,7 @@ from training.generation.generator import (
     GenerationConfig,
     GenerationOutput,
     assemble_output,
+    repeat_per_prompt,
 )
 from utils.dist import get_rank, get_world_size
 from utils.errors import UserError
@@ -80,7 +81,8 @@ class TensorParallelGroup:
     def generate_together(
         self, decoder: KVCacheDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig
     ) -> GenerationOutput:
-        """Decode the group's prompts as one batch (left-padded to a common length) and keep this rank's rows."""
+        """Decode the group's prompts as one batch (left-padded to a common length) and keep this rank's rows
+        (with K continuations per prompt, the K rows of each of its prompts: the joint output is prompt-major)."""
         batch, prompt_len = input_ids.shape
         sizes = self._all_gather(torch.tensor([batch, prompt_len], dtype=torch.long))
         max_batch = max(int(s[0]) for s in sizes)
@@ -96,11 +98,12 @@ class TensorParallelGroup:
             torch.cat([mask[:n] for mask, n in zip(all_masks, counts)]),
             config,
         )
-        first = sum(counts[: self.rank])
-        mine = slice(first, first + batch)
+        per_prompt = config.num_return_sequences
+        first = sum(counts[: self.rank]) * per_prompt
+        mine = slice(first, first + batch * per_prompt)
         return assemble_output(
-            input_ids,
-            attention_mask,
+            repeat_per_prompt(input_ids, per_prompt),
+            repeat_per_prompt(attention_mask, per_prompt),
             joint.answers[mine].to(input_ids.device),
             joint.logprobs[mine],
             joint.answer_mask[mine],
