@@ -32,6 +32,7 @@ from step3_rlhf.plots import plot_reward_kl
 from step3_rlhf.ppo_trainer import (
     Experience,
     PPOTrainer,
+    check_estimator_inputs,
     experience_stats,
 )
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
@@ -49,6 +50,7 @@ from training.reliability.guards import check_finite
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args, save_summary
 from training.reliability.signals import GracefulInterrupt
+from training.rewards import load_reward_fn
 from training.reliability.validation import (
     check_input_run_shards,
     check_model_source,
@@ -71,11 +73,13 @@ logger = logging.getLogger(__name__)
 ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR = "actor", "critic", "actor_ema"
 PLOT_FILE = "reward_kl.png"
 HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_length": "response_length",
-                          "rollout/eos_fraction": "eos_fraction"}  # experience_stats key: held-out name
+                          "rollout/eos_fraction": "eos_fraction",
+                          "reward/fn_mean": "reward_fn_mean"}  # experience_stats key: held-out name
 
 
 def build_parser() -> SettingsParser:
-    return SettingsParser(Step3Settings, description="Step 3: RLHF with PPO (actor, critic, reference and reward model)")
+    return SettingsParser(Step3Settings, description="Step 3: RLHF (PPO, GRPO, RLOO, REINFORCE++, ReMax) on the actor "
+                                                     "with a reference, a reward model and/or a reward function")
 
 
 def parse_args(argv: list[str] | None = None) -> Step3Settings:
@@ -100,19 +104,29 @@ def check_args(args: Step3Settings) -> None:
             "distribution that drew each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower "
             "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
         )
-    get_advantage_estimator(args.ppo.advantage_estimator)  # an unknown name fails here, listing the known ones
+    check_positive(flag_values(args), "n_samples_per_prompt")
+    estimator = get_advantage_estimator(args.ppo.advantage_estimator)  # an unknown name fails, listing the known
     get_policy_loss(args.ppo.policy_loss)
     get_value_loss(args.ppo.value_loss)
+    check_estimator_inputs(estimator, args.ppo.n_samples_per_prompt, estimator.needs_critic)
+    if args.models.critic_model_name_or_path is None and args.rewards.reward_fn is None:
+        raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
+                        "model), --reward_fn (e.g. builtin:math), or both")
+    if args.rewards.reward_fn is not None:
+        load_reward_fn(args.rewards.reward_fn)
     for flag, model in asdict(args.models).items():
+        if model is None:
+            continue
         check_model_source(model, f"--{flag}")
         check_remote_code(model, args.run.trust_remote_code, f"--{flag}")
         check_input_run_shards(model, args.data, f"--{flag}")
-    check_reward_model_dir(args.models.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
+    if args.models.critic_model_name_or_path is not None:
+        check_reward_model_dir(args.models.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
 
 
 def experiences_per_step(args: Step3Settings) -> int:
-    """Rows one PPO step trains on, per rank."""
-    return args.loop.generation_batches * args.loop.per_device_generation_batch_size
+    """Rows (answers) one PPO step trains on, per rank."""
+    return args.loop.generation_batches * args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
 
 
 def optimizer_steps_per_ppo_step(args: Step3Settings) -> int:
@@ -136,7 +150,7 @@ def count_ppo_steps(args: Step3Settings, prompts: BatchStream) -> int:
 def held_out_stats(experience: Experience) -> dict[str, float]:
     """Metrics of one batch of greedy held-out answers (this rank's rows): score, exact KL, length, EOS share."""
     stats = experience_stats(experience)
-    return {**{name: stats[key] for key, name in HELD_OUT_ROLLOUT_STATS.items()},
+    return {**{name: stats[key] for key, name in HELD_OUT_ROLLOUT_STATS.items() if key in stats},
             "kl_exact": experience.exact_kl.mean().item()}
 
 
@@ -208,8 +222,9 @@ class PPORun:
         record = {"step": self.step, **values}
         self.evaluations.append(record)
         self.metrics.log(self.step, {f"eval/{key}": value for key, value in values.items()})
-        logger.info("held-out at PPO step %d: score %.4f, exact KL %.4f, length %.1f", self.step,
-                    values["score_mean"], values["kl_exact"], values["response_length"])
+        logger.info("held-out at PPO step %d: score %.4f, exact KL %.4f, length %.1f%s", self.step,
+                    values["score_mean"], values["kl_exact"], values["response_length"],
+                    f", reward function {values['reward_fn_mean']:.4f}" if "reward_fn_mean" in values else "")
         return record
 
     def ppo_step(self) -> dict[str, float]:
@@ -314,12 +329,15 @@ def _summary(run: PPORun, saved: Mapping[str, str | None], plot: Path | None, wa
     last = run.evaluations[-1] if run.evaluations else {}
     return {
         "step": "step3_rlhf",
+        "algorithm": run.args.ppo.algorithm,
         **saved,
         "ppo_steps": run.step,
         "reward_first": first.get("score_mean"),
         "reward_last": last.get("score_mean"),
         "kl_exact_last": last.get("kl_exact"),
         "response_length_last": last.get("response_length"),
+        "reward_fn_first": first.get("reward_fn_mean"),
+        "reward_fn_last": last.get("reward_fn_mean"),
         "rollout_reward_last": run.last_stats.get("reward/score_mean"),
         "rollout_kl_last": run.last_stats.get("reward/kl"),
         "evaluations": run.evaluations,
@@ -351,7 +369,8 @@ def run_step3(args: Step3Settings) -> dict:
         optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
         engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps)
         generator = build_generator(args.hybrid.backend, engine.actor, tokenizer, args.hybrid)
-        trainer = PPOTrainer(engine, generator, args.ppo)
+        reward_fn = load_reward_fn(args.rewards.reward_fn) if args.rewards.reward_fn is not None else None
+        trainer = PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef)
         metrics = MetricsLogger(run_dir)
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__)

@@ -19,27 +19,35 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
 from step3_rlhf.rlhf_engine import RLHFEngine
+from step3_rlhf.scoring import RewardScorer, Scores
 from training.algorithms import (
+    KL_ESTIMATORS,
+    RL_ALGORITHMS,
     AdaptiveKLController,
+    AdvantageEstimator,
+    AdvantageInputs,
     FixedKLController,
     apply_no_eos_penalty,
     compute_rewards,
     entropy_from_logits,
     get_advantage_estimator,
     get_policy_loss,
+    get_rl_algorithm,
     get_value_loss,
     kl_from_logits,
+    kl_loss,
     masked_mean,
 )
 from training.core.sequences import answer_logits, token_logprobs
 from training.generation.generator import GenerationConfig, Generator, eval_mode
 from training.reliability.guards import check_finite
 from utils.dist import sum_over_ranks
+from training.rewards import RewardFunction
 from utils.errors import UserError
 
 
@@ -65,11 +73,38 @@ class PPOConfig:
     temperature: float = field(default=1.0, metadata={"flag": None})
     unsup_coef: float = field(default=27.8, metadata={
         "help": "weight of the pretraining LM loss added to the actor's PPO loss (PPO-ptx)"})
-    advantage_estimator: str = field(default="gae", metadata={
-        "help": "advantage estimator (training.algorithms registry); one that needs no critic trains none"})
+    algorithm: str = field(default="ppo", metadata={
+        "choices": tuple(RL_ALGORITHMS.names()),
+        "help": "the RL algorithm: its advantage estimator and the defaults of --n_samples_per_prompt, --kl_in_loss "
+                "and --kl_estimator (see training/algorithms/rl.py)"})
+    n_samples_per_prompt: int | None = field(default=None, metadata={
+        "help": "answers sampled per prompt, sharing the prompt's prefill (default: the algorithm's; grpo/rloo 4)"})
+    kl_in_loss: bool | None = field(default=None, metadata={
+        "help": "add kl_ctl * KL(actor || reference) to the actor's loss instead of penalising it in the reward "
+                "(default: the algorithm's; on for grpo)"})
+    kl_estimator: str | None = field(default=None, metadata={
+        "choices": tuple(KL_ESTIMATORS.names()),
+        "help": "per-token KL estimator, in the reward or the loss (default: the algorithm's; k3 for grpo, else k1)"})
+    group_std_eps: float = field(default=1e-6, metadata={
+        "help": "grpo: added to the group's reward std before dividing"})
+    advantage_estimator: str | None = field(default=None, metadata={
+        "help": "override the algorithm's advantage estimator (training.algorithms registry); one that needs no critic "
+                "trains none"})
     policy_loss: str = field(default="ppo", metadata={"help": "actor loss (training.algorithms registry)"})
     value_loss: str = field(default="clipped", metadata={
         "help": "critic loss (training.algorithms registry); unused without a critic"})
+
+    def __post_init__(self) -> None:
+        """Fill the settings left unset from `--algorithm` (an unknown name fails here, naming the choices)."""
+        algorithm = get_rl_algorithm(self.algorithm)
+        if self.advantage_estimator is None:
+            self.advantage_estimator = algorithm.advantage_estimator
+        if self.n_samples_per_prompt is None:
+            self.n_samples_per_prompt = algorithm.n_samples_per_prompt
+        if self.kl_in_loss is None:
+            self.kl_in_loss = algorithm.kl_in_loss
+        if self.kl_estimator is None:
+            self.kl_estimator = algorithm.kl_estimator
 
 
 @dataclass
@@ -91,6 +126,7 @@ class Experience:
     ended_with_eos: torch.Tensor  # [B] bool
     exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
     group_index: torch.Tensor | None = None  # [B] long: rows answering the same prompt share it (group baselines)
+    reward_fn_scores: torch.Tensor | None = None  # [B] the reward function's value (with --reward_fn)
 
     @property
     def batch_size(self) -> int:
@@ -115,6 +151,21 @@ def update_kl_controller(controller: AdaptiveKLController | FixedKLController, k
     controller.update(total / max(count, 1.0), int(count))
 
 
+def check_estimator_inputs(estimator: AdvantageEstimator, samples_per_prompt: int, has_critic: bool) -> None:
+    """What the estimator needs must be there: a critic exactly when it uses one, and enough answers per prompt."""
+    if estimator.needs_critic != has_critic:
+        raise UserError(
+            f"advantage estimator {estimator.name!r} "
+            f"{'needs a critic' if estimator.needs_critic else 'trains no critic'}, but the engine "
+            f"{'has one' if has_critic else 'has none'}; build the engine for the same estimator"
+        )
+    if samples_per_prompt < estimator.min_group_size:
+        raise UserError(
+            f"advantage estimator {estimator.name!r} compares answers to the same prompt and needs "
+            f"--n_samples_per_prompt of at least {estimator.min_group_size}, got {samples_per_prompt}"
+        )
+
+
 def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
                    prompt_length: int) -> torch.Tensor:
     """The critic's value of the state before each answer token: [B, N] (read at the preceding position)."""
@@ -123,22 +174,22 @@ def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_m
 
 
 class PPOTrainer:
-    """Rollouts and PPO updates for the actor (and the critic, when the advantage estimator needs one)
-    of an `RLHFEngine`; the estimator and losses are looked up by name in `training.algorithms`."""
+    """Rollouts and clipped policy-gradient updates for the actor (and the critic, when the advantage
+    estimator needs one) of an `RLHFEngine`, for every `--algorithm`: the estimator and the losses are
+    looked up by name in `training.algorithms`.
 
-    def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig):
+    Answers are scored by the engine's reward model, the `reward_fn`, or both (`RewardScorer`)."""
+
+    def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig,
+                 reward_fn: RewardFunction | None = None, reward_fn_coef: float = 1.0):
         self.engine = engine
         self.generator = generator
         self.config = config
         self.advantage_estimator = get_advantage_estimator(config.advantage_estimator)
         self.policy_loss = get_policy_loss(config.policy_loss)
         self.value_loss = get_value_loss(config.value_loss)
-        if self.advantage_estimator.needs_critic != (engine.critic is not None):
-            raise UserError(
-                f"advantage estimator {config.advantage_estimator!r} "
-                f"{'needs a critic' if self.advantage_estimator.needs_critic else 'trains no critic'}, but the engine "
-                f"{'has none' if engine.critic is None else 'has one'}; build the engine for the same estimator"
-            )
+        check_estimator_inputs(self.advantage_estimator, config.n_samples_per_prompt, engine.critic is not None)
+        self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer)
         tokenizer = engine.tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
@@ -147,23 +198,25 @@ class PPOTrainer:
             if config.target_kl is not None else FixedKLController(config.kl_ctl)
         )
 
-    def generation_config(self, do_sample: bool = True) -> GenerationConfig:
+    def generation_config(self, do_sample: bool = True, num_return_sequences: int = 1) -> GenerationConfig:
         return GenerationConfig(
             max_new_tokens=self.config.max_answer_seq_len,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
             do_sample=do_sample,
             temperature=self.config.temperature,
+            num_return_sequences=num_return_sequences,
         )
 
     # rollouts -----------------------------------------------------------------------------------
 
-    def generate_experience(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
-        """Sample answers to a left-padded prompt batch and score them: log-probs of actor and reference,
-        critic values (with a critic), reward-model scores, per-token rewards, advantages and returns
-        (a `group_index` entry of the batch, [B], rows answering the same prompt sharing it, is passed to
-        the estimator and kept). The adaptive KL coefficient then moves toward its target, from every
-        rank's answers together (collective).
+    def generate_experience(self, prompt_batch: Mapping[str, Any]) -> Experience:
+        """Sample `n_samples_per_prompt` answers to each prompt of a left-padded prompt batch (one prefill per
+        prompt) and score them: log-probs of actor and reference, critic values (with a critic), scores,
+        per-token rewards, advantages and returns. Rows are prompt-major and carry a `group_index` (the
+        prompt's row in the batch; with one answer per prompt, the batch's own `group_index` entry if it has
+        one). The adaptive KL coefficient then moves toward its target, from every rank's answers together
+        (collective).
 
         Everything after generation runs in eval mode (dropout is off anyway), so the old log-probs
         and values are exactly what the first PPO epoch's train-mode forward starts from.
@@ -172,8 +225,9 @@ class PPOTrainer:
         update_kl_controller(self.kl_controller, experience.kl)
         return experience
 
-    def evaluate_prompts(self, prompt_batch: Mapping[str, torch.Tensor]) -> Experience:
-        """Greedy answers to a prompt batch, scored like a rollout; changes no training state.
+    def evaluate_prompts(self, prompt_batch: Mapping[str, Any]) -> Experience:
+        """Greedy answers to a prompt batch (one each), scored like a rollout, with no advantages (zeros);
+        changes no training state.
 
         Greedy tokens are not samples of the actor, so their summed log-ratio (`kl`) estimates no KL;
         `exact_kl` is the real one along each answer: at every answer position, the KL between the
@@ -181,15 +235,36 @@ class PPOTrainer:
         """
         return self._rollout(prompt_batch, do_sample=False, with_exact_kl=True)
 
+    def _score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+               metadata: list | None, ended_with_eos: torch.Tensor) -> Scores:
+        scores = self.scorer(sequences, attention_mask, prompt_length, metadata)
+        if self.config.no_eos_penalty:
+            scores.total = apply_no_eos_penalty(scores.total, ended_with_eos, self.config.no_eos_penalty)
+        return scores
+
+    def _ended_with_eos(self, answers: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+        return ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
+
+    def _greedy_baseline(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, metadata: list | None,
+                         samples_per_prompt: int) -> torch.Tensor:
+        """ReMax's baseline: the clipped score of each prompt's greedy answer, repeated for its sampled rows: [B*K]."""
+        output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample=False))
+        answer_mask = output.answer_mask.to(input_ids.device)
+        ended = self._ended_with_eos(output.answers, answer_mask)
+        scores = self._score(output.sequences, output.attention_mask, output.prompt_length, metadata, ended)
+        clipped = scores.total.clamp(-self.config.clip_reward_value, self.config.clip_reward_value)
+        return clipped.repeat_interleave(samples_per_prompt)
+
     @torch.no_grad()
-    def _rollout(self, prompt_batch: Mapping[str, torch.Tensor], do_sample: bool,
+    def _rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
                  with_exact_kl: bool = False) -> Experience:
         engine, config = self.engine, self.config
         device = engine.actor.device
         input_ids = prompt_batch["input_ids"].to(device)
         prompt_mask = prompt_batch["attention_mask"].to(device)
+        samples = config.n_samples_per_prompt if do_sample else 1
         started = time.perf_counter()
-        output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample))
+        output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples))
         generated = time.perf_counter()
         # clones: a backend may return inference-mode tensors, which autograd refuses to train on
         sequences, attention_mask = output.sequences.clone(), output.attention_mask.clone()
@@ -197,8 +272,12 @@ class PPOTrainer:
         action_mask = output.answer_mask.clone().to(device)
         answers = sequences[:, prompt_length:]
         group_index = prompt_batch.get("group_index")
+        if samples > 1:
+            group_index = torch.arange(input_ids.shape[0]).repeat_interleave(samples)
         if group_index is not None:
             group_index = group_index.to(device)
+        metadata = prompt_batch.get("metadata")
+        row_metadata = [entry for entry in metadata for _ in range(samples)] if metadata is not None else None
         critic = engine.critic
         with eval_mode(engine.actor.module), eval_mode(critic.module) if critic is not None else nullcontext():
             logits = answer_logits(engine.actor, sequences, attention_mask, prompt_length)
@@ -212,18 +291,24 @@ class PPOTrainer:
             del ref_logits, actor_logits
             old_values = (_answer_values(critic, sequences, attention_mask, prompt_length)
                           if critic is not None else None)
-            scores = engine.reward(input_ids=sequences, attention_mask=attention_mask)["end_scores"].float()
-        ended_with_eos = ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
-        if config.no_eos_penalty:
-            scores = apply_no_eos_penalty(scores, ended_with_eos, config.no_eos_penalty)
-        rewards, kl = compute_rewards(scores, old_logprobs, ref_logprobs, action_mask, self.kl_controller.value,
-                                      config.clip_reward_value)
-        advantages, returns = self.advantage_estimator(rewards, action_mask, old_values, group_index, config)
+            ended_with_eos = self._ended_with_eos(answers, action_mask)
+            scores = self._score(sequences, attention_mask, prompt_length, row_metadata, ended_with_eos)
+        reward_kl_coef = 0.0 if config.kl_in_loss else self.kl_controller.value
+        rewards, kl = compute_rewards(scores.total, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
+                                      config.clip_reward_value, config.kl_estimator)
+        if do_sample:
+            baseline = (self._greedy_baseline(input_ids, prompt_mask, metadata, samples)
+                        if self.advantage_estimator.needs_greedy_baseline else None)
+            inputs = AdvantageInputs(rewards, action_mask, old_values, group_index, baseline)
+            advantages, returns = self.advantage_estimator(inputs, config)
+        else:
+            advantages, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
         scored = time.perf_counter()
         self.last_timing = {"generation_s": generated - started, "scoring_s": scored - generated,
                             "generated_tokens": float(action_mask.sum().item())}
         return Experience(sequences, attention_mask, prompt_length, action_mask, old_logprobs, ref_logprobs,
-                          old_values, rewards, advantages, returns, scores, kl, ended_with_eos, exact_kl, group_index)
+                          old_values, rewards, advantages, returns, scores.total, kl, ended_with_eos, exact_kl,
+                          group_index, scores.function)
 
     # updates ------------------------------------------------------------------------------------
 
@@ -250,15 +335,19 @@ class PPOTrainer:
             entropy = entropy_from_logits(logits.detach() / config.temperature, mask)
         del logits
         check_finite("actor loss", policy.loss, step)
-        objective, mixture_stats = policy.loss, {}
+        objective, extra_stats = policy.loss, {}
+        if config.kl_in_loss:
+            kl_term = kl_loss(logprobs, experience.ref_logprobs, mask, config.kl_estimator)
+            objective = objective + self.kl_controller.value * kl_term
+            extra_stats["kl_loss"] = kl_term.item()
         if unsupervised_batch is not None:
             lm_loss = self._language_model_loss(unsupervised_batch)
             check_finite("unsupervised loss", lm_loss, step)
             objective = objective + config.unsup_coef * lm_loss
-            mixture_stats["unsup_loss"] = lm_loss.item()
+            extra_stats["unsup_loss"] = lm_loss.item()
         self._step_actor(objective)
         stats = {"actor_loss": policy.loss.item(), "clip_fraction": policy.clip_fraction.item(),
-                 "approx_kl": policy.approx_kl.item(), "entropy": entropy.item(), **mixture_stats}
+                 "approx_kl": policy.approx_kl.item(), "entropy": entropy.item(), **extra_stats}
         if critic is None:
             return stats
 
@@ -312,6 +401,8 @@ def experience_stats(experience: Experience) -> dict[str, float]:
         "rollout/response_length": lengths.mean().item(),
         "rollout/eos_fraction": experience.ended_with_eos.float().mean().item(),
     }
+    if experience.reward_fn_scores is not None:
+        stats["reward/fn_mean"] = experience.reward_fn_scores.float().mean().item()
     if experience.old_values is not None:
         stats["rollout/value_mean"] = masked_mean(experience.old_values, experience.action_mask).item()
     return stats

@@ -2,9 +2,11 @@
 
 - actor: the step-1 model, trained by PPO (its own ZeRO stage, offload and LoRA);
 - reference: a frozen copy of the step-1 model, the anchor of the KL penalty;
-- critic: initialised from the step-2 reward model (backbone + value head), trained on the returns;
-  built only when the advantage estimator needs one (`--advantage_estimator`), None otherwise;
-- reward: the step-2 reward model, frozen, scores each finished answer;
+- critic: initialised from the step-2 reward model (backbone + value head), or without one from the
+  actor's model with a new value head, trained on the returns; built only when the advantage estimator
+  needs one (`--algorithm`/`--advantage_estimator`), None otherwise;
+- reward: the step-2 reward model, frozen, scores each finished answer; None when the answers are scored
+  by a reward function alone (`--reward_fn` without `--critic_model_name_or_path`);
 - optionally an EMA of the actor's weights (`--enable_ema`).
 Every model is built ZeRO-3 aware, and dropout is switched off in all of them: PPO compares
 log-probabilities and values of the same tokens across forward passes, which dropout would blur.
@@ -38,7 +40,7 @@ class RLHFEngine:
     actor: torch.nn.Module
     reference: torch.nn.Module
     critic: torch.nn.Module | None  # None when the advantage estimator needs no critic
-    reward: torch.nn.Module
+    reward: torch.nn.Module | None  # None when a reward function alone scores the answers
     tokenizer: PreTrainedTokenizerBase
     actor_ema: ModelEMA | None = None
 
@@ -63,13 +65,14 @@ def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_token
 def build_rlhf_engine(
     args: Step3Settings, tokenizer: PreTrainedTokenizerBase, num_actor_steps: int, num_critic_steps: int
 ) -> RLHFEngine:
-    """Build the engines (and the EMA) from the step-3 settings; the critic (and its optimizer) only if
-    `--advantage_estimator` needs one."""
+    """Build the engines (and the EMA) from the step-3 settings: the critic (and its optimizer) only if the
+    advantage estimator needs one, the reward model only if `--critic_model_name_or_path` names one."""
     dtype = resolve_dtype(args.run.dtype)
     dtype_name, trust_remote_code = args.run.dtype_name, args.run.trust_remote_code
-    actor_path, critic_path = args.models.actor_model_name_or_path, args.models.critic_model_name_or_path
+    actor_path, reward_path = args.models.actor_model_name_or_path, args.models.critic_model_name_or_path
     micro_batch = args.loop.per_device_training_batch_size
-    check_same_vocabulary(tokenizer, load_tokenizer(critic_path, trust_remote_code), critic_path)
+    if reward_path is not None:
+        check_same_vocabulary(tokenizer, load_tokenizer(reward_path, trust_remote_code), reward_path)
 
     actor_settings = optimization_settings(args.actor, args.schedule, dtype_name, num_actor_steps, micro_batch,
                                            job_name="actor")
@@ -88,22 +91,31 @@ def build_rlhf_engine(
     if get_advantage_estimator(args.ppo.advantage_estimator).needs_critic:
         critic_settings = optimization_settings(args.critic, args.schedule, dtype_name, num_critic_steps, micro_batch,
                                                 job_name="critic")
-        critic_model = RewardModel.from_pretrained(critic_path, dtype=dtype, ds_config=critic_settings.ds_config(),
-                                                   disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+        ds_config = critic_settings.ds_config()
+        if reward_path is not None:
+            critic_model = RewardModel.from_pretrained(reward_path, dtype=dtype, ds_config=ds_config,
+                                                       disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+        else:
+            critic_model = RewardModel.from_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=ds_config,
+                                                      disable_dropout_layers=True, trust_remote_code=trust_remote_code)
         critic_model = apply_model_options(critic_model, args.critic, trainable_heads=("v_head",),
                                            flag_prefix="critic_")
         critic = create_train_engine(critic_model, critic_settings)
 
+    reward = None
     reward_stage = 3 if args.critic.zero_stage == 3 else 0
-    reward_config = get_eval_ds_config(reward_stage, args.frozen.offload_reward_model, dtype_name)
-    reward_model = RewardModel.from_pretrained(critic_path, dtype=dtype, ds_config=reward_config,
-                                               disable_dropout_layers=True, trust_remote_code=trust_remote_code)
-    reward = create_frozen_engine(reward_model, reward_stage, args.frozen.offload_reward_model, dtype_name)
+    if reward_path is not None:
+        reward_config = get_eval_ds_config(reward_stage, args.frozen.offload_reward_model, dtype_name)
+        reward_model = RewardModel.from_pretrained(reward_path, dtype=dtype, ds_config=reward_config,
+                                                   disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+        reward = create_frozen_engine(reward_model, reward_stage, args.frozen.offload_reward_model, dtype_name)
 
     ema = ModelEMA(actor, beta=args.ema.ema_beta, offload=args.actor.offload) if args.ema.enable_ema else None
     critic_desc = "no critic" if critic is None else (
-        f"critic ZeRO-{args.critic.zero_stage}" + (f" LoRA r={args.critic.lora_dim}" if args.critic.lora_dim else ""))
-    logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, reward ZeRO-%d, %s%s",
+        f"critic ZeRO-{args.critic.zero_stage}" + (f" LoRA r={args.critic.lora_dim}" if args.critic.lora_dim else "")
+        + ("" if reward_path is not None else " (new value head on the actor's model)"))
+    reward_desc = f"reward ZeRO-{reward_stage}" if reward is not None else "no reward model"
+    logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, %s, %s%s",
                 args.actor.zero_stage, f" LoRA r={args.actor.lora_dim}" if args.actor.lora_dim else "",
-                critic_desc, reference_stage, reward_stage, dtype_name, ", EMA" if ema is not None else "")
+                critic_desc, reference_stage, reward_desc, dtype_name, ", EMA" if ema is not None else "")
     return RLHFEngine(actor, reference, critic, reward, tokenizer, ema)

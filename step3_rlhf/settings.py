@@ -15,8 +15,21 @@ from utils.data import DataArguments, UnsupervisedDataArguments
 class Step3Models:
     actor_model_name_or_path: str = field(metadata={
         "help": "the step-1 run folder (or any causal LM): the actor and the frozen reference"})
-    critic_model_name_or_path: str = field(metadata={
-        "help": "the step-2 run folder: the frozen reward model and the critic's initialisation"})
+    critic_model_name_or_path: str | None = field(default=None, metadata={
+        "help": "the step-2 run folder: the frozen reward model and the critic's initialisation (optional with "
+                "--reward_fn: without it a reward function alone scores the answers, and a critic starts from the "
+                "actor's model with a new value head)"})
+
+
+@dataclass
+class RewardFunctionSettings:
+    """A program that scores answers, alone or added to the reward model's score."""
+
+    reward_fn: str | None = field(default=None, metadata={
+        "help": "score answers with a Python function (prompt, answer, row metadata) -> float: 'builtin:math' (the "
+                "final number equals the row's answer), 'builtin:format', 'module:function' or 'file.py:function'"})
+    reward_fn_coef: float = field(default=1.0, metadata={
+        "help": "weight of --reward_fn in the score (added to the reward model's score when there is one)"})
 
 
 @dataclass
@@ -63,6 +76,7 @@ class Step3Settings:
     """Everything step 3 is told; `ppo.temperature` follows `--temperature`."""
 
     models: Step3Models
+    rewards: RewardFunctionSettings
     run: RunArguments
     data: DataArguments
     unsupervised: UnsupervisedDataArguments

@@ -7,6 +7,8 @@ import torch
 
 from training.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    AdvantageInputs,
     AdaptiveKLController,
     FixedKLController,
     actor_loss,
@@ -17,8 +19,10 @@ from training.algorithms import (
     entropy_from_logits,
     get_advantage_estimator,
     get_policy_loss,
+    get_rl_algorithm,
     get_value_loss,
     kl_from_logits,
+    kl_loss,
     masked_mean,
     register_advantage_estimator,
     whiten,
@@ -196,14 +200,14 @@ def test_a_registered_estimator_is_picked_up_with_its_critic_need(monkeypatch):
     monkeypatch.setattr(ADVANTAGE_ESTIMATORS, "entries", dict(ADVANTAGE_ESTIMATORS.entries))
 
     @register_advantage_estimator("toy", needs_critic=False)
-    def toy(rewards, action_mask, values, group_index, config):
-        return rewards * config.scale, rewards
+    def toy(inputs, config):
+        return inputs.rewards * config.scale, inputs.rewards
 
     estimator = get_advantage_estimator("toy")
     assert not estimator.needs_critic and get_advantage_estimator("gae").needs_critic
-    assert ADVANTAGE_ESTIMATORS.names() == ["gae", "toy"]
+    assert "toy" in ADVANTAGE_ESTIMATORS.names()
     rewards = torch.tensor([[1.0, 2.0]])
-    advantages, returns = estimator(rewards, torch.ones(1, 2), None, None, SimpleNamespace(scale=3.0))
+    advantages, returns = estimator(AdvantageInputs(rewards, torch.ones(1, 2)), SimpleNamespace(scale=3.0))
     assert advantages.tolist() == [[3.0, 6.0]] and returns.tolist() == [[1.0, 2.0]]
     with pytest.raises(ValueError, match="'toy' is already registered"):
         register_advantage_estimator("toy", needs_critic=True)(toy)
@@ -215,7 +219,7 @@ def test_gae_estimator_is_gae_then_optional_whitening(whiten_advantages):
     values, rewards = torch.randn(3, 5), torch.randn(3, 5)
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]])
     config = SimpleNamespace(gamma=0.9, lam=0.8, whiten_advantages=whiten_advantages)
-    advantages, returns = get_advantage_estimator("gae")(rewards, mask, values, None, config)
+    advantages, returns = get_advantage_estimator("gae")(AdvantageInputs(rewards, mask, values), config)
     expected, expected_returns = compute_advantages_and_returns(values, rewards, mask, 0.9, 0.8)
     torch.testing.assert_close(advantages, whiten(expected, mask) if whiten_advantages else expected, rtol=0, atol=0)
     torch.testing.assert_close(returns, expected_returns, rtol=0, atol=0)
@@ -228,3 +232,103 @@ def test_registered_losses_are_the_clipped_losses_at_the_configs_ranges():
     config = SimpleNamespace(cliprange=0.1, cliprange_value=0.3)
     assert get_policy_loss("ppo")(new, old, advantages, mask, config) == actor_loss(new, old, advantages, mask, 0.1)
     assert get_value_loss("clipped")(new, old, advantages, mask, config) == critic_loss(new, old, advantages, mask, 0.3)
+
+
+# critic-free estimators and KL estimators, against numbers worked out by hand ------------------------
+
+
+def _group_of_four_and_a_tied_group() -> AdvantageInputs:
+    """Prompt 0 has four answers: R = 1, 0, 1, 0 (row 2 is a lone EOS, row 1 uses every column, rows 0 and 3
+    are padded); prompt 1 has four answers that all scored 0.5. GARBAGE sits on every padded position."""
+    g = GARBAGE
+    rewards = torch.tensor([
+        [-0.5, 0.5, 1.0, g], [0.0, 0.0, 0.0, 0.0], [1.0, g, g, g], [0.25, -0.25, g, g],
+        [0.5, g, g, g], [0.0, 0.5, g, g], [0.5, g, g, g], [0.25, 0.25, g, g],
+    ])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0],
+                         [1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]])
+    return AdvantageInputs(rewards, mask, group_index=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+
+
+def test_grpo_normalises_each_answer_by_its_groups_mean_and_sample_std():
+    inputs = _group_of_four_and_a_tied_group()
+    advantages, returns = get_advantage_estimator("group_normalized")(inputs, SimpleNamespace(group_std_eps=1e-6))
+    # group 0: mean 0.5, sample std sqrt((4 * 0.25) / 3) = 0.57735 -> +-0.5 / 0.57735 = +-0.866025
+    # group 1: every answer 0.5 -> std 0 -> advantage 0 (the eps keeps it finite)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    expected = torch.tensor([[a, a, a, 0], [-a, -a, -a, -a], [a, 0, 0, 0], [-a, -a, 0, 0],
+                             [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+    torch.testing.assert_close(advantages, expected)
+    assert returns[:4, 0].tolist() == [1.0, 0.0, 1.0, 0.0] and returns[0, 3] == 0
+
+
+def test_rloo_subtracts_the_mean_of_the_other_answers():
+    advantages, _ = get_advantage_estimator("leave_one_out")(_group_of_four_and_a_tied_group(), SimpleNamespace())
+    # row 0: 1 - (0 + 1 + 0) / 3 = 2/3; row 1: 0 - (1 + 1 + 0) / 3 = -2/3; the tied group: 0.5 - 0.5 = 0
+    first = advantages[:, 0].tolist()
+    assert first[:4] == pytest.approx([2 / 3, -2 / 3, 2 / 3, -2 / 3]) and first[4:] == [0.0] * 4
+    torch.testing.assert_close(advantages[0], torch.tensor([2 / 3, 2 / 3, 2 / 3, 0.0]))
+    torch.testing.assert_close(advantages[2], torch.tensor([2 / 3, 0.0, 0.0, 0.0]))
+
+
+def test_reinforce_pp_whitens_discounted_returns_to_go_over_the_batch():
+    g = GARBAGE
+    rewards = torch.tensor([[0.0, 1.0, g], [-1.0, g, g]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    advantages, returns = get_advantage_estimator("reinforce_pp")(AdvantageInputs(rewards, mask),
+                                                                 SimpleNamespace(gamma=0.5))
+    # returns-to-go: row 0 [0 + 0.5 * 1, 1] = [0.5, 1], row 1 [-1]
+    torch.testing.assert_close(returns, torch.tensor([[0.5, 1.0, 0.0], [-1.0, 0.0, 0.0]]))
+    # whitened over the three answer tokens: mean 1/6, variance (1/9 + 25/36 + 49/36) / 3 = 13/18
+    std = math.sqrt(13 / 18)
+    expected = torch.tensor([[(0.5 - 1 / 6) / std, (1 - 1 / 6) / std, 0.0], [(-1 - 1 / 6) / std, 0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_remax_subtracts_the_greedy_answers_reward():
+    g = GARBAGE
+    inputs = AdvantageInputs(torch.tensor([[0.1, 0.9], [0.0, g]]), torch.tensor([[1, 1], [1, 0]]),
+                             baseline_rewards=torch.tensor([0.25, 0.25]))
+    estimator = get_advantage_estimator("greedy_baseline")
+    assert estimator.needs_greedy_baseline and not estimator.needs_critic
+    advantages, _ = estimator(inputs, SimpleNamespace())
+    torch.testing.assert_close(advantages, torch.tensor([[0.75, 0.75], [-0.25, 0.0]]))
+
+
+def test_kl_estimators_by_hand():
+    logprobs, ref_logprobs = torch.log(torch.tensor([[0.5, 0.5]])), torch.log(torch.tensor([[0.25, 0.5]]))
+    # log r = log(q / p) = -log 2 on token 0, 0 on token 1
+    torch.testing.assert_close(KL_ESTIMATORS.get("k1")(logprobs, ref_logprobs), torch.tensor([[math.log(2), 0.0]]))
+    torch.testing.assert_close(KL_ESTIMATORS.get("k2")(logprobs, ref_logprobs),
+                               torch.tensor([[0.5 * math.log(2) ** 2, 0.0]]))
+    torch.testing.assert_close(KL_ESTIMATORS.get("k3")(logprobs, ref_logprobs),
+                               torch.tensor([[0.5 - 1 + math.log(2), 0.0]]))
+    # as a loss: the masked mean (token 1 masked out), differentiable in the actor's log-probs
+    actor = logprobs.clone().requires_grad_(True)
+    loss = kl_loss(actor, ref_logprobs, torch.tensor([[1, 0]]), "k3")
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 - 1 + math.log(2))
+    # d/dlogp [exp(ref - logp) - 1 - (ref - logp)] = 1 - q/p = 0.5 on token 0; 0 where masked
+    torch.testing.assert_close(actor.grad, torch.tensor([[0.5, 0.0]]))
+
+
+def test_the_kl_penalty_in_the_reward_uses_the_chosen_estimator_and_reports_the_k1_sum():
+    logprobs, ref_logprobs = torch.log(torch.tensor([[0.5, 0.5, 0.9]])), torch.log(torch.tensor([[0.25, 0.5, 0.1]]))
+    mask = torch.tensor([[1, 1, 0]])
+    rewards, kl = compute_rewards(torch.tensor([2.0]), logprobs, ref_logprobs, mask, 0.1, 5.0, kl_estimator="k3")
+    k3 = 0.5 - 1 + math.log(2)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.1 * k3, 2.0, 0.0]]))
+    assert kl.item() == pytest.approx(math.log(2))
+    without, _ = compute_rewards(torch.tensor([2.0]), logprobs, ref_logprobs, mask, 0.0, 5.0)
+    torch.testing.assert_close(without, torch.tensor([[0.0, 2.0, 0.0]]))
+
+
+@pytest.mark.parametrize("name,estimator,samples,in_loss,kl", [
+    ("ppo", "gae", 1, False, "k1"), ("grpo", "group_normalized", 4, True, "k3"), ("rloo", "leave_one_out", 4, False, "k1"),
+    ("reinforce_pp", "reinforce_pp", 1, False, "k1"), ("remax", "greedy_baseline", 1, False, "k1")])
+def test_each_algorithm_names_a_registered_estimator_and_its_defaults(name, estimator, samples, in_loss, kl):
+    algorithm = get_rl_algorithm(name)
+    assert (algorithm.advantage_estimator, algorithm.n_samples_per_prompt, algorithm.kl_in_loss,
+            algorithm.kl_estimator) == (estimator, samples, in_loss, kl)
+    assert get_advantage_estimator(estimator).min_group_size <= samples
+    assert get_advantage_estimator(estimator).needs_critic == (name == "ppo")

@@ -342,9 +342,10 @@ def critic_free_estimator(monkeypatch) -> list[dict]:
     calls = []
 
     @register_advantage_estimator(TOY_ESTIMATOR, needs_critic=False)
-    def group_baseline(rewards, action_mask, values, group_index, config):
-        calls.append({"values": values, "group_index": group_index})
-        groups = group_index if group_index is not None else torch.zeros(rewards.shape[0], dtype=torch.long)
+    def group_baseline(inputs, config):
+        calls.append({"values": inputs.values, "group_index": inputs.group_index})
+        rewards, action_mask = inputs.rewards, inputs.action_mask
+        groups = inputs.group_index if inputs.group_index is not None else torch.zeros(rewards.shape[0], dtype=torch.long)
         totals = (rewards * action_mask).sum(-1)
         same = (groups[:, None] == groups[None, :]).float()
         advantages = (totals - same @ totals / same.sum(-1))[:, None] * action_mask

@@ -2,15 +2,20 @@
 `training.core` and `utils` only).
 
 - `core`: masked mean, whitening, entropy from logits;
-- `kl`: KL-penalty reward shaping, the no-EOS penalty, exact KL from logits, KL coefficient controllers;
-- `advantages`: advantage estimators by name (`gae`), each declaring whether it needs a critic;
+- `kl`: KL estimators by name (`k1`, `k2`, `k3`), the KL penalty in the reward or as a loss, the no-EOS
+  penalty, exact KL from logits, KL coefficient controllers;
+- `advantages`: advantage estimators by name (`gae`, `group_normalized`, `leave_one_out`, `reinforce_pp`,
+  `greedy_baseline`), each declaring what it needs (a critic, groups of answers, a greedy baseline);
+- `rl`: the step-3 algorithms by name (`ppo`, `grpo`, `rloo`, `reinforce_pp`, `remax`): an estimator and defaults;
 - `losses`: policy losses (`ppo`) and value losses (`clipped`) by name.
 A new algorithm is one registered function: `@register_advantage_estimator("name", needs_critic=False)`,
-`@register_policy_loss("name")` or `@register_value_loss("name")`.
+`@register_policy_loss("name")` or `@register_value_loss("name")`, and, to give it an `--algorithm` name
+with its defaults, one `register_rl_algorithm(RLAlgorithm(...))`.
 """
 from training.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
+    AdvantageInputs,
     compute_advantages_and_returns,
     gae,
     get_advantage_estimator,
@@ -20,9 +25,11 @@ from training.algorithms.core import entropy_from_logits, masked_mean, whiten
 from training.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
+    KL_ESTIMATORS,
     apply_no_eos_penalty,
     compute_rewards,
     kl_from_logits,
+    kl_loss,
 )
 from training.algorithms.losses import (
     POLICY_LOSSES,
@@ -39,3 +46,4 @@ from training.algorithms.losses import (
     register_value_loss,
 )
 from training.algorithms.registry import Registry
+from training.algorithms.rl import RL_ALGORITHMS, RLAlgorithm, get_rl_algorithm, register_rl_algorithm

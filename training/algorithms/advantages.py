@@ -1,13 +1,18 @@
-"""Advantage estimators, registered by name (`--advantage_estimator`).
+"""Advantage estimators, registered by name (`--advantage_estimator`, or through `--algorithm`).
 
-An estimator is one function
-    (rewards [B, T], action_mask [B, T], values [B, T] or None, group_index [B] or None, config)
-        -> (advantages [B, T], returns [B, T])
-where `rewards` are the shaped per-token rewards (`kl.compute_rewards`), `values` the critic's
-(None when the estimator needs no critic), `group_index` gives rows answering the same prompt the
-same id (what group baselines such as GRPO or RLOO need), and `config` the trainer's settings (the
-PPO config; each estimator reads the fields it uses). Each declares whether it needs a critic, so the
-engine builds and the trainer trains one only then.
+An estimator is one function `(inputs: AdvantageInputs, config) -> (advantages [B, T], returns [B, T])`,
+both 0 off the answer tokens. `inputs.rewards` are the shaped per-token rewards (`kl.compute_rewards`:
+the score on each answer's last token, plus the KL penalty on every token when the KL is in the reward),
+`config` the trainer's settings (each estimator reads the fields it uses). Each declares what it needs:
+a critic (`values`), groups of answers to one prompt (`group_index`, `min_group_size` rows each), or the
+reward of the prompt's greedy answer (`baseline_rewards`); the trainer and engine provide exactly that.
+
+The critic-free estimators use each answer's return R = the sum of its per-token rewards (its outcome)
+and put one advantage on all of its tokens, except REINFORCE++, which keeps token-level returns-to-go:
+- `group_normalized` (GRPO): (R - mean of the group) / (std of the group + eps), the sample std;
+- `leave_one_out` (RLOO): R - mean of the OTHER answers of the group;
+- `reinforce_pp` (REINFORCE++): returns-to-go sum_{t'>=t} gamma^(t'-t) r_t', whitened over the batch's answer tokens;
+- `greedy_baseline` (ReMax): R - the reward of the prompt's greedy answer.
 """
 from __future__ import annotations
 
@@ -19,32 +24,55 @@ import torch
 from training.algorithms.core import whiten
 from training.algorithms.registry import Registry
 
-EstimatorFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any], tuple[torch.Tensor, torch.Tensor]
-]
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read; the fields an estimator does not declare a need for may be None."""
+
+    rewards: torch.Tensor  # [B, T] shaped per-token rewards
+    action_mask: torch.Tensor  # [B, T] 1 on answer tokens
+    values: torch.Tensor | None = None  # [B, T] the critic's values (`needs_critic`)
+    group_index: torch.Tensor | None = None  # [B] long, rows answering the same prompt share it
+    baseline_rewards: torch.Tensor | None = None  # [B] the reward of the row's prompt's greedy answer
+
+    @property
+    def sequence_returns(self) -> torch.Tensor:
+        """Each answer's undiscounted total reward R: [B] fp32."""
+        mask = self.action_mask.bool()
+        return torch.where(mask, self.rewards.float(), torch.zeros_like(self.rewards, dtype=torch.float32)).sum(-1)
+
+    def on_answer_tokens(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[B] -> [B, T]: the row's value on each of its answer tokens, 0 elsewhere."""
+        return per_row[:, None] * self.action_mask.float()
+
+
+EstimatorFn = Callable[[AdvantageInputs, Any], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered estimator: call it like its function; `needs_critic` says whether `values` must be given."""
+    """A registered estimator: call it like its function; the flags say what its inputs must hold."""
 
     name: str
     fn: EstimatorFn
     needs_critic: bool
+    min_group_size: int = 1  # answers per prompt it needs (--n_samples_per_prompt)
+    needs_greedy_baseline: bool = False
 
-    def __call__(self, rewards: torch.Tensor, action_mask: torch.Tensor, values: torch.Tensor | None,
-                 group_index: torch.Tensor | None, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.fn(rewards, action_mask, values, group_index, config)
+    def __call__(self, inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(inputs, config)
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
-def register_advantage_estimator(name: str, needs_critic: bool) -> Callable[[EstimatorFn], EstimatorFn]:
+def register_advantage_estimator(name: str, needs_critic: bool, min_group_size: int = 1,
+                                 needs_greedy_baseline: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register an estimator function under `name` (the function itself is returned unchanged)."""
 
     def register(fn: EstimatorFn) -> EstimatorFn:
-        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(name, fn, needs_critic))
+        entry = AdvantageEstimator(name, fn, needs_critic, min_group_size, needs_greedy_baseline)
+        ADVANTAGE_ESTIMATORS.add(name, entry)
         return fn
 
     return register
@@ -62,7 +90,8 @@ def compute_advantages_and_returns(
 
     values/rewards/action_mask [B, T] -> (advantages [B, T], returns [B, T]), both 0 off the mask.
     The episode ends at each answer's last token: later positions contribute no value and no
-    advantage, so padding after an early EOS never leaks into the answer.
+    advantage, so padding after an early EOS never leaks into the answer. With `values` all 0 and
+    `lam` 1 the advantages are the discounted returns-to-go.
     """
     mask = action_mask.bool()
     values = torch.where(mask, values.float(), torch.zeros_like(values, dtype=torch.float32))
@@ -80,18 +109,65 @@ def compute_advantages_and_returns(
     return advantages.detach(), returns.detach()
 
 
+def group_sums(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: (the sum of `values` over its group, its group's size), both [B] fp32."""
+    same = (group_index[:, None] == group_index[None, :]).float()
+    return same @ values.float(), same.sum(-1)
+
+
 class GAEConfig(Protocol):
     gamma: float
     lam: float
     whiten_advantages: bool
 
 
+class GroupConfig(Protocol):
+    group_std_eps: float
+
+
 @register_advantage_estimator("gae", needs_critic=True)
-def gae(rewards: torch.Tensor, action_mask: torch.Tensor, values: torch.Tensor | None,
-        group_index: torch.Tensor | None, config: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(inputs: AdvantageInputs, config: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE(gamma, lambda) on the critic's values, then the advantages whitened over the batch's answer
     tokens unless `whiten_advantages` is off; the returns are the critic's targets."""
-    advantages, returns = compute_advantages_and_returns(values, rewards, action_mask, config.gamma, config.lam)
+    advantages, returns = compute_advantages_and_returns(inputs.values, inputs.rewards, inputs.action_mask,
+                                                         config.gamma, config.lam)
     if config.whiten_advantages:
-        advantages = whiten(advantages, action_mask)
+        advantages = whiten(advantages, inputs.action_mask)
     return advantages, returns
+
+
+@register_advantage_estimator("group_normalized", needs_critic=False, min_group_size=2)
+def group_normalized(inputs: AdvantageInputs, config: GroupConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's outcome advantage: (R - group mean) / (group sample std + `group_std_eps`); a group whose
+    answers all earned the same reward gets advantage 0 (it carries no signal)."""
+    returns = inputs.sequence_returns
+    total, size = group_sums(returns, inputs.group_index)
+    deviation = returns - total / size
+    squares, _ = group_sums(deviation * deviation, inputs.group_index)
+    advantages = deviation / ((squares / (size - 1).clamp(min=1.0)).sqrt() + config.group_std_eps)
+    return inputs.on_answer_tokens(advantages), inputs.on_answer_tokens(returns)
+
+
+@register_advantage_estimator("leave_one_out", needs_critic=False, min_group_size=2)
+def leave_one_out(inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: R minus the mean return of the other answers to the same prompt."""
+    returns = inputs.sequence_returns
+    total, size = group_sums(returns, inputs.group_index)
+    advantages = returns - (total - returns) / (size - 1).clamp(min=1.0)
+    return inputs.on_answer_tokens(advantages), inputs.on_answer_tokens(returns)
+
+
+@register_advantage_estimator("reinforce_pp", needs_critic=False)
+def reinforce_pp(inputs: AdvantageInputs, config: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: each token's discounted return-to-go (no critic), whitened over the batch's answer tokens."""
+    zeros = torch.zeros_like(inputs.rewards, dtype=torch.float32)
+    returns, _ = compute_advantages_and_returns(zeros, inputs.rewards, inputs.action_mask, config.gamma, 1.0)
+    return whiten(returns, inputs.action_mask), returns
+
+
+@register_advantage_estimator("greedy_baseline", needs_critic=False, needs_greedy_baseline=True)
+def greedy_baseline(inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: R minus the reward of the greedy answer to the same prompt."""
+    returns = inputs.sequence_returns
+    advantages = returns - inputs.baseline_rewards.float()
+    return inputs.on_answer_tokens(advantages), inputs.on_answer_tokens(returns)

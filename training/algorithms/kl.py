@@ -1,12 +1,47 @@
-"""KL to the reference policy: the KL-penalty reward shaping, the exact KL between two models'
-next-token distributions, and the controllers of the penalty's coefficient (shapes as in `core`)."""
+"""KL to the reference policy: per-token KL estimators, the KL penalty in the reward or as a loss
+term, the exact KL between two models' next-token distributions, and the controllers of the
+penalty's coefficient (shapes as in `core`).
+
+The estimators (Schulman, "Approximating KL divergence") estimate KL(actor || reference) from tokens the
+actor sampled, with log r = ref_logprob - logprob:
+- `k1`: -log r (unbiased, can be negative per token);
+- `k2`: (log r)^2 / 2 (biased, low variance, its gradient is that of the reverse KL);
+- `k3`: (r - 1) - log r (unbiased and never negative; GRPO's KL loss).
+"""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
+from training.algorithms.core import masked_mean
+from training.algorithms.registry import Registry
 from training.core.sequences import last_token_index
+
+KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    return logprobs.float() - ref_logprobs.float()
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logprobs.float() - ref_logprobs.float()) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    log_r = ref_logprobs.float() - logprobs.float()
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The KL as a loss term: the mean over masked tokens of the named estimator (differentiable in `logprobs`)."""
+    return masked_mean(KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs), mask)
 
 
 def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor,
@@ -32,17 +67,21 @@ def compute_rewards(
     action_mask: torch.Tensor,
     kl_coef: float,
     clip_reward_value: float,
+    kl_estimator: str = "k1",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: -kl_coef * (logprob - ref_logprob) on every answer token, plus the reward
-    model's score clipped to [-clip_reward_value, clip_reward_value] on the last answer token.
+    """Per-token rewards: -kl_coef * the `kl_estimator` estimate on every answer token (pass kl_coef 0 when
+    the KL is a loss term instead), plus the score clipped to [-clip_reward_value, clip_reward_value] on the
+    last answer token.
 
     reward_scores [B], logprobs/ref_logprobs/action_mask [B, T] -> (rewards [B, T], kl [B]) where
-    kl is each sequence's summed log-ratio over its answer (the sample KL estimate).
+    kl is each sequence's summed log-ratio over its answer (the k1 sample KL estimate, whatever the penalty).
     """
     mask = action_mask.bool()
     log_ratio = logprobs.float() - ref_logprobs.float()
     log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
-    rewards = -kl_coef * log_ratio
+    penalty = log_ratio if kl_estimator == "k1" else torch.where(
+        mask, KL_ESTIMATORS.get(kl_estimator)(logprobs, ref_logprobs), torch.zeros_like(log_ratio))
+    rewards = -kl_coef * penalty
     clipped = reward_scores.float().clamp(-clip_reward_value, clip_reward_value)
     has_answer = mask.any(-1)
     last = last_token_index(action_mask)

@@ -12,7 +12,7 @@ Field metadata beyond argparse's:
   action="append").
 A settings field declared with `group(prefix)` gets its group's flags prefixed: step 3 trains two
 models with one `ModelTrainingConfig` each, `--actor_zero_stage` and `--critic_zero_stage`.
-Switches are bool fields (default False): `--flag` alone means True.
+Switches are bool fields (default False) and `bool | None` fields: `--flag` alone means True.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence, TypeVar, get_type_hints
 
 import torch
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from training.core.engine import OptimizationSettings
 from training.core.lora import apply_lora
@@ -100,14 +101,16 @@ def flag_values(settings: Any) -> dict[str, Any]:
 
 class _ExactFlags:
     """Takes HfArgumentParser's `add_argument` call for one field: drops the dashed alias it adds
-    (`--zero-stage`), so a tool accepts exactly its DeepSpeed-Chat flag names, and applies the
-    field's "nargs"."""
+    (`--zero-stage`), so a tool accepts exactly its DeepSpeed-Chat flag names, makes a `bool | None`
+    field (None: decided by other settings) a switch like a bool one, and applies the field's "nargs"."""
 
     def __init__(self, container: argparse._ActionsContainer, source: Field):
         self.container = container
         self.source = source
 
     def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        if kwargs.get("type") is string_to_bool and "nargs" not in kwargs:  # `bool | None`: a switch too
+            kwargs.update(nargs="?", const=True)
         if "nargs" in self.source.metadata:
             kwargs["nargs"] = self.source.metadata["nargs"]
         return self.container.add_argument(*(name for name in names if "-" not in name[2:]), **kwargs)

@@ -1,0 +1,54 @@
+"""The score of each finished answer: the reward model's, a reward function's, or their sum.
+
+score = reward-model score (when step 3 has a reward model) + `reward_fn_coef` * reward function
+(when `--reward_fn` names one). The reward function reads the decoded prompt and answer and the
+prompt row's metadata (e.g. the task's known answer); the model reads the token ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from training.rewards import RewardFunction, score_answers
+
+
+@dataclass
+class Scores:
+    total: torch.Tensor  # [B] fp32, what the RL objective maximises (before the no-EOS penalty and clipping)
+    function: torch.Tensor | None  # [B] fp32, the reward function's own value (None without one)
+
+
+@dataclass
+class RewardScorer:
+    reward_model: torch.nn.Module | None
+    reward_fn: RewardFunction | None
+    reward_fn_coef: float
+    tokenizer: PreTrainedTokenizerBase
+
+    def __post_init__(self) -> None:
+        if self.reward_model is None and self.reward_fn is None:
+            raise ValueError("a RewardScorer needs a reward model, a reward function or both")
+
+    @torch.no_grad()
+    def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                 metadata: Sequence[Mapping] | None) -> Scores:
+        """Scores of B prompt+answer rows (left-padded prompts, right-padded answers); `metadata` has
+        one entry per row (None: no row has any)."""
+        total = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
+        if self.reward_model is not None:
+            total = self.reward_model(input_ids=sequences, attention_mask=attention_mask)["end_scores"].float()
+        function = None
+        if self.reward_fn is not None:
+            prompts = self._texts(sequences[:, :prompt_length], attention_mask[:, :prompt_length])
+            answers = self._texts(sequences[:, prompt_length:], attention_mask[:, prompt_length:])
+            rows = list(metadata) if metadata is not None else [{}] * len(answers)
+            function = score_answers(self.reward_fn, prompts, answers, rows).to(total.device)
+            total = total + self.reward_fn_coef * function
+        return Scores(total, function)
+
+    def _texts(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        return [self.tokenizer.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True)
+                for row, row_mask in zip(ids, mask)]
