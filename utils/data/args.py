@@ -23,8 +23,10 @@ class DataArguments:
 
     data_path: list[str] = field(default_factory=lambda: [EMBEDDED_SOURCE], metadata={
         "nargs": "*",
-        "help": "data sources: 'embedded', hub names, or local json/jsonl/parquet files or folders; append :FORMAT to "
-                "state the row format (deepspeed_chat, hh_rlhf, shp, webgpt, sharegpt, messages)"})
+        "help": "data sources: 'embedded', a generated task with checkable answers (task:arithmetic, options as in "
+                "task:arithmetic?difficulty=3&size=2000&seed=0), hub names, or local json/jsonl/parquet files or folders "
+                "(a dict column 'metadata', e.g. {\"answer\": \"42\"}, is kept for step 3's reward functions); "
+                "append :FORMAT to state the row format (deepspeed_chat, hh_rlhf, shp, webgpt, sharegpt, messages)"})
     data_split: str = field(default="2,4,4", metadata={
         "help": "comma-separated weights of the three steps' disjoint shards of each source, e.g. 2,4,4"})
     sft_only_data_path: list[str] = field(default_factory=list, metadata={

@@ -1,8 +1,9 @@
 """Batch collators: right padding for training sequences, left padding for generation prompts."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 import torch
 
@@ -62,13 +63,19 @@ class PairwiseCollator:
 
 @dataclass
 class PromptCollator:
-    """Phase 3: LEFT-pads prompts so every row's last real token sits at the end, ready for generation."""
+    """Phase 3: LEFT-pads prompts so every row's last real token sits at the end, ready for generation.
+
+    Items that carry metadata (a task's answers) add `"metadata"`: one dict per row, {} for a row without.
+    """
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
 
-    def __call__(self, items: Sequence[dict]) -> dict[str, torch.Tensor]:
-        return {
+    def __call__(self, items: Sequence[dict]) -> dict[str, Any]:
+        batch: dict[str, Any] = {
             "input_ids": pad_sequences([i["input_ids"] for i in items], self.pad_token_id, True, self.pad_to_multiple_of),
             "attention_mask": pad_sequences([i["attention_mask"] for i in items], 0, True, self.pad_to_multiple_of),
         }
+        if any("metadata" in i for i in items):
+            batch["metadata"] = [dict(i.get("metadata") or {}) for i in items]
+        return batch

@@ -12,13 +12,18 @@ Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the col
 - `sharegpt`: `conversations` of {from, value}; `messages`: `messages` of {role, content}.
   A conversation gives one sample: the turns before its last assistant reply, and that reply
   (a conversation that ends on a user turn gives a prompt only).
+
+`with_row_metadata` wraps any of them so a row's dict column `metadata` (e.g. {"answer": "42"})
+reaches its samples.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
 
-from .samples import Sample, SkipRow, optional_text_field, text_field
+from .samples import Sample, SkipRow, metadata_field, optional_text_field, text_field
 from .turns import parse_messages, parse_transcript, split_last_reply
 
 Parser = Callable[[Any, int], list]
@@ -104,6 +109,17 @@ PARSERS: dict[str, Parser] = {
     "messages": _conversation_parser("messages", "role", "content"),
 }
 FORMATS = tuple(PARSERS)
+
+
+def with_row_metadata(parse: Parser) -> Parser:
+    """`parse`, with the record's `metadata` dict attached to every sample it gives."""
+
+    def parse_with_metadata(record: Any, group: int) -> list[Sample]:
+        metadata = metadata_field(record)
+        samples = parse(record, group)
+        return samples if metadata is None else [replace(sample, metadata=metadata) for sample in samples]
+
+    return parse_with_metadata
 
 
 def detect_format(columns: Iterable[str]) -> str | None:

@@ -7,6 +7,7 @@ counted per source and reported in one log line.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +50,15 @@ class Sample:
 
     `group` is the index of the raw record the sample came from, so samples of one conversation
     can be told apart from samples of another (the embedded pair rule relies on it).
+    `metadata` is the row's JSON-like extra data (e.g. {"answer": "42"} for a verifier); step 3's
+    prompt items carry it to the trainer.
     """
 
     turns: tuple
     chosen: str | None = None
     rejected: str | None = None
     group: int = 0
+    metadata: Mapping[str, Any] | None = None
 
 
 def unusable_reason(sample: Sample, kind: str) -> str | None:
@@ -95,3 +99,24 @@ def optional_text_field(record: dict, key: str) -> str | None:
     if record.get(key) is None:
         return None
     return text_field(record, key)
+
+
+def _is_plain(value: Any) -> bool:
+    """JSON-like data that `torch.load(weights_only=True)` reads back: dicts with str keys, lists, scalars."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, list):
+        return all(_is_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _is_plain(item) for key, item in value.items())
+    return False
+
+
+def metadata_field(record: Any, key: str = "metadata") -> dict | None:
+    """The dict at `record[key]` (None when the column is absent or null), or `SkipRow` when it is not plain JSON."""
+    if not isinstance(record, dict) or record.get(key) is None:
+        return None
+    value = record[key]
+    if not isinstance(value, dict) or not _is_plain(value):
+        raise SkipRow(f"wrong_type:{key}")
+    return value

@@ -5,7 +5,8 @@
 - pairs (phase 2): prompt + chosen + EOS and prompt + rejected + EOS, each cut to `max_seq_len`;
   pairs whose two sides are identical after the cut (nothing to compare) are dropped.
 - prompts (phase 3): the prompt alone; over `max_prompt_seq_len` it is dropped, or left-truncated
-  (its most recent tokens kept) with `prompt_overflow="left_truncate"`.
+  (its most recent tokens kept) with `prompt_overflow="left_truncate"`. When any sample has
+  metadata, every item keeps its sample's (or {}).
 The prompt and the reply are tokenised separately, so the prompt/answer boundary is exact.
 """
 from __future__ import annotations
@@ -94,12 +95,16 @@ def tokenize_samples(
     if eos is None:
         raise UserError("the tokenizer has no EOS token; set eos_token in its tokenizer_config.json")
     counts: Counter = Counter()
-    rows = []
+    rows, row_metadata = [], []
     for sample in tqdm(samples, desc=f"formatting {kind}", disable=not is_main_process() or len(samples) < _PROGRESS_MIN_ITEMS):
         try:
             rows.append(formatter.row(sample))
         except SkipRow as skip:
             counts[f"dropped:{skip.reason}"] += 1
+            continue
+        row_metadata.append(dict(sample.metadata or {}))
+    keep_metadata = kind == KIND_PROMPTS and any(sample.metadata is not None for sample in samples)
+    metadata: list[dict] = []
     prompts = _token_ids(tokenizer, [row["prompt"] for row in rows], formatter.style == "human_assistant")
     chosen = _token_ids(tokenizer, [row["chosen"] for row in rows], False) if kind != KIND_PROMPTS else []
     rejected = _token_ids(tokenizer, [row["rejected"] for row in rows], False) if kind == KIND_PAIRS else []
@@ -116,7 +121,9 @@ def tokenize_samples(
             continue
         for name, ids in item.items():
             columns.setdefault(name, []).append(ids)
+        if keep_metadata:
+            metadata.append(row_metadata[index])
     counts["items"] = len(next(iter(columns.values()), []))
     if not columns:
         columns = {name: [] for name in _EMPTY_COLUMNS[kind]}
-    return TokenizedDataset.from_lists(columns, dict(counts))
+    return TokenizedDataset.from_lists(columns, dict(counts), metadata if keep_metadata else None)

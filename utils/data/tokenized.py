@@ -3,37 +3,51 @@
 Each column is stored as one flat LongTensor plus offsets, so a phase's data saves and loads with
 `torch.save` / `torch.load(weights_only=True)` in one piece. Items are dicts of 1-D LongTensors;
 every `...input_ids` column gets a matching all-ones `...attention_mask` (unpadded items).
+An optional per-item `metadata` list (plain JSON-like dicts, which `weights_only` loading accepts)
+comes with each item under the key "metadata".
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 
 class TokenizedDataset(Dataset):
-    def __init__(self, columns: dict[str, tuple[torch.Tensor, torch.Tensor]], stats: dict[str, int] | None = None):
+    def __init__(
+        self,
+        columns: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        stats: dict[str, int] | None = None,
+        metadata: list[dict[str, Any]] | None = None,
+    ):
         self.columns = columns
         self.stats = dict(stats or {})
-        lengths = {len(offsets) - 1 for _, offsets in columns.values()}
+        self.metadata = metadata
+        lengths = {len(offsets) - 1 for _, offsets in columns.values()} | ({len(metadata)} if metadata is not None else set())
         if len(lengths) > 1:
-            raise ValueError("all columns must hold the same number of items")
+            raise ValueError("all columns (and the metadata) must hold the same number of items")
         self._length = lengths.pop() if lengths else 0
 
     @classmethod
-    def from_lists(cls, columns: dict[str, Sequence[Sequence[int]]], stats: dict[str, int] | None = None) -> "TokenizedDataset":
+    def from_lists(
+        cls,
+        columns: dict[str, Sequence[Sequence[int]]],
+        stats: dict[str, int] | None = None,
+        metadata: list[dict[str, Any]] | None = None,
+    ) -> TokenizedDataset:
         packed = {}
         for name, sequences in columns.items():
             lengths = torch.tensor([0] + [len(seq) for seq in sequences], dtype=torch.long)
             flat = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)
             packed[name] = (flat, torch.cumsum(lengths, 0))
-        return cls(packed, stats)
+        return cls(packed, stats, metadata)
 
     def __len__(self) -> int:
         return self._length
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         if not -self._length <= index < self._length:
             raise IndexError(index)
         index %= max(self._length, 1)
@@ -42,20 +56,26 @@ class TokenizedDataset(Dataset):
             item[name] = flat[offsets[index] : offsets[index + 1]]
             if name.endswith("input_ids"):
                 item[name[: -len("input_ids")] + "attention_mask"] = torch.ones_like(item[name])
+        if self.metadata is not None:
+            item["metadata"] = self.metadata[index]
         return item
 
-    def head(self, count: int | None) -> "TokenizedDataset":
+    def head(self, count: int | None) -> TokenizedDataset:
         """The first `count` items (all when None); the data is already in seeded order."""
         if count is None or count >= self._length:
             return self
         columns = {}
         for name, (flat, offsets) in self.columns.items():
             columns[name] = (flat[: offsets[count]].clone(), offsets[: count + 1].clone())
-        return TokenizedDataset(columns, self.stats)
+        return TokenizedDataset(columns, self.stats, None if self.metadata is None else self.metadata[:count])
 
     def state(self) -> dict:
-        return {"columns": {name: list(pair) for name, pair in self.columns.items()}, "stats": self.stats}
+        state = {"columns": {name: list(pair) for name, pair in self.columns.items()}, "stats": self.stats}
+        if self.metadata is not None:
+            state["metadata"] = self.metadata
+        return state
 
     @classmethod
-    def from_state(cls, state: dict) -> "TokenizedDataset":
-        return cls({name: (pair[0], pair[1]) for name, pair in state["columns"].items()}, state["stats"])
+    def from_state(cls, state: dict) -> TokenizedDataset:
+        columns = {name: (pair[0], pair[1]) for name, pair in state["columns"].items()}
+        return cls(columns, state["stats"], state.get("metadata"))
