@@ -4,9 +4,10 @@
 - `core`: masked mean, whitening, entropy from logits;
 - `kl`: KL-penalty reward shaping, the no-EOS penalty, exact KL from logits, KL coefficient controllers;
 - `advantages`: advantage estimators by name (`gae`), each declaring whether it needs a critic;
-- `losses`: policy losses (`ppo`) and value losses (`clipped`) by name.
+- `losses`: policy losses (`ppo`) and value losses (`clipped`) by name;
+- `preference`: preference-pair losses against a frozen reference (`sigmoid` DPO, `ipo`, `hinge`) by name.
 A new algorithm is one registered function: `@register_advantage_estimator("name", needs_critic=False)`,
-`@register_policy_loss("name")` or `@register_value_loss("name")`.
+`@register_policy_loss("name")`, `@register_value_loss("name")` or `@register_preference_loss("name")`.
 """
 from training.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -37,5 +38,16 @@ from training.algorithms.losses import (
     ppo_policy_loss,
     register_policy_loss,
     register_value_loss,
+)
+from training.algorithms.preference import (
+    PREFERENCE_LOSSES,
+    PairLoss,
+    PreferenceLoss,
+    get_preference_loss,
+    hinge_loss,
+    implicit_rewards,
+    ipo_loss,
+    register_preference_loss,
+    sigmoid_loss,
 )
 from training.algorithms.registry import Registry
