@@ -212,3 +212,11 @@ def test_dpo_resumes_after_a_crash_with_the_uninterrupted_weights(trained, input
     assert resumed["eval_accuracy_before"] == 0.0  # the step-0 evaluation came back with the checkpoint
     assert resumed["eval_margin_after"] == pytest.approx(summary["eval_margin_after"], abs=1e-6)
     assert_same_weights(reference_run / "model", tmp_path / "run" / "model")
+
+
+def test_zero3_policy_and_reference_start_equal_and_train(distributed, inputs, tmp_path):
+    summary = dpo_main(_argv(inputs, tmp_path / "run", "--zero_stage", "3", "--max_steps", "3", "--dpo_loss", "ipo"))
+    assert summary["optimizer_steps"] == 3 and summary["dpo_loss"] == "ipo"
+    assert summary["eval_margin_before"] == 0.0 and summary["eval_loss_before"] == pytest.approx(25.0)  # (0 - 5)^2
+    assert summary["eval_margin_after"] > 0.0
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
