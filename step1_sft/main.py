@@ -8,15 +8,12 @@ Example (CPU quick run on the embedded model and data):
 """
 from __future__ import annotations
 
-import torch
-from transformers import PreTrainedTokenizerBase
-
 from step1_sft.objective import evaluate_perplexity, sft_loss
 from training.core.args import SettingsParser
-from training.core.model_loading import load_causal_lm
 from training.loops.supervised_step import (
     SupervisedSettings,
     SupervisedStep,
+    build_causal_lm,
     run_supervised_step,
     supervised_step_parser,
 )
@@ -33,17 +30,10 @@ def parse_args(argv: list[str] | None = None) -> SupervisedSettings:
     return build_parser().parse_args(argv)
 
 
-def build_sft_model(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
-                    dtype: torch.dtype) -> torch.nn.Module:
-    return load_causal_lm(args.model.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
-                          disable_dropout_layers=args.model.disable_dropout,
-                          trust_remote_code=args.run.trust_remote_code)
-
-
 SFT_STEP = SupervisedStep(
     phase=1,
     name="step1_sft",
-    build_model=build_sft_model,
+    build_model=build_causal_lm,
     make_collator=SFTCollator,
     loss_fn=sft_loss,
     eval_fn=evaluate_perplexity,

@@ -85,6 +85,7 @@ def test_pairs_append_eos_truncate_and_drop_identical(plain_tok):
     assert len(data) == 2
     assert data[0]["chosen_input_ids"][-1] == plain_tok.eos_token_id == data[0]["rejected_input_ids"][-1]
     assert plain_tok.decode(data[0]["chosen_input_ids"][prompt_len:-1]) == " yes good"
+    assert [item["prompt_length"].tolist() for item in data] == [[prompt_len], [prompt_len]]
     cut = tokenize_samples(samples, KIND_PAIRS, formatter, plain_tok, TokenLimits(max_seq_len=prompt_len + 2))
     assert cut.stats["dropped:identical_after_truncation"] == 1
     assert len(cut) == 1 and len(cut[0]["chosen_input_ids"]) == prompt_len + 2
@@ -122,12 +123,14 @@ def test_sft_and_pairwise_collators_right_pad(chat_tok):
     assert sft["input_ids"].tolist() == [[1, 2, 3, pad], [4, pad, pad, pad]]
     assert sft["labels"].tolist() == [[-100, 2, 3, -100], [4, -100, -100, -100]]
     assert sft["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
-    ones = lambda n: torch.ones(n, dtype=torch.long)  # noqa: E731
+    ones = lambda n: torch.ones(n, dtype=torch.long)
     pairs = PairwiseCollator(pad)([
         {"chosen_input_ids": torch.tensor([1, 2]), "chosen_attention_mask": ones(2),
-         "rejected_input_ids": torch.tensor([3]), "rejected_attention_mask": ones(1)},
-        {"chosen_input_ids": torch.tensor([4]), "chosen_attention_mask": ones(1),
-         "rejected_input_ids": torch.tensor([5, 6, 7]), "rejected_attention_mask": ones(3)},
+         "rejected_input_ids": torch.tensor([1, 3]), "rejected_attention_mask": ones(2), "prompt_length": ones(1)},
+        {"chosen_input_ids": torch.tensor([4, 5, 8]), "chosen_attention_mask": ones(3),
+         "rejected_input_ids": torch.tensor([4, 5, 6, 7]), "rejected_attention_mask": ones(4),
+         "prompt_length": torch.tensor([2])},
     ])
-    assert pairs["input_ids"].tolist() == [[1, 2, pad], [4, pad, pad], [3, pad, pad], [5, 6, 7]]
-    assert pairs["attention_mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]]
+    assert pairs["input_ids"].tolist() == [[1, 2, pad, pad], [4, 5, 8, pad], [1, 3, pad, pad], [4, 5, 6, 7]]
+    assert pairs["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert pairs["prompt_lengths"].tolist() == [1, 2]

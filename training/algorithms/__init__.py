@@ -7,10 +7,11 @@
 - `advantages`: advantage estimators by name (`gae`, `group_normalized`, `leave_one_out`, `reinforce_pp`,
   `greedy_baseline`), each declaring what it needs (a critic, groups of answers, a greedy baseline);
 - `rl`: the step-3 algorithms by name (`ppo`, `grpo`, `rloo`, `reinforce_pp`, `remax`): an estimator and defaults;
-- `losses`: policy losses (`ppo`) and value losses (`clipped`) by name.
+- `losses`: policy losses (`ppo`) and value losses (`clipped`) by name;
+- `preference`: preference-pair losses against a frozen reference (`sigmoid` DPO, `ipo`, `hinge`) by name.
 A new algorithm is one registered function: `@register_advantage_estimator("name", needs_critic=False)`,
-`@register_policy_loss("name")` or `@register_value_loss("name")`, and, to give it an `--algorithm` name
-with its defaults, one `register_rl_algorithm(RLAlgorithm(...))`.
+`@register_policy_loss("name")`, `@register_value_loss("name")` or `@register_preference_loss("name")`, and,
+to give a step-3 algorithm an `--algorithm` name with its defaults, one `register_rl_algorithm(RLAlgorithm(...))`.
 """
 from training.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -44,6 +45,17 @@ from training.algorithms.losses import (
     ppo_policy_loss,
     register_policy_loss,
     register_value_loss,
+)
+from training.algorithms.preference import (
+    PREFERENCE_LOSSES,
+    PairLoss,
+    PreferenceLoss,
+    get_preference_loss,
+    hinge_loss,
+    implicit_rewards,
+    ipo_loss,
+    register_preference_loss,
+    sigmoid_loss,
 )
 from training.algorithms.registry import Registry
 from training.algorithms.rl import RL_ALGORITHMS, RLAlgorithm, get_rl_algorithm, register_rl_algorithm

@@ -20,6 +20,7 @@ from training.core.embedded_model import (
 from training.core.engine import (
     OptimizationSettings,
     create_frozen_engine,
+    create_reference_engine,
     create_train_engine,
 )
 from training.core.lora import apply_lora, lora_target_modules

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 
 import deepspeed
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from training.core.ds_config import get_eval_ds_config, get_train_ds_config
+from training.core.model_loading import load_causal_lm, resolve_dtype
 from training.core.optim import build_lr_scheduler, build_optimizer
 
 
@@ -73,3 +75,20 @@ def create_frozen_engine(
     engine, *_ = deepspeed.initialize(model=model, config=get_eval_ds_config(zero_stage, offload, dtype))
     engine.eval()
     return engine
+
+
+def create_reference_engine(
+    name_or_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str, trained_zero_stage: int, offload: bool = False,
+    trust_remote_code: bool = False,
+) -> deepspeed.DeepSpeedEngine:
+    """A frozen copy of a causal LM that a trained policy is compared with (a reference model), dropout off.
+
+    Sharded with ZeRO-3 when the trained model is; otherwise one full copy per rank, since stages 1
+    and 2 shard only optimizer state and gradients, which a frozen model has none of. `dtype` as
+    `RunArguments.dtype_name` gives it.
+    """
+    stage = 3 if trained_zero_stage == 3 else 0
+    model = load_causal_lm(name_or_path, tokenizer, dtype=resolve_dtype(dtype),
+                           ds_config=get_eval_ds_config(stage, offload, dtype), disable_dropout_layers=True,
+                           trust_remote_code=trust_remote_code)
+    return create_frozen_engine(model, stage, offload, dtype)

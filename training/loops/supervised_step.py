@@ -1,13 +1,14 @@
-"""Run one supervised step (1: SFT, 2: reward model) end to end: start-up checks, the run lock,
+"""Run one supervised step (1: SFT, 2: reward model or DPO) end to end: start-up checks, the run lock,
 data, model, DeepSpeed engine, the shared loop (with checkpoints and graceful stops), the final HF
 folder. A step states only what differs in a `SupervisedStep`."""
 from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase, set_seed
@@ -24,7 +25,7 @@ from training.core.args import (
     optimization_settings,
 )
 from training.core.engine import create_train_engine
-from training.core.model_loading import load_config, load_tokenizer, resolve_dtype
+from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype
 from training.core.save import save_hf_model
 from training.core.zero import full_numel
 from training.loops.metrics import MetricsLogger
@@ -88,11 +89,20 @@ class SupervisedSettings:
 
 
 ModelBuilder = Callable[[SupervisedSettings, PreTrainedTokenizerBase, dict, torch.dtype], torch.nn.Module]
+FrozenModels = Callable[[SupervisedSettings, PreTrainedTokenizerBase], AbstractContextManager[None]]
+
+
+def build_causal_lm(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
+                    dtype: torch.dtype) -> torch.nn.Module:
+    """The `ModelBuilder` of a step that trains `--model_name_or_path` as a causal LM (SFT, DPO's policy)."""
+    return load_causal_lm(args.model.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
+                          disable_dropout_layers=args.model.disable_dropout,
+                          trust_remote_code=args.run.trust_remote_code)
 
 
 @dataclass
 class SupervisedStep:
-    """What distinguishes step 1 from step 2."""
+    """What distinguishes one supervised step from another."""
 
     phase: int
     name: str
@@ -101,6 +111,9 @@ class SupervisedStep:
     loss_fn: LossFn
     eval_fn: EvalFn
     trainable_heads: tuple[str, ...] = ()  # parameters that train even under --only_optimize_lora
+    # (args, tokenizer) -> a context during which the models that loss_fn and eval_fn read but never
+    # train exist (DPO's reference); entered once the trained engine exists, left before the final save
+    frozen_models: FrozenModels | None = None
 
 
 @dataclass
@@ -112,9 +125,11 @@ class SupervisedOutcome:
     dtype: str
 
 
-def supervised_step_parser(description: str, learning_rate: float) -> SettingsParser:
-    """The command line of a supervised step (steps 1 and 2 differ only in their learning rate)."""
-    parser = SettingsParser(SupervisedSettings, description=description)
+def supervised_step_parser(description: str, learning_rate: float,
+                           settings: type[SupervisedSettings] = SupervisedSettings) -> SettingsParser:
+    """The command line of a supervised step: `settings` (a step with flags of its own extends
+    `SupervisedSettings` by a group) with the step's default learning rate."""
+    parser = SettingsParser(settings, description=description)
     parser.set_defaults(learning_rate=learning_rate)
     return parser
 
@@ -162,8 +177,9 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
         metrics = MetricsLogger(run_dir)
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),
                     len(eval_data), num_steps, settings.dtype, settings.zero_stage)
+        frozen = step.frozen_models(args, tokenizer) if step.frozen_models else nullcontext()
         try:
-            with GracefulInterrupt() as interrupt:
+            with frozen, GracefulInterrupt() as interrupt:
                 trainer = SupervisedTrainer(
                     engine, train_data, eval_data, step.make_collator(tokenizer.pad_token_id), step.loss_fn,
                     step.eval_fn, loop, metrics, num_training_steps=num_steps, checkpoints=checkpoints,

@@ -47,7 +47,8 @@ class SFTCollator:
 
 @dataclass
 class PairwiseCollator:
-    """Phase 2: right-pads and stacks the B chosen sequences, then the B rejected: `input_ids` [2B, L]."""
+    """Phase 2: right-pads and stacks the B chosen sequences, then the B rejected: `input_ids` [2B, L];
+    `prompt_lengths` [B] says where each pair's answers start (both sides share the prompt)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
@@ -58,6 +59,7 @@ class PairwiseCollator:
         return {
             "input_ids": pad_sequences(ids, self.pad_token_id, multiple=self.pad_to_multiple_of),
             "attention_mask": pad_sequences(masks, 0, multiple=self.pad_to_multiple_of),
+            "prompt_lengths": torch.cat([i["prompt_length"] for i in items]),
         }
 
 

@@ -2,8 +2,9 @@
 
 - sft (phase 1): prompt + reply + EOS; labels are -100 on the prompt unless whole-sequence loss.
   Too long: the reply is truncated (the prompt kept); a prompt that alone fills `max_seq_len` is dropped.
-- pairs (phase 2): prompt + chosen + EOS and prompt + rejected + EOS, each cut to `max_seq_len`;
-  pairs whose two sides are identical after the cut (nothing to compare) are dropped.
+- pairs (phase 2): prompt + chosen + EOS and prompt + rejected + EOS, each cut to `max_seq_len`,
+  with the shared prompt's length (`prompt_length`, one element: where the answers start, what DPO
+  needs); pairs whose two sides are identical after the cut (nothing to compare) are dropped.
 - prompts (phase 3): the prompt alone; over `max_prompt_seq_len` it is dropped, or left-truncated
   (its most recent tokens kept) with `prompt_overflow="left_truncate"`. When any sample has
   metadata, every item keeps its sample's (or {}).
@@ -28,7 +29,7 @@ PROMPT_OVERFLOW = ("drop", "left_truncate")
 _PROGRESS_MIN_ITEMS = 2000
 _EMPTY_COLUMNS = {
     KIND_SFT: ("input_ids", "labels"),
-    KIND_PAIRS: ("chosen_input_ids", "rejected_input_ids"),
+    KIND_PAIRS: ("chosen_input_ids", "rejected_input_ids", "prompt_length"),
     KIND_PROMPTS: ("input_ids",),
 }
 
@@ -75,7 +76,7 @@ def _pair_item(prompt: list[int], chosen: list[int], rejected: list[int], limits
     chosen_ids, rejected_ids = (prompt + chosen)[: limits.max_seq_len], (prompt + rejected)[: limits.max_seq_len]
     if chosen_ids == rejected_ids:
         return "identical_after_truncation"
-    return {"chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids}
+    return {"chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids, "prompt_length": [len(prompt)]}
 
 
 def _prompt_item(prompt: list[int], limits: TokenLimits, counts: Counter) -> dict | str:

@@ -1,0 +1,222 @@
+"""DPO: the preference losses against hand-computed values, answer log-probs that skip prompt and
+padding, and the step end to end on a tiny Llama (rewards 0 before training, a margin after, resume
+after a crash, a bad loss name refused)."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from crash_resume import assert_same_weights
+from supervised_data import write_arithmetic_jsonl
+from tiny_models import make_tiny_model_dir
+
+from step2_reward.dpo.main import build_parser
+from step2_reward.dpo.main import main as dpo_main
+from step2_reward.dpo.objective import DPOObjective, answer_logprob_sums
+from step2_reward.dpo.settings import DPOArguments
+from training.algorithms import PREFERENCE_LOSSES, get_preference_loss
+from training.core.model_loading import load_causal_lm, load_tokenizer
+from training.loops.metrics import read_metrics
+from utils.data import PairwiseCollator
+from utils.errors import EXIT_USER_ERROR, UserError
+
+# three pairs, beta 0.5: log-ratios chosen [1, -1, 0], rejected [0, -1, -2], so h = [1, 0, 2]
+POLICY_CHOSEN = torch.tensor([-4.0, -6.0, -3.0])
+POLICY_REJECTED = torch.tensor([-5.0, -5.0, -8.0])
+REFERENCE_CHOSEN = torch.tensor([-5.0, -5.0, -3.0])
+REFERENCE_REJECTED = torch.tensor([-5.0, -4.0, -6.0])
+H = (1.0, 0.0, 2.0)
+BETA = 0.5
+
+
+def _loss(name: str, label_smoothing: float = 0.0):
+    config = SimpleNamespace(beta=BETA, label_smoothing=label_smoothing)
+    return get_preference_loss(name)(POLICY_CHOSEN, POLICY_REJECTED, REFERENCE_CHOSEN, REFERENCE_REJECTED, config)
+
+
+def _softplus(x: float) -> float:
+    """log(1 + e^x) = -log sigmoid(-x)."""
+    return math.log1p(math.exp(x))
+
+
+def test_registry_names_and_aggregation():
+    assert PREFERENCE_LOSSES.names() == ["hinge", "ipo", "sigmoid"]
+    assert [get_preference_loss(name).per_token_mean for name in ("hinge", "ipo", "sigmoid")] == [False, True, False]
+    with pytest.raises(UserError, match="unknown preference loss 'kto'; choose one of: hinge, ipo, sigmoid"):
+        get_preference_loss("kto")
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "ipo", "hinge"])
+def test_every_loss_returns_the_implicit_rewards(name):
+    result = _loss(name)
+    assert result.chosen_rewards.tolist() == [0.5, -0.5, 0.0]  # beta * (policy - reference), chosen
+    assert result.rejected_rewards.tolist() == [0.0, -0.5, -1.0]
+    assert not result.chosen_rewards.requires_grad
+
+
+def test_sigmoid_loss_with_and_without_label_smoothing():
+    # -log sigmoid(beta h) = log(1 + e^(-beta h))
+    assert _loss("sigmoid").loss.item() == pytest.approx(sum(_softplus(-BETA * h) for h in H) / 3, rel=1e-6)
+    smoothed = sum(0.9 * _softplus(-BETA * h) + 0.1 * _softplus(BETA * h) for h in H) / 3
+    assert _loss("sigmoid", label_smoothing=0.1).loss.item() == pytest.approx(smoothed, rel=1e-6)
+
+
+def test_ipo_and_hinge_losses():
+    assert _loss("ipo").loss.item() == pytest.approx(2 / 3)  # (h - 1/(2 * 0.5))^2 = [0, 1, 1]
+    assert _loss("hinge").loss.item() == pytest.approx(0.5)  # relu(1 - 0.5 h) = [0.5, 1, 0]
+
+
+def test_the_loss_pushes_the_chosen_answer_up_and_the_rejected_down():
+    policy_chosen, policy_rejected = POLICY_CHOSEN.clone().requires_grad_(), POLICY_REJECTED.clone().requires_grad_()
+    config = SimpleNamespace(beta=BETA, label_smoothing=0.0)
+    get_preference_loss("sigmoid")(policy_chosen, policy_rejected, REFERENCE_CHOSEN, REFERENCE_REJECTED, config).loss.backward()
+    assert (policy_chosen.grad < 0).all() and (policy_rejected.grad > 0).all()
+    assert torch.allclose(policy_chosen.grad, -policy_rejected.grad)
+
+
+class FixedDistribution(torch.nn.Module):
+    """A 'language model' that predicts the same distribution over 4 tokens at every position."""
+
+    PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache):
+        return SimpleNamespace(logits=self.PROBS.log().expand(*input_ids.shape, 4).clone())
+
+
+def _pair_batch(items: list[tuple[list[int], list[int], int]], pad: int = 0) -> dict[str, torch.Tensor]:
+    return PairwiseCollator(pad)([
+        {"chosen_input_ids": torch.tensor(chosen), "chosen_attention_mask": torch.ones(len(chosen), dtype=torch.long),
+         "rejected_input_ids": torch.tensor(rejected),
+         "rejected_attention_mask": torch.ones(len(rejected), dtype=torch.long),
+         "prompt_length": torch.tensor([prompt_length])}
+        for chosen, rejected, prompt_length in items
+    ])
+
+
+def test_answer_logprobs_sum_the_answer_tokens_only():
+    # pair 1: prompt [1, 2], chosen answer [3, 0], rejected answer [1]; pair 2: prompt [0], chosen answer [2],
+    # rejected answer [3, 3, 3]; rows are padded to 4 with id 2, whose log-prob must not count
+    batch = _pair_batch([([1, 2, 3, 0], [1, 2, 1], 2), ([0, 2], [0, 3, 3, 3], 1)], pad=2)
+    sums, counts = answer_logprob_sums(FixedDistribution(), batch)
+    p = FixedDistribution.PROBS.double().log()
+    expected = [p[3] + p[0], p[2], p[1], 3 * p[3]]  # chosen 1, chosen 2, rejected 1, rejected 2
+    assert counts.tolist() == [2, 1, 1, 3]
+    assert sums.tolist() == pytest.approx([value.item() for value in expected], rel=1e-6)
+
+
+def test_answer_logprobs_of_a_real_model_do_not_depend_on_padding(tmp_path):
+    model = load_causal_lm(make_tiny_model_dir(tmp_path / "tiny", "llama")).eval()
+    long, short = [5, 6, 7, 8, 9, 10], [5, 6, 7, 11]
+    together, _ = answer_logprob_sums(model, _pair_batch([(long, short, 3)]))
+    alone = [answer_logprob_sums(model, _pair_batch([(ids, ids, 3)]))[0][0] for ids in (long, short)]
+    with torch.no_grad():
+        logprobs = model(torch.tensor([long])).logits.log_softmax(-1)[0]
+    by_hand = sum(logprobs[t - 1, long[t]] for t in range(3, len(long)))
+    assert together[0].item() == pytest.approx(by_hand.item(), abs=1e-5)
+    assert together.tolist() == pytest.approx([value.item() for value in alone], abs=1e-5)
+
+
+def test_policy_equal_to_reference_gives_zero_rewards_and_log_2_loss(tmp_path):
+    model = load_causal_lm(make_tiny_model_dir(tmp_path / "tiny", "llama")).eval()
+    objective = DPOObjective(DPOArguments(beta=0.1))
+    objective.reference = model
+    result = objective.pair_loss(model, _pair_batch([([5, 6, 7], [5, 6, 8, 9], 2), ([4, 7, 7, 7], [4, 9], 1)]))
+    assert result.chosen_rewards.tolist() == [0.0, 0.0] and result.rejected_rewards.tolist() == [0.0, 0.0]
+    assert result.loss.item() == pytest.approx(math.log(2))
+    assert objective.evaluate(model, [_pair_batch([([5, 6, 7], [5, 6, 8], 2)])])["accuracy"] == 0.0  # a tie is wrong
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dpo_loss", "kto"], "unknown preference loss 'kto'; choose one of: hinge, ipo, sigmoid"),
+    (["--dpo_beta", "0"], "--dpo_beta must be positive"),
+    (["--dpo_loss", "ipo", "--dpo_label_smoothing", "0.1"], "applies to --dpo_loss sigmoid only"),
+])
+def test_bad_dpo_settings_are_user_errors(flags, message, tmp_path, capsys):
+    with pytest.raises(UserError, match=message):
+        build_parser().parse_args(["--output_dir", str(tmp_path / "run"), *flags]).dpo.preference_loss()
+    with pytest.raises(SystemExit) as exited:
+        dpo_main(["--output_dir", str(tmp_path / "run"), *flags])
+    assert exited.value.code == EXIT_USER_ERROR and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_dpo_flags_and_defaults(tmp_path):
+    args = build_parser().parse_args(["--output_dir", str(tmp_path)])
+    assert (args.dpo.beta, args.dpo.loss, args.dpo.label_smoothing) == (0.1, "sigmoid", 0.0)
+    assert not args.dpo.offload_reference_model and args.training.learning_rate == 1e-6
+
+
+# the step end to end -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dpo_inputs")
+    return {
+        "model": make_tiny_model_dir(folder / "tiny-llama", "llama"),
+        "data": write_arithmetic_jsonl(folder / "pairs.jsonl", 48),
+        "cache": str(folder / "cache"),
+    }
+
+
+def _argv(inputs, output_dir, *extra) -> list[str]:
+    return ["--model_name_or_path", inputs["model"], "--data_path", inputs["data"], "--data_split", "1,2,0",
+            "--eval_fraction", "0.25", "--data_output_path", inputs["cache"], "--output_dir", str(output_dir), "--dtype", "fp32",
+            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--max_seq_len", "64",
+            "--learning_rate", "1e-3", "--log_interval", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(distributed, inputs, tmp_path_factory):
+    run = tmp_path_factory.mktemp("dpo") / "run"
+    return run, dpo_main(_argv(inputs, run, "--num_train_epochs", "2"))
+
+
+def test_dpo_starts_at_zero_rewards_and_learns_the_preference(trained):
+    run, summary = trained
+    assert summary == json.loads((run / "summary.json").read_text())
+    assert summary["step"] == "dpo" and summary["dpo_loss"] == "sigmoid" and summary["dpo_beta"] == 0.1
+    # before training the policy is the reference: every implicit reward 0, so every pair a tie (wrong)
+    assert summary["eval_accuracy_before"] == 0.0 and summary["eval_margin_before"] == 0.0
+    assert summary["eval_loss_before"] == pytest.approx(math.log(2))
+    assert summary["train_pairs"] == 24 and summary["eval_pairs"] == 8 and summary["optimizer_steps"] == 12
+    assert summary["eval_accuracy_after"] == 1.0 and summary["eval_margin_after"] > 0.5
+    assert summary["eval_chosen_reward_after"] > summary["eval_rejected_reward_after"]
+    assert summary["eval_loss_after"] < 0.5 and summary["final_train_loss"] < math.log(2)
+    evals = [record for record in read_metrics(run) if "eval/margin" in record]
+    assert [record["step"] for record in evals] == [0, 6, 12]  # 24 pairs / batch 4 = 6 steps per epoch
+    assert (run / "model" / "config.json").is_file() and load_tokenizer(str(run / "model")) is not None
+
+
+def test_dpo_resumes_after_a_crash_with_the_uninterrupted_weights(trained, inputs, tmp_path, monkeypatch):
+    reference_run, summary = trained
+    argv = _argv(inputs, tmp_path / "run", "--num_train_epochs", "2", "--save_interval", "2")
+    calls = {"count": 0, "crash_at": 5}  # micro-batch 5 is step 5: the last checkpoint is step 4's
+    original_loss = DPOObjective.loss
+
+    def counted_loss(self, policy, batch):
+        calls["count"] += 1
+        if calls["count"] == calls["crash_at"]:
+            raise RuntimeError("simulated crash")
+        return original_loss(self, policy, batch)
+
+    monkeypatch.setattr(DPOObjective, "loss", counted_loss)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        dpo_main(argv)
+    assert not (tmp_path / "run" / "model").exists()
+    calls.update(count=0, crash_at=None)
+    resumed = dpo_main([*argv, "--resume"])
+    assert calls["count"] == 12 - 4  # it continued from step 4 rather than starting over
+    assert resumed["optimizer_steps"] == summary["optimizer_steps"] == 12
+    assert resumed["eval_accuracy_before"] == 0.0  # the step-0 evaluation came back with the checkpoint
+    assert resumed["eval_margin_after"] == pytest.approx(summary["eval_margin_after"], abs=1e-6)
+    assert_same_weights(reference_run / "model", tmp_path / "run" / "model")
+
+
+def test_zero3_policy_and_reference_start_equal_and_train(distributed, inputs, tmp_path):
+    summary = dpo_main(_argv(inputs, tmp_path / "run", "--zero_stage", "3", "--max_steps", "3", "--dpo_loss", "ipo"))
+    assert summary["optimizer_steps"] == 3 and summary["dpo_loss"] == "ipo"
+    assert summary["eval_margin_before"] == 0.0 and summary["eval_loss_before"] == pytest.approx(25.0)  # (0 - 5)^2
+    assert summary["eval_margin_after"] > 0.0
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
