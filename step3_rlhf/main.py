@@ -64,7 +64,7 @@ from utils.data import (
     SFTCollator,
     build_unsupervised_dataset,
 )
-from utils.dist import init_distributed, is_main_process, mean_over_ranks
+from utils.dist import init_distributed, is_main_process, mean_over_ranks, sum_over_ranks
 from utils.errors import UserError, run_cli
 from utils.log import setup_logging
 
@@ -91,6 +91,8 @@ def check_args(args: Step3Settings) -> None:
     check_positive(flag_values(args), "per_device_generation_batch_size", "per_device_training_batch_size",
                    "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
                    "eval_samples")
+    if args.loop.max_train_minutes is not None and args.loop.max_train_minutes <= 0:
+        raise UserError(f"--max_train_minutes must be positive, got {args.loop.max_train_minutes}")
     if args.loop.eval_interval < 0:
         raise UserError(f"--eval_interval must be 0 or positive, got {args.loop.eval_interval}")
     if not 0.0 <= args.ema.ema_beta < 1.0:
@@ -261,13 +263,26 @@ class PPORun:
             stats["train/critic_lr"] = self.engine.critic.get_lr()[0]
         return mean_over_ranks(stats)
 
+    def _out_of_time(self, started: float) -> bool:
+        """Whether the time budget is spent (decided on rank 0 and shared, so every rank stops at the same step)."""
+        budget = self.args.loop.max_train_minutes
+        if budget is None:
+            return False
+        spent = float(time.perf_counter() - started >= budget * 60) if is_main_process() else 0.0
+        return sum_over_ranks([spent])[0] > 0
+
     def fit(self, interrupt: GracefulInterrupt) -> None:
         self.restore()
         if not self.evaluations:
             self.evaluate()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="step3_ppo", unit="step",
                    disable=not is_main_process(), dynamic_ncols=True)
+        started = time.perf_counter()
         while self.step < self.total_steps:
+            if self._out_of_time(started):
+                logger.info("--max_train_minutes %s reached after PPO step %d", self.args.loop.max_train_minutes,
+                            self.step)
+                break
             stats = self.ppo_step()
             self.step += 1
             self.last_stats = stats

@@ -44,6 +44,9 @@ class PPOLoopArguments:
     eval_interval: int = field(default=0, metadata={
         "help": "score held-out prompts every N PPO steps (0: only before and after training)"})
     eval_samples: int = field(default=32, metadata={"help": "held-out prompts scored per evaluation (per rank)"})
+    max_train_minutes: float | None = field(default=None, metadata={
+        "help": "start no PPO step after this many minutes of training in this process (then evaluate and save "
+                "as usual): a time budget instead of, or besides, --max_steps"})
 
 
 @dataclass
