@@ -17,6 +17,7 @@ from transformers import TextStreamer
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
+    FINAL_MODEL_SUBDIR,
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
@@ -37,13 +38,15 @@ _HUMAN_STOP = "Human:"
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
-    """The model folder to chat with: a train.py output dir means its step-3 actor, a step-3 run folder
-    its `actor/` (or `actor_ema/` with `ema`), a step-1 run folder its `model/`."""
+    """The model folder to chat with: a train.py output dir means its step-3 actor (else its DPO model), a
+    step-3 run folder its `actor/` (or `actor_ema/` with `ema`), a step-1 or DPO run folder its `model/`."""
     actor = "actor_ema" if ema else "actor"
     folder = Path(path)
     for candidate in (folder / "step3" / actor, folder / actor):
         if (candidate / "config.json").is_file():
             return str(candidate)
+    if not ema and (folder / "dpo" / FINAL_MODEL_SUBDIR / "config.json").is_file():
+        return str(folder / "dpo" / FINAL_MODEL_SUBDIR)
     if ema:
         raise UserError(f"{path} holds no EMA actor ({actor}/); run step 3 with --enable_ema or drop --ema")
     resolved = resolve_model_path(path)

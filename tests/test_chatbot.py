@@ -47,6 +47,15 @@ def test_run_folders_resolve_to_the_model_to_chat_with(tmp_path, tiny_model_dir)
         resolve_chat_model(str(pipeline / "step1"), ema=True)
 
 
+def test_a_dpo_run_resolves_to_its_model(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    pipeline = tmp_path / "runs"  # train.py --algorithm dpo: step1/ and dpo/, no step3/
+    for sub in ("step1/model", "dpo/model"):
+        shutil.copytree(model, pipeline / sub)
+    assert resolve_chat_model(str(pipeline)) == str(pipeline / "dpo" / "model")
+    assert resolve_chat_model(str(pipeline / "dpo")) == str(pipeline / "dpo" / "model")
+
+
 def test_a_reward_model_is_refused(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
     (tmp_path / "step2").mkdir()

@@ -11,6 +11,7 @@ from conftest import REPO_ROOT
 from crash_resume import step_env
 
 from training.pipeline.deployment import (
+    Workload,
     CpuQuickRun,
     DeploymentType,
     MemoryChoice,
@@ -258,3 +259,32 @@ def test_single_gpu_launches_a_step_through_the_deepspeed_launcher(tmp_path, tin
     assert log.startswith(f"$ {shlex.join(LAUNCHER)}") and "step1_sft" in log  # the step's own output, teed
     assert (out / "step1" / "model" / "config.json").is_file()
     assert json.loads((out / "summary.json").read_text())["deployment"] == "single_gpu"
+
+
+def test_the_quick_run_on_the_task_sizes_step3_by_answers_and_the_algorithms_models():
+    grpo = plan_cpu(ModelSizes(SMALL, SMALL), TWO_CORES,
+                    workload=Workload(critic=False, reward_model=False, samples_per_prompt=4, verifiable_task=True))
+    ppo = plan_cpu(ModelSizes(SMALL, SMALL), TWO_CORES,
+                   workload=Workload(critic=True, reward_model=False, samples_per_prompt=1, verifiable_task=True))
+    quick = CpuQuickRun()
+    for plan, prompts in ((grpo, 8), (ppo, 32)):  # 32 answers a step either way
+        flags = plan.steps[3].flags
+        assert flags["per_device_generation_batch_size"] == prompts and flags["per_device_training_batch_size"] == 16
+        assert (flags["max_prompt_seq_len"], flags["max_answer_seq_len"], flags["eval_samples"]) == (64, 32, 80)
+    usable = quick.step_budget_s[2] - quick.step_overhead_s[2]
+    assert grpo.steps[3].flags["max_steps"] == int(usable / (32 * quick.task_answer_s))
+    assert ppo.steps[3].flags["max_steps"] == int(usable / (32 * quick.task_answer_s * quick.task_critic_factor))
+
+
+def test_a_critic_free_algorithm_plans_gpu_memory_for_the_actor_alone_and_k_answers_per_prompt():
+    def plan(memory_gib, workload=Workload()):
+        gpu = Hardware(num_gpus=1, gpu_memory_gib=memory_gib, cpu_memory_gib=512, cpu_cores=32, bf16=True)
+        return plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), gpu, None, workload).steps[3].flags
+
+    grpo = Workload(critic=False, reward_model=False, samples_per_prompt=4)
+    # 7B actor + critic (trained) + reference + reward (frozen) need LoRA on 40 GiB; the actor and its
+    # reference alone train in full; on 80 GiB they step down from ZeRO-3 to ZeRO-2
+    assert plan(40)["actor_lora_dim"] == 128 and plan(40, grpo)["actor_lora_dim"] == 0
+    assert plan(80)["actor_zero_stage"] == 3 and plan(80, grpo)["actor_zero_stage"] == 2
+    flags = plan(80, grpo)
+    assert flags["per_device_generation_batch_size"] * 4 == flags["per_device_training_batch_size"]

@@ -24,7 +24,7 @@ from utils.errors import UserError, run_cli
 
 TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
 MODEL_FLAGS = {1: ["--model_name_or_path"], 2: ["--model_name_or_path"],
-               3: ["--actor_model_name_or_path", "--critic_model_name_or_path"]}
+               3: ["--actor_model_name_or_path", "--critic_model_name_or_path"], 4: ["--model_name_or_path"]}
 
 
 class FakeSteps:
@@ -72,7 +72,7 @@ class FakeSteps:
         return main
 
     def entries(self):
-        return {step: StepEntry(self.main(step), functools.partial(self.parser, step)) for step in (1, 2, 3)}
+        return {step: StepEntry(self.main(step), functools.partial(self.parser, step)) for step in MODEL_FLAGS}
 
 
 def run(argv, fakes):
@@ -164,18 +164,42 @@ def test_underscore_spellings_of_train_py_flags_go_to_the_steps(tmp_path, fakes)
     assert rlhf.actor_zero_stage == "2" and sft.zero_stage == "0"
 
 
+def test_algorithm_dpo_runs_step_1_then_dpo_on_its_model(tmp_path, fakes):
+    run(common(tmp_path, fakes.model_dir) + ["--algorithm", "dpo"], fakes)
+    assert [call[0] for call in fakes.calls] == [1, 4]
+    assert fakes.calls[1][1].model_name_or_path == str(tmp_path / "out" / "step1")
+    assert fakes.calls[1][1].output_dir == str(tmp_path / "out" / "dpo")
+
+
+def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_model(tmp_path, tiny_model_dir):
+    options = {1: ["--data_path"], 3: ["--data_path", "--algorithm", "--reward_fn"]}
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options=options)
+    run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math"], fakes)
+    (_, sft, _), (_, rlhf, rlhf_argv) = fakes.calls
+    assert [call[0] for call in fakes.calls] == [1, 3] and "--critic_model_name_or_path" not in rlhf_argv
+    assert sft.data_path == rlhf.data_path == "task:arithmetic"
+    assert rlhf.algorithm == "grpo" and rlhf.reward_fn == "builtin:math"
+    assert rlhf.per_device_training_batch_size == str(4 * int(rlhf.per_device_generation_batch_size))
+
+    fakes.calls.clear()  # the user's data wins, and is not joined by the task
+    run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math",
+                                             "--data_path", "mine.jsonl"], fakes)
+    assert all("task:arithmetic" not in argv for _, _, argv in fakes.calls)
+    assert fakes.calls[1][1].data_path == "mine.jsonl"
+
+
 def test_train_py_flags_parse_into_the_pipeline_config():
     config = parse_config(["--step", "3", "1", "1", "--deployment-type", "cpu", "--actor-zero-stage", "2",
                            "--step1-output", "/m", "--step2-args", "--seed 1", "--dry-run", "--seed", "7"])
     assert config.steps == [1, 3] and config.deployment_type is DeploymentType.CPU and config.actor_zero_stage == 2
-    assert config.step_outputs == {1: "/m", 2: None, 3: None}
-    assert config.step_args == {1: [], 2: ["--seed", "1"], 3: []}
+    assert config.step_outputs == {1: "/m", 2: None, 3: None, 4: None}
+    assert config.step_args == {1: [], 2: ["--seed", "1"], 3: [], 4: []}
     assert config.extra_args == ["--seed", "7"] and config.dry_run is True
     defaults = parse_config([])
     assert defaults.steps == [1, 2, 3] and defaults.actor_model == defaults.reward_model == EMBEDDED_MODEL_NAME
     assert defaults.deployment_type is None and defaults.reward_zero_stage is None and defaults.dry_run is False
     assert defaults.output_dir == Path("runs/default").resolve() and defaults.extra_args == []
-    for bad in (["--step", "4"], ["--deployment-type", "gpu"], ["--reward-zero-stage", "5"]):
+    for bad in (["--step", "5"], ["--deployment-type", "gpu"], ["--reward-zero-stage", "5"], ["--algorithm", "kto"]):
         with pytest.raises(SystemExit):
             parse_config(bad)
 

@@ -8,19 +8,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 
+from training.algorithms import RL_ALGORITHMS, get_advantage_estimator, get_rl_algorithm
 from training.core.model_loading import EMBEDDED_MODEL_NAME
 
-from .deployment import DeploymentType, Model
-from .steps import STEPS, StepSpec
+from .deployment import DeploymentType, Model, Workload
+from .steps import STEPS, StepSpec, flag_value
 
 _ZERO_STAGES = (0, 1, 2, 3)
 
 
+DPO = "dpo"
+DEFAULT_TASK_DATA = "task:arithmetic"  # the data of a built-in verifier (--reward_fn builtin:...) without --data_path
+
+
 @dataclass
 class PipelineConfig:
-    step: list[int] = field(default_factory=lambda: list(STEPS), metadata={
+    step: list[int] | None = field(default=None, metadata={
         "choices": tuple(STEPS),
-        "help": f"which steps to run, in order (default: {' '.join(str(number) for number in STEPS)})"})
+        "help": "which steps to run, in order (default: 1 2 3; 1 3 with --reward_fn alone; 1 4 with --algorithm dpo)"})
+    algorithm: str = field(default="ppo", metadata={
+        "choices": (*RL_ALGORITHMS.names(), DPO),
+        "help": "step 3's RL algorithm (ppo needs a critic; grpo, rloo, reinforce_pp and remax do not), or dpo: "
+                "step 1 then DPO (step 4) on the preference pairs instead of steps 2 and 3"})
     actor_model: str = field(default=EMBEDDED_MODEL_NAME, metadata={
         "help": f"step 1's base model: hub name or local folder (default: the embedded {EMBEDDED_MODEL_NAME})"})
     reward_model: str = field(default=EMBEDDED_MODEL_NAME, metadata={
@@ -51,8 +60,46 @@ class PipelineConfig:
 
     @property
     def steps(self) -> list[int]:
-        """The steps to run, in order, each once."""
-        return sorted(set(self.step))
+        """The steps to run, in order, each once: --step, or those the algorithm and --reward_fn call for."""
+        if self.step:
+            return sorted(set(self.step))
+        if self.algorithm == DPO:
+            return [1, 4]
+        return [1, 3] if self.reward_fn is not None else [1, 2, 3]
+
+    def passed_flag(self, flag: str, step: int = 3) -> str | None:
+        """The value of a step flag the user passed through train.py (to every step or to `step` only)."""
+        return flag_value([*self.extra_args, *self.step_args.get(step, [])], flag)
+
+    @property
+    def reward_fn(self) -> str | None:
+        return self.passed_flag("--reward_fn")
+
+    def workload(self) -> Workload:
+        """What step 3 will hold, for the planners."""
+        if self.algorithm == DPO:
+            return Workload(critic=False, reward_model=False)
+        algorithm = get_rl_algorithm(self.algorithm)
+        estimator = self.passed_flag("--advantage_estimator") or algorithm.advantage_estimator
+        samples = self.passed_flag("--n_samples_per_prompt")
+        reward_model = self.reward_fn is None or 2 in self.steps or self.step_outputs.get(2) is not None
+        return Workload(critic=get_advantage_estimator(estimator).needs_critic, reward_model=reward_model,
+                        samples_per_prompt=int(samples) if samples else algorithm.n_samples_per_prompt,
+                        verifiable_task=self.uses_default_task(3))
+
+    def uses_default_task(self, step: int) -> bool:
+        """A built-in verifier scores the answers and `step` is given no --data_path: it trains on the task."""
+        reward_fn = self.reward_fn
+        return (reward_fn is not None and reward_fn.startswith("builtin:")
+                and self.passed_flag("--data_path", step) is None)
+
+    def step_flags(self, step: int) -> list[str]:
+        """The flags train.py itself gives `step`: the algorithm to step 3, and, for a built-in verifier without
+        --data_path, the embedded task it checks answers of to every step."""
+        flags = ["--data_path", DEFAULT_TASK_DATA] if self.uses_default_task(step) else []
+        if step == 3 and self.algorithm not in ("ppo", DPO):
+            flags += ["--algorithm", self.algorithm]
+        return flags
 
     def base_model(self, model: Model) -> str:
         return {Model.ACTOR: self.actor_model, Model.REWARD: self.reward_model}[model]

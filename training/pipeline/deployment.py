@@ -57,6 +57,17 @@ class ModelSizes:
     reward: ModelSize
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What step 3 holds besides the actor and its reference, from `--algorithm` and `--reward_fn`: a trained
+    critic, a frozen reward model, and the answers sampled per prompt."""
+
+    critic: bool = True
+    reward_model: bool = True
+    samples_per_prompt: int = 1
+    verifiable_task: bool = False  # the embedded task (short prompts and answers, scored by a built-in verifier)
+
+
 # --------------------------------------------------------------------------- GPU memory model
 
 _STATE_BUDGET = 0.55  # share of accelerator memory for weights/gradients/optimizer; the rest is activations
@@ -198,8 +209,8 @@ class CpuQuickRun:
     (0.583 -> 0.535).
     """
 
-    step_budget_s: tuple[float, float, float] = (200.0, 810.0, 480.0)
-    step_overhead_s: tuple[float, float, float] = (50.0, 75.0, 120.0)
+    step_budget_s: tuple[float, ...] = (200.0, 810.0, 480.0, 600.0)  # steps 1, 2, 3 and 4 (DPO)
+    step_overhead_s: tuple[float, ...] = (50.0, 75.0, 120.0, 90.0)
     reference_params: float = 135e6
     reference_cores: int = 2
     fp32_slowdown: float = 2.5
@@ -219,6 +230,19 @@ class CpuQuickRun:
     max_answer_seq_len: int = 48
     ppo_batch: int = 4
     ppo_actor_learning_rate: float = 3e-5
+    critic_free_step_share: float = 0.6
+    task_rows_per_step: int = 32
+    task_training_batch: int = 16
+    task_answer_s: float = 0.3
+    task_critic_factor: float = 1.5
+    task_max_prompt_seq_len: int = 64
+    task_max_answer_seq_len: int = 32
+    task_actor_learning_rate: float = 1e-5
+    task_eval_samples: int = 80
+    dpo_step_s: float = 13.0
+    dpo_batch: int = 8
+    dpo_max_seq_len: int = 192
+    dpo_learning_rate: float = 1e-6
     min_steps: int = 4
     max_steps: int = 500
 
@@ -270,8 +294,9 @@ def gpu_target(deployment: DeploymentType, hardware: Hardware, hosts: list[Host]
 
 def cpu_target(hardware: Hardware, quick: CpuQuickRun) -> tuple[Target, list[str]]:
     """The `cpu` deployment: one process in this one."""
-    notes = [(f"quick run sized for {hardware.cpu_cores} CPU cores: about "
-              f"{sum(quick.step_budget_s) / 60:.0f} min for the three steps; pass --max_steps etc. to change")]
+    minutes = ", ".join(f"{budget / 60:.0f}" for budget in quick.step_budget_s)
+    notes = [(f"quick run sized for {hardware.cpu_cores} CPU cores: about {minutes} min for steps 1, 2, 3 and 4 (DPO); "
+              "pass --max_steps etc. to change")]
     return Target(hardware, 1, 1, "bf16" if hardware.bf16 else "fp32", quick), notes
 
 
@@ -302,7 +327,7 @@ def _quick_supervised(quick: CpuQuickRun, dtype: str, steps: int, batch: int, se
     )
 
 
-def plan_sft(target: Target, sizes: ModelSizes) -> SupervisedPlan:
+def plan_sft(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
     """Step 1 trains the actor: one sequence a sample, 64 samples an optimizer step on GPUs."""
     quick = target.quick
     if quick is not None:
@@ -314,7 +339,7 @@ def plan_sft(target: Target, sizes: ModelSizes) -> SupervisedPlan:
     return _gpu_supervised(target, _fit_training(target, [sizes.actor], [], seq_len, 1, 16, "step 1"), 64, seq_len)
 
 
-def plan_reward(target: Target, sizes: ModelSizes) -> SupervisedPlan:
+def plan_reward(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
     """Step 2 trains the reward model: two sequences (chosen, rejected) a sample, 32 pairs an optimizer step on GPUs."""
     quick = target.quick
     if quick is not None:
@@ -326,25 +351,33 @@ def plan_reward(target: Target, sizes: ModelSizes) -> SupervisedPlan:
     return _gpu_supervised(target, _fit_training(target, [sizes.reward], [], seq_len, 2, 8, "step 2"), 32, seq_len)
 
 
-def plan_rlhf(target: Target, sizes: ModelSizes) -> RLHFPlan:
-    """Step 3 trains actor and critic beside their frozen copies (reference and reward models)."""
+def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> RLHFPlan:
+    """Step 3 trains the actor (and a critic, if the algorithm has one) beside the frozen reference (and
+    reward model, if one scores the answers); each prompt is answered `samples_per_prompt` times."""
     quick = target.quick
+    samples = workload.samples_per_prompt
+    critic_sizes = [sizes.reward] if workload.critic else []
+    reward_sizes = [sizes.reward] if workload.reward_model else []
+    if quick is not None and workload.verifiable_task:
+        return _quick_task_rlhf(quick, target, sizes, workload)
     if quick is not None:
         prompt_len, answer_len = fit_prompt_and_answer(
-            quick.max_prompt_seq_len, quick.max_answer_seq_len, sizes.actor, sizes.reward)
-        steps = quick.steps_within(
-            3, quick.ppo_step_s * (target.cpu_cost(sizes.actor) + target.cpu_cost(sizes.reward)) / 2)
+            quick.max_prompt_seq_len, quick.max_answer_seq_len, sizes.actor, *reward_sizes)
+        share = 1.0 if workload.critic else quick.critic_free_step_share
+        step_s = quick.ppo_step_s * samples * share * (
+            target.cpu_cost(sizes.actor) + target.cpu_cost(sizes.reward if workload.reward_model else sizes.actor)) / 2
+        steps = quick.steps_within(3, step_s)
         return RLHFPlan(
             actor_zero_stage=0, critic_zero_stage=0, dtype=target.dtype,
-            per_device_generation_batch_size=quick.ppo_batch, per_device_training_batch_size=quick.ppo_batch,
+            per_device_generation_batch_size=quick.ppo_batch, per_device_training_batch_size=quick.ppo_batch * samples,
             gradient_accumulation_steps=1, max_prompt_seq_len=prompt_len, max_answer_seq_len=answer_len,
             enable_hybrid_engine=True, actor_learning_rate=quick.ppo_actor_learning_rate,
             max_steps=steps, max_train_samples=steps * quick.ppo_batch,
         )
-    prompt_len, answer_len = fit_prompt_and_answer(_PROMPT_LEN, _ANSWER_LEN, sizes.actor, sizes.reward)
+    prompt_len, answer_len = fit_prompt_and_answer(_PROMPT_LEN, _ANSWER_LEN, sizes.actor, *reward_sizes)
     rl_seq = prompt_len + answer_len
     kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
-    fit = _fit_training(target, [sizes.actor, sizes.reward], [sizes.actor, sizes.reward], rl_seq, 1, 16, "step 3",
+    fit = _fit_training(target, [sizes.actor, *critic_sizes], [sizes.actor, *reward_sizes], rl_seq, 1, 16, "step 3",
                         extra_per_sample=kv_cache)
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
     return RLHFPlan(
@@ -357,7 +390,7 @@ def plan_rlhf(target: Target, sizes: ModelSizes) -> RLHFPlan:
         critic_lora_dim=lora_dim,
         actor_gradient_checkpointing=fit.checkpointing,
         critic_gradient_checkpointing=fit.checkpointing,
-        per_device_generation_batch_size=fit.micro_batch,
+        per_device_generation_batch_size=max(1, fit.micro_batch // samples),
         per_device_training_batch_size=fit.micro_batch,
         gradient_accumulation_steps=1,
         max_prompt_seq_len=prompt_len,
@@ -365,3 +398,35 @@ def plan_rlhf(target: Target, sizes: ModelSizes) -> RLHFPlan:
         enable_hybrid_engine=True,
         dtype=target.dtype,
     )
+
+
+def _quick_task_rlhf(quick: CpuQuickRun, target: Target, sizes: ModelSizes, workload: Workload) -> RLHFPlan:
+    """Step 3 of the quick run on the embedded verifiable task: `task_rows_per_step` answers a step (prompts x
+    samples per prompt), steps sized from the measured time per answer (GRPO, 32 answers a step: 9.4 s)."""
+    prompts = max(1, quick.task_rows_per_step // workload.samples_per_prompt)
+    rows = prompts * workload.samples_per_prompt
+    step_s = rows * quick.task_answer_s * (quick.task_critic_factor if workload.critic else 1.0)
+    steps = quick.steps_within(3, step_s * target.cpu_cost(sizes.actor))
+    prompt_len, answer_len = fit_prompt_and_answer(quick.task_max_prompt_seq_len, quick.task_max_answer_seq_len,
+                                                   sizes.actor)
+    return RLHFPlan(
+        actor_zero_stage=0, critic_zero_stage=0, dtype=target.dtype, per_device_generation_batch_size=prompts,
+        per_device_training_batch_size=min(rows, quick.task_training_batch), gradient_accumulation_steps=1,
+        max_prompt_seq_len=prompt_len, max_answer_seq_len=answer_len, enable_hybrid_engine=True,
+        actor_learning_rate=quick.task_actor_learning_rate, max_steps=steps, max_train_samples=steps * prompts,
+        eval_samples=quick.task_eval_samples,
+    )
+
+
+def plan_dpo(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
+    """DPO trains the actor on pairs (two sequences a sample) beside its frozen reference, 32 pairs an optimizer
+    step on GPUs."""
+    quick = target.quick
+    if quick is not None:
+        steps = quick.steps_within(4, quick.dpo_step_s * target.cpu_cost(sizes.actor))
+        return _quick_supervised(quick, target.dtype, steps, quick.dpo_batch,
+                                 fit_length(quick.dpo_max_seq_len, sizes.actor), quick.dpo_learning_rate,
+                                 quick.reward_eval_samples)
+    seq_len = fit_length(_SEQ_LEN, sizes.actor)
+    fit = _fit_training(target, [sizes.actor], [sizes.actor], seq_len, 2, 8, "DPO")
+    return _gpu_supervised(target, fit, 32, seq_len)

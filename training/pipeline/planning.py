@@ -11,6 +11,7 @@ from .deployment import (
     Model,
     ModelSizes,
     Target,
+    Workload,
     cpu_target,
     gpu_target,
 )
@@ -19,26 +20,30 @@ from .hostfile import Host
 from .steps import STEPS
 
 
-def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: ModelSizes) -> DeploymentPlan:
-    steps = {number: spec.planner(target, sizes) for number, spec in STEPS.items()}
+def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: ModelSizes,
+          workload: Workload) -> DeploymentPlan:
+    steps = {number: spec.planner(target, sizes, workload) for number, spec in STEPS.items()}
     return DeploymentPlan(deployment, target.world, steps, notes)
 
 
-def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None) -> DeploymentPlan:
+def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None,
+             workload: Workload = Workload()) -> DeploymentPlan:
     """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one)."""
-    return _plan(deployment, *gpu_target(deployment, hardware, hosts), sizes)
+    return _plan(deployment, *gpu_target(deployment, hardware, hosts), sizes, workload)
 
 
-def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun()) -> DeploymentPlan:
-    return _plan(DeploymentType.CPU, *cpu_target(hardware, quick), sizes)
+def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun(),
+             workload: Workload = Workload()) -> DeploymentPlan:
+    return _plan(DeploymentType.CPU, *cpu_target(hardware, quick), sizes, workload)
 
 
 def plan_deployment(
-    deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None = None
+    deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None = None,
+    workload: Workload = Workload(),
 ) -> DeploymentPlan:
     if deployment is DeploymentType.CPU:
-        return plan_cpu(sizes, hardware)
-    return plan_gpu(deployment, sizes, hardware, hosts)
+        return plan_cpu(sizes, hardware, workload=workload)
+    return plan_gpu(deployment, sizes, hardware, hosts, workload)
 
 
 def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None]) -> None:

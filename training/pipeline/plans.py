@@ -73,3 +73,4 @@ class RLHFPlan(StepPlan):
     actor_learning_rate: float | None = None
     max_steps: int | None = None
     max_train_samples: int | None = None
+    eval_samples: int | None = None

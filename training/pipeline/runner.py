@@ -1,6 +1,6 @@
 """Run the chosen steps in order, each one's output feeding the next, and summarise them.
 
-Layout under the output dir: `step1/`, `step2/`, `step3/` (the steps' run folders),
+Layout under the output dir: `step1/`, `step2/`, `step3/`, `dpo/` (the steps' run folders),
 `logs/stepN.log`, and `summary.json` (the table printed at the end).
 """
 from __future__ import annotations
@@ -35,8 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 Inputs = dict[int, list[tuple[ModelInput, str]]]
 
 
-def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str:
-    """The model a step starts from; an earlier step's output that this run does not make is checked now."""
+def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str | None:
+    """The model a step starts from; an earlier step's output that this run does not make is checked now
+    (None: an input a reward function replaces, left out)."""
     if source.from_step is None:
         return config.base_model(source.model)
     producer = STEPS[source.from_step]
@@ -44,6 +45,8 @@ def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str:
         return str(config.run_dir(producer.number))
     path = config.step_outputs.get(producer.number) or str(config.run_dir(producer.number))
     if not producer.output.saved_in(path):
+        if source.reward_fn_replaces and config.reward_fn is not None and config.step_outputs.get(producer.number) is None:
+            return None
         raise UserError(
             f"step {step} needs the step-{producer.number} {producer.output.what}, and {path} holds none; "
             f"run step {producer.number} first (--step {producer.number} {step}), or point "
@@ -54,15 +57,16 @@ def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str:
 
 def _inputs(config: PipelineConfig) -> Inputs:
     """Each step's model flags with their values."""
-    return {step: [(source, _input_value(config, step, source)) for source in STEPS[step].inputs]
-            for step in config.steps}
+    values = {step: [(source, _input_value(config, step, source)) for source in STEPS[step].inputs]
+              for step in config.steps}
+    return {step: [(source, value) for source, value in pairs if value is not None] for step, pairs in values.items()}
 
 
 def step_argv(config: PipelineConfig, step: int, plan: DeploymentPlan, routed: Mapping[int, list[str]],
               inputs: Inputs) -> list[str]:
     """Model and run-folder flags, then the plan's flags, then the user's (argparse keeps the last value)."""
     base = [token for source, value in inputs[step] for token in (source.flag, value)]
-    base += ["--output_dir", str(config.run_dir(step))]
+    base += ["--output_dir", str(config.run_dir(step)), *config.step_flags(step)]
     return base + plan.steps[step].argv() + routed.get(step, []) + config.step_args.get(step, [])
 
 
@@ -124,7 +128,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     routed = route_extra_flags(
         config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps}
     ) if config.extra_args else {}
-    plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts)
+    plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload())
     apply_zero_overrides(plan, config.zero_stages())
     launcher = _launcher(config, deployment, hardware)
     argvs = {step: step_argv(config, step, plan, routed, inputs) for step in config.steps}

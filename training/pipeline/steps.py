@@ -17,11 +17,11 @@ from training.core.model_loading import resolve_model_path
 from training.core.reward_model import is_reward_model_dir
 from utils.errors import UserError
 
-from .deployment import Model, ModelSizes, Target, plan_reward, plan_rlhf, plan_sft
+from .deployment import Model, ModelSizes, Target, Workload, plan_dpo, plan_reward, plan_rlhf, plan_sft
 from .plans import RLHFPlan, StepPlan, SupervisedPlan
 
 StepMain = Callable[[list[str]], dict]
-Planner = Callable[[Target, ModelSizes], StepPlan]
+Planner = Callable[[Target, ModelSizes, Workload], StepPlan]
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,13 @@ class StepEntry:
 @dataclass(frozen=True)
 class ModelInput:
     """A model flag of a step: it carries `model`, from step `from_step`'s output, or with none from
-    train.py's --actor-model/--reward-model."""
+    train.py's --actor-model/--reward-model. `reward_fn_replaces`: with --reward_fn, the step runs without
+    it when that output is neither made by this run nor already there."""
 
     flag: str
     model: Model
     from_step: int | None = None
+    reward_fn_replaces: bool = False
 
 
 def has_model(path: str | os.PathLike) -> bool:
@@ -108,12 +110,18 @@ STEPS: dict[int, StepSpec] = {spec.number: spec for spec in (
         plan=SupervisedPlan, planner=plan_reward, zero_stage_fields={Model.REWARD: "zero_stage"},
     ),
     StepSpec(
-        3, "step3", "RLHF (PPO)", "step3_rlhf.main",
+        3, "step3", "RLHF (PPO, GRPO, ...)", "step3_rlhf.main",
         inputs=(ModelInput("--actor_model_name_or_path", Model.ACTOR, from_step=1),
-                ModelInput("--critic_model_name_or_path", Model.REWARD, from_step=2)),
+                ModelInput("--critic_model_name_or_path", Model.REWARD, from_step=2, reward_fn_replaces=True)),
         output=StepOutput("actor", has_model, subdir="actor"),
         plan=RLHFPlan, planner=plan_rlhf,
         zero_stage_fields={Model.ACTOR: "actor_zero_stage", Model.REWARD: "critic_zero_stage"},
+    ),
+    StepSpec(
+        4, "dpo", "DPO (instead of steps 2 and 3)", "step2_reward.dpo.main",
+        inputs=(ModelInput("--model_name_or_path", Model.ACTOR, from_step=1),),
+        output=StepOutput("model", has_model),
+        plan=SupervisedPlan, planner=plan_dpo, zero_stage_fields={Model.ACTOR: "zero_stage"},
     ),
 )}
 
@@ -141,6 +149,16 @@ def group_flags(tokens: Sequence[str]) -> list[list[str]]:
         else:
             raise UserError(f"unexpected argument {token!r}: flags passed through to the steps start with '--'")
     return groups
+
+
+def flag_value(tokens: Sequence[str], flag: str) -> str | None:
+    """The value the last `flag VALUE` / `flag=VALUE` in `tokens` gives (None when the flag is absent)."""
+    value = None
+    for group in group_flags(tokens):
+        name, _, inline = group[0].partition("=")
+        if name == flag:
+            value = inline or (group[1] if len(group) > 1 else "")
+    return value
 
 
 def route_extra_flags(
