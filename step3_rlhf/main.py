@@ -1,6 +1,8 @@
-"""Step 3: RLHF with PPO. The step-1 model is the actor (and, frozen, the reference); the step-2
-reward model scores the answers (frozen) and initialises the critic (built only when the
-`--advantage_estimator` needs one).
+"""Step 3: RLHF with PPO, GRPO, RLOO, REINFORCE++ or ReMax (`--algorithm`). The step-1 model is the actor
+(and, frozen, the reference); the step-2 reward model scores the answers (frozen) and initialises the
+critic (built only when the algorithm's advantage estimator needs one); `--reward_fn` scores them with a
+program instead of, or added to, the reward model. The critic-free algorithms sample
+`--n_samples_per_prompt` answers per prompt (one prefill each) and compare them.
 
 One PPO step = `--generation_batches` prompt batches answered and scored, then `--ppo_epochs`
 passes of actor and critic updates over those experiences (with `--unsupervised_dataset_name`, each
