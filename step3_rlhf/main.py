@@ -66,7 +66,7 @@ from utils.data import (
     SFTCollator,
     build_unsupervised_dataset,
 )
-from utils.dist import init_distributed, is_main_process, mean_over_ranks, sum_over_ranks
+from utils.dist import get_world_size, init_distributed, is_main_process, mean_over_ranks, sum_over_ranks
 from utils.errors import UserError, run_cli
 from utils.log import setup_logging
 
@@ -158,14 +158,24 @@ def held_out_stats(experience: Experience) -> dict[str, float]:
             "kl_exact": experience.exact_kl.mean().item()}
 
 
+def first_rows(batch: Mapping, count: int) -> dict:
+    """The first `count` rows of a collated batch (tensors and per-row lists alike)."""
+    return {key: value[:count] for key, value in batch.items()}
+
+
 @torch.no_grad()
-def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_batches: int) -> dict[str, float]:
-    """Greedy answers to the first held-out prompts, scored by the reward model: `held_out_stats` averaged."""
+def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dict[str, float]:
+    """Greedy answers to this rank's first `num_prompts` held-out prompts (whatever the batch size, so runs
+    with other batch sizes score the same prompts), scored: `held_out_stats` averaged over the prompts."""
     prompts.load_state_dict({"epoch": 0, "batches_done": 0})
     totals: dict[str, float] = {}
-    for _ in range(num_batches):
-        for key, value in held_out_stats(trainer.evaluate_prompts(prompts.next())).items():
-            totals[key] = totals.get(key, 0.0) + value / num_batches
+    remaining = num_prompts
+    while remaining > 0:
+        batch = first_rows(prompts.next(), remaining)
+        rows = batch["input_ids"].shape[0]
+        for key, value in held_out_stats(trainer.evaluate_prompts(batch)).items():
+            totals[key] = totals.get(key, 0.0) + value * rows / num_prompts
+        remaining -= rows
     return mean_over_ranks(totals)
 
 
@@ -220,9 +230,8 @@ class PPORun:
     def evaluate(self) -> dict:
         if self.eval_prompts is None:
             return {}
-        num_batches = max(1, min(self.eval_prompts.batches_per_epoch,
-                                 -(-self.args.loop.eval_samples // self.eval_prompts.batch_size)))
-        values = evaluate(self.trainer, self.eval_prompts, num_batches)
+        per_rank = -(-len(self.eval_prompts.dataset) // get_world_size())
+        values = evaluate(self.trainer, self.eval_prompts, min(self.args.loop.eval_samples, per_rank))
         record = {"step": self.step, **values}
         self.evaluations.append(record)
         self.metrics.log(self.step, {f"eval/{key}": value for key, value in values.items()})

@@ -153,3 +153,22 @@ def test_grpo_with_a_reward_function_runs_without_reward_model_or_critic(distrib
     args = json.loads((run / "args.json").read_text())
     assert (args["n_samples_per_prompt"], args["kl_in_loss"], args["advantage_estimator"]) == (4, True,
                                                                                              "group_normalized")
+
+
+def test_the_held_out_evaluation_scores_the_same_prompts_whatever_the_batch_size(distributed, inputs):
+    from step3_rlhf.main import evaluate
+    from training.generation.generator import HFGenerator
+    from training.loops.batch_stream import BatchStream
+    from utils.data import PromptCollator, TokenizedDataset
+
+    engine = build_engine(inputs)
+    tokenizer = engine.tokenizer
+    prompts = [f"Human: What is {i} plus {i + 1}? Assistant:" for i in range(7)]
+    dataset = TokenizedDataset.from_lists({"input_ids": tokenizer(prompts)["input_ids"]})
+    trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=4))
+    results = []
+    for batch_size in (2, 5):  # 5 prompts: three batches of 2 (the last cut to 1), or one of 5
+        stream = BatchStream(dataset, batch_size, PromptCollator(tokenizer.pad_token_id), seed=0, shuffle=False)
+        results.append(evaluate(trainer, stream, 5))
+    assert results[0]["score_mean"] == pytest.approx(results[1]["score_mean"], abs=1e-5)
+    assert results[0]["response_length"] == pytest.approx(results[1]["response_length"], abs=1e-6)
