@@ -57,5 +57,5 @@ from training.algorithms.preference import (
     register_preference_loss,
     sigmoid_loss,
 )
-from training.algorithms.registry import Registry
+from utils.registry import Registry
 from training.algorithms.rl import RL_ALGORITHMS, RLAlgorithm, get_rl_algorithm, register_rl_algorithm

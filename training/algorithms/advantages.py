@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from training.algorithms.core import whiten
-from training.algorithms.registry import Registry
+from utils.registry import Registry
 
 
 @dataclass(frozen=True)

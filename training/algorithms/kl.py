@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from training.algorithms.core import masked_mean
-from training.algorithms.registry import Registry
+from utils.registry import Registry
 from training.core.sequences import last_token_index
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

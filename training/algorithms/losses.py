@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 
 from training.algorithms.core import masked_mean
-from training.algorithms.registry import Registry
+from utils.registry import Registry
 
 
 class ActorLoss(NamedTuple):

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from training.algorithms.registry import Registry
+from utils.registry import Registry
 
 
 class PairLoss(NamedTuple):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.algorithms.registry import Registry
+from utils.registry import Registry
 
 
 @dataclass(frozen=True)

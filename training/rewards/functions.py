@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from training.algorithms.registry import Registry
 from utils.errors import UserError
+from utils.registry import Registry
 
 RewardFunction = Callable[[str, str, Mapping[str, Any]], float]
 BUILTIN_REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("built-in reward function")
