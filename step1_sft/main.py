@@ -46,21 +46,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     outcome = run_supervised_step(args, SFT_STEP)
     result = outcome.result
-    summary = {
-        "step": "step1_sft",
-        "model_dir": str(outcome.model_dir),
-        "optimizer_steps": result.steps,
-        "epochs_completed": result.epochs_completed,
-        "train_items": outcome.train_items,
-        "eval_items": outcome.eval_items,
-        "dtype": outcome.dtype,
-        "final_train_loss": result.train_loss,
+    counts = {"train_items": outcome.train_items, "eval_items": outcome.eval_items}
+    summary = outcome.summary("step1_sft", counts, {
         "eval_perplexity_before": result.first_eval.get("perplexity"),
         "eval_perplexity_after": result.final_eval.get("perplexity"),
         "eval_loss_before": result.first_eval.get("loss"),
         "eval_loss_after": result.final_eval.get("loss"),
-        "wall_time_s": round(result.wall_time_s, 1),
-    }
+    })
     save_summary(args.run.output_dir, summary)
     return summary
 

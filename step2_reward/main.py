@@ -73,23 +73,15 @@ def main(argv: list[str] | None = None) -> dict:
     outcome = run_supervised_step(args, REWARD_STEP)
     result = outcome.result
     before, after = result.first_eval, result.final_eval
-    summary = {
-        "step": "step2_reward",
-        "model_dir": str(outcome.model_dir),
-        "optimizer_steps": result.steps,
-        "epochs_completed": result.epochs_completed,
-        "train_pairs": outcome.train_items,
-        "eval_pairs": after.get("num_pairs"),
-        "dtype": outcome.dtype,
-        "final_train_loss": result.train_loss,
+    counts = {"train_pairs": outcome.train_items, "eval_pairs": after.get("num_pairs")}
+    summary = outcome.summary("step2_reward", counts, {
         "eval_accuracy_before": before.get("accuracy"),
         "eval_accuracy_after": after.get("accuracy"),
         "eval_margin_before": before.get("margin_mean"),
         "eval_margin_after": after.get("margin_mean"),
         "eval_chosen_mean_after": after.get("chosen_mean"),
         "eval_rejected_mean_after": after.get("rejected_mean"),
-        "wall_time_s": round(result.wall_time_s, 1),
-    }
+    })
     save_summary(args.run.output_dir, summary)
     return summary
 

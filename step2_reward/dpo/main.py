@@ -56,17 +56,10 @@ def main(argv: list[str] | None = None) -> dict:
     outcome = run_supervised_step(args, dpo_step(DPOObjective(args.dpo)))
     result = outcome.result
     before, after = result.first_eval, result.final_eval
-    summary = {
-        "step": STEP_NAME,
-        "model_dir": str(outcome.model_dir),
-        "optimizer_steps": result.steps,
-        "epochs_completed": result.epochs_completed,
-        "train_pairs": outcome.train_items,
-        "eval_pairs": after.get("num_pairs"),
-        "dtype": outcome.dtype,
+    counts = {"train_pairs": outcome.train_items, "eval_pairs": after.get("num_pairs")}
+    summary = outcome.summary(STEP_NAME, counts, {
         "dpo_loss": args.dpo.loss,
         "dpo_beta": args.dpo.beta,
-        "final_train_loss": result.train_loss,
         "eval_loss_before": before.get("loss"),
         "eval_loss_after": after.get("loss"),
         "eval_accuracy_before": before.get("accuracy"),
@@ -75,8 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_margin_after": after.get("margin"),
         "eval_chosen_reward_after": after.get("chosen_reward"),
         "eval_rejected_reward_after": after.get("rejected_reward"),
-        "wall_time_s": round(result.wall_time_s, 1),
-    }
+    })
     save_summary(args.run.output_dir, summary)
     return summary
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase, set_seed
@@ -123,6 +124,13 @@ class SupervisedOutcome:
     train_items: int
     eval_items: int
     dtype: str
+
+    def summary(self, step_name: str, counts: Mapping[str, Any], metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """A supervised step's `summary.json`: what and how long it trained, its item `counts` and own `metrics`."""
+        result = self.result
+        return {"step": step_name, "model_dir": str(self.model_dir), "optimizer_steps": result.steps,
+                "epochs_completed": result.epochs_completed, **counts, "dtype": self.dtype,
+                "final_train_loss": result.train_loss, **metrics, "wall_time_s": round(result.wall_time_s, 1)}
 
 
 def supervised_step_parser(description: str, learning_rate: float,
