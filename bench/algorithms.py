@@ -1,0 +1,125 @@
+"""Step 3's algorithms on the embedded verifiable task, side by side on this machine.
+
+    python bench/algorithms.py --output bench/results/algorithms_cpu.json
+
+One step-1 model (SmolLM2-135M fine-tuned on the task's step-1 shard) is the actor and reference of
+every run; each algorithm then trains on the same step-3 prompts with the same rows per PPO step,
+learning rate, KL coefficient and wall-clock budget (`--max_train_minutes`), and is scored on the same
+held-out prompts (greedy answers, exact match of the final number: `builtin:math`) before and after.
+PPO gets its reward from the same verifier (`--reward_fn builtin:math`), its critic a new value head on
+the actor's model. Each run is a child process, so its peak memory (max RSS) is its own.
+Rows: `algorithm`, `accuracy_before`, `accuracy_after`, `seconds_per_step` (median of the PPO steps'
+generation + scoring + training time), `peak_memory_gb`, `ppo_steps`, `kl_exact_last`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from common import REPO_ROOT, child_main, print_table, run_child, write_report
+
+SCRIPT = Path(__file__)
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax")
+PHASES = ("time/generation_s", "time/scoring_s", "time/training_s")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--difficulty", type=int, default=2, help="task:arithmetic difficulty (1-5)")
+    parser.add_argument("--task_size", type=int, default=2000, help="problems generated (shared by the three shards)")
+    parser.add_argument("--sft_steps", type=int, default=16, help="step-1 optimizer steps (batch 8)")
+    parser.add_argument("--sft_learning_rate", type=float, default=3e-5)
+    parser.add_argument("--time_budget_minutes", type=float, default=9.0, help="training time per algorithm")
+    parser.add_argument("--rows_per_step", type=int, default=32, help="answers per PPO step, every algorithm")
+    parser.add_argument("--training_batch_size", type=int, default=16, help="PPO micro-batch (rows)")
+    parser.add_argument("--actor_learning_rate", type=float, default=1e-5)
+    parser.add_argument("--kl_ctl", type=float, default=0.05)
+    parser.add_argument("--max_answer_seq_len", type=int, default=32)
+    parser.add_argument("--eval_samples", type=int, default=80, help="held-out prompts scored before and after")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--work_dir", default=str(REPO_ROOT / "runs" / "bench_algorithms"))
+    parser.add_argument("--output", default=str(REPO_ROOT / "bench" / "results" / "algorithms_cpu.json"))
+    parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def task_source(args: argparse.Namespace) -> str:
+    return f"task:arithmetic?difficulty={args.difficulty}&size={args.task_size}"
+
+
+def common_flags(args: argparse.Namespace) -> list[str]:
+    return ["--data_path", task_source(args), "--data_output_path", str(Path(args.work_dir) / "data"),
+            "--seed", str(args.seed), "--dtype", args.dtype]
+
+
+def train_step1(args: argparse.Namespace) -> Path:
+    out = Path(args.work_dir) / "step1"
+    if not (out / "model" / "config.json").is_file():
+        run_child(SCRIPT, "step1_sft.main", [
+            "--model_name_or_path", "smollm2-135m", "--output_dir", str(out), *common_flags(args),
+            "--max_seq_len", "128", "--per_device_train_batch_size", "8", "--learning_rate", str(args.sft_learning_rate),
+            "--num_warmup_steps", "2", "--max_steps", str(args.sft_steps), "--max_eval_samples", "32",
+        ], Path(args.work_dir) / "step1_result.json")
+    return out
+
+
+def step3_flags(args: argparse.Namespace, algorithm: str, actor: Path, out: Path) -> list[str]:
+    from training.algorithms import get_rl_algorithm
+
+    samples = get_rl_algorithm(algorithm).n_samples_per_prompt
+    return ["--actor_model_name_or_path", str(actor), "--output_dir", str(out), *common_flags(args),
+            "--algorithm", algorithm, "--reward_fn", "builtin:math",
+            "--per_device_generation_batch_size", str(args.rows_per_step // samples),
+            "--per_device_training_batch_size", str(args.training_batch_size),
+            "--actor_learning_rate", str(args.actor_learning_rate), "--kl_ctl", str(args.kl_ctl),
+            "--max_answer_seq_len", str(args.max_answer_seq_len), "--max_prompt_seq_len", "64",
+            "--eval_samples", str(args.eval_samples), "--max_train_minutes", str(args.time_budget_minutes),
+            "--enable_hybrid_engine", "--num_train_epochs", "100"]
+
+
+def seconds_per_step(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [sum(row[key] for key in PHASES) for row in rows if all(key in row for key in PHASES)]
+    return statistics.median(steps) if steps else float("nan")
+
+
+def result_row(algorithm: str, run_dir: Path, outcome: dict) -> dict:
+    summary = outcome["summary"]
+    return {"algorithm": algorithm, "accuracy_before": summary["reward_fn_first"],
+            "accuracy_after": summary["reward_fn_last"], "ppo_steps": summary["ppo_steps"],
+            "seconds_per_step": round(seconds_per_step(run_dir), 2),
+            "peak_memory_gb": round(outcome["peak_memory_gb"], 2), "kl_exact_last": summary["kl_exact_last"],
+            "wall_time_s": summary["wall_time_s"]}
+
+
+COLUMNS = ("algorithm", "accuracy_before", "accuracy_after", "ppo_steps", "seconds_per_step", "peak_memory_gb",
+           "kl_exact_last")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child)
+        return {}
+    started = time.time()
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    actor = train_step1(args)
+    rows = []
+    for algorithm in args.algorithms:
+        run_dir = Path(args.work_dir) / algorithm
+        outcome = run_child(SCRIPT, "step3_rlhf.main", step3_flags(args, algorithm, actor, run_dir),
+                            Path(args.work_dir) / f"{algorithm}_result.json")
+        rows.append(result_row(algorithm, run_dir, outcome))
+        print_table(rows, COLUMNS)
+    report = write_report("algorithms", args, rows, started, task=task_source(args))
+    print_table(rows, COLUMNS)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""What the bench scripts share: running a step in a child process (its own peak memory), the device's
+name, the printed table and the JSON report."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import platform
+import resource
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_child(script: Path, module: str, argv: list[str], result_file: Path) -> dict:
+    """Run a step's `main` in a fresh process (`script --child ...`, see `child_main`); returns its summary and
+    that process's peak RSS."""
+    command = [sys.executable, str(script.resolve()), "--child", module, str(result_file), *argv]
+    print("$", shlex.join(command[2:]), flush=True)
+    subprocess.run(command, check=True, cwd=REPO_ROOT)
+    return json.loads(result_file.read_text())
+
+
+def child_main(child: list[str]) -> None:
+    """`--child MODULE RESULT_FILE ARGS...`: run MODULE.main(ARGS) and write its summary and peak memory."""
+    module, result_file, argv = child[0], child[1], child[2:]
+    summary = importlib.import_module(module).main(argv)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    Path(result_file).write_text(json.dumps({"summary": summary, "peak_memory_gb": peak_kib / 2**20}, default=str))
+
+
+def device_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def print_table(rows: list[dict], columns: tuple[str, ...]) -> None:
+    print(" | ".join(columns))
+    for row in rows:
+        print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
+
+
+def write_report(benchmark: str, args: argparse.Namespace, rows: list[dict], started: float, **extra) -> dict:
+    """The JSON every bench writes: device, versions, the command, the settings, `results` and the wall time."""
+    import torch
+
+    report = {
+        "benchmark": benchmark,
+        "device": device_name(),
+        "cpu_threads": torch.get_num_threads(),
+        "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "deepspeed")},
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        **extra,
+        "settings": {key: value for key, value in vars(args).items() if key != "child"},
+        "results": rows,
+        "wall_time_s": round(time.time() - started, 1),
+    }
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    return report
