@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -94,17 +94,16 @@ class PPOConfig:
     value_loss: str = field(default="clipped", metadata={
         "help": "critic loss (training.algorithms registry); unused without a critic"})
 
+    # the settings that default to None on the command line, filled from `--algorithm`'s `RLAlgorithm`
+    ALGORITHM_DEFAULTS: ClassVar[tuple[str, ...]] = (
+        "advantage_estimator", "n_samples_per_prompt", "kl_in_loss", "kl_estimator")
+
     def __post_init__(self) -> None:
         """Fill the settings left unset from `--algorithm` (an unknown name fails here, naming the choices)."""
         algorithm = get_rl_algorithm(self.algorithm)
-        if self.advantage_estimator is None:
-            self.advantage_estimator = algorithm.advantage_estimator
-        if self.n_samples_per_prompt is None:
-            self.n_samples_per_prompt = algorithm.n_samples_per_prompt
-        if self.kl_in_loss is None:
-            self.kl_in_loss = algorithm.kl_in_loss
-        if self.kl_estimator is None:
-            self.kl_estimator = algorithm.kl_estimator
+        for name in self.ALGORITHM_DEFAULTS:
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(algorithm, name))
 
 
 @dataclass

@@ -12,13 +12,15 @@ from step1_sft.main import build_parser as step1_parser
 from step2_reward import rw_eval
 from step2_reward.main import build_parser as step2_parser
 from step3_rlhf.main import build_parser as step3_parser
+from step3_rlhf.ppo_trainer import PPOConfig
+from training.algorithms import get_rl_algorithm
 from training.core.args import ModelTrainingConfig, flag_values
 from training.reliability.run_records import ARGS_FILE, save_run_args
 
 REQUIRED = {
     "step1": [],
     "step2": [],
-    "step3": ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c"],
+    "step3": ["--actor_model_name_or_path", "a"],  # the reward model is optional (with --reward_fn)
 }
 PARSERS = {"step1": step1_parser, "step2": step2_parser, "step3": step3_parser}
 
@@ -39,7 +41,9 @@ def test_each_flag_is_one_field_with_the_flags_default(step):
     assert sorted(values) == sorted(action.dest for action in actions)
     for action in actions:
         assert action.option_strings == [f"--{action.dest}"], "exactly the DeepSpeed-Chat spelling, no dashed alias"
-        if not action.required:
+        if action.dest in PPOConfig.ALGORITHM_DEFAULTS:  # None on the command line: the default algorithm's
+            assert action.default is None and values[action.dest] == getattr(get_rl_algorithm("ppo"), action.dest)
+        elif not action.required:
             assert values[action.dest] == action.default, action.dest
 
 

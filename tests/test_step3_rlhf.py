@@ -307,7 +307,7 @@ def test_held_out_kl_is_the_exact_kl_along_the_greedy_answers(distributed, input
         engine = build_engine(inputs, reference_dir=reference_dir)
         trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=6))
         held_out = BatchStream(rows, 4, PromptCollator(tokenizer.pad_token_id), seed=0, shuffle=False)
-        reported = evaluate(trainer, held_out, num_batches=1)["kl_exact"]
+        reported = evaluate(trainer, held_out, num_prompts=4)["kl_exact"]
         expected = exact_kl_along_greedy_answers(engine, trainer, prompts)
         assert reported == pytest.approx(expected, rel=1e-4, abs=1e-6)
         if reference_dir is None:

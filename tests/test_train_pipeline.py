@@ -172,14 +172,15 @@ def test_algorithm_dpo_runs_step_1_then_dpo_on_its_model(tmp_path, fakes):
 
 
 def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_model(tmp_path, tiny_model_dir):
-    options = {1: ["--data_path"], 3: ["--data_path", "--algorithm", "--reward_fn"]}
+    options = {1: ["--data_path"], 3: ["--data_path", "--algorithm", "--reward_fn", "--eval_samples"]}
     fakes = FakeSteps(tiny_model_dir("llama"), extra_options=options)
     run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math"], fakes)
     (_, sft, _), (_, rlhf, rlhf_argv) = fakes.calls
     assert [call[0] for call in fakes.calls] == [1, 3] and "--critic_model_name_or_path" not in rlhf_argv
     assert sft.data_path == rlhf.data_path == "task:arithmetic"
     assert rlhf.algorithm == "grpo" and rlhf.reward_fn == "builtin:math"
-    assert rlhf.per_device_training_batch_size == str(4 * int(rlhf.per_device_generation_batch_size))
+    # the quick run's task plan: 32 answers a step, 4 to each of 8 prompts, short prompts and answers
+    assert (rlhf.per_device_generation_batch_size, rlhf.max_answer_seq_len, rlhf.eval_samples) == ("8", "32", "80")
 
     fakes.calls.clear()  # the user's data wins, and is not joined by the task
     run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math",

@@ -212,8 +212,9 @@ class CpuQuickRun:
     samples a step with short prompts and answers (64 / 32 tokens): GRPO took 9.4-9.9 s a step (0.3 s an
     answer), PPO with its critic 16.1 s (the 1.5 factor), at actor lr 1e-5 (bench/algorithms.py: 2e-5
     on a near-deterministic step-1 model moved it away from its reward). DPO (step 4) pairs are step 2's;
-    a step of 8 pairs at 256 tokens took 11-12 s (policy and reference on both answers), and 5e-6 is the
-    learning rate bench/dpo.py uses.
+    a step of 8 pairs took 8.3 s at 192 tokens (embedded) and 11-13 s at 256 (hh-rlhf), policy and
+    reference on both answers; it is planned at 13 s, so the step ends early rather than late, and 5e-6
+    is the learning rate bench/dpo.py uses.
     """
 
     step_budget_s: tuple[float, ...] = (200.0, 810.0, 480.0, 600.0)  # steps 1, 2, 3 and 4 (DPO)
