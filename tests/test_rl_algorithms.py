@@ -7,14 +7,18 @@ import json
 
 import pytest
 import torch
-from test_step3_rlhf import SetReward, build_engine, inputs, prompt_batch, step3_argv  # noqa: F401 (fixture)
+from test_step3_rlhf import SetReward, assert_reward_rises, build_engine, make_step3_inputs, prompt_batch, step3_argv
 
 from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
 from training.algorithms import KL_ESTIMATORS, masked_mean
 from training.generation.generator import answer_mask_from_tokens, assemble_output
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
-from utils.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return make_step3_inputs(tmp_path_factory)
 
 
 def critic_free(engine: RLHFEngine, reward: torch.nn.Module | None = "keep") -> RLHFEngine:
@@ -109,16 +113,7 @@ def test_a_group_algorithm_raises_a_rule_based_reward(distributed, inputs, algor
     engine = critic_free(build_engine(inputs, lr=5e-3), reward=SetReward(chosen, prompts["input_ids"].shape[1]))
     trainer = PPOTrainer(engine, HybridEngine(engine.actor, HybridEngineSettings(enable=True)),
                          PPOConfig(algorithm=algorithm, max_answer_seq_len=6, kl_ctl=0.01))
-    torch.manual_seed(0)
-    scores = []
-    for _ in range(20):
-        experience = trainer.generate_experience(prompts)
-        scores.append(experience.scores.mean().item())
-        for _ in range(2):
-            for part in experience.split(8):
-                trainer.train_rlhf(part)
-    first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
-    assert last > first + 0.15, f"{algorithm}: rule-based reward did not rise: {first:.3f} -> {last:.3f} ({scores})"
+    assert_reward_rises(trainer, prompts, steps=20, epochs=2, micro_batch=8, window=4)
 
 
 def test_bad_algorithm_settings_are_refused_before_anything_loads(distributed, inputs, tmp_path):

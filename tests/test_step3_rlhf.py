@@ -46,6 +46,10 @@ from utils.errors import EXIT_USER_ERROR, UserError
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
+    return make_step3_inputs(tmp_path_factory)
+
+
+def make_step3_inputs(tmp_path_factory) -> dict:
     """A tiny step-1 model, a step-2-style reward model folder, prompts and pretraining text."""
     root = tmp_path_factory.mktemp("step3_inputs")
     actor = make_tiny_model_dir(root / "actor", "llama")
@@ -205,15 +209,22 @@ def test_ppo_raises_a_rule_based_reward(distributed, inputs):
     chosen = torch.arange(0, len(tokenizer), 2)  # reward: share of answer tokens with an even id
     engine = build_engine(inputs, lr=5e-3, reward=SetReward(chosen, prompts["input_ids"].shape[1]))
     trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=6, kl_ctl=0.01))
+    assert_reward_rises(trainer, prompts, steps=30, epochs=4, micro_batch=4, window=5)
+
+
+def assert_reward_rises(trainer: PPOTrainer, prompts: dict, steps: int, epochs: int, micro_batch: int,
+                        window: int) -> None:
+    """`steps` rollouts, each trained on for `epochs`: the mean score of the last `window` rollouts must
+    beat that of the first `window` by 0.15."""
     torch.manual_seed(0)
     scores = []
-    for _ in range(30):
+    for _ in range(steps):
         experience = trainer.generate_experience(prompts)
         scores.append(experience.scores.mean().item())
-        for _ in range(4):
-            for part in experience.split(4):
+        for _ in range(epochs):
+            for part in experience.split(micro_batch):
                 trainer.train_rlhf(part)
-    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    first, last = sum(scores[:window]) / window, sum(scores[-window:]) / window
     assert last > first + 0.15, f"rule-based reward did not rise: {first:.3f} -> {last:.3f} ({scores})"
 
 
@@ -345,7 +356,9 @@ def critic_free_estimator(monkeypatch) -> list[dict]:
     def group_baseline(inputs, config):
         calls.append({"values": inputs.values, "group_index": inputs.group_index})
         rewards, action_mask = inputs.rewards, inputs.action_mask
-        groups = inputs.group_index if inputs.group_index is not None else torch.zeros(rewards.shape[0], dtype=torch.long)
+        groups = inputs.group_index
+        if groups is None:
+            groups = torch.zeros(rewards.shape[0], dtype=torch.long)
         totals = (rewards * action_mask).sum(-1)
         same = (groups[:, None] == groups[None, :]).float()
         advantages = (totals - same @ totals / same.sum(-1))[:, None] * action_mask
