@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kl_ctl", type=float, default=0.05)
     parser.add_argument("--max_answer_seq_len", type=int, default=32)
     parser.add_argument("--eval_samples", type=int, default=80, help="held-out prompts scored before and after")
+    parser.add_argument("--eval_interval", type=int, default=0, help="also score them every N PPO steps")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--work_dir", default=str(REPO_ROOT / "runs" / "bench_algorithms"))
@@ -62,8 +63,8 @@ def train_step1(args: argparse.Namespace) -> Path:
     if not (out / "model" / "config.json").is_file():
         run_child(SCRIPT, "step1_sft.main", [
             "--model_name_or_path", "smollm2-135m", "--output_dir", str(out), *common_flags(args),
-            "--max_seq_len", "128", "--per_device_train_batch_size", "8", "--learning_rate", str(args.sft_learning_rate),
-            "--num_warmup_steps", "2", "--max_steps", str(args.sft_steps), "--max_eval_samples", "32",
+            "--max_seq_len", "128", "--per_device_train_batch_size", "8",
+            "--learning_rate", str(args.sft_learning_rate), "--num_warmup_steps", "2", "--max_steps", str(args.sft_steps), "--max_eval_samples", "32",
         ], Path(args.work_dir) / "step1_result.json")
     return out
 
@@ -78,7 +79,8 @@ def step3_flags(args: argparse.Namespace, algorithm: str, actor: Path, out: Path
             "--per_device_training_batch_size", str(args.training_batch_size),
             "--actor_learning_rate", str(args.actor_learning_rate), "--kl_ctl", str(args.kl_ctl),
             "--max_answer_seq_len", str(args.max_answer_seq_len), "--max_prompt_seq_len", "64",
-            "--eval_samples", str(args.eval_samples), "--max_train_minutes", str(args.time_budget_minutes),
+            "--eval_samples", str(args.eval_samples), "--eval_interval", str(args.eval_interval),
+            "--max_train_minutes", str(args.time_budget_minutes),
             "--enable_hybrid_engine", "--num_train_epochs", "100"]
 
 
@@ -94,7 +96,8 @@ def result_row(algorithm: str, run_dir: Path, outcome: dict) -> dict:
             "accuracy_after": summary["reward_fn_last"], "ppo_steps": summary["ppo_steps"],
             "seconds_per_step": round(seconds_per_step(run_dir), 2),
             "peak_memory_gb": round(outcome["peak_memory_gb"], 2), "kl_exact_last": summary["kl_exact_last"],
-            "wall_time_s": summary["wall_time_s"]}
+            "wall_time_s": summary["wall_time_s"],
+            "accuracy_by_step": [[record["step"], record.get("reward_fn_mean")] for record in summary["evaluations"]]}
 
 
 COLUMNS = ("algorithm", "accuracy_before", "accuracy_after", "ppo_steps", "seconds_per_step", "peak_memory_gb",
