@@ -24,7 +24,7 @@ from step3_rlhf.ema import ModelEMA
 from training.algorithms import get_advantage_estimator
 from training.core.args import apply_model_options, optimization_settings
 from training.core.ds_config import get_eval_ds_config
-from training.core.engine import create_frozen_engine, create_train_engine
+from training.core.engine import create_frozen_engine, create_reference_engine, create_train_engine
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.reward_model import RewardModel
 from utils.errors import UserError
@@ -81,11 +81,8 @@ def build_rlhf_engine(
     actor_model = apply_model_options(actor_model, args.actor, flag_prefix="actor_")
     actor = create_train_engine(actor_model, actor_settings)
 
-    reference_stage = 3 if args.actor.zero_stage == 3 else 0
-    reference_config = get_eval_ds_config(reference_stage, args.frozen.offload_reference_model, dtype_name)
-    reference_model = load_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=reference_config,
-                                     disable_dropout_layers=True, trust_remote_code=trust_remote_code)
-    reference = create_frozen_engine(reference_model, reference_stage, args.frozen.offload_reference_model, dtype_name)
+    reference = create_reference_engine(actor_path, tokenizer, dtype_name, args.actor.zero_stage,
+                                        args.frozen.offload_reference_model, trust_remote_code)
 
     critic = None
     if get_advantage_estimator(args.ppo.advantage_estimator).needs_critic:
@@ -117,5 +114,5 @@ def build_rlhf_engine(
     reward_desc = f"reward ZeRO-{reward_stage}" if reward is not None else "no reward model"
     logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, %s, %s%s",
                 args.actor.zero_stage, f" LoRA r={args.actor.lora_dim}" if args.actor.lora_dim else "",
-                critic_desc, reference_stage, reward_desc, dtype_name, ", EMA" if ema is not None else "")
+                critic_desc, reference.zero_optimization_stage(), reward_desc, dtype_name, ", EMA" if ema is not None else "")
     return RLHFEngine(actor, reference, critic, reward, tokenizer, ema)
