@@ -34,7 +34,7 @@ from step3_rlhf.plots import plot_reward_kl
 from step3_rlhf.ppo_trainer import (
     Experience,
     PPOTrainer,
-    check_estimator_inputs,
+    check_samples_per_prompt,
     experience_stats,
 )
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
@@ -112,7 +112,7 @@ def check_args(args: Step3Settings) -> None:
     estimator = get_advantage_estimator(args.ppo.advantage_estimator)  # an unknown name fails, listing the known
     get_policy_loss(args.ppo.policy_loss)
     get_value_loss(args.ppo.value_loss)
-    check_estimator_inputs(estimator, args.ppo.n_samples_per_prompt, estimator.needs_critic)
+    check_samples_per_prompt(estimator, args.ppo.n_samples_per_prompt)
     if args.models.critic_model_name_or_path is None and args.rewards.reward_fn is None:
         raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
                         "model), --reward_fn (e.g. builtin:math), or both")

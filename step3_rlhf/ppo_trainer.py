@@ -44,7 +44,7 @@ from training.algorithms import (
     masked_mean,
 )
 from training.core.sequences import answer_logits, token_logprobs
-from training.generation.generator import GenerationConfig, Generator, eval_mode
+from training.generation.generator import GenerationConfig, Generator, eval_mode, repeat_per_prompt
 from training.reliability.guards import check_finite
 from utils.dist import sum_over_ranks
 from training.rewards import RewardFunction
@@ -150,14 +150,8 @@ def update_kl_controller(controller: AdaptiveKLController | FixedKLController, k
     controller.update(total / max(count, 1.0), int(count))
 
 
-def check_estimator_inputs(estimator: AdvantageEstimator, samples_per_prompt: int, has_critic: bool) -> None:
-    """What the estimator needs must be there: a critic exactly when it uses one, and enough answers per prompt."""
-    if estimator.needs_critic != has_critic:
-        raise UserError(
-            f"advantage estimator {estimator.name!r} "
-            f"{'needs a critic' if estimator.needs_critic else 'trains no critic'}, but the engine "
-            f"{'has one' if has_critic else 'has none'}; build the engine for the same estimator"
-        )
+def check_samples_per_prompt(estimator: AdvantageEstimator, samples_per_prompt: int) -> None:
+    """An estimator that compares answers to one prompt needs at least `min_group_size` of them."""
     if samples_per_prompt < estimator.min_group_size:
         raise UserError(
             f"advantage estimator {estimator.name!r} compares answers to the same prompt and needs "
@@ -187,7 +181,13 @@ class PPOTrainer:
         self.advantage_estimator = get_advantage_estimator(config.advantage_estimator)
         self.policy_loss = get_policy_loss(config.policy_loss)
         self.value_loss = get_value_loss(config.value_loss)
-        check_estimator_inputs(self.advantage_estimator, config.n_samples_per_prompt, engine.critic is not None)
+        if self.advantage_estimator.needs_critic != (engine.critic is not None):
+            raise UserError(
+                f"advantage estimator {config.advantage_estimator!r} "
+                f"{'needs a critic' if self.advantage_estimator.needs_critic else 'trains no critic'}, but the engine "
+                f"{'has none' if engine.critic is None else 'has one'}; build the engine for the same estimator"
+            )
+        check_samples_per_prompt(self.advantage_estimator, config.n_samples_per_prompt)
         self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer)
         tokenizer = engine.tokenizer
         self.eos_token_id = tokenizer.eos_token_id
@@ -252,7 +252,7 @@ class PPOTrainer:
         ended = self._ended_with_eos(output.answers, answer_mask)
         scores = self._score(output.sequences, output.attention_mask, output.prompt_length, metadata, ended)
         clipped = scores.total.clamp(-self.config.clip_reward_value, self.config.clip_reward_value)
-        return clipped.repeat_interleave(samples_per_prompt)
+        return repeat_per_prompt(clipped, samples_per_prompt)
 
     @torch.no_grad()
     def _rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
@@ -272,7 +272,7 @@ class PPOTrainer:
         answers = sequences[:, prompt_length:]
         group_index = prompt_batch.get("group_index")
         if samples > 1:
-            group_index = torch.arange(input_ids.shape[0]).repeat_interleave(samples)
+            group_index = repeat_per_prompt(torch.arange(input_ids.shape[0]), samples)
         if group_index is not None:
             group_index = group_index.to(device)
         metadata = prompt_batch.get("metadata")

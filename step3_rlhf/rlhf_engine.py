@@ -114,5 +114,6 @@ def build_rlhf_engine(
     reward_desc = f"reward ZeRO-{reward_stage}" if reward is not None else "no reward model"
     logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, %s, %s%s",
                 args.actor.zero_stage, f" LoRA r={args.actor.lora_dim}" if args.actor.lora_dim else "",
-                critic_desc, reference.zero_optimization_stage(), reward_desc, dtype_name, ", EMA" if ema is not None else "")
+                critic_desc, reference.zero_optimization_stage(), reward_desc, dtype_name,
+                ", EMA" if ema is not None else "")
     return RLHFEngine(actor, reference, critic, reward, tokenizer, ema)

@@ -9,13 +9,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from step2_reward.dpo.settings import DPOArguments, DPOSettings
+from step2_reward.objective import split_chosen_rejected
 from training.algorithms import PairLoss
 from training.core.engine import create_reference_engine
 from training.core.sequences import answer_logprobs
 from utils.dist import sum_over_ranks
 
 
-def answer_logprob_sums(module: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_logprob_sums(module: torch.nn.Module,
+                        batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a `PairwiseCollator` batch ([2B] rows): the sum of its answer tokens' log-probs (fp32)
     and the number of those tokens; prompt tokens and padding excluded."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
@@ -25,12 +27,6 @@ def answer_logprob_sums(module: torch.nn.Module, batch: Mapping[str, torch.Tenso
     positions = torch.arange(1, input_ids.shape[1], device=input_ids.device)
     mask = (positions.unsqueeze(0) >= answer_starts.unsqueeze(1)) & attention_mask[:, 1:].bool()
     return torch.where(mask, logprobs, 0.0).sum(-1), mask.sum(-1)
-
-
-def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen half and the rejected half of [2B] per-row values."""
-    half = values.shape[0] // 2
-    return values[:half], values[half:]
 
 
 class DPOObjective:
@@ -66,7 +62,8 @@ class DPOObjective:
         policy_logprobs = self._sequence_logprobs(policy, batch)
         with torch.no_grad():
             reference_logprobs = self._sequence_logprobs(self.reference, batch)
-        return self.preference_loss(*split_pairs(policy_logprobs), *split_pairs(reference_logprobs), self.settings)
+        return self.preference_loss(*split_chosen_rejected(policy_logprobs), *split_chosen_rejected(reference_logprobs),
+                                    self.settings)
 
     def loss(self, policy: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.pair_loss(policy, batch).loss
