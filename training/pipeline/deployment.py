@@ -335,28 +335,58 @@ def _quick_supervised(quick: CpuQuickRun, dtype: str, steps: int, batch: int, se
     )
 
 
+@dataclass(frozen=True)
+class _SupervisedShape:
+    """What sizes a supervised step: the model it trains (and a frozen copy beside it, DPO's reference),
+    the sequences per sample (2 for pairs), the micro-batch cap and the global batch on GPUs."""
+
+    step: int
+    what: str
+    seqs_per_sample: int
+    micro_batch_cap: int
+    global_batch: int
+    frozen_copy: bool = False
+
+
+@dataclass(frozen=True)
+class _QuickRecipe:
+    """A supervised step's quick-run recipe (values of `CpuQuickRun`)."""
+
+    step_s: float
+    batch: int
+    max_seq_len: int
+    learning_rate: float
+    eval_samples: int
+
+
+def _plan_supervised(target: Target, size: ModelSize, shape: _SupervisedShape,
+                     recipe: _QuickRecipe | None) -> SupervisedPlan:
+    """The quick run's plan by time on this CPU (`recipe`, when the target has a quick run), else by memory."""
+    quick = target.quick
+    if quick is not None:
+        steps = quick.steps_within(shape.step, recipe.step_s * target.cpu_cost(size))
+        return _quick_supervised(quick, target.dtype, steps, recipe.batch, fit_length(recipe.max_seq_len, size),
+                                 recipe.learning_rate, recipe.eval_samples)
+    seq_len = fit_length(_SEQ_LEN, size)
+    fit = _fit_training(target, [size], [size] if shape.frozen_copy else [], seq_len, shape.seqs_per_sample,
+                        shape.micro_batch_cap, shape.what)
+    return _gpu_supervised(target, fit, shape.global_batch, seq_len)
+
+
 def plan_sft(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
     """Step 1 trains the actor: one sequence a sample, 64 samples an optimizer step on GPUs."""
     quick = target.quick
-    if quick is not None:
-        steps = quick.steps_within(1, quick.sft_step_s * target.cpu_cost(sizes.actor))
-        return _quick_supervised(quick, target.dtype, steps, quick.sft_batch,
-                                 fit_length(quick.sft_max_seq_len, sizes.actor), quick.sft_learning_rate,
-                                 quick.sft_eval_samples)
-    seq_len = fit_length(_SEQ_LEN, sizes.actor)
-    return _gpu_supervised(target, _fit_training(target, [sizes.actor], [], seq_len, 1, 16, "step 1"), 64, seq_len)
+    recipe = None if quick is None else _QuickRecipe(quick.sft_step_s, quick.sft_batch, quick.sft_max_seq_len,
+                                                     quick.sft_learning_rate, quick.sft_eval_samples)
+    return _plan_supervised(target, sizes.actor, _SupervisedShape(1, "step 1", 1, 16, 64), recipe)
 
 
 def plan_reward(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
     """Step 2 trains the reward model: two sequences (chosen, rejected) a sample, 32 pairs an optimizer step on GPUs."""
     quick = target.quick
-    if quick is not None:
-        steps = quick.steps_within(2, quick.reward_step_s * target.cpu_cost(sizes.reward))
-        return _quick_supervised(quick, target.dtype, steps, quick.reward_batch,
-                                 fit_length(quick.reward_max_seq_len, sizes.reward), quick.reward_learning_rate,
-                                 quick.reward_eval_samples)
-    seq_len = fit_length(_SEQ_LEN, sizes.reward)
-    return _gpu_supervised(target, _fit_training(target, [sizes.reward], [], seq_len, 2, 8, "step 2"), 32, seq_len)
+    recipe = None if quick is None else _QuickRecipe(quick.reward_step_s, quick.reward_batch, quick.reward_max_seq_len,
+                                                     quick.reward_learning_rate, quick.reward_eval_samples)
+    return _plan_supervised(target, sizes.reward, _SupervisedShape(2, "step 2", 2, 8, 32), recipe)
 
 
 def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> RLHFPlan:
@@ -430,11 +460,6 @@ def plan_dpo(target: Target, sizes: ModelSizes, workload: Workload = Workload())
     """DPO trains the actor on pairs (two sequences a sample) beside its frozen reference, 32 pairs an optimizer
     step on GPUs."""
     quick = target.quick
-    if quick is not None:
-        steps = quick.steps_within(4, quick.dpo_step_s * target.cpu_cost(sizes.actor))
-        return _quick_supervised(quick, target.dtype, steps, quick.dpo_batch,
-                                 fit_length(quick.dpo_max_seq_len, sizes.actor), quick.dpo_learning_rate,
-                                 quick.reward_eval_samples)
-    seq_len = fit_length(_SEQ_LEN, sizes.actor)
-    fit = _fit_training(target, [sizes.actor], [sizes.actor], seq_len, 2, 8, "DPO")
-    return _gpu_supervised(target, fit, 32, seq_len)
+    recipe = None if quick is None else _QuickRecipe(quick.dpo_step_s, quick.dpo_batch, quick.dpo_max_seq_len,
+                                                     quick.dpo_learning_rate, quick.reward_eval_samples)
+    return _plan_supervised(target, sizes.actor, _SupervisedShape(4, "DPO", 2, 8, 32, frozen_copy=True), recipe)
