@@ -189,6 +189,22 @@ def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_mode
     assert fakes.calls[1][1].data_path == "mine.jsonl"
 
 
+def test_step3s_planned_workload_has_a_reward_model_exactly_when_its_inputs_give_one(tmp_path, tiny_model_dir,
+                                                                                     monkeypatch):
+    import training.pipeline.runner as runner
+
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options={3: ["--algorithm", "--reward_fn"]})
+    workloads = []
+    plan_deployment = runner.plan_deployment
+    monkeypatch.setattr(runner, "plan_deployment", lambda *args: workloads.append(args[-1]) or plan_deployment(*args))
+    grpo = common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "scorer:score"]
+    run(grpo + ["--dry-run"], fakes)  # steps 1 and 3, no step-2 output: the reward function alone
+    assert workloads[-1].reward_model is False and not workloads[-1].critic
+    run(common(tmp_path, fakes.model_dir) + ["--step", "1", "2"], fakes)
+    run(grpo + ["--step", "3", "--dry-run"], fakes)  # step 2's saved output now feeds step 3 beside the function
+    assert workloads[-1].reward_model is True
+
+
 def test_train_py_flags_parse_into_the_pipeline_config():
     config = parse_config(["--step", "3", "1", "1", "--deployment-type", "cpu", "--actor-zero-stage", "2",
                            "--step1-output", "/m", "--step2-args", "--seed 1", "--dry-run", "--seed", "7"])

@@ -75,14 +75,13 @@ class PipelineConfig:
     def reward_fn(self) -> str | None:
         return self.passed_flag("--reward_fn")
 
-    def workload(self) -> Workload:
-        """What step 3 will hold, for the planners."""
+    def workload(self, reward_model: bool) -> Workload:
+        """What step 3 will hold, for the planners; `reward_model`: whether its inputs resolved to one."""
         if self.algorithm == DPO:
             return Workload(critic=False, reward_model=False)
         algorithm = get_rl_algorithm(self.algorithm)
         estimator = self.passed_flag("--advantage_estimator") or algorithm.advantage_estimator
         samples = self.passed_flag("--n_samples_per_prompt")
-        reward_model = self.reward_fn is None or 2 in self.steps or self.step_outputs.get(2) is not None
         return Workload(critic=get_advantage_estimator(estimator).needs_critic, reward_model=reward_model,
                         samples_per_prompt=int(samples) if samples else algorithm.n_samples_per_prompt,
                         verifiable_task=self.uses_default_task(3))

@@ -45,7 +45,8 @@ def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str |
         return str(config.run_dir(producer.number))
     path = config.step_outputs.get(producer.number) or str(config.run_dir(producer.number))
     if not producer.output.saved_in(path):
-        if source.reward_fn_replaces and config.reward_fn is not None and config.step_outputs.get(producer.number) is None:
+        named = config.step_outputs.get(producer.number) is not None
+        if source.reward_fn_replaces and config.reward_fn is not None and not named:
             return None
         raise UserError(
             f"step {step} needs the step-{producer.number} {producer.output.what}, and {path} holds none; "
@@ -128,7 +129,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     routed = route_extra_flags(
         config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps}
     ) if config.extra_args else {}
-    plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload())
+    reward_model = any(source.model is Model.REWARD for source, _ in inputs.get(3, []))
+    plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))
     apply_zero_overrides(plan, config.zero_stages())
     launcher = _launcher(config, deployment, hardware)
     argvs = {step: step_argv(config, step, plan, routed, inputs) for step in config.steps}
