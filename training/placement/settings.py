@@ -1,0 +1,26 @@
+"""Step 3's placement flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from training.placement.spec import PLACEMENTS
+
+
+@dataclass
+class PlacementSettings:
+    """Which ranks hold each model (see `training.placement.spec`), and what the planner knows of the machine."""
+
+    placement: str = field(default="colocate", metadata={
+        "choices": PLACEMENTS,
+        "help": "colocate: every model on every rank, one call after another; interleave: reference and reward "
+                "score on two halves at the same time; disaggregate: a shadow actor generates on its own half; "
+                "auto: the planner's fastest plan that fits"})
+    placement_ratio: str | None = field(default=None, metadata={
+        "help": "per-model share of the ranks on top of --placement, e.g. 'reference=0.5,reward=0.5' or FlexRLHF's "
+                "'[1,1,0.5,0.5]' (actor, critic, reference, reward[, rollout])"})
+    hardware_file: str | None = field(default=None, metadata={
+        "help": "YAML/JSON description of the machine to plan for (GPUs per node, nodes, memory, FLOP/s, memory and "
+                "link bandwidth); default: this machine, with its calibrated constants"})
+    calibrate: bool = field(default=False, metadata={
+        "help": "measure this machine's constants (matmul FLOP/s, weight streaming, collectives) before planning; "
+                "saved and reused by later runs"})

@@ -1,0 +1,169 @@
+"""Where step 3's models live: a share of the ranks per model (FlexRLHF's placement ratio) turned into rank lists.
+
+Roles: `actor`, `critic`, `reference`, `reward` and `rollout` (the generator). A rollout share of 0 means the
+actor generates its own answers (the hybrid engine, as in DeepSpeed-Chat); a positive one puts a *shadow actor*
+on the last `rollout * world` ranks, which generates while the others score and train, and receives the actor's
+weights after every PPO step (disaggregation).
+
+Layout rule, applied on the ranks left to the models (all of them, or those before the rollout ranks):
+- a share is a fraction of the whole world; `share * world` must be a whole number of ranks, at least one;
+- a model whose ranks are all those available spans them and runs one call after another with the others (the
+  co-located way);
+- the two models of a pair that can run at the same time -- (actor, critic) training, (reference, reward)
+  scoring -- with smaller shares sit side by side on disjoint ranks, the first of the pair from the first
+  rank: interleaving. Their shares may not add up to more than the ranks available.
+
+The unit of work is a *chunk*: the prompt batch one rank reads from its data shard (exactly what it would
+generate and train on alone). A model on n of W ranks serves the chunks of W/n ranks: member i serves chunks
+i*W/n .. (i+1)*W/n - 1, so every chunk sees the same shapes, rows and order as in the co-located run.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterable, Mapping
+
+from utils.errors import UserError
+
+ROLES = ("actor", "critic", "reference", "reward", "rollout")
+MODEL_ROLES = ROLES[:4]
+CONCURRENT_PAIRS = (("actor", "critic"), ("reference", "reward"))
+
+PRESETS: dict[str, dict[str, float]] = {
+    "colocate": {"actor": 1.0, "critic": 1.0, "reference": 1.0, "reward": 1.0, "rollout": 0.0},
+    # FlexRLHF's Interleave1: the two frozen models score on the two halves at the same time
+    "interleave": {"actor": 1.0, "critic": 1.0, "reference": 0.5, "reward": 0.5, "rollout": 0.0},
+    # generation on its own half, on a shadow actor; everything else co-located on the other half
+    "disaggregate": {"actor": 0.5, "critic": 0.5, "reference": 0.5, "reward": 0.5, "rollout": 0.5},
+}
+AUTO = "auto"
+PLACEMENTS = (*PRESETS, AUTO)
+
+
+def parse_placement_ratio(text: str) -> dict[str, float]:
+    """`actor=1,critic=1,reference=0.5,reward=0.5[,rollout=0]` or FlexRLHF's list `[1, 1, 0.5, 0.5]` (roles in
+    the order actor, critic, reference, reward, rollout); roles left out keep the placement's share."""
+    body = text.strip().strip("[]()")
+    items = [item.strip() for item in re.split(r"[,\s]+", body) if item.strip()]
+    if not items:
+        raise UserError(f"--placement_ratio {text!r} names no share; e.g. 'reference=0.5,reward=0.5' or '[1,1,0.5,0.5]'")
+    shares: dict[str, float] = {}
+    positional = all("=" not in item for item in items)
+    if positional and len(items) > len(ROLES):
+        raise UserError(f"--placement_ratio {text!r} lists {len(items)} shares; at most {len(ROLES)} ({', '.join(ROLES)})")
+    for index, item in enumerate(items):
+        role, _, value = item.partition("=") if not positional else (ROLES[index], "=", item)
+        role = role.strip()
+        if role not in ROLES:
+            raise UserError(f"--placement_ratio {text!r}: unknown model {role!r}; the models are {', '.join(ROLES)}")
+        try:
+            shares[role] = float(value)
+        except ValueError:
+            raise UserError(f"--placement_ratio {text!r}: the share of the {role} is not a number: {value!r}") from None
+    return shares
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Each present role's ranks (sorted); `rollout` only when generation has ranks of its own."""
+
+    name: str
+    world_size: int
+    ranks: Mapping[str, tuple[int, ...]]
+
+    @property
+    def generation_role(self) -> str:
+        return "rollout" if "rollout" in self.ranks else "actor"
+
+    @property
+    def is_colocated(self) -> bool:
+        every = tuple(range(self.world_size))
+        return all(ranks == every for ranks in self.ranks.values())
+
+    def has(self, role: str) -> bool:
+        return role in self.ranks
+
+    def holds(self, role: str, rank: int) -> bool:
+        return rank in self.ranks.get(role, ())
+
+    def owner(self, role: str, chunk: int) -> int:
+        """The rank that runs `role`'s calls on `chunk` (one rank's prompt batch)."""
+        members = self.ranks[role]
+        return members[chunk * len(members) // self.world_size]
+
+    def chunks(self, role: str, rank: int) -> list[int]:
+        """The chunks `rank` serves for `role` (none if it does not hold the model), in order."""
+        if role not in self.ranks:
+            return []
+        return [chunk for chunk in range(self.world_size) if self.owner(role, chunk) == rank]
+
+    def chunks_per_member(self, role: str) -> int:
+        return self.world_size // len(self.ranks[role])
+
+    def concurrent(self, first: str, second: str) -> bool:
+        """Whether two present roles sit on disjoint ranks (so their calls can run at the same time)."""
+        return (first in self.ranks and second in self.ranks
+                and not set(self.ranks[first]) & set(self.ranks[second]))
+
+    def describe(self) -> str:
+        return ", ".join(f"{role} {_rank_span(ranks)}" for role, ranks in self.ranks.items())
+
+
+def _rank_span(ranks: tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def _whole_ranks(role: str, share: float, world_size: int) -> int:
+    count = Fraction(share).limit_denominator(1000) * world_size
+    if share <= 0 or count < 1:
+        raise UserError(f"the placement gives the {role} a share of {share:g} of {world_size} rank(s), which leaves it "
+                        f"without a rank; give it at least 1/{world_size}")
+    if count.denominator != 1:
+        raise UserError(f"the placement gives the {role} {share:g} of {world_size} ranks = {float(count):g} ranks; a "
+                        "share must come to a whole number of ranks")
+    return int(count)
+
+
+def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROLES,
+                    ratio: Mapping[str, float] | None = None) -> Placement:
+    """Lay out the present `roles` (the actor and reference always; the critic and reward model when the run has
+    them) on `world_size` ranks by the preset `name` with `ratio`'s shares on top; every mistake is one
+    `UserError` naming the model and the numbers, before anything loads."""
+    if name not in PRESETS:
+        raise UserError(f"unknown placement {name!r}; choose one of {', '.join(PLACEMENTS)}")
+    present = [role for role in MODEL_ROLES if role in set(roles)]
+    shares = {**PRESETS[name], **(ratio or {})}
+    for role, share in shares.items():
+        if not 0.0 <= share <= 1.0:
+            raise UserError(f"the share of the {role} must lie in [0, 1], got {share:g}")
+    rollout = 0 if shares["rollout"] == 0 else _whole_ranks("rollout", shares["rollout"], world_size)
+    available = world_size - rollout
+    if available < 1:
+        raise UserError(f"the rollout share {shares['rollout']:g} takes all {world_size} ranks and leaves none for the "
+                        "actor and the models that score; lower it")
+    counts = {role: _whole_ranks(role, shares[role], world_size) for role in present}
+    for role, count in counts.items():
+        if count > available:
+            raise UserError(f"more shares than ranks: the {role} asks for {count} of {world_size} ranks, but only "
+                            f"{available} are left beside the rollout's {rollout}")
+    ranks: dict[str, tuple[int, ...]] = {}
+    for first, second in CONCURRENT_PAIRS:
+        pair = [role for role in (first, second) if role in counts]
+        side_by_side = len(pair) == 2 and all(counts[role] < available for role in pair)
+        if side_by_side and counts[first] + counts[second] > available:
+            raise UserError(f"more shares than ranks: the {first} ({counts[first]} ranks) and the {second} "
+                            f"({counts[second]} ranks) run at the same time on disjoint ranks, but only {available} "
+                            "are available; lower their shares or give one of them all ranks")
+        start = 0
+        for role in pair:
+            ranks[role] = tuple(range(start, start + counts[role]))
+            start += counts[role] if side_by_side else 0
+    if rollout:
+        ranks["rollout"] = tuple(range(available, world_size))
+    for role, members in ranks.items():
+        if world_size % len(members):
+            raise UserError(f"the {role} is on {len(members)} of {world_size} ranks; each of its ranks must serve the "
+                            f"same number of ranks' batches, so {len(members)} must divide {world_size}")
+    ordered = {role: ranks[role] for role in ROLES if role in ranks}
+    return Placement(name if ratio is None else f"{name}+ratio", world_size, ordered)
