@@ -1,0 +1,1 @@
+"""Step 3 placement: which ranks hold each model, what a placement costs, and the planner that picks one."""
