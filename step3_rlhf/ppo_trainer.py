@@ -17,9 +17,8 @@ tokens, the EOS included (the EOS is an action the policy is rewarded or penalis
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -44,9 +43,15 @@ from training.algorithms import (
     masked_mean,
 )
 from training.core.sequences import answer_logits, token_logprobs
-from training.generation.generator import GenerationConfig, Generator, eval_mode, repeat_per_prompt
+from training.generation.generator import (
+    GenerationConfig,
+    GenerationOutput,
+    Generator,
+    eval_mode,
+    repeat_per_prompt,
+)
 from training.reliability.guards import check_finite
-from utils.dist import sum_over_ranks
+from utils.dist import current_device, sum_over_ranks
 from training.rewards import RewardFunction
 from utils.errors import UserError
 
@@ -141,6 +146,37 @@ class Experience:
                 for f in fields(self)
             }))
         return parts
+
+
+@dataclass
+class Answers:
+    """Generated rows: left-padded prompts followed by right-padded answers, and the answers' mask."""
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_length: int
+    action_mask: torch.Tensor
+
+    @classmethod
+    def of(cls, output: GenerationOutput, device: torch.device) -> "Answers":
+        return cls(output.sequences, output.attention_mask, output.prompt_length, output.answer_mask.to(device))
+
+    def ended_with_eos(self, eos_token_id: int) -> torch.Tensor:
+        answers = self.sequences[:, self.prompt_length:]
+        return ((answers == eos_token_id) & self.action_mask.bool()).any(-1)
+
+
+@dataclass
+class Rollout(Answers):
+    """One prompt batch's answers before any scoring: what the scoring models read (see `PPOTrainer`)."""
+
+    group_index: torch.Tensor | None  # [B] rows answering the same prompt share it
+    row_metadata: list | None  # one entry per row (the prompt's)
+    samples_per_prompt: int
+    do_sample: bool
+    generation_s: float
+    greedy: Answers | None = None  # ReMax: one greedy answer per prompt, its baseline
+    prompt_metadata: list | None = None  # one entry per prompt
 
 
 def update_kl_controller(controller: AdaptiveKLController | FixedKLController, kl: torch.Tensor) -> None:
@@ -241,73 +277,114 @@ class PPOTrainer:
             scores.total = apply_no_eos_penalty(scores.total, ended_with_eos, self.config.no_eos_penalty)
         return scores
 
-    def _ended_with_eos(self, answers: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
-        return ((answers == self.eos_token_id) & action_mask.bool()).any(-1)
-
-    def _greedy_baseline(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, metadata: list | None,
-                         samples_per_prompt: int) -> torch.Tensor:
-        """ReMax's baseline: the clipped score of each prompt's greedy answer, repeated for its sampled rows: [B*K]."""
-        output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample=False))
-        answer_mask = output.answer_mask.to(input_ids.device)
-        ended = self._ended_with_eos(output.answers, answer_mask)
-        scores = self._score(output.sequences, output.attention_mask, output.prompt_length, metadata, ended)
-        clipped = scores.total.clamp(-self.config.clip_reward_value, self.config.clip_reward_value)
-        return repeat_per_prompt(clipped, samples_per_prompt)
-
-    @torch.no_grad()
-    def _rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
-                 with_exact_kl: bool = False) -> Experience:
-        engine, config = self.engine, self.config
-        device = engine.actor.device
+    def generate_rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool) -> Rollout:
+        """Answer a left-padded prompt batch (`n_samples_per_prompt` samples each, or one greedy answer), plus
+        ReMax's greedy answers for its baseline when sampling for it."""
+        config = self.config
+        device = self.engine_device
         input_ids = prompt_batch["input_ids"].to(device)
         prompt_mask = prompt_batch["attention_mask"].to(device)
         samples = config.n_samples_per_prompt if do_sample else 1
         started = time.perf_counter()
         output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples))
-        generated = time.perf_counter()
-        # clones: a backend may return inference-mode tensors, which autograd refuses to train on
-        sequences, attention_mask = output.sequences.clone(), output.attention_mask.clone()
-        prompt_length = output.prompt_length
-        action_mask = output.answer_mask.clone().to(device)
-        answers = sequences[:, prompt_length:]
+        greedy = None
+        if do_sample and self.advantage_estimator.needs_greedy_baseline:
+            greedy = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample=False))
+        generation_s = time.perf_counter() - started
         group_index = prompt_batch.get("group_index")
         if samples > 1:
             group_index = repeat_per_prompt(torch.arange(input_ids.shape[0]), samples)
-        if group_index is not None:
-            group_index = group_index.to(device)
         metadata = prompt_batch.get("metadata")
         row_metadata = [entry for entry in metadata for _ in range(samples)] if metadata is not None else None
-        critic = engine.critic
-        with eval_mode(engine.actor.module), eval_mode(critic.module) if critic is not None else nullcontext():
-            logits = answer_logits(engine.actor, sequences, attention_mask, prompt_length)
-            old_logprobs = token_logprobs(logits, answers, config.temperature)
-            actor_logits = logits if with_exact_kl else None
-            del logits
-            ref_logits = answer_logits(engine.reference, sequences, attention_mask, prompt_length)
-            ref_logprobs = token_logprobs(ref_logits, answers, config.temperature)
-            exact_kl = (kl_from_logits(actor_logits, ref_logits, action_mask, config.temperature)
-                        if with_exact_kl else None)
-            del ref_logits, actor_logits
-            old_values = (_answer_values(critic, sequences, attention_mask, prompt_length)
-                          if critic is not None else None)
-            ended_with_eos = self._ended_with_eos(answers, action_mask)
-            scores = self._score(sequences, attention_mask, prompt_length, row_metadata, ended_with_eos)
+        # clones: a backend may return inference-mode tensors, which autograd refuses to train on
+        return Rollout(output.sequences.clone(), output.attention_mask.clone(), output.prompt_length,
+                       output.answer_mask.clone().to(device),
+                       group_index.to(device) if group_index is not None else None, row_metadata, samples,
+                       do_sample, generation_s,
+                       Answers.of(greedy, device) if greedy is not None else None,
+                       list(metadata) if metadata is not None else None)
+
+    @property
+    def engine_device(self) -> torch.device:
+        """Where rollouts live: the actor's device (or, on a rank without the actor, this rank's)."""
+        actor = self.engine.actor
+        return actor.device if actor is not None else current_device()
+
+    @torch.no_grad()
+    def score_rollout(self, rollout: Rollout, roles: Sequence[str], with_exact_kl: bool = False) -> dict[str, Any]:
+        """The scoring calls of `roles` on one rollout: `actor` (old log-probs), `reference` (its log-probs),
+        `critic` (values), `reward` (scores, and ReMax's baseline scores). With `with_exact_kl` (evaluation), the
+        exact KL when both the actor and the reference are in `roles`, otherwise their logits (to be combined
+        where both arrive, `exact_kl_of`)."""
+        engine, config = self.engine, self.config
+        sequences, attention_mask, prompt_length = rollout.sequences, rollout.attention_mask, rollout.prompt_length
+        answers = sequences[:, prompt_length:]
+        parts: dict[str, Any] = {}
+        actor_module = engine.actor.module if engine.actor is not None else None
+        critic_module = engine.critic.module if engine.critic is not None else None
+        with eval_mode(actor_module), eval_mode(critic_module):
+            if "actor" in roles:
+                logits = answer_logits(engine.actor, sequences, attention_mask, prompt_length)
+                parts["old_logprobs"] = token_logprobs(logits, answers, config.temperature)
+                if with_exact_kl:
+                    parts["actor_logits"] = logits
+                del logits
+            if "reference" in roles:
+                ref_logits = answer_logits(engine.reference, sequences, attention_mask, prompt_length)
+                parts["ref_logprobs"] = token_logprobs(ref_logits, answers, config.temperature)
+                if with_exact_kl:
+                    parts["ref_logits"] = ref_logits
+                del ref_logits
+            if with_exact_kl and "actor_logits" in parts and "ref_logits" in parts:
+                parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("ref_logits"), rollout)
+            if "critic" in roles:
+                parts["old_values"] = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
+            if "reward" in roles:
+                ended_with_eos = rollout.ended_with_eos(self.eos_token_id)
+                parts["scores"] = self._score(sequences, attention_mask, prompt_length, rollout.row_metadata,
+                                              ended_with_eos)
+                if rollout.greedy is not None:
+                    greedy = rollout.greedy
+                    scores = self._score(greedy.sequences, greedy.attention_mask, greedy.prompt_length,
+                                         rollout.prompt_metadata, greedy.ended_with_eos(self.eos_token_id))
+                    clipped = scores.total.clamp(-config.clip_reward_value, config.clip_reward_value)
+                    parts["baseline"] = repeat_per_prompt(clipped, rollout.samples_per_prompt)
+        return parts
+
+    def exact_kl_of(self, actor_logits: torch.Tensor, ref_logits: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+        return kl_from_logits(actor_logits, ref_logits, rollout.action_mask, self.config.temperature)
+
+    def assemble_experience(self, rollout: Rollout, parts: Mapping[str, Any]) -> Experience:
+        """Rewards, KL, advantages and returns from one rollout's scoring outputs (no model call)."""
+        config = self.config
+        action_mask = rollout.action_mask
+        scores: Scores = parts["scores"]
+        old_logprobs, ref_logprobs = parts["old_logprobs"], parts["ref_logprobs"]
         reward_kl_coef = 0.0 if config.kl_in_loss else self.kl_controller.value
         rewards, kl = compute_rewards(scores.total, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                       config.clip_reward_value, config.kl_estimator)
-        if do_sample:
-            baseline = (self._greedy_baseline(input_ids, prompt_mask, metadata, samples)
-                        if self.advantage_estimator.needs_greedy_baseline else None)
-            inputs = AdvantageInputs(rewards, action_mask, old_values, group_index, baseline)
+        if rollout.do_sample:
+            inputs = AdvantageInputs(rewards, action_mask, parts.get("old_values"), rollout.group_index,
+                                     parts.get("baseline"))
             advantages, returns = self.advantage_estimator(inputs, config)
         else:
             advantages, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
-        scored = time.perf_counter()
-        self.last_timing = {"generation_s": generated - started, "scoring_s": scored - generated,
-                            "generated_tokens": float(action_mask.sum().item())}
-        return Experience(sequences, attention_mask, prompt_length, action_mask, old_logprobs, ref_logprobs,
-                          old_values, rewards, advantages, returns, scores.total, kl, ended_with_eos, exact_kl,
-                          group_index, scores.function)
+        return Experience(rollout.sequences, rollout.attention_mask, rollout.prompt_length, action_mask, old_logprobs,
+                          ref_logprobs, parts.get("old_values"), rewards, advantages, returns, scores.total, kl,
+                          rollout.ended_with_eos(self.eos_token_id), parts.get("exact_kl"), rollout.group_index,
+                          scores.function)
+
+    @torch.no_grad()
+    def _rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
+                 with_exact_kl: bool = False) -> Experience:
+        rollout = self.generate_rollout(prompt_batch, do_sample)
+        started = time.perf_counter()
+        roles = ["actor", "reference", "critic", "reward"] if self.engine.critic is not None else \
+            ["actor", "reference", "reward"]
+        experience = self.assemble_experience(rollout, self.score_rollout(rollout, roles, with_exact_kl))
+        self.last_timing = {"generation_s": rollout.generation_s, "scoring_s": time.perf_counter() - started,
+                            "generated_tokens": float(rollout.action_mask.sum().item())}
+        return experience
 
     # updates ------------------------------------------------------------------------------------
 

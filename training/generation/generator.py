@@ -168,8 +168,11 @@ def answer_mask_from_tokens(answers: torch.Tensor, eos_token_id: int) -> torch.T
 
 
 @contextlib.contextmanager
-def eval_mode(module: torch.nn.Module) -> Iterator[None]:
-    """Eval mode for the duration, then each submodule's own train/eval flag restored."""
+def eval_mode(module: torch.nn.Module | None) -> Iterator[None]:
+    """Eval mode for the duration, then each submodule's own train/eval flag restored (None: nothing to do)."""
+    if module is None:
+        yield
+        return
     flags = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
