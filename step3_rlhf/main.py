@@ -25,30 +25,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 
-import torch
-from tqdm.auto import tqdm
 from transformers import set_seed
 
-from step3_rlhf.ema import save_ema_model
 from step3_rlhf.plots import plot_reward_kl
 from step3_rlhf.ppo_trainer import (
-    Experience,
     PPOTrainer,
     check_samples_per_prompt,
-    experience_stats,
 )
-from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
+from step3_rlhf.run_loop import PLOT_FILE, PPORun, save_step3_models
+from step3_rlhf.rlhf_engine import build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
 from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
 from training.core.args import SettingsParser, check_positive, flag_values
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
-from training.core.save import save_hf_model
 from training.generation.hybrid_engine import build_generator
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
-from training.reliability.checkpointing import CheckpointManager
-from training.reliability.guards import check_finite
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args, save_summary
 from training.reliability.signals import GracefulInterrupt
@@ -66,18 +59,11 @@ from utils.data import (
     SFTCollator,
     build_unsupervised_dataset,
 )
-from utils.dist import get_world_size, init_distributed, is_main_process, mean_over_ranks, sum_over_ranks
+from utils.dist import init_distributed, is_main_process
 from utils.errors import UserError, run_cli
 from utils.log import setup_logging
 
 logger = logging.getLogger(__name__)
-
-ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR = "actor", "critic", "actor_ema"
-PLOT_FILE = "reward_kl.png"
-HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_length": "response_length",
-                          "rollout/eos_fraction": "eos_fraction",
-                          "reward/fn_mean": "reward_fn_mean"}  # experience_stats key: held-out name
-
 
 def build_parser() -> SettingsParser:
     return SettingsParser(Step3Settings, description="Step 3: RLHF (PPO, GRPO, RLOO, REINFORCE++, ReMax) on the actor "
@@ -151,169 +137,6 @@ def count_ppo_steps(args: Step3Settings, prompts: BatchStream) -> int:
     return min(total, args.schedule.max_steps) if args.schedule.max_steps else total
 
 
-def held_out_stats(experience: Experience) -> dict[str, float]:
-    """Metrics of one batch of greedy held-out answers (this rank's rows): score, exact KL, length, EOS share."""
-    stats = experience_stats(experience)
-    return {**{name: stats[key] for key, name in HELD_OUT_ROLLOUT_STATS.items() if key in stats},
-            "kl_exact": experience.exact_kl.mean().item()}
-
-
-def first_rows(batch: Mapping, count: int) -> dict:
-    """The first `count` rows of a collated batch (tensors and per-row lists alike)."""
-    return {key: value[:count] for key, value in batch.items()}
-
-
-@torch.no_grad()
-def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dict[str, float]:
-    """Greedy answers to this rank's first `num_prompts` held-out prompts (whatever the batch size, so runs
-    with other batch sizes score the same prompts), scored: `held_out_stats` averaged over the prompts."""
-    prompts.load_state_dict({"epoch": 0, "batches_done": 0})
-    totals: dict[str, float] = {}
-    remaining = num_prompts
-    while remaining > 0:
-        batch = first_rows(prompts.next(), remaining)
-        rows = batch["input_ids"].shape[0]
-        for key, value in held_out_stats(trainer.evaluate_prompts(batch)).items():
-            totals[key] = totals.get(key, 0.0) + value * rows / num_prompts
-        remaining -= rows
-    return mean_over_ranks(totals)
-
-
-class PPORun:
-    """The step-3 loop around a `PPOTrainer`: rollouts, updates, metrics, evaluation, checkpoints."""
-
-    def __init__(self, args: Step3Settings, engine: RLHFEngine, trainer: PPOTrainer, prompts: BatchStream,
-                 eval_prompts: BatchStream | None, unsupervised: BatchStream | None, total_steps: int,
-                 checkpoints: CheckpointManager, metrics: MetricsLogger):
-        self.args = args
-        self.engine = engine
-        self.trainer = trainer
-        self.prompts = prompts
-        self.eval_prompts = eval_prompts
-        self.unsupervised = unsupervised
-        self.total_steps = total_steps
-        self.checkpoints = checkpoints
-        self.metrics = metrics
-        self.step = 0
-        self.evaluations: list[dict] = []
-        self.last_stats: dict[str, float] = {}
-
-    @property
-    def engines(self) -> dict[str, torch.nn.Module]:
-        """The trained engines a checkpoint holds (no critic without one)."""
-        engines = {"actor": self.engine.actor, "critic": self.engine.critic}
-        return {name: engine for name, engine in engines.items() if engine is not None}
-
-    def client_state(self) -> dict:
-        return {
-            "ppo_step": self.step,
-            "prompts": self.prompts.state_dict(),
-            "unsupervised": self.unsupervised.state_dict() if self.unsupervised is not None else None,
-            "trainer": self.trainer.state_dict(),
-            "evaluations": self.evaluations,
-            "last_stats": self.last_stats,
-        }
-
-    def restore(self) -> None:
-        state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
-        if state is None:
-            return
-        self.step = state["ppo_step"]
-        self.prompts.load_state_dict(state["prompts"])
-        if self.unsupervised is not None and state["unsupervised"] is not None:
-            self.unsupervised.load_state_dict(state["unsupervised"])
-        self.trainer.load_state_dict(state["trainer"])
-        self.evaluations = list(state["evaluations"])
-        self.last_stats = dict(state["last_stats"])
-        logger.info("resuming step 3 after PPO step %d", self.step)
-
-    def evaluate(self) -> dict:
-        if self.eval_prompts is None:
-            return {}
-        per_rank = -(-len(self.eval_prompts.dataset) // get_world_size())
-        values = evaluate(self.trainer, self.eval_prompts, min(self.args.loop.eval_samples, per_rank))
-        record = {"step": self.step, **values}
-        self.evaluations.append(record)
-        self.metrics.log(self.step, {f"eval/{key}": value for key, value in values.items()})
-        logger.info("held-out at PPO step %d: score %.4f, exact KL %.4f, length %.1f%s", self.step,
-                    values["score_mean"], values["kl_exact"], values["response_length"],
-                    f", reward function {values['reward_fn_mean']:.4f}" if "reward_fn_mean" in values else "")
-        return record
-
-    def ppo_step(self) -> dict[str, float]:
-        """Collect `generation_batches` rollouts, then train on them for `ppo_epochs`."""
-        args, trainer = self.args, self.trainer
-        timing = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0.0}
-        experiences, rollout = [], {}
-        for _ in range(args.loop.generation_batches):
-            experience = trainer.generate_experience(self.prompts.next())
-            experiences.append(experience)
-            for key, value in trainer.last_timing.items():
-                timing[key] += value
-            for key, value in experience_stats(experience).items():
-                rollout[key] = rollout.get(key, 0.0) + value / args.loop.generation_batches
-        check_finite("reward", torch.cat([e.scores for e in experiences]), self.step + 1, self.checkpoints)
-        started = time.perf_counter()
-        updates: dict[str, float] = {}
-        count = 0
-        for _ in range(args.loop.ppo_epochs):
-            for experience in experiences:
-                for part in experience.split(args.loop.per_device_training_batch_size):
-                    pretraining = self.unsupervised.next() if self.unsupervised is not None else None
-                    for key, value in trainer.train_rlhf(part, pretraining).items():
-                        updates[key] = updates.get(key, 0.0) + value
-                    count += 1
-        training_s = time.perf_counter() - started
-        stats = {**rollout, **{f"train/{key}": value / count for key, value in updates.items()},
-                 "reward/kl_coef": trainer.kl_controller.value,
-                 "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
-                 "time/training_s": training_s,
-                 "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
-                 "train/actor_lr": self.engine.actor.get_lr()[0]}
-        if self.engine.critic is not None:
-            stats["train/critic_lr"] = self.engine.critic.get_lr()[0]
-        return mean_over_ranks(stats)
-
-    def _out_of_time(self, started: float) -> bool:
-        """Whether the time budget is spent (decided on rank 0 and shared, so every rank stops at the same step)."""
-        budget = self.args.loop.max_train_minutes
-        if budget is None:
-            return False
-        spent = float(time.perf_counter() - started >= budget * 60) if is_main_process() else 0.0
-        return sum_over_ranks([spent])[0] > 0
-
-    def fit(self, interrupt: GracefulInterrupt) -> None:
-        self.restore()
-        if not self.evaluations:
-            self.evaluate()
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="step3_ppo", unit="step",
-                   disable=not is_main_process(), dynamic_ncols=True)
-        started = time.perf_counter()
-        while self.step < self.total_steps:
-            if self._out_of_time(started):
-                logger.info("--max_train_minutes %s reached after PPO step %d", self.args.loop.max_train_minutes,
-                            self.step)
-                break
-            stats = self.ppo_step()
-            self.step += 1
-            self.last_stats = stats
-            self.metrics.log(self.step, stats)
-            bar.set_postfix(score=f"{stats['reward/score_mean']:.3f}", kl=f"{stats['reward/kl']:.3f}",
-                            len=f"{stats['rollout/response_length']:.0f}")
-            bar.update(1)
-            eval_interval = self.args.loop.eval_interval
-            if eval_interval and self.step % eval_interval == 0 and self.step < self.total_steps:
-                self.evaluate()
-            saved = self.checkpoints.save(self.step, self.engines, self.client_state()) \
-                if self.checkpoints.should_save(self.step) else None
-            if interrupt.should_stop():
-                interrupt.exit_for_resume(self.step, saved or self.checkpoints.save(self.step, self.engines,
-                                                                                     self.client_state()))
-        bar.close()
-        if not self.evaluations or self.evaluations[-1]["step"] != self.step:
-            self.evaluate()
-
-
 def _build_streams(args: Step3Settings, tokenizer) -> tuple[BatchStream, BatchStream | None, BatchStream | None]:
     data, loop, seed = args.data, args.loop, args.data.seed
     train_prompts, eval_prompts = data.build(3, tokenizer)
@@ -333,21 +156,6 @@ def _build_streams(args: Step3Settings, tokenizer) -> tuple[BatchStream, BatchSt
         unsupervised = BatchStream(blocks, loop.per_device_training_batch_size, SFTCollator(tokenizer.pad_token_id),
                                    seed)
     return prompts, held_out, unsupervised
-
-
-def _save_models(args: Step3Settings, engine: RLHFEngine) -> dict[str, str | None]:
-    run_dir = Path(args.run.output_dir)
-    save_hf_model(engine.actor, engine.tokenizer, run_dir / ACTOR_SUBDIR)
-    critic_dir = None
-    if engine.critic is not None:
-        critic_dir = run_dir / CRITIC_SUBDIR
-        save_hf_model(engine.critic, engine.tokenizer, critic_dir)
-    ema_dir = None
-    if engine.actor_ema is not None:
-        ema_dir = run_dir / EMA_SUBDIR
-        save_ema_model(engine.actor_ema, engine.actor, engine.tokenizer, ema_dir)
-    return {"actor_dir": str(run_dir / ACTOR_SUBDIR), "critic_dir": str(critic_dir) if critic_dir is not None else None,
-            "ema_dir": str(ema_dir) if ema_dir is not None else None}
 
 
 def _summary(run: PPORun, saved: Mapping[str, str | None], plot: Path | None, wall_time_s: float) -> dict:
@@ -404,7 +212,7 @@ def run_step3(args: Step3Settings) -> dict:
         try:
             with GracefulInterrupt() as interrupt:
                 run.fit(interrupt)
-            saved = _save_models(args, engine)
+            saved = save_step3_models(args, engine)
             plot = plot_reward_kl(read_metrics(run_dir), run_dir / PLOT_FILE) if is_main_process() else None
         finally:
             metrics.close()

@@ -217,14 +217,16 @@ class PPOTrainer:
         self.advantage_estimator = get_advantage_estimator(config.advantage_estimator)
         self.policy_loss = get_policy_loss(config.policy_loss)
         self.value_loss = get_value_loss(config.value_loss)
-        if self.advantage_estimator.needs_critic != (engine.critic is not None):
+        if self.advantage_estimator.needs_critic != engine.has_critic:
             raise UserError(
                 f"advantage estimator {config.advantage_estimator!r} "
                 f"{'needs a critic' if self.advantage_estimator.needs_critic else 'trains no critic'}, but the engine "
-                f"{'has none' if engine.critic is None else 'has one'}; build the engine for the same estimator"
+                f"{'has one' if engine.has_critic else 'has none'}; build the engine for the same estimator"
             )
         check_samples_per_prompt(self.advantage_estimator, config.n_samples_per_prompt)
-        self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer)
+        # None on a rank of a placement that scores no answers
+        self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer) \
+            if engine.reward is not None or reward_fn is not None else None
         tokenizer = engine.tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
@@ -391,15 +393,23 @@ class PPOTrainer:
     def train_rlhf(self, experience: Experience,
                    unsupervised_batch: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
         """One PPO update on `experience` of the actor (the policy loss) and, if there is one, the critic
-        (the value loss).
+        (the value loss)."""
+        stats = self.train_actor(experience, unsupervised_batch)
+        if self.engine.critic is None:
+            return stats
+        return {**stats, **self.train_critic(experience)}
+
+    def train_actor(self, experience: Experience,
+                    unsupervised_batch: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """One update of the actor on `experience`.
 
         With `unsupervised_batch` (pretraining text: the PPO-ptx mixture), the actor minimises InstructGPT's
         single objective, policy loss + unsup_coef * language-model loss, in one backward and ONE optimizer
         step: separate steps would let Adam normalise the coefficient away. Both forward graphs are alive
         until that backward.
         """
-        engine, config = self.engine, self.config
-        actor, critic = engine.actor, engine.critic
+        config = self.config
+        actor = self.engine.actor
         mask = experience.action_mask
         prompt_length = experience.prompt_length
         step = actor.global_steps + 1
@@ -422,17 +432,19 @@ class PPOTrainer:
             objective = objective + config.unsup_coef * lm_loss
             extra_stats["unsup_loss"] = lm_loss.item()
         self._step_actor(objective)
-        stats = {"actor_loss": policy.loss.item(), "clip_fraction": policy.clip_fraction.item(),
-                 "approx_kl": policy.approx_kl.item(), "entropy": entropy.item(), **extra_stats}
-        if critic is None:
-            return stats
+        return {"actor_loss": policy.loss.item(), "clip_fraction": policy.clip_fraction.item(),
+                "approx_kl": policy.approx_kl.item(), "entropy": entropy.item(), **extra_stats}
 
-        values = _answer_values(critic, experience.sequences, experience.attention_mask, prompt_length)
-        value = self.value_loss(values, experience.old_values, experience.returns, mask, config)
-        check_finite("critic loss", value.loss, step)
+    def train_critic(self, experience: Experience) -> dict[str, float]:
+        """One update of the critic on `experience` (the clipped value loss)."""
+        critic = self.engine.critic
+        values = _answer_values(critic, experience.sequences, experience.attention_mask, experience.prompt_length)
+        value = self.value_loss(values, experience.old_values, experience.returns, experience.action_mask,
+                                self.config)
+        check_finite("critic loss", value.loss, critic.global_steps + 1)
         critic.backward(value.loss)
         critic.step()
-        return {**stats, "critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
+        return {"critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
 
     def _language_model_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The actor's next-token loss on pretraining text (the term that keeps its general language ability)."""

@@ -13,9 +13,10 @@ log-probabilities and values of the same tokens across forward passes, which dro
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -27,6 +28,9 @@ from training.core.ds_config import get_eval_ds_config
 from training.core.engine import create_frozen_engine, create_reference_engine, create_train_engine
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.reward_model import RewardModel
+from training.placement.groups import PlacementGroups
+from training.placement.spec import Placement
+from utils.dist import current_device
 from utils.errors import UserError
 
 if TYPE_CHECKING:  # settings.py imports ppo_trainer, which imports this module
@@ -37,12 +41,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RLHFEngine:
-    actor: torch.nn.Module
-    reference: torch.nn.Module
-    critic: torch.nn.Module | None  # None when the advantage estimator needs no critic
-    reward: torch.nn.Module | None  # None when a reward function alone scores the answers
+    """The models this rank holds: under a placement other than `colocate` a rank holds only its models' engines
+    (the others are None) and the rollout ranks a `shadow_actor`."""
+
+    actor: torch.nn.Module | None
+    reference: torch.nn.Module | None
+    critic: torch.nn.Module | None  # None when the advantage estimator needs no critic (or not on this rank)
+    reward: torch.nn.Module | None  # None when a reward function alone scores the answers (or not on this rank)
     tokenizer: PreTrainedTokenizerBase
     actor_ema: ModelEMA | None = None
+    placement: Placement | None = None  # None: every model on every rank
+    groups: PlacementGroups | None = None
+    shadow_actor: torch.nn.Module | None = None  # the rollout ranks' generating copy of the actor
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether the run trains a critic (on some rank)."""
+        return self.critic is not None or (self.placement is not None and self.placement.has("critic"))
 
     def destroy(self) -> None:
         """Release the engines' DeepSpeed state (so a caller can start another step in this process)."""
@@ -62,58 +77,111 @@ def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_token
         )
 
 
+@contextlib.contextmanager
+def model_random_stream(seed: int) -> Iterator[None]:
+    """Build a model from `seed`'s stream and leave the global one untouched: what a rank builds (and in what
+    order) then changes neither another model's initialisation (LoRA, a new value head) nor the rollouts'
+    samples, so every placement builds and samples the same."""
+    devices = [torch.device(current_device()).index or 0] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def build_rlhf_engine(
-    args: Step3Settings, tokenizer: PreTrainedTokenizerBase, num_actor_steps: int, num_critic_steps: int
+    args: Step3Settings, tokenizer: PreTrainedTokenizerBase, num_actor_steps: int, num_critic_steps: int,
+    groups: PlacementGroups | None = None,
 ) -> RLHFEngine:
     """Build the engines (and the EMA) from the step-3 settings: the critic (and its optimizer) only if the
-    advantage estimator needs one, the reward model only if `--critic_model_name_or_path` names one."""
+    advantage estimator needs one, the reward model only if `--critic_model_name_or_path` names one. Under a
+    placement (`groups`), only the models this rank holds, each on its ranks' group; a model on fewer ranks
+    accumulates gradients over the batches of the ranks it serves, so its optimizer steps are the co-located
+    run's."""
     dtype = resolve_dtype(args.run.dtype)
     dtype_name, trust_remote_code = args.run.dtype_name, args.run.trust_remote_code
     actor_path, reward_path = args.models.actor_model_name_or_path, args.models.critic_model_name_or_path
     micro_batch = args.loop.per_device_training_batch_size
+    seed = args.data.seed
+    placement = groups.placement if groups is not None else None
+    rank = groups.rank if groups is not None else 0
+
+    def holds(role: str) -> bool:
+        return placement is None or placement.holds(role, rank)
+
+    def settings_for(role: str, model_args, steps: int):
+        settings = optimization_settings(model_args, args.schedule, dtype_name, steps, micro_batch, job_name=role)
+        if placement is not None:
+            settings.gradient_accumulation_steps *= placement.chunks_per_member(role)
+            settings.data_parallel_size = groups.group_size(role)
+        return settings
+
+    def unit(role: str):
+        return groups.unit(role) if groups is not None else None
+
+    def bind(role: str, engine):
+        return groups.bind(role, engine) if groups is not None else engine
+
     if reward_path is not None:
         check_same_vocabulary(tokenizer, load_tokenizer(reward_path, trust_remote_code), reward_path)
 
-    actor_settings = optimization_settings(args.actor, args.schedule, dtype_name, num_actor_steps, micro_batch,
-                                           job_name="actor")
-    actor_model = load_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=actor_settings.ds_config(),
-                                 disable_dropout_layers=True, trust_remote_code=trust_remote_code)
-    actor_model = apply_model_options(actor_model, args.actor, flag_prefix="actor_")
-    actor = create_train_engine(actor_model, actor_settings)
+    actor = reference = critic = reward = shadow = None
+    if holds("actor"):
+        actor_settings = settings_for("actor", args.actor, num_actor_steps)
+        with model_random_stream(seed):
+            actor_model = load_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=actor_settings.ds_config(),
+                                         disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+            actor_model = apply_model_options(actor_model, args.actor, flag_prefix="actor_")
+            actor = bind("actor", create_train_engine(actor_model, actor_settings, unit("actor")))
 
-    reference = create_reference_engine(actor_path, tokenizer, dtype_name, args.actor.zero_stage,
-                                        args.frozen.offload_reference_model, trust_remote_code)
+    if holds("reference"):
+        with model_random_stream(seed):
+            reference = bind("reference", create_reference_engine(
+                actor_path, tokenizer, dtype_name, args.actor.zero_stage, args.frozen.offload_reference_model,
+                trust_remote_code, unit("reference")))
 
-    critic = None
-    if get_advantage_estimator(args.ppo.advantage_estimator).needs_critic:
-        critic_settings = optimization_settings(args.critic, args.schedule, dtype_name, num_critic_steps, micro_batch,
-                                                job_name="critic")
+    needs_critic = get_advantage_estimator(args.ppo.advantage_estimator).needs_critic
+    if needs_critic and holds("critic"):
+        critic_settings = settings_for("critic", args.critic, num_critic_steps)
         ds_config = critic_settings.ds_config()
-        if reward_path is not None:
-            critic_model = RewardModel.from_pretrained(reward_path, dtype=dtype, ds_config=ds_config,
-                                                       disable_dropout_layers=True, trust_remote_code=trust_remote_code)
-        else:
-            critic_model = RewardModel.from_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=ds_config,
-                                                      disable_dropout_layers=True, trust_remote_code=trust_remote_code)
-        critic_model = apply_model_options(critic_model, args.critic, trainable_heads=("v_head",),
-                                           flag_prefix="critic_")
-        critic = create_train_engine(critic_model, critic_settings)
+        with model_random_stream(seed):
+            if reward_path is not None:
+                critic_model = RewardModel.from_pretrained(reward_path, dtype=dtype, ds_config=ds_config,
+                                                           disable_dropout_layers=True,
+                                                           trust_remote_code=trust_remote_code)
+            else:
+                critic_model = RewardModel.from_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=ds_config,
+                                                          disable_dropout_layers=True,
+                                                          trust_remote_code=trust_remote_code)
+            critic_model = apply_model_options(critic_model, args.critic, trainable_heads=("v_head",),
+                                               flag_prefix="critic_")
+            critic = bind("critic", create_train_engine(critic_model, critic_settings, unit("critic")))
 
-    reward = None
     reward_stage = 3 if args.critic.zero_stage == 3 else 0
-    if reward_path is not None:
+    if reward_path is not None and holds("reward"):
         reward_config = get_eval_ds_config(reward_stage, args.frozen.offload_reward_model, dtype_name)
-        reward_model = RewardModel.from_pretrained(reward_path, dtype=dtype, ds_config=reward_config,
-                                                   disable_dropout_layers=True, trust_remote_code=trust_remote_code)
-        reward = create_frozen_engine(reward_model, reward_stage, args.frozen.offload_reward_model, dtype_name)
+        with model_random_stream(seed):
+            reward_model = RewardModel.from_pretrained(reward_path, dtype=dtype, ds_config=reward_config,
+                                                       disable_dropout_layers=True,
+                                                       trust_remote_code=trust_remote_code)
+            reward = bind("reward", create_frozen_engine(reward_model, reward_stage,
+                                                         args.frozen.offload_reward_model, dtype_name, unit("reward")))
 
-    ema = ModelEMA(actor, beta=args.ema.ema_beta, offload=args.actor.offload) if args.ema.enable_ema else None
-    critic_desc = "no critic" if critic is None else (
+    if placement is not None and placement.holds("rollout", rank):
+        with model_random_stream(seed):
+            shadow = load_causal_lm(actor_path, tokenizer, dtype=dtype, disable_dropout_layers=True,
+                                    trust_remote_code=trust_remote_code)
+            shadow = apply_model_options(shadow, args.actor, flag_prefix="actor_").to(current_device())
+        shadow.eval()
+
+    ema = ModelEMA(actor, beta=args.ema.ema_beta, offload=args.actor.offload) \
+        if args.ema.enable_ema and actor is not None else None
+    critic_desc = "no critic" if not needs_critic else (
         f"critic ZeRO-{args.critic.zero_stage}" + (f" LoRA r={args.critic.lora_dim}" if args.critic.lora_dim else "")
         + ("" if reward_path is not None else " (new value head on the actor's model)"))
-    reward_desc = f"reward ZeRO-{reward_stage}" if reward is not None else "no reward model"
-    logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, %s, %s%s",
+    reward_desc = f"reward ZeRO-{reward_stage}" if reward_path is not None else "no reward model"
+    logger.info("RLHF engine: actor ZeRO-%d%s, %s, reference ZeRO-%d, %s, %s%s%s",
                 args.actor.zero_stage, f" LoRA r={args.actor.lora_dim}" if args.actor.lora_dim else "",
-                critic_desc, reference.zero_optimization_stage(), reward_desc, dtype_name,
-                ", EMA" if ema is not None else "")
-    return RLHFEngine(actor, reference, critic, reward, tokenizer, ema)
+                critic_desc, 3 if args.actor.zero_stage == 3 else 0, reward_desc, dtype_name,
+                ", EMA" if ema is not None else "",
+                f"; placement {placement.name}: {placement.describe()}" if placement is not None else "")
+    return RLHFEngine(actor, reference, critic, reward, tokenizer, ema, placement, groups, shadow)

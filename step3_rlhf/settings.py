@@ -7,6 +7,7 @@ from step3_rlhf.ppo_trainer import PPOConfig
 from training.core.args import ModelTrainingConfig, RunArguments, ScheduleSettings, group
 from training.generation.generator import SamplingSettings
 from training.generation.hybrid_engine import HybridEngineSettings
+from training.placement.settings import PlacementSettings
 from training.reliability.checkpointing import CheckpointSettings
 from utils.data import DataArguments, UnsupervisedDataArguments
 
@@ -92,6 +93,7 @@ class Step3Settings:
     schedule: ScheduleSettings
     frozen: FrozenModels
     hybrid: HybridEngineSettings
+    placement: PlacementSettings
     checkpoints: CheckpointSettings
 
     def __post_init__(self) -> None:

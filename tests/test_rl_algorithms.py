@@ -151,7 +151,7 @@ def test_grpo_with_a_reward_function_runs_without_reward_model_or_critic(distrib
 
 
 def test_the_held_out_evaluation_scores_the_same_prompts_whatever_the_batch_size(distributed, inputs):
-    from step3_rlhf.main import evaluate
+    from step3_rlhf.run_loop import evaluate
     from training.generation.generator import HFGenerator
     from training.loops.batch_stream import BatchStream
     from utils.data import PromptCollator, TokenizedDataset

@@ -248,7 +248,8 @@ def text_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
 def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed, inputs):
     """PPO-ptx optimises InstructGPT's one objective: each PPO micro-batch takes ONE actor step on
     policy loss + unsup_coef * LM loss (not a PPO step, then an LM step), and the EMA follows it."""
-    from step3_rlhf.main import PPORun, optimizer_steps_per_ppo_step, parse_args
+    from step3_rlhf.main import optimizer_steps_per_ppo_step, parse_args
+    from step3_rlhf.run_loop import PPORun
 
     config = PPOConfig(max_answer_seq_len=5, unsup_coef=0.5)
     args = parse_args(step3_argv(inputs, "unused", "--generation_batches", "1", "--ppo_epochs", "2",
@@ -309,7 +310,7 @@ def exact_kl_along_greedy_answers(engine: RLHFEngine, trainer: PPOTrainer, promp
 def test_held_out_kl_is_the_exact_kl_along_the_greedy_answers(distributed, inputs):
     """Greedy answers are not samples of the actor, so their summed log-ratio is no KL estimate: the
     held-out KL is the exact KL of the next-token distributions at every answer position, summed."""
-    from step3_rlhf.main import evaluate
+    from step3_rlhf.run_loop import evaluate
 
     tokenizer = load_tokenizer(inputs["actor"])
     prompts = prompt_batch(tokenizer, 4)

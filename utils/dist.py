@@ -120,3 +120,21 @@ def mean_over_ranks(stats: Mapping[str, float]) -> dict[str, float]:
         return dict(stats)
     keys = sorted(stats)
     return {key: total / get_world_size() for key, total in zip(keys, sum_over_ranks([stats[k] for k in keys]))}
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest of each rank's `value` (collective: every rank must call it)."""
+    if not is_initialized() or get_world_size() == 1:
+        return float(value)
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=current_device())
+    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's picklable `value`, in rank order (collective: every rank must call it)."""
+    if not is_initialized() or get_world_size() == 1:
+        return [value]
+    values = [None] * get_world_size()
+    torch_dist.all_gather_object(values, value)
+    return values

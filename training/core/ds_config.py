@@ -45,14 +45,17 @@ def get_train_ds_config(
     job_name: str = "train",
     offload_params: bool | None = None,
     steps_per_print: int = 10**9,
+    data_parallel_size: int | None = None,
 ) -> dict[str, Any]:
     """Config for a model that trains: ZeRO stage, optimizer (and, at stage 3, parameter) offload,
     precision, accumulation and clipping. The optimizer and scheduler are passed to
-    `deepspeed.initialize` as objects, so the dict carries neither."""
+    `deepspeed.initialize` as objects, so the dict carries neither. `data_parallel_size`: the ranks the model
+    is on (default: all)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": train_micro_batch_size_per_gpu,
         "gradient_accumulation_steps": gradient_accumulation_steps,
-        "train_batch_size": train_micro_batch_size_per_gpu * gradient_accumulation_steps * get_world_size(),
+        "train_batch_size": train_micro_batch_size_per_gpu * gradient_accumulation_steps
+        * (data_parallel_size or get_world_size()),
         "gradient_clipping": gradient_clipping,
         "steps_per_print": steps_per_print,
         "wall_clock_breakdown": False,
@@ -67,7 +70,8 @@ def get_train_ds_config(
     return config
 
 
-def get_eval_ds_config(stage: int = 0, offload: bool = False, dtype: str = "fp32", micro_batch_size: int = 1) -> dict[str, Any]:
+def get_eval_ds_config(stage: int = 0, offload: bool = False, dtype: str = "fp32", micro_batch_size: int = 1,
+                       data_parallel_size: int | None = None) -> dict[str, Any]:
     """Config for a frozen model (reference, reward): no optimizer. ZeRO-3 shards its weights; lower
     stages keep a full copy per rank. `offload` keeps the weights in CPU memory, which DeepSpeed only
     supports through ZeRO-3 parameter offload, so it implies stage 3."""
@@ -78,7 +82,7 @@ def get_eval_ds_config(stage: int = 0, offload: bool = False, dtype: str = "fp32
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
-        "train_batch_size": micro_batch_size * get_world_size(),
+        "train_batch_size": micro_batch_size * (data_parallel_size or get_world_size()),
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "zero_optimization": zero,

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from training.core.ds_config import get_eval_ds_config, get_train_ds_config
 from training.core.model_loading import load_causal_lm, resolve_dtype
 from training.core.optim import build_lr_scheduler, build_optimizer
+from training.placement.groups import GroupUnit, installed
 
 
 @dataclass
@@ -31,6 +32,7 @@ class OptimizationSettings:
     optimizer: str = "auto"
     tensorboard_dir: str | None = None
     job_name: str = "train"
+    data_parallel_size: int | None = None  # the ranks the model is on (None: all)
 
     def ds_config(self) -> dict:
         return get_train_ds_config(
@@ -42,11 +44,13 @@ class OptimizationSettings:
             gradient_clipping=self.gradient_clipping,
             tensorboard_dir=self.tensorboard_dir,
             job_name=self.job_name,
+            data_parallel_size=self.data_parallel_size,
         )
 
 
-def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings) -> deepspeed.DeepSpeedEngine:
-    """Wrap `model` with its optimizer and warm-up schedule in a ZeRO engine.
+def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
+                        unit: GroupUnit | None = None) -> deepspeed.DeepSpeedEngine:
+    """Wrap `model` with its optimizer and warm-up schedule in a ZeRO engine (on `unit`'s ranks; default all).
 
     The schedule counts optimizer steps (micro-batches / gradient accumulation).
     """
@@ -61,25 +65,31 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings) 
     scheduler = build_lr_scheduler(
         optimizer, settings.lr_scheduler_type, settings.num_warmup_steps, max(1, settings.num_training_steps)
     )
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=settings.ds_config()
-    )
+    with installed(unit):
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=settings.ds_config(), mpu=unit
+        )
     return engine
 
 
 def create_frozen_engine(
-    model: torch.nn.Module, zero_stage: int = 0, offload: bool = False, dtype: str = "fp32"
+    model: torch.nn.Module, zero_stage: int = 0, offload: bool = False, dtype: str = "fp32",
+    unit: GroupUnit | None = None,
 ) -> deepspeed.DeepSpeedEngine:
-    """An inference-only engine (reference or reward model): eval mode, no gradients."""
+    """An inference-only engine (reference or reward model) on `unit`'s ranks (default all): eval mode, no
+    gradients."""
     model.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=model, config=get_eval_ds_config(zero_stage, offload, dtype))
+    size = unit.get_data_parallel_world_size() if unit is not None else None
+    with installed(unit):
+        engine, *_ = deepspeed.initialize(model=model, config=get_eval_ds_config(
+            zero_stage, offload, dtype, data_parallel_size=size), mpu=unit)
     engine.eval()
     return engine
 
 
 def create_reference_engine(
     name_or_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str, trained_zero_stage: int, offload: bool = False,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = False, unit: GroupUnit | None = None,
 ) -> deepspeed.DeepSpeedEngine:
     """A frozen copy of a causal LM that a trained policy is compared with (a reference model), dropout off.
 
@@ -91,4 +101,4 @@ def create_reference_engine(
     model = load_causal_lm(name_or_path, tokenizer, dtype=resolve_dtype(dtype),
                            ds_config=get_eval_ds_config(stage, offload, dtype), disable_dropout_layers=True,
                            trust_remote_code=trust_remote_code)
-    return create_frozen_engine(model, stage, offload, dtype)
+    return create_frozen_engine(model, stage, offload, dtype, unit)

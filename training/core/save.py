@@ -21,12 +21,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def gathered_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A full CPU state dict on rank 0 (empty on other ranks), gathering ZeRO-3 partitions one tensor at a time."""
+def gathered_state_dict(model: torch.nn.Module, keep: bool | None = None) -> dict[str, torch.Tensor]:
+    """A full CPU state dict on the writing rank (`keep`; default rank 0), empty on the others, gathering ZeRO-3
+    partitions one tensor at a time."""
     import deepspeed
 
     state: dict[str, torch.Tensor] = {}
-    keep = is_main_process()
+    keep = is_main_process() if keep is None else keep
     persistent = set(model.state_dict().keys())  # non-persistent buffers (rotary inv_freq) are not saved
     buffers = [(name, buffer) for name, buffer in model.named_buffers() if name in persistent]
     for name, tensor in list(model.named_parameters()) + buffers:
@@ -67,14 +68,17 @@ def merge_lora_state_dict(peft_model: PeftModel, state: dict[str, torch.Tensor])
     return merged
 
 
-def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLike) -> None:
+def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLike, writer: bool | None = None,
+                  synchronize: bool = True) -> None:
     """Save a (possibly ZeRO-3-partitioned, possibly LoRA) model as a loadable HF folder.
 
-    Every rank must call this (ZeRO-3 gathers are collective); rank 0 writes.
+    Every rank must call this (ZeRO-3 gathers are collective); rank 0 writes. A model that lives on one group
+    of a placement (never ZeRO-3 there) is saved by its first rank alone: `writer=True, synchronize=False`.
     """
     module = unwrap(model)
-    state = gathered_state_dict(module)
-    if is_main_process():
+    writer = is_main_process() if writer is None else writer
+    state = gathered_state_dict(module, writer)
+    if writer:
         if isinstance(module, PeftModel):
             state = merge_lora_state_dict(module, state)
             module = module.get_base_model()
@@ -82,4 +86,5 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLi
             module.save_pretrained(tmp, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-    barrier()
+    if synchronize:
+        barrier()

@@ -1,0 +1,246 @@
+"""Step 3 under a placement other than `colocate`: each model call runs on the ranks that hold the model.
+
+One PPO step, for every rank's prompt batch (a *chunk*; see `training.placement.spec`):
+1. generation: the generating role (the actor, or the shadow actor on the rollout ranks) answers its chunks one
+   after another, each from the chunk's own random stream, so the answers are the co-located run's;
+2. scoring: for every chunk, the actor's, reference's, critic's and reward model's forward passes run on the
+   rank that holds that model for the chunk -- ranks of different models at the same time (interleaving);
+3. every rank assembles the experiences (rewards, KL, advantages: no model call) and the KL coefficient moves;
+4. training: the actor's ranks train the actor on their chunks and the critic's the critic (at the same time
+   when they are disjoint), micro-batch by micro-batch in the co-located order, accumulating gradients over the
+   chunks they serve, so every optimizer step averages the same micro-batches as the co-located run's;
+5. with a shadow actor, the first actor rank broadcasts the trained weights (the LoRA adapters only, with
+   LoRA) to the rollout ranks before the next generation: the schedule is synchronous, the answers of step
+   s+1 come from the actor after step s (no staleness).
+Results move between phases with one all-gather of per-chunk results.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats
+from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, PPORun, held_out_stats
+from training.core.save import save_hf_model
+from training.placement.exchange import ChunkRandomStreams, broadcast_trainable_weights, gather_chunks, moved
+from training.placement.spec import Placement
+from training.reliability.guards import check_finite
+from training.reliability.signals import GracefulInterrupt
+from utils.dist import all_gather_objects, barrier, current_device, get_world_size
+from utils.errors import UserError
+
+
+def scoring_owners(placement: Placement, has_critic: bool, has_reward_model: bool) -> dict[str, str]:
+    """Scoring call -> the role whose ranks run it; a reward function alone runs where the actor is."""
+    owners = {"actor": "actor", "reference": "reference", "reward": "reward" if has_reward_model else "actor"}
+    if has_critic:
+        owners["critic"] = "critic"
+    return owners
+
+
+def _mean_stats(per_chunk: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
+    """The mean over chunks of per-chunk means (the co-located run's mean over ranks)."""
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for stats in per_chunk.values():
+        for key, value in stats.items():
+            totals[key] += value
+            counts[key] += 1
+    return {key: totals[key] / counts[key] for key in totals}
+
+
+class PlacedPPO:
+    """Rollouts, scoring and updates of a `PPOTrainer` spread over a placement's ranks (module docstring)."""
+
+    def __init__(self, trainer: PPOTrainer, placement: Placement, rank: int, has_reward_model: bool):
+        self.trainer = trainer
+        self.placement = placement
+        self.rank = rank
+        self.engine = trainer.engine
+        self.owners = scoring_owners(placement, self.engine.has_critic, has_reward_model)
+        generating = placement.generation_role
+        self.streams = ChunkRandomStreams(placement.chunks(generating, rank))
+        self.shadow = placement.has("rollout")
+        self.last_timing: dict[str, float] = {}
+        if self.shadow:
+            self.sync_weights()
+
+    # rollouts -----------------------------------------------------------------------------------
+
+    def experiences(self, prompt_batch: Mapping[str, Any], do_sample: bool,
+                    with_exact_kl: bool = False) -> dict[int, Experience]:
+        """Every chunk's experience from every rank's prompt batch (collective), on every rank."""
+        trainer, placement = self.trainer, self.placement
+        started = time.perf_counter()
+        prompts = dict(enumerate(all_gather_objects(moved(dict(prompt_batch), "cpu"))))
+        rollouts = {}
+        for chunk in placement.chunks(placement.generation_role, self.rank):
+            with self.streams.use(chunk):
+                rollouts[chunk] = trainer.generate_rollout(prompts[chunk], do_sample)
+        rollouts = gather_chunks(rollouts)
+        generated = time.perf_counter()
+        parts = {}
+        device = current_device()
+        for chunk, rollout in rollouts.items():
+            calls = [call for call, role in self.owners.items() if placement.owner(role, chunk) == self.rank]
+            if calls:
+                parts[chunk] = trainer.score_rollout(moved(rollout, device), calls, with_exact_kl)
+        parts = gather_chunks(parts)
+        experiences = {}
+        for chunk, rollout in rollouts.items():
+            chunk_parts = moved(parts[chunk], device)
+            rollout = moved(rollout, device)
+            if with_exact_kl and "exact_kl" not in chunk_parts:
+                chunk_parts["exact_kl"] = trainer.exact_kl_of(chunk_parts.pop("actor_logits"),
+                                                              chunk_parts.pop("ref_logits"), rollout)
+            experiences[chunk] = trainer.assemble_experience(rollout, chunk_parts)
+        self.last_timing = {"generation_s": generated - started, "scoring_s": time.perf_counter() - generated,
+                            "generated_tokens": float(sum(r.action_mask.sum().item() for r in rollouts.values()))}
+        return experiences
+
+    def generate_experience(self, prompt_batch: Mapping[str, Any]) -> dict[int, Experience]:
+        """Sampled experiences of every chunk, then the KL coefficient's update from all of them (as the co-located
+        run's update from every rank's answers)."""
+        experiences = self.experiences(prompt_batch, do_sample=True)
+        total = sum(experience.kl.sum().item() for experience in experiences.values())
+        count = sum(experience.kl.numel() for experience in experiences.values())
+        self.trainer.kl_controller.update(total / max(count, 1), int(count))
+        return experiences
+
+    # updates ------------------------------------------------------------------------------------
+
+    def train(self, batches: list[dict[int, Experience]], ppo_epochs: int, micro_batch_size: int) -> dict[str, float]:
+        """`ppo_epochs` passes over the step's experiences: the actor's ranks update the actor and the critic's the
+        critic, each on the chunks it serves, micro-batch j of every chunk before micro-batch j+1 (the order that
+        keeps each optimizer step's micro-batches those of the co-located run). Returns the mean statistics."""
+        placement, trainer = self.placement, self.trainer
+        jobs = [("actor", trainer.train_actor)]
+        if self.engine.has_critic:
+            jobs.append(("critic", trainer.train_critic))
+        local: dict[int, dict[str, float]] = {}
+        for role, update in jobs:
+            chunks = placement.chunks(role, self.rank)
+            if not chunks:
+                continue
+            sums: dict[int, dict[str, float]] = {chunk: defaultdict(float) for chunk in chunks}
+            counts = dict.fromkeys(chunks, 0)
+            for _ in range(ppo_epochs):
+                for batch in batches:
+                    parts = {chunk: batch[chunk].split(micro_batch_size) for chunk in chunks}
+                    for index in range(max(len(chunk_parts) for chunk_parts in parts.values())):
+                        for chunk in chunks:
+                            if index < len(parts[chunk]):
+                                for key, value in update(parts[chunk][index]).items():
+                                    sums[chunk][key] += value
+                                counts[chunk] += 1
+            for chunk in chunks:
+                local.setdefault(chunk, {}).update({key: value / counts[chunk] for key, value in sums[chunk].items()})
+        if self.shadow:
+            self.sync_weights()
+        return _mean_stats(gather_chunks(local))
+
+    def sync_weights(self) -> None:
+        """The first actor rank's trained weights to the shadow actors (collective over the sync group)."""
+        groups = self.engine.groups
+        if self.rank not in groups.sync_ranks:
+            return
+        module = self.engine.actor.module if self.engine.actor is not None else self.engine.shadow_actor
+        names = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
+        broadcast_trainable_weights(module, names, groups.sync_ranks[0], groups.sync_group)
+
+
+def chunk_stats(experiences: Mapping[int, Experience]) -> dict[str, float]:
+    """`experience_stats` averaged over the chunks."""
+    return _mean_stats({chunk: experience_stats(experience) for chunk, experience in experiences.items()})
+
+
+
+class PlacedPPORun(PPORun):
+    """`PPORun` with every PPO step, evaluation and save going through a `PlacedPPO`. Resume checkpoints are
+    the co-located run's alone for now (`check_placement_args` refuses --save_interval and --resume)."""
+
+    def __init__(self, *args, placed: PlacedPPO, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.placed = placed
+
+    def _ppo_step(self) -> dict[str, float]:
+        args = self.args
+        timing = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0.0}
+        batches, rollout = [], {}
+        for _ in range(args.loop.generation_batches):
+            experiences = self.placed.generate_experience(self.prompts.next())
+            batches.append(experiences)
+            for key, value in self.placed.last_timing.items():
+                timing[key] += value
+            for key, value in chunk_stats(experiences).items():
+                rollout[key] = rollout.get(key, 0.0) + value / args.loop.generation_batches
+        check_finite("reward", torch.cat([e.scores for batch in batches for e in batch.values()]), self.step + 1)
+        started = time.perf_counter()
+        updates = self.placed.train(batches, args.loop.ppo_epochs, args.loop.per_device_training_batch_size)
+        training_s = time.perf_counter() - started
+        rates = _learning_rates(self.engine)
+        return {**rollout, **{f"train/{key}": value for key, value in updates.items()},
+                "reward/kl_coef": self.trainer.kl_controller.value,
+                "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
+                "time/training_s": training_s,
+                "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
+                **rates}
+
+    def evaluate(self) -> dict:
+        if self.eval_prompts is None:
+            return {}
+        per_rank = -(-len(self.eval_prompts.dataset) // get_world_size())
+        num_prompts = min(self.args.loop.eval_samples, per_rank)
+        self.eval_prompts.load_state_dict({"epoch": 0, "batches_done": 0})
+        totals: dict[str, float] = {}
+        remaining = num_prompts
+        while remaining > 0:
+            batch = {key: value[:remaining] for key, value in self.eval_prompts.next().items()}
+            rows = batch["input_ids"].shape[0]
+            experiences = self.placed.experiences(batch, do_sample=False, with_exact_kl=True)
+            per_chunk = _mean_stats({chunk: held_out_stats(e) for chunk, e in experiences.items()})
+            for key, value in per_chunk.items():
+                totals[key] = totals.get(key, 0.0) + value * rows / num_prompts
+            remaining -= rows
+        return self.record_evaluation(totals)
+
+    @property
+    def engines(self) -> dict[str, torch.nn.Module]:
+        return {}
+
+    def stop_for_resume(self, interrupt: GracefulInterrupt, saved: Path | None) -> None:
+        raise UserError(f"stopped on a signal after PPO step {self.step}: under --placement "
+                        f"{self.args.placement.placement} step 3 writes no resume checkpoint yet (use --placement "
+                        "colocate to stop and --resume)")
+
+    def save_models(self) -> dict[str, str | None]:
+        """Each trained model is written by the first rank of its group (not a collective over the world)."""
+        run_dir = Path(self.args.run.output_dir)
+        placement, rank, engine = self.placed.placement, self.placed.rank, self.engine
+        saved = {"actor_dir": str(run_dir / ACTOR_SUBDIR), "critic_dir": None, "ema_dir": None}
+        if placement.ranks["actor"][0] == rank:
+            save_hf_model(engine.actor, engine.tokenizer, run_dir / ACTOR_SUBDIR, writer=True, synchronize=False)
+        if placement.has("critic"):
+            saved["critic_dir"] = str(run_dir / CRITIC_SUBDIR)
+            if placement.ranks["critic"][0] == rank:
+                save_hf_model(engine.critic, engine.tokenizer, run_dir / CRITIC_SUBDIR, writer=True,
+                              synchronize=False)
+        barrier()
+        return saved
+
+
+def _learning_rates(engine) -> dict[str, float]:
+    """The actor's (and critic's) learning rate, from whichever rank holds them (collective)."""
+    local = {}
+    if engine.actor is not None:
+        local["train/actor_lr"] = engine.actor.get_lr()[0]
+    if engine.critic is not None:
+        local["train/critic_lr"] = engine.critic.get_lr()[0]
+    rates: dict[str, float] = {}
+    for values in all_gather_objects(local):
+        rates.update(values)
+    return rates
