@@ -7,6 +7,7 @@ from step3_rlhf.ppo_trainer import PPOConfig
 from training.core.args import ModelTrainingConfig, RunArguments, ScheduleSettings, group
 from training.generation.generator import SamplingSettings
 from training.generation.hybrid_engine import HybridEngineSettings
+from training.placement.settings import PlacementSettings
 from training.reliability.checkpointing import CheckpointSettings
 from utils.data import DataArguments, UnsupervisedDataArguments
 
@@ -93,6 +94,7 @@ class Step3Settings:
     frozen: FrozenModels
     hybrid: HybridEngineSettings
     checkpoints: CheckpointSettings
+    placement: PlacementSettings
 
     def __post_init__(self) -> None:
         self.ppo.temperature = self.sampling.temperature
