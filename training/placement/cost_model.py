@@ -292,7 +292,12 @@ def estimate_step(workload: Step3Workload, placement: Placement, machine: Machin
     exchange_s, sync_s = _exchange_s(workload, placement, machine), _sync_s(workload, placement, machine)
     generation_s = generation_end
     scoring_s = max(0.0, scoring_end - generation_end)
-    memory = tuple(rank_memory_gib(workload, placement, machine, rank) for rank in range(placement.world_size))
+    by_models: dict[tuple[str, ...], float] = {}  # a rank's memory depends only on the models it holds
+    for rank in range(placement.world_size):
+        held = tuple(models_on(placement, rank))
+        if held not in by_models:
+            by_models[held] = rank_memory_gib(workload, placement, machine, rank)
+    memory = tuple(by_models[tuple(models_on(placement, rank))] for rank in range(placement.world_size))
     calls = tuple(generation + scoring + [call for calls in trained.values() for call in calls])
     return StepEstimate(generation_s + scoring_s + training_s + sync_s + exchange_s, generation_s, scoring_s,
                         training_s, sync_s, exchange_s, memory, calls)
