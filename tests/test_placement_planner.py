@@ -187,3 +187,14 @@ def test_dry_run_with_placement_auto_prints_the_ranked_plans(tmp_path, tiny_mode
     _dry_run(tmp_path, fakes, [])
     out = capsys.readouterr().out
     assert "on 1 rank(s); machine constants: the saved calibration" in out and "1 │ colocate" in out
+
+
+def test_published_setups_get_finite_predictions():
+    from bench.placement_published import predict_published, published_setups
+
+    presets = {name: load_machine_file(name) for name in preset_names()}
+    setups = published_setups()
+    assert len(setups) >= 7 and {setup.machine for setup in setups} <= set(presets)
+    (row,) = predict_published(presets, setups[:1])  # 7B x4 on 8 A100s: both plans fit
+    assert row["gpus"] == 8 and row["published"] > 1 and isinstance(row["agrees"], bool)
+    assert 0 < row["predicted"] < float("inf")
