@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from training.placement.spec import AUTO
 from utils.dist import free_port
 from utils.errors import UserError
 
@@ -111,6 +112,15 @@ def _check_output(config: PipelineConfig, step: int) -> None:
         raise UserError(f"step {step} ended without saving its model in {run_dir}; see {config.log_path(step)}")
 
 
+def _placement_plans(config: PipelineConfig, prepared: PreparedRun, step3: StepEntry, hardware: Hardware) -> str:
+    """Step 3's ranked placements for its planned command line (`--placement auto`)."""
+    from training.placement.auto import auto_placement_report
+
+    sizes = _model_sizes(config, _inputs(config))
+    return auto_placement_report(step3.build_parser(), prepared.argvs[3], sizes.actor, sizes.reward,
+                                 prepared.plan.world_size, hardware.cpu_cores)
+
+
 @dataclass
 class PreparedRun:
     """Everything decided before the first step starts."""
@@ -167,7 +177,8 @@ def run_pipeline(
     def entry(step: int) -> StepEntry:
         return (entries or {}).get(step) or STEPS[step].entry()
 
-    prepared = prepare_run(config, entry, hardware or detect_hardware())
+    hardware = hardware or detect_hardware()
+    prepared = prepare_run(config, entry, hardware)
     deployment = prepared.plan.deployment.value
     print(settings_table(prepared.plan, config.steps), flush=True)
     how = "in this process, as" if prepared.launcher is None else "with"
@@ -175,6 +186,8 @@ def run_pipeline(
     for step in config.steps:
         print(f"  step {step}: {format_command(prepared.commands[step])}", flush=True)
     if config.dry_run:
+        if 3 in config.steps and config.passed_flag("--placement") == AUTO:
+            print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
         return {"deployment": deployment, "commands": prepared.commands}
 
     started = time.perf_counter()

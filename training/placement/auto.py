@@ -1,0 +1,57 @@
+"""`--placement auto` before a run: the machine to plan for, step 3's workload from its flags, the ranked plans."""
+from __future__ import annotations
+
+import argparse
+
+from training.pipeline.hardware import ModelSize
+
+from .calibration import cache_path, calibrate, load_calibration, load_or_calibrate
+from .machine import MachineSpec, load_machine_file
+from .planner import format_plans, search
+from .workload import step3_model_paths, step3_workload
+
+TOP_PLANS = 10
+
+
+def planning_machine(hardware_file: str | None, recalibrate: bool, dtype: str, world_size: int,
+                     cores: int) -> tuple[MachineSpec, str]:
+    """The machine and a line saying where its constants come from: the hardware file (its own world size), else
+    this machine as `world_size` ranks: a saved calibration, a fresh one with --calibrate, or, with neither, a
+    quick profile of a few seconds (not saved)."""
+    if hardware_file:
+        machine = load_machine_file(hardware_file, dtype)
+        return machine, f"machine constants: {machine.name} from the hardware file {hardware_file} ({dtype})"
+    threads = max(1, cores // world_size)
+    path = cache_path(dtype, threads, world_size)
+    saved = None if recalibrate else load_calibration(path)
+    if saved is not None:
+        return saved, f"machine constants: the saved calibration {path}"
+    if recalibrate:
+        return (load_or_calibrate(dtype, threads, world_size, recalibrate=True),
+                f"machine constants: measured now (--calibrate), saved to {path}")
+    machine = calibrate(dtype, threads, world_size, quick=True)
+    return machine, ("machine constants: a quick profile of this machine's CPU (no saved calibration; pass "
+                     "--calibrate for a full one, saved for later runs, or --hardware_file for GPUs)")
+
+
+def auto_placement_report(parser: argparse.ArgumentParser, argv: list[str], actor: ModelSize, scorer: ModelSize,
+                          world_size: int, cores: int) -> str:
+    """Parse step 3's command line, and rank the plans for its workload. `actor`/`scorer`: the sizes of the
+    step-1 and step-2 models (the critic starts from the scorer, or from the actor without a reward model)."""
+    args = parser.parse_args(argv)
+    paths = step3_model_paths(args)
+    critic = None if paths["critic"] is None else (scorer if paths["reward"] else actor)
+    reward = scorer if paths["reward"] else None
+    settings = args.placement
+    dtype = args.run.dtype if settings.hardware_file and args.run.dtype != "auto" else None
+    dtype = dtype or ("bf16" if settings.hardware_file else args.run.dtype_name)
+    machine, source = planning_machine(settings.hardware_file, settings.calibrate, dtype, world_size, cores)
+    world = machine.world_size if settings.hardware_file else world_size
+    workload = step3_workload(args, actor, critic, reward, dtype)
+    plans = search(workload, machine, world)
+    lines = [f"\nstep 3 --placement auto on {world} rank(s); {source}", format_plans(plans, TOP_PLANS)]
+    if plans:
+        lines.append("the top plan's step-3 flags: " + " ".join(plans[0].flags))
+    else:
+        lines.append("no plan fits; give step 3 more ranks, LoRA, or smaller batches")
+    return "\n".join(lines)

@@ -1,0 +1,303 @@
+"""Roofline estimates of one PPO step under a placement: each model call's time and each rank's peak memory.
+
+A call takes max(FLOPs / matmul rate, bytes / memory bandwidth) plus its overheads; collectives take
+latency + bytes / link bandwidth. The schedule is the one the runtime follows (see `estimate_step`).
+Not modelled: gradient checkpointing, offload, early-finishing answers (every answer decodes `answer_len` tokens),
+and the causal mask's saving in attention (attention FLOPs are counted over the full square).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from training.pipeline.hardware import GIB, ModelSize
+from training.placement.machine import MachineSpec
+from training.placement.spec import Placement
+from training.placement.workload import Step3Workload
+
+LORA_TRAINABLE = 0.01  # share of the parameters a LoRA adapter trains
+EXPERIENCE_TENSORS = 8  # per-token tensors an experience row carries (sequence, mask, log-probs, values, ...)
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # Korthikanti et al.: ~34*s*h bytes per layer at 2-byte activations
+LM_HEAD_ROLES = ("actor", "reference", "rollout")  # their forward makes vocabulary logits; critic/reward a value
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kind of model call or collective, as one member rank of `role` runs it `count` times a step."""
+
+    phase: str
+    role: str
+    kind: str
+    seconds: float
+    flops: float
+    bytes: float
+    count: int
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds * self.count
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_s: float
+    generation_s: float
+    scoring_s: float  # scoring's time beyond generation's (all of it, unless pipelined behind generation)
+    training_s: float
+    sync_s: float
+    exchange_s: float
+    per_rank_memory_gib: tuple[float, ...]
+    calls: tuple[Call, ...]
+
+    @property
+    def peak_memory_gib(self) -> float:
+        return max(self.per_rank_memory_gib)
+
+    @property
+    def phases(self) -> dict[str, float]:
+        return {"generation": self.generation_s, "scoring": self.scoring_s, "training": self.training_s,
+                "sync": self.sync_s, "exchange": self.exchange_s}
+
+
+# --------------------------------------------------------------------------- the terms
+
+
+def forward_flops(size: ModelSize, rows: int, seq: int) -> float:
+    """Dense matmuls 2*params per token plus attention's two S x S products per layer (QK^T and AV)."""
+    return 2.0 * size.parameters * rows * seq + 4.0 * rows * seq * seq * size.hidden_size * size.num_layers
+
+
+def roofline_s(flops: float, nbytes: float, machine: MachineSpec) -> float:
+    return max(flops / machine.matmul_flops, nbytes / machine.memory_bandwidth)
+
+
+def collective_s(moved_bytes: float, ranks: tuple[int, ...], machine: MachineSpec) -> float:
+    """Latency plus the bytes each rank sends over the group's slowest link; nothing on one rank."""
+    if len(ranks) <= 1:
+        return 0.0
+    return machine.collective_latency_s + moved_bytes / machine.link_bandwidth(ranks)
+
+
+def all_gather_s(full_bytes: float, ranks: tuple[int, ...], machine: MachineSpec) -> float:
+    n = len(ranks)
+    return collective_s(full_bytes * (n - 1) / n, ranks, machine)
+
+
+def all_reduce_s(full_bytes: float, ranks: tuple[int, ...], machine: MachineSpec) -> float:
+    n = len(ranks)
+    return collective_s(2.0 * full_bytes * (n - 1) / n, ranks, machine)
+
+
+def _trainable(workload: Step3Workload, role: str, size: ModelSize) -> float:
+    return size.parameters * LORA_TRAINABLE if role == "actor" and workload.actor_lora else float(size.parameters)
+
+
+def _stage(workload: Step3Workload, role: str) -> int:
+    """A trained model's ZeRO stage; a frozen one is sharded (stage 3) exactly when its trained partner is."""
+    stage = workload.actor_zero_stage if role in ("actor", "reference") else workload.critic_zero_stage
+    return stage if role in ("actor", "critic") else (3 if stage == 3 else 0)
+
+
+def _size(workload: Step3Workload, role: str) -> ModelSize:
+    size = {"actor": workload.actor, "reference": workload.actor, "rollout": workload.actor,
+            "critic": workload.critic, "reward": workload.reward}[role]
+    assert size is not None, f"the workload has no {role}"
+    return size
+
+
+def _generation_tp(workload: Step3Workload) -> int:
+    return workload.inference_tp if workload.hybrid_engine else 1
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def forward_call(workload: Step3Workload, role: str, placement: Placement, machine: MachineSpec) -> Call:
+    """One scoring forward over a chunk's rows (prompt + answer); ZeRO-3 gathers the weights for it."""
+    size, rows, seq = _size(workload, role), workload.rows_per_chunk, workload.seq_len
+    weights = size.parameters * workload.dtype_bytes
+    flops = forward_flops(size, rows, seq)
+    gather = all_gather_s(weights, placement.ranks[role], machine) if _stage(workload, role) == 3 else 0.0
+    seconds = roofline_s(flops, weights, machine) + machine.call_overhead_s + gather
+    return Call("scoring", role, "forward", seconds, flops, weights, 1)
+
+
+def generation_calls(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> list[Call]:
+    """A generation member's passes: with inference TP a group of `tp` ranks generates its members' chunks
+    together (tp x the rows, 1/tp of the weights each); a pass is one prefill per prompt, then `answer_len` decode
+    steps that each stream the rank's weights and read the KV cache."""
+    role = placement.generation_role
+    size, tp, b = workload.actor, _generation_tp(workload), workload.dtype_bytes
+    members = placement.ranks[role]
+    passes = placement.chunks_per_member(role)
+    rows = tp * workload.rows_per_chunk
+    weights = size.parameters * b / tp
+    prefill_flops = forward_flops(size, tp * workload.prompts_per_rank, workload.prompt_len) / tp
+    prefill = Call("generation", role, "prefill", roofline_s(prefill_flops, weights, machine) + machine.call_overhead_s,
+                   prefill_flops, weights, passes)
+    context = workload.prompt_len + workload.answer_len / 2  # the mean length attended over
+    kv_bytes = rows * context * 2 * size.hidden_size * size.num_layers * b / tp
+    step_flops = (2.0 * size.parameters * rows + 4.0 * rows * context * size.hidden_size * size.num_layers) / tp
+    overhead = machine.decode_step_overhead_s * size.num_layers
+    if tp > 1:  # two all-reduces of the rows' hidden states per layer
+        tp_group = members[:tp]
+        overhead += 2 * size.num_layers * all_reduce_s(rows * size.hidden_size * b, tp_group, machine)
+    stage3 = role == "actor" and workload.actor_zero_stage == 3 and len(members) > 1
+    if stage3 and not workload.hybrid_engine:  # generate() through ZeRO-3 hooks gathers every layer every token
+        overhead += all_gather_s(size.parameters * b, members, machine)
+    decode = Call("generation", role, "decode step", roofline_s(step_flops, weights + kv_bytes, machine) + overhead,
+                  step_flops, weights + kv_bytes, passes * workload.answer_len)
+    calls = [prefill, decode]
+    if stage3 and workload.hybrid_engine:  # the hybrid engine gathers (its TP shard of) the weights once a step
+        gather = all_gather_s(size.parameters * b / tp, members, machine)
+        calls.insert(0, Call("generation", role, "gather weights", gather, 0.0, size.parameters * b / tp, 1))
+    return calls
+
+
+def training_calls(workload: Step3Workload, role: str, placement: Placement, machine: MachineSpec) -> list[Call]:
+    """A member trains on its chunks: per PPO epoch, ceil(rows / micro) optimizer steps, each accumulating one
+    micro-batch from each of its chunks (so the optimizer steps equal the co-located run's)."""
+    size, b, members = _size(workload, role), workload.dtype_bytes, placement.ranks[role]
+    n, stage, micro = len(members), _stage(workload, role), workload.train_micro_batch
+    trainable = _trainable(workload, role, size)
+    steps = workload.ppo_epochs * math.ceil(workload.rows_per_chunk / micro)
+    micro_batches = steps * placement.chunks_per_member(role)
+    flops = 3.0 * forward_flops(size, micro, workload.seq_len)
+    weights = size.parameters * b
+    seconds = roofline_s(flops, 3 * weights, machine) + 2 * machine.call_overhead_s
+    if stage == 3:  # weights gathered for the forward and again for the backward, gradients reduce-scattered
+        seconds += 2 * all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
+    calls = [Call("training", role, "train micro-batch", seconds, flops, 3 * weights, micro_batches)]
+    if stage < 3:
+        calls.append(Call("training", role, "gradient all-reduce", all_reduce_s(trainable * b, members, machine), 0.0,
+                          2 * trainable * b, steps))
+    state_bytes = trainable * (2 * (12 + b)) / (n if stage >= 1 else 1)  # read and write master, moments, weights
+    calls.append(Call("training", role, "optimizer step", state_bytes / machine.memory_bandwidth, 0.0, state_bytes,
+                      steps))
+    return calls
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _persistent_bytes(workload: Step3Workload, role: str, placement: Placement) -> float:
+    size, b, n = _size(workload, role), workload.dtype_bytes, len(placement.ranks[role])
+    stage = _stage(workload, role)
+    if role == "rollout":
+        return size.parameters * b / _generation_tp(workload)
+    weights = size.parameters * b / (n if stage == 3 else 1)
+    if role not in ("actor", "critic"):
+        return weights
+    trainable = _trainable(workload, role, size)
+    optimizer = 12 if b < 4 else 8  # fp32 master + Adam's two moments; fp32 training keeps no master copy
+    grads = trainable * b / (n if stage >= 2 else 1)
+    return weights + grads + trainable * optimizer / (n if stage >= 1 else 1)
+
+
+def _generation_bytes(workload: Step3Workload, placement: Placement) -> float:
+    """The KV cache of a chunk (tp x rows, 1/tp of the heads), and the hybrid engine's inference copy."""
+    size, tp, b = workload.actor, _generation_tp(workload), workload.dtype_bytes
+    kv = workload.rows_per_chunk * workload.seq_len * 2 * size.hidden_size * size.num_layers * b
+    copy = size.parameters * b / tp if workload.hybrid_engine and placement.generation_role == "actor" else 0.0
+    return kv + copy
+
+
+def _forward_bytes(workload: Step3Workload, role: str, rows: int) -> float:
+    size = _size(workload, role)
+    logits = rows * workload.seq_len * size.vocab_size * 4 if role in LM_HEAD_ROLES else 0.0
+    return logits + 4.0 * rows * workload.seq_len * size.hidden_size * workload.dtype_bytes
+
+
+def _training_bytes(workload: Step3Workload, role: str) -> float:
+    size, micro, seq = _size(workload, role), workload.train_micro_batch, workload.seq_len
+    activations = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * micro * seq * size.hidden_size * size.num_layers
+    return activations * workload.dtype_bytes / 2 + _forward_bytes(workload, role, micro)
+
+
+def rank_memory_gib(workload: Step3Workload, placement: Placement, machine: MachineSpec, rank: int) -> float:
+    """Baseline + every held model's persistent states + the largest phase's transient memory."""
+    held = [role for role in placement.ranks if placement.holds(role, rank)]
+    persistent = sum(_persistent_bytes(workload, role, placement) for role in held)
+    transient = [0.0]
+    if placement.generation_role in held:
+        transient.append(_generation_bytes(workload, placement))
+    transient += [_forward_bytes(workload, role, workload.rows_per_chunk) for role in held if role != "rollout"]
+    transient += [_training_bytes(workload, role) for role in held if role in ("actor", "critic")]
+    return machine.baseline_memory_gib + (persistent + max(transient)) / GIB
+
+
+def models_on(placement: Placement, rank: int) -> list[str]:
+    return [role for role in placement.ranks if placement.holds(role, rank)]
+
+
+# --------------------------------------------------------------------------- the schedule
+
+
+def _scoring_end(workload: Step3Workload, placement: Placement, machine: MachineSpec,
+                 ready: list[float]) -> tuple[float, list[Call]]:
+    """Each rank runs its chunks' scoring calls in chunk order, a chunk's calls no earlier than it is ready."""
+    calls = {role: forward_call(workload, role, placement, machine)
+             for role in ("actor", "reference", "reward", "critic") if placement.has(role)}
+    free = [0.0] * placement.world_size
+    for chunk in range(placement.world_size):
+        for role, call in calls.items():
+            rank = placement.owner(role, chunk)
+            free[rank] = max(free[rank], ready[chunk]) + call.seconds
+    per_member = [Call(c.phase, c.role, c.kind, c.seconds, c.flops, c.bytes, placement.chunks_per_member(c.role))
+                  for c in calls.values()]
+    return max(free), per_member
+
+
+def _exchange_s(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> float:
+    """Two all-gathers of the experience rows over the world (after generation, after scoring) when the models
+    are not all on every rank; none when co-located."""
+    if placement.is_colocated:
+        return 0.0
+    chunk_bytes = workload.rows_per_chunk * workload.seq_len * EXPERIENCE_TENSORS * 4
+    world = tuple(range(placement.world_size))
+    return 2 * all_gather_s(chunk_bytes * placement.world_size, world, machine)
+
+
+def _sync_s(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> float:
+    """Disaggregated only: the actor's new weights broadcast from its first rank to the rollout ranks (gathered
+    first under ZeRO-3); the rollout ranks wait for them."""
+    if not placement.has("rollout"):
+        return 0.0
+    weights = workload.actor.parameters * workload.dtype_bytes
+    actor = placement.ranks["actor"]
+    gather = all_gather_s(weights, actor, machine) if workload.actor_zero_stage == 3 else 0.0
+    return gather + collective_s(weights, (actor[0], *placement.ranks["rollout"]), machine)
+
+
+def estimate_step(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> StepEstimate:
+    """One PPO step: generation (each generation member's chunks one after another), scoring (per chunk: actor,
+    reference, reward, critic forwards on their owners; ranks in parallel; pipelined chunk by chunk behind
+    generation when generation has ranks of its own), the exchanges, training (actor and critic overlap when on
+    disjoint ranks), then the weight sync of a disaggregated placement."""
+    role = placement.generation_role
+    generation = generation_calls(workload, placement, machine)
+    gather = sum(call.total_s for call in generation if call.kind == "gather weights")
+    pass_s = sum(call.seconds * (call.count // placement.chunks_per_member(role))
+                 for call in generation if call.kind != "gather weights")
+    generation_end = gather + pass_s * placement.chunks_per_member(role)
+    if placement.has("rollout"):
+        ready = [gather + pass_s * (placement.chunks(role, placement.owner(role, c)).index(c) + 1)
+                 for c in range(placement.world_size)]
+    else:
+        ready = [generation_end] * placement.world_size
+    scoring_end, scoring = _scoring_end(workload, placement, machine, ready)
+    trained = {r: training_calls(workload, r, placement, machine) for r in ("actor", "critic") if placement.has(r)}
+    times = [sum(call.total_s for call in calls) for calls in trained.values()]
+    training_s = max(times) if placement.concurrent("actor", "critic") else sum(times)
+    exchange_s, sync_s = _exchange_s(workload, placement, machine), _sync_s(workload, placement, machine)
+    generation_s = generation_end
+    scoring_s = max(0.0, scoring_end - generation_end)
+    by_models: dict[tuple[str, ...], float] = {}  # a rank's memory depends only on the models it holds
+    for rank in range(placement.world_size):
+        held = tuple(models_on(placement, rank))
+        if held not in by_models:
+            by_models[held] = rank_memory_gib(workload, placement, machine, rank)
+    memory = tuple(by_models[tuple(models_on(placement, rank))] for rank in range(placement.world_size))
+    calls = tuple(generation + scoring + [call for calls in trained.values() for call in calls])
+    return StepEstimate(generation_s + scoring_s + training_s + sync_s + exchange_s, generation_s, scoring_s,
+                        training_s, sync_s, exchange_s, memory, calls)

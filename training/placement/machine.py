@@ -1,0 +1,164 @@
+"""The machine a placement is planned for: per-rank rates and capacities, from a hardware file or a calibration.
+
+A hardware file (YAML or JSON) states datasheet peaks; the achieved rates the cost model needs are the peaks times
+efficiency factors (each optional in the file, defaults below). Presets for published clusters live in
+`machines/` and are named by their file stem (`--hardware_file a100-80gb`).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from utils.errors import UserError
+
+PRESET_DIR = Path(__file__).resolve().parent / "machines"
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """Achieved rates per device (GPU) or per rank (CPU: one process with its share of the cores).
+
+    `decode_step_overhead_s` is per decoder layer per generated-token step: the launch and Python cost of one
+    layer that a small decode batch cannot hide (a step of an L-layer model pays L of it).
+    `call_overhead_s` is per model call (a forward, or a backward), besides its layers' work.
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    memory_gib: float
+    matmul_flops: float
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    collective_latency_s: float
+    call_overhead_s: float
+    decode_step_overhead_s: float
+    baseline_memory_gib: float
+    usable_memory_fraction: float = 0.92  # allocator fragmentation and workspace leave the rest unusable
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory_gib(self) -> float:
+        return self.memory_gib * self.usable_memory_fraction
+
+    def link_bandwidth(self, ranks: tuple[int, ...] | list[int]) -> float:
+        """Bytes/s per rank of a collective over `ranks` (node-major numbering): NVLink-class inside one node,
+        the network once the group spans nodes."""
+        nodes = {rank // self.devices_per_node for rank in ranks}
+        return self.intra_node_bandwidth if len(nodes) <= 1 else self.inter_node_bandwidth
+
+
+# Efficiencies applied to a hardware file's datasheet peaks. Large bf16 GEMMs reach ~70% of the dense peak, but
+# transformer layers at RLHF shapes (short micro-batches, attention, norms) sit nearer 50%; HBM streaming reaches
+# ~80% of its peak; NCCL's bus bandwidth on NVLink / InfiniBand ~75-80%.
+FILE_DEFAULTS: dict[str, float] = {
+    "matmul_efficiency": 0.5,
+    "memory_efficiency": 0.8,
+    "link_efficiency": 0.75,
+    "collective_latency_s": 30e-6,  # NCCL all-reduce latency at small sizes, 8-64 GPUs
+    "call_overhead_s": 2e-3,  # a Hugging Face model call's Python and launch cost
+    "decode_step_overhead_s": 30e-6,  # one decoder layer's kernel launches at batch ~8-64, no CUDA graph
+    "baseline_memory_gib": 1.5,  # CUDA context + NCCL buffers + allocator slack
+    "usable_memory_fraction": 0.92,
+}
+REQUIRED_KEYS = ("nodes", "gpus_per_node", "memory_gib", "peak_flops", "memory_bandwidth",
+                 "intra_node_bandwidth", "inter_node_bandwidth")
+OPTIONAL_KEYS = ("name", "description", *FILE_DEFAULTS)
+
+
+def preset_names() -> list[str]:
+    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
+
+
+def resolve_machine_file(name_or_path: str) -> Path:
+    """A path to a hardware file, or the name of a preset in `machines/`."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    preset = PRESET_DIR / f"{name_or_path}.yaml"
+    if preset.is_file():
+        return preset
+    raise UserError(f"--hardware_file {name_or_path}: no such file, nor a preset; the presets are "
+                    f"{', '.join(preset_names())}, or give the path of a YAML/JSON file with {', '.join(REQUIRED_KEYS)}")
+
+
+def _read(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except ValueError as error:  # json.JSONDecodeError and yaml.YAMLError's parse errors
+        raise UserError(f"hardware file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {error}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"hardware file {path} must hold a mapping of keys to numbers, e.g. nodes: 1")
+    return data
+
+
+def _positive(path: Path, key: str, value: Any) -> float:
+    """A positive number; YAML reads `2.0e12` (no exponent sign) as text, so numeric text counts too."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise UserError(f"hardware file {path}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _peak_flops(path: Path, value: Any, dtype: str) -> float:
+    """`peak_flops` is one number, or one per dtype ({bf16: 312e12, fp32: 19.5e12})."""
+    if isinstance(value, Mapping):
+        if dtype not in value:
+            raise UserError(f"hardware file {path}: peak_flops names {', '.join(map(str, value))} but not {dtype}, "
+                            "the dtype planned for; add it")
+        return _positive(path, f"peak_flops.{dtype}", value[dtype])
+    return _positive(path, "peak_flops", value)
+
+
+def machine_from_mapping(data: Mapping[str, Any], path: Path, dtype: str = "bf16") -> MachineSpec:
+    unknown = sorted(set(data) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
+    if unknown:
+        raise UserError(f"hardware file {path}: unknown key(s) {', '.join(unknown)}; the keys are "
+                        f"{', '.join(REQUIRED_KEYS)} and optionally {', '.join(OPTIONAL_KEYS)}")
+    missing = [key for key in REQUIRED_KEYS if key not in data]
+    if missing:
+        raise UserError(f"hardware file {path} lacks {', '.join(missing)}")
+    value = {key: _positive(path, key, data[key]) for key in REQUIRED_KEYS if key != "peak_flops"}
+    value |= {key: _positive(path, key, data.get(key, default)) for key, default in FILE_DEFAULTS.items()}
+    for key in ("nodes", "gpus_per_node"):
+        if value[key] != int(value[key]):
+            raise UserError(f"hardware file {path}: {key} must be a whole number, got {data[key]!r}")
+    link = value["link_efficiency"]
+    return MachineSpec(
+        name=str(data.get("name", path.stem)), nodes=int(value["nodes"]), devices_per_node=int(value["gpus_per_node"]),
+        memory_gib=value["memory_gib"],
+        matmul_flops=_peak_flops(path, data["peak_flops"], dtype) * value["matmul_efficiency"],
+        memory_bandwidth=value["memory_bandwidth"] * value["memory_efficiency"],
+        intra_node_bandwidth=value["intra_node_bandwidth"] * link,
+        inter_node_bandwidth=value["inter_node_bandwidth"] * link,
+        collective_latency_s=value["collective_latency_s"], call_overhead_s=value["call_overhead_s"],
+        decode_step_overhead_s=value["decode_step_overhead_s"], baseline_memory_gib=value["baseline_memory_gib"],
+        usable_memory_fraction=min(1.0, value["usable_memory_fraction"]))
+
+
+def load_machine_file(path: str | Path, dtype: str = "bf16") -> MachineSpec:
+    """Read a hardware file (or a preset's name) into the rates the cost model uses, for `dtype`."""
+    resolved = resolve_machine_file(str(path))
+    return machine_from_mapping(_read(resolved), resolved, dtype)
+
+
+def with_nodes(machine: MachineSpec, nodes: int) -> MachineSpec:
+    """The same machine with another node count (a preset describes a node; a run may use several)."""
+    values = {f.name: getattr(machine, f.name) for f in fields(machine)}
+    return MachineSpec(**{**values, "nodes": nodes, "name": f"{machine.name} x{nodes}"})

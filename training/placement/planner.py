@@ -1,0 +1,162 @@
+"""Search placements x ZeRO stages x inference TP x micro-batch with the cost model; keep what fits, fastest first."""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Iterable, Iterator
+
+from utils.errors import UserError
+
+from .cost_model import StepEstimate, estimate_step, models_on
+from .machine import MachineSpec
+from .spec import PRESETS, Placement, build_placement
+from .workload import Step3Workload
+
+ROLLOUT_SHARES = (0.0, 0.25, 0.5, 0.75)
+# (reference, reward) shares of the ranks left beside the rollout: together, halves, quarter splits
+SCORING_SPLITS = ((1.0, 1.0), (0.5, 0.5), (0.25, 0.75), (0.75, 0.25))
+TRAINING_SPLITS = ((1.0, 1.0), (0.5, 0.5))  # (actor, critic): co-located, or FlexRLHF's Interleave2
+MICRO_BATCHES = 4  # the largest few power-of-two divisors of a chunk's rows (and the chunk itself)
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    """One candidate: where the models live, how they are sharded, and its predicted step."""
+
+    placement: Placement
+    base: str  # the --placement preset the shares apply to
+    shares: dict[str, float]
+    actor_zero_stage: int
+    critic_zero_stage: int
+    inference_tp: int
+    micro_batch: int
+    estimate: StepEstimate
+
+    @property
+    def flags(self) -> list[str]:
+        """The step-3 flags this plan stands for."""
+        ratio = ",".join(f"{role}={share:g}" for role, share in self.shares.items())
+        return ["--placement", self.base, "--placement_ratio", ratio,
+                "--actor_zero_stage", str(self.actor_zero_stage), "--critic_zero_stage", str(self.critic_zero_stage),
+                "--inference_tp_size", str(self.inference_tp), "--per_device_training_batch_size", str(self.micro_batch)]
+
+
+def candidate_shares(roles: Iterable[str]) -> Iterator[tuple[str, dict[str, float]]]:
+    """(preset, shares) of every layout tried: rollout 0-3/4, actor/critic together or halved, reference/reward
+    together, halved or quartered; shares of roles the run lacks are left out."""
+    present = set(roles)
+    for rollout in ROLLOUT_SHARES:
+        left = 1.0 - rollout
+        for actor, critic in TRAINING_SPLITS:
+            for reference, reward in SCORING_SPLITS:
+                shares = {"actor": actor * left, "critic": critic * left, "reference": reference * left,
+                          "reward": reward * left, "rollout": rollout}
+                base = "disaggregate" if rollout else "colocate"
+                yield base, {role: share for role, share in shares.items() if role in present or role == "rollout"}
+
+
+def _placements(world_size: int, roles: tuple[str, ...]) -> Iterator[tuple[str, dict[str, float], Placement]]:
+    seen: set[tuple] = set()
+    for base, shares in candidate_shares(roles):
+        try:
+            placement = build_placement(base, world_size, roles, shares)
+        except UserError:
+            continue  # a layout the rule refuses (fractional ranks, a share that leaves a model without one)
+        key = tuple(sorted(placement.ranks.items()))
+        if key not in seen:
+            seen.add(key)
+            yield base, shares, _named(placement, base, shares)
+
+
+def _named(placement: Placement, base: str, shares: dict[str, float]) -> Placement:
+    """The preset's own name when the shares are exactly a preset's."""
+    for name, preset in PRESETS.items():
+        if all(Fraction(preset[role]).limit_denominator(1000) == Fraction(share).limit_denominator(1000)
+               for role, share in shares.items()):
+            return replace(placement, name=name)
+    return replace(placement, name=f"{base}+ratio")
+
+
+def _micro_batches(rows: int) -> list[int]:
+    divisors = [d for d in range(1, rows + 1) if rows % d == 0 and (d & (d - 1) == 0 or d == rows)]
+    return sorted(divisors)[-MICRO_BATCHES:]
+
+
+def _tp_sizes(workload: Step3Workload, machine: MachineSpec, generation_ranks: int) -> list[int]:
+    if not workload.hybrid_engine:
+        return [1]
+    sizes, tp = [], 1
+    while tp <= machine.devices_per_node and generation_ranks % tp == 0:
+        sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
+           roles: Iterable[str] | None = None) -> list[RankedPlan]:
+    """Every candidate plan whose peak memory fits every rank, fastest predicted step first."""
+    roles = tuple(roles or workload.roles())
+    stages = (0, 1, 2, 3) if world_size > 1 else (0,)
+    critic_stages = stages if "critic" in roles else (workload.critic_zero_stage,)
+    plans = []
+    for base, shares, placement in _placements(world_size, roles):
+        for tp in _tp_sizes(workload, machine, len(placement.ranks[placement.generation_role])):
+            for micro in _micro_batches(workload.rows_per_chunk):
+                for actor_stage in stages:
+                    for critic_stage in critic_stages:
+                        planned = replace(workload, actor_zero_stage=actor_stage, critic_zero_stage=critic_stage,
+                                          inference_tp=tp, train_micro_batch=micro)
+                        estimate = estimate_step(planned, placement, machine)
+                        if estimate.peak_memory_gib <= machine.usable_memory_gib:
+                            plans.append(RankedPlan(placement, base, shares, actor_stage, critic_stage, tp, micro,
+                                                    estimate))
+    return sorted(plans, key=lambda plan: plan.estimate.step_s)
+
+
+def check_fits(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> None:
+    """Raise one `UserError` for the first rank whose models do not fit, before anything loads."""
+    estimate = estimate_step(workload, placement, machine)
+    for rank, needed in enumerate(estimate.per_rank_memory_gib):
+        if needed > machine.usable_memory_gib:
+            models = ", ".join(models_on(placement, rank))
+            raise UserError(
+                f"a model that cannot fit: rank {rank} holds the {models} and needs {needed:.1f} GiB, but "
+                f"{machine.name} has {machine.usable_memory_gib:.1f} GiB usable per rank ({machine.memory_gib:g} GiB); "
+                "raise the ZeRO stages (--actor_zero_stage/--critic_zero_stage 3), give the models more ranks "
+                "(--placement_ratio), lower --per_device_generation_batch_size, or use LoRA")
+
+
+def choose_placement(workload: Step3Workload, machine: MachineSpec, world_size: int,
+                     roles: Iterable[str] | None = None) -> RankedPlan:
+    """`--placement auto`: the fastest plan that fits; none fitting is the co-located ZeRO-3 plan's error."""
+    plans = search(workload, machine, world_size, roles)
+    if plans:
+        return plans[0]
+    frugal = replace(workload, actor_zero_stage=3, critic_zero_stage=3)
+    check_fits(frugal, build_placement("colocate", world_size, roles or workload.roles()), machine)
+    raise UserError(f"no placement of step 3's models fits {world_size} rank(s) of {machine.name}; use more ranks")
+
+
+def _phase_split(estimate: StepEstimate) -> str:
+    return " / ".join(f"{value:.2f}" for value in estimate.phases.values())
+
+
+def format_plans(plans: list[RankedPlan], top: int = 10) -> str:
+    """The best `top` plans as a table (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"step 3 placements, fastest first ({len(plans)} fit)")
+    for column in ("#", "placement", "layout", "ZeRO a/c", "TP", "micro", "step s",
+                   "gen / score / train / sync / exch s", "peak GiB"):
+        table.add_column(column, overflow="fold")
+    for index, plan in enumerate(plans[:top], start=1):
+        estimate = plan.estimate
+        table.add_row(str(index), plan.placement.name, plan.placement.describe(),
+                      f"{plan.actor_zero_stage}/{plan.critic_zero_stage}", str(plan.inference_tp),
+                      str(plan.micro_batch), f"{estimate.step_s:.2f}", _phase_split(estimate),
+                      f"{estimate.peak_memory_gib:.1f}")
+    buffer = io.StringIO()
+    Console(file=buffer, width=160, force_terminal=False, color_system=None).print(table)
+    return buffer.getvalue()

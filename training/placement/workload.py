@@ -1,0 +1,81 @@
+"""What one PPO step of step 3 processes, as the cost model sees it, and how step 3's settings give it.
+
+Only the settings' values are read (no model or engine is built), so the planner can run before anything loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from training.pipeline.hardware import ModelSize
+
+if TYPE_CHECKING:
+    from step3_rlhf.settings import Step3Settings
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Step3Workload:
+    """One PPO step's shapes and the trained models' settings. A *chunk* is one rank's prompt batch:
+    `prompts_per_rank` prompts x `samples_per_prompt` answers = `rows_per_chunk` rows."""
+
+    actor: ModelSize
+    critic: ModelSize | None
+    reward: ModelSize | None
+    prompts_per_rank: int
+    samples_per_prompt: int
+    prompt_len: int
+    answer_len: int
+    ppo_epochs: int = 1
+    train_micro_batch: int = 4
+    dtype: str = "bf16"
+    actor_zero_stage: int = 0
+    critic_zero_stage: int = 0
+    actor_lora: bool = False
+    hybrid_engine: bool = True
+    inference_tp: int = 1
+
+    @property
+    def rows_per_chunk(self) -> int:
+        return self.prompts_per_rank * self.samples_per_prompt
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.answer_len
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def roles(self) -> tuple[str, ...]:
+        """The models present: the actor and the reference always, the critic and reward model when given."""
+        return tuple(role for role, size in (("actor", self.actor), ("critic", self.critic),
+                                              ("reference", self.actor), ("reward", self.reward)) if size is not None)
+
+
+def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | None, reward: ModelSize | None,
+                   dtype: str | None = None) -> Step3Workload:
+    """Step 3's settings as a workload; `critic`/`reward` are the sizes of the models the run holds (None where
+    the algorithm trains no critic or a reward function alone scores). `dtype`: the dtype planned for (default:
+    `--dtype` resolved on this machine)."""
+    return Step3Workload(
+        actor=actor, critic=critic, reward=reward,
+        prompts_per_rank=args.loop.per_device_generation_batch_size * args.loop.generation_batches,
+        samples_per_prompt=args.ppo.n_samples_per_prompt or 1,
+        prompt_len=args.data.max_prompt_seq_len, answer_len=args.ppo.max_answer_seq_len,
+        ppo_epochs=args.loop.ppo_epochs, train_micro_batch=args.loop.per_device_training_batch_size,
+        dtype=dtype or args.run.dtype_name, actor_zero_stage=args.actor.zero_stage,
+        critic_zero_stage=args.critic.zero_stage, actor_lora=args.actor.lora_dim > 0,
+        hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size)
+
+
+def step3_model_paths(args: Step3Settings) -> dict[str, str | None]:
+    """The model each role loads from (None: absent): the critic starts from the step-2 model, or from the actor's
+    when a reward function alone scores; the reward model exists only with a step-2 model."""
+    from training.algorithms import get_advantage_estimator
+
+    actor = args.models.actor_model_name_or_path
+    scorer = args.models.critic_model_name_or_path
+    needs_critic = get_advantage_estimator(args.ppo.advantage_estimator).needs_critic
+    return {"actor": actor, "critic": (scorer or actor) if needs_critic else None, "reward": scorer}
