@@ -32,7 +32,9 @@ from step3_rlhf.ppo_trainer import (
     PPOTrainer,
     check_samples_per_prompt,
 )
-from step3_rlhf.run_loop import PLOT_FILE, PPORun, save_step3_models
+from step3_rlhf.placed import PlacedPPO, PlacedPPORun
+from step3_rlhf.placement_setup import resolve_placement
+from step3_rlhf.run_loop import PLOT_FILE, PPORun
 from step3_rlhf.rlhf_engine import build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
 from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
@@ -40,6 +42,7 @@ from training.core.args import SettingsParser, check_positive, flag_values
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.generation.hybrid_engine import build_generator
+from training.placement.groups import PlacementGroups
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.reliability.run_lock import RunLock
@@ -176,6 +179,7 @@ def _summary(run: PPORun, saved: Mapping[str, str | None], plot: Path | None, wa
         "rollout_kl_last": run.last_stats.get("reward/kl"),
         "evaluations": run.evaluations,
         "plot": str(plot) if plot is not None else None,
+        "placement": run.placement_description,
         "wall_time_s": round(wall_time_s, 1),
     }
 
@@ -185,6 +189,7 @@ def run_step3(args: Step3Settings) -> dict:
     setup_logging()
     check_args(args)
     init_distributed()
+    placement = resolve_placement(args)
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
         checkpoints = args.checkpoints.manager(args.run.output_dir)
@@ -201,18 +206,27 @@ def run_step3(args: Step3Settings) -> dict:
         # after every check, so a refused run never overwrites an earlier one's
         save_run_args(run_dir, flag_values(args))
         optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
-        engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps)
-        generator = build_generator(args.hybrid.backend, engine.actor, tokenizer, args.hybrid)
+        groups = PlacementGroups(placement) if placement is not None else None
+        engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps, groups)
+        generating = engine.shadow_actor if engine.shadow_actor is not None else engine.actor
+        generator = build_generator(args.hybrid.backend, generating, tokenizer, args.hybrid) \
+            if generating is not None else None
         reward_fn = load_reward_fn(args.rewards.reward_fn) if args.rewards.reward_fn is not None else None
         trainer = PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef)
         metrics = MetricsLogger(run_dir)
-        logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s",
-                    len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__)
-        run = PPORun(args, engine, trainer, prompts, eval_prompts, unsupervised, total_steps, checkpoints, metrics)
+        logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s%s",
+                    len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,
+                    f", placement {placement.describe()}" if placement is not None else "")
+        run_args = (args, engine, trainer, prompts, eval_prompts, unsupervised, total_steps, checkpoints, metrics)
+        if placement is None:
+            run = PPORun(*run_args)
+        else:
+            placed = PlacedPPO(trainer, placement, groups.rank, args.models.critic_model_name_or_path is not None)
+            run = PlacedPPORun(*run_args, placed=placed)
         try:
             with GracefulInterrupt() as interrupt:
                 run.fit(interrupt)
-            saved = save_step3_models(args, engine)
+            saved = run.save_models()
             plot = plot_reward_kl(read_metrics(run_dir), run_dir / PLOT_FILE) if is_main_process() else None
         finally:
             metrics.close()

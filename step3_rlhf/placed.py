@@ -209,6 +209,10 @@ class PlacedPPORun(PPORun):
         return self.record_evaluation(totals)
 
     @property
+    def placement_description(self) -> str:
+        return f"{self.args.placement.placement}: {self.placed.placement.describe()}"
+
+    @property
     def engines(self) -> dict[str, torch.nn.Module]:
         return {}
 

@@ -420,7 +420,7 @@ class PPOTrainer:
         with torch.no_grad():
             entropy = entropy_from_logits(logits.detach() / config.temperature, mask)
         del logits
-        check_finite("actor loss", policy.loss, step)
+        check_finite("actor loss", policy.loss, step, group=self._group("actor"))
         objective, extra_stats = policy.loss, {}
         if config.kl_in_loss:
             kl_term = kl_loss(logprobs, experience.ref_logprobs, mask, config.kl_estimator)
@@ -428,7 +428,7 @@ class PPOTrainer:
             extra_stats["kl_loss"] = kl_term.item()
         if unsupervised_batch is not None:
             lm_loss = self._language_model_loss(unsupervised_batch)
-            check_finite("unsupervised loss", lm_loss, step)
+            check_finite("unsupervised loss", lm_loss, step, group=self._group("actor"))
             objective = objective + config.unsup_coef * lm_loss
             extra_stats["unsup_loss"] = lm_loss.item()
         self._step_actor(objective)
@@ -441,10 +441,15 @@ class PPOTrainer:
         values = _answer_values(critic, experience.sequences, experience.attention_mask, experience.prompt_length)
         value = self.value_loss(values, experience.old_values, experience.returns, experience.action_mask,
                                 self.config)
-        check_finite("critic loss", value.loss, critic.global_steps + 1)
+        check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
         critic.backward(value.loss)
         critic.step()
         return {"critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
+
+    def _group(self, role: str):
+        """Where a model's checks are collective: its ranks under a placement, else every rank."""
+        groups = self.engine.groups
+        return groups.process_group(role) if groups is not None else None
 
     def _language_model_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The actor's next-token loss on pretraining text (the term that keeps its general language ability)."""

@@ -80,6 +80,10 @@ class PPORun:
         self.last_stats: dict[str, float] = {}
 
     @property
+    def placement_description(self) -> str:
+        return "colocate"
+
+    @property
     def engines(self) -> dict[str, torch.nn.Module]:
         """The trained engines a checkpoint holds (no critic without one)."""
         engines = {"actor": self.engine.actor, "critic": self.engine.critic}

@@ -87,12 +87,13 @@ def print_rank0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is true on at least one (collective: every rank must call it)."""
-    if not is_initialized() or get_world_size() == 1:
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank when `flag` is true on at least one (collective: every rank of `group`, default all,
+    must call it)."""
+    if not is_initialized() or torch_dist.get_world_size(group) == 1:
         return bool(flag)
     value = torch.tensor([1.0 if flag else 0.0], device=current_device())
-    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX, group=group)
     return bool(value.item() > 0)
 
 

@@ -6,7 +6,9 @@ The folder appears atomically: it is written under a temporary name and renamed 
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 from peft import PeftModel
@@ -68,6 +70,20 @@ def merge_lora_state_dict(peft_model: PeftModel, state: dict[str, torch.Tensor])
     return merged
 
 
+@contextlib.contextmanager
+def _writes_on_this_rank() -> Iterator[None]:
+    """transformers' `save_pretrained` writes weights only on torch.distributed rank 0, whatever it is told; a
+    model that a placement keeps on other ranks is written by its own first rank, so that rank answers 0."""
+    from transformers.distributed import mixin
+
+    original = mixin._get_torch_distributed_rank
+    mixin._get_torch_distributed_rank = lambda: 0
+    try:
+        yield
+    finally:
+        mixin._get_torch_distributed_rank = original
+
+
 def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLike, writer: bool | None = None,
                   synchronize: bool = True) -> None:
     """Save a (possibly ZeRO-3-partitioned, possibly LoRA) model as a loadable HF folder.
@@ -82,7 +98,7 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLi
         if isinstance(module, PeftModel):
             state = merge_lora_state_dict(module, state)
             module = module.get_base_model()
-        with atomic_directory(output_dir) as tmp:
+        with atomic_directory(output_dir) as tmp, _writes_on_this_rank():
             module.save_pretrained(tmp, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)

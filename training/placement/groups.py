@@ -120,6 +120,11 @@ class PlacementGroups:
     def unit(self, role: str) -> GroupUnit | None:
         return self.units.get(role)
 
+    def process_group(self, role: str) -> Any:
+        """The role's process group for collectives among its ranks (None: the whole world)."""
+        unit = self.units.get(role)
+        return unit.group if unit is not None else None
+
     def group_size(self, role: str) -> int:
         return len(self.placement.ranks[role])
 

@@ -37,13 +37,14 @@ def check_finite(
     value: float | torch.Tensor,
     step: int,
     checkpoint_manager: "CheckpointManager | None" = None,
+    group=None,
 ) -> None:
-    """Raise `NonFiniteError` on every rank if `value` is NaN/inf on any rank.
+    """Raise `NonFiniteError` on every rank (of `group`, default all) if `value` is NaN/inf on any of them.
 
-    Collective: every rank calls it at the same point. Do not save a checkpoint after it raised:
+    Collective: every rank of the group calls it at the same point. Do not save a checkpoint after it raised:
     the weights may already be damaged, and the last good checkpoint is the one to resume from.
     """
-    if not any_rank(not _is_finite(value)):
+    if not any_rank(not _is_finite(value), group):
         return
     shown = _describe(value) if not _is_finite(value) else "non-finite on another rank"
     latest = checkpoint_manager.latest() if checkpoint_manager is not None else None

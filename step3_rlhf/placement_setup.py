@@ -1,0 +1,91 @@
+"""Step 3's `--placement`: the layout of its models on the ranks, checked before anything loads."""
+from __future__ import annotations
+
+import logging
+import os
+
+from step3_rlhf.settings import Step3Settings
+from training.placement.spec import AUTO, Placement, build_placement, parse_placement_ratio
+from utils.dist import broadcast_from_main, get_world_size, is_main_process
+from utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def placement_roles(args: Step3Settings) -> list[str]:
+    """The models the run holds: actor and reference always, the critic and reward model when it has them."""
+    from training.placement.workload import step3_model_paths
+
+    paths = step3_model_paths(args)
+    return ["actor", *(["critic"] if paths["critic"] else []), "reference", *(["reward"] if paths["reward"] else [])]
+
+
+def check_placement_args(args: Step3Settings, placement: Placement) -> None:
+    """What a placement other than colocate does not run yet, refused with the flag to change."""
+    for role, stage in (("actor", args.actor.zero_stage), ("critic", args.critic.zero_stage)):
+        if placement.has(role) and len(placement.ranks[role]) < placement.world_size and stage == 3:
+            raise UserError(f"--{role}_zero_stage 3 with the {role} on {len(placement.ranks[role])} of "
+                            f"{placement.world_size} ranks: ZeRO-3 on part of the ranks is not supported; use "
+                            f"--{role}_zero_stage 0-2 or give the {role} every rank")
+    refused = {
+        "--inference_tp_size > 1": args.hybrid.inference_tp_size > 1,
+        "--unsupervised_dataset_name": bool(args.unsupervised.unsupervised_dataset_name),
+        "--enable_ema": args.ema.enable_ema,
+        "--save_interval": args.checkpoints.save_interval > 0,
+        "--resume": args.checkpoints.resume,
+        "--offload_reference_model/--offload_reward_model": args.frozen.offload_reference_model
+        or args.frozen.offload_reward_model,
+    }
+    for flag, given in refused.items():
+        if given:
+            raise UserError(f"{flag} is not supported with --placement {args.placement.placement} yet "
+                            f"({placement.describe()}); drop it or use --placement colocate")
+
+
+def resolve_placement(args: Step3Settings) -> Placement | None:
+    """The placement of the run's models (None: co-located, the default path). `auto` takes the planner's fastest
+    plan that fits (decided on rank 0, for every rank) and its ZeRO stages, inference TP and micro-batch."""
+    settings = args.placement
+    if settings.placement == "colocate" and settings.placement_ratio is None:
+        return None
+    world = get_world_size()
+    roles = placement_roles(args)
+    if settings.placement == AUTO:
+        choice = broadcast_from_main(_auto_choice(args, world, roles) if is_main_process() else None)
+        if isinstance(choice, str):
+            raise UserError(choice)
+        base, shares, actor_stage, critic_stage, tp, micro = choice
+        args.actor.zero_stage, args.critic.zero_stage = actor_stage, critic_stage
+        args.hybrid.inference_tp_size, args.loop.per_device_training_batch_size = tp, micro
+        placement = build_placement(base, world, roles, shares)
+        logger.info("--placement auto: %s (%s), actor ZeRO-%d, critic ZeRO-%d, inference TP %d, micro-batch %d",
+                    base, placement.describe(), actor_stage, critic_stage, tp, micro)
+    else:
+        ratio = parse_placement_ratio(settings.placement_ratio) if settings.placement_ratio else None
+        placement = build_placement(settings.placement, world, roles, ratio)
+    if placement.is_colocated:
+        return None
+    check_placement_args(args, placement)
+    return placement
+
+
+def _auto_choice(args: Step3Settings, world: int, roles: list[str]) -> tuple | str:
+    """Rank 0's plan as plain values, or the planner's error message (so every rank raises it)."""
+    from training.pipeline.hardware import model_size
+    from training.placement.auto import planning_machine
+    from training.placement.planner import choose_placement
+    from training.placement.workload import step3_model_paths, step3_workload
+
+    try:
+        paths = step3_model_paths(args)
+        sizes = {role: model_size(path) if path else None for role, path in paths.items()}
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        machine, source = planning_machine(args.placement.hardware_file, args.placement.calibrate,
+                                           args.run.dtype_name, world, cores)
+        logger.info("--placement auto: %s", source)
+        workload = step3_workload(args, sizes["actor"], sizes["critic"], sizes["reward"])
+        plan = choose_placement(workload, machine, world, roles)
+    except UserError as error:
+        return str(error)
+    return plan.base, dict(plan.shares), plan.actor_zero_stage, plan.critic_zero_stage, plan.inference_tp, \
+        plan.micro_batch
