@@ -271,8 +271,8 @@ def _sync_s(workload: Step3Workload, placement: Placement, machine: MachineSpec)
 
 def estimate_step(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> StepEstimate:
     """One PPO step: generation (each generation member's chunks one after another), scoring (per chunk: actor,
-    reference, reward, critic forwards on their owners; ranks in parallel; pipelined chunk by chunk behind
-    generation when generation has ranks of its own), the exchanges, training (actor and critic overlap when on
+    reference, reward, critic forwards on their owners; ranks in parallel; after the whole generation, as
+    `step3_rlhf.placed` runs it: no stage fusion), the exchanges, training (actor and critic overlap when on
     disjoint ranks), then the weight sync of a disaggregated placement."""
     role = placement.generation_role
     generation = generation_calls(workload, placement, machine)
@@ -280,11 +280,7 @@ def estimate_step(workload: Step3Workload, placement: Placement, machine: Machin
     pass_s = sum(call.seconds * (call.count // placement.chunks_per_member(role))
                  for call in generation if call.kind != "gather weights")
     generation_end = gather + pass_s * placement.chunks_per_member(role)
-    if placement.has("rollout"):
-        ready = [gather + pass_s * (placement.chunks(role, placement.owner(role, c)).index(c) + 1)
-                 for c in range(placement.world_size)]
-    else:
-        ready = [generation_end] * placement.world_size
+    ready = [generation_end] * placement.world_size  # the runtime scores once every chunk is generated
     scoring_end, scoring = _scoring_end(workload, placement, machine, ready)
     trained = {r: training_calls(workload, r, placement, machine) for r in ("actor", "critic") if placement.has(r)}
     times = [sum(call.total_s for call in calls) for calls in trained.values()]

@@ -105,6 +105,8 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
             for micro in _micro_batches(workload.rows_per_chunk):
                 for actor_stage in stages:
                     for critic_stage in critic_stages:
+                        if not runnable(placement, actor_stage, critic_stage, tp):
+                            continue
                         planned = replace(workload, actor_zero_stage=actor_stage, critic_zero_stage=critic_stage,
                                           inference_tp=tp, train_micro_batch=micro)
                         estimate = estimate_step(planned, placement, machine)
@@ -112,6 +114,15 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
                             plans.append(RankedPlan(placement, base, shares, actor_stage, critic_stage, tp, micro,
                                                     estimate))
     return sorted(plans, key=lambda plan: plan.estimate.step_s)
+
+
+def runnable(placement: Placement, actor_stage: int, critic_stage: int, tp: int) -> bool:
+    """What step 3 runs (`step3_rlhf.placement_setup.check_placement_args`): ZeRO-3 only for a model on every rank,
+    and inference tensor parallelism only co-located."""
+    for role, stage in (("actor", actor_stage), ("critic", critic_stage)):
+        if stage == 3 and placement.has(role) and len(placement.ranks[role]) < placement.world_size:
+            return False
+    return tp == 1 or placement.is_colocated
 
 
 def check_fits(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> None:

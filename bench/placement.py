@@ -1,0 +1,124 @@
+"""Step 3 under each placement on this machine's gloo ranks: measured step time and peak memory beside the
+planner's prediction from this machine's calibrated constants, and which placement the planner puts first.
+
+    python bench/placement.py                       # the quick run's step-1/2 models in runs/default
+    python bench/placement.py --ranks 2 --steps 4 --output bench/results/placement_cpu.json
+
+Each placement runs `step3_rlhf/main.py` under `torch.distributed.run` (same seed, same settings); the measured
+step time is the median of `time/step_s` after the first step, the peak memory the largest rank's peak RSS.
+The published setups' predictions are `bench/placement_published.py`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import REPO_ROOT, print_table, write_report  # noqa: E402
+
+PLACEMENTS = ("colocate", "interleave", "disaggregate", "interleave:actor=0.5,critic=0.5")
+GB_PER_GIB = 1024**3 / 1e9
+
+
+def step3_argv(args: argparse.Namespace, placement: str, output_dir: Path) -> list[str]:
+    name, _, ratio = placement.partition(":")
+    return ["--actor_model_name_or_path", args.actor, "--critic_model_name_or_path", args.critic,
+            "--output_dir", str(output_dir), "--dtype", args.dtype, "--max_steps", str(args.steps),
+            "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
+            "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
+            "--eval_samples", "1", "--enable_hybrid_engine", "--data_path", "embedded",
+            "--placement", name, *(["--placement_ratio", ratio] if ratio else [])]
+
+
+def measure(args: argparse.Namespace, placement: str) -> dict:
+    output_dir = Path(args.work_dir) / placement.replace(":", "_").replace(",", "_").replace("=", "")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
+               "step3_rlhf/main.py", *step3_argv(args, placement, output_dir)]
+    print("$", " ".join(command[2:]), flush=True)
+    subprocess.run(command, check=True, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "time/step_s" in row]
+    timed = steps[1:] or steps
+    return {"measured_step_s": statistics.median(row["time/step_s"] for row in timed),
+            "measured_peak_gb": max(row["memory/peak_rss_gb"] for row in steps),
+            "measured_phases_s": {phase: statistics.median(row[f"time/{phase}_s"] for row in timed)
+                                  for phase in ("generation", "scoring", "training")}}
+
+
+def predictions(args: argparse.Namespace) -> tuple[dict, list[str], str]:
+    """The calibrated cost model's step time and peak memory per placement, and the planner's ranking of them."""
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.placement_setup import placement_roles
+    from training.pipeline.hardware import model_size
+    from training.placement.calibration import load_or_calibrate
+    from training.placement.cost_model import estimate_step
+    from training.placement.spec import build_placement, parse_placement_ratio
+    from training.placement.workload import step3_model_paths, step3_workload
+
+    settings = parse_args(step3_argv(args, "colocate", Path(args.work_dir) / "plan"))
+    threads = max(1, (os.cpu_count() or 1) // args.ranks)
+    machine = load_or_calibrate(settings.run.dtype_name, threads, args.ranks, recalibrate=args.calibrate)
+    paths = step3_model_paths(settings)
+    sizes = {role: model_size(path) if path else None for role, path in paths.items()}
+    workload = step3_workload(settings, sizes["actor"], sizes["critic"], sizes["reward"])
+    roles = placement_roles(settings)
+    predicted = {}
+    for placement in PLACEMENTS:
+        name, _, ratio = placement.partition(":")
+        layout = build_placement(name, args.ranks, roles, parse_placement_ratio(ratio) if ratio else None)
+        estimate = estimate_step(workload, layout, machine)
+        predicted[placement] = {"predicted_step_s": estimate.step_s,
+                                "predicted_peak_gb": estimate.peak_memory_gib * GB_PER_GIB,
+                                "predicted_phases_s": {"generation": estimate.generation_s,
+                                                       "scoring": estimate.scoring_s,
+                                                       "training": estimate.training_s}}
+    ranking = sorted(PLACEMENTS, key=lambda placement: predicted[placement]["predicted_step_s"])
+    return predicted, ranking, machine.name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--actor", default="runs/default/step1", help="the step-1 run folder (the actor)")
+    parser.add_argument("--critic", default="runs/default/step2", help="the step-2 run folder (reward and critic)")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="PPO steps per placement (the first is not timed)")
+    parser.add_argument("--batch", type=int, default=2, help="prompts per rank per step")
+    parser.add_argument("--prompt_len", type=int, default=128)
+    parser.add_argument("--answer_len", type=int, default=32)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--calibrate", action="store_true", help="measure this machine's constants again")
+    parser.add_argument("--work_dir", default="runs/bench_placement")
+    parser.add_argument("--output", default="bench/results/placement_cpu.json")
+    args = parser.parse_args()
+    for folder in (args.actor, args.critic):
+        if not Path(folder).is_dir():
+            raise SystemExit(f"{folder} is missing: run `python train.py` first (its step-1/2 models are benched)")
+    started = time.time()
+    predicted, ranking, machine = predictions(args)
+    rows = []
+    for placement in PLACEMENTS:
+        row = {"placement": placement, "ranks": args.ranks, **measure(args, placement), **predicted[placement]}
+        row["step_error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
+        row["peak_error"] = row["predicted_peak_gb"] / row["measured_peak_gb"] - 1
+        rows.append(row)
+    fastest = min(rows, key=lambda row: row["measured_step_s"])["placement"]
+    print_table(rows, ("placement", "ranks", "measured_step_s", "predicted_step_s", "step_error", "measured_peak_gb",
+                       "predicted_peak_gb", "peak_error"))
+    print(f"planner's first choice: {ranking[0]}; measured fastest: {fastest}")
+    write_report("placement", args, rows, started, measured=rows, machine_constants=machine,
+                 planner_ranking=ranking, planner_first_choice=ranking[0], measured_fastest=fastest,
+                 first_choice_is_fastest=ranking[0] == fastest,
+                 all_predictions_within_25_percent=all(abs(row["step_error"]) <= 0.25
+                                                       and abs(row["peak_error"]) <= 0.25 for row in rows))
+
+
+if __name__ == "__main__":
+    main()
