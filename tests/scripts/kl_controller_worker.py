@@ -37,7 +37,7 @@ class ScriptedRollouts(PPOTrainer):
 
     def __init__(self, rollouts: list[list[float]]):
         engine = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0, pad_token_id=0), actor_ema=None,
-                                 critic=SimpleNamespace(),  # a stand-in critic: the default estimator (GAE) needs one
+                                 critic=SimpleNamespace(), has_critic=True,  # a stand-in critic: the default estimator (GAE) needs one
                                  reward=SimpleNamespace())  # and something to score answers
         super().__init__(engine, generator=None, config=CONFIG)
         self.rollouts = iter(rollouts)
