@@ -24,11 +24,10 @@ from typing import Any, Mapping
 import torch
 
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats
-from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, PPORun, held_out_stats
+from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, PPORun, held_out_stats, held_out_totals
 from training.core.save import save_hf_model
 from training.placement.exchange import ChunkRandomStreams, broadcast_trainable_weights, gather_chunks, moved
 from training.placement.spec import Placement
-from training.reliability.guards import check_finite
 from training.reliability.signals import GracefulInterrupt
 from utils.dist import all_gather_objects, barrier, current_device, get_world_size
 from utils.errors import UserError
@@ -81,22 +80,21 @@ class PlacedPPO:
         for chunk in placement.chunks(placement.generation_role, self.rank):
             with self.streams.use(chunk):
                 rollouts[chunk] = trainer.generate_rollout(prompts[chunk], do_sample)
-        rollouts = gather_chunks(rollouts)
+        device = current_device()
+        rollouts = moved(gather_chunks(rollouts), device)
         generated = time.perf_counter()
         parts = {}
-        device = current_device()
         for chunk, rollout in rollouts.items():
             calls = [call for call, role in self.owners.items() if placement.owner(role, chunk) == self.rank]
             if calls:
-                parts[chunk] = trainer.score_rollout(moved(rollout, device), calls, with_exact_kl)
-        parts = gather_chunks(parts)
+                parts[chunk] = trainer.score_rollout(rollout, calls, with_exact_kl)
+        parts = moved(gather_chunks(parts), device)
         experiences = {}
         for chunk, rollout in rollouts.items():
-            chunk_parts = moved(parts[chunk], device)
-            rollout = moved(rollout, device)
+            chunk_parts = parts[chunk]
             if with_exact_kl and "exact_kl" not in chunk_parts:
                 chunk_parts["exact_kl"] = trainer.exact_kl_of(chunk_parts.pop("actor_logits"),
-                                                              chunk_parts.pop("ref_logits"), rollout)
+                                                              chunk_parts.pop("reference_logits"), rollout)
             experiences[chunk] = trainer.assemble_experience(rollout, chunk_parts)
         self.last_timing = {"generation_s": generated - started, "scoring_s": time.perf_counter() - generated,
                             "generated_tokens": float(sum(r.action_mask.sum().item() for r in rollouts.values()))}
@@ -167,46 +165,43 @@ class PlacedPPORun(PPORun):
         super().__init__(*args, **kwargs)
         self.placed = placed
 
-    def _ppo_step(self) -> dict[str, float]:
-        args = self.args
-        timing = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0.0}
-        batches, rollout = [], {}
-        for _ in range(args.loop.generation_batches):
-            experiences = self.placed.generate_experience(self.prompts.next())
-            batches.append(experiences)
-            for key, value in self.placed.last_timing.items():
-                timing[key] += value
-            for key, value in chunk_stats(experiences).items():
-                rollout[key] = rollout.get(key, 0.0) + value / args.loop.generation_batches
-        check_finite("reward", torch.cat([e.scores for batch in batches for e in batch.values()]), self.step + 1)
-        started = time.perf_counter()
-        updates = self.placed.train(batches, args.loop.ppo_epochs, args.loop.per_device_training_batch_size)
-        training_s = time.perf_counter() - started
-        rates = _learning_rates(self.engine)
-        return {**rollout, **{f"train/{key}": value for key, value in updates.items()},
-                "reward/kl_coef": self.trainer.kl_controller.value,
-                "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
-                "time/training_s": training_s,
-                "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
-                **rates}
+    def rollout_batch(self, prompt_batch: dict) -> tuple[dict[int, Experience], dict[str, float], dict[str, float]]:
+        experiences = self.placed.generate_experience(prompt_batch)
+        return experiences, self.placed.last_timing, chunk_stats(experiences)
+
+    def scores(self, batches: list[dict[int, Experience]]) -> torch.Tensor:
+        return torch.cat([experience.scores for batch in batches for experience in batch.values()])
+
+    def train_on(self, batches: list[dict[int, Experience]]) -> dict[str, float]:
+        return self.placed.train(batches, self.args.loop.ppo_epochs, self.args.loop.per_device_training_batch_size)
+
+    def learning_rates(self) -> dict[str, float]:
+        """The actor's (and critic's) learning rate, from whichever rank holds them (collective)."""
+        local = {}
+        if self.engine.actor is not None:
+            local["train/actor_lr"] = self.engine.actor.get_lr()[0]
+        if self.engine.critic is not None:
+            local["train/critic_lr"] = self.engine.critic.get_lr()[0]
+        rates: dict[str, float] = {}
+        for values in all_gather_objects(local):
+            rates.update(values)
+        return rates
+
+    def over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
+        """Already the run's: every rank holds every chunk's statistics."""
+        return stats
 
     def evaluate(self) -> dict:
         if self.eval_prompts is None:
             return {}
         per_rank = -(-len(self.eval_prompts.dataset) // get_world_size())
-        num_prompts = min(self.args.loop.eval_samples, per_rank)
-        self.eval_prompts.load_state_dict({"epoch": 0, "batches_done": 0})
-        totals: dict[str, float] = {}
-        remaining = num_prompts
-        while remaining > 0:
-            batch = {key: value[:remaining] for key, value in self.eval_prompts.next().items()}
-            rows = batch["input_ids"].shape[0]
+
+        def batch_stats(batch: dict) -> dict[str, float]:
             experiences = self.placed.experiences(batch, do_sample=False, with_exact_kl=True)
-            per_chunk = _mean_stats({chunk: held_out_stats(e) for chunk, e in experiences.items()})
-            for key, value in per_chunk.items():
-                totals[key] = totals.get(key, 0.0) + value * rows / num_prompts
-            remaining -= rows
-        return self.record_evaluation(totals)
+            return _mean_stats({chunk: held_out_stats(experience) for chunk, experience in experiences.items()})
+
+        return self.record_evaluation(held_out_totals(self.eval_prompts, min(self.args.loop.eval_samples, per_rank),
+                                                      batch_stats))
 
     @property
     def placement_description(self) -> str:
@@ -236,15 +231,3 @@ class PlacedPPORun(PPORun):
         barrier()
         return saved
 
-
-def _learning_rates(engine) -> dict[str, float]:
-    """The actor's (and critic's) learning rate, from whichever rank holds them (collective)."""
-    local = {}
-    if engine.actor is not None:
-        local["train/actor_lr"] = engine.actor.get_lr()[0]
-    if engine.critic is not None:
-        local["train/critic_lr"] = engine.critic.get_lr()[0]
-    rates: dict[str, float] = {}
-    for values in all_gather_objects(local):
-        rates.update(values)
-    return rates

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 from step3_rlhf.settings import Step3Settings
 from training.placement.spec import AUTO, Placement, build_placement, parse_placement_ratio
@@ -71,7 +70,7 @@ def resolve_placement(args: Step3Settings) -> Placement | None:
 
 def _auto_choice(args: Step3Settings, world: int, roles: list[str]) -> tuple | str:
     """Rank 0's plan as plain values, or the planner's error message (so every rank raises it)."""
-    from training.pipeline.hardware import model_size
+    from training.pipeline.hardware import cpu_cores, model_size
     from training.placement.auto import planning_machine
     from training.placement.planner import choose_placement
     from training.placement.workload import step3_model_paths, step3_workload
@@ -79,9 +78,8 @@ def _auto_choice(args: Step3Settings, world: int, roles: list[str]) -> tuple | s
     try:
         paths = step3_model_paths(args)
         sizes = {role: model_size(path) if path else None for role, path in paths.items()}
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         machine, source = planning_machine(args.placement.hardware_file, args.placement.calibrate,
-                                           args.run.dtype_name, world, cores)
+                                           args.run.dtype_name, world, cpu_cores())
         logger.info("--placement auto: %s", source)
         workload = step3_workload(args, sizes["actor"], sizes["critic"], sizes["reward"])
         plan = choose_placement(workload, machine, world, roles)

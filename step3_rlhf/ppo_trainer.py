@@ -316,7 +316,8 @@ class PPOTrainer:
     def score_rollout(self, rollout: Rollout, roles: Sequence[str], with_exact_kl: bool = False) -> dict[str, Any]:
         """The scoring calls of `roles` on one rollout: `actor` (old log-probs), `reference` (its log-probs),
         `critic` (values), `reward` (scores, and ReMax's baseline scores). With `with_exact_kl` (evaluation), the
-        exact KL when both the actor and the reference are in `roles`, otherwise their logits (to be combined
+        exact KL when both the actor and the reference are in `roles`, otherwise their logits (`actor_logits`,
+        `reference_logits`; to be combined
         where both arrive, `exact_kl_of`)."""
         engine, config = self.engine, self.config
         sequences, attention_mask, prompt_length = rollout.sequences, rollout.attention_mask, rollout.prompt_length
@@ -325,20 +326,15 @@ class PPOTrainer:
         actor_module = engine.actor.module if engine.actor is not None else None
         critic_module = engine.critic.module if engine.critic is not None else None
         with eval_mode(actor_module), eval_mode(critic_module):
-            if "actor" in roles:
-                logits = answer_logits(engine.actor, sequences, attention_mask, prompt_length)
-                parts["old_logprobs"] = token_logprobs(logits, answers, config.temperature)
-                if with_exact_kl:
-                    parts["actor_logits"] = logits
-                del logits
-            if "reference" in roles:
-                ref_logits = answer_logits(engine.reference, sequences, attention_mask, prompt_length)
-                parts["ref_logprobs"] = token_logprobs(ref_logits, answers, config.temperature)
-                if with_exact_kl:
-                    parts["ref_logits"] = ref_logits
-                del ref_logits
-            if with_exact_kl and "actor_logits" in parts and "ref_logits" in parts:
-                parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("ref_logits"), rollout)
+            for role, model, name in (("actor", engine.actor, "old"), ("reference", engine.reference, "ref")):
+                if role in roles:
+                    logits = answer_logits(model, sequences, attention_mask, prompt_length)
+                    parts[f"{name}_logprobs"] = token_logprobs(logits, answers, config.temperature)
+                    if with_exact_kl:
+                        parts[f"{role}_logits"] = logits
+                    del logits
+            if with_exact_kl and "actor_logits" in parts and "reference_logits" in parts:
+                parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("reference_logits"), rollout)
             if "critic" in roles:
                 parts["old_values"] = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
             if "reward" in roles:

@@ -6,7 +6,7 @@ import logging
 import resource
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -44,20 +44,39 @@ def first_rows(batch: Mapping, count: int) -> dict:
     return {key: value[:count] for key, value in batch.items()}
 
 
-@torch.no_grad()
-def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dict[str, float]:
-    """Greedy answers to this rank's first `num_prompts` held-out prompts (whatever the batch size, so runs
-    with other batch sizes score the same prompts), scored: `held_out_stats` averaged over the prompts."""
+def held_out_totals(prompts: BatchStream, num_prompts: int,
+                    batch_stats: Callable[[dict], dict[str, float]]) -> dict[str, float]:
+    """`batch_stats` of this rank's first `num_prompts` held-out prompts (whatever the batch size, so runs with
+    other batch sizes score the same prompts), averaged over the prompts."""
     prompts.load_state_dict({"epoch": 0, "batches_done": 0})
     totals: dict[str, float] = {}
     remaining = num_prompts
     while remaining > 0:
         batch = first_rows(prompts.next(), remaining)
         rows = batch["input_ids"].shape[0]
-        for key, value in held_out_stats(trainer.evaluate_prompts(batch)).items():
+        for key, value in batch_stats(batch).items():
             totals[key] = totals.get(key, 0.0) + value * rows / num_prompts
         remaining -= rows
-    return mean_over_ranks(totals)
+    return totals
+
+
+@torch.no_grad()
+def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dict[str, float]:
+    """Greedy answers to the first `num_prompts` held-out prompts of every rank, scored: `held_out_stats`
+    averaged over the prompts."""
+    return mean_over_ranks(held_out_totals(prompts, num_prompts,
+                                           lambda batch: held_out_stats(trainer.evaluate_prompts(batch))))
+
+
+def ppo_step_stats(rollout: Mapping[str, float], updates: Mapping[str, float], timing: Mapping[str, float],
+                   training_s: float, kl_coef: float, learning_rates: Mapping[str, float]) -> dict[str, float]:
+    """One PPO step's logged statistics: rollout means, update means, KL coefficient, phase times, rates."""
+    return {**rollout, **{f"train/{key}": value for key, value in updates.items()},
+            "reward/kl_coef": kl_coef,
+            "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
+            "time/training_s": training_s,
+            "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
+            **learning_rates}
 
 
 class PPORun:
@@ -139,36 +158,53 @@ class PPORun:
 
     def _ppo_step(self) -> dict[str, float]:
         """Collect `generation_batches` rollouts, then train on them for `ppo_epochs`."""
-        args, trainer = self.args, self.trainer
+        args = self.args
         timing = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0.0}
-        experiences, rollout = [], {}
+        batches, rollout = [], {}
         for _ in range(args.loop.generation_batches):
-            experience = trainer.generate_experience(self.prompts.next())
-            experiences.append(experience)
-            for key, value in trainer.last_timing.items():
+            batch, batch_timing, stats = self.rollout_batch(self.prompts.next())
+            batches.append(batch)
+            for key, value in batch_timing.items():
                 timing[key] += value
-            for key, value in experience_stats(experience).items():
+            for key, value in stats.items():
                 rollout[key] = rollout.get(key, 0.0) + value / args.loop.generation_batches
-        check_finite("reward", torch.cat([e.scores for e in experiences]), self.step + 1, self.checkpoints)
+        check_finite("reward", self.scores(batches), self.step + 1, self.checkpoints)
         started = time.perf_counter()
+        updates = self.train_on(batches)
+        training_s = time.perf_counter() - started
+        return self.over_ranks(ppo_step_stats(rollout, updates, timing, training_s,
+                                              self.trainer.kl_controller.value, self.learning_rates()))
+
+    def rollout_batch(self, prompt_batch: dict) -> tuple[Experience, dict[str, float], dict[str, float]]:
+        """One prompt batch's experience, the rollout's phase times and its statistics."""
+        experience = self.trainer.generate_experience(prompt_batch)
+        return experience, self.trainer.last_timing, experience_stats(experience)
+
+    def scores(self, batches: list[Experience]) -> torch.Tensor:
+        return torch.cat([experience.scores for experience in batches])
+
+    def train_on(self, batches: list[Experience]) -> dict[str, float]:
+        """`ppo_epochs` passes of micro-batch updates (with the pretraining mixture); the mean statistics."""
+        args, trainer = self.args, self.trainer
         updates: dict[str, float] = {}
         count = 0
         for _ in range(args.loop.ppo_epochs):
-            for experience in experiences:
+            for experience in batches:
                 for part in experience.split(args.loop.per_device_training_batch_size):
                     pretraining = self.unsupervised.next() if self.unsupervised is not None else None
                     for key, value in trainer.train_rlhf(part, pretraining).items():
                         updates[key] = updates.get(key, 0.0) + value
                     count += 1
-        training_s = time.perf_counter() - started
-        stats = {**rollout, **{f"train/{key}": value / count for key, value in updates.items()},
-                 "reward/kl_coef": trainer.kl_controller.value,
-                 "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
-                 "time/training_s": training_s,
-                 "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
-                 "train/actor_lr": self.engine.actor.get_lr()[0]}
+        return {key: value / count for key, value in updates.items()}
+
+    def learning_rates(self) -> dict[str, float]:
+        rates = {"train/actor_lr": self.engine.actor.get_lr()[0]}
         if self.engine.critic is not None:
-            stats["train/critic_lr"] = self.engine.critic.get_lr()[0]
+            rates["train/critic_lr"] = self.engine.critic.get_lr()[0]
+        return rates
+
+    def over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
+        """This rank's statistics made the run's: the mean over ranks of their own batches."""
         return mean_over_ranks(stats)
 
     def _out_of_time(self, started: float) -> bool:
