@@ -16,6 +16,7 @@ tokens, the EOS included (the EOS is an action the policy is rewarded or penalis
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping, Sequence
@@ -42,7 +43,8 @@ from training.algorithms import (
     kl_loss,
     masked_mean,
 )
-from training.core.sequences import answer_logits, token_logprobs
+from training.core.answer_window import AnswerWindow
+from training.core.sequences import token_logprobs
 from training.generation.generator import (
     GenerationConfig,
     GenerationOutput,
@@ -50,11 +52,13 @@ from training.generation.generator import (
     eval_mode,
     repeat_per_prompt,
 )
+from training.loops.metrics import PhaseClock
 from training.reliability.guards import check_finite
 from utils.dist import current_device, sum_over_ranks
 from training.rewards import RewardFunction
 from utils.errors import UserError
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class PPOConfig:
@@ -98,6 +102,9 @@ class PPOConfig:
     policy_loss: str = field(default="ppo", metadata={"help": "actor loss (training.algorithms registry)"})
     value_loss: str = field(default="clipped", metadata={
         "help": "critic loss (training.algorithms registry); unused without a critic"})
+    recompute_old_logprobs: bool = field(default=False, metadata={
+        "help": "always take the old log-probs from a forward of the actor after generation, even when the "
+                "generator's own log-probs are at parity with the training forward (fp32) and are reused"})
 
     # the settings that default to None on the command line, filled from `--algorithm`'s `RLAlgorithm`
     ALGORITHM_DEFAULTS: ClassVar[tuple[str, ...]] = (
@@ -177,6 +184,7 @@ class Rollout(Answers):
     generation_s: float
     greedy: Answers | None = None  # ReMax: one greedy answer per prompt, its baseline
     prompt_metadata: list | None = None  # one entry per prompt
+    logprobs: torch.Tensor | None = None  # [B, N] the generator's, when at parity with the training forward
 
 
 def update_kl_controller(controller: AdaptiveKLController | FixedKLController, kl: torch.Tensor) -> None:
@@ -195,11 +203,16 @@ def check_samples_per_prompt(estimator: AdvantageEstimator, samples_per_prompt: 
         )
 
 
-def _answer_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                   prompt_length: int) -> torch.Tensor:
-    """The critic's value of the state before each answer token: [B, N] (read at the preceding position)."""
-    values = critic(input_ids=sequences, attention_mask=attention_mask)["values"]
-    return values[:, prompt_length - 1:-1].float()
+def _answer_values(critic: torch.nn.Module, window: AnswerWindow) -> torch.Tensor:
+    """The critic's value of the state before each answer token: [B, N] fp32."""
+    return window.to_answers(window.values(critic))
+
+
+def _answer_logprobs(module: torch.nn.Module, window: AnswerWindow,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs of the answer tokens [B, N] (fp32) and the window's logits [B, W, V] they come from."""
+    logits = window.logits(module)
+    return window.to_answers(token_logprobs(logits, window.answer_tokens(), temperature)), logits
 
 
 class PPOTrainer:
@@ -207,7 +220,16 @@ class PPOTrainer:
     estimator needs one) of an `RLHFEngine`, for every `--algorithm`: the estimator and the losses are
     looked up by name in `training.algorithms`.
 
-    Answers are scored by the engine's reward model, the `reward_fn`, or both (`RewardScorer`)."""
+    Answers are scored by the engine's reward model, the `reward_fn`, or both (`RewardScorer`).
+
+    Every scoring and training forward runs on the rows flush right (`AnswerWindow`): no column only padding
+    fills, the LM head only where answer tokens are predicted. The old log-probs are the generator's own when
+    they are at parity with the training forward (`Generator.logprobs_match_training`: fp32), and a forward of
+    the actor otherwise. `clock` holds the seconds of each phase (generation, each scoring call, each update)."""
+
+    # the phases `clock` times: generation, each model's scoring forward, each model's update
+    PHASES: ClassVar[tuple[str, ...]] = ("generation", "score_actor", "score_reference", "score_critic",
+                                         "score_reward", "train_actor", "train_critic")
 
     def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig,
                  reward_fn: RewardFunction | None = None, reward_fn_coef: float = 1.0):
@@ -234,6 +256,16 @@ class PPOTrainer:
             AdaptiveKLController(config.kl_ctl, config.target_kl, config.kl_horizon)
             if config.target_kl is not None else FixedKLController(config.kl_ctl)
         )
+        self.clock = PhaseClock()
+        # a generator that does not say its log-probs are at parity gets them recomputed
+        self.reuse_rollout_logprobs = (generator is not None and not config.recompute_old_logprobs
+                                       and getattr(generator, "logprobs_match_training", False))
+        if generator is not None:
+            logger.info("old log-probs: %s", "the generator's own (at parity with the training forward in fp32)"
+                        if self.reuse_rollout_logprobs else
+                        "recomputed by a forward of the actor" + (" (--recompute_old_logprobs)"
+                                                                   if config.recompute_old_logprobs else
+                                                                   " (the generator's are not at fp32 parity)"))
 
     def generation_config(self, do_sample: bool = True, num_return_sequences: int = 1) -> GenerationConfig:
         return GenerationConfig(
@@ -288,10 +320,11 @@ class PPOTrainer:
         prompt_mask = prompt_batch["attention_mask"].to(device)
         samples = config.n_samples_per_prompt if do_sample else 1
         started = time.perf_counter()
-        output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples))
-        greedy = None
-        if do_sample and self.advantage_estimator.needs_greedy_baseline:
-            greedy = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample=False))
+        with self.clock.phase("generation"):
+            output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples))
+            greedy = None
+            if do_sample and self.advantage_estimator.needs_greedy_baseline:
+                greedy = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample=False))
         generation_s = time.perf_counter() - started
         group_index = prompt_batch.get("group_index")
         if samples > 1:
@@ -304,7 +337,8 @@ class PPOTrainer:
                        group_index.to(device) if group_index is not None else None, row_metadata, samples,
                        do_sample, generation_s,
                        Answers.of(greedy, device) if greedy is not None else None,
-                       list(metadata) if metadata is not None else None)
+                       list(metadata) if metadata is not None else None,
+                       output.logprobs.clone().to(device) if do_sample and self.reuse_rollout_logprobs else None)
 
     @property
     def engine_device(self) -> torch.device:
@@ -317,30 +351,36 @@ class PPOTrainer:
         """The scoring calls of `roles` on one rollout: `actor` (old log-probs), `reference` (its log-probs),
         `critic` (values), `reward` (scores, and ReMax's baseline scores). With `with_exact_kl` (evaluation), the
         exact KL when both the actor and the reference are in `roles`, otherwise their logits (`actor_logits`,
-        `reference_logits`; to be combined
-        where both arrive, `exact_kl_of`)."""
-        engine, config = self.engine, self.config
+        `reference_logits`, in `AnswerWindow` columns; to be combined where both arrive, `exact_kl_of`).
+        A rollout that carries the generator's log-probs needs no actor forward for its old log-probs."""
+        engine, config, clock = self.engine, self.config, self.clock
         sequences, attention_mask, prompt_length = rollout.sequences, rollout.attention_mask, rollout.prompt_length
-        answers = sequences[:, prompt_length:]
+        window = AnswerWindow.of(sequences, attention_mask, prompt_length)
         parts: dict[str, Any] = {}
         actor_module = engine.actor.module if engine.actor is not None else None
         critic_module = engine.critic.module if engine.critic is not None else None
         with eval_mode(actor_module), eval_mode(critic_module):
             for role, model, name in (("actor", engine.actor, "old"), ("reference", engine.reference, "ref")):
-                if role in roles:
-                    logits = answer_logits(model, sequences, attention_mask, prompt_length)
-                    parts[f"{name}_logprobs"] = token_logprobs(logits, answers, config.temperature)
-                    if with_exact_kl:
-                        parts[f"{role}_logits"] = logits
-                    del logits
+                if role not in roles:
+                    continue
+                if role == "actor" and rollout.logprobs is not None and not with_exact_kl:
+                    parts["old_logprobs"] = rollout.logprobs
+                    continue
+                with clock.phase(f"score_{role}"):
+                    parts[f"{name}_logprobs"], logits = _answer_logprobs(model, window, config.temperature)
+                if with_exact_kl:
+                    parts[f"{role}_logits"] = logits
+                del logits
             if with_exact_kl and "actor_logits" in parts and "reference_logits" in parts:
                 parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("reference_logits"), rollout)
             if "critic" in roles:
-                parts["old_values"] = _answer_values(engine.critic, sequences, attention_mask, prompt_length)
+                with clock.phase("score_critic"):
+                    parts["old_values"] = _answer_values(engine.critic, window)
             if "reward" in roles:
                 ended_with_eos = rollout.ended_with_eos(self.eos_token_id)
-                parts["scores"] = self._score(sequences, attention_mask, prompt_length, rollout.row_metadata,
-                                              ended_with_eos)
+                with clock.phase("score_reward"):
+                    parts["scores"] = self._score(sequences, attention_mask, prompt_length, rollout.row_metadata,
+                                                  ended_with_eos)
                 if rollout.greedy is not None:
                     greedy = rollout.greedy
                     scores = self._score(greedy.sequences, greedy.attention_mask, greedy.prompt_length,
@@ -350,7 +390,9 @@ class PPOTrainer:
         return parts
 
     def exact_kl_of(self, actor_logits: torch.Tensor, ref_logits: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        return kl_from_logits(actor_logits, ref_logits, rollout.action_mask, self.config.temperature)
+        """The exact KL per answer from both models' window logits (`score_rollout`)."""
+        window = AnswerWindow.of(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+        return kl_from_logits(actor_logits, ref_logits, window.answer_mask(), self.config.temperature)
 
     def assemble_experience(self, rollout: Rollout, parts: Mapping[str, Any]) -> Experience:
         """Rewards, KL, advantages and returns from one rollout's scoring outputs (no model call)."""
@@ -404,17 +446,20 @@ class PPOTrainer:
         step: separate steps would let Adam normalise the coefficient away. Both forward graphs are alive
         until that backward.
         """
+        with self.clock.phase("train_actor"):
+            return self._train_actor(experience, unsupervised_batch)
+
+    def _train_actor(self, experience: Experience,
+                     unsupervised_batch: Mapping[str, torch.Tensor] | None) -> dict[str, float]:
         config = self.config
         actor = self.engine.actor
         mask = experience.action_mask
-        prompt_length = experience.prompt_length
         step = actor.global_steps + 1
 
-        logits = answer_logits(actor, experience.sequences, experience.attention_mask, prompt_length)
-        logprobs = token_logprobs(logits, experience.sequences[:, prompt_length:], config.temperature)
+        window = AnswerWindow.of(experience.sequences, experience.attention_mask, experience.prompt_length)
+        logprobs, logits = _answer_logprobs(actor, window, config.temperature)
         policy = self.policy_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config)
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach() / config.temperature, mask)
+        entropy = entropy_from_logits(logits.detach(), window.answer_mask(), config.temperature)
         del logits
         check_finite("actor loss", policy.loss, step, group=self._group("actor"))
         objective, extra_stats = policy.loss, {}
@@ -434,12 +479,13 @@ class PPOTrainer:
     def train_critic(self, experience: Experience) -> dict[str, float]:
         """One update of the critic on `experience` (the clipped value loss)."""
         critic = self.engine.critic
-        values = _answer_values(critic, experience.sequences, experience.attention_mask, experience.prompt_length)
-        value = self.value_loss(values, experience.old_values, experience.returns, experience.action_mask,
-                                self.config)
-        check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
-        critic.backward(value.loss)
-        critic.step()
+        with self.clock.phase("train_critic"):
+            window = AnswerWindow.of(experience.sequences, experience.attention_mask, experience.prompt_length)
+            value = self.value_loss(_answer_values(critic, window), experience.old_values, experience.returns,
+                                    experience.action_mask, self.config)
+            check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
+            critic.backward(value.loss)
+            critic.step()
         return {"critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
 
     def _group(self, role: str):

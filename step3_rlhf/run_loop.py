@@ -69,12 +69,15 @@ def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dic
 
 
 def ppo_step_stats(rollout: Mapping[str, float], updates: Mapping[str, float], timing: Mapping[str, float],
-                   training_s: float, kl_coef: float, learning_rates: Mapping[str, float]) -> dict[str, float]:
-    """One PPO step's logged statistics: rollout means, update means, KL coefficient, phase times, rates."""
+                   training_s: float, kl_coef: float, learning_rates: Mapping[str, float],
+                   phases: Mapping[str, float]) -> dict[str, float]:
+    """One PPO step's logged statistics: rollout means, update means, KL coefficient, phase times (and each model
+    call's, `PPOTrainer.PHASES`: 0 for a call this rank did not make), rates."""
     return {**rollout, **{f"train/{key}": value for key, value in updates.items()},
             "reward/kl_coef": kl_coef,
             "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
             "time/training_s": training_s,
+            **{f"time/{name}_s": phases.get(name, 0.0) for name in PPOTrainer.PHASES},
             "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
             **learning_rates}
 
@@ -159,6 +162,7 @@ class PPORun:
     def _ppo_step(self) -> dict[str, float]:
         """Collect `generation_batches` rollouts, then train on them for `ppo_epochs`."""
         args = self.args
+        self.trainer.clock.take()  # what the held-out evaluation spent is not this step's
         timing = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0.0}
         batches, rollout = [], {}
         for _ in range(args.loop.generation_batches):
@@ -173,7 +177,8 @@ class PPORun:
         updates = self.train_on(batches)
         training_s = time.perf_counter() - started
         return self.over_ranks(ppo_step_stats(rollout, updates, timing, training_s,
-                                              self.trainer.kl_controller.value, self.learning_rates()))
+                                              self.trainer.kl_controller.value, self.learning_rates(),
+                                              self.trainer.clock.take()))
 
     def rollout_batch(self, prompt_batch: dict) -> tuple[Experience, dict[str, float], dict[str, float]]:
         """One prompt batch's experience, the rollout's phase times and its statistics."""

@@ -95,7 +95,6 @@ class Step3Settings:
     hybrid: HybridEngineSettings
     placement: PlacementSettings
     checkpoints: CheckpointSettings
-    placement: PlacementSettings
 
     def __post_init__(self) -> None:
         self.ppo.temperature = self.sampling.temperature

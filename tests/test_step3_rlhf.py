@@ -202,6 +202,70 @@ def test_rollouts_sampled_at_a_temperature_are_trained_on_that_temperatures_logp
     assert stats["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
 
 
+def test_fp32_rollouts_reuse_the_generators_logprobs_and_train_as_if_recomputed(distributed, inputs):
+    """The hybrid engine's fp32 log-probs are at parity with the training forward (1e-4: its parity tests), so
+    the trainer takes them as the old log-probs and skips the actor's scoring forward; the update's statistics
+    equal those of a trainer that recomputes them, within that tolerance."""
+    experiences, phases, stats = {}, {}, {}
+    for recompute in (False, True):
+        engine = build_engine(inputs)
+        trainer = PPOTrainer(engine, HybridEngine(engine.actor, HybridEngineSettings(enable=True)),
+                             PPOConfig(max_answer_seq_len=8, recompute_old_logprobs=recompute))
+        assert trainer.reuse_rollout_logprobs is not recompute
+        torch.manual_seed(0)
+        experiences[recompute] = trainer.generate_experience(prompt_batch(engine.tokenizer, 4))
+        phases[recompute] = trainer.clock.take()
+        stats[recompute] = trainer.train_rlhf(experiences[recompute])
+    reused, recomputed = experiences[False], experiences[True]
+    assert torch.equal(reused.sequences, recomputed.sequences)
+    action = reused.action_mask.bool()
+    torch.testing.assert_close(reused.old_logprobs[action], recomputed.old_logprobs[action], atol=1e-4, rtol=0)
+    assert "score_actor" not in phases[False] and phases[True]["score_actor"] > 0
+    for key in ("actor_loss", "critic_loss", "approx_kl", "entropy", "clip_fraction"):
+        assert stats[False][key] == pytest.approx(stats[True][key], abs=1e-4), key
+
+
+def test_half_precision_rollouts_get_their_old_logprobs_recomputed(distributed, inputs):
+    engine = build_engine(inputs)
+    generator = HybridEngine(engine.actor, HybridEngineSettings(enable=True, generation_dtype="bf16"))
+    trainer = PPOTrainer(engine, generator, PPOConfig(max_answer_seq_len=8))
+    assert not generator.logprobs_match_training and not trainer.reuse_rollout_logprobs
+    experience = trainer.generate_experience(prompt_batch(engine.tokenizer, 4))
+    assert trainer.clock.take()["score_actor"] > 0
+    seqs, mask, P = experience.sequences, experience.attention_mask, experience.prompt_length
+    with torch.no_grad():
+        expected = answer_logprobs(engine.actor.module, seqs, mask, P)
+    action = experience.action_mask.bool()
+    torch.testing.assert_close(experience.old_logprobs[action], expected[action], atol=1e-5, rtol=0)
+
+
+def test_scoring_and_training_forwards_see_no_column_that_only_padding_fills(distributed, inputs):
+    """A long prompt with a short answer beside a short prompt with a long answer: every model reads rows as
+    wide as the longest real one, not prompt block + answer block."""
+    engine = build_engine(inputs)
+    tokenizer = engine.tokenizer
+    eos = tokenizer.eos_token_id
+    texts = ["Human: What is 1 plus 2, and then what is that times 3, minus 4, plus 5? Assistant:", "Human: 1? A:"]
+    items = [{"input_ids": torch.tensor(ids), "attention_mask": torch.ones(len(ids), dtype=torch.long)}
+             for ids in tokenizer(texts)["input_ids"]]
+    prompts = PromptCollator(tokenizer.pad_token_id)(items)
+    answers = torch.tensor([[eos, 9, 9, 9, 9, 9], [5, 6, 7, 8, 9, 10]])
+    trainer = PPOTrainer(engine, FixedAnswers(answers, eos, tokenizer.pad_token_id), PPOConfig(max_answer_seq_len=6))
+    widths: dict[str, list[int]] = {}
+    for role in ("actor", "reference", "critic", "reward"):
+        module = getattr(engine, role).module
+        module.register_forward_pre_hook(
+            lambda _, args, kwargs, role=role: widths.setdefault(role, []).append(kwargs["input_ids"].shape[1]),
+            with_kwargs=True)
+    experience = trainer.generate_experience(prompts)
+    trainer.train_rlhf(experience)
+    prompt_lengths = prompts["attention_mask"].sum(-1)
+    longest = int((prompt_lengths + experience.action_mask.sum(-1)).max())
+    assert longest < experience.sequences.shape[1]
+    assert widths == {"actor": [longest, longest], "reference": [longest], "critic": [longest, longest],
+                      "reward": [longest]}
+
+
 @pytest.mark.slow
 def test_ppo_raises_a_rule_based_reward(distributed, inputs):
     tokenizer = load_tokenizer(inputs["actor"])

@@ -8,7 +8,8 @@ contiguous runs of ones. Means over a mask are taken over every masked token of 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from training.core.sequences import token_entropies
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -30,9 +31,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
-def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean entropy (nats) of the token distributions at masked positions: logits [B, T, V], mask [B, T] -> scalar."""
-    logits = logits.float()
-    log_z = torch.logsumexp(logits, dim=-1)
-    expected_logit = (F.softmax(logits, dim=-1) * logits).sum(-1)
-    return masked_mean(log_z - expected_logit, mask)
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean entropy (nats) of softmax(logits / temperature) at masked positions: logits [B, T, V], mask [B, T] ->
+    scalar (chunked, no gradient: `token_entropies`)."""
+    return masked_mean(token_entropies(logits, temperature), mask)

@@ -17,14 +17,72 @@ def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tens
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+# rows of [N, V] logits handled at once by the chunked log-prob and entropy: about 16 MB of fp32 per chunk
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _chunk_rows(vocab_size: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+class _ChosenTokenLogprob(torch.autograd.Function):
+    """log_softmax(logits / T)[token] without a full-vocab log-softmax: the chosen logit minus a logsumexp
+    taken a chunk of rows at a time in fp32, and a backward that rebuilds each chunk's softmax from the saved
+    logits and per-row logsumexp. Only the logits (model dtype) and one fp32 number per row are kept for the
+    backward, instead of an fp32 copy of every logit."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        flat, chosen = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+        out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        log_z = torch.empty_like(out)
+        step = _chunk_rows(flat.shape[-1])
+        for start in range(0, flat.shape[0], step):
+            rows = slice(start, start + step)
+            scaled = flat[rows].float() / temperature
+            log_z[rows] = torch.logsumexp(scaled, dim=-1)
+            out[rows] = scaled.gather(-1, chosen[rows]).squeeze(-1) - log_z[rows]
+        ctx.save_for_backward(logits, tokens, log_z)
+        ctx.temperature = temperature
+        return out.reshape(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, tokens, log_z = ctx.saved_tensors
+        temperature = ctx.temperature
+        flat, chosen = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+        grad_rows = grad_out.reshape(-1, 1).float() / temperature
+        grad = torch.empty_like(flat)
+        step = _chunk_rows(flat.shape[-1])
+        for start in range(0, flat.shape[0], step):
+            rows = slice(start, start + step)
+            # d/dx [x_c / T - logsumexp(x / T)] = (onehot(c) - softmax(x / T)) / T
+            probs = (flat[rows].float() / temperature - log_z[rows, None]).exp_().neg_()
+            probs.scatter_add_(-1, chosen[rows], torch.ones_like(chosen[rows], dtype=probs.dtype))
+            grad[rows] = probs.mul_(grad_rows[rows])
+        return grad.reshape(logits.shape), None, None
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature)[token] in fp32: logits [..., V], tokens [...] -> [...].
 
-    Computed as logit[token] - logsumexp(logits), so no [..., V] log-softmax tensor is kept."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    Computed as logit[token] - logsumexp(logits), a chunk of rows at a time, so no [..., V] log-softmax or
+    fp32 copy of the logits is ever built (in the forward or the backward)."""
+    return _ChosenTokenLogprob.apply(logits, tokens, float(temperature))
+
+
+@torch.no_grad()
+def token_entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits / temperature) at every position: [..., V] -> [...] fp32, chunked like
+    `token_logprobs` (no gradient: a statistic)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    step = _chunk_rows(flat.shape[-1])
+    for start in range(0, flat.shape[0], step):
+        scaled = flat[start:start + step].float() / temperature
+        log_z = torch.logsumexp(scaled, dim=-1)
+        out[start:start + step] = log_z - (scaled - log_z[:, None]).exp_().mul_(scaled).sum(-1)
+    return out.reshape(logits.shape[:-1])
 
 
 def answer_logits(

@@ -104,6 +104,12 @@ class Generator(Protocol):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig
     ) -> GenerationOutput: ...
 
+    @property
+    def logprobs_match_training(self) -> bool:
+        """Whether `GenerationOutput.logprobs` equal a training forward's within fp32 rounding, so a trainer
+        may use them as the rollout's old log-probs instead of recomputing them."""
+        ...
+
 
 def select_next_tokens(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
     """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B]."""
@@ -198,6 +204,12 @@ class HFGenerator:
     def __init__(self, engine: torch.nn.Module):
         self.engine = engine
         self.module = getattr(engine, "module", engine)
+
+    @property
+    def logprobs_match_training(self) -> bool:
+        """An fp32 module: the cached decode's logits equal the full forward's within fp32 rounding
+        (tests/test_generation.py); in half precision the two orders of summation differ visibly."""
+        return next(self.module.parameters()).dtype == torch.float32
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
         device = next(self.module.parameters()).device

@@ -303,6 +303,13 @@ class HybridEngine:
     def in_generate_mode(self) -> bool:
         return self._decoder is not None
 
+    @property
+    def logprobs_match_training(self) -> bool:
+        """Whether a rollout's log-probs equal the training forward's within fp32 rounding (tested to 1e-4 in
+        tests/test_hybrid_engine.py): an fp32 copy of an fp32 model. A half-precision copy decodes through other
+        kernels, whose rounding moves log-probs by up to ~5e-2 (its parity tests' tolerance)."""
+        return self.dtype == torch.float32 and _training_dtype(self.module) == torch.float32
+
     @contextlib.contextmanager
     def generate_mode(self) -> Iterator["HybridEngine"]:
         """Generate mode for the block: weights gathered (and merged) once for every `generate` in it."""

@@ -1,0 +1,122 @@
+"""Work step 3 no longer does: rows re-laid flush right (no column only padding fills), the LM head only where
+an answer token is predicted, and log-probs without a full-vocab log-softmax; each checked against the plain
+computation in fp32 and bf16 (at positions past 500)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_model, make_tokenizer
+
+from training.core import sequences as sequences_module
+from training.core.answer_window import AnswerWindow, right_align
+from training.core.sequences import answer_logits, token_entropies, token_logprobs
+from training.core.reward_model import RewardModel
+
+PROMPT_MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1]])
+ANSWER_MASK = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+
+
+def rows(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded prompts (P = 7) + right-padded answers (N = 6): the longest real row is 9 + 0 ... 11 tokens."""
+    sequences = torch.randint(3, vocab, (4, 13), generator=torch.Generator().manual_seed(seed))
+    return sequences, torch.cat([PROMPT_MASK, ANSWER_MASK], 1), PROMPT_MASK.shape[1]
+
+
+def test_rows_flush_right_are_as_wide_as_the_longest_real_row_and_keep_every_token_in_order():
+    sequences, mask, _ = rows(100)
+    aligned, aligned_mask = right_align(sequences, mask)
+    lengths = mask.sum(-1)
+    assert aligned.shape == (4, int(lengths.max())) == (4, 10)  # 13 columns before: 7 + 6
+    assert aligned_mask[:, -1].all(), "every row ends in the last column"
+    for row in range(4):
+        assert aligned[row][aligned_mask[row].bool()].tolist() == sequences[row][mask[row].bool()].tolist()
+    assert aligned_mask.sum(-1).tolist() == lengths.tolist()
+
+
+def test_window_maps_answer_columns_back_to_the_answer_layout():
+    sequences, mask, prompt_length = rows(100)
+    window = AnswerWindow.of(sequences, mask, prompt_length)
+    assert window.width == 6 and window.answer_columns == 6
+    assert window.answer_mask().sum(-1).tolist() == ANSWER_MASK.sum(-1).tolist()
+    # the window's answer tokens, mapped back, are the rollout's answers (zero after each answer)
+    assert torch.equal(window.to_answers(window.answer_tokens()), sequences[:, prompt_length:] * ANSWER_MASK)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "qwen2"])
+def test_window_logprobs_and_values_equal_the_rollout_layouts_and_the_head_runs_on_answer_positions_only(arch):
+    tokenizer = make_tokenizer()
+    model, _ = make_tiny_model(arch, tokenizer)
+    model.eval()
+    critic = RewardModel.from_causal_lm(make_tiny_model(arch, tokenizer, seed=1)[0], tokenizer).eval()
+    sequences, mask, prompt_length = rows(len(tokenizer))
+    head_widths = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda _, args: head_widths.append(args[0].shape[1]))
+    window = AnswerWindow.of(sequences, mask, prompt_length)
+    with torch.no_grad():
+        got = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens()))
+        expected = token_logprobs(answer_logits(model, sequences, mask, prompt_length), sequences[:, prompt_length:])
+        values = window.to_answers(window.values(critic))
+        expected_values = critic(input_ids=sequences, attention_mask=mask)["values"][:, prompt_length - 1:-1]
+    answer = ANSWER_MASK.bool()
+    torch.testing.assert_close(got[answer], expected[answer], rtol=0, atol=1e-5)
+    torch.testing.assert_close(values[answer], expected_values[answer], rtol=0, atol=1e-5)
+    assert (got[~answer] == 0).all() and (values[~answer] == 0).all()
+    assert head_widths == [window.width + 1, sequences.shape[1]], "the LM head sees W + 1 positions, not all"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_window_logprobs_at_positions_past_500_are_as_close_to_fp32_as_the_rollout_layouts(arch):
+    """bf16 kernels of another shape round differently: the window's error against the fp32 result must be of
+    the plain layout's order, at positions past 500 where rotary phases are large."""
+    tokenizer = make_tokenizer()
+    model, _ = make_tiny_model(arch, tokenizer, max_positions=1024, initializer_range=0.3)
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    prompt_mask = torch.ones(3, 520, dtype=torch.long)
+    prompt_mask[1, :40] = 0
+    prompt_mask[2, :300] = 0
+    answer_mask = torch.ones(3, 32, dtype=torch.long)
+    answer_mask[0, 20:] = 0
+    answer_mask[2, 5:] = 0
+    mask = torch.cat([prompt_mask, answer_mask], 1)
+    sequences = torch.randint(3, len(tokenizer), mask.shape, generator=generator)
+    window = AnswerWindow.of(sequences, mask, 520)
+    assert window.sequences.shape[1] == 540  # the longest real row: 520 + 20; the rollout layout is 552 wide
+    answer = answer_mask.bool()
+    with torch.no_grad():
+        exact = token_logprobs(answer_logits(model, sequences, mask, 520), sequences[:, 520:])[answer]
+        model.to(torch.bfloat16)
+        plain = token_logprobs(answer_logits(model, sequences, mask, 520), sequences[:, 520:])[answer]
+        windowed = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens()))[answer]
+    plain_error, window_error = (plain - exact).abs().mean(), (windowed - exact).abs().mean()
+    assert window_error <= 1.5 * plain_error + 1e-3, (window_error, plain_error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_and_their_gradient_equal_log_softmax_without_an_fp32_copy_of_the_logits(monkeypatch,
+                                                                                                 dtype):
+    monkeypatch.setattr(sequences_module, "_CHUNK_ELEMENTS", 5 * 300)  # 5 rows per chunk: 14 chunks
+    logits = (torch.randn(2, 35, 300, generator=torch.Generator().manual_seed(0)) * 4).to(dtype).requires_grad_()
+    tokens = torch.randint(0, 300, (2, 35), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(2, 35, generator=torch.Generator().manual_seed(2))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        got = token_logprobs(logits, tokens, temperature=0.7)
+    (got * weights).sum().backward()
+    got_grad, logits.grad = logits.grad.clone(), None
+    expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_grad.float(), logits.grad.float(), rtol=0,
+                               atol=1e-5 if dtype == torch.float32 else 2e-3)
+    full = logits.numel()
+    assert not [entry for entry in saved if entry == (torch.float32, full) and dtype != torch.float32], saved
+    assert sum(numel for _, numel in saved if numel >= full) == full, "only the logits themselves are kept"
+
+
+def test_chunked_entropies_equal_the_full_softmax_entropy(monkeypatch):
+    monkeypatch.setattr(sequences_module, "_CHUNK_ELEMENTS", 7 * 50)
+    logits = torch.randn(3, 11, 50, generator=torch.Generator().manual_seed(0)) * 3
+    probs = torch.softmax(logits / 1.3, -1)
+    expected = -(probs * torch.log_softmax(logits / 1.3, -1)).sum(-1)
+    torch.testing.assert_close(token_entropies(logits, 1.3), expected, rtol=0, atol=1e-5)

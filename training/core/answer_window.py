@@ -1,0 +1,114 @@
+"""Prompt + answer rows re-laid flush right, so scoring and training forwards compute nothing for padding that
+no row needs, and the LM head only where an answer token is predicted.
+
+A rollout's rows are a left-padded prompt block [B, P] followed by a right-padded answer block [B, N]: a row
+with a long prompt and a short answer pads both blocks, so the batch is P + N wide although its longest real
+sequence may be much shorter. Shifting every row right by its trailing padding makes each row
+[pads | prompt | answer] with its last real token in the last column; the batch is then exactly as wide as its
+longest real sequence (`right_align`). Positions come from the attention mask, so a real token's output does
+not change (up to float rounding of differently shaped kernels).
+
+Every row's answer now ends in the last column, so the logits predicting answer tokens all lie in the last
+W + 1 positions (W: the longest answer); `AnswerWindow` asks the model for just those (`logits_to_keep`) and
+maps per-token results back to the [B, N] answer layout the PPO math uses.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from training.core.sequences import last_token_index, position_ids_from_attention_mask
+
+
+def right_align(sequences: torch.Tensor, attention_mask: torch.Tensor,
+                min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row shifted right by its trailing padding, cut to the widest row's span of real tokens (at least
+    `min_width` columns): [B, T] -> [B, L]. Columns that receive no token are masked (their ids are arbitrary)."""
+    width = sequences.shape[1]
+    columns = torch.arange(width, device=sequences.device)
+    real = attention_mask.bool()
+    last = last_token_index(attention_mask)
+    first = torch.where(real, columns, torch.full_like(columns, width)).amin(-1).clamp(max=width - 1)
+    span = int((last - first + 1).max().item()) if sequences.shape[0] else 0
+    kept = min(max(span, min_width), width)
+    source = columns[width - kept:] - (width - 1 - last)[:, None]  # [B, L]: the column each new column reads
+    valid = source >= 0
+    source = source.clamp(min=0)
+    aligned_mask = attention_mask.gather(1, source) * valid
+    return sequences.gather(1, source), aligned_mask
+
+
+@dataclass
+class AnswerWindow:
+    """Rows flush right (`right_align`) plus where their answers sit: a row's answer is its last
+    `answer_lengths[i]` real tokens; `width` W is the longest answer and `answer_columns` N the width of the
+    [B, N] answer layout results are returned in."""
+
+    sequences: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    answer_lengths: torch.Tensor  # [B] long
+    answer_columns: int  # N
+
+    @classmethod
+    def of(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> "AnswerWindow":
+        """The window of prompt + answer rows in the rollout layout (answer mask = attention_mask[:, P:])."""
+        answer_lengths = attention_mask[:, prompt_length:].sum(-1).long()
+        width = max(int(answer_lengths.max().item()) if answer_lengths.numel() else 0, 1)
+        aligned, aligned_mask = right_align(sequences, attention_mask, min_width=width + 1)
+        return cls(aligned, aligned_mask, answer_lengths, sequences.shape[1] - prompt_length)
+
+    @property
+    def width(self) -> int:
+        return max(int(self.answer_lengths.max().item()) if self.answer_lengths.numel() else 0, 1)
+
+    def answer_tokens(self) -> torch.Tensor:
+        """The tokens the window's logits predict: the last W columns [B, W]."""
+        return self.sequences[:, -self.width:]
+
+    def answer_mask(self) -> torch.Tensor:
+        """[B, W]: 1 on each row's answer tokens (its last `answer_lengths` columns)."""
+        columns = torch.arange(self.width, device=self.sequences.device)
+        return (columns[None, :] >= (self.width - self.answer_lengths)[:, None]).long()
+
+    def to_answers(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[B, W, ...] in window columns -> [B, N, ...] in answer columns (answer token j of row i is window column
+        W - n_i + j), zero after each row's answer."""
+        width, lengths = self.width, self.answer_lengths.to(per_token.device)
+        columns = torch.arange(self.answer_columns, device=per_token.device)
+        source = (columns[None, :] + (width - lengths)[:, None]).clamp(max=width - 1)
+        inside = columns[None, :] < lengths[:, None]
+        for _ in per_token.shape[2:]:
+            source, inside = source.unsqueeze(-1), inside.unsqueeze(-1)
+        gathered = per_token.gather(1, source.expand(-1, -1, *per_token.shape[2:]))
+        return torch.where(inside, gathered, torch.zeros_like(gathered))
+
+    def logits(self, module: torch.nn.Module) -> torch.Tensor:
+        """The causal LM's logits predicting the window's answer tokens: [B, W, V] (module dtype, raw). The LM
+        head runs on the last W + 1 positions only, where the model supports `logits_to_keep`."""
+        width = self.width
+        extra = {"logits_to_keep": width + 1} if accepts_logits_to_keep(module) else {}
+        logits = module(input_ids=self.sequences, attention_mask=self.attention_mask,
+                        position_ids=position_ids_from_attention_mask(self.attention_mask), use_cache=False,
+                        **extra).logits
+        return logits[:, -width - 1:-1]
+
+    def values(self, critic: torch.nn.Module) -> torch.Tensor:
+        """A value model's estimate of the state before each answer token: [B, W] fp32 (the preceding position)."""
+        values = critic(input_ids=self.sequences, attention_mask=self.attention_mask)["values"]
+        return values[:, -self.width - 1:-1].float()
+
+
+def accepts_logits_to_keep(module: torch.nn.Module) -> bool:
+    """Whether the transformers model under a DeepSpeed engine / peft wrapper takes `logits_to_keep`."""
+    model = getattr(module, "module", module)
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return _forward_takes_logits_to_keep(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
