@@ -109,7 +109,7 @@ def test_profiled_calls_change_nothing_and_every_rank_reports_its_calls(tmp_path
     runs = sorted(tmp_path_factory.getbasetemp().glob("placement*/runs"))[-1]
     for placement, expected in (("colocate", {"actor/decode step", "reference/forward", "critic/backward",
                                               "actor/optimizer step", "critic/gradient all-reduce"}),
-                                ("disaggregate", {"actor/decode step", "exchange/all-gather rollouts",
+                                ("disaggregate", {"rollout/decode step", "exchange/all-gather rollouts",
                                                   "exchange/weight broadcast", "actor/backward"})):
         records = [json.loads(line) for line in (runs / placement / "call_times.jsonl").read_text().splitlines()]
         assert [record["step"] for record in records] == [1, 2] and len(records[0]["ranks"]) == 2

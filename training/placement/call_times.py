@@ -17,10 +17,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-# (attribute path on a trained DeepSpeed engine, the call's name)
+# (attribute path on a trained DeepSpeed engine, the call's name); under mixed precision the engine's optimizer is
+# DeepSpeed's wrapper around the torch optimizer (the inner step)
 ENGINE_CALLS = (("backward", "backward"), ("allreduce_gradients", "gradient all-reduce"),
                 ("optimizer.backward_epilogue", "master-gradient accumulation"), ("step", "engine step"),
-                ("optimizer.step", "optimizer wrapper step"), ("optimizer.optimizer.step", "optimizer step"),
+                ("optimizer.step", "optimizer step"), ("optimizer.optimizer.step", "inner optimizer step"),
                 ("optimizer.update_lp_params", "weight copy-back"))
 
 
