@@ -2,7 +2,7 @@
 
 Run with the torch threads one rank gets (a CPU run of R ranks on C cores: C // R each), so every rate is per rank;
 the ranks measure at the same time (each rate is one rank's while every rank is busy, as in a co-located step).
-`quick=True` is a profile of a few seconds for a dry run with no saved calibration: smaller shapes, fewer
+`quick=True` is a profile of about ten seconds for a dry run with no saved calibration: smaller shapes, fewer
 repetitions, the baseline memory read from this process; it is not saved.
 """
 from __future__ import annotations
