@@ -3,9 +3,12 @@ planner's prediction from this machine's calibrated constants, and which placeme
 
     python bench/placement.py                       # the quick run's step-1/2 models in runs/default
     python bench/placement.py --ranks 2 --steps 4 --output bench/results/placement_cpu.json
+    python bench/placement.py --breakdown           # + each rank's per-call times beside the cost model's
 
 Each placement runs `step3_rlhf/main.py` under `torch.distributed.run` (same seed, same settings); the measured
 step time is the median of `time/step_s` after the first step, the peak memory the largest rank's peak RSS.
+With `--breakdown` the runs time every model call (`--profile_calls`) and the report lists, per placement and
+rank, each call's measured seconds per step (median over the timed steps) beside the cost model's.
 The published setups' predictions are `bench/placement_published.py`.
 """
 from __future__ import annotations
@@ -17,14 +20,25 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO_ROOT, print_table, write_report  # noqa: E402
+from step3_rlhf.run_loop import CALL_TIMES_FILE  # noqa: E402
+
+if TYPE_CHECKING:
+    from training.placement.cost_model import StepEstimate
+    from training.placement.spec import Placement
 
 PLACEMENTS = ("colocate", "interleave", "disaggregate", "interleave:actor=0.5,critic=0.5")
 GB_PER_GIB = 1024**3 / 1e9
+# timed calls the cost model counts as part of another: the decoder's sampling loop in its decode steps, DeepSpeed's
+# engine and mixed-precision wrapper steps in the optimizer step
+MEASURED_AS = {"generate": "decode step", "engine step": "optimizer step", "inner optimizer step": "optimizer step",
+               "weight copy-back": "optimizer step", "master-gradient accumulation": "optimizer step"}
 
 
 def step3_argv(args: argparse.Namespace, placement: str, output_dir: Path) -> list[str]:
@@ -34,7 +48,59 @@ def step3_argv(args: argparse.Namespace, placement: str, output_dir: Path) -> li
             "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
             "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
             "--eval_samples", "1", "--enable_hybrid_engine", "--data_path", "embedded",
-            "--placement", name, *(["--placement_ratio", ratio] if ratio else [])]
+            "--placement", name, *(["--placement_ratio", ratio] if ratio else []),
+            *(["--profile_calls"] if getattr(args, "breakdown", False) else [])]
+
+
+def measured_calls(output_dir: Path) -> list[dict[str, float]]:
+    """Per rank: call name -> its median seconds per step over the timed steps (the first is not timed)."""
+    records = [json.loads(line) for line in (output_dir / CALL_TIMES_FILE).read_text().splitlines()]
+    timed = records[1:] or records
+    per_rank = []
+    for rank in range(len(timed[0]["ranks"])):
+        totals: dict[str, list[float]] = {}
+        for record in timed:
+            step = defaultdict(float)
+            for name, value in record["ranks"][rank]["calls"].items():
+                step[_as_predicted(name)] += value["s"]
+            for name in set(step) | set(totals):
+                totals.setdefault(name, []).append(step.get(name, 0.0))
+        per_rank.append({name: statistics.median(values) for name, values in sorted(totals.items())})
+    return per_rank
+
+
+def measured_rank_peaks(output_dir: Path) -> list[float]:
+    """Each rank's peak resident memory (GB) by the last step."""
+    last = json.loads((output_dir / CALL_TIMES_FILE).read_text().splitlines()[-1])
+    return [rank["peak_rss_gb"] for rank in last["ranks"]]
+
+
+def _as_predicted(name: str) -> str:
+    role, _, kind = name.partition("/")
+    return "exchange/all" if role == "exchange" else f"{role}/{MEASURED_AS.get(kind, kind)}"
+
+
+def predicted_calls(estimate: StepEstimate, layout: Placement) -> list[dict[str, float]]:
+    """Per rank: the cost model's seconds per step of each call the rank runs, and its exchange and sync."""
+    per_rank = []
+    for rank in range(layout.world_size):
+        calls: dict[str, float] = defaultdict(float)
+        for call in estimate.calls:
+            if layout.holds(call.role, rank):
+                calls[f"{call.role}/{call.kind}"] += call.total_s
+        if estimate.exchange_s or estimate.sync_s:
+            calls["exchange/all"] = estimate.exchange_s + estimate.sync_s
+        per_rank.append(dict(sorted(calls.items())))
+    return per_rank
+
+
+def print_breakdown(row: dict) -> None:
+    print(f"\n{row['placement']}: per-call seconds per step, measured / predicted")
+    for rank, (measured, predicted) in enumerate(zip(row["measured_calls"], row["predicted_calls"])):
+        print(f"  rank {rank}: peak {row['measured_rank_peak_gb'][rank]:.2f} GB / "
+              f"{row['predicted_rank_peak_gb'][rank]:.2f} GB")
+        for name in sorted(set(measured) | set(predicted)):
+            print(f"    {name:<40} {measured.get(name, 0.0):7.3f} {predicted.get(name, 0.0):7.3f}")
 
 
 def measure(args: argparse.Namespace, placement: str) -> dict:
@@ -47,7 +113,9 @@ def measure(args: argparse.Namespace, placement: str) -> dict:
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "time/step_s" in row]
     timed = steps[1:] or steps
-    return {"measured_step_s": statistics.median(row["time/step_s"] for row in timed),
+    calls = {"measured_calls": measured_calls(output_dir),
+             "measured_rank_peak_gb": measured_rank_peaks(output_dir)} if args.breakdown else {}
+    return {**calls, "measured_step_s": statistics.median(row["time/step_s"] for row in timed),
             "measured_peak_gb": max(row["memory/peak_rss_gb"] for row in steps),
             "measured_phases_s": {phase: statistics.median(row[f"time/{phase}_s"] for row in timed)
                                   for phase in ("generation", "scoring", "training")}}
@@ -75,7 +143,10 @@ def predictions(args: argparse.Namespace) -> tuple[dict, list[str], str]:
         name, _, ratio = placement.partition(":")
         layout = build_placement(name, args.ranks, roles, parse_placement_ratio(ratio) if ratio else None)
         estimate = estimate_step(workload, layout, machine)
-        predicted[placement] = {"predicted_step_s": estimate.step_s,
+        calls = {"predicted_calls": predicted_calls(estimate, layout),
+                 "predicted_rank_peak_gb": [gib * GB_PER_GIB for gib in estimate.per_rank_memory_gib]} \
+            if args.breakdown else {}
+        predicted[placement] = {**calls, "predicted_step_s": estimate.step_s,
                                 "predicted_peak_gb": estimate.peak_memory_gib * GB_PER_GIB,
                                 "predicted_phases_s": {"generation": estimate.generation_s,
                                                        "scoring": estimate.scoring_s,
@@ -95,6 +166,8 @@ def main() -> None:
     parser.add_argument("--answer_len", type=int, default=32)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine's constants again")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time every model call on every rank and print it beside the cost model's call")
     parser.add_argument("--work_dir", default="runs/bench_placement")
     parser.add_argument("--output", default="bench/results/placement_cpu.json")
     args = parser.parse_args()
@@ -109,6 +182,8 @@ def main() -> None:
         row["step_error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
         row["peak_error"] = row["predicted_peak_gb"] / row["measured_peak_gb"] - 1
         rows.append(row)
+        if args.breakdown:
+            print_breakdown(row)
     fastest = min(rows, key=lambda row: row["measured_step_s"])["placement"]
     print_table(rows, ("placement", "ranks", "measured_step_s", "predicted_step_s", "step_error", "measured_peak_gb",
                        "predicted_peak_gb", "peak_error"))

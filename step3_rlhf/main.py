@@ -35,14 +35,16 @@ from step3_rlhf.ppo_trainer import (
 from step3_rlhf.placed import PlacedPPO, PlacedPPORun
 from step3_rlhf.placement_setup import resolve_placement
 from step3_rlhf.run_loop import PLOT_FILE, PPORun
-from step3_rlhf.rlhf_engine import build_rlhf_engine
+from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
 from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
 from training.core.args import SettingsParser, check_positive, flag_values
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.generation.hybrid_engine import build_generator
+from training.placement.call_times import CallTimer
 from training.placement.groups import PlacementGroups
+from training.placement.spec import Placement
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.reliability.run_lock import RunLock
@@ -184,6 +186,15 @@ def _summary(run: PPORun, saved: Mapping[str, str | None], plot: Path | None, wa
     }
 
 
+def call_timer(engine: RLHFEngine, generator: object | None, placement: Placement | None) -> CallTimer:
+    """A timer wrapped around this rank's model calls (`--profile_calls`)."""
+    timer = CallTimer()
+    models = {"actor": engine.actor, "reference": engine.reference, "critic": engine.critic, "reward": engine.reward}
+    role = placement.generation_role if placement is not None else "actor"
+    timer.instrument(models, {"actor": engine.actor, "critic": engine.critic}, generator, role)
+    return timer
+
+
 def run_step3(args: Step3Settings) -> dict:
     started = time.perf_counter()
     setup_logging()
@@ -218,11 +229,13 @@ def run_step3(args: Step3Settings) -> dict:
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,
                     f", placement {placement.describe()}" if placement is not None else "")
         run_args = (args, engine, trainer, prompts, eval_prompts, unsupervised, total_steps, checkpoints, metrics)
+        timer = call_timer(engine, generator, placement) if args.placement.profile_calls else None
         if placement is None:
-            run = PPORun(*run_args)
+            run = PPORun(*run_args, call_timer=timer)
         else:
-            placed = PlacedPPO(trainer, placement, groups.rank, args.models.critic_model_name_or_path is not None)
-            run = PlacedPPORun(*run_args, placed=placed)
+            placed = PlacedPPO(trainer, placement, groups.rank, args.models.critic_model_name_or_path is not None,
+                               timer)
+            run = PlacedPPORun(*run_args, placed=placed, call_timer=timer)
         try:
             with GracefulInterrupt() as interrupt:
                 run.fit(interrupt)

@@ -26,6 +26,7 @@ import torch
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, PPORun, held_out_stats, held_out_totals
 from training.core.save import save_hf_model
+from training.placement.call_times import CallTimer, NoTimer
 from training.placement.exchange import ChunkRandomStreams, broadcast_trainable_weights, gather_chunks, moved
 from training.placement.spec import Placement
 from training.reliability.signals import GracefulInterrupt
@@ -55,7 +56,8 @@ def _mean_stats(per_chunk: Mapping[int, Mapping[str, float]]) -> dict[str, float
 class PlacedPPO:
     """Rollouts, scoring and updates of a `PPOTrainer` spread over a placement's ranks (module docstring)."""
 
-    def __init__(self, trainer: PPOTrainer, placement: Placement, rank: int, has_reward_model: bool):
+    def __init__(self, trainer: PPOTrainer, placement: Placement, rank: int, has_reward_model: bool,
+                 timer: CallTimer | NoTimer | None = None):
         self.trainer = trainer
         self.placement = placement
         self.rank = rank
@@ -65,6 +67,7 @@ class PlacedPPO:
         self.streams = ChunkRandomStreams(placement.chunks(generating, rank))
         self.shadow = placement.has("rollout")
         self.last_timing: dict[str, float] = {}
+        self.timer = timer or NoTimer()
         if self.shadow:
             self.sync_weights()
 
@@ -81,14 +84,16 @@ class PlacedPPO:
             with self.streams.use(chunk):
                 rollouts[chunk] = trainer.generate_rollout(prompts[chunk], do_sample)
         device = current_device()
-        rollouts = moved(gather_chunks(rollouts), device)
+        with self.timer.time("exchange/all-gather rollouts"):
+            rollouts = moved(gather_chunks(rollouts), device)
         generated = time.perf_counter()
         parts = {}
         for chunk, rollout in rollouts.items():
             calls = [call for call, role in self.owners.items() if placement.owner(role, chunk) == self.rank]
             if calls:
                 parts[chunk] = trainer.score_rollout(rollout, calls, with_exact_kl)
-        parts = moved(gather_chunks(parts), device)
+        with self.timer.time("exchange/all-gather scores"):
+            parts = moved(gather_chunks(parts), device)
         experiences = {}
         for chunk, rollout in rollouts.items():
             chunk_parts = parts[chunk]
@@ -138,8 +143,10 @@ class PlacedPPO:
             for chunk in chunks:
                 local.setdefault(chunk, {}).update({key: value / counts[chunk] for key, value in sums[chunk].items()})
         if self.shadow:
-            self.sync_weights()
-        return _mean_stats(gather_chunks(local))
+            with self.timer.time("exchange/weight broadcast"):
+                self.sync_weights()
+        with self.timer.time("exchange/all-gather training statistics"):
+            return _mean_stats(gather_chunks(local))
 
     def sync_weights(self) -> None:
         """The first actor rank's trained weights to the shadow actors (collective over the sync group)."""

@@ -2,6 +2,7 @@
 held-out evaluation, checkpoints and the saved models."""
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import time
@@ -17,16 +18,25 @@ from step3_rlhf.rlhf_engine import RLHFEngine
 from step3_rlhf.settings import Step3Settings
 from training.core.save import save_hf_model
 from training.loops.batch_stream import BatchStream
+from training.placement.call_times import CallTimer
 from training.loops.metrics import MetricsLogger
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.guards import check_finite
 from training.reliability.signals import GracefulInterrupt
-from utils.dist import get_world_size, is_main_process, max_over_ranks, mean_over_ranks, sum_over_ranks
+from utils.dist import (
+    all_gather_objects,
+    get_world_size,
+    is_main_process,
+    max_over_ranks,
+    mean_over_ranks,
+    sum_over_ranks,
+)
 
 logger = logging.getLogger(__name__)
 
 ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR = "actor", "critic", "actor_ema"
 PLOT_FILE = "reward_kl.png"
+CALL_TIMES_FILE = "call_times.jsonl"
 HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_length": "response_length",
                           "rollout/eos_fraction": "eos_fraction",
                           "reward/fn_mean": "reward_fn_mean"}  # experience_stats key: held-out name
@@ -87,7 +97,7 @@ class PPORun:
 
     def __init__(self, args: Step3Settings, engine: RLHFEngine, trainer: PPOTrainer, prompts: BatchStream,
                  eval_prompts: BatchStream | None, unsupervised: BatchStream | None, total_steps: int,
-                 checkpoints: CheckpointManager, metrics: MetricsLogger):
+                 checkpoints: CheckpointManager, metrics: MetricsLogger, call_timer: CallTimer | None = None):
         self.args = args
         self.engine = engine
         self.trainer = trainer
@@ -100,6 +110,7 @@ class PPORun:
         self.step = 0
         self.evaluations: list[dict] = []
         self.last_stats: dict[str, float] = {}
+        self.call_timer = call_timer
 
     @property
     def placement_description(self) -> str:
@@ -153,11 +164,24 @@ class PPORun:
 
     def ppo_step(self) -> dict[str, float]:
         """One PPO step's statistics, with its wall time and the peak memory of the busiest rank."""
+        if self.call_timer is not None:
+            self.call_timer.take()  # drop what ran between steps (the held-out evaluation)
         started = time.perf_counter()
         stats = self._ppo_step()
         stats["time/step_s"] = time.perf_counter() - started
         stats["memory/peak_rss_gb"] = max_over_ranks(peak_rss_gb())
+        if self.call_timer is not None:
+            self.log_call_times(stats["time/step_s"])
         return stats
+
+    def log_call_times(self, step_s: float) -> None:
+        """Every rank's call times of this step and its peak memory so far, one line of call_times.jsonl
+        (collective; outside time/step_s)."""
+        per_rank = all_gather_objects({"calls": self.call_timer.take(), "peak_rss_gb": peak_rss_gb()})
+        if is_main_process():
+            record = {"step": self.step + 1, "step_s": step_s, "ranks": per_rank}
+            with open(Path(self.args.run.output_dir) / CALL_TIMES_FILE, "a") as out:
+                out.write(json.dumps(record) + "\n")
 
     def _ppo_step(self) -> dict[str, float]:
         """Collect `generation_batches` rollouts, then train on them for `ppo_epochs`."""

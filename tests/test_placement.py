@@ -99,3 +99,20 @@ def test_every_placement_on_four_ranks_trains_the_colocated_ppo(tmp_path_factory
 def test_placements_match_in_bf16(tmp_path_factory):
     """bf16: every chunk keeps its shapes and order, so the placements stay within bf16 rounding of colocate."""
     _run_workers(tmp_path_factory, 2, ["interleave", "disaggregate"], dtype="bf16", tolerance=1e-3)
+
+
+@pytest.mark.slow
+def test_profiled_calls_change_nothing_and_every_rank_reports_its_calls(tmp_path_factory):
+    """--profile_calls on every run (the reference colocate's too): the placements still train the same weights,
+    and each run's call_times.jsonl holds both ranks' model calls per PPO step."""
+    _run_workers(tmp_path_factory, 2, ["disaggregate"], extra=["--profile_calls"])
+    runs = sorted(tmp_path_factory.getbasetemp().glob("placement*/runs"))[-1]
+    for placement, expected in (("colocate", {"actor/decode step", "reference/forward", "critic/backward",
+                                              "actor/optimizer step", "critic/gradient all-reduce"}),
+                                ("disaggregate", {"rollout/decode step", "exchange/all-gather rollouts",
+                                                  "exchange/weight broadcast", "actor/backward"})):
+        records = [json.loads(line) for line in (runs / placement / "call_times.jsonl").read_text().splitlines()]
+        assert [record["step"] for record in records] == [1, 2] and len(records[0]["ranks"]) == 2
+        names = set().union(*(rank["calls"] for rank in records[-1]["ranks"]))
+        assert expected <= names, names
+        assert all(rank["peak_rss_gb"] > 0 for rank in records[-1]["ranks"])

@@ -1,15 +1,18 @@
 """Step 3's placement cost model and planner: roofline terms by hand, memory by hand, the schedule, the search,
 hardware files, calibration caching and train.py's --placement auto dry run."""
 import json
+import time
 from dataclasses import replace
 
 import pytest
 from test_train_pipeline import TWO_CORES, FakeSteps, common
 
+import training.placement.auto as auto
 import training.placement.calibration as calibration
 from training.pipeline.cli import parse_config
 from training.pipeline.hardware import GIB, ModelSize
 from training.pipeline.runner import run_pipeline
+from training.placement.call_times import CallTimer
 from training.placement.cost_model import estimate_step, forward_call, generation_calls, rank_memory_gib, training_calls
 from training.placement.machine import MachineSpec, load_machine_file, preset_names
 from training.placement.planner import check_fits, choose_placement, format_plans, search
@@ -18,21 +21,35 @@ from training.placement.workload import Step3Workload
 from utils.errors import UserError
 
 MACHINE = MachineSpec(name="round", nodes=1, devices_per_node=8, memory_gib=80, matmul_flops=1e12,
-                      memory_bandwidth=1e11, intra_node_bandwidth=1e10, inter_node_bandwidth=1e9,
+                      memory_bandwidth=1e11, copy_bandwidth=5e10, intra_node_bandwidth=1e10, inter_node_bandwidth=1e9,
                       collective_latency_s=1e-5, call_overhead_s=1e-3, decode_step_overhead_s=1e-4,
-                      baseline_memory_gib=1.0, usable_memory_fraction=1.0)
+                      baseline_memory_gib=1.0, backward_flops=5e11, attention_flops=1e11,
+                      attention_backward_flops=5e10, forward_elementwise_s=1e-10, sampling_s_per_logit=1e-9,
+                      backward_elementwise_s=2e-10, optimizer_s_per_param=1e-9, reduce_efficiency=0.5,
+                      usable_memory_fraction=1.0)
 BILLION = ModelSize(parameters=10**9, hidden_size=1000, num_layers=10, vocab_size=1000)
 SMALL = ModelSize(parameters=10**8, hidden_size=500, num_layers=5, vocab_size=1000)
 WORKLOAD = Step3Workload(actor=BILLION, critic=BILLION, reward=BILLION, prompts_per_rank=4, samples_per_prompt=1,
                          prompt_len=100, answer_len=100, train_micro_batch=2, dtype="bf16", hybrid_engine=False)
 
 
-def test_one_forward_is_its_flops_over_the_matmul_rate_plus_the_call_overhead():
+def test_one_forward_is_its_flops_over_the_matmul_rate_plus_its_elementwise_work_and_the_call_overhead():
     call = forward_call(WORKLOAD, "reference", build_placement("colocate", 1), MACHINE)
     # 2 * 1e9 params * 4 rows * 200 tokens + 4 * 4 rows * 200^2 * 1000 hidden * 10 layers
     assert call.flops == pytest.approx(1.6e12 + 6.4e9)
-    assert call.bytes == 2e9  # bf16 weights streamed once: 0.02 s, under the 1.6064 s of math
-    assert call.seconds == pytest.approx(1.6064 + 1e-3)
+    assert call.bytes == 2e9  # bf16 weights streamed once: 0.02 s, under the 1.6 s of dense math
+    # attention's 6.4e9 FLOPs at 1e11 FLOP/s; + 1e-10 s per token per hidden unit per layer: 800 * 1000 * 10
+    assert call.seconds == pytest.approx(1.6 + 0.064 + 8e-4 + 1e-3)
+
+
+def test_elementwise_work_grows_with_tokens_hidden_and_layers():
+    placement = build_placement("colocate", 1)
+    base = forward_call(WORKLOAD, "reference", placement, replace(MACHINE, forward_elementwise_s=0.0)).seconds
+    longer = replace(WORKLOAD, prompt_len=300)  # 400 tokens a row instead of 200
+    base_longer = forward_call(longer, "reference", placement, replace(MACHINE, forward_elementwise_s=0.0)).seconds
+    extra = forward_call(WORKLOAD, "reference", placement, MACHINE).seconds - base
+    extra_longer = forward_call(longer, "reference", placement, MACHINE).seconds - base_longer
+    assert extra == pytest.approx(8e-4) and extra_longer == pytest.approx(2 * extra)
 
 
 def test_one_decode_step_streams_the_weights_and_the_kv_cache():
@@ -40,16 +57,86 @@ def test_one_decode_step_streams_the_weights_and_the_kv_cache():
     # weights 2e9 B + KV 4 rows * 150 mean context * 2 (K, V) * 1000 * 10 layers * 2 B = 2.024e9 B at 1e11 B/s
     assert decode.bytes == pytest.approx(2.024e9)
     assert decode.flops == pytest.approx(8e9 + 4 * 4 * 150 * 1000 * 10)  # 8.024 ms of math: memory-bound
-    assert decode.seconds == pytest.approx(0.02024 + 10 * 1e-4)  # + one decode overhead per layer
+    # + one decode overhead per layer, + drawing each row's token over the 1000-entry vocabulary at 1e-9 s a logit
+    assert decode.seconds == pytest.approx(0.02024 + 10 * 1e-4 + 4 * 1000 * 1e-9)
     assert decode.count == 100 and prefill.count == 1
 
 
-def test_one_train_call_is_three_forwards():
-    train, reduce, optimizer = training_calls(WORKLOAD, "actor", build_placement("colocate", 1), MACHINE)
-    assert train.flops == pytest.approx(3 * (2e9 * 2 * 200 + 4 * 2 * 200**2 * 1000 * 10))
-    assert train.seconds == pytest.approx(2.4096 + 2 * 1e-3)
-    assert train.count == 2 and optimizer.count == 2  # 4 rows / micro-batch 2, one chunk, one epoch
-    assert reduce.seconds == 0.0  # nothing to reduce on one rank
+def test_one_train_micro_batch_is_a_forward_and_a_backward_at_the_backward_rate():
+    forward, backward, reduce, optimizer = training_calls(WORKLOAD, "actor", build_placement("colocate", 1), MACHINE)
+    dense, attention = 2e9 * 2 * 200, 4 * 2 * 200**2 * 1000 * 10
+    assert forward.flops == pytest.approx(dense + attention)
+    assert backward.flops == pytest.approx(2 * (dense + attention))
+    # 400 tokens * 1000 hidden * 10 layers of elementwise work: 1e-10 s forward, 2e-10 s backward per unit
+    assert forward.seconds == pytest.approx(dense / 1e12 + attention / 1e11 + 4e-4 + 1e-3)
+    assert backward.seconds == pytest.approx(2 * dense / 5e11 + 2 * attention / 5e10 + 8e-4 + 1e-3)
+    assert forward.count == backward.count == 2 and optimizer.count == 2  # 4 rows / micro-batch 2, one chunk
+    # nothing to reduce on one rank, but DeepSpeed still flattens, averages and copies the 2e9 B of gradients back
+    assert reduce.seconds == pytest.approx(6 * 2e9 / 5e10)
+
+
+def test_attention_runs_at_its_own_rate_and_grows_with_the_square_of_the_sequence():
+    placement = build_placement("colocate", 1)
+
+    def attention_s(prompt_len: int) -> float:
+        workload = replace(WORKLOAD, prompt_len=prompt_len)
+        slow = forward_call(workload, "reference", placement, replace(MACHINE, attention_flops=5e10)).seconds
+        return slow - forward_call(workload, "reference", placement, MACHINE).seconds  # half the rate: twice the time
+
+    assert attention_s(100) == pytest.approx(4 * 4 * 200**2 * 1000 * 10 / 1e11)
+    assert attention_s(300) == pytest.approx(4 * attention_s(100))  # 400 tokens a row instead of 200
+
+
+def test_a_value_model_makes_no_vocabulary_logits():
+    placement = build_placement("colocate", 1)
+    actor, critic = (training_calls(WORKLOAD, role, placement, MACHINE)[0] for role in ("actor", "critic"))
+    # same size, but the critic's forward skips the 2 * 1000 vocab * 1000 hidden FLOPs a token of the output head
+    assert actor.seconds - critic.seconds == pytest.approx(2 * 1000 * 1000 * 2 * 200 / 1e12)
+    reference, reward = (forward_call(WORKLOAD, role, placement, MACHINE) for role in ("reference", "reward"))
+    assert reference.seconds - reward.seconds == pytest.approx(2 * 1000 * 1000 * 4 * 200 / 1e12)
+
+
+def test_the_optimizer_step_costs_its_time_per_trained_parameter_sharded_from_zero_1():
+    placement = build_placement("colocate", 4, ("actor", "reference"))
+    lone = replace(WORKLOAD, critic=None, reward=None)
+    step = {stage: training_calls(replace(lone, actor_zero_stage=stage), "actor", placement, MACHINE)[-1]
+            for stage in (0, 1)}
+    assert step[0].kind == "optimizer step" and step[0].seconds == pytest.approx(1e9 * 1e-9)
+    assert step[1].seconds == pytest.approx(1e9 * 1e-9 / 4)
+    lora = training_calls(replace(lone, actor_lora=True), "actor", placement, MACHINE)[-1]
+    assert lora.seconds == pytest.approx(0.01 * 1e9 * 1e-9)
+
+
+def test_the_gradient_all_reduce_runs_at_the_reduce_efficiency_of_the_link():
+    placement = build_placement("colocate", 2)
+    reduce = training_calls(WORKLOAD, "critic", placement, MACHINE)[2]
+    # the copies (6 passes over 2e9 B at a copy bandwidth of 5e10 B/s) + 2 * 2e9 B * (2 - 1) / 2 = 2e9 B at
+    # 1e10 B/s * 0.5
+    assert reduce.kind == "gradient all-reduce" and reduce.seconds == pytest.approx(0.24 + 1e-5 + 0.4)
+    full = training_calls(WORKLOAD, "critic", placement, replace(MACHINE, reduce_efficiency=1.0))[2]
+    assert full.seconds == pytest.approx(0.24 + 1e-5 + 0.2)
+
+
+def test_the_decode_step_overhead_grows_the_generation_with_the_decode_steps():
+    placement = build_placement("colocate", 1)
+
+    def overhead_s(answer_len: int) -> float:
+        workload = replace(WORKLOAD, answer_len=answer_len)
+        quiet_machine = replace(MACHINE, decode_step_overhead_s=0.0, sampling_s_per_logit=0.0)
+        quiet = estimate_step(workload, placement, quiet_machine).generation_s
+        return estimate_step(workload, placement, MACHINE).generation_s - quiet
+
+    # steps x (layers x per-layer overhead + rows x vocabulary x per-logit sampling cost)
+    assert overhead_s(100) == pytest.approx(100 * (10 * 1e-4 + 4 * 1000 * 1e-9))
+    assert overhead_s(200) == pytest.approx(2 * overhead_s(100))
+
+
+def test_the_hybrid_engine_builds_an_inference_copy_each_pass():
+    hybrid = replace(WORKLOAD, hybrid_engine=True)
+    enter, prefill, decode = generation_calls(hybrid, build_placement("colocate", 1), MACHINE)
+    # copied (read + write) then reordered (read + write): 4 x 2e9 B at a copy bandwidth of 5e10 B/s
+    assert enter.kind == "enter generate mode" and enter.seconds == pytest.approx(0.16) and enter.count == 1
+    assert len(generation_calls(WORKLOAD, build_placement("colocate", 1), MACHINE)) == 2
 
 
 def test_zero3_divides_the_trained_models_states_by_the_group_on_four_ranks():
@@ -57,12 +144,20 @@ def test_zero3_divides_the_trained_models_states_by_the_group_on_four_ranks():
     lone = replace(WORKLOAD, critic=None, reward=None)
     zero0 = rank_memory_gib(replace(lone, actor_zero_stage=0), placement, MACHINE, 0)
     zero3 = rank_memory_gib(replace(lone, actor_zero_stage=3), placement, MACHINE, 0)
-    # actor: 2 B weights + 2 B grads + 12 B fp32 master and Adam moments per parameter; reference: 2 B weights
-    # (sharded with the actor under ZeRO-3); the largest transient is the actor's training micro-batch:
+    # actor: 2 B weights + 2 B grads + 4 B the fp32 master's grads + 12 B fp32 master and Adam moments per
+    # parameter; reference: 2 B weights
+    # (sharded with the actor under ZeRO-3); the largest transient is the optimizer step's fp32 casts of the
+    # gradients (4 B per parameter; ZeRO-3 shards them), over the training micro-batch's
     # 34 * 2 rows * 200 * 1000 * 10 B activations + 2 * 200 * 1000 * 4 B logits + 4 * 2 * 200 * 1000 * 2 B
+    assert zero0 == pytest.approx(1.0 + (20e9 + 2e9 + 4e9) / GIB)
+    assert zero3 == pytest.approx(1.0 + (20e9 / 4 + 2e9 / 4 + 4e9 / 4) / GIB)
+    small = replace(lone, actor_lora=True, actor_zero_stage=0)  # 1e7 trainable: the micro-batch is the largest
     transient = 1.36e8 + 1.6e6 + 3.2e6
-    assert zero0 == pytest.approx(1.0 + (16e9 + 2e9 + transient) / GIB)
-    assert zero3 == pytest.approx(1.0 + (16e9 / 4 + 2e9 / 4 + transient) / GIB)
+    assert rank_memory_gib(small, placement, MACHINE, 0) == pytest.approx(
+        1.0 + (2e9 + 1e7 * 18 + 2e9 + transient) / GIB)
+    fp32 = rank_memory_gib(replace(lone, dtype="fp32"), placement, MACHINE, 0)  # no master copy, no master grads
+    fp32_transient = 2.72e8 + 1.6e6 + 6.4e6
+    assert fp32 == pytest.approx(1.0 + (4e9 + 4e9 + 8e9 + 4e9 + fp32_transient) / GIB)
 
 
 def test_interleaved_scoring_takes_the_longer_half():
@@ -93,9 +188,9 @@ def test_disaggregated_scoring_follows_the_whole_generation_and_only_it_syncs():
 
 
 def test_planner_keeps_only_plans_that_fit_fastest_first():
-    tight = replace(MACHINE, memory_gib=12.0)  # 4 x 1B models: ZeRO-0 states alone take 36 GB per rank
+    tight = replace(MACHINE, memory_gib=16.0)  # 4 x 1B models: ZeRO-0 states alone take 44 GB per rank
     plans = search(WORKLOAD, tight, 4)
-    assert plans and all(plan.estimate.peak_memory_gib <= 12.0 for plan in plans)
+    assert plans and all(plan.estimate.peak_memory_gib <= 16.0 for plan in plans)
     assert all((plan.actor_zero_stage, plan.critic_zero_stage) != (0, 0) for plan in plans)
     times = [plan.estimate.step_s for plan in plans]
     assert times == sorted(times)
@@ -151,6 +246,47 @@ def test_preset_files_load_by_name():
     a100, h100 = load_machine_file("a100-80gb"), load_machine_file("h100-80gb")
     assert a100.world_size == h100.world_size == 8 and a100.memory_gib == 80
     assert h100.matmul_flops > a100.matmul_flops and a100.intra_node_bandwidth > a100.inter_node_bandwidth
+
+
+def test_hardware_files_default_the_measured_constants_from_the_datasheet(tmp_path):
+    machine = load_machine_file(_write(tmp_path, GOOD))
+    assert machine.backward_flops == pytest.approx(2.0e12 * 0.5) == machine.matmul_flops
+    assert machine.optimizer_s_per_param == pytest.approx(40 / 0.8e12)
+    assert machine.forward_elementwise_s == pytest.approx(12 * 2 / 0.8e12)
+    assert machine.backward_elementwise_s == pytest.approx(2 * machine.forward_elementwise_s)
+    assert machine.copy_bandwidth == machine.memory_bandwidth == pytest.approx(0.8e12)
+    assert machine.reduce_efficiency == 1.0 and machine.sampling_s_per_logit == pytest.approx(40 / 0.8e12)
+    tuned = load_machine_file(_write(tmp_path, GOOD + "backward_efficiency: 0.25\nreduce_efficiency: 0.5\n"))
+    assert tuned.backward_flops == pytest.approx(0.5e12) and tuned.reduce_efficiency == 0.5
+
+
+def test_each_of_two_ranks_on_two_cores_is_calibrated_on_one_core(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    asked = []
+    monkeypatch.setattr(auto, "calibrate", lambda dtype, threads, world, quick=False: asked.append((threads, world))
+                        or MACHINE)
+    auto.planning_machine(None, False, "bf16", 2, cores=2)
+    auto.planning_machine(None, False, "bf16", 1, cores=2)
+    assert asked == [(1, 2), (2, 1)]  # two groups at once: a core each; alone: both
+
+
+def test_call_times_are_exclusive_of_the_calls_nested_in_them():
+    timer = CallTimer()
+
+    class Engine:
+        def step(self):
+            with timer.time("inner"):
+                time.sleep(0.02)
+            time.sleep(0.01)
+
+    engine = Engine()
+    assert timer.wrap(engine, "step", "outer") and not timer.wrap(engine, "missing.step", "none")
+    engine.step()
+    engine.step()
+    taken = timer.take()
+    assert taken["outer"]["n"] == taken["inner"]["n"] == 2
+    assert 0.02 <= taken["outer"]["s"] < 0.04 <= taken["inner"]["s"]
+    assert timer.take() == {}
 
 
 def test_calibration_is_saved_then_reused(tmp_path, monkeypatch):

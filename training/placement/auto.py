@@ -17,7 +17,7 @@ def planning_machine(hardware_file: str | None, recalibrate: bool, dtype: str, w
                      cores: int) -> tuple[MachineSpec, str]:
     """The machine and a line saying where its constants come from: the hardware file (its own world size), else
     this machine as `world_size` ranks: a saved calibration, a fresh one with --calibrate, or, with neither, a
-    quick profile of a few seconds (not saved)."""
+    quick profile of about ten seconds (not saved)."""
     if hardware_file:
         machine = load_machine_file(hardware_file, dtype)
         return machine, f"machine constants: {machine.name} from the hardware file {hardware_file} ({dtype})"

@@ -1,7 +1,8 @@
 """This machine's constants for the cost model, measured in a short profile and cached per host/dtype/threads/world.
 
-Run with the torch threads one rank gets (a CPU run of R ranks on C cores: C // R each), so every rate is per rank.
-`quick=True` is a profile of a few seconds for a dry run with no saved calibration: smaller shapes, fewer
+Run with the torch threads one rank gets (a CPU run of R ranks on C cores: C // R each), so every rate is per rank;
+the ranks measure at the same time (each rate is one rank's while every rank is busy, as in a co-located step).
+`quick=True` is a profile of about ten seconds for a dry run with no saved calibration: smaller shapes, fewer
 repetitions, the baseline memory read from this process; it is not saved.
 """
 from __future__ import annotations
@@ -13,18 +14,30 @@ import platform
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from training.generation.cpu_linear import LinearWeight
 from training.pipeline.hardware import GIB
 from training.placement.machine import MachineSpec
+from training.placement.microbench import (
+    QUICK,
+    REFERENCE,
+    best_of,
+    measure_decode_overheads,
+    measure_layer,
+    measure_optimizer_s_per_param,
+)
 
+DECODE_ROWS = 4  # a small rollout batch
+GRADIENT_NUMEL = 32 * 2**20  # the gradients all-reduced in the calibration: a small model's, past every cache
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_BASELINE_SCRIPT = ("import os, torch, deepspeed; "
+# what a step-3 rank imports before it loads a model (torch, deepspeed, transformers' Llama, peft, datasets)
+_BASELINE_SCRIPT = ("import os, torch, deepspeed, transformers, peft, datasets; "
+                    "from transformers import LlamaForCausalLM; "
                     "print(os.sysconf('SC_PAGE_SIZE') * int(open('/proc/self/statm').read().split()[1]))")
 
 
@@ -37,40 +50,31 @@ def cache_path(dtype: str, threads: int, world_size: int) -> Path:
     return cache_dir() / f"{socket.gethostname()}-{dtype}-t{threads}-w{world_size}.json"
 
 
-def _best_of(repeats: int, run: Callable[[], object]) -> float:
-    run()  # warm-up: first-call allocation and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def measure_matmul_flops(dtype: torch.dtype, quick: bool) -> float:
-    """FLOP/s of [tokens x hidden] @ [hidden x 4 hidden], an MLP's up-projection at a training micro-batch."""
-    tokens, hidden = (256, 512) if quick else (1024, 1024)
-    a = torch.randn(tokens, hidden, dtype=dtype)
-    b = torch.randn(hidden, 4 * hidden, dtype=dtype)
-    return 2 * tokens * hidden * 4 * hidden / _best_of(2 if quick else 5, lambda: a @ b)
-
-
 def measure_streaming_bandwidth(dtype: torch.dtype, quick: bool) -> float:
-    """Bytes/s of decode-like matrix-vector products over a weight set several times the last-level cache."""
+    """Bytes/s of decode steps' products (a few rows against each weight, through the kernel the hybrid engine's
+    decoder uses: oneDNN-packed where this CPU supports it) over a weight set several times the last-level cache."""
     size = torch.finfo(dtype).bits // 8
     total = (128 if quick else 512) * 2**20
-    matrices = [torch.randn(2048, 2048, dtype=dtype) for _ in range(max(1, total // (2048 * 2048 * size)))]
-    row = torch.randn(1, 2048, dtype=dtype)
+    count = max(1, total // (2048 * 2048 * size))
+    matrices = [LinearWeight(torch.randn(2048, 2048, dtype=dtype)) for _ in range(count)]
+    rows = torch.randn(DECODE_ROWS, 2048, dtype=dtype)
 
     def stream() -> None:
         for matrix in matrices:
-            row @ matrix
+            matrix(rows)
 
-    return len(matrices) * 2048 * 2048 * size / _best_of(2 if quick else 4, stream)
+    return len(matrices) * 2048 * 2048 * size / best_of(2 if quick else 6, stream)
+
+
+def measure_copy_bandwidth(quick: bool) -> float:
+    """Bytes read plus written per second of copying a buffer several times the last-level cache."""
+    numel = (32 if quick else 64) * 2**20
+    source, target = torch.ones(numel), torch.empty(numel)
+    return 2 * 4 * numel / best_of(2 if quick else 5, lambda: target.copy_(source))
 
 
 class _Layer(torch.nn.Module):
-    """The op sequence of a small decoder layer: what one decode step pays per layer besides its math."""
+    """The op sequence of a small decoder layer."""
 
     def __init__(self, hidden: int = 64):
         super().__init__()
@@ -84,8 +88,8 @@ class _Layer(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
-def measure_overheads(quick: bool) -> tuple[float, float]:
-    """(per-call, per-layer decode-step) seconds: a 2-layer tiny model's call minus its layers, and one layer."""
+def measure_call_overhead(quick: bool) -> float:
+    """Seconds per model call besides its layers: a 2-layer tiny model's call minus its layers."""
     layers = torch.nn.ModuleList([_Layer(), _Layer()])
     x = torch.randn(1, 1, 64)
     repeats = 20 if quick else 200
@@ -97,9 +101,9 @@ def measure_overheads(quick: bool) -> tuple[float, float]:
         return torch.log_softmax(hidden.float(), dim=-1)
 
     with torch.no_grad():
-        per_layer = _best_of(repeats, lambda: layers[0](x))
-        per_call = _best_of(repeats, call)
-    return max(per_call - 2 * per_layer, per_layer), per_layer
+        per_layer = best_of(repeats, lambda: layers[0](x))
+        per_call = best_of(repeats, call)
+    return max(per_call - 2 * per_layer, per_layer)
 
 
 def _rss_bytes() -> int:
@@ -107,43 +111,95 @@ def _rss_bytes() -> int:
 
 
 def measure_baseline_memory_gib(quick: bool) -> float:
-    """A fresh process's resident memory after importing torch and deepspeed (quick: this process's)."""
+    """A fresh process's resident memory after the imports of a step-3 rank (quick: this process's)."""
     if quick:
         return _rss_bytes() / GIB
     out = subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1]) / GIB
 
 
-def _collective_worker(rank: int, world_size: int, port: int, sizes: list[int], results) -> None:
+def measure_rank(dtype: torch.dtype, quick: bool, sync: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """This rank's compute constants (module doc), at the torch threads it was given; `sync` (a barrier across the
+    calibrating ranks) starts each benchmark on every rank at once, so they contend as a co-located step's do."""
+    shape, repeats = (QUICK, 2) if quick else (REFERENCE, 8)
+    sync()
+    layer = measure_layer(dtype, shape, repeats)
+    sync()
+    call_s = measure_call_overhead(quick)
+    sync()
+    bandwidth = measure_streaming_bandwidth(dtype, quick)
+    sync()
+    decode = measure_decode_overheads(dtype, bandwidth, quick)
+    sync()
+    copy_bandwidth = measure_copy_bandwidth(quick)
+    sync()
+    optimizer_s = measure_optimizer_s_per_param(dtype, (2 if quick else 16) * 2**20, repeats)
+    return {**asdict(layer), "memory_bandwidth": bandwidth, "copy_bandwidth": copy_bandwidth,
+            "optimizer_s_per_param": optimizer_s,
+            "call_overhead_s": call_s, "decode_step_overhead_s": decode.per_layer_s,
+            "sampling_s_per_logit": decode.per_logit_s}
+
+
+def _line_fit(moved: Callable[[int], float], small: int, large: int, t_small: float,
+              t_large: float) -> tuple[float, float]:
+    """(bytes/s, latency s) of a collective from its times at two sizes: time = latency + moved bytes / rate."""
+    bandwidth = (moved(large) - moved(small)) / max(t_large - t_small, 1e-9)
+    return bandwidth, max(t_small - moved(small) / bandwidth, 1e-6)
+
+
+def measure_collectives(world_size: int, dtype: torch.dtype) -> dict[str, float]:
+    """Link bandwidth and latency of gloo all-gather + broadcast (float32, as the experience exchange moves), and
+    an all-reduce's bandwidth (in `dtype`, as DeepSpeed reduces gradients, on a flat buffer of a small model's
+    gradients) over the link's: a CPU sums with its cores."""
+    import torch.distributed as dist
+
+    n, small, large = world_size, 256, 4 * 2**20
+    timings = {}
+    for numel in (small, large):
+        tensor, gathered = torch.ones(numel), [torch.empty(numel) for _ in range(n)]
+        timings[numel] = best_of(3, lambda: (dist.all_gather(gathered, tensor), dist.broadcast(tensor, 0)))
+    link, latency = _line_fit(lambda numel: 4 * numel * ((n - 1) / n + 1), small, large, timings[small],
+                              timings[large])
+    size, flat = torch.finfo(dtype).bits // 8, torch.ones(GRADIENT_NUMEL, dtype=dtype)
+    reduce_s = best_of(2, lambda: dist.all_reduce(flat))
+    reduce = 2 * size * GRADIENT_NUMEL * (n - 1) / n / max(reduce_s - latency / 2, 1e-9)
+    return {"intra_node_bandwidth": link, "collective_latency_s": latency / 2, "reduce_efficiency": reduce / link}
+
+
+def _rank_worker(rank: int, world_size: int, port: int, dtype: str, threads: int, quick: bool, results) -> None:
+    """Every rank measures its compute constants at the same time, then the collectives; rank 0 reports."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    timings = []
-    for numel in sizes:
-        tensor = torch.ones(numel)
-        gathered = [torch.empty(numel) for _ in range(world_size)]
-        timings.append(_best_of(3, lambda: (dist.all_gather(gathered, tensor), dist.broadcast(tensor, 0))))
+    torch.set_num_threads(threads)
+    measured = measure_rank(TORCH_DTYPES[dtype], quick, dist.barrier)
+    dist.barrier()
+    measured |= measure_collectives(world_size, TORCH_DTYPES[dtype])
     if rank == 0:
-        results.put(timings)
+        results.put(measured)
     dist.destroy_process_group()
 
 
-def measure_collectives(world_size: int) -> tuple[float, float]:
-    """(bytes/s per rank, latency s) of gloo all-gather + broadcast between `world_size` local processes:
-    a small and a large message fix the line time = latency + moved bytes / bandwidth."""
+def measure_ranks(dtype: str, threads: int, world_size: int, quick: bool) -> dict[str, float]:
+    """The constants of rank 0 of `world_size` local processes of `threads` threads each, measured together."""
     import torch.multiprocessing as mp
 
     from utils.dist import free_port
 
-    small, large = 256, 4 * 2**20
+    if world_size == 1:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            measured = measure_rank(TORCH_DTYPES[dtype], quick)
+        finally:
+            torch.set_num_threads(previous)
+        return measured | {"intra_node_bandwidth": measured["memory_bandwidth"], "collective_latency_s": 0.0,
+                           "reduce_efficiency": 1.0}
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(_collective_worker, args=(world_size, free_port(), [small, large], results),
+    mp.start_processes(_rank_worker, args=(world_size, free_port(), dtype, threads, quick, results),
                        nprocs=world_size, join=True, start_method="spawn")
-    t_small, t_large = results.get()
-    moved = lambda numel: 4 * numel * ((world_size - 1) / world_size + 1)  # all-gather's share + the broadcast
-    bandwidth = (moved(large) - moved(small)) / max(t_large - t_small, 1e-9)
-    return bandwidth, max(t_small - moved(small) / bandwidth, 1e-6) / 2
+    return results.get()
 
 
 def host_memory_gib() -> float:
@@ -151,24 +207,14 @@ def host_memory_gib() -> float:
 
 
 def calibrate(dtype: str, threads: int, world_size: int, quick: bool = False) -> MachineSpec:
-    """Measure this machine as `world_size` ranks of `threads` torch threads each (one node)."""
-    torch_dtype = TORCH_DTYPES[dtype]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        flops = measure_matmul_flops(torch_dtype, quick)
-        bandwidth = measure_streaming_bandwidth(torch_dtype, quick)
-        call_s, layer_s = measure_overheads(quick)
-    finally:
-        torch.set_num_threads(previous)
-    link, latency = measure_collectives(world_size) if world_size > 1 else (bandwidth, 0.0)
+    """Measure this machine as `world_size` ranks of `threads` torch threads each (one node), all busy at once."""
+    measured = measure_ranks(dtype, threads, world_size, quick)
     return MachineSpec(
         name=f"{socket.gethostname()} (calibrated{', quick' if quick else ''}: {dtype}, {threads} thread(s), "
              f"{world_size} rank(s))",
-        nodes=1, devices_per_node=world_size, memory_gib=host_memory_gib() / world_size, matmul_flops=flops,
-        memory_bandwidth=bandwidth, intra_node_bandwidth=link, inter_node_bandwidth=link,
-        collective_latency_s=latency, call_overhead_s=call_s, decode_step_overhead_s=layer_s,
-        baseline_memory_gib=measure_baseline_memory_gib(quick))
+        nodes=1, devices_per_node=world_size, memory_gib=host_memory_gib() / world_size,
+        inter_node_bandwidth=measured["intra_node_bandwidth"], baseline_memory_gib=measure_baseline_memory_gib(quick),
+        **measured)
 
 
 def cpu_model() -> str:

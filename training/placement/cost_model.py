@@ -1,7 +1,11 @@
 """Roofline estimates of one PPO step under a placement: each model call's time and each rank's peak memory.
 
-A call takes max(FLOPs / matmul rate, bytes / memory bandwidth) plus its overheads; collectives take
-latency + bytes / link bandwidth. The schedule is the one the runtime follows (see `estimate_step`).
+A forward takes max(dense FLOPs / matmul rate, weight bytes / memory bandwidth), plus attention's FLOPs at the
+attention kernel's rate, plus its layers' non-matmul work (per token per hidden unit per layer: norms, activations,
+residuals), plus a call overhead; a backward runs twice the FLOPs at the backward rates; an optimizer step costs a
+measured time per trained parameter; collectives take latency + bytes / link bandwidth (a gradient all-reduce at
+its measured share of it). Every rate is measured on the machine (`calibration`) or derived from a hardware file.
+The schedule is the one the runtime follows (see `estimate_step`).
 Not modelled: gradient checkpointing, offload, early-finishing answers (every answer decodes `answer_len` tokens),
 and the causal mask's saving in attention (attention FLOPs are counted over the full square).
 """
@@ -19,6 +23,9 @@ LORA_TRAINABLE = 0.01  # share of the parameters a LoRA adapter trains
 EXPERIENCE_TENSORS = 8  # per-token tensors an experience row carries (sequence, mask, log-probs, values, ...)
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # Korthikanti et al.: ~34*s*h bytes per layer at 2-byte activations
 LM_HEAD_ROLES = ("actor", "reference", "rollout")  # their forward makes vocabulary logits; critic/reward a value
+# byte passes at the copy bandwidth (which counts the bytes read and the bytes written)
+GRADIENT_REDUCE_PASSES = 6  # flatten, average and copy back: each reads and writes the gradients
+INFERENCE_COPY_PASSES = 4  # the hybrid engine reads and writes the weights to copy them, then again to reorder them
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,28 @@ class StepEstimate:
 
 def forward_flops(size: ModelSize, rows: int, seq: int) -> float:
     """Dense matmuls 2*params per token plus attention's two S x S products per layer (QK^T and AV)."""
-    return 2.0 * size.parameters * rows * seq + 4.0 * rows * seq * seq * size.hidden_size * size.num_layers
+    return 2.0 * size.parameters * rows * seq + attention_flops(size, rows, seq)
+
+
+def attention_flops(size: ModelSize, rows: int, seq: int) -> float:
+    return 4.0 * rows * seq * seq * size.hidden_size * size.num_layers
+
+
+def pass_s(size: ModelSize, rows: int, seq: int, weights: float, machine: MachineSpec, backward: bool = False,
+           lm_head: bool = True) -> float:
+    """A forward (or a backward: twice the FLOPs) over `rows` x `seq` tokens: the dense matmuls' roofline, the
+    attention kernel at its own rate and the layers' non-matmul work; no call overhead. A value model
+    (`lm_head=False`) makes no vocabulary logits: its embedding is a lookup, not a matmul."""
+    attention = attention_flops(size, rows, seq)
+    dense = forward_flops(size, rows, seq) - attention
+    if not lm_head:
+        dense -= 2.0 * size.vocab_size * size.hidden_size * rows * seq
+    if backward:
+        math_s = max(2 * dense / machine.backward_flops, 2 * weights / machine.memory_bandwidth) + \
+            2 * attention / machine.attention_backward_flops
+    else:
+        math_s = roofline_s(dense, weights, machine) + attention / machine.attention_flops
+    return math_s + elementwise_s(size, rows * seq, machine, backward)
 
 
 def roofline_s(flops: float, nbytes: float, machine: MachineSpec) -> float:
@@ -84,8 +112,25 @@ def all_gather_s(full_bytes: float, ranks: tuple[int, ...], machine: MachineSpec
 
 
 def all_reduce_s(full_bytes: float, ranks: tuple[int, ...], machine: MachineSpec) -> float:
+    """A ring all-reduce's 2 (n-1)/n of the bytes, at the link's bandwidth times the reduce efficiency."""
     n = len(ranks)
-    return collective_s(2.0 * full_bytes * (n - 1) / n, ranks, machine)
+    if n <= 1:
+        return 0.0
+    moved = 2.0 * full_bytes * (n - 1) / n
+    return machine.collective_latency_s + moved / (machine.link_bandwidth(ranks) * machine.reduce_efficiency)
+
+
+def gradient_reduce_s(gradient_bytes: float, ranks: tuple[int, ...], machine: MachineSpec) -> float:
+    """DeepSpeed's ZeRO-0/1 gradient all-reduce: the gradients flattened into a buffer, all-reduced, averaged and
+    copied back; the copies happen on one rank too."""
+    copies = GRADIENT_REDUCE_PASSES * gradient_bytes / machine.copy_bandwidth
+    return copies + all_reduce_s(gradient_bytes, ranks, machine)
+
+
+def elementwise_s(size: ModelSize, tokens: int, machine: MachineSpec, backward: bool = False) -> float:
+    """A pass's non-matmul work over `tokens` tokens of every layer."""
+    per_unit = machine.backward_elementwise_s if backward else machine.forward_elementwise_s
+    return per_unit * tokens * size.hidden_size * size.num_layers
 
 
 def _trainable(workload: Step3Workload, role: str, size: ModelSize) -> float:
@@ -118,7 +163,8 @@ def forward_call(workload: Step3Workload, role: str, placement: Placement, machi
     weights = size.parameters * workload.dtype_bytes
     flops = forward_flops(size, rows, seq)
     gather = all_gather_s(weights, placement.ranks[role], machine) if _stage(workload, role) == 3 else 0.0
-    seconds = roofline_s(flops, weights, machine) + machine.call_overhead_s + gather
+    seconds = pass_s(size, rows, seq, weights, machine, lm_head=role in LM_HEAD_ROLES) + machine.call_overhead_s + \
+        gather
     return Call("scoring", role, "forward", seconds, flops, weights, 1)
 
 
@@ -133,12 +179,14 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
     rows = tp * workload.rows_per_chunk
     weights = size.parameters * b / tp
     prefill_flops = forward_flops(size, tp * workload.prompts_per_rank, workload.prompt_len) / tp
-    prefill = Call("generation", role, "prefill", roofline_s(prefill_flops, weights, machine) + machine.call_overhead_s,
-                   prefill_flops, weights, passes)
+    prefill_s = pass_s(size, tp * workload.prompts_per_rank, workload.prompt_len, weights * tp, machine) / tp + \
+        machine.call_overhead_s
+    prefill = Call("generation", role, "prefill", prefill_s, prefill_flops, weights, passes)
     context = workload.prompt_len + workload.answer_len / 2  # the mean length attended over
     kv_bytes = rows * context * 2 * size.hidden_size * size.num_layers * b / tp
     step_flops = (2.0 * size.parameters * rows + 4.0 * rows * context * size.hidden_size * size.num_layers) / tp
-    overhead = machine.decode_step_overhead_s * size.num_layers
+    overhead = machine.decode_step_overhead_s * size.num_layers + \
+        machine.sampling_s_per_logit * rows * size.vocab_size  # every rank of a TP group draws its rows' tokens
     if tp > 1:  # two all-reduces of the rows' hidden states per layer
         tp_group = members[:tp]
         overhead += 2 * size.num_layers * all_reduce_s(rows * size.hidden_size * b, tp_group, machine)
@@ -148,6 +196,10 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
     decode = Call("generation", role, "decode step", roofline_s(step_flops, weights + kv_bytes, machine) + overhead,
                   step_flops, weights + kv_bytes, passes * workload.answer_len)
     calls = [prefill, decode]
+    if workload.hybrid_engine:  # each pass builds an inference copy: weights copied, then reordered for the kernels
+        copy_bytes = INFERENCE_COPY_PASSES * weights
+        calls.insert(0, Call("generation", role, "enter generate mode", copy_bytes / machine.copy_bandwidth, 0.0,
+                             copy_bytes, passes))
     if stage3 and workload.hybrid_engine:  # the hybrid engine gathers (its TP shard of) the weights once a step
         gather = all_gather_s(size.parameters * b / tp, members, machine)
         calls.insert(0, Call("generation", role, "gather weights", gather, 0.0, size.parameters * b / tp, 1))
@@ -156,24 +208,28 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
 
 def training_calls(workload: Step3Workload, role: str, placement: Placement, machine: MachineSpec) -> list[Call]:
     """A member trains on its chunks: per PPO epoch, ceil(rows / micro) optimizer steps, each accumulating one
-    micro-batch from each of its chunks (so the optimizer steps equal the co-located run's)."""
+    micro-batch from each of its chunks (so the optimizer steps equal the co-located run's). A micro-batch is a
+    forward, then a backward at twice its FLOPs (input and weight gradients)."""
     size, b, members = _size(workload, role), workload.dtype_bytes, placement.ranks[role]
     n, stage, micro = len(members), _stage(workload, role), workload.train_micro_batch
     trainable = _trainable(workload, role, size)
     steps = workload.ppo_epochs * math.ceil(workload.rows_per_chunk / micro)
     micro_batches = steps * placement.chunks_per_member(role)
-    flops = 3.0 * forward_flops(size, micro, workload.seq_len)
-    weights = size.parameters * b
-    seconds = roofline_s(flops, 3 * weights, machine) + 2 * machine.call_overhead_s
+    flops, weights = forward_flops(size, micro, workload.seq_len), size.parameters * b
+    lm_head = role in LM_HEAD_ROLES
+    forward = pass_s(size, micro, workload.seq_len, weights, machine, lm_head=lm_head) + machine.call_overhead_s
+    backward = pass_s(size, micro, workload.seq_len, weights, machine, True, lm_head) + machine.call_overhead_s
     if stage == 3:  # weights gathered for the forward and again for the backward, gradients reduce-scattered
-        seconds += 2 * all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
-    calls = [Call("training", role, "train micro-batch", seconds, flops, 3 * weights, micro_batches)]
+        forward += all_gather_s(weights, members, machine)
+        backward += all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
+    calls = [Call("training", role, "train forward", forward, flops, weights, micro_batches),
+             Call("training", role, "backward", backward, 2 * flops, 2 * weights, micro_batches)]
     if stage < 3:
-        calls.append(Call("training", role, "gradient all-reduce", all_reduce_s(trainable * b, members, machine), 0.0,
-                          2 * trainable * b, steps))
-    state_bytes = trainable * (2 * (12 + b)) / (n if stage >= 1 else 1)  # read and write master, moments, weights
-    calls.append(Call("training", role, "optimizer step", state_bytes / machine.memory_bandwidth, 0.0, state_bytes,
-                      steps))
+        calls.append(Call("training", role, "gradient all-reduce", gradient_reduce_s(trainable * b, members, machine),
+                          0.0, 2 * trainable * b, steps))
+    updated = trainable / (n if stage >= 1 else 1)
+    calls.append(Call("training", role, "optimizer step", updated * machine.optimizer_s_per_param, 0.0,
+                      updated * (2 * (12 + b)), steps))
     return calls
 
 
@@ -190,7 +246,7 @@ def _persistent_bytes(workload: Step3Workload, role: str, placement: Placement) 
         return weights
     trainable = _trainable(workload, role, size)
     optimizer = 12 if b < 4 else 8  # fp32 master + Adam's two moments; fp32 training keeps no master copy
-    grads = trainable * b / (n if stage >= 2 else 1)
+    grads = trainable * (b + (4 if b < 4 else 0)) / (n if stage >= 2 else 1)  # + the fp32 master's gradients
     return weights + grads + trainable * optimizer / (n if stage >= 1 else 1)
 
 
@@ -214,6 +270,15 @@ def _training_bytes(workload: Step3Workload, role: str) -> float:
     return activations * workload.dtype_bytes / 2 + _forward_bytes(workload, role, micro)
 
 
+def _optimizer_step_bytes(workload: Step3Workload, role: str, placement: Placement) -> float:
+    """Mixed precision: the optimizer step casts every gradient to fp32 before flattening them into the master's
+    gradient buffer, so the casts and the buffer are alive together (the buffer is counted as persistent)."""
+    if workload.dtype_bytes >= 4:
+        return 0.0
+    sharded = len(placement.ranks[role]) if _stage(workload, role) >= 2 else 1
+    return _trainable(workload, role, _size(workload, role)) * 4 / sharded
+
+
 def rank_memory_gib(workload: Step3Workload, placement: Placement, machine: MachineSpec, rank: int) -> float:
     """Baseline + every held model's persistent states + the largest phase's transient memory."""
     held = [role for role in placement.ranks if placement.holds(role, rank)]
@@ -222,7 +287,8 @@ def rank_memory_gib(workload: Step3Workload, placement: Placement, machine: Mach
     if placement.generation_role in held:
         transient.append(_generation_bytes(workload, placement))
     transient += [_forward_bytes(workload, role, workload.rows_per_chunk) for role in held if role != "rollout"]
-    transient += [_training_bytes(workload, role) for role in held if role in ("actor", "critic")]
+    transient += [max(_training_bytes(workload, role), _optimizer_step_bytes(workload, role, placement))
+                  for role in held if role in ("actor", "critic")]
     return machine.baseline_memory_gib + (persistent + max(transient)) / GIB
 
 

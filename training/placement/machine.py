@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from training.placement.workload import DTYPE_BYTES
 from utils.errors import UserError
 
 PRESET_DIR = Path(__file__).resolve().parent / "machines"
@@ -23,6 +24,16 @@ class MachineSpec:
     `decode_step_overhead_s` is per decoder layer per generated-token step: the launch and Python cost of one
     layer that a small decode batch cannot hide (a step of an L-layer model pays L of it).
     `call_overhead_s` is per model call (a forward, or a backward), besides its layers' work.
+    `backward_flops` is the rate of a backward's matmuls (input and weight gradients), which on a CPU differs
+    from the forward's; `attention_flops` / `attention_backward_flops` are the attention kernel's (its FLOPs
+    counted over the full square). `forward_elementwise_s` / `backward_elementwise_s` are a pass's seconds per
+    token per hidden unit per layer beyond its matmuls and attention (norms, activations, residual adds).
+    `optimizer_s_per_param` is one optimizer step per trained parameter, mixed-precision master copies included.
+    `reduce_efficiency` is a gradient all-reduce's bandwidth over the link's (a CPU sums and copies with its cores).
+    `copy_bandwidth` is the bytes read plus written per second of a large tensor copy (gradient flattening, the
+    inference copy), slower on a CPU than `memory_bandwidth`'s weight streaming.
+    `sampling_s_per_logit` is a decode step's cost per row per vocabulary entry of drawing the next token and its
+    log-probability (softmax, sampling, log-softmax over the vocabulary).
     """
 
     name: str
@@ -31,12 +42,21 @@ class MachineSpec:
     memory_gib: float
     matmul_flops: float
     memory_bandwidth: float
+    copy_bandwidth: float
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     collective_latency_s: float
     call_overhead_s: float
     decode_step_overhead_s: float
     baseline_memory_gib: float
+    backward_flops: float
+    attention_flops: float
+    attention_backward_flops: float
+    forward_elementwise_s: float
+    backward_elementwise_s: float
+    optimizer_s_per_param: float
+    reduce_efficiency: float
+    sampling_s_per_logit: float
     usable_memory_fraction: float = 0.92  # allocator fragmentation and workspace leave the rest unusable
 
     @property
@@ -65,6 +85,11 @@ FILE_DEFAULTS: dict[str, float] = {
     "call_overhead_s": 2e-3,  # a Hugging Face model call's Python and launch cost
     "decode_step_overhead_s": 30e-6,  # one decoder layer's kernel launches at batch ~8-64, no CUDA graph
     "baseline_memory_gib": 1.5,  # CUDA context + NCCL buffers + allocator slack
+    "backward_efficiency": 0.5,  # the backward's matmuls, of the dense peak (as the forward's)
+    "elementwise_passes": 12,  # a layer's non-matmul reads and writes of its [tokens x hidden] activations
+    "optimizer_bytes_per_param": 40,  # AdamW's fp32 state (28 B) and the mixed-precision master copies
+    "reduce_efficiency": 1.0,  # NCCL sums on the GPU at the link's speed
+    "sampling_bytes_per_logit": 40,  # softmax, sampling and log-softmax: ~10 passes over fp32 logits
     "usable_memory_fraction": 0.92,
 }
 REQUIRED_KEYS = ("nodes", "gpus_per_node", "memory_gib", "peak_flops", "memory_bandwidth",
@@ -85,7 +110,8 @@ def resolve_machine_file(name_or_path: str) -> Path:
     if preset.is_file():
         return preset
     raise UserError(f"--hardware_file {name_or_path}: no such file, nor a preset; the presets are "
-                    f"{', '.join(preset_names())}, or give the path of a YAML/JSON file with {', '.join(REQUIRED_KEYS)}")
+                    f"{', '.join(preset_names())}, or give the path of a YAML/JSON file with "
+                    f"{', '.join(REQUIRED_KEYS)}")
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -139,16 +165,24 @@ def machine_from_mapping(data: Mapping[str, Any], path: Path, dtype: str = "bf16
     for key in ("nodes", "gpus_per_node"):
         if value[key] != int(value[key]):
             raise UserError(f"hardware file {path}: {key} must be a whole number, got {data[key]!r}")
-    link = value["link_efficiency"]
+    link, bandwidth = value["link_efficiency"], value["memory_bandwidth"] * value["memory_efficiency"]
+    elementwise_s = value["elementwise_passes"] * DTYPE_BYTES.get(dtype, 2) / bandwidth
     return MachineSpec(
         name=str(data.get("name", path.stem)), nodes=int(value["nodes"]), devices_per_node=int(value["gpus_per_node"]),
         memory_gib=value["memory_gib"],
         matmul_flops=_peak_flops(path, data["peak_flops"], dtype) * value["matmul_efficiency"],
-        memory_bandwidth=value["memory_bandwidth"] * value["memory_efficiency"],
+        memory_bandwidth=bandwidth, copy_bandwidth=bandwidth,
         intra_node_bandwidth=value["intra_node_bandwidth"] * link,
         inter_node_bandwidth=value["inter_node_bandwidth"] * link,
         collective_latency_s=value["collective_latency_s"], call_overhead_s=value["call_overhead_s"],
         decode_step_overhead_s=value["decode_step_overhead_s"], baseline_memory_gib=value["baseline_memory_gib"],
+        backward_flops=_peak_flops(path, data["peak_flops"], dtype) * value["backward_efficiency"],
+        attention_flops=_peak_flops(path, data["peak_flops"], dtype) * value["matmul_efficiency"],
+        attention_backward_flops=_peak_flops(path, data["peak_flops"], dtype) * value["backward_efficiency"],
+        forward_elementwise_s=elementwise_s, backward_elementwise_s=2 * elementwise_s,
+        optimizer_s_per_param=value["optimizer_bytes_per_param"] / bandwidth,
+        reduce_efficiency=min(1.0, value["reduce_efficiency"]),
+        sampling_s_per_logit=value["sampling_bytes_per_logit"] / bandwidth,
         usable_memory_fraction=min(1.0, value["usable_memory_fraction"]))
 
 

@@ -24,3 +24,6 @@ class PlacementSettings:
     calibrate: bool = field(default=False, metadata={
         "help": "measure this machine's constants (matmul FLOP/s, weight streaming, collectives) before planning; "
                 "saved and reused by later runs"})
+    profile_calls: bool = field(default=False, metadata={
+        "help": "time every model call, the experience exchange and the weight broadcast on each rank and write "
+                "them per PPO step to call_times.jsonl in the run folder (bench/placement.py --breakdown)"})
