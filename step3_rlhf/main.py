@@ -42,7 +42,7 @@ from training.core.args import SettingsParser, check_positive, flag_values
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.generation.hybrid_engine import build_generator
-from training.placement.call_times import CallTimer
+from training.loops.call_times import CallTimer
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
 from training.loops.batch_stream import BatchStream

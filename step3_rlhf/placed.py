@@ -26,7 +26,7 @@ import torch
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, PPORun, held_out_stats, held_out_totals
 from training.core.save import save_hf_model
-from training.placement.call_times import CallTimer, NoTimer
+from training.loops.call_times import CallTimer, NoTimer
 from training.placement.exchange import ChunkRandomStreams, broadcast_trainable_weights, gather_chunks, moved
 from training.placement.spec import Placement
 from training.reliability.signals import GracefulInterrupt

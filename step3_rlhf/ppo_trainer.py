@@ -34,7 +34,6 @@ from training.algorithms import (
     FixedKLController,
     apply_no_eos_penalty,
     compute_rewards,
-    entropy_from_logits,
     get_advantage_estimator,
     get_policy_loss,
     get_rl_algorithm,
@@ -43,8 +42,7 @@ from training.algorithms import (
     kl_loss,
     masked_mean,
 )
-from training.core.answer_window import AnswerWindow
-from training.core.sequences import token_logprobs
+from training.core.answer_window import RowGroups
 from training.generation.generator import (
     GenerationConfig,
     GenerationOutput,
@@ -52,7 +50,7 @@ from training.generation.generator import (
     eval_mode,
     repeat_per_prompt,
 )
-from training.loops.metrics import PhaseClock
+from training.loops.call_times import CallTimer
 from training.reliability.guards import check_finite
 from utils.dist import current_device, sum_over_ranks
 from training.rewards import RewardFunction
@@ -203,18 +201,6 @@ def check_samples_per_prompt(estimator: AdvantageEstimator, samples_per_prompt: 
         )
 
 
-def _answer_values(critic: torch.nn.Module, window: AnswerWindow) -> torch.Tensor:
-    """The critic's value of the state before each answer token: [B, N] fp32."""
-    return window.to_answers(window.values(critic))
-
-
-def _answer_logprobs(module: torch.nn.Module, window: AnswerWindow,
-                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log-probs of the answer tokens [B, N] (fp32) and the window's logits [B, W, V] they come from."""
-    logits = window.logits(module)
-    return window.to_answers(token_logprobs(logits, window.answer_tokens(), temperature)), logits
-
-
 class PPOTrainer:
     """Rollouts and clipped policy-gradient updates for the actor (and the critic, when the advantage
     estimator needs one) of an `RLHFEngine`, for every `--algorithm`: the estimator and the losses are
@@ -222,8 +208,8 @@ class PPOTrainer:
 
     Answers are scored by the engine's reward model, the `reward_fn`, or both (`RewardScorer`).
 
-    Every scoring and training forward runs on the rows flush right (`AnswerWindow`): no column only padding
-    fills, the LM head only where answer tokens are predicted. The old log-probs are the generator's own when
+    Every scoring and training forward runs on rows grouped by length and laid flush right (`RowGroups`): little
+    padding, the LM head only where answer tokens are predicted. The old log-probs are the generator's own when
     they are at parity with the training forward (`Generator.logprobs_match_training`: fp32), and a forward of
     the actor otherwise. `clock` holds the seconds of each phase (generation, each scoring call, each update)."""
 
@@ -256,7 +242,7 @@ class PPOTrainer:
             AdaptiveKLController(config.kl_ctl, config.target_kl, config.kl_horizon)
             if config.target_kl is not None else FixedKLController(config.kl_ctl)
         )
-        self.clock = PhaseClock()
+        self.clock = CallTimer()
         # a generator that does not say its log-probs are at parity gets them recomputed
         self.reuse_rollout_logprobs = (generator is not None and not config.recompute_old_logprobs
                                        and getattr(generator, "logprobs_match_training", False))
@@ -320,7 +306,7 @@ class PPOTrainer:
         prompt_mask = prompt_batch["attention_mask"].to(device)
         samples = config.n_samples_per_prompt if do_sample else 1
         started = time.perf_counter()
-        with self.clock.phase("generation"):
+        with self.clock.time("generation"):
             output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples))
             greedy = None
             if do_sample and self.advantage_estimator.needs_greedy_baseline:
@@ -351,11 +337,11 @@ class PPOTrainer:
         """The scoring calls of `roles` on one rollout: `actor` (old log-probs), `reference` (its log-probs),
         `critic` (values), `reward` (scores, and ReMax's baseline scores). With `with_exact_kl` (evaluation), the
         exact KL when both the actor and the reference are in `roles`, otherwise their logits (`actor_logits`,
-        `reference_logits`, in `AnswerWindow` columns; to be combined where both arrive, `exact_kl_of`).
+        `reference_logits`, one tensor per `RowGroups` group; to be combined where both arrive, `exact_kl_of`).
         A rollout that carries the generator's log-probs needs no actor forward for its old log-probs."""
         engine, config, clock = self.engine, self.config, self.clock
         sequences, attention_mask, prompt_length = rollout.sequences, rollout.attention_mask, rollout.prompt_length
-        window = AnswerWindow.of(sequences, attention_mask, prompt_length)
+        groups = RowGroups.of(sequences, attention_mask, prompt_length)
         parts: dict[str, Any] = {}
         actor_module = engine.actor.module if engine.actor is not None else None
         critic_module = engine.critic.module if engine.critic is not None else None
@@ -366,19 +352,19 @@ class PPOTrainer:
                 if role == "actor" and rollout.logprobs is not None and not with_exact_kl:
                     parts["old_logprobs"] = rollout.logprobs
                     continue
-                with clock.phase(f"score_{role}"):
-                    parts[f"{name}_logprobs"], logits = _answer_logprobs(model, window, config.temperature)
+                with clock.time(f"score_{role}"):
+                    parts[f"{name}_logprobs"], logits = groups.answer_logprobs(model, config.temperature)
                 if with_exact_kl:
                     parts[f"{role}_logits"] = logits
                 del logits
             if with_exact_kl and "actor_logits" in parts and "reference_logits" in parts:
                 parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("reference_logits"), rollout)
             if "critic" in roles:
-                with clock.phase("score_critic"):
-                    parts["old_values"] = _answer_values(engine.critic, window)
+                with clock.time("score_critic"):
+                    parts["old_values"] = groups.answer_values(engine.critic)
             if "reward" in roles:
                 ended_with_eos = rollout.ended_with_eos(self.eos_token_id)
-                with clock.phase("score_reward"):
+                with clock.time("score_reward"):
                     parts["scores"] = self._score(sequences, attention_mask, prompt_length, rollout.row_metadata,
                                                   ended_with_eos)
                 if rollout.greedy is not None:
@@ -389,10 +375,12 @@ class PPOTrainer:
                     parts["baseline"] = repeat_per_prompt(clipped, rollout.samples_per_prompt)
         return parts
 
-    def exact_kl_of(self, actor_logits: torch.Tensor, ref_logits: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-        """The exact KL per answer from both models' window logits (`score_rollout`)."""
-        window = AnswerWindow.of(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
-        return kl_from_logits(actor_logits, ref_logits, window.answer_mask(), self.config.temperature)
+    def exact_kl_of(self, actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor],
+                    rollout: Rollout) -> torch.Tensor:
+        """The exact KL per answer from both models' per-group window logits (`score_rollout`)."""
+        groups = RowGroups.of(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+        return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), self.config.temperature)
+                             for actor, ref, window in zip(actor_logits, ref_logits, groups.windows)])
 
     def assemble_experience(self, rollout: Rollout, parts: Mapping[str, Any]) -> Experience:
         """Rewards, KL, advantages and returns from one rollout's scoring outputs (no model call)."""
@@ -446,7 +434,7 @@ class PPOTrainer:
         step: separate steps would let Adam normalise the coefficient away. Both forward graphs are alive
         until that backward.
         """
-        with self.clock.phase("train_actor"):
+        with self.clock.time("train_actor"):
             return self._train_actor(experience, unsupervised_batch)
 
     def _train_actor(self, experience: Experience,
@@ -456,10 +444,10 @@ class PPOTrainer:
         mask = experience.action_mask
         step = actor.global_steps + 1
 
-        window = AnswerWindow.of(experience.sequences, experience.attention_mask, experience.prompt_length)
-        logprobs, logits = _answer_logprobs(actor, window, config.temperature)
+        groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length)
+        logprobs, logits = groups.answer_logprobs(actor, config.temperature)
         policy = self.policy_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config)
-        entropy = entropy_from_logits(logits.detach(), window.answer_mask(), config.temperature)
+        entropy = masked_mean(groups.answer_entropies([part.detach() for part in logits], config.temperature), mask)
         del logits
         check_finite("actor loss", policy.loss, step, group=self._group("actor"))
         objective, extra_stats = policy.loss, {}
@@ -479,9 +467,9 @@ class PPOTrainer:
     def train_critic(self, experience: Experience) -> dict[str, float]:
         """One update of the critic on `experience` (the clipped value loss)."""
         critic = self.engine.critic
-        with self.clock.phase("train_critic"):
-            window = AnswerWindow.of(experience.sequences, experience.attention_mask, experience.prompt_length)
-            value = self.value_loss(_answer_values(critic, window), experience.old_values, experience.returns,
+        with self.clock.time("train_critic"):
+            groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length)
+            value = self.value_loss(groups.answer_values(critic), experience.old_values, experience.returns,
                                     experience.action_mask, self.config)
             check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
             critic.backward(value.loss)

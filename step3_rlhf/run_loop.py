@@ -18,7 +18,7 @@ from step3_rlhf.rlhf_engine import RLHFEngine
 from step3_rlhf.settings import Step3Settings
 from training.core.save import save_hf_model
 from training.loops.batch_stream import BatchStream
-from training.placement.call_times import CallTimer
+from training.loops.call_times import CallTimer
 from training.loops.metrics import MetricsLogger
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.guards import check_finite
@@ -80,14 +80,14 @@ def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dic
 
 def ppo_step_stats(rollout: Mapping[str, float], updates: Mapping[str, float], timing: Mapping[str, float],
                    training_s: float, kl_coef: float, learning_rates: Mapping[str, float],
-                   phases: Mapping[str, float]) -> dict[str, float]:
+                   phases: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     """One PPO step's logged statistics: rollout means, update means, KL coefficient, phase times (and each model
     call's, `PPOTrainer.PHASES`: 0 for a call this rank did not make), rates."""
     return {**rollout, **{f"train/{key}": value for key, value in updates.items()},
             "reward/kl_coef": kl_coef,
             "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
             "time/training_s": training_s,
-            **{f"time/{name}_s": phases.get(name, 0.0) for name in PPOTrainer.PHASES},
+            **{f"time/{name}_s": phases[name]["s"] if name in phases else 0.0 for name in PPOTrainer.PHASES},
             "rollout/generated_tokens_per_s": timing["generated_tokens"] / max(timing["generation_s"], 1e-9),
             **learning_rates}
 

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from training.core.answer_window import right_align
+from training.core.answer_window import RowGroups
 from training.rewards import RewardFunction, score_answers
 
 
@@ -37,11 +37,10 @@ class RewardScorer:
     def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                  metadata: Sequence[Mapping] | None) -> Scores:
         """Scores of B prompt+answer rows (left-padded prompts, right-padded answers); `metadata` has
-        one entry per row (None: no row has any). The model reads the rows flush right (`right_align`)."""
+        one entry per row (None: no row has any). The model reads the rows grouped by length, flush right (`RowGroups`)."""
         total = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
         if self.reward_model is not None:
-            aligned, aligned_mask = right_align(sequences, attention_mask)
-            total = self.reward_model(input_ids=aligned, attention_mask=aligned_mask)["end_scores"].float()
+            total = RowGroups.of(sequences, attention_mask, prompt_length).end_scores(self.reward_model)
         function = None
         if self.reward_fn is not None:
             prompts = self._texts(sequences[:, :prompt_length], attention_mask[:, :prompt_length])

@@ -8,7 +8,7 @@ import torch
 from tiny_models import make_tiny_model, make_tokenizer
 
 from training.core import sequences as sequences_module
-from training.core.answer_window import AnswerWindow, right_align
+from training.core.answer_window import AnswerWindow, RowGroups, right_align
 from training.core.sequences import answer_logits, token_entropies, token_logprobs
 from training.core.reward_model import RewardModel
 
@@ -62,6 +62,42 @@ def test_window_logprobs_and_values_equal_the_rollout_layouts_and_the_head_runs_
     torch.testing.assert_close(values[answer], expected_values[answer], rtol=0, atol=1e-5)
     assert (got[~answer] == 0).all() and (values[~answer] == 0).all()
     assert head_widths == [window.width + 1, sequences.shape[1]], "the LM head sees W + 1 positions, not all"
+
+
+def test_rows_of_very_different_lengths_are_grouped_and_their_results_merged_back_in_row_order():
+    """Three short rows between three long ones: two groups of three pad far less than one window, and every
+    per-token and per-row result comes back where the row was."""
+    tokenizer = make_tokenizer()
+    model, _ = make_tiny_model("llama", tokenizer)
+    critic = RewardModel.from_causal_lm(make_tiny_model("llama", tokenizer, seed=1)[0], tokenizer)
+    model.eval(), critic.eval()
+    long_row = [True, False, True, False, False, True]
+    prompt_mask = torch.tensor([[0] * (0 if long else 56) + [1] * (60 if long else 4) for long in long_row])
+    answer_mask = torch.tensor([[1] * (40 if long else 3) + [0] * (0 if long else 37) for long in long_row])
+    mask = torch.cat([prompt_mask, answer_mask], 1)
+    sequences = torch.randint(3, len(tokenizer), mask.shape, generator=torch.Generator().manual_seed(0))
+    groups = RowGroups.of(sequences, mask, 60, group_cost_tokens=8)
+    assert sorted(sorted(group.tolist()) for group in groups.rows) == [[0, 2, 5], [1, 3, 4]]
+    one_window = AnswerWindow.of(sequences, mask, 60)
+    assert sum(window.sequences.numel() for window in groups.windows) < 0.6 * one_window.sequences.numel()
+    answer = answer_mask.bool()
+    with torch.no_grad():
+        logprobs, logits = groups.answer_logprobs(model, 0.8)
+        plain_logits = answer_logits(model, sequences, mask, 60)
+        expected = token_logprobs(plain_logits, sequences[:, 60:], 0.8)
+        torch.testing.assert_close(logprobs[answer], expected[answer], rtol=0, atol=1e-5)
+        entropies = groups.answer_entropies(logits, 0.8)
+        torch.testing.assert_close(entropies[answer], token_entropies(plain_logits, 0.8)[answer], rtol=0, atol=1e-5)
+        plain = critic(input_ids=sequences, attention_mask=mask)
+        torch.testing.assert_close(groups.answer_values(critic)[answer], plain["values"][:, 59:-1][answer],
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(groups.end_scores(critic), plain["end_scores"], rtol=0, atol=1e-5)
+
+
+def test_rows_alike_stay_one_group():
+    sequences, mask, prompt_length = rows(100)
+    groups = RowGroups.of(sequences, mask, prompt_length)
+    assert len(groups.windows) == 1 and sorted(groups.rows[0].tolist()) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

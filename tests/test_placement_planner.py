@@ -12,7 +12,7 @@ import training.placement.calibration as calibration
 from training.pipeline.cli import parse_config
 from training.pipeline.hardware import GIB, ModelSize
 from training.pipeline.runner import run_pipeline
-from training.placement.call_times import CallTimer
+from training.loops.call_times import CallTimer
 from training.placement.cost_model import estimate_step, forward_call, generation_calls, rank_memory_gib, training_calls
 from training.placement.machine import MachineSpec, load_machine_file, preset_names
 from training.placement.planner import check_fits, choose_placement, format_plans, search
@@ -38,8 +38,10 @@ def test_one_forward_is_its_flops_over_the_matmul_rate_plus_its_elementwise_work
     # 2 * 1e9 params * 4 rows * 200 tokens + 4 * 4 rows * 200^2 * 1000 hidden * 10 layers
     assert call.flops == pytest.approx(1.6e12 + 6.4e9)
     assert call.bytes == 2e9  # bf16 weights streamed once: 0.02 s, under the 1.6 s of dense math
-    # attention's 6.4e9 FLOPs at 1e11 FLOP/s; + 1e-10 s per token per hidden unit per layer: 800 * 1000 * 10
-    assert call.seconds == pytest.approx(1.6 + 0.064 + 8e-4 + 1e-3)
+    # attention's 6.4e9 FLOPs at 1e11 FLOP/s; + 1e-10 s per token per hidden unit per layer: 800 * 1000 * 10; the
+    # vocabulary head runs on the 101 positions that predict answer tokens, not the 99 before them
+    head_skipped = 2 * 1000 * 1000 * 4 * 99 / 1e12
+    assert call.seconds == pytest.approx(1.6 - head_skipped + 0.064 + 8e-4 + 1e-3)
 
 
 def test_elementwise_work_grows_with_tokens_hidden_and_layers():
@@ -68,8 +70,9 @@ def test_one_train_micro_batch_is_a_forward_and_a_backward_at_the_backward_rate(
     assert forward.flops == pytest.approx(dense + attention)
     assert backward.flops == pytest.approx(2 * (dense + attention))
     # 400 tokens * 1000 hidden * 10 layers of elementwise work: 1e-10 s forward, 2e-10 s backward per unit
-    assert forward.seconds == pytest.approx(dense / 1e12 + attention / 1e11 + 4e-4 + 1e-3)
-    assert backward.seconds == pytest.approx(2 * dense / 5e11 + 2 * attention / 5e10 + 8e-4 + 1e-3)
+    head_skipped = 2 * 1000 * 1000 * 2 * 99  # the vocabulary head on the answer's 101 positions only
+    assert forward.seconds == pytest.approx((dense - head_skipped) / 1e12 + attention / 1e11 + 4e-4 + 1e-3)
+    assert backward.seconds == pytest.approx(2 * (dense - head_skipped) / 5e11 + 2 * attention / 5e10 + 8e-4 + 1e-3)
     assert forward.count == backward.count == 2 and optimizer.count == 2  # 4 rows / micro-batch 2, one chunk
     # nothing to reduce on one rank, but DeepSpeed still flattens, averages and copies the 2e9 B of gradients back
     assert reduce.seconds == pytest.approx(6 * 2e9 / 5e10)
@@ -91,9 +94,10 @@ def test_a_value_model_makes_no_vocabulary_logits():
     placement = build_placement("colocate", 1)
     actor, critic = (training_calls(WORKLOAD, role, placement, MACHINE)[0] for role in ("actor", "critic"))
     # same size, but the critic's forward skips the 2 * 1000 vocab * 1000 hidden FLOPs a token of the output head
-    assert actor.seconds - critic.seconds == pytest.approx(2 * 1000 * 1000 * 2 * 200 / 1e12)
+    # (which the actor spends on the 101 positions that predict answer tokens)
+    assert actor.seconds - critic.seconds == pytest.approx(2 * 1000 * 1000 * 2 * 101 / 1e12)
     reference, reward = (forward_call(WORKLOAD, role, placement, MACHINE) for role in ("reference", "reward"))
-    assert reference.seconds - reward.seconds == pytest.approx(2 * 1000 * 1000 * 4 * 200 / 1e12)
+    assert reference.seconds - reward.seconds == pytest.approx(2 * 1000 * 1000 * 4 * 101 / 1e12)
 
 
 def test_the_optimizer_step_costs_its_time_per_trained_parameter_sharded_from_zero_1():
@@ -148,15 +152,16 @@ def test_zero3_divides_the_trained_models_states_by_the_group_on_four_ranks():
     # parameter; reference: 2 B weights
     # (sharded with the actor under ZeRO-3); the largest transient is the optimizer step's fp32 casts of the
     # gradients (4 B per parameter; ZeRO-3 shards them), over the training micro-batch's
-    # 34 * 2 rows * 200 * 1000 * 10 B activations + 2 * 200 * 1000 * 4 B logits + 4 * 2 * 200 * 1000 * 2 B
+    # 34 * 2 rows * 200 * 1000 * 10 B activations + 2 * 101 * 1000 * 2 B logits (the answer's positions, model
+    # dtype) + 4 * 2 * 200 * 1000 * 2 B
     assert zero0 == pytest.approx(1.0 + (20e9 + 2e9 + 4e9) / GIB)
     assert zero3 == pytest.approx(1.0 + (20e9 / 4 + 2e9 / 4 + 4e9 / 4) / GIB)
     small = replace(lone, actor_lora=True, actor_zero_stage=0)  # 1e7 trainable: the micro-batch is the largest
-    transient = 1.36e8 + 1.6e6 + 3.2e6
+    transient = 1.36e8 + 4.04e5 + 3.2e6
     assert rank_memory_gib(small, placement, MACHINE, 0) == pytest.approx(
         1.0 + (2e9 + 1e7 * 18 + 2e9 + transient) / GIB)
     fp32 = rank_memory_gib(replace(lone, dtype="fp32"), placement, MACHINE, 0)  # no master copy, no master grads
-    fp32_transient = 2.72e8 + 1.6e6 + 6.4e6
+    fp32_transient = 2.72e8 + 8.08e5 + 6.4e6
     assert fp32 == pytest.approx(1.0 + (4e9 + 4e9 + 8e9 + 4e9 + fp32_transient) / GIB)
 
 

@@ -220,7 +220,7 @@ def test_fp32_rollouts_reuse_the_generators_logprobs_and_train_as_if_recomputed(
     assert torch.equal(reused.sequences, recomputed.sequences)
     action = reused.action_mask.bool()
     torch.testing.assert_close(reused.old_logprobs[action], recomputed.old_logprobs[action], atol=1e-4, rtol=0)
-    assert "score_actor" not in phases[False] and phases[True]["score_actor"] > 0
+    assert "score_actor" not in phases[False] and phases[True]["score_actor"]["s"] > 0
     for key in ("actor_loss", "critic_loss", "approx_kl", "entropy", "clip_fraction"):
         assert stats[False][key] == pytest.approx(stats[True][key], abs=1e-4), key
 
@@ -231,7 +231,7 @@ def test_half_precision_rollouts_get_their_old_logprobs_recomputed(distributed, 
     trainer = PPOTrainer(engine, generator, PPOConfig(max_answer_seq_len=8))
     assert not generator.logprobs_match_training and not trainer.reuse_rollout_logprobs
     experience = trainer.generate_experience(prompt_batch(engine.tokenizer, 4))
-    assert trainer.clock.take()["score_actor"] > 0
+    assert trainer.clock.take()["score_actor"]["s"] > 0
     seqs, mask, P = experience.sequences, experience.attention_mask, experience.prompt_length
     with torch.no_grad():
         expected = answer_logprobs(engine.actor.module, seqs, mask, P)
@@ -240,8 +240,8 @@ def test_half_precision_rollouts_get_their_old_logprobs_recomputed(distributed, 
 
 
 def test_scoring_and_training_forwards_see_no_column_that_only_padding_fills(distributed, inputs):
-    """A long prompt with a short answer beside a short prompt with a long answer: every model reads rows as
-    wide as the longest real one, not prompt block + answer block."""
+    """A long prompt with a short answer beside a short prompt with a long answer: no model reads rows wider than
+    the longest real one (prompt block + answer block would be wider)."""
     engine = build_engine(inputs)
     tokenizer = engine.tokenizer
     eos = tokenizer.eos_token_id
@@ -262,8 +262,8 @@ def test_scoring_and_training_forwards_see_no_column_that_only_padding_fills(dis
     prompt_lengths = prompts["attention_mask"].sum(-1)
     longest = int((prompt_lengths + experience.action_mask.sum(-1)).max())
     assert longest < experience.sequences.shape[1]
-    assert widths == {"actor": [longest, longest], "reference": [longest], "critic": [longest, longest],
-                      "reward": [longest]}
+    assert set(widths) == {"actor", "reference", "critic", "reward"}
+    assert all(max(seen) == longest for seen in widths.values()), widths  # (the short row may get its own forward)
 
 
 @pytest.mark.slow

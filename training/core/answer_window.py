@@ -20,7 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from training.core.sequences import last_token_index, position_ids_from_attention_mask
+from training.core.sequences import (
+    last_token_index,
+    position_ids_from_attention_mask,
+    token_entropies,
+    token_logprobs,
+)
 
 
 def right_align(sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -112,3 +117,77 @@ def accepts_logits_to_keep(module: torch.nn.Module) -> bool:
 @functools.lru_cache(maxsize=None)
 def _forward_takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+# What one more forward costs, in padded tokens' worth of work: its fixed per-call overhead (kernel launches,
+# Python) and the lower efficiency of smaller matrix products. A GPU needs far larger products to stay busy.
+GROUP_COST_TOKENS = {"cpu": 64, "cuda": 4096}
+
+
+@dataclass
+class RowGroups:
+    """A batch's rows split into groups of similar length, each laid out as its own `AnswerWindow`, so a forward
+    over a group pads little; `merge` puts per-group results back in the batch's row order.
+
+    Rows sorted by width (a row needs max(real tokens, answer + 1) columns) are cut into consecutive groups that
+    minimise the padded tokens plus `GROUP_COST_TOKENS` per group (an exact dynamic programme over the sorted rows):
+    one group when the rows are alike, several when a few long rows would pad many short ones."""
+
+    rows: list[torch.Tensor]  # each group's row indices
+    windows: list[AnswerWindow]
+
+    @classmethod
+    def of(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+           group_cost_tokens: int | None = None) -> "RowGroups":
+        if group_cost_tokens is None:
+            group_cost_tokens = GROUP_COST_TOKENS.get(sequences.device.type, GROUP_COST_TOKENS["cuda"])
+        answer_lengths = attention_mask[:, prompt_length:].sum(-1)
+        widths = torch.maximum(attention_mask.sum(-1), answer_lengths + 1).tolist()
+        order = sorted(range(len(widths)), key=widths.__getitem__)
+        cuts = _cheapest_cuts([widths[row] for row in order], group_cost_tokens)
+        rows = [torch.tensor(order[start:end], device=sequences.device) for start, end in zip(cuts, cuts[1:])]
+        return cls(rows, [AnswerWindow.of(sequences[group], attention_mask[group], prompt_length) for group in rows])
+
+    def merge(self, per_group: list[torch.Tensor]) -> torch.Tensor:
+        """Per-group results [b_g, ...] -> the batch's [B, ...] in its row order (differentiable)."""
+        if len(per_group) == 1:
+            return per_group[0].index_select(0, torch.argsort(self.rows[0].to(per_group[0].device)))
+        device = per_group[0].device
+        return torch.cat(per_group).index_select(0, torch.argsort(torch.cat(self.rows).to(device)))
+
+    def answer_logprobs(self, module: torch.nn.Module,
+                        temperature: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The answer tokens' log-probs [B, N] (fp32) and each group's window logits [b_g, W_g, V]."""
+        logits = [window.logits(module) for window in self.windows]
+        logprobs = [window.to_answers(token_logprobs(group_logits, window.answer_tokens(), temperature))
+                    for window, group_logits in zip(self.windows, logits)]
+        return self.merge(logprobs), logits
+
+    def answer_values(self, critic: torch.nn.Module) -> torch.Tensor:
+        """A value model's estimate of the state before each answer token: [B, N] fp32."""
+        return self.merge([window.to_answers(window.values(critic)) for window in self.windows])
+
+    def answer_entropies(self, logits: list[torch.Tensor], temperature: float) -> torch.Tensor:
+        """The entropy of each answer position's distribution from the groups' logits: [B, N] fp32 (no gradient)."""
+        return self.merge([window.to_answers(token_entropies(group_logits, temperature))
+                           for window, group_logits in zip(self.windows, logits)])
+
+    def end_scores(self, reward_model: torch.nn.Module) -> torch.Tensor:
+        """A reward model's score of each row's last token: [B] fp32."""
+        return self.merge([reward_model(input_ids=window.sequences, attention_mask=window.attention_mask)
+                           ["end_scores"].float() for window in self.windows])
+
+
+def _cheapest_cuts(widths: list[int], group_cost: int) -> list[int]:
+    """Boundaries [0, ..., n] of consecutive groups of ascending `widths` minimising sum(group size * its widest)
+    + group_cost per group."""
+    best, cut_before = [0.0] + [float("inf")] * len(widths), [0] * (len(widths) + 1)
+    for end in range(1, len(widths) + 1):
+        for start in range(end):
+            cost = best[start] + (end - start) * widths[end - 1] + group_cost
+            if cost < best[end]:
+                best[end], cut_before[end] = cost, start
+    cuts = [len(widths)]
+    while cuts[-1] > 0:
+        cuts.append(cut_before[cuts[-1]])
+    return cuts[::-1]

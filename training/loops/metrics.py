@@ -4,15 +4,12 @@ Only rank 0 writes; other ranks get a logger whose calls do nothing, so call sit
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Mapping
-
-import torch
+from typing import Mapping
 
 from utils.dist import is_main_process
 
@@ -51,29 +48,6 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-
-class PhaseClock:
-    """Wall seconds per named phase, summed until `take()`. On CUDA each phase ends with a synchronize, so
-    the time is the device's work, not its launch."""
-
-    def __init__(self) -> None:
-        self._seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-            self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - started
-
-    def take(self) -> dict[str, float]:
-        """The seconds per phase since the last call, and a fresh start."""
-        seconds, self._seconds = self._seconds, {}
-        return seconds
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

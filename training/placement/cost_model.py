@@ -79,14 +79,15 @@ def attention_flops(size: ModelSize, rows: int, seq: int) -> float:
 
 
 def pass_s(size: ModelSize, rows: int, seq: int, weights: float, machine: MachineSpec, backward: bool = False,
-           lm_head: bool = True) -> float:
+           head_positions: int | None = None) -> float:
     """A forward (or a backward: twice the FLOPs) over `rows` x `seq` tokens: the dense matmuls' roofline, the
-    attention kernel at its own rate and the layers' non-matmul work; no call overhead. A value model
-    (`lm_head=False`) makes no vocabulary logits: its embedding is a lookup, not a matmul."""
+    attention kernel at its own rate and the layers' non-matmul work; no call overhead. The vocabulary head runs
+    on `head_positions` positions per row (all `seq` when None); a value model (`head_positions=0`) makes no
+    vocabulary logits: its embedding is a lookup, not a matmul."""
     attention = attention_flops(size, rows, seq)
     dense = forward_flops(size, rows, seq) - attention
-    if not lm_head:
-        dense -= 2.0 * size.vocab_size * size.hidden_size * rows * seq
+    if head_positions is not None:
+        dense -= 2.0 * size.vocab_size * size.hidden_size * rows * (seq - head_positions)
     if backward:
         math_s = max(2 * dense / machine.backward_flops, 2 * weights / machine.memory_bandwidth) + \
             2 * attention / machine.attention_backward_flops
@@ -163,8 +164,8 @@ def forward_call(workload: Step3Workload, role: str, placement: Placement, machi
     weights = size.parameters * workload.dtype_bytes
     flops = forward_flops(size, rows, seq)
     gather = all_gather_s(weights, placement.ranks[role], machine) if _stage(workload, role) == 3 else 0.0
-    seconds = pass_s(size, rows, seq, weights, machine, lm_head=role in LM_HEAD_ROLES) + machine.call_overhead_s + \
-        gather
+    seconds = pass_s(size, rows, seq, weights, machine, head_positions=_head_positions(workload, role)) + \
+        machine.call_overhead_s + gather
     return Call("scoring", role, "forward", seconds, flops, weights, 1)
 
 
@@ -216,9 +217,9 @@ def training_calls(workload: Step3Workload, role: str, placement: Placement, mac
     steps = workload.ppo_epochs * math.ceil(workload.rows_per_chunk / micro)
     micro_batches = steps * placement.chunks_per_member(role)
     flops, weights = forward_flops(size, micro, workload.seq_len), size.parameters * b
-    lm_head = role in LM_HEAD_ROLES
-    forward = pass_s(size, micro, workload.seq_len, weights, machine, lm_head=lm_head) + machine.call_overhead_s
-    backward = pass_s(size, micro, workload.seq_len, weights, machine, True, lm_head) + machine.call_overhead_s
+    head = _head_positions(workload, role)
+    forward = pass_s(size, micro, workload.seq_len, weights, machine, head_positions=head) + machine.call_overhead_s
+    backward = pass_s(size, micro, workload.seq_len, weights, machine, True, head) + machine.call_overhead_s
     if stage == 3:  # weights gathered for the forward and again for the backward, gradients reduce-scattered
         forward += all_gather_s(weights, members, machine)
         backward += all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
@@ -258,9 +259,15 @@ def _generation_bytes(workload: Step3Workload, placement: Placement) -> float:
     return kv + copy
 
 
+def _head_positions(workload: Step3Workload, role: str) -> int:
+    """Positions per row a scoring or training forward of `role` computes vocabulary logits for: the answer's
+    (and the one before it; `training.core.answer_window`), none for a value model."""
+    return workload.answer_len + 1 if role in LM_HEAD_ROLES else 0
+
+
 def _forward_bytes(workload: Step3Workload, role: str, rows: int) -> float:
     size = _size(workload, role)
-    logits = rows * workload.seq_len * size.vocab_size * 4 if role in LM_HEAD_ROLES else 0.0
+    logits = rows * _head_positions(workload, role) * size.vocab_size * workload.dtype_bytes
     return logits + 4.0 * rows * workload.seq_len * size.hidden_size * workload.dtype_bytes
 
 

@@ -1,4 +1,5 @@
-"""Per-call wall times of one rank's PPO steps (`--profile_calls`): what the cost model's calls are checked against.
+"""Per-call wall times: the PPO trainer's phases (`PPOTrainer.clock`), and with `--profile_calls` one rank's every
+model call, what the placement cost model's calls are checked against.
 
 `CallTimer.instrument` wraps, on the objects themselves (no class is changed), the calls of the models this rank
 holds: every model's forward (`forward` without gradients: scoring; `train forward` with them), the trained
@@ -26,7 +27,8 @@ ENGINE_CALLS = (("backward", "backward"), ("allreduce_gradients", "gradient all-
 
 
 class CallTimer:
-    """Exclusive wall time and count per call name, since the last `take`."""
+    """Exclusive wall time and count per call name, since the last `take`. On CUDA each timed call ends with a
+    synchronize, so its time is the device's work, not its launch."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -40,6 +42,8 @@ class CallTimer:
         try:
             yield
         finally:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - started
             self.seconds[name] += elapsed - self._nested.pop()
             self.counts[name] += 1

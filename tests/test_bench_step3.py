@@ -1,0 +1,86 @@
+"""bench/step3.py: the work and floor of each phase from the real token counts, and the whole bench on tiny models
+(this project and TRL in one run, the JSON a user reads)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+from crash_resume import step_env
+from tiny_models import make_tiny_model, make_tiny_model_dir, make_tokenizer
+
+from bench.step3_work import MachineRates, ModelShape, RolloutShape, generation_floor, scoring_floor, training_floor
+from training.core.model_loading import load_tokenizer
+from training.core.reward_model import RewardModel
+
+RATES = MachineRates(matmul_flops_per_s=1e9, weight_pass_s={1: 0.01, 2: 0.015}, stream_bytes_per_s=1e8)
+
+
+def test_work_counts_real_tokens_attention_and_the_head_only_where_answers_are_predicted():
+    tokenizer = make_tokenizer()
+    model, _ = make_tiny_model("llama", tokenizer)
+    shape = ModelShape.of(model, model.config, lm_head=True)
+    layers, hidden, vocab = 2, 32, model.config.vocab_size
+    per_layer = hidden * hidden * 2 + hidden * 16 * 2 + 3 * hidden * 64  # q, o; k, v (2 KV heads of 8); MLP
+    assert (shape.linear_parameters, shape.layers, shape.attention_width, shape.kv_width) == (
+        layers * per_layer, layers, hidden, 16)
+    flops = shape.forward_flops([3, 5], predicted=2)
+    assert flops == 2 * layers * per_layer * 8 + 2 * layers * hidden * (9 + 25) + 2 * hidden * vocab * 2
+    value_model = ModelShape.of(RewardModel.from_causal_lm(model, tokenizer), model.config, lm_head=False)
+    assert value_model.linear_parameters == shape.linear_parameters, "the value head is no weight matrix"
+    assert value_model.forward_flops([3, 5], predicted=2) == flops - 2 * hidden * vocab * 2, "and no vocabulary head"
+
+
+def test_generation_floor_decodes_only_the_rows_still_going():
+    model, _ = make_tiny_model("llama", make_tokenizer())
+    shape = ModelShape.of(model, model.config, lm_head=True)
+    rollout = RolloutShape(prompt_lengths=[3, 4], answer_lengths=[1, 3])
+    _, seconds = generation_floor(shape, rollout, RATES)
+    prefill = shape.forward_flops([3, 4], 2) / RATES.matmul_flops_per_s
+    # the first answer token comes from the prefill; steps 1 and 2 decode row 1 alone (row 0 had one token)
+    decode = sum(RATES.weight_pass_s[1] + shape.kv_bytes(4 + step) / RATES.stream_bytes_per_s for step in (1, 2))
+    assert seconds == pytest.approx(prefill + decode)
+    scoring = scoring_floor(shape, rollout, RATES)
+    assert scoring[0] == shape.forward_flops([4, 7], 4)
+    training = training_floor(shape, rollout, RATES)
+    assert training[0] == 3 * scoring[0] and training[1] > training[0] / RATES.matmul_flops_per_s
+
+
+def write_pairs(path, count: int) -> str:
+    rows = [{"chosen": f"\n\nHuman: What is {i} plus {i + 2}?\n\nAssistant: {2 * i + 2}.",
+             "rejected": f"\n\nHuman: What is {i} plus {i + 2}?\n\nAssistant: No idea."} for i in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_the_step3_benchmark_times_both_systems_per_phase_and_writes_its_json(tmp_path):
+    pytest.importorskip("trl.experimental.ppo")
+    actor = make_tiny_model_dir(tmp_path / "actor", "llama", with_pad=True)
+    tokenizer = load_tokenizer(actor)
+    torch.manual_seed(1)
+    RewardModel.from_causal_lm(actor, tokenizer).save_pretrained(tmp_path / "reward")
+    tokenizer.save_pretrained(tmp_path / "reward")
+    output = tmp_path / "step3.json"
+    result = subprocess.run(
+        [sys.executable, "bench/step3.py", "--actor", actor, "--reward", str(tmp_path / "reward"),
+         "--prompts", write_pairs(tmp_path / "pairs.jsonl", 8), "--num_prompts", "6", "--batch", "2",
+         "--answer_len", "5", "--prompt_len", "64", "--peer", "trl", "--output", str(output)],
+        cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(output.read_text())
+    phases = [row["phase"] for row in report["results"]]
+    assert phases == ["generation", "score actor (old log-probs)", "score reference", "score reward", "score critic",
+                      "train actor + critic", "step"]
+    step = report["results"][-1]
+    assert report["speedup_vs_trl"] == step["TRL / this project"]
+    assert step["TRL / this project"] == pytest.approx(step["TRL s"] / step["this project s"], rel=0.05)  # rounded
+    assert report["old_logprobs"] == "from the rollout"  # fp32 hybrid engine: no actor scoring forward
+    assert report["results"][1]["this project s"] == 0
+    assert report["trl_reward_conversion_max_difference"] <= 1e-4
+    assert len(report["steps"]["this project"]) == len(report["steps"]["TRL 1.12.0"]) == 3
+    assert all(row["this project / floor"] > 0 for row in report["results"]
+               if row["phase"] != "score actor (old log-probs)")
+    assert report["totals_after_first_step"]["this project"]["answer_tokens"] > 0
+    assert "per answer token" in result.stdout and report["device"]
