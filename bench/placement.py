@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,6 +106,7 @@ def print_breakdown(row: dict) -> None:
 
 def measure(args: argparse.Namespace, placement: str) -> dict:
     output_dir = Path(args.work_dir) / placement.replace(":", "_").replace(",", "_").replace("=", "")
+    shutil.rmtree(output_dir, ignore_errors=True)  # a run appends to metrics.jsonl: start from none
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
                "step3_rlhf/main.py", *step3_argv(args, placement, output_dir)]
