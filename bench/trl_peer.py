@@ -251,6 +251,7 @@ def run_trl_ppo(settings: TRLPeerSettings, prompt_ids: list[list[int]]) -> list[
             {"params": critic.parameters(), "lr": settings.critic_learning_rate},
         ],
         weight_decay=settings.weight_decay,
+        fused=True,  # the kernel this project's CPU training uses too, so the update compares like with like
     )
     scheduler = get_scheduler(settings.lr_scheduler_type, optimizer, settings.num_warmup_steps, steps)
     dataset = Dataset.from_dict({"input_ids": prompt_ids})

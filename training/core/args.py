@@ -206,7 +206,7 @@ class ScheduleSettings:
     gradient_clipping: float = field(default=1.0, metadata={"help": "max gradient norm (0 disables)"})
     optimizer: str = field(default="auto", metadata={
         "choices": OPTIMIZER_CHOICES,
-        "help": "auto: torch AdamW on CPU, DeepSpeedCPUAdam with --offload, FusedAdam on GPU"})
+        "help": "auto: torch's fused AdamW on CPU, DeepSpeedCPUAdam with --offload, FusedAdam on GPU"})
     max_steps: int | None = field(default=None, metadata={
         "help": "stop after this many optimizer steps (for quick runs); the schedule spans them"})
 
