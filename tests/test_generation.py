@@ -52,6 +52,28 @@ def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
     assert (cold == 0).float().mean() > 0.99
 
 
+def test_full_distribution_draws_match_the_probabilities_over_a_large_vocabulary():
+    """The inverse-CDF draw: each row's frequencies follow its own softmax, over a vocabulary of SmolLM2's size
+    where most of the mass sits on a few tokens and a token masked to -inf is never drawn."""
+    vocabulary, draws, batch = 49152, 10000, 500
+    logits = torch.full((2, vocabulary), -4.0)
+    logits[0, [3, 7, 40000]] = torch.tensor([2.0, 1.0, 0.0])
+    logits[1, [5, 49151]] = torch.tensor([1.0, 1.5])
+    logits[:, 11] = float("-inf")
+    probs = logits.softmax(-1)
+    generator = torch.Generator().manual_seed(1)
+    for row in range(2):
+        drawn = torch.cat([select_next_tokens(logits[row].expand(batch, -1), _config(), generator)
+                           for _ in range(draws // batch)])
+        frequencies = torch.bincount(drawn, minlength=vocabulary).double() / draws
+        for token in (3, 7, 40000, 5, 49151):
+            expected = probs[row, token].item()
+            assert abs(frequencies[token].item() - expected) < 4 * (expected * (1 - expected) / draws) ** 0.5 + 1e-3
+        assert frequencies[11] == 0
+        tail = 1 - sum(probs[row, token].item() for token in (3, 7, 40000, 5, 49151))
+        assert abs(1 - sum(frequencies[token].item() for token in (3, 7, 40000, 5, 49151)) - tail) < 0.02
+
+
 def test_seeded_sampling_repeats():
     logits = torch.randn(8, 30)
     draws = [select_next_tokens(logits, _config(), torch.Generator().manual_seed(5)) for _ in range(2)]

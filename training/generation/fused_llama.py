@@ -130,8 +130,17 @@ class FusedLlama:
         """Grouped-query attention through the kernel the transformers forward uses (sdpa): q [B, H, S, D],
         keys/values [B, KV, T, D], attend [B, 1, S, T] (bool) -> [B, H, S, D]. Its scores accumulate in fp32;
         two bf16 batched matmuls would round them to bf16 first and sample from a visibly different
-        distribution at long positions."""
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, enable_gqa=self.heads != self.kv_heads)
+        distribution at long positions.
+
+        A decode step (S = 1) lays the query heads that share a key/value head out as that head's queries
+        ([B, KV, H/KV, D]): the same products without the kernel's per-head GQA indexing (2.5 -> 1.9 ms a step
+        over SmolLM2's 30 layers at batch 8 on CPU)."""
+        batch, heads, length, head_dim = q.shape
+        if length == 1 and heads != self.kv_heads:
+            grouped = q.reshape(batch, self.kv_heads, heads // self.kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attend)
+            return out.reshape(batch, heads, 1, head_dim)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, enable_gqa=heads != self.kv_heads)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
