@@ -59,7 +59,12 @@ def build_optimizer(
     groups = parameter_groups(model, weight_decay, learning_rate, lora_learning_rate)
     if not groups:
         raise ValueError("the model has no trainable parameters")
-    kind = resolve_optimizer_kind(kind, offload)
+    return optimizer_of_kind(resolve_optimizer_kind(kind, offload), groups, learning_rate, betas)
+
+
+def optimizer_of_kind(kind: str, groups: list[dict], learning_rate: float,
+                      betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+    """The Adam of a resolved `kind` (not "auto") over parameter groups."""
     if kind == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

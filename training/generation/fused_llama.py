@@ -123,6 +123,10 @@ class FusedLlama:
         return self._cos, self._sin
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' Llama RMSNorm: normalised in fp32, rounded to the model dtype, then scaled (one op in
+        fp32, where the rounding is none)."""
+        if hidden.dtype == torch.float32:
+            return F.rms_norm(hidden, (hidden.shape[-1],), weight, eps=self.eps)
         normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.eps)
         return weight * normed.to(hidden.dtype)
 
@@ -159,9 +163,11 @@ class FusedLlama:
         hidden = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(hidden, layer.input_norm))
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = self._rotate(q.view(batch, length, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-            k = self._rotate(k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
+            # queries and keys rotated together: one set of elementwise ops per layer instead of two
+            qk = self._rotate(qk.view(batch, length, self.heads + self.kv_heads, self.head_dim).transpose(1, 2),
+                              cos, sin)
+            q, k = qk.split((self.heads, self.kv_heads), dim=1)
             keys, values = cache.keys[index], cache.values[index]
             keys[:, :, column:end] = k
             values[:, :, column:end] = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)

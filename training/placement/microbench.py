@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from training.core.optim import optimizer_of_kind, resolve_optimizer_kind
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -152,8 +154,9 @@ def measure_layer(dtype: torch.dtype, shape: LayerShape, repeats: int) -> LayerR
 def measure_optimizer_s_per_param(dtype: torch.dtype, parameters: int, repeats: int) -> float:
     """Seconds per trained parameter of one optimizer step as DeepSpeed's ZeRO-0 mixed-precision wrapper runs it:
     an overflow check of every low-precision gradient (summed in fp32), the gradients cast to fp32 and flattened
-    into one buffer, its norm and the clip, torch AdamW on the flat fp32 master weights, and the master copied
-    back into the low-precision weights; fp32 training: the norm, the clip and AdamW on the weights alone."""
+    into one buffer, its norm and the clip, the Adam that training builds (`training.core.optim`) on the flat fp32
+    master weights, and the master copied back into the low-precision weights; fp32 training: the norm, the clip
+    and the Adam on the weights alone."""
     chunks = 16
     numel = parameters // chunks
     mixed = dtype != torch.float32
@@ -161,7 +164,7 @@ def measure_optimizer_s_per_param(dtype: torch.dtype, parameters: int, repeats: 
     grads = [torch.randn(numel, dtype=dtype) for _ in range(chunks)]
     master = [torch.nn.Parameter(torch.cat([w.float() for w in weights]))] if mixed else \
         [torch.nn.Parameter(w) for w in weights]
-    optimizer = torch.optim.AdamW(master, lr=1e-6, betas=(0.9, 0.95))
+    optimizer = optimizer_of_kind(resolve_optimizer_kind("auto", offload=False), [{"params": master}], 1e-6)
 
     def step() -> None:
         if mixed:
