@@ -28,6 +28,13 @@ GRADIENT_REDUCE_PASSES = 6  # flatten, average and copy back: each reads and wri
 INFERENCE_COPY_PASSES = 4  # the hybrid engine reads and writes the weights to copy them, then again to reorder them
 
 
+def gradient_accumulate_bytes(dtype_bytes: int) -> int:
+    """Bytes a backward moves per trained parameter besides its matmuls: autograd writes the gradient; under
+    mixed precision DeepSpeed's hook then reads it and adds it into the fp32 gradient buffer (reads and writes
+    4 + 4 bytes) before the low-precision gradient is freed."""
+    return dtype_bytes if dtype_bytes >= 4 else 2 * dtype_bytes + 8
+
+
 @dataclass(frozen=True)
 class Call:
     """One kind of model call or collective, as one member rank of `role` runs it `count` times a step."""
@@ -210,7 +217,8 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
 def training_calls(workload: Step3Workload, role: str, placement: Placement, machine: MachineSpec) -> list[Call]:
     """A member trains on its chunks: per PPO epoch, ceil(rows / micro) optimizer steps, each accumulating one
     micro-batch from each of its chunks (so the optimizer steps equal the co-located run's). A micro-batch is a
-    forward, then a backward at twice its FLOPs (input and weight gradients)."""
+    forward, then a backward at twice its FLOPs (input and weight gradients) that also writes and accumulates
+    every trained parameter's gradient."""
     size, b, members = _size(workload, role), workload.dtype_bytes, placement.ranks[role]
     n, stage, micro = len(members), _stage(workload, role), workload.train_micro_batch
     trainable = _trainable(workload, role, size)
@@ -219,7 +227,8 @@ def training_calls(workload: Step3Workload, role: str, placement: Placement, mac
     flops, weights = forward_flops(size, micro, workload.seq_len), size.parameters * b
     head = _head_positions(workload, role)
     forward = pass_s(size, micro, workload.seq_len, weights, machine, head_positions=head) + machine.call_overhead_s
-    backward = pass_s(size, micro, workload.seq_len, weights, machine, True, head) + machine.call_overhead_s
+    backward = pass_s(size, micro, workload.seq_len, weights, machine, True, head) + machine.call_overhead_s + \
+        trainable * gradient_accumulate_bytes(b) / machine.copy_bandwidth
     if stage == 3:  # weights gathered for the forward and again for the backward, gradients reduce-scattered
         forward += all_gather_s(weights, members, machine)
         backward += all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
