@@ -167,7 +167,10 @@ class ModelEMA:
             shadow.copy_(local.to(shadow.device))
 
 
-def save_ema_model(ema: ModelEMA, model: torch.nn.Module, tokenizer, output_dir: str | os.PathLike) -> None:
-    """Write the EMA weights as a Hugging Face folder (every rank must call it; rank 0 writes)."""
+def save_ema_model(ema: ModelEMA, model: torch.nn.Module, tokenizer, output_dir: str | os.PathLike,
+                   writer: bool | None = None, synchronize: bool = True) -> None:
+    """Write the EMA weights as a Hugging Face folder (every rank must call it; rank 0 writes). An actor that
+    lives on one group of a placement (never ZeRO-3 there) is saved by its first rank alone, as `save_hf_model`
+    does: `writer=True, synchronize=False`."""
     with ema.applied_to(model):
-        save_hf_model(model, tokenizer, output_dir)
+        save_hf_model(model, tokenizer, output_dir, writer=writer, synchronize=synchronize)

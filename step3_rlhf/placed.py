@@ -23,8 +23,9 @@ from typing import Any, Mapping
 
 import torch
 
+from step3_rlhf.ema import save_ema_model
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats
-from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, PPORun, held_out_stats, held_out_totals
+from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PPORun, held_out_stats, held_out_totals
 from training.core.save import save_hf_model
 from training.loops.call_times import CallTimer, NoTimer
 from training.placement.exchange import ChunkRandomStreams, broadcast_trainable_weights, gather_chunks, moved
@@ -224,17 +225,24 @@ class PlacedPPORun(PPORun):
                         "colocate to stop and --resume)")
 
     def save_models(self) -> dict[str, str | None]:
-        """Each trained model is written by the first rank of its group (not a collective over the world)."""
+        """Each trained model (and the actor's EMA) is written by the first rank of its group; the group's other
+        ranks take part, since a ZeRO-3 model (which a placement allows only on every rank) gathers its weights
+        collectively."""
         run_dir = Path(self.args.run.output_dir)
         placement, rank, engine = self.placed.placement, self.placed.rank, self.engine
-        saved = {"actor_dir": str(run_dir / ACTOR_SUBDIR), "critic_dir": None, "ema_dir": None}
-        if placement.ranks["actor"][0] == rank:
-            save_hf_model(engine.actor, engine.tokenizer, run_dir / ACTOR_SUBDIR, writer=True, synchronize=False)
+        saved = {"actor_dir": str(run_dir / ACTOR_SUBDIR), "critic_dir": None,
+                 "ema_dir": str(run_dir / EMA_SUBDIR) if self.args.ema.enable_ema else None}
+        if rank in placement.ranks["actor"]:
+            writer = rank == placement.ranks["actor"][0]
+            save_hf_model(engine.actor, engine.tokenizer, run_dir / ACTOR_SUBDIR, writer=writer, synchronize=False)
+            if engine.actor_ema is not None:
+                save_ema_model(engine.actor_ema, engine.actor, engine.tokenizer, run_dir / EMA_SUBDIR, writer=writer,
+                               synchronize=False)
         if placement.has("critic"):
             saved["critic_dir"] = str(run_dir / CRITIC_SUBDIR)
-            if placement.ranks["critic"][0] == rank:
-                save_hf_model(engine.critic, engine.tokenizer, run_dir / CRITIC_SUBDIR, writer=True,
-                              synchronize=False)
+            if rank in placement.ranks["critic"]:
+                save_hf_model(engine.critic, engine.tokenizer, run_dir / CRITIC_SUBDIR,
+                              writer=rank == placement.ranks["critic"][0], synchronize=False)
         barrier()
         return saved
 

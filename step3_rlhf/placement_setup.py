@@ -4,7 +4,13 @@ from __future__ import annotations
 import logging
 
 from step3_rlhf.settings import Step3Settings
-from training.placement.spec import AUTO, Placement, build_placement, parse_placement_ratio
+from training.placement.spec import (
+    AUTO,
+    Placement,
+    build_placement,
+    parse_placement_ratio,
+    zero3_on_part_of_the_ranks,
+)
 from utils.dist import broadcast_from_main, get_world_size, is_main_process
 from utils.errors import UserError
 
@@ -21,15 +27,16 @@ def placement_roles(args: Step3Settings) -> list[str]:
 
 def check_placement_args(args: Step3Settings, placement: Placement) -> None:
     """What a placement other than colocate does not run yet, refused with the flag to change."""
-    for role, stage in (("actor", args.actor.zero_stage), ("critic", args.critic.zero_stage)):
-        if placement.has(role) and len(placement.ranks[role]) < placement.world_size and stage == 3:
-            raise UserError(f"--{role}_zero_stage 3 with the {role} on {len(placement.ranks[role])} of "
-                            f"{placement.world_size} ranks: ZeRO-3 on part of the ranks is not supported; use "
-                            f"--{role}_zero_stage 0-2 or give the {role} every rank")
+    partial = zero3_on_part_of_the_ranks(placement, args.actor.zero_stage, args.critic.zero_stage)
+    if partial is not None:
+        owner, role = partial
+        built = "" if role == owner else f" (the {role} is built at the {owner}'s ZeRO stage)"
+        raise UserError(f"--{owner}_zero_stage 3 with the {role} on {len(placement.ranks[role])} of "
+                        f"{placement.world_size} ranks{built}: ZeRO-3 partitions a model over every rank, so each "
+                        f"rank must hold it; use --{owner}_zero_stage 0-2 or give the {role} every rank")
     refused = {
         "--inference_tp_size > 1": args.hybrid.inference_tp_size > 1,
         "--unsupervised_dataset_name": bool(args.unsupervised.unsupervised_dataset_name),
-        "--enable_ema": args.ema.enable_ema,
         "--save_interval": args.checkpoints.save_interval > 0,
         "--resume": args.checkpoints.resume,
         "--offload_reference_model/--offload_reward_model": args.frozen.offload_reference_model

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TESTS_DIR
 from test_step3_rlhf import make_step3_inputs
@@ -99,6 +100,44 @@ def test_every_placement_on_four_ranks_trains_the_colocated_ppo(tmp_path_factory
 def test_placements_match_in_bf16(tmp_path_factory):
     """bf16: every chunk keeps its shapes and order, so the placements stay within bf16 rounding of colocate."""
     _run_workers(tmp_path_factory, 2, ["interleave", "disaggregate"], dtype="bf16", tolerance=1e-3)
+
+
+@pytest.mark.slow
+def test_placements_keep_the_colocated_actor_ema(tmp_path_factory):
+    """--enable_ema: the EMA follows the actor's optimizer steps on the actor's own ranks and is written by the
+    first of them, equal to the co-located run's (and, at beta 0.5 after two steps, not the actor itself)."""
+    _run_workers(tmp_path_factory, 2, ["interleave:actor=0.5,critic=0.5", "disaggregate"],
+                 extra=["--enable_ema", "--ema_beta", "0.5"])
+    runs = sorted(tmp_path_factory.getbasetemp().glob("placement*/runs"))[-1]
+    for placement in ("colocate", "interleave_actor0.5_critic0.5", "disaggregate"):
+        actor = load_file(str(runs / placement / "actor" / "model.safetensors"))
+        ema = load_file(str(runs / placement / "actor_ema" / "model.safetensors"))
+        assert max((actor[k].float() - ema[k].float()).abs().max().item() for k in actor) > 1e-4
+
+
+def test_zero3_is_refused_where_it_would_partition_a_model_over_part_of_the_ranks():
+    """The reference is built at the actor's stage and the reward model at the critic's: interleave puts them on
+    halves, so ZeRO-3 for the actor or the critic is refused there (it hung in DeepSpeed's partitioning)."""
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.placement_setup import check_placement_args
+    from training.placement.planner import runnable
+
+    interleave = build_placement("interleave", 2, ROLES)
+    for owner, role in (("actor", "reference"), ("critic", "reward")):
+        args = parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+                           "--placement",
+                           "interleave", f"--{owner}_zero_stage", "3"])
+        with pytest.raises(UserError, match=f"the {role} on 1 of 2 ranks.*built at the {owner}'s ZeRO stage"):
+            check_placement_args(args, interleave)
+    assert not runnable(interleave, 3, 0, 1) and not runnable(interleave, 0, 3, 1) and runnable(interleave, 2, 2, 1)
+    assert runnable(build_placement("interleave", 2, ROLES, {"reference": 1.0}), 3, 0, 1)
+
+
+@pytest.mark.slow
+def test_a_zero3_actor_on_every_rank_saves_under_a_placement(tmp_path_factory):
+    """ZeRO-3 for the actor where it and the reference are on every rank (the reward model on half): saving the
+    actor and its EMA gathers on every rank, so all of them take part while the first one writes."""
+    _run_workers(tmp_path_factory, 2, ["interleave:reference=1"], extra=["--actor_zero_stage", "3", "--enable_ema"])
 
 
 @pytest.mark.slow

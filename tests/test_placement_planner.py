@@ -337,6 +337,8 @@ def test_published_setups_get_finite_predictions():
     presets = {name: load_machine_file(name) for name in preset_names()}
     setups = published_setups()
     assert len(setups) >= 7 and {setup.machine for setup in setups} <= set(presets)
-    (row,) = predict_published(presets, setups[:1])  # 7B x4 on 8 A100s: both plans fit
-    assert row["gpus"] == 8 and row["published"] > 1 and isinstance(row["agrees"], bool)
-    assert 0 < row["predicted"] < float("inf")
+    eight, thirty_two = predict_published(presets, setups[:2])  # 7B x4 on 8 and on 32 A100s
+    assert thirty_two["gpus"] == 32 and thirty_two["published"] > 1 and isinstance(thirty_two["agrees"], bool)
+    assert 0 < thirty_two["predicted"] < float("inf")
+    # on 8 GPUs the 7B critic needs ZeRO-3, which would partition the reward model Interleave1 puts on half
+    assert eight["gpus"] == 8 and eight["predicted"] is None and eight["agrees"] is False

@@ -1,5 +1,6 @@
 """Run under `torch.distributed.run`: step 3 on tiny models once per placement (same seed), then, on rank 0,
-compare each run's trained actor and critic and its held-out figures with the co-located run's.
+compare each run's trained actor and critic (and the actor's EMA, when the runs keep one) and its held-out
+figures with the co-located run's.
 
     placement_worker.py INPUTS_JSON OUT_DIR PLACEMENT[:RATIO] ...   (the first one is the reference run)
 """
@@ -45,7 +46,9 @@ def main_worker() -> None:
     for spec in specs[1:]:
         result = results[spec]
         assert result["summary"]["placement"].startswith(spec.partition(":")[0]), result["summary"]["placement"]
-        for model in ("actor", "critic"):
+        models = ["actor", "critic", *(["actor_ema"] if (reference["dir"] / "actor_ema").exists() else [])]
+        for model in models:
+            assert (result["dir"] / model).is_dir(), f"{spec}: no {model} folder"
             expected, got = weights(reference["dir"] / model), weights(result["dir"] / model)
             assert expected.keys() == got.keys()
             worst = max((expected[k].float() - got[k].float()).abs().max().item() for k in expected)

@@ -10,7 +10,7 @@ from utils.errors import UserError
 
 from .cost_model import StepEstimate, estimate_step, models_on
 from .machine import MachineSpec
-from .spec import PRESETS, Placement, build_placement
+from .spec import PRESETS, Placement, build_placement, zero3_on_part_of_the_ranks
 from .workload import Step3Workload
 
 ROLLOUT_SHARES = (0.0, 0.25, 0.5, 0.75)
@@ -117,11 +117,10 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
 
 
 def runnable(placement: Placement, actor_stage: int, critic_stage: int, tp: int) -> bool:
-    """What step 3 runs (`step3_rlhf.placement_setup.check_placement_args`): ZeRO-3 only for a model on every rank,
-    and inference tensor parallelism only co-located."""
-    for role, stage in (("actor", actor_stage), ("critic", critic_stage)):
-        if stage == 3 and placement.has(role) and len(placement.ranks[role]) < placement.world_size:
-            return False
+    """What step 3 runs (`step3_rlhf.placement_setup.check_placement_args`): ZeRO-3 only where every model it
+    partitions is on every rank, and inference tensor parallelism only co-located."""
+    if zero3_on_part_of_the_ranks(placement, actor_stage, critic_stage) is not None:
+        return False
     return tp == 1 or placement.is_colocated
 
 

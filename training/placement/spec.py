@@ -167,3 +167,20 @@ def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROL
                             f"same number of ranks' batches, so {len(members)} must divide {world_size}")
     ordered = {role: ranks[role] for role in ROLES if role in ranks}
     return Placement(name if ratio is None else f"{name}+ratio", world_size, ordered)
+
+
+# DeepSpeed's ZeRO-3 partitions a model over every rank, so each rank must hold it. The frozen models are built at
+# their trained model's stage: the reference at the actor's, the reward model at the critic's.
+ZERO3_BUILT_WITH = {"actor": ("actor", "reference"), "critic": ("critic", "reward")}
+
+
+def zero3_on_part_of_the_ranks(placement: Placement, actor_stage: int, critic_stage: int) -> tuple[str, str] | None:
+    """(the trained model whose stage is 3, the model it makes ZeRO-3) for the first model ZeRO-3 would partition
+    over only part of the ranks, or None."""
+    for owner, stage in (("actor", actor_stage), ("critic", critic_stage)):
+        if stage != 3:
+            continue
+        for role in ZERO3_BUILT_WITH[owner]:
+            if placement.has(role) and len(placement.ranks[role]) < placement.world_size:
+                return owner, role
+    return None
