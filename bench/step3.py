@@ -147,7 +147,7 @@ def run_this_project(args: argparse.Namespace, prompt_ids: list[list[int]]) -> t
                   flush=True)
         shapes = {"actor": ModelShape.of(engine.actor.module, load_config(args.actor), lm_head=True),
                   "critic": ModelShape.of(engine.critic.module, engine.critic.module.config, lm_head=False)}
-        run = {"shapes": shapes, "reused_logprobs": trainer.reuse_rollout_logprobs,
+        run = {"shapes": shapes, "reused_logprobs": trainer.reuse_rollout_logprobs, "settings": settings,
                "rows": (experience.sequences.cpu(), experience.prompt_length)}
         engine.destroy()
     return records, run
@@ -185,9 +185,10 @@ def median_floors(records: list[dict], shapes: dict, rates: MachineRates) -> dic
     return out
 
 
-def run_trl(args: argparse.Namespace, prompt_ids: list[list[int]],
-            rows: tuple[torch.Tensor, int]) -> tuple[list[dict], float]:
-    """TRL's PPO steps on the same prompts (bench/trl_peer.py), after checking that the converted reward model
+def run_trl(args: argparse.Namespace, prompt_ids: list[list[int]], rows: tuple[torch.Tensor, int],
+            step3) -> tuple[list[dict], float]:
+    """TRL's PPO steps on the same prompts (bench/trl_peer.py) with this project's run's PPO coefficients,
+    learning rates and schedule (`step3`, its parsed settings), after checking that the converted reward model
     scores this project's last rollout as ours does; and that check's largest difference."""
     try:
         import trl  # noqa: F401
@@ -199,10 +200,22 @@ def run_trl(args: argparse.Namespace, prompt_ids: list[list[int]],
         reward = trl_peer.convert_scored_model(args.reward, str(Path(workdir) / "reward"))
         difference = trl_peer.check_conversion(args.reward, reward, *rows)
         print(f"converted reward model: max difference to this project's scores {difference:.2g}", flush=True)
-        settings = trl_peer.TRLPeerSettings(actor_path=args.actor, reward_path=reward, critic_path=reward,
-                                            batch_size=args.batch, max_answer_tokens=args.answer_len,
-                                            dtype=args.dtype, seed=args.seed)
-        return trl_peer.run_trl_ppo(settings, prompt_ids), difference
+        return trl_peer.run_trl_ppo(trl_peer_settings(args, step3, reward), prompt_ids), difference
+
+
+def trl_peer_settings(args: argparse.Namespace, step3, reward: str):
+    """TRL's settings: the bench's shapes and this project's run's step-3 settings (`step3`: PPO coefficients,
+    sampling temperature, learning rates, schedule), so both systems train the same PPO."""
+    from bench.trl_peer import TRLPeerSettings
+
+    ppo = step3.ppo
+    return TRLPeerSettings(
+        actor_path=args.actor, reward_path=reward, critic_path=reward, batch_size=args.batch,
+        max_answer_tokens=args.answer_len, dtype=args.dtype, seed=args.seed, temperature=step3.sampling.temperature,
+        kl_coef=ppo.kl_ctl, cliprange=ppo.cliprange, cliprange_value=ppo.cliprange_value, gamma=ppo.gamma,
+        lam=ppo.lam, actor_learning_rate=step3.actor.learning_rate, critic_learning_rate=step3.critic.learning_rate,
+        weight_decay=step3.actor.weight_decay, lr_scheduler_type=step3.schedule.lr_scheduler_type,
+        num_warmup_steps=step3.schedule.num_warmup_steps)
 
 
 @run_cli
@@ -224,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     measured, floors = median_phases(ours, 0), median_floors(ours, run["shapes"], rates)
     peer, peer_measured, conversion_difference = None, None, None
     if args.peer == "trl":
-        peer, conversion_difference = run_trl(args, prompt_ids, run["rows"])
+        peer, conversion_difference = run_trl(args, prompt_ids, run["rows"], run["settings"])
         peer_measured = median_phases(peer, 1)
     rows = []
     for phase in [*PHASES, "step"]:

@@ -103,8 +103,9 @@ def check_conversion(
 class TRLPeerSettings:
     """What the bench passes on; `reward_path` and `critic_path` are folders written by `convert_scored_model`.
 
-    Defaults follow this project's step 3 (temperature 1, top-k off, cosine schedule, actor lr 3e-5, critic lr
-    1e-5). `vf_coef` is TRL's weight on the value loss in its single actor+critic loss (TRL's default 0.1).
+    `bench/step3.py` passes its run's step-3 settings (PPO coefficients, learning rates, schedule); the defaults
+    serve a run on its own. `vf_coef` is TRL's weight on the value loss in its single actor+critic loss (TRL's
+    default 0.1).
     """
 
     actor_path: str

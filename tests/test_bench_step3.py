@@ -1,5 +1,6 @@
 """bench/step3.py: the work and floor of each phase from the real token counts, and the whole bench on tiny models
 (this project and TRL in one run, the JSON a user reads)."""
+import argparse
 import json
 import subprocess
 import sys
@@ -84,3 +85,23 @@ def test_the_step3_benchmark_times_both_systems_per_phase_and_writes_its_json(tm
                if row["phase"] != "score actor (old log-probs)")
     assert report["totals_after_first_step"]["this project"]["answer_tokens"] > 0
     assert "per answer token" in result.stdout and report["device"]
+
+
+def test_the_trl_peer_trains_with_this_projects_step3_settings():
+    """The peer's PPO coefficients, learning rates and schedule are the step-3 run's, not defaults of its own
+    (it once trained its actor at 3e-5 beside this project's 1e-5)."""
+    pytest.importorskip("trl.experimental.ppo")
+    from bench.step3 import step3_settings, trl_peer_settings
+
+    args = argparse.Namespace(actor="actor", reward="reward", batch=8, answer_len=128, dtype="fp32", seed=3,
+                              prompt_len=128, zero_stage=0, backend="hybrid", recompute_old_logprobs=False)
+    step3 = step3_settings(args, "out")
+    peer = trl_peer_settings(args, step3, "converted")
+    assert (peer.actor_learning_rate, peer.critic_learning_rate) == (step3.actor.learning_rate,
+                                                                     step3.critic.learning_rate)
+    assert (peer.kl_coef, peer.cliprange, peer.cliprange_value, peer.gamma, peer.lam, peer.temperature) == (
+        step3.ppo.kl_ctl, step3.ppo.cliprange, step3.ppo.cliprange_value, step3.ppo.gamma, step3.ppo.lam,
+        step3.sampling.temperature)
+    assert (peer.lr_scheduler_type, peer.num_warmup_steps) == (step3.schedule.lr_scheduler_type,
+                                                               step3.schedule.num_warmup_steps)
+    assert (peer.reward_path, peer.critic_path, peer.batch_size, peer.seed) == ("converted", "converted", 8, 3)
