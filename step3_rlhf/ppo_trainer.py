@@ -341,7 +341,11 @@ class PPOTrainer:
         A rollout that carries the generator's log-probs needs no actor forward for its old log-probs."""
         engine, config, clock = self.engine, self.config, self.clock
         sequences, attention_mask, prompt_length = rollout.sequences, rollout.attention_mask, rollout.prompt_length
-        groups = RowGroups.of(sequences, attention_mask, prompt_length)
+        reuse_logprobs = rollout.logprobs is not None and not with_exact_kl
+        forwards = {"actor": engine.actor if not reuse_logprobs else None, "reference": engine.reference,
+                    "critic": engine.critic}
+        groups = RowGroups.of(sequences, attention_mask, prompt_length,
+                              models=tuple(model for role, model in forwards.items() if role in roles))
         parts: dict[str, Any] = {}
         actor_module = engine.actor.module if engine.actor is not None else None
         critic_module = engine.critic.module if engine.critic is not None else None
@@ -349,7 +353,7 @@ class PPOTrainer:
             for role, model, name in (("actor", engine.actor, "old"), ("reference", engine.reference, "ref")):
                 if role not in roles:
                     continue
-                if role == "actor" and rollout.logprobs is not None and not with_exact_kl:
+                if role == "actor" and reuse_logprobs:
                     parts["old_logprobs"] = rollout.logprobs
                     continue
                 with clock.time(f"score_{role}"):
@@ -358,7 +362,8 @@ class PPOTrainer:
                     parts[f"{role}_logits"] = logits
                 del logits
             if with_exact_kl and "actor_logits" in parts and "reference_logits" in parts:
-                parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("reference_logits"), rollout)
+                parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("reference_logits"), rollout,
+                                                     groups)
             if "critic" in roles:
                 with clock.time("score_critic"):
                     parts["old_values"] = groups.answer_values(engine.critic)
@@ -375,10 +380,11 @@ class PPOTrainer:
                     parts["baseline"] = repeat_per_prompt(clipped, rollout.samples_per_prompt)
         return parts
 
-    def exact_kl_of(self, actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor],
-                    rollout: Rollout) -> torch.Tensor:
-        """The exact KL per answer from both models' per-group window logits (`score_rollout`)."""
-        groups = RowGroups.of(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
+    def exact_kl_of(self, actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor], rollout: Rollout,
+                    groups: RowGroups | None = None) -> torch.Tensor:
+        """The exact KL per answer from both models' per-group window logits (`score_rollout`) in `groups` (default:
+        the rows' own grouping, what two scoring ranks of a placement use, where neither model is ZeRO-3)."""
+        groups = groups or RowGroups.of(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
         return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), self.config.temperature)
                              for actor, ref, window in zip(actor_logits, ref_logits, groups.windows)])
 
@@ -444,7 +450,7 @@ class PPOTrainer:
         mask = experience.action_mask
         step = actor.global_steps + 1
 
-        groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length)
+        groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length, (actor,))
         logprobs, logits = groups.answer_logprobs(actor, config.temperature)
         policy = self.policy_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config)
         entropy = masked_mean(groups.answer_entropies([part.detach() for part in logits], config.temperature), mask)
@@ -468,7 +474,7 @@ class PPOTrainer:
         """One update of the critic on `experience` (the clipped value loss)."""
         critic = self.engine.critic
         with self.clock.time("train_critic"):
-            groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length)
+            groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length, (critic,))
             value = self.value_loss(groups.answer_values(critic), experience.old_values, experience.returns,
                                     experience.action_mask, self.config)
             check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))

@@ -40,7 +40,8 @@ class RewardScorer:
         one entry per row (None: no row has any). The model reads the rows grouped by length, flush right (`RowGroups`)."""
         total = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
         if self.reward_model is not None:
-            total = RowGroups.of(sequences, attention_mask, prompt_length).end_scores(self.reward_model)
+            total = RowGroups.of(sequences, attention_mask, prompt_length,
+                                 (self.reward_model,)).end_scores(self.reward_model)
         function = None
         if self.reward_fn is not None:
             prompts = self._texts(sequences[:, :prompt_length], attention_mask[:, :prompt_length])

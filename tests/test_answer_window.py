@@ -3,14 +3,20 @@ an answer token is predicted, and log-probs without a full-vocab log-softmax; ea
 computation in fp32 and bf16 (at positions past 500)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from tiny_models import make_tiny_model, make_tokenizer
+from conftest import REPO_ROOT
+from tiny_models import make_tiny_model, make_tiny_model_dir, make_tokenizer
 
 from training.core import sequences as sequences_module
 from training.core.answer_window import AnswerWindow, RowGroups, right_align
 from training.core.sequences import answer_logits, token_entropies, token_logprobs
 from training.core.reward_model import RewardModel
+from utils.dist import free_port
 
 PROMPT_MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1, 1]])
 ANSWER_MASK = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
@@ -95,6 +101,30 @@ def test_rows_of_very_different_lengths_are_grouped_and_their_results_merged_bac
         torch.testing.assert_close(groups.answer_values(critic)[answer], plain["values"][:, 59:-1][answer],
                                    rtol=0, atol=1e-5)
         torch.testing.assert_close(groups.end_scores(critic), plain["end_scores"], rtol=0, atol=1e-5)
+
+
+def test_zero3_ranks_agree_on_the_group_count_so_their_weight_gathers_meet(tmp_path):
+    """ZeRO-3 over two ranks: rank 0's rows alone split into two length groups, rank 1's into one. Each group is
+    a forward whose weight gathers are collectives, so with a count per rank the actor's second forward on rank 0
+    met the reference's first on rank 1 (DeepSpeed: "disagreement on list length"); the ranks now agree on one
+    group each, and the log-probs equal the unpartitioned models'."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(REPO_ROOT / "tests" / "scripts" / "zero3_row_groups_worker.py"),
+           make_tiny_model_dir(tmp_path / "actor"), make_tiny_model_dir(tmp_path / "reference", seed=1)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("ROW_GROUPS_OK") == 2
+
+
+def test_a_fixed_group_count_cuts_the_rows_as_cheaply_as_that_count_allows():
+    from training.core.answer_window import _cheapest_cuts
+
+    widths = [5, 5, 6, 40, 41, 100]
+    assert _cheapest_cuts(widths, 8) == [0, 3, 5, 6]
+    assert _cheapest_cuts(widths, 8, groups=1) == [0, 6]
+    assert _cheapest_cuts(widths, 8, groups=2) == [0, 5, 6]  # 5*41 + 100 beats 3*6 + 3*100
+    assert _cheapest_cuts(widths, 8, groups=9) == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_rows_alike_stay_one_group():

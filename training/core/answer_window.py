@@ -19,6 +19,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as torch_dist
 
 from training.core.sequences import (
     last_token_index,
@@ -26,6 +27,8 @@ from training.core.sequences import (
     token_entropies,
     token_logprobs,
 )
+from training.core.zero import is_zero3_module
+from utils.dist import get_world_size
 
 
 def right_align(sequences: torch.Tensor, attention_mask: torch.Tensor,
@@ -137,20 +140,32 @@ class RowGroups:
 
     Rows sorted by width (a row needs max(real tokens, answer + 1) columns) are cut into consecutive groups that
     minimise the padded tokens plus `GROUP_COST_TOKENS` per group (an exact dynamic programme over the sorted rows):
-    one group when the rows are alike, several when a few long rows would pad many short ones."""
+    one group when the rows are alike, several when a few long rows would pad many short ones.
+
+    A ZeRO-3 model gathers its weights in every forward with a collective over all ranks, so every rank must run
+    as many forwards as the others: when one of `models` is partitioned over several ranks, the ranks agree on
+    the smallest of their best group counts (one all-reduce) and each cuts its rows into exactly that many groups.
+    A data-dependent count per rank made the ranks' gathers of different models meet (DeepSpeed: "disagreement
+    on list length") as soon as their batches' lengths differed."""
 
     rows: list[torch.Tensor]  # each group's row indices
     windows: list[AnswerWindow]
 
     @classmethod
     def of(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-           group_cost_tokens: int | None = None) -> "RowGroups":
+           models: tuple[torch.nn.Module | None, ...] = (), group_cost_tokens: int | None = None) -> "RowGroups":
+        """The groups of a batch whose forwards will run through `models` (those None are skipped)."""
         if group_cost_tokens is None:
             group_cost_tokens = GROUP_COST_TOKENS.get(sequences.device.type, GROUP_COST_TOKENS["cuda"])
         answer_lengths = attention_mask[:, prompt_length:].sum(-1)
         widths = torch.maximum(attention_mask.sum(-1), answer_lengths + 1).tolist()
         order = sorted(range(len(widths)), key=widths.__getitem__)
-        cuts = _cheapest_cuts([widths[row] for row in order], group_cost_tokens)
+        sorted_widths = [widths[row] for row in order]
+        cuts = _cheapest_cuts(sorted_widths, group_cost_tokens)
+        if forwards_are_collective(models):
+            agreed = torch.tensor([len(cuts) - 1])
+            torch_dist.all_reduce(agreed, op=torch_dist.ReduceOp.MIN)
+            cuts = _cheapest_cuts(sorted_widths, group_cost_tokens, int(agreed.item()))
         rows = [torch.tensor(order[start:end], device=sequences.device) for start, end in zip(cuts, cuts[1:])]
         return cls(rows, [AnswerWindow.of(sequences[group], attention_mask[group], prompt_length) for group in rows])
 
@@ -184,16 +199,40 @@ class RowGroups:
                            ["end_scores"].float() for window in self.windows])
 
 
-def _cheapest_cuts(widths: list[int], group_cost: int) -> list[int]:
+def forwards_are_collective(models: tuple[torch.nn.Module | None, ...]) -> bool:
+    """Whether a forward of one of `models` is a collective of every rank (ZeRO-3 over more than one rank)."""
+    return get_world_size() > 1 and any(model is not None and is_zero3_module(model) for model in models)
+
+
+def _cheapest_cuts(widths: list[int], group_cost: int, groups: int | None = None) -> list[int]:
     """Boundaries [0, ..., n] of consecutive groups of ascending `widths` minimising sum(group size * its widest)
-    + group_cost per group."""
-    best, cut_before = [0.0] + [float("inf")] * len(widths), [0] * (len(widths) + 1)
-    for end in range(1, len(widths) + 1):
-        for start in range(end):
-            cost = best[start] + (end - start) * widths[end - 1] + group_cost
-            if cost < best[end]:
-                best[end], cut_before[end] = cost, start
-    cuts = [len(widths)]
-    while cuts[-1] > 0:
-        cuts.append(cut_before[cuts[-1]])
+    + group_cost per group; with `groups`, the cheapest cut into exactly that many groups (at most one per row)."""
+    rows = len(widths)
+    if groups is None:
+        best, cut_before = [0.0] + [float("inf")] * rows, [0] * (rows + 1)
+        for end in range(1, rows + 1):
+            for start in range(end):
+                cost = best[start] + (end - start) * widths[end - 1] + group_cost
+                if cost < best[end]:
+                    best[end], cut_before[end] = cost, start
+        cuts = [rows]
+        while cuts[-1] > 0:
+            cuts.append(cut_before[cuts[-1]])
+        return cuts[::-1]
+    count = min(groups, rows)
+    # padded[k][end]: the fewest padded tokens of the first `end` rows in k groups; last_start[k][end]: where its
+    # last group starts
+    padded = [[0.0] + [float("inf")] * rows]
+    last_start = [[0] * (rows + 1)]
+    for k in range(1, count + 1):
+        padded.append([float("inf")] * (rows + 1))
+        last_start.append([0] * (rows + 1))
+        for end in range(k, rows + 1):
+            for start in range(k - 1, end):
+                cost = padded[k - 1][start] + (end - start) * widths[end - 1]
+                if cost < padded[k][end]:
+                    padded[k][end], last_start[k][end] = cost, start
+    cuts = [rows]
+    for k in range(count, 0, -1):
+        cuts.append(last_start[k][cuts[-1]])
     return cuts[::-1]
