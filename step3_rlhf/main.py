@@ -37,6 +37,7 @@ from step3_rlhf.placement_setup import resolve_placement
 from step3_rlhf.run_loop import PLOT_FILE, PPORun
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
+from step3_rlhf.stage_fusion import check_stage_fusion
 from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
 from training.core.args import SettingsParser, check_positive, flag_values
 from training.core.model_loading import load_config, load_tokenizer
@@ -64,7 +65,7 @@ from utils.data import (
     SFTCollator,
     build_unsupervised_dataset,
 )
-from utils.dist import init_distributed, is_main_process
+from utils.dist import get_world_size, init_distributed, is_main_process
 from utils.errors import UserError, run_cli
 from utils.log import setup_logging
 
@@ -104,6 +105,9 @@ def check_args(args: Step3Settings) -> None:
     get_policy_loss(args.ppo.policy_loss)
     get_value_loss(args.ppo.value_loss)
     check_samples_per_prompt(estimator, args.ppo.n_samples_per_prompt)
+    check_stage_fusion(args.placement.enable_stage_fusion, args.placement.stage_fusion_micro_batch_size,
+                       args.hybrid.backend, args.hybrid.inference_tp_size,
+                       {"actor": args.actor.zero_stage, "critic": args.critic.zero_stage}, get_world_size())
     if args.models.critic_model_name_or_path is None and args.rewards.reward_fn is None:
         raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
                         "model), --reward_fn (e.g. builtin:math), or both")
@@ -223,7 +227,8 @@ def run_step3(args: Step3Settings) -> dict:
         generator = build_generator(args.hybrid.backend, generating, tokenizer, args.hybrid) \
             if generating is not None else None
         reward_fn = load_reward_fn(args.rewards.reward_fn) if args.rewards.reward_fn is not None else None
-        trainer = PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef)
+        fusion = args.placement.stage_fusion_micro_batch_size if args.placement.enable_stage_fusion else 0
+        trainer = PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef, fusion)
         metrics = MetricsLogger(run_dir)
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s%s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,

@@ -12,7 +12,10 @@ One PPO step, for every rank's prompt batch (a *chunk*; see `training.placement.
 5. with a shadow actor, the first actor rank broadcasts the trained weights (the LoRA adapters only, with
    LoRA) to the rollout ranks before the next generation: the schedule is synchronous, the answers of step
    s+1 come from the actor after step s (no staleness).
-Results move between phases with one all-gather of per-chunk results.
+Results move between phases with one all-gather of per-chunk results. With stage fusion
+(`--enable_stage_fusion`), steps 1 and 2 overlap: the generating rank sends each micro-batch of finished rows to
+the ranks that score it as soon as it is complete, and they score it while generation goes on (a rank that also
+generates, between its own decode steps); the scores are all-gathered once generation has ended.
 """
 from __future__ import annotations
 
@@ -22,13 +25,22 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as torch_dist
 
 from step3_rlhf.ema import save_ema_model
-from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats
+from step3_rlhf.ppo_trainer import Experience, PPOTrainer, Rollout, experience_stats
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PPORun, held_out_stats, held_out_totals
 from training.core.save import save_hf_model
 from training.loops.call_times import CallTimer, NoTimer
-from training.placement.exchange import ChunkRandomStreams, broadcast_trainable_weights, gather_chunks, moved
+from step3_rlhf.stage_fusion import StageFusion, place_rows
+from training.placement.exchange import (
+    ChunkRandomStreams,
+    Inbox,
+    Outbox,
+    broadcast_trainable_weights,
+    gather_chunks,
+    moved,
+)
 from training.placement.spec import Placement
 from training.reliability.signals import GracefulInterrupt
 from utils.dist import all_gather_objects, barrier, current_device, get_world_size
@@ -69,30 +81,44 @@ class PlacedPPO:
         self.shadow = placement.has("rollout")
         self.last_timing: dict[str, float] = {}
         self.timer = timer or NoTimer()
+        # stage fusion's point-to-point messages go over a gloo group of their own (collective to create)
+        self.fusion_group = torch_dist.new_group(backend="gloo") if trainer.stage_fusion_micro_batch_size else None
         if self.shadow:
             self.sync_weights()
 
     # rollouts -----------------------------------------------------------------------------------
 
+    def calls_of(self, rank: int, chunk: int) -> list[str]:
+        """The scoring calls `rank` runs on `chunk`."""
+        return [call for call, role in self.owners.items() if self.placement.owner(role, chunk) == rank]
+
     def experiences(self, prompt_batch: Mapping[str, Any], do_sample: bool,
                     with_exact_kl: bool = False) -> dict[int, Experience]:
-        """Every chunk's experience from every rank's prompt batch (collective), on every rank."""
-        trainer, placement = self.trainer, self.placement
+        """Every chunk's experience from every rank's prompt batch (collective), on every rank. Stage fusion
+        scores sampled rollouts only; a held-out evaluation (`with_exact_kl`) waits for the whole batch."""
+        trainer = self.trainer
         started = time.perf_counter()
         prompts = dict(enumerate(all_gather_objects(moved(dict(prompt_batch), "cpu"))))
-        rollouts = {}
-        for chunk in placement.chunks(placement.generation_role, self.rank):
-            with self.streams.use(chunk):
-                rollouts[chunk] = trainer.generate_rollout(prompts[chunk], do_sample)
         device = current_device()
-        with self.timer.time("exchange/all-gather rollouts"):
-            rollouts = moved(gather_chunks(rollouts), device)
+        if self.fusion_group is not None and not with_exact_kl:
+            rollouts, parts = self._fused_rollouts(prompts, do_sample)
+        else:
+            rollouts = {}
+            for chunk in self.placement.chunks(self.placement.generation_role, self.rank):
+                with self.streams.use(chunk):
+                    rollouts[chunk] = trainer.generate_rollout(prompts[chunk], do_sample)
+            with self.timer.time("exchange/all-gather rollouts"):
+                rollouts = moved(gather_chunks(rollouts), device)
+            parts = {}
         generated = time.perf_counter()
-        parts = {}
         for chunk, rollout in rollouts.items():
-            calls = [call for call, role in self.owners.items() if placement.owner(role, chunk) == self.rank]
-            if calls:
+            calls = self.calls_of(self.rank, chunk)
+            if not calls:
+                continue
+            if chunk not in parts:  # not scored during generation: the whole batch now
                 parts[chunk] = trainer.score_rollout(rollout, calls, with_exact_kl)
+            elif "reward" in calls and rollout.greedy is not None:  # ReMax's baseline waits for the whole batch
+                parts[chunk]["baseline"] = trainer.baseline_scores(rollout)
         with self.timer.time("exchange/all-gather scores"):
             parts = moved(gather_chunks(parts), device)
         experiences = {}
@@ -105,6 +131,57 @@ class PlacedPPO:
         self.last_timing = {"generation_s": generated - started, "scoring_s": time.perf_counter() - generated,
                             "generated_tokens": float(sum(r.action_mask.sum().item() for r in rollouts.values()))}
         return experiences
+
+    def _fused_rollouts(self, prompts: Mapping[int, Mapping[str, Any]],
+                        do_sample: bool) -> tuple[dict[int, Rollout], dict[int, dict[str, Any]]]:
+        """Generation with stage fusion: every chunk's rollout (on every rank) and the scores this rank computed
+        for the chunks it scores, laid into each chunk's rows."""
+        trainer, placement, rank = self.trainer, self.placement, self.rank
+        generated_by = {chunk: placement.owner(placement.generation_role, chunk) for chunk in range(placement.world_size)}
+        senders = {generated_by[chunk] for chunk in generated_by
+                   if generated_by[chunk] != rank and self.calls_of(rank, chunk)}
+        inbox = Inbox(self.fusion_group, len(senders)) if senders else None
+        outbox = Outbox(self.fusion_group)
+        pieces: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = defaultdict(list)
+
+        def score_arrived(messages) -> None:
+            for chunk, rows, output, calls in messages:
+                rollout = trainer.rows_rollout(prompts[chunk], do_sample, rows, moved(output, current_device()))
+                pieces[chunk].append((rows, trainer.score_rollout(rollout, calls)))
+
+        rollouts, receivers = {}, set()
+        for chunk in placement.chunks(placement.generation_role, rank):
+            remote = defaultdict(list)
+            for call in self.owners:
+                if (owner := placement.owner(self.owners[call], chunk)) != rank:
+                    remote[owner].append(call)
+            receivers.update(remote)
+            local = self.calls_of(rank, chunk)
+
+            def score(rows: torch.Tensor, output, chunk=chunk, remote=remote, local=local) -> dict[str, Any]:
+                for owner, calls in remote.items():
+                    outbox.post(owner, (chunk, rows, output, calls))
+                if inbox is not None:
+                    score_arrived(inbox.ready())
+                return trainer.score_rollout(trainer.rows_rollout(prompts[chunk], do_sample, rows, output), local) \
+                    if local else {}
+
+            fusion = StageFusion(trainer.stage_fusion_micro_batch_size, score, trainer.pad_token_id)
+            with self.streams.use(chunk):
+                rollouts[chunk] = trainer.generate_rollout(prompts[chunk], do_sample, on_finished=fusion)
+            fusion.flush()
+            if local:
+                pieces[chunk].extend(fusion.pieces)
+        for receiver in sorted(receivers):
+            outbox.close(receiver)
+        if inbox is not None:
+            score_arrived(inbox.remaining())
+        outbox.wait()
+        device = current_device()
+        with self.timer.time("exchange/all-gather rollouts"):
+            rollouts = moved(gather_chunks(rollouts), device)
+        return rollouts, {chunk: place_rows(chunk_pieces, *rollouts[chunk].action_mask.shape)
+                          for chunk, chunk_pieces in pieces.items()}
 
     def generate_experience(self, prompt_batch: Mapping[str, Any]) -> dict[int, Experience]:
         """Sampled experiences of every chunk, then the KL coefficient's update from all of them (as the co-located

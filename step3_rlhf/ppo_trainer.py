@@ -43,7 +43,9 @@ from training.algorithms import (
     masked_mean,
 )
 from training.core.answer_window import RowGroups
+from step3_rlhf.stage_fusion import StageFusion
 from training.generation.generator import (
+    FinishedRowsHook,
     GenerationConfig,
     GenerationOutput,
     Generator,
@@ -185,6 +187,12 @@ class Rollout(Answers):
     logprobs: torch.Tensor | None = None  # [B, N] the generator's, when at parity with the training forward
 
 
+def row_metadata(prompt_batch: Mapping[str, Any], samples: int) -> list | None:
+    """One metadata entry per answer row (the prompt's), prompt-major; None when the batch carries none."""
+    metadata = prompt_batch.get("metadata")
+    return [entry for entry in metadata for _ in range(samples)] if metadata is not None else None
+
+
 def update_kl_controller(controller: AdaptiveKLController | FixedKLController, kl: torch.Tensor) -> None:
     """One update from the global batch: the mean per-answer KL over every rank's answers, with the
     global answer count as the step count, so every rank holds the same coefficient (collective)."""
@@ -218,8 +226,11 @@ class PPOTrainer:
                                          "score_reward", "train_actor", "train_critic")
 
     def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig,
-                 reward_fn: RewardFunction | None = None, reward_fn_coef: float = 1.0):
+                 reward_fn: RewardFunction | None = None, reward_fn_coef: float = 1.0,
+                 stage_fusion_micro_batch_size: int = 0):
         self.engine = engine
+        # > 0: finished answers are scored in micro-batches of this many rows while generation goes on
+        self.stage_fusion_micro_batch_size = stage_fusion_micro_batch_size
         self.generator = generator
         self.config = config
         self.advantage_estimator = get_advantage_estimator(config.advantage_estimator)
@@ -297,17 +308,20 @@ class PPOTrainer:
             scores.total = apply_no_eos_penalty(scores.total, ended_with_eos, self.config.no_eos_penalty)
         return scores
 
-    def generate_rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool) -> Rollout:
+    def generate_rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
+                         on_finished: FinishedRowsHook | None = None) -> Rollout:
         """Answer a left-padded prompt batch (`n_samples_per_prompt` samples each, or one greedy answer), plus
-        ReMax's greedy answers for its baseline when sampling for it."""
-        config = self.config
+        ReMax's greedy answers for its baseline when sampling for it. `on_finished` receives the answers' rows as
+        they end (stage fusion; the generator must stream them)."""
         device = self.engine_device
         input_ids = prompt_batch["input_ids"].to(device)
         prompt_mask = prompt_batch["attention_mask"].to(device)
-        samples = config.n_samples_per_prompt if do_sample else 1
+        samples = self.samples_per_prompt(do_sample)
+        streaming = {"on_finished": on_finished} if on_finished is not None else {}
         started = time.perf_counter()
         with self.clock.time("generation"):
-            output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples))
+            output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples),
+                                             **streaming)
             greedy = None
             if do_sample and self.advantage_estimator.needs_greedy_baseline:
                 greedy = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample=False))
@@ -316,15 +330,49 @@ class PPOTrainer:
         if samples > 1:
             group_index = repeat_per_prompt(torch.arange(input_ids.shape[0]), samples)
         metadata = prompt_batch.get("metadata")
-        row_metadata = [entry for entry in metadata for _ in range(samples)] if metadata is not None else None
         # clones: a backend may return inference-mode tensors, which autograd refuses to train on
         return Rollout(output.sequences.clone(), output.attention_mask.clone(), output.prompt_length,
                        output.answer_mask.clone().to(device),
-                       group_index.to(device) if group_index is not None else None, row_metadata, samples,
-                       do_sample, generation_s,
+                       group_index.to(device) if group_index is not None else None,
+                       row_metadata(prompt_batch, samples), samples, do_sample, generation_s,
                        Answers.of(greedy, device) if greedy is not None else None,
                        list(metadata) if metadata is not None else None,
                        output.logprobs.clone().to(device) if do_sample and self.reuse_rollout_logprobs else None)
+
+    def samples_per_prompt(self, do_sample: bool) -> int:
+        return self.config.n_samples_per_prompt if do_sample else 1
+
+    def fuses_stages(self) -> bool:
+        """Whether rollouts are scored while they generate (`step3_rlhf.stage_fusion`)."""
+        return self.stage_fusion_micro_batch_size > 0 and getattr(self.generator, "streams_finished_rows", False)
+
+    def rollout_and_scores(self, prompt_batch: Mapping[str, Any], do_sample: bool, roles: Sequence[str],
+                           with_exact_kl: bool = False) -> tuple[Rollout, dict[str, Any]]:
+        """`generate_rollout` and `score_rollout` of `roles`; with stage fusion, the answers are scored in
+        micro-batches as they finish, and only ReMax's baseline waits for the whole batch."""
+        if not self.fuses_stages():
+            rollout = self.generate_rollout(prompt_batch, do_sample)
+            return rollout, self.score_rollout(rollout, roles, with_exact_kl)
+        fusion = StageFusion(self.stage_fusion_micro_batch_size,
+                             lambda rows, output: self.score_rollout(
+                                 self.rows_rollout(prompt_batch, do_sample, rows, output), roles, with_exact_kl),
+                             self.pad_token_id)
+        rollout = self.generate_rollout(prompt_batch, do_sample, on_finished=fusion)
+        parts = fusion.results(*rollout.action_mask.shape)
+        if "reward" in roles and rollout.greedy is not None:
+            parts["baseline"] = self.baseline_scores(rollout)
+        return rollout, parts
+
+    def rows_rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool, rows: torch.Tensor,
+                     output: GenerationOutput) -> Rollout:
+        """The rollout of some finished rows of `prompt_batch`'s answers (`rows`: their indices), for scoring."""
+        samples = self.samples_per_prompt(do_sample)
+        metadata = row_metadata(prompt_batch, samples)
+        device = self.engine_device
+        return Rollout(output.sequences.to(device), output.attention_mask.to(device), output.prompt_length,
+                       output.answer_mask.to(device), None,
+                       [metadata[row] for row in rows.tolist()] if metadata is not None else None, samples, do_sample,
+                       0.0, logprobs=output.logprobs.to(device) if do_sample and self.reuse_rollout_logprobs else None)
 
     @property
     def engine_device(self) -> torch.device:
@@ -373,12 +421,17 @@ class PPOTrainer:
                     parts["scores"] = self._score(sequences, attention_mask, prompt_length, rollout.row_metadata,
                                                   ended_with_eos)
                 if rollout.greedy is not None:
-                    greedy = rollout.greedy
-                    scores = self._score(greedy.sequences, greedy.attention_mask, greedy.prompt_length,
-                                         rollout.prompt_metadata, greedy.ended_with_eos(self.eos_token_id))
-                    clipped = scores.total.clamp(-config.clip_reward_value, config.clip_reward_value)
-                    parts["baseline"] = repeat_per_prompt(clipped, rollout.samples_per_prompt)
+                    parts["baseline"] = self.baseline_scores(rollout)
         return parts
+
+    @torch.no_grad()
+    def baseline_scores(self, rollout: Rollout) -> torch.Tensor:
+        """ReMax's baseline: each prompt's greedy answer's clipped score, repeated for its sampled rows."""
+        greedy = rollout.greedy
+        scores = self._score(greedy.sequences, greedy.attention_mask, greedy.prompt_length, rollout.prompt_metadata,
+                             greedy.ended_with_eos(self.eos_token_id))
+        clipped = scores.total.clamp(-self.config.clip_reward_value, self.config.clip_reward_value)
+        return repeat_per_prompt(clipped, rollout.samples_per_prompt)
 
     def exact_kl_of(self, actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor], rollout: Rollout,
                     groups: RowGroups | None = None) -> torch.Tensor:
@@ -411,12 +464,15 @@ class PPOTrainer:
     @torch.no_grad()
     def _rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
                  with_exact_kl: bool = False) -> Experience:
-        rollout = self.generate_rollout(prompt_batch, do_sample)
+        """Generation and scoring; `last_timing`'s generation time includes the scoring done during it (stage
+        fusion) and its scoring time is what follows generation."""
         started = time.perf_counter()
         roles = ["actor", "reference", "critic", "reward"] if self.engine.critic is not None else \
             ["actor", "reference", "reward"]
-        experience = self.assemble_experience(rollout, self.score_rollout(rollout, roles, with_exact_kl))
-        self.last_timing = {"generation_s": rollout.generation_s, "scoring_s": time.perf_counter() - started,
+        rollout, parts = self.rollout_and_scores(prompt_batch, do_sample, roles, with_exact_kl)
+        generated = started + rollout.generation_s
+        experience = self.assemble_experience(rollout, parts)
+        self.last_timing = {"generation_s": rollout.generation_s, "scoring_s": time.perf_counter() - generated,
                             "generated_tokens": float(rollout.action_mask.sum().item())}
         return experience
 

@@ -117,6 +117,34 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution_and_seeded_runs
     assert not torch.equal(first.sequences, other.sequences)
 
 
+@pytest.mark.parametrize("arch,samples", [("llama", 1), ("llama", 3), ("gpt2", 1)])
+def test_rows_are_handed_over_once_each_as_they_end(distributed, tiny_model_dir, arch, samples):
+    """`on_finished` (stage fusion) receives every row exactly once, at the step it ends, as the final output has
+    it (fused Llama and transformers decode paths; K continuations per prompt), and changes no answer."""
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage=0)
+    with torch.no_grad():  # EOS likely at some positions: answers end at scattered steps
+        engine.module.get_output_embeddings().weight[tokenizer.eos_token_id] *= 40.0
+    hybrid = _hybrid(engine)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=16, do_sample=True, seed=0, num_return_sequences=samples,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    handed: list[tuple[list[int], object]] = []
+    out = hybrid.generate(ids, mask, config, on_finished=lambda rows, rows_out: handed.append((rows.tolist(), rows_out)))
+    assert torch.equal(out.sequences, hybrid.generate(ids, mask, config).sequences)
+    rows = [row for row_list, _ in handed for row in row_list]
+    assert sorted(rows) == list(range(len(PROMPTS) * samples))
+    lengths = out.answer_mask.sum(-1)
+    assert len({rows_out.answer_mask.shape[1] for _, rows_out in handed}) > 1, "every answer ended at the same step"
+    for row_list, rows_out in handed:
+        assert not rows_out.sequences.is_inference()
+        for index, row in enumerate(row_list):
+            width = int(lengths[row])
+            assert rows_out.answer_mask[index].sum() == width
+            assert torch.equal(rows_out.sequences[index, :out.prompt_length + width],
+                               out.sequences[row, :out.prompt_length + width])
+            torch.testing.assert_close(rows_out.logprobs[index, :width], out.logprobs[row, :width], rtol=0, atol=0)
+
+
 def test_left_padding_does_not_change_an_answer(distributed, tiny_model_dir):
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
     hybrid = _hybrid(engine)

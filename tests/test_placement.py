@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TESTS_DIR
 from test_step3_rlhf import make_step3_inputs
+from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.placement.spec import build_placement, parse_placement_ratio
 from utils.dist import free_port
 from utils.errors import UserError
@@ -113,6 +115,37 @@ def test_placements_keep_the_colocated_actor_ema(tmp_path_factory):
         actor = load_file(str(runs / placement / "actor" / "model.safetensors"))
         ema = load_file(str(runs / placement / "actor_ema" / "model.safetensors"))
         assert max((actor[k].float() - ema[k].float()).abs().max().item() for k in actor) > 1e-4
+
+
+def eos_prone_actor(tmp_path_factory) -> str:
+    """The test actor with its EOS row scaled, so the answers of a batch end at scattered steps (stage fusion then
+    has rows to score before the last answer ends)."""
+    inputs = make_step3_inputs(tmp_path_factory)
+    tokenizer = load_tokenizer(inputs["actor"])
+    model = load_causal_lm(inputs["actor"], tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= 40.0
+    folder = tmp_path_factory.mktemp("eos_prone_actor")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_stage_fusion_under_placements_trains_the_colocated_ppo(tmp_path_factory):
+    """--enable_stage_fusion, micro-batches of one row: the generating rank sends each finished row to the ranks
+    that score it (interleave: each rank scores its own chunk's rows and sends the other's reference or reward
+    call; disaggregate: the rollout rank sends every row to the scoring rank), and the trained weights equal the
+    co-located fused run's. The scoring rank's reference forwards show the rows were scored in several micro-batches."""
+    _run_workers(tmp_path_factory, 2, ["interleave", "disaggregate"], actor=eos_prone_actor(tmp_path_factory),
+                 extra=["--enable_stage_fusion", "--stage_fusion_micro_batch_size", "1", "--profile_calls",
+                        "--per_device_generation_batch_size", "4"])
+    runs = sorted(tmp_path_factory.getbasetemp().glob("placement*/runs"))[-1]
+    # rank 0 holds the reference for 1 chunk (colocate) or 2 (interleave, disaggregate): unfused, one forward each
+    for placement, chunks in (("colocate", 1), ("interleave", 2), ("disaggregate", 2)):
+        records = [json.loads(line) for line in (runs / placement / "call_times.jsonl").read_text().splitlines()]
+        forwards = [record["ranks"][0]["calls"]["reference/forward"]["n"] for record in records]
+        assert sum(forwards) > chunks * len(forwards), (placement, forwards)
 
 
 def test_zero3_is_refused_where_it_would_partition_a_model_over_part_of_the_ranks():

@@ -239,6 +239,47 @@ def test_half_precision_rollouts_get_their_old_logprobs_recomputed(distributed, 
     torch.testing.assert_close(experience.old_logprobs[action], expected[action], atol=1e-5, rtol=0)
 
 
+def answers_end_at_scattered_steps(engine: RLHFEngine) -> None:
+    """Scale the actor's EOS row so EOS is near-certain at some positions and unlikely at others: the 8 answers
+    of `prompt_batch(.., 8)` under seed 0 then end at 8 different steps of 16."""
+    with torch.no_grad():
+        engine.actor.module.lm_head.weight[engine.tokenizer.eos_token_id] *= 40.0
+
+
+@pytest.mark.parametrize("generation_dtype", ["fp32", "bf16"])
+def test_stage_fusion_scores_answers_as_they_finish_into_the_unfused_experience(distributed, inputs,
+                                                                               generation_dtype):
+    """--enable_stage_fusion: answers are scored in micro-batches of 2 as they finish (several scoring calls per
+    rollout; in bf16 the actor's old log-probs too, since they are recomputed), and the experience, the update and
+    the greedy evaluation's exact KL equal the unfused ones."""
+    experiences, phases, stats, evaluations = {}, {}, {}, {}
+    for micro_batch in (0, 2):
+        engine = build_engine(inputs)
+        answers_end_at_scattered_steps(engine)
+        generator = HybridEngine(engine.actor, HybridEngineSettings(enable=True, generation_dtype=generation_dtype))
+        trainer = PPOTrainer(engine, generator, PPOConfig(max_answer_seq_len=16),
+                             stage_fusion_micro_batch_size=micro_batch)
+        assert trainer.fuses_stages() is (micro_batch > 0)
+        torch.manual_seed(0)
+        experiences[micro_batch] = trainer.generate_experience(prompt_batch(engine.tokenizer, 8))
+        phases[micro_batch] = trainer.clock.take()
+        stats[micro_batch] = trainer.train_rlhf(experiences[micro_batch])
+        evaluations[micro_batch] = trainer.evaluate_prompts(prompt_batch(engine.tokenizer, 8))
+    unfused, fused = experiences[0], experiences[2]
+    assert torch.equal(unfused.sequences, fused.sequences)
+    lengths = unfused.action_mask.sum(-1)
+    assert len(set(lengths.tolist())) >= 4, lengths  # answers end at scattered steps
+    calls = ["score_reference", "score_critic", "score_reward"] + (["score_actor"] if generation_dtype == "bf16" else [])
+    for call in calls:
+        assert phases[0][call]["n"] == 1 and phases[2][call]["n"] >= 3, (call, phases[2][call])
+    for name in ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "scores", "kl"):
+        torch.testing.assert_close(getattr(fused, name), getattr(unfused, name), atol=1e-5, rtol=0, msg=name)
+    for key in ("actor_loss", "critic_loss", "approx_kl", "entropy"):
+        assert stats[2][key] == pytest.approx(stats[0][key], abs=1e-5), key
+    torch.testing.assert_close(evaluations[2].exact_kl, evaluations[0].exact_kl, atol=1e-5, rtol=0)
+    torch.testing.assert_close(evaluations[2].scores, evaluations[0].scores, atol=1e-5, rtol=0)
+
+
 def test_scoring_and_training_forwards_see_no_column_that_only_padding_fills(distributed, inputs):
     """A long prompt with a short answer beside a short prompt with a long answer: no model reads rows wider than
     the longest real one (prompt block + answer block would be wider)."""
@@ -556,6 +597,24 @@ def test_truncated_sampling_for_rollouts_is_refused_with_the_reason(distributed,
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "log-probabilities of the distribution that drew each token" in errors[0], errors
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, world_size, message", [
+    ([], 1, "add --enable_hybrid_engine"),
+    (["--enable_hybrid_engine", "--inference_tp_size", "2"], 2, "decode their batches together"),
+    (["--enable_hybrid_engine", "--actor_zero_stage", "3"], 2, "ZeRO-3 for the actor on 2 ranks"),
+    (["--enable_hybrid_engine", "--stage_fusion_micro_batch_size", "0"], 1, "must be at least 1"),
+])
+def test_stage_fusion_is_refused_where_it_cannot_score_between_decode_steps(inputs, tmp_path, monkeypatch, flags,
+                                                                         world_size, message):
+    """Checked from the flags alone, before anything loads."""
+    from step3_rlhf.main import check_args, parse_args
+
+    monkeypatch.setattr("step3_rlhf.main.get_world_size", lambda: world_size)
+    args = parse_args(step3_argv(inputs, tmp_path / "run", "--enable_stage_fusion", *flags))
+    with pytest.raises(UserError, match=message):
+        check_args(args)
+    check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags)))
 
 
 # resume after SIGKILL ------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ so the batch then does not shrink (finished rows keep decoding and their tokens 
 prefill is not compiled, and the decode steps of K continuations see B*K rows from their first step on,
 so group sampling takes this path unchanged. This path has not been run here (no GPU in the build
 environment).
+
+`on_finished` (a `FinishedRowsHook`) receives the rows that ended at each step, while the others go on decoding:
+step 3's stage fusion scores them in the meantime. It runs outside inference mode on copies of the rows.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from transformers import StaticCache
 from training.core.sequences import position_ids_from_attention_mask, token_logprobs
 from training.generation.fused_llama import FusedKVBuffers, FusedLlama
 from training.generation.generator import (
+    FinishedRowsHook,
     GenerationConfig,
     GenerationOutput,
     answer_mask_from_tokens,
@@ -246,12 +250,14 @@ class KVCacheDecoder:
         self.sync_done = sync_done
         self.no_grad_only = no_grad_only
 
-    def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+    def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig,
+               on_finished: FinishedRowsHook | None = None) -> GenerationOutput:
         grad_mode = torch.no_grad() if self.no_grad_only else torch.inference_mode()
         with grad_mode:
-            return self._decode(input_ids.to(self.device), attention_mask.to(self.device), config)
+            return self._decode(input_ids.to(self.device), attention_mask.to(self.device), config, on_finished)
 
-    def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+    def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig,
+                on_finished: FinishedRowsHook | None) -> GenerationOutput:
         prompts, prompt_len = input_ids.shape
         group = config.num_return_sequences
         new_tokens = config.max_new_tokens
@@ -277,10 +283,16 @@ class KVCacheDecoder:
                 tokens = self.sync_tokens(tokens)
             answers[rows[alive], step] = tokens[alive]
             logprobs[rows[alive], step] = token_logprobs(logits[alive], tokens[alive], config.logprob_temperature)
+            running = alive.clone() if on_finished is not None else alive
             alive &= tokens != config.eos_token_id
             done = step == new_tokens - 1 or not bool(alive.any())
             if self.sync_done is not None:
                 done = self.sync_done(done)
+            if on_finished is not None:
+                ended = running if done else running & ~alive
+                if bool(ended.any()):
+                    self._hand_over(on_finished, rows[ended], input_ids, attention_mask, answers[:, :step + 1],
+                                    logprobs[:, :step + 1], config)
             if done:
                 break
             if self.model.shrinks and not bool(alive.all()):
@@ -299,3 +311,16 @@ class KVCacheDecoder:
             answer_mask_from_tokens(answers, config.eos_token_id),
             config.pad_token_id,
         )
+
+    @staticmethod
+    def _hand_over(on_finished: FinishedRowsHook, ended: torch.Tensor, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor, answers: torch.Tensor, logprobs: torch.Tensor,
+                   config: GenerationConfig) -> None:
+        """The rows `ended` (original indices) to `on_finished`, as ordinary tensors outside inference mode."""
+        with torch.inference_mode(False):
+            ended = ended.clone()
+            rows_answers = answers[ended].clone()
+            output = assemble_output(input_ids[ended].clone(), attention_mask[ended].clone(), rows_answers,
+                                     logprobs[ended].clone(), answer_mask_from_tokens(rows_answers, config.eos_token_id),
+                                     config.pad_token_id)
+            on_finished(ended, output)

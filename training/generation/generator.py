@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -97,6 +97,12 @@ class GenerationOutput:
     @property
     def answers(self) -> torch.Tensor:
         return self.sequences[:, self.prompt_length:]
+
+
+FinishedRowsHook = Callable[[torch.Tensor, GenerationOutput], None]
+"""Called by a streaming generator with rows the moment they end (EOS, or the length limit): their row indices in
+the call's output layout (B*K rows) and those rows alone as a `GenerationOutput`, trimmed to their longest answer
+(`on_finished` of `HybridEngine.generate`)."""
 
 
 class Generator(Protocol):

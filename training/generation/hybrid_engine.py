@@ -39,6 +39,7 @@ from training.generation.fast_decoder import (
 )
 from training.generation.fused_llama import FusedLlama, fused_llama_unsupported_reason
 from training.generation.generator import (
+    FinishedRowsHook,
     GenerationConfig,
     GenerationOutput,
     Generator,
@@ -325,11 +326,21 @@ class HybridEngine:
                 if self.settings.release_inference_cache:
                     self.kv_cache.release()
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+    @property
+    def streams_finished_rows(self) -> bool:
+        """Whether `generate` can hand over rows as they end (`on_finished`): not when tensor-parallel ranks decode
+        their batches together."""
+        return self.tp is None
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: GenerationConfig,
+                 on_finished: FinishedRowsHook | None = None) -> GenerationOutput:
+        """Answers to a left-padded prompt batch; `on_finished` receives rows as they end (`FinishedRowsHook`)."""
         with self.generate_mode():
             if self.tp is not None:
+                if on_finished is not None:
+                    raise ValueError("on_finished needs a generator that decodes alone (inference_tp_size 1)")
                 return self.tp.generate_together(self._decoder, input_ids, attention_mask, config)
-            return self._decoder.decode(input_ids, attention_mask, config)
+            return self._decoder.decode(input_ids, attention_mask, config, on_finished)
 
     def _enter(self, stack: contextlib.ExitStack) -> KVCacheDecoder:
         if self.settings.unpin_actor_parameters:

@@ -1,13 +1,21 @@
-"""Moving step 3's data between the ranks of a placement: per-chunk results, random streams, actor weights.
+"""Moving step 3's data between the ranks of a placement: per-chunk results, random streams, actor weights, and
+finished rows sent to the scoring ranks while generation goes on (stage fusion).
 
 Experience rows are small next to the models (token ids and a few numbers per token), so after each phase
 every rank's per-chunk results are all-gathered to every rank: one collective per phase, and every rank can
 then run whichever call it owns next. Tensors travel on the CPU and return to the compute device for use.
+
+Stage fusion sends rows point to point instead (`post`, `Inbox`) over a gloo group of its own: a send never
+waits for its receiver, and each receiving rank takes its messages on a background thread, so a rank can decode
+its own answers while the rows of another's arrive, and score them between its decode steps.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import pickle
+import queue
+import threading
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -89,3 +97,83 @@ def broadcast_trainable_weights(module: torch.nn.Module, names: list[str], sourc
         torch_dist.broadcast(buffer, src=source, group=group)
         if buffer is not parameter.data:
             parameter.data.copy_(buffer)
+
+
+_SIZE_TAG, _BODY_TAG = 1, 2
+
+
+class Outbox:
+    """Messages (picklable values, tensors moved to the CPU) sent to other ranks of `group` without waiting for
+    them to be received; `wait` before the buffers may go (the end of a phase)."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.in_flight: list[tuple[Any, ...]] = []
+
+    def post(self, destination: int, value: Any) -> None:
+        self._send(destination, ("value", moved(value, "cpu")))
+
+    def close(self, destination: int) -> None:
+        """Tell `destination` it gets nothing more from this rank in the phase."""
+        self._send(destination, ("close", None))
+
+    def _send(self, destination: int, message: tuple[str, Any]) -> None:
+        body = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        size = torch.tensor([body.numel()], dtype=torch.long)
+        self.in_flight.append((torch_dist.isend(size, destination, group=self.group, tag=_SIZE_TAG),
+                               torch_dist.isend(body, destination, group=self.group, tag=_BODY_TAG), size, body))
+
+    def wait(self) -> None:
+        for size_sent, body_sent, *_ in self.in_flight:
+            size_sent.wait()
+            body_sent.wait()
+        self.in_flight = []
+
+
+class Inbox:
+    """Receives the values `Outbox.post` sends from any rank of `group`, on a background thread, until `senders`
+    ranks have closed; the caller takes them as they arrive (`ready`) or waits for the rest (`remaining`)."""
+
+    def __init__(self, group: Any, senders: int):
+        self.group = group
+        self.arrived: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._receive, args=(senders,), daemon=True)
+        self.thread.start()
+
+    def _receive(self, senders: int) -> None:
+        try:
+            while senders:
+                size = torch.zeros(1, dtype=torch.long)
+                source = torch_dist.recv(size, group=self.group, tag=_SIZE_TAG)
+                body = torch.empty(int(size.item()), dtype=torch.uint8)
+                torch_dist.recv(body, src=source, group=self.group, tag=_BODY_TAG)
+                kind, value = pickle.loads(body.numpy().tobytes())
+                if kind == "close":
+                    senders -= 1
+                else:
+                    self.arrived.put(("message", value))
+        except BaseException as error:  # handed to the caller's thread, which raises it
+            self.arrived.put(("error", error))
+        self.arrived.put(("closed", None))
+
+    def _next(self, block: bool) -> tuple[str, Any] | None:
+        try:
+            kind, value = self.arrived.get(block=block)
+        except queue.Empty:
+            return None
+        if kind == "error":
+            raise value
+        return kind, value
+
+    def ready(self) -> Iterator[Any]:
+        """The messages that have arrived so far (without waiting)."""
+        while (item := self._next(block=False)) is not None and item[0] == "message":
+            yield item[1]
+        if item is not None:  # closed: every sender is done
+            self.arrived.put(item)
+
+    def remaining(self) -> Iterator[Any]:
+        """Every message still to come, waiting for each, until every sender has closed."""
+        while (item := self._next(block=True))[0] == "message":
+            yield item[1]
+        self.thread.join()

@@ -24,6 +24,13 @@ class PlacementSettings:
     calibrate: bool = field(default=False, metadata={
         "help": "measure this machine's constants (matmul FLOP/s, weight streaming, collectives) before planning; "
                 "saved and reused by later runs"})
+    enable_stage_fusion: bool = field(default=False, metadata={
+        "help": "score finished answers (reference, reward model, critic; the actor where its old log-probs are "
+                "recomputed) in micro-batches while the rest of the batch still decodes (RLHFuse's stage fusion): "
+                "between decode steps when co-located, on the scoring ranks at the same time under a placement; "
+                "needs the hybrid engine"})
+    stage_fusion_micro_batch_size: int = field(default=2, metadata={
+        "help": "finished answers scored together under --enable_stage_fusion"})
     profile_calls: bool = field(default=False, metadata={
         "help": "time every model call, the experience exchange and the weight broadcast on each rank and write "
                 "them per PPO step to call_times.jsonl in the run folder (bench/placement.py --breakdown)"})
