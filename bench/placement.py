@@ -5,7 +5,8 @@ planner's prediction from this machine's calibrated constants, and which placeme
     python bench/placement.py --ranks 2 --steps 4 --output bench/results/placement_cpu.json
     python bench/placement.py --breakdown           # + each rank's per-call times beside the cost model's
 
-Each placement runs `step3_rlhf/main.py` under `torch.distributed.run` (same seed, same settings); the measured
+Each placement runs `step3_rlhf/main.py` under `torch.distributed.run` (same seed, same settings), three of them
+also with stage fusion (`+fusion`: `--enable_stage_fusion`); the measured
 step time is the median of `time/step_s` after the first step, the peak memory the largest rank's peak RSS.
 With `--breakdown` the runs time every model call (`--profile_calls`) and the report lists, per placement and
 rank, each call's measured seconds per step (median over the timed steps) beside the cost model's.
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +36,10 @@ if TYPE_CHECKING:
     from training.placement.cost_model import StepEstimate
     from training.placement.spec import Placement
 
-PLACEMENTS = ("colocate", "interleave", "disaggregate", "interleave:actor=0.5,critic=0.5")
+# a "+fusion" suffix runs the placement with --enable_stage_fusion
+PLACEMENTS = ("colocate", "interleave", "disaggregate", "interleave:actor=0.5,critic=0.5", "colocate+fusion",
+              "disaggregate+fusion", "interleave:actor=0.5,critic=0.5+fusion")
+FUSION_SUFFIX = "+fusion"
 GB_PER_GIB = 1024**3 / 1e9
 # timed calls the cost model counts as part of another: the decoder's sampling loop in its decode steps, DeepSpeed's
 # engine and mixed-precision wrapper steps in the optimizer step
@@ -42,7 +47,13 @@ MEASURED_AS = {"generate": "decode step", "engine step": "optimizer step", "inne
                "weight copy-back": "optimizer step", "master-gradient accumulation": "optimizer step"}
 
 
+def variant(placement: str) -> tuple[str, bool]:
+    """(the placement[:ratio], whether stage fusion is on) of a PLACEMENTS entry."""
+    return placement.removesuffix(FUSION_SUFFIX), placement.endswith(FUSION_SUFFIX)
+
+
 def step3_argv(args: argparse.Namespace, placement: str, output_dir: Path) -> list[str]:
+    placement, fusion = variant(placement)
     name, _, ratio = placement.partition(":")
     return ["--actor_model_name_or_path", args.actor, "--critic_model_name_or_path", args.critic,
             "--output_dir", str(output_dir), "--dtype", args.dtype, "--max_steps", str(args.steps),
@@ -50,6 +61,7 @@ def step3_argv(args: argparse.Namespace, placement: str, output_dir: Path) -> li
             "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
             "--eval_samples", "1", "--enable_hybrid_engine", "--data_path", "embedded",
             "--placement", name, *(["--placement_ratio", ratio] if ratio else []),
+            *(["--enable_stage_fusion"] if fusion else []),
             *(["--profile_calls"] if getattr(args, "breakdown", False) else [])]
 
 
@@ -105,7 +117,7 @@ def print_breakdown(row: dict) -> None:
 
 
 def measure(args: argparse.Namespace, placement: str) -> dict:
-    output_dir = Path(args.work_dir) / placement.replace(":", "_").replace(",", "_").replace("=", "")
+    output_dir = Path(args.work_dir) / placement.replace(":", "_").replace(",", "_").replace("=", "").replace("+", "_")
     shutil.rmtree(output_dir, ignore_errors=True)  # a run appends to metrics.jsonl: start from none
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
@@ -142,9 +154,10 @@ def predictions(args: argparse.Namespace) -> tuple[dict, list[str], str]:
     roles = placement_roles(settings)
     predicted = {}
     for placement in PLACEMENTS:
-        name, _, ratio = placement.partition(":")
+        spec, fusion = variant(placement)
+        name, _, ratio = spec.partition(":")
         layout = build_placement(name, args.ranks, roles, parse_placement_ratio(ratio) if ratio else None)
-        estimate = estimate_step(workload, layout, machine)
+        estimate = estimate_step(replace(workload, stage_fusion=fusion), layout, machine)
         calls = {"predicted_calls": predicted_calls(estimate, layout),
                  "predicted_rank_peak_gb": [gib * GB_PER_GIB for gib in estimate.per_rank_memory_gib]} \
             if args.breakdown else {}

@@ -60,12 +60,14 @@ def resolve_placement(args: Step3Settings) -> Placement | None:
         choice = broadcast_from_main(_auto_choice(args, world, roles) if is_main_process() else None)
         if isinstance(choice, str):
             raise UserError(choice)
-        base, shares, actor_stage, critic_stage, tp, micro = choice
+        base, shares, actor_stage, critic_stage, tp, micro, fusion = choice
         args.actor.zero_stage, args.critic.zero_stage = actor_stage, critic_stage
         args.hybrid.inference_tp_size, args.loop.per_device_training_batch_size = tp, micro
+        args.placement.enable_stage_fusion = fusion
         placement = build_placement(base, world, roles, shares)
-        logger.info("--placement auto: %s (%s), actor ZeRO-%d, critic ZeRO-%d, inference TP %d, micro-batch %d",
-                    base, placement.describe(), actor_stage, critic_stage, tp, micro)
+        logger.info("--placement auto: %s (%s), actor ZeRO-%d, critic ZeRO-%d, inference TP %d, micro-batch %d, "
+                    "stage fusion %s", base, placement.describe(), actor_stage, critic_stage, tp, micro,
+                    "on" if fusion else "off")
     else:
         ratio = parse_placement_ratio(settings.placement_ratio) if settings.placement_ratio else None
         placement = build_placement(settings.placement, world, roles, ratio)
@@ -93,4 +95,4 @@ def _auto_choice(args: Step3Settings, world: int, roles: list[str]) -> tuple | s
     except UserError as error:
         return str(error)
     return plan.base, dict(plan.shares), plan.actor_zero_stage, plan.critic_zero_stage, plan.inference_tp, \
-        plan.micro_batch
+        plan.micro_batch, plan.stage_fusion

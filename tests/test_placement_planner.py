@@ -195,6 +195,35 @@ def test_disaggregated_scoring_follows_the_whole_generation_and_only_it_syncs():
         assert estimate_step(WORKLOAD, build_placement(name, 4), MACHINE).sync_s == 0.0
 
 
+def test_stage_fusion_scores_each_generated_chunk_while_the_next_one_decodes():
+    placement = build_placement("disaggregate", 4)  # ranks 2-3 generate two chunks each, ranks 0-1 score them
+    plain = replace(WORKLOAD, hybrid_engine=True)
+    fused = replace(plain, stage_fusion=True)
+    per_pass = sum(call.seconds * call.count for call in generation_calls(fused, placement, MACHINE)) / 2
+    per_chunk = sum(forward_call(fused, role, placement, MACHINE).seconds
+                    for role in ("actor", "reference", "reward", "critic"))
+    assert estimate_step(plain, placement, MACHINE).scoring_s == pytest.approx(2 * per_chunk)
+    # chunk 0 is scored from the end of its own pass, while chunk 1 decodes; chunk 1 once it is done as well
+    fused_estimate = estimate_step(fused, placement, MACHINE)
+    end = max(per_pass + per_chunk, 2 * per_pass) + per_chunk
+    assert fused_estimate.generation_s == pytest.approx(2 * per_pass)
+    assert fused_estimate.scoring_s == pytest.approx(end - 2 * per_pass)
+    assert fused_estimate.step_s < estimate_step(plain, placement, MACHINE).step_s
+    colocated = build_placement("colocate", 4)  # one chunk per rank: nothing to overlap
+    assert estimate_step(fused, colocated, MACHINE).step_s == pytest.approx(estimate_step(plain, colocated, MACHINE).step_s)
+    # but the KV cache and a scoring forward are alive together (fp32: generation's memory, not the optimizer's,
+    # is the largest transient)
+    fp32 = {fusion: replace(plain, dtype="fp32", stage_fusion=fusion) for fusion in (False, True)}
+    peaks = {fusion: estimate_step(workload, colocated, MACHINE).peak_memory_gib for fusion, workload in fp32.items()}
+    assert peaks[True] > peaks[False]
+    plans = search(plain, MACHINE, 4)
+    assert {plan.stage_fusion for plan in plans} == {False, True}
+    assert all(not plan.stage_fusion for plan in plans if 3 in (plan.actor_zero_stage, plan.critic_zero_stage))
+    best_disaggregated = next(plan for plan in plans if plan.placement.has("rollout"))
+    assert best_disaggregated.stage_fusion and "--enable_stage_fusion" in best_disaggregated.flags
+    assert all(plan.stage_fusion for plan in search(fused, MACHINE, 4))  # asked for: kept
+
+
 def test_planner_keeps_only_plans_that_fit_fastest_first():
     tight = replace(MACHINE, memory_gib=16.0)  # 4 x 1B models: ZeRO-0 states alone take 44 GB per rank
     plans = search(WORKLOAD, tight, 4)

@@ -300,9 +300,12 @@ def rank_memory_gib(workload: Step3Workload, placement: Placement, machine: Mach
     held = [role for role in placement.ranks if placement.holds(role, rank)]
     persistent = sum(_persistent_bytes(workload, role, placement) for role in held)
     transient = [0.0]
+    forwards = [_forward_bytes(workload, role, workload.rows_per_chunk) for role in held if role != "rollout"]
     if placement.generation_role in held:
-        transient.append(_generation_bytes(workload, placement))
-    transient += [_forward_bytes(workload, role, workload.rows_per_chunk) for role in held if role != "rollout"]
+        generation = _generation_bytes(workload, placement)
+        # stage fusion scores finished rows while the KV cache of the rows still decoding is alive
+        transient.append(generation + (max(forwards, default=0.0) if workload.stage_fusion else 0.0))
+    transient += forwards
     transient += [max(_training_bytes(workload, role), _optimizer_step_bytes(workload, role, placement))
                   for role in held if role in ("actor", "critic")]
     return machine.baseline_memory_gib + (persistent + max(transient)) / GIB
@@ -316,11 +319,13 @@ def models_on(placement: Placement, rank: int) -> list[str]:
 
 
 def _scoring_end(workload: Step3Workload, placement: Placement, machine: MachineSpec,
-                 ready: list[float]) -> tuple[float, list[Call]]:
-    """Each rank runs its chunks' scoring calls in chunk order, a chunk's calls no earlier than it is ready."""
+                 ready: list[float], generating_until: float) -> tuple[float, list[Call]]:
+    """Each rank runs its chunks' scoring calls in chunk order, a chunk's calls no earlier than it is ready, and
+    on a rank that generates, after its own generation."""
     calls = {role: forward_call(workload, role, placement, machine)
              for role in ("actor", "reference", "reward", "critic") if placement.has(role)}
-    free = [0.0] * placement.world_size
+    generating = placement.generation_role
+    free = [generating_until if placement.holds(generating, rank) else 0.0 for rank in range(placement.world_size)]
     for chunk in range(placement.world_size):
         for role, call in calls.items():
             rank = placement.owner(role, chunk)
@@ -353,17 +358,26 @@ def _sync_s(workload: Step3Workload, placement: Placement, machine: MachineSpec)
 
 def estimate_step(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> StepEstimate:
     """One PPO step: generation (each generation member's chunks one after another), scoring (per chunk: actor,
-    reference, reward, critic forwards on their owners; ranks in parallel; after the whole generation, as
-    `step3_rlhf.placed` runs it: no stage fusion), the exchanges, training (actor and critic overlap when on
-    disjoint ranks), then the weight sync of a disaggregated placement."""
+    reference, reward, critic forwards on their owners; ranks in parallel), the exchanges, training (actor and
+    critic overlap when on disjoint ranks), then the weight sync of a disaggregated placement.
+
+    Scoring starts once the whole generation has ended, or with stage fusion once the chunk's own generation has
+    (every answer is taken to run to the length limit, so a chunk's rows all end with it: what fusion gains
+    from answers ending early is not predicted)."""
     role = placement.generation_role
     generation = generation_calls(workload, placement, machine)
     gather = sum(call.total_s for call in generation if call.kind == "gather weights")
     pass_s = sum(call.seconds * (call.count // placement.chunks_per_member(role))
                  for call in generation if call.kind != "gather weights")
     generation_end = gather + pass_s * placement.chunks_per_member(role)
-    ready = [generation_end] * placement.world_size  # the runtime scores once every chunk is generated
-    scoring_end, scoring = _scoring_end(workload, placement, machine, ready)
+    if workload.stage_fusion:
+        ready = [0.0] * placement.world_size
+        for member in placement.ranks[role]:
+            for position, chunk in enumerate(placement.chunks(role, member), start=1):
+                ready[chunk] = gather + pass_s * position
+    else:
+        ready = [generation_end] * placement.world_size
+    scoring_end, scoring = _scoring_end(workload, placement, machine, ready, generation_end)
     trained = {r: training_calls(workload, r, placement, machine) for r in ("actor", "critic") if placement.has(r)}
     times = [sum(call.total_s for call in calls) for calls in trained.values()]
     training_s = max(times) if placement.concurrent("actor", "critic") else sum(times)

@@ -1,4 +1,5 @@
-"""Search placements x ZeRO stages x inference TP x micro-batch with the cost model; keep what fits, fastest first."""
+"""Search placements x ZeRO stages x inference TP x micro-batch x stage fusion with the cost model; keep what fits,
+fastest first."""
 from __future__ import annotations
 
 import io
@@ -31,6 +32,7 @@ class RankedPlan:
     critic_zero_stage: int
     inference_tp: int
     micro_batch: int
+    stage_fusion: bool
     estimate: StepEstimate
 
     @property
@@ -39,7 +41,8 @@ class RankedPlan:
         ratio = ",".join(f"{role}={share:g}" for role, share in self.shares.items())
         return ["--placement", self.base, "--placement_ratio", ratio,
                 "--actor_zero_stage", str(self.actor_zero_stage), "--critic_zero_stage", str(self.critic_zero_stage),
-                "--inference_tp_size", str(self.inference_tp), "--per_device_training_batch_size", str(self.micro_batch)]
+                "--inference_tp_size", str(self.inference_tp), "--per_device_training_batch_size", str(self.micro_batch),
+                *(["--enable_stage_fusion"] if self.stage_fusion else [])]
 
 
 def candidate_shares(roles: Iterable[str]) -> Iterator[tuple[str, dict[str, float]]]:
@@ -95,10 +98,13 @@ def _tp_sizes(workload: Step3Workload, machine: MachineSpec, generation_ranks: i
 
 def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
            roles: Iterable[str] | None = None) -> list[RankedPlan]:
-    """Every candidate plan whose peak memory fits every rank, fastest predicted step first."""
+    """Every candidate plan whose peak memory fits every rank, fastest predicted step first (of two equally fast,
+    the one without stage fusion). A workload that asks for stage fusion keeps it; otherwise plans with and
+    without it are tried where it can run."""
     roles = tuple(roles or workload.roles())
     stages = (0, 1, 2, 3) if world_size > 1 else (0,)
     critic_stages = stages if "critic" in roles else (workload.critic_zero_stage,)
+    fusion_choices = (True,) if workload.stage_fusion else (False, True)
     plans = []
     for base, shares, placement in _placements(world_size, roles):
         for tp in _tp_sizes(workload, machine, len(placement.ranks[placement.generation_role])):
@@ -107,13 +113,22 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
                     for critic_stage in critic_stages:
                         if not runnable(placement, actor_stage, critic_stage, tp):
                             continue
-                        planned = replace(workload, actor_zero_stage=actor_stage, critic_zero_stage=critic_stage,
-                                          inference_tp=tp, train_micro_batch=micro)
-                        estimate = estimate_step(planned, placement, machine)
-                        if estimate.peak_memory_gib <= machine.usable_memory_gib:
-                            plans.append(RankedPlan(placement, base, shares, actor_stage, critic_stage, tp, micro,
-                                                    estimate))
+                        for fusion in fusion_choices:
+                            if fusion and not fusion_runnable(workload, actor_stage, critic_stage, tp, world_size):
+                                continue
+                            planned = replace(workload, actor_zero_stage=actor_stage, critic_zero_stage=critic_stage,
+                                              inference_tp=tp, train_micro_batch=micro, stage_fusion=fusion)
+                            estimate = estimate_step(planned, placement, machine)
+                            if estimate.peak_memory_gib <= machine.usable_memory_gib:
+                                plans.append(RankedPlan(placement, base, shares, actor_stage, critic_stage, tp, micro,
+                                                        fusion, estimate))
     return sorted(plans, key=lambda plan: plan.estimate.step_s)
+
+
+def fusion_runnable(workload: Step3Workload, actor_stage: int, critic_stage: int, tp: int, world_size: int) -> bool:
+    """What `step3_rlhf.stage_fusion.check_stage_fusion` allows: the hybrid engine decoding alone (TP 1), and no
+    ZeRO-3 forward collective over several ranks."""
+    return workload.hybrid_engine and tp == 1 and (world_size == 1 or 3 not in (actor_stage, critic_stage))
 
 
 def runnable(placement: Placement, actor_stage: int, critic_stage: int, tp: int) -> bool:
@@ -158,14 +173,15 @@ def format_plans(plans: list[RankedPlan], top: int = 10) -> str:
     from rich.table import Table
 
     table = Table(title=f"step 3 placements, fastest first ({len(plans)} fit)")
-    for column in ("#", "placement", "layout", "ZeRO a/c", "TP", "micro", "step s",
+    for column in ("#", "placement", "layout", "ZeRO a/c", "TP", "micro", "fusion", "step s",
                    "gen / score / train / sync / exch s", "peak GiB"):
         table.add_column(column, overflow="fold")
     for index, plan in enumerate(plans[:top], start=1):
         estimate = plan.estimate
         table.add_row(str(index), plan.placement.name, plan.placement.describe(),
                       f"{plan.actor_zero_stage}/{plan.critic_zero_stage}", str(plan.inference_tp),
-                      str(plan.micro_batch), f"{estimate.step_s:.2f}", _phase_split(estimate),
+                      str(plan.micro_batch), "yes" if plan.stage_fusion else "no", f"{estimate.step_s:.2f}",
+                      _phase_split(estimate),
                       f"{estimate.peak_memory_gib:.1f}")
     buffer = io.StringIO()
     Console(file=buffer, width=160, force_terminal=False, color_system=None).print(table)
