@@ -42,9 +42,7 @@ from training.placement.exchange import (
     moved,
 )
 from training.placement.spec import Placement
-from training.reliability.signals import GracefulInterrupt
 from utils.dist import all_gather_objects, barrier, current_device, get_world_size
-from utils.errors import UserError
 
 
 def scoring_owners(placement: Placement, has_critic: bool, has_reward_model: bool) -> dict[str, str]:
@@ -243,8 +241,9 @@ def chunk_stats(experiences: Mapping[int, Experience]) -> dict[str, float]:
 
 
 class PlacedPPORun(PPORun):
-    """`PPORun` with every PPO step, evaluation and save going through a `PlacedPPO`. Resume checkpoints are
-    the co-located run's alone for now (`check_placement_args` refuses --save_interval and --resume)."""
+    """`PPORun` with every PPO step, evaluation and save going through a `PlacedPPO`. A resume checkpoint holds
+    each rank's engines (`CheckpointManager` saves an engine on its own ranks) and each generating rank's
+    per-chunk random streams; after a resume the shadow actor receives the restored actor's weights."""
 
     def __init__(self, *args, placed: PlacedPPO, **kwargs):
         super().__init__(*args, **kwargs)
@@ -292,14 +291,16 @@ class PlacedPPORun(PPORun):
     def placement_description(self) -> str:
         return f"{self.args.placement.placement}: {self.placed.placement.describe()}"
 
-    @property
-    def engines(self) -> dict[str, torch.nn.Module]:
-        return {}
+    def rank_state(self) -> dict:
+        return {"chunk_streams": self.placed.streams.state_dict()}
 
-    def stop_for_resume(self, interrupt: GracefulInterrupt, saved: Path | None) -> None:
-        raise UserError(f"stopped on a signal after PPO step {self.step}: under --placement "
-                        f"{self.args.placement.placement} step 3 writes no resume checkpoint yet (use --placement "
-                        "colocate to stop and --resume)")
+    def restore(self) -> dict | None:
+        state = super().restore()
+        if state is not None:
+            self.placed.streams.load_state_dict(state["rank_state"]["chunk_streams"])
+            if self.placed.shadow:
+                self.placed.sync_weights()
+        return state
 
     def save_models(self) -> dict[str, str | None]:
         """Each trained model (and the actor's EMA) is written by the first rank of its group; the group's other

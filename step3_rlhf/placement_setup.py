@@ -37,8 +37,6 @@ def check_placement_args(args: Step3Settings, placement: Placement) -> None:
     refused = {
         "--inference_tp_size > 1": args.hybrid.inference_tp_size > 1,
         "--unsupervised_dataset_name": bool(args.unsupervised.unsupervised_dataset_name),
-        "--save_interval": args.checkpoints.save_interval > 0,
-        "--resume": args.checkpoints.resume,
         "--offload_reference_model/--offload_reward_model": args.frozen.offload_reference_model
         or args.frozen.offload_reward_model,
     }

@@ -132,10 +132,18 @@ class PPORun:
             "last_stats": self.last_stats,
         }
 
-    def restore(self) -> None:
+    def rank_state(self) -> dict | None:
+        """What this rank alone holds that a resume needs beyond its RNG (nothing co-located)."""
+        return None
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpoints.save(self.step, self.engines, self.client_state(), self.rank_state())
+
+    def restore(self) -> dict | None:
+        """Load the latest checkpoint with --resume (collective); returns its client state (None: a fresh run)."""
         state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
         if state is None:
-            return
+            return None
         self.step = state["ppo_step"]
         self.prompts.load_state_dict(state["prompts"])
         if self.unsupervised is not None and state["unsupervised"] is not None:
@@ -144,6 +152,7 @@ class PPORun:
         self.evaluations = list(state["evaluations"])
         self.last_stats = dict(state["last_stats"])
         logger.info("resuming step 3 after PPO step %d", self.step)
+        return state
 
     def evaluate(self) -> dict:
         if self.eval_prompts is None:
@@ -245,8 +254,7 @@ class PPORun:
         return sum_over_ranks([spent])[0] > 0
 
     def stop_for_resume(self, interrupt: GracefulInterrupt, saved: Path | None) -> None:
-        interrupt.exit_for_resume(self.step, saved or self.checkpoints.save(self.step, self.engines,
-                                                                             self.client_state()))
+        interrupt.exit_for_resume(self.step, saved or self.save_checkpoint())
 
     def save_models(self) -> dict[str, str | None]:
         return save_step3_models(self.args, self.engine)
@@ -273,8 +281,7 @@ class PPORun:
             eval_interval = self.args.loop.eval_interval
             if eval_interval and self.step % eval_interval == 0 and self.step < self.total_steps:
                 self.evaluate()
-            saved = self.checkpoints.save(self.step, self.engines, self.client_state()) \
-                if self.checkpoints.should_save(self.step) else None
+            saved = self.save_checkpoint() if self.checkpoints.should_save(self.step) else None
             if interrupt.should_stop():
                 self.stop_for_resume(interrupt, saved)
         bar.close()

@@ -2,14 +2,18 @@
 co-located run's PPO (same seed: same trained actor and critic, same held-out figures)."""
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.run
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TESTS_DIR
+from crash_resume import assert_same_weights, kill_after_checkpoint, latest_checkpoint_step, launch_step, run_step
 from test_step3_rlhf import make_step3_inputs
 from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.placement.spec import build_placement, parse_placement_ratio
@@ -146,6 +150,44 @@ def test_stage_fusion_under_placements_trains_the_colocated_ppo(tmp_path_factory
         records = [json.loads(line) for line in (runs / placement / "call_times.jsonl").read_text().splitlines()]
         forwards = [record["ranks"][0]["calls"]["reference/forward"]["n"] for record in records]
         assert sum(forwards) > chunks * len(forwards), (placement, forwards)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["disaggregate", "interleave:actor=0.5,critic=0.5"])
+def test_a_placed_run_stopped_by_a_signal_resumes_to_the_uninterrupted_weights(tmp_path_factory, placement):
+    """2 gloo ranks, --save_interval 1, EMA. disaggregate: rank 0 holds every engine and rank 1 none (DeepSpeed's
+    world barriers in save_checkpoint would wait for rank 1 forever), rank 1 the shadow actor and its chunks'
+    random streams; Interleave2: the actor's engine on rank 0 and the critic's on rank 1, saved at the same time.
+    SIGTERM to the launcher after the first checkpoint: the ranks stop after a step and save; `--resume` then
+    ends with the same actor, critic and EMA bits as an uninterrupted run."""
+    preset, _, ratio = placement.partition(":")
+    inputs = make_step3_inputs(tmp_path_factory)
+    root = tmp_path_factory.mktemp("placed_resume")
+    launcher = Path(torch.distributed.run.__file__)
+
+    def argv(name: str) -> list[str]:
+        return ["--nproc_per_node", "2", "--master_port", str(free_port()), str(REPO_ROOT / "step3_rlhf" / "main.py"),
+                "--actor_model_name_or_path", str(inputs["actor"]), "--critic_model_name_or_path", str(inputs["reward"]),
+                "--output_dir", str(root / name), "--data_path", str(inputs["data"]), "--data_split", "0,0,1",
+                "--data_output_path", str(root / "cache"), "--max_prompt_seq_len", "96", "--max_answer_seq_len", "8",
+                "--eval_samples", "4", "--dtype", "fp32", "--max_steps", "5", "--save_interval", "1",
+                "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "1",
+                "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--enable_hybrid_engine",
+                "--enable_ema", "--ema_beta", "0.5", "--placement", preset,
+                *(["--placement_ratio", ratio] if ratio else [])]
+
+    run_step(launcher, argv("uninterrupted"), root / "uninterrupted.log")
+    stopped = argv("stopped")
+    run = launch_step(launcher, stopped, root / "stopped.log")
+    kill_after_checkpoint(run, min_step=1, sig=signal.SIGTERM)
+    run.wait(timeout=120)
+    assert "stopped on SIGTERM" in run.output(), run.output()[-3000:]
+    assert latest_checkpoint_step(root / "stopped") < 5
+    # a fresh port: the launcher's own port may still be closing
+    resumed = run_step(launcher, [*argv("stopped"), "--resume"], root / "resumed.log")
+    assert "resuming step 3 after PPO step" in resumed
+    for folder in ("actor", "critic", "actor_ema"):
+        assert_same_weights(root / "uninterrupted" / folder, root / "stopped" / folder)
 
 
 def test_zero3_is_refused_where_it_would_partition_a_model_over_part_of_the_ranks():

@@ -60,6 +60,10 @@ def get_train_ds_config(
         "steps_per_print": steps_per_print,
         "wall_clock_breakdown": False,
         "zero_optimization": _zero_section(stage, offload, offload if offload_params is None else offload_params),
+        # checkpoint tags are the engines' names, the same on every rank by construction; DeepSpeed's check of
+        # that is an all-reduce over the whole world, which an engine on part of the ranks (a placement) must not
+        # start
+        "checkpoint": {"tag_validation": "Ignore"},
         **_precision_section(dtype),
     }
     if offload:

@@ -73,6 +73,14 @@ class ChunkRandomStreams:
         if "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"])
 
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {str(chunk): dict(state) for chunk, state in self.states.items()}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        if {int(chunk) for chunk in state} != set(self.states):
+            raise ValueError(f"random streams of chunks {sorted(state)} for a rank that generates {sorted(self.states)}")
+        self.states = {int(chunk): dict(chunk_state) for chunk, chunk_state in state.items()}
+
     @contextlib.contextmanager
     def use(self, chunk: int) -> Iterator[None]:
         """Draw from `chunk`'s stream for the duration; the global stream is left as it was."""

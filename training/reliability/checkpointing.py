@@ -4,11 +4,17 @@ One checkpoint is one folder `<output_dir>/checkpoints/step<N>/` holding
 - `<engine name>/`: each DeepSpeed engine's own checkpoint (module, optimizer, LR scheduler, its
   step counters), written by `engine.save_checkpoint` from every rank;
 - `rng/rank<R>.pt`: each rank's python, numpy, torch and accelerator RNG states;
+- `rank_state/rank<R>.pt`: what else a rank alone holds, when the caller has any (a placement's per-chunk
+  random streams);
 - `client_state.pt`: rank 0's `client_state` (data position, KL controller, EMA weights, ...);
 - `checkpoint.json`: the completion marker, written last.
 The folder is staged under a hidden temporary name and renamed into place once every rank has
 finished (`utils.atomic.shared_atomic_directory`); only then is the `latest` pointer file
 replaced atomically. A crash at any moment leaves `latest` on the previous complete checkpoint.
+
+Under a placement an engine lives on part of the ranks: each rank saves and loads the engines it holds, and
+DeepSpeed's own world-wide barriers in `save_checkpoint` are kept to the engine's ranks
+(`barriers_within`), so ranks saving different engines do not wait for each other.
 
 Every file loads with `torch.load(weights_only=True)`, so a tampered checkpoint cannot run code:
 `client_state` must hold only plain data (tensors, numbers, strings, None, and lists/tuples/dicts
@@ -41,6 +47,7 @@ from utils.atomic import (
     shared_atomic_directory,
 )
 from utils.dist import (
+    all_gather_objects,
     barrier,
     broadcast_from_main,
     get_rank,
@@ -56,6 +63,7 @@ LATEST_FILE = "latest"
 MARKER_FILE = "checkpoint.json"
 CLIENT_STATE_FILE = "client_state.pt"
 RNG_DIR = "rng"
+RANK_STATE_DIR = "rank_state"
 FORMAT_VERSION = 1
 _TAG_PATTERN = re.compile(r"^step(\d+)$")
 
@@ -242,16 +250,23 @@ class CheckpointManager:
 
     # writing ----------------------------------------------------------------------------------
 
-    def save(self, step: int, engines: Mapping[str, Any], client_state: Mapping[str, Any] | None = None) -> Path:
-        """Write checkpoint `step<step>` (every rank calls it, right after an optimizer step) and return its folder.
+    def save(self, step: int, engines: Mapping[str, Any], client_state: Mapping[str, Any] | None = None,
+             rank_state: Mapping[str, Any] | None = None) -> Path:
+        """Write checkpoint `step<step>` (every rank calls it, right after an optimizer step, with the engines it
+        holds) and return its folder.
 
         `client_state` is taken from rank 0 and handed back to every rank by `load_latest`; it gets
-        a `step` entry. A checkpoint of the same step that is already complete is kept as it is.
+        a `step` entry. `rank_state` (plain data, like `client_state`) is each rank's own, handed back to the
+        same rank as the client state's `rank_state`. A checkpoint of the same step that is already complete is
+        kept as it is.
         """
         client_state = dict(client_state or {})
         if client_state.setdefault("step", step) != step:
             raise ValueError(f"client_state['step'] is {client_state['step']}, but the checkpoint is for step {step}")
         check_weights_only_safe(client_state)
+        if rank_state is not None:
+            check_weights_only_safe(rank_state, "rank_state")
+        names = all_engine_names(engines)
         final = self.checkpoints_dir / f"step{step}"
         if broadcast_from_main(_read_marker(final) is not None):
             logger.info("checkpoint for step %d already saved at %s", step, final)
@@ -260,14 +275,19 @@ class CheckpointManager:
             self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             remove_temporaries(self.checkpoints_dir)
         with shared_atomic_directory(final) as tmp:
-            for name, engine in engines.items():
-                engine.save_checkpoint(str(tmp), tag=name, save_latest=False)
+            for name in names:
+                if name in engines:
+                    with barriers_within(engines[name]):
+                        engines[name].save_checkpoint(str(tmp), tag=name, save_latest=False)
             (tmp / RNG_DIR).mkdir(exist_ok=True)
             atomic_torch_save(capture_rng_state(), tmp / RNG_DIR / f"rank{get_rank()}.pt")
+            if rank_state is not None:
+                (tmp / RANK_STATE_DIR).mkdir(exist_ok=True)
+                atomic_torch_save(dict(rank_state), tmp / RANK_STATE_DIR / f"rank{get_rank()}.pt")
             barrier()
             if is_main_process():
                 atomic_torch_save(client_state, tmp / CLIENT_STATE_FILE)
-                marker = {"format": FORMAT_VERSION, "step": step, "engines": list(engines),
+                marker = {"format": FORMAT_VERSION, "step": step, "engines": names,
                           "world_size": get_world_size(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                 atomic_write_text(tmp / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
         if is_main_process():
@@ -322,10 +342,11 @@ class CheckpointManager:
         return self.load_latest(engines)
 
     def _load(self, info: CheckpointInfo, engines: Mapping[str, Any]) -> dict[str, Any]:
-        if set(info.engines) != set(engines):
+        names = all_engine_names(engines)
+        if set(info.engines) != set(names):
             raise UserError(
                 f"checkpoint {info.path} holds the models {sorted(info.engines)}, but this run trains "
-                f"{sorted(engines)}; resume with the same settings, or choose another --output_dir"
+                f"{names}; resume with the same settings, or choose another --output_dir"
             )
         for name, engine in engines.items():
             with weights_only_engine_loads(engine):
@@ -342,5 +363,33 @@ class CheckpointManager:
             logger.warning("%s has no RNG state for rank %d (the world size changed); random streams restart",
                            info.path, get_rank())
         client_state = safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu")
+        rank_file = info.path / RANK_STATE_DIR / f"rank{get_rank()}.pt"
+        if rank_file.is_file():
+            client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
         logger.info("resumed from %s (step %d)", info.path, info.step)
         return client_state
+
+
+def all_engine_names(engines: Mapping[str, Any]) -> list[str]:
+    """The engines every rank holds together (collective): each rank's own under a placement, all of them else."""
+    return sorted(set().union(*all_gather_objects(sorted(engines))))
+
+
+@contextmanager
+def barriers_within(engine: Any) -> Iterator[None]:
+    """DeepSpeed barriers given no group (the world: `save_checkpoint` opens and closes with one) synchronise
+    `engine`'s data-parallel group instead for the duration, so an engine on part of the ranks (a placement)
+    waits only for them. (Its tag check, an all-reduce over the world, is off in the training config.)"""
+    from deepspeed import comm as ds_comm
+
+    scope = getattr(engine, "data_parallel_group", None)
+    original = ds_comm.barrier
+
+    def barrier(group=None, *args, **kwargs):
+        return original(scope if group is None else group, *args, **kwargs)
+
+    ds_comm.barrier = barrier
+    try:
+        yield
+    finally:
+        ds_comm.barrier = original
