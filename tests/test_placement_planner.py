@@ -195,30 +195,39 @@ def test_disaggregated_scoring_follows_the_whole_generation_and_only_it_syncs():
         assert estimate_step(WORKLOAD, build_placement(name, 4), MACHINE).sync_s == 0.0
 
 
-def test_stage_fusion_scores_each_generated_chunk_while_the_next_one_decodes():
+def test_stage_fusion_scores_micro_batches_as_the_answers_end():
     placement = build_placement("disaggregate", 4)  # ranks 2-3 generate two chunks each, ranks 0-1 score them
     plain = replace(WORKLOAD, hybrid_engine=True)
-    fused = replace(plain, stage_fusion=True)
+    fused = replace(plain, stage_fusion=True, stage_fusion_micro_batch=2)
     per_pass = sum(call.seconds * call.count for call in generation_calls(fused, placement, MACHINE)) / 2
-    per_chunk = sum(forward_call(fused, role, placement, MACHINE).seconds
+    per_chunk = sum(forward_call(plain, role, placement, MACHINE).seconds
                     for role in ("actor", "reference", "reward", "critic"))
+    two_rows = replace(plain, prompts_per_rank=2)
+    per_micro_batch = sum(forward_call(two_rows, role, placement, MACHINE).seconds
+                          for role in ("actor", "reference", "reward", "critic"))
     assert estimate_step(plain, placement, MACHINE).scoring_s == pytest.approx(2 * per_chunk)
-    # chunk 0 is scored from the end of its own pass, while chunk 1 decodes; chunk 1 once it is done as well
-    fused_estimate = estimate_step(fused, placement, MACHINE)
-    end = max(per_pass + per_chunk, 2 * per_pass) + per_chunk
-    assert fused_estimate.generation_s == pytest.approx(2 * per_pass)
-    assert fused_estimate.scoring_s == pytest.approx(end - 2 * per_pass)
-    assert fused_estimate.step_s < estimate_step(plain, placement, MACHINE).step_s
-    colocated = build_placement("colocate", 4)  # one chunk per rank: nothing to overlap
-    assert estimate_step(fused, colocated, MACHINE).step_s == pytest.approx(estimate_step(plain, colocated, MACHINE).step_s)
-    # but the KV cache and a scoring forward are alive together (fp32: generation's memory, not the optimizer's,
-    # is the largest transient)
-    fp32 = {fusion: replace(plain, dtype="fp32", stage_fusion=fusion) for fusion in (False, True)}
+    # 4 rows a chunk end evenly over its pass: micro-batches of 2 ready at 1/2 and 1 pass (chunk 0), 3/2 and 2
+    # (chunk 1); rank 0 scores each as soon as it is ready and it is free
+    free = 0.0
+    for ready in (0.5 * per_pass, per_pass, 1.5 * per_pass, 2 * per_pass):
+        free = max(free, ready) + per_micro_batch
+    estimate = estimate_step(fused, placement, MACHINE)
+    assert estimate.generation_s == pytest.approx(2 * per_pass)
+    assert estimate.scoring_s == pytest.approx(free - 2 * per_pass)
+    assert estimate.step_s < estimate_step(plain, placement, MACHINE).step_s
+    # co-located, a rank scores after its own generation, in more and smaller forwards: slower
+    colocated = build_placement("colocate", 4)
+    assert estimate_step(fused, colocated, MACHINE).scoring_s == pytest.approx(2 * per_micro_batch)
+    assert estimate_step(fused, colocated, MACHINE).step_s > estimate_step(plain, colocated, MACHINE).step_s
+    # the KV cache and a micro-batch's scoring forward are alive together (fp32: generation's memory, not the
+    # optimizer's, is the largest transient)
+    fp32 = {fusion: replace(fused, dtype="fp32", stage_fusion=fusion) for fusion in (False, True)}
     peaks = {fusion: estimate_step(workload, colocated, MACHINE).peak_memory_gib for fusion, workload in fp32.items()}
     assert peaks[True] > peaks[False]
     plans = search(plain, MACHINE, 4)
     assert {plan.stage_fusion for plan in plans} == {False, True}
     assert all(not plan.stage_fusion for plan in plans if 3 in (plan.actor_zero_stage, plan.critic_zero_stage))
+    assert not plans[0].stage_fusion or plans[0].placement.has("rollout")
     best_disaggregated = next(plan for plan in plans if plan.placement.has("rollout"))
     assert best_disaggregated.stage_fusion and "--enable_stage_fusion" in best_disaggregated.flags
     assert all(plan.stage_fusion for plan in search(fused, MACHINE, 4))  # asked for: kept

@@ -12,7 +12,7 @@ and the causal mask's saving in attention (attention FLOPs are counted over the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from training.pipeline.hardware import GIB, ModelSize
 from training.placement.machine import MachineSpec
@@ -300,12 +300,14 @@ def rank_memory_gib(workload: Step3Workload, placement: Placement, machine: Mach
     held = [role for role in placement.ranks if placement.holds(role, rank)]
     persistent = sum(_persistent_bytes(workload, role, placement) for role in held)
     transient = [0.0]
-    forwards = [_forward_bytes(workload, role, workload.rows_per_chunk) for role in held if role != "rollout"]
+    scoring = [role for role in held if role != "rollout"]
+    transient += [_forward_bytes(workload, role, workload.rows_per_chunk) for role in scoring]
     if placement.generation_role in held:
-        generation = _generation_bytes(workload, placement)
-        # stage fusion scores finished rows while the KV cache of the rows still decoding is alive
-        transient.append(generation + (max(forwards, default=0.0) if workload.stage_fusion else 0.0))
-    transient += forwards
+        # stage fusion scores a micro-batch of finished rows while the KV cache of the rows still decoding is alive
+        rows = min(workload.stage_fusion_micro_batch, workload.rows_per_chunk)
+        fused = max((_forward_bytes(workload, role, rows) for role in scoring), default=0.0) \
+            if workload.stage_fusion else 0.0
+        transient.append(_generation_bytes(workload, placement) + fused)
     transient += [max(_training_bytes(workload, role), _optimizer_step_bytes(workload, role, placement))
                   for role in held if role in ("actor", "critic")]
     return machine.baseline_memory_gib + (persistent + max(transient)) / GIB
@@ -319,20 +321,40 @@ def models_on(placement: Placement, rank: int) -> list[str]:
 
 
 def _scoring_end(workload: Step3Workload, placement: Placement, machine: MachineSpec,
-                 ready: list[float], generating_until: float) -> tuple[float, list[Call]]:
-    """Each rank runs its chunks' scoring calls in chunk order, a chunk's calls no earlier than it is ready, and
-    on a rank that generates, after its own generation."""
+                 pieces: list[tuple[float, int]], generating_until: float) -> tuple[float, list[Call]]:
+    """Each rank runs the scoring calls of the (ready time, chunk) `pieces` it owns in the order they are ready,
+    none before it is, and on a rank that generates, after its own generation. A call covers
+    `workload.rows_per_chunk` rows."""
     calls = {role: forward_call(workload, role, placement, machine)
              for role in ("actor", "reference", "reward", "critic") if placement.has(role)}
     generating = placement.generation_role
     free = [generating_until if placement.holds(generating, rank) else 0.0 for rank in range(placement.world_size)]
-    for chunk in range(placement.world_size):
+    for ready, chunk in sorted(pieces):
         for role, call in calls.items():
             rank = placement.owner(role, chunk)
-            free[rank] = max(free[rank], ready[chunk]) + call.seconds
-    per_member = [Call(c.phase, c.role, c.kind, c.seconds, c.flops, c.bytes, placement.chunks_per_member(c.role))
-                  for c in calls.values()]
+            free[rank] = max(free[rank], ready) + call.seconds
+    per_chunk = len(pieces) // placement.world_size
+    per_member = [Call(c.phase, c.role, c.kind, c.seconds, c.flops, c.bytes,
+                       placement.chunks_per_member(c.role) * per_chunk) for c in calls.values()]
     return max(free), per_member
+
+
+def _scoring_pieces(workload: Step3Workload, placement: Placement, start: float,
+                    pass_s: float) -> tuple[Step3Workload, list[tuple[float, int]]]:
+    """What scoring calls cover and when each is ready: a whole chunk once every chunk is generated; with stage
+    fusion, micro-batches of `stage_fusion_micro_batch` rows, the answers taken to end evenly over their
+    chunk's pass (each generation member's chunks one after another from `start`)."""
+    role = placement.generation_role
+    if not workload.stage_fusion:
+        end = start + pass_s * placement.chunks_per_member(role)
+        return workload, [(end, chunk) for chunk in range(placement.world_size)]
+    rows = min(workload.stage_fusion_micro_batch, workload.rows_per_chunk)
+    count = -(-workload.rows_per_chunk // rows)
+    pieces = [(start + pass_s * (position + (index + 1) / count), chunk)
+              for member in placement.ranks[role]
+              for position, chunk in enumerate(placement.chunks(role, member))
+              for index in range(count)]
+    return replace(workload, prompts_per_rank=rows, samples_per_prompt=1), pieces
 
 
 def _exchange_s(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> float:
@@ -361,23 +383,16 @@ def estimate_step(workload: Step3Workload, placement: Placement, machine: Machin
     reference, reward, critic forwards on their owners; ranks in parallel), the exchanges, training (actor and
     critic overlap when on disjoint ranks), then the weight sync of a disaggregated placement.
 
-    Scoring starts once the whole generation has ended, or with stage fusion once the chunk's own generation has
-    (every answer is taken to run to the length limit, so a chunk's rows all end with it: what fusion gains
-    from answers ending early is not predicted)."""
+    Scoring starts once the whole generation has ended, or with stage fusion micro-batch by micro-batch as the
+    answers end (`_scoring_pieces`); the work of every answer is counted at the length limit."""
     role = placement.generation_role
     generation = generation_calls(workload, placement, machine)
     gather = sum(call.total_s for call in generation if call.kind == "gather weights")
     pass_s = sum(call.seconds * (call.count // placement.chunks_per_member(role))
                  for call in generation if call.kind != "gather weights")
     generation_end = gather + pass_s * placement.chunks_per_member(role)
-    if workload.stage_fusion:
-        ready = [0.0] * placement.world_size
-        for member in placement.ranks[role]:
-            for position, chunk in enumerate(placement.chunks(role, member), start=1):
-                ready[chunk] = gather + pass_s * position
-    else:
-        ready = [generation_end] * placement.world_size
-    scoring_end, scoring = _scoring_end(workload, placement, machine, ready, generation_end)
+    scored, pieces = _scoring_pieces(workload, placement, gather, pass_s)
+    scoring_end, scoring = _scoring_end(scored, placement, machine, pieces, generation_end)
     trained = {r: training_calls(workload, r, placement, machine) for r in ("actor", "critic") if placement.has(r)}
     times = [sum(call.total_s for call in calls) for calls in trained.values()]
     training_s = max(times) if placement.concurrent("actor", "critic") else sum(times)

@@ -36,6 +36,7 @@ class Step3Workload:
     hybrid_engine: bool = True
     inference_tp: int = 1
     stage_fusion: bool = False  # finished rows scored while generation goes on (`step3_rlhf.stage_fusion`)
+    stage_fusion_micro_batch: int = 2
 
     @property
     def rows_per_chunk(self) -> int:
@@ -69,7 +70,8 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         dtype=dtype or args.run.dtype_name, actor_zero_stage=args.actor.zero_stage,
         critic_zero_stage=args.critic.zero_stage, actor_lora=args.actor.lora_dim > 0,
         hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size,
-        stage_fusion=args.placement.enable_stage_fusion)
+        stage_fusion=args.placement.enable_stage_fusion,
+        stage_fusion_micro_batch=args.placement.stage_fusion_micro_batch_size)
 
 
 def step3_model_paths(args: Step3Settings) -> dict[str, str | None]:
