@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as torch_dist
@@ -192,10 +192,24 @@ class PlacedPPO:
 
     # updates ------------------------------------------------------------------------------------
 
-    def train(self, batches: list[dict[int, Experience]], ppo_epochs: int, micro_batch_size: int) -> dict[str, float]:
+    def pretraining_batches(self, draw: Callable[[], Mapping[str, torch.Tensor]] | None, batches: list[dict],
+                            ppo_epochs: int, micro_batch_size: int) -> dict[int, list] | None:
+        """Every chunk's pretraining batches of the step (PPO-ptx), one per actor micro-batch in the co-located
+        order (collective): each rank draws its own from its stream, as it would co-located, and the actor's
+        ranks take those of the chunks they serve. None without the mixture."""
+        if draw is None:
+            return None
+        chunk = next(iter(batches[0]))
+        count = ppo_epochs * sum(len(batch[chunk].split(micro_batch_size)) for batch in batches)
+        drawn = [moved(dict(draw()), "cpu") for _ in range(count)]
+        return dict(enumerate(all_gather_objects(drawn)))
+
+    def train(self, batches: list[dict[int, Experience]], ppo_epochs: int, micro_batch_size: int,
+              pretraining: dict[int, list] | None = None) -> dict[str, float]:
         """`ppo_epochs` passes over the step's experiences: the actor's ranks update the actor and the critic's the
         critic, each on the chunks it serves, micro-batch j of every chunk before micro-batch j+1 (the order that
-        keeps each optimizer step's micro-batches those of the co-located run). Returns the mean statistics."""
+        keeps each optimizer step's micro-batches those of the co-located run), the actor with each micro-batch's
+        pretraining batch (`pretraining_batches`). Returns the mean statistics."""
         placement, trainer = self.placement, self.trainer
         jobs = [("actor", trainer.train_actor)]
         if self.engine.has_critic:
@@ -213,7 +227,9 @@ class PlacedPPO:
                     for index in range(max(len(chunk_parts) for chunk_parts in parts.values())):
                         for chunk in chunks:
                             if index < len(parts[chunk]):
-                                for key, value in update(parts[chunk][index]).items():
+                                mixture = () if role != "actor" or pretraining is None else \
+                                    (pretraining[chunk][counts[chunk]],)
+                                for key, value in update(parts[chunk][index], *mixture).items():
                                     sums[chunk][key] += value
                                 counts[chunk] += 1
             for chunk in chunks:
@@ -257,7 +273,10 @@ class PlacedPPORun(PPORun):
         return torch.cat([experience.scores for batch in batches for experience in batch.values()])
 
     def train_on(self, batches: list[dict[int, Experience]]) -> dict[str, float]:
-        return self.placed.train(batches, self.args.loop.ppo_epochs, self.args.loop.per_device_training_batch_size)
+        loop = self.args.loop
+        draw = self.unsupervised.next if self.unsupervised is not None else None
+        pretraining = self.placed.pretraining_batches(draw, batches, loop.ppo_epochs, loop.per_device_training_batch_size)
+        return self.placed.train(batches, loop.ppo_epochs, loop.per_device_training_batch_size, pretraining)
 
     def learning_rates(self) -> dict[str, float]:
         """The actor's (and critic's) learning rate, from whichever rank holds them (collective)."""

@@ -36,7 +36,6 @@ def check_placement_args(args: Step3Settings, placement: Placement) -> None:
                         f"rank must hold it; use --{owner}_zero_stage 0-2 or give the {role} every rank")
     refused = {
         "--inference_tp_size > 1": args.hybrid.inference_tp_size > 1,
-        "--unsupervised_dataset_name": bool(args.unsupervised.unsupervised_dataset_name),
         "--offload_reference_model/--offload_reward_model": args.frozen.offload_reference_model
         or args.frozen.offload_reward_model,
     }

@@ -153,6 +153,15 @@ def test_stage_fusion_under_placements_trains_the_colocated_ppo(tmp_path_factory
 
 
 @pytest.mark.slow
+def test_the_pretraining_mixture_under_placements_trains_the_colocated_ppo(tmp_path_factory):
+    """PPO-ptx: each rank draws its pretraining batches as co-located, and the actor's ranks train each chunk's
+    micro-batches with that chunk's draws (Interleave2: rank 0 trains the actor on both chunks)."""
+    text = make_step3_inputs(tmp_path_factory)["text"]
+    _run_workers(tmp_path_factory, 2, ["interleave:actor=0.5,critic=0.5", "disaggregate"],
+                 extra=["--unsupervised_dataset_name", str(text), "--unsup_coef", "1.0"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["disaggregate", "interleave:actor=0.5,critic=0.5"])
 def test_a_placed_run_stopped_by_a_signal_resumes_to_the_uninterrupted_weights(tmp_path_factory, placement):
     """2 gloo ranks, --save_interval 1, EMA. disaggregate: rank 0 holds every engine and rank 1 none (DeepSpeed's
