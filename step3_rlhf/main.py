@@ -105,9 +105,12 @@ def check_args(args: Step3Settings) -> None:
     get_policy_loss(args.ppo.policy_loss)
     get_value_loss(args.ppo.value_loss)
     check_samples_per_prompt(estimator, args.ppo.n_samples_per_prompt)
+    # offloading a frozen model makes it ZeRO-3 (`training.core.ds_config.get_eval_ds_config`)
+    stages = {"actor": args.actor.zero_stage, "critic": args.critic.zero_stage,
+              "offloaded reference model": 3 if args.frozen.offload_reference_model else 0,
+              "offloaded reward model": 3 if args.frozen.offload_reward_model else 0}
     check_stage_fusion(args.placement.enable_stage_fusion, args.placement.stage_fusion_micro_batch_size,
-                       args.hybrid.backend, args.hybrid.inference_tp_size,
-                       {"actor": args.actor.zero_stage, "critic": args.critic.zero_stage}, get_world_size())
+                       args.hybrid.backend, args.hybrid.inference_tp_size, stages, get_world_size())
     if args.models.critic_model_name_or_path is None and args.rewards.reward_fn is None:
         raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
                         "model), --reward_fn (e.g. builtin:math), or both")

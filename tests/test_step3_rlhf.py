@@ -603,6 +603,7 @@ def test_truncated_sampling_for_rollouts_is_refused_with_the_reason(distributed,
     ([], 1, "add --enable_hybrid_engine"),
     (["--enable_hybrid_engine", "--inference_tp_size", "2"], 2, "decode their batches together"),
     (["--enable_hybrid_engine", "--actor_zero_stage", "3"], 2, "ZeRO-3 for the actor on 2 ranks"),
+    (["--enable_hybrid_engine", "--offload_reference_model"], 2, "ZeRO-3 for the offloaded reference model"),
     (["--enable_hybrid_engine", "--stage_fusion_micro_batch_size", "0"], 1, "must be at least 1"),
 ])
 def test_stage_fusion_is_refused_where_it_cannot_score_between_decode_steps(inputs, tmp_path, monkeypatch, flags,
