@@ -34,11 +34,13 @@ def check_placement_args(args: Step3Settings, placement: Placement) -> None:
         raise UserError(f"--{owner}_zero_stage 3 with the {role} on {len(placement.ranks[role])} of "
                         f"{placement.world_size} ranks{built}: ZeRO-3 partitions a model over every rank, so each "
                         f"rank must hold it; use --{owner}_zero_stage 0-2 or give the {role} every rank")
-    refused = {
-        "--inference_tp_size > 1": args.hybrid.inference_tp_size > 1,
-        "--offload_reference_model/--offload_reward_model": args.frozen.offload_reference_model
-        or args.frozen.offload_reward_model,
-    }
+    for role, offloaded in (("reference", args.frozen.offload_reference_model),
+                            ("reward", args.frozen.offload_reward_model)):
+        if offloaded and placement.has(role) and len(placement.ranks[role]) < placement.world_size:
+            raise UserError(f"--offload_{role}_model with the {role} on {len(placement.ranks[role])} of "
+                            f"{placement.world_size} ranks: offloading makes it ZeRO-3, which partitions a model over "
+                            f"every rank; give the {role} every rank (--placement_ratio {role}=1) or drop the offload")
+    refused = {"--inference_tp_size > 1": args.hybrid.inference_tp_size > 1}
     for flag, given in refused.items():
         if given:
             raise UserError(f"{flag} is not supported with --placement {args.placement.placement} yet "

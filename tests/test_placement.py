@@ -152,6 +152,25 @@ def test_stage_fusion_under_placements_trains_the_colocated_ppo(tmp_path_factory
         assert sum(forwards) > chunks * len(forwards), (placement, forwards)
 
 
+def test_an_offloaded_frozen_model_must_be_on_every_rank():
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.placement_setup import check_placement_args
+
+    args = parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+                       "--placement", "interleave", "--offload_reward_model"])
+    with pytest.raises(UserError, match="--offload_reward_model with the reward on 1 of 2 ranks"):
+        check_placement_args(args, build_placement("interleave", 2, ROLES))
+    check_placement_args(args, build_placement("interleave", 2, ROLES, {"reward": 1.0}))
+
+
+@pytest.mark.slow
+def test_an_offloaded_reference_on_every_rank_trains_the_colocated_ppo(tmp_path_factory):
+    """--offload_reference_model (ZeRO-3 parameter offload) with the reference on both ranks beside Interleave2's
+    actor on rank 0 and critic on rank 1 (the reward model on rank 1)."""
+    _run_workers(tmp_path_factory, 2, ["interleave:actor=0.5,critic=0.5,reference=1"],
+                 extra=["--offload_reference_model"])
+
+
 @pytest.mark.slow
 def test_the_pretraining_mixture_under_placements_trains_the_colocated_ppo(tmp_path_factory):
     """PPO-ptx: each rank draws its pretraining batches as co-located, and the actor's ranks train each chunk's
