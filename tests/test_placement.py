@@ -153,14 +153,27 @@ def test_stage_fusion_under_placements_trains_the_colocated_ppo(tmp_path_factory
 
 
 def test_an_offloaded_frozen_model_must_be_on_every_rank():
+    """Refused by step 3 and never planned; the planner tries no stage fusion with it on several ranks."""
+    from dataclasses import replace
+
     from step3_rlhf.main import parse_args
     from step3_rlhf.placement_setup import check_placement_args
+    from training.placement.planner import fusion_runnable, runnable
+    from training.placement.workload import step3_workload
+    from training.pipeline.hardware import ModelSize
 
     args = parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
                        "--placement", "interleave", "--offload_reward_model"])
     with pytest.raises(UserError, match="--offload_reward_model with the reward on 1 of 2 ranks"):
         check_placement_args(args, build_placement("interleave", 2, ROLES))
     check_placement_args(args, build_placement("interleave", 2, ROLES, {"reward": 1.0}))
+    assert not runnable(build_placement("interleave", 2, ROLES), 0, 0, 1, offloaded=("reward",))
+    assert runnable(build_placement("interleave", 2, ROLES, {"reward": 1.0}), 0, 0, 1, offloaded=("reward",))
+    size = ModelSize(parameters=10**8, hidden_size=512, num_layers=8, vocab_size=1000)
+    workload = replace(step3_workload(args, size, size, size, dtype="bf16"), hybrid_engine=True)
+    assert workload.offloaded == ("reward",)
+    assert not fusion_runnable(workload, 0, 0, 1, world_size=2) and fusion_runnable(workload, 0, 0, 1, world_size=1)
+    assert fusion_runnable(replace(workload, offloaded=()), 0, 0, 1, world_size=2)
 
 
 @pytest.mark.slow

@@ -111,7 +111,7 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
             for micro in _micro_batches(workload.rows_per_chunk):
                 for actor_stage in stages:
                     for critic_stage in critic_stages:
-                        if not runnable(placement, actor_stage, critic_stage, tp):
+                        if not runnable(placement, actor_stage, critic_stage, tp, workload.offloaded):
                             continue
                         for fusion in fusion_choices:
                             if fusion and not fusion_runnable(workload, actor_stage, critic_stage, tp, world_size):
@@ -127,14 +127,19 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
 
 def fusion_runnable(workload: Step3Workload, actor_stage: int, critic_stage: int, tp: int, world_size: int) -> bool:
     """What `step3_rlhf.stage_fusion.check_stage_fusion` allows: the hybrid engine decoding alone (TP 1), and no
-    ZeRO-3 forward collective over several ranks."""
-    return workload.hybrid_engine and tp == 1 and (world_size == 1 or 3 not in (actor_stage, critic_stage))
+    ZeRO-3 forward collective over several ranks (an offloaded frozen model is ZeRO-3)."""
+    collective = 3 in (actor_stage, critic_stage) or bool(workload.offloaded)
+    return workload.hybrid_engine and tp == 1 and (world_size == 1 or not collective)
 
 
-def runnable(placement: Placement, actor_stage: int, critic_stage: int, tp: int) -> bool:
-    """What step 3 runs (`step3_rlhf.placement_setup.check_placement_args`): ZeRO-3 only where every model it
-    partitions is on every rank, and inference tensor parallelism only co-located."""
+def runnable(placement: Placement, actor_stage: int, critic_stage: int, tp: int,
+             offloaded: tuple[str, ...] = ()) -> bool:
+    """What step 3 runs (`step3_rlhf.placement_setup.check_placement_args`): ZeRO-3 (and an offloaded frozen
+    model, which is ZeRO-3) only where every model it partitions is on every rank, and inference tensor
+    parallelism only co-located."""
     if zero3_on_part_of_the_ranks(placement, actor_stage, critic_stage) is not None:
+        return False
+    if any(placement.has(role) and len(placement.ranks[role]) < placement.world_size for role in offloaded):
         return False
     return tp == 1 or placement.is_colocated
 

@@ -37,6 +37,7 @@ class Step3Workload:
     inference_tp: int = 1
     stage_fusion: bool = False  # finished rows scored while generation goes on (`step3_rlhf.stage_fusion`)
     stage_fusion_micro_batch: int = 2
+    offloaded: tuple[str, ...] = ()  # frozen models kept in CPU memory (ZeRO-3 parameter offload)
 
     @property
     def rows_per_chunk(self) -> int:
@@ -71,7 +72,9 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         critic_zero_stage=args.critic.zero_stage, actor_lora=args.actor.lora_dim > 0,
         hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size,
         stage_fusion=args.placement.enable_stage_fusion,
-        stage_fusion_micro_batch=args.placement.stage_fusion_micro_batch_size)
+        stage_fusion_micro_batch=args.placement.stage_fusion_micro_batch_size,
+        offloaded=tuple(role for role, offload in (("reference", args.frozen.offload_reference_model),
+                                                   ("reward", args.frozen.offload_reward_model)) if offload))
 
 
 def step3_model_paths(args: Step3Settings) -> dict[str, str | None]:
