@@ -30,9 +30,9 @@ import torch.distributed as torch_dist
 from step3_rlhf.ema import save_ema_model
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, Rollout, experience_stats
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PPORun, held_out_stats, held_out_totals
+from step3_rlhf.stage_fusion import StageFusion, place_rows
 from training.core.save import save_hf_model
 from training.loops.call_times import CallTimer, NoTimer
-from step3_rlhf.stage_fusion import StageFusion, place_rows
 from training.placement.exchange import (
     ChunkRandomStreams,
     Inbox,
