@@ -142,6 +142,7 @@ class PPORun:
     def restore(self) -> dict | None:
         """Load the latest checkpoint with --resume (collective); returns its client state (None: a fresh run)."""
         state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
+        self.metrics.rewind(None if state is None else state["ppo_step"])
         if state is None:
             return None
         self.step = state["ppo_step"]

@@ -19,6 +19,7 @@ from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
 from step1_sft.main import main as step1_main
+from training.loops.metrics import read_metrics
 from training.reliability.checkpointing import MARKER_FILE
 from training.reliability.signals import EXIT_INTERRUPTED
 from utils.atomic import is_temporary
@@ -67,6 +68,8 @@ def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_weights(reference, 
     output = run_step(STEP1, [*args, "--resume"], tmp_path / "resumed.log")
     assert f"resumed from {tmp_path / 'run' / 'checkpoints'}" in output
     assert_same_weights(reference, tmp_path / "run" / "model")
+    logged = [record["step"] for record in read_metrics(tmp_path / "run") if "train/loss" in record]
+    assert logged == sorted(set(logged)) and logged[-1] == TOTAL_STEPS  # each step once, in order
 
 
 def test_a_save_cut_off_part_way_is_skipped_and_the_previous_checkpoint_resumed(reference, inputs, tmp_path):

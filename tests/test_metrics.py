@@ -20,3 +20,17 @@ def test_run_args_are_recorded(tmp_path):
 
     save_run_args(tmp_path, argparse.Namespace(zero_stage=3, data_path=["embedded"]))
     assert json.loads((tmp_path / "args.json").read_text()) == {"zero_stage": 3, "data_path": ["embedded"]}
+
+
+def test_a_fresh_run_starts_the_file_empty_and_a_resumed_one_drops_what_follows_its_checkpoint(tmp_path):
+    earlier = MetricsLogger(tmp_path, enable_tensorboard=False)
+    for step in range(5):
+        earlier.log(step, {"loss": float(step)})
+    resumed = MetricsLogger(tmp_path, enable_tensorboard=False)
+    resumed.rewind(2)  # checkpoint after step 2: steps 3 and 4 will be logged again
+    resumed.log(3, {"loss": 30.0})
+    assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    fresh = MetricsLogger(tmp_path, enable_tensorboard=False)
+    fresh.rewind(None)
+    fresh.log(0, {"loss": 7.0})
+    assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [(0, 7.0)]

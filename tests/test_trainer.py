@@ -96,6 +96,8 @@ def test_fit_accumulates_evaluates_each_epoch_and_logs(distributed, tmp_path):
     train_losses = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(train_losses) == 4 and train_losses[-1] < train_losses[0]
     assert sum("eval/perplexity" in r for r in records) == 3
+    _trainer(tmp_path, config).fit()  # a fresh run into the same folder: its metrics alone, not appended
+    assert len(read_metrics(tmp_path)) == len(records)
 
 
 def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path):

@@ -1,6 +1,9 @@
 """Training metrics of a run: JSONL lines (`metrics.jsonl`) mirrored to TensorBoard.
 
-Only rank 0 writes; other ranks get a logger whose calls do nothing, so call sites need no checks.
+Only rank 0 writes; other ranks get a logger whose calls do nothing, so call sites need no checks. A run
+`rewind`s the file when it knows where it starts: a fresh run into a folder that holds an earlier run's file
+starts it empty, and a resumed run drops the lines logged after its checkpoint (they are logged again), so the
+file holds each step once.
 """
 from __future__ import annotations
 
@@ -31,6 +34,14 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def rewind(self, step: int | None) -> None:
+        """Keep only the lines of steps up to `step` (a resumed run's checkpoint), or none (None: a fresh run)."""
+        if not self.enabled or not self.path.is_file():
+            return
+        kept = [] if step is None else [line for line in self.path.read_text().splitlines()
+                                        if line.strip() and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(f"{line}\n" for line in kept))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:

@@ -220,9 +220,9 @@ class SupervisedTrainer:
 
     def _restore(self) -> None:
         """Continue from the latest checkpoint under `--resume` (and refuse to overwrite one without it)."""
-        if self.checkpoints is None:
-            return
-        state = self.checkpoints.restore({ENGINE_NAME: self.engine}, self.resume)
+        state = self.checkpoints.restore({ENGINE_NAME: self.engine}, self.resume) \
+            if self.checkpoints is not None else None
+        self.metrics.rewind(None if state is None else state["step"])
         if state is None:
             return
         self.position = LoopPosition(**state["position"])
