@@ -118,7 +118,7 @@ def print_breakdown(row: dict) -> None:
 
 def measure(args: argparse.Namespace, placement: str) -> dict:
     output_dir = Path(args.work_dir) / placement.replace(":", "_").replace(",", "_").replace("=", "").replace("+", "_")
-    shutil.rmtree(output_dir, ignore_errors=True)  # a run appends to metrics.jsonl: start from none
+    shutil.rmtree(output_dir, ignore_errors=True)  # each run starts from an empty folder
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
                "step3_rlhf/main.py", *step3_argv(args, placement, output_dir)]

@@ -19,7 +19,7 @@ from step3_rlhf.settings import Step3Settings
 from training.core.save import save_hf_model
 from training.loops.batch_stream import BatchStream
 from training.loops.call_times import CallTimer
-from training.loops.metrics import MetricsLogger
+from training.loops.metrics import MetricsLogger, rewind_jsonl
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.guards import check_finite
 from training.reliability.signals import GracefulInterrupt
@@ -142,7 +142,10 @@ class PPORun:
     def restore(self) -> dict | None:
         """Load the latest checkpoint with --resume (collective); returns its client state (None: a fresh run)."""
         state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
-        self.metrics.rewind(None if state is None else state["ppo_step"])
+        start = None if state is None else state["ppo_step"]
+        self.metrics.rewind(start)
+        if self.call_timer is not None and is_main_process():
+            rewind_jsonl(Path(self.args.run.output_dir) / CALL_TIMES_FILE, start)
         if state is None:
             return None
         self.step = state["ppo_step"]

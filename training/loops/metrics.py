@@ -37,11 +37,8 @@ class MetricsLogger:
 
     def rewind(self, step: int | None) -> None:
         """Keep only the lines of steps up to `step` (a resumed run's checkpoint), or none (None: a fresh run)."""
-        if not self.enabled or not self.path.is_file():
-            return
-        kept = [] if step is None else [line for line in self.path.read_text().splitlines()
-                                        if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(f"{line}\n" for line in kept))
+        if self.enabled:
+            rewind_jsonl(self.path, step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -59,6 +56,15 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def rewind_jsonl(path: Path, step: int | None) -> None:
+    """Keep the lines of a per-step JSONL file (each with a "step") up to `step`, or none (None)."""
+    if not path.is_file():
+        return
+    kept = [] if step is None else [line for line in path.read_text().splitlines()
+                                    if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(f"{line}\n" for line in kept))
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
