@@ -25,6 +25,7 @@ import torch
 
 from step3_rlhf.rlhf_engine import RLHFEngine
 from step3_rlhf.scoring import RewardScorer, Scores
+from step3_rlhf.stage_fusion import StageFusion
 from training.algorithms import (
     KL_ESTIMATORS,
     RL_ALGORITHMS,
@@ -43,7 +44,6 @@ from training.algorithms import (
     masked_mean,
 )
 from training.core.answer_window import RowGroups
-from step3_rlhf.stage_fusion import StageFusion
 from training.generation.generator import (
     FinishedRowsHook,
     GenerationConfig,
