@@ -46,6 +46,7 @@ from training.generation.hybrid_engine import build_generator
 from training.loops.call_times import CallTimer
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
+from training.placement.workload import offloaded_models
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.reliability.run_lock import RunLock
@@ -105,12 +106,9 @@ def check_args(args: Step3Settings) -> None:
     get_policy_loss(args.ppo.policy_loss)
     get_value_loss(args.ppo.value_loss)
     check_samples_per_prompt(estimator, args.ppo.n_samples_per_prompt)
-    # offloading a frozen model makes it ZeRO-3 (`training.core.ds_config.get_eval_ds_config`)
-    stages = {"actor": args.actor.zero_stage, "critic": args.critic.zero_stage,
-              "offloaded reference model": 3 if args.frozen.offload_reference_model else 0,
-              "offloaded reward model": 3 if args.frozen.offload_reward_model else 0}
     check_stage_fusion(args.placement.enable_stage_fusion, args.placement.stage_fusion_micro_batch_size,
-                       args.hybrid.backend, args.hybrid.inference_tp_size, stages, get_world_size())
+                       args.hybrid.backend, args.hybrid.inference_tp_size, args.actor.zero_stage,
+                       args.critic.zero_stage, offloaded_models(args), get_world_size())
     if args.models.critic_model_name_or_path is None and args.rewards.reward_fn is None:
         raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
                         "model), --reward_fn (e.g. builtin:math), or both")

@@ -6,11 +6,13 @@ import logging
 from step3_rlhf.settings import Step3Settings
 from training.placement.spec import (
     AUTO,
+    OFFLOAD,
     Placement,
     build_placement,
     parse_placement_ratio,
     zero3_on_part_of_the_ranks,
 )
+from training.placement.workload import offloaded_models
 from utils.dist import broadcast_from_main, get_world_size, is_main_process
 from utils.errors import UserError
 
@@ -27,19 +29,17 @@ def placement_roles(args: Step3Settings) -> list[str]:
 
 def check_placement_args(args: Step3Settings, placement: Placement) -> None:
     """What a placement other than colocate does not run yet, refused with the flag to change."""
-    partial = zero3_on_part_of_the_ranks(placement, args.actor.zero_stage, args.critic.zero_stage)
+    partial = zero3_on_part_of_the_ranks(placement, args.actor.zero_stage, args.critic.zero_stage,
+                                         offloaded_models(args))
     if partial is not None:
-        owner, role = partial
-        built = "" if role == owner else f" (the {role} is built at the {owner}'s ZeRO stage)"
-        raise UserError(f"--{owner}_zero_stage 3 with the {role} on {len(placement.ranks[role])} of "
-                        f"{placement.world_size} ranks{built}: ZeRO-3 partitions a model over every rank, so each "
-                        f"rank must hold it; use --{owner}_zero_stage 0-2 or give the {role} every rank")
-    for role, offloaded in (("reference", args.frozen.offload_reference_model),
-                            ("reward", args.frozen.offload_reward_model)):
-        if offloaded and placement.has(role) and len(placement.ranks[role]) < placement.world_size:
-            raise UserError(f"--offload_{role}_model with the {role} on {len(placement.ranks[role])} of "
-                            f"{placement.world_size} ranks: offloading makes it ZeRO-3, which partitions a model over "
+        cause, role = partial
+        on = f"with the {role} on {len(placement.ranks[role])} of {placement.world_size} ranks"
+        if cause == OFFLOAD:
+            raise UserError(f"--offload_{role}_model {on}: offloading makes it ZeRO-3, which partitions a model over "
                             f"every rank; give the {role} every rank (--placement_ratio {role}=1) or drop the offload")
+        built = "" if role == cause else f" (the {role} is built at the {cause}'s ZeRO stage)"
+        raise UserError(f"--{cause}_zero_stage 3 {on}{built}: ZeRO-3 partitions a model over every rank, so each "
+                        f"rank must hold it; use --{cause}_zero_stage 0-2 or give the {role} every rank")
     refused = {"--inference_tp_size > 1": args.hybrid.inference_tp_size > 1}
     for flag, given in refused.items():
         if given:

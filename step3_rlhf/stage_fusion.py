@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from training.generation.generator import GenerationOutput
+from training.placement.planner import stage_fusion_refusal
 from utils.errors import UserError
 
 ScoreRows = Callable[[torch.Tensor, GenerationOutput], dict[str, Any]]
@@ -102,21 +103,14 @@ class StageFusion:
 
 
 def check_stage_fusion(enabled: bool, micro_batch_size: int, backend: str, inference_tp_size: int,
-                       zero_stages: dict[str, int], world_size: int) -> None:
-    """Stage fusion needs a generator that hands over finished rows and scoring forwards a rank runs alone."""
+                       actor_stage: int, critic_stage: int, offloaded: tuple[str, ...], world_size: int) -> None:
+    """Stage fusion needs a generator that hands over finished rows and scoring forwards a rank runs alone (the
+    planner's rule, `stage_fusion_refusal`)."""
     if not enabled:
         return
     if micro_batch_size < 1:
         raise UserError(f"--stage_fusion_micro_batch_size must be at least 1, got {micro_batch_size}")
-    if backend != "hybrid":
-        raise UserError("--enable_stage_fusion scores answers as the hybrid engine finishes them; add "
-                        "--enable_hybrid_engine (plain generate() returns the whole batch at once)")
-    if inference_tp_size > 1:
-        raise UserError("--enable_stage_fusion with --inference_tp_size > 1: tensor-parallel ranks decode their "
-                        "batches together and cannot score between steps; use one of the two")
-    partitioned = [model for model, stage in zero_stages.items() if stage == 3]
-    if partitioned and world_size > 1:
-        raise UserError(f"--enable_stage_fusion with ZeRO-3 for the {' and '.join(partitioned)} on {world_size} "
-                        "ranks: a ZeRO-3 forward gathers weights with every rank, but each rank's answers finish "
-                        "at their own steps, so the ranks' scoring forwards would not meet; use ZeRO stage 2 or "
-                        "lower for them, or drop --enable_stage_fusion")
+    refusal = stage_fusion_refusal(backend == "hybrid", inference_tp_size, actor_stage, critic_stage, offloaded,
+                                   world_size)
+    if refusal is not None:
+        raise UserError(refusal)

@@ -126,10 +126,30 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
 
 
 def fusion_runnable(workload: Step3Workload, actor_stage: int, critic_stage: int, tp: int, world_size: int) -> bool:
-    """What `step3_rlhf.stage_fusion.check_stage_fusion` allows: the hybrid engine decoding alone (TP 1), and no
-    ZeRO-3 forward collective over several ranks (an offloaded frozen model is ZeRO-3)."""
-    collective = 3 in (actor_stage, critic_stage) or bool(workload.offloaded)
-    return workload.hybrid_engine and tp == 1 and (world_size == 1 or not collective)
+    """Whether step 3 runs stage fusion with these settings (`stage_fusion_refusal`)."""
+    return stage_fusion_refusal(workload.hybrid_engine, tp, actor_stage, critic_stage, workload.offloaded,
+                                world_size) is None
+
+
+def stage_fusion_refusal(hybrid_engine: bool, inference_tp: int, actor_stage: int, critic_stage: int,
+                         offloaded: tuple[str, ...], world_size: int) -> str | None:
+    """Why `--enable_stage_fusion` cannot run, or None: it needs the hybrid engine decoding alone (it hands over
+    finished rows between steps), and no ZeRO-3 forward collective over several ranks (an offloaded frozen model
+    is ZeRO-3), since each rank's answers finish at their own steps."""
+    if not hybrid_engine:
+        return ("--enable_stage_fusion scores answers as the hybrid engine finishes them; add --enable_hybrid_engine "
+                "(plain generate() returns the whole batch at once)")
+    if inference_tp > 1:
+        return ("--enable_stage_fusion with --inference_tp_size > 1: tensor-parallel ranks decode their batches "
+                "together and cannot score between steps; use one of the two")
+    partitioned = [role for role, stage in (("actor", actor_stage), ("critic", critic_stage)) if stage == 3]
+    partitioned += [f"offloaded {role} model" for role in offloaded]
+    if partitioned and world_size > 1:
+        return (f"--enable_stage_fusion with ZeRO-3 for the {' and '.join(partitioned)} on {world_size} ranks: a "
+                "ZeRO-3 forward gathers weights with every rank, but each rank's answers finish at their own steps, "
+                "so the ranks' scoring forwards would not meet; use ZeRO stage 2 or lower for them, or drop "
+                "--enable_stage_fusion")
+    return None
 
 
 def runnable(placement: Placement, actor_stage: int, critic_stage: int, tp: int,
@@ -137,9 +157,7 @@ def runnable(placement: Placement, actor_stage: int, critic_stage: int, tp: int,
     """What step 3 runs (`step3_rlhf.placement_setup.check_placement_args`): ZeRO-3 (and an offloaded frozen
     model, which is ZeRO-3) only where every model it partitions is on every rank, and inference tensor
     parallelism only co-located."""
-    if zero3_on_part_of_the_ranks(placement, actor_stage, critic_stage) is not None:
-        return False
-    if any(placement.has(role) and len(placement.ranks[role]) < placement.world_size for role in offloaded):
+    if zero3_on_part_of_the_ranks(placement, actor_stage, critic_stage, offloaded) is not None:
         return False
     return tp == 1 or placement.is_colocated
 

@@ -170,17 +170,18 @@ def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROL
 
 
 # DeepSpeed's ZeRO-3 partitions a model over every rank, so each rank must hold it. The frozen models are built at
-# their trained model's stage: the reference at the actor's, the reward model at the critic's.
+# their trained model's stage: the reference at the actor's, the reward model at the critic's; offloading a frozen
+# model (`--offload_reference_model`/`--offload_reward_model`) makes it ZeRO-3 too.
 ZERO3_BUILT_WITH = {"actor": ("actor", "reference"), "critic": ("critic", "reward")}
+OFFLOAD = "offload"
 
 
-def zero3_on_part_of_the_ranks(placement: Placement, actor_stage: int, critic_stage: int) -> tuple[str, str] | None:
-    """(the trained model whose stage is 3, the model it makes ZeRO-3) for the first model ZeRO-3 would partition
-    over only part of the ranks, or None."""
-    for owner, stage in (("actor", actor_stage), ("critic", critic_stage)):
-        if stage != 3:
-            continue
-        for role in ZERO3_BUILT_WITH[owner]:
-            if placement.has(role) and len(placement.ranks[role]) < placement.world_size:
-                return owner, role
-    return None
+def zero3_on_part_of_the_ranks(placement: Placement, actor_stage: int, critic_stage: int,
+                               offloaded: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """(what makes it ZeRO-3: the trained model whose stage is 3, or `OFFLOAD`; the model) for the first model
+    ZeRO-3 would partition over only part of the ranks, or None. `offloaded`: the frozen models offloaded."""
+    partitioned = [(owner, role) for owner, stage in (("actor", actor_stage), ("critic", critic_stage)) if stage == 3
+                   for role in ZERO3_BUILT_WITH[owner]]
+    partitioned += [(OFFLOAD, role) for role in offloaded]
+    return next(((cause, role) for cause, role in partitioned
+                 if placement.has(role) and len(placement.ranks[role]) < placement.world_size), None)

@@ -73,8 +73,13 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size,
         stage_fusion=args.placement.enable_stage_fusion,
         stage_fusion_micro_batch=args.placement.stage_fusion_micro_batch_size,
-        offloaded=tuple(role for role, offload in (("reference", args.frozen.offload_reference_model),
-                                                   ("reward", args.frozen.offload_reward_model)) if offload))
+        offloaded=offloaded_models(args))
+
+
+def offloaded_models(args: Step3Settings) -> tuple[str, ...]:
+    """The frozen models the run keeps in CPU memory (`--offload_reference_model`, `--offload_reward_model`)."""
+    return tuple(role for role, offload in (("reference", args.frozen.offload_reference_model),
+                                            ("reward", args.frozen.offload_reward_model)) if offload)
 
 
 def step3_model_paths(args: Step3Settings) -> dict[str, str | None]:
