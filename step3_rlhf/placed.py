@@ -149,10 +149,8 @@ class PlacedPPO:
 
         rollouts, receivers = {}, set()
         for chunk in placement.chunks(placement.generation_role, rank):
-            remote = defaultdict(list)
-            for call in self.owners:
-                if (owner := placement.owner(self.owners[call], chunk)) != rank:
-                    remote[owner].append(call)
+            owners = {placement.owner(role, chunk) for role in self.owners.values()} - {rank}
+            remote = {owner: self.calls_of(owner, chunk) for owner in sorted(owners)}
             receivers.update(remote)
             local = self.calls_of(rank, chunk)
 

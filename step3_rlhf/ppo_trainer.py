@@ -367,11 +367,12 @@ class PPOTrainer:
                      output: GenerationOutput) -> Rollout:
         """The rollout of some finished rows of `prompt_batch`'s answers (`rows`: their indices), for scoring."""
         samples = self.samples_per_prompt(do_sample)
-        metadata = row_metadata(prompt_batch, samples)
+        metadata = prompt_batch.get("metadata")  # row r answers prompt r // samples (prompt-major)
         device = self.engine_device
         return Rollout(output.sequences.to(device), output.attention_mask.to(device), output.prompt_length,
                        output.answer_mask.to(device), None,
-                       [metadata[row] for row in rows.tolist()] if metadata is not None else None, samples, do_sample,
+                       [metadata[row // samples] for row in rows.tolist()] if metadata is not None else None,
+                       samples, do_sample,
                        0.0, logprobs=output.logprobs.to(device) if do_sample and self.reuse_rollout_logprobs else None)
 
     @property
