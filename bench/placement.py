@@ -19,32 +19,22 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, print_table, write_report  # noqa: E402
-from step3_rlhf.run_loop import CALL_TIMES_FILE  # noqa: E402
-
-if TYPE_CHECKING:
-    from training.placement.cost_model import StepEstimate
-    from training.placement.spec import Placement
+from bench.common import print_table, write_report  # noqa: E402
+from training.loops.call_times import CALL_TIMES_FILE  # noqa: E402
+from training.placement.step_profile import measured_calls, predicted_calls, run_step3  # noqa: E402
 
 # a "+fusion" suffix runs the placement with --enable_stage_fusion
 PLACEMENTS = ("colocate", "interleave", "disaggregate", "interleave:actor=0.5,critic=0.5", "colocate+fusion",
               "disaggregate+fusion", "interleave:actor=0.5,critic=0.5+fusion")
 FUSION_SUFFIX = "+fusion"
 GB_PER_GIB = 1024**3 / 1e9
-# timed calls the cost model counts as part of another: the decoder's sampling loop in its decode steps, DeepSpeed's
-# engine and mixed-precision wrapper steps in the optimizer step
-MEASURED_AS = {"generate": "decode step", "engine step": "optimizer step", "inner optimizer step": "optimizer step",
-               "weight copy-back": "optimizer step", "master-gradient accumulation": "optimizer step"}
 
 
 def variant(placement: str) -> tuple[str, bool]:
@@ -65,46 +55,10 @@ def step3_argv(args: argparse.Namespace, placement: str, output_dir: Path) -> li
             *(["--profile_calls"] if getattr(args, "breakdown", False) else [])]
 
 
-def measured_calls(output_dir: Path) -> list[dict[str, float]]:
-    """Per rank: call name -> its median seconds per step over the timed steps (the first is not timed)."""
-    records = [json.loads(line) for line in (output_dir / CALL_TIMES_FILE).read_text().splitlines()]
-    timed = records[1:] or records
-    per_rank = []
-    for rank in range(len(timed[0]["ranks"])):
-        totals: dict[str, list[float]] = {}
-        for record in timed:
-            step = defaultdict(float)
-            for name, value in record["ranks"][rank]["calls"].items():
-                step[_as_predicted(name)] += value["s"]
-            for name in set(step) | set(totals):
-                totals.setdefault(name, []).append(step.get(name, 0.0))
-        per_rank.append({name: statistics.median(values) for name, values in sorted(totals.items())})
-    return per_rank
-
-
 def measured_rank_peaks(output_dir: Path) -> list[float]:
     """Each rank's peak resident memory (GB) by the last step."""
     last = json.loads((output_dir / CALL_TIMES_FILE).read_text().splitlines()[-1])
     return [rank["peak_rss_gb"] for rank in last["ranks"]]
-
-
-def _as_predicted(name: str) -> str:
-    role, _, kind = name.partition("/")
-    return "exchange/all" if role == "exchange" else f"{role}/{MEASURED_AS.get(kind, kind)}"
-
-
-def predicted_calls(estimate: StepEstimate, layout: Placement) -> list[dict[str, float]]:
-    """Per rank: the cost model's seconds per step of each call the rank runs, and its exchange and sync."""
-    per_rank = []
-    for rank in range(layout.world_size):
-        calls: dict[str, float] = defaultdict(float)
-        for call in estimate.calls:
-            if layout.holds(call.role, rank):
-                calls[f"{call.role}/{call.kind}"] += call.total_s
-        if estimate.exchange_s or estimate.sync_s:
-            calls["exchange/all"] = estimate.exchange_s + estimate.sync_s
-        per_rank.append(dict(sorted(calls.items())))
-    return per_rank
 
 
 def print_breakdown(row: dict) -> None:
@@ -119,11 +73,9 @@ def print_breakdown(row: dict) -> None:
 def measure(args: argparse.Namespace, placement: str) -> dict:
     output_dir = Path(args.work_dir) / placement.replace(":", "_").replace(",", "_").replace("=", "").replace("+", "_")
     shutil.rmtree(output_dir, ignore_errors=True)  # each run starts from an empty folder
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.ranks))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
-               "step3_rlhf/main.py", *step3_argv(args, placement, output_dir)]
-    print("$", " ".join(command[2:]), flush=True)
-    subprocess.run(command, check=True, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL)
+    argv = step3_argv(args, placement, output_dir)
+    print("$ torch.distributed.run --nproc_per_node", args.ranks, "step3_rlhf/main.py", " ".join(argv), flush=True)
+    run_step3(argv, args.ranks, max(1, (os.cpu_count() or 1) // args.ranks), output_dir / "launcher.log")
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "time/step_s" in row]
     timed = steps[1:] or steps

@@ -18,7 +18,7 @@ from step3_rlhf.rlhf_engine import RLHFEngine
 from step3_rlhf.settings import Step3Settings
 from training.core.save import save_hf_model
 from training.loops.batch_stream import BatchStream
-from training.loops.call_times import CallTimer
+from training.loops.call_times import CALL_TIMES_FILE, CallTimer
 from training.loops.metrics import MetricsLogger, rewind_jsonl
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.guards import check_finite
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR = "actor", "critic", "actor_ema"
 PLOT_FILE = "reward_kl.png"
-CALL_TIMES_FILE = "call_times.jsonl"
 HELD_OUT_ROLLOUT_STATS = {"reward/score_mean": "score_mean", "rollout/response_length": "response_length",
                           "rollout/eos_fraction": "eos_fraction",
                           "reward/fn_mean": "reward_fn_mean"}  # experience_stats key: held-out name

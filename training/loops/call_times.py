@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+CALL_TIMES_FILE = "call_times.jsonl"  # in the run folder: one line per PPO step, every rank's call times
 # (attribute path on a trained DeepSpeed engine, the call's name); under mixed precision the engine's optimizer is
 # DeepSpeed's wrapper around the torch optimizer (the inner step)
 ENGINE_CALLS = (("backward", "backward"), ("allreduce_gradients", "gradient all-reduce"),

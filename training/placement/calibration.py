@@ -2,8 +2,11 @@
 
 Run with the torch threads one rank gets (a CPU run of R ranks on C cores: C // R each), so every rate is per rank;
 the ranks measure at the same time (each rate is one rank's while every rank is busy, as in a co-located step).
-`quick=True` is a profile of about ten seconds for a dry run with no saved calibration: smaller shapes, fewer
-repetitions, the baseline memory read from this process; it is not saved.
+A full calibration then runs a short real step 3 on the same ranks with every call timed (`step_profile`) and
+records how much longer each kind of call takes there than the micro-benchmarks' constants estimate, and the
+step's time outside its calls. `quick=True` is a profile of about ten seconds for a dry run with no saved
+calibration: smaller shapes, fewer repetitions, the baseline memory read from this process, no profiled step; it is
+not saved.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import platform
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
@@ -207,14 +210,18 @@ def host_memory_gib() -> float:
 
 
 def calibrate(dtype: str, threads: int, world_size: int, quick: bool = False) -> MachineSpec:
-    """Measure this machine as `world_size` ranks of `threads` torch threads each (one node), all busy at once."""
+    """Measure this machine as `world_size` ranks of `threads` torch threads each (one node), all busy at once;
+    unless `quick`, correct the constants by a profiled real step."""
+    from training.placement.step_profile import profile_corrections
+
     measured = measure_ranks(dtype, threads, world_size, quick)
-    return MachineSpec(
+    machine = MachineSpec(
         name=f"{socket.gethostname()} (calibrated{', quick' if quick else ''}: {dtype}, {threads} thread(s), "
              f"{world_size} rank(s))",
         nodes=1, devices_per_node=world_size, memory_gib=host_memory_gib() / world_size,
         inter_node_bandwidth=measured["intra_node_bandwidth"], baseline_memory_gib=measure_baseline_memory_gib(quick),
         **measured)
+    return machine if quick else replace(machine, **profile_corrections(machine, dtype, threads, world_size))
 
 
 def cpu_model() -> str:

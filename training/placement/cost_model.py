@@ -60,6 +60,7 @@ class StepEstimate:
     training_s: float
     sync_s: float
     exchange_s: float
+    other_s: float  # the step's time outside its calls (the loop's own work), as the calibration measured it
     per_rank_memory_gib: tuple[float, ...]
     calls: tuple[Call, ...]
 
@@ -70,7 +71,7 @@ class StepEstimate:
     @property
     def phases(self) -> dict[str, float]:
         return {"generation": self.generation_s, "scoring": self.scoring_s, "training": self.training_s,
-                "sync": self.sync_s, "exchange": self.exchange_s}
+                "sync": self.sync_s, "exchange": self.exchange_s, "other": self.other_s}
 
 
 # --------------------------------------------------------------------------- the terms
@@ -173,7 +174,7 @@ def forward_call(workload: Step3Workload, role: str, placement: Placement, machi
     gather = all_gather_s(weights, placement.ranks[role], machine) if _stage(workload, role) == 3 else 0.0
     seconds = pass_s(size, rows, seq, weights, machine, head_positions=_head_positions(workload, role)) + \
         machine.call_overhead_s + gather
-    return Call("scoring", role, "forward", seconds, flops, weights, 1)
+    return Call("scoring", role, "forward", machine.in_step("forward", seconds), flops, weights, 1)
 
 
 def generation_calls(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> list[Call]:
@@ -189,7 +190,8 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
     prefill_flops = forward_flops(size, tp * workload.prompts_per_rank, workload.prompt_len) / tp
     prefill_s = pass_s(size, tp * workload.prompts_per_rank, workload.prompt_len, weights * tp, machine) / tp + \
         machine.call_overhead_s
-    prefill = Call("generation", role, "prefill", prefill_s, prefill_flops, weights, passes)
+    prefill = Call("generation", role, "prefill", machine.in_step("prefill", prefill_s), prefill_flops, weights,
+                   passes)
     context = workload.prompt_len + workload.answer_len / 2  # the mean length attended over
     kv_bytes = rows * context * 2 * size.hidden_size * size.num_layers * b / tp
     step_flops = (2.0 * size.parameters * rows + 4.0 * rows * context * size.hidden_size * size.num_layers) / tp
@@ -201,15 +203,16 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
     stage3 = role == "actor" and workload.actor_zero_stage == 3 and len(members) > 1
     if stage3 and not workload.hybrid_engine:  # generate() through ZeRO-3 hooks gathers every layer every token
         overhead += all_gather_s(size.parameters * b, members, machine)
-    decode = Call("generation", role, "decode step", roofline_s(step_flops, weights + kv_bytes, machine) + overhead,
-                  step_flops, weights + kv_bytes, passes * workload.answer_len)
+    decode_s = machine.in_step("decode step", roofline_s(step_flops, weights + kv_bytes, machine) + overhead)
+    decode = Call("generation", role, "decode step", decode_s, step_flops, weights + kv_bytes,
+                  passes * workload.answer_len)
     calls = [prefill, decode]
     if workload.hybrid_engine:  # each pass builds an inference copy: weights copied, then reordered for the kernels
         copy_bytes = INFERENCE_COPY_PASSES * weights
-        calls.insert(0, Call("generation", role, "enter generate mode", copy_bytes / machine.copy_bandwidth, 0.0,
-                             copy_bytes, passes))
+        copy_s = machine.in_step("enter generate mode", copy_bytes / machine.copy_bandwidth)
+        calls.insert(0, Call("generation", role, "enter generate mode", copy_s, 0.0, copy_bytes, passes))
     if stage3 and workload.hybrid_engine:  # the hybrid engine gathers (its TP shard of) the weights once a step
-        gather = all_gather_s(size.parameters * b / tp, members, machine)
+        gather = machine.in_step("gather weights", all_gather_s(size.parameters * b / tp, members, machine))
         calls.insert(0, Call("generation", role, "gather weights", gather, 0.0, size.parameters * b / tp, 1))
     return calls
 
@@ -232,14 +235,16 @@ def training_calls(workload: Step3Workload, role: str, placement: Placement, mac
     if stage == 3:  # weights gathered for the forward and again for the backward, gradients reduce-scattered
         forward += all_gather_s(weights, members, machine)
         backward += all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
-    calls = [Call("training", role, "train forward", forward, flops, weights, micro_batches),
-             Call("training", role, "backward", backward, 2 * flops, 2 * weights, micro_batches)]
+    calls = [Call("training", role, "train forward", machine.in_step("train forward", forward), flops, weights,
+                  micro_batches),
+             Call("training", role, "backward", machine.in_step("backward", backward), 2 * flops, 2 * weights,
+                  micro_batches)]
     if stage < 3:
-        calls.append(Call("training", role, "gradient all-reduce", gradient_reduce_s(trainable * b, members, machine),
-                          0.0, 2 * trainable * b, steps))
+        reduce_s = machine.in_step("gradient all-reduce", gradient_reduce_s(trainable * b, members, machine))
+        calls.append(Call("training", role, "gradient all-reduce", reduce_s, 0.0, 2 * trainable * b, steps))
     updated = trainable / (n if stage >= 1 else 1)
-    calls.append(Call("training", role, "optimizer step", updated * machine.optimizer_s_per_param, 0.0,
-                      updated * (2 * (12 + b)), steps))
+    optimizer_s = machine.in_step("optimizer step", updated * machine.optimizer_s_per_param)
+    calls.append(Call("training", role, "optimizer step", optimizer_s, 0.0, updated * (2 * (12 + b)), steps))
     return calls
 
 
@@ -406,5 +411,6 @@ def estimate_step(workload: Step3Workload, placement: Placement, machine: Machin
             by_models[held] = rank_memory_gib(workload, placement, machine, rank)
     memory = tuple(by_models[tuple(models_on(placement, rank))] for rank in range(placement.world_size))
     calls = tuple(generation + scoring + [call for calls in trained.values() for call in calls])
-    return StepEstimate(generation_s + scoring_s + training_s + sync_s + exchange_s, generation_s, scoring_s,
-                        training_s, sync_s, exchange_s, memory, calls)
+    other_s = machine.step_overhead_s
+    return StepEstimate(generation_s + scoring_s + training_s + sync_s + exchange_s + other_s, generation_s,
+                        scoring_s, training_s, sync_s, exchange_s, other_s, memory, calls)

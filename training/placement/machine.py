@@ -7,7 +7,7 @@ efficiency factors (each optional in the file, defaults below). Presets for publ
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,6 +34,9 @@ class MachineSpec:
     inference copy), slower on a CPU than `memory_bandwidth`'s weight streaming.
     `sampling_s_per_logit` is a decode step's cost per row per vocabulary entry of drawing the next token and its
     log-probability (softmax, sampling, log-softmax over the vocabulary).
+    `call_time_factors` (call kind -> factor) and `step_overhead_s` come from a calibration's profiled real step
+    (`step_profile`): each kind of call's time inside a step over its estimate from the other constants, and the
+    step's time outside its calls; a hardware file has neither (factors of 1, no overhead).
     """
 
     name: str
@@ -58,6 +61,8 @@ class MachineSpec:
     reduce_efficiency: float
     sampling_s_per_logit: float
     usable_memory_fraction: float = 0.92  # allocator fragmentation and workspace leave the rest unusable
+    call_time_factors: dict[str, float] = field(default_factory=dict)
+    step_overhead_s: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -66,6 +71,10 @@ class MachineSpec:
     @property
     def usable_memory_gib(self) -> float:
         return self.memory_gib * self.usable_memory_fraction
+
+    def in_step(self, kind: str, seconds: float) -> float:
+        """A call of `kind` estimated at `seconds` from the rates, as long as it runs inside a step."""
+        return seconds * self.call_time_factors.get(kind, 1.0)
 
     def link_bandwidth(self, ranks: tuple[int, ...] | list[int]) -> float:
         """Bytes/s per rank of a collective over `ranks` (node-major numbering): NVLink-class inside one node,

@@ -197,7 +197,7 @@ def format_plans(plans: list[RankedPlan], top: int = 10) -> str:
 
     table = Table(title=f"step 3 placements, fastest first ({len(plans)} fit)")
     for column in ("#", "placement", "layout", "ZeRO a/c", "TP", "micro", "fusion", "step s",
-                   "gen / score / train / sync / exch s", "peak GiB"):
+                   "gen / score / train / sync / exch / other s", "peak GiB"):
         table.add_column(column, overflow="fold")
     for index, plan in enumerate(plans[:top], start=1):
         estimate = plan.estimate

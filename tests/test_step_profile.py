@@ -1,0 +1,107 @@
+"""The calibration's profiled step: call times read back per kind, the factors and overhead it fits, the cost model
+applying them, and a real profiled step 3 on one rank."""
+import json
+from dataclasses import replace
+
+import pytest
+from test_placement_planner import MACHINE, WORKLOAD
+
+import training.placement.calibration as calibration
+from training.loops.call_times import CALL_TIMES_FILE
+from training.placement.cost_model import estimate_step
+from training.placement.spec import build_placement
+from training.placement.step_profile import (
+    ProfileShape,
+    call_time_factors,
+    launch_env,
+    measured_calls,
+    measured_step_overhead_s,
+    profile_corrections,
+    run_step3,
+)
+from utils.errors import UserError
+
+
+def _record(step_s: float, *ranks: dict[str, float]) -> str:
+    return json.dumps({"step": 1, "step_s": step_s,
+                       "ranks": [{"calls": {name: {"s": s, "n": 1} for name, s in calls.items()}, "peak_rss_gb": 1.0}
+                                 for calls in ranks]})
+
+
+def test_call_times_are_read_per_rank_as_the_cost_model_names_them_and_fitted_per_kind(tmp_path):
+    """The first step is dropped (first-call costs); the decoder's sampling loop counts as decode steps and
+    DeepSpeed's engine step as the optimizer step; a kind's factor is its measured seconds over its predicted ones,
+    summed over roles and ranks; the exchange is no call kind; the overhead is the step beyond its busiest rank."""
+    rank0 = {"actor/decode step": 1.0, "actor/generate": 0.5, "actor/forward": 0.3, "critic/forward": 0.1,
+             "actor/optimizer step": 0.2, "actor/engine step": 0.2, "exchange/experience": 0.4}
+    rank1 = {"actor/decode step": 1.5, "actor/forward": 0.2, "critic/forward": 0.2, "actor/optimizer step": 0.4}
+    lines = [_record(100.0, {"actor/forward": 50.0}, {"actor/forward": 50.0}),
+             _record(3.5, rank0, rank1), _record(3.3, rank0, rank1), _record(4.1, rank0, rank1)]
+    (tmp_path / CALL_TIMES_FILE).write_text("\n".join(lines) + "\n")
+    measured = measured_calls(tmp_path)
+    assert measured[0] == pytest.approx({"actor/decode step": 1.5, "actor/forward": 0.3, "critic/forward": 0.1,
+                                         "actor/optimizer step": 0.4, "exchange/all": 0.4})
+    assert measured[1] == pytest.approx({"actor/decode step": 1.5, "actor/forward": 0.2, "critic/forward": 0.2,
+                                         "actor/optimizer step": 0.4})
+    assert measured_step_overhead_s(tmp_path) == pytest.approx(3.5 - 2.7)  # rank 0: 2.7 s of calls
+    predicted = [{"actor/decode step": 1.0, "actor/forward": 0.2, "critic/forward": 0.2, "actor/optimizer step": 0.4,
+                  "exchange/all": 1.0}] * 2
+    assert call_time_factors(measured, predicted) == pytest.approx({"decode step": 1.5, "forward": 0.8 / 0.8,
+                                                                    "optimizer step": 1.0})
+
+
+def test_calibrated_factors_lengthen_each_kind_of_call_and_the_overhead_the_step():
+    placement = build_placement("colocate", 1)
+    base = estimate_step(WORKLOAD, placement, MACHINE)
+    corrected = replace(MACHINE, call_time_factors={"forward": 2.0, "decode step": 3.0, "backward": 1.5},
+                        step_overhead_s=0.25)
+    estimate = estimate_step(WORKLOAD, placement, corrected)
+    factor = {"forward": 2.0, "decode step": 3.0, "backward": 1.5}
+    for before, after in zip(base.calls, estimate.calls, strict=True):
+        assert after.seconds == pytest.approx(before.seconds * factor.get(before.kind, 1.0)), before.kind
+
+    def seconds(kind: str, of) -> float:
+        return sum(call.total_s for call in of.calls if call.kind == kind)
+
+    added = sum((factor[kind] - 1) * seconds(kind, base) for kind in factor)
+    assert estimate.step_s == pytest.approx(base.step_s + added + 0.25)  # co-located: every call in turn
+    assert estimate.other_s == 0.25 and base.other_s == 0.0
+    assert estimate.per_rank_memory_gib == base.per_rank_memory_gib
+
+
+def test_a_calibration_keeps_its_factors_when_saved_and_loaded(tmp_path):
+    machine = replace(MACHINE, call_time_factors={"forward": 1.25, "backward": 1.5}, step_overhead_s=0.1)
+    calibration.save_calibration(machine, tmp_path / "machine.json")
+    assert calibration.load_calibration(tmp_path / "machine.json") == machine
+
+
+def test_a_launch_from_inside_a_launched_rank_starts_its_own_world(monkeypatch):
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RUN_ID", "x"),
+                        ("HF_HUB_OFFLINE", "1")):
+        monkeypatch.setenv(name, value)
+    env = launch_env(3)
+    assert env["OMP_NUM_THREADS"] == "3" and env["HF_HUB_OFFLINE"] == "1"
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
+
+
+def test_a_failed_step3_launch_reports_the_workers_error_line(tmp_path):
+    with pytest.raises(UserError) as raised:
+        run_step3(["--actor_model_name_or_path", str(tmp_path / "no-such-model"), "--critic_model_name_or_path",
+                   str(tmp_path / "no-such-model"), "--output_dir", str(tmp_path / "o"), "--data_path", "embedded"],
+                  1, 1, tmp_path / "step3.log")
+    message = str(raised.value)
+    assert "\nerror: " in message and "no-such-model" in message and "ChildFailedError" not in message
+    assert message.endswith(f"its whole log: {tmp_path / 'step3.log'}")
+
+
+def test_a_profiled_step3_on_one_rank_measures_every_call_kind(tmp_path):
+    """A real (tiny) step 3 with every call timed: each kind of call the cost model has gets a positive factor."""
+    model = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}
+    machine = replace(MACHINE, devices_per_node=1)
+    fitted = profile_corrections(machine, "fp32", 1, 1, model, ProfileShape(batch=2, prompt_len=32, answer_len=8,
+                                                                            steps=2))
+    factors = fitted["call_time_factors"]
+    assert {"enter generate mode", "prefill", "decode step", "forward", "train forward", "backward",
+            "optimizer step"} <= set(factors), factors
+    assert all(factor > 0 for factor in factors.values()) and fitted["step_overhead_s"] >= 0
