@@ -5,6 +5,8 @@ attention kernel's rate, plus its layers' non-matmul work (per token per hidden 
 residuals), plus a call overhead; a backward runs twice the FLOPs at the backward rates; an optimizer step costs a
 measured time per trained parameter; collectives take latency + bytes / link bandwidth (a gradient all-reduce at
 its measured share of it). Every rate is measured on the machine (`calibration`) or derived from a hardware file.
+A calibrated machine also scales each kind of call by how much longer it took inside a profiled real step than
+these terms say, and adds the step's time outside its calls (`MachineSpec.call_time_factors`, `step_overhead_s`).
 The schedule is the one the runtime follows (see `estimate_step`).
 Not modelled: gradient checkpointing, offload, early-finishing answers (every answer decodes `answer_len` tokens),
 and the causal mask's saving in attention (attention FLOPs are counted over the full square).
