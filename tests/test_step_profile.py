@@ -1,9 +1,13 @@
 """The calibration's profiled step: call times read back per kind, the factors and overhead it fits, the cost model
 applying them, and a real profiled step 3 on one rank."""
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
+from conftest import REPO_ROOT
 from test_placement_planner import MACHINE, WORKLOAD
 
 import training.placement.calibration as calibration
@@ -19,6 +23,7 @@ from training.placement.step_profile import (
     profile_corrections,
     run_step3,
 )
+from utils.dist import free_port
 from utils.errors import UserError
 
 
@@ -105,3 +110,16 @@ def test_a_profiled_step3_on_one_rank_measures_every_call_kind(tmp_path):
     assert {"enter generate mode", "prefill", "decode step", "forward", "train forward", "backward",
             "optimizer step"} <= set(factors), factors
     assert all(factor > 0 for factor in factors.values()) and fitted["step_overhead_s"] >= 0
+
+
+def test_a_calibration_started_by_a_launched_rank_makes_a_world_of_its_own():
+    """`--placement auto --calibrate` calibrates on rank 0 of a launched run; its calibration ranks inherited the
+    launcher's variables, TORCHELASTIC_USE_AGENT_STORE among them, with which their rendezvous waited forever for
+    the launcher's store instead of starting one."""
+    script = ("from training.placement.calibration import measure_ranks; "
+              "print(sorted(measure_ranks('fp32', 1, 2, quick=True)))")
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONPATH": str(REPO_ROOT)}
+    finished = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=120)
+    assert finished.returncode == 0 and "matmul_flops" in finished.stdout, finished.stderr[-3000:]

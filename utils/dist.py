@@ -22,6 +22,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# what torch.distributed.run / deepspeed set for their workers (plus TORCHELASTIC_*: with its agent-store flag a
+# new process group's rendezvous looks for the launcher's store instead of starting its own)
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_variables(env: Mapping[str, str]) -> list[str]:
+    """The names in `env` a launcher set for its worker: a world of its own started from a worker drops them."""
+    return [key for key in env if key in LAUNCHER_VARIABLES or key.startswith("TORCHELASTIC_")]
+
+
 def _ensure_single_process_env() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return

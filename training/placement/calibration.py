@@ -173,6 +173,10 @@ def _rank_worker(rank: int, world_size: int, port: int, dtype: str, threads: int
     """Every rank measures its compute constants at the same time, then the collectives; rank 0 reports."""
     import torch.distributed as dist
 
+    from utils.dist import launcher_variables
+
+    for key in launcher_variables(os.environ):  # spawned by a launched rank (`--placement auto --calibrate`)
+        del os.environ[key]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     torch.set_num_threads(threads)
     measured = measure_rank(TORCH_DTYPES[dtype], quick, dist.barrier)

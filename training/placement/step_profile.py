@@ -43,9 +43,6 @@ PROFILE_MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_laye
 # engine and mixed-precision wrapper steps in the optimizer step
 MEASURED_AS = {"generate": "decode step", "engine step": "optimizer step", "inner optimizer step": "optimizer step",
                "weight copy-back": "optimizer step", "master-gradient accumulation": "optimizer step"}
-# what torch.distributed.run sets for its workers: a profile launched from inside a launched run starts clean
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # a worker's `run_cli` error line, or a traceback's last line (not the launcher's own, which only says a worker failed)
 ERROR_LINE = re.compile(r"^(error: |(?![\w.]*ChildFailedError)[\w.]*(Error|Exception): )")
@@ -174,9 +171,10 @@ def profile_workload(actor: ModelSize, critic: ModelSize, dtype: str,
 
 def launch_env(threads: int) -> dict[str, str]:
     """This process's environment for a launcher of its own, each worker on `threads` torch threads."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in LAUNCHER_VARIABLES and not key.startswith("TORCHELASTIC_")}
-    return env | {"OMP_NUM_THREADS": str(threads)}
+    from utils.dist import launcher_variables
+
+    dropped = set(launcher_variables(os.environ))
+    return {key: value for key, value in os.environ.items() if key not in dropped} | {"OMP_NUM_THREADS": str(threads)}
 
 
 def run_step3(argv: list[str], world_size: int, threads: int, log: Path) -> None:
