@@ -22,8 +22,9 @@ class PlacementSettings:
         "help": "YAML/JSON description of the machine to plan for (GPUs per node, nodes, memory, FLOP/s, memory and "
                 "link bandwidth); default: this machine, with its calibrated constants"})
     calibrate: bool = field(default=False, metadata={
-        "help": "measure this machine's constants (matmul FLOP/s, weight streaming, collectives) before planning; "
-                "saved and reused by later runs"})
+        "help": "measure this machine's constants (matmul FLOP/s, weight streaming, collectives) before planning, "
+                "then profile a short real step 3 on random weights to correct each kind of call (about 90 s in "
+                "all); saved and reused by later runs"})
     enable_stage_fusion: bool = field(default=False, metadata={
         "help": "score finished answers (reference, reward model, critic; the actor where its old log-probs are "
                 "recomputed) in micro-batches while the rest of the batch still decodes (RLHFuse's stage fusion): "
