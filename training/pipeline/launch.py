@@ -18,6 +18,8 @@ from utils.errors import UserError
 from .deployment import DeploymentType
 from .steps import StepMain
 
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the project's root, importable from every launched rank
+
 LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
 
 

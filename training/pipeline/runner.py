@@ -20,6 +20,7 @@ from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detec
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, read_hostfile
 from .launch import (
+    REPO_ROOT,
     Launcher,
     check_launcher_installed,
     format_command,
@@ -31,7 +32,6 @@ from .planning import apply_zero_overrides, plan_deployment
 from .steps import STEPS, ModelInput, StepEntry, accepted_options, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 Inputs = dict[int, list[tuple[ModelInput, str]]]
 

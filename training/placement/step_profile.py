@@ -14,7 +14,6 @@ own (`PROFILE_SHAPE`), not on the models or settings a user plans for, so a pred
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from training.placement.spec import Placement
     from training.placement.workload import Step3Workload
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # a Llama of ~50M parameters (GQA, tied embeddings, the embedded tokenizer's vocabulary), unlike any model planned
 PROFILE_MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
                  "num_key_value_heads": 4, "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -170,25 +168,29 @@ def profile_workload(actor: ModelSize, critic: ModelSize, dtype: str,
 
 
 def launch_env(threads: int) -> dict[str, str]:
-    """This process's environment for a launcher of its own, each worker on `threads` torch threads."""
+    """The launched steps' environment (`launcher_env`) for a launcher of its own, without the variables of a
+    launcher that started this process, each worker on `threads` torch threads."""
+    from training.pipeline.launch import REPO_ROOT, launcher_env
     from utils.dist import launcher_variables
 
-    dropped = set(launcher_variables(os.environ))
-    return {key: value for key, value in os.environ.items() if key not in dropped} | {"OMP_NUM_THREADS": str(threads)}
+    env = launcher_env(REPO_ROOT)
+    for key in launcher_variables(env):
+        del env[key]
+    return env | {"OMP_NUM_THREADS": str(threads)}
 
 
 def run_step3(argv: list[str], world_size: int, threads: int, log: Path) -> None:
     """Step 3 under torch.distributed.run on `world_size` local ranks; its output in `log`, whose end a failure
     shows."""
+    from training.pipeline.launch import REPO_ROOT
     from utils.dist import free_port
 
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
                "--master_port", str(free_port()), str(REPO_ROOT / "step3_rlhf" / "main.py"), *argv]
-    env = launch_env(threads)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO_ROOT), env.get("PYTHONPATH"))))
     with open(log, "w") as out:
-        finished = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        finished = subprocess.run(command, cwd=REPO_ROOT, env=launch_env(threads), stdout=out,
+                                  stderr=subprocess.STDOUT)
     if finished.returncode != 0:
         lines = log.read_text().splitlines()
         errors = list(dict.fromkeys(line for line in lines if ERROR_LINE.match(line))) or lines[-20:]
