@@ -54,6 +54,13 @@ class Call:
         return self.seconds * self.count
 
 
+def in_step_call(machine: MachineSpec, phase: str, role: str, kind: str, seconds: float, flops: float,
+                 moved: float, count: int) -> Call:
+    """A call estimated at `seconds` from the rates, as long as it runs inside a step on `machine` (its kind's
+    calibrated factor applied; `MachineSpec.in_step`)."""
+    return Call(phase, role, kind, machine.in_step(kind, seconds), flops, moved, count)
+
+
 @dataclass(frozen=True)
 class StepEstimate:
     step_s: float
@@ -176,7 +183,7 @@ def forward_call(workload: Step3Workload, role: str, placement: Placement, machi
     gather = all_gather_s(weights, placement.ranks[role], machine) if _stage(workload, role) == 3 else 0.0
     seconds = pass_s(size, rows, seq, weights, machine, head_positions=_head_positions(workload, role)) + \
         machine.call_overhead_s + gather
-    return Call("scoring", role, "forward", machine.in_step("forward", seconds), flops, weights, 1)
+    return in_step_call(machine, "scoring", role, "forward", seconds, flops, weights, 1)
 
 
 def generation_calls(workload: Step3Workload, placement: Placement, machine: MachineSpec) -> list[Call]:
@@ -192,8 +199,7 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
     prefill_flops = forward_flops(size, tp * workload.prompts_per_rank, workload.prompt_len) / tp
     prefill_s = pass_s(size, tp * workload.prompts_per_rank, workload.prompt_len, weights * tp, machine) / tp + \
         machine.call_overhead_s
-    prefill = Call("generation", role, "prefill", machine.in_step("prefill", prefill_s), prefill_flops, weights,
-                   passes)
+    prefill = in_step_call(machine, "generation", role, "prefill", prefill_s, prefill_flops, weights, passes)
     context = workload.prompt_len + workload.answer_len / 2  # the mean length attended over
     kv_bytes = rows * context * 2 * size.hidden_size * size.num_layers * b / tp
     step_flops = (2.0 * size.parameters * rows + 4.0 * rows * context * size.hidden_size * size.num_layers) / tp
@@ -205,17 +211,18 @@ def generation_calls(workload: Step3Workload, placement: Placement, machine: Mac
     stage3 = role == "actor" and workload.actor_zero_stage == 3 and len(members) > 1
     if stage3 and not workload.hybrid_engine:  # generate() through ZeRO-3 hooks gathers every layer every token
         overhead += all_gather_s(size.parameters * b, members, machine)
-    decode_s = machine.in_step("decode step", roofline_s(step_flops, weights + kv_bytes, machine) + overhead)
-    decode = Call("generation", role, "decode step", decode_s, step_flops, weights + kv_bytes,
-                  passes * workload.answer_len)
+    decode = in_step_call(machine, "generation", role, "decode step",
+                          roofline_s(step_flops, weights + kv_bytes, machine) + overhead, step_flops,
+                          weights + kv_bytes, passes * workload.answer_len)
     calls = [prefill, decode]
     if workload.hybrid_engine:  # each pass builds an inference copy: weights copied, then reordered for the kernels
         copy_bytes = INFERENCE_COPY_PASSES * weights
-        copy_s = machine.in_step("enter generate mode", copy_bytes / machine.copy_bandwidth)
-        calls.insert(0, Call("generation", role, "enter generate mode", copy_s, 0.0, copy_bytes, passes))
+        calls.insert(0, in_step_call(machine, "generation", role, "enter generate mode",
+                                     copy_bytes / machine.copy_bandwidth, 0.0, copy_bytes, passes))
     if stage3 and workload.hybrid_engine:  # the hybrid engine gathers (its TP shard of) the weights once a step
-        gather = machine.in_step("gather weights", all_gather_s(size.parameters * b / tp, members, machine))
-        calls.insert(0, Call("generation", role, "gather weights", gather, 0.0, size.parameters * b / tp, 1))
+        shard = size.parameters * b / tp
+        calls.insert(0, in_step_call(machine, "generation", role, "gather weights",
+                                     all_gather_s(shard, members, machine), 0.0, shard, 1))
     return calls
 
 
@@ -237,16 +244,14 @@ def training_calls(workload: Step3Workload, role: str, placement: Placement, mac
     if stage == 3:  # weights gathered for the forward and again for the backward, gradients reduce-scattered
         forward += all_gather_s(weights, members, machine)
         backward += all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
-    calls = [Call("training", role, "train forward", machine.in_step("train forward", forward), flops, weights,
-                  micro_batches),
-             Call("training", role, "backward", machine.in_step("backward", backward), 2 * flops, 2 * weights,
-                  micro_batches)]
+    calls = [in_step_call(machine, "training", role, "train forward", forward, flops, weights, micro_batches),
+             in_step_call(machine, "training", role, "backward", backward, 2 * flops, 2 * weights, micro_batches)]
     if stage < 3:
-        reduce_s = machine.in_step("gradient all-reduce", gradient_reduce_s(trainable * b, members, machine))
-        calls.append(Call("training", role, "gradient all-reduce", reduce_s, 0.0, 2 * trainable * b, steps))
+        calls.append(in_step_call(machine, "training", role, "gradient all-reduce",
+                                  gradient_reduce_s(trainable * b, members, machine), 0.0, 2 * trainable * b, steps))
     updated = trainable / (n if stage >= 1 else 1)
-    optimizer_s = machine.in_step("optimizer step", updated * machine.optimizer_s_per_param)
-    calls.append(Call("training", role, "optimizer step", optimizer_s, 0.0, updated * (2 * (12 + b)), steps))
+    calls.append(in_step_call(machine, "training", role, "optimizer step", updated * machine.optimizer_s_per_param,
+                              0.0, updated * (2 * (12 + b)), steps))
     return calls
 
 
@@ -341,8 +346,7 @@ def _scoring_end(workload: Step3Workload, placement: Placement, machine: Machine
             rank = placement.owner(role, chunk)
             free[rank] = max(free[rank], ready) + call.seconds
     per_chunk = len(pieces) // placement.world_size
-    per_member = [Call(c.phase, c.role, c.kind, c.seconds, c.flops, c.bytes,
-                       placement.chunks_per_member(c.role) * per_chunk) for c in calls.values()]
+    per_member = [replace(call, count=placement.chunks_per_member(call.role) * per_chunk) for call in calls.values()]
     return max(free), per_member
 
 
