@@ -107,6 +107,34 @@ def test_a_few_steps_lower_the_loss(distributed, tiny_model_dir, arch, stage):
     assert losses[-1] < 0.8 * losses[0], losses
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_single_rank_zero0_skips_the_gradient_allreduce_and_trains_bit_identically(distributed, tiny_model_dir,
+                                                                                   dtype):
+    """Over one rank DeepSpeed's ZeRO-0 all-reduce copies every gradient and changes nothing: it is skipped, and
+    the weights after training equal, bit for bit, those of an engine that runs it."""
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    settings = _settings(0, dtype=dtype)
+
+    def trained(allreduce: bool) -> tuple[list, dict[str, torch.Tensor]]:
+        model = load_causal_lm(path, tokenizer, dtype=resolve_dtype(dtype), ds_config=settings.ds_config(),
+                               disable_dropout_layers=True)
+        engine = create_train_engine(model, settings)
+        calls, reduce = [], engine.allreduce_gradients
+        engine.allreduce_gradients = lambda *args, **kwargs: (calls.append(1), reduce(*args, **kwargs))
+        engine.enable_backward_allreduce = engine.enable_backward_allreduce or allreduce
+        _train(engine, tokenizer, steps=3)
+        return calls, {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+    skipped_calls, skipped = trained(allreduce=False)
+    reduced_calls, reduced = trained(allreduce=True)
+    assert (len(skipped_calls), len(reduced_calls)) == (0, 3)
+    assert any(not torch.equal(skipped[name], p) for name, p in load_causal_lm(
+        path, tokenizer, dtype=resolve_dtype(dtype)).named_parameters()), "training changed no weight"
+    for name, weight in skipped.items():
+        assert torch.equal(weight, reduced[name]), name
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_save_then_load_gives_identical_logits(distributed, tiny_model_dir, tmp_path, stage):
     path = tiny_model_dir("gpt2")
@@ -161,15 +189,19 @@ def test_lora_module_name_that_matches_nothing(tiny_model_dir):
         apply_lora(model, 4, "no_such_block.")
 
 
-def test_two_process_zero3_over_gloo_trains_and_saves(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("stage", [0, 3])
+def test_two_process_zero_over_gloo_trains_and_saves(tiny_model_dir, tmp_path, stage):
+    """Each rank trains on its own half of a batch; at ZeRO-0 their full weight copies must stay equal (the
+    gradient all-reduce, skipped only over a single rank, still runs over two)."""
     path = tiny_model_dir("llama")
-    out = tmp_path / "zero3-out"
+    out = tmp_path / "zero-out"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(REPO_ROOT / "tests" / "scripts" / "zero3_worker.py"), path, str(out)]
+           "--master_port", str(free_port()), str(REPO_ROOT / "tests" / "scripts" / "zero_worker.py"), path, str(out), str(stage)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "LOSS_FELL" in result.stdout
+    assert stage != 0 or "RANKS_AGREE" in result.stdout, result.stdout[-3000:]
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in reloaded.parameters()) > 0
 

@@ -69,7 +69,19 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=settings.ds_config(), mpu=unit
         )
+    skip_single_rank_gradient_allreduce(engine)
     return engine
+
+
+def skip_single_rank_gradient_allreduce(engine: deepspeed.DeepSpeedEngine) -> None:
+    """Turn off ZeRO-0's gradient all-reduce where the model's data-parallel group is one rank.
+
+    DeepSpeed runs it after every backward even then: it flattens every gradient into one fresh buffer, divides
+    by 1, sums over the one rank and copies back, which changes no value but on CPU costs ~0.7 s a step at 135M
+    parameters (a 540 MB copy into freshly faulted memory). ZeRO-1 and above reduce inside their optimizers.
+    """
+    if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
+        engine.enable_backward_allreduce = False
 
 
 def create_frozen_engine(
