@@ -80,16 +80,11 @@ def test_rows_of_very_different_lengths_are_grouped_and_their_results_merged_bac
     model, _ = make_tiny_model("llama", tokenizer)
     critic = RewardModel.from_causal_lm(make_tiny_model("llama", tokenizer, seed=1)[0], tokenizer)
     model.eval(), critic.eval()
-    long_row = [True, False, True, False, False, True]
-    prompt_mask = torch.tensor([[0] * (0 if long else 56) + [1] * (60 if long else 4) for long in long_row])
-    answer_mask = torch.tensor([[1] * (40 if long else 3) + [0] * (0 if long else 37) for long in long_row])
-    mask = torch.cat([prompt_mask, answer_mask], 1)
-    sequences = torch.randint(3, len(tokenizer), mask.shape, generator=torch.Generator().manual_seed(0))
+    sequences, mask, answer = _grouped_rows(len(tokenizer))
     groups = RowGroups.of(sequences, mask, 60, group_cost_tokens=8)
     assert sorted(sorted(group.tolist()) for group in groups.rows) == [[0, 2, 5], [1, 3, 4]]
     one_window = AnswerWindow.of(sequences, mask, 60)
     assert sum(window.sequences.numel() for window in groups.windows) < 0.6 * one_window.sequences.numel()
-    answer = answer_mask.bool()
     with torch.no_grad():
         logprobs, logits = groups.answer_logprobs(model, 0.8)
         plain_logits = answer_logits(model, sequences, mask, 60)
@@ -101,6 +96,73 @@ def test_rows_of_very_different_lengths_are_grouped_and_their_results_merged_bac
         torch.testing.assert_close(groups.answer_values(critic)[answer], plain["values"][:, 59:-1][answer],
                                    rtol=0, atol=1e-5)
         torch.testing.assert_close(groups.end_scores(critic), plain["end_scores"], rtol=0, atol=1e-5)
+
+
+def _grouped_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three short rows between three long ones (two groups at a small group cost); prompt width 60."""
+    long_row = [True, False, True, False, False, True]
+    prompt_mask = torch.tensor([[0] * (0 if long else 56) + [1] * (60 if long else 4) for long in long_row])
+    answer_mask = torch.tensor([[1] * (40 if long else 3) + [0] * (0 if long else 37) for long in long_row])
+    mask = torch.cat([prompt_mask, answer_mask], 1)
+    return torch.randint(3, vocab, mask.shape, generator=torch.Generator().manual_seed(0)), mask, answer_mask.bool()
+
+
+def _embedding_backwards(output: torch.Tensor) -> int:
+    """How many embedding-lookup backward nodes the graph of `output` has."""
+    seen, stack, count = set(), [output.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__.startswith("EmbeddingBackward")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_training_forward_over_several_groups_looks_up_the_embeddings_once(role, dtype):
+    """A backward through several groups' forwards built the embedding table's dense gradient ([vocab, hidden])
+    once per group and then summed them; the groups now share one lookup over the batch: the same outputs, bit
+    for bit, the same gradients (up to the order of the sums), one embedding backward."""
+    tokenizer = make_tokenizer()
+    model = make_tiny_model("llama", tokenizer)[0]
+    if role == "critic":
+        model = RewardModel.from_causal_lm(model, tokenizer)
+    model = model.to(dtype).eval()
+    sequences, mask, answer = _grouped_rows(len(tokenizer))
+    groups = RowGroups.of(sequences, mask, 60, group_cost_tokens=8)
+    assert len(groups.rows) == 2
+
+    def forward(shared: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        embeds = groups.shared_embeddings(model) if shared else [None] * len(groups.windows)
+        if role == "actor":
+            per_group = [window.to_answers(token_logprobs(window.logits(model, e), window.answer_tokens()))
+                         for window, e in zip(groups.windows, embeds)]
+        else:
+            per_group = [window.to_answers(window.values(model, e)) for window, e in zip(groups.windows, embeds)]
+        out = groups.merge(per_group)
+        backwards = _embedding_backwards(out)
+        out[answer].float().sum().backward()
+        return out.detach(), backwards, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    out, backwards, grads = forward(shared=True)
+    per_group_out, per_group_backwards, per_group_grads = forward(shared=False)
+    assert (backwards, per_group_backwards) == (1, 2)
+    assert torch.equal(out, per_group_out)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.float(), per_group_grads[name].float(), rtol=tolerance, atol=tolerance,
+                                   msg=name)
+    assert grads[next(n for n in grads if "embed" in n)].abs().sum() > 0
+    with torch.no_grad():
+        assert groups.shared_embeddings(model) == [None, None]  # scoring: nothing to save, token ids as before
+    # the real entry points take the shared path
+    model.zero_grad()
+    result = groups.answer_logprobs(model, 1.0)[0] if role == "actor" else groups.answer_values(model)
+    assert _embedding_backwards(result) == 1 and torch.equal(result.detach(), out)
 
 
 def test_zero3_ranks_agree_on_the_group_count_so_their_weight_gathers_meet(tmp_path):

@@ -296,7 +296,7 @@ def test_scoring_and_training_forwards_see_no_column_that_only_padding_fills(dis
     for role in ("actor", "reference", "critic", "reward"):
         module = getattr(engine, role).module
         module.register_forward_pre_hook(
-            lambda _, args, kwargs, role=role: widths.setdefault(role, []).append(kwargs["input_ids"].shape[1]),
+            lambda _, args, kwargs, role=role: widths.setdefault(role, []).append(kwargs["attention_mask"].shape[1]),
             with_kwargs=True)
     experience = trainer.generate_experience(prompts)
     trainer.train_rlhf(experience)

@@ -31,22 +31,25 @@ from training.core.zero import is_zero3_module
 from utils.dist import get_world_size
 
 
+def right_align_columns(attention_mask: torch.Tensor, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `right_align` takes each new column from: [B, L] source columns and whether each holds a token."""
+    width = attention_mask.shape[1]
+    columns = torch.arange(width, device=attention_mask.device)
+    real = attention_mask.bool()
+    last = last_token_index(attention_mask)
+    first = torch.where(real, columns, torch.full_like(columns, width)).amin(-1).clamp(max=width - 1)
+    span = int((last - first + 1).max().item()) if attention_mask.shape[0] else 0
+    kept = min(max(span, min_width), width)
+    source = columns[width - kept:] - (width - 1 - last)[:, None]  # [B, L]: the column each new column reads
+    return source.clamp(min=0), source >= 0
+
+
 def right_align(sequences: torch.Tensor, attention_mask: torch.Tensor,
                 min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row shifted right by its trailing padding, cut to the widest row's span of real tokens (at least
     `min_width` columns): [B, T] -> [B, L]. Columns that receive no token are masked (their ids are arbitrary)."""
-    width = sequences.shape[1]
-    columns = torch.arange(width, device=sequences.device)
-    real = attention_mask.bool()
-    last = last_token_index(attention_mask)
-    first = torch.where(real, columns, torch.full_like(columns, width)).amin(-1).clamp(max=width - 1)
-    span = int((last - first + 1).max().item()) if sequences.shape[0] else 0
-    kept = min(max(span, min_width), width)
-    source = columns[width - kept:] - (width - 1 - last)[:, None]  # [B, L]: the column each new column reads
-    valid = source >= 0
-    source = source.clamp(min=0)
-    aligned_mask = attention_mask.gather(1, source) * valid
-    return sequences.gather(1, source), aligned_mask
+    source, valid = right_align_columns(attention_mask, min_width)
+    return sequences.gather(1, source), attention_mask.gather(1, source) * valid
 
 
 @dataclass
@@ -59,14 +62,20 @@ class AnswerWindow:
     attention_mask: torch.Tensor  # [B, L]
     answer_lengths: torch.Tensor  # [B] long
     answer_columns: int  # N
+    source: torch.Tensor  # [B, L]: the rollout-layout column each window column holds
 
     @classmethod
     def of(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> "AnswerWindow":
         """The window of prompt + answer rows in the rollout layout (answer mask = attention_mask[:, P:])."""
         answer_lengths = attention_mask[:, prompt_length:].sum(-1).long()
         width = max(int(answer_lengths.max().item()) if answer_lengths.numel() else 0, 1)
-        aligned, aligned_mask = right_align(sequences, attention_mask, min_width=width + 1)
-        return cls(aligned, aligned_mask, answer_lengths, sequences.shape[1] - prompt_length)
+        source, valid = right_align_columns(attention_mask, min_width=width + 1)
+        return cls(sequences.gather(1, source), attention_mask.gather(1, source) * valid, answer_lengths,
+                   sequences.shape[1] - prompt_length, source)
+
+    def align(self, per_column: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] in the rollout layout -> [B, L, H] in the window's (as its token ids were laid out)."""
+        return per_column.gather(1, self.source[..., None].expand(-1, -1, per_column.shape[-1]))
 
     @property
     def width(self) -> int:
@@ -93,26 +102,32 @@ class AnswerWindow:
         gathered = per_token.gather(1, source.expand(-1, -1, *per_token.shape[2:]))
         return torch.where(inside, gathered, torch.zeros_like(gathered))
 
-    def logits(self, module: torch.nn.Module) -> torch.Tensor:
+    def logits(self, module: torch.nn.Module, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The causal LM's logits predicting the window's answer tokens: [B, W, V] (module dtype, raw). The LM
         head runs on those W positions only, where the model supports `logits_to_keep`.
 
         The positions go as an index tensor, not a count: indexing copies the selected hidden states into a
         contiguous tensor, while a count's slice is a strided view, which PyTorch multiplies with a frozen
         (no-gradient) head as a batched product over a copy of the whole head per row (the bf16 reference
-        forward took 2.3x the actor's on CPU)."""
+        forward took 2.3x the actor's on CPU). `inputs_embeds` ([B, L, H], the window's token embeddings)
+        replaces the token ids where given."""
         width, length = self.width, self.sequences.shape[1]
         positions = torch.arange(length - width - 1, length - 1, device=self.sequences.device)
         keep = accepts_logits_to_keep(module)
-        logits = module(input_ids=self.sequences, attention_mask=self.attention_mask,
+        logits = module(**self._inputs(inputs_embeds), attention_mask=self.attention_mask,
                         position_ids=position_ids_from_attention_mask(self.attention_mask), use_cache=False,
                         **({"logits_to_keep": positions} if keep else {})).logits
         return logits if keep else logits[:, -width - 1:-1]
 
-    def values(self, critic: torch.nn.Module) -> torch.Tensor:
+    def values(self, critic: torch.nn.Module, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """A value model's estimate of the state before each answer token: [B, W] fp32 (the preceding position)."""
-        values = critic(input_ids=self.sequences, attention_mask=self.attention_mask)["values"]
+        values = critic(**self._inputs(inputs_embeds), attention_mask=self.attention_mask)["values"]
         return values[:, -self.width - 1:-1].float()
+
+    def _inputs(self, inputs_embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        if inputs_embeds is None:
+            return {"input_ids": self.sequences}
+        return {"input_ids": None, "inputs_embeds": inputs_embeds}
 
 
 def accepts_logits_to_keep(module: torch.nn.Module) -> bool:
@@ -150,6 +165,7 @@ class RowGroups:
 
     rows: list[torch.Tensor]  # each group's row indices
     windows: list[AnswerWindow]
+    sequences: torch.Tensor  # the batch's rows in the rollout layout [B, T]
 
     @classmethod
     def of(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
@@ -167,7 +183,21 @@ class RowGroups:
             torch_dist.all_reduce(agreed, op=torch_dist.ReduceOp.MIN)
             cuts = _cheapest_cuts(sorted_widths, group_cost_tokens, int(agreed.item()))
         rows = [torch.tensor(order[start:end], device=sequences.device) for start, end in zip(cuts, cuts[1:])]
-        return cls(rows, [AnswerWindow.of(sequences[group], attention_mask[group], prompt_length) for group in rows])
+        return cls(rows, [AnswerWindow.of(sequences[group], attention_mask[group], prompt_length) for group in rows],
+                   sequences)
+
+    def shared_embeddings(self, module: torch.nn.Module) -> list[torch.Tensor | None]:
+        """Per group, its rows' token embeddings from ONE lookup over the whole batch, where that saves work: a
+        forward that will train the embedding table, over several groups, of a model whose weights are whole on
+        this rank. Its backward then builds the table's dense gradient ([vocab, hidden], 113 MB for SmolLM2 in
+        fp32) once instead of once per group plus their sum (~0.1 s each on CPU: fresh memory). None per group
+        elsewhere: the forwards take token ids (the embeddings are the same values either way)."""
+        embedding = input_embedding(module)
+        if (len(self.windows) == 1 or embedding is None or not torch.is_grad_enabled()
+                or not embedding.weight.requires_grad or is_zero3_module(module)):
+            return [None] * len(self.windows)
+        embeddings = embedding(self.sequences)
+        return [window.align(embeddings[rows.to(embeddings.device)]) for window, rows in zip(self.windows, self.rows)]
 
     def merge(self, per_group: list[torch.Tensor]) -> torch.Tensor:
         """Per-group results [b_g, ...] -> the batch's [B, ...] in its row order (differentiable)."""
@@ -179,14 +209,16 @@ class RowGroups:
     def answer_logprobs(self, module: torch.nn.Module,
                         temperature: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The answer tokens' log-probs [B, N] (fp32) and each group's window logits [b_g, W_g, V]."""
-        logits = [window.logits(module) for window in self.windows]
+        logits = [window.logits(module, embeds)
+                  for window, embeds in zip(self.windows, self.shared_embeddings(module))]
         logprobs = [window.to_answers(token_logprobs(group_logits, window.answer_tokens(), temperature))
                     for window, group_logits in zip(self.windows, logits)]
         return self.merge(logprobs), logits
 
     def answer_values(self, critic: torch.nn.Module) -> torch.Tensor:
         """A value model's estimate of the state before each answer token: [B, N] fp32."""
-        return self.merge([window.to_answers(window.values(critic)) for window in self.windows])
+        return self.merge([window.to_answers(window.values(critic, embeds))
+                           for window, embeds in zip(self.windows, self.shared_embeddings(critic))])
 
     def answer_entropies(self, logits: list[torch.Tensor], temperature: float) -> torch.Tensor:
         """The entropy of each answer position's distribution from the groups' logits: [B, N] fp32 (no gradient)."""
@@ -197,6 +229,13 @@ class RowGroups:
         """A reward model's score of each row's last token: [B] fp32."""
         return self.merge([reward_model(input_ids=window.sequences, attention_mask=window.attention_mask)
                            ["end_scores"].float() for window in self.windows])
+
+
+def input_embedding(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The token-embedding layer of the model under a DeepSpeed engine / peft wrapper (None if it has none)."""
+    model = getattr(module, "module", module)
+    getter = getattr(model, "get_input_embeddings", None)
+    return getter() if getter is not None else None
 
 
 def forwards_are_collective(models: tuple[torch.nn.Module | None, ...]) -> bool:

@@ -154,7 +154,11 @@ class RewardModel(nn.Module):
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+    def get_input_embeddings(self) -> nn.Module:
+        return self.backbone.get_input_embeddings()
+
+    def forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+        """`input_ids` [B, T], or None with `inputs_embeds` [B, T, H] in kwargs, and the [B, T] `attention_mask`."""
         if self._takes_position_ids and "position_ids" not in kwargs:
             kwargs["position_ids"] = position_ids_from_attention_mask(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs)[0]
