@@ -9,7 +9,9 @@ Defaults follow issue 18's setting: SmolLM2-135M after the quick run's step 1 as
 reward model as reward model and critic, the first 48 hh-rlhf harmless prompts of at most 128 tokens, batch 8,
 answers up to 128 tokens, one PPO epoch, fp32, ZeRO-0, the hybrid engine. Each phase's time is the median over
 the steps after the first; its floor (bench/step3_work.py) is the time the work it must do takes at this
-machine's measured matmul throughput and weight-streaming rate, from the real token counts of that step.
+machine's measured matmul throughput and weight-streaming rate, from the real token counts of that step. One more
+step, run again on the last batch under torch.profiler, gives each phase's time in matrix-product kernels alone
+over that step's floor ("matmul kernels / floor"): how close the phase could get by removing everything else.
 `--peer trl` needs `pip install .[bench]` (trl 1.12.0): the reward model and critic are converted to the
 transformers classes TRL reads and checked to give this project's scores within 1e-4 first.
 """
@@ -59,6 +61,8 @@ PHASES = {
     "score critic": (("score_critic",), ("critic_s",)),
     "train actor + critic": (("train_actor", "train_critic"), ("train_s",)),
 }
+# the kernels that do a forward's or backward's matrix products on CPU (prepacked oneDNN linears included)
+MATMUL_KERNELS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise"})
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,10 +151,45 @@ def run_this_project(args: argparse.Namespace, prompt_ids: list[list[int]]) -> t
                   flush=True)
         shapes = {"actor": ModelShape.of(engine.actor.module, load_config(args.actor), lm_head=True),
                   "critic": ModelShape.of(engine.critic.module, engine.critic.module.config, lm_head=False)}
+        profiled = profile_matmul_kernels(trainer, batch)
         run = {"shapes": shapes, "reused_logprobs": trainer.reuse_rollout_logprobs, "settings": settings,
-               "rows": (experience.sequences.cpu(), experience.prompt_length)}
+               "rows": (experience.sequences.cpu(), experience.prompt_length), "profiled": profiled}
         engine.destroy()
     return records, run
+
+
+def profile_matmul_kernels(trainer: PPOTrainer, batch: dict) -> dict:
+    """One more PPO step on `batch` under torch.profiler: per timed call, the self time of its matrix-product
+    kernels (`MATMUL_KERNELS`), and the step's real token counts (for its floors)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        experience = trainer.generate_experience(batch)
+        trainer.train_rlhf(experience)
+    trainer.clock.take()
+    calls = {name for timed, _ in PHASES.values() for name in timed}
+    seconds = dict.fromkeys(calls, 0.0)
+    for event in profile.events():
+        if event.name not in MATMUL_KERNELS:
+            continue
+        call = event.cpu_parent
+        while call is not None and call.name not in calls:
+            call = call.cpu_parent
+        if call is not None:
+            seconds[call.name] += event.self_cpu_time_total / 1e6
+    return {"matmul_s": seconds, "prompt_lengths": batch["attention_mask"].sum(-1).tolist(),
+            "answer_lengths": experience.action_mask.sum(-1).tolist()}
+
+
+def matmul_over_floor(profiled: dict, shapes: dict, rates: MachineRates) -> dict[str, float | None]:
+    """Per phase, its matmul kernels' seconds in the profiled step over that step's floor (None: no kernel ran)."""
+    floors = phase_floors(profiled, shapes, rates)
+    out = {}
+    for phase, (calls, _) in PHASES.items():
+        kernels = sum(profiled["matmul_s"][call] for call in calls)
+        out[phase] = round(kernels / floors[phase], 2) if kernels else None
+    # the step's floor leaves out the actor's scoring forward, as `median_floors` does
+    step_floor = sum(floors.values()) - floors["score actor (old log-probs)"]
+    out["step"] = round(sum(profiled["matmul_s"].values()) / step_floor, 2)
+    return out
 
 
 def phase_floors(record: dict, shapes: dict, rates: MachineRates) -> dict[str, float]:
@@ -235,6 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     rates = MachineRates.measure(actor_model, args.batch, int(tokens), dtype, onednn_packing_available(dtype))
     del actor_model
     measured, floors = median_phases(ours, 0), median_floors(ours, run["shapes"], rates)
+    kernels = matmul_over_floor(run["profiled"], run["shapes"], rates)
     peer, peer_measured, conversion_difference = None, None, None
     if args.peer == "trl":
         peer, conversion_difference = run_trl(args, prompt_ids, run["rows"], run["settings"])
@@ -243,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
     for phase in [*PHASES, "step"]:
         row = {"phase": phase, "this project s": round(measured[phase], 3), "floor s": round(floors[phase], 3),
                "this project / floor": round(measured[phase] / floors[phase], 2) if measured[phase] else "-"}
+        row["matmul kernels / floor"] = kernels[phase] if kernels[phase] is not None else "-"
         if peer_measured is not None:
             row["TRL s"] = round(peer_measured[phase], 3) if phase in peer_measured else "-"
             row["TRL / this project"] = round(peer_measured[phase] / measured[phase], 2) \
@@ -275,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         totals_after_first_step=totals,
         trl_reward_conversion_max_difference=conversion_difference,
         steps={"this project": ours, **({"TRL 1.12.0": peer} if peer is not None else {})},
+        profiled_step=run["profiled"],
     )
     print(json.dumps({"speedup_vs_trl": speedup, "output": args.output}))
     return report

@@ -83,6 +83,11 @@ def test_the_step3_benchmark_times_both_systems_per_phase_and_writes_its_json(tm
     assert len(report["steps"]["this project"]) == len(report["steps"]["TRL 1.12.0"]) == 3
     assert all(row["this project / floor"] > 0 for row in report["results"]
                if row["phase"] != "score actor (old log-probs)")
+    # the profiled step finds every timed phase's matrix-product kernels (none for the reused old log-probs)
+    kernels = {row["phase"]: row["matmul kernels / floor"] for row in report["results"]}
+    assert kernels.pop("score actor (old log-probs)") == "-"
+    assert all(isinstance(ratio, float) and ratio > 0 for ratio in kernels.values()), kernels
+    assert report["profiled_step"]["matmul_s"]["train_actor"] > 0
     assert report["totals_after_first_step"]["this project"]["answer_tokens"] > 0
     assert "per answer token" in result.stdout and report["device"]
 

@@ -38,10 +38,12 @@ class CallTimer:
 
     @contextlib.contextmanager
     def time(self, name: str) -> Iterator[None]:
+        """Time the block as call `name` (also a `torch.profiler` range of that name, for profiles by phase)."""
         started = time.perf_counter()
         self._nested.append(0.0)
         try:
-            yield
+            with torch.profiler.record_function(name):
+                yield
         finally:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
