@@ -65,7 +65,7 @@ def test_one_decode_step_streams_the_weights_and_the_kv_cache():
 
 
 def test_one_train_micro_batch_is_a_forward_and_a_backward_at_the_backward_rate():
-    forward, backward, reduce, optimizer = training_calls(WORKLOAD, "actor", build_placement("colocate", 1), MACHINE)
+    forward, backward, optimizer = training_calls(WORKLOAD, "actor", build_placement("colocate", 1), MACHINE)
     dense, attention = 2e9 * 2 * 200, 4 * 2 * 200**2 * 1000 * 10
     assert forward.flops == pytest.approx(dense + attention)
     assert backward.flops == pytest.approx(2 * (dense + attention))
@@ -77,8 +77,6 @@ def test_one_train_micro_batch_is_a_forward_and_a_backward_at_the_backward_rate(
     assert backward.seconds == pytest.approx(2 * (dense - head_skipped) / 5e11 + 2 * attention / 5e10 + 8e-4 + 1e-3
                                              + accumulate)
     assert forward.count == backward.count == 2 and optimizer.count == 2  # 4 rows / micro-batch 2, one chunk
-    # nothing to reduce on one rank, but DeepSpeed still flattens, averages and copies the 2e9 B of gradients back
-    assert reduce.seconds == pytest.approx(6 * 2e9 / 5e10)
 
 
 def test_attention_runs_at_its_own_rate_and_grows_with_the_square_of_the_sequence():
@@ -122,6 +120,18 @@ def test_the_gradient_all_reduce_runs_at_the_reduce_efficiency_of_the_link():
     assert reduce.kind == "gradient all-reduce" and reduce.seconds == pytest.approx(0.24 + 1e-5 + 0.4)
     full = training_calls(WORKLOAD, "critic", placement, replace(MACHINE, reduce_efficiency=1.0))[2]
     assert full.seconds == pytest.approx(0.24 + 1e-5 + 0.2)
+
+
+def test_a_model_trained_on_one_rank_at_zero_0_has_no_gradient_all_reduce():
+    """The engine skips ZeRO-0's all-reduce over a single rank (a sum over one rank); at ZeRO-1 DeepSpeed still
+    flattens, averages and copies the gradients back."""
+    placement = build_placement("colocate", 1)
+    kinds = {stage: [call.kind for call in training_calls(replace(WORKLOAD, critic_zero_stage=stage), "critic",
+                                                          placement, MACHINE)] for stage in (0, 1)}
+    assert kinds[0] == ["train forward", "backward", "optimizer step"]
+    assert kinds[1] == ["train forward", "backward", "gradient all-reduce", "optimizer step"]
+    reduce = training_calls(replace(WORKLOAD, critic_zero_stage=1), "critic", placement, MACHINE)[2]
+    assert reduce.seconds == pytest.approx(6 * 2e9 / 5e10)
 
 
 def test_the_decode_step_overhead_grows_the_generation_with_the_decode_steps():

@@ -34,6 +34,13 @@ def _zero_section(stage: int, offload: bool, offload_params: bool) -> dict[str, 
     return zero
 
 
+def runs_gradient_allreduce(zero_stage: int, data_parallel_size: int) -> bool:
+    """Whether a trained model's backward ends with DeepSpeed's gradient all-reduce. ZeRO-0 over a single rank
+    skips it (`training.core.engine.skip_single_rank_gradient_allreduce`): a sum over one rank changes nothing.
+    ZeRO-1 and above reduce inside their optimizers, on one rank too."""
+    return not (zero_stage == 0 and data_parallel_size == 1)
+
+
 def get_train_ds_config(
     stage: int = 0,
     offload: bool = False,

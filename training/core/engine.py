@@ -7,7 +7,7 @@ import deepspeed
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from training.core.ds_config import get_eval_ds_config, get_train_ds_config
+from training.core.ds_config import get_eval_ds_config, get_train_ds_config, runs_gradient_allreduce
 from training.core.model_loading import load_causal_lm, resolve_dtype
 from training.core.optim import build_lr_scheduler, build_optimizer
 from training.placement.groups import GroupUnit, installed
@@ -78,9 +78,9 @@ def skip_single_rank_gradient_allreduce(engine: deepspeed.DeepSpeedEngine) -> No
 
     DeepSpeed runs it after every backward even then: it flattens every gradient into one fresh buffer, divides
     by 1, sums over the one rank and copies back, which changes no value but on CPU costs ~0.7 s a step at 135M
-    parameters (a 540 MB copy into freshly faulted memory). ZeRO-1 and above reduce inside their optimizers.
+    parameters (a 540 MB copy into freshly faulted memory). The placement cost model follows the same rule.
     """
-    if engine.zero_optimization_stage() == 0 and engine.dp_world_size == 1:
+    if not runs_gradient_allreduce(engine.zero_optimization_stage(), engine.dp_world_size):
         engine.enable_backward_allreduce = False
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from training.core.ds_config import runs_gradient_allreduce
 from training.pipeline.hardware import GIB, ModelSize
 from training.placement.machine import MachineSpec
 from training.placement.spec import Placement
@@ -140,7 +141,7 @@ def all_reduce_s(full_bytes: float, ranks: tuple[int, ...], machine: MachineSpec
 
 def gradient_reduce_s(gradient_bytes: float, ranks: tuple[int, ...], machine: MachineSpec) -> float:
     """DeepSpeed's ZeRO-0/1 gradient all-reduce: the gradients flattened into a buffer, all-reduced, averaged and
-    copied back; the copies happen on one rank too."""
+    copied back; at ZeRO-1 the copies happen on one rank too (ZeRO-0 skips the call there)."""
     copies = GRADIENT_REDUCE_PASSES * gradient_bytes / machine.copy_bandwidth
     return copies + all_reduce_s(gradient_bytes, ranks, machine)
 
@@ -246,7 +247,7 @@ def training_calls(workload: Step3Workload, role: str, placement: Placement, mac
         backward += all_gather_s(weights, members, machine) + all_gather_s(trainable * b, members, machine)
     calls = [in_step_call(machine, "training", role, "train forward", forward, flops, weights, micro_batches),
              in_step_call(machine, "training", role, "backward", backward, 2 * flops, 2 * weights, micro_batches)]
-    if stage < 3:
+    if stage < 3 and runs_gradient_allreduce(stage, len(members)):
         calls.append(in_step_call(machine, "training", role, "gradient all-reduce",
                                   gradient_reduce_s(trainable * b, members, machine), 0.0, 2 * trainable * b, steps))
     updated = trainable / (n if stage >= 1 else 1)
