@@ -9,7 +9,8 @@ Defaults follow issue 18's setting: SmolLM2-135M after the quick run's step 1 as
 reward model as reward model and critic, the first 48 hh-rlhf harmless prompts of at most 128 tokens, batch 8,
 answers up to 128 tokens, one PPO epoch, fp32, ZeRO-0, the hybrid engine. Each phase's time is the median over
 the steps after the first; its floor (bench/step3_work.py) is the time the work it must do takes at this
-machine's measured matmul throughput and weight-streaming rate, from the real token counts of that step. One more
+machine's measured matmul throughput and weight-streaming rate (the best of a measurement after each system's
+steps), from the real token counts of that step. One more
 step, run again on the last batch under torch.profiler, gives each phase's time in matrix-product kernels alone
 over that step's floor ("matmul kernels / floor"): how close the phase could get by removing everything else.
 `--peer trl` needs `pip install .[bench]` (trl 1.12.0): the reward model and critic are converted to the
@@ -192,6 +193,22 @@ def matmul_over_floor(profiled: dict, shapes: dict, rates: MachineRates) -> dict
     return out
 
 
+def measure_rates(args: argparse.Namespace, tokenizer, records: list[dict]) -> MachineRates:
+    """This machine's rates on the actor's own weight shapes, at a scoring batch's token count (the median of
+    `records`' steps). Taken after each system's steps: this shared machine's rates drift by 10-25% over minutes,
+    and the floor takes the best of them."""
+    dtype = resolve_dtype(args.dtype)
+    actor_model = load_causal_lm(args.actor, tokenizer, dtype=dtype)
+    tokens = statistics.median(sum(record["prompt_lengths"]) + sum(record["answer_lengths"]) for record in records)
+    return MachineRates.measure(actor_model, args.batch, int(tokens), dtype, onednn_packing_available(dtype))
+
+
+def rates_report(rates: MachineRates) -> dict:
+    return {"matmul_gflops": round(rates.matmul_flops_per_s / 1e9, 2),
+            "stream_gb_per_s": round(rates.stream_bytes_per_s / 1e9, 2),
+            "weight_pass_ms": {rows: round(s * 1e3, 3) for rows, s in rates.weight_pass_s.items()}}
+
+
 def phase_floors(record: dict, shapes: dict, rates: MachineRates) -> dict[str, float]:
     rollout = RolloutShape(record["prompt_lengths"], record["answer_lengths"])
     actor, critic = shapes["actor"], shapes["critic"]
@@ -267,18 +284,15 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer(args.actor)
     prompt_ids = load_prompt_ids(args, tokenizer)
     ours, run = run_this_project(args, prompt_ids)
-    dtype = resolve_dtype(args.dtype)
-    # the rates are measured on the actor's own weight shapes, at a scoring batch's token count
-    actor_model = load_causal_lm(args.actor, tokenizer, dtype=dtype)
-    tokens = statistics.median(sum(record["prompt_lengths"]) + sum(record["answer_lengths"]) for record in ours)
-    rates = MachineRates.measure(actor_model, args.batch, int(tokens), dtype, onednn_packing_available(dtype))
-    del actor_model
-    measured, floors = median_phases(ours, 0), median_floors(ours, run["shapes"], rates)
-    kernels = matmul_over_floor(run["profiled"], run["shapes"], rates)
+    measurements = [measure_rates(args, tokenizer, ours)]
     peer, peer_measured, conversion_difference = None, None, None
     if args.peer == "trl":
         peer, conversion_difference = run_trl(args, prompt_ids, run["rows"], run["settings"])
         peer_measured = median_phases(peer, 1)
+        measurements.append(measure_rates(args, tokenizer, ours))
+    rates = MachineRates.best(measurements)
+    measured, floors = median_phases(ours, 0), median_floors(ours, run["shapes"], rates)
+    kernels = matmul_over_floor(run["profiled"], run["shapes"], rates)
     rows = []
     for phase in [*PHASES, "step"]:
         row = {"phase": phase, "this project s": round(measured[phase], 3), "floor s": round(floors[phase], 3),
@@ -309,9 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
         "step3", args, rows, started,
         speedup_vs_trl=speedup,
         speedup_vs_trl_per_answer_token=per_token,
-        rates={"matmul_gflops": round(rates.matmul_flops_per_s / 1e9, 2),
-               "stream_gb_per_s": round(rates.stream_bytes_per_s / 1e9, 2),
-               "weight_pass_ms": {rows_: round(s * 1e3, 3) for rows_, s in rates.weight_pass_s.items()}},
+        rates=rates_report(rates),
+        rate_measurements=[rates_report(measurement) for measurement in measurements],
         old_logprobs="from the rollout" if run["reused_logprobs"] else "recomputed",
         totals_after_first_step=totals,
         trl_reward_conversion_max_difference=conversion_difference,

@@ -86,6 +86,13 @@ class MachineRates:
         weight_bytes = streamed * torch.empty((), dtype=dtype).element_size()
         return cls(_matmul_flops_per_s(model, tokens, dtype), passes, weight_bytes / passes[1])
 
+    @classmethod
+    def best(cls, measurements: list["MachineRates"]) -> "MachineRates":
+        """The fastest of several measurements, rate by rate (a floor is the best the machine has shown)."""
+        return cls(max(m.matmul_flops_per_s for m in measurements),
+                   {rows: min(m.weight_pass_s[rows] for m in measurements) for rows in measurements[0].weight_pass_s},
+                   max(m.stream_bytes_per_s for m in measurements))
+
 
 def _matmul_flops_per_s(model: torch.nn.Module, tokens: int, dtype: torch.dtype, repeats: int = 3) -> float:
     """Best torch.matmul throughput over the distinct 2-D weight shapes of `model` at `tokens` rows."""

@@ -48,6 +48,12 @@ def test_generation_floor_decodes_only_the_rows_still_going():
     assert training[0] == 3 * scoring[0] and training[1] > training[0] / RATES.matmul_flops_per_s
 
 
+def test_the_floor_takes_the_best_of_several_rate_measurements():
+    slower = MachineRates(matmul_flops_per_s=5e8, weight_pass_s={1: 0.02, 2: 0.01}, stream_bytes_per_s=2e8)
+    best = MachineRates.best([RATES, slower])
+    assert best == MachineRates(matmul_flops_per_s=1e9, weight_pass_s={1: 0.01, 2: 0.01}, stream_bytes_per_s=2e8)
+
+
 def write_pairs(path, count: int) -> str:
     rows = [{"chosen": f"\n\nHuman: What is {i} plus {i + 2}?\n\nAssistant: {2 * i + 2}.",
              "rejected": f"\n\nHuman: What is {i} plus {i + 2}?\n\nAssistant: No idea."} for i in range(count)]
@@ -88,6 +94,9 @@ def test_the_step3_benchmark_times_both_systems_per_phase_and_writes_its_json(tm
     assert kernels.pop("score actor (old log-probs)") == "-"
     assert all(isinstance(ratio, float) and ratio > 0 for ratio in kernels.values()), kernels
     assert report["profiled_step"]["matmul_s"]["train_actor"] > 0
+    # measured after each system's steps; the floors use the best
+    assert len(report["rate_measurements"]) == 2
+    assert report["rates"]["matmul_gflops"] == max(m["matmul_gflops"] for m in report["rate_measurements"])
     assert report["totals_after_first_step"]["this project"]["answer_tokens"] > 0
     assert "per answer token" in result.stdout and report["device"]
 
