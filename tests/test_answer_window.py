@@ -13,7 +13,7 @@ from conftest import REPO_ROOT
 from tiny_models import make_tiny_model, make_tiny_model_dir, make_tokenizer
 
 from training.core import sequences as sequences_module
-from training.core.answer_window import AnswerWindow, RowGroups, right_align
+from training.core.answer_window import AnswerWindow, RowGroups, flush_right
 from training.core.sequences import answer_logits, token_entropies, token_logprobs
 from training.core.reward_model import RewardModel
 from utils.dist import free_port
@@ -30,7 +30,8 @@ def rows(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def test_rows_flush_right_are_as_wide_as_the_longest_real_row_and_keep_every_token_in_order():
     sequences, mask, _ = rows(100)
-    aligned, aligned_mask = right_align(sequences, mask)
+    source, aligned_mask = flush_right(mask)
+    aligned = sequences.gather(1, source)
     lengths = mask.sum(-1)
     assert aligned.shape == (4, int(lengths.max())) == (4, 10)  # 13 columns before: 7 + 6
     assert aligned_mask[:, -1].all(), "every row ends in the last column"

@@ -5,7 +5,7 @@ A rollout's rows are a left-padded prompt block [B, P] followed by a right-padde
 with a long prompt and a short answer pads both blocks, so the batch is P + N wide although its longest real
 sequence may be much shorter. Shifting every row right by its trailing padding makes each row
 [pads | prompt | answer] with its last real token in the last column; the batch is then exactly as wide as its
-longest real sequence (`right_align`). Positions come from the attention mask, so a real token's output does
+longest real sequence (`flush_right`). Positions come from the attention mask, so a real token's output does
 not change (up to float rounding of differently shaped kernels).
 
 Every row's answer now ends in the last column, so the logits predicting answer tokens all lie in the last
@@ -31,8 +31,11 @@ from training.core.zero import is_zero3_module
 from utils.dist import get_world_size
 
 
-def right_align_columns(attention_mask: torch.Tensor, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where `right_align` takes each new column from: [B, L] source columns and whether each holds a token."""
+def flush_right(attention_mask: torch.Tensor, min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows shifted right by their trailing padding and cut to the widest row's span of real tokens (at least
+    `min_width` columns): the [B, L] column of the [B, T] rows each new column takes (`gather(1, source)` lays out
+    ids, or embeddings, alike) and the new [B, L] attention mask. Columns that receive no token are masked (what a
+    gather puts there is arbitrary)."""
     width = attention_mask.shape[1]
     columns = torch.arange(width, device=attention_mask.device)
     real = attention_mask.bool()
@@ -41,20 +44,14 @@ def right_align_columns(attention_mask: torch.Tensor, min_width: int = 1) -> tup
     span = int((last - first + 1).max().item()) if attention_mask.shape[0] else 0
     kept = min(max(span, min_width), width)
     source = columns[width - kept:] - (width - 1 - last)[:, None]  # [B, L]: the column each new column reads
-    return source.clamp(min=0), source >= 0
-
-
-def right_align(sequences: torch.Tensor, attention_mask: torch.Tensor,
-                min_width: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row shifted right by its trailing padding, cut to the widest row's span of real tokens (at least
-    `min_width` columns): [B, T] -> [B, L]. Columns that receive no token are masked (their ids are arbitrary)."""
-    source, valid = right_align_columns(attention_mask, min_width)
-    return sequences.gather(1, source), attention_mask.gather(1, source) * valid
+    valid = source >= 0
+    source = source.clamp(min=0)
+    return source, attention_mask.gather(1, source) * valid
 
 
 @dataclass
 class AnswerWindow:
-    """Rows flush right (`right_align`) plus where their answers sit: a row's answer is its last
+    """Rows flush right (`flush_right`) plus where their answers sit: a row's answer is its last
     `answer_lengths[i]` real tokens; `width` W is the longest answer and `answer_columns` N the width of the
     [B, N] answer layout results are returned in."""
 
@@ -69,9 +66,9 @@ class AnswerWindow:
         """The window of prompt + answer rows in the rollout layout (answer mask = attention_mask[:, P:])."""
         answer_lengths = attention_mask[:, prompt_length:].sum(-1).long()
         width = max(int(answer_lengths.max().item()) if answer_lengths.numel() else 0, 1)
-        source, valid = right_align_columns(attention_mask, min_width=width + 1)
-        return cls(sequences.gather(1, source), attention_mask.gather(1, source) * valid, answer_lengths,
-                   sequences.shape[1] - prompt_length, source)
+        source, aligned_mask = flush_right(attention_mask, min_width=width + 1)
+        return cls(sequences.gather(1, source), aligned_mask, answer_lengths, sequences.shape[1] - prompt_length,
+                   source)
 
     def align(self, per_column: torch.Tensor) -> torch.Tensor:
         """[B, T, H] in the rollout layout -> [B, L, H] in the window's (as its token ids were laid out)."""
@@ -193,8 +190,9 @@ class RowGroups:
         fp32) once instead of once per group plus their sum (~0.1 s each on CPU: fresh memory). None per group
         elsewhere: the forwards take token ids (the embeddings are the same values either way)."""
         embedding = input_embedding(module)
-        if (len(self.windows) == 1 or embedding is None or not torch.is_grad_enabled()
-                or not embedding.weight.requires_grad or is_zero3_module(module)):
+        weight = getattr(embedding, "weight", None)
+        if (len(self.windows) == 1 or weight is None or not weight.requires_grad or not torch.is_grad_enabled()
+                or is_zero3_module(module)):
             return [None] * len(self.windows)
         embeddings = embedding(self.sequences)
         return [window.align(embeddings[rows.to(embeddings.device)]) for window, rows in zip(self.windows, self.rows)]
