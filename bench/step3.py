@@ -10,9 +10,9 @@ reward model as reward model and critic, the first 48 hh-rlhf harmless prompts o
 answers up to 128 tokens, one PPO epoch, fp32, ZeRO-0, the hybrid engine. Each phase's time is the median over
 the steps after the first; its floor (bench/step3_work.py) is the time the work it must do takes at this
 machine's measured matmul throughput and weight-streaming rate (the best of a measurement after each system's
-steps), from the real token counts of that step. One more
-step, run again on the last batch under torch.profiler, gives each phase's time in matrix-product kernels alone
-over that step's floor ("matmul kernels / floor"): how close the phase could get by removing everything else.
+steps), from the real token counts of that step. One more step, run again on the last batch under
+torch.profiler, gives each phase's time in matrix-product kernels alone over that step's floor ("matmul kernels /
+floor"): how close the phase could get by removing everything else.
 `--peer trl` needs `pip install .[bench]` (trl 1.12.0): the reward model and critic are converted to the
 transformers classes TRL reads and checked to give this project's scores within 1e-4 first.
 """

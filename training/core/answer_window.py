@@ -27,6 +27,7 @@ from training.core.sequences import (
     token_entropies,
     token_logprobs,
 )
+from training.core.save import unwrap
 from training.core.zero import is_zero3_module
 from utils.dist import get_world_size
 
@@ -129,7 +130,7 @@ class AnswerWindow:
 
 def accepts_logits_to_keep(module: torch.nn.Module) -> bool:
     """Whether the transformers model under a DeepSpeed engine / peft wrapper takes `logits_to_keep`."""
-    model = getattr(module, "module", module)
+    model = unwrap(module)
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return _forward_takes_logits_to_keep(type(model))
@@ -231,8 +232,7 @@ class RowGroups:
 
 def input_embedding(module: torch.nn.Module) -> torch.nn.Module | None:
     """The token-embedding layer of the model under a DeepSpeed engine / peft wrapper (None if it has none)."""
-    model = getattr(module, "module", module)
-    getter = getattr(model, "get_input_embeddings", None)
+    getter = getattr(unwrap(module), "get_input_embeddings", None)
     return getter() if getter is not None else None
 
 
