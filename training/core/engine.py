@@ -5,11 +5,12 @@ from dataclasses import dataclass
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 from transformers import PreTrainedTokenizerBase
 
 from training.core.ds_config import get_eval_ds_config, get_train_ds_config, runs_gradient_allreduce
 from training.core.model_loading import load_causal_lm, resolve_dtype
-from training.core.optim import build_lr_scheduler, build_optimizer
+from training.core.optim import build_lr_scheduler, build_optimizer, uses_master_weights
 from training.placement.groups import GroupUnit, installed
 
 
@@ -34,14 +35,19 @@ class OptimizationSettings:
     job_name: str = "train"
     data_parallel_size: int | None = None  # the ranks the model is on (None: all)
 
+    @property
+    def master_weights(self) -> bool:
+        return uses_master_weights(self.dtype, self.zero_stage, self.offload, self.optimizer)
+
     def ds_config(self) -> dict:
+        """With `master_weights` DeepSpeed runs in fp32 mode without clipping: the optimizer does both."""
         return get_train_ds_config(
             stage=self.zero_stage,
             offload=self.offload,
-            dtype=self.dtype,
+            dtype="fp32" if self.master_weights else self.dtype,
             train_micro_batch_size_per_gpu=self.micro_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
-            gradient_clipping=self.gradient_clipping,
+            gradient_clipping=0.0 if self.master_weights else self.gradient_clipping,
             tensorboard_dir=self.tensorboard_dir,
             job_name=self.job_name,
             data_parallel_size=self.data_parallel_size,
@@ -52,8 +58,11 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
                         unit: GroupUnit | None = None) -> deepspeed.DeepSpeedEngine:
     """Wrap `model` with its optimizer and warm-up schedule in a ZeRO engine (on `unit`'s ranks; default all).
 
-    The schedule counts optimizer steps (micro-batches / gradient accumulation).
+    The schedule counts optimizer steps (micro-batches / gradient accumulation). With master weights the model
+    goes to the engine's device first, so the fp32 copies are made there.
     """
+    if settings.master_weights:
+        model.to(get_accelerator().current_device_name())
     optimizer = build_optimizer(
         model,
         learning_rate=settings.learning_rate,
@@ -61,6 +70,8 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
         offload=settings.offload,
         lora_learning_rate=settings.lora_learning_rate,
         kind=settings.optimizer,
+        master_weights=settings.master_weights,
+        max_grad_norm=settings.gradient_clipping,
     )
     scheduler = build_lr_scheduler(
         optimizer, settings.lr_scheduler_type, settings.num_warmup_steps, max(1, settings.num_training_steps)

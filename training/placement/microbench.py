@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from training.core.optim import optimizer_of_kind, resolve_optimizer_kind
+from training.core.master_weights import MasterWeightAdamW
+from training.core.optim import optimizer_of_kind, resolve_optimizer_kind, uses_master_weights
 
 
 @dataclass(frozen=True)
@@ -152,16 +153,22 @@ def measure_layer(dtype: torch.dtype, shape: LayerShape, repeats: int) -> LayerR
 
 
 def measure_optimizer_s_per_param(dtype: torch.dtype, parameters: int, repeats: int) -> float:
-    """Seconds per trained parameter of one optimizer step as DeepSpeed's ZeRO-0 mixed-precision wrapper runs it:
-    an overflow check of every low-precision gradient (summed in fp32), the gradients cast to fp32 and flattened
-    into one buffer, its norm and the clip, the Adam that training builds (`training.core.optim`) on the flat fp32
-    master weights, and the master copied back into the low-precision weights; fp32 training: the norm, the clip
-    and the Adam on the weights alone."""
+    """Seconds per trained parameter of one optimizer step as a ZeRO-0 engine runs it: bf16 on a CPU machine
+    through `MasterWeightAdamW`; other mixed precision through DeepSpeed's wrapper (an overflow check of every
+    low-precision gradient, summed in fp32, the gradients cast to fp32 and flattened into one buffer, its norm and
+    the clip, the Adam that training builds (`training.core.optim`) on the flat fp32 master weights, and the master
+    copied back into the low-precision weights); fp32 training: the norm, the clip and the Adam on the weights."""
     chunks = 16
     numel = parameters // chunks
     mixed = dtype != torch.float32
     weights = [torch.randn(numel, dtype=dtype) for _ in range(chunks)]
     grads = [torch.randn(numel, dtype=dtype) for _ in range(chunks)]
+    if dtype == torch.bfloat16 and uses_master_weights("bf16", 0, False, "auto"):
+        trained = [torch.nn.Parameter(weight) for weight in weights]
+        for parameter, grad in zip(trained, grads):
+            parameter.grad = grad
+        optimizer = MasterWeightAdamW([{"params": trained}], lr=1e-6, betas=(0.9, 0.95), max_grad_norm=1.0)
+        return best_of(repeats, optimizer.step) / (numel * chunks)
     master = [torch.nn.Parameter(torch.cat([w.float() for w in weights]))] if mixed else \
         [torch.nn.Parameter(w) for w in weights]
     optimizer = optimizer_of_kind(resolve_optimizer_kind("auto", offload=False), [{"params": master}], 1e-6)

@@ -1,0 +1,146 @@
+"""bf16 at ZeRO-0 trains through `MasterWeightAdamW`: the same update as DeepSpeed's bf16 wrapper, resumable."""
+import pytest
+import torch
+from test_training_core import _batch, _settings, _train
+
+import training.core.engine as engine_module
+from training.core.engine import create_train_engine
+from training.core.lora import apply_lora
+from training.core.master_weights import MasterWeightAdamW
+from training.core.model_loading import load_causal_lm, load_tokenizer
+from training.reliability.checkpointing import CheckpointManager
+
+BF16_ULP = 2.0 ** -7  # relative spacing of bf16 numbers
+
+
+def _engine(path, tokenizer, deepspeed_wrapper=False, monkeypatch=None, **settings):
+    settings = _settings(0, dtype="bf16", **settings)
+    if deepspeed_wrapper:
+        monkeypatch.setattr(engine_module, "uses_master_weights", lambda *args: False)
+    model = load_causal_lm(path, tokenizer, dtype=torch.bfloat16, disable_dropout_layers=True)
+    engine = create_train_engine(model, settings)
+    monkeypatch and monkeypatch.undo()
+    return engine
+
+
+def _weights(engine):
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def test_bf16_zero0_on_cpu_trains_through_master_weights_with_deepspeed_in_fp32_mode(distributed, tiny_model_dir):
+    path = tiny_model_dir("llama")
+    engine = _engine(path, load_tokenizer(path))
+    assert isinstance(engine.optimizer, MasterWeightAdamW)
+    assert not engine.bfloat16_enabled() and engine.gradient_clipping() == 0
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    assert all(m.dtype == torch.float32 for group in engine.optimizer.param_groups for m in group["params"])
+    for stage, dtype in ((0, "fp32"), (0, "fp16"), (2, "bf16")):
+        assert not _settings(stage, dtype=dtype).master_weights
+
+
+def _undo_state_initialising_step(engine):
+    """DeepSpeed's wrapper creates Adam's state with a zero-gradient step, so its counts start at 1 (its first
+    update is ~0.73 lr at betas (0.9, 0.95)); torch's AdamW, and `MasterWeightAdamW`, start at 0."""
+    for state in engine.optimizer.optimizer.state.values():
+        assert state["step"] == 1 and not state["exp_avg"].any()
+        state["step"].zero_()
+
+
+@pytest.mark.parametrize("clipping", [1e-3, 100.0], ids=["clipped", "unclipped"])
+def test_master_weight_adamw_makes_deepspeeds_bf16_update(distributed, tiny_model_dir, monkeypatch, clipping):
+    """Same batches, same start, DeepSpeed's bf16 wrapper with its step count aligned: unclipped, the weights are
+    equal bit for bit; clipped, the clip factor rounds differently (the fused kernel divides by it), so the
+    weights agree to within a bf16 step or two."""
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    ours = _engine(path, tokenizer, gradient_clipping=clipping)
+    theirs = _engine(path, tokenizer, deepspeed_wrapper=True, monkeypatch=monkeypatch, gradient_clipping=clipping)
+    assert not isinstance(theirs.optimizer, MasterWeightAdamW)
+    _undo_state_initialising_step(theirs)
+    start = _weights(ours)
+    ids, mask = _batch(tokenizer)
+    for _ in range(4):
+        losses, norms = [], []
+        for engine in (ours, theirs):
+            loss = engine(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            norms.append(engine.get_global_grad_norm())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+        assert norms[0] == pytest.approx(norms[1], rel=1e-3)
+    assert (norms[0] > clipping) == (clipping < 1)
+    for name, weight in _weights(theirs).items():
+        assert (weight.float() - start[name].float()).abs().max() > 0, name
+        if clipping < 1:
+            torch.testing.assert_close(_weights(ours)[name].float(), weight.float(), rtol=2 * BF16_ULP, atol=1e-3,
+                                       msg=name)
+        else:
+            assert torch.equal(_weights(ours)[name], weight), name
+
+
+def test_a_non_finite_gradient_skips_the_step(distributed, tiny_model_dir):
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    engine = _engine(path, tokenizer)
+    _train(engine, tokenizer, steps=1)
+    before, lr = _weights(engine), engine.get_lr()
+    ids, mask = _batch(tokenizer)
+    loss = engine(input_ids=ids, attention_mask=mask, labels=ids).loss
+    engine.backward(loss * float("nan"))
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.optimizer.overflow
+    assert all(torch.equal(w, before[n]) for n, w in _weights(engine).items())
+    losses = _train(engine, tokenizer, steps=3)
+    assert not engine.optimizer.overflow and losses[-1] < losses[0]
+    assert engine.get_lr() == lr
+
+
+def test_a_checkpoint_resumes_bit_identically(distributed, tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    straight = _engine(path, tokenizer)
+    _train(straight, tokenizer, steps=2)
+    CheckpointManager(tmp_path).save(2, {"actor": straight})
+    _train(straight, tokenizer, steps=3)
+    resumed = _engine(path, tokenizer)
+    CheckpointManager(tmp_path).load_latest({"actor": resumed})
+    _train(resumed, tokenizer, steps=3)
+    for name, weight in _weights(straight).items():
+        assert torch.equal(_weights(resumed)[name], weight), name
+
+
+def test_resumes_a_checkpoint_of_deepspeeds_bf16_wrapper(distributed, tiny_model_dir, tmp_path, monkeypatch):
+    """A bf16 checkpoint written before this optimizer (DeepSpeed's wrapper state) loads: masters and moments
+    carry over, so training goes on as the wrapper would have (within rounding)."""
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    theirs = _engine(path, tokenizer, deepspeed_wrapper=True, monkeypatch=monkeypatch)
+    _train(theirs, tokenizer, steps=2)
+    CheckpointManager(tmp_path).save(2, {"actor": theirs})
+    _train(theirs, tokenizer, steps=2)
+    ours = _engine(path, tokenizer)
+    CheckpointManager(tmp_path).load_latest({"actor": ours})
+    assert ours.optimizer.state[ours.optimizer.masters()[0]]["exp_avg"].abs().sum() > 0
+    _train(ours, tokenizer, steps=2)
+    for name, weight in _weights(theirs).items():
+        torch.testing.assert_close(_weights(ours)[name].float(), weight.float(), rtol=2 * BF16_ULP, atol=1e-3,
+                                   msg=name)
+
+
+def test_lora_only_trains_the_adapters_through_master_weights(distributed, tiny_model_dir):
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    model = apply_lora(load_causal_lm(path, tokenizer, dtype=torch.bfloat16), lora_dim=4, lora_module_name="layers.",
+                       only_optimize_lora=True)
+    engine = create_train_engine(model, _settings(0, dtype="bf16", lora_learning_rate=5e-2))
+    assert isinstance(engine.optimizer, MasterWeightAdamW)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in name for name in trained)
+    assert len(engine.optimizer.masters()) == len(trained)
+    before = _weights(engine)
+    losses = _train(engine, tokenizer, steps=6)
+    assert losses[-1] < losses[0]
+    after = _weights(engine)
+    for name in before:
+        assert torch.equal(before[name], after[name]) == (name not in trained), name
