@@ -90,6 +90,7 @@ def run_stage(stage: Stage, ctx: Context, deadline: float) -> StageResult:
 def run_stages(stages: list[Stage], ctx: Context) -> list[StageResult]:
     """Every stage in order, each after the last whatever its outcome, until the budget is spent."""
     deadline = time.monotonic() + ctx.settings.budget_s
+    ctx.state.mkdir(parents=True, exist_ok=True)
     results = []
     for stage in stages:
         if time.monotonic() >= deadline:
