@@ -2,7 +2,8 @@
 
 A stage's commands are built when the stage starts, from what earlier stages (and earlier calls on the same
 warm machine) left in the state folder: the real SmolLM2 weights once their parts have all arrived and been
-joined, random weights of SmolLM2's shape until then. A stage that cannot run yet says why instead. Every
+joined, random weights of SmolLM2's shape until then. A benchmark stage first makes the model folders it needs
+that are not there yet (random weights of a shape, value models for step 3), once per machine. A stage that cannot run yet says why instead. Every
 builder is idempotent and cheap when there is nothing left to do, so a stage's prerequisites (and theirs) simply
 run first.
 This module imports nothing of the project: it runs before DeepSpeed is installed.
@@ -175,28 +176,34 @@ def build_tests(ctx: Context) -> Built:
                            "-p", "no:cacheprovider", "-ra", "--junitxml", ctx.out / "gpu_tests.xml"), "gpu_tests.log")]
 
 
-def build_models(ctx: Context) -> Built:
-    """Random-weight folders of the shapes the benchmarks need, and value models (reward model and critic) for
-    the step-3 actors, each made once per machine."""
+def _make_models(ctx: Context, names: list[str]) -> Built:
+    """Commands that make the model folders `names` not made yet on this machine: random weights of a shape
+    (`NAME-random`, SmolLM2's config and tokenizer as reference) or a value model (`ACTOR-value`: the actor's
+    backbone and a fresh value head, the reward model and critic of step 3)."""
     smollm2, smollm2_name = ctx.smollm2()
     reference = smollm2 if smollm2_name == "smollm2" else ctx.carried(ctx.settings.data_dir) / "smollm2-135m"
     if not Path(reference).is_dir():
         return f"neither the real SmolLM2 nor {reference} (its config and tokenizer): carry {ctx.settings.data_dir}"
-    wanted = {"llama-1b-random": ("llama-1b", None), "gpt2-random": ("gpt2", None),
-              f"{smollm2_name}-value": (None, smollm2), "llama-1b-random-value": (None, ctx.model("llama-1b-random"))}
-    if smollm2_name == "smollm2-random":
-        wanted = {"smollm2-random": ("smollm2", None), **wanted}
     commands = []
-    for name, (arch, actor) in wanted.items():
-        if (ctx.model(name) / "config.json").is_file():
+    for name in names:
+        if name == "smollm2" or (ctx.model(name) / "config.json").is_file():
             continue
-        if arch is not None:
-            argv = ctx.py("bench/random_model.py", "--arch", arch, "--reference_dir", reference,
-                          "--output", ctx.model(name))
+        if name.endswith("-value"):
+            actor = name.removesuffix("-value")
+            argv = ctx.py("-m", "bench.gpu.value_model", smollm2 if actor == "smollm2" else ctx.model(actor),
+                          ctx.model(name))
         else:
-            argv = ctx.py("-m", "bench.gpu.value_model", actor, ctx.model(name))
+            argv = ctx.py("bench/random_model.py", "--arch", name.removesuffix("-random"), "--reference_dir",
+                          reference, "--output", ctx.model(name))
         commands.append(Command(argv, "models.log"))
     return commands
+
+
+def _with_models(ctx: Context, names: list[str], commands: Built) -> Built:
+    made = _make_models(ctx, names)
+    if isinstance(made, str) or isinstance(commands, str):
+        return made if isinstance(made, str) else commands
+    return made + commands
 
 
 def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, suffix: str = "") -> Command:
@@ -209,14 +216,15 @@ def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, su
 
 def build_generation(ctx: Context) -> Built:
     model, name = ctx.smollm2()
-    return [_generation(ctx, model, name, batch, "--static_compiled_baseline")
-            for batch in ctx.settings.generation_batch_sizes]
+    return _with_models(ctx, [name], [_generation(ctx, model, name, batch, "--static_compiled_baseline")
+                                      for batch in ctx.settings.generation_batch_sizes])
 
 
 def build_cuda_graph(ctx: Context) -> Built:
     model = str(ctx.model("gpt2-random"))
-    return [_generation(ctx, model, "gpt2-random", 8, suffix="_cuda_graph"),
-            _generation(ctx, model, "gpt2-random", 8, "--disable_cuda_graph", suffix="_eager")]
+    return _with_models(ctx, ["gpt2-random"], [
+        _generation(ctx, model, "gpt2-random", 8, suffix="_cuda_graph"),
+        _generation(ctx, model, "gpt2-random", 8, "--disable_cuda_graph", suffix="_eager")])
 
 
 def _step3(ctx: Context, actor: str, reward: Path, name: str, num_prompts: int) -> Built:
@@ -230,12 +238,14 @@ def _step3(ctx: Context, actor: str, reward: Path, name: str, num_prompts: int) 
 
 def build_step3(ctx: Context) -> Built:
     actor, name = ctx.smollm2()
-    return _step3(ctx, actor, ctx.model(f"{name}-value"), name, ctx.settings.step3_num_prompts)
+    return _with_models(ctx, [name, f"{name}-value"], _step3(ctx, actor, ctx.model(f"{name}-value"), name,
+                                                            ctx.settings.step3_num_prompts))
 
 
 def build_step3_1b(ctx: Context) -> Built:
-    return _step3(ctx, str(ctx.model("llama-1b-random")), ctx.model("llama-1b-random-value"), "llama-1b-random",
-                  ctx.settings.step3_1b_num_prompts)
+    name = "llama-1b-random"
+    return _with_models(ctx, [name, f"{name}-value"], _step3(ctx, str(ctx.model(name)), ctx.model(f"{name}-value"),
+                                                            name, ctx.settings.step3_1b_num_prompts))
 
 
 def build_train(ctx: Context) -> Built:
@@ -258,16 +268,14 @@ STAGES = (
           ("weights",), build_embedded),
     Stage("tests", "pytest -m gpu: hybrid-engine parity (bf16, fp16, greedy, CUDA graphs), ZeRO-2/3 steps over "
           "NCCL, a PPO step, LoRA, offload (gpu_tests.xml)", ("install",), build_tests),
-    Stage("models", "random-weight folders (SmolLM2 shape until the real one arrives, TinyLlama-1.1B, GPT-2) and "
-          "value models for step 3", ("embedded",), build_models),
     Stage("generation", "hybrid engine vs hf vs transformers' static cache + torch.compile, ZeRO-3 bf16, batch 8 "
-          "and 64, 128 new tokens", ("models",), build_generation),
+          "and 64, 128 new tokens", ("embedded",), build_generation),
     Stage("cuda_graph", "GPT-2 shape: the transformers-forward decode path with and without CUDA graphs",
-          ("models",), build_cuda_graph),
+          ("install",), build_cuda_graph),
     Stage("step3", "bench/step3.py at SmolLM2, ZeRO-3 bf16: seconds per PPO step, phases, peak memory",
-          ("models",), build_step3),
+          ("embedded",), build_step3),
     Stage("step3_1b", "bench/step3.py at TinyLlama-1.1B's shape (random weights), ZeRO-3 bf16",
-          ("models",), build_step3_1b),
+          ("install",), build_step3_1b),
     Stage("train", "train.py --deployment-type single_gpu, all three steps, real SmolLM2 weights, hh-rlhf pairs",
           ("embedded",), build_train),
 )
