@@ -48,13 +48,15 @@ def print_table(rows: list[dict], columns: tuple[str, ...]) -> None:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
 
 
-def write_report(benchmark: str, args: argparse.Namespace, rows: list[dict], started: float, **extra) -> dict:
-    """The JSON every bench writes: device, versions, the command, the settings, `results` and the wall time."""
+def write_report(benchmark: str, args: argparse.Namespace, rows: list[dict], started: float, device: str | None = None,
+                 **extra) -> dict:
+    """The JSON every bench writes: device (default: this CPU), versions, the command, the settings, `results` and
+    the wall time."""
     import torch
 
     report = {
         "benchmark": benchmark,
-        "device": device_name(),
+        "device": device or device_name(),
         "cpu_threads": torch.get_num_threads(),
         "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "deepspeed")},
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),

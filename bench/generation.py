@@ -18,6 +18,12 @@ available, see training/cpu_linear.py; the same with `--disable_onednn_packing`,
 `weight_pass_matmul_tokens_per_s` is the same pass through `torch.matmul`, the kernel the `hf`
 backend's linear layers use. At small batches a decode step streams every weight once, so neither
 backend can beat its kernel's ceiling by much.
+
+`--static_compiled_baseline` adds transformers at its fastest beside them: a plain copy of the model on the
+device (no ZeRO), `generate` with a static KV cache and the forward compiled with
+`torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs on a GPU). It runs once untimed first: the
+compilation (`compile_seconds`) is paid once per process, not per rollout. On CUDA each backend's peak memory
+(`peak_memory_gib`, allocated by PyTorch during its fastest run's call) is reported too.
 """
 from __future__ import annotations
 
@@ -43,11 +49,12 @@ from training.core.model_loading import (
 from training.core.sequences import answer_logprobs
 from training.core.zero import full_shape
 from training.generation.cpu_linear import LinearWeight
-from training.generation.generator import GenerationConfig, GenerationOutput
+from training.generation.generator import GenerationConfig, GenerationOutput, HFGenerator
 from training.generation.hybrid_engine import HybridEngineSettings, build_generator
 from utils.dist import current_device, init_distributed, is_main_process
 from utils.errors import run_cli
 
+STATIC_COMPILED = "hf_static_compiled"  # the backend name of --static_compiled_baseline
 QUESTIONS = [
     "Explain how a reward model is trained from human preference pairs.",
     "Write a short poem about the sea at night.",
@@ -83,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="on GPU, do not capture the hybrid engine's decode step as a CUDA graph")
     parser.add_argument("--disable_onednn_packing", action="store_true",
                         help="on CPU, the hybrid engine keeps its linear weights plain (torch.matmul)")
+    parser.add_argument("--static_compiled_baseline", action="store_true",
+                        help="also time transformers' generate with a static cache and torch.compile on a plain copy")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per backend, alternating; the fastest counts (the CPU is shared)")
     parser.add_argument("--output", default="bench_generation.json", help="where to write the JSON result")
@@ -159,10 +168,39 @@ def device_name(device: torch.device) -> str:
     return f"{names[0] if names else platform.machine()} CPU ({bf16}), {torch.get_num_threads()} threads"
 
 
-def time_backend(generator, ids, mask, config) -> tuple[float, object]:
+def static_compiled_generator(model_name: str, tokenizer, dtype: torch.dtype, device: torch.device) -> HFGenerator:
+    """transformers' fastest generate: the whole model on the device, a static KV cache and the forward compiled
+    (`torch.compile(mode="reduce-overhead", fullgraph=True)`, as transformers' docs on static caches show).
+    transformers' own compilation of the decode step is turned off, so the forward is compiled once, alike on
+    every device (transformers compiles by itself only on accelerators)."""
+    model = load_causal_lm(model_name, tokenizer, dtype=dtype, disable_dropout_layers=True).to(device).eval()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return HFGenerator(model, cache_implementation="static", disable_compile=True)
+
+
+def time_backend(generator, ids, mask, config) -> tuple[float, object, float | None]:
+    """Seconds, output and, on CUDA, the peak GiB PyTorch allocated during the call."""
+    cuda = torch.cuda.is_available() and current_device().type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     output = generator.generate(ids, mask, config)
-    return time.perf_counter() - start, output
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return seconds, output, round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
+
+
+def static_compiled_summary(results: dict, fast: GenerationOutput, baseline: GenerationOutput,
+                            compile_seconds: float) -> dict:
+    return {
+        "static_compiled_tokens_per_s": results[STATIC_COMPILED]["tokens_per_s"],
+        "speedup_vs_static_compiled": round(results["hybrid"]["tokens_per_s"]
+                                            / results[STATIC_COMPILED]["tokens_per_s"], 2),
+        "identical_sequences_vs_static_compiled": bool(torch.equal(fast.sequences.cpu(), baseline.sequences.cpu())),
+        "compile_seconds": compile_seconds,
+    }
 
 
 @run_cli
@@ -196,17 +234,22 @@ def main(argv: list[str] | None = None) -> dict:
                                            onednn_packing=not args.disable_onednn_packing,
                                            generation_dtype=args.generation_dtype)
     generators = {backend: build_generator(backend, engine, tokenizer, hybrid_settings) for backend in ("hybrid", "hf")}
-    runs: dict[str, list[float]] = {backend: [] for backend in generators}
+    compile_seconds = None
+    if args.static_compiled_baseline:
+        generators[STATIC_COMPILED] = static_compiled_generator(args.model, tokenizer, generation_dtype, current_device())
+        compile_seconds = round(time_backend(generators[STATIC_COMPILED], ids, mask, config)[0], 3)
+    runs: dict[str, list[tuple[float, float | None]]] = {backend: [] for backend in generators}
     outputs = {}
     for _ in range(args.repeats):
         for backend, generator in generators.items():
-            seconds, outputs[backend] = time_backend(generator, ids, mask, config)
-            runs[backend].append(round(seconds, 3))
+            seconds, outputs[backend], peak = time_backend(generator, ids, mask, config)
+            runs[backend].append((round(seconds, 3), peak))
     results = {}
-    for backend, seconds in runs.items():
+    for backend, timed in runs.items():
         tokens = int(outputs[backend].answer_mask.sum())
-        results[backend] = {"seconds": min(seconds), "runs_seconds": seconds, "tokens": tokens,
-                            "tokens_per_s": round(tokens / min(seconds), 2)}
+        seconds, peak = min(timed, key=lambda run: run[0])
+        results[backend] = {"seconds": seconds, "runs_seconds": [s for s, _ in timed], "tokens": tokens,
+                            "tokens_per_s": round(tokens / seconds, 2), "peak_memory_gib": peak}
     fast = outputs["hybrid"]
     logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config.logprob_temperature)
                      for backend, out in outputs.items()}
@@ -237,16 +280,22 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_share_of_weight_pass": round(results["hf"]["tokens_per_s"] / bound_tokens_per_s, 3),
         "backends": results,
         "identical_sequences": bool(torch.equal(fast.sequences, outputs["hf"].sequences)),
+        **(static_compiled_summary(results, fast, outputs[STATIC_COMPILED], compile_seconds)
+           if args.static_compiled_baseline else {}),
         "max_logprob_diff_vs_train_forward": {backend: error["max"] for backend, error in logprob_error.items()},
         "mean_logprob_diff_vs_train_forward": {backend: error["mean"] for backend, error in logprob_error.items()},
     }
     if is_main_process():
-        print(f"{'backend':<8} {'seconds':>9} {'tokens':>7} {'tokens/s':>9}")
+        print(f"{'backend':<18} {'seconds':>9} {'tokens':>7} {'tokens/s':>9}")
         for backend, row in results.items():
-            print(f"{backend:<8} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f}")
+            print(f"{backend:<18} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f}")
         print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
               f"|logprob - train forward| max / mean: hybrid {logprob_error['hybrid']['max']:.2e} / "
               f"{logprob_error['hybrid']['mean']:.2e}, hf {logprob_error['hf']['max']:.2e} / {logprob_error['hf']['mean']:.2e}")
+        if args.static_compiled_baseline:
+            print(f"hybrid vs transformers' static cache + torch.compile: {summary['speedup_vs_static_compiled']}x "
+                  f"(compiled in {compile_seconds:.1f} s); identical sequences: "
+                  f"{summary['identical_sequences_vs_static_compiled']}")
         print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s "
               f"({summary['weight_pass_matmul_tokens_per_s']:.2f} with torch.matmul): hybrid reaches "
               f"{summary['hybrid_share_of_weight_pass']:.0%}, hf {summary['hf_share_of_weight_pass']:.0%}")

@@ -4,9 +4,13 @@
     python bench/generation.py --model /tmp/gpt2-random --ignore_eos ...
 
 Shapes: `gpt2` is GPT-2 small (12 layers, 768 wide), `opt` is OPT-125m, `smollm2` the embedded
-SmolLM2-135M's own config. Every folder gets the embedded tokenizer (vocabulary resized to it), so no
-hub download is needed. Random weights give nearly flat logits: time with `--ignore_eos`, and expect
-greedy tokens to part at near-ties between backends (parity is what the tests check on real shapes).
+SmolLM2-135M's own config, `llama-1b` TinyLlama-1.1B's (22 layers, 2048 wide, 4 key/value heads; 1.17B
+parameters with SmolLM2's vocabulary, embeddings not tied). Every folder gets the embedded tokenizer
+(vocabulary resized to it), so no hub download is needed; `--reference_dir` takes the tokenizer and SmolLM2's
+config from a folder instead (one with SmolLM2's config.json and tokenizer files, no weights needed: what
+`python -m bench.gpu.prepare` carries to a GPU machine before the model itself has arrived). Random weights
+give nearly flat logits: time with `--ignore_eos`, and expect greedy tokens to part at near-ties between
+backends (parity is what the tests check on real shapes).
 """
 from __future__ import annotations
 
@@ -14,16 +18,19 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, OPTConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
 
 from training.core.embedded_model import embedded_model_path
-from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
+from training.core.model_loading import load_tokenizer
 
-SHAPES = {
-    "gpt2": lambda: GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12),
-    "opt": lambda: OPTConfig(hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
+SHAPES = {  # architecture -> its config, given the reference folder (SmolLM2's)
+    "gpt2": lambda _: GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+    "opt": lambda _: OPTConfig(hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
                              word_embed_proj_dim=768, max_position_embeddings=2048),
-    "smollm2": lambda: AutoConfig.from_pretrained(embedded_model_path()),
+    "smollm2": lambda reference: AutoConfig.from_pretrained(reference),
+    "llama-1b": lambda _: LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                                      tie_word_embeddings=False),
 }
 
 
@@ -32,9 +39,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--arch", choices=sorted(SHAPES), required=True)
     parser.add_argument("--output", required=True, help="folder to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference_dir", default=None,
+                        help="folder with SmolLM2's config and tokenizer (default: the embedded model)")
     args = parser.parse_args(argv)
-    tokenizer = load_tokenizer(EMBEDDED_MODEL_NAME)
-    config = SHAPES[args.arch]()
+    reference = args.reference_dir or embedded_model_path()
+    tokenizer = load_tokenizer(reference)
+    config = SHAPES[args.arch](reference)
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -15,6 +15,9 @@ torch.profiler, gives each phase's time in matrix-product kernels alone over tha
 floor"): how close the phase could get by removing everything else.
 `--peer trl` needs `pip install .[bench]` (trl 1.12.0): the reward model and critic are converted to the
 transformers classes TRL reads and checked to give this project's scores within 1e-4 first.
+On a GPU the rates are the GPU's, the profiled step counts its matrix-product kernels' device time, and the JSON
+adds the peak memory PyTorch allocated over this project's steps (`peak_gpu_memory_gib`, after the engines were
+built: their weights and optimizer states included). This path has not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -43,13 +46,15 @@ from bench.step3_work import (  # noqa: E402
 from step3_rlhf.main import parse_args as parse_step3_args  # noqa: E402
 from step3_rlhf.ppo_trainer import PPOTrainer  # noqa: E402
 from step3_rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402
+from bench.generation import device_name  # noqa: E402
 from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype  # noqa: E402
+from training.core.optim import OPTIMIZER_CHOICES  # noqa: E402
 from training.generation.cpu_linear import onednn_packing_available  # noqa: E402
 from training.generation.hybrid_engine import build_generator  # noqa: E402
 from utils.data import PromptCollator  # noqa: E402
 from utils.data.formatting import PromptFormatter  # noqa: E402
 from utils.data.rows import read_rows  # noqa: E402
-from utils.dist import init_distributed  # noqa: E402
+from utils.dist import current_device, init_distributed  # noqa: E402
 from utils.errors import UserError, run_cli  # noqa: E402
 
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs.jsonl"
@@ -79,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--zero_stage", type=int, default=0)
     parser.add_argument("--backend", default="hybrid", choices=("hybrid", "hf"))
+    parser.add_argument("--optimizer", default="auto", choices=OPTIMIZER_CHOICES,
+                        help="this project's optimizer (auto: FusedAdam on GPU, compiled at first use)")
     parser.add_argument("--recompute_old_logprobs", action="store_true",
                         help="this project: an actor forward for the old log-probs even where the rollout's are reused")
     parser.add_argument("--seed", type=int, default=1234)
@@ -94,6 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not Path(args.prompts).is_file():
         raise UserError(f"{args.prompts} not found: the hh-rlhf harmless pairs ship in ../shared/data; pass --prompts")
     return args
+
+
+def on_cuda() -> bool:
+    return current_device().type == "cuda"
 
 
 def load_prompt_ids(args: argparse.Namespace, tokenizer) -> list[list[int]]:
@@ -116,7 +127,7 @@ def step3_settings(args: argparse.Namespace, output_dir: str):
         "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
         "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
         "--actor_zero_stage", str(args.zero_stage), "--critic_zero_stage", str(args.zero_stage),
-        "--generation_backend", args.backend, "--enable_hybrid_engine",
+        "--generation_backend", args.backend, "--enable_hybrid_engine", "--optimizer", args.optimizer,
         *(["--recompute_old_logprobs"] if args.recompute_old_logprobs else []),
     ])
 
@@ -135,6 +146,8 @@ def run_this_project(args: argparse.Namespace, prompt_ids: list[list[int]]) -> t
         collate = PromptCollator(tokenizer.pad_token_id)
         records = []
         torch.manual_seed(args.seed)
+        if on_cuda():
+            torch.cuda.reset_peak_memory_stats()
         for step in range(steps):
             batch = collate([{"input_ids": torch.tensor(ids), "attention_mask": torch.ones(len(ids), dtype=torch.long)}
                              for ids in prompt_ids[step * args.batch:(step + 1) * args.batch]])
@@ -150,19 +163,24 @@ def run_this_project(args: argparse.Namespace, prompt_ids: list[list[int]]) -> t
                             "score_mean": experience.scores.mean().item(), "actor_loss": stats["actor_loss"]})
             print(f"step {step + 1}/{steps}: {step_s:.2f} s, {sum(records[-1]['answer_lengths'])} answer tokens",
                   flush=True)
+        peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_cuda() else None
         shapes = {"actor": ModelShape.of(engine.actor.module, load_config(args.actor), lm_head=True),
                   "critic": ModelShape.of(engine.critic.module, engine.critic.module.config, lm_head=False)}
         profiled = profile_matmul_kernels(trainer, batch)
         run = {"shapes": shapes, "reused_logprobs": trainer.reuse_rollout_logprobs, "settings": settings,
-               "rows": (experience.sequences.cpu(), experience.prompt_length), "profiled": profiled}
+               "rows": (experience.sequences.cpu(), experience.prompt_length), "profiled": profiled,
+               "peak_gpu_memory_gib": peak}
         engine.destroy()
     return records, run
 
 
 def profile_matmul_kernels(trainer: PPOTrainer, batch: dict) -> dict:
     """One more PPO step on `batch` under torch.profiler: per timed call, the self time of its matrix-product
-    kernels (`MATMUL_KERNELS`), and the step's real token counts (for its floors)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    kernels (`MATMUL_KERNELS`; on CUDA their kernels' device time), and the step's real token counts (for its
+    floors)."""
+    cuda = on_cuda()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as profile:
         experience = trainer.generate_experience(batch)
         trainer.train_rlhf(experience)
     trainer.clock.take()
@@ -175,7 +193,7 @@ def profile_matmul_kernels(trainer: PPOTrainer, batch: dict) -> dict:
         while call is not None and call.name not in calls:
             call = call.cpu_parent
         if call is not None:
-            seconds[call.name] += event.self_cpu_time_total / 1e6
+            seconds[call.name] += (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
     return {"matmul_s": seconds, "prompt_lengths": batch["attention_mask"].sum(-1).tolist(),
             "answer_lengths": experience.action_mask.sum(-1).tolist()}
 
@@ -200,7 +218,8 @@ def measure_rates(args: argparse.Namespace, tokenizer, records: list[dict]) -> M
     dtype = resolve_dtype(args.dtype)
     actor_model = load_causal_lm(args.actor, tokenizer, dtype=dtype)
     tokens = statistics.median(sum(record["prompt_lengths"]) + sum(record["answer_lengths"]) for record in records)
-    return MachineRates.measure(actor_model, args.batch, int(tokens), dtype, onednn_packing_available(dtype))
+    return MachineRates.measure(actor_model, args.batch, int(tokens), dtype, onednn_packing_available(dtype),
+                                current_device())
 
 
 def rates_report(rates: MachineRates) -> dict:
@@ -321,6 +340,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"step 3 is {speedup}x TRL's median step time ({per_token}x per answer token)")
     report = write_report(
         "step3", args, rows, started,
+        device=device_name(current_device()),
+        model=args.actor,
+        batch_size=args.batch,
+        dtype=args.dtype,
+        zero_stage=args.zero_stage,
+        seconds_per_ppo_step=round(measured["step"], 3),
+        phase_seconds={phase: round(measured[phase], 3) for phase in PHASES},
+        peak_gpu_memory_gib=run["peak_gpu_memory_gib"],
         speedup_vs_trl=speedup,
         speedup_vs_trl_per_answer_token=per_token,
         rates=rates_report(rates),

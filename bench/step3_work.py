@@ -76,15 +76,16 @@ class MachineRates:
 
     @classmethod
     def measure(cls, model: torch.nn.Module, max_rows: int, tokens: int, dtype: torch.dtype,
-                pack: bool) -> "MachineRates":
-        passes = {rows: rows / weight_pass_tokens_per_s(model, rows, dtype, torch.device("cpu"), pack)
+                pack: bool, device: torch.device = torch.device("cpu")) -> "MachineRates":
+        """The rates on `device` over `model`'s weight shapes (only its shapes: the model may live elsewhere)."""
+        passes = {rows: rows / weight_pass_tokens_per_s(model, rows, dtype, device, pack)
                   for rows in range(1, max_rows + 1)}
         # the matrices the weight pass reads: every 2-D weight but an input embedding not tied to the output head
         input_embedding, output_embedding = model.get_input_embeddings().weight, model.get_output_embeddings().weight
         streamed = sum(p.numel() for p in model.parameters()
                        if p.dim() == 2 and (p is not input_embedding or p is output_embedding))
         weight_bytes = streamed * torch.empty((), dtype=dtype).element_size()
-        return cls(_matmul_flops_per_s(model, tokens, dtype), passes, weight_bytes / passes[1])
+        return cls(_matmul_flops_per_s(model, tokens, dtype, device), passes, weight_bytes / passes[1])
 
     @classmethod
     def best(cls, measurements: list["MachineRates"]) -> "MachineRates":
@@ -94,19 +95,25 @@ class MachineRates:
                    max(m.stream_bytes_per_s for m in measurements))
 
 
-def _matmul_flops_per_s(model: torch.nn.Module, tokens: int, dtype: torch.dtype, repeats: int = 3) -> float:
-    """Best torch.matmul throughput over the distinct 2-D weight shapes of `model` at `tokens` rows."""
+def _matmul_flops_per_s(model: torch.nn.Module, tokens: int, dtype: torch.dtype, device: torch.device,
+                        repeats: int = 3) -> float:
+    """Best torch.matmul throughput on `device` over the distinct 2-D weight shapes of `model` at `tokens` rows
+    (the first pass on CUDA is a warm-up: it pays the kernels' selection)."""
     shapes = sorted({tuple(p.shape) for p in model.parameters() if p.dim() == 2 and min(p.shape) > 1})
-    weights = [torch.randn(shape, dtype=dtype) for shape in shapes]
-    inputs = {shape[1]: torch.randn(tokens, shape[1], dtype=dtype) for shape in shapes}
+    weights = [torch.randn(shape, dtype=dtype, device=device) for shape in shapes]
+    inputs = {shape[1]: torch.randn(tokens, shape[1], dtype=dtype, device=device) for shape in shapes}
     flops = sum(2 * tokens * shape[0] * shape[1] for shape in shapes)
+    cuda = device.type == "cuda"
     best = float("inf")
     with torch.no_grad():
-        for _ in range(repeats):
+        for attempt in range(repeats + cuda):
             started = time.perf_counter()
             for weight in weights:
                 torch.matmul(inputs[weight.shape[1]], weight.T)
-            best = min(best, time.perf_counter() - started)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if attempt >= cuda:
+                best = min(best, time.perf_counter() - started)
     return flops / best
 
 

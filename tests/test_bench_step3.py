@@ -99,6 +99,10 @@ def test_the_step3_benchmark_times_both_systems_per_phase_and_writes_its_json(tm
     assert report["rates"]["matmul_gflops"] == max(m["matmul_gflops"] for m in report["rate_measurements"])
     assert report["totals_after_first_step"]["this project"]["answer_tokens"] > 0
     assert "per answer token" in result.stdout and report["device"]
+    # what every GPU JSON carries at the top level; peak GPU memory is reported on CUDA only
+    assert (report["model"], report["batch_size"], report["dtype"], report["zero_stage"]) == (actor, 2, "fp32", 0)
+    assert report["seconds_per_ppo_step"] == step["this project s"]
+    assert set(report["phase_seconds"]) == set(phases[:-1]) and report["peak_gpu_memory_gib"] is None
 
 
 def test_the_trl_peer_trains_with_this_projects_step3_settings():
@@ -108,7 +112,8 @@ def test_the_trl_peer_trains_with_this_projects_step3_settings():
     from bench.step3 import step3_settings, trl_peer_settings
 
     args = argparse.Namespace(actor="actor", reward="reward", batch=8, answer_len=128, dtype="fp32", seed=3,
-                              prompt_len=128, zero_stage=0, backend="hybrid", recompute_old_logprobs=False)
+                              prompt_len=128, zero_stage=0, backend="hybrid", recompute_old_logprobs=False,
+                              optimizer="auto")
     step3 = step3_settings(args, "out")
     peer = trl_peer_settings(args, step3, "converted")
     assert (peer.actor_learning_rate, peer.critic_learning_rate) == (step3.actor.learning_rate,

@@ -9,9 +9,12 @@ import pytest
 import torch
 from conftest import REPO_ROOT, TESTS_DIR
 from scripts.hybrid_engine_worker import (
+    LONG_POSITION_MODEL,
     MODES,
     PROMPTS,
     build_engine,
+    check_long_position_parity,
+    check_lora_merge,
     check_parity,
     greedy_config,
     modes_architectures,
@@ -21,7 +24,6 @@ from scripts.hybrid_engine_worker import (
 )
 from transformers.pytorch_utils import Conv1D
 
-from training.core.sequences import answer_logits
 from training.generation.cpu_linear import PackedLinear
 from training.generation.fused_llama import fused_llama_unsupported_reason
 from training.generation.generator import GenerationConfig, HFGenerator
@@ -35,16 +37,6 @@ from utils.dist import free_port
 
 def _hybrid(engine, **kwargs):
     return HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1, **kwargs))
-
-
-def _full_weights(engine) -> dict[str, torch.Tensor]:
-    import deepspeed
-
-    weights = {}
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            weights[name] = param.detach().clone()
-    return weights
 
 
 @pytest.mark.parametrize(
@@ -88,14 +80,7 @@ def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3)])
 def test_lora_is_merged_for_generation_and_training_weights_stay_untouched(distributed, tiny_model_dir, arch, stage):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch)
-    for _ in range(2):
-        train_step(engine, tokenizer)  # makes lora_B non-zero, so merging matters
-    before = _full_weights(engine)
-    assert any("lora_B" in n and w.abs().sum() > 0 for n, w in before.items())
-    check_parity(engine, _hybrid(engine), tokenizer, PROMPTS)
-    after = _full_weights(engine)
-    assert before.keys() == after.keys()
-    assert all(torch.equal(before[n], after[n]) for n in before)
+    check_lora_merge(engine, _hybrid(engine), tokenizer)
 
 
 def test_sampled_logprobs_are_those_of_the_tempered_distribution_and_seeded_runs_repeat(distributed, tiny_model_dir):
@@ -163,49 +148,12 @@ def test_bf16_engine_parity(distributed, tiny_model_dir):
     torch.testing.assert_close(fast.logprobs, train_mode_logprobs(engine, fast) * fast.answer_mask, rtol=0, atol=2e-2)
 
 
-class LogitsRecorder:
-    """Stands in for a decoder's step model and keeps the logits of every step ([B, V] each, fp32)."""
-
-    def __init__(self, inner):
-        self.inner, self.shrinks, self.logits = inner, inner.shrinks, []
-
-    def _keep(self, logits: torch.Tensor) -> torch.Tensor:
-        self.logits.append(logits.float().clone())
-        return logits
-
-    def prefill(self, *args) -> torch.Tensor:
-        return self._keep(self.inner.prefill(*args))
-
-    def step(self, *args) -> torch.Tensor:
-        return self._keep(self.inner.step(*args))
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        self.inner.keep_rows(keep)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # the fused decode path and the transformers-forward one
 def test_bf16_generation_samples_from_the_trained_distribution_at_positions_past_500(distributed, tiny_model_dir, arch):
     """Tolerance: total-variation distance between the hybrid engine's next-token distribution and the
     train forward's, over 32 sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at
-    worst (measured: ~5e-5 and ~3e-3; RoPE's inv_freq rounded to bf16 gave 0.03 on average). The tiny
-    model's weights are drawn with std 0.3, so its distributions are peaked and attention depends on
-    position as a trained model's does."""
-    engine, tokenizer = build_engine(tiny_model_dir(arch, max_positions=1024, initializer_range=0.3), stage=2,
-                                     dtype="bf16")
-    hybrid = _hybrid(engine)
-    prompts = torch.randint(3, len(tokenizer), (2, 520), generator=torch.Generator().manual_seed(0))
-    config = GenerationConfig(max_new_tokens=32, seed=1, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)
-    with hybrid.generate_mode():
-        recorder = LogitsRecorder(hybrid._decoder.model)
-        hybrid._decoder.model = recorder
-        out = hybrid.generate(prompts, torch.ones_like(prompts), config)
-    generated = torch.stack(recorder.logits, dim=1)
-    with torch.no_grad():
-        trained = answer_logits(engine.module, out.sequences, out.attention_mask, out.prompt_length).float()
-    assert generated.shape == trained.shape == (2, 32, len(tokenizer))
-    total_variation = 0.5 * (generated.softmax(-1) - trained.softmax(-1)).abs().sum(-1)
-    assert total_variation.mean() < 1e-3 and total_variation.max() < 1e-2, total_variation
-    torch.testing.assert_close(out.logprobs, train_mode_logprobs(engine, out), rtol=0, atol=5e-2)
+    worst (measured: ~5e-5 and ~3e-3; RoPE's inv_freq rounded to bf16 gave 0.03 on average)."""
+    check_long_position_parity(tiny_model_dir(arch, **LONG_POSITION_MODEL), "bf16", _hybrid)
 
 
 def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):

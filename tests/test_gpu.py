@@ -1,0 +1,79 @@
+"""GPU tests (`pytest -m gpu`), skipped without CUDA: the hybrid engine's parity on the GPU (bf16 and fp16
+distributions past position 500, greedy tokens equal to `hf`, CUDA-graph decoding equal to eager, LoRA), ZeRO-2
+and ZeRO-3 training steps over NCCL at world size 1 (fp16 loss scaling, bf16, FusedAdam, offload), and one PPO
+step of step 3. Each check runs in its own process (tests/scripts/gpu_worker.py, or step 3's entry point) with
+CUDA DeepSpeed, apart from this process's CPU world. None of these has run on a GPU yet."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT, TESTS_DIR
+from crash_resume import step_env
+from scripts.hybrid_engine_worker import LONG_POSITION_MODEL
+from test_step3_rlhf import make_step3_inputs, step3_argv
+
+NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False): run `pytest -m gpu` on a GPU machine"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
+WORKER = TESTS_DIR / "scripts" / "gpu_worker.py"
+
+
+def gpu_env() -> dict[str, str]:
+    """A step subprocess's environment (crash_resume.step_env) with CUDA DeepSpeed and the tests' helpers importable."""
+    env = step_env()
+    return {**env, "DS_ACCELERATOR": "cuda", "PYTHONPATH": f"{TESTS_DIR}:{env['PYTHONPATH']}"}
+
+
+def run_worker(check: str, *args: str, timeout: float = 900) -> str:
+    result = subprocess.run([sys.executable, str(WORKER), check, *args], cwd=REPO_ROOT, env=gpu_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert f"GPU_OK {check}" in result.stdout, result.stdout[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # the fused decode path and the transformers-forward one
+def test_half_precision_generation_samples_from_the_trained_distribution_past_position_500(tiny_model_dir, arch,
+                                                                                         dtype):
+    run_worker("long_positions", tiny_model_dir(arch, **LONG_POSITION_MODEL), dtype)
+
+
+@pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3), ("opt", 3)])
+def test_greedy_equals_hf_and_logprobs_equal_train_forward(tiny_model_dir, arch, stage):
+    run_worker("greedy", tiny_model_dir(arch), str(stage))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_cuda_graph_decoding_equals_eager(tiny_model_dir, arch):
+    run_worker("cuda_graph", tiny_model_dir(arch))
+
+
+@pytest.mark.parametrize("stage,dtype,optimizer,offload", [
+    (2, "fp16", "torch_adamw", "none"), (3, "fp16", "torch_adamw", "none"),
+    (2, "bf16", "torch_adamw", "none"), (3, "bf16", "torch_adamw", "none"),
+    (2, "bf16", "auto", "none"),  # DeepSpeed's FusedAdam, compiled at first use
+    (3, "bf16", "auto", "offload"),  # optimizer state and parameters on the CPU, DeepSpeedCPUAdam
+])
+def test_zero_training_steps_over_nccl(tiny_model_dir, stage, dtype, optimizer, offload):
+    run_worker("train_steps", tiny_model_dir("llama"), str(stage), dtype, optimizer, offload)
+
+
+def test_lora_is_merged_for_generation_at_zero3(tiny_model_dir):
+    run_worker("lora", tiny_model_dir("llama"), "llama")
+
+
+def test_one_ppo_step_of_step3_in_bf16_at_zero3(tmp_path_factory):
+    inputs = make_step3_inputs(tmp_path_factory)
+    run = inputs["root"] / "run"
+    argv = step3_argv(inputs, run, "--max_steps", "1", "--enable_hybrid_engine", "--actor_zero_stage", "3",
+                      "--critic_zero_stage", "3", "--optimizer", "torch_adamw", "--dtype", "bf16")  # the last --dtype
+    result = subprocess.run([sys.executable, "step3_rlhf/main.py", *argv], cwd=REPO_ROOT, env=gpu_env(),
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert json.loads((run / "summary.json").read_text())["ppo_steps"] == 1
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("reward/score_mean" in record and "train/actor_loss" in record for record in records)
