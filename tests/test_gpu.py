@@ -53,6 +53,7 @@ def test_cuda_graph_decoding_equals_eager(tiny_model_dir, arch):
 
 
 @pytest.mark.parametrize("stage,dtype,optimizer,offload", [
+    (0, "bf16", "torch_adamw", "none"),  # MasterWeightAdamW
     (2, "fp16", "torch_adamw", "none"), (3, "fp16", "torch_adamw", "none"),
     (2, "bf16", "torch_adamw", "none"), (3, "bf16", "torch_adamw", "none"),
     (2, "bf16", "auto", "none"),  # DeepSpeed's FusedAdam, compiled at first use

@@ -68,7 +68,8 @@ def cuda_graph(model_path: str) -> None:
 
 def train_steps(model_path: str, stage: str, dtype: str, optimizer: str, offload: str) -> None:
     """ZeRO `stage` training steps in `dtype` (fp16: DeepSpeed's dynamic loss scaling) over NCCL: the loss falls,
-    and the optimizer is the one `optimizer` resolves to (auto: FusedAdam, or DeepSpeedCPUAdam with offload)."""
+    and the optimizer is the one `optimizer` resolves to (auto: FusedAdam, or DeepSpeedCPUAdam with offload;
+    bf16 at ZeRO-0 with torch's AdamW: `MasterWeightAdamW`, its fp32 masters on the GPU)."""
     assert torch_dist.get_backend() == "nccl", torch_dist.get_backend()
     offloaded = offload == "offload"
     tokenizer = load_tokenizer(model_path)
@@ -78,9 +79,13 @@ def train_steps(model_path: str, stage: str, dtype: str, optimizer: str, offload
     model = load_causal_lm(model_path, tokenizer, dtype=resolve_dtype(dtype), ds_config=settings.ds_config())
     engine = create_train_engine(model, settings)
     on_cuda(engine)
-    kind = resolve_optimizer_kind(optimizer, offloaded)
-    expected = {"fused_adam": "FusedAdam", "cpu_adam": "DeepSpeedCPUAdam", "torch_adamw": "AdamW"}[kind]
-    assert type(engine.optimizer.optimizer).__name__ == expected, type(engine.optimizer.optimizer)
+    if settings.master_weights:  # bf16 at ZeRO-0 with torch's AdamW: the engine's optimizer is the update itself
+        assert type(engine.optimizer).__name__ == "MasterWeightAdamW", type(engine.optimizer)
+        assert engine.optimizer.masters()[0].device.type == "cuda"
+    else:
+        kind = resolve_optimizer_kind(optimizer, offloaded)
+        expected = {"fused_adam": "FusedAdam", "cpu_adam": "DeepSpeedCPUAdam", "torch_adamw": "AdamW"}[kind]
+        assert type(engine.optimizer.optimizer).__name__ == expected, type(engine.optimizer.optimizer)
     texts = [f"Human: question {i} Assistant: answer {i} is good." for i in range(4)]
     enc = tokenizer(texts, return_tensors="pt", padding=True).to(engine.device)
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
