@@ -45,15 +45,14 @@ class MasterWeightAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("MasterWeightAdamW takes no closure")
         masters = self.masters()
-        for master in masters:
+        for master, param in zip(masters, self.model_params):
             if master.grad is None:  # kept from step to step: the cast writes into warm memory
                 master.grad = torch.empty_like(master)
-        grads = [master.grad for master in masters]
-        for grad, param in zip(grads, self.model_params):
             if param.grad is None:
-                grad.zero_()
+                master.grad.zero_()
             else:
-                grad.copy_(param.grad)
+                master.grad.copy_(param.grad)
+        grads = [master.grad for master in masters]
         norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
