@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConf
 
 from training.core.embedded_model import embedded_model_path
 from training.core.model_loading import load_tokenizer
+from utils.atomic import atomic_directory
 
 SHAPES = {  # architecture -> its config, given the reference folder (SmolLM2's)
     "gpt2": lambda _: GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12),
@@ -51,8 +52,9 @@ def main(argv: list[str] | None = None) -> Path:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config)
     output = Path(args.output)
-    model.save_pretrained(output)
-    tokenizer.save_pretrained(output)
+    with atomic_directory(output) as staged:  # a killed write leaves no folder that looks finished
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
     print(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M random parameters -> {output}")
     return output
 

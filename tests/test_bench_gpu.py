@@ -22,7 +22,7 @@ from bench.gpu import run as runner
 from bench.gpu.pack import copy_reports, pack
 from bench.gpu.parts import Manifest, gather, join_parts, manifest_path, split_file
 from bench.gpu.prepare import plan_calls
-from bench.gpu.stages import STAGE_NAMES, Command, Context, GpuRunSettings, Stage, select
+from bench.gpu.stages import STAGE_NAMES, Command, Context, GpuRunSettings, Stage, _make_models, select
 from bench.gpu.wheels import unmet_requirements, uncovered_project_requirements
 from bench.random_model import SHAPES
 
@@ -215,3 +215,36 @@ def test_random_weights_of_a_reference_folders_shape(tiny_model_dir, tmp_path):
     written = json.loads((tmp_path / "random" / "config.json").read_text())
     assert written["num_hidden_layers"] == json.loads((Path(reference) / "config.json").read_text())["num_hidden_layers"]
     assert (tmp_path / "random" / "tokenizer.json").is_file()
+
+
+def test_a_model_write_cut_short_leaves_no_folder_the_runner_takes_as_made(tiny_model_dir, tmp_path, monkeypatch):
+    """The runner skips a model whose folder has a config.json; a write killed after the config (the call's time
+    limit) must not leave one, or every later call would benchmark a folder without weights."""
+    from bench import random_model
+    folders = _carried(tmp_path, with_weights=False)
+    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), data_dir=folders["data_dir"],
+                                 state_dir=folders["state_dir"]), REPO_ROOT, sys.executable)
+    target, reference = ctx.model("gpt2-random"), tiny_model_dir("llama")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("time limit")
+
+    monkeypatch.setattr(random_model, "AutoModelForCausalLM",
+                        type("Saving", (), {"from_config": staticmethod(lambda config: _ConfigThenKilled(config))}))
+    monkeypatch.setattr("transformers.PreTrainedTokenizerBase.save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        random_model.main(["--arch", "gpt2", "--reference_dir", reference, "--output", str(target)])
+    assert not target.exists()
+    made = _make_models(ctx, ["gpt2-random"])
+    assert [command.log for command in made] == ["models.log"], "the model is made again by the next call"
+
+
+class _ConfigThenKilled(torch.nn.Module):
+    """A model whose save writes its config.json (as save_pretrained does first) and nothing else."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def save_pretrained(self, folder):
+        self.config.save_pretrained(folder)

@@ -12,13 +12,15 @@ import torch
 
 from training.core.model_loading import load_tokenizer
 from training.core.reward_model import RewardModel
+from utils.atomic import atomic_directory
 
 
 def write_value_model(actor: str, output: Path, seed: int = 0) -> Path:
     tokenizer = load_tokenizer(actor)
     torch.manual_seed(seed)
-    RewardModel.from_causal_lm(actor, tokenizer).save_pretrained(output)
-    tokenizer.save_pretrained(output)
+    with atomic_directory(output) as staged:  # a killed write leaves no folder that looks finished
+        RewardModel.from_causal_lm(actor, tokenizer).save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
     return output
 
 
