@@ -47,7 +47,7 @@ def test_greedy_equals_hf_and_logprobs_equal_train_forward(tiny_model_dir, arch,
     run_worker("greedy", tiny_model_dir(arch), str(stage))
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])  # the fused path's bucket graphs; torch.compile's
 def test_cuda_graph_decoding_equals_eager(tiny_model_dir, arch):
     run_worker("cuda_graph", tiny_model_dir(arch))
 

@@ -52,13 +52,18 @@ def greedy(model_path: str, stage: str) -> None:
 
 
 def cuda_graph(model_path: str) -> None:
-    """The transformers-forward decode path captured as CUDA graphs gives the eager path's tokens and log-probs, and
-    passes `check_parity` itself."""
+    """The decode path captured as CUDA graphs (fused Llama: one graph per batch bucket; the transformers forward:
+    torch.compile's) gives the eager path's tokens and log-probs, and passes `check_parity` itself."""
     engine, tokenizer = build_engine(model_path, stage=3)
     graphed, eager = hybrid(engine, cuda_graph=True), hybrid(engine, cuda_graph=False)
     with graphed.generate_mode():
-        assert not graphed._decoder.model.shrinks, "the CUDA-graph decode path was not taken"
+        step_model = graphed._decoder.model
         check_parity(engine, graphed, tokenizer, PROMPTS)
+        if hasattr(step_model, "fused"):
+            buckets = sorted(step_model.graphed_steps.runners)
+            assert step_model.graphed_steps.capture and len(buckets) > 1, f"graphs captured for buckets {buckets}"
+        else:
+            assert not step_model.shrinks, "the CUDA-graph decode path was not taken"
         ids, mask = prompt_batch(tokenizer, PROMPTS)
         with_graphs = graphed.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))
     without = eager.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))

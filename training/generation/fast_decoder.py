@@ -13,12 +13,12 @@ allocated for B*K rows, the B prompts are prefilled into its first B rows, and `
 each prompt's cached columns into K consecutive rows in place (prompt-major, row i*K + j continues
 prompt i) before the first token is drawn; then the B*K rows decode as any batch does.
 
-On CUDA, with `cuda_graph=True`, the `HFCachedModel` decode steps run through
-`torch.compile(mode="reduce-overhead")`, which captures them as CUDA graphs; that needs static shapes,
-so the batch then does not shrink (finished rows keep decoding and their tokens are discarded). The
-prefill is not compiled, and the decode steps of K continuations see B*K rows from their first step on,
-so group sampling takes this path unchanged. This path has not been run here (no GPU in the build
-environment).
+On CUDA, with `cuda_graph=True`, decode steps replay CUDA graphs. `FusedCachedModel` captures its own
+(`decode_graphs.BucketedDecodeSteps`: one graph per batch bucket, so the batch still shrinks). `HFCachedModel`
+runs them through `torch.compile(mode="reduce-overhead")`; that needs static shapes, so the batch then does
+not shrink (finished rows keep decoding and their tokens are discarded). Prefills are never captured, and the
+decode steps of K continuations see B*K rows from their first step on, so group sampling takes both paths
+unchanged. Neither has run on a GPU yet (none in the build environment).
 
 `on_finished` (a `FinishedRowsHook`) receives the rows that ended at each step, while the others go on decoding:
 step 3's stage fusion scores them in the meantime. It runs outside inference mode on copies of the rows.
@@ -32,6 +32,7 @@ import torch
 from transformers import StaticCache
 
 from training.core.sequences import position_ids_from_attention_mask, token_logprobs
+from training.generation.decode_graphs import BucketedDecodeSteps
 from training.generation.fused_llama import FusedKVBuffers, FusedLlama
 from training.generation.generator import (
     FinishedRowsHook,
@@ -181,13 +182,16 @@ class HFCachedModel:
 
 
 class FusedCachedModel:
-    """`FusedLlama` over `FusedKVBuffers`."""
+    """`FusedLlama` over `FusedKVBuffers`; with `cuda_graph`, its decode steps run as `BucketedDecodeSteps`
+    (CUDA graphs on a GPU; the same static steps, eagerly, elsewhere)."""
 
     shrinks = True
 
-    def __init__(self, fused: FusedLlama, kv_cache: RolloutKVCache):
+    def __init__(self, fused: FusedLlama, kv_cache: RolloutKVCache, cuda_graph: bool = False):
         self.fused = fused
         self.kv_cache = kv_cache
+        self.cuda_graph = cuda_graph
+        self.graphed_steps: BucketedDecodeSteps | None = None
         self._buffers: FusedKVBuffers | None = None
         self._prefilled = (0, 0)  # rows and columns of the last prefill
 
@@ -202,6 +206,11 @@ class FusedCachedModel:
             self.kv_cache.keep(self.fused.allocate(rows, length), rows, length)
         self._use_rows(batch)
         self._prefilled = tuple(input_ids.shape)
+        if self.cuda_graph:
+            full = self.kv_cache.cache
+            if self.graphed_steps is None or self.graphed_steps.buffers is not full:
+                self.graphed_steps = BucketedDecodeSteps(self.fused, full, capture=full.keys.is_cuda)
+            self.graphed_steps.reset()
         prompt_len = input_ids.shape[1]
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=mask.device).tril()
         # a pad query also sees itself, so that no row of the attention is empty (NaN)
@@ -216,6 +225,8 @@ class FusedCachedModel:
         self._use_rows(batch * k)
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
+        if self.graphed_steps is not None:
+            return self.graphed_steps(tokens, positions, mask, column)
         attend = mask[:, None, None, :column + 1].bool()
         return self.fused.forward(tokens[:, None], positions, self._buffers, column, attend)
 

@@ -1,4 +1,5 @@
-"""A decode-only forward for Llama-family causal LMs, the hybrid engine's fast path on CPU.
+"""A decode-only forward for Llama-family causal LMs, the hybrid engine's fast path (its steps replayed as CUDA
+graphs on a GPU: `decode_graphs.py`).
 
 The transformers forward spends much of a decode step outside the matmuls: building the 4-D mask,
 updating the cache object, and many small ops per layer. This forward runs the same math on the
@@ -114,8 +115,9 @@ class FusedLlama:
         return FusedKVBuffers(torch.zeros(shape, dtype=self.dtype, device=self.device),
                               torch.zeros(shape, dtype=self.dtype, device=self.device))
 
-    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions 0..length-1 ([length, head_dim]), computed as the model's rotary module does."""
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..length-1 ([length, head_dim]), computed as the model's rotary module does; kept
+        (and reused by later calls) until a longer one is asked for."""
         if self._cos is None or self._cos.shape[0] < length:
             probe = torch.empty(0, dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
@@ -151,13 +153,22 @@ class FusedLlama:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: FusedKVBuffers, column: int,
-                attend: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of the last position. `input_ids` [B, S] fill cache columns column..column+S-1;
-        `attend` [B, 1, S, column+S] (bool) says which cached columns each query may see."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: FusedKVBuffers,
+                column: int | torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the last position. `input_ids` [B, S] fill cache columns column..column+S-1.
+
+        With an int `column`, attention runs over the columns filled so far and `attend` [B, 1, S, column+S]
+        (bool) says which of them each query may see. A step replayed as a CUDA graph may not depend on host
+        values, so there `column` is a [S] long tensor of the columns written, attention runs over every cache
+        column (`attend` [B, 1, S, T] masks the unfilled ones) and the RoPE tables must already cover every
+        position (`rope_tables(T)`)."""
         batch, length = input_ids.shape
-        end = column + length
-        cos_table, sin_table = self._rope_tables(int(positions.max()) + 1)
+        if isinstance(column, int):
+            end = column + length
+            cos_table, sin_table = self.rope_tables(int(positions.max()) + 1)
+        else:
+            end = cache.length
+            cos_table, sin_table = self._cos, self._sin
         cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         hidden = F.embedding(input_ids, self.embed)
@@ -169,10 +180,19 @@ class FusedLlama:
                               cos, sin)
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             keys, values = cache.keys[index], cache.values[index]
-            keys[:, :, column:end] = k
-            values[:, :, column:end] = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+            _store(keys, k, column)
+            _store(values, v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), column)
             attention = self._attend(q, keys[:, :, :end], values[:, :, :end], attend)
             hidden = hidden + layer.out(attention.transpose(1, 2).reshape(batch, length, q_size))
             gate, up = layer.gate_up(self._norm(hidden, layer.post_norm)).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up)
         return self.lm_head(self._norm(hidden[:, -1], self.norm))
+
+
+def _store(buffer: torch.Tensor, new: torch.Tensor, column: int | torch.Tensor) -> None:
+    """Write `new` [B, KV, S, D] into `buffer` [B, KV, T, D] at columns column..column+S-1 (int), or at the
+    columns a [S] long tensor names (in place, so a CUDA graph replays the write to the same buffer)."""
+    if isinstance(column, int):
+        buffer[:, :, column:column + new.shape[2]] = new
+    else:
+        buffer.index_copy_(2, column, new)

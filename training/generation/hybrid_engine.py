@@ -354,9 +354,12 @@ class HybridEngine:
         inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
         model = inference_copy.model
         if fused_llama_unsupported_reason(model) is None:
-            step_model = FusedCachedModel(FusedLlama(model, pack=self.settings.onednn_packing), self.kv_cache)
+            # a tensor-parallel shard's projections all-reduce inside the step, which its graph would have to capture
+            graphs = self.settings.cuda_graph and self.device.type == "cuda" and self.tp is None
+            step_model = FusedCachedModel(FusedLlama(model, pack=self.settings.onednn_packing), self.kv_cache,
+                                          cuda_graph=graphs)
             packed = sum(w.packed for w in step_model.fused.linear_weights())
-            path = "fused Llama"
+            path = "fused Llama" + (" (CUDA graphs)" if graphs else "")
         else:
             packed = pack_linear_layers(model) if self.settings.onednn_packing else 0
             step_model = HFCachedModel(model, self.kv_cache, cuda_graph=self.settings.cuda_graph)
