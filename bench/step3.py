@@ -45,7 +45,7 @@ from bench.step3_work import (  # noqa: E402
 )
 from step3_rlhf.main import parse_args as parse_step3_args  # noqa: E402
 from step3_rlhf.ppo_trainer import PPOTrainer  # noqa: E402
-from step3_rlhf.rlhf_engine import build_rlhf_engine  # noqa: E402
+from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine  # noqa: E402
 from bench.generation import device_name  # noqa: E402
 from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype  # noqa: E402
 from training.core.optim import OPTIMIZER_CHOICES  # noqa: E402
@@ -88,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="this project's optimizer (auto: FusedAdam on GPU, compiled at first use)")
     parser.add_argument("--recompute_old_logprobs", action="store_true",
                         help="this project: an actor forward for the old log-probs even where the rollout's are reused")
+    parser.add_argument("--compile_layers", action="store_true",
+                        help="this project: every model's decoder layers through torch.compile (a candidate, not "
+                             "what train.py does; compiled in the first step, which the medians leave out)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--peer", default="none", choices=("none", "trl"))
     parser.add_argument("--output", default=str(REPO_ROOT / "bench" / "results" / "step3_cpu_fp32.json"))
@@ -141,6 +144,8 @@ def run_this_project(args: argparse.Namespace, prompt_ids: list[list[int]]) -> t
         tokenizer = load_tokenizer(args.actor)
         steps = len(prompt_ids) // args.batch
         engine = build_rlhf_engine(settings, tokenizer, steps, steps)
+        if args.compile_layers:
+            print(f"--compile_layers: {compile_decoder_layers(engine)} decoder layers compiled", flush=True)
         trainer = PPOTrainer(engine, build_generator(settings.hybrid.backend, engine.actor, tokenizer,
                                                      settings.hybrid), settings.ppo)
         collate = PromptCollator(tokenizer.pad_token_id)
@@ -172,6 +177,22 @@ def run_this_project(args: argparse.Namespace, prompt_ids: list[list[int]]) -> t
                "peak_gpu_memory_gib": peak}
         engine.destroy()
     return records, run
+
+
+def compile_decoder_layers(engine: RLHFEngine) -> int:
+    """Each model's decoder layers through torch.compile (inductor, dynamic shapes: one compiled layer serves
+    every layer and model of the same shape, batch and length): fused elementwise work around the matrix
+    products of scoring and training. The hybrid engine's inference copy is another model, untouched."""
+    compiled = 0
+    models = [getattr(m, "module", m) for m in (engine.actor, engine.reference, engine.critic, engine.reward)
+              if m is not None]
+    for model in models:
+        for name, layers in model.named_modules():
+            if isinstance(layers, torch.nn.ModuleList) and name.endswith("layers"):
+                for layer in layers:
+                    layer.compile(dynamic=True)
+                    compiled += 1
+    return compiled
 
 
 def profile_matmul_kernels(trainer: PPOTrainer, batch: dict) -> dict:

@@ -124,3 +124,18 @@ def test_the_trl_peer_trains_with_this_projects_step3_settings():
     assert (peer.lr_scheduler_type, peer.num_warmup_steps) == (step3.schedule.lr_scheduler_type,
                                                                step3.schedule.num_warmup_steps)
     assert (peer.reward_path, peer.critic_path, peer.batch_size, peer.seed) == ("converted", "converted", 8, 3)
+
+
+def test_compile_layers_compiles_every_decoder_layer_of_every_model_held():
+    """`--compile_layers` reaches the layers of the DeepSpeed engines' modules and of the models without one."""
+    from types import SimpleNamespace
+
+    from bench.step3 import compile_decoder_layers
+
+    tokenizer = make_tokenizer()
+    actor, _ = make_tiny_model("llama", tokenizer)
+    critic = RewardModel.from_causal_lm(make_tiny_model("llama", tokenizer)[0], tokenizer)
+    engine = SimpleNamespace(actor=SimpleNamespace(module=actor), reference=None, critic=critic, reward=None)
+    assert compile_decoder_layers(engine) == 4
+    layers = [*actor.model.layers, *critic.backbone.layers]
+    assert all(layer._compiled_call_impl is not None for layer in layers)
