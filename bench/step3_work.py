@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.decode_floor import attention_widths, kv_cache_bytes, streamed_parameters, weight_pass_tokens_per_s
+from training.core.zero import full_numel, full_shape
 
 ADAM_BYTES_PER_PARAMETER = 28  # read weight, grad, m, v (16) and write weight, m, v (12), fp32
 
@@ -46,9 +47,10 @@ class ModelShape:
         layers, attention_width, kv_width = attention_widths(text)
         embeddings = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
         lm_weight = model.get_output_embeddings().weight if lm_head else None
-        linear = sum(p.numel() for p in model.parameters()
-                     if p.dim() == 2 and id(p) not in embeddings and p is not lm_weight and p.shape[0] > 1)
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # full sizes: under ZeRO-3 a parameter's own shape is empty (`training.core.zero`)
+        linear = sum(full_numel(p) for p in model.parameters() if len(shape := full_shape(p)) == 2
+                     and id(p) not in embeddings and p is not lm_weight and shape[0] > 1)
+        trained = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
         return cls(linear, trained, layers, text.hidden_size, attention_width, kv_width,
                    text.vocab_size if lm_head else 0, next(model.parameters()).element_size())
 
