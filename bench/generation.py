@@ -14,10 +14,10 @@ Each backend also runs, after each timed run, the same prompts to one new token 
 engine entering generate mode): `first_token_seconds` is its fastest, and `decode_step_s`, the fastest run less it
 over the run's decode steps (answer length - 1), is the steady time per decode step without the prefill.
 `decode_floor_s` is the time one such step must take at least on this device (bench/decode_floor.py): the bytes it
-reads (every weight in the generation dtype, `decode_weight_bytes`, and each row's KV cache at the decode's mean
-context) over `copy_bandwidth_gb_s`, the device's rate on a `--copy_mib` tensor copy counting bytes read and
-written. `decode_vs_floor` is their ratio (1 would be a step at the copy rate). The floor counts every row at every
-step: pass `--ignore_eos` (rows that end early make it an overestimate).
+reads (every weight in the generation dtype but an untied input embedding, `decode_weight_bytes`, and each row's
+KV cache at the decode's mean context) over `copy_bandwidth_gb_s`, the device's rate on a `--copy_mib` tensor copy
+counting bytes read and written. `decode_vs_floor` is their ratio (1 would be a step at the copy rate). The floor
+counts every row at every step: pass `--ignore_eos` (rows that end early make it an overestimate).
 
 `weight_pass_tokens_per_s` is the other ceiling a decode step bound by its weight products can reach on
 this machine: one `batch_size`-row product with every weight matrix (the input embedding excluded
