@@ -10,7 +10,16 @@ with the train-mode forward's over the generated tokens (max and mean absolute d
 counts. The hybrid timing includes entering and leaving generate mode (gathering,
 LoRA merging, building the inference copy), since every rollout pays it.
 
-`weight_pass_tokens_per_s` is the ceiling a decode step bound by its weight products can reach on
+Each backend also runs, after each timed run, the same prompts to one new token (the prefill, and for the hybrid
+engine entering generate mode): `first_token_seconds` is its fastest, and `decode_step_s`, the fastest run less it
+over the run's decode steps (answer length - 1), is the steady time per decode step without the prefill.
+`decode_floor_s` is the time one such step must take at least on this device (bench/decode_floor.py): the bytes it
+reads (every weight in the generation dtype but an untied input embedding, `decode_weight_bytes`, and each row's
+KV cache at the decode's mean context) over `copy_bandwidth_gb_s`, the device's rate on a `--copy_mib` tensor copy
+counting bytes read and written. `decode_vs_floor` is their ratio (1 would be a step at the copy rate). The floor
+counts every row at every step: pass `--ignore_eos` (rows that end early make it an overestimate).
+
+`weight_pass_tokens_per_s` is the other ceiling a decode step bound by its weight products can reach on
 this machine: one `batch_size`-row product with every weight matrix (the input embedding excluded
 unless tied to the output head), timed on the same device in the generation dtype through the
 fastest kernel here, the one the hybrid engine uses by default (oneDNN-prepacked on CPU where
@@ -28,6 +37,7 @@ compilation (`compile_seconds`) is paid once per process, not per rollout. On CU
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import platform
@@ -36,23 +46,29 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.core.engine import OptimizationSettings, create_train_engine
-from training.core.lora import apply_lora
-from training.core.model_loading import (
+import torch  # noqa: E402
+
+from bench.decode_floor import (  # noqa: E402
+    DecodeWork,
+    copy_bandwidth_bytes_per_s,
+    mean_decode_context,
+    weight_pass_tokens_per_s,
+)
+from training.core.engine import OptimizationSettings, create_train_engine  # noqa: E402
+from training.core.lora import apply_lora  # noqa: E402
+from training.core.model_loading import (  # noqa: E402
     EMBEDDED_MODEL_NAME,
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
 )
-from training.core.sequences import answer_logprobs
-from training.core.zero import full_shape
-from training.generation.cpu_linear import LinearWeight
-from training.generation.generator import GenerationConfig, GenerationOutput, HFGenerator
-from training.generation.hybrid_engine import HybridEngineSettings, build_generator
-from utils.dist import current_device, init_distributed, is_main_process
-from utils.errors import run_cli
+from training.core.sequences import answer_logprobs  # noqa: E402
+from training.generation.generator import GenerationConfig, GenerationOutput, HFGenerator  # noqa: E402
+from training.generation.hybrid_engine import HybridEngineSettings, build_generator  # noqa: E402
+from utils.dist import current_device, init_distributed, is_main_process  # noqa: E402
+from utils.errors import run_cli  # noqa: E402
 
 STATIC_COMPILED = "hf_static_compiled"  # the backend name of --static_compiled_baseline
 QUESTIONS = [
@@ -94,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also time transformers' generate with a static cache and torch.compile on a plain copy")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per backend, alternating; the fastest counts (the CPU is shared)")
+    parser.add_argument("--copy_mib", type=int, default=512,
+                        help="size of the tensor copied to measure the device's copy bandwidth (beyond its caches)")
     parser.add_argument("--output", default="bench_generation.json", help="where to write the JSON result")
     return parser.parse_args(argv)
 
@@ -121,33 +139,6 @@ def make_prompts(tokenizer, batch_size: int, prompt_length: int, context_tokens:
         ids[i, width - len(row):] = torch.tensor(row)
         mask[i, width - len(row):] = 1
     return ids, mask
-
-
-def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device,
-                             pack: bool, repeats: int = 4) -> float:
-    """Tokens/s of a decode step that did nothing but one batch-row product with each weight matrix,
-    through `LinearWeight` (oneDNN-prepacked where available when `pack`, `torch.matmul` otherwise).
-
-    Only the shapes matter, so the matrices are fresh tensors of the model's full (ZeRO-3: `ds_shape`)
-    weight shapes; the model is neither gathered nor loaded again. LoRA adapters are left out: generation
-    reads them merged into the base weights."""
-    input_embedding = model.get_input_embeddings().weight
-    output_embedding = model.get_output_embeddings().weight
-    full_shapes = (full_shape(p) for name, p in model.named_parameters()
-                   if "lora_" not in name and (p is not input_embedding or p is output_embedding))
-    shapes = [shape for shape in full_shapes if len(shape) == 2]
-    matrices = [LinearWeight(torch.randn(shape, dtype=dtype, device=device), pack=pack) for shape in shapes]
-    inputs = {width: torch.randn(batch_size, width, dtype=dtype, device=device) for width in {s[1] for s in shapes}}
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for matrix in matrices:
-                matrix(inputs[matrix.in_features])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-    return batch_size / best
 
 
 @torch.no_grad()
@@ -192,6 +183,21 @@ def time_backend(generator, ids, mask, config) -> tuple[float, object, float | N
     return seconds, output, round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
 
 
+def decode_figures(seconds: float, first_token_seconds: float, output: GenerationOutput, work: DecodeWork,
+                   copy_bandwidth: float) -> dict:
+    """A backend's steady decode step (its run less its one-token run, over the run's decode steps) beside the
+    floor of such a step on this device (`work`'s bytes at `copy_bandwidth` bytes/s); None without a decode step."""
+    steps = output.answer_mask.shape[1] - 1
+    if steps < 1:
+        return {"first_token_seconds": first_token_seconds, "decode_steps": 0, "decode_step_s": None,
+                "decode_floor_s": None, "decode_vs_floor": None}
+    step_s = (seconds - first_token_seconds) / steps
+    context = mean_decode_context(output.prompt_length, steps)
+    floor_s = work.step_bytes(output.sequences.shape[0], context) / copy_bandwidth
+    return {"first_token_seconds": first_token_seconds, "decode_steps": steps, "decode_step_s": step_s,
+            "decode_floor_s": floor_s, "decode_vs_floor": round(step_s / floor_s, 3)}
+
+
 def static_compiled_summary(results: dict, fast: GenerationOutput, baseline: GenerationOutput,
                             compile_seconds: float) -> dict:
     return {
@@ -208,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(0)
     init_distributed()
+    copy_bandwidth = copy_bandwidth_bytes_per_s(current_device(), args.copy_mib << 20)  # before the model is there
     tokenizer = load_tokenizer(args.model)
     settings = OptimizationSettings(learning_rate=1e-5, num_training_steps=1, zero_stage=args.zero_stage,
                                     dtype=args.dtype, micro_batch_size=args.batch_size, optimizer="torch_adamw")
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = apply_lora(model, args.lora_dim)
     engine = create_train_engine(model, settings)
     generation_dtype = resolve_dtype(args.generation_dtype or args.dtype)
+    work = DecodeWork.of(engine.module, generation_dtype)
     bound_tokens_per_s, matmul_bound_tokens_per_s = (
         round(weight_pass_tokens_per_s(engine.module, args.batch_size, generation_dtype, current_device(), pack), 2)
         for pack in (True, False))
@@ -238,18 +246,23 @@ def main(argv: list[str] | None = None) -> dict:
     if args.static_compiled_baseline:
         generators[STATIC_COMPILED] = static_compiled_generator(args.model, tokenizer, generation_dtype, current_device())
         compile_seconds = round(time_backend(generators[STATIC_COMPILED], ids, mask, config)[0], 3)
+    first_token_config = dataclasses.replace(config, max_new_tokens=1)
     runs: dict[str, list[tuple[float, float | None]]] = {backend: [] for backend in generators}
+    first_token_runs: dict[str, list[float]] = {backend: [] for backend in generators}
     outputs = {}
     for _ in range(args.repeats):
         for backend, generator in generators.items():
             seconds, outputs[backend], peak = time_backend(generator, ids, mask, config)
             runs[backend].append((round(seconds, 3), peak))
+            first_token_runs[backend].append(round(time_backend(generator, ids, mask, first_token_config)[0], 3))
     results = {}
     for backend, timed in runs.items():
         tokens = int(outputs[backend].answer_mask.sum())
         seconds, peak = min(timed, key=lambda run: run[0])
         results[backend] = {"seconds": seconds, "runs_seconds": [s for s, _ in timed], "tokens": tokens,
-                            "tokens_per_s": round(tokens / seconds, 2), "peak_memory_gib": peak}
+                            "tokens_per_s": round(tokens / seconds, 2), "peak_memory_gib": peak,
+                            **decode_figures(seconds, min(first_token_runs[backend]), outputs[backend], work,
+                                             copy_bandwidth)}
     fast = outputs["hybrid"]
     logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config.logprob_temperature)
                      for backend, out in outputs.items()}
@@ -278,6 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
         "weight_pass_matmul_tokens_per_s": matmul_bound_tokens_per_s,
         "hybrid_share_of_weight_pass": round(results["hybrid"]["tokens_per_s"] / bound_tokens_per_s, 3),
         "hf_share_of_weight_pass": round(results["hf"]["tokens_per_s"] / bound_tokens_per_s, 3),
+        "copy_bandwidth_gb_s": round(copy_bandwidth / 1e9, 2),
+        "decode_weight_bytes": work.weight_bytes,
+        "decode_kv_bytes_per_token": work.kv_bytes_per_token,
         "backends": results,
         "identical_sequences": bool(torch.equal(fast.sequences, outputs["hf"].sequences)),
         **(static_compiled_summary(results, fast, outputs[STATIC_COMPILED], compile_seconds)
@@ -286,9 +302,12 @@ def main(argv: list[str] | None = None) -> dict:
         "mean_logprob_diff_vs_train_forward": {backend: error["mean"] for backend, error in logprob_error.items()},
     }
     if is_main_process():
-        print(f"{'backend':<18} {'seconds':>9} {'tokens':>7} {'tokens/s':>9}")
+        print(f"{'backend':<18} {'seconds':>9} {'tokens':>7} {'tokens/s':>9} {'decode ms':>10} {'floor ms':>9} "
+              f"{'x floor':>8}")
         for backend, row in results.items():
-            print(f"{backend:<18} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f}")
+            decode = (f"{row['decode_step_s'] * 1e3:>10.3f} {row['decode_floor_s'] * 1e3:>9.3f} "
+                      f"{row['decode_vs_floor']:>8.2f}" if row["decode_steps"] else "")
+            print(f"{backend:<18} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f} {decode}")
         print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
               f"|logprob - train forward| max / mean: hybrid {logprob_error['hybrid']['max']:.2e} / "
               f"{logprob_error['hybrid']['mean']:.2e}, hf {logprob_error['hf']['max']:.2e} / {logprob_error['hf']['mean']:.2e}")
@@ -299,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s "
               f"({summary['weight_pass_matmul_tokens_per_s']:.2f} with torch.matmul): hybrid reaches "
               f"{summary['hybrid_share_of_weight_pass']:.0%}, hf {summary['hf_share_of_weight_pass']:.0%}")
+        print(f"decode floor: {work.weight_bytes / 1e9:.3f} GB of weights and {work.kv_bytes_per_token} KV bytes per "
+              f"cached token a step, at a copy bandwidth of {summary['copy_bandwidth_gb_s']} GB/s")
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.generation import weight_pass_tokens_per_s
+from bench.decode_floor import attention_widths, kv_cache_bytes, streamed_parameters, weight_pass_tokens_per_s
+from training.core.zero import full_numel, full_shape
 
 ADAM_BYTES_PER_PARAMETER = 28  # read weight, grad, m, v (16) and write weight, m, v (12), fp32
 
@@ -43,14 +44,14 @@ class ModelShape:
     @classmethod
     def of(cls, model: torch.nn.Module, config, lm_head: bool) -> "ModelShape":
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layers, attention_width, kv_width = attention_widths(text)
         embeddings = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Embedding)}
         lm_weight = model.get_output_embeddings().weight if lm_head else None
-        linear = sum(p.numel() for p in model.parameters()
-                     if p.dim() == 2 and id(p) not in embeddings and p is not lm_weight and p.shape[0] > 1)
-        return cls(linear, sum(p.numel() for p in model.parameters() if p.requires_grad), text.num_hidden_layers,
-                   text.hidden_size, heads * head_dim, getattr(text, "num_key_value_heads", heads) * head_dim,
+        # full sizes: under ZeRO-3 a parameter's own shape is empty (`training.core.zero`)
+        linear = sum(full_numel(p) for p in model.parameters() if len(shape := full_shape(p)) == 2
+                     and id(p) not in embeddings and p is not lm_weight and shape[0] > 1)
+        trained = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+        return cls(linear, trained, layers, text.hidden_size, attention_width, kv_width,
                    text.vocab_size if lm_head else 0, next(model.parameters()).element_size())
 
     def forward_flops(self, lengths: list[int], predicted: int) -> float:
@@ -65,7 +66,7 @@ class ModelShape:
 
     def kv_bytes(self, context: int) -> int:
         """The KV cache one row reads per decode step at `context` tokens."""
-        return 2 * self.layers * self.kv_width * context * self.bytes_per_weight
+        return int(kv_cache_bytes(self.layers, self.kv_width, context, self.bytes_per_weight))
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,8 @@ class MachineRates:
         """The rates on `device` over `model`'s weight shapes (only its shapes: the model may live elsewhere)."""
         passes = {rows: rows / weight_pass_tokens_per_s(model, rows, dtype, device, pack)
                   for rows in range(1, max_rows + 1)}
-        # the matrices the weight pass reads: every 2-D weight but an input embedding not tied to the output head
-        input_embedding, output_embedding = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-        streamed = sum(p.numel() for p in model.parameters()
-                       if p.dim() == 2 and (p is not input_embedding or p is output_embedding))
+        # the matrices the weight pass reads
+        streamed = sum(p.numel() for p in streamed_parameters(model) if p.dim() == 2)
         weight_bytes = streamed * torch.empty((), dtype=dtype).element_size()
         return cls(_matmul_flops_per_s(model, tokens, dtype, device), passes, weight_bytes / passes[1])
 

