@@ -30,6 +30,7 @@ from bench.gpu.stages import (
     GpuRunSettings,
     Stage,
     _make_models,
+    build_cuda_graph,
     build_step2_quality,
     build_train,
     select,
@@ -334,3 +335,14 @@ class _ConfigThenKilled(torch.nn.Module):
 
     def save_pretrained(self, folder):
         self.config.save_pretrained(folder)
+
+
+def test_the_cuda_graph_stage_times_both_decode_paths_with_and_without_graphs(tmp_path):
+    folders = _carried(tmp_path, with_weights=False)
+    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), data_dir=folders["data_dir"],
+                                 state_dir=folders["state_dir"]), REPO_ROOT, sys.executable)
+    runs = [command.argv for command in build_cuda_graph(ctx) if "bench/generation.py" in command.argv]
+    assert [Path(argv[argv.index("--output") + 1]).name for argv in runs] == [
+        "generation_smollm2-random_zero3_b8_bf16_cuda_graph.json", "generation_smollm2-random_zero3_b8_bf16_eager.json",
+        "generation_gpt2-random_zero3_b8_bf16_cuda_graph.json", "generation_gpt2-random_zero3_b8_bf16_eager.json"]
+    assert ["--disable_cuda_graph" in argv for argv in runs] == [False, True, False, True]

@@ -242,10 +242,14 @@ def build_generation_7b(ctx: Context) -> Built:
 
 
 def build_cuda_graph(ctx: Context) -> Built:
-    model = str(ctx.model("gpt2-random"))
-    return _with_models(ctx, ["gpt2-random"], [
-        _generation(ctx, model, "gpt2-random", 8, suffix="_cuda_graph"),
-        _generation(ctx, model, "gpt2-random", 8, "--disable_cuda_graph", suffix="_eager")])
+    """Batch 8 with and without `--disable_cuda_graph` on both decode paths: SmolLM2 through the fused Llama
+    path (its own graph per batch bucket), GPT-2's shape through the transformers forward (torch.compile's)."""
+    smollm2, name = ctx.smollm2()
+    gpt2 = str(ctx.model("gpt2-random"))
+    return _with_models(ctx, [name, "gpt2-random"], [
+        _generation(ctx, model, model_name, 8, *flags, suffix=suffix)
+        for model, model_name in ((smollm2, name), (gpt2, "gpt2-random"))
+        for flags, suffix in (((), "_cuda_graph"), (("--disable_cuda_graph",), "_eager"))])
 
 
 def _step3(ctx: Context, actor: str, reward: Path, name: str, num_prompts: int) -> Built:
@@ -311,8 +315,8 @@ STAGES = (
           "NCCL, a PPO step, LoRA, offload (gpu_tests.xml)", ("install",), build_tests),
     Stage("generation", "hybrid engine vs hf vs transformers' static cache + torch.compile, ZeRO-3 bf16, batch 8 "
           "and 64, 128 new tokens", ("embedded",), build_generation),
-    Stage("cuda_graph", "GPT-2 shape: the transformers-forward decode path with and without CUDA graphs",
-          ("install",), build_cuda_graph),
+    Stage("cuda_graph", "batch 8 with and without CUDA graphs: SmolLM2 (the fused Llama path) and GPT-2's shape "
+          "(the transformers-forward path)", ("embedded",), build_cuda_graph),
     Stage("step3", "bench/step3.py at SmolLM2, ZeRO-3 bf16: seconds per PPO step, phases, peak memory",
           ("embedded",), build_step3),
     Stage("step3_1b", "bench/step3.py at TinyLlama-1.1B's shape (random weights), ZeRO-3 bf16",
