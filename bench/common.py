@@ -6,7 +6,6 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import platform
 import resource
 import shlex
 import subprocess
@@ -34,12 +33,17 @@ def child_main(child: list[str]) -> None:
     Path(result_file).write_text(json.dumps({"summary": summary, "peak_memory_gb": peak_kib / 2**20}, default=str))
 
 
-def device_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+def device_name(device=None) -> str:
+    """The GPU's name (`device` a CUDA device), or the CPU's model name, whether it has native bf16, and the
+    threads used."""
+    import torch
+
+    from training.pipeline.hardware import cpu_has_native_bf16, cpu_model_name
+
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    bf16 = "native bf16" if cpu_has_native_bf16() else "no native bf16"
+    return f"{cpu_model_name()} CPU ({bf16}), {torch.get_num_threads()} threads"
 
 
 def print_table(rows: list[dict], columns: tuple[str, ...]) -> None:

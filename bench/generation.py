@@ -40,7 +40,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
-import platform
 import shlex
 import sys
 import time
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.common import device_name  # noqa: E402
 from bench.decode_floor import (  # noqa: E402
     DecodeWork,
     copy_bandwidth_bytes_per_s,
@@ -147,16 +147,6 @@ def logprob_diff_vs_train_forward(module: torch.nn.Module, out: GenerationOutput
     train_logprobs = answer_logprobs(module, out.sequences, out.attention_mask, out.prompt_length, temperature)
     diff = (train_logprobs - out.logprobs).abs()[out.answer_mask.bool()]
     return {"max": float(diff.max()), "mean": float(diff.mean())}
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model name (and whether it has native bf16) with the threads used."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
-    bf16 = "native bf16" if "avx512_bf16" in cpuinfo or "amx_bf16" in cpuinfo else "no native bf16"
-    return f"{names[0] if names else platform.machine()} CPU ({bf16}), {torch.get_num_threads()} threads"
 
 
 def static_compiled_generator(model_name: str, tokenizer, dtype: torch.dtype, device: torch.device) -> HFGenerator:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import REPO_ROOT, print_table, write_report  # noqa: E402
+from bench.common import REPO_ROOT, device_name, print_table, write_report  # noqa: E402
 from bench.step3_work import (  # noqa: E402
     MachineRates,
     ModelShape,
@@ -46,7 +46,6 @@ from bench.step3_work import (  # noqa: E402
 from step3_rlhf.main import parse_args as parse_step3_args  # noqa: E402
 from step3_rlhf.ppo_trainer import PPOTrainer  # noqa: E402
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine  # noqa: E402
-from bench.generation import device_name  # noqa: E402
 from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype  # noqa: E402
 from training.core.optim import OPTIMIZER_CHOICES  # noqa: E402
 from training.generation.cpu_linear import onednn_packing_available  # noqa: E402

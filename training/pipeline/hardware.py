@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,26 @@ class Hardware:
 def cpu_cores() -> int:
     """The CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (what `platform` knows where there is none)."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU has bf16 instructions (AVX512-BF16 or AMX), per /proc/cpuinfo's flags."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(_cpuinfo_field("flags").split()))
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The first value of `name` in /proc/cpuinfo ('' where there is none)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return ""
 
 
 def detect_hardware() -> Hardware:

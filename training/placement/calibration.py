@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from typing import Callable
 import torch
 
 from training.generation.cpu_linear import LinearWeight
-from training.pipeline.hardware import GIB
+from training.pipeline.hardware import GIB, cpu_model_name
 from training.placement.machine import MachineSpec
 from training.placement.microbench import (
     QUICK,
@@ -228,16 +227,9 @@ def calibrate(dtype: str, threads: int, world_size: int, quick: bool = False) ->
     return machine if quick else replace(machine, **profile_corrections(machine, dtype, threads, world_size))
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
-
-
 def save_calibration(machine: MachineSpec, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"machine": asdict(machine), "cpu_model": cpu_model(), "torch": torch.__version__,
+    record = {"machine": asdict(machine), "cpu_model": cpu_model_name(), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(record, indent=2) + "\n")
