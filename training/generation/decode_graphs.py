@@ -42,7 +42,9 @@ class BucketedDecodeSteps:
         self.buffers = buffers
         self.capture = capture
         self.buckets = bucket_sizes(rows)
-        fused.rope_tables(length)  # every position a step can reach (positions never exceed their column)
+        # every position a step can reach (positions never exceed their column); held here, so that the tables a
+        # graph reads stay allocated even if the model later makes longer ones
+        self.rope = fused.rope_tables(length)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
