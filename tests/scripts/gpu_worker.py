@@ -8,6 +8,7 @@ Each check asserts on the GPU what the CPU tests assert on CPU, through the same
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 import torch.distributed as torch_dist
@@ -64,11 +65,26 @@ def cuda_graph(model_path: str) -> None:
             assert step_model.graphed_steps.capture and len(buckets) > 1, f"graphs captured for buckets {buckets}"
         else:
             assert not step_model.shrinks, "the CUDA-graph decode path was not taken"
+        syncs = device_syncs(lambda: graphed.generate(*prompt_batch(tokenizer, PROMPTS),
+                                                      greedy_config(tokenizer, max_new_tokens=16)))
+        assert syncs <= 16 + 12, f"{syncs} device syncs in 16 decode steps: one a step, a few around them"
         ids, mask = prompt_batch(tokenizer, PROMPTS)
         with_graphs = graphed.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))
     without = eager.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))
     assert torch.equal(with_graphs.sequences, without.sequences)
     torch.testing.assert_close(with_graphs.logprobs, without.logprobs, rtol=0, atol=1e-5)
+
+
+def device_syncs(work) -> int:
+    """How many times `work` made the host wait for the GPU (torch's sync debug mode warns at each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
 
 
 def train_steps(model_path: str, stage: str, dtype: str, optimizer: str, offload: str) -> None:

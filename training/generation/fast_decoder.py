@@ -288,26 +288,29 @@ class KVCacheDecoder:
         logprobs = torch.zeros(batch, new_tokens, dtype=torch.float32, device=self.device)
         rows = torch.arange(batch, device=self.device)  # original row of each running row
         alive = torch.ones(batch, dtype=torch.bool, device=self.device)
+        live = batch  # rows still going: the one number a step reads back from the device
         for step in range(new_tokens):
             tokens = select_next_tokens(logits, config, generator)
             if self.sync_tokens is not None:
                 tokens = self.sync_tokens(tokens)
-            answers[rows[alive], step] = tokens[alive]
-            logprobs[rows[alive], step] = token_logprobs(logits[alive], tokens[alive], config.logprob_temperature)
+            # every running row is written (a finished one's pad and 0 again): a boolean-mask index would wait for
+            # the device to count the rows
+            answers[rows, step] = torch.where(alive, tokens, config.pad_token_id)
+            logprobs[rows, step] = torch.where(alive, token_logprobs(logits, tokens, config.logprob_temperature), 0.0)
             running = alive.clone() if on_finished is not None else alive
             alive &= tokens != config.eos_token_id
-            done = step == new_tokens - 1 or not bool(alive.any())
+            were_live, live = live, int(alive.sum())
+            done = step == new_tokens - 1 or live == 0
             if self.sync_done is not None:
                 done = self.sync_done(done)
-            if on_finished is not None:
+            if on_finished is not None and (were_live if done else were_live - live) > 0:
                 ended = running if done else running & ~alive
-                if bool(ended.any()):
-                    self._hand_over(on_finished, rows[ended], input_ids, attention_mask, answers[:, :step + 1],
-                                    logprobs[:, :step + 1], config)
+                self._hand_over(on_finished, rows[ended], input_ids, attention_mask, answers[:, :step + 1],
+                                logprobs[:, :step + 1], config)
             if done:
                 break
-            if self.model.shrinks and not bool(alive.all()):
-                keep = alive.nonzero().squeeze(-1) if bool(alive.any()) else alive.new_zeros(1, dtype=torch.long)
+            if self.model.shrinks and live < alive.numel():
+                keep = alive.nonzero().squeeze(-1) if live else alive.new_zeros(1, dtype=torch.long)
                 rows, alive, tokens, next_position, mask = rows[keep], alive[keep], tokens[keep], next_position[keep], mask[keep]
                 self.model.keep_rows(keep)
             column = prompt_len + step
