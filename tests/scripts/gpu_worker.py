@@ -65,8 +65,9 @@ def cuda_graph(model_path: str) -> None:
             assert step_model.graphed_steps.capture and len(buckets) > 1, f"graphs captured for buckets {buckets}"
         else:
             assert not step_model.shrinks, "the CUDA-graph decode path was not taken"
-        decode = lambda: graphed.generate(*prompt_batch(tokenizer, PROMPTS),  # noqa: E731
-                                          greedy_config(tokenizer, max_new_tokens=16))
+        def decode() -> None:
+            graphed.generate(*prompt_batch(tokenizer, PROMPTS), greedy_config(tokenizer, max_new_tokens=16))
+
         decode()  # its buckets captured (a capture synchronizes) before the syncs are counted
         syncs = device_syncs(decode)
         assert syncs <= 16 + 12, f"{syncs} device syncs in 16 decode steps: one a step, a few around them"
