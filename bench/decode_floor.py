@@ -31,6 +31,12 @@ def streamed_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             if "lora_" not in name and (p is not input_embedding or p is output_embedding)]
 
 
+def streamed_matrix_shapes(model: torch.nn.Module) -> list[tuple[int, ...]]:
+    """The full (ZeRO-3: `ds_shape`) shapes of the weight matrices among `streamed_parameters`: what a weight pass
+    multiplies by."""
+    return [shape for shape in map(full_shape, streamed_parameters(model)) if len(shape) == 2]
+
+
 def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: torch.dtype, device: torch.device,
                              pack: bool, repeats: int = 4) -> float:
     """Tokens/s of a decode step that did nothing but one batch-row product with each weight matrix,
@@ -38,7 +44,7 @@ def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: tor
 
     Only the shapes matter, so the matrices are fresh tensors of the model's full (ZeRO-3: `ds_shape`) weight
     shapes; the model is neither gathered nor loaded again."""
-    shapes = [shape for shape in map(full_shape, streamed_parameters(model)) if len(shape) == 2]
+    shapes = streamed_matrix_shapes(model)
     matrices = [LinearWeight(torch.randn(shape, dtype=dtype, device=device), pack=pack) for shape in shapes]
     inputs = {width: torch.randn(batch_size, width, dtype=dtype, device=device) for width in {s[1] for s in shapes}}
     best = float("inf")

@@ -17,12 +17,13 @@ A phase floor is the larger of its FLOP time and its byte time, summed over deco
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from bench.decode_floor import attention_widths, kv_cache_bytes, streamed_parameters, weight_pass_tokens_per_s
+from bench.decode_floor import attention_widths, kv_cache_bytes, streamed_matrix_shapes, weight_pass_tokens_per_s
 from training.core.zero import full_numel, full_shape
 
 ADAM_BYTES_PER_PARAMETER = 28  # read weight, grad, m, v (16) and write weight, m, v (12), fp32
@@ -81,8 +82,7 @@ class MachineRates:
         """The rates on `device` over `model`'s weight shapes (only its shapes: the model may live elsewhere)."""
         passes = {rows: rows / weight_pass_tokens_per_s(model, rows, dtype, device, pack)
                   for rows in range(1, max_rows + 1)}
-        # the matrices the weight pass reads
-        streamed = sum(p.numel() for p in streamed_parameters(model) if p.dim() == 2)
+        streamed = sum(math.prod(shape) for shape in streamed_matrix_shapes(model))
         weight_bytes = streamed * torch.empty((), dtype=dtype).element_size()
         return cls(_matmul_flops_per_s(model, tokens, dtype, device), passes, weight_bytes / passes[1])
 
