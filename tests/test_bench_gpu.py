@@ -184,10 +184,15 @@ def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
 
 
-def test_step2_quality_trains_on_the_pairs_with_a_held_out_split_and_brings_back_its_reports(tmp_path):
+def _carried_context(tmp_path: Path, **settings) -> Context:
+    """The runner's context over folders as prepare leaves them (no weight parts), nothing made yet."""
     folders = _carried(tmp_path, with_weights=False)
-    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), data_dir=folders["data_dir"],
-                                 state_dir=folders["state_dir"], step2_epochs=4), REPO_ROOT, sys.executable)
+    return Context(GpuRunSettings(output=str(tmp_path / "out"), data_dir=folders["data_dir"],
+                                  state_dir=folders["state_dir"], **settings), REPO_ROOT, sys.executable)
+
+
+def test_step2_quality_trains_on_the_pairs_with_a_held_out_split_and_brings_back_its_reports(tmp_path):
+    ctx = _carried_context(tmp_path, step2_epochs=4)
     assert "real SmolLM2 weights" in build_step2_quality(ctx), "random weights would say nothing of its accuracy"
     ctx.embedded_path_file.parent.mkdir(parents=True)
     ctx.embedded_path_file.write_text("/machine/smollm2\n")
@@ -309,9 +314,7 @@ def test_a_model_write_cut_short_leaves_no_folder_the_runner_takes_as_made(tiny_
     """The runner skips a model whose folder has a config.json; a write killed after the config (the call's time
     limit) must not leave one, or every later call would benchmark a folder without weights."""
     from bench import random_model
-    folders = _carried(tmp_path, with_weights=False)
-    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), data_dir=folders["data_dir"],
-                                 state_dir=folders["state_dir"]), REPO_ROOT, sys.executable)
+    ctx = _carried_context(tmp_path)
     target, reference = ctx.model("gpt2-random"), tiny_model_dir("llama")
 
     def killed(*args, **kwargs):
@@ -338,9 +341,7 @@ class _ConfigThenKilled(torch.nn.Module):
 
 
 def test_the_cuda_graph_stage_times_both_decode_paths_with_and_without_graphs(tmp_path):
-    folders = _carried(tmp_path, with_weights=False)
-    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), data_dir=folders["data_dir"],
-                                 state_dir=folders["state_dir"]), REPO_ROOT, sys.executable)
+    ctx = _carried_context(tmp_path)
     runs = [command.argv for command in build_cuda_graph(ctx) if "bench/generation.py" in command.argv]
     assert [Path(argv[argv.index("--output") + 1]).name for argv in runs] == [
         "generation_smollm2-random_zero3_b8_bf16_cuda_graph.json", "generation_smollm2-random_zero3_b8_bf16_eager.json",

@@ -3,9 +3,9 @@
 A stage's commands are built when the stage starts, from what earlier stages (and earlier calls on the same
 warm machine) left in the state folder: the real SmolLM2 weights once their parts have all arrived and been
 joined, random weights of SmolLM2's shape until then. A benchmark stage first makes the model folders it needs
-that are not there yet (random weights of a shape, value models for step 3), once per machine. A stage that cannot run yet says why instead. Every
-builder is idempotent and cheap when there is nothing left to do, so a stage's prerequisites (and theirs) simply
-run first.
+that are not there yet (random weights of a shape, value models for step 3), once per machine. A stage that cannot
+run yet says why instead. Every builder is idempotent and cheap when there is nothing left to do, so a stage's
+prerequisites (and theirs) simply run first.
 This module imports nothing of the project: it runs before DeepSpeed is installed.
 """
 from __future__ import annotations
