@@ -17,6 +17,7 @@ from scripts.hybrid_engine_worker import (
     check_lora_merge,
     check_parity,
     greedy_config,
+    hybrid_engine,
     modes_architectures,
     prompt_batch,
     train_mode_logprobs,
@@ -35,16 +36,12 @@ from training.generation.hybrid_engine import (
 from utils.dist import free_port
 
 
-def _hybrid(engine, **kwargs):
-    return HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1, **kwargs))
-
-
 @pytest.mark.parametrize(
     "arch,stage", [("llama", 0), ("llama", 2), ("llama", 3), ("gpt2", 2), ("gpt2", 3), ("opt", 0), ("opt", 3)]
 )
 def test_greedy_equals_hf_and_logprobs_equal_train_forward(distributed, tiny_model_dir, arch, stage):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage)
-    fast = check_parity(engine, _hybrid(engine), tokenizer, PROMPTS)
+    fast = check_parity(engine, hybrid_engine(engine), tokenizer, PROMPTS)
     lengths = fast.answer_mask.sum(-1)
     assert lengths.min() < lengths.max(), "rows should finish at different steps (batch shrinking exercised)"
     assert fast.sequences.shape[1] == fast.prompt_length + lengths.max()
@@ -66,7 +63,7 @@ def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage=3)
     outputs = {}
     for packing in (True, False):
-        hybrid = _hybrid(engine, onednn_packing=packing)
+        hybrid = hybrid_engine(engine, onednn_packing=packing)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="training.generation.hybrid_engine"), hybrid.generate_mode():
             packed = _packed_linears(hybrid)
@@ -80,14 +77,14 @@ def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3)])
 def test_lora_is_merged_for_generation_and_training_weights_stay_untouched(distributed, tiny_model_dir, arch, stage):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch)
-    check_lora_merge(engine, _hybrid(engine), tokenizer)
+    check_lora_merge(engine, hybrid_engine(engine), tokenizer)
 
 
 def test_sampled_logprobs_are_those_of_the_tempered_distribution_and_seeded_runs_repeat(distributed, tiny_model_dir):
     """Tokens drawn at temperature 0.7 report log_softmax(logits / 0.7)[token], as the train forward gives it at
     that temperature, in both backends; top-k/top-p only change which tokens may be drawn."""
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=3)
-    hybrid = _hybrid(engine)
+    hybrid = hybrid_engine(engine)
     ids, mask = prompt_batch(tokenizer, PROMPTS)
     config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=0.7, top_p=0.9, top_k=20, seed=3,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -109,7 +106,7 @@ def test_rows_are_handed_over_once_each_as_they_end(distributed, tiny_model_dir,
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage=0)
     with torch.no_grad():  # EOS likely at some positions: answers end at scattered steps
         engine.module.get_output_embeddings().weight[tokenizer.eos_token_id] *= 40.0
-    hybrid = _hybrid(engine)
+    hybrid = hybrid_engine(engine)
     ids, mask = prompt_batch(tokenizer, PROMPTS)
     config = GenerationConfig(max_new_tokens=16, do_sample=True, seed=0, num_return_sequences=samples,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -132,7 +129,7 @@ def test_rows_are_handed_over_once_each_as_they_end(distributed, tiny_model_dir,
 
 def test_left_padding_does_not_change_an_answer(distributed, tiny_model_dir):
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
-    hybrid = _hybrid(engine)
+    hybrid = hybrid_engine(engine)
     config = greedy_config(tokenizer)
     alone = hybrid.generate(*prompt_batch(tokenizer, PROMPTS[1:2]), config)
     in_batch = hybrid.generate(*prompt_batch(tokenizer, PROMPTS[:2]), config)
@@ -141,7 +138,7 @@ def test_left_padding_does_not_change_an_answer(distributed, tiny_model_dir):
 
 def test_bf16_engine_parity(distributed, tiny_model_dir):
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=2, dtype="bf16")
-    hybrid = _hybrid(engine)
+    hybrid = hybrid_engine(engine)
     ids, mask = prompt_batch(tokenizer, PROMPTS)
     fast = hybrid.generate(ids, mask, greedy_config(tokenizer))
     assert hybrid.dtype == torch.bfloat16
@@ -153,12 +150,12 @@ def test_bf16_generation_samples_from_the_trained_distribution_at_positions_past
     """Tolerance: total-variation distance between the hybrid engine's next-token distribution and the
     train forward's, over 32 sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at
     worst (measured: ~5e-5 and ~3e-3; RoPE's inv_freq rounded to bf16 gave 0.03 on average)."""
-    check_long_position_parity(tiny_model_dir(arch, **LONG_POSITION_MODEL), "bf16", _hybrid)
+    check_long_position_parity(tiny_model_dir(arch, **LONG_POSITION_MODEL), "bf16", hybrid_engine)
 
 
 def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=3)
-    check_parity(engine, _hybrid(engine, unpin_actor_parameters=True), tokenizer, PROMPTS)
+    check_parity(engine, hybrid_engine(engine, unpin_actor_parameters=True), tokenizer, PROMPTS)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -166,7 +163,7 @@ def test_generate_mode_leaves_no_trace(distributed, tiny_model_dir, stage):
     path = tiny_model_dir("gpt2")
     with_generation, tokenizer = build_engine(path, stage)
     without_generation, _ = build_engine(path, stage)
-    hybrid = _hybrid(with_generation)
+    hybrid = hybrid_engine(with_generation)
     ids, mask = prompt_batch(tokenizer, PROMPTS)
     sampling = GenerationConfig(max_new_tokens=8, seed=0, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id)
@@ -190,13 +187,13 @@ def test_generate_mode_leaves_no_trace(distributed, tiny_model_dir, stage):
 def test_kv_cache_is_kept_between_rollouts_unless_released(distributed, tiny_model_dir):
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
     ids, mask = prompt_batch(tokenizer, PROMPTS)
-    kept = _hybrid(engine)
+    kept = hybrid_engine(engine)
     kept.generate(ids, mask, greedy_config(tokenizer))
     cache = kept.kv_cache.cache
     assert cache is not None and not kept.in_generate_mode
     kept.generate(ids[:3], mask[:3], greedy_config(tokenizer, max_new_tokens=6))
     assert kept.kv_cache.cache is cache, "a smaller rollout must reuse the cache"
-    released = _hybrid(engine, release_inference_cache=True)
+    released = hybrid_engine(engine, release_inference_cache=True)
     released.generate(ids, mask, greedy_config(tokenizer))
     assert released.kv_cache.cache is None
 

@@ -19,20 +19,16 @@ from scripts.hybrid_engine_worker import (
     check_lora_merge,
     check_parity,
     greedy_config,
+    hybrid_engine,
     prompt_batch,
 )
 
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.optim import resolve_optimizer_kind
-from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 from utils.dist import init_distributed
 
 TRAIN_STEPS = 12
-
-
-def hybrid(engine, **settings) -> HybridEngine:
-    return HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1, **settings))
 
 
 def on_cuda(engine) -> None:
@@ -41,7 +37,7 @@ def on_cuda(engine) -> None:
 
 def long_positions(model_path: str, dtype: str) -> None:
     """bf16 / fp16: the distributions sampled from at positions 520-551 are the train forward's."""
-    distances = check_long_position_parity(model_path, dtype, hybrid)
+    distances = check_long_position_parity(model_path, dtype, hybrid_engine)
     print(f"total variation mean {distances.mean():.2e} max {distances.max():.2e}")
 
 
@@ -49,14 +45,14 @@ def greedy(model_path: str, stage: str) -> None:
     """fp32: greedy tokens equal the hf backend's, log-probs the train forward's within 1e-4."""
     engine, tokenizer = build_engine(model_path, int(stage))
     on_cuda(engine)
-    check_parity(engine, hybrid(engine), tokenizer, PROMPTS)
+    check_parity(engine, hybrid_engine(engine), tokenizer, PROMPTS)
 
 
 def cuda_graph(model_path: str) -> None:
     """The decode path captured as CUDA graphs (fused Llama: one graph per batch bucket; the transformers forward:
     torch.compile's) gives the eager path's tokens and log-probs, and passes `check_parity` itself."""
     engine, tokenizer = build_engine(model_path, stage=3)
-    graphed, eager = hybrid(engine, cuda_graph=True), hybrid(engine, cuda_graph=False)
+    graphed, eager = hybrid_engine(engine, cuda_graph=True), hybrid_engine(engine, cuda_graph=False)
     with graphed.generate_mode():
         step_model = graphed._decoder.model
         check_parity(engine, graphed, tokenizer, PROMPTS)
@@ -65,6 +61,7 @@ def cuda_graph(model_path: str) -> None:
             assert step_model.graphed_steps.capture and len(buckets) > 1, f"graphs captured for buckets {buckets}"
         else:
             assert not step_model.shrinks, "the CUDA-graph decode path was not taken"
+
         def decode() -> None:
             graphed.generate(*prompt_batch(tokenizer, PROMPTS), greedy_config(tokenizer, max_new_tokens=16))
 
@@ -132,7 +129,7 @@ def lora(model_path: str, arch: str) -> None:
     """LoRA at ZeRO-3: the adapters are folded into the generation copy, the training weights stay untouched."""
     engine, tokenizer = build_engine(model_path, stage=3, lora_arch=arch)
     on_cuda(engine)
-    check_lora_merge(engine, hybrid(engine), tokenizer)
+    check_lora_merge(engine, hybrid_engine(engine), tokenizer)
 
 
 CHECKS = {"long_positions": long_positions, "greedy": greedy, "cuda_graph": cuda_graph, "train_steps": train_steps,

@@ -53,6 +53,11 @@ def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtyp
     return engine, tokenizer
 
 
+def hybrid_engine(engine, **settings) -> HybridEngine:
+    """The hybrid engine the checks run, gathering every ZeRO-3 parameter group at once."""
+    return HybridEngine(engine, HybridEngineSettings(enable=True, tp_gather_partition_size=1, **settings))
+
+
 def train_step(engine, tokenizer, texts=PROMPTS[:2]) -> float:
     tokenizer.padding_side = "right"
     enc = tokenizer(list(texts), return_tensors="pt", padding=True)
