@@ -1,7 +1,7 @@
-"""The fused Llama path's bucketed static decode steps (`BucketedDecodeSteps`, captured as CUDA graphs on a GPU)
-run eagerly on CPU: the dynamic steps' tokens and log-probs as rows finish and the batch moves down the buckets,
-with K continuations per prompt, after a longer decode on the same cache, and in bf16 past position 500 against
-the train forward. The graphs themselves are checked by `pytest -m gpu` (tests/test_gpu.py)."""
+"""The fused Llama path's bucketed static decode steps (`BucketedDecodeSteps`, captured as CUDA graphs on a GPU,
+with the token choice inside) run eagerly on CPU: the dynamic steps' tokens and log-probs as rows finish and the
+batch moves down the buckets, with K continuations per prompt, after a longer decode on the same cache, under
+each sampling setting, and in bf16 past position 500 against the train forward. The graphs themselves are checked by `pytest -m gpu` (tests/test_gpu.py)."""
 import pytest
 import torch
 from scripts.hybrid_engine_worker import LONG_POSITION_MODEL, PROMPTS, check_long_position_parity, prompt_batch
@@ -47,7 +47,7 @@ def test_bucketed_steps_decode_as_the_dynamic_steps_while_the_batch_shrinks(tiny
     assert lengths.min() < lengths.max(), "rows should end at different steps"
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(out.logprobs, expected.logprobs, rtol=0, atol=atol)
-    used = sorted(bucketed.model.graphed_steps.runners)
+    used = bucketed.model.graphed_steps.buckets_used
     assert len(used) > 1 and used[-1] == len(PROMPTS) * samples, f"the batch never moved down a bucket: {used}"
 
 
@@ -65,6 +65,22 @@ def test_a_shorter_decode_after_a_longer_one_on_the_same_cache(tiny_model_dir):
     expected = dynamic.decode(ids, mask, config)
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(out.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+
+
+def test_each_token_choice_gets_its_own_steps(tiny_model_dir):
+    """The token choice (greedy, temperature, top-k, top-p) runs inside the bucketed step, as in its graph: decodes
+    with other settings on the same cache draw as the dynamic steps do, each through steps of its own (steps kept
+    per bucket alone would choose every later decode's tokens the first one's way)."""
+    dynamic, bucketed, tokenizer = _decoders(tiny_model_dir("llama"), torch.float32)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    common = dict(max_new_tokens=12, seed=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    configs = [GenerationConfig(do_sample=False, **common), GenerationConfig(temperature=0.7, top_k=5, **common),
+               GenerationConfig(top_p=0.8, **common)]
+    for config in configs:
+        expected, out = dynamic.decode(ids, mask, config), bucketed.decode(ids, mask, config)
+        assert torch.equal(out.sequences, expected.sequences), config
+        torch.testing.assert_close(out.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+    assert len({choice for _, choice in bucketed.model.graphed_steps.runners}) == len(configs)
 
 
 def test_bf16_bucketed_steps_sample_from_the_trained_distribution_past_position_500(distributed, tiny_model_dir,

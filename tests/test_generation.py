@@ -14,15 +14,20 @@ from training.core.sequences import (
 from training.generation.generator import (
     GenerationConfig,
     HFGenerator,
+    TokenChoice,
     answer_mask_from_tokens,
     assemble_output,
-    select_next_tokens,
 )
 from training.generation.hybrid_engine import HybridEngineSettings
 
 
 def _config(**kwargs) -> GenerationConfig:
     return GenerationConfig(**{"max_new_tokens": 4, "eos_token_id": 2, "pad_token_id": 0, **kwargs})
+
+
+def select_next_tokens(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None):
+    choice = TokenChoice.of(config)
+    return choice.select(logits, choice.uniforms(logits.shape[0], logits.device, generator))
 
 
 def test_positions_count_real_tokens_only():

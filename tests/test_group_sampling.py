@@ -38,9 +38,9 @@ class PrefillCounter:
     def repeat_rows(self, k: int) -> None:
         self.inner.repeat_rows(k)
 
-    def step(self, tokens, mask, positions, column) -> torch.Tensor:
+    def step(self, tokens, *args) -> tuple[torch.Tensor, torch.Tensor]:
         self.step_rows.append(tokens.shape[0])
-        return self.inner.step(tokens, mask, positions, column)
+        return self.inner.step(tokens, *args)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         self.inner.keep_rows(keep)

@@ -7,6 +7,7 @@ Each check asserts on the GPU what the CPU tests assert on CPU, through the same
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 
@@ -49,15 +50,16 @@ def greedy(model_path: str, stage: str) -> None:
 
 
 def cuda_graph(model_path: str) -> None:
-    """The decode path captured as CUDA graphs (fused Llama: one graph per batch bucket; the transformers forward:
-    torch.compile's) gives the eager path's tokens and log-probs, and passes `check_parity` itself."""
+    """The decode path captured as CUDA graphs (fused Llama: one graph per batch bucket, the token choice inside;
+    the transformers forward: torch.compile's) gives the eager path's tokens and log-probs, greedy and sampled,
+    and passes `check_parity` itself."""
     engine, tokenizer = build_engine(model_path, stage=3)
     graphed, eager = hybrid_engine(engine, cuda_graph=True), hybrid_engine(engine, cuda_graph=False)
     with graphed.generate_mode():
         step_model = graphed._decoder.model
         check_parity(engine, graphed, tokenizer, PROMPTS)
         if hasattr(step_model, "fused"):
-            buckets = sorted(step_model.graphed_steps.runners)
+            buckets = step_model.graphed_steps.buckets_used
             assert step_model.graphed_steps.capture and len(buckets) > 1, f"graphs captured for buckets {buckets}"
         else:
             assert not step_model.shrinks, "the CUDA-graph decode path was not taken"
@@ -69,10 +71,14 @@ def cuda_graph(model_path: str) -> None:
         syncs = device_syncs(decode)
         assert syncs <= 16 + 12, f"{syncs} device syncs in 16 decode steps: one a step, a few around them"
         ids, mask = prompt_batch(tokenizer, PROMPTS)
-        with_graphs = graphed.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))
-    without = eager.generate(ids, mask, greedy_config(tokenizer, max_new_tokens=16))
-    assert torch.equal(with_graphs.sequences, without.sequences)
-    torch.testing.assert_close(with_graphs.logprobs, without.logprobs, rtol=0, atol=1e-5)
+        configs = [greedy_config(tokenizer, max_new_tokens=16),
+                   dataclasses.replace(greedy_config(tokenizer, max_new_tokens=16), do_sample=True, temperature=0.8,
+                                       top_k=20, top_p=0.9, seed=0)]
+        with_graphs = [graphed.generate(ids, mask, config) for config in configs]
+    for config, graphed_out in zip(configs, with_graphs):  # sampled: the same uniform numbers drawn on both paths
+        without = eager.generate(ids, mask, config)
+        assert torch.equal(graphed_out.sequences, without.sequences), config
+        torch.testing.assert_close(graphed_out.logprobs, without.logprobs, rtol=0, atol=1e-5)
 
 
 def device_syncs(work) -> int:

@@ -21,7 +21,7 @@ from training.core.engine import OptimizationSettings
 from training.core.lora import apply_lora
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.sequences import answer_logits, answer_logprobs
-from training.generation.generator import GenerationConfig, HFGenerator
+from training.generation.generator import GenerationConfig, HFGenerator, TokenChoice
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 
 LORA_MODULE_NAMES = {"llama": "layers.", "qwen2": "layers.", "mistral": "layers.", "gpt2": "h.", "opt": "decoder.layers."}
@@ -143,21 +143,44 @@ def check_lora_merge(engine, hybrid, tokenizer) -> None:
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordingChoice(TokenChoice):
+    """A token choice that first copies the step's logits into `seen`: a copy into a buffer, which a captured
+    graph replays at every step (a Python-side append would run at capture only)."""
+
+    seen: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+
+    def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen[:logits.shape[0]].copy_(logits)
+        return super().__call__(logits, uniforms)
+
+
 class LogitsRecorder:
-    """Stands in for a decoder's step model and keeps the logits of every step ([B, V] each, fp32)."""
+    """Stands in for a decoder's step model (of one decode) and keeps the logits of every step ([B, V] each,
+    fp32): the prefill's as it returns them, each step's through a `RecordingChoice`."""
 
     def __init__(self, inner):
         self.inner, self.shrinks, self.logits = inner, inner.shrinks, []
-
-    def _keep(self, logits: torch.Tensor) -> torch.Tensor:
-        self.logits.append(logits.float().clone())
-        return logits
+        self.seen: torch.Tensor | None = None
+        self.dtype = torch.float32  # of the model's logits
 
     def prefill(self, *args) -> torch.Tensor:
-        return self._keep(self.inner.prefill(*args))
+        logits = self.inner.prefill(*args)
+        self.logits.append(logits.float().clone())
+        self.dtype = logits.dtype
+        return logits
 
-    def step(self, *args) -> torch.Tensor:
-        return self._keep(self.inner.step(*args))
+    def repeat_rows(self, k: int) -> None:
+        self.inner.repeat_rows(k)
+
+    def step(self, tokens, mask, positions, column, choose: TokenChoice, uniforms):
+        if self.seen is None:  # the first step has the most rows: the batch only shrinks
+            self.seen = torch.empty(tokens.shape[0], self.logits[0].shape[-1], dtype=self.dtype, device=tokens.device)
+        recording = RecordingChoice(**{f.name: getattr(choose, f.name) for f in dataclasses.fields(TokenChoice)},
+                                    seen=self.seen)
+        chosen = self.inner.step(tokens, mask, positions, column, recording, uniforms)
+        self.logits.append(self.seen[:tokens.shape[0]].float().clone())
+        return chosen
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         self.inner.keep_rows(keep)

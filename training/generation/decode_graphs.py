@@ -4,7 +4,11 @@ An eager decode step of a small model on a GPU is bound by kernel launches and P
 30 layers issue several hundred kernels a step. A CUDA graph replays a recorded step's kernels with one launch,
 on the same addresses every time, so everything a step reads or writes lives in buffers allocated once: the
 token, position and attention-mask inputs (copied in before each replay), the column the new keys and values go
-to (a one-element tensor, not a Python int), the KV buffers, and the logits the graph leaves behind.
+to (a one-element tensor, not a Python int), the uniform numbers a draw reads, the KV buffers, and the tokens and
+log-probs the graph leaves behind. The step's token choice (`TokenChoice`: temperature, top-k/top-p filtering, the
+inverse-CDF draw and the drawn token's log-prob, some fifteen kernels more) is captured with the forward, so a
+step is one replay; only the uniform numbers are drawn outside (one kernel, from the decode's own generator, the
+same numbers the eager path draws). A graph is kept per bucket and choice.
 
 Rows that finish leave the running batch as on every path (the decoder compacts their cache rows to the front),
 so the batch shrinks while a graph's shape is fixed: the step runs on the smallest bucket (a power of two, or
@@ -22,6 +26,9 @@ from typing import Callable
 import torch
 
 from training.generation.fused_llama import FusedKVBuffers, FusedLlama
+from training.generation.generator import TokenChoice
+
+Choice = tuple[torch.Tensor, torch.Tensor]  # tokens [n] and their log-probs [n]
 
 
 def bucket_sizes(rows: int) -> list[int]:
@@ -49,7 +56,12 @@ class BucketedDecodeSteps:
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.attend = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device)
-        self.runners: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> the step over its rows, as logits
+        self.uniforms = torch.zeros(rows, 1, dtype=torch.float64, device=device)
+        self.runners: dict[tuple[int, TokenChoice], Callable[[], Choice]] = {}  # the step over a bucket's rows
+
+    @property
+    def buckets_used(self) -> list[int]:
+        return sorted({bucket for bucket, _ in self.runners})
 
     def reset(self) -> None:
         """Forget the masks of the previous decode (a prompt of another length leaves other columns set); every
@@ -57,38 +69,45 @@ class BucketedDecodeSteps:
         self.attend.zero_()
         self.attend[..., 0] = True
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, column: int) -> torch.Tensor:
-        """Logits [n, V] for the n live rows: `tokens` [n], `positions` [n, 1], `mask` [n, W] (W ≤ T), the new
-        tokens written at `column`. The result is the graph's own output: valid until the next step."""
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, column: int,
+                 choose: TokenChoice, uniforms: torch.Tensor | None) -> Choice:
+        """The next tokens and their log-probs for the n live rows: `tokens` [n], `positions` [n, 1], `mask`
+        [n, W] (W ≤ T), the new tokens written at `column`, chosen by `choose` at `uniforms` [n, 1]. The results
+        are the graph's own outputs: valid until the next step."""
         live = tokens.shape[0]
         bucket = next(size for size in self.buckets if size >= live)
         self.tokens[:live, 0].copy_(tokens)
         self.positions[:live].copy_(positions)
         self.attend[:live, 0, 0, :mask.shape[1]].copy_(mask.bool())
         self.column.fill_(column)
-        if bucket not in self.runners:
-            self.runners[bucket] = self._graphed(bucket) if self.capture else lambda: self._step(bucket)
-        return self.runners[bucket]()[:live]
+        if uniforms is not None:
+            self.uniforms[:live].copy_(uniforms)
+        key = (bucket, choose)
+        if key not in self.runners:
+            self.runners[key] = self._graphed(bucket, choose) if self.capture else lambda: self._step(bucket, choose)
+        chosen, logprobs = self.runners[key]()
+        return chosen[:live], logprobs[:live]
 
-    def _step(self, bucket: int) -> torch.Tensor:
+    def _step(self, bucket: int, choose: TokenChoice) -> Choice:
         rows = FusedKVBuffers(self.buffers.keys[:, :bucket], self.buffers.values[:, :bucket])
-        return self.fused.forward(self.tokens[:bucket], self.positions[:bucket], rows, self.column,
-                                  self.attend[:bucket])
+        logits = self.fused.forward(self.tokens[:bucket], self.positions[:bucket], rows, self.column,
+                                    self.attend[:bucket])
+        return choose(logits, self.uniforms[:bucket] if choose.do_sample else None)
 
-    def _graphed(self, bucket: int) -> Callable[[], torch.Tensor]:
+    def _graphed(self, bucket: int, choose: TokenChoice) -> Callable[[], Choice]:
         """Capture the bucket's step (after one eager run on a side stream, which initialises the kernels' lazy
         state outside the capture; it writes the same keys and values the replay will) in its own memory pool."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._step(bucket)
+            self._step(bucket, choose)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self._step(bucket)
+            chosen = self._step(bucket, choose)
 
-        def replay() -> torch.Tensor:
+        def replay() -> Choice:
             graph.replay()
-            return logits
+            return chosen
 
         return replay

@@ -14,7 +14,8 @@ each prompt's cached columns into K consecutive rows in place (prompt-major, row
 prompt i) before the first token is drawn; then the B*K rows decode as any batch does.
 
 On CUDA, with `cuda_graph=True`, decode steps replay CUDA graphs. `FusedCachedModel` captures its own
-(`decode_graphs.BucketedDecodeSteps`: one graph per batch bucket, so the batch still shrinks). `HFCachedModel`
+(`decode_graphs.BucketedDecodeSteps`: one graph per batch bucket, so the batch still shrinks, holding the step's
+token choice and log-prob too: a step is one replay). `HFCachedModel`
 runs them through `torch.compile(mode="reduce-overhead")`; that needs static shapes, so the batch then does
 not shrink (finished rows keep decoding and their tokens are discarded). Prefills are never captured, and the
 decode steps of K continuations see B*K rows from their first step on, so group sampling takes both paths
@@ -31,21 +32,21 @@ from typing import Callable, Protocol
 import torch
 from transformers import StaticCache
 
-from training.core.sequences import position_ids_from_attention_mask, token_logprobs
+from training.core.sequences import position_ids_from_attention_mask
 from training.generation.decode_graphs import BucketedDecodeSteps
 from training.generation.fused_llama import FusedKVBuffers, FusedLlama
 from training.generation.generator import (
     FinishedRowsHook,
     GenerationConfig,
     GenerationOutput,
+    TokenChoice,
+    TokenSync,
     answer_mask_from_tokens,
     assemble_output,
     repeat_per_prompt,
     sampling_generator,
-    select_next_tokens,
 )
 
-TokenSync = Callable[[torch.Tensor], torch.Tensor]
 DoneSync = Callable[[bool], bool]
 
 
@@ -72,11 +73,14 @@ class RolloutKVCache:
 
 
 class StepModel(Protocol):
-    """One model's forward passes over its cache; each returns the logits [B, V] of the last position.
+    """One model's forward passes over its cache.
 
-    `mask` [B, T] marks the filled, non-pad cache columns (T = prompt + answer length); `column` is the
-    cache column of the step's token. `prefill` allocates (or reuses) a cache of at least `rows` rows and
-    fills its first B; `repeat_rows(k)` then makes it B*k rows, row i copied to rows i*k .. i*k + k-1."""
+    `prefill` returns the logits [B, V] of the last position; `step` goes on to choose the next tokens from its
+    logits with `choose` at `uniforms` and returns them with their log-probs (`TokenChoice`: a step captured as a
+    graph holds the choice too). `mask` [B, T] marks the filled, non-pad cache columns (T = prompt + answer
+    length); `column` is the cache column of the step's token. `prefill` allocates (or reuses) a cache of at
+    least `rows` rows and fills its first B; `repeat_rows(k)` then makes it B*k rows, row i copied to rows
+    i*k .. i*k + k-1."""
 
     shrinks: bool  # finished rows may leave the batch
 
@@ -85,7 +89,8 @@ class StepModel(Protocol):
 
     def repeat_rows(self, k: int) -> None: ...
 
-    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor: ...
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int,
+             choose: TokenChoice, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def keep_rows(self, keep: torch.Tensor) -> None: ...
 
@@ -170,8 +175,9 @@ class HFCachedModel:
             repeat_filled_rows(values, batch, k, filled)
         self._storage.use_rows(batch * k)
 
-    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
-        return self._forward(self._step, tokens[:, None], mask, positions)
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int,
+             choose: TokenChoice, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return choose(self._forward(self._step, tokens[:, None], mask, positions), uniforms)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         count = keep.numel()
@@ -224,11 +230,12 @@ class FusedCachedModel:
             repeat_filled_rows(full.values[layer], batch, k, filled)
         self._use_rows(batch * k)
 
-    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int,
+             choose: TokenChoice, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graphed_steps is not None:
-            return self.graphed_steps(tokens, positions, mask, column)
+            return self.graphed_steps(tokens, positions, mask, column, choose, uniforms)
         attend = mask[:, None, None, :column + 1].bool()
-        return self.fused.forward(tokens[:, None], positions, self._buffers, column, attend)
+        return choose(self.fused.forward(tokens[:, None], positions, self._buffers, column, attend), uniforms)
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         count = keep.numel()
@@ -283,20 +290,19 @@ class KVCacheDecoder:
         batch = prompts * group
         next_position = positions[:, -1:] + 1
 
+        choose = TokenChoice.of(config, self.sync_tokens)
         generator = sampling_generator(config, self.device)
+        tokens, token_logprobs = choose(logits, choose.uniforms(batch, self.device, generator))
         answers = torch.full((batch, new_tokens), config.pad_token_id, dtype=input_ids.dtype, device=self.device)
         logprobs = torch.zeros(batch, new_tokens, dtype=torch.float32, device=self.device)
         rows = torch.arange(batch, device=self.device)  # original row of each running row
         alive = torch.ones(batch, dtype=torch.bool, device=self.device)
         live = batch  # rows still going: the one number a step reads back from the device
         for step in range(new_tokens):
-            tokens = select_next_tokens(logits, config, generator)
-            if self.sync_tokens is not None:
-                tokens = self.sync_tokens(tokens)
             # every running row is written (a finished one's pad and 0 again): a boolean-mask index would wait for
             # the device to count the rows
             answers[rows, step] = torch.where(alive, tokens, config.pad_token_id)
-            logprobs[rows, step] = torch.where(alive, token_logprobs(logits, tokens, config.logprob_temperature), 0.0)
+            logprobs[rows, step] = torch.where(alive, token_logprobs, 0.0)
             running = alive.clone() if on_finished is not None else alive
             alive &= tokens != config.eos_token_id
             were_live, live = live, int(alive.sum())
@@ -315,7 +321,8 @@ class KVCacheDecoder:
                 self.model.keep_rows(keep)
             column = prompt_len + step
             mask[:, column] = 1
-            logits = self.model.step(tokens, mask, next_position, column)
+            tokens, token_logprobs = self.model.step(tokens, mask, next_position, column, choose,
+                                                     choose.uniforms(tokens.shape[0], self.device, generator))
             next_position = next_position + 1
         return assemble_output(
             input_ids,

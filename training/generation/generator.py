@@ -117,32 +117,69 @@ class Generator(Protocol):
         ...
 
 
-def select_next_tokens(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B]."""
-    logits = logits.float()
-    if not config.do_sample:
-        return logits.argmax(-1)
-    logits = logits / config.temperature
-    if config.top_k > 0:
-        kth = torch.topk(logits, min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens ranked above it already cover top_p (the first one always stays)
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= config.top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return draw_from(logits.softmax(-1), generator)
+TokenSync = Callable[[torch.Tensor], torch.Tensor]
 
 
-def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row drawn from `probs` [B, V] by inverting its cumulative distribution (fp64) at one uniform
-    number per row: [B]. A token of probability 0 is never drawn. `torch.multinomial` draws V exponential
-    numbers per row instead, which took 3.6 ms of a ~50 ms decode step over SmolLM2's 49,152 tokens at batch 8
-    on CPU; this takes 0.3 ms."""
+@dataclass(frozen=True)
+class TokenChoice:
+    """How a decode step turns its logits [B, V] into the next tokens [B] and their log-probs [B] (fp32).
+
+    A function of tensors alone: the uniform numbers a draw needs come in (`uniforms`, drawn outside), so the
+    whole choice can sit inside a captured CUDA graph after the step's forward (decode_graphs), and the same
+    numbers give the same tokens whichever path computed the logits. Choices with equal settings compare equal:
+    a captured graph is kept per choice. `sync_tokens` makes ranks that decode the same batch (a tensor-parallel
+    group) agree on the tokens before their log-probs are taken."""
+
+    do_sample: bool
+    temperature: float  # of the distribution tokens are drawn from and their log-probs taken at (1 when greedy)
+    top_k: int = 0
+    top_p: float = 1.0
+    sync_tokens: TokenSync | None = None
+
+    @classmethod
+    def of(cls, config: GenerationConfig, sync_tokens: TokenSync | None = None) -> TokenChoice:
+        if not config.do_sample:
+            return cls(do_sample=False, temperature=1.0, sync_tokens=sync_tokens)
+        return cls(do_sample=True, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                   sync_tokens=sync_tokens)
+
+    def uniforms(self, rows: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:
+        """One uniform number per row for a draw ([rows, 1] fp64), None when greedy."""
+        if not self.do_sample:
+            return None
+        return torch.rand(rows, 1, dtype=torch.float64, device=device, generator=generator)
+
+    def __call__(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.select(logits, uniforms)
+        if self.sync_tokens is not None:
+            tokens = self.sync_tokens(tokens)
+        return tokens, token_logprobs(logits, tokens, self.temperature)
+
+    def select(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
+        """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B]."""
+        logits = logits.float()
+        if not self.do_sample:
+            return logits.argmax(-1)
+        logits = logits / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            # drop a token when the tokens ranked above it already cover top_p (the first one always stays)
+            drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= self.top_p
+            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        return draw_from(logits.softmax(-1), uniforms)
+
+
+def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from `probs` [B, V] by inverting its cumulative distribution (fp64) at the row's
+    uniform number (`uniforms` [B, 1]): [B]. A token of probability 0 is never drawn. `torch.multinomial` draws V
+    exponential numbers per row instead, which took 3.6 ms of a ~50 ms decode step over SmolLM2's 49,152 tokens
+    at batch 8 on CPU; this takes 0.3 ms."""
     cumulative = probs.double().cumsum(-1)
-    uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
-    tokens = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True)
+    tokens = torch.searchsorted(cumulative, uniforms * cumulative[:, -1:], right=True)
     return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
