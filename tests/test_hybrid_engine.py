@@ -13,9 +13,11 @@ from scripts.hybrid_engine_worker import (
     MODES,
     PROMPTS,
     build_engine,
+    build_frozen_engine,
     check_long_position_parity,
     check_lora_merge,
     check_parity,
+    fully_partitioned_eval_config,
     greedy_config,
     hybrid_engine,
     modes_architectures,
@@ -78,6 +80,19 @@ def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_
 def test_lora_is_merged_for_generation_and_training_weights_stay_untouched(distributed, tiny_model_dir, arch, stage):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch)
     check_lora_merge(engine, hybrid_engine(engine), tokenizer)
+
+
+@pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3)])
+def test_a_frozen_engine_is_served_alike_its_zero3_weights_gathered_and_its_lora_merged(
+        distributed, tiny_model_dir, monkeypatch, arch, stage):
+    """An inference-only engine (no optimizer; nothing, LoRA adapters included, requires grad), as
+    bench/generation.py's --frozen_actor makes the actor: the hybrid engine needs nothing of a training engine."""
+    monkeypatch.setattr("training.core.engine.get_eval_ds_config", fully_partitioned_eval_config)
+    engine, tokenizer = build_frozen_engine(tiny_model_dir(arch), stage, lora_arch=arch)
+    assert not any(p.requires_grad for p in engine.module.parameters())
+    if stage == 3:
+        assert all(p.ds_numel > p.numel() == 0 for p in engine.module.parameters()), "every weight partitioned"
+    check_parity(engine, hybrid_engine(engine), tokenizer, PROMPTS)
 
 
 def test_sampled_logprobs_are_those_of_the_tempered_distribution_and_seeded_runs_repeat(distributed, tiny_model_dir):

@@ -22,12 +22,17 @@ GENERATION_DTYPE = "bf16"
 CALL_BUDGET_S = 560  # no command starts after it, so packing ends within the device call's 600 s
 # shapes made in bf16 straight on the GPU: in fp32 on the CPU first, 7B would take 26 GiB and minutes of a call
 MADE_ON_GPU = ("llama-7b",)
-# The 7B generation's actor runs at ZeRO-0. ZeRO-3 at world size 1 allocates, at deepspeed.initialize, fp32 master
-# partitions (25.6 GiB) and a bf16 gradient partition buffer (12.8 GiB) beside the 12.8 GiB of bf16 weights; with
-# the static-compiled baseline's plain copy (12.8) and the hybrid engine's inference copy (12.8, and 8.4 more of
-# fused q/k/v and gate/up projections while it is built) that peaks near 86 GiB, past the H100's ~79. ZeRO-0 holds
-# the bf16 weights and MasterWeightAdamW's fp32 masters (38.4): ~72 GiB at the peak, plus KV caches and workspaces.
-GENERATION_7B_ZERO_STAGE = 0
+# The 7B generation's actor is frozen (`--frozen_actor`, bf16, ZeRO-3): no fp32 master partitions, no gradient
+# buffer. Estimated PyTorch allocations at world size 1 (6.88B parameters with SmolLM2's vocabulary, 32 layers, 4096
+# wide, 32 key/value heads in bf16: 512 KiB of KV cache a position, 0.75 GiB for 8 rows of at most 64 prompt tokens
+# and 128 new). Throughout: the actor's weights, partitioned but whole on the one rank (12.8 GiB), the static-compiled
+# baseline's plain copy (12.8) and, once it has decoded, the hybrid engine's KV cache, kept between rollouts (0.75):
+# ~26.4 GiB. Entering generate mode adds the hybrid engine's inference copy (12.8) and, while its fused Llama is built,
+# the fused q/k/v and gate/up projections beside the unfused ones (8.4): ~48 GiB, the peak. The other backends add
+# less while they run: the baseline its static cache (0.75), hf its growing cache (0.75) and the layers ZeRO-3
+# gathers for each forward (~1); the weight-pass ceiling's fresh matrices (12.4) come and go before the baseline
+# loads. CUDA context, cuBLAS workspaces and graph pools come on top: ~30 GiB of margin on
+# the H100's ~79.
 
 
 @dataclass
@@ -219,10 +224,9 @@ def _with_models(ctx: Context, names: list[str], commands: Built) -> Built:
     return made + commands
 
 
-def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, suffix: str = "",
-                zero_stage: int = 3) -> Command:
-    output = ctx.out / f"generation_{name}_zero{zero_stage}_b{batch}_{GENERATION_DTYPE}{suffix}.json"
-    return Command(ctx.py("bench/generation.py", "--model", model, "--zero_stage", str(zero_stage),
+def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, suffix: str = "") -> Command:
+    output = ctx.out / f"generation_{name}_zero3_b{batch}_{GENERATION_DTYPE}{suffix}.json"
+    return Command(ctx.py("bench/generation.py", "--model", model, "--zero_stage", "3",
                           "--batch_size", str(batch),
                           "--max_new_tokens", str(ctx.settings.max_new_tokens), "--dtype", GENERATION_DTYPE,
                           "--repeats", str(ctx.settings.repeats), "--ignore_eos", *extra, "--output", output),
@@ -238,7 +242,7 @@ def build_generation(ctx: Context) -> Built:
 def build_generation_7b(ctx: Context) -> Built:
     name = "llama-7b-random"
     return _with_models(ctx, [name], [_generation(ctx, str(ctx.model(name)), name, 8, "--static_compiled_baseline",
-                                                  zero_stage=GENERATION_7B_ZERO_STAGE)])
+                                                  "--frozen_actor", suffix="_frozen")])
 
 
 def build_cuda_graph(ctx: Context) -> Built:
@@ -324,7 +328,7 @@ STAGES = (
     Stage("train", "train.py --deployment-type single_gpu, all three steps, real SmolLM2 weights, hh-rlhf pairs",
           ("embedded",), build_train),
     Stage("generation_7b", "Llama-2-7B's shape (random bf16 weights made on the GPU): hybrid engine vs hf vs static "
-          "cache + torch.compile, ZeRO-0 bf16, batch 8, 128 new tokens, decode step vs its bandwidth floor",
+          "cache + torch.compile, frozen ZeRO-3 bf16 actor, batch 8, 128 new tokens, decode step vs its bandwidth floor",
           ("install",), build_generation_7b),
     Stage("step2_quality", "step 2 alone on the hh-rlhf pairs, real SmolLM2, bf16, several epochs: held-out "
           "accuracy and margin", ("embedded",), build_step2_quality),

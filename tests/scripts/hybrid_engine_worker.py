@@ -17,7 +17,8 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from training.core.engine import OptimizationSettings
+from training.core.ds_config import get_eval_ds_config
+from training.core.engine import OptimizationSettings, create_frozen_engine, load_frozen_causal_lm
 from training.core.lora import apply_lora
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.sequences import answer_logits, answer_logprobs
@@ -51,6 +52,29 @@ def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtyp
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, tokenizer
+
+
+def fully_partitioned_eval_config(*args, **kwargs) -> dict:
+    """`get_eval_ds_config` with no persistent parameter at ZeRO-3, so every one of a tiny model is really
+    partitioned (tests patch it into training.core.engine)."""
+    config = get_eval_ds_config(*args, **kwargs)
+    if config["zero_optimization"]["stage"] == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return config
+
+
+def build_frozen_engine(model_path: str, stage: int, lora_arch: str | None = None):
+    """An inference-only engine for a tiny model (`create_frozen_engine`, as bench/generation.py's --frozen_actor
+    builds it), its LoRA adapters' B made non-zero so that merging them matters."""
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(model_path)
+    model = load_frozen_causal_lm(model_path, tokenizer, "fp32", stage)
+    if lora_arch is not None:
+        model = apply_lora(model, lora_dim=4, lora_module_name=LORA_MODULE_NAMES[lora_arch])
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.5)
+    return create_frozen_engine(model, stage), tokenizer
 
 
 def hybrid_engine(engine, **settings) -> HybridEngine:

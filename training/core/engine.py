@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from training.core.ds_config import get_eval_ds_config, get_train_ds_config, runs_gradient_allreduce
 from training.core.model_loading import load_causal_lm, resolve_dtype
@@ -121,7 +121,16 @@ def create_reference_engine(
     `RunArguments.dtype_name` gives it.
     """
     stage = 3 if trained_zero_stage == 3 else 0
-    model = load_causal_lm(name_or_path, tokenizer, dtype=resolve_dtype(dtype),
-                           ds_config=get_eval_ds_config(stage, offload, dtype), disable_dropout_layers=True,
-                           trust_remote_code=trust_remote_code)
+    model = load_frozen_causal_lm(name_or_path, tokenizer, dtype, stage, offload, trust_remote_code)
     return create_frozen_engine(model, stage, offload, dtype, unit)
+
+
+def load_frozen_causal_lm(
+    name_or_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str, zero_stage: int, offload: bool = False,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A causal LM, dropout off, for `create_frozen_engine` with the same `zero_stage`, `offload` and `dtype`:
+    loaded under the frozen engine's own config, so at ZeRO-3 zero.Init partitions it as that engine expects."""
+    return load_causal_lm(name_or_path, tokenizer, dtype=resolve_dtype(dtype),
+                          ds_config=get_eval_ds_config(zero_stage, offload, dtype), disable_dropout_layers=True,
+                          trust_remote_code=trust_remote_code)
