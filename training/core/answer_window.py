@@ -177,7 +177,7 @@ class RowGroups:
         sorted_widths = [widths[row] for row in order]
         cuts = _cheapest_cuts(sorted_widths, group_cost_tokens)
         if forwards_are_collective(models):
-            agreed = torch.tensor([len(cuts) - 1])
+            agreed = torch.tensor([len(cuts) - 1], device=sequences.device)  # NCCL reduces device tensors only
             torch_dist.all_reduce(agreed, op=torch_dist.ReduceOp.MIN)
             cuts = _cheapest_cuts(sorted_widths, group_cost_tokens, int(agreed.item()))
         rows = [torch.tensor(order[start:end], device=sequences.device) for start, end in zip(cuts, cuts[1:])]

@@ -274,7 +274,10 @@ class HFGenerator:
         input_ids = repeat_per_prompt(input_ids.to(device), config.num_return_sequences)
         attention_mask = repeat_per_prompt(attention_mask.to(device), config.num_return_sequences)
         sampling = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k) if config.do_sample else {}
-        rng = torch.random.fork_rng(devices=[]) if config.seed is not None else contextlib.nullcontext()
+        # the seed reaches the CUDA generator too: the rank's device is restored with the CPU's
+        cuda_devices = [] if device.type != "cuda" else [
+            device.index if device.index is not None else torch.cuda.current_device()]
+        rng = torch.random.fork_rng(devices=cuda_devices) if config.seed is not None else contextlib.nullcontext()
         with rng, eval_mode(self.module), torch.no_grad():
             if config.seed is not None:
                 torch.manual_seed(config.seed)

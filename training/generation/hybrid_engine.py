@@ -353,16 +353,16 @@ class HybridEngine:
         inference_copy = InferenceCopy(base, self.dtype, self.device, plan)
         inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
         model = inference_copy.model
+        # a tensor-parallel shard's projections all-reduce inside the step, which its graph would have to capture
+        graphs = self.settings.cuda_graph and self.device.type == "cuda" and self.tp is None
         if fused_llama_unsupported_reason(model) is None:
-            # a tensor-parallel shard's projections all-reduce inside the step, which its graph would have to capture
-            graphs = self.settings.cuda_graph and self.device.type == "cuda" and self.tp is None
             step_model = FusedCachedModel(FusedLlama(model, pack=self.settings.onednn_packing), self.kv_cache,
                                           cuda_graph=graphs)
             packed = sum(w.packed for w in step_model.fused.linear_weights())
             path = "fused Llama" + (" (CUDA graphs)" if graphs else "")
         else:
             packed = pack_linear_layers(model) if self.settings.onednn_packing else 0
-            step_model = HFCachedModel(model, self.kv_cache, cuda_graph=self.settings.cuda_graph)
+            step_model = HFCachedModel(model, self.kv_cache, cuda_graph=graphs)
             path = "transformers forward" + (" (CUDA graphs)" if not step_model.shrinks else "")
         if not self._described:
             logger.info("hybrid engine: %s decode path on %s, %s, %d linear weights prepacked for oneDNN",
@@ -377,6 +377,6 @@ class HybridEngine:
 
 
 def _all_ranks_done(local_done: bool) -> bool:
-    flag = torch.tensor([0 if local_done else 1], dtype=torch.int32)
+    flag = torch.tensor([0 if local_done else 1], dtype=torch.int32, device=current_device())
     torch_dist.all_reduce(flag)
     return int(flag.item()) == 0

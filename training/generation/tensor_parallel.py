@@ -83,8 +83,10 @@ class TensorParallelGroup:
     ) -> GenerationOutput:
         """Decode the group's prompts as one batch (left-padded to a common length) and keep this rank's rows
         (with K continuations per prompt, the K rows of each of its prompts: the joint output is prompt-major)."""
+        # NCCL gathers device tensors only
+        input_ids, attention_mask = input_ids.to(decoder.device), attention_mask.to(decoder.device)
         batch, prompt_len = input_ids.shape
-        sizes = self._all_gather(torch.tensor([batch, prompt_len], dtype=torch.long))
+        sizes = self._all_gather(torch.tensor([batch, prompt_len], dtype=torch.long, device=decoder.device))
         max_batch = max(int(s[0]) for s in sizes)
         max_len = max(int(s[1]) for s in sizes)
         padded_ids = input_ids.new_full((max_batch, max_len), config.pad_token_id)
