@@ -155,3 +155,30 @@ def test_cli_flags_mirror_deepspeed_chat():
     assert settings.backend == "hybrid"
     assert parser.parse_args([]).hybrid.backend == "hf"
     assert parser.parse_args(["--enable_hybrid_engine", "--generation_backend", "hf"]).hybrid.backend == "hf"
+
+
+def test_the_static_cache_rows_a_compiled_step_writes_are_marked_static_addresses(tiny_model_dir):
+    """torch.compile's CUDA graphs are skipped for a step that writes an input not marked as a static address, and
+    the transformers-forward path hands its StaticCache layers views of larger buffers (which do not inherit
+    transformers' mark): every view a layer holds, after the prefill, K continuations and rows leaving, is marked."""
+    from scripts.hybrid_engine_worker import PROMPTS, prompt_batch
+    from transformers import AutoModelForCausalLM
+
+    from training.core.model_loading import load_tokenizer
+    from training.generation.fast_decoder import HFCachedModel, KVCacheDecoder, RolloutKVCache
+
+    model_dir = tiny_model_dir("gpt2")
+    tokenizer = load_tokenizer(model_dir)
+    step_model = HFCachedModel(AutoModelForCausalLM.from_pretrained(model_dir).eval(), RolloutKVCache())
+    probe = KVCacheDecoder(step_model, torch.device("cpu"))
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=8, seed=0, num_return_sequences=2, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    out = probe.decode(ids, mask, config)
+    config.eos_token_id = int(out.answers[0, 1])  # a token the model emits early: rows then leave the batch
+    lengths = probe.decode(ids, mask, config).answer_mask.sum(-1)
+    assert lengths.min() < lengths.max()
+    for layer in step_model._storage.cache.layers:
+        assert layer.keys.shape[0] < len(PROMPTS) * 2, "the rows in use are a view of the allocation"
+        for rows in (layer.keys, layer.values):
+            assert getattr(rows, "_dynamo_static_input_type", None) is not None, "not a static address"

@@ -107,7 +107,12 @@ class _StaticStorage:
 
     transformers sizes a StaticCache layer by the batch of the first update it sees (its lazy
     allocation); each layer's allocation is wrapped so that it allocates all `rows` rows instead (kept
-    in `full_buffers`) and hands the layer the prefill's first rows of them."""
+    in `full_buffers`) and hands the layer the prefill's first rows of them.
+
+    transformers marks the buffers it allocates as static addresses for torch.compile: without the mark, the
+    compiled step's CUDA graphs are skipped (the cache is written in place, a mutated input) and it runs without
+    them. The mark is an attribute of the tensor object, which a view does not inherit, so every view handed to a
+    layer is marked too."""
 
     cache: StaticCache
     rows: int
@@ -123,14 +128,22 @@ class _StaticStorage:
             allocate(keys.new_empty(self.rows, keys.shape[1], 0, keys.shape[-1]),
                      values.new_empty(self.rows, values.shape[1], 0, values.shape[-1]))
             self.full_buffers.append((layer.keys, layer.values))
-            layer.keys, layer.values = layer.keys[:keys.shape[0]], layer.values[:values.shape[0]]
+            _point_at_rows(layer, layer.keys, layer.values, keys.shape[0])
 
         return allocate_all_rows
 
     def use_rows(self, count: int) -> None:
         """Point every allocated layer at the first `count` rows of its buffers."""
         for layer, (keys, values) in zip(self.cache.layers, self.full_buffers):
-            layer.keys, layer.values = keys[:count], values[:count]
+            _point_at_rows(layer, keys, values, count)
+
+
+def _point_at_rows(layer, keys: torch.Tensor, values: torch.Tensor, count: int) -> None:
+    """Hand a StaticCache layer the first `count` rows of `keys` and `values`, as static addresses (see
+    `_StaticStorage`)."""
+    layer.keys, layer.values = keys[:count], values[:count]
+    torch._dynamo.mark_static_address(layer.keys)
+    torch._dynamo.mark_static_address(layer.values)
 
 
 class HFCachedModel:
@@ -184,7 +197,7 @@ class HFCachedModel:
         for layer in self._storage.cache.layers:
             layer.keys[:count] = layer.keys[keep]
             layer.values[:count] = layer.values[keep]
-            layer.keys, layer.values = layer.keys[:count], layer.values[:count]
+            _point_at_rows(layer, layer.keys, layer.values, count)
 
 
 class FusedCachedModel:
