@@ -7,7 +7,8 @@ row's cached keys and values over its context. `DecodeWork` counts those bytes i
 written (what "device-to-device copy bandwidth" usually means); their quotient is the time no decode step can beat.
 
 `weight_pass_tokens_per_s` is the other ceiling: one batch-row product with every weight matrix through the kernel
-the hybrid engine decodes with, timed (bench/generation.py reports both, bench/step3_work.py builds its floors on it).
+the hybrid engine decodes with, timed (on a GPU replayed as one CUDA graph, as the decode step is), which
+bench/generation.py reports beside the floor and bench/step3_work.py builds its floors on.
 Parameters are counted at their full size under ZeRO-3 too (`training.core.zero`).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from training.core.zero import full_numel, full_shape
 from training.generation.cpu_linear import LinearWeight
+from training.generation.decode_graphs import captured
 
 
 def streamed_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -47,12 +49,19 @@ def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: tor
     shapes = streamed_matrix_shapes(model)
     matrices = [LinearWeight(torch.randn(shape, dtype=dtype, device=device), pack=pack) for shape in shapes]
     inputs = {width: torch.randn(batch_size, width, dtype=dtype, device=device) for width in {s[1] for s in shapes}}
+
+    def one_pass() -> None:
+        for matrix in matrices:
+            matrix(inputs[matrix.in_features])
+
     best = float("inf")
     with torch.no_grad():
+        # on a GPU the pass replays as one CUDA graph, as the decode step does: timed eagerly, its ~200 small
+        # products would measure their launches, not the weights' streaming
+        run = captured(one_pass) if device.type == "cuda" else one_pass
         for _ in range(repeats):
             start = time.perf_counter()
-            for matrix in matrices:
-                matrix(inputs[matrix.in_features])
+            run()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)
@@ -72,11 +81,11 @@ def kv_cache_bytes(layers: int, kv_width: int, tokens: float, bytes_per_value: i
     return 2 * layers * kv_width * tokens * bytes_per_value
 
 
-def mean_decode_context(prompt_width: int, steps: int) -> float:
-    """The mean number of cache columns a decode step attends over. The prefill yields the first answer token;
-    decode step j (1..steps) feeds answer token j and attends over the prompt's columns (padding included: every
+def mean_decode_context(prompt_width: int, steps: int, first_step: int = 1) -> float:
+    """The mean number of cache columns decode steps first_step..steps attend over. The prefill yields the first
+    answer token; decode step j feeds answer token j and attends over the prompt's columns (padding included: every
     backend reads them) and j answer columns."""
-    return prompt_width + (steps + 1) / 2
+    return prompt_width + (first_step + steps) / 2
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ with the train-mode forward's over the generated tokens (max and mean absolute d
 counts. The hybrid timing includes entering and leaving generate mode (gathering,
 LoRA merging, building the inference copy), since every rollout pays it.
 
-Each backend also runs, after each timed run, the same prompts to one new token (the prefill, and for the hybrid
-engine entering generate mode): `first_token_seconds` is its fastest, and `decode_step_s`, the fastest run less it
-over the run's decode steps (answer length - 1), is the steady time per decode step without the prefill.
+Each backend also runs, after each timed run, the same prompts to two new tokens (the prefill, the first decode
+step, which is where a CUDA graph is captured, and for the hybrid engine entering generate mode):
+`first_step_seconds` is its fastest, and `decode_step_s`, the fastest run less it over the run's decode steps after
+the first (answer length - 2), is the steady time per decode step.
 `decode_floor_s` is the time one such step must take at least on this device (bench/decode_floor.py): the bytes it
 reads (every weight in the generation dtype but an untied input embedding, `decode_weight_bytes`, and each row's
 KV cache at the decode's mean context) over `copy_bandwidth_gb_s`, the device's rate on a `--copy_mib` tensor copy
@@ -211,18 +212,19 @@ def time_backend(generator, ids, mask, config) -> tuple[float, object, float | N
     return seconds, output, round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
 
 
-def decode_figures(seconds: float, first_token_seconds: float, output: GenerationOutput, work: DecodeWork,
+def decode_figures(seconds: float, first_step_seconds: float, output: GenerationOutput, work: DecodeWork,
                    copy_bandwidth: float) -> dict:
-    """A backend's steady decode step (its run less its one-token run, over the run's decode steps) beside the
-    floor of such a step on this device (`work`'s bytes at `copy_bandwidth` bytes/s); None without a decode step."""
+    """A backend's steady decode step (its run less its two-token run, over the run's decode steps after the first)
+    beside the floor of such a step on this device (`work`'s bytes at `copy_bandwidth` bytes/s); None without such
+    a step."""
     steps = output.answer_mask.shape[1] - 1
-    if steps < 1:
-        return {"first_token_seconds": first_token_seconds, "decode_steps": 0, "decode_step_s": None,
+    if steps < 2:
+        return {"first_step_seconds": first_step_seconds, "decode_steps": steps, "decode_step_s": None,
                 "decode_floor_s": None, "decode_vs_floor": None}
-    step_s = (seconds - first_token_seconds) / steps
-    context = mean_decode_context(output.prompt_length, steps)
+    step_s = (seconds - first_step_seconds) / (steps - 1)
+    context = mean_decode_context(output.prompt_length, steps, first_step=2)
     floor_s = work.step_bytes(output.sequences.shape[0], context) / copy_bandwidth
-    return {"first_token_seconds": first_token_seconds, "decode_steps": steps, "decode_step_s": step_s,
+    return {"first_step_seconds": first_step_seconds, "decode_steps": steps, "decode_step_s": step_s,
             "decode_floor_s": floor_s, "decode_vs_floor": round(step_s / floor_s, 3)}
 
 
@@ -268,22 +270,22 @@ def main(argv: list[str] | None = None) -> dict:
     if args.static_compiled_baseline:
         generators[STATIC_COMPILED] = static_compiled_generator(args.model, tokenizer, generation_dtype, current_device())
         compile_seconds = round(time_backend(generators[STATIC_COMPILED], ids, mask, config)[0], 3)
-    first_token_config = dataclasses.replace(config, max_new_tokens=1)
+    first_step_config = dataclasses.replace(config, max_new_tokens=2)
     runs: dict[str, list[tuple[float, float | None]]] = {backend: [] for backend in generators}
-    first_token_runs: dict[str, list[float]] = {backend: [] for backend in generators}
+    first_step_runs: dict[str, list[float]] = {backend: [] for backend in generators}
     outputs = {}
     for _ in range(args.repeats):
         for backend, generator in generators.items():
             seconds, outputs[backend], peak = time_backend(generator, ids, mask, config)
             runs[backend].append((round(seconds, 3), peak))
-            first_token_runs[backend].append(round(time_backend(generator, ids, mask, first_token_config)[0], 3))
+            first_step_runs[backend].append(round(time_backend(generator, ids, mask, first_step_config)[0], 3))
     results = {}
     for backend, timed in runs.items():
         tokens = int(outputs[backend].answer_mask.sum())
         seconds, peak = min(timed, key=lambda run: run[0])
         results[backend] = {"seconds": seconds, "runs_seconds": [s for s, _ in timed], "tokens": tokens,
                             "tokens_per_s": round(tokens / seconds, 2), "peak_memory_gib": peak,
-                            **decode_figures(seconds, min(first_token_runs[backend]), outputs[backend], work,
+                            **decode_figures(seconds, min(first_step_runs[backend]), outputs[backend], work,
                                              copy_bandwidth)}
     fast = outputs["hybrid"]
     logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config.logprob_temperature)
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'x floor':>8}")
         for backend, row in results.items():
             decode = (f"{row['decode_step_s'] * 1e3:>10.3f} {row['decode_floor_s'] * 1e3:>9.3f} "
-                      f"{row['decode_vs_floor']:>8.2f}" if row["decode_steps"] else "")
+                      f"{row['decode_vs_floor']:>8.2f}" if row["decode_step_s"] is not None else "")
             print(f"{backend:<18} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f} {decode}")
         print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
               f"|logprob - train forward| max / mean: hybrid {logprob_error['hybrid']['max']:.2e} / "

@@ -22,6 +22,7 @@ built: their weights and optimizer states included). This path has not yet run o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -197,12 +198,20 @@ def compile_decoder_layers(engine: RLHFEngine) -> int:
 def profile_matmul_kernels(trainer: PPOTrainer, batch: dict) -> dict:
     """One more PPO step on `batch` under torch.profiler: per timed call, the self time of its matrix-product
     kernels (`MATMUL_KERNELS`; on CUDA their kernels' device time), and the step's real token counts (for its
-    floors)."""
+    floors). This step decodes without CUDA graphs: a replayed graph's kernels have no operator to credit them to
+    (generation's figure would count the prefill alone), and none is captured under the profiler."""
     cuda = on_cuda()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as profile:
-        experience = trainer.generate_experience(batch)
-        trainer.train_rlhf(experience)
+    hybrid_settings = getattr(trainer.generator, "settings", None)
+    if hybrid_settings is not None:
+        trainer.generator.settings = dataclasses.replace(hybrid_settings, cuda_graph=False)
+    try:
+        with torch.profiler.profile(activities=activities) as profile:
+            experience = trainer.generate_experience(batch)
+            trainer.train_rlhf(experience)
+    finally:
+        if hybrid_settings is not None:
+            trainer.generator.settings = hybrid_settings
     trainer.clock.take()
     calls = {name for timed, _ in PHASES.values() for name in timed}
     seconds = dict.fromkeys(calls, 0.0)

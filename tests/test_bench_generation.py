@@ -31,6 +31,7 @@ def test_a_decode_step_reads_every_weight_but_an_untied_input_embedding_and_each
     assert DecodeWork.of(tied, torch.float32).weight_bytes == sum(p.numel() for p in tied.parameters()) * 4
     # the prefill yields token 1; steps 1..3 attend over 5 prompt columns and 1, 2, 3 answer columns
     assert mean_decode_context(prompt_width=5, steps=3) == (6 + 7 + 8) / 3
+    assert mean_decode_context(prompt_width=5, steps=3, first_step=2) == (7 + 8) / 2
 
 
 def test_the_copy_bandwidth_counts_bytes_read_and_written():
@@ -82,9 +83,9 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
     assert bandwidth > 0
     for backend, row in summary["backends"].items():
         assert row["decode_steps"] == 6 - 1, backend
-        assert row["first_token_seconds"] > 0  # (at 6 tokens of a tiny model, not always below the whole run's)
-        assert row["decode_step_s"] == pytest.approx((row["seconds"] - row["first_token_seconds"]) / 5)
-        context = summary["prompt_tokens"] + 3  # 5 decode steps over 1..5 answer columns
+        assert row["first_step_seconds"] > 0  # (at 6 tokens of a tiny model, not always below the whole run's)
+        assert row["decode_step_s"] == pytest.approx((row["seconds"] - row["first_step_seconds"]) / 4)
+        context = summary["prompt_tokens"] + 3.5  # decode steps 2..5 over 2..5 answer columns
         floor = (summary["decode_weight_bytes"] + 3 * context * summary["decode_kv_bytes_per_token"]) / bandwidth
         assert row["decode_floor_s"] == pytest.approx(floor, rel=2e-3)
         assert row["decode_vs_floor"] == round(row["decode_step_s"] / row["decode_floor_s"], 3)

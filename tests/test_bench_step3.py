@@ -151,3 +151,24 @@ def test_compile_layers_compiles_every_decoder_layer_of_every_model_held():
     assert compile_decoder_layers(engine) == 4
     layers = [*actor.model.layers, *critic.backbone.layers]
     assert all(layer._compiled_call_impl is not None for layer in layers)
+
+
+def test_the_profiled_step_decodes_without_cuda_graphs_and_restores_the_setting():
+    """A replayed CUDA graph's kernels have no operator the profile could credit them to: the profiled step turns
+    the hybrid engine's graphs off, and back on after it (also when the step fails)."""
+    from types import SimpleNamespace
+
+    from bench.step3 import profile_matmul_kernels
+    from training.generation.hybrid_engine import HybridEngineSettings
+
+    seen = []
+
+    def generate_experience(batch):
+        seen.append(trainer.generator.settings.cuda_graph)
+        raise RuntimeError("stop after generation")
+
+    settings = HybridEngineSettings(enable=True)
+    trainer = SimpleNamespace(generator=SimpleNamespace(settings=settings), generate_experience=generate_experience)
+    with pytest.raises(RuntimeError, match="stop after generation"):
+        profile_matmul_kernels(trainer, {})
+    assert seen == [False] and settings.cuda_graph and trainer.generator.settings is settings

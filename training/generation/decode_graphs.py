@@ -21,7 +21,8 @@ On a CPU there are no graphs: the same bucketed static step runs eagerly (how th
 """
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, TypeVar
 
 import torch
 
@@ -29,6 +30,7 @@ from training.generation.fused_llama import FusedKVBuffers, FusedLlama
 from training.generation.generator import TokenChoice
 
 Choice = tuple[torch.Tensor, torch.Tensor]  # tokens [n] and their log-probs [n]
+Outputs = TypeVar("Outputs")
 
 
 def bucket_sizes(rows: int) -> list[int]:
@@ -84,7 +86,8 @@ class BucketedDecodeSteps:
             self.uniforms[:live].copy_(uniforms)
         key = (bucket, choose)
         if key not in self.runners:
-            self.runners[key] = self._graphed(bucket, choose) if self.capture else lambda: self._step(bucket, choose)
+            step = functools.partial(self._step, bucket, choose)
+            self.runners[key] = captured(step) if self.capture else step
         chosen, logprobs = self.runners[key]()
         return chosen[:live], logprobs[:live]
 
@@ -94,20 +97,23 @@ class BucketedDecodeSteps:
                                     self.attend[:bucket])
         return choose(logits, self.uniforms[:bucket] if choose.do_sample else None)
 
-    def _graphed(self, bucket: int, choose: TokenChoice) -> Callable[[], Choice]:
-        """Capture the bucket's step (after one eager run on a side stream, which initialises the kernels' lazy
-        state outside the capture; it writes the same keys and values the replay will) in its own memory pool."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step(bucket, choose)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chosen = self._step(bucket, choose)
 
-        def replay() -> Choice:
-            graph.replay()
-            return chosen
+def captured(run: Callable[[], Outputs]) -> Callable[[], Outputs]:
+    """`run` (CUDA work only, no host synchronisation) recorded as a CUDA graph, in its own memory pool: returns a
+    function that replays it and returns the tensors the capture produced (rewritten by each replay). One eager run
+    on a side stream comes first: it initialises the kernels' lazy state (cuBLAS workspaces, kernel choices) outside
+    the capture, and whatever it writes, the replays write again."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
 
-        return replay
+    def replay() -> Outputs:
+        graph.replay()
+        return outputs
+
+    return replay
