@@ -35,7 +35,8 @@ CALLS = (
     PlannedCall(("generation", "step3"), 6.0),
     # train.py's three steps (~4.5), step 2 alone for three epochs on the hh-rlhf pairs (~2.5)
     PlannedCall(("train", "step2_quality"), 7.0),
-    # 7B random weights made on the GPU and written (~1), loaded twice, compiled, timed (~5)
+    # 7B random weights made on the GPU and written (~1), loaded twice (the frozen ZeRO-3 actor, the baseline's
+    # plain copy), compiled, timed (~5: hf at ZeRO-3 runs its layers' hooks at every token, the slowest backend)
     PlannedCall(("generation_7b",), 6.0),
 )
 SPARE_STAGES = ("step3_1b", "cuda_graph")  # left out of the 30 minutes: for a session with time to spare
