@@ -102,15 +102,23 @@ def captured(run: Callable[[], Outputs]) -> Callable[[], Outputs]:
     """`run` (CUDA work only, no host synchronisation) recorded as a CUDA graph, in its own memory pool: returns a
     function that replays it and returns the tensors the capture produced (rewritten by each replay). One eager run
     on a side stream comes first: it initialises the kernels' lazy state (cuBLAS workspaces, kernel choices) outside
-    the capture, and whatever it writes, the replays write again."""
+    the capture, and whatever it writes, the replays write again.
+
+    The capture runs on that side stream through `capture_begin`/`capture_end` rather than `torch.cuda.graph`,
+    whose entry also synchronises the device and empties PyTorch's cache of freed GPU memory: graphs are captured
+    afresh in every generate mode, and an emptied cache makes the next inference copy (13 GB at 7B) and the
+    training after it allocate from the driver again."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         run()
+        graph.capture_begin()
+        try:
+            outputs = run()
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = run()
 
     def replay() -> Outputs:
         graph.replay()
