@@ -82,3 +82,17 @@ def test_a_reduced_linear_keeps_its_reduce_when_packed(pack):
         assert pack_linear_layers(model) == (1 if ONEDNN else 0)
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
     assert calls == [torch.Size([3, 4])]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_residual_is_added_after_the_reduce_and_in_the_product_where_nothing_is_reduced(pack, dtype):
+    """`added_to` is residual + the projection: in one product for a plain weight, after the cross-rank sum of a
+    row-parallel shard (a sum inside it would add the residual once per rank)."""
+    torch.manual_seed(0)
+    weight, x, residual = torch.randn(4, 8, dtype=dtype), torch.randn(2, 3, 8, dtype=dtype), torch.randn(2, 3, 4, dtype=dtype)
+    expected = residual.float() + x.float() @ weight.float().T
+    atol = 1e-5 if dtype == torch.float32 else 8e-2
+    torch.testing.assert_close(LinearWeight(weight, pack=pack).added_to(residual, x).float(), expected, rtol=0, atol=atol)
+    doubled = LinearWeight(weight, pack=pack, reduce=lambda out: 2 * out).added_to(residual, x)
+    torch.testing.assert_close(doubled.float(), residual.float() + 2 * (x.float() @ weight.float().T), rtol=0, atol=2 * atol)

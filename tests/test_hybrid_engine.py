@@ -231,6 +231,19 @@ def test_fused_decoder_serves_llama_only():
     assert "gpt2" in fused_llama_unsupported_reason(make_tiny_model("gpt2")[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_path_makes_its_attention_mask_additive_once_with_aligned_rows(dtype):
+    """The fused forward hands every layer's attention the additive mask attention would make of the boolean one
+    (the same numbers), its rows 16 elements apart whatever the width (a GPU's memory-efficient attention copies
+    an unaligned mask in every layer)."""
+    from training.generation.fused_llama import _additive_mask
+
+    attend = torch.rand(3, 1, 2, 37) > 0.4
+    mask = _additive_mask(attend, dtype)
+    assert mask.dtype == dtype and mask.stride(-2) % 16 == 0
+    assert torch.equal(mask, torch.zeros(attend.shape, dtype=dtype).masked_fill_(~attend, float("-inf")))
+
+
 @pytest.mark.slow
 def test_two_gloo_ranks_with_zero3_lora_and_tensor_parallel(tiny_model_dir, tmp_path):
     """torchrun, 2 ranks with unequal prompt batches: ZeRO-3, ZeRO-3 + LoRA + --inference_tp_size 2,

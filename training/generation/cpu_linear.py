@@ -74,6 +74,14 @@ class LinearWeight:
             out = _plain_linear(x, self.weight, self.bias)
         return out if self.reduce is None else self.reduce(out)
 
+    def added_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x). A plain weight with nothing to reduce does it in one product (the add in its
+        epilogue: one kernel fewer, rounded once); a packed or reduced one adds after."""
+        if self.packed or self.reduce is not None or self.bias is not None:
+            return residual + self(x)
+        flat = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t())
+        return flat.view(residual.shape)
+
 
 class ReducedLinear(torch.nn.Linear):
     """An `nn.Linear` (same parameters, same names) whose output is passed through `reduce`."""

@@ -5,7 +5,10 @@ The transformers forward spends much of a decode step outside the matmuls: build
 updating the cache object, and many small ops per layer. This forward runs the same math on the
 same weights with fewer, larger ops: q/k/v and gate/up each in one matmul, every projection through
 a `LinearWeight` (oneDNN-prepacked on CPU, see `cpu_linear.py`), keys and values written into one
-preallocated buffer, attention only over the columns filled so far, and fused RMSNorm.
+preallocated buffer, attention only over the columns filled so far, and fused RMSNorm. Per layer it also saves
+what a replayed GPU step still pays for each small kernel: the attention mask is made additive once for all
+layers, rotary embeddings swap halves in one copy, and residual adds ride in the out and down products where
+their weights are plain (on a GPU). On CPU the packed path's numbers are the same to the bit.
 
 It serves an inference copy (plain, or one tensor-parallel shard: head counts are read from the
 weight shapes, and a shard's row-parallel projections are `ReducedLinear` layers, whose cross-rank
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from training.generation.cpu_linear import LinearWeight, ReducedLinear
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+_MASK_ALIGNMENT = 16  # elements between rows of an attention mask that GPU attention kernels take without a copy
 
 
 def fused_llama_unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -116,12 +120,15 @@ class FusedLlama:
                               torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions 0..length-1 ([length, head_dim]), computed as the model's rotary module does; kept
-        (and reused by later calls) until a longer one is asked for."""
+        """cos and sign-folded sin for positions 0..length-1 ([length, head_dim]), computed as the model's rotary
+        module does; kept (and reused by later calls) until a longer one is asked for. The sin table's first half
+        is negated, so that rotating a vector is a swap of its halves (`_rotate`): -(x * s) and x * (-s) are the
+        same number."""
         if self._cos is None or self._cos.shape[0] < length:
             probe = torch.empty(0, dtype=self.dtype, device=self.device)
             cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
-            self._cos, self._sin = cos[0], sin[0]
+            half = self.head_dim // 2
+            self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         return self._cos, self._sin
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -132,10 +139,10 @@ class FusedLlama:
         normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.eps)
         return weight * normed.to(hidden.dtype)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention through the kernel the transformers forward uses (sdpa): q [B, H, S, D],
-        keys/values [B, KV, T, D], attend [B, 1, S, T] (bool) -> [B, H, S, D]. Its scores accumulate in fp32;
-        two bf16 batched matmuls would round them to bf16 first and sample from a visibly different
+        keys/values [B, KV, T, D], mask [B, 1, S, T] (additive: 0 or -inf) -> [B, H, S, D]. Its scores accumulate
+        in fp32; two bf16 batched matmuls would round them to bf16 first and sample from a visibly different
         distribution at long positions.
 
         A decode step (S = 1) lays the query heads that share a key/value head out as that head's queries
@@ -144,14 +151,16 @@ class FusedLlama:
         batch, heads, length, head_dim = q.shape
         if length == 1 and heads != self.kv_heads:
             grouped = q.reshape(batch, self.kv_heads, heads // self.kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=attend)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
             return out.reshape(batch, heads, 1, head_dim)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, enable_gqa=heads != self.kv_heads)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=heads != self.kv_heads)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """transformers' rotary embedding, x * cos + rotate_half(x) * sin, to the bit: rotate_half's negation is in
+        `signed_sin`, so its swap of halves is one copy (a flip) instead of a negation and a concatenation."""
+        halves = x.unflatten(-1, (2, x.shape[-1] // 2))
+        return x * cos + halves.flip(-2).flatten(-2) * signed_sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: FusedKVBuffers,
                 column: int | torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
@@ -171,6 +180,7 @@ class FusedLlama:
             cos_table, sin_table = self._cos, self._sin
         cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mask = _additive_mask(attend, self.dtype)
         hidden = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(hidden, layer.input_norm))
@@ -182,11 +192,20 @@ class FusedLlama:
             keys, values = cache.keys[index], cache.values[index]
             _store(keys, k, column)
             _store(values, v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2), column)
-            attention = self._attend(q, keys[:, :, :end], values[:, :, :end], attend)
-            hidden = hidden + layer.out(attention.transpose(1, 2).reshape(batch, length, q_size))
+            attention = self._attend(q, keys[:, :, :end], values[:, :, :end], mask)
+            hidden = layer.out.added_to(hidden, attention.transpose(1, 2).reshape(batch, length, q_size))
             gate, up = layer.gate_up(self._norm(hidden, layer.post_norm)).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden = layer.down.added_to(hidden, F.silu(gate) * up)
         return self.lm_head(self._norm(hidden[:, -1], self.norm))
+
+
+def _additive_mask(attend: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (0 where `attend`, -inf elsewhere) attention would make of the boolean one in every layer,
+    made once for all of them. Its rows are laid out 16 columns apart, whatever the width: a GPU's
+    memory-efficient attention copies a mask whose rows are not aligned into one that is, layer after layer."""
+    width = -(-attend.shape[-1] // _MASK_ALIGNMENT) * _MASK_ALIGNMENT
+    mask = torch.zeros(*attend.shape[:-1], width, dtype=dtype, device=attend.device)[..., :attend.shape[-1]]
+    return mask.masked_fill_(~attend, float("-inf"))
 
 
 def _store(buffer: torch.Tensor, new: torch.Tensor, column: int | torch.Tensor) -> None:
