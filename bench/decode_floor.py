@@ -54,17 +54,11 @@ def weight_pass_tokens_per_s(model: torch.nn.Module, batch_size: int, dtype: tor
         for matrix in matrices:
             matrix(inputs[matrix.in_features])
 
-    best = float("inf")
     with torch.no_grad():
         # on a GPU the pass replays as one CUDA graph, as the decode step does: timed eagerly, its ~200 small
         # products would measure their launches, not the weights' streaming
         run = captured(one_pass) if device.type == "cuda" else one_pass
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
+        best = min(_seconds(run, device) for _ in range(repeats))
     return batch_size / best
 
 

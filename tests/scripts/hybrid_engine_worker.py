@@ -42,9 +42,7 @@ def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtyp
     tokenizer = load_tokenizer(model_path)
     settings = OptimizationSettings(learning_rate=1e-2, num_training_steps=8, zero_stage=stage, micro_batch_size=2,
                                     dtype=dtype, lr_scheduler_type="constant")
-    config = settings.ds_config()
-    if stage == 3:
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    config = fully_partitioned(settings.ds_config())
     model = load_causal_lm(model_path, tokenizer, dtype=resolve_dtype(dtype), ds_config=config,
                            disable_dropout_layers=True)
     if lora_arch is not None:
@@ -54,13 +52,17 @@ def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtyp
     return engine, tokenizer
 
 
-def fully_partitioned_eval_config(*args, **kwargs) -> dict:
-    """`get_eval_ds_config` with no persistent parameter at ZeRO-3, so every one of a tiny model is really
-    partitioned (tests patch it into training.core.engine)."""
-    config = get_eval_ds_config(*args, **kwargs)
+def fully_partitioned(config: dict) -> dict:
+    """A DeepSpeed config with no persistent parameter at ZeRO-3, so every one of a tiny model is really
+    partitioned (DeepSpeed keeps parameters under its threshold whole on every rank)."""
     if config["zero_optimization"]["stage"] == 3:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     return config
+
+
+def fully_partitioned_eval_config(*args, **kwargs) -> dict:
+    """`get_eval_ds_config`, `fully_partitioned` (tests patch it into training.core.engine)."""
+    return fully_partitioned(get_eval_ds_config(*args, **kwargs))
 
 
 def build_frozen_engine(model_path: str, stage: int, lora_arch: str | None = None):

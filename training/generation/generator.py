@@ -138,10 +138,10 @@ class TokenChoice:
 
     @classmethod
     def of(cls, config: GenerationConfig, sync_tokens: TokenSync | None = None) -> TokenChoice:
-        if not config.do_sample:
-            return cls(do_sample=False, temperature=1.0, sync_tokens=sync_tokens)
-        return cls(do_sample=True, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                   sync_tokens=sync_tokens)
+        """The choice `config` asks for (greedy ignores the filters, so greedy choices are all equal)."""
+        sampling = config.do_sample
+        return cls(do_sample=sampling, temperature=config.logprob_temperature, top_k=config.top_k if sampling else 0,
+                   top_p=config.top_p if sampling else 1.0, sync_tokens=sync_tokens)
 
     def uniforms(self, rows: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:
         """One uniform number per row for a draw ([rows, 1] fp64), None when greedy."""
