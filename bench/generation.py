@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="on GPU, do not capture the hybrid engine's decode step as a CUDA graph")
     parser.add_argument("--disable_onednn_packing", action="store_true",
                         help="on CPU, the hybrid engine keeps its linear weights plain (torch.matmul)")
+    parser.add_argument("--disable_fused_decode", action="store_true",
+                        help="the hybrid engine decodes a Llama-family model through its transformers forward")
     parser.add_argument("--static_compiled_baseline", action="store_true",
                         help="also time transformers' generate with a static cache and torch.compile on a plain copy")
     parser.add_argument("--repeats", type=int, default=2,
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     hybrid_settings = HybridEngineSettings(enable=True, tp_gather_partition_size=args.tp_gather_partition_size,
                                            cuda_graph=not args.disable_cuda_graph,
                                            onednn_packing=not args.disable_onednn_packing,
+                                           fused_decode=not args.disable_fused_decode,
                                            generation_dtype=args.generation_dtype)
     generators = {backend: build_generator(backend, engine, tokenizer, hybrid_settings) for backend in ("hybrid", "hf")}
     compile_seconds = None

@@ -7,7 +7,10 @@ Shapes: `gpt2` is GPT-2 small (12 layers, 768 wide), `opt` is OPT-125m, `smollm2
 SmolLM2-135M's own config, `llama-1b` TinyLlama-1.1B's (22 layers, 2048 wide, 4 key/value heads; 1.17B
 parameters with SmolLM2's vocabulary, embeddings not tied), `llama-7b` Llama-2-7B's (32 layers, 4096 wide, 11008
 in the MLP, 32 heads and as many key/value heads, 4096 positions; 6.88B parameters with SmolLM2's vocabulary,
-embeddings not tied). Every folder gets the embedded tokenizer
+embeddings not tied), `qwen2.5-0.5b` Qwen2.5-0.5B's (24 layers, 896 wide, 14 heads and 2 key/value heads, q/k/v
+biases, tied embeddings; 0.40B parameters with SmolLM2's vocabulary instead of its own 151,936 tokens),
+`qwen3-0.6b` Qwen3-0.6B's (28 layers, 1024 wide, 16 heads of 128 and 8 key/value heads, per-head q/k norms, tied
+embeddings; 0.49B parameters with SmolLM2's vocabulary). Every folder gets the embedded tokenizer
 (vocabulary resized to it), so no hub download is needed; `--reference_dir` takes the tokenizer and SmolLM2's
 config from a folder instead (one with SmolLM2's config.json and tokenizer files, no weights needed: what
 `python -m bench.gpu.prepare` carries to a GPU machine before the model itself has arrived). Random weights
@@ -25,7 +28,15 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    OPTConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from training.core.embedded_model import embedded_model_path
 from training.core.model_loading import load_tokenizer, resolve_dtype
@@ -42,6 +53,15 @@ SHAPES = {  # architecture -> its config, given the reference folder (SmolLM2's)
     "llama-7b": lambda _: LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
                                       rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen2.5-0.5b": lambda _: Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                          rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3-0.6b": lambda _: Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                        max_position_embeddings=40960,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                                        rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 
 

@@ -152,6 +152,8 @@ def test_cli_flags_mirror_deepspeed_chat():
     assert settings.release_inference_cache and settings.unpin_actor_parameters and settings.cuda_graph
     assert settings.onednn_packing
     assert not parser.parse_args(["--disable_onednn_packing"]).hybrid.onednn_packing
+    assert parser.parse_args([]).hybrid.fused_decode
+    assert not parser.parse_args(["--disable_fused_decode"]).hybrid.fused_decode
     assert settings.backend == "hybrid"
     assert parser.parse_args([]).hybrid.backend == "hf"
     assert parser.parse_args(["--enable_hybrid_engine", "--generation_backend", "hf"]).hybrid.backend == "hf"

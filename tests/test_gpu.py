@@ -36,18 +36,20 @@ def run_worker(check: str, *args: str, timeout: float = 900) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # the fused decode path and the transformers-forward one
+# the fused decode path (plain, and with Qwen3's head norms) and the transformers-forward one
+@pytest.mark.parametrize("arch,decode_path", [("llama", "fused"), ("qwen3", "fused"), ("llama", "transformers")])
 def test_half_precision_generation_samples_from_the_trained_distribution_past_position_500(tiny_model_dir, arch,
-                                                                                         dtype):
-    run_worker("long_positions", tiny_model_dir(arch, **LONG_POSITION_MODEL), dtype)
+                                                                                         decode_path, dtype):
+    run_worker("long_positions", tiny_model_dir(arch, **LONG_POSITION_MODEL), dtype, decode_path)
 
 
-@pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3), ("opt", 3)])
+@pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("qwen2", 3), ("gpt2", 3), ("opt", 3)])
 def test_greedy_equals_hf_and_logprobs_equal_train_forward(tiny_model_dir, arch, stage):
     run_worker("greedy", tiny_model_dir(arch), str(stage))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])  # the fused path's bucket graphs; torch.compile's
+# the fused path's bucket graphs (Qwen2: with q/k/v biases); torch.compile's
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
 def test_cuda_graph_decoding_equals_eager(tiny_model_dir, arch):
     run_worker("cuda_graph", tiny_model_dir(arch))
 

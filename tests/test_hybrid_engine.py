@@ -1,5 +1,6 @@
 """The hybrid engine: parity with the hf backend and with the train-mode forward at ZeRO 0/2/3, with
 LoRA, in bf16, on 2 gloo ranks and with tensor parallelism; and the switch back to training leaves no trace."""
+import functools
 import logging
 import os
 import subprocess
@@ -28,7 +29,7 @@ from scripts.hybrid_engine_worker import (
 from transformers.pytorch_utils import Conv1D
 
 from training.generation.cpu_linear import PackedLinear
-from training.generation.fused_llama import fused_llama_unsupported_reason
+from training.generation.fused_llama import FUSED_MODEL_TYPES, fused_llama_unsupported_reason
 from training.generation.generator import GenerationConfig, HFGenerator
 from training.generation.hybrid_engine import (
     HybridEngine,
@@ -38,9 +39,10 @@ from training.generation.hybrid_engine import (
 from utils.dist import free_port
 
 
-@pytest.mark.parametrize(
-    "arch,stage", [("llama", 0), ("llama", 2), ("llama", 3), ("gpt2", 2), ("gpt2", 3), ("opt", 0), ("opt", 3)]
-)
+@pytest.mark.parametrize("arch,stage", [
+    ("llama", 0), ("llama", 2), ("llama", 3), ("qwen2", 3), ("qwen3", 0), ("qwen3", 3), ("mistral", 2),
+    ("mistral_windowed", 3), ("gpt2", 2), ("gpt2", 3), ("opt", 0), ("opt", 3),
+])
 def test_greedy_equals_hf_and_logprobs_equal_train_forward(distributed, tiny_model_dir, arch, stage):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage)
     fast = check_parity(engine, hybrid_engine(engine), tokenizer, PROMPTS)
@@ -59,7 +61,7 @@ def _packed_linears(hybrid: HybridEngine) -> list[bool]:
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN")
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # qwen2: packed with q/k/v biases
 def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_hf(distributed, tiny_model_dir, arch,
                                                                                     caplog):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage=3)
@@ -71,12 +73,12 @@ def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_
             packed = _packed_linears(hybrid)
             outputs[packing] = check_parity(engine, hybrid, tokenizer, PROMPTS)
         assert packed and all(p == packing for p in packed)
-        path = "fused Llama" if arch == "llama" else "transformers forward"
+        path = "fused Llama" if arch in FUSED_MODEL_TYPES else "transformers forward"
         assert f"{path} decode path on cpu, torch.float32, {sum(packed)} linear weights prepacked" in caplog.text
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
 
 
-@pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("gpt2", 3)])
+@pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("qwen2", 3), ("gpt2", 3)])
 def test_lora_is_merged_for_generation_and_training_weights_stay_untouched(distributed, tiny_model_dir, arch, stage):
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch)
     check_lora_merge(engine, hybrid_engine(engine), tokenizer)
@@ -160,12 +162,16 @@ def test_bf16_engine_parity(distributed, tiny_model_dir):
     torch.testing.assert_close(fast.logprobs, train_mode_logprobs(engine, fast) * fast.answer_mask, rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # the fused decode path and the transformers-forward one
-def test_bf16_generation_samples_from_the_trained_distribution_at_positions_past_500(distributed, tiny_model_dir, arch):
-    """Tolerance: total-variation distance between the hybrid engine's next-token distribution and the
-    train forward's, over 32 sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at
-    worst (measured: ~5e-5 and ~3e-3; RoPE's inv_freq rounded to bf16 gave 0.03 on average)."""
-    check_long_position_parity(tiny_model_dir(arch, **LONG_POSITION_MODEL), "bf16", hybrid_engine)
+@pytest.mark.parametrize("arch,fused", [("llama", True), ("qwen3", True), ("llama", False)])
+def test_bf16_generation_samples_from_the_trained_distribution_at_positions_past_500(distributed, tiny_model_dir, arch,
+                                                                                    fused):
+    """On the fused decode path (with Qwen3's head norms too) and on the transformers forward. Tolerance:
+    total-variation distance between the hybrid engine's next-token distribution and the train forward's, over 32
+    sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at worst (measured on the fused path: ~2e-4
+    and ~7e-3 for Llama, ~4e-4 and ~5e-3 for Qwen3; 0 on the transformers forward, the train forward's own code;
+    RoPE's inv_freq rounded to bf16 gave 0.03 on average)."""
+    check_long_position_parity(tiny_model_dir(arch, **LONG_POSITION_MODEL), "bf16",
+                               functools.partial(hybrid_engine, fused_decode=fused))
 
 
 def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):
@@ -224,11 +230,42 @@ def test_a_model_the_engine_cannot_serve_falls_back_to_hf_loudly(distributed, ti
     assert isinstance(build_generator("hybrid", engine, tokenizer, HybridEngineSettings(enable=True)), HybridEngine)
 
 
-def test_fused_decoder_serves_llama_only():
-    from tiny_models import make_tiny_model
+@pytest.mark.parametrize("arch", FUSED_MODEL_TYPES)
+def test_the_fused_decoder_serves_the_llama_family_and_decodes_it_as_the_model_does(distributed, tiny_model_dir,
+                                                                                     arch, caplog):
+    """Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, heads wider than hidden / heads) through
+    the fused path, with the training forward's log-probs, at ZeRO-3 and with a LoRA adapter merged."""
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage=3, lora_arch=arch)
+    train_step(engine, tokenizer)  # makes lora_B non-zero, so merging matters
+    hybrid = hybrid_engine(engine)
+    with caplog.at_level(logging.INFO, logger="training.generation.hybrid_engine"):
+        check_parity(engine, hybrid, tokenizer, PROMPTS)
+    assert "fused Llama decode path" in caplog.text
 
-    assert fused_llama_unsupported_reason(make_tiny_model("llama")[0]) is None
+
+def test_disabling_the_fused_decoder_sends_a_llama_through_its_transformers_forward_with_the_same_answers(
+        distributed, tiny_model_dir, caplog):
+    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
+    outputs = {}
+    for fused in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="training.generation.hybrid_engine"):
+            outputs[fused] = check_parity(engine, hybrid_engine(engine, fused_decode=fused), tokenizer, PROMPTS)
+        assert ("fused Llama" if fused else "transformers forward") + " decode path" in caplog.text
+    assert torch.equal(outputs[True].sequences, outputs[False].sequences)
+
+
+def test_the_fused_decoder_refuses_what_it_would_decode_differently():
+    from tiny_models import WINDOWED_MISTRAL, make_tiny_model
+
     assert "gpt2" in fused_llama_unsupported_reason(make_tiny_model("gpt2")[0])
+    assert "sliding-window attention (8 positions)" == fused_llama_unsupported_reason(
+        make_tiny_model(WINDOWED_MISTRAL)[0])
+    qwen_windowed = make_tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)[0]
+    assert fused_llama_unsupported_reason(qwen_windowed) == "1 sliding-window attention layers"
+    dynamic_rope = make_tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                             "factor": 2.0})[0]
+    assert "rope type 'dynamic'" in fused_llama_unsupported_reason(dynamic_rope)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -247,8 +284,9 @@ def test_the_fused_path_makes_its_attention_mask_additive_once_with_aligned_rows
 @pytest.mark.slow
 def test_two_gloo_ranks_with_zero3_lora_and_tensor_parallel(tiny_model_dir, tmp_path):
     """torchrun, 2 ranks with unequal prompt batches: ZeRO-3, ZeRO-3 + LoRA + --inference_tp_size 2,
-    ZeRO-2 + TP 2, unpinned ZeRO-3 (collective forwards until both ranks finish), and TP 2 for Qwen2-
-    and Mistral-style models (transformers-forward decode path) with their linear layers packed and not."""
+    ZeRO-2 + TP 2, unpinned ZeRO-3 (collective forwards until both ranks finish), and TP 2 for Qwen2 (fused path,
+    q/k/v biases sharded with their projections) and a windowed Mistral (transformers-forward path) with their
+    linear layers packed and not."""
     for arch in modes_architectures(MODES):
         tiny_model_dir(arch)
     env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}

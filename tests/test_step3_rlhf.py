@@ -312,7 +312,9 @@ def test_ppo_raises_a_rule_based_reward(distributed, inputs):
     tokenizer = load_tokenizer(inputs["actor"])
     prompts = prompt_batch(tokenizer, 8)
     chosen = torch.arange(0, len(tokenizer), 2)  # reward: share of answer tokens with an even id
-    engine = build_engine(inputs, lr=5e-3, reward=SetReward(chosen, prompts["input_ids"].shape[1]))
+    # the scores are of sampled rollouts, so the rise depends on the trajectory the CPU's kernels round into: at lr
+    # 5e-3, seed 0 rose 0.11 on an AMD EPYC (seeds 1 and 2: 0.40); at 1e-2 seeds 0-2 rose 0.36-0.47 there
+    engine = build_engine(inputs, lr=1e-2, reward=SetReward(chosen, prompts["input_ids"].shape[1]))
     trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=6, kl_ctl=0.01))
     assert_reward_rises(trainer, prompts, steps=30, epochs=4, micro_batch=4, window=5)
 

@@ -18,9 +18,14 @@ from transformers import (
     OPTConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
-ARCHITECTURES = ("llama", "gpt2", "opt", "qwen2", "mistral")
+ARCHITECTURES = ("llama", "gpt2", "opt", "qwen2", "qwen3", "mistral")
+# Mistral whose attention window is shorter than the tests' sequences: the hybrid engine's transformers-forward path
+# for a rotary model (the fused one serves unwindowed attention only)
+WINDOWED_MISTRAL = "mistral_windowed"
+WINDOW = 8
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -63,26 +68,29 @@ def make_tokenizer(vocab_size: int = 256, chat_template: bool = True, with_pad: 
 
 
 def make_config(arch: str, vocab_size: int, pad_token_id: int | None = None, eos_token_id: int | None = None,
-                bos_token_id: int | None = None, max_positions: int = 256, initializer_range: float = 0.02):
-    """A 2-layer config of `arch`; Qwen2 (q/k/v biases) and Mistral take the transformers-forward decode path."""
+                bos_token_id: int | None = None, max_positions: int = 256, initializer_range: float = 0.02,
+                **overrides):
+    """A 2-layer config of `arch` (one of `ARCHITECTURES`, or `WINDOWED_MISTRAL`), `overrides` passed to its
+    constructor last. Qwen2 has q/k/v biases; Qwen3 per-head query/key norms and heads wider than hidden_size /
+    heads."""
     common = dict(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
                   initializer_range=initializer_range)
     rope_family = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False, **common)
-    if arch == "llama":
-        return LlamaConfig(**rope_family)
-    if arch == "qwen2":
-        return Qwen2Config(**rope_family)
-    if arch == "mistral":
-        return MistralConfig(sliding_window=None, **rope_family)
-    if arch == "gpt2":
-        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=max_positions, **common)
-    if arch == "opt":
-        return OPTConfig(
-            hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=max_positions, word_embed_proj_dim=32, **common,
-        )
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+    configs = {
+        "llama": (LlamaConfig, rope_family),
+        "qwen2": (Qwen2Config, rope_family),
+        "qwen3": (Qwen3Config, dict(rope_family, head_dim=16)),
+        "mistral": (MistralConfig, dict(rope_family, sliding_window=None)),
+        WINDOWED_MISTRAL: (MistralConfig, dict(rope_family, sliding_window=WINDOW)),
+        "gpt2": (GPT2Config, dict(n_embd=32, n_layer=2, n_head=4, n_positions=max_positions, **common)),
+        "opt": (OPTConfig, dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                max_position_embeddings=max_positions, word_embed_proj_dim=32, **common)),
+    }
+    if arch not in configs:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+    config_class, arguments = configs[arch]
+    return config_class(**{**arguments, **overrides})
 
 
 def make_tiny_model(arch: str = "llama", tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0,

@@ -8,6 +8,7 @@ Each check asserts on the GPU what the CPU tests assert on CPU, through the same
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import warnings
 
@@ -37,9 +38,11 @@ def on_cuda(engine) -> None:
     assert engine.device.type == "cuda", f"DeepSpeed placed the engine on {engine.device}"
 
 
-def long_positions(model_path: str, dtype: str) -> None:
-    """bf16 / fp16: the distributions sampled from at positions 520-551 are the train forward's."""
-    distances = check_long_position_parity(model_path, dtype, hybrid_engine)
+def long_positions(model_path: str, dtype: str, decode_path: str) -> None:
+    """bf16 / fp16: the distributions sampled from at positions 520-551 are the train forward's, on the fused decode
+    path or ("transformers") on the model's own forward."""
+    distances = check_long_position_parity(model_path, dtype, functools.partial(
+        hybrid_engine, fused_decode=decode_path == "fused"))
     print(f"total variation mean {distances.mean():.2e} max {distances.max():.2e}")
 
 

@@ -25,7 +25,8 @@ from training.core.sequences import answer_logits, answer_logprobs
 from training.generation.generator import GenerationConfig, HFGenerator, TokenChoice
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 
-LORA_MODULE_NAMES = {"llama": "layers.", "qwen2": "layers.", "mistral": "layers.", "gpt2": "h.", "opt": "decoder.layers."}
+LORA_MODULE_NAMES = {"llama": "layers.", "qwen2": "layers.", "qwen3": "layers.", "mistral": "layers.", "gpt2": "h.",
+                     "opt": "decoder.layers."}
 PROMPTS = [
     "Human: What is the capital of France? Assistant:",
     "Human: hi",
@@ -244,11 +245,13 @@ MODES = {  # mode: (architecture, ZeRO stage, LoRA, hybrid engine settings)
     "zero3_lora_tp2": ("llama", 3, True, dict(inference_tp_size=2)),
     "zero2_tp2": ("llama", 2, False, dict(inference_tp_size=2)),
     "zero3_unpinned": ("llama", 3, False, dict(unpin_actor_parameters=True)),
-    # Qwen2 and Mistral decode through the transformers forward, whose linear layers packing replaces
+    # Qwen2 decodes through the fused path, its q/k/v biases sharded with the projections; the windowed Mistral
+    # through the transformers forward, whose linear layers packing replaces
     "qwen2_zero3_tp2_packed": ("qwen2", 3, False, dict(inference_tp_size=2, onednn_packing=True)),
     "qwen2_zero3_tp2_unpacked": ("qwen2", 3, False, dict(inference_tp_size=2, onednn_packing=False)),
-    "mistral_zero2_tp2_packed": ("mistral", 2, False, dict(inference_tp_size=2, onednn_packing=True)),
-    "mistral_zero2_tp2_unpacked": ("mistral", 2, False, dict(inference_tp_size=2, onednn_packing=False)),
+    "mistral_windowed_zero2_tp2_packed": ("mistral_windowed", 2, False, dict(inference_tp_size=2, onednn_packing=True)),
+    "mistral_windowed_zero2_tp2_unpacked": ("mistral_windowed", 2, False,
+                                            dict(inference_tp_size=2, onednn_packing=False)),
 }
 
 

@@ -1,5 +1,5 @@
-"""A decode-only forward for Llama-family causal LMs, the hybrid engine's fast path (its steps replayed as CUDA
-graphs on a GPU: `decode_graphs.py`).
+"""A decode-only forward for Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3), the hybrid engine's fast path
+(its steps replayed as CUDA graphs on a GPU: `decode_graphs.py`).
 
 The transformers forward spends much of a decode step outside the matmuls: building the 4-D mask,
 updating the cache object, and many small ops per layer. This forward runs the same math on the
@@ -9,6 +9,12 @@ preallocated buffer, attention only over the columns filled so far, and fused RM
 what a replayed GPU step still pays for each small kernel: the attention mask is made additive once for all
 layers, rotary embeddings swap halves in one copy, and residual adds ride in the out and down products where
 their weights are plain (on a GPU). On CPU the packed path's numbers are the same to the bit.
+
+The family shares one layer: RMSNorm, rotary attention with grouped key/value heads, a SiLU-gated MLP. Its members
+differ in what this forward reads from the weights themselves: projection biases (Qwen2's q/k/v; Llama's with
+`attention_bias` or `mlp_bias`) ride in the fused products, and Qwen3's per-head RMSNorm of queries and keys
+(`q_norm`, `k_norm`) runs on both at once before the rotation. A model whose attention is windowed anywhere its
+sequences can reach (Mistral's `sliding_window`, Qwen's sliding layers) takes the transformers forward instead.
 
 It serves an inference copy (plain, or one tensor-parallel shard: head counts are read from the
 weight shapes, and a shard's row-parallel projections are `ReducedLinear` layers, whose cross-rank
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 
 from training.generation.cpu_linear import LinearWeight, ReducedLinear
 
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 _MASK_ALIGNMENT = 16  # elements between rows of an attention mask that GPU attention kernels take without a copy
 
@@ -30,17 +37,32 @@ _MASK_ALIGNMENT = 16  # elements between rows of an attention mask that GPU atte
 def fused_llama_unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `FusedLlama` cannot run this model, or None when it can."""
     config = model.config
-    if getattr(config, "model_type", None) != "llama":
-        return f"model type {getattr(config, 'model_type', None)!r} is not llama"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return "projection biases"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {FUSED_MODEL_TYPES}"
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {config.hidden_act!r}"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp != 1"
+    if (windowed := _sliding_window_reason(config)) is not None:
+        return windowed
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope_type not in _STATIC_ROPE_TYPES:
         return f"rope type {rope_type!r} depends on the sequence length"
+    return None
+
+
+def _sliding_window_reason(config) -> str | None:
+    """Why attention is windowed somewhere a sequence can reach, or None. Qwen2 and Qwen3 name each layer's kind
+    (`layer_types`); Mistral windows every layer when `sliding_window` is set, which changes nothing for sequences
+    no longer than the window."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        windowed = sum(kind != "full_attention" for kind in layer_types)
+        return f"{windowed} sliding-window attention layers" if windowed else None
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        return f"sliding-window attention ({window} positions)"
     return None
 
 
@@ -64,25 +86,43 @@ class FusedKVBuffers:
 class _Layer:
     input_norm: torch.Tensor
     qkv: LinearWeight
+    head_norm: torch.Tensor | None  # Qwen3: [q heads + kv heads, head_dim], q_norm's weight then k_norm's
     out: LinearWeight
     post_norm: torch.Tensor
     gate_up: LinearWeight
     down: LinearWeight
 
 
+def _detached_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+    return linear.bias.detach() if linear.bias is not None else None
+
+
 def _fuse(linears: list[torch.nn.Linear], pack: bool) -> LinearWeight:
-    """One projection for several Linears: their weights concatenated by output rows."""
-    return LinearWeight(torch.cat([linear.weight.detach() for linear in linears]), pack=pack)
+    """One projection for several Linears: their weights (and biases, zeros standing in for a missing one)
+    concatenated by output rows."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = None
+    if any(linear.bias is not None for linear in linears):
+        bias = torch.cat([_detached_bias(linear) if linear.bias is not None
+                          else linear.weight.new_zeros(linear.weight.shape[0]) for linear in linears])
+    return LinearWeight(weight, bias, pack=pack)
 
 
 def _single(linear: torch.nn.Linear, pack: bool) -> LinearWeight:
     """One Linear's projection, its cross-rank sum included when it is a row-parallel shard."""
     reduce = linear.reduce if isinstance(linear, ReducedLinear) else None
-    return LinearWeight(linear.weight.detach(), pack=pack, reduce=reduce)
+    return LinearWeight(linear.weight.detach(), _detached_bias(linear), pack=pack, reduce=reduce)
+
+
+def _head_norm(attention: torch.nn.Module, heads: int, kv_heads: int) -> torch.Tensor | None:
+    """Qwen3's per-head RMSNorm weights of queries and keys, one row per head of the fused q/k layout, or None."""
+    if getattr(attention, "q_norm", None) is None:
+        return None
+    return torch.cat((attention.q_norm.weight.expand(heads, -1), attention.k_norm.weight.expand(kv_heads, -1)))
 
 
 class FusedLlama:
-    """Prefill and single-token steps over `FusedKVBuffers` for a `LlamaForCausalLM`."""
+    """Prefill and single-token steps over `FusedKVBuffers` for a Llama-family causal LM (`FUSED_MODEL_TYPES`)."""
 
     def __init__(self, model: torch.nn.Module, pack: bool = True):
         inner = model.model
@@ -100,6 +140,7 @@ class FusedLlama:
             _Layer(
                 input_norm=layer.input_layernorm.weight,
                 qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
+                head_norm=_head_norm(layer.self_attn, self.heads, self.kv_heads),
                 out=_single(layer.self_attn.o_proj, pack),
                 post_norm=layer.post_attention_layernorm.weight,
                 gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
@@ -132,9 +173,10 @@ class FusedLlama:
         return self._cos, self._sin
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """transformers' Llama RMSNorm: normalised in fp32, rounded to the model dtype, then scaled (one op in
-        fp32, where the rounding is none)."""
-        if hidden.dtype == torch.float32:
+        """transformers' Llama RMSNorm over the last dimension: normalised in fp32, rounded to the model dtype, then
+        scaled (one op in fp32, where the rounding is none, for a weight of that dimension's size; a head norm's
+        weight has one row per head)."""
+        if hidden.dtype == torch.float32 and weight.dim() == 1:
             return F.rms_norm(hidden, (hidden.shape[-1],), weight, eps=self.eps)
         normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.eps)
         return weight * normed.to(hidden.dtype)
@@ -185,9 +227,11 @@ class FusedLlama:
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(hidden, layer.input_norm))
             qk, v = qkv.split((q_size + kv_size, kv_size), dim=-1)
-            # queries and keys rotated together: one set of elementwise ops per layer instead of two
-            qk = self._rotate(qk.view(batch, length, self.heads + self.kv_heads, self.head_dim).transpose(1, 2),
-                              cos, sin)
+            # queries and keys normed (Qwen3) and rotated together: one set of elementwise ops per layer, not two
+            qk = qk.view(batch, length, self.heads + self.kv_heads, self.head_dim)
+            if layer.head_norm is not None:
+                qk = self._norm(qk, layer.head_norm)
+            qk = self._rotate(qk.transpose(1, 2), cos, sin)
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             keys, values = cache.keys[index], cache.values[index]
             _store(keys, k, column)

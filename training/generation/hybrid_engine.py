@@ -8,7 +8,8 @@ Train mode is the ZeRO engine as it is. Generate mode (`HybridEngine.generate_mo
 2. with `inference_tp_size > 1`, the copy holds only this rank's tensor-parallel shard, and the ranks
    of a tensor-parallel group decode their prompts together (`tensor_parallel.py`);
 3. decodes with `KVCacheDecoder` (one preallocated KV cache, finished rows leave the batch), through
-   `FusedLlama` for Llama-family models and the copy's own transformers forward for the others; on
+   `FusedLlama` for Llama-family models (unless `--disable_fused_decode`) and the copy's own transformers forward
+   for the others; on
    CPU the copy's linear weights are prepacked for oneDNN (`cpu_linear.py`).
 Leaving generate mode drops the copy (and, with `release_inference_cache`, the KV cache); the
 engine's module is never modified, and its train/eval flags are left as they were.
@@ -77,6 +78,10 @@ class HybridEngineSettings:
         "help": "free the KV cache after every rollout instead of keeping it for the next one"})
     unpin_actor_parameters: bool = field(default=False, metadata={
         "help": "do not gather a full inference copy of the actor; generate through ZeRO-3 hooks (less memory, slower)"})
+    fused_decode: bool = field(default=True, metadata={
+        "flag": "disable_fused_decode", "negated": True,
+        "help": "decode Llama-family models (llama, mistral, qwen2, qwen3) through their transformers forward instead "
+                "of the fused one"})
     cuda_graph: bool = field(default=True, metadata={
         "flag": "disable_cuda_graph", "negated": True, "help": "on GPU, do not capture the decode step as a CUDA graph"})
     onednn_packing: bool = field(default=True, metadata={
@@ -355,7 +360,7 @@ class HybridEngine:
         model = inference_copy.model
         # a tensor-parallel shard's projections all-reduce inside the step, which its graph would have to capture
         graphs = self.settings.cuda_graph and self.device.type == "cuda" and self.tp is None
-        if fused_llama_unsupported_reason(model) is None:
+        if self.settings.fused_decode and fused_llama_unsupported_reason(model) is None:
             step_model = FusedCachedModel(FusedLlama(model, pack=self.settings.onednn_packing), self.kv_cache,
                                           cuda_graph=graphs)
             packed = sum(w.packed for w in step_model.fused.linear_weights())

@@ -29,7 +29,7 @@ from utils.errors import UserError
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class TensorParallelGroup:
