@@ -33,6 +33,16 @@ def test_linear_weight_equals_the_matmul_for_any_row_count(shape, with_bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(8, 96), (3, 1, 96), (2, 5, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plain_weight_with_a_bias_gives_what_nn_linear_gives_to_the_bit(shape, dtype):
+    """The training forward's `nn.Linear` adds its bias inside the product (rounded once); a matmul and an add round
+    twice and part from it in the last bit (Qwen2's q/k/v biases on a GPU, or unpacked)."""
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(80, 96, dtype=dtype), torch.randn(80, dtype=dtype), torch.randn(shape, dtype=dtype)
+    assert torch.equal(LinearWeight(weight, bias, pack=False)(x), torch.nn.functional.linear(x, weight, bias))
+
+
 def test_weights_that_need_gradients_or_packing_turned_off_stay_plain():
     weight = torch.randn(6, 4)
     assert not LinearWeight(weight, pack=False).packed
