@@ -29,6 +29,9 @@ available, see training/cpu_linear.py; the same with `--disable_onednn_packing`,
 backend's linear layers use. At small batches a decode step streams every weight once, so neither
 backend can beat its kernel's ceiling by much.
 
+`--transformers_forward_baseline` adds the hybrid engine decoding a Llama-family model through the model's own
+transformers forward (`--disable_fused_decode`) beside it: what the fused decode path gains, in the same run.
+
 `--static_compiled_baseline` adds transformers at its fastest beside them: a plain copy of the model on the
 device (no ZeRO), `generate` with a static KV cache and the forward compiled with
 `torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs on a GPU). It runs once untimed first: the
@@ -84,6 +87,7 @@ from utils.dist import current_device, init_distributed, is_main_process  # noqa
 from utils.errors import UserError, run_cli  # noqa: E402
 
 STATIC_COMPILED = "hf_static_compiled"  # the backend name of --static_compiled_baseline
+TRANSFORMERS_FORWARD = "hybrid_transformers_forward"  # the backend name of --transformers_forward_baseline
 QUESTIONS = [
     "Explain how a reward model is trained from human preference pairs.",
     "Write a short poem about the sea at night.",
@@ -123,8 +127,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="on GPU, do not capture the hybrid engine's decode step as a CUDA graph")
     parser.add_argument("--disable_onednn_packing", action="store_true",
                         help="on CPU, the hybrid engine keeps its linear weights plain (torch.matmul)")
-    parser.add_argument("--disable_fused_decode", action="store_true",
-                        help="the hybrid engine decodes a Llama-family model through its transformers forward")
+    parser.add_argument("--transformers_forward_baseline", action="store_true",
+                        help="also time the hybrid engine decoding a Llama-family model through its transformers "
+                             "forward (--disable_fused_decode) instead of the fused one, in the same run")
     parser.add_argument("--static_compiled_baseline", action="store_true",
                         help="also time transformers' generate with a static cache and torch.compile on a plain copy")
     parser.add_argument("--repeats", type=int, default=2,
@@ -241,6 +246,19 @@ def static_compiled_summary(results: dict, fast: GenerationOutput, baseline: Gen
     }
 
 
+def transformers_forward_summary(results: dict, fast: GenerationOutput, baseline: GenerationOutput,
+                                 decode_path: str) -> dict:
+    """The hybrid engine beside itself decoding through the model's transformers forward (`decode_path`)."""
+    return {
+        "transformers_forward_decode_path": decode_path,
+        "transformers_forward_tokens_per_s": results[TRANSFORMERS_FORWARD]["tokens_per_s"],
+        "speedup_vs_transformers_forward": round(results["hybrid"]["tokens_per_s"]
+                                                 / results[TRANSFORMERS_FORWARD]["tokens_per_s"], 2),
+        "identical_sequences_vs_transformers_forward": bool(torch.equal(fast.sequences.cpu(),
+                                                                        baseline.sequences.cpu())),
+    }
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
@@ -266,9 +284,11 @@ def main(argv: list[str] | None = None) -> dict:
     hybrid_settings = HybridEngineSettings(enable=True, tp_gather_partition_size=args.tp_gather_partition_size,
                                            cuda_graph=not args.disable_cuda_graph,
                                            onednn_packing=not args.disable_onednn_packing,
-                                           fused_decode=not args.disable_fused_decode,
                                            generation_dtype=args.generation_dtype)
     generators = {backend: build_generator(backend, engine, tokenizer, hybrid_settings) for backend in ("hybrid", "hf")}
+    if args.transformers_forward_baseline:
+        generators[TRANSFORMERS_FORWARD] = build_generator(
+            "hybrid", engine, tokenizer, dataclasses.replace(hybrid_settings, fused_decode=False))
     compile_seconds = None
     if args.static_compiled_baseline:
         generators[STATIC_COMPILED] = static_compiled_generator(args.model, tokenizer, generation_dtype, current_device())
@@ -310,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         "temperature": config.logprob_temperature,
         "cuda_graph": hybrid_settings.cuda_graph,
         "onednn_packing": hybrid_settings.onednn_packing,
+        "hybrid_decode_path": getattr(generators["hybrid"], "decode_path", None),
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "hybrid_tokens_per_s": results["hybrid"]["tokens_per_s"],
@@ -326,16 +347,19 @@ def main(argv: list[str] | None = None) -> dict:
         "identical_sequences": bool(torch.equal(fast.sequences, outputs["hf"].sequences)),
         **(static_compiled_summary(results, fast, outputs[STATIC_COMPILED], compile_seconds)
            if args.static_compiled_baseline else {}),
+        **(transformers_forward_summary(results, fast, outputs[TRANSFORMERS_FORWARD],
+                                        generators[TRANSFORMERS_FORWARD].decode_path)
+           if args.transformers_forward_baseline else {}),
         "max_logprob_diff_vs_train_forward": {backend: error["max"] for backend, error in logprob_error.items()},
         "mean_logprob_diff_vs_train_forward": {backend: error["mean"] for backend, error in logprob_error.items()},
     }
     if is_main_process():
-        print(f"{'backend':<18} {'seconds':>9} {'tokens':>7} {'tokens/s':>9} {'decode ms':>10} {'floor ms':>9} "
+        print(f"{'backend':<27} {'seconds':>9} {'tokens':>7} {'tokens/s':>9} {'decode ms':>10} {'floor ms':>9} "
               f"{'x floor':>8}")
         for backend, row in results.items():
             decode = (f"{row['decode_step_s'] * 1e3:>10.3f} {row['decode_floor_s'] * 1e3:>9.3f} "
                       f"{row['decode_vs_floor']:>8.2f}" if row["decode_step_s"] is not None else "")
-            print(f"{backend:<18} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f} {decode}")
+            print(f"{backend:<27} {row['seconds']:>9.2f} {row['tokens']:>7d} {row['tokens_per_s']:>9.2f} {decode}")
         print(f"speedup {summary['speedup']}x; identical sequences: {summary['identical_sequences']}; "
               f"|logprob - train forward| max / mean: hybrid {logprob_error['hybrid']['max']:.2e} / "
               f"{logprob_error['hybrid']['mean']:.2e}, hf {logprob_error['hf']['max']:.2e} / {logprob_error['hf']['mean']:.2e}")
@@ -343,6 +367,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"hybrid vs transformers' static cache + torch.compile: {summary['speedup_vs_static_compiled']}x "
                   f"(compiled in {compile_seconds:.1f} s); identical sequences: "
                   f"{summary['identical_sequences_vs_static_compiled']}")
+        if args.transformers_forward_baseline:
+            print(f"hybrid ({summary['hybrid_decode_path']}) vs its transformers forward: "
+                  f"{summary['speedup_vs_transformers_forward']}x; identical sequences: "
+                  f"{summary['identical_sequences_vs_transformers_forward']}")
         print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s "
               f"({summary['weight_pass_matmul_tokens_per_s']:.2f} with torch.matmul): hybrid reaches "
               f"{summary['hybrid_share_of_weight_pass']:.0%}, hf {summary['hf_share_of_weight_pass']:.0%}")

@@ -53,6 +53,7 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
     result, summary = run_bench(tiny_model_dir("llama"), tmp_path / "bench.json", "--zero_stage", "3",
                                 "--context_tokens", "30", "--prompt_length", "80", "--static_compiled_baseline")
     assert summary["frozen_actor"] is False
+    assert summary["hybrid_decode_path"] == "fused Llama"
     assert "speedup" in result.stdout and "weight-streaming ceiling" in result.stdout
     assert summary["identical_sequences"] is True
     assert max(summary["max_logprob_diff_vs_train_forward"].values()) < 1e-4
@@ -91,6 +92,20 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
         assert row["decode_vs_floor"] == round(row["decode_step_s"] / row["decode_floor_s"], 3)
 
 
+def test_the_generation_benchmark_times_the_transformers_forward_beside_the_fused_path(tiny_model_dir, tmp_path):
+    result, summary = run_bench(tiny_model_dir("qwen3"), tmp_path / "bench.json", "--zero_stage", "0",
+                                "--transformers_forward_baseline")
+    assert summary["hybrid_decode_path"] == "fused Llama"
+    assert summary["transformers_forward_decode_path"] == "transformers forward"
+    row = summary["backends"]["hybrid_transformers_forward"]
+    assert row["tokens"] == 3 * 6 and summary["transformers_forward_tokens_per_s"] == row["tokens_per_s"] > 0
+    assert summary["speedup_vs_transformers_forward"] == round(
+        summary["hybrid_tokens_per_s"] / summary["transformers_forward_tokens_per_s"], 2)
+    assert summary["identical_sequences_vs_transformers_forward"] is True
+    assert max(summary["max_logprob_diff_vs_train_forward"].values()) < 1e-4
+    assert "vs its transformers forward" in result.stdout
+
+
 @pytest.mark.parametrize("stage,flag", [("3", "--static_compiled_baseline"), ("0", "--lora_dim=4")])
 def test_the_generation_benchmark_runs_on_a_frozen_actor(tiny_model_dir, tmp_path, stage, flag):
     """--frozen_actor: the same generation (greedy tokens equal across backends, log-probs equal to the actor's
@@ -98,6 +113,7 @@ def test_the_generation_benchmark_runs_on_a_frozen_actor(tiny_model_dir, tmp_pat
     _, summary = run_bench(tiny_model_dir("llama"), tmp_path / "bench.json", "--zero_stage", stage, "--frozen_actor",
                            flag)
     assert summary["frozen_actor"] is True and summary["zero_stage"] == int(stage)
+    assert summary["hybrid_decode_path"] == "fused Llama"
     assert summary["identical_sequences"] is True
     assert summary.get("identical_sequences_vs_static_compiled", True) is True
     assert max(summary["max_logprob_diff_vs_train_forward"].values()) < 1e-4

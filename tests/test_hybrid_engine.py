@@ -232,26 +232,24 @@ def test_a_model_the_engine_cannot_serve_falls_back_to_hf_loudly(distributed, ti
 
 @pytest.mark.parametrize("arch", FUSED_MODEL_TYPES)
 def test_the_fused_decoder_serves_the_llama_family_and_decodes_it_as_the_model_does(distributed, tiny_model_dir,
-                                                                                     arch, caplog):
+                                                                                     arch):
     """Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, heads wider than hidden / heads) through
     the fused path, with the training forward's log-probs, at ZeRO-3 and with a LoRA adapter merged."""
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage=3, lora_arch=arch)
     train_step(engine, tokenizer)  # makes lora_B non-zero, so merging matters
     hybrid = hybrid_engine(engine)
-    with caplog.at_level(logging.INFO, logger="training.generation.hybrid_engine"):
-        check_parity(engine, hybrid, tokenizer, PROMPTS)
-    assert "fused Llama decode path" in caplog.text
+    check_parity(engine, hybrid, tokenizer, PROMPTS)
+    assert hybrid.decode_path == "fused Llama"
 
 
 def test_disabling_the_fused_decoder_sends_a_llama_through_its_transformers_forward_with_the_same_answers(
-        distributed, tiny_model_dir, caplog):
+        distributed, tiny_model_dir):
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
     outputs = {}
     for fused in (True, False):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="training.generation.hybrid_engine"):
-            outputs[fused] = check_parity(engine, hybrid_engine(engine, fused_decode=fused), tokenizer, PROMPTS)
-        assert ("fused Llama" if fused else "transformers forward") + " decode path" in caplog.text
+        hybrid = hybrid_engine(engine, fused_decode=fused)
+        outputs[fused] = check_parity(engine, hybrid, tokenizer, PROMPTS)
+        assert hybrid.decode_path == ("fused Llama" if fused else "transformers forward")
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
 
 

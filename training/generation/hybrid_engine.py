@@ -303,6 +303,7 @@ class HybridEngine:
         self.tp = TensorParallelGroup.create(settings.inference_tp_size) if settings.inference_tp_size > 1 else None
         self.kv_cache = RolloutKVCache()
         self._decoder: KVCacheDecoder | None = None
+        self.decode_path: str | None = None  # how the last generate mode decoded, e.g. "fused Llama (CUDA graphs)"
         self._described = False  # the decode path is logged on the first entry into generate mode
 
     @property
@@ -351,6 +352,7 @@ class HybridEngine:
         if self.settings.unpin_actor_parameters:
             stack.enter_context(eval_mode(self.module))
             collective = get_world_size() > 1 and is_zero3_module(self.module)
+            self.decode_path = "transformers forward of the engine's own module (unpinned)"
             return KVCacheDecoder(HFCachedModel(self.module, self.kv_cache), self.device, no_grad_only=True,
                                   sync_done=_all_ranks_done if collective else None)
         base = _base_model(self.module)
@@ -369,6 +371,7 @@ class HybridEngine:
             packed = pack_linear_layers(model) if self.settings.onednn_packing else 0
             step_model = HFCachedModel(model, self.kv_cache, cuda_graph=graphs)
             path = "transformers forward" + (" (CUDA graphs)" if not step_model.shrinks else "")
+        self.decode_path = path
         if not self._described:
             logger.info("hybrid engine: %s decode path on %s, %s, %d linear weights prepacked for oneDNN",
                         path, self.device, self.dtype, packed)
