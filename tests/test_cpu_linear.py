@@ -36,11 +36,12 @@ def test_linear_weight_equals_the_matmul_for_any_row_count(shape, with_bias):
 @pytest.mark.parametrize("shape", [(8, 96), (3, 1, 96), (2, 5, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_plain_weight_with_a_bias_gives_what_nn_linear_gives_to_the_bit(shape, dtype):
-    """The training forward's `nn.Linear` adds its bias inside the product (rounded once); a matmul and an add round
-    twice and part from it in the last bit (Qwen2's q/k/v biases on a GPU, or unpacked)."""
+    """`nn.Linear` adds its bias inside the product (rounded once); a matmul and an add round twice and part from it
+    in the last bit (Qwen2's q/k/v biases on a GPU, or unpacked). Compared with the native op: once a ZeRO-3 engine
+    exists in the process (an earlier test's), DeepSpeed's replacement of `F.linear` adds a 3-D input's bias after."""
     torch.manual_seed(0)
     weight, bias, x = torch.randn(80, 96, dtype=dtype), torch.randn(80, dtype=dtype), torch.randn(shape, dtype=dtype)
-    assert torch.equal(LinearWeight(weight, bias, pack=False)(x), torch.nn.functional.linear(x, weight, bias))
+    assert torch.equal(LinearWeight(weight, bias, pack=False)(x), torch.ops.aten.linear(x, weight, bias))
 
 
 def test_weights_that_need_gradients_or_packing_turned_off_stay_plain():

@@ -46,9 +46,9 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ b) as `F.linear` computes it: a bias is added inside the product (one kernel, rounded once, the
-    same bits as the training forward's `nn.Linear`). Not `F.linear` itself, which DeepSpeed ZeRO-3 replaces
-    process-wide with a slower autograd wrapper."""
+    """x @ W.T (+ b) as torch's own `F.linear` computes it: a bias is added inside the product (one kernel, rounded
+    once, the bits of `nn.Linear` and transformers' generate). Not `F.linear` itself, which DeepSpeed ZeRO-3 replaces
+    process-wide with a slower autograd wrapper (one that adds a 3-D input's bias after the product)."""
     if bias is None:
         return torch.matmul(x, weight.t())
     flat = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
