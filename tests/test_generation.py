@@ -184,3 +184,35 @@ def test_the_static_cache_rows_a_compiled_step_writes_are_marked_static_addresse
         assert layer.keys.shape[0] < len(PROMPTS) * 2, "the rows in use are a view of the allocation"
         for rows in (layer.keys, layer.values):
             assert getattr(rows, "_dynamo_static_input_type", None) is not None, "not a static address"
+
+
+def test_a_compiled_transformers_step_compiles_once_per_allocation_not_per_batch_shape(tiny_model_dir):
+    """torch.compile compiles the step anew for each shape it sees, and after 8 runs it eagerly for the rest of the
+    process: batches of other prompt lengths and a smaller last batch reuse the allocation's shape (the cache grows
+    to cover every call, its length rounded up to 128 columns), and decode as the eager step does."""
+    from scripts.hybrid_engine_worker import PROMPTS, prompt_batch
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from training.core.model_loading import load_tokenizer
+    from training.generation.fast_decoder import COMPILED_LENGTH_MULTIPLE, HFCachedModel, KVCacheDecoder, RolloutKVCache
+
+    model_dir = tiny_model_dir("gpt2")
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    compiled_cache = RolloutKVCache()
+    compiled = KVCacheDecoder(HFCachedModel(model, compiled_cache, compiled=True), torch.device("cpu"))
+    eager = KVCacheDecoder(HFCachedModel(model, RolloutKVCache()), torch.device("cpu"))
+    config = GenerationConfig(max_new_tokens=6, seed=0, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    torch._dynamo.reset()
+    counters.clear()
+    batches = [PROMPTS, PROMPTS[1:4], PROMPTS[2:], PROMPTS[:2], [" ".join(PROMPTS)]]
+    for texts in batches:
+        ids, mask = prompt_batch(tokenizer, texts)
+        fast, slow = compiled.decode(ids, mask, config), eager.decode(ids, mask, config)
+        assert torch.equal(fast.sequences, slow.sequences)
+        torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=1e-5, rtol=0)
+        assert compiled_cache.rows == len(PROMPTS) and compiled_cache.length % COMPILED_LENGTH_MULTIPLE == 0
+    assert compiled_cache.length > COMPILED_LENGTH_MULTIPLE, "the last batch needs a longer allocation"
+    assert counters["stats"]["unique_graphs"] == 2, "one compiled step per allocation"

@@ -4,7 +4,8 @@
 - `FusedCachedModel`: Llama-family models through `FusedLlama` (fused projections, own K/V buffers);
 - `HFCachedModel`: any transformers causal LM through its own forward and a `StaticCache`.
 Either cache is allocated at the first prefill and reused by every later call that fits (batch and
-length), so a rollout of several batches allocates it once. Rows whose sequence has emitted EOS leave
+length), so a rollout of several batches allocates it once; a call that does not fit allocates one that covers it
+and every earlier call (the larger row count and length of the two), so the cache only grows. Rows whose sequence has emitted EOS leave
 the running batch: their cache rows are compacted in place (the remaining rows are copied to the
 front of the same buffers), so later steps compute only live rows.
 
@@ -17,7 +18,11 @@ On CUDA, with `cuda_graph=True`, decode steps replay CUDA graphs. `FusedCachedMo
 (`decode_graphs.BucketedDecodeSteps`: one graph per batch bucket, so the batch still shrinks, holding the step's
 token choice and log-prob too: a step is one replay). `HFCachedModel`
 runs them through `torch.compile(mode="reduce-overhead")`; that needs static shapes, so the batch then does
-not shrink (finished rows keep decoding and their tokens are discarded). Prefills are never captured, and the
+not shrink (finished rows keep decoding and their tokens are discarded), and every step runs over the whole
+allocation, whose length is rounded up to `COMPILED_LENGTH_MULTIPLE`: torch.compile compiles anew for each new
+shape, and after `torch._dynamo.config.recompile_limit` (8) shapes it runs the step eagerly for the rest of the
+process, so the shapes it sees are those of the allocations (a rollout's batches of other prompt lengths and a
+smaller last batch reuse one). Prefills are never captured, and the
 decode steps of K continuations see B*K rows from their first step on, so group sampling takes both paths
 unchanged. Neither has run on a GPU yet (none in the build environment).
 
@@ -67,6 +72,10 @@ class RolloutKVCache:
 
     def reusable(self, kind: type, batch: int, length: int) -> bool:
         return isinstance(self.cache, kind) and batch <= self.rows and length <= self.length
+
+    def covering(self, batch: int, length: int) -> tuple[int, int]:
+        """The rows and length of an allocation that holds this call and the kept cache's."""
+        return max(batch, self.rows), max(length, self.length)
 
     def keep(self, cache: object, rows: int, length: int) -> None:
         self.cache, self.rows, self.length = cache, rows, length
@@ -146,15 +155,18 @@ def _point_at_rows(layer, keys: torch.Tensor, values: torch.Tensor, count: int) 
     torch._dynamo.mark_static_address(layer.values)
 
 
-class HFCachedModel:
-    """A transformers causal LM whose forward accepts `past_key_values` and `position_ids`."""
+COMPILED_LENGTH_MULTIPLE = 128  # a compiled step's cache length is rounded up to this (see the module doc)
 
-    def __init__(self, model: torch.nn.Module, kv_cache: RolloutKVCache, cuda_graph: bool = False):
+
+class HFCachedModel:
+    """A transformers causal LM whose forward accepts `past_key_values` and `position_ids`; with `compiled`, its decode
+    steps run through `torch.compile(mode="reduce-overhead")` (CUDA graphs on a GPU) over every allocated row."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: RolloutKVCache, compiled: bool = False):
         self.model = model
         self.kv_cache = kv_cache
-        device = next(model.parameters()).device
-        self.shrinks = not (cuda_graph and torch.cuda.is_available() and device.type == "cuda")
-        self._step = model if self.shrinks else torch.compile(model, mode="reduce-overhead", dynamic=False)
+        self.shrinks = not compiled
+        self._step = torch.compile(model, mode="reduce-overhead", dynamic=False) if compiled else model
         self._storage: _StaticStorage | None = None
         self._prefilled = (0, 0)  # rows and columns of the last prefill
 
@@ -172,6 +184,9 @@ class HFCachedModel:
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
         batch, length = mask.shape
         if not self.kv_cache.reusable(_StaticStorage, rows, length):
+            rows, length = self.kv_cache.covering(rows, length)
+            if not self.shrinks:
+                length = -(-length // COMPILED_LENGTH_MULTIPLE) * COMPILED_LENGTH_MULTIPLE
             self.kv_cache.release()
             storage = _StaticStorage(StaticCache(config=self.model.config, max_cache_len=length), rows)
             self.kv_cache.keep(storage, rows, length)
@@ -190,7 +205,23 @@ class HFCachedModel:
 
     def step(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, column: int,
              choose: TokenChoice, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return choose(self._forward(self._step, tokens[:, None], mask, positions), uniforms)
+        if self.shrinks:
+            logits = self._forward(self._step, tokens[:, None], mask, positions)
+        else:
+            logits = self._step_every_row(tokens, mask, positions)
+        return choose(logits, uniforms)
+
+    def _step_every_row(self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The compiled step over all allocated rows, one shape per allocation: a batch of fewer rows is padded with
+        rows that attend to their first column only (never to nothing: NaN), whose logits are dropped."""
+        live, rows = tokens.shape[0], self.kv_cache.rows
+        if live < rows:
+            padding = rows - live
+            tokens = torch.cat([tokens, tokens.new_zeros(padding)])
+            mask = torch.cat([mask, torch.nn.functional.pad(mask.new_ones(padding, 1), (0, mask.shape[1] - 1))])
+            positions = torch.cat([positions, positions.new_zeros(padding, 1)])
+            self._storage.use_rows(rows)
+        return self._forward(self._step, tokens[:, None], mask, positions)[:live]
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         count = keep.numel()
@@ -221,6 +252,7 @@ class FusedCachedModel:
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
         batch, length = mask.shape
         if not self.kv_cache.reusable(FusedKVBuffers, rows, length):
+            rows, length = self.kv_cache.covering(rows, length)
             self.kv_cache.release()
             self.kv_cache.keep(self.fused.allocate(rows, length), rows, length)
         self._use_rows(batch)

@@ -369,7 +369,7 @@ class HybridEngine:
             path = "fused Llama" + (" (CUDA graphs)" if graphs else "")
         else:
             packed = pack_linear_layers(model) if self.settings.onednn_packing else 0
-            step_model = HFCachedModel(model, self.kv_cache, cuda_graph=graphs)
+            step_model = HFCachedModel(model, self.kv_cache, compiled=graphs)
             path = "transformers forward" + (" (CUDA graphs)" if not step_model.shrinks else "")
         self.decode_path = path
         if not self._described:
