@@ -32,6 +32,10 @@ backend can beat its kernel's ceiling by much.
 `--transformers_forward_baseline` adds the hybrid engine decoding a Llama-family model through the model's own
 transformers forward (`--disable_fused_decode`) beside it: what the fused decode path gains, in the same run.
 
+`--kept_copy_variant` adds the hybrid engine keeping its inference copy between calls (`--keep_inference_copy`,
+as step 3 can): its fastest call is one that loads the weights into the kept copy, reusing the decode graphs
+captured over it, where the `hybrid` row builds the copy anew in every call.
+
 `--static_compiled_baseline` adds transformers at its fastest beside them: a plain copy of the model on the
 device (no ZeRO), `generate` with a static KV cache and the forward compiled with
 `torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs on a GPU). It runs once untimed first: the
@@ -88,6 +92,7 @@ from utils.errors import UserError, run_cli  # noqa: E402
 
 STATIC_COMPILED = "hf_static_compiled"  # the backend name of --static_compiled_baseline
 TRANSFORMERS_FORWARD = "hybrid_transformers_forward"  # the backend name of --transformers_forward_baseline
+KEPT_COPY = "hybrid_kept_copy"  # the backend name of --kept_copy_variant
 QUESTIONS = [
     "Explain how a reward model is trained from human preference pairs.",
     "Write a short poem about the sea at night.",
@@ -130,6 +135,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--transformers_forward_baseline", action="store_true",
                         help="also time the hybrid engine decoding a Llama-family model through its transformers "
                              "forward (--disable_fused_decode) instead of the fused one, in the same run")
+    parser.add_argument("--kept_copy_variant", action="store_true",
+                        help="also time the hybrid engine keeping its inference copy between calls "
+                             "(--keep_inference_copy): each timed call after its first loads weights into it instead "
+                             "of building it (and on a GPU capturing its graphs) again, in the same run")
     parser.add_argument("--static_compiled_baseline", action="store_true",
                         help="also time transformers' generate with a static cache and torch.compile on a plain copy")
     parser.add_argument("--repeats", type=int, default=2,
@@ -235,27 +244,14 @@ def decode_figures(seconds: float, first_step_seconds: float, output: Generation
             "decode_floor_s": floor_s, "decode_vs_floor": round(step_s / floor_s, 3)}
 
 
-def static_compiled_summary(results: dict, fast: GenerationOutput, baseline: GenerationOutput,
-                            compile_seconds: float) -> dict:
+def beside_hybrid(results: dict, outputs: dict, backend: str, name: str) -> dict:
+    """Another backend's run beside the hybrid engine's: its tokens/s, the hybrid's speedup over it, and whether the
+    two decoded the same sequences (keys named after `name`)."""
     return {
-        "static_compiled_tokens_per_s": results[STATIC_COMPILED]["tokens_per_s"],
-        "speedup_vs_static_compiled": round(results["hybrid"]["tokens_per_s"]
-                                            / results[STATIC_COMPILED]["tokens_per_s"], 2),
-        "identical_sequences_vs_static_compiled": bool(torch.equal(fast.sequences.cpu(), baseline.sequences.cpu())),
-        "compile_seconds": compile_seconds,
-    }
-
-
-def transformers_forward_summary(results: dict, fast: GenerationOutput, baseline: GenerationOutput,
-                                 decode_path: str) -> dict:
-    """The hybrid engine beside itself decoding through the model's transformers forward (`decode_path`)."""
-    return {
-        "transformers_forward_decode_path": decode_path,
-        "transformers_forward_tokens_per_s": results[TRANSFORMERS_FORWARD]["tokens_per_s"],
-        "speedup_vs_transformers_forward": round(results["hybrid"]["tokens_per_s"]
-                                                 / results[TRANSFORMERS_FORWARD]["tokens_per_s"], 2),
-        "identical_sequences_vs_transformers_forward": bool(torch.equal(fast.sequences.cpu(),
-                                                                        baseline.sequences.cpu())),
+        f"{name}_tokens_per_s": results[backend]["tokens_per_s"],
+        f"speedup_vs_{name}": round(results["hybrid"]["tokens_per_s"] / results[backend]["tokens_per_s"], 2),
+        f"identical_sequences_vs_{name}": bool(torch.equal(outputs["hybrid"].sequences.cpu(),
+                                                           outputs[backend].sequences.cpu())),
     }
 
 
@@ -289,6 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.transformers_forward_baseline:
         generators[TRANSFORMERS_FORWARD] = build_generator(
             "hybrid", engine, tokenizer, dataclasses.replace(hybrid_settings, fused_decode=False))
+    if args.kept_copy_variant:
+        generators[KEPT_COPY] = build_generator(
+            "hybrid", engine, tokenizer, dataclasses.replace(hybrid_settings, keep_inference_copy=True))
     compile_seconds = None
     if args.static_compiled_baseline:
         generators[STATIC_COMPILED] = static_compiled_generator(args.model, tokenizer, generation_dtype, current_device())
@@ -345,11 +344,12 @@ def main(argv: list[str] | None = None) -> dict:
         "decode_kv_bytes_per_token": work.kv_bytes_per_token,
         "backends": results,
         "identical_sequences": bool(torch.equal(fast.sequences, outputs["hf"].sequences)),
-        **(static_compiled_summary(results, fast, outputs[STATIC_COMPILED], compile_seconds)
+        **({**beside_hybrid(results, outputs, STATIC_COMPILED, "static_compiled"), "compile_seconds": compile_seconds}
            if args.static_compiled_baseline else {}),
-        **(transformers_forward_summary(results, fast, outputs[TRANSFORMERS_FORWARD],
-                                        generators[TRANSFORMERS_FORWARD].decode_path)
+        **({**beside_hybrid(results, outputs, TRANSFORMERS_FORWARD, "transformers_forward"),
+            "transformers_forward_decode_path": generators[TRANSFORMERS_FORWARD].decode_path}
            if args.transformers_forward_baseline else {}),
+        **(beside_hybrid(results, outputs, KEPT_COPY, "kept_copy") if args.kept_copy_variant else {}),
         "max_logprob_diff_vs_train_forward": {backend: error["max"] for backend, error in logprob_error.items()},
         "mean_logprob_diff_vs_train_forward": {backend: error["mean"] for backend, error in logprob_error.items()},
     }
@@ -371,6 +371,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"hybrid ({summary['hybrid_decode_path']}) vs its transformers forward: "
                   f"{summary['speedup_vs_transformers_forward']}x; identical sequences: "
                   f"{summary['identical_sequences_vs_transformers_forward']}")
+        if args.kept_copy_variant:
+            print(f"hybrid building its inference copy per call vs keeping it (--keep_inference_copy): "
+                  f"{summary['speedup_vs_kept_copy']}x; identical sequences: "
+                  f"{summary['identical_sequences_vs_kept_copy']}")
         print(f"weight-streaming ceiling {summary['weight_pass_tokens_per_s']:.2f} tokens/s "
               f"({summary['weight_pass_matmul_tokens_per_s']:.2f} with torch.matmul): hybrid reaches "
               f"{summary['hybrid_share_of_weight_pass']:.0%}, hf {summary['hf_share_of_weight_pass']:.0%}")

@@ -92,9 +92,10 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
         assert row["decode_vs_floor"] == round(row["decode_step_s"] / row["decode_floor_s"], 3)
 
 
-def test_the_generation_benchmark_times_the_transformers_forward_beside_the_fused_path(tiny_model_dir, tmp_path):
+def test_the_generation_benchmark_times_the_transformers_forward_and_a_kept_copy_beside_the_fused_path(
+        tiny_model_dir, tmp_path):
     result, summary = run_bench(tiny_model_dir("qwen3"), tmp_path / "bench.json", "--zero_stage", "0",
-                                "--transformers_forward_baseline")
+                                "--transformers_forward_baseline", "--kept_copy_variant", "--repeats", "2")
     assert summary["hybrid_decode_path"] == "fused Llama"
     assert summary["transformers_forward_decode_path"] == "transformers forward"
     row = summary["backends"]["hybrid_transformers_forward"]
@@ -104,6 +105,12 @@ def test_the_generation_benchmark_times_the_transformers_forward_beside_the_fuse
     assert summary["identical_sequences_vs_transformers_forward"] is True
     assert max(summary["max_logprob_diff_vs_train_forward"].values()) < 1e-4
     assert "vs its transformers forward" in result.stdout
+    row = summary["backends"]["hybrid_kept_copy"]
+    assert row["tokens"] == 3 * 6 and len(row["runs_seconds"]) == 2
+    assert summary["kept_copy_tokens_per_s"] == row["tokens_per_s"] > 0
+    assert summary["speedup_vs_kept_copy"] == round(summary["hybrid_tokens_per_s"] / row["tokens_per_s"], 2)
+    assert summary["identical_sequences_vs_kept_copy"] is True
+    assert "vs keeping it" in result.stdout
 
 
 @pytest.mark.parametrize("stage,flag", [("3", "--static_compiled_baseline"), ("0", "--lora_dim=4")])

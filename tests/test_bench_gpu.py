@@ -172,7 +172,7 @@ def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
                      "bench.gpu.parts gather", "-m pytest -m gpu", "--junitxml",
                      "--arch llama-1b", "bench.gpu.value_model",
                      "--batch_size 8 --max_new_tokens 128 --dtype bf16", "--batch_size 64",
-                     "--static_compiled_baseline", "--disable_cuda_graph",
+                     "--static_compiled_baseline --kept_copy_variant", "--disable_cuda_graph",
                      "bench/step3.py", "--zero_stage 3", "llama-1b-random-value",
                      "--arch llama-7b --reference_dir", "--dtype bf16 --device cuda --output",
                      "--model {state}/models/llama-7b-random --zero_stage 3 --batch_size 8 --max_new_tokens 128 "

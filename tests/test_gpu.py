@@ -54,6 +54,11 @@ def test_cuda_graph_decoding_equals_eager(tiny_model_dir, arch):
     run_worker("cuda_graph", tiny_model_dir(arch))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # the fused path's bucket graphs; torch.compile's
+def test_a_kept_inference_copy_replays_its_graphs_with_each_rollouts_weights(tiny_model_dir, arch):
+    run_worker("kept_copy", tiny_model_dir(arch))
+
+
 @pytest.mark.parametrize("stage,dtype,optimizer,offload", [
     (0, "bf16", "torch_adamw", "none"),  # MasterWeightAdamW
     (2, "fp16", "torch_adamw", "none"), (3, "fp16", "torch_adamw", "none"),

@@ -219,6 +219,73 @@ def test_kv_cache_is_kept_between_rollouts_unless_released(distributed, tiny_mod
     assert released.kv_cache.cache is None
 
 
+def _decode_path_addresses(hybrid: HybridEngine) -> list[int]:
+    """Where every tensor a decode step reads lives: the kept copy's parameters, and a plain fused path's weights."""
+    inference_copy, step_model = hybrid._kept
+    tensors = list(inference_copy.model.parameters())
+    if hasattr(step_model, "fused"):
+        tensors += [t for w in step_model.fused.linear_weights() if not w.packed for t in (w.weight, w.bias)
+                    if t is not None]
+        tensors += [layer.head_norm for layer in step_model.fused.layers if layer.head_norm is not None]
+    return [t.data_ptr() for t in tensors]
+
+
+@pytest.mark.parametrize("arch,stage,lora,packing,dtype", [
+    ("llama", 3, False, True, "fp32"), ("llama", 0, True, False, "fp32"), ("qwen3", 3, False, False, "fp32"),
+    ("qwen3", 3, False, False, "bf16"), ("gpt2", 3, False, True, "fp32"),
+])
+def test_a_kept_inference_copy_serves_each_rollout_the_weights_of_that_moment_from_the_same_tensors(
+        distributed, tiny_model_dir, arch, stage, lora, packing, dtype):
+    """With --keep_inference_copy the copy and its decode path are built once: after a training step the next rollout
+    decodes exactly as a copy built afresh does (a projection that kept the old weights would not: a fused one that
+    copied the copy's weights, a packed one not packed again, Qwen3's stacked head norms), and every tensor a plain
+    decode step reads kept its address (what a captured CUDA graph reads)."""
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch if lora else None, dtype=dtype)
+    kept = hybrid_engine(engine, keep_inference_copy=True, onednn_packing=packing)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=8, seed=0, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    first = kept.generate(ids, mask, config)
+    built, addresses = kept._kept, _decode_path_addresses(kept)
+    train_step(engine, tokenizer)
+    second = kept.generate(ids, mask, config)
+    afresh = hybrid_engine(engine, onednn_packing=packing).generate(ids, mask, config)
+    assert not torch.equal(first.logprobs, second.logprobs), "the training step changed nothing the test can see"
+    assert torch.equal(second.sequences, afresh.sequences) and torch.equal(second.logprobs, afresh.logprobs)
+    assert kept._kept == built and _decode_path_addresses(kept) == addresses
+    if dtype == "fp32":
+        check_parity(engine, kept, tokenizer, PROMPTS)
+
+
+def test_the_fused_decoder_holds_no_second_copy_of_the_projections_it_fuses(tiny_model_dir):
+    """q/k/v and gate/up are fused by concatenation; the copy's own weights then become views of the fused tensors,
+    so the copy's parameters and the fused decoder together hold each weight once."""
+    from transformers import AutoModelForCausalLM
+
+    from training.generation.fused_llama import FusedLlama
+
+    def storage_bytes(tensors) -> int:
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2")).eval().requires_grad_(False)
+    held = storage_bytes(model.parameters())
+    fused = FusedLlama(model, pack=False)
+    weights = [t for w in fused.linear_weights() for t in (w.weight, w.bias) if t is not None]
+    assert storage_bytes([*model.parameters(), *weights]) == held
+    assert fused.layers[0].qkv.weight.untyped_storage().data_ptr() == \
+        model.model.layers[0].self_attn.k_proj.weight.untyped_storage().data_ptr()
+
+
+def test_releasing_the_cache_of_a_kept_copy_drops_what_holds_it(distributed, tiny_model_dir):
+    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
+    hybrid = hybrid_engine(engine, keep_inference_copy=True, release_inference_cache=True)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    hybrid.generate(ids, mask, greedy_config(tokenizer))
+    step_model = hybrid._kept[1]
+    assert hybrid.kv_cache.cache is None and step_model._buffers is None and step_model.graphed_steps is None
+    check_parity(engine, hybrid, tokenizer, PROMPTS)
+
+
 def test_a_model_the_engine_cannot_serve_falls_back_to_hf_loudly(distributed, tiny_model_dir, caplog):
     engine, tokenizer = build_engine(tiny_model_dir("gpt2"), stage=0)
     settings = HybridEngineSettings(enable=True, inference_tp_size=2)

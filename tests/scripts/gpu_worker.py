@@ -24,6 +24,7 @@ from scripts.hybrid_engine_worker import (
     greedy_config,
     hybrid_engine,
     prompt_batch,
+    train_step,
 )
 
 from training.core.engine import OptimizationSettings, create_train_engine
@@ -89,6 +90,31 @@ def cuda_graph(model_path: str) -> None:
         torch.testing.assert_close(graphed_out.logprobs, without.logprobs, rtol=0, atol=1e-5)
 
 
+def kept_copy(model_path: str) -> None:
+    """--keep_inference_copy on the graphed decode path: after a training step the next rollout replays the graphs
+    captured over the kept copy (none is captured again; torch.compile's are never skipped) and decodes, sampled, as
+    an eager copy built afresh does."""
+    engine, tokenizer = build_engine(model_path, stage=3)
+    kept = hybrid_engine(engine, keep_inference_copy=True)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = dataclasses.replace(greedy_config(tokenizer, max_new_tokens=16, eos_token_id=-1), do_sample=True,
+                                 temperature=0.8, seed=0)  # no row ends: every rollout decodes in the same bucket
+    first = kept.generate(ids, mask, config)
+    step_model = kept._kept[1]
+    graphs = step_model.graphed_steps if hasattr(step_model, "fused") else None
+    runners = dict(graphs.runners) if graphs is not None else {}
+    assert graphs is not None and graphs.capture and runners or graphs is None and not step_model.shrinks
+    train_step(engine, tokenizer)
+    second = kept.generate(ids, mask, config)
+    if graphs is not None:
+        assert step_model.graphed_steps is graphs and all(graphs.runners[k] is v for k, v in runners.items())
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    afresh = hybrid_engine(engine, cuda_graph=False).generate(ids, mask, config)
+    assert not torch.equal(first.logprobs, second.logprobs), "the training step changed nothing the check can see"
+    assert torch.equal(second.sequences, afresh.sequences)
+    torch.testing.assert_close(second.logprobs, afresh.logprobs, rtol=0, atol=1e-5)
+
+
 def device_syncs(work) -> int:
     """How many times `work` made the host wait for the GPU (torch's sync debug mode warns at each)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -146,8 +172,8 @@ def lora(model_path: str, arch: str) -> None:
     check_lora_merge(engine, hybrid_engine(engine), tokenizer)
 
 
-CHECKS = {"long_positions": long_positions, "greedy": greedy, "cuda_graph": cuda_graph, "train_steps": train_steps,
-          "lora": lora}
+CHECKS = {"long_positions": long_positions, "greedy": greedy, "cuda_graph": cuda_graph, "kept_copy": kept_copy,
+          "train_steps": train_steps, "lora": lora}
 
 
 if __name__ == "__main__":

@@ -59,17 +59,29 @@ class LinearWeight:
     """A weight [out, in] (and optional bias [out]) applied as x @ W.T + b, oneDNN-packed where possible,
     the result passed through `reduce` when given (the cross-rank sum of a row-parallel shard).
 
-    The packed copy is a new tensor: the caller drops its own reference to `weight` to free the plain one."""
+    The packed copy is a new tensor: the caller drops its own reference to `weight` to free the plain one, unless
+    it asks to `keep_source` (a weight it will overwrite in place and `repack`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 reduce: Reduce | None = None):
+                 reduce: Reduce | None = None, keep_source: bool = False):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.reduce = reduce
         self.packed = (pack and weight.device.type == "cpu" and not weight.requires_grad
                        and onednn_packing_available(weight.dtype))
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACKING_BATCH_HINT) \
-            if self.packed else weight
+        self.source = weight if keep_source else None
+        self.weight = self._packed(weight) if self.packed else weight
+
+    @staticmethod
+    def _packed(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACKING_BATCH_HINT)
+
+    def repack(self) -> None:
+        """Take up new values written into the kept source weight (a plain weight is the source: nothing to do)."""
+        if self.packed:
+            if self.source is None:
+                raise RuntimeError("repack needs a LinearWeight built with keep_source=True")
+            self.weight = self._packed(self.source)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -100,12 +112,16 @@ class ReducedLinear(torch.nn.Linear):
 
 
 class PackedLinear(torch.nn.Module):
-    """Stands in for an inference copy's `nn.Linear` or `Conv1D`: same outputs, weight held as a `LinearWeight`."""
+    """Stands in for an inference copy's `nn.Linear` or `Conv1D`: same outputs, weight held as a `LinearWeight`.
+    Given the replaced layer (`keep`), it holds that layer's parameters under their names too, for weights loaded in
+    place and then `repack`ed."""
 
-    def __init__(self, linear: LinearWeight):
+    def __init__(self, linear: LinearWeight, keep: torch.nn.Module | None = None):
         super().__init__()
         self.linear = linear
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        if keep is not None:
+            self.weight, self.bias = keep.weight, keep.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -124,8 +140,10 @@ def _weight_out_in(module: torch.nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def pack_linear_layers(model: torch.nn.Module) -> int:
+def pack_linear_layers(model: torch.nn.Module, keep_weights: bool = False) -> int:
     """Replace every plain linear layer whose weight oneDNN can pack by a `PackedLinear`; returns how many.
+    With `keep_weights` the plain weights stay in the model (`repack_linear_layers` takes up new values written into
+    them); without, they are freed.
 
     A layer whose weight another module shares (a tied output head) is packed as a copy; the other
     module keeps the plain weight."""
@@ -138,6 +156,15 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         reduce = module.reduce if isinstance(module, ReducedLinear) else None
-        setattr(parent, child, PackedLinear(LinearWeight(weight.detach(), bias, reduce=reduce)))
+        linear = LinearWeight(weight.detach(), bias, reduce=reduce, keep_source=keep_weights)
+        setattr(parent, child, PackedLinear(linear, module if keep_weights else None))
         replaced += 1
     return replaced
+
+
+def repack_linear_layers(model: torch.nn.Module) -> None:
+    """Pack again every `PackedLinear` weight of a model packed with `keep_weights`, after new values were written
+    into its plain weights."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.linear.repack()

@@ -38,6 +38,7 @@ import torch
 from transformers import StaticCache
 
 from training.core.sequences import position_ids_from_attention_mask
+from training.generation.cpu_linear import repack_linear_layers
 from training.generation.decode_graphs import BucketedDecodeSteps
 from training.generation.fused_llama import FusedKVBuffers, FusedLlama
 from training.generation.generator import (
@@ -102,6 +103,12 @@ class StepModel(Protocol):
              choose: TokenChoice, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def keep_rows(self, keep: torch.Tensor) -> None: ...
+
+    def refresh(self) -> None:
+        """Take up new weights loaded into the model in place (a kept inference copy's next rollout)."""
+
+    def forget_cache(self) -> None:
+        """Drop every reference to the KV cache (and to what was captured over it), so that releasing it frees it."""
 
 
 def repeat_filled_rows(full: torch.Tensor, batch: int, k: int, filled: int) -> None:
@@ -230,6 +237,12 @@ class HFCachedModel:
             layer.values[:count] = layer.values[keep]
             _point_at_rows(layer, layer.keys, layer.values, count)
 
+    def refresh(self) -> None:
+        repack_linear_layers(self.model)
+
+    def forget_cache(self) -> None:
+        self._storage = None
+
 
 class FusedCachedModel:
     """`FusedLlama` over `FusedKVBuffers`; with `cuda_graph`, its decode steps run as `BucketedDecodeSteps`
@@ -288,6 +301,12 @@ class FusedCachedModel:
         keys[:, :count] = keys[:, keep]
         values[:, :count] = values[:, keep]
         self._buffers = FusedKVBuffers(keys[:, :count], values[:, :count])
+
+    def refresh(self) -> None:
+        self.fused.refresh()
+
+    def forget_cache(self) -> None:
+        self._buffers = self.graphed_steps = None
 
 
 class KVCacheDecoder:

@@ -12,7 +12,11 @@ Train mode is the ZeRO engine as it is. Generate mode (`HybridEngine.generate_mo
    for the others; on
    CPU the copy's linear weights are prepacked for oneDNN (`cpu_linear.py`).
 Leaving generate mode drops the copy (and, with `release_inference_cache`, the KV cache); the
-engine's module is never modified, and its train/eval flags are left as they were.
+engine's module is never modified, and its train/eval flags are left as they were. With `keep_inference_copy` the
+copy and its decode path stay between rollouts instead: each rollout loads the actor's weights into the same
+tensors (the fused Llama path's projections are views of its fused weights, so they land there too), so nothing is
+built again and, on a GPU, the decode graphs captured (or the transformers-forward step compiled) over those
+addresses keep serving; the copy is held during training meanwhile.
 
 With `unpin_actor_parameters` no copy is built: the decoder runs on the engine's own module, whose
 ZeRO-3 hooks gather each layer at every step (less memory, slower), as DeepSpeed-Chat's flag does.
@@ -37,6 +41,7 @@ from training.generation.fast_decoder import (
     HFCachedModel,
     KVCacheDecoder,
     RolloutKVCache,
+    StepModel,
 )
 from training.generation.fused_llama import FusedLlama, fused_llama_unsupported_reason
 from training.generation.generator import (
@@ -76,6 +81,10 @@ class HybridEngineSettings:
         "help": "decoder layers gathered at once when loading ZeRO-3 weights for generation"})
     release_inference_cache: bool = field(default=False, metadata={
         "help": "free the KV cache after every rollout instead of keeping it for the next one"})
+    keep_inference_copy: bool = field(default=False, metadata={
+        "help": "keep the inference copy between rollouts, loading each rollout's weights into it in place: no "
+                "rebuild, and on a GPU no new capture of the decode graphs per rollout, for one more copy of the "
+                "model in the generation dtype held during training"})
     unpin_actor_parameters: bool = field(default=False, metadata={
         "help": "do not gather a full inference copy of the actor; generate through ZeRO-3 hooks (less memory, slower)"})
     fused_decode: bool = field(default=True, metadata={
@@ -269,12 +278,17 @@ class InferenceCopy:
         """Each buffer as the training module holds it, in its dtype too: the copy was cast to the generation
         dtype whole, but transformers keeps e.g. RoPE's `inv_freq` in fp32 under a bf16 model, and rounding
         it to bf16 moves every rotary angle (3e-3 relative error: a different next-token distribution at
-        positions in the hundreds)."""
-        for name, _ in list(self.model.named_buffers()):
+        positions in the hundreds). A buffer already of that dtype and shape is written in place (a kept copy keeps
+        its addresses)."""
+        for name, current in list(self.model.named_buffers()):
             if name in sources:
+                source = sources[name].detach()
+                if current.dtype == source.dtype and current.shape == source.shape:
+                    current.copy_(source)
+                    continue
                 owner_name, _, leaf = name.rpartition(".")
                 owner = self.model.get_submodule(owner_name) if owner_name else self.model
-                setattr(owner, leaf, sources[name].detach().to(self.device, copy=True))
+                setattr(owner, leaf, source.to(self.device, copy=True))
 
     def _value(self, entry: _Entry, sharded: bool) -> torch.Tensor:
         delta = _lora_delta(entry.lora_layer) if entry.lora_layer is not None else None
@@ -293,8 +307,9 @@ class HybridEngine:
     """Switches a DeepSpeed engine's actor between training and fast generation (see module doc)."""
 
     def __init__(self, engine: torch.nn.Module, settings: HybridEngineSettings):
-        if settings.inference_tp_size > 1 and settings.unpin_actor_parameters:
-            raise UserError("--inference_tp_size > 1 needs the gathered inference copy; drop --unpin_actor_parameters")
+        if settings.unpin_actor_parameters and (settings.inference_tp_size > 1 or settings.keep_inference_copy):
+            raise UserError("--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy; "
+                            "drop --unpin_actor_parameters")
         self.engine = engine
         self.module = getattr(engine, "module", engine)
         self.settings = settings
@@ -303,6 +318,7 @@ class HybridEngine:
         self.tp = TensorParallelGroup.create(settings.inference_tp_size) if settings.inference_tp_size > 1 else None
         self.kv_cache = RolloutKVCache()
         self._decoder: KVCacheDecoder | None = None
+        self._kept: tuple[InferenceCopy, StepModel] | None = None  # with keep_inference_copy, after the first rollout
         self.decode_path: str | None = None  # how the last generate mode decoded, e.g. "fused Llama (CUDA graphs)"
         self._described = False  # the decode path is logged on the first entry into generate mode
 
@@ -330,7 +346,7 @@ class HybridEngine:
             finally:
                 self._decoder = None
                 if self.settings.release_inference_cache:
-                    self.kv_cache.release()
+                    self.release_cache()
 
     @property
     def streams_finished_rows(self) -> bool:
@@ -355,6 +371,19 @@ class HybridEngine:
             self.decode_path = "transformers forward of the engine's own module (unpinned)"
             return KVCacheDecoder(HFCachedModel(self.module, self.kv_cache), self.device, no_grad_only=True,
                                   sync_done=_all_ranks_done if collective else None)
+        if self._kept is not None:
+            inference_copy, step_model = self._kept
+            inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
+            step_model.refresh()
+        else:
+            inference_copy, step_model = self._build()
+            if self.settings.keep_inference_copy:
+                self._kept = inference_copy, step_model
+        return KVCacheDecoder(step_model, self.device,
+                              sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)
+
+    def _build(self) -> tuple[InferenceCopy, StepModel]:
+        """A new inference copy loaded with the actor's weights, and the decode path over it."""
         base = _base_model(self.module)
         plan = TensorParallelPlan(base, self.tp) if self.tp is not None else None
         inference_copy = InferenceCopy(base, self.dtype, self.device, plan)
@@ -368,7 +397,8 @@ class HybridEngine:
             packed = sum(w.packed for w in step_model.fused.linear_weights())
             path = "fused Llama" + (" (CUDA graphs)" if graphs else "")
         else:
-            packed = pack_linear_layers(model) if self.settings.onednn_packing else 0
+            packed = pack_linear_layers(model, keep_weights=self.settings.keep_inference_copy) \
+                if self.settings.onednn_packing else 0
             step_model = HFCachedModel(model, self.kv_cache, compiled=graphs)
             path = "transformers forward" + (" (CUDA graphs)" if not step_model.shrinks else "")
         self.decode_path = path
@@ -376,11 +406,12 @@ class HybridEngine:
             logger.info("hybrid engine: %s decode path on %s, %s, %d linear weights prepacked for oneDNN",
                         path, self.device, self.dtype, packed)
             self._described = True
-        return KVCacheDecoder(step_model, self.device,
-                              sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)
+        return inference_copy, step_model
 
     def release_cache(self) -> None:
         """Free the KV cache kept between rollouts."""
+        if self._kept is not None:
+            self._kept[1].forget_cache()
         self.kv_cache.release()
 
 
