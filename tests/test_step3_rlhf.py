@@ -534,15 +534,19 @@ def test_a_critic_free_run_saves_checkpoints_and_logs_no_critic(distributed, inp
 # the entry point -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def step3_run(distributed, inputs):
+def run_step3_entry_point(inputs, name: str, *flags: str) -> tuple[Path, dict]:
     from step3_rlhf.main import main
 
-    run = inputs["root"] / "run"
+    run = inputs["root"] / name
     summary = main(step3_argv(inputs, run, "--max_steps", "3", "--enable_hybrid_engine", "--enable_ema",
                               "--unsupervised_dataset_name", inputs["text"], "--unsup_coef", "1.0",
-                              "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3"))
+                              "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", *flags))
     return run, summary
+
+
+@pytest.fixture(scope="module")
+def step3_run(distributed, inputs):
+    return run_step3_entry_point(inputs, "run")
 
 
 def test_step3_writes_models_metrics_plot_and_summary(step3_run):
@@ -578,6 +582,15 @@ def test_step3_models_load_back(step3_run, inputs):
     assert (ema[name] - start[name]).abs().sum() < (actor[name] - start[name]).abs().sum()
     critic = RewardModel.from_pretrained(run / "critic")
     assert critic.v_head.weight.shape[0] == 1
+
+
+def test_a_kept_inference_copy_trains_the_same_models(step3_run, inputs):
+    """--keep_inference_copy decodes each rollout from the weights of that moment, as a copy built afresh does: the
+    three PPO steps train the same actor, critic and EMA to the bit."""
+    run, _ = step3_run
+    kept, _ = run_step3_entry_point(inputs, "run_kept_copy", "--keep_inference_copy")
+    for folder in ("actor", "critic", "actor_ema"):
+        assert_same_weights(run / folder, kept / folder)
 
 
 def test_critic_without_a_value_head_is_refused(distributed, inputs, tmp_path):

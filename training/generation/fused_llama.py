@@ -100,7 +100,7 @@ def _detached_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
 def _fuse(linears: list[torch.nn.Linear], pack: bool) -> LinearWeight:
     """One projection for several Linears: their weights (and biases, zeros standing in for a missing one)
     concatenated by output rows. The Linears' parameters are then rebound as views of the fused tensors, so the
-    inference copy holds each weight once (not also a fused duplicate: 4.5 of a 7B Llama's 6.5 B weights), and
+    inference copy holds each weight once (not also a fused duplicate: 4.5 of a 7B Llama's 6.7 B weights), and
     weights loaded into the copy afterwards land in the fused product (see `FusedLlama.refresh`)."""
     weight = torch.cat([linear.weight.detach() for linear in linears])
     bias = None
