@@ -178,6 +178,16 @@ def test_zero3_divides_the_trained_models_states_by_the_group_on_four_ranks():
     assert fp32 == pytest.approx(1.0 + (4e9 + 4e9 + 8e9 + 4e9 + fp32_transient) / GIB)
 
 
+def test_a_kept_inference_copy_is_held_through_training():
+    """--keep_inference_copy: the copy (2e9 B in bf16) is no longer generation's alone; where training's transient is
+    the largest, the rank's peak grows by exactly the copy."""
+    placement = build_placement("colocate", 1, ("actor", "reference"))
+    lone = replace(WORKLOAD, critic=None, reward=None, hybrid_engine=True)
+    default, kept = (rank_memory_gib(replace(lone, keep_inference_copy=keep), placement, MACHINE, 0)
+                     for keep in (False, True))
+    assert kept == pytest.approx(default + 2e9 / GIB)
+
+
 def test_interleaved_scoring_takes_the_longer_half():
     workload = replace(WORKLOAD, reward=SMALL)
     colocated = build_placement("colocate", 2)

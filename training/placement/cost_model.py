@@ -273,12 +273,19 @@ def _persistent_bytes(workload: Step3Workload, role: str, placement: Placement) 
     return weights + grads + trainable * optimizer / (n if stage >= 1 else 1)
 
 
+def _inference_copy_bytes(workload: Step3Workload, placement: Placement) -> float:
+    """The hybrid engine's inference copy of the actor (its tensor-parallel shard)."""
+    if not workload.hybrid_engine or placement.generation_role != "actor":
+        return 0.0
+    return workload.actor.parameters * workload.dtype_bytes / _generation_tp(workload)
+
+
 def _generation_bytes(workload: Step3Workload, placement: Placement) -> float:
-    """The KV cache of a chunk (tp x rows, 1/tp of the heads), and the hybrid engine's inference copy."""
-    size, tp, b = workload.actor, _generation_tp(workload), workload.dtype_bytes
+    """The KV cache of a chunk (tp x rows, 1/tp of the heads), and the hybrid engine's inference copy unless it is
+    kept (then it is held throughout: `rank_memory_gib`)."""
+    size, b = workload.actor, workload.dtype_bytes
     kv = workload.rows_per_chunk * workload.seq_len * 2 * size.hidden_size * size.num_layers * b
-    copy = size.parameters * b / tp if workload.hybrid_engine and placement.generation_role == "actor" else 0.0
-    return kv + copy
+    return kv + (0.0 if workload.keep_inference_copy else _inference_copy_bytes(workload, placement))
 
 
 def _head_positions(workload: Step3Workload, role: str) -> int:
@@ -316,6 +323,8 @@ def rank_memory_gib(workload: Step3Workload, placement: Placement, machine: Mach
     scoring = [role for role in held if role != "rollout"]
     transient += [_forward_bytes(workload, role, workload.rows_per_chunk) for role in scoring]
     if placement.generation_role in held:
+        if workload.keep_inference_copy:
+            persistent += _inference_copy_bytes(workload, placement)
         # stage fusion scores a micro-batch of finished rows while the KV cache of the rows still decoding is alive
         rows = min(workload.stage_fusion_micro_batch, workload.rows_per_chunk)
         fused = max((_forward_bytes(workload, role, rows) for role in scoring), default=0.0) \

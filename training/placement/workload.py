@@ -35,6 +35,7 @@ class Step3Workload:
     actor_lora: bool = False
     hybrid_engine: bool = True
     inference_tp: int = 1
+    keep_inference_copy: bool = False  # the hybrid engine's inference copy held through training too
     stage_fusion: bool = False  # finished rows scored while generation goes on (`step3_rlhf.stage_fusion`)
     stage_fusion_micro_batch: int = 2
     offloaded: tuple[str, ...] = ()  # frozen models kept in CPU memory (ZeRO-3 parameter offload)
@@ -71,6 +72,7 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         dtype=dtype or args.run.dtype_name, actor_zero_stage=args.actor.zero_stage,
         critic_zero_stage=args.critic.zero_stage, actor_lora=args.actor.lora_dim > 0,
         hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size,
+        keep_inference_copy=args.hybrid.keep_inference_copy,
         stage_fusion=args.placement.enable_stage_fusion,
         stage_fusion_micro_batch=args.placement.stage_fusion_micro_batch_size,
         offloaded=offloaded_models(args))
