@@ -333,6 +333,20 @@ def test_the_fused_decoder_refuses_what_it_would_decode_differently():
     assert "rope type 'dynamic'" in fused_llama_unsupported_reason(dynamic_rope)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_rms_norm_is_the_fp32_one_rounded(dtype):
+    """The fused path normalises half-precision hidden states with one `F.rms_norm` (fp32 inside, one rounding):
+    the bits of transformers' order (upcast, normalise in fp32, round), over hidden sizes, scales and head norms."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(8, 1, 576), (3, 77, 576), (8, 1, 40, 64), (2, 3, 4096), (64, 1, 896)]:
+        for scale in (0.01, 1.0, 30.0):
+            x = (torch.randn(*shape, generator=generator) * scale).to(dtype)
+            rounded = F.rms_norm(x.float(), (shape[-1],), eps=1e-6).to(dtype)
+            assert torch.equal(F.rms_norm(x, (shape[-1],), eps=1e-6), rounded), (shape, scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_path_makes_its_attention_mask_additive_once_with_aligned_rows(dtype):
     """The fused forward hands every layer's attention the additive mask attention would make of the boolean one
@@ -348,8 +362,8 @@ def test_the_fused_path_makes_its_attention_mask_additive_once_with_aligned_rows
 
 @pytest.mark.slow
 def test_two_gloo_ranks_with_zero3_lora_and_tensor_parallel(tiny_model_dir, tmp_path):
-    """torchrun, 2 ranks with unequal prompt batches: ZeRO-3, ZeRO-3 + LoRA + --inference_tp_size 2,
-    ZeRO-2 + TP 2, unpinned ZeRO-3 (collective forwards until both ranks finish), and TP 2 for Qwen2 (fused path,
+    """torchrun, 2 ranks with unequal prompt batches: ZeRO-3, ZeRO-3 + LoRA + --inference_tp_size 2 (and the same
+    with --keep_inference_copy, checked again after a training step), ZeRO-2 + TP 2, unpinned ZeRO-3 (collective forwards until both ranks finish), and TP 2 for Qwen2 (fused path,
     q/k/v biases sharded with their projections) and a windowed Mistral (transformers-forward path) with their
     linear layers packed and not."""
     for arch in modes_architectures(MODES):

@@ -243,6 +243,8 @@ def check_long_position_parity(model_path: str, dtype: str, make_hybrid) -> torc
 MODES = {  # mode: (architecture, ZeRO stage, LoRA, hybrid engine settings)
     "zero3": ("llama", 3, False, dict(tp_gather_partition_size=1)),
     "zero3_lora_tp2": ("llama", 3, True, dict(inference_tp_size=2)),
+    # the kept copy's shards take up the next step's weights (parity checked again after it)
+    "zero3_lora_tp2_kept": ("llama", 3, True, dict(inference_tp_size=2, keep_inference_copy=True)),
     "zero2_tp2": ("llama", 2, False, dict(inference_tp_size=2)),
     "zero3_unpinned": ("llama", 3, False, dict(unpin_actor_parameters=True)),
     # Qwen2 decodes through the fused path, its q/k/v biases sharded with the projections; the windowed Mistral
@@ -273,9 +275,12 @@ def main(models_dir: str, mode: str) -> None:
     if lora:
         for trained in (engine, twin):
             train_step(trained, tokenizer)  # makes lora_B non-zero, so merging matters
-    check_parity(engine, HybridEngine(engine, HybridEngineSettings(enable=True, **settings)), tokenizer, texts)
+    hybrid = HybridEngine(engine, HybridEngineSettings(enable=True, **settings))
+    check_parity(engine, hybrid, tokenizer, texts)
     loss, twin_loss = train_step(engine, tokenizer), train_step(twin, tokenizer)
     assert loss == twin_loss, (loss, twin_loss)
+    if hybrid.settings.keep_inference_copy:
+        check_parity(engine, hybrid, tokenizer, texts)
     torch.distributed.barrier()
     if rank == 0:
         print("HYBRID_OK", mode, flush=True)

@@ -197,11 +197,12 @@ class FusedLlama:
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' Llama RMSNorm over the last dimension: normalised in fp32, rounded to the model dtype, then
         scaled (one op in fp32, where the rounding is none, for a weight of that dimension's size; a head norm's
-        weight has one row per head)."""
+        weight has one row per head). `F.rms_norm` of a half-precision input computes in fp32 and rounds its result
+        (to the bit what an explicit upcast, the fp32 op and a downcast give: `tests/test_hybrid_engine.py`), in one
+        kernel where those were three, a replayed GPU step's cost."""
         if hidden.dtype == torch.float32 and weight.dim() == 1:
             return F.rms_norm(hidden, (hidden.shape[-1],), weight, eps=self.eps)
-        normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=self.eps)
-        return weight * normed.to(hidden.dtype)
+        return weight * F.rms_norm(hidden, (hidden.shape[-1],), eps=self.eps)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Grouped-query attention through the kernel the transformers forward uses (sdpa): q [B, H, S, D],
