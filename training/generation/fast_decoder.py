@@ -5,8 +5,8 @@
 - `HFCachedModel`: any transformers causal LM through its own forward and a `StaticCache`.
 Either cache is allocated at the first prefill and reused by every later call that fits (batch and
 length), so a rollout of several batches allocates it once; a call that does not fit allocates one that covers it
-and every earlier call (the larger row count and length of the two), so the cache only grows. Rows whose sequence has emitted EOS leave
-the running batch: their cache rows are compacted in place (the remaining rows are copied to the
+and every earlier call (the larger row count and length of the two), so the cache only grows. Rows whose sequence
+has emitted EOS leave the running batch: their cache rows are compacted in place (the remaining rows are copied to the
 front of the same buffers), so later steps compute only live rows.
 
 K continuations per prompt (`GenerationConfig.num_return_sequences`) share one prefill: the cache is
@@ -71,12 +71,17 @@ class RolloutKVCache:
         self.rows = 0
         self.length = 0
 
-    def reusable(self, kind: type, batch: int, length: int) -> bool:
-        return isinstance(self.cache, kind) and batch <= self.rows and length <= self.length
-
-    def covering(self, batch: int, length: int) -> tuple[int, int]:
-        """The rows and length of an allocation that holds this call and the kept cache's."""
-        return max(batch, self.rows), max(length, self.length)
+    def fit(self, kind: type, batch: int, length: int, allocate: Callable[[int, int], object],
+            length_multiple: int = 1) -> None:
+        """Keep the cache if it is a `kind` of at least `batch` rows and `length` columns; else release it and keep
+        `allocate(rows, length)` for an allocation that holds this call and the released one's, its length rounded
+        up to `length_multiple`."""
+        if isinstance(self.cache, kind) and batch <= self.rows and length <= self.length:
+            return
+        rows, length = max(batch, self.rows), max(length, self.length)
+        length = -(-length // length_multiple) * length_multiple
+        self.release()
+        self.keep(allocate(rows, length), rows, length)
 
     def keep(self, cache: object, rows: int, length: int) -> None:
         self.cache, self.rows, self.length = cache, rows, length
@@ -190,18 +195,16 @@ class HFCachedModel:
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
         batch, length = mask.shape
-        if not self.kv_cache.reusable(_StaticStorage, rows, length):
-            rows, length = self.kv_cache.covering(rows, length)
-            if not self.shrinks:
-                length = -(-length // COMPILED_LENGTH_MULTIPLE) * COMPILED_LENGTH_MULTIPLE
-            self.kv_cache.release()
-            storage = _StaticStorage(StaticCache(config=self.model.config, max_cache_len=length), rows)
-            self.kv_cache.keep(storage, rows, length)
+        self.kv_cache.fit(_StaticStorage, rows, length, self._allocate,
+                          length_multiple=1 if self.shrinks else COMPILED_LENGTH_MULTIPLE)
         self._storage = self.kv_cache.cache
         self._storage.use_rows(batch)
         self._storage.cache.reset()
         self._prefilled = tuple(input_ids.shape)
         return self._forward(self.model, input_ids, mask, positions, logits_to_keep=1)
+
+    def _allocate(self, rows: int, length: int) -> _StaticStorage:
+        return _StaticStorage(StaticCache(config=self.model.config, max_cache_len=length), rows)
 
     def repeat_rows(self, k: int) -> None:
         batch, filled = self._prefilled
@@ -264,10 +267,7 @@ class FusedCachedModel:
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
         batch, length = mask.shape
-        if not self.kv_cache.reusable(FusedKVBuffers, rows, length):
-            rows, length = self.kv_cache.covering(rows, length)
-            self.kv_cache.release()
-            self.kv_cache.keep(self.fused.allocate(rows, length), rows, length)
+        self.kv_cache.fit(FusedKVBuffers, rows, length, self.fused.allocate)
         self._use_rows(batch)
         self._prefilled = tuple(input_ids.shape)
         if self.cuda_graph:
