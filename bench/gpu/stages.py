@@ -1,4 +1,4 @@
-"""The GPU run's stages, in the order they run: what each measures, what it needs first, and its commands.
+"""The GPU run's stages: what each measures, what it needs first, and its commands.
 
 A stage's commands are built when the stage starts, from what earlier stages (and earlier calls on the same
 warm machine) left in the state folder: the real SmolLM2 weights once their parts have all arrived and been
@@ -22,6 +22,7 @@ GENERATION_DTYPE = "bf16"
 CALL_BUDGET_S = 560  # no command starts after it, so packing ends within the device call's 600 s
 # shapes made in bf16 straight on the GPU: in fp32 on the CPU first, 7B would take 26 GiB and minutes of a call
 MADE_ON_GPU = ("llama-7b",)
+GPU_TESTS = "tests/test_gpu.py"
 PIPELINE_REFERENCE = "bench/results/pipeline_cpu_quick.json"  # bench/pipeline.py's JSON of the CPU quick run
 # The 7B generation's actor is frozen (`--frozen_actor`, bf16, ZeRO-3): no fp32 master partitions, no gradient
 # buffer. Estimated PyTorch allocations at world size 1 (6.88B parameters with SmolLM2's vocabulary, 32 layers, 4096
@@ -54,6 +55,8 @@ class GpuRunSettings:
         "help": "the carried prompts (pairs.jsonl) and SmolLM2's config and tokenizer (smollm2-135m/)"})
     tests_filter: str = field(default="", metadata={
         "help": "pytest -k expression for the tests stage (split the GPU tests over calls), e.g. 'zero or ppo'"})
+    tests_workers: int = field(default=6, metadata={
+        "help": "processes the GPU tests are spread over (pytest-xdist's -n; 1: one after another)"})
     generation_batch_sizes: list[int] = field(default_factory=lambda: [8, 64], metadata={
         "help": "bench/generation.py batch sizes"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per row (EOS ignored)"})
@@ -145,6 +148,14 @@ class Stage:
     measures: str
     needs: tuple[str, ...]
     build: Callable[[Context], Built]
+    real_weights_only: bool = False  # skips without the real SmolLM2 weights (others run on random ones of its shape)
+
+    def commands(self, ctx: Context) -> Built:
+        """This stage's commands as of now, or why it cannot run yet."""
+        if self.real_weights_only and ctx.smollm2()[1] != "smollm2":
+            return (f"{self.name} runs on the real SmolLM2 weights only, which have not arrived (carry every "
+                    f"{ctx.settings.weights_dir} part, on consecutive calls)")
+        return self.build(ctx)
 
 
 def _pip_install(ctx: Context, wheels: list[Path]) -> tuple[str, ...]:
@@ -188,10 +199,13 @@ def build_embedded(ctx: Context) -> Built:
 
 
 def build_tests(ctx: Context) -> Built:
+    """The GPU tests' module alone (collecting every test module would import them all, in every worker), its
+    tests spread over `tests_workers` processes (pytest-xdist, on the image): each test is a subprocess of its
+    own on its own port, mostly waiting on imports and compilers, with GPU memory to spare."""
     selection = ("-k", ctx.settings.tests_filter) if ctx.settings.tests_filter else ()
-    # a module that fails to import on the GPU image (a package it lacks) must not stop the GPU tests from running
-    return [Command(ctx.py("-m", "pytest", "-m", "gpu", *selection, "--continue-on-collection-errors",
-                           "-p", "no:cacheprovider", "-ra", "--junitxml", ctx.out / "gpu_tests.xml"), "gpu_tests.log")]
+    workers = ("-n", str(ctx.settings.tests_workers)) if ctx.settings.tests_workers > 1 else ()
+    return [Command(ctx.py("-m", "pytest", GPU_TESTS, "-m", "gpu", *workers, *selection, "-p", "no:cacheprovider",
+                           "-ra", "--junitxml", ctx.out / "gpu_tests.xml"), "gpu_tests.log")]
 
 
 def _make_models(ctx: Context, names: list[str]) -> Built:
@@ -283,8 +297,6 @@ def build_step3_1b(ctx: Context) -> Built:
 def _real_run(ctx: Context, name: str, script: str, output_flag: str, *args: str | Path) -> Built:
     """`script ARGS OUTPUT_FLAG FOLDER` on the real SmolLM2 weights and the carried pairs, FOLDER a fresh run folder
     on the machine, then the run's reports (not its weights) into the output's `name/`; or why it cannot run."""
-    if ctx.smollm2()[1] != "smollm2":
-        return f"{script} runs on the real SmolLM2 weights, which have not arrived (carry every .gpu/weights part)"
     if not ctx.prompts.is_file():
         return f"no prompts at {ctx.prompts}: carry {ctx.settings.data_dir}"
     folder = ctx.state / "runs" / f"{name}_{time.strftime('%Y%m%d_%H%M%S')}"
@@ -332,26 +344,31 @@ STAGES = (
     Stage("step3_1b", "bench/step3.py at TinyLlama-1.1B's shape (random weights), ZeRO-3 bf16",
           ("install",), build_step3_1b),
     Stage("train", "train.py --deployment-type single_gpu, all three steps, real SmolLM2 weights, hh-rlhf pairs",
-          ("embedded",), build_train),
+          ("embedded",), build_train, real_weights_only=True),
     Stage("generation_7b", "Llama-2-7B's shape (random bf16 weights made on the GPU): hybrid engine vs hf vs static "
           "cache + torch.compile, frozen ZeRO-3 bf16 actor, batch 8, 128 new tokens, decode step vs its bandwidth floor",
           ("install",), build_generation_7b),
     Stage("step2_quality", "step 2 alone on the hh-rlhf pairs, real SmolLM2, bf16, several epochs: held-out "
-          "accuracy and margin", ("embedded",), build_step2_quality),
+          "accuracy and margin", ("embedded",), build_step2_quality, real_weights_only=True),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
 
 def select(requested: list[str], skipped: list[str]) -> list[Stage]:
-    """The requested stages and their prerequisites, less the skipped ones, in run order."""
+    """The requested stages in the order asked (a call lists them by priority: one that runs past the budget loses
+    the last), each after its prerequisites, less the skipped ones."""
     unknown = sorted((set(requested) | set(skipped)) - set(STAGE_NAMES))
     if unknown:
         raise ValueError(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGE_NAMES)}")
     by_name = {stage.name: stage for stage in STAGES}
-    wanted, pending = set(), list(requested)
-    while pending:
-        name = pending.pop()
-        if name not in wanted:
-            wanted.add(name)
-            pending.extend(by_name[name].needs)
-    return [stage for stage in STAGES if stage.name in wanted and stage.name not in skipped]
+    ordered: list[str] = []
+
+    def add(name: str) -> None:
+        if name not in ordered:
+            for need in by_name[name].needs:
+                add(need)
+            ordered.append(name)
+
+    for name in requested:
+        add(name)
+    return [by_name[name] for name in ordered if name not in skipped]
