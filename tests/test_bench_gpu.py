@@ -157,8 +157,8 @@ def test_each_session_fits_its_15_minutes_in_priority_order_and_stashes_the_weig
 def test_a_later_call_is_budgeted_from_the_device_time_left():
     assert later_call_budget_s(400) == 400 - 30 - 45, "the wait before it and the packing after it come out"
     assert later_call_budget_s(3_000) == CALL_BUDGET_S
-    calls = plan_calls(0, {".whl": 1}, {"p1": 40 * MIB, "p2": 40 * MIB}, planned=(PlannedCall(("weights", "tests"), 5.0),
-                                                                     PlannedCall(("weights", "train"), 5.0)))
+    planned = (PlannedCall(("weights", "tests"), 5.0), PlannedCall(("weights", "train"), 5.0))
+    calls = plan_calls(0, {".whl": 1}, {"p1": 40 * MIB, "p2": 40 * MIB}, planned=planned)
     described = describe_calls(calls, 1).splitlines()
     assert "--stages weights tests' carry=['.whl', 'p1'] timeout_s=600" in described[1]
     assert "--stages weights train --budget_s B' carry=['.whl', 'p2'] timeout_s=B + 40" in described[2]

