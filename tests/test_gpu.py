@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, TESTS_DIR
 from crash_resume import step_env
-from scripts.hybrid_engine_worker import LONG_POSITION_MODEL
+from scripts.hybrid_engine_worker import LONG_POSITION_BIASED_MODEL, LONG_POSITION_MODEL
 from test_step3_rlhf import make_step3_inputs, step3_argv
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False): run `pytest -m gpu` on a GPU machine"
@@ -36,11 +36,14 @@ def run_worker(check: str, *args: str, timeout: float = 900) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-# the fused decode path (plain, and with Qwen3's head norms) and the transformers-forward one
-@pytest.mark.parametrize("arch,decode_path", [("llama", "fused"), ("qwen3", "fused"), ("llama", "transformers")])
+# the fused decode path (plain, with Qwen3's head norms, with Qwen2's biases against ZeRO-3's training forward) and
+# the transformers-forward one
+@pytest.mark.parametrize("arch,decode_path,stage", [("llama", "fused", 2), ("qwen3", "fused", 2), ("qwen2", "fused", 3),
+                                                    ("llama", "transformers", 2)])
 def test_half_precision_generation_samples_from_the_trained_distribution_past_position_500(tiny_model_dir, arch,
-                                                                                         decode_path, dtype):
-    run_worker("long_positions", tiny_model_dir(arch, **LONG_POSITION_MODEL), dtype, decode_path)
+                                                                                         decode_path, stage, dtype):
+    model = tiny_model_dir(arch, **(LONG_POSITION_BIASED_MODEL if arch == "qwen2" else LONG_POSITION_MODEL))
+    run_worker("long_positions", model, dtype, decode_path, str(stage))
 
 
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("qwen2", 3), ("gpt2", 3), ("opt", 3)])

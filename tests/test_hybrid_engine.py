@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, TESTS_DIR
 from scripts.hybrid_engine_worker import (
+    LONG_POSITION_BIASED_MODEL,
     LONG_POSITION_MODEL,
     MODES,
     PROMPTS,
@@ -162,16 +163,22 @@ def test_bf16_engine_parity(distributed, tiny_model_dir):
     torch.testing.assert_close(fast.logprobs, train_mode_logprobs(engine, fast) * fast.answer_mask, rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("arch,fused", [("llama", True), ("qwen3", True), ("llama", False)])
+@pytest.mark.parametrize("arch,fused,packing,stage", [
+    ("llama", True, True, 2), ("llama", False, True, 2), ("qwen3", True, True, 2),
+    ("llama", True, False, 2),  # plain weights, as on a GPU (a CPU with native bf16 packs them)
+    ("qwen2", True, True, 3)])  # q/k/v biases, which ZeRO-3's training forward adds after the product
 def test_bf16_generation_samples_from_the_trained_distribution_at_positions_past_500(distributed, tiny_model_dir, arch,
-                                                                                    fused):
-    """On the fused decode path (with Qwen3's head norms too) and on the transformers forward. Tolerance:
+                                                                                    fused, packing, stage):
+    """On the fused decode path (with Qwen3's head norms, Qwen2's biases) and on the transformers forward. Tolerance:
     total-variation distance between the hybrid engine's next-token distribution and the train forward's, over 32
     sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at worst (measured on the fused path: ~2e-4
-    and ~7e-3 for Llama, ~4e-4 and ~5e-3 for Qwen3; 0 on the transformers forward, the train forward's own code;
-    RoPE's inv_freq rounded to bf16 gave 0.03 on average)."""
-    check_long_position_parity(tiny_model_dir(arch, **LONG_POSITION_MODEL), "bf16",
-                               functools.partial(hybrid_engine, fused_decode=fused))
+    and ~7e-3 for Llama, ~4e-4 and ~5e-3 for Qwen3 where bf16 is packed; 4e-6 and 2e-4 for Llama, 5e-5 and 3e-3 for
+    Qwen3, 0 for the biased Qwen2 with plain weights; 0 on the transformers forward, the train forward's own code).
+    What failed it: RoPE's inv_freq rounded to bf16 (0.03 on average); residual adds inside the out and down
+    products of plain weights (8e-3); Qwen2's biases added inside the q/k/v product at ZeRO-3 (1.5e-2)."""
+    model = tiny_model_dir(arch, **(LONG_POSITION_BIASED_MODEL if arch == "qwen2" else LONG_POSITION_MODEL))
+    check_long_position_parity(model, "bf16", functools.partial(hybrid_engine, fused_decode=fused,
+                                                                onednn_packing=packing), stage=stage)
 
 
 def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):

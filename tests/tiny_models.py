@@ -103,11 +103,17 @@ def make_tiny_model(arch: str = "llama", tokenizer: PreTrainedTokenizerFast | No
 
 
 def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int = 0, max_positions: int = 256,
-                        initializer_range: float = 0.02, **tokenizer_kwargs) -> str:
-    """Write a loadable HF folder (weights + tokenizer) for a tiny model and return its path."""
+                        initializer_range: float = 0.02, bias_std: float = 0.0, **tokenizer_kwargs) -> str:
+    """Write a loadable HF folder (weights + tokenizer) for a tiny model and return its path. `bias_std` > 0 draws
+    its biases (zero as initialised) with that std, as a trained model's are (Qwen2's q/k/v biases are large)."""
     path = Path(path)
     model, tokenizer = make_tiny_model(arch, make_tokenizer(**tokenizer_kwargs), seed=seed,
                                        max_positions=max_positions, initializer_range=initializer_range)
+    if bias_std > 0:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_(0.0, bias_std)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

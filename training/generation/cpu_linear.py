@@ -45,12 +45,24 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
     return bool((out == 8).all())
 
 
+def bias_added_after_product(x: torch.Tensor) -> bool:
+    """Whether the training forward adds a linear layer's bias to `x @ W.T` after the product (a matmul and an add:
+    rounded twice in half precision) rather than inside it (addmm: rounded once). It does where DeepSpeed ZeRO-3
+    has replaced `torch.nn.functional.linear` with its wrapper (process-wide, from the first ZeRO-3 model built on),
+    which adds the bias of an input of other than 2 dimensions after a matmul. Generation rounds as the training
+    forward does, or a half-precision rollout's distribution parts from the one trained (Qwen2's q/k/v biases at
+    ZeRO-3: a total-variation distance of ~1.5e-2 a token past position 500 in bf16)."""
+    return x.dim() != 2 and getattr(torch.nn.functional.linear, "__module__", None) == "deepspeed.runtime.zero.linear"
+
+
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ b) as torch's own `F.linear` computes it: a bias is added inside the product (one kernel, rounded
-    once, the bits of `nn.Linear` and transformers' generate). Not `F.linear` itself, which DeepSpeed ZeRO-3 replaces
-    process-wide with a slower autograd wrapper (one that adds a 3-D input's bias after the product)."""
+    """x @ W.T (+ b) with the bits the training forward's `F.linear` gives: without DeepSpeed's replacement the bias
+    is added inside the product (one kernel, rounded once, as torch's own op does), with it after
+    (`bias_added_after_product`). Not a call of the replacement itself: an autograd function, slower per call."""
     if bias is None:
         return torch.matmul(x, weight.t())
+    if bias_added_after_product(x):
+        return torch.matmul(x, weight.t()) + bias
     flat = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
     return flat.view(*x.shape[:-1], weight.shape[0])
 
@@ -85,18 +97,13 @@ class LinearWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            after = self.bias is not None and bias_added_after_product(x)
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None if after else self.bias, "none", [], "")
+            if after:
+                out = out + self.bias
         else:
             out = _plain_linear(x, self.weight, self.bias)
         return out if self.reduce is None else self.reduce(out)
-
-    def added_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x). A plain weight with nothing to reduce does it in one product (the add in its
-        epilogue: one kernel fewer, rounded once); a packed or reduced one adds after."""
-        if self.packed or self.reduce is not None or self.bias is not None:
-            return residual + self(x)
-        flat = torch.addmm(residual.reshape(-1, self.out_features), x.reshape(-1, self.in_features), self.weight.t())
-        return flat.view(residual.shape)
 
 
 class ReducedLinear(torch.nn.Linear):
