@@ -51,6 +51,25 @@ def test_a_plain_weight_with_a_bias_gives_what_the_training_forwards_linear_give
         assert torch.equal(LinearWeight(weight, bias, pack=False)(x), torch.nn.functional.linear(x, weight, bias))
 
 
+def test_a_conv1d_bias_stays_inside_the_product_whatever_f_linear_is(monkeypatch):
+    """GPT-2's `Conv1D` adds its bias inside an addmm of its own, never through `F.linear`: its packed stand-in keeps
+    that rounding under DeepSpeed ZeRO-3's replacement of `F.linear` too."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    monkeypatch.setattr(torch.nn.functional, "linear", zero3_linear_wrap)
+    torch.manual_seed(0)
+    conv = Conv1D(80, 96).to(torch.bfloat16).requires_grad_(False)
+    torch.nn.init.normal_(conv.bias)
+    x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+    model = torch.nn.Sequential(conv)
+    packed = pack_linear_layers(model)
+    stand_in = model[0].linear if packed else LinearWeight(conv.weight.t(), conv.bias, pack=False,
+                                                           functional_bias=False)
+    assert not stand_in.functional_bias
+    if not stand_in.packed:  # a packed product has oneDNN's bits, not the addmm's
+        assert torch.equal(stand_in(x), conv(x))
+
+
 def test_weights_that_need_gradients_or_packing_turned_off_stay_plain():
     weight = torch.randn(6, 4)
     assert not LinearWeight(weight, pack=False).packed

@@ -55,13 +55,13 @@ def bias_added_after_product(x: torch.Tensor) -> bool:
     return x.dim() != 2 and getattr(torch.nn.functional.linear, "__module__", None) == "deepspeed.runtime.zero.linear"
 
 
-def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ b) with the bits the training forward's `F.linear` gives: without DeepSpeed's replacement the bias
-    is added inside the product (one kernel, rounded once, as torch's own op does), with it after
-    (`bias_added_after_product`). Not a call of the replacement itself: an autograd function, slower per call."""
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bias_after: bool) -> torch.Tensor:
+    """x @ W.T (+ b), the bias added inside the product (one kernel, rounded once, as torch's own `F.linear` and
+    GPT-2's `Conv1D` do) or, `bias_after`, after it (as DeepSpeed's replacement of `F.linear` does). Not a call of
+    the replacement itself: an autograd function, slower per call."""
     if bias is None:
         return torch.matmul(x, weight.t())
-    if bias_added_after_product(x):
+    if bias_after:
         return torch.matmul(x, weight.t()) + bias
     flat = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t())
     return flat.view(*x.shape[:-1], weight.shape[0])
@@ -69,15 +69,18 @@ def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class LinearWeight:
     """A weight [out, in] (and optional bias [out]) applied as x @ W.T + b, oneDNN-packed where possible,
-    the result passed through `reduce` when given (the cross-rank sum of a row-parallel shard).
+    the result passed through `reduce` when given (the cross-rank sum of a row-parallel shard). The bias is added as
+    the layer it stands in for adds it: through `F.linear` (an `nn.Linear`; `bias_added_after_product` says how), or,
+    not `functional_bias`, inside its own product (GPT-2's `Conv1D`, an addmm whatever `F.linear` is).
 
     The packed copy is a new tensor: the caller drops its own reference to `weight` to free the plain one, unless
     it asks to `keep_source` (a weight it will overwrite in place and `repack`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 reduce: Reduce | None = None, keep_source: bool = False):
+                 reduce: Reduce | None = None, keep_source: bool = False, functional_bias: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.functional_bias = functional_bias
         self.reduce = reduce
         self.packed = (pack and weight.device.type == "cpu" and not weight.requires_grad
                        and onednn_packing_available(weight.dtype))
@@ -96,13 +99,13 @@ class LinearWeight:
             self.weight = self._packed(self.source)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        after = self.bias is not None and self.functional_bias and bias_added_after_product(x)
         if self.packed:
-            after = self.bias is not None and bias_added_after_product(x)
             out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None if after else self.bias, "none", [], "")
             if after:
                 out = out + self.bias
         else:
-            out = _plain_linear(x, self.weight, self.bias)
+            out = _plain_linear(x, self.weight, self.bias, after)
         return out if self.reduce is None else self.reduce(out)
 
 
@@ -115,7 +118,7 @@ class ReducedLinear(torch.nn.Linear):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(_plain_linear(x, self.weight, self.bias))
+        return self.reduce(_plain_linear(x, self.weight, self.bias, bias_added_after_product(x)))
 
 
 class PackedLinear(torch.nn.Module):
@@ -163,7 +166,8 @@ def pack_linear_layers(model: torch.nn.Module, keep_weights: bool = False) -> in
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         reduce = module.reduce if isinstance(module, ReducedLinear) else None
-        linear = LinearWeight(weight.detach(), bias, reduce=reduce, keep_source=keep_weights)
+        linear = LinearWeight(weight.detach(), bias, reduce=reduce, keep_source=keep_weights,
+                              functional_bias=type(module) is not Conv1D)
         setattr(parent, child, PackedLinear(linear, module if keep_weights else None))
         replaced += 1
     return replaced
