@@ -86,10 +86,14 @@ def test_main_trains_evaluates_and_saves_a_loadable_model(distributed, tiny_mode
     assert [json.loads(line) for line in answers_file.read_text().splitlines()] == rows
 
 
-def test_lora_zero2_bf16_gradient_checkpointing_saves_a_merged_model(distributed, tiny_model_dir, tmp_path):
+# ZeRO-3 with the base weights trained too refused peft's fp32 adapters beside them (AssertionError at initialize)
+@pytest.mark.parametrize("stage,only_lora", [(2, True), (3, False)])
+def test_lora_bf16_gradient_checkpointing_saves_a_merged_model(distributed, tiny_model_dir, tmp_path, stage,
+                                                               only_lora):
     model_dir, data = tiny_model_dir("gpt2"), write_arithmetic_jsonl(tmp_path / "d.jsonl", 16)
-    summary = main(_args(model_dir, data, tmp_path, "--dtype", "bf16", "--zero_stage", "2", "--lora_dim", "4",
-                         "--lora_module_name", "h.", "--only_optimize_lora", "--gradient_checkpointing",
+    summary = main(_args(model_dir, data, tmp_path, "--dtype", "bf16", "--zero_stage", str(stage), "--lora_dim", "4",
+                         "--lora_module_name", "h.", *(["--only_optimize_lora"] if only_lora else []),
+                         "--gradient_checkpointing",
                          "--gradient_accumulation_steps", "2", "--max_steps", "1", "--disable_dropout"))
     assert summary["optimizer_steps"] == 1 and summary["dtype"] == "bf16"
     weights = load_file(f"{summary['model_dir']}/model.safetensors")

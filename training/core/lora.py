@@ -34,10 +34,12 @@ def apply_lora(
     lora_alpha: float | None = None,
     lora_dropout: float = 0.0,
 ) -> PeftModel:
-    """Wrap `model` with LoRA adapters of rank `lora_dim`.
+    """Wrap `model` with LoRA adapters of rank `lora_dim`, in the dtype of the weights they adapt.
 
-    peft freezes the base weights; unless `only_optimize_lora`, they are made trainable again so the
-    adapters and the base train together (DeepSpeed-Chat's default).
+    peft would make them fp32 beside bf16 weights, which DeepSpeed ZeRO-3 refuses (it partitions one dtype: an
+    AssertionError in `deepspeed.initialize`) and ZeRO-1/2 cast to bf16 anyway; the optimizers keep fp32 masters
+    of them as of every trained weight. peft freezes the base weights; unless `only_optimize_lora`, they are made
+    trainable again so the adapters and the base train together (DeepSpeed-Chat's default).
     """
     if lora_dim <= 0:
         raise ValueError("lora_dim must be positive")
@@ -49,7 +51,7 @@ def apply_lora(
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         bias="none",
     )
-    peft_model = get_peft_model(model, config)
+    peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
     if not only_optimize_lora:
         for param in peft_model.parameters():
             param.requires_grad_(True)
