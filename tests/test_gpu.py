@@ -36,14 +36,16 @@ def run_worker(check: str, *args: str, timeout: float = 900) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-# the fused decode path (plain, with Qwen3's head norms, with Qwen2's biases against ZeRO-3's training forward) and
-# the transformers-forward one
-@pytest.mark.parametrize("arch,decode_path,stage", [("llama", "fused", 2), ("qwen3", "fused", 2), ("qwen2", "fused", 3),
-                                                    ("llama", "transformers", 2)])
+# the fused decode path (plain, with Qwen3's head norms, with Qwen2's biases against ZeRO-3's training forward, with
+# trained LoRA adapters) and the transformers-forward one
+@pytest.mark.parametrize("arch,decode_path,stage,lora", [
+    ("llama", "fused", 2, False), ("qwen3", "fused", 2, False), ("qwen2", "fused", 3, False),
+    ("llama", "fused", 3, True), ("llama", "transformers", 2, False)])
 def test_half_precision_generation_samples_from_the_trained_distribution_past_position_500(tiny_model_dir, arch,
-                                                                                         decode_path, stage, dtype):
+                                                                                         decode_path, stage, lora,
+                                                                                         dtype):
     model = tiny_model_dir(arch, **(LONG_POSITION_BIASED_MODEL if arch == "qwen2" else LONG_POSITION_MODEL))
-    run_worker("long_positions", model, dtype, decode_path, str(stage))
+    run_worker("long_positions", model, dtype, decode_path, str(stage), arch if lora else "none")
 
 
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("qwen2", 3), ("gpt2", 3), ("opt", 3)])

@@ -163,22 +163,25 @@ def test_bf16_engine_parity(distributed, tiny_model_dir):
     torch.testing.assert_close(fast.logprobs, train_mode_logprobs(engine, fast) * fast.answer_mask, rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("arch,fused,packing,stage", [
-    ("llama", True, True, 2), ("llama", False, True, 2), ("qwen3", True, True, 2),
-    ("llama", True, False, 2),  # plain weights, as on a GPU (a CPU with native bf16 packs them)
-    ("qwen2", True, True, 3)])  # q/k/v biases, which ZeRO-3's training forward adds after the product
+@pytest.mark.parametrize("arch,fused,packing,stage,lora", [
+    ("llama", True, True, 2, False), ("llama", False, True, 2, False), ("qwen3", True, True, 2, False),
+    ("llama", True, False, 2, False),  # plain weights, as on a GPU (a CPU with native bf16 packs them)
+    ("qwen2", True, True, 3, False),  # q/k/v biases, which ZeRO-3's training forward adds after the product
+    ("llama", True, True, 3, True), ("llama", False, True, 3, True)])  # trained LoRA adapters, on both paths
 def test_bf16_generation_samples_from_the_trained_distribution_at_positions_past_500(distributed, tiny_model_dir, arch,
-                                                                                    fused, packing, stage):
-    """On the fused decode path (with Qwen3's head norms, Qwen2's biases) and on the transformers forward. Tolerance:
-    total-variation distance between the hybrid engine's next-token distribution and the train forward's, over 32
-    sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at worst (measured on the fused path: ~2e-4
-    and ~7e-3 for Llama, ~4e-4 and ~5e-3 for Qwen3 where bf16 is packed; 4e-6 and 2e-4 for Llama, 5e-5 and 3e-3 for
-    Qwen3, 0 for the biased Qwen2 with plain weights; 0 on the transformers forward, the train forward's own code).
-    What failed it: RoPE's inv_freq rounded to bf16 (0.03 on average); residual adds inside the out and down
-    products of plain weights (8e-3); Qwen2's biases added inside the q/k/v product at ZeRO-3 (1.5e-2)."""
+                                                                                    fused, packing, stage, lora):
+    """On the fused decode path (with Qwen3's head norms, Qwen2's biases, LoRA) and on the transformers forward.
+    Tolerance: total-variation distance between the hybrid engine's next-token distribution and the train forward's,
+    over 32 sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at worst (measured on the fused
+    path: ~2e-4 and ~7e-3 for Llama, ~4e-4 and ~5e-3 for Qwen3 where bf16 is packed; 4e-6 and 2e-4 for Llama, 5e-5
+    and 3e-3 for Qwen3, 0 for the biased Qwen2 and for LoRA with plain weights; 0 on the transformers forward, the
+    train forward's own code). What failed it: RoPE's inv_freq rounded to bf16 (0.03 on average); residual adds
+    inside the out and down products of plain weights (8e-3); Qwen2's biases added inside the q/k/v product at
+    ZeRO-3 (1.5e-2); LoRA adapters folded into the bf16 weights (1.5e-2, on both paths)."""
     model = tiny_model_dir(arch, **(LONG_POSITION_BIASED_MODEL if arch == "qwen2" else LONG_POSITION_MODEL))
     check_long_position_parity(model, "bf16", functools.partial(hybrid_engine, fused_decode=fused,
-                                                                onednn_packing=packing), stage=stage)
+                                                                onednn_packing=packing), stage=stage,
+                               lora_arch=arch if lora else None)
 
 
 def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):
@@ -227,12 +230,15 @@ def test_kv_cache_is_kept_between_rollouts_unless_released(distributed, tiny_mod
 
 
 def _decode_path_addresses(hybrid: HybridEngine) -> list[int]:
-    """Where every tensor a decode step reads lives: the kept copy's parameters, and a plain fused path's weights."""
+    """Where every tensor a decode step reads lives: the kept copy's parameters and LoRA terms, and a plain fused
+    path's weights and terms."""
     inference_copy, step_model = hybrid._kept
     tensors = list(inference_copy.model.parameters())
+    tensors += [t for term in inference_copy.lora_terms.values() for t in (term.A, term.B)]
     if hasattr(step_model, "fused"):
         tensors += [t for w in step_model.fused.linear_weights() if not w.packed for t in (w.weight, w.bias)
                     if t is not None]
+        tensors += [t for w in step_model.fused.linear_weights() if w.lora is not None for t in (w.lora.A, w.lora.B)]
         tensors += [layer.head_norm for layer in step_model.fused.layers if layer.head_norm is not None]
     return [t.data_ptr() for t in tensors]
 
@@ -240,13 +246,15 @@ def _decode_path_addresses(hybrid: HybridEngine) -> list[int]:
 @pytest.mark.parametrize("arch,stage,lora,packing,dtype", [
     ("llama", 3, False, True, "fp32"), ("llama", 0, True, False, "fp32"), ("qwen3", 3, False, False, "fp32"),
     ("qwen3", 3, False, False, "bf16"), ("gpt2", 3, False, True, "fp32"),
+    ("llama", 3, True, False, "bf16"), ("gpt2", 3, True, True, "bf16"),  # LoRA beside the weights, both paths
 ])
 def test_a_kept_inference_copy_serves_each_rollout_the_weights_of_that_moment_from_the_same_tensors(
         distributed, tiny_model_dir, arch, stage, lora, packing, dtype):
     """With --keep_inference_copy the copy and its decode path are built once: after a training step the next rollout
     decodes exactly as a copy built afresh does (a projection that kept the old weights would not: a fused one that
-    copied the copy's weights, a packed one not packed again, Qwen3's stacked head norms), and every tensor a plain
-    decode step reads kept its address (what a captured CUDA graph reads)."""
+    copied the copy's weights, a packed one not packed again, Qwen3's stacked head norms, a fused LoRA term that
+    copied the copy's), and every tensor a plain decode step reads kept its address (what a captured CUDA graph
+    reads)."""
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch if lora else None, dtype=dtype)
     kept = hybrid_engine(engine, keep_inference_copy=True, onednn_packing=packing)
     ids, mask = prompt_batch(tokenizer, PROMPTS)

@@ -220,11 +220,16 @@ LONG_POSITION_MODEL = dict(max_positions=1024, initializer_range=0.3)
 LONG_POSITION_BIASED_MODEL = dict(LONG_POSITION_MODEL, bias_std=0.3)
 
 
-def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: int = 2) -> torch.Tensor:
+def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: int = 2,
+                               lora_arch: str | None = None) -> torch.Tensor:
     """In half precision (`dtype`), the next-token distributions the hybrid engine (`make_hybrid(engine)`) samples
     32 tokens from at positions 520-551 are within total-variation distance 1e-3 on average and 1e-2 at worst of
-    the train forward's (ZeRO `stage`), and its log-probs within 5e-2; returns the distances [2, 32]."""
-    engine, tokenizer = build_engine(model_path, stage=stage, dtype=dtype)
+    the train forward's (ZeRO `stage`; with `lora_arch`, LoRA adapters after two training steps), and its log-probs
+    within 5e-2; returns the distances [2, 32]."""
+    engine, tokenizer = build_engine(model_path, stage=stage, dtype=dtype, lora_arch=lora_arch)
+    if lora_arch is not None:
+        for _ in range(2):
+            train_step(engine, tokenizer)
     hybrid = make_hybrid(engine)
     prompts = torch.randint(3, len(tokenizer), (2, 520), generator=torch.Generator().manual_seed(0))
     config = GenerationConfig(max_new_tokens=32, seed=1, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)

@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from training.generation.lora_terms import LoRATerm
+
 _PACKING_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -71,16 +73,19 @@ class LinearWeight:
     """A weight [out, in] (and optional bias [out]) applied as x @ W.T + b, oneDNN-packed where possible,
     the result passed through `reduce` when given (the cross-rank sum of a row-parallel shard). The bias is added as
     the layer it stands in for adds it: through `F.linear` (an `nn.Linear`; `bias_added_after_product` says how), or,
-    not `functional_bias`, inside its own product (GPT-2's `Conv1D`, an addmm whatever `F.linear` is).
+    not `functional_bias`, inside its own product (GPT-2's `Conv1D`, an addmm whatever `F.linear` is). A `lora` term
+    (`lora_terms.py`) is added to the output after that, as peft adds an adapter's.
 
     The packed copy is a new tensor: the caller drops its own reference to `weight` to free the plain one, unless
     it asks to `keep_source` (a weight it will overwrite in place and `repack`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True,
-                 reduce: Reduce | None = None, keep_source: bool = False, functional_bias: bool = True):
+                 reduce: Reduce | None = None, keep_source: bool = False, functional_bias: bool = True,
+                 lora: LoRATerm | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.functional_bias = functional_bias
+        self.lora = lora
         self.reduce = reduce
         self.packed = (pack and weight.device.type == "cpu" and not weight.requires_grad
                        and onednn_packing_available(weight.dtype))
@@ -106,6 +111,8 @@ class LinearWeight:
                 out = out + self.bias
         else:
             out = _plain_linear(x, self.weight, self.bias, after)
+        if self.lora is not None:
+            out = out + self.lora(x)
         return out if self.reduce is None else self.reduce(out)
 
 

@@ -24,15 +24,18 @@ sum their `LinearWeight` keeps).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from training.generation.cpu_linear import LinearWeight, ReducedLinear
+from training.generation.lora_terms import LoRATerm, fuse_lora_terms
 
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 _MASK_ALIGNMENT = 16  # elements between rows of an attention mask that GPU attention kernels take without a copy
+LoRAOf = Callable[[torch.nn.Module], LoRATerm | None]  # a projection's LoRA term, if it has one
 
 
 def fused_llama_unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -98,11 +101,12 @@ def _detached_bias(linear: torch.nn.Linear) -> torch.Tensor | None:
     return linear.bias.detach() if linear.bias is not None else None
 
 
-def _fuse(linears: list[torch.nn.Linear], pack: bool) -> LinearWeight:
-    """One projection for several Linears: their weights (and biases, zeros standing in for a missing one)
-    concatenated by output rows. The Linears' parameters are then rebound as views of the fused tensors, so the
-    inference copy holds each weight once (not also a fused duplicate: 4.5 of a 7B Llama's 6.7 B weights), and
-    weights loaded into the copy afterwards land in the fused product (see `FusedLlama.refresh`)."""
+def _fuse(linears: list[torch.nn.Linear], pack: bool, lora: LoRAOf) -> LinearWeight:
+    """One projection for several Linears: their weights (and biases, zeros standing in for a missing one, and LoRA
+    terms) concatenated by output rows. The Linears' parameters (and terms) are then rebound as views of the fused
+    tensors, so the inference copy holds each weight once (not also a fused duplicate: 4.5 of a 7B Llama's 6.7 B
+    weights), and weights loaded into the copy afterwards land in the fused product (see `FusedLlama.refresh`)."""
+    term = fuse_lora_terms([lora(linear) for linear in linears], [linear.weight.shape[0] for linear in linears])
     weight = torch.cat([linear.weight.detach() for linear in linears])
     bias = None
     if any(linear.bias is not None for linear in linears):
@@ -115,13 +119,14 @@ def _fuse(linears: list[torch.nn.Linear], pack: bool) -> LinearWeight:
         if linear.bias is not None:
             linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
         start = rows.stop
-    return LinearWeight(weight, bias, pack=pack, keep_source=True)
+    return LinearWeight(weight, bias, pack=pack, keep_source=True, lora=term)
 
 
-def _single(linear: torch.nn.Linear, pack: bool) -> LinearWeight:
+def _single(linear: torch.nn.Linear, pack: bool, lora: LoRAOf) -> LinearWeight:
     """One Linear's projection, its cross-rank sum included when it is a row-parallel shard."""
     reduce = linear.reduce if isinstance(linear, ReducedLinear) else None
-    return LinearWeight(linear.weight.detach(), _detached_bias(linear), pack=pack, reduce=reduce, keep_source=True)
+    return LinearWeight(linear.weight.detach(), _detached_bias(linear), pack=pack, reduce=reduce, keep_source=True,
+                        lora=lora(linear))
 
 
 def _head_norm(attention: torch.nn.Module, heads: int, kv_heads: int) -> torch.Tensor | None:
@@ -134,7 +139,12 @@ def _head_norm(attention: torch.nn.Module, heads: int, kv_heads: int) -> torch.T
 class FusedLlama:
     """Prefill and single-token steps over `FusedKVBuffers` for a Llama-family causal LM (`FUSED_MODEL_TYPES`)."""
 
-    def __init__(self, model: torch.nn.Module, pack: bool = True):
+    def __init__(self, model: torch.nn.Module, pack: bool = True, lora_terms: dict[str, LoRATerm] | None = None):
+        by_module = {id(model.get_submodule(name)): term for name, term in (lora_terms or {}).items()}
+
+        def lora(module: torch.nn.Module) -> LoRATerm | None:
+            return by_module.get(id(module))
+
         inner = model.model
         config = model.config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -144,17 +154,18 @@ class FusedLlama:
         self.eps = config.rms_norm_eps
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = LinearWeight(model.lm_head.weight.detach(), pack=pack, keep_source=True)
+        self.lm_head = LinearWeight(model.lm_head.weight.detach(), pack=pack, keep_source=True,
+                                    lora=lora(model.lm_head))
         self.rotary = inner.rotary_emb
         self.layers = [
             _Layer(
                 input_norm=layer.input_layernorm.weight,
-                qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
+                qkv=_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack, lora),
                 head_norm=_head_norm(layer.self_attn, self.heads, self.kv_heads),
-                out=_single(layer.self_attn.o_proj, pack),
+                out=_single(layer.self_attn.o_proj, pack, lora),
                 post_norm=layer.post_attention_layernorm.weight,
-                gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
-                down=_single(layer.mlp.down_proj, pack),
+                gate_up=_fuse([layer.mlp.gate_proj, layer.mlp.up_proj], pack, lora),
+                down=_single(layer.mlp.down_proj, pack, lora),
             )
             for layer in inner.layers
         ]

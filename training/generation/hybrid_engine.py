@@ -3,8 +3,10 @@
 Train mode is the ZeRO engine as it is. Generate mode (`HybridEngine.generate_mode()`):
 1. builds a plain inference copy of the model (same architecture, constructed on the meta device,
    then materialised) and loads the actor's weights into it, gathering ZeRO-3 partitions one bounded
-   group of decoder layers at a time (`tp_gather_partition_size`) and folding LoRA adapters into
-   the copied weights (W + scale * B @ A), so the training weights are never merged in place;
+   group of decoder layers at a time (`tp_gather_partition_size`), with LoRA adapters folded into the
+   copied weights (W + scale * B @ A) in fp32 and, in half precision, kept beside them and added to each
+   adapted projection's output as the training forward adds them (`lora_terms.py`: folded into bf16 weights they
+   would be rounded to the weights' precision); the training weights are never merged in place;
 2. with `inference_tp_size > 1`, the copy holds only this rank's tensor-parallel shard, and the ranks
    of a tensor-parallel group decode their prompts together (`tensor_parallel.py`);
 3. decodes with `KVCacheDecoder` (one preallocated KV cache, finished rows leave the batch), through
@@ -44,6 +46,7 @@ from training.generation.fast_decoder import (
     StepModel,
 )
 from training.generation.fused_llama import FusedLlama, fused_llama_unsupported_reason
+from training.generation.lora_terms import LoRATerm, add_lora_terms
 from training.generation.generator import (
     FinishedRowsHook,
     GenerationConfig,
@@ -176,6 +179,13 @@ def _active_lora(layer: torch.nn.Module) -> list[str]:
     return [a for a in layer.active_adapters if a in layer.lora_A]
 
 
+def _lora_factors(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rank, in] and B * scaling [out, rank] of the active adapters (`LoRATerm`'s layout; B in fp32)."""
+    adapters = _active_lora(layer)
+    return (torch.cat([layer.lora_A[a].weight for a in adapters]),
+            torch.cat([layer.lora_B[a].weight.float() * layer.scaling[a] for a in adapters], dim=1))
+
+
 def _lora_delta(layer: torch.nn.Module) -> torch.Tensor | None:
     """scale * B @ A summed over active adapters, in the weight's layout (fp32)."""
     delta = None
@@ -212,6 +222,13 @@ class WeightSource:
         }
         self.layers_prefix = _decoder_layers_prefix(_base_model(module))
 
+    def lora_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """(rank, in, out) of each adapted projection's active adapters, by the projection's name in the plain model."""
+        return {entry.target_name.removesuffix(".weight"): (
+                    sum(entry.lora_layer.r[a] for a in _active_lora(entry.lora_layer)),
+                    entry.lora_layer.in_features, entry.lora_layer.out_features)
+                for entry in self.entries if entry.lora_params}
+
     def groups(self) -> list[list[_Entry]]:
         """Non-layer parameters first, then `partition_size` decoder layers per group."""
         grouped: dict[int, list[_Entry]] = {}
@@ -239,10 +256,12 @@ def _training_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 class InferenceCopy:
-    """A plain, non-partitioned copy of the base model (optionally one tensor-parallel shard)."""
+    """A plain, non-partitioned copy of the base model (optionally one tensor-parallel shard). LoRA adapters are
+    folded into its weights, or, given `lora_shapes` (the adapted projections' (rank, in, out)), kept beside them as
+    `lora_terms` (`lora_terms.py`), which the decode path adds."""
 
     def __init__(self, base: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 plan: TensorParallelPlan | None):
+                 plan: TensorParallelPlan | None, lora_shapes: dict[str, tuple[int, int, int]] | None = None):
         config = copy.deepcopy(base.config)
         with torch.device("meta"):
             model = type(base)(config)
@@ -256,6 +275,8 @@ class InferenceCopy:
         self.model = model
         self.plan = plan
         self.device = device
+        self.lora_terms = {name: LoRATerm.empty(*shape, dtype=dtype, device=device)
+                           for name, shape in (lora_shapes or {}).items()}
 
     @torch.no_grad()
     def load_from(self, source: WeightSource) -> None:
@@ -269,6 +290,11 @@ class InferenceCopy:
                 for entry in group:
                     targets[entry.target_name].copy_(self._value(entry, entry.target_name in sharded))
                     loaded.add(entry.target_name)
+                    term = self.lora_terms.get(entry.target_name.removesuffix(".weight"))
+                    if term is not None:
+                        lora_a, lora_b = _lora_factors(entry.lora_layer)
+                        term.A.copy_(lora_a)
+                        term.B.copy_(lora_b)
         self._load_buffers(source.buffers)
         missing = set(targets) - loaded
         if missing:
@@ -291,7 +317,8 @@ class InferenceCopy:
                 setattr(owner, leaf, source.to(self.device, copy=True))
 
     def _value(self, entry: _Entry, sharded: bool) -> torch.Tensor:
-        delta = _lora_delta(entry.lora_layer) if entry.lora_layer is not None else None
+        folded = entry.lora_layer is not None and entry.target_name.removesuffix(".weight") not in self.lora_terms
+        delta = _lora_delta(entry.lora_layer) if folded else None
         if sharded:
             value = gather_tp_shard(entry.source, self.plan, entry.target_name)
         else:
@@ -386,19 +413,26 @@ class HybridEngine:
         """A new inference copy loaded with the actor's weights, and the decode path over it."""
         base = _base_model(self.module)
         plan = TensorParallelPlan(base, self.tp) if self.tp is not None else None
-        inference_copy = InferenceCopy(base, self.dtype, self.device, plan)
-        inference_copy.load_from(WeightSource(self.module, self.settings.tp_gather_partition_size))
+        source = WeightSource(self.module, self.settings.tp_gather_partition_size)
+        # LoRA folded in fp32, where that is exact enough; beside the weights in half precision (a tensor-parallel
+        # shard folds: its adapters would need sharding too)
+        lora_apart = self.dtype != torch.float32 and plan is None
+        inference_copy = InferenceCopy(base, self.dtype, self.device, plan,
+                                       source.lora_shapes() if lora_apart else None)
+        inference_copy.load_from(source)
         model = inference_copy.model
         # a tensor-parallel shard's projections all-reduce inside the step, which its graph would have to capture
         graphs = self.settings.cuda_graph and self.device.type == "cuda" and self.tp is None
         if self.settings.fused_decode and fused_llama_unsupported_reason(model) is None:
-            step_model = FusedCachedModel(FusedLlama(model, pack=self.settings.onednn_packing), self.kv_cache,
+            step_model = FusedCachedModel(FusedLlama(model, pack=self.settings.onednn_packing,
+                                                     lora_terms=inference_copy.lora_terms), self.kv_cache,
                                           cuda_graph=graphs)
             packed = sum(w.packed for w in step_model.fused.linear_weights())
             path = "fused Llama" + (" (CUDA graphs)" if graphs else "")
         else:
             packed = pack_linear_layers(model, keep_weights=self.settings.keep_inference_copy) \
                 if self.settings.onednn_packing else 0
+            add_lora_terms(model, inference_copy.lora_terms)
             step_model = HFCachedModel(model, self.kv_cache, compiled=graphs)
             path = "transformers forward" + (" (CUDA graphs)" if not step_model.shrinks else "")
         self.decode_path = path
