@@ -58,7 +58,10 @@ def fuse_lora_terms(terms: list[LoRATerm | None], out_features: list[int]) -> Lo
 
 def add_lora_terms(model: torch.nn.Module, terms: dict[str, LoRATerm]) -> None:
     """Make each named projection of `model` add its term to its output (a forward hook on the module there now:
-    register after any swap of the modules, e.g. oneDNN packing)."""
+    register after any swap of the modules, e.g. oneDNN packing). The terms' tensors are marked static addresses:
+    a step compiled with CUDA graphs then reads them where they are instead of copying them in at every replay."""
     for name, term in terms.items():
+        torch._dynamo.mark_static_address(term.A)
+        torch._dynamo.mark_static_address(term.B)
         model.get_submodule(name).register_forward_hook(
             lambda module, args, output, term=term: output + term(args[0]))
