@@ -28,6 +28,8 @@ START_MINUTES = 3.0  # a fresh machine's start, out of DEVICE_MINUTES (estimate)
 GAP_MINUTES = 0.5  # between two calls: reading the reply and sending the next (the machine is held meanwhile)
 WARM_SECONDS = 30  # an idle machine goes back this long after a call, and what was stashed on it is lost
 PACK_SECONDS = 45  # the runner's packing and the transfer back, kept out of the last call's --budget_s
+LATER_CALL_RESERVE_S = GAP_MINUTES * 60 + PACK_SECONDS  # what a later call's --budget_s leaves of the time left
+TIMEOUT_MARGIN_S = 40  # a call's timeout_s beyond its --budget_s: the command that ran into it stopped, the packing
 
 
 @dataclass(frozen=True)
@@ -122,4 +124,4 @@ def plan_calls(tree: int, every_call: dict[str, int], parts: dict[str, int],
 def later_call_budget_s(budget_left_s: float) -> int:
     """The runner's `--budget_s` for a call sent when the session has `budget_left_s` of device time left (the
     previous reply's `lease.budget_left_s`): what is left less the wait and the packing, at most a call's budget."""
-    return int(min(CALL_BUDGET_S, budget_left_s - GAP_MINUTES * 60 - PACK_SECONDS))
+    return int(min(CALL_BUDGET_S, budget_left_s - LATER_CALL_RESERVE_S))

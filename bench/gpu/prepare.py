@@ -30,10 +30,10 @@ from transformers import HfArgumentParser
 from bench.gpu.parts import split_file
 from bench.gpu.plan import (
     DEVICE_MINUTES,
-    GAP_MINUTES,
-    PACK_SECONDS,
+    LATER_CALL_RESERVE_S,
     SESSIONS,
     START_MINUTES,
+    TIMEOUT_MARGIN_S,
     WARM_SECONDS,
     Call,
     brings_weights,
@@ -162,7 +162,7 @@ def relative(path: Path) -> str:
 
 def describe_calls(calls: list[Call], session: int) -> str:
     """The device tool's `run` arguments of each call, and when to send it."""
-    later = (f"B = the previous reply's lease.budget_left_s - {GAP_MINUTES * 60 + PACK_SECONDS:.0f} "
+    later = (f"B = the previous reply's lease.budget_left_s - {LATER_CALL_RESERVE_S:.0f} "
              f"(bench.gpu.plan.later_call_budget_s; skip the call if B < 60)")
     lines = [f"GPU session {session} of {len(SESSIONS)}, its device calls sent back to back, each the moment the "
              f"previous one answers (an idle machine goes back after {WARM_SECONDS} s, and the parts stashed on it "
@@ -170,7 +170,7 @@ def describe_calls(calls: list[Call], session: int) -> str:
              f"{DEVICE_MINUTES:.0f}:"]
     for number, call in enumerate(calls, 1):
         budget = "" if number == 1 else " --budget_s B"
-        timeout = CALL_BUDGET_S + 40 if number == 1 else "B + 40"
+        timeout = CALL_BUDGET_S + TIMEOUT_MARGIN_S if number == 1 else f"B + {TIMEOUT_MARGIN_S}"
         lines.append(f"  call {number} (~{call.minutes:g} min, {call.bytes / 2**20:.1f} MiB): "
                      f"command='python3 -m bench.gpu.run --output $OUT --stages {' '.join(call.stages)}{budget}' "
                      f"carry={list(call.carry)} timeout_s={timeout}")

@@ -172,6 +172,11 @@ class _Entry:
     lora_layer: torch.nn.Module | None = None
     lora_params: list[torch.nn.Parameter] = field(default_factory=list)
 
+    @property
+    def layer_name(self) -> str:
+        """The name of the module holding the parameter (an adapted projection's, for its `lora_layer` weight)."""
+        return self.target_name.rpartition(".")[0]
+
 
 def _active_lora(layer: torch.nn.Module) -> list[str]:
     if layer.disable_adapters or layer.merged:
@@ -224,7 +229,7 @@ class WeightSource:
 
     def lora_shapes(self) -> dict[str, tuple[int, int, int]]:
         """(rank, in, out) of each adapted projection's active adapters, by the projection's name in the plain model."""
-        return {entry.target_name.removesuffix(".weight"): (
+        return {entry.layer_name: (
                     sum(entry.lora_layer.r[a] for a in _active_lora(entry.lora_layer)),
                     entry.lora_layer.in_features, entry.lora_layer.out_features)
                 for entry in self.entries if entry.lora_params}
@@ -290,7 +295,7 @@ class InferenceCopy:
                 for entry in group:
                     targets[entry.target_name].copy_(self._value(entry, entry.target_name in sharded))
                     loaded.add(entry.target_name)
-                    term = self.lora_terms.get(entry.target_name.removesuffix(".weight"))
+                    term = self.lora_terms.get(entry.layer_name) if entry.lora_layer is not None else None
                     if term is not None:
                         lora_a, lora_b = _lora_factors(entry.lora_layer)
                         term.A.copy_(lora_a)
@@ -317,7 +322,7 @@ class InferenceCopy:
                 setattr(owner, leaf, source.to(self.device, copy=True))
 
     def _value(self, entry: _Entry, sharded: bool) -> torch.Tensor:
-        folded = entry.lora_layer is not None and entry.target_name.removesuffix(".weight") not in self.lora_terms
+        folded = entry.lora_layer is not None and entry.layer_name not in self.lora_terms
         delta = _lora_delta(entry.lora_layer) if folded else None
         if sharded:
             value = gather_tp_shard(entry.source, self.plan, entry.target_name)
