@@ -1,8 +1,9 @@
 """GPU tests (`pytest -m gpu`), skipped without CUDA: the hybrid engine's parity on the GPU (bf16 and fp16
-distributions past position 500, greedy tokens equal to `hf`, CUDA-graph decoding equal to eager, LoRA), ZeRO-2
-and ZeRO-3 training steps over NCCL at world size 1 (fp16 loss scaling, bf16, FusedAdam, offload), and one PPO
-step of step 3. Each check runs in its own process (tests/scripts/gpu_worker.py, or step 3's entry point) with
-CUDA DeepSpeed, apart from this process's CPU world. None of these has run on a GPU yet."""
+distributions past position 500, greedy tokens equal to `hf`, CUDA-graph decoding equal to eager, LoRA), the fp32
+partials of tensor-parallel shards, ZeRO-2 and ZeRO-3 training steps over NCCL at world size 1 (fp16 loss scaling,
+bf16, FusedAdam, offload), and one PPO step of step 3. Each check but the partials' runs in its own process
+(tests/scripts/gpu_worker.py, or step 3's entry point) with CUDA DeepSpeed, apart from this process's CPU world. None
+of these has run on a GPU yet."""
 from __future__ import annotations
 
 import json
@@ -46,6 +47,17 @@ def test_half_precision_generation_samples_from_the_trained_distribution_past_po
                                                                                          dtype):
     model = tiny_model_dir(arch, **(LONG_POSITION_BIASED_MODEL if arch == "qwen2" else LONG_POSITION_MODEL))
     run_worker("long_positions", model, dtype, decode_path, str(stage), arch if lora else "none")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_product_returns_its_fp32_sum_unrounded(dtype):
+    """The GEMM a tensor-parallel shard's row-parallel partial comes from (`torch.mm`'s `out_dtype`, CUDA only)."""
+    from training.generation.cpu_linear import fp32_product
+
+    x, weight = (torch.randn(shape, dtype=dtype, device="cuda") for shape in ((8, 512), (96, 512)))
+    out = fp32_product(x, weight)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, x.float() @ weight.float().t(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("qwen2", 3), ("gpt2", 3), ("opt", 3)])

@@ -238,6 +238,8 @@ def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: 
         hybrid._decoder.model = recorder
         out = hybrid.generate(prompts, torch.ones_like(prompts), config)
     generated = torch.stack(recorder.logits, dim=1)
+    if hybrid.tp is not None:  # the group decoded its ranks' prompts as one batch, rank-major: this rank's rows
+        generated = generated[hybrid.tp.rank * len(prompts):][:len(prompts)]
     with torch.no_grad():
         trained = answer_logits(engine.module, out.sequences, out.attention_mask, out.prompt_length).float()
     assert generated.shape == trained.shape == (2, 32, len(tokenizer))
@@ -264,16 +266,35 @@ MODES = {  # mode: (architecture, ZeRO stage, LoRA, hybrid engine settings)
 }
 
 
+# bf16 at ZeRO-3 decoded by two tensor-parallel ranks, `check_long_position_parity` on each (a tiny-llama made with
+# LONG_POSITION_MODEL): mode: (LoRA, hybrid engine settings)
+LONG_POSITION_MODES = {
+    "bf16_zero3_tp2_long_positions": (False, dict(inference_tp_size=2)),
+    "bf16_zero3_lora_tp2_long_positions": (True, dict(inference_tp_size=2)),
+    "bf16_zero3_lora_tp2_transformers_long_positions": (True, dict(inference_tp_size=2, fused_decode=False)),
+}
+
+
 def modes_architectures(modes) -> set[str]:
     return {MODES[mode][0] for mode in modes}
 
 
 def main(models_dir: str, mode: str) -> None:
-    """Parity on every rank, then the next training step's loss equals a twin engine's that never generated."""
+    """Parity on every rank, then the next training step's loss equals a twin engine's that never generated (or, for
+    `LONG_POSITION_MODES`, long-position parity in bf16 on every rank)."""
     from utils.dist import get_rank, init_distributed
 
     init_distributed()
     rank = get_rank()
+    if mode in LONG_POSITION_MODES:
+        lora, settings = LONG_POSITION_MODES[mode]
+        check_long_position_parity(str(Path(models_dir) / "tiny-llama"), "bf16",
+                                   lambda engine: hybrid_engine(engine, **settings), stage=3,
+                                   lora_arch="llama" if lora else None)
+        torch.distributed.barrier()
+        if rank == 0:
+            print("HYBRID_OK", mode, flush=True)
+        return
     texts = PROMPTS[:3] if rank == 0 else PROMPTS[3:5]  # unequal batches on purpose
     arch, stage, lora, settings = MODES[mode]
     model_path = str(Path(models_dir) / f"tiny-{arch}")

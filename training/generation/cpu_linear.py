@@ -14,21 +14,24 @@ without native bf16 instructions). `pack_linear_layers` swaps a model's `nn.Line
 
 `ReducedLinear` is a linear layer whose output is summed across ranks (a tensor-parallel shard's
 row-parallel projection). The sum is part of the layer, and of its `LinearWeight`, so every decode
-path keeps it, packed or not; a forward hook would be lost with the module it hangs on.
+path keeps it, packed or not; a forward hook would be lost with the module it hangs on. The partial products are
+summed in fp32 and rounded once after the sum, as the whole product is rounded (`reduced_linear`).
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from training.generation.lora_terms import LoRATerm
+if TYPE_CHECKING:
+    from training.generation.lora_terms import LoRATerm
 
 _PACKING_BATCH_HINT = 8  # rows oneDNN tunes the packed layout for; any row count works
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [n, in], a weight -> x @ W.T [n, out] in fp32
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,6 +48,13 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
     except RuntimeError:
         return False
     return bool((out == 8).all())
+
+
+def _packable(weight: torch.Tensor, reduced: bool) -> bool:
+    """Whether oneDNN packs `weight` here: on a CPU whose oneDNN runs its dtype, and for a row-parallel shard
+    (`reduced`) in fp32 only, where oneDNN's product is the fp32 partial that `reduced_linear` sums."""
+    return (weight.device.type == "cpu" and onednn_packing_available(weight.dtype)
+            and (not reduced or weight.dtype == torch.float32))
 
 
 def bias_added_after_product(x: torch.Tensor) -> bool:
@@ -69,9 +79,48 @@ def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return flat.view(*x.shape[:-1], weight.shape[0])
 
 
+def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ W.T for W [out, in], accumulated and returned in fp32, not rounded to the inputs' precision: on
+    CUDA the half-precision GEMM itself with an fp32 output (`torch.mm`'s `out_dtype`), elsewhere the product of fp32
+    copies (exact products of half-precision values, summed in fp32 as the GEMM sums them)."""
+    if x.dtype == torch.float32:
+        return torch.mm(x, weight.t())
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return torch.mm(x.float(), weight.t().float())
+
+
+def reduced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: Reduce,
+                   lora: LoRATerm | None = None, product: Product = fp32_product) -> torch.Tensor:
+    """A row-parallel shard's x_r @ W_r.T summed over its group by `reduce`, as x @ W.T (+ b) of the whole layer.
+
+    The training forward rounds the whole product once, to the inputs' precision. Each rank's partial rounded to
+    bf16 and the sum rounded again is another rounding of every output: rollouts of a bf16 Llama decoded by two
+    tensor-parallel ranks were 7.6e-3 away from the trained distribution (total variation, past position 500),
+    against 4e-6 undivided. Here the partials are summed in fp32 and rounded once. The bias, whole on every rank, is
+    added after the sum as the layer adds it (`bias_added_after_product`). A LoRA term (its A split by columns as W
+    is) has its x_r @ A_r.T summed in the same collective; its B, whole, is applied to the sum, as peft applies B to
+    x @ A.T."""
+    flat = x.reshape(-1, x.shape[-1])
+    partial = product(flat, weight)
+    rank = 0 if lora is None else lora.A.shape[0]
+    if lora is not None:
+        partial = torch.cat([partial, fp32_product(flat, lora.A)], dim=1)
+    total, lora_down = reduce(partial).split([partial.shape[1] - rank, rank], dim=1)
+    if bias is None:
+        out = total.to(x.dtype)
+    elif bias_added_after_product(x):
+        out = total.to(x.dtype) + bias
+    else:
+        out = (total + bias).to(x.dtype)
+    if lora is not None:
+        out = out + torch.matmul(lora_down.to(x.dtype), lora.B.t())
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class LinearWeight:
     """A weight [out, in] (and optional bias [out]) applied as x @ W.T + b, oneDNN-packed where possible,
-    the result passed through `reduce` when given (the cross-rank sum of a row-parallel shard). The bias is added as
+    summed across ranks by `reduce` when given (a row-parallel shard: `reduced_linear`). The bias is added as
     the layer it stands in for adds it: through `F.linear` (an `nn.Linear`; `bias_added_after_product` says how), or,
     not `functional_bias`, inside its own product (GPT-2's `Conv1D`, an addmm whatever `F.linear` is). A `lora` term
     (`lora_terms.py`) is added to the output after that, as peft adds an adapter's.
@@ -87,8 +136,7 @@ class LinearWeight:
         self.functional_bias = functional_bias
         self.lora = lora
         self.reduce = reduce
-        self.packed = (pack and weight.device.type == "cpu" and not weight.requires_grad
-                       and onednn_packing_available(weight.dtype))
+        self.packed = pack and not weight.requires_grad and _packable(weight, reduce is not None)
         self.source = weight if keep_source else None
         self.weight = self._packed(weight) if self.packed else weight
 
@@ -103,7 +151,14 @@ class LinearWeight:
                 raise RuntimeError("repack needs a LinearWeight built with keep_source=True")
             self.weight = self._packed(self.source)
 
+    @staticmethod
+    def _packed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            return reduced_linear(x, self.weight, self.bias, self.reduce, self.lora,
+                                  self._packed_product if self.packed else fp32_product)
         after = self.bias is not None and self.functional_bias and bias_added_after_product(x)
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None if after else self.bias, "none", [], "")
@@ -113,19 +168,21 @@ class LinearWeight:
             out = _plain_linear(x, self.weight, self.bias, after)
         if self.lora is not None:
             out = out + self.lora(x)
-        return out if self.reduce is None else self.reduce(out)
+        return out
 
 
 class ReducedLinear(torch.nn.Linear):
-    """An `nn.Linear` (same parameters, same names) whose output is passed through `reduce`."""
+    """An `nn.Linear` (same parameters, same names) holding a row-parallel shard, summed over its group by `reduce`
+    (`reduced_linear`, with its `lora` term when one is set)."""
 
     def __init__(self, in_features: int, out_features: int, reduce: Reduce, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.reduce = reduce
+        self.lora: LoRATerm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(_plain_linear(x, self.weight, self.bias, bias_added_after_product(x)))
+        return reduced_linear(x, self.weight, self.bias, self.reduce, self.lora)
 
 
 class PackedLinear(torch.nn.Module):
@@ -167,7 +224,7 @@ def pack_linear_layers(model: torch.nn.Module, keep_weights: bool = False) -> in
     replaced = 0
     for name, module in list(model.named_modules()):
         weight = _weight_out_in(module)
-        if weight is None or weight.device.type != "cpu" or not onednn_packing_available(weight.dtype):
+        if weight is None or not _packable(weight, isinstance(module, ReducedLinear)):
             continue
         bias = module.bias.detach() if module.bias is not None else None
         parent_name, _, child = name.rpartition(".")

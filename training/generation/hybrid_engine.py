@@ -227,12 +227,18 @@ class WeightSource:
         }
         self.layers_prefix = _decoder_layers_prefix(_base_model(module))
 
-    def lora_shapes(self) -> dict[str, tuple[int, int, int]]:
-        """(rank, in, out) of each adapted projection's active adapters, by the projection's name in the plain model."""
-        return {entry.layer_name: (
-                    sum(entry.lora_layer.r[a] for a in _active_lora(entry.lora_layer)),
-                    entry.lora_layer.in_features, entry.lora_layer.out_features)
-                for entry in self.entries if entry.lora_params}
+    def lora_shapes(self, plan: TensorParallelPlan | None) -> dict[str, tuple[int, int, int]]:
+        """(rank, in, out) of each adapted projection's active adapters (as `plan` splits them, given one), by the
+        projection's name in the plain model."""
+        shapes = {}
+        for entry in self.entries:
+            if entry.lora_params:
+                layer = entry.lora_layer
+                out, inputs = layer.out_features, layer.in_features
+                if plan is not None and plan.is_sharded(entry.target_name):
+                    out, inputs = plan.shard_shape(entry.target_name, torch.Size([out, inputs]))
+                shapes[entry.layer_name] = (sum(layer.r[a] for a in _active_lora(layer)), inputs, out)
+        return shapes
 
     def groups(self) -> list[list[_Entry]]:
         """Non-layer parameters first, then `partition_size` decoder layers per group."""
@@ -298,6 +304,8 @@ class InferenceCopy:
                     term = self.lora_terms.get(entry.layer_name) if entry.lora_layer is not None else None
                     if term is not None:
                         lora_a, lora_b = _lora_factors(entry.lora_layer)
+                        if self.plan is not None:
+                            lora_a, lora_b = self.plan.shard_lora(entry.target_name, lora_a, lora_b)
                         term.A.copy_(lora_a)
                         term.B.copy_(lora_b)
         self._load_buffers(source.buffers)
@@ -419,11 +427,10 @@ class HybridEngine:
         base = _base_model(self.module)
         plan = TensorParallelPlan(base, self.tp) if self.tp is not None else None
         source = WeightSource(self.module, self.settings.tp_gather_partition_size)
-        # LoRA folded in fp32, where that is exact enough; beside the weights in half precision (a tensor-parallel
-        # shard folds: its adapters would need sharding too)
-        lora_apart = self.dtype != torch.float32 and plan is None
+        # LoRA folded in fp32, where that is exact enough; beside the weights in half precision
+        lora_apart = self.dtype != torch.float32
         inference_copy = InferenceCopy(base, self.dtype, self.device, plan,
-                                       source.lora_shapes() if lora_apart else None)
+                                       source.lora_shapes(plan) if lora_apart else None)
         inference_copy.load_from(source)
         model = inference_copy.model
         # a tensor-parallel shard's projections all-reduce inside the step, which its graph would have to capture

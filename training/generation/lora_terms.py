@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from training.generation.cpu_linear import PackedLinear, ReducedLinear
+
 
 @dataclass
 class LoRATerm:
@@ -57,11 +59,18 @@ def fuse_lora_terms(terms: list[LoRATerm | None], out_features: list[int]) -> Lo
 
 
 def add_lora_terms(model: torch.nn.Module, terms: dict[str, LoRATerm]) -> None:
-    """Make each named projection of `model` add its term to its output (a forward hook on the module there now:
-    register after any swap of the modules, e.g. oneDNN packing). The terms' tensors are marked static addresses:
-    a step compiled with CUDA graphs then reads them where they are instead of copying them in at every replay."""
+    """Make each named projection of `model` add its term to its output: the projection module there now (register
+    after any swap of the modules, e.g. oneDNN packing) applies it itself where it is one of ours (`PackedLinear`,
+    and `ReducedLinear`, whose term joins its cross-rank sum), a forward hook does elsewhere. The terms' tensors are
+    marked static addresses: a step compiled with CUDA graphs then reads them where they are instead of copying them
+    in at every replay."""
     for name, term in terms.items():
         torch._dynamo.mark_static_address(term.A)
         torch._dynamo.mark_static_address(term.B)
-        model.get_submodule(name).register_forward_hook(
-            lambda module, args, output, term=term: output + term(args[0]))
+        module = model.get_submodule(name)
+        if isinstance(module, PackedLinear):
+            module.linear.lora = term
+        elif isinstance(module, ReducedLinear):
+            module.lora = term
+        else:
+            module.register_forward_hook(lambda module, args, output, term=term: output + term(args[0]))

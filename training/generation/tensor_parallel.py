@@ -2,8 +2,10 @@
 
 Ranks are grouped N consecutive ranks at a time. In a group, each rank holds one shard of every
 attention and MLP projection (Megatron-style: q/k/v and gate/up split by output rows, o/down split by
-input columns and summed with an all-reduce inside the layer, a `ReducedLinear`); norms, embeddings and the LM head stay whole. The
-ranks of a group decode their prompts as one batch and share every drawn token.
+input columns and summed with an all-reduce inside the layer, a `ReducedLinear`: in fp32, rounded once after the
+sum as the whole product is); norms, embeddings and the LM head stay whole. In half precision, LoRA adapters stay
+beside the shards (`lora_terms.py`), split with them: B by rows for a column-parallel projection, A by columns for a
+row-parallel one. The ranks of a group decode their prompts as one batch and share every drawn token.
 
 Under ZeRO-3 a rank fetches only the part of each sharded weight it needs: the shard is a set of flat
 indices into the weight, ZeRO-3 keeps the flat weight split in contiguous partitions across ranks, so
@@ -157,15 +159,22 @@ class TensorParallelPlan:
         return torch.Size(s // self.size if d == dim else s for d, s in enumerate(shape))
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full tensor (a row-parallel bias is added by the group's first rank only)."""
-        kind, leaf = self._kind(name)
-        if kind == "row" and leaf == "bias":
-            return full if self.rank == 0 else torch.zeros_like(full)
+        """This rank's slice of a full tensor (a row-parallel bias stays whole: it is added after the sum)."""
         if not self.is_sharded(name):
             return full
         dim = self._dim(name)
         step = full.shape[dim] // self.size
         return full.narrow(dim, self.rank * step, step)
+
+    def shard_lora(self, name: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the LoRA factors A [rank, in] and B [out, rank] adapting the weight `name`: a
+        column-parallel shard's output rows are B's rows; a row-parallel shard's input columns are A's columns
+        (its x_r @ A_r.T is then summed over the group with the product: `reduced_linear`)."""
+        if not self.is_sharded(name):
+            return lora_a, lora_b
+        if self._kind(name)[0] == "column":
+            return lora_a, self.shard(name, lora_b)
+        return self.shard(name, lora_a), lora_b
 
     def flat_indices(self, name: str, shape: torch.Size, tp_rank: int) -> torch.Tensor:
         """Ascending flat indices of `tp_rank`'s shard within the full tensor of `shape`."""
