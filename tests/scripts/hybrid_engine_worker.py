@@ -86,8 +86,9 @@ def hybrid_engine(engine, **settings) -> HybridEngine:
 
 
 def train_step(engine, tokenizer, texts=PROMPTS[:2]) -> float:
+    """One training step on `texts`, on the engine's device (DeepSpeed's forward does not move its inputs)."""
     tokenizer.padding_side = "right"
-    enc = tokenizer(list(texts), return_tensors="pt", padding=True)
+    enc = tokenizer(list(texts), return_tensors="pt", padding=True).to(engine.device)
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
     loss = engine(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], labels=labels).loss
     engine.backward(loss)
