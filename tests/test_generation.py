@@ -186,6 +186,36 @@ def test_the_static_cache_rows_a_compiled_step_writes_are_marked_static_addresse
             assert getattr(rows, "_dynamo_static_input_type", None) is not None, "not a static address"
 
 
+def test_a_compiled_step_samples_the_tokens_the_eager_one_does_while_rows_finish(tiny_model_dir):
+    """The compiled transformers step keeps finished rows (a fixed shape), the eager one drops them; each live row
+    still gets the uniform number it would get on the other path, so sampled decodes whose rows end at different
+    steps are the same on both (drawn per row of the whole batch, the compiled path's draws parted from the eager
+    path's at the first row that ended)."""
+    from scripts.hybrid_engine_worker import PROMPTS, frequent_token, prompt_batch
+    from transformers import AutoModelForCausalLM
+
+    from training.core.model_loading import load_tokenizer
+    from training.generation.fast_decoder import HFCachedModel, KVCacheDecoder, RolloutKVCache
+
+    model_dir = tiny_model_dir("gpt2")
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    compiled = KVCacheDecoder(HFCachedModel(model, RolloutKVCache(), compiled=True), torch.device("cpu"))
+    eager = KVCacheDecoder(HFCachedModel(model, RolloutKVCache()), torch.device("cpu"))
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=12, seed=0, temperature=1.5, eos_token_id=-1,
+                              pad_token_id=tokenizer.pad_token_id)
+    probe = eager.decode(ids, mask, config)
+    config.eos_token_id = frequent_token(probe.sequences, probe.prompt_length)  # rows then end at different steps
+    torch._dynamo.reset()
+    fast, slow = compiled.decode(ids, mask, config), eager.decode(ids, mask, config)
+    lengths = slow.answer_mask.sum(-1)
+    assert lengths.min() < lengths.max(), lengths
+    assert torch.equal(fast.sequences, slow.sequences)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+
+
 def test_a_compiled_transformers_step_compiles_once_per_allocation_not_per_batch_shape(tiny_model_dir):
     """torch.compile compiles the step anew for each shape it sees, and after 8 runs it eagerly for the rest of the
     process: batches of other prompt lengths and a smaller last batch reuse the allocation's shape (the cache grows

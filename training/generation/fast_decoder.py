@@ -315,6 +315,20 @@ class FusedCachedModel:
         self._buffers = self.graphed_steps = None
 
 
+def live_row_uniforms(choose: TokenChoice, alive: torch.Tensor, live: int,
+                      generator: torch.Generator | None) -> torch.Tensor | None:
+    """A step's uniform numbers for the running rows `alive` (`live` of them still going), None when greedy: `live`
+    numbers, the k-th going to the k-th live row. A path whose batch shrinks runs exactly its live rows, in their
+    order; one that keeps finished rows (the compiled step's fixed shape) gets them spread over its live rows (a
+    finished row's number is never read). Either way each row draws what it would on the other path, so a decode
+    with or without CUDA graphs samples the same tokens."""
+    drawn = choose.uniforms(live, alive.device, generator)
+    if drawn is None or live == alive.numel():
+        return drawn
+    rank_among_live = (alive.cumsum(0) - 1).clamp(min=0)
+    return torch.cat([drawn, drawn.new_zeros(alive.numel() - live, 1)])[rank_among_live]
+
+
 class KVCacheDecoder:
     """The token loop over a `StepModel`.
 
@@ -392,7 +406,7 @@ class KVCacheDecoder:
             column = prompt_len + step
             mask[:, column] = 1
             tokens, token_logprobs = self.model.step(tokens, mask, next_position, column, choose,
-                                                     choose.uniforms(tokens.shape[0], self.device, generator))
+                                                     live_row_uniforms(choose, alive, live, generator))
             next_position = next_position + 1
         return assemble_output(
             input_ids,
