@@ -37,8 +37,8 @@ as step 3 can): its fastest call is one that loads the weights into the kept cop
 captured over it, where the `hybrid` row builds the copy anew in every call.
 
 `--static_compiled_baseline` adds transformers at its fastest beside them: a plain copy of the model on the
-device (no ZeRO), `generate` with a static KV cache and the forward compiled with
-`torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs on a GPU). It runs once untimed first: the
+device (no ZeRO), `generate` with a static KV cache and its decode step compiled by `generate` itself
+(torch.compile's "reduce-overhead" mode, `fullgraph`: CUDA graphs on a GPU). It runs once untimed first: the
 compilation (`compile_seconds`) is paid once per process, not per rollout. On CUDA each backend's peak memory
 (`peak_memory_gib`, allocated by PyTorch during its fastest run's call) is reported too.
 
@@ -62,7 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from transformers import PreTrainedTokenizerBase  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers import CompileConfig, PreTrainedTokenizerBase  # noqa: E402
 
 from bench.common import device_name  # noqa: E402
 from bench.decode_floor import (  # noqa: E402
@@ -205,13 +206,17 @@ def build_actor(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def static_compiled_generator(model_name: str, tokenizer, dtype: torch.dtype, device: torch.device) -> HFGenerator:
-    """transformers' fastest generate: the whole model on the device, a static KV cache and the forward compiled
-    (`torch.compile(mode="reduce-overhead", fullgraph=True)`, as transformers' docs on static caches show).
-    transformers' own compilation of the decode step is turned off, so the forward is compiled once, alike on
-    every device (transformers compiles by itself only on accelerators)."""
+    """transformers' fastest generate, as transformers runs it: the whole model on the device, a static KV cache and
+    the decode step compiled by `generate` itself (`CompileConfig`: torch.compile's "reduce-overhead" mode, CUDA graphs
+    on a GPU, one graph). The prefill runs eagerly: that is where transformers allocates the static cache and marks
+    it a static address; the older recipe of compiling `model.forward` whole allocates it inside the compiled
+    prefill, unmarked (transformers skips the mark while compiling), and its decode steps then write tensors the
+    CUDA graphs do not own. transformers compiles by itself only on accelerators; the flag it keeps for tests makes
+    it compile on every device alike."""
     model = load_causal_lm(model_name, tokenizer, dtype=dtype, disable_dropout_layers=True).to(device).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    return HFGenerator(model, cache_implementation="static", disable_compile=True)
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True
+    return HFGenerator(model, cache_implementation="static", compile_config=compile_config)
 
 
 def time_backend(generator, ids, mask, config) -> tuple[float, object, float | None]:
@@ -350,6 +355,9 @@ def main(argv: list[str] | None = None) -> dict:
             "transformers_forward_decode_path": generators[TRANSFORMERS_FORWARD].decode_path}
            if args.transformers_forward_baseline else {}),
         **(beside_hybrid(results, outputs, KEPT_COPY, "kept_copy") if args.kept_copy_variant else {}),
+        # on a GPU, the compiled steps (the baseline's, the transformers-forward path's) that ran without CUDA graphs
+        "torch_compile_cudagraph_skips": counters["inductor"]["cudagraph_skips"]
+        if current_device().type == "cuda" else None,
         "max_logprob_diff_vs_train_forward": {backend: error["max"] for backend, error in logprob_error.items()},
         "mean_logprob_diff_vs_train_forward": {backend: error["mean"] for backend, error in logprob_error.items()},
     }

@@ -71,6 +71,7 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
     assert summary["speedup_vs_static_compiled"] == round(
         summary["hybrid_tokens_per_s"] / summary["static_compiled_tokens_per_s"], 2)
     assert summary["compile_seconds"] > 0
+    assert summary["torch_compile_cudagraph_skips"] is None, "counted on CUDA only (a CPU has no CUDA graphs to skip)"
     assert summary["speedup"] == round(summary["hybrid_tokens_per_s"] / summary["hf_tokens_per_s"], 2)
     assert summary["weight_pass_tokens_per_s"] > 0 and summary["weight_pass_matmul_tokens_per_s"] > 0
     assert summary["hybrid_share_of_weight_pass"] == round(
@@ -90,6 +91,30 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
         floor = (summary["decode_weight_bytes"] + 3 * context * summary["decode_kv_bytes_per_token"]) / bandwidth
         assert row["decode_floor_s"] == pytest.approx(floor, rel=2e-3)
         assert row["decode_vs_floor"] == round(row["decode_step_s"] / row["decode_floor_s"], 3)
+
+
+def test_transformers_baseline_compiles_its_decode_step_once_and_prefills_eagerly(tiny_model_dir):
+    """transformers' static-cache `generate` compiles the decode step itself (here on CPU too), as one graph reused
+    by the next call; the prefill, where the cache is allocated and marked static, is not compiled (a whole
+    compiled `model.forward` allocated the cache inside the graph, unmarked)."""
+    from scripts.hybrid_engine_worker import PROMPTS, prompt_batch
+    from torch._dynamo.utils import counters
+
+    from bench.generation import static_compiled_generator
+    from training.generation.generator import GenerationConfig
+
+    model_dir = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(model_dir)
+    generator = static_compiled_generator(model_dir, tokenizer, torch.float32, torch.device("cpu"))
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)
+    torch._dynamo.reset()
+    counters.clear()
+    first, second = generator.generate(ids, mask, config), generator.generate(ids, mask, config)
+    assert torch.equal(first.sequences, second.sequences)
+    assert counters["stats"]["unique_graphs"] == 1, "the decode step alone, compiled once"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
 
 
 def test_the_generation_benchmark_times_the_transformers_forward_and_a_kept_copy_beside_the_fused_path(

@@ -107,13 +107,15 @@ def captured(run: Callable[[], Outputs]) -> Callable[[], Outputs]:
     The capture runs on that side stream through `capture_begin`/`capture_end` rather than `torch.cuda.graph`,
     whose entry also synchronises the device and empties PyTorch's cache of freed GPU memory: graphs are captured
     afresh in every generate mode, and an emptied cache makes the next inference copy (13 GB at 7B) and the
-    training after it allocate from the driver again."""
+    training after it allocate from the driver again. The capture is thread-local, as torch.compile's own captures
+    are: in the default global mode, a call that capture forbids (an allocation from the driver, say) made by any
+    other thread of the process meanwhile ends the capture with an error."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         run()
-        graph.capture_begin()
+        graph.capture_begin(capture_error_mode="thread_local")
         try:
             outputs = run()
         finally:
