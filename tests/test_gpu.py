@@ -78,6 +78,10 @@ def test_a_kept_inference_copy_replays_its_graphs_with_each_rollouts_weights(tin
     run_worker("kept_copy", tiny_model_dir(arch))
 
 
+def test_the_compiled_step_keeps_its_cuda_graphs_over_many_rollouts_of_new_copies(tiny_model_dir):
+    run_worker("many_rollouts", tiny_model_dir("gpt2"))
+
+
 @pytest.mark.parametrize("stage,dtype,optimizer,offload", [
     (0, "bf16", "torch_adamw", "none"),  # MasterWeightAdamW
     (2, "fp16", "torch_adamw", "none"), (3, "fp16", "torch_adamw", "none"),

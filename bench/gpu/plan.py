@@ -40,7 +40,7 @@ class PlannedCall:
 
 SESSIONS = (
     (
-        # installs the wheels (~0.5), stashes part 1, pytest -m gpu on 6 workers (35 tests, ~3; DeepSpeed's FusedAdam
+        # installs the wheels (~0.5), stashes part 1, pytest -m gpu on 6 workers (37 tests, ~3; DeepSpeed's FusedAdam
         # and torch.compile compile here), SmolLM2's shape (random weights) at batch 8 and 64 (~2.5: two processes,
         # each compiles the static-cache baseline)
         PlannedCall(("weights", "tests", "generation"), 6.0),

@@ -116,6 +116,28 @@ def kept_copy(model_path: str) -> None:
     torch.testing.assert_close(second.logprobs, afresh.logprobs, rtol=0, atol=1e-5)
 
 
+def many_rollouts(model_path: str) -> None:
+    """The compiled transformers-forward step over a new inference copy each rollout (no kept copy): torch.compile's
+    CUDA graphs are re-recorded at each copy's weights. 130 rollouts, past inductor's re-record limit (128), still
+    run with graphs; the memory held after them is printed beside the first's."""
+    engine, tokenizer = build_engine(model_path, stage=3)
+    hybrid = hybrid_engine(engine, cuda_graph=True)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = greedy_config(tokenizer, max_new_tokens=4, eos_token_id=-1)
+    first = hybrid.generate(ids, mask, config)
+    assert hybrid.decode_path == "transformers forward (CUDA graphs)", hybrid.decode_path
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    for _ in range(130):
+        last = hybrid.generate(ids, mask, config)
+    torch.cuda.synchronize()
+    grown = (torch.cuda.memory_allocated() - held) / 2**20
+    skipped = counters["inductor"]["cudagraph_skips"]
+    print(f"130 rollouts: {grown:.1f} MiB more held than after the first; {skipped} steps without CUDA graphs")
+    assert torch.equal(first.sequences, last.sequences)
+    assert skipped == 0, f"torch.compile ran {skipped} step(s) without CUDA graphs after re-recording"
+
+
 def device_syncs(work) -> int:
     """How many times `work` made the host wait for the GPU (torch's sync debug mode warns at each)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -174,7 +196,7 @@ def lora(model_path: str, arch: str) -> None:
 
 
 CHECKS = {"long_positions": long_positions, "greedy": greedy, "cuda_graph": cuda_graph, "kept_copy": kept_copy,
-          "train_steps": train_steps, "lora": lora}
+          "many_rollouts": many_rollouts, "train_steps": train_steps, "lora": lora}
 
 
 if __name__ == "__main__":
