@@ -5,8 +5,9 @@ model of each mode's architecture at MODELS_DIR/tiny-ARCH), each rank
 generates for its own prompts with the hybrid engine and checks, on every rank: greedy tokens equal
 the `hf` backend's, the reported log-probs equal the train-mode forward's, two continuations per
 prompt repeat each greedy answer twice, and the next training
-step's loss equals that of a twin engine that never generated. Rank 0 prints `HYBRID_OK <mode>` when
-all ranks passed.
+step's loss equals that of a twin engine that never generated (a `LONG_POSITION_MODES` mode instead checks bf16
+distributions past position 500, its tiny-llama made with LONG_POSITION_MODEL). Rank 0 prints `HYBRID_OK <mode>`
+when all ranks passed.
 """
 from __future__ import annotations
 
@@ -280,22 +281,8 @@ def modes_architectures(modes) -> set[str]:
     return {MODES[mode][0] for mode in modes}
 
 
-def main(models_dir: str, mode: str) -> None:
-    """Parity on every rank, then the next training step's loss equals a twin engine's that never generated (or, for
-    `LONG_POSITION_MODES`, long-position parity in bf16 on every rank)."""
-    from utils.dist import get_rank, init_distributed
-
-    init_distributed()
-    rank = get_rank()
-    if mode in LONG_POSITION_MODES:
-        lora, settings = LONG_POSITION_MODES[mode]
-        check_long_position_parity(str(Path(models_dir) / "tiny-llama"), "bf16",
-                                   lambda engine: hybrid_engine(engine, **settings), stage=3,
-                                   lora_arch="llama" if lora else None)
-        torch.distributed.barrier()
-        if rank == 0:
-            print("HYBRID_OK", mode, flush=True)
-        return
+def check_mode(models_dir: str, mode: str, rank: int) -> None:
+    """Parity on this rank, then the next training step's loss equals a twin engine's that never generated."""
     texts = PROMPTS[:3] if rank == 0 else PROMPTS[3:5]  # unequal batches on purpose
     arch, stage, lora, settings = MODES[mode]
     model_path = str(Path(models_dir) / f"tiny-{arch}")
@@ -310,6 +297,26 @@ def main(models_dir: str, mode: str) -> None:
     assert loss == twin_loss, (loss, twin_loss)
     if hybrid.settings.keep_inference_copy:
         check_parity(engine, hybrid, tokenizer, texts)
+
+
+def check_long_position_mode(models_dir: str, mode: str) -> None:
+    """Long-position parity in bf16 on this rank (`LONG_POSITION_MODES`)."""
+    lora, settings = LONG_POSITION_MODES[mode]
+    check_long_position_parity(str(Path(models_dir) / "tiny-llama"), "bf16",
+                               lambda engine: hybrid_engine(engine, **settings), stage=3,
+                               lora_arch="llama" if lora else None)
+
+
+def main(models_dir: str, mode: str) -> None:
+    """`mode`'s checks on every rank; rank 0 prints `HYBRID_OK <mode>` once all ranks passed."""
+    from utils.dist import get_rank, init_distributed
+
+    init_distributed()
+    rank = get_rank()
+    if mode in LONG_POSITION_MODES:
+        check_long_position_mode(models_dir, mode)
+    else:
+        check_mode(models_dir, mode, rank)
     torch.distributed.barrier()
     if rank == 0:
         print("HYBRID_OK", mode, flush=True)
