@@ -246,3 +246,18 @@ def test_a_compiled_transformers_step_compiles_once_per_allocation_not_per_batch
         assert compiled_cache.rows == len(PROMPTS) and compiled_cache.length % COMPILED_LENGTH_MULTIPLE == 0
     assert compiled_cache.length > COMPILED_LENGTH_MULTIPLE, "the last batch needs a longer allocation"
     assert counters["stats"]["unique_graphs"] == 2, "one compiled step per allocation"
+
+
+def test_a_compiled_step_raises_an_error_of_the_forward_itself(monkeypatch):
+    """Only the compiler's own failures make a compiled step fall back to eager: any other error is the caller's."""
+    import training.generation.compiled_step as compiled_step
+
+    def broken_forward(**inputs):
+        raise ValueError("input_ids out of range")
+
+    monkeypatch.setattr(compiled_step, "_failure", None)
+    monkeypatch.setattr(compiled_step, "compile_model", lambda model: broken_forward)
+    step = compiled_step.CompiledStep(torch.nn.Identity())
+    with pytest.raises(ValueError, match="out of range"):
+        step(input=torch.zeros(1))
+    assert step.compiling and compiled_step.compile_failure() is None

@@ -436,3 +436,45 @@ def run_two_gloo_ranks(models_dir: str | os.PathLike, modes: list[str]) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     for mode in modes:
         assert f"HYBRID_OK {mode}" in result.stdout, result.stdout
+
+
+def test_a_decode_step_the_compiler_cannot_build_decodes_eagerly_and_says_so(distributed, tiny_model_dir, monkeypatch,
+                                                                             caplog):
+    """Where torch.compile fails (a Triton that cannot build inductor's kernels), the rollout goes on through the eager
+    forward with the same samples, the failure is logged once with what to do, `decode_path` says so, and the next
+    rollout's new inference copy decodes eagerly at once instead of compiling and failing again."""
+    import training.generation.compiled_step as compiled_step
+    import training.generation.hybrid_engine as hybrid_engine_module
+    from training.generation.fast_decoder import HFCachedModel
+
+    engine, tokenizer = build_engine(tiny_model_dir("gpt2"), stage=0)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=8, seed=0, temperature=1.5, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    expected = hybrid_engine(engine).generate(ids, mask, config)
+
+    compiler_runs = []
+
+    def failing_backend(graph, example_inputs):
+        compiler_runs.append(graph)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(compiled_step, "_failure", None)
+    monkeypatch.setattr(compiled_step, "compile_model",
+                        lambda model: torch.compile(model, dynamic=False, backend=failing_backend))
+    monkeypatch.setattr(hybrid_engine_module, "HFCachedModel",
+                        lambda model, kv_cache, compiled: HFCachedModel(model, kv_cache, compiled=True))
+    torch._dynamo.reset()
+    hybrid = hybrid_engine(engine)
+    with caplog.at_level(logging.WARNING, logger=compiled_step.__name__):
+        first = hybrid.generate(ids, mask, config)
+        assert hybrid.decode_path == "transformers forward (eager: torch.compile failed)"
+        second = hybrid.generate(ids, mask, config)
+    torch._dynamo.reset()
+    for out in (first, second):
+        assert torch.equal(out.sequences, expected.sequences)
+        torch.testing.assert_close(out.logprobs, expected.logprobs, atol=1e-5, rtol=0)
+    assert len(compiler_runs) == 1, "the compiler is not tried again once it failed"
+    assert hybrid.decode_path == "transformers forward"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "PassManager::run failed" in warnings[0] and "--disable_cuda_graph" in warnings[0]

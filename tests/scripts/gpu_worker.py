@@ -30,6 +30,7 @@ from scripts.hybrid_engine_worker import (
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.optim import resolve_optimizer_kind
+from training.generation.compiled_step import compile_failure
 from utils.dist import init_distributed
 
 TRAIN_STEPS = 12
@@ -202,6 +203,8 @@ CHECKS = {"long_positions": long_positions, "greedy": greedy, "cuda_graph": cuda
 if __name__ == "__main__":
     init_distributed()
     CHECKS[sys.argv[1]](*sys.argv[2:])
+    # a compiled step whose compiler failed decodes eagerly and would pass every check above
+    assert compile_failure() is None, f"torch.compile failed, the step decoded eagerly: {compile_failure()}"
     torch_dist.barrier()
     print("GPU_OK", sys.argv[1], flush=True)
     torch_dist.destroy_process_group()

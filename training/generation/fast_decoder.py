@@ -17,7 +17,7 @@ prompt i) before the first token is drawn; then the B*K rows decode as any batch
 On CUDA, with `cuda_graph=True`, decode steps replay CUDA graphs. `FusedCachedModel` captures its own
 (`decode_graphs.BucketedDecodeSteps`: one graph per batch bucket, so the batch still shrinks, holding the step's
 token choice and log-prob too: a step is one replay). `HFCachedModel`
-runs them through `torch.compile` (`COMPILE_OPTIONS`: CUDA graphs, eager's half-precision roundings kept); that
+runs them through `torch.compile` (`compiled_step`: CUDA graphs, eager's half-precision roundings kept); that
 needs static shapes, so the batch then does
 not shrink (finished rows keep decoding and their tokens are discarded), and every step runs over the whole
 allocation, whose length is rounded up to `COMPILED_LENGTH_MULTIPLE`: torch.compile compiles anew for each new
@@ -39,6 +39,7 @@ import torch
 from transformers import StaticCache
 
 from training.core.sequences import position_ids_from_attention_mask
+from training.generation.compiled_step import CompiledStep, compile_failure
 from training.generation.cpu_linear import repack_linear_layers
 from training.generation.decode_graphs import BucketedDecodeSteps
 from training.generation.fused_llama import FusedKVBuffers, FusedLlama
@@ -99,6 +100,10 @@ class StepModel(Protocol):
     i*k .. i*k + k-1."""
 
     shrinks: bool  # finished rows may leave the batch
+
+    @property
+    def description(self) -> str:
+        """The decode path, e.g. "fused Llama (CUDA graphs)"."""
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:
         ...
@@ -169,24 +174,28 @@ def _point_at_rows(layer, keys: torch.Tensor, values: torch.Tensor, count: int) 
 
 
 COMPILED_LENGTH_MULTIPLE = 128  # a compiled step's cache length is rounded up to this (see the module doc)
-# torch.compile's "reduce-overhead" mode (CUDA graphs), and eager's roundings: inductor fuses a chain of half-precision
-# ops into one kernel that computes in fp32 and rounds once where eager rounds after each op (SiLU then the product
-# with up_proj, the residual adds, ...). A bf16 Llama's compiled transformers-forward step sampled 1e-2 (total
-# variation, past position 500) from the trained distribution so; with the casts emulated, 2e-5 (CPU inductor).
-COMPILE_OPTIONS = {"triton.cudagraphs": True, "emulate_precision_casts": True}
 
 
 class HFCachedModel:
     """A transformers causal LM whose forward accepts `past_key_values` and `position_ids`; with `compiled`, its decode
-    steps run through `torch.compile` (`COMPILE_OPTIONS`: CUDA graphs on a GPU) over every allocated row."""
+    steps run through `torch.compile` (`CompiledStep`: CUDA graphs on a GPU) over every allocated row, unless the
+    compiler already failed in this process (`compile_failure`): the eager, shrinking step then."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: RolloutKVCache, compiled: bool = False):
         self.model = model
         self.kv_cache = kv_cache
-        self.shrinks = not compiled
-        self._step = torch.compile(model, dynamic=False, options=COMPILE_OPTIONS) if compiled else model
+        self.shrinks = not compiled or compile_failure() is not None
+        self._step = model if self.shrinks else CompiledStep(model)
         self._storage: _StaticStorage | None = None
         self._prefilled = (0, 0)  # rows and columns of the last prefill
+
+    @property
+    def description(self) -> str:
+        if self.shrinks:
+            return "transformers forward"
+        if self._step.compiling:
+            return "transformers forward (CUDA graphs)"
+        return "transformers forward (eager: torch.compile failed)"
 
     def _cache_wide(self, mask: torch.Tensor) -> torch.Tensor:
         """The mask widened to the cache length, as a StaticCache forward expects."""
@@ -266,6 +275,10 @@ class FusedCachedModel:
         self.graphed_steps: BucketedDecodeSteps | None = None
         self._buffers: FusedKVBuffers | None = None
         self._prefilled = (0, 0)  # rows and columns of the last prefill
+
+    @property
+    def description(self) -> str:
+        return "fused Llama (CUDA graphs)" if self.cuda_graph else "fused Llama"
 
     def _use_rows(self, count: int) -> None:
         full = self.kv_cache.cache

@@ -359,8 +359,17 @@ class HybridEngine:
         self.kv_cache = RolloutKVCache()
         self._decoder: KVCacheDecoder | None = None
         self._kept: tuple[InferenceCopy, StepModel] | None = None  # with keep_inference_copy, after the first rollout
-        self.decode_path: str | None = None  # how the last generate mode decoded, e.g. "fused Llama (CUDA graphs)"
+        self._step_model: StepModel | None = None  # the last generate mode's
         self._described = False  # the decode path is logged on the first entry into generate mode
+
+    @property
+    def decode_path(self) -> str | None:
+        """How the last generate mode decoded, e.g. "fused Llama (CUDA graphs)"."""
+        if self._step_model is None:
+            return None
+        if self.settings.unpin_actor_parameters:
+            return "transformers forward of the engine's own module (unpinned)"
+        return self._step_model.description
 
     @property
     def in_generate_mode(self) -> bool:
@@ -408,8 +417,8 @@ class HybridEngine:
         if self.settings.unpin_actor_parameters:
             stack.enter_context(eval_mode(self.module))
             collective = get_world_size() > 1 and is_zero3_module(self.module)
-            self.decode_path = "transformers forward of the engine's own module (unpinned)"
-            return KVCacheDecoder(HFCachedModel(self.module, self.kv_cache), self.device, no_grad_only=True,
+            self._step_model = HFCachedModel(self.module, self.kv_cache)
+            return KVCacheDecoder(self._step_model, self.device, no_grad_only=True,
                                   sync_done=_all_ranks_done if collective else None)
         if self._kept is not None:
             inference_copy, step_model = self._kept
@@ -419,6 +428,7 @@ class HybridEngine:
             inference_copy, step_model = self._build()
             if self.settings.keep_inference_copy:
                 self._kept = inference_copy, step_model
+        self._step_model = step_model
         return KVCacheDecoder(step_model, self.device,
                               sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)
 
@@ -440,17 +450,14 @@ class HybridEngine:
                                                      lora_terms=inference_copy.lora_terms), self.kv_cache,
                                           cuda_graph=graphs)
             packed = sum(w.packed for w in step_model.fused.linear_weights())
-            path = "fused Llama" + (" (CUDA graphs)" if graphs else "")
         else:
             packed = pack_linear_layers(model, keep_weights=self.settings.keep_inference_copy) \
                 if self.settings.onednn_packing else 0
             add_lora_terms(model, inference_copy.lora_terms)
             step_model = HFCachedModel(model, self.kv_cache, compiled=graphs)
-            path = "transformers forward" + (" (CUDA graphs)" if not step_model.shrinks else "")
-        self.decode_path = path
         if not self._described:
             logger.info("hybrid engine: %s decode path on %s, %s, %d linear weights prepacked for oneDNN",
-                        path, self.device, self.dtype, packed)
+                        step_model.description, self.device, self.dtype, packed)
             self._described = True
         return inference_copy, step_model
 
