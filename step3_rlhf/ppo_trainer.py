@@ -28,6 +28,8 @@ from step3_rlhf.scoring import RewardScorer, Scores
 from step3_rlhf.stage_fusion import StageFusion
 from training.algorithms import (
     KL_ESTIMATORS,
+    LOSS_ESTIMATOR,
+    NO_GRADIENT_AS_LOSS,
     RL_ALGORITHMS,
     AdaptiveKLController,
     AdvantageEstimator,
@@ -93,7 +95,8 @@ class PPOConfig:
                 "(default: the algorithm's; on for grpo)"})
     kl_estimator: str | None = field(default=None, metadata={
         "choices": tuple(KL_ESTIMATORS.names()),
-        "help": "per-token KL estimator, in the reward or the loss (default: the algorithm's; k3 for grpo, else k1)"})
+        "help": "per-token KL estimator, in the reward or the loss (default: the algorithm's, k3 for grpo, else k1 "
+                "in the reward and k2 in the loss; k1 is refused in the loss: its gradient is zero in expectation)"})
     group_std_eps: float = field(default=1e-6, metadata={
         "help": "grpo: added to the group's reward std before dividing"})
     advantage_estimator: str | None = field(default=None, metadata={
@@ -111,11 +114,21 @@ class PPOConfig:
         "advantage_estimator", "n_samples_per_prompt", "kl_in_loss", "kl_estimator")
 
     def __post_init__(self) -> None:
-        """Fill the settings left unset from `--algorithm` (an unknown name fails here, naming the choices)."""
+        """Fill the settings left unset from `--algorithm` (an unknown name fails here, naming the choices). The KL
+        moved into the loss of an algorithm that estimates it with k1 in the reward takes `LOSS_ESTIMATOR` instead:
+        k1's loss has no gradient in expectation (`training.algorithms.kl`), and is refused when asked for."""
         algorithm = get_rl_algorithm(self.algorithm)
+        estimator_chosen = self.kl_estimator is not None
         for name in self.ALGORITHM_DEFAULTS:
             if getattr(self, name) is None:
                 setattr(self, name, getattr(algorithm, name))
+        if self.kl_in_loss and self.kl_estimator in NO_GRADIENT_AS_LOSS:
+            if estimator_chosen:
+                raise UserError(f"--kl_in_loss with --kl_estimator {self.kl_estimator}: as a loss, its gradient is "
+                                f"zero in expectation over the actor's samples, so it would not hold the actor near "
+                                f"the reference; use {LOSS_ESTIMATOR} (the gradient of KL(actor || reference)) or "
+                                f"k3 (GRPO's), or keep the KL in the reward")
+            self.kl_estimator = LOSS_ESTIMATOR
 
 
 @dataclass

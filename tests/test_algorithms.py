@@ -312,6 +312,50 @@ def test_kl_estimators_by_hand():
     torch.testing.assert_close(actor.grad, torch.tensor([[0.5, 0.0]]))
 
 
+def test_as_a_loss_k2_pulls_along_the_reverse_kl_gradient_and_k1_not_at_all():
+    """Exact expectations over a 5-token vocabulary, y drawn from the actor pi = softmax(theta): E[grad kl_loss] is
+    the gradient of KL(pi || ref) for k2, that of KL(ref || pi) for k3, and 0 for k1 (E[grad log pi] = 0), which is
+    why k1 is refused in the loss."""
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.1, -0.4], dtype=torch.float64, requires_grad=True)
+    ref_logprobs = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 0.4, 0.0], dtype=torch.float64), -1)
+
+    def expected_gradient(estimator: str) -> torch.Tensor:
+        logprobs = torch.log_softmax(theta, -1)
+        weights = logprobs.exp().detach()  # the sampling distribution: no gradient flows through it
+        per_token = [kl_loss(logprobs[y].reshape(1, 1), ref_logprobs[y].reshape(1, 1), torch.ones(1, 1), estimator)
+                     for y in range(5)]
+        return torch.autograd.grad((weights * torch.stack(per_token)).sum(), theta)[0]
+
+    def gradient_of(kl) -> torch.Tensor:
+        log_p = torch.log_softmax(theta, -1)
+        return torch.autograd.grad(kl(log_p), theta)[0]
+
+    reverse = gradient_of(lambda log_p: (log_p.exp() * (log_p - ref_logprobs)).sum())
+    forward = gradient_of(lambda log_p: (ref_logprobs.exp() * (ref_logprobs - log_p)).sum())
+    torch.testing.assert_close(expected_gradient("k2"), reverse)
+    torch.testing.assert_close(expected_gradient("k3"), forward)
+    torch.testing.assert_close(expected_gradient("k1"), torch.zeros(5, dtype=torch.float64))
+    assert reverse.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("algorithm,in_loss,expected", [
+    ("ppo", None, "k1"), ("ppo", True, "k2"), ("rloo", True, "k2"), ("reinforce_pp", True, "k2"),
+    ("grpo", None, "k3"), ("grpo", False, "k3")])
+def test_the_kl_moved_into_the_loss_gets_an_estimator_with_a_gradient(algorithm, in_loss, expected):
+    from step3_rlhf.ppo_trainer import PPOConfig
+
+    assert PPOConfig(algorithm=algorithm, kl_in_loss=in_loss).kl_estimator == expected
+
+
+def test_k1_asked_for_in_the_loss_is_refused_with_the_alternatives():
+    from step3_rlhf.ppo_trainer import PPOConfig
+
+    with pytest.raises(UserError, match="--kl_in_loss with --kl_estimator k1.*use k2"):
+        PPOConfig(algorithm="grpo", kl_estimator="k1")
+    assert PPOConfig(algorithm="ppo", kl_in_loss=True, kl_estimator="k3").kl_estimator == "k3"
+    assert PPOConfig(algorithm="ppo", kl_estimator="k1").kl_estimator == "k1"  # in the reward
+
+
 def test_the_kl_penalty_in_the_reward_uses_the_chosen_estimator_and_reports_the_k1_sum():
     logprobs, ref_logprobs = torch.log(torch.tensor([[0.5, 0.5, 0.9]])), torch.log(torch.tensor([[0.25, 0.5, 0.1]]))
     mask = torch.tensor([[1, 1, 0]])

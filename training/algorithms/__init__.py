@@ -27,6 +27,8 @@ from training.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
     KL_ESTIMATORS,
+    LOSS_ESTIMATOR,
+    NO_GRADIENT_AS_LOSS,
     apply_no_eos_penalty,
     compute_rewards,
     kl_from_logits,

@@ -7,6 +7,11 @@ actor sampled, with log r = ref_logprob - logprob:
 - `k1`: -log r (unbiased, can be negative per token);
 - `k2`: (log r)^2 / 2 (biased, low variance, its gradient is that of the reverse KL);
 - `k3`: (r - 1) - log r (unbiased and never negative; GRPO's KL loss).
+
+As a loss term the estimators differ in their gradient, not their value: over the actor's own samples, k2's expected
+gradient is that of KL(actor || reference) and k3's that of KL(reference || actor) (DeepSeekMath's choice), while
+k1's is E[grad log pi] = 0: it pulls the actor nowhere, so it is refused there (`NO_GRADIENT_AS_LOSS`) and
+`LOSS_ESTIMATOR` takes its place by default.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from training.core.sequences import last_token_index
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+NO_GRADIENT_AS_LOSS = ("k1",)  # estimators whose loss has zero expected gradient (see the module doc)
+LOSS_ESTIMATOR = "k2"  # the loss estimator in their place: its expected gradient is KL(actor || reference)'s
 
 
 @KL_ESTIMATORS.register("k1")
