@@ -34,3 +34,18 @@ def test_a_fresh_run_starts_the_file_empty_and_a_resumed_one_drops_what_follows_
     fresh.rewind(None)
     fresh.log(0, {"loss": 7.0})
     assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [(0, 7.0)]
+
+
+def test_a_line_cut_short_by_a_kill_is_dropped_on_resume_and_when_read(tmp_path):
+    """A run killed while appending a line leaves it partial: the resumed run's rewind drops it (it used to
+    crash every later resume) and the readers skip it."""
+    killed = MetricsLogger(tmp_path, enable_tensorboard=False)
+    for step in range(3):
+        killed.log(step, {"loss": float(step)})
+    with killed.path.open("a") as handle:
+        handle.write('{"step": 3, "time": 17000.1, "lo')
+    assert [row["step"] for row in read_metrics(tmp_path)] == [0, 1, 2]
+    resumed = MetricsLogger(tmp_path, enable_tensorboard=False)
+    resumed.rewind(2)
+    resumed.log(3, {"loss": 30.0})
+    assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]

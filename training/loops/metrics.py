@@ -8,13 +8,17 @@ file holds each step once.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from pathlib import Path
 from typing import Mapping
 
+from utils.atomic import atomic_write_text
 from utils.dist import is_main_process
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -58,17 +62,28 @@ class MetricsLogger:
             self._writer = None
 
 
+def _complete_lines(path: Path) -> list[tuple[str, dict]]:
+    """Each line of a per-step JSONL file with its record, without a line cut short (a run killed while
+    appending it)."""
+    complete = []
+    for line in path.read_text().splitlines():
+        try:
+            complete.append((line, json.loads(line)))
+        except ValueError:
+            if line.strip():
+                logger.warning("%s: dropped a line cut short (the run was stopped while writing it)", path)
+    return complete
+
+
 def rewind_jsonl(path: Path, step: int | None) -> None:
-    """Keep the lines of a per-step JSONL file (each with a "step") up to `step`, or none (None)."""
+    """Keep the lines of a per-step JSONL file (each with a "step") up to `step`, or none (None); rewritten
+    atomically, so a run stopped meanwhile keeps the old file whole."""
     if not path.is_file():
         return
-    kept = [] if step is None else [line for line in path.read_text().splitlines()
-                                    if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(f"{line}\n" for line in kept))
+    kept = [] if step is None else [line for line, record in _complete_lines(path) if record["step"] <= step]
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _complete_lines(path)] if path.is_file() else []
