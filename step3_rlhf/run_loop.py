@@ -129,6 +129,7 @@ class PPORun:
             "trainer": self.trainer.state_dict(),
             "evaluations": self.evaluations,
             "last_stats": self.last_stats,
+            "metrics_lines": self.metrics.lines_written,
         }
 
     def rank_state(self) -> dict | None:
@@ -142,7 +143,7 @@ class PPORun:
         """Load the latest checkpoint with --resume (collective); returns its client state (None: a fresh run)."""
         state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
         start = None if state is None else state["ppo_step"]
-        self.metrics.rewind(start)
+        self.metrics.rewind(start, None if state is None else state.get("metrics_lines"))
         if self.call_timer is not None and is_main_process():
             rewind_jsonl(Path(self.args.run.output_dir) / CALL_TIMES_FILE, start)
         if state is None:

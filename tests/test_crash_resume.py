@@ -1,9 +1,12 @@
 """Step 1 killed mid-run (SIGKILL), cut off in the middle of a save, or stopped by Ctrl-C ends, after
 `--resume`, with exactly the weights of an uninterrupted run (CPU, fixed seed, GPT-2 with dropout on,
 so the RNG state, data position, optimizer and LR schedule must all come back)."""
+import json
 import shlex
+import shutil
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -89,6 +92,33 @@ def test_a_save_cut_off_part_way_is_skipped_and_the_previous_checkpoint_resumed(
     step1_main([*args, "--resume"])
     assert_same_weights(reference, tmp_path / "run" / "model")
     assert not any(is_temporary(path) for path in checkpoints.iterdir())  # the next save swept it up
+
+
+def evaluated_steps(run_dir: Path) -> list[int]:
+    return [record["step"] for record in read_metrics(run_dir) if any(key.startswith("eval/") for key in record)]
+
+
+@pytest.mark.parametrize("checkpoint", [6, 12])  # the end of the first epoch; of the run (a finished run resumed)
+def test_a_resume_from_the_checkpoint_that_ended_an_epoch_logs_each_evaluation_once(reference, inputs, tmp_path,
+                                                                                     checkpoint):
+    """An epoch's last step is saved before its closing evaluation is logged at the same step: the resumed run
+    cuts the metrics back to what the checkpoint held, logs that evaluation once, and counts the epoch."""
+    run = tmp_path / "run"
+    if checkpoint == 12:
+        shutil.copytree(reference.parent, run)
+    else:
+        step1_main([*step1_args(inputs, run), "--keep_last_checkpoints", "6"])
+        for later in (run / "checkpoints").glob("step*"):
+            if int(later.name[4:]) > checkpoint:
+                shutil.rmtree(later)
+        (run / "checkpoints" / "latest").write_text(f"step{checkpoint}")
+        shutil.rmtree(run / "model")
+    summary = step1_main([*step1_args(inputs, run), "--resume"])
+    assert evaluated_steps(run) == evaluated_steps(reference.parent) == [0, 6, 12]
+    expected = json.loads((reference.parent / "summary.json").read_text())
+    assert (summary["optimizer_steps"], summary["epochs_completed"]) == (TOTAL_STEPS, expected["epochs_completed"]) \
+        == (TOTAL_STEPS, 2)
+    assert_same_weights(reference, run / "model")
 
 
 def test_ctrl_c_saves_says_how_to_resume_and_the_resumed_run_matches(reference, inputs, tmp_path):

@@ -38,6 +38,7 @@ from training.core.sequences import answer_logprobs, position_ids_from_attention
 from training.generation.generator import GenerationOutput, HFGenerator, assemble_output
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 from training.loops.batch_stream import BatchStream
+from training.loops.metrics import read_metrics
 from training.reliability.checkpointing import CheckpointManager
 from utils.data import PromptCollator, SFTCollator
 from utils.dist import free_port
@@ -650,3 +651,16 @@ def test_sigkilled_step3_resumes_to_the_same_weights(inputs, tmp_path):
     assert "resuming step 3 after PPO step" in resumed
     for folder in ("actor", "critic", "actor_ema"):
         assert_same_weights(reference / folder, output_dir_of(argv) / folder)
+
+
+def test_resuming_a_finished_run_logs_its_last_evaluation_once(distributed, inputs, tmp_path):
+    """The last PPO step is saved before the run's closing held-out evaluation is logged at the same step: a
+    resume from that checkpoint cuts the metrics back to what it held, so the evaluation is logged once."""
+    from step3_rlhf.main import main
+
+    argv = step3_argv(inputs, tmp_path / "run", "--max_steps", "2", "--save_interval", "2", "--enable_hybrid_engine")
+    main(argv)
+    main([*argv, "--resume"])
+    evaluated = [record["step"] for record in read_metrics(tmp_path / "run")
+                 if any(key.startswith("eval/") for key in record)]
+    assert evaluated == [0, 2]

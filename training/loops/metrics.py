@@ -2,8 +2,10 @@
 
 Only rank 0 writes; other ranks get a logger whose calls do nothing, so call sites need no checks. A run
 `rewind`s the file when it knows where it starts: a fresh run into a folder that holds an earlier run's file
-starts it empty, and a resumed run drops the lines logged after its checkpoint (they are logged again), so the
-file holds each step once.
+starts it empty, and a resumed run cuts it back to the lines it held when the checkpoint was taken (their count is
+part of the checkpoint: `lines_written`), so what followed is logged once, again. Cutting by count, not only by
+step, also drops what a run logs at the checkpoint's own step after saving it (an epoch's or the run's last
+evaluation), which the resumed run logs again.
 """
 from __future__ import annotations
 
@@ -31,18 +33,22 @@ class MetricsLogger:
         self.prefix = prefix
         self.path = Path(run_dir) / METRICS_FILE
         self._writer = None
+        self.lines_written = 0  # the file's complete lines (rank 0), what a checkpoint records
         if not self.enabled:
             return
+        if self.path.is_file():
+            self.lines_written = len(_complete_lines(self.path))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
-    def rewind(self, step: int | None) -> None:
-        """Keep only the lines of steps up to `step` (a resumed run's checkpoint), or none (None: a fresh run)."""
+    def rewind(self, step: int | None, lines: int | None = None) -> None:
+        """Keep only the lines of steps up to `step` (a resumed run's checkpoint), and of those the first `lines`
+        (the checkpoint's `lines_written`, where it has one), or none (step None: a fresh run)."""
         if self.enabled:
-            rewind_jsonl(self.path, step)
+            self.lines_written = rewind_jsonl(self.path, step, lines)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -50,6 +56,7 @@ class MetricsLogger:
         clean = {f"{self.prefix}{k}": (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         with self.path.open("a") as handle:
             handle.write(json.dumps({"step": step, "time": time.time(), **clean}, allow_nan=True) + "\n")
+        self.lines_written += 1
         if self._writer is not None:
             for key, value in clean.items():
                 if isinstance(value, float) and math.isfinite(value):
@@ -75,13 +82,16 @@ def _complete_lines(path: Path) -> list[tuple[str, dict]]:
     return complete
 
 
-def rewind_jsonl(path: Path, step: int | None) -> None:
-    """Keep the lines of a per-step JSONL file (each with a "step") up to `step`, or none (None); rewritten
-    atomically, so a run stopped meanwhile keeps the old file whole."""
+def rewind_jsonl(path: Path, step: int | None, lines: int | None = None) -> int:
+    """Keep the lines of a per-step JSONL file (each with a "step") up to `step`, at most the first `lines` of them,
+    or none (step None); rewritten atomically, so a run stopped meanwhile keeps the old file whole. Returns how
+    many lines it kept."""
     if not path.is_file():
-        return
+        return 0
     kept = [] if step is None else [line for line, record in _complete_lines(path) if record["step"] <= step]
+    kept = kept[:lines]
     atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return len(kept)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

@@ -216,15 +216,17 @@ class SupervisedTrainer:
             "evaluations": self.evaluations,
             "loss_window": [self._loss_sum, self._loss_count],
             "last_train_loss": self._last_train_loss,
+            "metrics_lines": self.metrics.lines_written,
         }
 
     def _restore(self) -> None:
         """Continue from the latest checkpoint under `--resume` (and refuse to overwrite one without it)."""
         state = self.checkpoints.restore({ENGINE_NAME: self.engine}, self.resume) \
             if self.checkpoints is not None else None
-        self.metrics.rewind(None if state is None else state["step"])
         if state is None:
+            self.metrics.rewind(None)
             return
+        self.metrics.rewind(state["step"], state.get("metrics_lines"))
         self.position = LoopPosition(**state["position"])
         self.evaluations = list(state["evaluations"])
         self._loss_sum, self._loss_count = state["loss_window"]
@@ -262,6 +264,13 @@ class SupervisedTrainer:
             },
         )
         self._loss_sum, self._loss_count = 0.0, 0
+
+    def _end_epoch_if_done(self) -> None:
+        """Once every micro-batch of the epoch has run, the position moves to the next epoch, and the model is
+        evaluated."""
+        if self.position.batches_done >= self._batches_per_epoch:
+            self.position = LoopPosition(epoch=self.position.epoch + 1)
+            self.evaluate(self.engine.global_steps)
 
     @property
     def _batches_per_epoch(self) -> int:
@@ -310,9 +319,8 @@ class SupervisedTrainer:
                     self._after_step(step)
                     if step >= total:
                         break
-                if self.position.batches_done >= self._batches_per_epoch:
-                    self.position = LoopPosition(epoch=self.position.epoch + 1)
-                    self.evaluate(engine.global_steps)
+                self._end_epoch_if_done()
+        self._end_epoch_if_done()  # a run resumed from the checkpoint at its last step, which ended an epoch
         if not self.evaluations or self.evaluations[-1]["step"] != engine.global_steps:
             self.evaluate(engine.global_steps)
         return TrainResult(
