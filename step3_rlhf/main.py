@@ -39,7 +39,7 @@ from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
 from step3_rlhf.stage_fusion import check_stage_fusion
 from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
-from training.core.args import SettingsParser, check_positive, flag_values
+from training.core.args import SettingsParser, check_positive, flag_values, resume_fixed_flags
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.generation.hybrid_engine import build_generator
@@ -102,6 +102,14 @@ def check_args(args: Step3Settings) -> None:
             "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
         )
     check_positive(flag_values(args), "n_samples_per_prompt")
+    micro_batches = micro_batches_per_ppo_step(args)
+    if micro_batches % args.schedule.gradient_accumulation_steps:
+        raise UserError(
+            f"--gradient_accumulation_steps {args.schedule.gradient_accumulation_steps} does not divide the "
+            f"{micro_batches} training micro-batches of a PPO step (--ppo_epochs x --generation_batches x the "
+            f"micro-batches of --per_device_generation_batch_size x --n_samples_per_prompt answers at "
+            f"--per_device_training_batch_size): an optimizer step would span two PPO steps, and a checkpoint "
+            f"between them would lose its accumulated gradients; use a divisor of {micro_batches}")
     estimator = get_advantage_estimator(args.ppo.advantage_estimator)  # an unknown name fails, listing the known
     get_policy_loss(args.ppo.policy_loss)
     get_value_loss(args.ppo.value_loss)
@@ -129,10 +137,18 @@ def experiences_per_step(args: Step3Settings) -> int:
     return args.loop.generation_batches * args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
 
 
+def micro_batches_per_ppo_step(args: Step3Settings) -> int:
+    """Training micro-batches of one PPO step, per rank: every generation batch's answers split by
+    --per_device_training_batch_size, in each PPO epoch (as `PPORun.train_on` splits them)."""
+    answers = args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
+    per_batch = -(-answers // args.loop.per_device_training_batch_size)
+    return args.loop.ppo_epochs * args.loop.generation_batches * per_batch
+
+
 def optimizer_steps_per_ppo_step(args: Step3Settings) -> int:
-    """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none)."""
-    micro_batches = args.loop.ppo_epochs * -(-experiences_per_step(args) // args.loop.per_device_training_batch_size)
-    return max(1, micro_batches // args.schedule.gradient_accumulation_steps)
+    """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none;
+    `check_args` makes the accumulation divide the micro-batches)."""
+    return micro_batches_per_ppo_step(args) // args.schedule.gradient_accumulation_steps
 
 
 def count_ppo_steps(args: Step3Settings, prompts: BatchStream) -> int:
@@ -208,9 +224,8 @@ def run_step3(args: Step3Settings) -> dict:
     placement = resolve_placement(args)
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = args.checkpoints.manager(args.run.output_dir)
-        if not args.checkpoints.resume:
-            checkpoints.restore({}, resume=False)
+        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args))
+        checkpoints.check_start(args.checkpoints.resume)  # before anything loads or args.json is written
         set_seed(args.data.seed)
         actor_path = args.models.actor_model_name_or_path
         tokenizer = load_tokenizer(actor_path, args.run.trust_remote_code)

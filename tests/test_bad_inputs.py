@@ -166,7 +166,8 @@ def test_a_diverging_run_stops_at_the_non_finite_loss_naming_the_step_and_last_g
     assert exited.value.code == EXIT_USER_ERROR
     error = capsys.readouterr().err.splitlines()[-1]
     found = re.fullmatch(r"error: training loss is not finite \((nan|inf)\) at step (\d+); stopping\. the last good "
-                         r"checkpoint is (\S+) \(step (\d+)\): continue from it with --resume, e\.g\. with a lower "
+                         r"checkpoint is (\S+) \(step (\d+)\): continue from it with --resume \(a resumed run takes a "
+                         r"new --learning_rate and --gradient_clipping\), or start again, e\.g\. with a lower "
                          r"--learning_rate.*", error)
     assert found, error
     failed_step, checkpoint, good_step = int(found[2]), Path(found[3]), int(found[4])

@@ -28,11 +28,11 @@ BATCHES_PER_EPOCH = NUM_SEQUENCES // BATCH
 TOTAL_STEPS = 6
 
 
-def build_engine(stage: int, seed: int = 0, arch: str = "gpt2"):
+def build_engine(stage: int, seed: int = 0, arch: str = "gpt2", learning_rate: float = 5e-3):
     # gpt2's default dropout (0.1) makes the result depend on the torch RNG, so resume must restore it
     model, _ = make_tiny_model(arch, seed=seed)
     settings = OptimizationSettings(
-        learning_rate=5e-3, num_training_steps=TOTAL_STEPS, zero_stage=stage, micro_batch_size=BATCH,
+        learning_rate=learning_rate, num_training_steps=TOTAL_STEPS, zero_stage=stage, micro_batch_size=BATCH,
         num_warmup_steps=3, optimizer="torch_adamw", lr_scheduler_type="cosine",
     )
     engine = create_train_engine(model, settings)
@@ -101,6 +101,26 @@ def test_resume_reproduces_the_uninterrupted_run(distributed, tmp_path, stage, n
         for key, value in weights(engine).items():
             assert torch.allclose(value, expected[name][key], atol=1e-6, rtol=0), (name, key)
         assert engine.get_lr() == engines[name].get_lr()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_resumed_run_takes_its_new_peak_learning_rate_at_the_schedules_step(distributed, tmp_path, stage):
+    """The checkpoint brings back its optimizer's and schedule's rates; a run resumed with another --learning_rate
+    (lowered after a divergence) goes on at the same point of the schedule (warm-up, then cosine) with its own
+    peak, and its optimizer steps at that rate."""
+    data = dataset()
+    manager = CheckpointManager(tmp_path / "run")
+    original = {"actor": build_engine(stage)}
+    train(original, data, {"epoch": 0, "batches_done": 0}, 2, manager, save_at={2})
+    lowered = {"actor": build_engine(stage, seed=10, learning_rate=5e-4)}
+    state = manager.load_latest(lowered)
+    engine = lowered["actor"]
+    assert engine.lr_scheduler.base_lrs == [5e-4] * len(engine.lr_scheduler.base_lrs)
+    position = {"epoch": state["epoch"], "batches_done": state["batches_done"]}
+    train(original, data, dict(position), 4)
+    train(lowered, data, position, 4)
+    assert engine.get_lr() == pytest.approx([rate / 10 for rate in original["actor"].get_lr()], rel=1e-12)
+    assert [group["lr"] for group in engine.lr_scheduler.optimizer.param_groups] == engine.get_lr()
 
 
 def test_interrupted_save_keeps_previous_checkpoint(distributed, tmp_path, monkeypatch):

@@ -139,3 +139,14 @@ def test_run_folder_rules_lock_checkpoints_and_resume(distributed, tiny_model_di
     resumed = main([*args, "--resume"])  # nothing left to train: the same result comes back
     assert resumed["eval_perplexity_after"] == pytest.approx(first["eval_perplexity_after"])
     assert resumed["eval_perplexity_before"] == pytest.approx(first["eval_perplexity_before"])
+    recorded = (tmp_path / "run" / "args.json").read_text()
+    # a resume goes on with the checkpointed run's flags: others are refused before anything is written; what
+    # only changes saving or logging, and the learning rate, may differ
+    with pytest.raises(SystemExit) as changed:
+        main([*args, "--zero_stage", "2", "--per_device_train_batch_size", "3", "--save_interval", "5",
+              "--learning_rate", "1e-3", "--resume"])
+    error = capsys.readouterr().err
+    assert changed.value.code == 2 and "--per_device_train_batch_size 4 -> 3, --zero_stage 0 -> 2" in error, error
+    assert "save_interval" not in error and "learning_rate" not in error
+    assert (tmp_path / "run" / "args.json").read_text() == recorded
+    main([*args, "--save_interval", "5", "--learning_rate", "1e-3", "--resume"])

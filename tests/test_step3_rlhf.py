@@ -634,6 +634,24 @@ def test_stage_fusion_is_refused_where_it_cannot_score_between_decode_steps(inpu
     check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags)))
 
 
+def test_an_accumulation_that_would_span_two_ppo_steps_is_refused(inputs, tmp_path, monkeypatch):
+    """A checkpoint after each PPO step must fall on an optimizer step (DeepSpeed saves no accumulated
+    gradients); and the schedule counts the micro-batches as `train_on` splits each generation batch."""
+    from step3_rlhf.main import check_args, optimizer_steps_per_ppo_step, parse_args
+
+    monkeypatch.setattr("step3_rlhf.main.get_world_size", lambda: 1)
+
+    def args_with(accumulation: int):  # each generation batch of 4 answers splits 3 + 1: 4 micro-batches a step
+        return parse_args(step3_argv(inputs, tmp_path / "run", "--per_device_generation_batch_size", "4",
+                                     "--per_device_training_batch_size", "3", "--generation_batches", "2",
+                                     "--gradient_accumulation_steps", str(accumulation)))
+
+    check_args(args_with(2))
+    assert optimizer_steps_per_ppo_step(args_with(2)) == 2
+    with pytest.raises(UserError, match="--gradient_accumulation_steps 3 does not divide the 4 training micro-batches"):
+        check_args(args_with(3))
+
+
 # resume after SIGKILL ------------------------------------------------------------------------------
 
 

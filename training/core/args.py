@@ -10,6 +10,10 @@ Field metadata beyond argparse's:
 - "negated": the flag is a switch that turns the field (default True) off (`--disable_cuda_graph`);
 - "nargs": replaces the nargs HfArgumentParser derives (list flags accept no values: "*"; None with
   action="append").
+- "same_result": the flag does not change what a run computes, only where it writes, how often it saves or
+  logs, or how it executes (`--save_interval`, `--disable_cuda_graph`): a resumed run may change it;
+- "resume_override": a resumed run takes the flag's new value (`--learning_rate`, `--gradient_clipping`: lowered
+  after a divergence). Every other flag a resumed run must share with its checkpoint (`resume_fixed_flags`).
 A settings field declared with `group(prefix)` gets its group's flags prefixed: step 3 trains two
 models with one `ModelTrainingConfig` each, `--actor_zero_stage` and `--critic_zero_stage`.
 Switches are bool fields (default False) and `bool | None` fields: `--flag` alone means True.
@@ -33,7 +37,7 @@ from utils.errors import UserError
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_OWN_METADATA = ("flag", "negated")
+_OWN_METADATA = ("flag", "negated", "same_result", "resume_override")
 
 S = TypeVar("S")
 
@@ -55,7 +59,7 @@ class _Flag:
 
 def _flags(group_type: type, prefix: str) -> list[_Flag]:
     return [_Flag(f.name, prefix + f.metadata.get("flag", f.name), f.metadata.get("negated", False))
-            for f in fields(group_type) if f.metadata.get("flag", f.name) is not None]
+            for f in _flag_fields(group_type)]
 
 
 def _flag_class(group_type: type, prefix: str, title: str) -> type:
@@ -97,6 +101,29 @@ def flag_values(settings: Any) -> dict[str, Any]:
         for flag in _flags(group_type, prefix):
             values[flag.name] = not getattr(value, flag.field) if flag.negated else getattr(value, flag.field)
     return values
+
+
+def resume_fixed_flags(settings: Any) -> dict[str, Any]:
+    """The `flag_values` a resumed run must share with its checkpoint: all but those marked "same_result" or
+    "resume_override"."""
+    free = _marked_flags(type(settings), "same_result") | _marked_flags(type(settings), "resume_override")
+    return {name: value for name, value in flag_values(settings).items() if name not in free}
+
+
+def same_result_flags(settings: Any) -> frozenset[str]:
+    """The flags marked "same_result": a finished run made with other values of them is the same run."""
+    return _marked_flags(type(settings), "same_result")
+
+
+def _marked_flags(settings: type, mark: str) -> frozenset[str]:
+    return frozenset(flag.name for _, group_type, prefix in _groups(settings)
+                     for source, flag in zip(_flag_fields(group_type), _flags(group_type, prefix))
+                     if source.metadata.get(mark))
+
+
+def _flag_fields(group_type: type) -> list[Field]:
+    """The fields of a group that are flags, in `_flags`' order."""
+    return [f for f in fields(group_type) if f.metadata.get("flag", f.name) is not None]
 
 
 class _ExactFlags:
@@ -147,13 +174,14 @@ def _group_from_flags(group_type: type, prefix: str, values: Mapping[str, Any]) 
 class RunArguments:
     """Run folder, precision and launcher plumbing (every step; `--seed` is a data flag)."""
 
-    output_dir: str = field(
-        metadata={"help": "run folder: final model in <output_dir>/model, metrics, args, checkpoints"})
+    output_dir: str = field(metadata={
+        "same_result": True, "help": "run folder: final model in <output_dir>/model, metrics, args, checkpoints"})
     dtype: str = field(default="auto", metadata={
         "choices": DTYPE_CHOICES,
         "help": "training precision; auto = bf16 where supported, else fp16 on GPU, fp32 on CPU"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
-    local_rank: int = field(default=-1, metadata={"help": argparse.SUPPRESS})  # set by the deepspeed launcher
+    local_rank: int = field(default=-1, metadata={  # set by the deepspeed launcher
+        "same_result": True, "help": argparse.SUPPRESS})
 
     @property
     def dtype_name(self) -> str:
@@ -191,8 +219,10 @@ class ModelTrainingConfig:
     only_optimize_lora: bool = field(default=False, metadata={
         "help": "freeze the base weights and train only the adapters"})
     lora_learning_rate: float | None = field(default=None, metadata={
-        "help": "learning rate of the adapters (default: the model's --learning_rate)"})
-    learning_rate: float = field(default=1e-5, metadata={"help": "peak learning rate"})
+        "resume_override": True, "help": "learning rate of the adapters (default: the model's --learning_rate)"})
+    learning_rate: float = field(default=1e-5, metadata={
+        "resume_override": True, "help": "peak learning rate (a resumed run takes a new one: the schedule goes on "
+                                         "at its step with the new peak)"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
 
 
@@ -203,7 +233,8 @@ class ScheduleSettings:
     lr_scheduler_type: str = field(default="cosine", metadata={"choices": SCHEDULER_CHOICES})
     num_warmup_steps: int = field(default=0, metadata={"help": "linear warm-up, in optimizer steps"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    gradient_clipping: float = field(default=1.0, metadata={"help": "max gradient norm (0 disables)"})
+    gradient_clipping: float = field(default=1.0, metadata={
+        "resume_override": True, "help": "max gradient norm (0 disables)"})
     optimizer: str = field(default="auto", metadata={
         "choices": OPTIMIZER_CHOICES,
         "help": "auto: torch's fused AdamW on CPU, DeepSpeedCPUAdam with --offload, FusedAdam on GPU"})

@@ -83,9 +83,9 @@ class HybridEngineSettings:
     tp_gather_partition_size: int = field(default=8, metadata={
         "help": "decoder layers gathered at once when loading ZeRO-3 weights for generation"})
     release_inference_cache: bool = field(default=False, metadata={
-        "help": "free the KV cache after every rollout instead of keeping it for the next one"})
+        "same_result": True, "help": "free the KV cache after every rollout instead of keeping it for the next one"})
     keep_inference_copy: bool = field(default=False, metadata={
-        "help": "keep the inference copy between rollouts, loading each rollout's weights into it in place: no "
+        "same_result": True, "help": "keep the inference copy between rollouts, loading each rollout's weights into it in place: no "
                 "rebuild, and on a GPU no new capture of the decode graphs per rollout, for one more copy of the "
                 "model in the generation dtype held during training"})
     unpin_actor_parameters: bool = field(default=False, metadata={
@@ -95,7 +95,8 @@ class HybridEngineSettings:
         "help": "decode Llama-family models (llama, mistral, qwen2, qwen3) through their transformers forward instead "
                 "of the fused one"})
     cuda_graph: bool = field(default=True, metadata={
-        "flag": "disable_cuda_graph", "negated": True, "help": "on GPU, do not capture the decode step as a CUDA graph"})
+        "flag": "disable_cuda_graph", "negated": True, "same_result": True,
+        "help": "on GPU, do not capture the decode step as a CUDA graph"})
     onednn_packing: bool = field(default=True, metadata={
         "flag": "disable_onednn_packing", "negated": True,
         "help": "on CPU, keep the inference copy's linear weights plain (torch.matmul) instead of prepacking them for "

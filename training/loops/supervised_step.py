@@ -24,6 +24,7 @@ from training.core.args import (
     check_positive,
     flag_values,
     optimization_settings,
+    resume_fixed_flags,
 )
 from training.core.engine import create_train_engine
 from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype
@@ -69,7 +70,8 @@ class SupervisedLoopArguments:
         "help": "also evaluate every N optimizer steps (0: only before training and after each epoch)"})
     eval_iters: int | None = field(default=None, metadata={
         "help": "evaluate on at most this many held-out batches per rank (default: all)"})
-    log_interval: int = field(default=10, metadata={"help": "log the training loss every N optimizer steps"})
+    log_interval: int = field(default=10, metadata={
+        "same_result": True, "help": "log the training loss every N optimizer steps"})
 
 
 @dataclass
@@ -164,9 +166,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
     init_distributed()
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = args.checkpoints.manager(args.run.output_dir)
-        if not args.checkpoints.resume:
-            checkpoints.restore({}, resume=False)  # refuses to start over an earlier run's checkpoints
+        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args))
+        checkpoints.check_start(args.checkpoints.resume)  # before anything loads or args.json is written
         set_seed(args.data.seed)
         tokenizer = load_tokenizer(model_name, args.run.trust_remote_code)
         check_sequence_lengths(load_config(model_name, args.run.trust_remote_code),

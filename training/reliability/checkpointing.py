@@ -73,14 +73,15 @@ class CheckpointSettings:
     """The resume-checkpoint flags of a step."""
 
     save_interval: int = field(default=0, metadata={
-        "help": "save a resume checkpoint every N optimizer steps (0: only when interrupted)"})
+        "same_result": True, "help": "save a resume checkpoint every N optimizer steps (0: only when interrupted)"})
     resume: bool = field(default=False, metadata={
-        "help": "continue from the latest complete checkpoint in <output_dir>/checkpoints"})
+        "same_result": True, "help": "continue from the latest complete checkpoint in <output_dir>/checkpoints"})
     keep_last_checkpoints: int = field(default=2, metadata={
-        "help": "how many resume checkpoints to keep (older ones are deleted)"})
+        "same_result": True, "help": "how many resume checkpoints to keep (older ones are deleted)"})
 
-    def manager(self, output_dir: str | Path) -> "CheckpointManager":
-        return CheckpointManager(output_dir, keep_last=self.keep_last_checkpoints, save_interval=self.save_interval)
+    def manager(self, output_dir: str | Path, fixed_flags: Mapping[str, Any] | None = None) -> "CheckpointManager":
+        return CheckpointManager(output_dir, keep_last=self.keep_last_checkpoints, save_interval=self.save_interval,
+                                 fixed_flags=fixed_flags)
 
 
 # RNG ----------------------------------------------------------------------------------------------
@@ -207,7 +208,10 @@ class CheckpointManager:
     """Saves and restores resume checkpoints under `<output_dir>/checkpoints` (all ranks call every method
     except `latest`, `complete_checkpoints` and `should_save`, which only read)."""
 
-    def __init__(self, output_dir: str | Path, keep_last: int = 2, save_interval: int = 0):
+    def __init__(self, output_dir: str | Path, keep_last: int = 2, save_interval: int = 0,
+                 fixed_flags: Mapping[str, Any] | None = None):
+        """`fixed_flags`: the flags a resumed run must share with its checkpoint (`training.core.args.
+        resume_fixed_flags`), recorded in each checkpoint's marker and compared by `check_start`."""
         if keep_last < 1:
             raise UserError(f"--keep_last_checkpoints must be at least 1, got {keep_last}")
         if save_interval < 0:
@@ -215,6 +219,7 @@ class CheckpointManager:
         self.checkpoints_dir = Path(output_dir) / CHECKPOINTS_SUBDIR
         self.keep_last = keep_last
         self.save_interval = save_interval
+        self.fixed_flags = None if fixed_flags is None else _as_json(fixed_flags)
 
     def should_save(self, step: int) -> bool:
         """Whether `--save_interval` asks for a checkpoint after optimizer step `step`."""
@@ -288,7 +293,8 @@ class CheckpointManager:
             if is_main_process():
                 atomic_torch_save(client_state, tmp / CLIENT_STATE_FILE)
                 marker = {"format": FORMAT_VERSION, "step": step, "engines": names,
-                          "world_size": get_world_size(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                          "world_size": get_world_size(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                          "flags": self.fixed_flags}
                 atomic_write_text(tmp / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
         if is_main_process():
             atomic_write_text(self.checkpoints_dir / LATEST_FILE, final.name)
@@ -323,6 +329,39 @@ class CheckpointManager:
             raise UserError(f"checkpoint {path} vanished while loading; is another run using {self.checkpoints_dir}?")
         return self._load(info, engines)
 
+    def check_start(self, resume: bool) -> None:
+        """Before anything loads (every rank): without --resume, refuse a folder holding an earlier run's
+        checkpoints; with it, require one, written by a run with this run's `fixed_flags`."""
+        if not resume:
+            self.restore({}, resume=False)
+            return
+        problem = None
+        if is_main_process():
+            info = self.latest()
+            if info is None:
+                problem = (f"--resume: there is no complete checkpoint in {self.checkpoints_dir}; "
+                           "run without --resume to start from the beginning")
+            else:
+                problem = self._flag_changes(info)
+        problem = broadcast_from_main(problem)
+        if problem is not None:
+            raise UserError(problem)
+
+    def _flag_changes(self, info: CheckpointInfo) -> str | None:
+        """What refuses resuming `info` with this run's flags, or None: a flag of `fixed_flags` with another value
+        (one the checkpoint's run did not have counts as changed; a checkpoint that recorded none is not checked)."""
+        recorded = json.loads((info.path / MARKER_FILE).read_text()).get("flags")
+        if recorded is None or self.fixed_flags is None:
+            return None
+        changed = [f"--{name} {recorded.get(name, '(not a flag then)')!r} -> {value!r}"
+                   for name, value in self.fixed_flags.items() if recorded.get(name) != value]
+        if not changed:
+            return None
+        return (f"--resume continues the run checkpointed in {info.path}, but these flags differ from that run's: "
+                f"{', '.join(changed)}. Resume with that run's flags (its checkpoint.json records them; the learning "
+                f"rates, --gradient_clipping and what only changes saving, logging or speed may differ), or start a "
+                f"new run in another --output_dir")
+
     def restore(self, engines: Mapping[str, Any], resume: bool) -> dict[str, Any] | None:
         """`load_latest` behind the `--resume` rules: with it, a checkpoint must exist; without it, none may
         (a fresh run would otherwise mix its checkpoints with an earlier run's and prune them)."""
@@ -349,6 +388,7 @@ class CheckpointManager:
                 f"{names}; resume with the same settings, or choose another --output_dir"
             )
         for name, engine in engines.items():
+            rates = peak_learning_rates(engine)
             with weights_only_engine_loads(engine):
                 load_path, _ = engine.load_checkpoint(str(info.path), tag=name)
             if load_path is None:
@@ -356,6 +396,7 @@ class CheckpointManager:
                     f"checkpoint {info.path} is damaged: '{name}' could not be loaded; delete that folder "
                     "to resume from the one before it"
                 )
+            take_peak_learning_rates(engine, rates, name)
         rng_file = info.path / RNG_DIR / f"rank{get_rank()}.pt"
         if rng_file.is_file():
             restore_rng_state(safe_load(rng_file))
@@ -368,6 +409,32 @@ class CheckpointManager:
             client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
         logger.info("resumed from %s (step %d)", info.path, info.step)
         return client_state
+
+
+def _as_json(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` as JSON reads them back (paths as strings, tuples as lists), so a recorded copy compares equal."""
+    return json.loads(json.dumps(dict(values), default=str))
+
+
+def peak_learning_rates(engine: Any) -> list[float] | None:
+    """The peak learning rate of each parameter group as this run's flags built the engine's schedule."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return list(scheduler.base_lrs) if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else None
+
+
+def take_peak_learning_rates(engine: Any, rates: list[float] | None, name: str) -> None:
+    """After loading a checkpoint, which brings back its own rates: each parameter group's peak becomes `rates`
+    (this run's `--learning_rate`, LoRA's), at the schedule's step, so a resumed run can go on with a lower rate."""
+    scheduler = engine.lr_scheduler
+    if rates is None or rates == scheduler.base_lrs:
+        return
+    logger.info("%s: peak learning rates %s -> %s (this run's flags), the schedule going on at step %d", name,
+                scheduler.base_lrs, rates, scheduler.last_epoch)
+    scheduler.base_lrs = list(rates)
+    current = [rate * factor(scheduler.last_epoch) for factor, rate in zip(scheduler.lr_lambdas, rates)]
+    for group, rate, peak in zip(scheduler.optimizer.param_groups, current, rates):
+        group["lr"], group["initial_lr"] = rate, peak
+    scheduler._last_lr = current
 
 
 def all_engine_names(engines: Mapping[str, Any]) -> list[str]:

@@ -49,10 +49,11 @@ def check_finite(
     shown = _describe(value) if not _is_finite(value) else "non-finite on another rank"
     latest = checkpoint_manager.latest() if checkpoint_manager is not None else None
     if latest is None:
-        where = "no checkpoint was saved before it (set --save_interval to keep resume points)"
+        where = "no checkpoint was saved before it (set --save_interval to keep resume points); start again"
     else:
-        where = f"the last good checkpoint is {latest.path} (step {latest.step}): continue from it with --resume"
+        where = (f"the last good checkpoint is {latest.path} (step {latest.step}): continue from it with --resume "
+                 "(a resumed run takes a new --learning_rate and --gradient_clipping), or start again")
     raise NonFiniteError(
-        f"{name} is not finite ({shown}) at step {step}; stopping. {where}, "
-        "e.g. with a lower --learning_rate, --dtype fp32 or a smaller --gradient_clipping"
+        f"{name} is not finite ({shown}) at step {step}; stopping. {where}, e.g. with a lower --learning_rate, "
+        "a smaller --gradient_clipping or --dtype fp32"
     )

@@ -32,7 +32,7 @@ class DataArguments:
     sft_only_data_path: list[str] = field(default_factory=list, metadata={
         "nargs": "*", "help": "sources used entirely by step 1 only"})
     data_output_path: str = field(default_factory=default_data_output_path, metadata={
-        "help": "folder of the tokenised data cache"})
+        "same_result": True, "help": "folder of the tokenised data cache"})
     seed: int = field(default=1234, metadata={"help": "seed for shuffling, splits and training"})
     max_seq_len: int = field(default=512, metadata={"help": "maximum tokens of prompt + answer (steps 1 and 2)"})
     max_prompt_seq_len: int = field(default=256, metadata={"help": "maximum prompt tokens (step 3)"})
@@ -48,7 +48,8 @@ class DataArguments:
     eval_fraction: float = field(default=0.1, metadata={"help": "fraction of each step's shard held out for evaluation"})
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
-    rebuild_data_cache: bool = field(default=False, metadata={"help": "rebuild the tokenised data cache"})
+    rebuild_data_cache: bool = field(default=False, metadata={
+        "same_result": True, "help": "rebuild the tokenised data cache"})
 
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)
