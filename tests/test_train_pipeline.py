@@ -20,6 +20,8 @@ from training.pipeline.deployment import DeploymentType
 from training.pipeline.hardware import Hardware
 from training.pipeline.runner import run_pipeline
 from training.pipeline.steps import StepEntry
+from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, MARKER_FILE
+from training.reliability.run_records import ARGS_FILE, SUMMARY_FILE, save_run_args, save_summary
 from utils.errors import UserError, run_cli
 
 TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
@@ -61,12 +63,13 @@ class FakeSteps:
             if step == self.fail_step:
                 raise UserError("the data file is empty; pass a bigger one")
             out = Path(args.output_dir)
+            save_run_args(out, args)
             saved = out / ("actor" if step == 3 else "model")
             shutil.copytree(self.model_dir, saved, dirs_exist_ok=True)
             if step == 2:
                 (saved / "reward_model.json").write_text("{}")
             summary = {"model_dir": str(saved), "eval_loss_before": 2.5, "eval_loss_after": 1.25, "optimizer_steps": 3}
-            (out / "summary.json").write_text(json.dumps(summary))
+            save_summary(out, summary)
             return summary
 
         return main
@@ -184,7 +187,7 @@ def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_mode
 
     fakes.calls.clear()  # the user's data wins, and is not joined by the task
     run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math",
-                                             "--data_path", "mine.jsonl"], fakes)
+                                             "--data_path", "mine.jsonl", "--output-dir", str(tmp_path / "mine")], fakes)
     assert all("task:arithmetic" not in argv for _, _, argv in fakes.calls)
     assert fakes.calls[1][1].data_path == "mine.jsonl"
 
@@ -233,6 +236,121 @@ def test_a_failing_step_stops_the_run_with_its_message(tmp_path, tiny_model_dir)
         run(common(tmp_path, fakes.model_dir), fakes)
     assert [call[0] for call in fakes.calls] == [1, 2]
     assert "the data file is empty" in (tmp_path / "out" / "logs" / "step2.log").read_text()
+
+
+def test_a_rerun_skips_the_finished_steps_and_resumes_the_unfinished_one(tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "out"
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options={step: ["--resume"] for step in (1, 2, 3)}, fail_step=3)
+    argv = common(tmp_path, fakes.model_dir)
+    with pytest.raises(UserError, match="the data file is empty"):
+        run(argv, fakes)
+    fakes.calls.clear()
+    fakes.fail_step = None
+    report = run(argv + ["--resume"], fakes)  # step 3 saved no checkpoint: it starts from the beginning
+    assert [(step, args.resume) for step, args, _ in fakes.calls] == [(3, None)]
+    printed = capsys.readouterr().out
+    assert f"step 1: finished in {out / 'step1'}, skipped" in printed
+    assert f"step 2: finished in {out / 'step2'}, skipped" in printed
+    assert [report["steps"][step]["skipped"] for step in ("1", "2", "3")] == [True, True, False]
+    assert report["steps"]["1"]["summary"]["model_dir"] == str(out / "step1" / "model")
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(report))
+
+    (out / "step3" / SUMMARY_FILE).unlink()  # stopped after a checkpoint: the same command with --resume resumes it
+    checkpoint = out / "step3" / CHECKPOINTS_SUBDIR / "step2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 2, "engines": ["actor"]}))
+    fakes.calls.clear()
+    run(argv + ["--resume"], fakes)
+    assert [(step, args.resume) for step, args, _ in fakes.calls] == [(3, True)]
+    fakes.calls.clear()
+    capsys.readouterr()
+    run(argv, fakes)  # all finished
+    printed = capsys.readouterr().out
+    assert fakes.calls == [] and printed.count(", skipped") == 3 and printed.count(" skipped ") == 3  # in the table
+
+
+def test_a_finished_step_is_not_reused_for_other_flags(tmp_path, fakes):
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv + ["--step", "1"], fakes)
+    changed = r'step 1 finished in .*step1 with other settings than this run gives it \(--max_seq_len "256" -> "64"\)'
+    with pytest.raises(UserError, match=changed + r".*choose another --output-dir \(or delete .*step1"):
+        run(argv + ["--step1-args", "--max_seq_len 64"], fakes)
+    assert [call[0] for call in fakes.calls] == [1]
+
+
+def test_the_steps_after_one_that_runs_again_run_too(tmp_path, fakes):
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    shutil.rmtree(tmp_path / "out" / "step1")
+    fakes.calls.clear()
+    run(argv, fakes)
+    assert [call[0] for call in fakes.calls] == [1, 3]  # step 2 does not start from step 1's model
+
+
+def test_a_new_run_in_a_finished_run_folder_is_unfinished_until_it_saves_its_summary(tmp_path):
+    save_run_args(tmp_path, argparse.Namespace(seed=1))
+    save_summary(tmp_path, {"optimizer_steps": 3})
+    save_run_args(tmp_path, argparse.Namespace(seed=2))
+    assert not (tmp_path / SUMMARY_FILE).exists()
+
+
+class _KilledMidWrite:
+    """A file opened for writing that takes half of the first write, then stops the process as a kill would."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def write(self, data):
+        self.handle.write(data[: len(data) // 2])
+        self.handle.flush()
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.handle.close()
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+
+def kill_writes_of(monkeypatch, killed):
+    """Make writes to the files `killed(path)` picks (their temporary names too) stop midway."""
+    import builtins
+    import io
+
+    real_open = builtins.open
+
+    def open_(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        return _KilledMidWrite(handle) if "w" in mode and killed(Path(file)) else handle
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+
+
+@pytest.mark.parametrize("name, save", [(ARGS_FILE, save_run_args), (SUMMARY_FILE, save_summary)])
+def test_a_kill_while_a_record_is_written_leaves_the_earlier_record_whole(tmp_path, monkeypatch, name, save):
+    earlier = {"seed": 1, "data_path": ["embedded"]}
+    save(tmp_path, earlier)
+    kill_writes_of(monkeypatch, lambda path: name in path.name)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, {"seed": 2, "data_path": ["other"]})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / name).read_text()) == earlier
+
+
+def test_a_kill_while_the_pipeline_summary_is_written_leaves_the_earlier_one_whole(tmp_path, fakes, monkeypatch):
+    out = tmp_path / "out"
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    earlier = (out / "summary.json").read_text()
+    kill_writes_of(monkeypatch, lambda path: path.parent == out and "summary.json" in path.name)
+    with pytest.raises(KeyboardInterrupt):
+        run(argv, fakes)
+    monkeypatch.undo()
+    assert (out / "summary.json").read_text() == earlier
 
 
 def test_launcher_runs_tee_the_output_into_the_log(tmp_path):
@@ -288,3 +406,21 @@ def test_train_py_runs_all_three_steps_then_the_chatbot_answers(tmp_path, tiny_m
     )
     assert chat.returncode == 0, chat.stderr
     assert "Human: What is 2 plus one?\nAssistant: " in chat.stdout
+
+
+def test_a_finished_step_is_the_same_run_whatever_its_saving_logging_and_decoding_flags():
+    """What decides whether a finished step is reused: the flags marked `same_result` may differ, any other
+    (a learning rate too) may not."""
+    from step3_rlhf.main import parse_args
+
+    from training.core.args import flag_values, same_result_flags
+    from training.reliability.run_records import changed_flags
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "run"]
+    recorded = json.loads(json.dumps(flag_values(parse_args(base))))
+    now = parse_args([*base, "--save_interval", "5", "--profile_calls",
+                      "--disable_cuda_graph", "--resume", "--data_output_path", "elsewhere"])
+    assert changed_flags(recorded, flag_values(now), same_result_flags(now)) == {}
+    now = parse_args([*base, "--actor_learning_rate", "1e-3", "--save_interval", "5"])
+    assert changed_flags(recorded, flag_values(now), same_result_flags(now)) == {
+        "actor_learning_rate": (recorded["actor_learning_rate"], 1e-3)}

@@ -2,16 +2,24 @@
 
 Layout under the output dir: `step1/`, `step2/`, `step3/`, `dpo/` (the steps' run folders),
 `logs/stepN.log`, and `summary.json` (the table printed at the end).
+
+A step whose run folder holds a finished run (its `summary.json`) of the flags this run gives it is skipped, so
+the same command run again after a failure goes on where it stopped; with `--resume`, a step resumes from its
+latest checkpoint where its folder holds one, and starts from the beginning where it holds none.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping
 
+from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
+from training.reliability.checkpointing import CheckpointManager
+from training.reliability.run_records import changed_flags, read_run_args, read_summary
+from utils.atomic import atomic_write_text
 from utils.dist import free_port
 from utils.errors import UserError
 
@@ -29,11 +37,12 @@ from .launch import (
     run_subprocess,
 )
 from .planning import apply_zero_overrides, plan_deployment
-from .steps import STEPS, ModelInput, StepEntry, accepted_options, route_extra_flags
+from .steps import STEPS, ModelInput, StepEntry, accepted_options, drop_flag, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
 
 Inputs = dict[int, list[tuple[ModelInput, str]]]
+RESUME_FLAG = "--resume"
 
 
 def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str | None:
@@ -101,11 +110,6 @@ def _hosts(config: PipelineConfig, deployment: DeploymentType) -> list[Host] | N
     return read_hostfile(config.hostfile)
 
 
-def _read_summary(run_dir: Path) -> dict:
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def _check_output(config: PipelineConfig, step: int) -> None:
     run_dir = config.run_dir(step)
     if not STEPS[step].output.saved_in(run_dir):
@@ -121,6 +125,55 @@ def _placement_plans(config: PipelineConfig, prepared: PreparedRun, step3: StepE
                                  prepared.plan.world_size, hardware.cpu_cores)
 
 
+def _recorded_flags(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[dict, frozenset[str]]:
+    """{flag: value} of `argv` as the step records them in its args.json (a settings parser's flags once the
+    settings have resolved their defaults, `flag_values`; a plain argparse parser's namespace), and the flags among
+    them that do not change what the step computes."""
+    parsed = parser.parse_args(argv)
+    if isinstance(parsed, argparse.Namespace):  # no field marks: only the launch flags every step has are free
+        return vars(parsed), frozenset({"resume", "local_rank"})
+    return flag_values(parsed), same_result_flags(parsed)
+
+
+def _finished_summary(config: PipelineConfig, step: int, argv: list[str],
+                      entry: Callable[[int], StepEntry]) -> dict | None:
+    """The summary of the finished run in `step`'s folder, which this run skips (None: none there, the step runs).
+    A finished run whose recorded flags differ from `argv` is refused, not reused."""
+    run_dir = config.run_dir(step)
+    summary, recorded = read_summary(run_dir), read_run_args(run_dir)
+    if summary is None or recorded is None:
+        return None
+    changed = changed_flags(recorded, *_recorded_flags(entry(step).build_parser(), argv))
+    if changed:
+        flags = ", ".join(f"--{name} {json.dumps(then)} -> {json.dumps(now)}" for name, (then, now) in changed.items())
+        raise UserError(
+            f"step {step} finished in {run_dir} with other settings than this run gives it ({flags}); run with the "
+            f"same settings, or choose another --output-dir (or delete {run_dir} to run step {step} again)"
+        )
+    return summary
+
+
+def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]],
+                    entry: Callable[[int], StepEntry]) -> dict[int, dict]:
+    """The summaries of the steps this run skips: finished in their folders, with the flags it gives them, from
+    models it does not make anew (a step that starts from the model of a step that runs, runs too)."""
+    finished: dict[int, dict] = {}
+    for step in config.steps:
+        remade = any(source.from_step in config.steps and source.from_step not in finished
+                     for source in STEPS[step].inputs)
+        if not remade and (summary := _finished_summary(config, step, argvs[step], entry)) is not None:
+            finished[step] = summary
+    return finished
+
+
+def _resume_from_checkpoints_only(config: PipelineConfig, step: int, argv: list[str]) -> list[str]:
+    """`argv` without --resume when `step`'s folder holds no checkpoint (the step never started, or stopped before
+    its first save): --resume then starts it from the beginning rather than failing it."""
+    if CheckpointManager(config.run_dir(step)).latest() is not None:
+        return argv
+    return drop_flag(argv, RESUME_FLAG)
+
+
 @dataclass
 class PreparedRun:
     """Everything decided before the first step starts."""
@@ -128,7 +181,8 @@ class PreparedRun:
     plan: DeploymentPlan
     launcher: Launcher | None  # None: in this process
     argvs: dict[int, list[str]]
-    commands: dict[int, list[str]]
+    commands: dict[int, list[str]]  # of the steps that run
+    finished: dict[int, dict]  # the summaries of the steps skipped, finished in their folders
 
 
 def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> PreparedRun:
@@ -143,13 +197,15 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))
     apply_zero_overrides(plan, config.zero_stages())
     launcher = _launcher(config, deployment, hardware)
-    argvs = {step: step_argv(config, step, plan, routed, inputs) for step in config.steps}
+    argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
+             for step in config.steps}
+    finished = _finished_steps(config, argvs, entry)
     commands = {
         step: launcher.command(STEPS[step].script(), argvs[step]) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
-        for step in config.steps
+        for step in config.steps if step not in finished
     }
-    return PreparedRun(plan, launcher, argvs, commands)
+    return PreparedRun(plan, launcher, argvs, commands, finished)
 
 
 def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
@@ -161,9 +217,22 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
         summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
     else:
         run_subprocess(prepared.commands[step], config.log_path(step), label, env=launcher_env(REPO_ROOT))
-        summary = _read_summary(config.run_dir(step))
+        summary = read_summary(config.run_dir(step)) or {}
     _check_output(config, step)
     return StepResult(step, spec.title, time.perf_counter() - started, summary)
+
+
+def _step_result(config: PipelineConfig, prepared: PreparedRun, step: int,
+                 entry: Callable[[int], StepEntry]) -> StepResult:
+    if step in prepared.finished:
+        return StepResult(step, STEPS[step].title, 0.0, prepared.finished[step], skipped=True)
+    return _run_step(config, prepared, step, entry)
+
+
+def _planned(config: PipelineConfig, prepared: PreparedRun, step: int) -> str:
+    if step in prepared.finished:
+        return f"finished in {config.run_dir(step)}, skipped"
+    return format_command(prepared.commands[step])
 
 
 def run_pipeline(
@@ -184,20 +253,21 @@ def run_pipeline(
     how = "in this process, as" if prepared.launcher is None else "with"
     print(f"\n{'would run' if config.dry_run else 'runs'} {how}:")
     for step in config.steps:
-        print(f"  step {step}: {format_command(prepared.commands[step])}", flush=True)
+        print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
     if config.dry_run:
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
             print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
         return {"deployment": deployment, "commands": prepared.commands}
 
     started = time.perf_counter()
-    results = [_run_step(config, prepared, step, entry) for step in config.steps]
+    results = [_step_result(config, prepared, step, entry) for step in config.steps]
     total = time.perf_counter() - started
     print("\n" + summary_table(results, total), flush=True)
     report = {
         "deployment": deployment,
         "total_seconds": total,
-        "steps": {str(r.step): {"title": r.title, "seconds": r.seconds, "summary": dict(r.summary)} for r in results},
+        "steps": {str(r.step): {"title": r.title, "seconds": r.seconds, "skipped": r.skipped, "summary": dict(r.summary)}
+                  for r in results},
     }
-    (config.output_dir / "summary.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    atomic_write_text(config.output_dir / "summary.json", json.dumps(report, indent=2, default=str) + "\n")
     return report

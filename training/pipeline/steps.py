@@ -161,6 +161,11 @@ def flag_value(tokens: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def drop_flag(tokens: Sequence[str], flag: str) -> list[str]:
+    """`tokens` without each `flag`, `flag VALUE` and `flag=VALUE` in them."""
+    return [token for group in group_flags(tokens) if group[0].partition("=")[0] != flag for token in group]
+
+
 def route_extra_flags(
     tokens: Sequence[str], steps: Sequence[int], options: Mapping[int, frozenset[str]]
 ) -> dict[int, list[str]]:

@@ -79,6 +79,11 @@ class StepResult:
     title: str
     seconds: float
     summary: Mapping[str, Any] = field(default_factory=dict)
+    skipped: bool = False  # finished by an earlier run: `summary` is that run's
+
+    @property
+    def time(self) -> str:
+        return "skipped" if self.skipped else format_duration(self.seconds)
 
     def locations(self) -> list[str]:
         return [v for k, v in self.summary.items() if isinstance(v, str) and any(h in k for h in _LOCATION_KEYS)]
@@ -86,7 +91,7 @@ class StepResult:
 
 def summary_table(results: Sequence[StepResult], total_seconds: float) -> str:
     rows = [
-        [f"{r.step} {r.title}", format_duration(r.seconds), "\n".join(key_metrics(r.summary)) or "-",
+        [f"{r.step} {r.title}", r.time, "\n".join(key_metrics(r.summary)) or "-",
          "\n".join(r.locations()) or "-"]
         for r in results
     ]

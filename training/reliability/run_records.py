@@ -1,7 +1,8 @@
 """The run folder's records: the arguments a step ran with (`args.json`) and its result (`summary.json`).
 
-Only rank 0 writes. `args.json` is what a later step reads to check its inputs (see
-`training.reliability.validation`), so it is written after every check has passed.
+Only rank 0 writes, each record atomically (a kill mid-write leaves the old file or none, never half of one).
+`args.json` is what a later step reads to check its inputs (see `training.reliability.validation`), so it is
+written after every check has passed. `summary.json` is written last, after the model: it marks a finished run.
 """
 from __future__ import annotations
 
@@ -10,33 +11,63 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from utils.atomic import atomic_write_text
 from utils.dist import is_main_process
 
 ARGS_FILE = "args.json"
 SUMMARY_FILE = "summary.json"
 
 
+def _as_json(values: Mapping[str, Any]) -> str:
+    return json.dumps(dict(values), indent=2, default=str) + "\n"
+
+
+def _write_record(run_dir: str | os.PathLike, name: str, values: Mapping[str, Any]) -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(run_dir) / name, _as_json(values))
+
+
+def _read_record(run_dir: str | os.PathLike, name: str) -> dict | None:
+    try:
+        values = json.loads((Path(run_dir) / name).read_text())
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
 def save_run_args(run_dir: str | os.PathLike, args: Any) -> None:
-    """Record the command-line arguments of a run (argparse namespace or dataclass) as JSON."""
+    """Record the command-line arguments of a run (argparse namespace or dataclass) as JSON.
+
+    An earlier run's `summary.json` goes first: from now on the folder holds this run, unfinished.
+    """
     if not is_main_process():
         return
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    values = vars(args) if hasattr(args, "__dict__") else dict(args)
-    (Path(run_dir) / ARGS_FILE).write_text(json.dumps(values, indent=2, default=str) + "\n")
+    (Path(run_dir) / SUMMARY_FILE).unlink(missing_ok=True)
+    _write_record(run_dir, ARGS_FILE, vars(args) if hasattr(args, "__dict__") else dict(args))
 
 
 def read_run_args(run_dir: str | os.PathLike) -> dict | None:
     """The arguments `save_run_args` recorded in `run_dir`; None when it holds none or they do not parse."""
-    try:
-        values = json.loads((Path(run_dir) / ARGS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return values if isinstance(values, dict) else None
+    return _read_record(run_dir, ARGS_FILE)
+
+
+def changed_flags(recorded: Mapping[str, Any], current: Mapping[str, Any],
+                  ignored: frozenset[str] = frozenset()) -> dict[str, tuple[Any, Any]]:
+    """{flag: (recorded value, current value)} for each flag whose value in `current` ({flag: value}, as a
+    step parses its command line) differs from the one `recorded` in an args.json; the `ignored` ones aside (those
+    that do not change what a run computes: `training.core.args.same_result_flags`)."""
+    current = json.loads(_as_json(current))
+    return {name: (recorded.get(name), current.get(name)) for name in sorted(recorded.keys() | current.keys())
+            if name not in ignored and recorded.get(name) != current.get(name)}
 
 
 def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> None:
     """Write a step's result summary (what its `main` returns) as `summary.json` in the run folder."""
     if not is_main_process():
         return
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(dict(summary), indent=2, default=str) + "\n")
+    _write_record(run_dir, SUMMARY_FILE, summary)
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict | None:
+    """The summary `save_summary` wrote in `run_dir` (a finished run); None when it holds none or it does not parse."""
+    return _read_record(run_dir, SUMMARY_FILE)
