@@ -260,7 +260,8 @@ def run_step3(args: Step3Settings) -> dict:
         try:
             with GracefulInterrupt() as interrupt:
                 run.fit(interrupt)
-            saved = run.save_models()
+                interrupt.finishing("the final models' save")
+                saved = run.save_models()
             plot = plot_reward_kl(read_metrics(run_dir), run_dir / PLOT_FILE) if is_main_process() else None
         finally:
             metrics.close()

@@ -5,6 +5,7 @@ import json
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from crash_resume import (
     latest_checkpoint_step,
     launch_step,
     run_step,
+    step_env,
     wait_for_stalled_save,
 )
 from supervised_data import write_arithmetic_jsonl
@@ -138,3 +140,34 @@ def test_ctrl_c_saves_says_how_to_resume_and_the_resumed_run_matches(reference, 
 
     step1_main(shlex.split(resume)[2:])
     assert_same_weights(reference, tmp_path / "run" / "model")
+
+
+SIGTERM_IN_EXPORT = """
+import os, signal, sys
+import training.loops.supervised_step as supervised_step
+from step1_sft.main import main
+
+export = supervised_step.save_hf_model
+
+def export_signalled(*args, **kwargs):  # the scheduler's SIGTERM lands as the final model is written
+    os.kill(os.getpid(), signal.SIGTERM)
+    return export(*args, **kwargs)
+
+supervised_step.save_hf_model = export_signalled
+main(sys.argv[1:])
+"""
+
+
+def test_a_sigterm_during_the_final_export_lets_the_run_finish_it(inputs, tmp_path):
+    """Past its last step a run has no step to stop after: a SIGTERM then lets it write its final model and
+    summary and end as finished (it used to kill the run mid-export: without --save_interval, nothing was left)."""
+    run = tmp_path / "run"
+    argv = step1_args(inputs, run)
+    at = argv.index("--save_interval")
+    del argv[at:at + 2]  # no resume checkpoint to fall back on
+    done = subprocess.run([sys.executable, "-c", SIGTERM_IN_EXPORT, *argv], capture_output=True, text=True,
+                          env=step_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "received SIGTERM: finishing the final model's save, then ending" in done.stderr
+    assert (run / "model" / "config.json").is_file() and (run / "summary.json").is_file()
+    assert not (run / "checkpoints").exists()

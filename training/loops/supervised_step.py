@@ -195,8 +195,9 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
                     interrupt=interrupt, resume=args.checkpoints.resume,
                 )
                 result = trainer.fit()
-            model_dir = args.run.final_model_dir
-            save_hf_model(engine, tokenizer, model_dir)
+                interrupt.finishing("the final model's save")
+                model_dir = args.run.final_model_dir
+                save_hf_model(engine, tokenizer, model_dir)
             logger.info("%s: saved the final model to %s", step.name, model_dir)
         finally:
             metrics.close()

@@ -4,7 +4,9 @@ The first signal only sets a flag. The training loop asks `should_stop()` after 
 step (all ranks, at the same point: the answer is agreed across ranks, since a launcher or a
 scheduler may signal the ranks at slightly different moments), saves a checkpoint and calls
 `exit_for_resume`, which prints the command to continue and exits with `EXIT_INTERRUPTED`.
-A second SIGINT (Ctrl-C again) aborts at once; the last complete checkpoint stays valid.
+A second SIGINT (Ctrl-C again) aborts at once; the last complete checkpoint stays valid. Past the last step
+(`finishing`: the final model's export), a signal only says that the run finishes that first, then ends as a
+finished run: stopping there would lose what the export writes, and with `--save_interval 0` the whole run.
 
 Only a second SIGINT aborts, not a SIGTERM after a SIGINT: Ctrl-C under the `deepspeed` launcher
 reaches each rank twice (SIGINT from the terminal, then SIGTERM from the launcher). That launcher
@@ -58,6 +60,7 @@ class GracefulInterrupt:
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._on_receipt = "stopping after this step and saving a checkpoint"
 
     def __enter__(self) -> "GracefulInterrupt":
         if threading.current_thread() is threading.main_thread():
@@ -76,8 +79,13 @@ class GracefulInterrupt:
             raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
         if self.received is None:
             self.received = signum
-            print(f"\nreceived {signum.name}: stopping after this step and saving a checkpoint "
-                  "(press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+            print(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)",
+                  file=sys.stderr, flush=True)
+
+    def finishing(self, task: str) -> None:
+        """The run is past its last step and now does `task` ("the final model's save"): a signal from here on
+        lets it finish that and end as a finished run."""
+        self._on_receipt = f"finishing {task}, then ending (the run is past its last step)"
 
     @property
     def requested(self) -> bool:
