@@ -3,6 +3,7 @@ import argparse
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,6 +169,30 @@ def test_prune_keeps_latest_and_newest(tmp_path):
     assert sorted(path.name for path in removed) == ["step2"]
     assert [info.step for info in manager.complete_checkpoints()] == [1, 3, 4]
     assert manager.latest().step == 1
+
+
+def test_a_prune_cut_short_leaves_no_folder_taken_for_complete(tmp_path, monkeypatch):
+    """A kill while an old checkpoint is deleted leaves part of it: never one that still looks complete."""
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    for step in (1, 2):
+        folder = manager.checkpoints_dir / f"step{step}"
+        (folder / "actor").mkdir(parents=True)
+        (folder / MARKER_FILE).write_text(json.dumps({"step": step, "engines": ["actor"]}))
+    (manager.checkpoints_dir / LATEST_FILE).write_text("step2")
+    monkeypatch.setattr("shutil.rmtree", lambda path, ignore_errors=False: (Path(path) / "actor").rmdir())
+    manager.prune()  # killed part-way: the engine files gone, the folder still there
+    assert (manager.checkpoints_dir / "step1").is_dir()
+    assert [info.step for info in manager.complete_checkpoints()] == [2]
+
+
+def test_a_resume_with_another_number_of_processes_is_refused(distributed, tmp_path):
+    manager = CheckpointManager(tmp_path / "run", fixed_flags={"seed": 1})
+    manager.save(2, {"actor": build_engine(0)}, {})
+    manager.check_start(resume=True)
+    marker = manager.checkpoints_dir / "step2" / MARKER_FILE
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "world_size": 4}))
+    with pytest.raises(UserError, match="written by 4 processes and this run has 1; resume with 4"):
+        manager.check_start(resume=True)
 
 
 def test_restore_follows_resume_flag(distributed, tmp_path):

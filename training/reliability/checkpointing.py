@@ -312,6 +312,8 @@ class CheckpointManager:
         removed = []
         for folder in sorted(self.checkpoints_dir.iterdir()):
             if folder.is_dir() and _TAG_PATTERN.match(folder.name) and folder not in keep:
+                # the marker first: a deletion cut short leaves a folder no resume takes for complete
+                (folder / MARKER_FILE).unlink(missing_ok=True)
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder)
         return removed
@@ -342,15 +344,22 @@ class CheckpointManager:
                 problem = (f"--resume: there is no complete checkpoint in {self.checkpoints_dir}; "
                            "run without --resume to start from the beginning")
             else:
-                problem = self._flag_changes(info)
+                problem = self._resume_problem(info)
         problem = broadcast_from_main(problem)
         if problem is not None:
             raise UserError(problem)
 
-    def _flag_changes(self, info: CheckpointInfo) -> str | None:
-        """What refuses resuming `info` with this run's flags, or None: a flag of `fixed_flags` with another value
-        (one the checkpoint's run did not have counts as changed; a checkpoint that recorded none is not checked)."""
-        recorded = json.loads((info.path / MARKER_FILE).read_text()).get("flags")
+    def _resume_problem(self, info: CheckpointInfo) -> str | None:
+        """What refuses resuming `info` in this run, or None: another number of processes (ZeRO shards the optimizer
+        state by process, and each rank goes on from its own data position and random streams), or a flag of
+        `fixed_flags` with another value (one the checkpoint's run did not have counts as changed; a checkpoint
+        that recorded none is not checked)."""
+        marker = json.loads((info.path / MARKER_FILE).read_text())
+        saved_by = marker.get("world_size", get_world_size())
+        if saved_by != get_world_size():
+            return (f"--resume: {info.path} was written by {saved_by} processes and this run has {get_world_size()}; "
+                    f"resume with {saved_by} (the same launcher command), or start a new run in another --output_dir")
+        recorded = marker.get("flags")
         if recorded is None or self.fixed_flags is None:
             return None
         changed = [f"--{name} {recorded.get(name, '(not a flag then)')!r} -> {value!r}"
@@ -401,8 +410,7 @@ class CheckpointManager:
         if rng_file.is_file():
             restore_rng_state(safe_load(rng_file))
         else:
-            logger.warning("%s has no RNG state for rank %d (the world size changed); random streams restart",
-                           info.path, get_rank())
+            logger.warning("%s has no RNG state for rank %d; its random streams restart", info.path, get_rank())
         client_state = safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu")
         rank_file = info.path / RANK_STATE_DIR / f"rank{get_rank()}.pt"
         if rank_file.is_file():
