@@ -217,3 +217,53 @@ def test_a_non_finite_loss_stops_before_its_update_and_names_the_checkpoint(dist
     with pytest.raises(NonFiniteError, match=r"at step 3.*step2"):
         trainer.fit()
     assert all(torch.isfinite(p).all() for p in _weights(trainer).values())
+
+
+TWO_RANKS_LOSS_WINDOW = """
+import shutil, sys
+from pathlib import Path
+from utils.dist import barrier, init_distributed, is_main_process
+init_distributed()
+from test_trainer import _trainer
+from training.loops.metrics import read_metrics
+from training.loops.trainer import LoopConfig
+from training.reliability.checkpointing import CheckpointManager
+
+root = Path(sys.argv[1])
+config = LoopConfig(num_train_epochs=1, per_device_train_batch_size=2, log_interval=2)
+whole = _trainer(root / "whole", config, train_count=16, checkpoints=CheckpointManager(root / "whole", save_interval=3))
+whole.fit()  # 4 steps on each rank's 8 items; checkpoints at step 3, whose losses are logged with step 4's
+if is_main_process():
+    shutil.copytree(root / "whole", root / "resumed")
+    (root / "resumed" / "checkpoints" / "latest").write_text("step3")
+barrier()
+resumed = _trainer(root / "resumed", config, train_count=16, checkpoints=CheckpointManager(root / "resumed"),
+                   resume=True)
+resumed.fit()
+if is_main_process():
+    for run in ("whole", "resumed"):
+        print(run, [(row["step"], row["train/loss"]) for row in read_metrics(root / run) if "train/loss" in row])
+"""
+
+
+@pytest.mark.slow
+def test_the_loss_logged_first_after_a_resume_on_two_ranks_is_the_uninterrupted_runs(tmp_path):
+    """The checkpoint holds the losses of steps not yet logged, of every rank: a resume on 2 ranks logs the same
+    train/loss at its first log step as the uninterrupted run (each rank used to take rank 0's share)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, TESTS_DIR
+
+    from utils.dist import free_port
+
+    script = tmp_path / "loss_window.py"
+    script.write_text(TWO_RANKS_LOSS_WINDOW)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(script), str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("whole ", "resumed ")))
+    assert logged["whole"] == logged["resumed"], logged
+    assert "(4, " in logged["whole"]

@@ -211,10 +211,11 @@ class SupervisedTrainer:
     # checkpoints --------------------------------------------------------------------------------
 
     def _client_state(self) -> dict:
+        """What a resume needs besides the engine (collective: the loss window not yet logged is every rank's)."""
         return {
             "position": asdict(self.position),
             "evaluations": self.evaluations,
-            "loss_window": [self._loss_sum, self._loss_count],
+            "loss_window": sum_over_ranks([self._loss_sum, self._loss_count]),
             "last_train_loss": self._last_train_loss,
             "metrics_lines": self.metrics.lines_written,
         }
@@ -229,7 +230,8 @@ class SupervisedTrainer:
         self.metrics.rewind(state["step"], state.get("metrics_lines"))
         self.position = LoopPosition(**state["position"])
         self.evaluations = list(state["evaluations"])
-        self._loss_sum, self._loss_count = state["loss_window"]
+        # the ranks' window together, on rank 0 alone: `_log_training` sums it over ranks again
+        self._loss_sum, self._loss_count = state["loss_window"] if is_main_process() else (0.0, 0)
         self._last_train_loss = state["last_train_loss"]
         logger.info("resuming at step %d (epoch %d, micro-batch %d)", self.engine.global_steps,
                     self.position.epoch, self.position.batches_done)
