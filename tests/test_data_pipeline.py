@@ -50,6 +50,23 @@ def test_phase_shards_are_disjoint_cover_the_source_and_are_deterministic(tmp_pa
     assert prompts_of(other_seed.train) != shards[1][0]
 
 
+def test_copies_of_a_record_are_dropped_so_no_text_is_both_trained_on_and_held_out(tmp_path):
+    """Shards and held-out parts are cut by record: a copy (another id, the same text) would land anywhere. Every
+    record is kept once, the copies are counted as skipped, and the three steps' prompts stay disjoint."""
+    rows = [{"id": copy, "prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"}
+            for i in range(60) for copy in range(3)]
+    path = tmp_path / "copies.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    seen = []
+    for phase in (1, 2, 3):
+        (split,) = phase_splits(phase, [str(path)], "2,4,4", seed=7, eval_fraction=0.2)
+        train, held_out = prompts_of(split.train), prompts_of(split.eval)
+        assert len(set(train)) == len(train) and not set(train) & set(held_out)
+        seen.append(set(train) | set(held_out))
+        assert split.source.load_skips["duplicate"] == 120 and "duplicate=120" in split.summary(phase, "pairs")
+    assert sum(len(prompts) for prompts in seen) == 60 and len(set().union(*seen)) == 60
+
+
 @pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2"])
 def test_bad_data_split_is_a_user_error(bad):
     with pytest.raises(UserError, match="data_split"):

@@ -68,12 +68,13 @@ def test_embedded_pairs_follow_the_documented_rule_deterministically():
 def test_embedded_pretraining_text_is_only_step3s_training_conversations(tmp_path, monkeypatch):
     from tiny_models import make_tokenizer
 
-    from utils.data import build_unsupervised_dataset, embedded, phase_splits
+    from utils.data import build_unsupervised_dataset, embedded, load_source, parse_source_spec, phase_splits
     from utils.data.splits import ShardSettings, holdout, phase_shard
     from utils.data.unsupervised import load_texts
 
-    conversations = embedded.load_embedded_conversations()
-    monkeypatch.setattr(embedded, "load_embedded_conversations", lambda: conversations)  # read the file once
+    read_once = embedded.load_embedded_conversations()
+    monkeypatch.setattr(embedded, "load_embedded_conversations", lambda: read_once)
+    conversations = load_source(parse_source_spec("embedded")).records  # without copies, as the steps cut them
 
     def replies(indices) -> list[str]:
         return [m["value"].strip() for i in indices for m in conversations[i]["conversations"]

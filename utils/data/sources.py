@@ -11,6 +11,8 @@ only, so pass --rebuild_data_cache after the hub copy changes.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -23,6 +25,7 @@ from utils.errors import UserError
 from . import embedded, tasks
 from .jsonio import read_json_file
 from .readers import FORMATS, PARSERS, Parser, detect_format, with_row_metadata
+from .samples import SkipRow
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 _DETECT_SAMPLE = 20
@@ -157,6 +160,39 @@ def _columns(records: Any) -> list[str]:
 
 
 def load_source(spec: SourceSpec) -> LoadedSource:
+    """The source's records, without duplicates (`without_duplicates`)."""
+    return without_duplicates(_read_source(spec))
+
+
+def without_duplicates(source: LoadedSource) -> LoadedSource:
+    """`source` keeping the first of each set of records whose rows parse to the same samples, the others counted
+    as skipped "duplicate" (records that differ only in an id are the same text): the seeded shards and held-out
+    parts are cut by record, so a copy would put the same text in training and in evaluation, or in two steps."""
+    keep, seen = [], set()
+    for index, record in enumerate(source.records):
+        key = _content_key(source, record)
+        if key not in seen:
+            keep.append(index)
+        if key is not None:
+            seen.add(key)
+    duplicates = len(source) - len(keep)
+    if duplicates == 0:
+        return source
+    records = source.take(keep) if isinstance(source.records, list) else source.records.select(keep)
+    return dataclasses.replace(source, records=records,
+                               load_skips=source.load_skips + Counter(duplicate=duplicates))
+
+
+def _content_key(source: LoadedSource, record: Any) -> str | None:
+    """What a record's rows parse to, as text; None for a row the parser skips (its reason is counted later)."""
+    try:
+        samples = source.parse(record, 0)
+    except SkipRow:
+        return None
+    return json.dumps([(s.turns, s.chosen, s.rejected, s.metadata) for s in samples], default=str, sort_keys=True)
+
+
+def _read_source(spec: SourceSpec) -> LoadedSource:
     if spec.is_embedded:
         return LoadedSource(
             spec, embedded.load_embedded_conversations(), "sharegpt", embedded.parse_embedded,

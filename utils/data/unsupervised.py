@@ -21,7 +21,14 @@ from utils.errors import UserError
 from . import embedded
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .samples import ASSISTANT, ROLE_ALIASES, SkipRow, text_field
-from .sources import file_fingerprint, load_hub_dataset, looks_local, read_local_records
+from .sources import (
+    file_fingerprint,
+    load_hub_dataset,
+    load_source,
+    looks_local,
+    parse_source_spec,
+    read_local_records,
+)
 from .splits import ShardSettings
 from .tokenized import TokenizedDataset
 
@@ -35,7 +42,7 @@ EMBEDDED_PHASE = 3  # the step whose training conversations give the embedded te
 def _embedded_texts(shard: ShardSettings | None) -> list[str]:
     if shard is None:
         raise ValueError("the embedded unsupervised text is cut from step 3's shard: pass its ShardSettings")
-    conversations = embedded.load_embedded_conversations()
+    conversations = load_source(parse_source_spec(embedded.EMBEDDED_SOURCE)).records  # as the steps shard them
     train, _ = shard.records(len(conversations), EMBEDDED_PHASE)
     return [
         message["value"].strip()
