@@ -50,17 +50,19 @@ def _collate(items):
     return out
 
 
-def _trainer(tmp_path, config, train_count=8, lr=3e-3, seed=0, arch="llama", loss_fn=sft_loss, **reliability):
+def _trainer(tmp_path, config, train_count=8, lr=3e-3, seed=0, arch="llama", loss_fn=sft_loss, zero_stage=0,
+             eval_count=4, **reliability):
     model, tokenizer = make_tiny_model(arch, seed=seed)
     steps = count_optimizer_steps(train_count, config, world_size=1)
     settings = OptimizationSettings(
         learning_rate=lr, num_training_steps=steps, micro_batch_size=config.per_device_train_batch_size,
+        zero_stage=zero_stage,
         gradient_accumulation_steps=config.gradient_accumulation_steps, lr_scheduler_type="constant_with_warmup",
     )
     engine = create_train_engine(model, settings)
     metrics = MetricsLogger(tmp_path, enable_tensorboard=False)
     trainer = SupervisedTrainer(
-        engine, _items(tokenizer, train_count), _items(tokenizer, 4), _collate, loss_fn, evaluate_perplexity,
+        engine, _items(tokenizer, train_count), _items(tokenizer, eval_count), _collate, loss_fn, evaluate_perplexity,
         config, metrics, num_training_steps=steps, **reliability,
     )
     return trainer
@@ -267,3 +269,52 @@ def test_the_loss_logged_first_after_a_resume_on_two_ranks_is_the_uninterrupted_
     logged = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("whole ", "resumed ")))
     assert logged["whole"] == logged["resumed"], logged
     assert "(4, " in logged["whole"]
+
+
+TWO_RANKS_EVALUATION = """
+import sys
+from pathlib import Path
+import torch
+from utils.dist import init_distributed
+init_distributed()
+from step1_sft.objective import predicted_token_count, sft_loss
+from test_trainer import _collate, _trainer
+from training.loops.trainer import LoopConfig
+
+config = LoopConfig(per_device_train_batch_size=2, per_device_eval_batch_size=int(sys.argv[3]))
+trainer = _trainer(Path(sys.argv[1]), config, zero_stage=int(sys.argv[2]), eval_count=5)
+values = trainer.evaluate(0)
+whole = _collate(trainer.eval_dataset)
+say = lambda *words: sys.stdout.write(" ".join(map(str, words)) + "\\n") or sys.stdout.flush()  # one write a line
+say("tokens", values["tokens"], predicted_token_count(whole["labels"]))
+if int(sys.argv[2]) == 0:  # every rank holds the whole model: the whole set in one forward, no collective
+    trainer.engine.eval()
+    with torch.no_grad():
+        say("loss", values["loss"], sft_loss(trainer.engine, whole).item())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,batch", [(0, 2), (3, 1)])  # at batch 1, rank 1 has 2 batches to rank 0's 3
+def test_a_held_out_set_split_over_two_ranks_counts_each_item_once(tmp_path, stage, batch):
+    """5 held-out items on 2 ranks: the totals are the whole set's (a padding sampler counted the first item
+    twice); at ZeRO-3 the rank with fewer batches runs as many forwards, or the evaluation would hang."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, TESTS_DIR
+
+    from utils.dist import free_port
+
+    script = tmp_path / "evaluation.py"
+    script.write_text(TWO_RANKS_EVALUATION)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(script), str(tmp_path), str(stage), str(batch)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in result.stdout.splitlines():
+        if line.startswith(("tokens ", "loss ")):
+            name, reported, expected = line.split()
+            assert float(reported) == pytest.approx(float(expected), rel=1e-5), line
+    assert result.stdout.count("tokens ") == 2 and result.stdout.count("loss ") == (2 if stage == 0 else 0)

@@ -14,6 +14,7 @@ stops the run before its gradients are applied, naming the step and the last goo
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from tqdm.auto import tqdm
 
 from training.loops.metrics import MetricsLogger
@@ -177,19 +178,26 @@ class SupervisedTrainer:
         )
 
     def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        sampler = DistributedSampler(self.eval_dataset, num_replicas=get_world_size(), rank=get_rank(), shuffle=False)
-        loader = DataLoader(
-            self.eval_dataset,
-            batch_size=self.config.per_device_eval_batch_size,
-            sampler=sampler,
-            collate_fn=self.collator,
-            generator=torch.Generator(),
-        )
+        """This rank's share of the held-out set, every item once over the ranks (a `DistributedSampler` repeats
+        the first items to give each rank as many, and they were counted twice). A rank with fewer batches than
+        another then runs as many uncounted forwards of the training loss on the set's first item, so that every rank
+        runs the same number of forwards (ZeRO-3 gathers each layer's weights from all ranks in each)."""
+        world, size = get_world_size(), self.config.per_device_eval_batch_size
+        mine = Subset(self.eval_dataset, range(get_rank(), len(self.eval_dataset), world))
+        # its own generator: iterating a loader without one draws on the global RNG (the dropout masks after it)
+        loader = DataLoader(mine, batch_size=size, shuffle=False, collate_fn=self.collator, generator=torch.Generator())
+        forwards = -(-len(range(0, len(self.eval_dataset), world)) // size)  # the busiest rank's batches
+        if self.config.eval_iters is not None:
+            forwards = min(forwards, self.config.eval_iters)
         device = self.engine.device
-        for index, batch in enumerate(loader):
-            if self.config.eval_iters is not None and index >= self.config.eval_iters:
-                return
+        done = 0
+        for batch in itertools.islice(loader, forwards):
             yield to_device(batch, device)
+            done += 1
+        if done < forwards:
+            filler = to_device(self.collator([self.eval_dataset[0]]), device)
+            for _ in range(forwards - done):
+                self.loss_fn(self.engine, filler)
 
     # evaluation ---------------------------------------------------------------------------------
 
