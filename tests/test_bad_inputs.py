@@ -197,6 +197,15 @@ def test_step2_refuses_a_step1_model_whose_shards_overlap_its_own(distributed, s
                                  "--seed 1234 --data_split 2,1,0", setup.run, capsys)
 
 
+def test_step2_refuses_a_step1_model_that_trained_on_all_of_its_data(distributed, setup, capsys):
+    """A source step 1 took whole (--sft_only_data_path) overlaps any shard of it, whatever the seeds."""
+    step1 = write_earlier_run(setup, "sft_only", data_path=[], sft_only_data_path=[setup.data])
+    error = assert_refused_and_untouched(step2_main, step_args(setup, model_name_or_path=str(step1)),
+                                         f"--model_name_or_path {step1} was trained on all of {setup.data} "
+                                         "(--sft_only_data_path)", setup.run, capsys)
+    assert "drop it from --data_path" in error
+
+
 def test_step3_refuses_step1_and_step2_models_cut_another_way(distributed, setup, capsys):
     from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 

@@ -5,8 +5,9 @@ Step N trains on shard N of every source: `--seed` permutes a source's records a
 values cuts a shared source differently, so its shard overlaps the rows that model trained on
 (seeds 1234 and 7 put 68 of step 1's 200 records of 1,000 into step 2's shard). Only those
 two settings decide the shards: `--eval_fraction` splits a shard within one step, and a stated
-format (`PATH:FORMAT`) changes how rows parse, not which rows a shard holds. A source whose record
-count changed between the runs is permuted anew too; args.json does not record that, so it is not
+format (`PATH:FORMAT`) changes how rows parse, not which rows a shard holds. A source the earlier step
+trained on whole (step 1's `--sft_only_data_path`) overlaps any shard of it, whatever the settings. A source
+whose record count changed between the runs is permuted anew too; args.json does not record that, so it is not
 checked here.
 """
 from __future__ import annotations
@@ -37,6 +38,12 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
     """
     if not all(key in earlier for key in RUN_DATA_KEYS) or not isinstance(earlier["data_path"], list):
         return
+    trained_whole = shared_sources(current["data_path"], earlier.get("sft_only_data_path") or [])
+    if trained_whole:
+        raise UserError(
+            f"{earlier_name} was trained on all of {', '.join(trained_whole)} (--sft_only_data_path), so any shard "
+            f"of it this step trains or evaluates on holds rows that model trained on; drop it from --data_path, "
+            f"or retrain {earlier_run} with it in --data_path instead")
     shared = shared_sources(current["data_path"], earlier["data_path"])
     seed, data_split = int(current["seed"]), str(current["data_split"])
     earlier_seed, earlier_split = int(earlier["seed"]), str(earlier["data_split"])
