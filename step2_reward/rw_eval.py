@@ -6,7 +6,9 @@
 
 `--input_file` takes any `--data_path` source (json/jsonl/parquet; prompt + response, prompt +
 chosen + rejected, hh-rlhf transcripts, ...). Rows with a rejected answer also get a verdict and
-the file's accuracy and mean margin. Prompts are rendered and tokenised as in training.
+the file's accuracy and mean margin. Prompts are rendered and tokenised as in training, with the run's
+`--max_seq_len` and `--prompt_format` (its args.json) unless given; a row whose prompt alone fills
+`--max_seq_len` is skipped and counted, as step 2 drops it (cut there, both answers would be gone and tie).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import load_tokenizer, resolve_dtype
 from training.core.reward_model import RewardModel
+from training.reliability.run_records import read_run_args
 from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
 from utils.data.collators import pad_sequences
 from utils.errors import UserError, run_cli
@@ -44,11 +47,17 @@ class RewardScorer:
     def user_prompt(self, text: str) -> str:
         return self.formatter.prompt([{"role": "user", "content": text}])
 
-    def encode(self, prompt: str, answer: str) -> torch.Tensor:
+    def prompt_ids(self, prompt: str) -> list[int]:
         # a chat template writes its own special tokens; the Human/Assistant format takes the tokenizer's
-        prompt_ids = self.tokenizer(prompt, add_special_tokens=self.formatter.style == "human_assistant")["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=self.formatter.style == "human_assistant")["input_ids"]
+
+    def prompt_fits(self, prompt: str) -> bool:
+        """Whether the prompt leaves room for an answer within `max_seq_len` (step 2 drops it otherwise)."""
+        return len(self.prompt_ids(prompt)) < self.max_seq_len
+
+    def encode(self, prompt: str, answer: str) -> torch.Tensor:
         answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        return torch.tensor((prompt_ids + answer_ids + [self.tokenizer.eos_token_id])[: self.max_seq_len])
+        return torch.tensor((self.prompt_ids(prompt) + answer_ids + [self.tokenizer.eos_token_id])[: self.max_seq_len])
 
     @torch.no_grad()
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
@@ -63,23 +72,28 @@ class RewardScorer:
         return scores
 
     def score_rows(self, rows: list[dict]) -> list[dict]:
-        """Add `chosen_score` (and `rejected_score`, `chosen_preferred`) to canonical rows."""
-        chosen = self.score([(row["prompt"], row["chosen"]) for row in rows])
-        with_rejected = [index for index, row in enumerate(rows) if row.get("rejected") is not None]
-        rejected = self.score([(rows[i]["prompt"], rows[i]["rejected"]) for i in with_rejected])
-        results = [{**row, "chosen_score": score} for row, score in zip(rows, chosen)]
-        for index, score in zip(with_rejected, rejected):
-            results[index].update(rejected_score=score, chosen_preferred=results[index]["chosen_score"] > score)
+        """Add `chosen_score` (and `rejected_score`, `chosen_preferred`) to canonical rows; a row whose prompt does
+        not fit gets `skipped` instead."""
+        results = [{**row} if self.prompt_fits(row["prompt"]) else {**row, "skipped": "prompt_too_long"}
+                   for row in rows]
+        scored = [row for row in results if "skipped" not in row]
+        for row, score in zip(scored, self.score([(row["prompt"], row["chosen"]) for row in scored])):
+            row["chosen_score"] = score
+        with_rejected = [row for row in scored if row.get("rejected") is not None]
+        for row, score in zip(with_rejected, self.score([(row["prompt"], row["rejected"]) for row in with_rejected])):
+            row.update(rejected_score=score, chosen_preferred=row["chosen_score"] > score)
         return results
 
 
 def pair_statistics(results: list[dict]) -> dict:
     judged = [row for row in results if "rejected_score" in row]
+    skipped = sum("skipped" in row for row in results)
     if not judged:
-        return {"rows": len(results)}
+        return {"rows": len(results), "skipped": skipped}
     margins = [row["chosen_score"] - row["rejected_score"] for row in judged]
     return {
         "rows": len(results),
+        "skipped": skipped,
         "pairs": len(judged),
         "accuracy": sum(row["chosen_preferred"] for row in judged) / len(judged),
         "margin_mean": sum(margins) / len(margins),
@@ -96,8 +110,10 @@ class RewardEvalArguments:
         "action": "append", "nargs": None, "help": "an answer to --prompt; repeat to compare several"})
     input_file: str | None = field(default=None, metadata={
         "help": "a data file of prompt/answer rows (any --data_path format)"})
-    prompt_format: str = field(default="auto", metadata={"choices": PROMPT_FORMATS})
-    max_seq_len: int = 512
+    prompt_format: str | None = field(default=None, metadata={
+        "choices": PROMPT_FORMATS, "help": "default: the step-2 run's (args.json), else auto"})
+    max_seq_len: int | None = field(default=None, metadata={
+        "help": "default: the step-2 run's (args.json), else 512"})
     batch_size: int = 8
     max_rows: int | None = field(default=None, metadata={"help": "score at most this many rows of --input_file"})
     dtype: str = field(default="fp32", metadata={"choices": DTYPE_CHOICES})
@@ -114,10 +130,18 @@ def build_parser() -> SettingsParser:
 
 
 def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
+    """The flags, with `--max_seq_len` and `--prompt_format` left unset taken from the step-2 run that trained the
+    model (so pairs are cut and rendered as it trained on them)."""
     parser = build_parser()
     args = parser.parse_args(argv).scoring
     if not args.input_file and not (args.prompt and args.answer):
         parser.error("give --prompt with at least one --answer, or --input_file")
+    model = Path(args.model_name_or_path)
+    recorded = read_run_args(model) or read_run_args(model.parent) or {}
+    if args.max_seq_len is None:
+        args.max_seq_len = recorded.get("max_seq_len", 512)
+    if args.prompt_format is None:
+        args.prompt_format = recorded.get("prompt_format", "auto")
     return args
 
 
@@ -148,6 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
                                           batch_size=args.batch_size)
     results = scorer.score_rows(_rows(args, scorer))
     for row in results:
+        if "skipped" in row:
+            print(f"skipped: its prompt fills --max_seq_len {args.max_seq_len}  | {_short(row['prompt'], -60)}",
+                  flush=True)
+            continue
         line = f"score {row['chosen_score']:+.4f}"
         if "rejected_score" in row:
             line = f"chosen {row['chosen_score']:+.4f}  rejected {row['rejected_score']:+.4f}  " \
