@@ -7,9 +7,10 @@ from pathlib import Path
 
 
 def arithmetic_rows(count: int) -> list[dict]:
+    """`count` distinct questions (a copy would be dropped at load)."""
     rows = []
     for index in range(count):
-        a, b = index % 7, index % 5
+        a, b = index % 7, index % 5 + 5 * (index // 35)
         rows.append({
             "prompt": f"Human: What is {a} plus {b}? Assistant:",
             "chosen": f"{a} plus {b} is {a + b}.",
