@@ -29,8 +29,8 @@ from utils.errors import UserError, run_cli
 
 
 class RewardScorer:
-    """Scores (rendered prompt, answer) texts: prompt tokens + answer tokens + EOS, cut to `max_seq_len`,
-    the same sequence step 2 trained on."""
+    """Scores (rendered prompt, answer) texts: prompt + answer tokens + EOS, cut to `max_seq_len`, the same
+    sequence step 2 trained on."""
 
     def __init__(self, model: RewardModel, tokenizer: PreTrainedTokenizerBase, prompt_format: str = "auto",
                  max_seq_len: int = 512, batch_size: int = 8):
@@ -47,17 +47,17 @@ class RewardScorer:
     def user_prompt(self, text: str) -> str:
         return self.formatter.prompt([{"role": "user", "content": text}])
 
-    def prompt_ids(self, prompt: str) -> list[int]:
+    def token_ids(self, text: str) -> list[int]:
         # a chat template writes its own special tokens; the Human/Assistant format takes the tokenizer's
-        return self.tokenizer(prompt, add_special_tokens=self.formatter.style == "human_assistant")["input_ids"]
+        return self.tokenizer(text, add_special_tokens=self.formatter.style == "human_assistant")["input_ids"]
 
     def prompt_fits(self, prompt: str) -> bool:
         """Whether the prompt leaves room for an answer within `max_seq_len` (step 2 drops it otherwise)."""
-        return len(self.prompt_ids(prompt)) < self.max_seq_len
+        return len(self.token_ids(prompt)) < self.max_seq_len
 
     def encode(self, prompt: str, answer: str) -> torch.Tensor:
-        answer_ids = self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-        return torch.tensor((self.prompt_ids(prompt) + answer_ids + [self.tokenizer.eos_token_id])[: self.max_seq_len])
+        """Prompt and answer tokenised as one text, then EOS (`utils.data.tokenization`)."""
+        return torch.tensor((self.token_ids(prompt + answer) + [self.tokenizer.eos_token_id])[: self.max_seq_len])
 
     @torch.no_grad()
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:

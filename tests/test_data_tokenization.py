@@ -134,3 +134,44 @@ def test_sft_and_pairwise_collators_right_pad(chat_tok):
     assert pairs["input_ids"].tolist() == [[1, 2, pad, pad], [4, 5, 8, pad], [1, 3, pad, pad], [4, 5, 6, 7]]
     assert pairs["attention_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
     assert pairs["prompt_lengths"].tolist() == [1, 2]
+
+
+def word_boundary_tokenizer():
+    """A small tokenizer with Llama-2's rules: it prepends a word boundary '▁' to every text it is given, and
+    turns spaces into '▁' (trained here on two sentences)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Human: What is the capital of France? Assistant: The capital of France is Paris. No."] * 20
+    model = Tokenizer(models.BPE(unk_token="<unk>"))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    model.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, show_progress=False,
+                                                          special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def test_a_reply_is_tokenised_as_it_reads_after_its_prompt_under_a_word_boundary_tokenizer():
+    """Tokenised alone, ' The capital...' became '▁' '▁The' ...: every reply began with a token the model never
+    reads there. Prompt and reply are tokenised as one text, split where the prompt's own tokens end."""
+    tok = word_boundary_tokenizer()
+    formatter = PromptFormatter(tok, "human_assistant")
+    sample = Sample(({"role": "user", "content": "What is the capital of France?"},),
+                    "The capital of France is Paris.", "No.")
+    row = formatter.row(sample)
+    prompt = tok(row["prompt"])["input_ids"]
+    assert tok.convert_ids_to_tokens(tok(row["chosen"], add_special_tokens=False)["input_ids"])[0] == "▁"
+    (sft,) = tokenize_samples([sample], KIND_SFT, formatter, tok, TokenLimits(256))
+    assert sft["input_ids"].tolist() == tok(row["prompt"] + row["chosen"])["input_ids"] + [tok.eos_token_id]
+    answer = [token for token, label in zip(sft["input_ids"].tolist(), sft["labels"].tolist()) if label != IGNORE_INDEX]
+    assert len(sft["input_ids"]) - len(answer) == len(prompt) and tok.convert_ids_to_tokens(answer)[0] == "▁The"
+    (pair,) = tokenize_samples([sample], KIND_PAIRS, formatter, tok, TokenLimits(256))
+    assert pair["chosen_input_ids"].tolist() == sft["input_ids"].tolist()
+    assert pair["rejected_input_ids"].tolist() == tok(row["prompt"] + row["rejected"])["input_ids"] + [tok.eos_token_id]
+    assert pair["prompt_length"].tolist() == [len(prompt)]
+    from step2_reward.rw_eval import RewardScorer
+
+    scorer = RewardScorer(torch.nn.Identity(), tok, prompt_format="human_assistant", max_seq_len=256)
+    assert scorer.encode(row["prompt"], row["chosen"]).tolist() == pair["chosen_input_ids"].tolist()  # as trained

@@ -8,7 +8,10 @@
 - prompts (phase 3): the prompt alone; over `max_prompt_seq_len` it is dropped, or left-truncated
   (its most recent tokens kept) with `prompt_overflow="left_truncate"`. When any sample has
   metadata, every item keeps its sample's (or {}).
-The prompt and the reply are tokenised separately, so the prompt/answer boundary is exact.
+Prompt and reply are tokenised as one text, as the model reads it: a SentencePiece tokenizer that prepends a
+word boundary to every text it is given (Llama-2's, Mistral's) would otherwise begin each reply with a stray
+'▁' token. The answer starts after the tokens the joint text shares with the prompt tokenised alone
+(`answer_start`): all of the prompt's, unless a token spans the boundary.
 """
 from __future__ import annotations
 
@@ -62,6 +65,15 @@ def _token_ids(tokenizer, texts: list[str], add_special_tokens: bool) -> list[li
     return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
 
 
+def answer_start(prompt: list[int], *joint: list[int]) -> int:
+    """How many leading tokens the prompt tokenised alone shares with every prompt + reply tokenised as one text:
+    where the replies start."""
+    start = 0
+    while start < len(prompt) and all(start < len(ids) and ids[start] == prompt[start] for ids in joint):
+        start += 1
+    return start
+
+
 def _sft_item(prompt: list[int], answer: list[int], limits: TokenLimits) -> dict | str:
     if len(prompt) >= limits.max_seq_len:
         return "prompt_too_long"
@@ -106,15 +118,21 @@ def tokenize_samples(
         row_metadata.append(dict(sample.metadata or {}))
     keep_metadata = kind == KIND_PROMPTS and any(sample.metadata is not None for sample in samples)
     metadata: list[dict] = []
-    prompts = _token_ids(tokenizer, [row["prompt"] for row in rows], formatter.style == "human_assistant")
-    chosen = _token_ids(tokenizer, [row["chosen"] for row in rows], False) if kind != KIND_PROMPTS else []
-    rejected = _token_ids(tokenizer, [row["rejected"] for row in rows], False) if kind == KIND_PAIRS else []
+    special = formatter.style == "human_assistant"  # a chat template writes its own special tokens
+    prompts = _token_ids(tokenizer, [row["prompt"] for row in rows], special)
+    chosen = _token_ids(tokenizer, [row["prompt"] + row["chosen"] for row in rows], special) \
+        if kind != KIND_PROMPTS else []
+    rejected = _token_ids(tokenizer, [row["prompt"] + row["rejected"] for row in rows], special) \
+        if kind == KIND_PAIRS else []
     columns: dict[str, list] = {}
     for index, prompt in enumerate(prompts):
         if kind == KIND_SFT:
-            item = _sft_item(prompt, chosen[index] + [eos], limits)
+            start = answer_start(prompt, chosen[index])
+            item = _sft_item(chosen[index][:start], chosen[index][start:] + [eos], limits)
         elif kind == KIND_PAIRS:
-            item = _pair_item(prompt, chosen[index] + [eos], rejected[index] + [eos], limits)
+            start = answer_start(prompt, chosen[index], rejected[index])
+            item = _pair_item(chosen[index][:start], chosen[index][start:] + [eos], rejected[index][start:] + [eos],
+                              limits)
         else:
             item = _prompt_item(prompt, limits, counts)
         if isinstance(item, str):
