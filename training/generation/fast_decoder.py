@@ -184,18 +184,17 @@ class HFCachedModel:
     def __init__(self, model: torch.nn.Module, kv_cache: RolloutKVCache, compiled: bool = False):
         self.model = model
         self.kv_cache = kv_cache
-        self.shrinks = not compiled or compile_failure() is not None
+        self.compile_failed_before = compiled and compile_failure() is not None
+        self.shrinks = not compiled or self.compile_failed_before
         self._step = model if self.shrinks else CompiledStep(model)
         self._storage: _StaticStorage | None = None
         self._prefilled = (0, 0)  # rows and columns of the last prefill
 
     @property
     def description(self) -> str:
-        if self.shrinks:
-            return "transformers forward"
-        if self._step.compiling:
-            return "transformers forward (CUDA graphs)"
-        return "transformers forward (eager: torch.compile failed)"
+        if self.compile_failed_before or not self.shrinks and not self._step.compiling:
+            return "transformers forward (eager: torch.compile failed)"
+        return "transformers forward" if self.shrinks else "transformers forward (CUDA graphs)"
 
     def _cache_wide(self, mask: torch.Tensor) -> torch.Tensor:
         """The mask widened to the cache length, as a StaticCache forward expects."""
