@@ -46,7 +46,8 @@ class PPOLoopArguments:
         "help": "score held-out prompts every N PPO steps (0: only before and after training)"})
     eval_samples: int = field(default=32, metadata={"help": "held-out prompts scored per evaluation (per rank)"})
     max_train_minutes: float | None = field(default=None, metadata={
-        "resume_override": True, "help": "start no PPO step after this many minutes of training in this process (then evaluate and save "
+        "resume_override": True,
+        "help": "start no PPO step after this many minutes of training in this process (then evaluate and save "
                 "as usual): a time budget instead of, or besides, --max_steps"})
 
 

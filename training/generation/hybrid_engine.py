@@ -85,7 +85,8 @@ class HybridEngineSettings:
     release_inference_cache: bool = field(default=False, metadata={
         "same_result": True, "help": "free the KV cache after every rollout instead of keeping it for the next one"})
     keep_inference_copy: bool = field(default=False, metadata={
-        "same_result": True, "help": "keep the inference copy between rollouts, loading each rollout's weights into it in place: no "
+        "same_result": True,
+        "help": "keep the inference copy between rollouts, loading each rollout's weights into it in place: no "
                 "rebuild, and on a GPU no new capture of the decode graphs per rollout, for one more copy of the "
                 "model in the generation dtype held during training"})
     unpin_actor_parameters: bool = field(default=False, metadata={

@@ -33,11 +33,9 @@ class MetricsLogger:
         self.prefix = prefix
         self.path = Path(run_dir) / METRICS_FILE
         self._writer = None
-        self.lines_written = 0  # the file's complete lines (rank 0), what a checkpoint records
+        self.lines_written = 0  # the file's complete lines since `rewind` (rank 0), what a checkpoint records
         if not self.enabled:
             return
-        if self.path.is_file():
-            self.lines_written = len(_complete_lines(self.path))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter

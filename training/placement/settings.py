@@ -33,5 +33,6 @@ class PlacementSettings:
     stage_fusion_micro_batch_size: int = field(default=2, metadata={
         "help": "finished answers scored together under --enable_stage_fusion"})
     profile_calls: bool = field(default=False, metadata={
-        "same_result": True, "help": "time every model call, the experience exchange and the weight broadcast on each rank and write "
+        "same_result": True,
+        "help": "time every model call, the experience exchange and the weight broadcast on each rank and write "
                 "them per PPO step to call_times.jsonl in the run folder (bench/placement.py --breakdown)"})

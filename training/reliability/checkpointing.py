@@ -40,6 +40,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
+from training.reliability.run_records import as_recorded, changed_flags
 from utils.atomic import (
     atomic_torch_save,
     atomic_write_text,
@@ -219,7 +220,7 @@ class CheckpointManager:
         self.checkpoints_dir = Path(output_dir) / CHECKPOINTS_SUBDIR
         self.keep_last = keep_last
         self.save_interval = save_interval
-        self.fixed_flags = None if fixed_flags is None else _as_json(fixed_flags)
+        self.fixed_flags = None if fixed_flags is None else as_recorded(fixed_flags)
 
     def should_save(self, step: int) -> bool:
         """Whether `--save_interval` asks for a checkpoint after optimizer step `step`."""
@@ -341,13 +342,16 @@ class CheckpointManager:
         if is_main_process():
             info = self.latest()
             if info is None:
-                problem = (f"--resume: there is no complete checkpoint in {self.checkpoints_dir}; "
-                           "run without --resume to start from the beginning")
+                problem = self._nothing_to_resume()
             else:
                 problem = self._resume_problem(info)
         problem = broadcast_from_main(problem)
         if problem is not None:
             raise UserError(problem)
+
+    def _nothing_to_resume(self) -> str:
+        return (f"--resume: there is no complete checkpoint in {self.checkpoints_dir}; "
+                "run without --resume to start from the beginning")
 
     def _resume_problem(self, info: CheckpointInfo) -> str | None:
         """What refuses resuming `info` in this run, or None: another number of processes (ZeRO shards the optimizer
@@ -362,14 +366,15 @@ class CheckpointManager:
         recorded = marker.get("flags")
         if recorded is None or self.fixed_flags is None:
             return None
-        changed = [f"--{name} {recorded.get(name, '(not a flag then)')!r} -> {value!r}"
-                   for name, value in self.fixed_flags.items() if recorded.get(name) != value]
+        # a flag one of the two runs did not have (another version of this project) is not compared
+        changed = changed_flags(recorded, self.fixed_flags, frozenset(recorded.keys() ^ self.fixed_flags.keys()))
         if not changed:
             return None
+        flags = ", ".join(f"--{name} {then!r} -> {now!r}" for name, (then, now) in changed.items())
         return (f"--resume continues the run checkpointed in {info.path}, but these flags differ from that run's: "
-                f"{', '.join(changed)}. Resume with that run's flags (its checkpoint.json records them; the learning "
-                f"rates, --gradient_clipping and what only changes saving, logging or speed may differ), or start a "
-                f"new run in another --output_dir")
+                f"{flags}. Resume with that run's flags (its checkpoint.json records them; the learning rates, "
+                f"--gradient_clipping, --max_train_minutes and what only changes saving, logging or speed may "
+                f"differ), or start a new run in another --output_dir")
 
     def restore(self, engines: Mapping[str, Any], resume: bool) -> dict[str, Any] | None:
         """`load_latest` behind the `--resume` rules: with it, a checkpoint must exist; without it, none may
@@ -383,10 +388,7 @@ class CheckpointManager:
                 )
             return None
         if found is None:
-            raise UserError(
-                f"--resume: there is no complete checkpoint in {self.checkpoints_dir}; "
-                "run without --resume to start from the beginning"
-            )
+            raise UserError(self._nothing_to_resume())
         return self.load_latest(engines)
 
     def _load(self, info: CheckpointInfo, engines: Mapping[str, Any]) -> dict[str, Any]:
@@ -417,11 +419,6 @@ class CheckpointManager:
             client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
         logger.info("resumed from %s (step %d)", info.path, info.step)
         return client_state
-
-
-def _as_json(values: Mapping[str, Any]) -> dict[str, Any]:
-    """`values` as JSON reads them back (paths as strings, tuples as lists), so a recorded copy compares equal."""
-    return json.loads(json.dumps(dict(values), default=str))
 
 
 def peak_learning_rates(engine: Any) -> list[float] | None:

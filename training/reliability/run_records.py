@@ -22,6 +22,11 @@ def _as_json(values: Mapping[str, Any]) -> str:
     return json.dumps(dict(values), indent=2, default=str) + "\n"
 
 
+def as_recorded(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` as a record reads them back (paths as strings, tuples as lists), so they compare equal."""
+    return json.loads(_as_json(values))
+
+
 def _write_record(run_dir: str | os.PathLike, name: str, values: Mapping[str, Any]) -> None:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(run_dir) / name, _as_json(values))
@@ -56,7 +61,7 @@ def changed_flags(recorded: Mapping[str, Any], current: Mapping[str, Any],
     """{flag: (recorded value, current value)} for each flag whose value in `current` ({flag: value}, as a
     step parses its command line) differs from the one `recorded` in an args.json; the `ignored` ones aside (those
     that do not change what a run computes: `training.core.args.same_result_flags`)."""
-    current = json.loads(_as_json(current))
+    current = as_recorded(current)
     return {name: (recorded.get(name), current.get(name)) for name in sorted(recorded.keys() | current.keys())
             if name not in ignored and recorded.get(name) != current.get(name)}
 

@@ -48,8 +48,7 @@ class DataArguments:
     eval_fraction: float = field(default=0.1, metadata={"help": "fraction of each step's shard held out for evaluation"})
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
-    rebuild_data_cache: bool = field(default=False, metadata={
-        "same_result": True, "help": "rebuild the tokenised data cache"})
+    rebuild_data_cache: bool = field(default=False, metadata={"help": "rebuild the tokenised data cache"})
 
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)
