@@ -287,6 +287,34 @@ def test_the_steps_after_one_that_runs_again_run_too(tmp_path, fakes):
     assert [call[0] for call in fakes.calls] == [1, 3]  # step 2 does not start from step 1's model
 
 
+def test_a_finished_step_whose_model_is_gone_runs_again(tmp_path, fakes):
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    shutil.rmtree(tmp_path / "out" / "step1" / "model")  # its summary.json stays
+    fakes.calls.clear()
+    run(argv, fakes)
+    assert [call[0] for call in fakes.calls] == [1, 3]
+
+
+def test_checkpoints_of_a_step_whose_input_model_is_made_again_are_refused_before_anything_runs(tmp_path,
+                                                                                                tiny_model_dir):
+    """Resumed, step 3 would go on from weights trained on step 1's old model."""
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options={step: ["--resume"] for step in (1, 2, 3)})
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    out = tmp_path / "out"
+    (out / "step1" / SUMMARY_FILE).unlink()  # step 1 runs again
+    (out / "step3" / SUMMARY_FILE).unlink()  # step 3 stopped after a checkpoint
+    checkpoint = out / "step3" / CHECKPOINTS_SUBDIR / "step2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 2, "engines": ["actor"]}))
+    fakes.calls.clear()
+    with pytest.raises(UserError, match=f"{out / 'step3'} holds checkpoints of step 3 trained from a model this run "
+                                        "makes again"):
+        run(argv + ["--resume"], fakes)
+    assert fakes.calls == []
+
+
 def test_a_new_run_in_a_finished_run_folder_is_unfinished_until_it_saves_its_summary(tmp_path):
     save_run_args(tmp_path, argparse.Namespace(seed=1))
     save_summary(tmp_path, {"optimizer_steps": 3})

@@ -141,7 +141,7 @@ def _finished_summary(config: PipelineConfig, step: int, argv: list[str],
     A finished run whose recorded flags differ from `argv` is refused, not reused."""
     run_dir = config.run_dir(step)
     summary, recorded = read_summary(run_dir), read_run_args(run_dir)
-    if summary is None or recorded is None:
+    if summary is None or recorded is None or not STEPS[step].output.saved_in(run_dir):
         return None
     changed = changed_flags(recorded, *_recorded_flags(entry(step).build_parser(), argv))
     if changed:
@@ -159,11 +159,29 @@ def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]],
     models it does not make anew (a step that starts from the model of a step that runs, runs too)."""
     finished: dict[int, dict] = {}
     for step in config.steps:
-        remade = any(source.from_step in config.steps and source.from_step not in finished
-                     for source in STEPS[step].inputs)
-        if not remade and (summary := _finished_summary(config, step, argvs[step], entry)) is not None:
+        if _remade(config, step, finished):
+            continue
+        summary = _finished_summary(config, step, argvs[step], entry)
+        if summary is not None:
             finished[step] = summary
     return finished
+
+
+def _remade(config: PipelineConfig, step: int, finished: Mapping[int, dict]) -> bool:
+    """Whether `step` starts from the model of a step that runs in this invocation."""
+    return any(source.from_step in config.steps and source.from_step not in finished for source in STEPS[step].inputs)
+
+
+def _check_no_stale_checkpoints(config: PipelineConfig, finished: Mapping[int, dict]) -> None:
+    """Refuse, before anything runs, a step whose folder holds checkpoints of a run from a model this run makes
+    anew: resumed, it would go on from weights trained on the old one (and without --resume it would refuse)."""
+    for step in config.steps:
+        run_dir = config.run_dir(step)
+        if step not in finished and _remade(config, step, finished) and CheckpointManager(run_dir).latest():
+            raise UserError(
+                f"{run_dir} holds checkpoints of step {step} trained from a model this run makes again; delete "
+                f"{run_dir} (or its checkpoints) to run step {step} from the new one, or choose another --output-dir"
+            )
 
 
 def _resume_from_checkpoints_only(config: PipelineConfig, step: int, argv: list[str]) -> list[str]:
@@ -200,6 +218,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
     finished = _finished_steps(config, argvs, entry)
+    _check_no_stale_checkpoints(config, finished)
     commands = {
         step: launcher.command(STEPS[step].script(), argvs[step]) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
