@@ -8,7 +8,8 @@
 chosen + rejected, hh-rlhf transcripts, ...). Rows with a rejected answer also get a verdict and
 the file's accuracy and mean margin. Prompts are rendered and tokenised as in training, with the run's
 `--max_seq_len` and `--prompt_format` (its args.json) unless given; a row whose prompt alone fills
-`--max_seq_len` is skipped and counted, as step 2 drops it (cut there, both answers would be gone and tie).
+`--max_seq_len`, or whose two answers are the same once cut, is skipped and counted, as step 2 drops it (both
+would tie and count as wrong).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from training.core.reward_model import RewardModel
 from training.reliability.run_records import read_run_args
 from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
 from utils.data.collators import pad_sequences
+from utils.data.tokenization import TokenLimits, pair_sequences, sft_sequence
 from utils.errors import UserError, run_cli
 
 
@@ -51,10 +53,6 @@ class RewardScorer:
         # a chat template writes its own special tokens; the Human/Assistant format takes the tokenizer's
         return self.tokenizer(text, add_special_tokens=self.formatter.style == "human_assistant")["input_ids"]
 
-    def prompt_fits(self, prompt: str) -> bool:
-        """Whether the prompt leaves room for an answer within `max_seq_len` (step 2 drops it otherwise)."""
-        return len(self.token_ids(prompt)) < self.max_seq_len
-
     def encode(self, prompt: str, answer: str) -> torch.Tensor:
         """Prompt and answer tokenised as one text, then EOS (`utils.data.tokenization`)."""
         return torch.tensor((self.token_ids(prompt + answer) + [self.tokenizer.eos_token_id])[: self.max_seq_len])
@@ -62,26 +60,47 @@ class RewardScorer:
     @torch.no_grad()
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
         """Reward of each (rendered prompt, formatted answer) pair."""
+        return self._score([self.encode(prompt, answer) for prompt, answer in pairs])
+
+    def _score(self, sequences: list[torch.Tensor]) -> list[float]:
         scores: list[float] = []
         device = next(self.model.parameters()).device
-        for start in range(0, len(pairs), self.batch_size):
-            sequences = [self.encode(p, a) for p, a in pairs[start : start + self.batch_size]]
-            input_ids = pad_sequences(sequences, self.tokenizer.pad_token_id).to(device)
-            attention_mask = pad_sequences([torch.ones_like(s) for s in sequences], 0).to(device)
+        for start in range(0, len(sequences), self.batch_size):
+            batch = sequences[start : start + self.batch_size]
+            input_ids = pad_sequences(batch, self.tokenizer.pad_token_id).to(device)
+            attention_mask = pad_sequences([torch.ones_like(s) for s in batch], 0).to(device)
             scores += self.model(input_ids=input_ids, attention_mask=attention_mask)["end_scores"].float().tolist()
         return scores
 
+    def _sequences(self, row: dict) -> list[torch.Tensor] | str:
+        """The row's answer (and rejected answer) as step 2 trains on them, or why step 2 would drop the row."""
+        prompt, eos = self.token_ids(row["prompt"]), self.tokenizer.eos_token_id
+        limits = TokenLimits(max_seq_len=self.max_seq_len)
+        chosen = self.token_ids(row["prompt"] + row["chosen"])
+        if row.get("rejected") is None:
+            item = sft_sequence(prompt, chosen, eos, limits)
+            return item if isinstance(item, str) else [torch.tensor(item["input_ids"])]
+        item = pair_sequences(prompt, chosen, self.token_ids(row["prompt"] + row["rejected"]), eos, limits)
+        if isinstance(item, str):
+            return item
+        return [torch.tensor(item["chosen_input_ids"]), torch.tensor(item["rejected_input_ids"])]
+
+    @torch.no_grad()
     def score_rows(self, rows: list[dict]) -> list[dict]:
-        """Add `chosen_score` (and `rejected_score`, `chosen_preferred`) to canonical rows; a row whose prompt does
-        not fit gets `skipped` instead."""
-        results = [{**row} if self.prompt_fits(row["prompt"]) else {**row, "skipped": "prompt_too_long"}
-                   for row in rows]
-        scored = [row for row in results if "skipped" not in row]
-        for row, score in zip(scored, self.score([(row["prompt"], row["chosen"]) for row in scored])):
-            row["chosen_score"] = score
-        with_rejected = [row for row in scored if row.get("rejected") is not None]
-        for row, score in zip(with_rejected, self.score([(row["prompt"], row["rejected"]) for row in with_rejected])):
-            row.update(rejected_score=score, chosen_preferred=row["chosen_score"] > score)
+        """Add `chosen_score` (and `rejected_score`, `chosen_preferred`) to canonical rows; a row step 2 would drop
+        (its prompt fills `max_seq_len`, or both answers are the same once cut) gets `skipped`, its reason."""
+        results, sequences = [], []
+        for row in rows:
+            found = self._sequences(row)
+            results.append({**row, "skipped": found} if isinstance(found, str) else {**row})
+            sequences.append([] if isinstance(found, str) else found)
+        scores = iter(self._score([sequence for found in sequences for sequence in found]))
+        for result, found in zip(results, sequences):
+            if found:
+                result["chosen_score"] = next(scores)
+            if len(found) == 2:
+                rejected = next(scores)
+                result.update(rejected_score=rejected, chosen_preferred=result["chosen_score"] > rejected)
         return results
 
 
@@ -173,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = scorer.score_rows(_rows(args, scorer))
     for row in results:
         if "skipped" in row:
-            print(f"skipped: its prompt fills --max_seq_len {args.max_seq_len}  | {_short(row['prompt'], -60)}",
+            print(f"skipped ({row['skipped']} at --max_seq_len {args.max_seq_len})  | {_short(row['prompt'], -60)}",
                   flush=True)
             continue
         line = f"score {row['chosen_score']:+.4f}"

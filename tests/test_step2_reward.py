@@ -93,17 +93,19 @@ def test_rw_eval_scores_command_line_pairs_and_files(trained, tmp_path):
     assert scorer.score([(rows[0]["prompt"], rows[0]["chosen"])])[0] == pytest.approx(rows[0]["chosen_score"], abs=1e-5)
 
 
-def test_rw_eval_cuts_as_the_run_trained_and_skips_a_prompt_that_leaves_no_room(trained, tmp_path):
-    """The run trained at --max_seq_len 64 (its args.json): a prompt that alone fills it is skipped and counted,
-    as step 2 dropped such pairs (cut there, both answers would be gone, tie, and count as wrong)."""
+def test_rw_eval_cuts_as_the_run_trained_and_skips_what_step_2_drops(trained, tmp_path):
+    """The run trained at --max_seq_len 64 (its args.json): a prompt that alone fills it, and two answers the same
+    once cut, are skipped and counted, as step 2 dropped such pairs (they would tie and count as wrong)."""
     rows = [{"prompt": "What is 2 plus 2?", "chosen": "2 plus 2 is 4.", "rejected": "I do not know."},
-            {"prompt": "Tell me everything. " * 40, "chosen": "Sure.", "rejected": "No."}]
+            {"prompt": "Tell me everything. " * 40, "chosen": "Sure.", "rejected": "No."},
+            {"prompt": "Count.", "chosen": "one two " * 40 + "three", "rejected": "one two " * 40 + "four"}]
     data = tmp_path / "long.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     assert rw_eval.parse_args(["--model_name_or_path", str(trained["run"]), "--input_file", str(data)]).max_seq_len == 64
     scored = rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", str(data)])
-    assert (scored["rows"], scored["skipped"], scored["pairs"]) == (2, 1, 1)
-    assert scored["results"][1]["skipped"] == "prompt_too_long" and "chosen_score" not in scored["results"][1]
+    assert (scored["rows"], scored["skipped"], scored["pairs"]) == (3, 2, 1)
+    assert [row.get("skipped") for row in scored["results"]] == [None, "prompt_too_long", "identical_after_truncation"]
+    assert "chosen_score" not in scored["results"][1]
 
 
 def test_rw_eval_needs_something_to_score(trained):

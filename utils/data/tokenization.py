@@ -91,6 +91,20 @@ def _pair_item(prompt: list[int], chosen: list[int], rejected: list[int], limits
     return {"chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids, "prompt_length": [len(prompt)]}
 
 
+def sft_sequence(prompt: list[int], joint: list[int], eos: int, limits: TokenLimits) -> dict | str:
+    """The sft item of a prompt (tokenised alone) and prompt + reply (tokenised as one text), or why it is dropped."""
+    start = answer_start(prompt, joint)
+    return _sft_item(joint[:start], joint[start:] + [eos], limits)
+
+
+def pair_sequences(prompt: list[int], chosen: list[int], rejected: list[int], eos: int,
+                   limits: TokenLimits) -> dict | str:
+    """The pairs item of a prompt (tokenised alone) and prompt + chosen, prompt + rejected (each tokenised as one
+    text), or why it is dropped."""
+    start = answer_start(prompt, chosen, rejected)
+    return _pair_item(chosen[:start], chosen[start:] + [eos], rejected[start:] + [eos], limits)
+
+
 def _prompt_item(prompt: list[int], limits: TokenLimits, counts: Counter) -> dict | str:
     if len(prompt) > limits.max_prompt_seq_len:
         if limits.prompt_overflow == "drop":
@@ -127,12 +141,9 @@ def tokenize_samples(
     columns: dict[str, list] = {}
     for index, prompt in enumerate(prompts):
         if kind == KIND_SFT:
-            start = answer_start(prompt, chosen[index])
-            item = _sft_item(chosen[index][:start], chosen[index][start:] + [eos], limits)
+            item = sft_sequence(prompt, chosen[index], eos, limits)
         elif kind == KIND_PAIRS:
-            start = answer_start(prompt, chosen[index], rejected[index])
-            item = _pair_item(chosen[index][:start], chosen[index][start:] + [eos], rejected[index][start:] + [eos],
-                              limits)
+            item = pair_sequences(prompt, chosen[index], rejected[index], eos, limits)
         else:
             item = _prompt_item(prompt, limits, counts)
         if isinstance(item, str):
