@@ -28,10 +28,11 @@ def evaluate_perplexity(model: torch.nn.Module, batches: Iterable[Mapping[str, t
     """Token-weighted held-out loss and its perplexity, summed over ranks (every rank must call it)."""
     totals = torch.zeros(2, dtype=torch.float64)
     for batch in batches:
+        loss = sft_loss(model, batch)  # every batch's forward, counted or not: ZeRO-3 gathers in each
         tokens = predicted_token_count(batch["labels"])
         if tokens == 0:
             continue
-        totals[0] += sft_loss(model, batch).double().item() * tokens
+        totals[0] += loss.double().item() * tokens
         totals[1] += tokens
     if is_initialized():
         from utils.dist import current_device
