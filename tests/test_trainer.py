@@ -298,7 +298,7 @@ if int(sys.argv[2]) == 0:  # every rank holds the whole model: the whole set in 
 @pytest.mark.parametrize("stage,batch", [(0, 2), (3, 1)])  # at batch 1, rank 1 has 2 batches to rank 0's 3
 def test_a_held_out_set_split_over_two_ranks_counts_each_item_once(tmp_path, stage, batch):
     """5 held-out items on 2 ranks: the totals are the whole set's (a padding sampler counted the first item
-    twice); at ZeRO-3 the rank with fewer batches runs as many forwards, or the evaluation would hang."""
+    twice), at ZeRO-3 too, where the rank with fewer batches runs as many forwards."""
     import subprocess
     import sys
 
