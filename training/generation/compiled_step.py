@@ -46,10 +46,6 @@ class CompiledStep:
         self.model = model
         self._compiled = compile_model(model)
 
-    @property
-    def compiling(self) -> bool:
-        return _failure is None
-
     def __call__(self, **inputs: Any) -> Any:
         if _failure is not None:
             return self.model(**inputs)

@@ -184,15 +184,15 @@ class HFCachedModel:
     def __init__(self, model: torch.nn.Module, kv_cache: RolloutKVCache, compiled: bool = False):
         self.model = model
         self.kv_cache = kv_cache
-        self.compile_failed_before = compiled and compile_failure() is not None
-        self.shrinks = not compiled or self.compile_failed_before
+        self.compiled = compiled  # asked for; the step decodes eagerly once the compiler failed in this process
+        self.shrinks = not compiled or compile_failure() is not None
         self._step = model if self.shrinks else CompiledStep(model)
         self._storage: _StaticStorage | None = None
         self._prefilled = (0, 0)  # rows and columns of the last prefill
 
     @property
     def description(self) -> str:
-        if self.compile_failed_before or not self.shrinks and not self._step.compiling:
+        if self.compiled and compile_failure() is not None:
             return "transformers forward (eager: torch.compile failed)"
         return "transformers forward" if self.shrinks else "transformers forward (CUDA graphs)"
 

@@ -356,8 +356,8 @@ class CheckpointManager:
     def _resume_problem(self, info: CheckpointInfo) -> str | None:
         """What refuses resuming `info` in this run, or None: another number of processes (ZeRO shards the optimizer
         state by process, and each rank goes on from its own data position and random streams), or a flag of
-        `fixed_flags` with another value (one the checkpoint's run did not have counts as changed; a checkpoint
-        that recorded none is not checked)."""
+        `fixed_flags` with another value (a flag only one of the two runs had is not compared; a checkpoint that
+        recorded no flags is not checked)."""
         marker = json.loads((info.path / MARKER_FILE).read_text())
         saved_by = marker.get("world_size", get_world_size())
         if saved_by != get_world_size():
