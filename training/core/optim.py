@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import get_scheduler
 
+from training.core.cuda_arch import arch_list_for_deepspeed_ops
 from training.core.master_weights import MasterWeightAdamW
 
 OPTIMIZER_CHOICES = ("auto", "torch_adamw", "fused_adam", "cpu_adam")
@@ -88,7 +89,8 @@ def optimizer_of_kind(kind: str, groups: list[dict], learning_rate: float,
     if kind == "fused_adam":
         from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(groups, lr=learning_rate, betas=betas, adam_w_mode=True)
+        with arch_list_for_deepspeed_ops():  # FusedAdam compiles here at first use
+            return FusedAdam(groups, lr=learning_rate, betas=betas, adam_w_mode=True)
     if kind == "torch_adamw":
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
     raise ValueError(f"unknown optimizer {kind!r}; choose from {OPTIMIZER_CHOICES}")

@@ -1,0 +1,42 @@
+"""TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it.
+
+CUDA 12 names architecture-specific targets with a letter after the version: "9.0a" (Hopper's wgmma and bulk
+copies), "10.0a", and from CUDA 12.9 family targets such as "10.0f". PyTorch's GPU images set the variable that way
+(this workplace's H100 and H200 image: "9.0a"), but DeepSpeed 0.19.8's builder reads every entry as two integers and
+stops with "invalid literal for int() with base 10: '0a'" before it compiles FusedAdam. FusedAdam's kernels use
+nothing architecture-specific, so its build is given the plain versions and the user's value is put back after.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+ARCH_LIST_VARIABLE = "TORCH_CUDA_ARCH_LIST"
+_SUFFIXED_ENTRY = re.compile(r"^(?P<version>\d+\.\d+)[a-z](?P<ptx>\+PTX)?$")
+
+
+def plain_arch_list(arch_list: str) -> str:
+    """`arch_list` with each entry's architecture letter dropped ("8.0 9.0a;10.0f+PTX" -> "8.0;9.0;10.0+PTX"),
+    separated by ';'; entries without one are kept as written."""
+    entries = [entry for entry in arch_list.replace(" ", ";").split(";") if entry]
+    plain = []
+    for entry in entries:
+        match = _SUFFIXED_ENTRY.match(entry)
+        plain.append(f"{match['version']}{match['ptx'] or ''}" if match else entry)
+    return ";".join(plain)
+
+
+@contextmanager
+def arch_list_for_deepspeed_ops() -> Iterator[None]:
+    """Inside: TORCH_CUDA_ARCH_LIST without architecture letters, when it has any; after: the value it had."""
+    original = os.environ.get(ARCH_LIST_VARIABLE)
+    if original is None or plain_arch_list(original) == original:
+        yield
+        return
+    os.environ[ARCH_LIST_VARIABLE] = plain_arch_list(original)
+    try:
+        yield
+    finally:
+        os.environ[ARCH_LIST_VARIABLE] = original
