@@ -33,32 +33,33 @@ def launcher_variables(env: Mapping[str, str]) -> list[str]:
     return [key for key in env if key in LAUNCHER_VARIABLES or key.startswith("TORCHELASTIC_")]
 
 
-def _ensure_single_process_env() -> None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+def _start_single_process_world(backend: str) -> None:
+    """A world of one made here rather than by a launcher. Its store listens on a port the OS picks as it binds:
+    a port chosen free first and bound later can be taken in between (six GPU test processes started at once on
+    one machine collided so, EADDRINUSE)."""
+    from deepspeed.constants import default_pg_timeout
+
+    store = torch_dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=default_pg_timeout)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(store.port))
+    torch_dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=default_pg_timeout)
 
 
 def init_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed once; safe to call repeatedly."""
-    if torch_dist.is_available() and torch_dist.is_initialized():
-        import deepspeed
-
-        deepspeed.init_distributed(dist_init_required=False)
-        return
-    _ensure_single_process_env()
+    """Initialise torch.distributed through DeepSpeed once; safe to call repeatedly. Without a launcher's
+    variables (RANK and WORLD_SIZE), the process starts a world of its own."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(get_local_rank())
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    if not is_initialized():
+        accelerator = get_accelerator()
+        if accelerator.device_name() != "cpu":
+            accelerator.set_device(get_local_rank())
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+            return
+        _start_single_process_world(accelerator.communication_backend_name())
+    deepspeed.init_distributed(dist_init_required=False)
 
 
 def is_initialized() -> bool:

@@ -1,0 +1,34 @@
+"""A process's own world of one (no launcher), as every step and GPU test worker starts it."""
+import subprocess
+import sys
+
+from conftest import REPO_ROOT
+from crash_resume import step_env
+
+STARTS_WITH_ITS_PORT_TAKEN = """
+import os, socket
+import torch, torch.distributed as torch_dist
+import deepspeed.comm
+import utils.dist as dist
+
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+# another process takes the port a choose-then-bind start would have chosen
+dist.free_port = lambda: taken.getsockname()[1]
+dist.init_distributed()
+total = torch.ones(1)
+torch_dist.all_reduce(total)
+assert deepspeed.comm.get_world_size() == 1 and total.item() == 1.0
+assert os.environ["MASTER_PORT"] != str(taken.getsockname()[1])
+dist.init_distributed()
+print("WORLD_OK")
+"""
+
+
+def test_a_world_of_one_starts_even_when_another_process_takes_a_free_port_first():
+    """Six GPU test workers starting at once on one machine collided (EADDRINUSE): a port found free was bound by
+    another process before this one's store bound it. The store now binds a port the OS gives it."""
+    result = subprocess.run([sys.executable, "-c", STARTS_WITH_ITS_PORT_TAKEN], cwd=REPO_ROOT, env=step_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "WORLD_OK" in result.stdout, result.stderr[-3000:]
