@@ -211,6 +211,31 @@ def test_a_compiled_bf16_transformers_step_samples_from_the_trained_distribution
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_the_compiled_forward_that_bounds_a_compiled_step_runs_at_zero3_with_lora(distributed, tiny_model_dir,
+                                                                               monkeypatch):
+    """`check_long_position_parity(own_kernels=True)` (the GPU tests' compiled transformers steps) measures the
+    compiler's own rounding on the inference copy the step decodes with, here at ZeRO-3 with trained LoRA adapters
+    (as hooks) as the GPU's hardest case runs it: the forward compiles (no recompile limit hit) and, with the casts
+    emulated, CPU inductor rounds as eager does, so the bounds stay the fixed ones on CPU."""
+    from torch._dynamo.utils import counters
+
+    import scripts.hybrid_engine_worker as worker
+
+    measured = []
+    measure = worker.compiled_forward_noise
+    monkeypatch.setattr(worker, "compiled_forward_noise", lambda *args: measured.append(measure(*args)) or measured[-1])
+    torch._dynamo.reset()
+    counters.clear()
+    check_long_position_parity(tiny_model_dir("llama", **LONG_POSITION_MODEL), "bf16",
+                               functools.partial(hybrid_engine, fused_decode=False), stage=3, lora_arch="llama",
+                               own_kernels=True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters)
+    torch._dynamo.reset()
+    ((noise, logprob_noise),) = measured
+    assert noise.shape == (2, 32) and noise.max() < 5e-4 and logprob_noise < 2.5e-2, (noise.max(), logprob_noise)
+
+
 def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):
     engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=3)
     check_parity(engine, hybrid_engine(engine, unpin_actor_parameters=True), tokenizer, PROMPTS)

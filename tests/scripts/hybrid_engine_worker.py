@@ -222,12 +222,33 @@ LONG_POSITION_MODEL = dict(max_positions=1024, initializer_range=0.3)
 LONG_POSITION_BIASED_MODEL = dict(LONG_POSITION_MODEL, bias_std=0.3)
 
 
+def compiled_forward_noise(model: torch.nn.Module, output) -> tuple[torch.Tensor, float]:
+    """How far `model`'s answer distributions move when torch.compile runs its forward (`COMPILE_OPTIONS` less CUDA
+    graphs) instead of eager: the total-variation distances [B, N] and the largest change of a generated token's
+    log-prob. On the weights a compiled decode step runs (the inference copy), what it may differ by for the
+    compiler's own rounding (its kernels reduce and fuse in their own order) rather than for what it computes."""
+    compiled = torch.compile(model, dynamic=False, options={"emulate_precision_casts": True})
+    with torch.no_grad():
+        eager, other = (answer_logits(forward, output.sequences, output.attention_mask, output.prompt_length).float()
+                        for forward in (model, compiled))
+    tokens = output.sequences[:, output.prompt_length:, None]
+    logprob_change = (other.log_softmax(-1) - eager.log_softmax(-1)).gather(-1, tokens).abs().max().item()
+    return 0.5 * (other.softmax(-1) - eager.softmax(-1)).abs().sum(-1), logprob_change
+
+
 def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: int = 2,
-                               lora_arch: str | None = None) -> torch.Tensor:
+                               lora_arch: str | None = None, own_kernels: bool = False) -> torch.Tensor:
     """In half precision (`dtype`), the next-token distributions the hybrid engine (`make_hybrid(engine)`) samples
     32 tokens from at positions 520-551 are within total-variation distance 1e-3 on average and 1e-2 at worst of
     the train forward's (ZeRO `stage`; with `lora_arch`, LoRA adapters after two training steps), and its log-probs
-    within 5e-2; returns the distances [2, 32]."""
+    within 5e-2; returns the distances [2, 32].
+
+    `own_kernels`: the decode path is torch.compile's (the transformers forward on a GPU), whose Triton kernels
+    reduce and fuse in their own order, and each bound is raised to twice what the inference copy's forward moves
+    by when compiled the same way (`compiled_forward_noise`), measured here. On the H200 the compiled bf16 steps came
+    4e-3 to 6e-3 on average from the eager train forward (1.5e-2 at worst) while the fused path, which replays the
+    train forward's operations, kept under 1e-3. A compiled step that differs for more than the compiler's rounding
+    (RoPE rounded to bf16 came 0.03 from it) still fails."""
     engine, tokenizer = build_engine(model_path, stage=stage, dtype=dtype, lora_arch=lora_arch)
     if lora_arch is not None:
         for _ in range(2):
@@ -239,6 +260,8 @@ def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: 
         recorder = LogitsRecorder(hybrid._decoder.model)
         hybrid._decoder.model = recorder
         out = hybrid.generate(prompts, torch.ones_like(prompts), config)
+        if own_kernels:
+            noise, logprob_noise = compiled_forward_noise(recorder.inner.model, out)
     generated = torch.stack(recorder.logits, dim=1)
     if hybrid.tp is not None:  # the group decoded its ranks' prompts as one batch, rank-major: this rank's rows
         generated = generated[hybrid.tp.rank * len(prompts):][:len(prompts)]
@@ -246,8 +269,14 @@ def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: 
         trained = answer_logits(engine.module, out.sequences, out.attention_mask, out.prompt_length).float()
     assert generated.shape == trained.shape == (2, 32, len(tokenizer))
     total_variation = 0.5 * (generated.softmax(-1) - trained.softmax(-1)).abs().sum(-1)
-    assert total_variation.mean() < 1e-3 and total_variation.max() < 1e-2, total_variation
-    torch.testing.assert_close(out.logprobs, train_mode_logprobs(engine, out), rtol=0, atol=5e-2)
+    mean_bound, max_bound, logprob_bound = 1e-3, 1e-2, 5e-2
+    if own_kernels:
+        print(f"the compiled forward's own distance: total variation mean {noise.mean():.2e} max "
+              f"{noise.max():.2e}, log-prob {logprob_noise:.2e}")
+        mean_bound, max_bound = max(mean_bound, 2 * noise.mean().item()), max(max_bound, 2 * noise.max().item())
+        logprob_bound = max(logprob_bound, 2 * logprob_noise)
+    assert total_variation.mean() < mean_bound and total_variation.max() < max_bound, total_variation
+    torch.testing.assert_close(out.logprobs, train_mode_logprobs(engine, out), rtol=0, atol=logprob_bound)
     return total_variation
 
 
