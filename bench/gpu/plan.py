@@ -10,10 +10,13 @@ needs the real weights (`Stage.real_weights_only`: train.py's quality, step 2's 
 on; the others run earlier on random weights of SmolLM2's shape and say so in their file names (for a speed figure
 the shape is what counts, with EOS ignored).
 
-Not all of the GPU work fits one session: `SESSIONS` holds it in the order it should be done, the first session what
-the GPU issue values most (the GPU tests, SmolLM2's generation figure, train.py on one GPU). The minutes are
-estimates, not measurements: nothing here has run on a GPU yet. A GPU session reads the real ones from each call's
-`status.json` (every command's seconds), corrects them here, and moves what it ran out of `SESSIONS`.
+Not all of the GPU work fits one session: `SESSIONS` holds what is left in the order it should be done, the first
+session what the GPU issue values most (the GPU tests, train.py on one GPU). GPU session 1 ran on an H200 on
+2026-11-26 (`bench/results/gpu_session1_h200.json`: every stage's seconds): 32 of the 37 GPU tests passed, SmolLM2's
+generation figure at batch 8 and train.py's three steps (on --optimizer torch_adamw) were measured; the three fixes
+its failures led to are not yet rerun there, so the tests and train.py come first again. Minutes marked measured
+come from it; the others are estimates. Each GPU session corrects them from its calls' `status.json` and moves what
+it ran out of `SESSIONS`.
 """
 from __future__ import annotations
 
@@ -24,11 +27,12 @@ from bench.gpu.stages import CALL_BUDGET_S, select
 CALL_LIMIT_BYTES = 64 << 20  # the working tree that travels with one device call, carried paths included
 CARRY_PATHS = 8  # carried paths per call
 DEVICE_MINUTES = 15.0  # one session's device time, all calls, waits and the start included
-START_MINUTES = 3.0  # a fresh machine's start, out of DEVICE_MINUTES (estimate)
+START_MINUTES = 1.0  # a fresh machine's start, out of DEVICE_MINUTES (32 s on the H200 with 57 MiB carried)
 GAP_MINUTES = 0.5  # between two calls: reading the reply and sending the next (the machine is held meanwhile)
 WARM_SECONDS = 30  # an idle machine goes back this long after a call, and what was stashed on it is lost
 PACK_SECONDS = 45  # the runner's packing and the transfer back, kept out of the last call's --budget_s
 LATER_CALL_RESERVE_S = GAP_MINUTES * 60 + PACK_SECONDS  # what a later call's --budget_s leaves of the time left
+FIRST_CALL_MARGIN = 1.3  # a first call followed by others stops starting commands at its planned minutes times this
 TIMEOUT_MARGIN_S = 40  # a call's timeout_s beyond its --budget_s: the command that ran into it stopped, the packing
 
 
@@ -40,24 +44,31 @@ class PlannedCall:
 
 SESSIONS = (
     (
-        # installs the wheels (~0.5), stashes part 1, pytest -m gpu on 6 workers (37 tests, ~3; DeepSpeed's FusedAdam
-        # and torch.compile compile here), SmolLM2's shape (random weights) at batch 8 and 64 (~2.5: two processes,
-        # each compiles the static-cache baseline)
-        PlannedCall(("weights", "tests", "generation"), 6.0),
-        # joins and converts SmolLM2 (~1), train.py's three steps on one GPU (~4.5)
-        PlannedCall(("weights", "train"), 5.5),
+        # installs the wheels (7 s measured), stashes part 1, pytest -m gpu on 6 workers (37 tests: 214 s on the H200
+        # in session 1, 5 failing; the FusedAdam build and the compiled steps' own-rounding forwards they now run add
+        # ~1 min)
+        PlannedCall(("weights", "tests"), 5.0),
+        # joins and converts SmolLM2 (42 s measured), train.py's three steps on one GPU (187 s measured with
+        # --optimizer torch_adamw; auto now compiles FusedAdam, ~1 min more), step 3 alone at SmolLM2 (~2)
+        PlannedCall(("weights", "train", "step3"), 7.0),
     ),
     (
         # 7B random weights made on the GPU and written (~1), loaded twice (the frozen ZeRO-3 actor, the baseline's
         # plain copy), compiled, timed (~4.5: hf at ZeRO-3 runs its layers' hooks at every token, the slowest backend)
         PlannedCall(("weights", "generation_7b"), 6.0),
-        # joins and converts SmolLM2 (~1), step 2 alone for three epochs on the hh-rlhf pairs (~2.5), step 3 (~2)
-        PlannedCall(("weights", "step2_quality", "step3"), 5.5),
+        # joins and converts SmolLM2 (42 s measured), step 2 alone for three epochs on the hh-rlhf pairs (~2.5)
+        PlannedCall(("weights", "step2_quality"), 3.5),
     ),
     (
-        # no real weights needed: 1.1B random weights and value model made (~1.5), step 3 at that shape (~3.5, FusedAdam
-        # compiled again on this fresh machine), SmolLM2's and GPT-2's shapes with and without CUDA graphs (~3)
-        PlannedCall(("step3_1b", "cuda_graph"), 8.0),
+        # SmolLM2's shape (random weights) at batch 8 and 64: ~140 s each measured at batch 8 (the hf backend at ZeRO-3
+        # 67 s of it, the static-cache baseline's compile 31 s); SmolLM2's and GPT-2's shapes with and without CUDA
+        # graphs (~3)
+        PlannedCall(("generation", "cuda_graph"), 8.0),
+    ),
+    (
+        # 1.1B random weights and value model made (~1.5), step 3 at that shape (~3.5, FusedAdam compiled again on this
+        # fresh machine)
+        PlannedCall(("step3_1b",), 5.5),
     ),
 )
 
@@ -119,6 +130,15 @@ def plan_calls(tree: int, every_call: dict[str, int], parts: dict[str, int],
     groups += [[] for _ in range(len(planned) - len(groups))]
     return [Call((*every_call, *group), base + sum(parts[p] for p in group), call.stages, call.minutes)
             for group, call in zip(groups, planned)]
+
+
+def first_call_budget_s(call: PlannedCall, calls_in_session: int) -> int:
+    """The first call's `--budget_s`: a call's whole budget when it is the session's only one; else its planned
+    minutes with a margin, so the calls after it keep their time (in session 1 on the H200, a first call left to run
+    its full 560 s would have left the second 190 s of the 15 minutes)."""
+    if calls_in_session == 1:
+        return CALL_BUDGET_S
+    return int(min(CALL_BUDGET_S, call.minutes * 60 * FIRST_CALL_MARGIN))
 
 
 def later_call_budget_s(budget_left_s: float) -> int:

@@ -36,10 +36,11 @@ from bench.gpu.plan import (
     TIMEOUT_MARGIN_S,
     WARM_SECONDS,
     Call,
+    PlannedCall,
     brings_weights,
+    first_call_budget_s,
     plan_calls,
 )
-from bench.gpu.stages import CALL_BUDGET_S
 from bench.gpu.wheels import (
     EMBEDDED_MODEL_WHEEL,
     GPU_WHEELS,
@@ -168,9 +169,10 @@ def describe_calls(calls: list[Call], session: int) -> str:
              f"previous one answers (an idle machine goes back after {WARM_SECONDS} s, and the parts stashed on it "
              f"with it). Minutes are estimates; ~{START_MINUTES:.0f} more for the machine's start, out of "
              f"{DEVICE_MINUTES:.0f}:"]
+    first = first_call_budget_s(PlannedCall(calls[0].stages, calls[0].minutes), len(calls))
     for number, call in enumerate(calls, 1):
-        budget = "" if number == 1 else " --budget_s B"
-        timeout = CALL_BUDGET_S + TIMEOUT_MARGIN_S if number == 1 else f"B + {TIMEOUT_MARGIN_S}"
+        budget = f" --budget_s {first}" if number == 1 else " --budget_s B"
+        timeout = first + TIMEOUT_MARGIN_S if number == 1 else f"B + {TIMEOUT_MARGIN_S}"
         lines.append(f"  call {number} (~{call.minutes:g} min, {call.bytes / 2**20:.1f} MiB): "
                      f"command='python3 -m bench.gpu.run --output $OUT --stages {' '.join(call.stages)}{budget}' "
                      f"carry={list(call.carry)} timeout_s={timeout}")
