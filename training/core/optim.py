@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import get_scheduler
 
-from training.core.cuda_arch import arch_list_for_deepspeed_ops
+from training.core.deepspeed_ops import building_deepspeed_op
 from training.core.master_weights import MasterWeightAdamW
 
 OPTIMIZER_CHOICES = ("auto", "torch_adamw", "fused_adam", "cpu_adam")
@@ -85,11 +85,13 @@ def optimizer_of_kind(kind: str, groups: list[dict], learning_rate: float,
     if kind == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas, adamw_mode=True)
+        with building_deepspeed_op("cpu_adam", "or keep the optimizer state on the device (no --offload)"):
+            return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas, adamw_mode=True)
     if kind == "fused_adam":
         from deepspeed.ops.adam import FusedAdam
 
-        with arch_list_for_deepspeed_ops():  # FusedAdam compiles here at first use
+        with building_deepspeed_op("fused_adam", "or run with --optimizer torch_adamw (torch's fused AdamW, nothing "
+                                                 "to compile)"):
             return FusedAdam(groups, lr=learning_rate, betas=betas, adam_w_mode=True)
     if kind == "torch_adamw":
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)

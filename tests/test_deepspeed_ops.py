@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from training.core import optim
-from training.core.cuda_arch import plain_arch_list
+from training.core.deepspeed_ops import plain_arch_list
+from utils.errors import UserError
 
 
 @pytest.mark.parametrize("arch_list,plain", [
@@ -36,3 +37,23 @@ def test_fused_adam_builds_its_op_for_a_lettered_arch_list_and_the_variable_is_r
     optimizer = optim.optimizer_of_kind("fused_adam", [{"params": list(model.parameters())}], 1e-3)
     assert isinstance(optimizer, BuildingFusedAdam) and seen == ["9.0+PTX"]
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+
+
+@pytest.mark.parametrize("kind,op,target,instead", [
+    ("fused_adam", "fused_adam", "deepspeed.ops.adam.FusedAdam", "--optimizer torch_adamw"),
+    ("cpu_adam", "cpu_adam", "deepspeed.ops.adam.DeepSpeedCPUAdam", "no --offload")])
+def test_an_op_that_cannot_be_built_is_a_user_error_saying_what_it_needs_and_what_to_run_instead(
+        monkeypatch, kind, op, target, instead):
+    """A JIT build's failure (here ninja missing, as torch's cpp_extension reports it) ended the run in a traceback
+    from inside DeepSpeed; it is now one line naming the op, the cause, what the build needs and another way."""
+    class UnbuildableAdam:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("Ninja is required to load C++ extensions (pip install ninja to get it)")
+
+    monkeypatch.setattr(target, UnbuildableAdam)
+    with pytest.raises(UserError) as raised:
+        optim.optimizer_of_kind(kind, [{"params": list(torch.nn.Linear(2, 2).parameters())}], 1e-3)
+    message = str(raised.value)
+    assert f"DeepSpeed's {op} op could not be built (RuntimeError: Ninja is required" in message
+    assert "ninja" in message and "nvcc" in message and instead in message
+    assert isinstance(raised.value.__cause__, RuntimeError)

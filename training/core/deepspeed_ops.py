@@ -1,4 +1,7 @@
-"""TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it.
+"""Building DeepSpeed's ops that compile at first use (FusedAdam, DeepSpeedCPUAdam) on the machines users have.
+
+A failed build is a user's problem to fix (the CUDA toolkit, a compiler, ninja) or to step around (another
+`--optimizer`), so it ends as a `UserError` saying which, the build's own error chained to it.
 
 CUDA 12 names architecture-specific targets with a letter after the version: "9.0a" (Hopper's wgmma and bulk
 copies), "10.0a", and from CUDA 12.9 family targets such as "10.0f". PyTorch's GPU images set the variable that way
@@ -12,6 +15,8 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from utils.errors import UserError
 
 ARCH_LIST_VARIABLE = "TORCH_CUDA_ARCH_LIST"
 _SUFFIXED_ENTRY = re.compile(r"^(?P<version>\d+\.\d+)[a-z](?P<ptx>\+PTX)?$")
@@ -40,3 +45,21 @@ def arch_list_for_deepspeed_ops() -> Iterator[None]:
         yield
     finally:
         os.environ[ARCH_LIST_VARIABLE] = original
+
+
+@contextmanager
+def building_deepspeed_op(op: str, instead: str) -> Iterator[None]:
+    """Inside: the construction of something that builds DeepSpeed's `op` (under `arch_list_for_deepspeed_ops`); a
+    failure becomes a `UserError` naming the op, the cause, what the build needs and `instead`, another way."""
+    try:
+        with arch_list_for_deepspeed_ops():
+            yield
+    except UserError:
+        raise
+    except Exception as err:
+        cause = (str(err).strip().splitlines() or [""])[0]
+        raise UserError(
+            f"DeepSpeed's {op} op could not be built ({type(err).__name__}: {cause}); it compiles at first use into "
+            f"TORCH_EXTENSIONS_DIR and needs ninja and, for a CUDA op, nvcc of the CUDA toolkit (CUDA_HOME); "
+            f"{instead}"
+        ) from err
