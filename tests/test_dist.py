@@ -32,3 +32,25 @@ def test_a_world_of_one_starts_even_when_another_process_takes_a_free_port_first
     result = subprocess.run([sys.executable, "-c", STARTS_WITH_ITS_PORT_TAKEN], cwd=REPO_ROOT, env=step_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "WORLD_OK" in result.stdout, result.stderr[-3000:]
+
+
+EXITS = """
+import atexit
+import torch.distributed as torch_dist
+import utils.dist as dist
+
+dist.init_distributed()
+dist.init_distributed()
+atexit._run_exitfuncs()  # what the interpreter runs first at exit, while Python still runs destructors
+assert not torch_dist.is_initialized()
+print("ENDED_OK")
+"""
+
+
+def test_the_world_is_torn_down_at_exit_before_the_interpreters_finalization():
+    """Left to finalization, a 2-rank ZeRO-3 evaluation aborted after its work was done now and then (a gloo worker
+    thread freeing an all-reduce's tensors when it could no longer take the GIL): `init_distributed` registers
+    `end_distributed` to run at exit, once however often it is called."""
+    result = subprocess.run([sys.executable, "-c", EXITS], cwd=REPO_ROOT, env=step_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ENDED_OK" in result.stdout, result.stderr[-3000:]
