@@ -83,7 +83,7 @@ def generate_answers(
 ) -> list[str]:
     """The model's answer to each user prompt (batched, left-padded; special tokens stripped)."""
     formatter = PromptFormatter(tokenizer, prompt_format)
-    add_special_tokens = formatter.style == "human_assistant"  # a chat template writes its own special tokens
+    add_special_tokens = formatter.adds_special_tokens
     tokenizer.padding_side = "left"
     answers: list[str] = []
     device = next(model.parameters()).device

@@ -50,8 +50,7 @@ class RewardScorer:
         return self.formatter.prompt([{"role": "user", "content": text}])
 
     def token_ids(self, text: str) -> list[int]:
-        # a chat template writes its own special tokens; the Human/Assistant format takes the tokenizer's
-        return self.tokenizer(text, add_special_tokens=self.formatter.style == "human_assistant")["input_ids"]
+        return self.tokenizer(text, add_special_tokens=self.formatter.adds_special_tokens)["input_ids"]
 
     def encode(self, prompt: str, answer: str) -> torch.Tensor:
         """Prompt and answer tokenised as one text, then EOS (`utils.data.tokenization`)."""

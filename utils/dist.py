@@ -1,8 +1,8 @@
 """Distributed initialisation that works as a plain process, under torchrun and under `deepspeed`.
 
 Both launchers export RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. A plain
-`python step1_sft/main.py` exports none of them, so we fill in a world of one on 127.0.0.1 with a
-free port, which lets the same DeepSpeed code path run everywhere.
+`python step1_sft/main.py` exports none of them, so it starts a world of one on 127.0.0.1 (its store on a port
+the OS gives it), which lets the same DeepSpeed code path run everywhere. Either way the world is torn down at exit.
 """
 from __future__ import annotations
 

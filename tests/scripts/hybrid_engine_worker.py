@@ -23,6 +23,7 @@ from training.core.engine import OptimizationSettings, create_frozen_engine, loa
 from training.core.lora import apply_lora
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
 from training.core.sequences import answer_logits, answer_logprobs
+from training.generation.compiled_step import COMPILE_OPTIONS
 from training.generation.generator import GenerationConfig, HFGenerator, TokenChoice
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 
@@ -227,7 +228,8 @@ def compiled_forward_noise(model: torch.nn.Module, output) -> tuple[torch.Tensor
     graphs) instead of eager: the total-variation distances [B, N] and the largest change of a generated token's
     log-prob. On the weights a compiled decode step runs (the inference copy), what it may differ by for the
     compiler's own rounding (its kernels reduce and fuse in their own order) rather than for what it computes."""
-    compiled = torch.compile(model, dynamic=False, options={"emulate_precision_casts": True})
+    options = {name: value for name, value in COMPILE_OPTIONS.items() if name != "triton.cudagraphs"}
+    compiled = torch.compile(model, dynamic=False, options=options)
     with torch.no_grad():
         eager, other = (answer_logits(forward, output.sequences, output.attention_mask, output.prompt_length).float()
                         for forward in (model, compiled))

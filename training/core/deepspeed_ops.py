@@ -37,10 +37,11 @@ def plain_arch_list(arch_list: str) -> str:
 def arch_list_for_deepspeed_ops() -> Iterator[None]:
     """Inside: TORCH_CUDA_ARCH_LIST without architecture letters, when it has any; after: the value it had."""
     original = os.environ.get(ARCH_LIST_VARIABLE)
-    if original is None or plain_arch_list(original) == original:
+    plain = None if original is None else plain_arch_list(original)
+    if plain == original:
         yield
         return
-    os.environ[ARCH_LIST_VARIABLE] = plain_arch_list(original)
+    os.environ[ARCH_LIST_VARIABLE] = plain
     try:
         yield
     finally:

@@ -48,6 +48,11 @@ class PromptFormatter:
         except Exception as err:  # jinja templates raise their own errors (e.g. roles must alternate)
             raise SkipRow("chat_template_error") from err
 
+    @property
+    def adds_special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens to a rendered text: a chat template writes its own."""
+        return self.style == "human_assistant"
+
     def answer(self, reply: str | None) -> str | None:
         if self.style == "human_assistant" and reply:
             return " " + reply

@@ -132,7 +132,7 @@ def tokenize_samples(
         row_metadata.append(dict(sample.metadata or {}))
     keep_metadata = kind == KIND_PROMPTS and any(sample.metadata is not None for sample in samples)
     metadata: list[dict] = []
-    special = formatter.style == "human_assistant"  # a chat template writes its own special tokens
+    special = formatter.adds_special_tokens
     prompts = _token_ids(tokenizer, [row["prompt"] for row in rows], special)
     chosen = _token_ids(tokenizer, [row["prompt"] + row["chosen"] for row in rows], special) \
         if kind != KIND_PROMPTS else []
