@@ -8,6 +8,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.ds_config import get_eval_ds_config, get_train_ds_config, runs_gradient_allreduce
 from training.core.model_loading import load_causal_lm, resolve_dtype
 from training.core.optim import build_lr_scheduler, build_optimizer, uses_master_weights
@@ -59,8 +60,10 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
     """Wrap `model` with its optimizer and warm-up schedule in a ZeRO engine (on `unit`'s ranks; default all).
 
     The schedule counts optimizer steps (micro-batches / gradient accumulation). With master weights the model
-    goes to the engine's device first, so the fp32 copies are made there.
+    goes to the engine's device first, so the fp32 copies are made there. On a GPU the process's attention leaves
+    cuDNN's kernel out from here on (`exclude_cudnn_attention`: its backward's NaN gradients).
     """
+    exclude_cudnn_attention(get_accelerator().device_name())
     if settings.master_weights:
         model.to(get_accelerator().current_device_name())
     optimizer = build_optimizer(

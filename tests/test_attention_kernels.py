@@ -1,0 +1,46 @@
+"""The attention kernels a training process leaves torch (`training/core/attention_kernels.py`); the GPU test
+`test_a_left_padded_bf16_batch_trains_with_finite_gradients` checks the gradients they give on CUDA."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import training.core.engine as engine_module
+from training.core.attention_kernels import exclude_cudnn_attention
+from training.core.engine import OptimizationSettings, create_train_engine
+
+
+@pytest.fixture(autouse=True)
+def cudnn_attention_restored():
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
+def test_on_cuda_cudnn_attention_is_left_out_once_and_said_once(caplog):
+    with caplog.at_level(logging.INFO, logger="training.core.attention_kernels"):
+        assert exclude_cudnn_attention("cuda")
+        assert not exclude_cudnn_attention("cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert [record.message.count("pytorch issue 196678") for record in caplog.records] == [1]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "xpu"])
+def test_other_devices_keep_every_kernel(device_type):
+    assert not exclude_cudnn_attention(device_type)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_training_engine_chooses_its_devices_kernels(monkeypatch):
+    """`create_train_engine` passes the accelerator's device (on a GPU machine "cuda", which leaves cuDNN out)."""
+    seen = []
+    monkeypatch.setattr(engine_module, "exclude_cudnn_attention", lambda device: seen.append(device))
+    monkeypatch.setattr(engine_module.deepspeed, "initialize", lambda **kwargs: (kwargs["model"], None, None, None))
+    monkeypatch.setattr(engine_module, "skip_single_rank_gradient_allreduce", lambda engine: None)
+    model = torch.nn.Linear(2, 2)
+    assert create_train_engine(model, OptimizationSettings(learning_rate=1e-3, num_training_steps=1,
+                                                           optimizer="torch_adamw")) is model
+    assert seen == [engine_module.get_accelerator().device_name()] == ["cpu"]
