@@ -165,7 +165,9 @@ def run_this_project(args: argparse.Namespace, prompt_ids: list[list[int]]) -> t
             records.append({"step_s": step_s, **phases,
                             "prompt_lengths": batch["attention_mask"].sum(-1).tolist(),
                             "answer_lengths": experience.action_mask.sum(-1).tolist(),
-                            "score_mean": experience.scores.mean().item(), "actor_loss": stats["actor_loss"]})
+                            "score_mean": experience.scores.mean().item(), "actor_loss": stats["actor_loss"],
+                            # so far: DeepSpeed skips an update whose gradients are not finite
+                            **trainer.skipped_steps()})
             print(f"step {step + 1}/{steps}: {step_s:.2f} s, {sum(records[-1]['answer_lengths'])} answer tokens",
                   flush=True)
         peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_cuda() else None

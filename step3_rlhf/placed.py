@@ -248,6 +248,15 @@ class PlacedPPO:
         broadcast_trainable_weights(module, names, groups.sync_ranks[0], groups.sync_group)
 
 
+def _from_holders(local: dict[str, float]) -> dict[str, float]:
+    """Every rank's figures of the models it holds, merged (collective): ranks that hold the same model agree on
+    its figures (its learning rate, its skipped steps)."""
+    merged: dict[str, float] = {}
+    for values in all_gather_objects(local):
+        merged.update(values)
+    return merged
+
+
 def chunk_stats(experiences: Mapping[int, Experience]) -> dict[str, float]:
     """`experience_stats` averaged over the chunks."""
     return _mean_stats({chunk: experience_stats(experience) for chunk, experience in experiences.items()})
@@ -274,7 +283,8 @@ class PlacedPPORun(PPORun):
         loop = self.args.loop
         draw = self.unsupervised.next if self.unsupervised is not None else None
         pretraining = self.placed.pretraining_batches(draw, batches, loop.ppo_epochs, loop.per_device_training_batch_size)
-        return self.placed.train(batches, loop.ppo_epochs, loop.per_device_training_batch_size, pretraining)
+        stats = self.placed.train(batches, loop.ppo_epochs, loop.per_device_training_batch_size, pretraining)
+        return {**stats, **_from_holders(self.trainer.skipped_steps())}
 
     def learning_rates(self) -> dict[str, float]:
         """The actor's (and critic's) learning rate, from whichever rank holds them (collective)."""
@@ -283,10 +293,7 @@ class PlacedPPORun(PPORun):
             local["train/actor_lr"] = self.engine.actor.get_lr()[0]
         if self.engine.critic is not None:
             local["train/critic_lr"] = self.engine.critic.get_lr()[0]
-        rates: dict[str, float] = {}
-        for values in all_gather_objects(local):
-            rates.update(values)
-        return rates
+        return _from_holders(local)
 
     def over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
         """Already the run's: every rank holds every chunk's statistics."""

@@ -55,7 +55,7 @@ from training.generation.generator import (
     repeat_per_prompt,
 )
 from training.loops.call_times import CallTimer
-from training.reliability.guards import check_finite
+from training.reliability.guards import check_finite, step_engine
 from utils.dist import current_device, sum_over_ranks
 from training.rewards import RewardFunction
 from utils.errors import UserError
@@ -549,8 +549,15 @@ class PPOTrainer:
                                     experience.action_mask, self.config)
             check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
             critic.backward(value.loss)
-            critic.step()
+            step_engine(critic, "critic")
         return {"critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
+
+    def skipped_steps(self) -> dict[str, float]:
+        """The optimizer steps of the run so far that DeepSpeed skipped for non-finite gradients, per trained model
+        (`step_engine` says each as it happens)."""
+        models = {"actor": self.engine.actor, "critic": self.engine.critic}
+        return {f"{role}_skipped_steps": float(model.skipped_steps)
+                for role, model in models.items() if model is not None}
 
     def _group(self, role: str):
         """Where a model's checks are collective: its ranks under a placement, else every rank."""
@@ -569,7 +576,7 @@ class PPOTrainer:
         actor = self.engine.actor
         steps_before = actor.global_steps
         actor.backward(loss)
-        actor.step()
+        step_engine(actor, "actor")
         if self.engine.actor_ema is not None and actor.global_steps > steps_before:
             self.engine.actor_ema.update(actor)
 

@@ -226,7 +226,8 @@ class PPORun:
         return torch.cat([experience.scores for experience in batches])
 
     def train_on(self, batches: list[Experience]) -> dict[str, float]:
-        """`ppo_epochs` passes of micro-batch updates (with the pretraining mixture); the mean statistics."""
+        """`ppo_epochs` passes of micro-batch updates (with the pretraining mixture); the mean statistics, and the
+        run's skipped optimizer steps so far."""
         args, trainer = self.args, self.trainer
         updates: dict[str, float] = {}
         count = 0
@@ -237,7 +238,7 @@ class PPORun:
                     for key, value in trainer.train_rlhf(part, pretraining).items():
                         updates[key] = updates.get(key, 0.0) + value
                     count += 1
-        return {key: value / count for key, value in updates.items()}
+        return {**{key: value / count for key, value in updates.items()}, **trainer.skipped_steps()}
 
     def learning_rates(self) -> dict[str, float]:
         rates = {"train/actor_lr": self.engine.actor.get_lr()[0]}

@@ -565,6 +565,7 @@ def test_step3_writes_models_metrics_plot_and_summary(step3_run):
                 "train/actor_loss", "train/unsup_loss", "rollout/response_length", "time/generation_s",
                 "time/scoring_s", "time/training_s", "rollout/generated_tokens_per_s"):
         assert all(key in r for r in trained), key
+    assert all(r["train/actor_skipped_steps"] == r["train/critic_skipped_steps"] == 0 for r in trained)
     assert [e["step"] for e in summary["evaluations"]] == [0, 3]
     held_out = [r for r in records if "eval/score_mean" in r]
     assert [r["step"] for r in held_out] == [0, 3] and all(r["eval/kl_exact"] >= 0 for r in held_out)

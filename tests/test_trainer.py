@@ -1,5 +1,6 @@
 """The shared supervised loop: step counting, accumulation, evaluation cadence, metrics, and the
 reliability wiring (periodic checkpoints, exact resume, stop on a signal, stop on a non-finite loss)."""
+import logging
 import os
 import signal
 from dataclasses import dataclass
@@ -51,12 +52,12 @@ def _collate(items):
 
 
 def _trainer(tmp_path, config, train_count=8, lr=3e-3, seed=0, arch="llama", loss_fn=sft_loss, zero_stage=0,
-             eval_count=4, **reliability):
+             eval_count=4, dtype="fp32", **reliability):
     model, tokenizer = make_tiny_model(arch, seed=seed)
     steps = count_optimizer_steps(train_count, config, world_size=1)
     settings = OptimizationSettings(
         learning_rate=lr, num_training_steps=steps, micro_batch_size=config.per_device_train_batch_size,
-        zero_stage=zero_stage,
+        zero_stage=zero_stage, dtype=dtype,
         gradient_accumulation_steps=config.gradient_accumulation_steps, lr_scheduler_type="constant_with_warmup",
     )
     engine = create_train_engine(model, settings)
@@ -218,6 +219,32 @@ def test_a_non_finite_loss_stops_before_its_update_and_names_the_checkpoint(dist
     trainer = _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), loss_fn=nan_at_step_3, checkpoints=manager)
     with pytest.raises(NonFiniteError, match=r"at step 3.*step2"):
         trainer.fit()
+    assert all(torch.isfinite(p).all() for p in _weights(trainer).values())
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_step_whose_gradients_are_nan_behind_a_finite_loss_is_skipped_and_named(distributed, tmp_path, caplog,
+                                                                                   zero_stage):
+    """bf16: at optimizer step 2 the loss is finite but a term it masks out has a NaN gradient (as a left-padded
+    row's attention had through cuDNN's backward): the update is skipped, the log names the step, the run goes on."""
+    calls = []
+
+    def nan_gradients_at_step_2(model, batch):
+        calls.append(1)
+        if len(calls) != 2:
+            return sft_loss(model, batch)
+        out = model(**batch)
+        logits = out.logits.float()
+        masked_out = torch.where(torch.zeros_like(logits, dtype=torch.bool), torch.sqrt(-1 - logits.abs()), 0)
+        return out.loss + masked_out.sum()
+
+    config = LoopConfig(num_train_epochs=1, per_device_train_batch_size=2, per_device_eval_batch_size=4)
+    trainer = _trainer(tmp_path, config, loss_fn=nan_gradients_at_step_2, zero_stage=zero_stage, dtype="bf16")
+    with caplog.at_level(logging.WARNING, logger="training.reliability.guards"):
+        trainer.fit()
+    assert trainer.engine.global_steps == 4 and trainer.engine.skipped_steps == 1
+    ours = [record.message.split(",")[0] for record in caplog.records if record.name == "training.reliability.guards"]
+    assert ours == [f"{config.description}: optimizer step 2 skipped"]
     assert all(torch.isfinite(p).all() for p in _weights(trainer).values())
 
 

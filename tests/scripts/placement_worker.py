@@ -60,6 +60,10 @@ def main_worker() -> None:
         for key in ("reward_first", "reward_last", "kl_exact_last", "rollout_reward_last", "rollout_kl_last"):
             expected, got = reference["summary"][key], result["summary"][key]
             assert abs(expected - got) <= 1e-4 * max(1.0, abs(expected)), f"{spec}: {key} {got} != {expected}"
+        trained = [record for record in map(json.loads, (result["dir"] / "metrics.jsonl").read_text().splitlines())
+                   if "train/actor_loss" in record]
+        assert trained and all(record["train/actor_skipped_steps"] == record["train/critic_skipped_steps"] == 0
+                               for record in trained), f"{spec}: the skipped updates' counts are not logged"
         print(f"PLACEMENT_OK {spec} {result['summary']['placement']}", flush=True)
 
 

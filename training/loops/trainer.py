@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from training.loops.metrics import MetricsLogger
 from training.reliability.checkpointing import CheckpointManager
-from training.reliability.guards import check_finite
+from training.reliability.guards import check_finite, step_engine
 from training.reliability.signals import GracefulInterrupt
 from utils.dist import (
     get_rank,
@@ -308,7 +308,7 @@ class SupervisedTrainer:
                     check_finite("training loss", loss, engine.global_steps + 1, self.checkpoints)
                     engine.backward(loss)
                     at_boundary = engine.is_gradient_accumulation_boundary()
-                    engine.step()
+                    step_engine(engine, config.description)
                     self.position.batches_done += 1
                     value = loss.detach().float().item()
                     step_losses.append(value)

@@ -1,6 +1,8 @@
-"""Stop a run whose loss or reward stops being a finite number, and say where to resume from."""
+"""Stop a run whose loss or reward stops being a finite number, and say where to resume from; say when an
+optimizer step was skipped for non-finite gradients behind a finite loss."""
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -10,7 +12,11 @@ from utils.dist import any_rank
 from utils.errors import UserError
 
 if TYPE_CHECKING:
+    import deepspeed
+
     from training.reliability.checkpointing import CheckpointManager
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(UserError):
@@ -57,3 +63,21 @@ def check_finite(
         f"{name} is not finite ({shown}) at step {step}; stopping. {where}, e.g. with a lower --learning_rate, "
         "a smaller --gradient_clipping or --dtype fp32"
     )
+
+
+def step_engine(engine: "deepspeed.DeepSpeedEngine", name: str) -> bool:
+    """`engine.step()`; False, with a warning, when DeepSpeed skipped the optimizer step because the gradients' norm
+    was not finite. In bf16 and fp32 DeepSpeed skips such a step without a word (ZeRO-0's bf16 optimizer) or with
+    a loss scaler's line ("OVERFLOW!") that names neither the model nor the step, and the loss, which `check_finite`
+    watches, can be finite: a NaN at positions the loss masks out passes into the gradients only. fp16 skips are
+    its loss scaler's calibration and stay DeepSpeed's to report."""
+    skipped_before = engine.skipped_steps
+    engine.step()
+    if engine.skipped_steps == skipped_before or engine.fp16_enabled():
+        return engine.skipped_steps == skipped_before
+    logger.warning(
+        "%s: optimizer step %d skipped, its gradients were not finite though the loss was (%d skipped so far). A NaN "
+        "at masked-out positions does this (an attention kernel's backward, a value that overflows where the loss "
+        "ignores it); if it repeats, try --dtype fp32 to tell precision from a bug, and report it.",
+        name, engine.global_steps, engine.skipped_steps)
+    return False
