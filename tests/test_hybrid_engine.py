@@ -212,28 +212,22 @@ def test_a_compiled_bf16_transformers_step_samples_from_the_trained_distribution
 
 
 @pytest.mark.slow
-def test_the_compiled_forward_that_bounds_a_compiled_step_runs_at_zero3_with_lora(distributed, tiny_model_dir,
-                                                                               monkeypatch):
-    """`check_long_position_parity(own_kernels=True)` (the GPU tests' compiled transformers steps) measures the
-    compiler's own rounding on the inference copy the step decodes with, here at ZeRO-3 with trained LoRA adapters
-    (as hooks) as the GPU's hardest case runs it: the forward compiles (no recompile limit hit) and, with the casts
-    emulated, CPU inductor rounds as eager does, so the bounds stay the fixed ones on CPU."""
-    from torch._dynamo.utils import counters
-
+def test_the_kernel_bound_measures_the_train_forward_at_zero3_with_lora(distributed, tiny_model_dir, monkeypatch):
+    """`check_long_position_parity`'s bound on a GPU (`kernel_bound`), here on CPU: what the train forward moves by
+    between attention kernels, measured at ZeRO-3 with trained LoRA adapters (the GPU tests' hardest case). The
+    bound's premise holds on CPU too: its bf16 forward attends through a flash kernel of its own at these shapes,
+    and the math kernel moves it by more than the fixed bound (6.8e-3 on average), while the hybrid engine's steps,
+    which pick the same kernel there, keep within the fixed bound under the raised one."""
     import scripts.hybrid_engine_worker as worker
 
     measured = []
-    measure = worker.compiled_forward_noise
-    monkeypatch.setattr(worker, "compiled_forward_noise", lambda *args: measured.append(measure(*args)) or measured[-1])
-    torch._dynamo.reset()
-    counters.clear()
-    check_long_position_parity(tiny_model_dir("llama", **LONG_POSITION_MODEL), "bf16",
-                               functools.partial(hybrid_engine, fused_decode=False), stage=3, lora_arch="llama",
-                               own_kernels=True)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters)
-    torch._dynamo.reset()
+    measure = worker.attention_kernel_noise
+    monkeypatch.setattr(worker, "attention_kernel_noise", lambda *args: measured.append(measure(*args)) or measured[-1])
+    distances = check_long_position_parity(tiny_model_dir("llama", **LONG_POSITION_MODEL), "bf16", hybrid_engine,
+                                           stage=3, lora_arch="llama", kernel_bound=True)
     ((noise, logprob_noise),) = measured
-    assert noise.shape == (2, 32) and noise.max() < 5e-4 and logprob_noise < 2.5e-2, (noise.max(), logprob_noise)
+    assert noise.shape == (2, 32) and noise.mean() > 1e-3 and logprob_noise > 0, (noise.mean(), logprob_noise)
+    assert distances.mean() < 1e-3 and distances.max() < 1e-2, distances
 
 
 def test_unpinned_parameters_generate_through_zero3_hooks(distributed, tiny_model_dir):

@@ -43,10 +43,11 @@ def on_cuda(engine) -> None:
 def long_positions(model_path: str, dtype: str, decode_path: str, stage: str, lora_arch: str) -> None:
     """bf16 / fp16: the distributions sampled from at positions 520-551 are the train forward's (ZeRO `stage`; LoRA
     adapters of `lora_arch` unless "none"), on the fused decode path or ("transformers") on the model's own forward,
-    compiled: within twice the compiler's own rounding there (`check_long_position_parity`)."""
+    compiled: within twice what the attention kernels' own rounding moves the train forward by
+    (`check_long_position_parity`)."""
     distances = check_long_position_parity(model_path, dtype, functools.partial(
         hybrid_engine, fused_decode=decode_path == "fused"), stage=int(stage),
-        lora_arch=None if lora_arch == "none" else lora_arch, own_kernels=decode_path == "transformers")
+        lora_arch=None if lora_arch == "none" else lora_arch)
     print(f"total variation mean {distances.mean():.2e} max {distances.max():.2e}")
 
 
