@@ -11,12 +11,12 @@ on; the others run earlier on random weights of SmolLM2's shape and say so in th
 the shape is what counts, with EOS ignored).
 
 Not all of the GPU work fits one session: `SESSIONS` holds what is left in the order it should be done, the first
-session what the GPU issue values most (the GPU tests, train.py on one GPU). GPU session 1 ran on an H200 on
-2026-11-26 (`bench/results/gpu_session1_h200.json`: every stage's seconds): 32 of the 37 GPU tests passed, SmolLM2's
-generation figure at batch 8 and train.py's three steps (on --optimizer torch_adamw) were measured; the three fixes
-its failures led to are not yet rerun there, so the tests and train.py come first again. Minutes marked measured
-come from it; the others are estimates. Each GPU session corrects them from its calls' `status.json` and moves what
-it ran out of `SESSIONS`.
+session what the GPU issue values most (the GPU tests, train.py on one GPU). Two sessions have run, both on an H200
+on 2026-11-26 (`bench/results/gpu_session1_h200.json`, `gpu_session2_h200.json`: every stage's seconds). The second
+reran the tests (35 of 37 passed), train.py on FusedAdam and step 3 alone at SmolLM2; what it found (the attention
+kernels) is fixed on CPU and not yet rerun there, so the tests come first again. Minutes marked measured come from
+those sessions; the others are estimates. Each GPU session corrects them from its calls' `status.json` and moves
+what it ran out of `SESSIONS`.
 """
 from __future__ import annotations
 
@@ -44,31 +44,26 @@ class PlannedCall:
 
 SESSIONS = (
     (
-        # installs the wheels (7 s measured), stashes part 1, pytest -m gpu on 6 workers (37 tests: 214 s on the H200
-        # in session 1, 5 failing; the FusedAdam build and the compiled steps' own-rounding forwards they now run add
-        # ~1 min)
-        PlannedCall(("weights", "tests"), 5.0),
-        # joins and converts SmolLM2 (42 s measured), train.py's three steps on one GPU (187 s measured with
-        # --optimizer torch_adamw; auto now compiles FusedAdam, ~1 min more), step 3 alone at SmolLM2 (~2)
-        PlannedCall(("weights", "train", "step3"), 7.0),
+        # installs the wheels (6 s measured), stashes part 1, pytest -m gpu on 6 workers (39 tests; 37 took 168 s on
+        # the H200 in session 2)
+        PlannedCall(("weights", "tests"), 4.0),
+        # joins and converts SmolLM2 (31 s measured), train.py's three steps on one GPU on FusedAdam (148 s measured),
+        # step 3 alone at SmolLM2 (114 s measured), step 2 alone for three epochs on the hh-rlhf pairs (~2.5 min)
+        PlannedCall(("weights", "train", "step3", "step2_quality"), 7.5),
     ),
     (
         # 7B random weights made on the GPU and written (~1), loaded twice (the frozen ZeRO-3 actor, the baseline's
         # plain copy), compiled, timed (~4.5: hf at ZeRO-3 runs its layers' hooks at every token, the slowest backend)
-        PlannedCall(("weights", "generation_7b"), 6.0),
-        # joins and converts SmolLM2 (42 s measured), step 2 alone for three epochs on the hh-rlhf pairs (~2.5)
-        PlannedCall(("weights", "step2_quality"), 3.5),
+        PlannedCall(("generation_7b",), 6.0),
+        # 1.1B random weights and value model made (~1.5), step 3 at that shape (~3.5, FusedAdam compiled again on this
+        # fresh machine)
+        PlannedCall(("step3_1b",), 5.5),
     ),
     (
         # SmolLM2's shape (random weights) at batch 8 and 64: ~140 s each measured at batch 8 (the hf backend at ZeRO-3
         # 67 s of it, the static-cache baseline's compile 31 s); SmolLM2's and GPT-2's shapes with and without CUDA
         # graphs (~3)
         PlannedCall(("generation", "cuda_graph"), 8.0),
-    ),
-    (
-        # 1.1B random weights and value model made (~1.5), step 3 at that shape (~3.5, FusedAdam compiled again on this
-        # fresh machine)
-        PlannedCall(("step3_1b",), 5.5),
     ),
 )
 
