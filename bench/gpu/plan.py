@@ -45,8 +45,9 @@ class PlannedCall:
 SESSIONS = (
     (
         # installs the wheels (6 s measured), stashes part 1, pytest -m gpu on 6 workers (39 tests; 37 took 168 s on
-        # the H200 in session 2)
-        PlannedCall(("weights", "tests"), 4.0),
+        # the H200 in session 2), SmolLM2's random weights made (~0.2) and its left-padded batch's gradients through
+        # both kernel sets (~0.3)
+        PlannedCall(("weights", "tests", "attention"), 4.5),
         # joins and converts SmolLM2 (31 s measured), train.py's three steps on one GPU on FusedAdam (148 s measured),
         # step 3 alone at SmolLM2 (114 s measured), step 2 alone for three epochs on the hh-rlhf pairs (~2.5 min)
         PlannedCall(("weights", "train", "step3", "step2_quality"), 7.5),

@@ -326,6 +326,16 @@ def build_step2_quality(ctx: Context) -> Built:
                      "--learning_rate", str(settings.step2_learning_rate), "--num_warmup_steps", "20")
 
 
+def build_attention(ctx: Context) -> Built:
+    """A left-padded bf16 batch's gradients at SmolLM2's shape through every attention kernel and through those a
+    training process keeps, at lengths where cuDNN's backward has returned NaN (pytorch issue 196678)."""
+    model, name = ctx.smollm2()
+    return _with_models(ctx, [name], [Command(ctx.py("bench/attention_backward.py", "--model", model, "--dtype",
+                                                     GENERATION_DTYPE, "--output",
+                                                     ctx.out / f"attention_backward_{name}_{GENERATION_DTYPE}.json"),
+                                              "attention.log")])
+
+
 STAGES = (
     Stage("install", "installs the carried wheels; records device, driver and versions (environment.json)", (),
           build_install),
@@ -335,6 +345,8 @@ STAGES = (
           ("weights",), build_embedded),
     Stage("tests", "pytest -m gpu: hybrid-engine parity (bf16, fp16, greedy, CUDA graphs), ZeRO-2/3 steps over "
           "NCCL, a PPO step, LoRA, offload (gpu_tests.xml)", ("install",), build_tests),
+    Stage("attention", "a left-padded bf16 batch's gradients through every attention kernel and through those a "
+          "training process keeps (cuDNN left out), lengths 128-576", ("embedded",), build_attention),
     Stage("generation", "hybrid engine vs hf vs transformers' static cache + torch.compile, ZeRO-3 bf16, batch 8 "
           "and 64, 128 new tokens", ("embedded",), build_generation),
     Stage("cuda_graph", "batch 8 with and without CUDA graphs: SmolLM2 (the fused Llama path) and GPT-2's shape "
