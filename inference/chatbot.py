@@ -15,6 +15,7 @@ import torch
 from transformers import TextStreamer
 
 from training.core.args import DTYPE_CHOICES, SettingsParser
+from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     FINAL_MODEL_SUBDIR,
@@ -214,7 +215,9 @@ def load_session(args: ChatSettings) -> ChatSession:
     tokenizer = load_tokenizer(path, trust_remote_code=chat_args.trust_remote_code)
     model = load_causal_lm(path, tokenizer, dtype=resolve_dtype(chat_args.dtype),
                            trust_remote_code=chat_args.trust_remote_code)
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers
+    model.to(device).eval()
     return ChatSession(model, tokenizer, args.sampling, chat_args.prompt_format, chat_args.system)
 
 

@@ -61,7 +61,7 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
 
     The schedule counts optimizer steps (micro-batches / gradient accumulation). With master weights the model
     goes to the engine's device first, so the fp32 copies are made there. On a GPU the process's attention leaves
-    cuDNN's kernel out from here on (`exclude_cudnn_attention`: its backward's NaN gradients).
+    cuDNN's kernel out from here on (`exclude_cudnn_attention`).
     """
     exclude_cudnn_attention(get_accelerator().device_name())
     if settings.master_weights:
@@ -103,7 +103,8 @@ def create_frozen_engine(
     unit: GroupUnit | None = None,
 ) -> deepspeed.DeepSpeedEngine:
     """An inference-only engine (reference or reward model) on `unit`'s ranks (default all): eval mode, no
-    gradients."""
+    gradients. On a GPU the process's attention leaves cuDNN's kernel out from here on (`exclude_cudnn_attention`)."""
+    exclude_cudnn_attention(get_accelerator().device_name())
     model.requires_grad_(False)
     size = unit.get_data_parallel_world_size() if unit is not None else None
     with installed(unit):
