@@ -72,25 +72,24 @@ def attention_kernels_restored():
 
 @pytest.mark.parametrize("length", [192, 320])
 def test_a_left_padded_bf16_batch_trains_with_finite_gradients(attention_kernels_restored, length):
-    """A bf16 batch of `length` positions (64 past a multiple of 128) whose first rows are left padding, as every PPO
-    batch's prompts are: their queries see no key. Through the attention kernels a training process keeps
-    (`exclude_cudnn_attention`), every gradient is finite. cuDNN's kernel, torch's first pick on H100/H200, returns
-    NaN query gradients for such rows at such lengths from torch 2.11 (pytorch issue 196678), behind a finite loss."""
+    """A bf16 batch of `length` positions (64 past a multiple of 128) whose rows are left-padded from none to half,
+    as a PPO batch's prompts are: the padding's queries see no key. Through the attention kernels this project's
+    engines keep (`exclude_cudnn_attention`), every gradient is finite. cuDNN's kernel, torch's first pick on
+    H100/H200, returns NaN query gradients for such rows at such lengths from torch 2.11 (pytorch issue 196678),
+    behind a finite loss (`bench/attention_backward.py` runs both)."""
     from tiny_models import make_tiny_model
 
+    from bench.attention_backward import left_padded_batch, train_pass
     from training.core.attention_kernels import exclude_cudnn_attention
 
     exclude_cudnn_attention("cuda")
     model, _ = make_tiny_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                num_key_value_heads=2, max_positions=512)
     model = model.to("cuda", torch.bfloat16)
-    ids = torch.randint(3, model.config.vocab_size, (4, length), device="cuda")
-    mask = (torch.arange(length, device="cuda") >= torch.tensor([[0], [17], [64], [130]], device="cuda")).long()
-    loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-    loss.backward()
-    assert torch.isfinite(loss)
-    non_finite = [name for name, param in model.named_parameters() if not torch.isfinite(param.grad).all()]
-    assert not non_finite, non_finite
+    ids, mask = left_padded_batch(model.config.vocab_size, length, 4, torch.Generator().manual_seed(0),
+                                  torch.device("cuda"))
+    loss, non_finite = train_pass(model, ids, mask)
+    assert torch.isfinite(torch.tensor(loss)) and non_finite == 0, (loss, non_finite)
 
 
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("qwen2", 3), ("gpt2", 3), ("opt", 3)])
