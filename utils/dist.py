@@ -15,6 +15,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as torch_dist
 
+from utils.op_builds import watching_build_locks
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -53,16 +55,17 @@ def init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if not is_initialized():
-        accelerator = get_accelerator()
-        if accelerator.device_name() != "cpu":
-            accelerator.set_device(get_local_rank())
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
-        else:
-            _start_single_process_world(accelerator.communication_backend_name())
-        atexit.register(end_distributed)
-    deepspeed.init_distributed(dist_init_required=False)
+    with watching_build_locks():  # DeepSpeed's CPU communication op compiles at its first initialisation
+        if not is_initialized():
+            accelerator = get_accelerator()
+            if accelerator.device_name() != "cpu":
+                accelerator.set_device(get_local_rank())
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+            else:
+                _start_single_process_world(accelerator.communication_backend_name())
+            atexit.register(end_distributed)
+        deepspeed.init_distributed(dist_init_required=False)
 
 
 def end_distributed() -> None:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from utils.errors import UserError
+from utils.op_builds import watching_build_locks
 
 ARCH_LIST_VARIABLE = "TORCH_CUDA_ARCH_LIST"
 _SUFFIXED_ENTRY = re.compile(r"^(?P<version>\d+\.\d+)[a-z](?P<ptx>\+PTX)?$")
@@ -50,10 +51,11 @@ def arch_list_for_deepspeed_ops() -> Iterator[None]:
 
 @contextmanager
 def building_deepspeed_op(op: str, instead: str) -> Iterator[None]:
-    """Inside: the construction of something that builds DeepSpeed's `op` (under `arch_list_for_deepspeed_ops`); a
-    failure becomes a `UserError` naming the op, the cause, what the build needs and `instead`, another way."""
+    """Inside: the construction of something that builds DeepSpeed's `op` (under `arch_list_for_deepspeed_ops`,
+    `watching_build_locks`); a failure becomes a `UserError` naming the op, the cause, what the build needs and
+    `instead`, another way."""
     try:
-        with arch_list_for_deepspeed_ops():
+        with arch_list_for_deepspeed_ops(), watching_build_locks():
             yield
     except UserError:
         raise
