@@ -73,11 +73,11 @@ def step_engine(engine: "deepspeed.DeepSpeedEngine", name: str) -> bool:
     its loss scaler's calibration and stay DeepSpeed's to report."""
     skipped_before = engine.skipped_steps
     engine.step()
-    if engine.skipped_steps == skipped_before or engine.fp16_enabled():
-        return engine.skipped_steps == skipped_before
-    logger.warning(
-        "%s: optimizer step %d skipped, its gradients were not finite though the loss was (%d skipped so far). A NaN "
-        "at masked-out positions does this (an attention kernel's backward, a value that overflows where the loss "
-        "ignores it); if it repeats, try --dtype fp32 to tell precision from a bug, and report it.",
-        name, engine.global_steps, engine.skipped_steps)
-    return False
+    skipped = engine.skipped_steps > skipped_before
+    if skipped and not engine.fp16_enabled():
+        logger.warning(
+            "%s: optimizer step %d skipped, its gradients were not finite though the loss was (%d skipped so far). A "
+            "NaN at masked-out positions does this (an attention kernel's backward, a value that overflows where the "
+            "loss ignores it); if it repeats, try --dtype fp32 to tell precision from a bug, and report it.",
+            name, engine.global_steps, engine.skipped_steps)
+    return not skipped
