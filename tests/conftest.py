@@ -28,6 +28,18 @@ def distributed():
 
 
 @pytest.fixture
+def cudnn_attention_restored():
+    """cuDNN's attention kernel allowed inside the test, and torch's choice of kernels put back as the test found
+    it after (`exclude_cudnn_attention` changes it for the whole process)."""
+    import torch
+
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
+@pytest.fixture
 def tiny_model_dir(tmp_path):
     """Factory: `tiny_model_dir(arch)` writes a tiny HF model folder and returns its path."""
     from tiny_models import make_tiny_model_dir

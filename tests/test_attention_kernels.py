@@ -13,12 +13,7 @@ from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.engine import OptimizationSettings, create_frozen_engine, create_train_engine
 
 
-@pytest.fixture(autouse=True)
-def cudnn_attention_restored():
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    yield
-    torch.backends.cuda.enable_cudnn_sdp(enabled)
+pytestmark = pytest.mark.usefixtures("cudnn_attention_restored")
 
 
 def test_on_cuda_cudnn_attention_is_left_out_once_and_said_once(caplog):

@@ -62,16 +62,8 @@ def test_a_half_precision_product_returns_its_fp32_sum_unrounded(dtype):
     torch.testing.assert_close(out, x.float() @ weight.float().t(), rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture
-def attention_kernels_restored():
-    """The process's choice of attention kernels as the test found it (`exclude_cudnn_attention` is process-wide)."""
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()
-    yield
-    torch.backends.cuda.enable_cudnn_sdp(enabled)
-
-
 @pytest.mark.parametrize("length", [192, 320])
-def test_a_left_padded_bf16_batch_trains_with_finite_gradients(attention_kernels_restored, length):
+def test_a_left_padded_bf16_batch_trains_with_finite_gradients(cudnn_attention_restored, length):
     """A bf16 batch of `length` positions (64 past a multiple of 128) whose rows are left-padded from none to half,
     as a PPO batch's prompts are: the padding's queries see no key. Through the attention kernels this project's
     engines keep (`exclude_cudnn_attention`), every gradient is finite. cuDNN's kernel, torch's first pick on
