@@ -8,7 +8,7 @@ Example (CPU quick run on the embedded model and data):
 """
 from __future__ import annotations
 
-from step1_sft.objective import evaluate_perplexity, sft_loss
+from step1_sft.objective import evaluate_perplexity, sft_loss, sft_loss_items
 from training.core.args import SettingsParser
 from training.loops.supervised_step import (
     SupervisedSettings,
@@ -37,6 +37,7 @@ SFT_STEP = SupervisedStep(
     make_collator=SFTCollator,
     loss_fn=sft_loss,
     eval_fn=evaluate_perplexity,
+    count_items=sft_loss_items,
 )
 
 

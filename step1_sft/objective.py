@@ -23,6 +23,11 @@ def predicted_token_count(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum().item())
 
 
+def sft_loss_items(batch: Mapping[str, torch.Tensor]) -> int:
+    """What `sft_loss` averages over: the batch's predicted tokens (an optimizer step averages over all of its)."""
+    return predicted_token_count(batch["labels"])
+
+
 @torch.no_grad()
 def evaluate_perplexity(model: torch.nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, float]:
     """Token-weighted held-out loss and its perplexity, summed over ranks (every rank must call it)."""

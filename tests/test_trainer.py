@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from step1_sft.objective import evaluate_perplexity, sft_loss
+from step1_sft.objective import evaluate_perplexity, sft_loss, sft_loss_items
 from training.core.args import ModelTrainingConfig, ScheduleSettings, group
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.loops.metrics import MetricsLogger, read_metrics
@@ -52,9 +52,10 @@ def _collate(items):
 
 
 def _trainer(tmp_path, config, train_count=8, lr=3e-3, seed=0, arch="llama", loss_fn=sft_loss, zero_stage=0,
-             eval_count=4, dtype="fp32", **reliability):
+             eval_count=4, dtype="fp32", train_items=None, **options):
     model, tokenizer = make_tiny_model(arch, seed=seed)
-    steps = count_optimizer_steps(train_count, config, world_size=1)
+    train_items = train_items(tokenizer) if train_items else _items(tokenizer, train_count)
+    steps = count_optimizer_steps(len(train_items), config, world_size=1)
     settings = OptimizationSettings(
         learning_rate=lr, num_training_steps=steps, micro_batch_size=config.per_device_train_batch_size,
         zero_stage=zero_stage, dtype=dtype,
@@ -63,8 +64,8 @@ def _trainer(tmp_path, config, train_count=8, lr=3e-3, seed=0, arch="llama", los
     engine = create_train_engine(model, settings)
     metrics = MetricsLogger(tmp_path, enable_tensorboard=False)
     trainer = SupervisedTrainer(
-        engine, _items(tokenizer, train_count), _items(tokenizer, eval_count), _collate, loss_fn, evaluate_perplexity,
-        config, metrics, num_training_steps=steps, **reliability,
+        engine, train_items, _items(tokenizer, eval_count), _collate, loss_fn, evaluate_perplexity,
+        config, metrics, num_training_steps=steps, **options,
     )
     return trainer
 
@@ -112,6 +113,65 @@ def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path
     assert [e["step"] for e in result.evaluations] == [0, 2, 3]
     # the last step is always logged even when it is not a multiple of log_interval
     assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [3]
+
+
+def _uneven_answers(tokenizer):
+    """Two SFT items whose answers differ sixfold in predicted tokens (the rest of each is prompt, labelled -100)."""
+    items = []
+    for text, answer in ((TEXTS[3], 2), (TEXTS[0], 12)):
+        ids = torch.tensor(tokenizer(text)["input_ids"] + [tokenizer.eos_token_id])
+        labels = torch.full_like(ids, -100)
+        labels[-answer:] = ids[-answer:]
+        items.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return items
+
+
+def _one_step(tmp_path, monkeypatch, batch, accumulation, dtype="fp32", zero_stage=0):
+    """One optimizer step on `_uneven_answers` as `accumulation` micro-batches of `batch`: the gradient DeepSpeed
+    applies (ZeRO-0 fp32: the whole vector; else its norm), the logged train/loss, and the weights it left."""
+    from training.loops import trainer as loop
+    from training.reliability.guards import step_engine
+
+    seen = {}
+
+    def recording(engine, name):
+        if engine.is_gradient_accumulation_boundary() and zero_stage == 0 and dtype == "fp32":
+            seen["gradient"] = torch.cat([p.grad.flatten() for p in engine.module.parameters()])
+        return step_engine(engine, name)
+
+    monkeypatch.setattr(loop, "step_engine", recording)
+    config = LoopConfig(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, log_interval=1)
+    trainer = _trainer(tmp_path, config, train_items=_uneven_answers, eval_count=1, dtype=dtype, zero_stage=zero_stage,
+                       count_items=sft_loss_items)
+    trainer.fit()
+    assert trainer.engine.global_steps == 1
+    seen["norm"] = trainer.engine.get_global_grad_norm()  # None at ZeRO-0 fp32
+    seen["loss"] = [r["train/loss"] for r in read_metrics(tmp_path) if "train/loss" in r]
+    return seen
+
+
+def test_an_accumulated_step_averages_over_all_its_tokens_as_one_micro_batch_does(distributed, tmp_path,
+                                                                                  monkeypatch):
+    """SFT, two answers of 2 and 12 tokens: one micro-batch of both or two accumulated micro-batches of one give one
+    gradient and one logged loss, the mean over the 14 tokens (the mean of the micro-batches' means weighed each
+    token of the short answer six times as much as one of the long)."""
+    whole = _one_step(tmp_path / "whole", monkeypatch, batch=2, accumulation=1)
+    split = _one_step(tmp_path / "split", monkeypatch, batch=1, accumulation=2)
+    difference = (split["gradient"] - whole["gradient"]).norm() / whole["gradient"].norm()
+    assert difference < 1e-5, difference.item()
+    assert split["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype,zero_stage", [("bf16", 0), ("bf16", 3), ("fp32", 3)])
+def test_an_accumulated_steps_gradient_norm_is_one_micro_batches_in_every_dtype_and_stage(distributed, tmp_path,
+                                                                                          monkeypatch, dtype,
+                                                                                          zero_stage):
+    """The same two-answer step, seen through the gradient norm DeepSpeed clips with, where the gradient itself sits
+    in the optimizer's own (fp32, partitioned) buffers."""
+    whole = _one_step(tmp_path / "whole", monkeypatch, 2, 1, dtype, zero_stage)
+    split = _one_step(tmp_path / "split", monkeypatch, 1, 2, dtype, zero_stage)
+    assert float(split["norm"]) == pytest.approx(float(whole["norm"]), rel=2e-2 if dtype == "bf16" else 1e-5)
+    assert split["loss"] == pytest.approx(whole["loss"], rel=2e-2 if dtype == "bf16" else 1e-6)
 
 
 @dataclass
@@ -319,6 +379,43 @@ if int(sys.argv[2]) == 0:  # every rank holds the whole model: the whole set in 
     with torch.no_grad():
         say("loss", values["loss"], sft_loss(trainer.engine, whole).item())
 """
+
+
+TWO_RANKS_ONE_STEP = """
+import sys
+from pathlib import Path
+import pytest
+from utils.dist import init_distributed, is_main_process
+init_distributed()
+from test_trainer import _one_step
+seen = _one_step(Path(sys.argv[1]), pytest.MonkeyPatch(), 1, 1, "fp32", 3)
+if is_main_process():
+    print("step", float(seen["norm"]), seen["loss"][0])
+"""
+
+
+@pytest.mark.slow
+def test_a_step_over_two_ranks_averages_over_all_their_tokens_as_one_rank_does(distributed, tmp_path, monkeypatch):
+    """The two answers of 2 and 12 tokens on two ranks, one each, at ZeRO-3: the gradient norm and the logged loss of
+    the step are those of one rank's micro-batch of both (the ranks' token counts are summed before the step)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, TESTS_DIR
+
+    from utils.dist import free_port
+
+    script = tmp_path / "one_step.py"
+    script.write_text(TWO_RANKS_ONE_STEP)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(script), str(tmp_path / "ranks")], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    norm, loss = next(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("step "))
+    whole = _one_step(tmp_path / "whole", monkeypatch, 2, 1, "fp32", 3)
+    assert float(norm) == pytest.approx(float(whole["norm"]), rel=1e-5)
+    assert float(loss) == pytest.approx(whole["loss"][0], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -33,10 +33,12 @@ from training.core.zero import full_numel
 from training.loops.metrics import MetricsLogger
 from training.loops.trainer import (
     EvalFn,
+    ItemCount,
     LoopConfig,
     LossFn,
     SupervisedTrainer,
     TrainResult,
+    batch_rows,
     count_optimizer_steps,
 )
 from training.reliability.checkpointing import CheckpointSettings
@@ -113,6 +115,7 @@ class SupervisedStep:
     make_collator: Callable[[int], Callable]  # pad token id -> collator
     loss_fn: LossFn
     eval_fn: EvalFn
+    count_items: ItemCount = batch_rows  # what loss_fn's mean runs over: an optimizer step averages over them all
     trainable_heads: tuple[str, ...] = ()  # parameters that train even under --only_optimize_lora
     # (args, tokenizer) -> a context during which the models that loss_fn and eval_fn read but never
     # train exist (DPO's reference); entered once the trained engine exists, left before the final save
@@ -192,7 +195,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
                 trainer = SupervisedTrainer(
                     engine, train_data, eval_data, step.make_collator(tokenizer.pad_token_id), step.loss_fn,
                     step.eval_fn, loop, metrics, num_training_steps=num_steps, checkpoints=checkpoints,
-                    interrupt=interrupt, resume=args.checkpoints.resume,
+                    interrupt=interrupt, resume=args.checkpoints.resume, count_items=step.count_items,
                 )
                 result = trainer.fit()
                 interrupt.finishing("the final model's save")

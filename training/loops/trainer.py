@@ -3,8 +3,15 @@
 Epochs over a `DistributedSampler`, gradient accumulation through the DeepSpeed engine (one
 optimizer step every `gradient_accumulation_steps` micro-batches, counted across epoch ends),
 a progress bar on rank 0, evaluation before training, after every epoch and every
-`eval_interval` steps, and metrics through `MetricsLogger`. What a step trains is given as two
-functions: `loss_fn(engine, batch) -> loss` and `eval_fn(engine, batches) -> {name: value}`.
+`eval_interval` steps, and metrics through `MetricsLogger`. What a step trains is given as three
+functions: `loss_fn(engine, batch) -> loss`, the mean over the batch's loss items (SFT: its predicted
+tokens), `count_items(batch) -> int`, how many items that mean runs over, and
+`eval_fn(engine, batches) -> {name: value}`.
+
+An optimizer step's gradient is the mean over all the items of its micro-batches on all ranks: each
+micro-batch's mean is weighed by its share of the step's items, counted before the step's first
+backward. (DeepSpeed's own averaging over micro-batches and ranks gives every micro-batch the same
+weight, so a micro-batch of few answer tokens would count each of them several times over.)
 
 Reliability: with a `CheckpointManager` the loop saves every `--save_interval` optimizer steps
 (engine, RNG, data position, evaluations so far) and resumes from the latest checkpoint, so a
@@ -44,7 +51,13 @@ ENGINE_NAME = "model"  # the engine's name inside a checkpoint
 
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
+ItemCount = Callable[[Batch], int]
 EvalFn = Callable[[torch.nn.Module, Iterable[Batch]], Mapping[str, float]]
+
+
+def batch_rows(batch: Batch) -> int:
+    """The default `ItemCount`: a loss that averages over a batch's rows (pairs of rows count alike)."""
+    return int(batch["input_ids"].shape[0])
 
 
 @dataclass
@@ -109,6 +122,22 @@ class LoopPosition:
 
 
 @dataclass
+class AccumulationWindow:
+    """The micro-batches of one optimizer step on this rank, with each one's loss items and the step's
+    items over all ranks."""
+
+    batches: list[Batch]
+    items: list[int]
+    step_items: float
+
+    def weight(self, index: int, micro_batches_per_step: int) -> float:
+        """What micro-batch `index`'s mean loss is multiplied by before DeepSpeed divides the gradient by the
+        step's micro-batches (accumulation steps x ranks): its items over the step's mean items per
+        micro-batch, so that the gradient is the mean over all the step's items (1.0 where all are alike)."""
+        return self.items[index] * micro_batches_per_step / self.step_items
+
+
+@dataclass
 class TrainResult:
     steps: int
     epochs_completed: int
@@ -140,12 +169,14 @@ class SupervisedTrainer:
         checkpoints: CheckpointManager | None = None,
         interrupt: GracefulInterrupt | None = None,
         resume: bool = False,
+        count_items: ItemCount = batch_rows,
     ):
         self.engine = engine
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.collator = collator
         self.loss_fn = loss_fn
+        self.count_items = count_items
         self.eval_fn = eval_fn
         self.config = config
         self.metrics = metrics
@@ -156,7 +187,7 @@ class SupervisedTrainer:
         self.position = LoopPosition()
         self.evaluations: list[dict] = []
         self._loss_sum = 0.0
-        self._loss_count = 0
+        self._loss_items = 0
         self._last_train_loss = float("nan")
 
     # data ---------------------------------------------------------------------------------------
@@ -223,7 +254,7 @@ class SupervisedTrainer:
         return {
             "position": asdict(self.position),
             "evaluations": self.evaluations,
-            "loss_window": sum_over_ranks([self._loss_sum, self._loss_count]),
+            "loss_window": sum_over_ranks([self._loss_sum, self._loss_items]),
             "last_train_loss": self._last_train_loss,
             "metrics_lines": self.metrics.lines_written,
         }
@@ -239,7 +270,7 @@ class SupervisedTrainer:
         self.position = LoopPosition(**state["position"])
         self.evaluations = list(state["evaluations"])
         # the ranks' window together, on rank 0 alone: `_log_training` sums it over ranks again
-        self._loss_sum, self._loss_count = state["loss_window"] if is_main_process() else (0.0, 0)
+        self._loss_sum, self._loss_items = state["loss_window"] if is_main_process() else (0.0, 0)
         self._last_train_loss = state["last_train_loss"]
         logger.info("resuming at step %d (epoch %d, micro-batch %d)", self.engine.global_steps,
                     self.position.epoch, self.position.batches_done)
@@ -260,8 +291,8 @@ class SupervisedTrainer:
     # training -----------------------------------------------------------------------------------
 
     def _log_training(self, step: int, window_start: float, samples: int) -> None:
-        total, count = sum_over_ranks([self._loss_sum, self._loss_count])
-        loss = total / max(count, 1.0)
+        total, items = sum_over_ranks([self._loss_sum, self._loss_items])
+        loss = total / max(items, 1.0)
         self._last_train_loss = loss
         elapsed = max(time.perf_counter() - window_start, 1e-9)
         self.metrics.log(
@@ -273,7 +304,7 @@ class SupervisedTrainer:
                 "train/epoch": self.position.epoch + self.position.batches_done / max(self._batches_per_epoch, 1),
             },
         )
-        self._loss_sum, self._loss_count = 0.0, 0
+        self._loss_sum, self._loss_items = 0.0, 0
 
     def _end_epoch_if_done(self) -> None:
         """Once every micro-batch of the epoch has run, the position moves to the next epoch, and the model is
@@ -285,6 +316,42 @@ class SupervisedTrainer:
     @property
     def _batches_per_epoch(self) -> int:
         return micro_batches_per_epoch(len(self.train_dataset), self.config.per_device_train_batch_size, get_world_size())
+
+    def _micro_batches(self) -> Iterator[Batch]:
+        """The run's remaining micro-batches in order, across epoch ends. The position counts each one as it is
+        taken; an epoch whose last one was taken ends (and is evaluated) when the next one is asked for."""
+        while self.position.epoch < self.config.num_train_epochs:
+            for batch in self.train_loader(self.position.epoch, self.position.batches_done):
+                self.position.batches_done += 1
+                yield to_device(batch, self.engine.device)
+            self._end_epoch_if_done()
+
+    def _windows(self) -> Iterator[AccumulationWindow]:
+        """Each optimizer step's micro-batches, with their items summed over the ranks (a collective per step).
+        Data too short for a whole step at the end of the last epoch is left untrained (it made no step
+        before either)."""
+        micro_batches = self._micro_batches()
+        while batches := list(itertools.islice(micro_batches, self.config.gradient_accumulation_steps)):
+            if len(batches) < self.config.gradient_accumulation_steps:
+                return
+            items = [self.count_items(batch) for batch in batches]
+            yield AccumulationWindow(batches, items, sum_over_ranks([sum(items)])[0])
+
+    def _train_window(self, window: AccumulationWindow) -> float:
+        """Forward, backward and (at the window's end) the optimizer step of one window; returns this rank's
+        item-weighted mean loss over it."""
+        engine, config = self.engine, self.config
+        micro_batches_per_step = config.gradient_accumulation_steps * get_world_size()
+        loss_sum = 0.0
+        for index, batch in enumerate(window.batches):
+            loss = self.loss_fn(engine, batch)
+            check_finite("training loss", loss, engine.global_steps + 1, self.checkpoints)
+            engine.backward(loss * window.weight(index, micro_batches_per_step))
+            step_engine(engine, config.description)
+            loss_sum += loss.detach().float().item() * window.items[index]
+        self._loss_sum += loss_sum
+        self._loss_items += sum(window.items)
+        return loss_sum / max(sum(window.items), 1)
 
     def fit(self) -> TrainResult:
         """Train for `num_training_steps` optimizer steps; returns the losses and every evaluation."""
@@ -300,36 +367,19 @@ class SupervisedTrainer:
             disable=not is_main_process(), dynamic_ncols=True,
         ) as bar:  # closed on an error too, so a stop message starts on its own line
             window_start, window_samples = time.perf_counter(), 0
-            step_losses: list[float] = []
-            while engine.global_steps < total and self.position.epoch < config.num_train_epochs:
-                loader = self.train_loader(self.position.epoch, self.position.batches_done)
-                for batch in loader:
-                    loss = self.loss_fn(engine, to_device(batch, engine.device))
-                    check_finite("training loss", loss, engine.global_steps + 1, self.checkpoints)
-                    engine.backward(loss)
-                    at_boundary = engine.is_gradient_accumulation_boundary()
-                    step_engine(engine, config.description)
-                    self.position.batches_done += 1
-                    value = loss.detach().float().item()
-                    step_losses.append(value)
-                    self._loss_sum += value
-                    self._loss_count += 1
-                    window_samples += config.per_device_train_batch_size
-                    if not at_boundary:
-                        continue
-                    step = engine.global_steps
-                    bar.set_postfix(loss=f"{sum(step_losses) / len(step_losses):.4f}", lr=f"{engine.get_lr()[0]:.2e}")
-                    bar.update(1)
-                    step_losses.clear()
-                    if step % config.log_interval == 0 or step == total:
-                        self._log_training(step, window_start, window_samples)
-                        window_start, window_samples = time.perf_counter(), 0
-                    if config.eval_interval and step % config.eval_interval == 0 and step < total:
-                        self.evaluate(step)
-                    self._after_step(step)
-                    if step >= total:
-                        break
-                self._end_epoch_if_done()
+            windows = self._windows()
+            while engine.global_steps < total and (window := next(windows, None)) is not None:
+                step_loss = self._train_window(window)
+                window_samples += config.per_device_train_batch_size * len(window.batches)
+                step = engine.global_steps
+                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{engine.get_lr()[0]:.2e}")
+                bar.update(1)
+                if step % config.log_interval == 0 or step == total:
+                    self._log_training(step, window_start, window_samples)
+                    window_start, window_samples = time.perf_counter(), 0
+                if config.eval_interval and step % config.eval_interval == 0 and step < total:
+                    self.evaluate(step)
+                self._after_step(step)
         self._end_epoch_if_done()  # a run resumed from the checkpoint at its last step, which ended an epoch
         if not self.evaluations or self.evaluations[-1]["step"] != engine.global_steps:
             self.evaluate(engine.global_steps)
