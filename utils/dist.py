@@ -135,12 +135,13 @@ def broadcast_from_main(value):
     return box[0]
 
 
-def sum_over_ranks(values: Sequence[float]) -> list[float]:
-    """Element-wise sum of each rank's numbers, in float64 (collective: every rank must call it)."""
-    if not is_initialized() or get_world_size() == 1:
+def sum_over_ranks(values: Sequence[float], group=None) -> list[float]:
+    """Element-wise sum of each rank's numbers, in float64 (collective: every rank of `group`, default all, must
+    call it)."""
+    if not is_initialized() or torch_dist.get_world_size(group) == 1:
         return [float(value) for value in values]
     totals = torch.tensor([float(value) for value in values], dtype=torch.float64, device=current_device())
-    torch_dist.all_reduce(totals)
+    torch_dist.all_reduce(totals, group=group)
     return totals.tolist()
 
 

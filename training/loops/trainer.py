@@ -8,10 +8,9 @@ functions: `loss_fn(engine, batch) -> loss`, the mean over the batch's loss item
 tokens), `count_items(batch) -> int`, how many items that mean runs over, and
 `eval_fn(engine, batches) -> {name: value}`.
 
-An optimizer step's gradient is the mean over all the items of its micro-batches on all ranks: each
-micro-batch's mean is weighed by its share of the step's items, counted before the step's first
-backward. (DeepSpeed's own averaging over micro-batches and ranks gives every micro-batch the same
-weight, so a micro-batch of few answer tokens would count each of them several times over.)
+An optimizer step's gradient is the mean over all the items of its micro-batches on all ranks: the
+loop takes a step's micro-batches first, counts their items, and weighs each micro-batch's mean by its
+share (`training.loops.accumulation`).
 
 Reliability: with a `CheckpointManager` the loop saves every `--save_interval` optimizer steps
 (engine, RNG, data position, evaluations so far) and resumes from the latest checkpoint, so a
@@ -33,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from tqdm.auto import tqdm
 
+from training.loops.accumulation import accumulation_weights
 from training.loops.metrics import MetricsLogger
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.guards import check_finite, step_engine
@@ -123,18 +123,12 @@ class LoopPosition:
 
 @dataclass
 class AccumulationWindow:
-    """The micro-batches of one optimizer step on this rank, with each one's loss items and the step's
-    items over all ranks."""
+    """The micro-batches of one optimizer step on this rank, with each one's loss items and the weight of its mean
+    loss (`accumulation_weights`)."""
 
     batches: list[Batch]
     items: list[int]
-    step_items: float
-
-    def weight(self, index: int, micro_batches_per_step: int) -> float:
-        """What micro-batch `index`'s mean loss is multiplied by before DeepSpeed divides the gradient by the
-        step's micro-batches (accumulation steps x ranks): its items over the step's mean items per
-        micro-batch, so that the gradient is the mean over all the step's items (1.0 where all are alike)."""
-        return self.items[index] * micro_batches_per_step / self.step_items
+    weights: list[float]
 
 
 @dataclass
@@ -335,20 +329,19 @@ class SupervisedTrainer:
             if len(batches) < self.config.gradient_accumulation_steps:
                 return
             items = [self.count_items(batch) for batch in batches]
-            yield AccumulationWindow(batches, items, sum_over_ranks([sum(items)])[0])
+            yield AccumulationWindow(batches, items, accumulation_weights(items, len(batches)))
 
     def _train_window(self, window: AccumulationWindow) -> float:
         """Forward, backward and (at the window's end) the optimizer step of one window; returns this rank's
         item-weighted mean loss over it."""
-        engine, config = self.engine, self.config
-        micro_batches_per_step = config.gradient_accumulation_steps * get_world_size()
+        engine = self.engine
         loss_sum = 0.0
-        for index, batch in enumerate(window.batches):
+        for batch, items, weight in zip(window.batches, window.items, window.weights):
             loss = self.loss_fn(engine, batch)
             check_finite("training loss", loss, engine.global_steps + 1, self.checkpoints)
-            engine.backward(loss * window.weight(index, micro_batches_per_step))
-            step_engine(engine, config.description)
-            loss_sum += loss.detach().float().item() * window.items[index]
+            engine.backward(loss * weight)
+            step_engine(engine, self.config.description)
+            loss_sum += loss.detach().float().item() * items
         self._loss_sum += loss_sum
         self._loss_items += sum(window.items)
         return loss_sum / max(sum(window.items), 1)
