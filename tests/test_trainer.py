@@ -282,15 +282,18 @@ def test_a_non_finite_loss_stops_before_its_update_and_names_the_checkpoint(dist
     assert all(torch.isfinite(p).all() for p in _weights(trainer).values())
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
+@pytest.mark.parametrize("dtype,zero_stage", [("bf16", 0), ("bf16", 3), ("fp32", 0), ("fp32", 2)])
 def test_a_step_whose_gradients_are_nan_behind_a_finite_loss_is_skipped_and_named(distributed, tmp_path, caplog,
-                                                                                   zero_stage):
-    """bf16: at optimizer step 2 the loss is finite but a term it masks out has a NaN gradient (as a left-padded
-    row's attention had through cuDNN's backward): the update is skipped, the log names the step, the run goes on."""
-    calls = []
+                                                                                   dtype, zero_stage):
+    """At optimizer step 2 the loss is finite but a term it masks out has a NaN gradient (as a left-padded row's
+    attention had through cuDNN's backward): the update is skipped, the log names the step, the run goes on. At
+    fp32 ZeRO-0, where DeepSpeed applies such gradients unchecked, the NaN reached every weight and the next loss
+    stopped the run."""
+    calls, before_step = [], {}
 
     def nan_gradients_at_step_2(model, batch):
         calls.append(1)
+        before_step[len(calls)] = {name: p.detach().clone() for name, p in model.module.named_parameters()}
         if len(calls) != 2:
             return sft_loss(model, batch)
         out = model(**batch)
@@ -299,13 +302,18 @@ def test_a_step_whose_gradients_are_nan_behind_a_finite_loss_is_skipped_and_name
         return out.loss + masked_out.sum()
 
     config = LoopConfig(num_train_epochs=1, per_device_train_batch_size=2, per_device_eval_batch_size=4)
-    trainer = _trainer(tmp_path, config, loss_fn=nan_gradients_at_step_2, zero_stage=zero_stage, dtype="bf16")
+    trainer = _trainer(tmp_path, config, loss_fn=nan_gradients_at_step_2, zero_stage=zero_stage, dtype=dtype)
     with caplog.at_level(logging.WARNING, logger="training.reliability.guards"):
         trainer.fit()
     assert trainer.engine.global_steps == 4 and trainer.engine.skipped_steps == 1
     ours = [record.message.split(",")[0] for record in caplog.records if record.name == "training.reliability.guards"]
     assert ours == [f"{config.description}: optimizer step 2 skipped"]
     assert all(torch.isfinite(p).all() for p in _weights(trainer).values())
+    if zero_stage != 3:  # (ZeRO-3's module holds no weights between forwards)
+        for name, value in before_step[3].items():
+            assert torch.equal(value, before_step[2][name]), f"step 2 moved {name}"
+        assert any(not torch.equal(value, before_step[3][name]) for name, value in _weights(trainer).items()), \
+            "steps 3 and 4 did not train"
 
 
 TWO_RANKS_LOSS_WINDOW = """

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -66,13 +67,16 @@ def check_finite(
 
 
 def step_engine(engine: "deepspeed.DeepSpeedEngine", name: str) -> bool:
-    """`engine.step()`; False, with a warning, when DeepSpeed skipped the optimizer step because the gradients' norm
-    was not finite. In bf16 and fp32 DeepSpeed skips such a step without a word (ZeRO-0's bf16 optimizer) or with
-    a loss scaler's line ("OVERFLOW!") that names neither the model nor the step, and the loss, which `check_finite`
-    watches, can be finite: a NaN at positions the loss masks out passes into the gradients only. fp16 skips are
-    its loss scaler's calibration and stay DeepSpeed's to report."""
+    """`engine.step()`; False, with a warning, when the optimizer step was skipped because the gradients were not
+    finite. In bf16 and fp32 DeepSpeed skips such a step without a word (ZeRO-0's bf16 optimizer) or with a loss
+    scaler's line ("OVERFLOW!") that names neither the model nor the step, and the loss, which `check_finite`
+    watches, can be finite: a NaN at positions the loss masks out passes into the gradients only. At ZeRO-0 in
+    fp32 DeepSpeed hands the gradients to the optimizer unchecked, which would write the NaN into every weight:
+    there this function has the step skipped (`_skipped_if_non_finite_fp32`). fp16 skips are its loss scaler's
+    calibration and stay DeepSpeed's to report."""
     skipped_before = engine.skipped_steps
-    engine.step()
+    with _skipped_if_non_finite_fp32(engine):
+        engine.step()
     skipped = engine.skipped_steps > skipped_before
     if skipped and not engine.fp16_enabled():
         logger.warning(
@@ -81,3 +85,28 @@ def step_engine(engine: "deepspeed.DeepSpeedEngine", name: str) -> bool:
             "loss ignores it); if it repeats, try --dtype fp32 to tell precision from a bug, and report it.",
             name, engine.global_steps, engine.skipped_steps)
     return not skipped
+
+
+@contextmanager
+def _skipped_if_non_finite_fp32(engine: "deepspeed.DeepSpeedEngine") -> Iterator[None]:
+    """Around an fp32 ZeRO-0 engine's optimizer step whose gradients are not all finite: the optimizer's step a no-op
+    that reports an overflow, which DeepSpeed's engine counts as a skipped step (no update, no learning-rate step,
+    the gradients cleared), as it counts its mixed-precision optimizers' (they set `overflow`; a torch optimizer
+    has none). ZeRO-0 has all-reduced the gradients by now, so every rank decides alike."""
+    if (engine.zero_optimization_stage() != 0 or engine.fp16_enabled() or engine.bfloat16_enabled()
+            or not engine.is_gradient_accumulation_boundary() or _gradients_finite(engine.module)):
+        yield
+        return
+    optimizer = engine.optimizer
+    own = {name: optimizer.__dict__[name] for name in ("step", "overflow") if name in optimizer.__dict__}
+    optimizer.step, optimizer.overflow = (lambda *args, **kwargs: None), True
+    try:
+        yield
+    finally:
+        del optimizer.step, optimizer.overflow
+        optimizer.__dict__.update(own)
+
+
+def _gradients_finite(module: torch.nn.Module) -> bool:
+    gradients = [p.grad for p in module.parameters() if p.grad is not None]
+    return not gradients or bool(torch.stack([torch.isfinite(g).all() for g in gradients]).all())
