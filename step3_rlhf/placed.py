@@ -219,17 +219,14 @@ class PlacedPPO:
                 continue
             sums: dict[int, dict[str, float]] = {chunk: defaultdict(float) for chunk in chunks}
             counts = dict.fromkeys(chunks, 0)
-            for _ in range(ppo_epochs):
-                for batch in batches:
-                    parts = {chunk: batch[chunk].split(micro_batch_size) for chunk in chunks}
-                    for index in range(max(len(chunk_parts) for chunk_parts in parts.values())):
-                        for chunk in chunks:
-                            if index < len(parts[chunk]):
-                                mixture = () if role != "actor" or pretraining is None else \
-                                    (pretraining[chunk][counts[chunk]],)
-                                for key, value in update(parts[chunk][index], *mixture).items():
-                                    sums[chunk][key] += value
-                                counts[chunk] += 1
+            order = [(chunk, part) for _ in range(ppo_epochs) for batch in batches
+                     for chunk, part in _interleaved({chunk: batch[chunk].split(micro_batch_size) for chunk in chunks})]
+            weights = trainer.loss_weights([part for _, part in order], role)
+            for (chunk, part), weight in zip(order, weights):
+                mixture = () if role != "actor" or pretraining is None else (pretraining[chunk][counts[chunk]],)
+                for key, value in update(part, *mixture, weight=weight).items():
+                    sums[chunk][key] += value
+                counts[chunk] += 1
             for chunk in chunks:
                 local.setdefault(chunk, {}).update({key: value / counts[chunk] for key, value in sums[chunk].items()})
         if self.shadow:
@@ -246,6 +243,13 @@ class PlacedPPO:
         module = self.engine.actor.module if self.engine.actor is not None else self.engine.shadow_actor
         names = [name for name, parameter in module.named_parameters() if parameter.requires_grad]
         broadcast_trainable_weights(module, names, groups.sync_ranks[0], groups.sync_group)
+
+
+def _interleaved(parts: Mapping[int, list[Experience]]) -> list[tuple[int, Experience]]:
+    """Micro-batch j of every chunk (in chunk order) before micro-batch j+1 of any."""
+    longest = max(len(chunk_parts) for chunk_parts in parts.values())
+    return [(chunk, chunk_parts[index]) for index in range(longest) for chunk, chunk_parts in parts.items()
+            if index < len(chunk_parts)]
 
 
 def _from_holders(local: dict[str, float]) -> dict[str, float]:

@@ -9,6 +9,9 @@ A custom loop needs only these two calls (`train_rlhf(part, text_batch)` adds th
             for part in experience.split(micro_batch_size):
                 stats = trainer.train_rlhf(part)
 
+As written, every micro-batch's token mean weighs alike (`micro_batch_token_mean`); step 3's loop passes
+each one's `loss_weights` to `train_rlhf` so that an optimizer step takes the mean over all its tokens.
+
 Layout of an experience: `sequences` [B, P+N] are left-padded prompts followed by right-padded
 answers; every per-token tensor ([B, N]) is aligned with the answer tokens, so position j holds the
 log-probability / value / reward of answer token j, and `action_mask` is 1 on the generated
@@ -54,6 +57,7 @@ from training.generation.generator import (
     eval_mode,
     repeat_per_prompt,
 )
+from training.loops.accumulation import accumulation_weights
 from training.loops.call_times import CallTimer
 from training.reliability.guards import check_finite, step_engine
 from utils.dist import current_device, sum_over_ranks
@@ -61,6 +65,9 @@ from training.rewards import RewardFunction
 from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+LOSS_AGG_MODES = ("token_mean", "micro_batch_token_mean")
+
 
 @dataclass
 class PPOConfig:
@@ -105,6 +112,12 @@ class PPOConfig:
     policy_loss: str = field(default="ppo", metadata={"help": "actor loss (training.algorithms registry)"})
     value_loss: str = field(default="clipped", metadata={
         "help": "critic loss (training.algorithms registry); unused without a critic"})
+    loss_agg_mode: str = field(default="token_mean", metadata={
+        "choices": LOSS_AGG_MODES,
+        "help": "how an optimizer step averages the actor's and critic's per-token losses: token_mean, over all its "
+                "answer tokens on every rank and accumulated micro-batch (verl's); micro_batch_token_mean, each "
+                "micro-batch's token mean alike (DeepSpeed-Chat's: a token of a micro-batch of short answers weighs "
+                "more)"})
     recompute_old_logprobs: bool = field(default=False, metadata={
         "help": "always take the old log-probs from a forward of the actor after generation, even when the "
                 "generator's own log-probs are at parity with the training forward (fp32) and are reused"})
@@ -492,18 +505,30 @@ class PPOTrainer:
 
     # updates ------------------------------------------------------------------------------------
 
-    def train_rlhf(self, experience: Experience,
-                   unsupervised_batch: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+    def loss_weights(self, parts: Sequence[Experience], role: str) -> list[float]:
+        """The weight of each micro-batch's token-mean losses for `role` ("actor" or "critic"), `parts` being this
+        rank's micro-batches in training order (every PPO epoch's). Under `token_mean` each optimizer step's loss
+        is the mean over all its answer tokens on all the role's ranks (collective over them:
+        `accumulation_weights`); under `micro_batch_token_mean` every micro-batch weighs 1."""
+        if self.config.loss_agg_mode == "micro_batch_token_mean":
+            return [1.0] * len(parts)
+        model = self.engine.actor if role == "actor" else self.engine.critic
+        tokens = [int(part.action_mask.sum().item()) for part in parts]
+        return accumulation_weights(tokens, model.gradient_accumulation_steps(), self._group(role))
+
+    def train_rlhf(self, experience: Experience, unsupervised_batch: Mapping[str, torch.Tensor] | None = None,
+                   actor_weight: float = 1.0, critic_weight: float = 1.0) -> dict[str, float]:
         """One PPO update on `experience` of the actor (the policy loss) and, if there is one, the critic
-        (the value loss)."""
-        stats = self.train_actor(experience, unsupervised_batch)
+        (the value loss), their token means multiplied by their `loss_weights`."""
+        stats = self.train_actor(experience, unsupervised_batch, weight=actor_weight)
         if self.engine.critic is None:
             return stats
-        return {**stats, **self.train_critic(experience)}
+        return {**stats, **self.train_critic(experience, weight=critic_weight)}
 
-    def train_actor(self, experience: Experience,
-                    unsupervised_batch: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
-        """One update of the actor on `experience`.
+    def train_actor(self, experience: Experience, unsupervised_batch: Mapping[str, torch.Tensor] | None = None,
+                    weight: float = 1.0) -> dict[str, float]:
+        """One update of the actor on `experience`, its token-mean losses (policy, and KL in the loss) multiplied
+        by `weight` (`loss_weights`).
 
         With `unsupervised_batch` (pretraining text: the PPO-ptx mixture), the actor minimises InstructGPT's
         single objective, policy loss + unsup_coef * language-model loss, in one backward and ONE optimizer
@@ -511,10 +536,10 @@ class PPOTrainer:
         until that backward.
         """
         with self.clock.time("train_actor"):
-            return self._train_actor(experience, unsupervised_batch)
+            return self._train_actor(experience, unsupervised_batch, weight)
 
-    def _train_actor(self, experience: Experience,
-                     unsupervised_batch: Mapping[str, torch.Tensor] | None) -> dict[str, float]:
+    def _train_actor(self, experience: Experience, unsupervised_batch: Mapping[str, torch.Tensor] | None,
+                     weight: float) -> dict[str, float]:
         config = self.config
         actor = self.engine.actor
         mask = experience.action_mask
@@ -531,6 +556,7 @@ class PPOTrainer:
             kl_term = kl_loss(logprobs, experience.ref_logprobs, mask, config.kl_estimator)
             objective = objective + self.kl_controller.value * kl_term
             extra_stats["kl_loss"] = kl_term.item()
+        objective = objective * weight
         if unsupervised_batch is not None:
             lm_loss = self._language_model_loss(unsupervised_batch)
             check_finite("unsupervised loss", lm_loss, step, group=self._group("actor"))
@@ -540,15 +566,16 @@ class PPOTrainer:
         return {"actor_loss": policy.loss.item(), "clip_fraction": policy.clip_fraction.item(),
                 "approx_kl": policy.approx_kl.item(), "entropy": entropy.item(), **extra_stats}
 
-    def train_critic(self, experience: Experience) -> dict[str, float]:
-        """One update of the critic on `experience` (the clipped value loss)."""
+    def train_critic(self, experience: Experience, weight: float = 1.0) -> dict[str, float]:
+        """One update of the critic on `experience` (the value loss, a token mean, multiplied by `weight`:
+        `loss_weights`)."""
         critic = self.engine.critic
         with self.clock.time("train_critic"):
             groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length, (critic,))
             value = self.value_loss(groups.answer_values(critic), experience.old_values, experience.returns,
                                     experience.action_mask, self.config)
             check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
-            critic.backward(value.loss)
+            critic.backward(value.loss * weight)
             step_engine(critic, "critic")
         return {"critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
 

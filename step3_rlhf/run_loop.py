@@ -229,16 +229,16 @@ class PPORun:
         """`ppo_epochs` passes of micro-batch updates (with the pretraining mixture); the mean statistics, and the
         run's skipped optimizer steps so far."""
         args, trainer = self.args, self.trainer
+        parts = [part for _ in range(args.loop.ppo_epochs) for experience in batches
+                 for part in experience.split(args.loop.per_device_training_batch_size)]
+        actor_weights = trainer.loss_weights(parts, "actor")
+        critic_weights = trainer.loss_weights(parts, "critic") if self.engine.critic is not None else actor_weights
         updates: dict[str, float] = {}
-        count = 0
-        for _ in range(args.loop.ppo_epochs):
-            for experience in batches:
-                for part in experience.split(args.loop.per_device_training_batch_size):
-                    pretraining = self.unsupervised.next() if self.unsupervised is not None else None
-                    for key, value in trainer.train_rlhf(part, pretraining).items():
-                        updates[key] = updates.get(key, 0.0) + value
-                    count += 1
-        return {**{key: value / count for key, value in updates.items()}, **trainer.skipped_steps()}
+        for part, actor_weight, critic_weight in zip(parts, actor_weights, critic_weights):
+            pretraining = self.unsupervised.next() if self.unsupervised is not None else None
+            for key, value in trainer.train_rlhf(part, pretraining, actor_weight, critic_weight).items():
+                updates[key] = updates.get(key, 0.0) + value
+        return {**{key: value / len(parts) for key, value in updates.items()}, **trainer.skipped_steps()}
 
     def learning_rates(self) -> dict[str, float]:
         rates = {"train/actor_lr": self.engine.actor.get_lr()[0]}

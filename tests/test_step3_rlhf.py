@@ -103,18 +103,16 @@ class FixedAnswers:
 
 
 def build_engine(inputs, lr: float = 1e-3, reward: torch.nn.Module | None = None, seed_offset: int = 0,
-                 reference_dir: str | None = None) -> RLHFEngine:
+                 reference_dir: str | None = None, accumulation: int = 1) -> RLHFEngine:
     """Tiny actor, critic and reward engines; the reference is another tiny model unless `reference_dir` is given."""
     tokenizer = load_tokenizer(inputs["actor"])
     settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
-                                    micro_batch_size=4)
+                                    micro_batch_size=4, gradient_accumulation_steps=accumulation)
     actor = create_train_engine(load_causal_lm(inputs["actor"], tokenizer, disable_dropout_layers=True), settings)
     if reference_dir is None:
         reference_dir = make_tiny_model_dir(inputs["root"] / f"reference{seed_offset}", "llama", seed=7 + seed_offset)
     reference = create_frozen_engine(load_causal_lm(reference_dir, tokenizer, disable_dropout_layers=True))
-    critic_settings = OptimizationSettings(learning_rate=lr, num_training_steps=1000, lr_scheduler_type="constant_with_warmup",
-                                           micro_batch_size=4)
-    critic = create_train_engine(RewardModel.from_pretrained(inputs["reward"], disable_dropout_layers=True), critic_settings)
+    critic = create_train_engine(RewardModel.from_pretrained(inputs["reward"], disable_dropout_layers=True), settings)
     if reward is None:
         reward = create_frozen_engine(RewardModel.from_pretrained(inputs["reward"], disable_dropout_layers=True))
     return RLHFEngine(actor, reference, critic, reward, tokenizer)
@@ -396,6 +394,54 @@ def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed
     for (name, trained), expected in zip(engine.actor.module.named_parameters(), twin.actor.module.parameters()):
         torch.testing.assert_close(trained, expected, msg=name)
     assert stats["train/unsup_loss"] == pytest.approx(sum(lm_losses) / len(lm_losses))
+
+
+def ppo_step_gradients(inputs, monkeypatch, micro_batch: int, accumulation: int, mode: str) -> dict:
+    """One PPO step on two fixed answers of 4 and 1 tokens, trained as `accumulation` micro-batches of `micro_batch`:
+    the actor's and the critic's gradients at their (one) optimizer step."""
+    from step3_rlhf import ppo_trainer
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.run_loop import PPORun
+    from training.reliability.guards import step_engine
+
+    gradients = {}
+
+    def recording(engine, name):
+        if engine.is_gradient_accumulation_boundary():
+            gradients[name] = torch.cat([p.grad.flatten() for p in engine.module.parameters() if p.grad is not None])
+        return step_engine(engine, name)
+
+    monkeypatch.setattr(ppo_trainer, "step_engine", recording)
+    args = parse_args(step3_argv(inputs, "unused", "--generation_batches", "1", "--ppo_epochs", "1",
+                                 "--per_device_generation_batch_size", "2",
+                                 "--per_device_training_batch_size", str(micro_batch),
+                                 "--gradient_accumulation_steps", str(accumulation)))
+    engine = build_engine(inputs, accumulation=accumulation)
+    eos = engine.tokenizer.eos_token_id
+    generator = FixedAnswers(torch.tensor([[5, 6, 7, eos, 9], [eos, 11, 12, 13, 14]]), eos,
+                             engine.tokenizer.pad_token_id)
+    trainer = PPOTrainer(engine, generator, PPOConfig(max_answer_seq_len=5, loss_agg_mode=mode))
+    run = PPORun(args, engine, trainer, ListStream([prompt_batch(engine.tokenizer, 2)]), None, None, total_steps=1,
+                 checkpoints=None, metrics=None)
+    run.ppo_step()
+    assert engine.actor.global_steps == engine.critic.global_steps == 1
+    return gradients
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "micro_batch_token_mean"])
+def test_an_accumulated_ppo_step_averages_over_all_its_answer_tokens_under_token_mean(distributed, inputs,
+                                                                                      monkeypatch, mode):
+    """Answers of 4 and 1 tokens, in one micro-batch or in two accumulated ones: under token_mean (the default) the
+    actor's and the critic's gradients are the same, the mean over the 5 tokens; under DeepSpeed-Chat's
+    micro_batch_token_mean they are not (the short answer's one token weighs as much as the other's four)."""
+    whole = ppo_step_gradients(inputs, monkeypatch, micro_batch=2, accumulation=1, mode=mode)
+    split = ppo_step_gradients(inputs, monkeypatch, micro_batch=1, accumulation=2, mode=mode)
+    for role in ("actor", "critic"):
+        difference = ((split[role] - whole[role]).norm() / whole[role].norm()).item()
+        if mode == "token_mean":
+            assert difference < 1e-5, (role, difference)
+        else:
+            assert difference > 1e-2, (role, difference)
 
 
 def exact_kl_along_greedy_answers(engine: RLHFEngine, trainer: PPOTrainer, prompts: dict[str, torch.Tensor]) -> float:
