@@ -115,6 +115,16 @@ def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path
     assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [3]
 
 
+def test_accumulation_weights_make_each_steps_loss_the_mean_over_its_items():
+    from training.loops.accumulation import accumulation_weights
+
+    weights = accumulation_weights([2, 12, 5, 5], accumulation=2)  # two steps on one rank
+    assert weights == pytest.approx([4 / 14, 24 / 14, 1.0, 1.0])
+    assert accumulation_weights([7, 7, 7], accumulation=1) == [1.0, 1.0, 1.0]  # exactly: a run's numbers stay as they were
+    with pytest.raises(ValueError, match="whole optimizer steps"):
+        accumulation_weights([1, 2, 3], accumulation=2)
+
+
 def _uneven_answers(tokenizer):
     """Two SFT items whose answers differ sixfold in predicted tokens (the rest of each is prompt, labelled -100)."""
     items = []
