@@ -183,6 +183,7 @@ class PlacedPPO:
         """Sampled experiences of every chunk, then the KL coefficient's update from all of them (as the co-located
         run's update from every rank's answers)."""
         experiences = self.experiences(prompt_batch, do_sample=True)
+        self.trainer.whiten_advantages(list(experiences.values()), over_ranks=False)  # every chunk is on every rank
         total = sum(experience.kl.sum().item() for experience in experiences.values())
         count = sum(experience.kl.numel() for experience in experiences.values())
         self.trainer.kl_controller.update(total / max(count, 1), int(count))

@@ -47,6 +47,7 @@ from training.algorithms import (
     kl_from_logits,
     kl_loss,
     masked_mean,
+    whiten,
 )
 from training.core.answer_window import RowGroups
 from training.generation.generator import (
@@ -84,7 +85,9 @@ class PPOConfig:
     gamma: float = field(default=1.0, metadata={"help": "discount factor"})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda"})
     whiten_advantages: bool = field(default=True, metadata={
-        "flag": "disable_advantage_whitening", "negated": True, "help": "use raw advantages"})
+        "flag": "disable_advantage_whitening", "negated": True,
+        "help": "use raw advantages (gae's and reinforce_pp's are otherwise whitened over the generation batch of "
+                "every rank)"})
     no_eos_penalty: float = field(default=0.0, metadata={
         "help": "subtract this from the score of answers cut off before emitting EOS"})
     # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it; step 3's --temperature
@@ -314,8 +317,20 @@ class PPOTrainer:
         and values are exactly what the first PPO epoch's train-mode forward starts from.
         """
         experience = self._rollout(prompt_batch, do_sample=True)
+        self.whiten_advantages([experience], over_ranks=True)
         update_kl_controller(self.kl_controller, experience.kl)
         return experience
+
+    def whiten_advantages(self, experiences: Sequence[Experience], over_ranks: bool) -> None:
+        """Whiten the advantages of one generation batch's `experiences` together, over all their answer tokens and,
+        with `over_ranks` (collective), every rank's, where the estimator's are whitened
+        (`AdvantageEstimator.whitened`) and --disable_advantage_whitening is off."""
+        if not (self.advantage_estimator.whitened and self.config.whiten_advantages):
+            return
+        whitened = whiten([experience.advantages for experience in experiences],
+                          [experience.action_mask for experience in experiences], over_ranks)
+        for experience, advantages in zip(experiences, whitened):
+            experience.advantages = advantages
 
     def evaluate_prompts(self, prompt_batch: Mapping[str, Any]) -> Experience:
         """Greedy answers to a prompt batch (one each), scored like a rollout, with no advantages (zeros);

@@ -149,12 +149,66 @@ def test_kl_from_logits_is_the_exact_kl_summed_over_masked_positions():
 def test_whiten_uses_only_masked_entries():
     x = torch.tensor([[1.0, 2.0, 3.0, GARBAGE], [5.0, GARBAGE, GARBAGE, GARBAGE]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
-    out = whiten(x, mask)
+    [out] = whiten([x], [mask])
     assert torch.all(out[mask == 0] == 0)
     torch.testing.assert_close(masked_mean(out, mask), torch.tensor(0.0), atol=1e-6, rtol=0)
     torch.testing.assert_close(masked_mean(out**2, mask), torch.tensor(1.0), atol=1e-5, rtol=0)
-    kept = whiten(x, mask, shift_mean=False)
+    [kept] = whiten([x], [mask], shift_mean=False)
     torch.testing.assert_close(masked_mean(kept, mask), masked_mean(x, mask))
+
+
+def test_whitening_pieces_together_is_whitening_them_as_one_batch():
+    """Two generation batches' pieces (of different widths) take the statistics of all their masked entries."""
+    torch.manual_seed(0)
+    first, second = torch.randn(2, 5) * 3 + 1, torch.randn(3, 4)
+    first_mask, second_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), torch.tensor([[1, 0, 0, 0]] * 3)
+    together = whiten([first, second], [first_mask, second_mask])
+    padded = torch.cat([first, torch.nn.functional.pad(second, (0, 1))])
+    padded_mask = torch.cat([first_mask, torch.nn.functional.pad(second_mask, (0, 1))])
+    [whole] = whiten([padded], [padded_mask])
+    torch.testing.assert_close(torch.cat([together[0], torch.nn.functional.pad(together[1], (0, 1))]), whole)
+    alone = whiten([second], [second_mask])[0]
+    assert (alone - together[1]).abs().max() > 0.1  # each piece on its own scale was the per-rank whitening
+
+
+TWO_RANKS_WHITENING = """
+import sys
+import torch
+from utils.dist import get_rank, init_distributed
+init_distributed()
+from training.algorithms import whiten
+torch.manual_seed(0)
+x, mask = torch.randn(2, 5) * 3 + 1, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+if get_rank() == 1:
+    x, mask = torch.randn(3, 4) - 2, torch.tensor([[1, 0, 0, 0]] * 3)
+[out] = whiten([x], [mask], over_ranks=True)
+torch.save({"x": x, "mask": mask, "out": out}, f"{sys.argv[1]}/rank{get_rank()}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_whitening_over_ranks_takes_every_ranks_rows_together(tmp_path):
+    """Two ranks with rows of different scales: `over_ranks` whitens each rank's rows with the statistics of both
+    ranks' rows, as one process whitening them all (per-rank statistics gave each rank its own scale)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, TESTS_DIR
+
+    from utils.dist import free_port
+
+    script = tmp_path / "whiten.py"
+    script.write_text(TWO_RANKS_WHITENING)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(script), str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    expected = whiten([r["x"] for r in ranks], [r["mask"] for r in ranks])
+    for rank, want in zip(ranks, expected):
+        torch.testing.assert_close(rank["out"], want)
 
 
 def test_no_eos_penalty_only_hits_unfinished_answers():
@@ -213,16 +267,16 @@ def test_a_registered_estimator_is_picked_up_with_its_critic_need(monkeypatch):
         register_advantage_estimator("toy", needs_critic=True)(toy)
 
 
-@pytest.mark.parametrize("whiten_advantages", [True, False])
-def test_gae_estimator_is_gae_then_optional_whitening(whiten_advantages):
+def test_gae_estimator_is_gae_whitened_by_the_trainer():
     torch.manual_seed(0)
     values, rewards = torch.randn(3, 5), torch.randn(3, 5)
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]])
-    config = SimpleNamespace(gamma=0.9, lam=0.8, whiten_advantages=whiten_advantages)
-    advantages, returns = get_advantage_estimator("gae")(AdvantageInputs(rewards, mask, values), config)
+    estimator = get_advantage_estimator("gae")
+    advantages, returns = estimator(AdvantageInputs(rewards, mask, values), SimpleNamespace(gamma=0.9, lam=0.8))
     expected, expected_returns = compute_advantages_and_returns(values, rewards, mask, 0.9, 0.8)
-    torch.testing.assert_close(advantages, whiten(expected, mask) if whiten_advantages else expected, rtol=0, atol=0)
+    torch.testing.assert_close(advantages, expected, rtol=0, atol=0)
     torch.testing.assert_close(returns, expected_returns, rtol=0, atol=0)
+    assert estimator.whitened and not get_advantage_estimator("group_normalized").whitened
 
 
 def test_registered_losses_are_the_clipped_losses_at_the_configs_ranges():
@@ -275,14 +329,16 @@ def test_reinforce_pp_whitens_discounted_returns_to_go_over_the_batch():
     g = GARBAGE
     rewards = torch.tensor([[0.0, 1.0, g], [-1.0, g, g]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    advantages, returns = get_advantage_estimator("reinforce_pp")(AdvantageInputs(rewards, mask),
-                                                                 SimpleNamespace(gamma=0.5))
+    estimator = get_advantage_estimator("reinforce_pp")
+    advantages, returns = estimator(AdvantageInputs(rewards, mask), SimpleNamespace(gamma=0.5))
     # returns-to-go: row 0 [0 + 0.5 * 1, 1] = [0.5, 1], row 1 [-1]
     torch.testing.assert_close(returns, torch.tensor([[0.5, 1.0, 0.0], [-1.0, 0.0, 0.0]]))
-    # whitened over the three answer tokens: mean 1/6, variance (1/9 + 25/36 + 49/36) / 3 = 13/18
+    torch.testing.assert_close(advantages, returns)
+    # the trainer whitens them over the three answer tokens: mean 1/6, variance (1/9 + 25/36 + 49/36) / 3 = 13/18
+    assert estimator.whitened
     std = math.sqrt(13 / 18)
     expected = torch.tensor([[(0.5 - 1 / 6) / std, (1 - 1 / 6) / std, 0.0], [(-1 - 1 / 6) / std, 0.0, 0.0]])
-    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(whiten([advantages], [mask])[0], expected)
 
 
 def test_remax_subtracts_the_greedy_answers_reward():

@@ -482,9 +482,10 @@ def test_held_out_kl_is_the_exact_kl_along_the_greedy_answers(distributed, input
             assert expected == pytest.approx(0.0, abs=1e-6)
 
 
-def test_adaptive_kl_coefficient_is_updated_from_the_global_batch_on_two_ranks():
+def test_the_kl_coefficient_and_the_advantages_whitening_take_the_global_batch_on_two_ranks():
     """torchrun, 2 ranks with different KLs and batch sizes: both hold the coefficient computed from
-    the pooled batch, and a resume from rank 0's state restores it on both."""
+    the pooled batch, and a resume from rank 0's state restores it on both; the advantages are whitened over
+    both ranks' rows together (each rank's own statistics gave each its own scale)."""
     env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -492,7 +493,7 @@ def test_adaptive_kl_coefficient_is_updated_from_the_global_batch_on_two_ranks()
         capture_output=True, text=True, env=env, timeout=180,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "KL_OK" in result.stdout, result.stdout
+    assert "KL_OK" in result.stdout and "WHITEN_OK" in result.stdout, result.stdout
 
 
 # critic-free estimators --------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The worker of the 2-rank adaptive-KL test (`torchrun --nproc_per_node 2 kl_controller_worker.py`).
+"""The worker of the 2-rank adaptive-KL and whitening test (`torchrun --nproc_per_node 2 kl_controller_worker.py`).
 
 Each rank runs `PPOTrainer.generate_experience` on scripted rollouts of its own size and KL (no
-model: only the rollout is replaced, the KL update around it is the trainer's), then checks on
-every rank that the coefficient equals the one computed from the pooled batches, that both ranks
-hold the same value, and that loading rank 0's trainer state (what a resumed run does) restores it.
-Rank 0 prints `KL_OK` when all ranks passed.
+model: only the rollout is replaced, the KL update and the advantages' whitening around it are the
+trainer's), then checks on every rank that the coefficient equals the one computed from the pooled
+batches, that both ranks hold the same value, and that loading rank 0's trainer state (what a
+resumed run does) restores it. The rollouts' advantages (GAE's, unwhitened) are their KLs, of a
+different scale on each rank: each rank's come out whitened with the mean and variance of both
+ranks' together. Rank 0 prints `KL_OK` and `WHITEN_OK` when all ranks passed.
 """
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ ROLLOUT_KLS = {  # rank: the per-answer KLs of each of its rollouts (different b
 
 
 def scripted_experience(kls: list[float]) -> Experience:
-    """An experience whose only meaningful field is its per-answer KL."""
+    """An experience of one-token answers whose per-answer KL, and advantage, are `kls`."""
     rows = torch.zeros(len(kls), 1)
-    return Experience(sequences=rows.long(), attention_mask=rows.long(), prompt_length=0, action_mask=rows.long(),
-                      old_logprobs=rows, ref_logprobs=rows, old_values=rows, rewards=rows, advantages=rows,
-                      returns=rows, scores=rows[:, 0], kl=torch.tensor(kls), ended_with_eos=rows[:, 0].bool())
+    return Experience(sequences=rows.long(), attention_mask=rows.long(), prompt_length=0,
+                      action_mask=torch.ones_like(rows, dtype=torch.long), old_logprobs=rows, ref_logprobs=rows,
+                      old_values=rows, rewards=rows, advantages=torch.tensor(kls)[:, None], returns=rows,
+                      scores=rows[:, 0], kl=torch.tensor(kls), ended_with_eos=rows[:, 0].bool())
 
 
 class ScriptedRollouts(PPOTrainer):
@@ -59,8 +62,11 @@ def main() -> None:
     init_distributed()
     rank = get_rank()
     trainer = ScriptedRollouts(ROLLOUT_KLS[rank])
-    for _ in ROLLOUT_KLS[rank]:
-        trainer.generate_experience({})
+    for rounds in zip(*ROLLOUT_KLS.values()):
+        advantages = trainer.generate_experience({}).advantages.flatten()
+        pooled = torch.tensor([kl for rollout in rounds for kl in rollout])
+        expected = (torch.tensor(rounds[rank]) - pooled.mean()) / pooled.var(unbiased=False).add(1e-8).sqrt()
+        torch.testing.assert_close(advantages, expected, msg=f"rank {rank}")
     value = trainer.kl_controller.value
     assert math.isclose(value, pooled_coefficient(), rel_tol=1e-6), (rank, value, pooled_coefficient())  # fp32 KLs
     values = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
@@ -73,6 +79,7 @@ def main() -> None:
     torch.distributed.barrier()
     if rank == 0:
         print("KL_OK", value, flush=True)
+        print("WHITEN_OK", flush=True)
 
 
 if __name__ == "__main__":

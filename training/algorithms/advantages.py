@@ -5,13 +5,16 @@ both 0 off the answer tokens. `inputs.rewards` are the shaped per-token rewards 
 the score on each answer's last token, plus the KL penalty on every token when the KL is in the reward),
 `config` the trainer's settings (each estimator reads the fields it uses). Each declares what it needs:
 a critic (`values`), groups of answers to one prompt (`group_index`, `min_group_size` rows each), or the
-reward of the prompt's greedy answer (`baseline_rewards`); the trainer and engine provide exactly that.
+reward of the prompt's greedy answer (`baseline_rewards`); the trainer and engine provide exactly that. An
+estimator registered `whitened` returns its advantages as they are, and the trainer whitens them over the
+answer tokens of the whole generation batch, every rank's rows together (unless --disable_advantage_whitening):
+one rank's few rows would give each rank its own scale.
 
 The critic-free estimators use each answer's return R = the sum of its per-token rewards (its outcome)
 and put one advantage on all of its tokens, except REINFORCE++, which keeps token-level returns-to-go:
 - `group_normalized` (GRPO): (R - mean of the group) / (std of the group + eps), the sample std;
 - `leave_one_out` (RLOO): R - mean of the OTHER answers of the group;
-- `reinforce_pp` (REINFORCE++): returns-to-go sum_{t'>=t} gamma^(t'-t) r_t', whitened over the batch's answer tokens;
+- `reinforce_pp` (REINFORCE++): returns-to-go sum_{t'>=t} gamma^(t'-t) r_t', whitened;
 - `greedy_baseline` (ReMax): R - the reward of the prompt's greedy answer.
 """
 from __future__ import annotations
@@ -21,7 +24,6 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from training.algorithms.core import whiten
 from utils.registry import Registry
 
 
@@ -58,6 +60,7 @@ class AdvantageEstimator:
     needs_critic: bool
     min_group_size: int = 1  # answers per prompt it needs (--n_samples_per_prompt)
     needs_greedy_baseline: bool = False
+    whitened: bool = False  # its advantages are whitened over the generation batch (by the trainer)
 
     def __call__(self, inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fn(inputs, config)
@@ -67,11 +70,12 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 
 
 def register_advantage_estimator(name: str, needs_critic: bool, min_group_size: int = 1,
-                                 needs_greedy_baseline: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+                                 needs_greedy_baseline: bool = False,
+                                 whitened: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register an estimator function under `name` (the function itself is returned unchanged)."""
 
     def register(fn: EstimatorFn) -> EstimatorFn:
-        entry = AdvantageEstimator(name, fn, needs_critic, min_group_size, needs_greedy_baseline)
+        entry = AdvantageEstimator(name, fn, needs_critic, min_group_size, needs_greedy_baseline, whitened)
         ADVANTAGE_ESTIMATORS.add(name, entry)
         return fn
 
@@ -118,22 +122,16 @@ def group_sums(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.T
 class GAEConfig(Protocol):
     gamma: float
     lam: float
-    whiten_advantages: bool
 
 
 class GroupConfig(Protocol):
     group_std_eps: float
 
 
-@register_advantage_estimator("gae", needs_critic=True)
+@register_advantage_estimator("gae", needs_critic=True, whitened=True)
 def gae(inputs: AdvantageInputs, config: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE(gamma, lambda) on the critic's values, then the advantages whitened over the batch's answer
-    tokens unless `whiten_advantages` is off; the returns are the critic's targets."""
-    advantages, returns = compute_advantages_and_returns(inputs.values, inputs.rewards, inputs.action_mask,
-                                                         config.gamma, config.lam)
-    if config.whiten_advantages:
-        advantages = whiten(advantages, inputs.action_mask)
-    return advantages, returns
+    """GAE(gamma, lambda) on the critic's values (whitened by the trainer); the returns are the critic's targets."""
+    return compute_advantages_and_returns(inputs.values, inputs.rewards, inputs.action_mask, config.gamma, config.lam)
 
 
 @register_advantage_estimator("group_normalized", needs_critic=False, min_group_size=2)
@@ -157,12 +155,12 @@ def leave_one_out(inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, t
     return inputs.on_answer_tokens(advantages), inputs.on_answer_tokens(returns)
 
 
-@register_advantage_estimator("reinforce_pp", needs_critic=False)
+@register_advantage_estimator("reinforce_pp", needs_critic=False, whitened=True)
 def reinforce_pp(inputs: AdvantageInputs, config: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: each token's discounted return-to-go (no critic), whitened over the batch's answer tokens."""
+    """REINFORCE++: each token's discounted return-to-go (no critic), as advantage (whitened by the trainer)."""
     zeros = torch.zeros_like(inputs.rewards, dtype=torch.float32)
     returns, _ = compute_advantages_and_returns(zeros, inputs.rewards, inputs.action_mask, config.gamma, 1.0)
-    return whiten(returns, inputs.action_mask), returns
+    return returns.clone(), returns
 
 
 @register_advantage_estimator("greedy_baseline", needs_critic=False, needs_greedy_baseline=True)

@@ -7,7 +7,10 @@ contiguous runs of ones. Means over a mask are taken over every masked token of 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.distributed as torch_dist
 
 from training.core.sequences import token_entropies
 
@@ -21,14 +24,32 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked.sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Normalise `x` to unit variance (and zero mean if `shift_mean`) using only masked entries; masked-out entries become 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return torch.where(mask.bool(), out, torch.zeros_like(out))
+def whiten(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool = False,
+           shift_mean: bool = True, eps: float = 1e-8) -> list[torch.Tensor]:
+    """Normalise the tensors `xs` together to unit variance (and zero mean if `shift_mean`) over their masked
+    entries only, and over every rank's with `over_ranks` (collective: every rank calls it); masked-out entries
+    become 0. One tensor on one rank gets exactly the numbers of its own `masked_mean`s."""
+    mean = _pooled_mean(xs, masks, over_ranks)
+    var = _pooled_mean([(x - mean) ** 2 for x in xs], masks, over_ranks)
+    scale = torch.rsqrt(var + eps)
+    out = []
+    for x, mask in zip(xs, masks):
+        normalised = (x - mean) * scale
+        if not shift_mean:
+            normalised = normalised + mean
+        out.append(torch.where(mask.bool(), normalised, torch.zeros_like(normalised)))
+    return out
+
+
+def _pooled_mean(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool) -> torch.Tensor:
+    """The mean of the masked entries of all `xs` (and every rank's with `over_ranks`), as `masked_mean` takes it."""
+    totals = torch.stack([
+        sum(torch.where(mask.bool(), x, torch.zeros_like(x)).sum() for x, mask in zip(xs, masks)),
+        sum(mask.to(x.dtype).sum() for x, mask in zip(xs, masks)),
+    ])
+    if over_ranks and torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+        torch_dist.all_reduce(totals)
+    return totals[0] / totals[1].clamp(min=1.0)
 
 
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
