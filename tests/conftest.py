@@ -18,6 +18,24 @@ sys.path.insert(0, str(REPO_ROOT))
 import pytest  # noqa: E402
 
 
+def run_on_two_ranks(source: str, folder: Path, *args: str) -> str:
+    """Write `source` to a script in `folder` and run it under `torch.distributed.run` on 2 local ranks, the tests
+    and the repository importable, with `args`; asserts it exited 0 (with the end of its stderr) and returns its
+    stdout."""
+    import subprocess
+
+    from utils.dist import free_port
+
+    script = folder / "two_ranks.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(free_port()), str(script), *args], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.fixture(scope="session")
 def distributed():
     """A single-process DeepSpeed world (gloo on 127.0.0.1), shared by every test in the process."""

@@ -190,21 +190,9 @@ torch.save({"x": x, "mask": mask, "out": out}, f"{sys.argv[1]}/rank{get_rank()}.
 def test_whitening_over_ranks_takes_every_ranks_rows_together(tmp_path):
     """Two ranks with rows of different scales: `over_ranks` whitens each rank's rows with the statistics of both
     ranks' rows, as one process whitening them all (per-rank statistics gave each rank its own scale)."""
-    import os
-    import subprocess
-    import sys
+    from conftest import run_on_two_ranks
 
-    from conftest import REPO_ROOT, TESTS_DIR
-
-    from utils.dist import free_port
-
-    script = tmp_path / "whiten.py"
-    script.write_text(TWO_RANKS_WHITENING)
-    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), str(script), str(tmp_path)], capture_output=True, text=True, env=env,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_on_two_ranks(TWO_RANKS_WHITENING, tmp_path, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     expected = whiten([r["x"] for r in ranks], [r["mask"] for r in ranks])
     for rank, want in zip(ranks, expected):

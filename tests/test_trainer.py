@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import run_on_two_ranks
 from tiny_models import make_tiny_model
 
 from step1_sft.objective import evaluate_perplexity, sft_loss, sft_loss_items
@@ -357,21 +358,8 @@ if is_main_process():
 def test_the_loss_logged_first_after_a_resume_on_two_ranks_is_the_uninterrupted_runs(tmp_path):
     """The checkpoint holds the losses of steps not yet logged, of every rank: a resume on 2 ranks logs the same
     train/loss at its first log step as the uninterrupted run (each rank used to take rank 0's share)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO_ROOT, TESTS_DIR
-
-    from utils.dist import free_port
-
-    script = tmp_path / "loss_window.py"
-    script.write_text(TWO_RANKS_LOSS_WINDOW)
-    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), str(script), str(tmp_path)], capture_output=True, text=True, env=env,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    logged = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("whole ", "resumed ")))
+    stdout = run_on_two_ranks(TWO_RANKS_LOSS_WINDOW, tmp_path, str(tmp_path))
+    logged = dict(line.split(" ", 1) for line in stdout.splitlines() if line.startswith(("whole ", "resumed ")))
     assert logged["whole"] == logged["resumed"], logged
     assert "(4, " in logged["whole"]
 
@@ -416,21 +404,8 @@ if is_main_process():
 def test_a_step_over_two_ranks_averages_over_all_their_tokens_as_one_rank_does(distributed, tmp_path, monkeypatch):
     """The two answers of 2 and 12 tokens on two ranks, one each, at ZeRO-3: the gradient norm and the logged loss of
     the step are those of one rank's micro-batch of both (the ranks' token counts are summed before the step)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO_ROOT, TESTS_DIR
-
-    from utils.dist import free_port
-
-    script = tmp_path / "one_step.py"
-    script.write_text(TWO_RANKS_ONE_STEP)
-    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), str(script), str(tmp_path / "ranks")], capture_output=True, text=True,
-                            env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    norm, loss = next(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("step "))
+    stdout = run_on_two_ranks(TWO_RANKS_ONE_STEP, tmp_path, str(tmp_path / "ranks"))
+    norm, loss = next(line.split()[1:] for line in stdout.splitlines() if line.startswith("step "))
     whole = _one_step(tmp_path / "whole", monkeypatch, 2, 1, "fp32", 3)
     assert float(norm) == pytest.approx(float(whole["norm"]), rel=1e-5)
     assert float(loss) == pytest.approx(whole["loss"][0], rel=1e-6)
@@ -441,22 +416,9 @@ def test_a_step_over_two_ranks_averages_over_all_their_tokens_as_one_rank_does(d
 def test_a_held_out_set_split_over_two_ranks_counts_each_item_once(tmp_path, stage, batch):
     """5 held-out items on 2 ranks: the totals are the whole set's (a padding sampler counted the first item
     twice), at ZeRO-3 too, where the rank with fewer batches runs as many forwards."""
-    import subprocess
-    import sys
-
-    from conftest import REPO_ROOT, TESTS_DIR
-
-    from utils.dist import free_port
-
-    script = tmp_path / "evaluation.py"
-    script.write_text(TWO_RANKS_EVALUATION)
-    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), str(script), str(tmp_path), str(stage), str(batch)],
-                            capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for line in result.stdout.splitlines():
+    stdout = run_on_two_ranks(TWO_RANKS_EVALUATION, tmp_path, str(tmp_path), str(stage), str(batch))
+    for line in stdout.splitlines():
         if line.startswith(("tokens ", "loss ")):
             name, reported, expected = line.split()
             assert float(reported) == pytest.approx(float(expected), rel=1e-5), line
-    assert result.stdout.count("tokens ") == 2 and result.stdout.count("loss ") == (2 if stage == 0 else 0)
+    assert stdout.count("tokens ") == 2 and stdout.count("loss ") == (2 if stage == 0 else 0)
