@@ -232,10 +232,15 @@ def _weights(trainer):
     return {name: param.detach().clone() for name, param in trainer.engine.module.named_parameters()}
 
 
-def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path):
+@pytest.mark.parametrize("train_count,steps,epochs,evaluated_at", [
+    (8, 6, 3, [0, 2, 3, 4, 6]),  # 4 micro-batches an epoch: every optimizer step within one epoch
+    (6, 4, 2, [0, 1, 3, 3, 4]),  # 3 an epoch: steps 2 and 4 span an epoch's end (evaluated between their batches)
+])
+def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path, train_count, steps, epochs,
+                                                         evaluated_at):
     """GPT-2's dropout is on, so the resumed run matches only if RNG, data position and optimizer all come back."""
     torch.manual_seed(7)
-    straight = _trainer(tmp_path / "straight", LoopConfig(**RESUME_CONFIG), arch="gpt2")
+    straight = _trainer(tmp_path / "straight", LoopConfig(**RESUME_CONFIG), arch="gpt2", train_count=train_count)
     expected = straight.fit()
 
     micro_batches = []
@@ -250,7 +255,7 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path)
     torch.manual_seed(7)
     with GracefulInterrupt() as interrupt:
         stopped = _trainer(run_dir, LoopConfig(**RESUME_CONFIG), arch="gpt2", loss_fn=signalled_during_step_3,
-                           checkpoints=CheckpointManager(run_dir), interrupt=interrupt)
+                           checkpoints=CheckpointManager(run_dir), interrupt=interrupt, train_count=train_count)
         with pytest.raises(SystemExit) as exit_info:
             stopped.fit()
     assert exit_info.value.code == EXIT_INTERRUPTED
@@ -259,12 +264,12 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path)
 
     torch.manual_seed(12345)  # the checkpoint's RNG state must win over whatever the new process has
     resumed = _trainer(run_dir, LoopConfig(**RESUME_CONFIG), arch="gpt2", seed=99,
-                       checkpoints=CheckpointManager(run_dir), resume=True)
+                       checkpoints=CheckpointManager(run_dir), resume=True, train_count=train_count)
     result = resumed.fit()
-    assert result.steps == 6 and result.epochs_completed == 3
+    assert result.steps == expected.steps == steps and result.epochs_completed == expected.epochs_completed == epochs
     for name, value in _weights(straight).items():
         assert torch.equal(value, _weights(resumed)[name]), name
-    assert [e["step"] for e in result.evaluations] == [e["step"] for e in expected.evaluations] == [0, 2, 3, 4, 6]
+    assert [e["step"] for e in result.evaluations] == [e["step"] for e in expected.evaluations] == evaluated_at
     for got, want in zip(result.evaluations, expected.evaluations):
         assert got == pytest.approx(want, rel=1e-6)
     assert result.train_loss == pytest.approx(expected.train_loss, rel=1e-6)
