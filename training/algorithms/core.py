@@ -13,15 +13,21 @@ import torch
 import torch.distributed as torch_dist
 
 from training.core.sequences import token_entropies
+from utils.dist import get_world_size, is_initialized
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `x` where `mask` is 1 (over all elements, or along `dim`); NaN-safe for masked-out entries."""
+    total, count = _masked_totals(x, mask, dim)
+    return total / count.clamp(min=1.0)
+
+
+def _masked_totals(x: torch.Tensor, mask: torch.Tensor,
+                   dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of `x` where `mask` is 1 and the number of such entries (over all elements, or along `dim`)."""
     mask = mask.to(x.dtype)
     masked = torch.where(mask.bool(), x, torch.zeros_like(x))
-    if dim is None:
-        return masked.sum() / mask.sum().clamp(min=1.0)
-    return masked.sum(dim) / mask.sum(dim).clamp(min=1.0)
+    return (masked.sum(), mask.sum()) if dim is None else (masked.sum(dim), mask.sum(dim))
 
 
 def whiten(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool = False,
@@ -43,11 +49,8 @@ def whiten(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks
 
 def _pooled_mean(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool) -> torch.Tensor:
     """The mean of the masked entries of all `xs` (and every rank's with `over_ranks`), as `masked_mean` takes it."""
-    totals = torch.stack([
-        sum(torch.where(mask.bool(), x, torch.zeros_like(x)).sum() for x, mask in zip(xs, masks)),
-        sum(mask.to(x.dtype).sum() for x, mask in zip(xs, masks)),
-    ])
-    if over_ranks and torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+    totals = torch.stack([torch.stack(_masked_totals(x, mask)) for x, mask in zip(xs, masks)]).sum(0)
+    if over_ranks and is_initialized() and get_world_size() > 1:
         torch_dist.all_reduce(totals)
     return totals[0] / totals[1].clamp(min=1.0)
 
