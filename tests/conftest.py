@@ -18,6 +18,25 @@ sys.path.insert(0, str(REPO_ROOT))
 import pytest  # noqa: E402
 
 
+def recorded_step_gradients(monkeypatch, module) -> dict:
+    """Patch `module`'s `step_engine` to record, at each optimizer step, the gradient its engine holds in
+    `param.grad` (ZeRO-0; none under ZeRO-3), flattened, under the engine's name; returns the record."""
+    import torch
+
+    from training.reliability.guards import step_engine
+
+    gradients = {}
+
+    def recording(engine, name):
+        held = [p.grad.flatten() for p in engine.module.parameters() if p.grad is not None]
+        if engine.is_gradient_accumulation_boundary() and held:
+            gradients[name] = torch.cat(held)
+        return step_engine(engine, name)
+
+    monkeypatch.setattr(module, "step_engine", recording)
+    return gradients
+
+
 def run_on_two_ranks(source: str, folder: Path, *args: str) -> str:
     """Write `source` to a script in `folder` and run it under `torch.distributed.run` on 2 local ranks, the tests
     and the repository importable, with `args`; asserts it exited 0 (with the end of its stderr) and returns its

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TESTS_DIR
+from conftest import REPO_ROOT, TESTS_DIR, recorded_step_gradients
 from crash_resume import (
     assert_same_weights,
     kill_after_checkpoint,
@@ -402,16 +402,8 @@ def ppo_step_gradients(inputs, monkeypatch, micro_batch: int, accumulation: int,
     from step3_rlhf import ppo_trainer
     from step3_rlhf.main import parse_args
     from step3_rlhf.run_loop import PPORun
-    from training.reliability.guards import step_engine
 
-    gradients = {}
-
-    def recording(engine, name):
-        if engine.is_gradient_accumulation_boundary():
-            gradients[name] = torch.cat([p.grad.flatten() for p in engine.module.parameters() if p.grad is not None])
-        return step_engine(engine, name)
-
-    monkeypatch.setattr(ppo_trainer, "step_engine", recording)
+    gradients = recorded_step_gradients(monkeypatch, ppo_trainer)
     args = parse_args(step3_argv(inputs, "unused", "--generation_batches", "1", "--ppo_epochs", "1",
                                  "--per_device_generation_batch_size", "2",
                                  "--per_device_training_batch_size", str(micro_batch),

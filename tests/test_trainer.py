@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import run_on_two_ranks
+from conftest import recorded_step_gradients, run_on_two_ranks
 from tiny_models import make_tiny_model
 
 from step1_sft.objective import evaluate_perplexity, sft_loss, sft_loss_items
@@ -139,26 +139,18 @@ def _uneven_answers(tokenizer):
 
 def _one_step(tmp_path, monkeypatch, batch, accumulation, dtype="fp32", zero_stage=0):
     """One optimizer step on `_uneven_answers` as `accumulation` micro-batches of `batch`: the gradient DeepSpeed
-    applies (ZeRO-0 fp32: the whole vector; else its norm), the logged train/loss, and the weights it left."""
+    applies (ZeRO-0 fp32: the whole vector; always its norm) and the logged train/loss."""
     from training.loops import trainer as loop
-    from training.reliability.guards import step_engine
 
-    seen = {}
-
-    def recording(engine, name):
-        if engine.is_gradient_accumulation_boundary() and zero_stage == 0 and dtype == "fp32":
-            seen["gradient"] = torch.cat([p.grad.flatten() for p in engine.module.parameters()])
-        return step_engine(engine, name)
-
-    monkeypatch.setattr(loop, "step_engine", recording)
+    gradients = recorded_step_gradients(monkeypatch, loop)
     config = LoopConfig(per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, log_interval=1)
     trainer = _trainer(tmp_path, config, train_items=_uneven_answers, eval_count=1, dtype=dtype, zero_stage=zero_stage,
                        count_items=sft_loss_items)
     trainer.fit()
     assert trainer.engine.global_steps == 1
-    seen["norm"] = trainer.engine.get_global_grad_norm()  # None at ZeRO-0 fp32
-    seen["loss"] = [r["train/loss"] for r in read_metrics(tmp_path) if "train/loss" in r]
-    return seen
+    return {"gradient": gradients.get(config.description),
+            "norm": trainer.engine.get_global_grad_norm(),  # None at ZeRO-0 fp32
+            "loss": [r["train/loss"] for r in read_metrics(tmp_path) if "train/loss" in r]}
 
 
 def test_an_accumulated_step_averages_over_all_its_tokens_as_one_micro_batch_does(distributed, tmp_path,
