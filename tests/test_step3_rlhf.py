@@ -396,9 +396,10 @@ def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed
     assert stats["train/unsup_loss"] == pytest.approx(sum(lm_losses) / len(lm_losses))
 
 
-def ppo_step_gradients(inputs, monkeypatch, micro_batch: int, accumulation: int, mode: str) -> dict:
+def ppo_step_gradients(inputs, monkeypatch, micro_batch: int, accumulation: int,
+                       mode: str) -> tuple[dict, dict[str, float]]:
     """One PPO step on two fixed answers of 4 and 1 tokens, trained as `accumulation` micro-batches of `micro_batch`:
-    the actor's and the critic's gradients at their (one) optimizer step."""
+    the actor's and the critic's gradients at their (one) optimizer step, and the step's logged statistics."""
     from step3_rlhf import ppo_trainer
     from step3_rlhf.main import parse_args
     from step3_rlhf.run_loop import PPORun
@@ -415,9 +416,9 @@ def ppo_step_gradients(inputs, monkeypatch, micro_batch: int, accumulation: int,
     trainer = PPOTrainer(engine, generator, PPOConfig(max_answer_seq_len=5, loss_agg_mode=mode))
     run = PPORun(args, engine, trainer, ListStream([prompt_batch(engine.tokenizer, 2)]), None, None, total_steps=1,
                  checkpoints=None, metrics=None)
-    run.ppo_step()
+    stats = run.ppo_step()
     assert engine.actor.global_steps == engine.critic.global_steps == 1
-    return gradients
+    return gradients, stats
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "micro_batch_token_mean"])
@@ -425,15 +426,22 @@ def test_an_accumulated_ppo_step_averages_over_all_its_answer_tokens_under_token
                                                                                       monkeypatch, mode):
     """Answers of 4 and 1 tokens, in one micro-batch or in two accumulated ones: under token_mean (the default) the
     actor's and the critic's gradients are the same, the mean over the 5 tokens; under DeepSpeed-Chat's
-    micro_batch_token_mean they are not (the short answer's one token weighs as much as the other's four)."""
-    whole = ppo_step_gradients(inputs, monkeypatch, micro_batch=2, accumulation=1, mode=mode)
-    split = ppo_step_gradients(inputs, monkeypatch, micro_batch=1, accumulation=2, mode=mode)
+    micro_batch_token_mean they are not (the short answer's one token weighs as much as the other's four). The
+    logged losses follow: the mean the step minimised."""
+    whole, whole_stats = ppo_step_gradients(inputs, monkeypatch, micro_batch=2, accumulation=1, mode=mode)
+    split, split_stats = ppo_step_gradients(inputs, monkeypatch, micro_batch=1, accumulation=2, mode=mode)
     for role in ("actor", "critic"):
         difference = ((split[role] - whole[role]).norm() / whole[role].norm()).item()
+        loss = f"train/{role}_loss"
         if mode == "token_mean":
             assert difference < 1e-5, (role, difference)
+            assert split_stats[loss] == pytest.approx(whole_stats[loss], rel=1e-5, abs=1e-7)
         else:
             assert difference > 1e-2, (role, difference)
+            assert split_stats[loss] != pytest.approx(whole_stats[loss], rel=1e-2)
+    if mode == "token_mean":
+        for key in ("train/clip_fraction", "train/approx_kl", "train/entropy", "train/value_clip_fraction"):
+            assert split_stats[key] == pytest.approx(whole_stats[key], rel=1e-5, abs=1e-7), key
 
 
 def exact_kl_along_greedy_answers(engine: RLHFEngine, trainer: PPOTrainer, prompts: dict[str, torch.Tensor]) -> float:
