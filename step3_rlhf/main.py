@@ -167,7 +167,8 @@ def _build_streams(args: Step3Settings, tokenizer) -> tuple[BatchStream, BatchSt
     data, loop, seed = args.data, args.loop, args.data.seed
     train_prompts, eval_prompts = data.build(3, tokenizer)
     collator = PromptCollator(tokenizer.pad_token_id)
-    prompts = BatchStream(train_prompts, loop.per_device_generation_batch_size, collator, seed)
+    # every PPO step a full batch: a short one could not make whole optimizer steps of the accumulation
+    prompts = BatchStream(train_prompts, loop.per_device_generation_batch_size, collator, seed, drop_last=True)
     held_out = None
     if len(eval_prompts) > 0:
         held_out = BatchStream(eval_prompts, loop.per_device_generation_batch_size, collator, seed, shuffle=False)
@@ -249,6 +250,10 @@ def run_step3(args: Step3Settings) -> dict:
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s%s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,
                     f", placement {placement.describe()}" if placement is not None else "")
+        if prompts.rows_left_out:
+            logger.info("step3_rlhf: each epoch leaves out %d of the %d prompts per rank (not a full batch of %d; "
+                        "the reshuffle leaves out others each epoch)", prompts.rows_left_out, prompts.rows_per_rank,
+                        prompts.batch_size)
         run_args = (args, engine, trainer, prompts, eval_prompts, unsupervised, total_steps, checkpoints, metrics)
         timer = call_timer(engine, generator, placement) if args.placement.profile_calls else None
         if placement is None:

@@ -4,6 +4,7 @@ ranks, and the entry point writes every output a user expects."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -698,6 +699,38 @@ def test_an_accumulation_that_would_span_two_ppo_steps_is_refused(inputs, tmp_pa
     assert optimizer_steps_per_ppo_step(args_with(2)) == 2
     with pytest.raises(UserError, match="--gradient_accumulation_steps 3 does not divide the 4 training micro-batches"):
         check_args(args_with(3))
+
+
+def test_a_short_last_prompt_batch_is_left_out_so_every_ppo_step_makes_whole_optimizer_steps(
+        distributed, inputs, tmp_path, caplog):
+    """43 training prompts in batches of 12 leave a short batch of 7: two micro-batches (4 + 3) where an optimizer
+    step accumulates 3. It is left out (and said), so the epoch is 3 PPO steps of 3 whole optimizer steps each;
+    before, the fourth PPO step failed in the middle of the run."""
+    from step3_rlhf.main import main
+
+    caplog.set_level(logging.INFO, logger="step3_rlhf.main")
+    argv = step3_argv(inputs, tmp_path / "run", "--per_device_generation_batch_size", "12",
+                      "--per_device_training_batch_size", "4", "--gradient_accumulation_steps", "3",
+                      "--max_answer_seq_len", "4")
+    summary = main(argv)
+    assert summary["ppo_steps"] == 3
+    assert [record["step"] for record in read_metrics(tmp_path / "run") if "train/actor_loss" in record] == [1, 2, 3]
+    assert "each epoch leaves out 7 of the 43 prompts per rank" in caplog.text
+
+
+def test_a_dropping_batch_stream_hands_out_only_full_batches_and_resumes_in_place():
+    rows = [{"input_ids": torch.tensor([index]), "attention_mask": torch.ones(1, dtype=torch.long)}
+            for index in range(10)]
+    stream = BatchStream(rows, 4, PromptCollator(0), seed=0, drop_last=True)
+    assert (stream.batches_per_epoch, stream.rows_left_out) == (2, 2)
+    first_epoch = [stream.next()["input_ids"] for _ in range(2)]
+    assert all(batch.shape == (4, 1) for batch in first_epoch)
+    state = stream.state_dict()
+    continued = stream.next()["input_ids"]
+    assert stream.position.epoch == 1 and continued.shape == (4, 1)
+    resumed = BatchStream(rows, 4, PromptCollator(0), seed=0, drop_last=True)
+    resumed.load_state_dict(state)
+    torch.testing.assert_close(resumed.next()["input_ids"], continued)
 
 
 # resume after SIGKILL ------------------------------------------------------------------------------
