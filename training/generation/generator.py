@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 import torch
+from transformers import GenerationConfig as TransformersGenerationConfig
 
 from training.core.sequences import token_logprobs
 from training.core.zero import is_zero3_module
@@ -278,7 +279,7 @@ class HFGenerator:
         cuda_devices = [] if device.type != "cuda" else [
             device.index if device.index is not None else torch.cuda.current_device()]
         rng = torch.random.fork_rng(devices=cuda_devices) if config.seed is not None else contextlib.nullcontext()
-        with rng, eval_mode(self.module), torch.no_grad():
+        with rng, eval_mode(self.module), neutral_generation_config(self.module), torch.no_grad():
             if config.seed is not None:
                 torch.manual_seed(config.seed)
             out = self.module.generate(
@@ -304,3 +305,21 @@ class HFGenerator:
             answer_mask_from_tokens(answers, config.eos_token_id),
             config.pad_token_id,
         )
+
+
+@contextlib.contextmanager
+def neutral_generation_config(module: torch.nn.Module) -> Iterator[None]:
+    """`generate` draws from plain softmax(logits / T) while inside: the module's own generation config (its
+    folder's `generation_config.json`: a repetition penalty, an n-gram ban, a minimum length, beams, ...) is set
+    aside, because transformers fills every setting a call leaves unset from it. The log-probabilities this
+    backend reports, and the trainer recomputes, are those of the plain distribution, so anything else would make
+    the rollouts off-policy (and the `hf` backend sample otherwise than the hybrid engine)."""
+    saved = getattr(module, "generation_config", None)
+    if saved is None:
+        yield
+        return
+    module.generation_config = TransformersGenerationConfig()
+    try:
+        yield
+    finally:
+        module.generation_config = saved
