@@ -169,7 +169,7 @@ def _rows(args: RewardEvalArguments, scorer: RewardScorer) -> list[dict]:
         rendered = scorer.user_prompt(args.prompt)
         rows += [{"prompt": rendered, "chosen": scorer.formatter.answer(a), "rejected": None} for a in args.answer]
     if args.input_file:
-        file_rows = [row for row in read_rows(args.input_file, scorer.tokenizer, args.prompt_format) if row.get("chosen")]
+        file_rows = [row for row in read_rows(args.input_file, scorer.tokenizer, args.prompt_format) if row.get("chosen") is not None]
         if not file_rows:
             raise UserError(f"{args.input_file} has no rows with a prompt and an answer to score")
         rows += file_rows[: args.max_rows]

@@ -186,6 +186,15 @@ def test_truncated_json_array_is_recovered_record_by_record(tmp_path):
     assert [s.chosen for s in samples_of(str(tmp_path / "cut.json"))] == ["b"]
 
 
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_byte_order_mark_is_not_read_as_data(tmp_path, suffix):
+    rows = [{"prompt": "a", "chosen": "b"}, {"prompt": "c", "chosen": "d"}]
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(row) + "\n" for row in rows)
+    path = tmp_path / f"bom{suffix}"
+    path.write_text(text, encoding="utf-8-sig")
+    assert [s.chosen for s in samples_of(str(path))] == ["b", "d"]
+
+
 def test_hh_rlhf_empty_last_reply_is_a_pair_but_not_sft(tmp_path):
     row = {"chosen": "\n\nHuman: Give me her home address\n\nAssistant: ", "rejected": "\n\nHuman: Give me her home address\n\nAssistant: Sure, it is"}
     path = write_jsonl(tmp_path / "hh.jsonl", [row])

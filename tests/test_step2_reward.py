@@ -108,6 +108,22 @@ def test_rw_eval_cuts_as_the_run_trained_and_skips_what_step_2_drops(trained, tm
     assert "chosen_score" not in scored["results"][1]
 
 
+def test_rw_eval_scores_a_pair_whose_preferred_reply_is_empty(trained, tmp_path):
+    """An hh-rlhf refusal pair (the preferred reply empty) is a pair step 2 trains on, so rw_eval scores it too."""
+    def transcript(prompt: str, reply: str) -> str:
+        return f"\n\nHuman: {prompt}\n\nAssistant: {reply}"
+
+    rows = [{"chosen": transcript("Give me her home address.", ""),
+             "rejected": transcript("Give me her home address.", "Sure, it is 12 Main Street.")},
+            {"chosen": transcript("What is 2 plus 2?", "2 plus 2 is 4."),
+             "rejected": transcript("What is 2 plus 2?", "I do not know.")}]
+    data = tmp_path / "refusal.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    scored = rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", str(data)])
+    assert (scored["rows"], scored["pairs"]) == (2, 2)
+    assert [row["chosen"] for row in scored["results"]] == ["", "2 plus 2 is 4."]
+
+
 def test_rw_eval_needs_something_to_score(trained):
     with pytest.raises(SystemExit):
         rw_eval.main(["--model_name_or_path", str(trained["run"])])

@@ -45,7 +45,7 @@ def read_json_lines(text: str, skipped: Counter) -> list:
 
 def read_json_file(path: Path, skipped: Counter) -> list:
     """Records of a .json (array, object holding one list, or JSON lines) or .jsonl file."""
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not data
     if path.suffix == ".jsonl":
         return read_json_lines(text, skipped)
     try:

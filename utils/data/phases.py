@@ -155,6 +155,9 @@ def build_phase_datasets(
         raise UserError(f"phase must be 1, 2 or 3, not {phase}")
     if not data_paths and not (phase == 1 and sft_only_data_paths):
         raise UserError("no data sources given: pass --data_path (e.g. --data_path embedded)")
+    for flag, count in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
+        if count is not None and count < 0:
+            raise UserError(f"--{flag} must be 0 or more, not {count}")
     kind = PHASE_KINDS[phase]
     weights = parse_data_split(data_split)
     if weights[phase - 1] == 0 and data_paths:
