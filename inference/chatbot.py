@@ -63,7 +63,8 @@ class SamplingOptions(DecodingSettings):
     temperature: float = 0.7
     top_p: float = 0.9
     do_sample: bool = field(default=True, metadata={
-        "flag": "greedy", "negated": True, "help": "pick the most likely token (no sampling)"})
+        "flag": "greedy", "negated": True,
+        "help": "pick the most likely token (no sampling; --repetition_penalty still applies: 1.0 for plain argmax)"})
     repetition_penalty: float = 1.1
 
 
@@ -93,18 +94,38 @@ class ChatSettings:
     sampling: SamplingOptions
 
 
-class _ChunkStreamer(TextStreamer):
-    """Hands each piece of decoded text to a callback as soon as it is final, and keeps the whole reply."""
+class ReplyStreamer(TextStreamer):
+    """Hands each piece of decoded text to a callback as soon as it is final, and keeps the whole reply.
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None]):
+    With `stop` (the text that ends a reply, which generation includes), nothing from `stop` on is shown, and a
+    tail that could be its beginning is held back until the next piece settles it."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None], stop: str | None = None):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self._on_text = on_text
+        self.stop = stop
         self.text = ""
+        self._shown = 0
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         self.text += text
-        if text:
-            self._on_text(text)
+        visible = self.reply(final=stream_end)
+        if len(visible) > self._shown:
+            self._on_text(visible[self._shown:])
+            self._shown = len(visible)
+
+    def reply(self, final: bool = True) -> str:
+        """The text before `stop`; while not `final`, less a tail that may begin it."""
+        if self.stop is None:
+            return self.text
+        cut = self.text.find(self.stop)
+        if cut >= 0:
+            return self.text[:cut]
+        if not final:
+            for tail in range(min(len(self.stop) - 1, len(self.text)), 0, -1):
+                if self.stop.startswith(self.text[-tail:]):
+                    return self.text[:-tail]
+        return self.text
 
 
 class ChatSession:
@@ -146,8 +167,9 @@ class ChatSession:
     def reply(self, message: str, on_text: Callable[[str], None] = lambda text: None) -> str:
         self.history.append({"role": "user", "content": message})
         input_ids = self._encode().to(self.model.device)
-        streamer = _ChunkStreamer(self.tokenizer, on_text)
-        stop = {"stop_strings": [_HUMAN_STOP], "tokenizer": self.tokenizer} if self.style == "human_assistant" else {}
+        stop_text = _HUMAN_STOP if self.style == "human_assistant" else None
+        streamer = ReplyStreamer(self.tokenizer, on_text, stop_text)
+        stop = {"stop_strings": [stop_text], "tokenizer": self.tokenizer} if stop_text is not None else {}
         self.model.generate(
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -157,7 +179,7 @@ class ChatSession:
             **stop,
             **self.options.generate_kwargs(),
         )
-        answer = streamer.text.split(_HUMAN_STOP)[0].strip() if stop else streamer.text.strip()
+        answer = streamer.reply().strip()
         self.history.append({"role": "assistant", "content": answer})
         return answer
 

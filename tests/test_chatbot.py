@@ -13,6 +13,7 @@ from tiny_models import make_tiny_model
 
 from inference.chatbot import (
     ChatSession,
+    ReplyStreamer,
     SamplingOptions,
     chat,
     converse,
@@ -107,6 +108,24 @@ def test_answers_stream_and_commands_work():
     assert "never answered" not in text
     assert answers[1] in text  # streamed to the output as generated
     assert len(chat_session.history) == 2  # cleared after the first exchange
+
+
+@pytest.mark.parametrize("pieces", [[" Paris is nice.", " Human:", " more"], [" Paris is nice. Hu", "man: more"],
+                                    [" Paris is nice. H", "uman", ":"]])
+def test_the_stop_text_that_ends_a_reply_is_never_shown(pieces):
+    """Generation stops after the text "Human:" (the Human/Assistant format): the user sees the reply before it,
+    however the decoded pieces split it, and a tail that only looked like its start is shown in the end."""
+    shown = []
+    streamer = ReplyStreamer(session(chat_template=False).tokenizer, shown.append, "Human:")
+    for index, piece in enumerate(pieces):
+        streamer.on_finalized_text(piece, stream_end=index == len(pieces) - 1)
+    assert "".join(shown) == " Paris is nice. " and streamer.reply() == " Paris is nice. "
+    shown.clear()
+    held = ReplyStreamer(session(chat_template=False).tokenizer, shown.append, "Human:")
+    held.on_finalized_text(" I said H")
+    assert "".join(shown) == " I said "
+    held.on_finalized_text("", stream_end=True)
+    assert "".join(shown) == " I said H"
 
 
 def test_sampling_is_reproducible_with_a_seed_and_greedy_is_deterministic(tiny_model_dir, capsys):
