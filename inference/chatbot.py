@@ -26,6 +26,7 @@ from training.core.model_loading import (
 )
 from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings
+from training.reliability.run_records import args_of_model
 from utils.data.formatting import (
     PROMPT_FORMATS,
     render_human_assistant,
@@ -80,9 +81,10 @@ class ChatArguments:
         "action": "append", "nargs": None,
         "help": "answer this message and exit (repeat for a multi-turn conversation)"})
     seed: int | None = field(default=None, metadata={"help": "seed for sampling (reproducible answers)"})
-    prompt_format: str = field(default="auto", metadata={
+    prompt_format: str | None = field(default=None, metadata={
         "choices": PROMPT_FORMATS,
-        "help": "the tokenizer's chat template, or ' Human: ... Assistant:' (auto: template if any)"})
+        "help": "the tokenizer's chat template, or ' Human: ... Assistant:' (auto: template if any); default: the "
+                "format the model's run trained on (its args.json), else auto"})
     system: str | None = field(default=None, metadata={"help": "a system message at the start of the conversation"})
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     trust_remote_code: bool = False
@@ -240,7 +242,8 @@ def load_session(args: ChatSettings) -> ChatSession:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers
     model.to(device).eval()
-    return ChatSession(model, tokenizer, args.sampling, chat_args.prompt_format, chat_args.system)
+    prompt_format = chat_args.prompt_format or args_of_model(path).get("prompt_format", "auto")
+    return ChatSession(model, tokenizer, args.sampling, prompt_format, chat_args.system)
 
 
 def chat(argv: list[str] | None = None) -> list[str]:

@@ -23,6 +23,7 @@ from training.core.model_loading import (
     resolve_dtype,
 )
 from training.generation.generator import DecodingSettings
+from training.reliability.run_records import args_of_model
 from utils.data import PROMPT_FORMATS, PromptFormatter
 from utils.errors import UserError, run_cli
 
@@ -57,7 +58,10 @@ class PromptEvalArguments:
     prompts: list[str] | None = field(default=None, metadata={
         "nargs": "*", "help": "prompts to answer (default: a few built-in ones)"})
     prompts_file: str | None = field(default=None, metadata={"help": "a text file with one prompt per line"})
-    prompt_format: str = field(default="auto", metadata={"choices": PROMPT_FORMATS})
+    prompt_format: str | None = field(default=None, metadata={
+        "choices": PROMPT_FORMATS,
+        "help": "how both models' prompts are rendered (default: as the fine-tuned model's run trained, its "
+                "args.json; else auto)"})
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     seed: int = 1234
     trust_remote_code: bool = False
@@ -119,7 +123,11 @@ def build_parser() -> SettingsParser:
 
 
 def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
-    return build_parser().parse_args(argv)
+    settings = build_parser().parse_args(argv)
+    if settings.run.prompt_format is None:
+        recorded = args_of_model(settings.run.model_name_or_path_finetune)
+        settings.run.prompt_format = recorded.get("prompt_format", "auto")
+    return settings
 
 
 @run_cli

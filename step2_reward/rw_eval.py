@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import load_tokenizer, resolve_dtype
 from training.core.reward_model import RewardModel
-from training.reliability.run_records import read_run_args
+from training.reliability.run_records import args_of_model
 from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
 from utils.data.collators import pad_sequences
 from utils.data.tokenization import TokenLimits, pair_sequences, sft_sequence
@@ -154,8 +154,7 @@ def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
     args = parser.parse_args(argv).scoring
     if not args.input_file and not (args.prompt and args.answer):
         parser.error("give --prompt with at least one --answer, or --input_file")
-    model = Path(args.model_name_or_path)
-    recorded = read_run_args(model) or read_run_args(model.parent) or {}
+    recorded = args_of_model(args.model_name_or_path)
     if args.max_seq_len is None:
         args.max_seq_len = recorded.get("max_seq_len", 512)
     if args.prompt_format is None:

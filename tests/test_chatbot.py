@@ -66,6 +66,25 @@ def test_a_reward_model_is_refused(tmp_path, tiny_model_dir):
         resolve_chat_model(str(tmp_path / "step2"))
 
 
+def test_the_chat_renders_prompts_as_the_models_run_trained_on_them(tmp_path, tiny_model_dir):
+    """A step-1 run trained with --prompt_format human_assistant (its args.json): chatting with its run folder or
+    its model folder renders the conversation that way although the tokenizer has a chat template; a flag still
+    wins, and a model no run trained takes auto."""
+    from inference.chatbot import build_parser, load_session
+
+    model = tiny_model_dir("llama")
+    run = tmp_path / "step1"
+    shutil.copytree(model, run / "model")
+    (run / "args.json").write_text(json.dumps({"prompt_format": "human_assistant"}))
+
+    def style(*argv: str) -> str:
+        return load_session(build_parser().parse_args(["--path", *argv])).style
+
+    assert style(model) == "chat_template"
+    assert style(str(run)) == style(str(run / "model")) == "human_assistant"
+    assert style(str(run), "--prompt_format", "chat_template") == "chat_template"
+
+
 def test_each_turn_sees_the_whole_conversation_in_the_chat_template():
     chat_session = session()
     first = chat_session.reply("hello world")

@@ -1,5 +1,6 @@
 """Step 1 (SFT): the loss covers answer tokens only, and `main` runs end to end on a tiny model."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -101,6 +102,20 @@ def test_lora_bf16_gradient_checkpointing_saves_a_merged_model(distributed, tiny
     base = load_file(f"{model_dir}/model.safetensors")
     changed = [key for key in base if key in weights and not torch.equal(base[key], weights[key].to(base[key].dtype))]
     assert any(".attn." in key for key in changed)  # the adapters were folded into the attention weights
+
+
+def test_prompt_eval_renders_prompts_as_the_fine_tuned_models_run_trained_on_them(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    run = tmp_path / "step1"
+    shutil.copytree(model, run / "model")
+    (run / "args.json").write_text(json.dumps({"prompt_format": "human_assistant"}))
+
+    def prompt_format(finetune: str, *argv: str) -> str:
+        return prompt_eval.parse_args(["--model_name_or_path_finetune", finetune, *argv]).run.prompt_format
+
+    assert prompt_format(str(run)) == prompt_format(str(run / "model")) == "human_assistant"
+    assert prompt_format(str(run), "--prompt_format", "chat_template") == "chat_template"
+    assert prompt_format(model) == "auto"
 
 
 def test_prompt_eval_samples_when_asked(tmp_path):

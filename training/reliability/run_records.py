@@ -56,6 +56,24 @@ def read_run_args(run_dir: str | os.PathLike) -> dict | None:
     return _read_record(run_dir, ARGS_FILE)
 
 
+def run_dir_of(model: str | os.PathLike) -> Path | None:
+    """The run folder that holds `model`'s args.json: `model` itself, or its parent when `model` is the
+    model folder a step saved inside its run folder (`<run>/model`, step 3's `<run>/actor`)."""
+    model = Path(model).expanduser()
+    if (model / ARGS_FILE).is_file():
+        return model
+    if (model / "config.json").is_file() and (model.parent / ARGS_FILE).is_file():
+        return model.parent
+    return None
+
+
+def args_of_model(model: str | os.PathLike) -> dict:
+    """The arguments of the run that trained `model` (a run folder or the model folder inside one); empty for a
+    model no run of this project trained."""
+    run_dir = run_dir_of(model)
+    return (read_run_args(run_dir) if run_dir is not None else None) or {}
+
+
 def changed_flags(recorded: Mapping[str, Any], current: Mapping[str, Any],
                   ignored: frozenset[str] = frozenset()) -> dict[str, tuple[Any, Any]]:
     """{flag: (recorded value, current value)} for each flag whose value in `current` ({flag: value}, as a

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
 from training.core.model_loading import resolve_model_path
-from training.reliability.run_records import ARGS_FILE, read_run_args
+from training.reliability.run_records import read_run_args, run_dir_of
 from utils.data.args import DataArguments
 from utils.data.shard_match import check_same_shards
 from utils.data.splits import parse_data_split
@@ -219,16 +219,6 @@ def check_reward_model_dir(
     return folder
 
 
-def _run_dir_of(model: Path) -> Path | None:
-    """The run folder that holds `model`'s args.json: `model` itself, or its parent when `model` is the
-    model folder a step saved inside its run folder (`<run>/model`, step 3's `<run>/actor`)."""
-    if (model / ARGS_FILE).is_file():
-        return model
-    if (model / "config.json").is_file() and (model.parent / ARGS_FILE).is_file():
-        return model.parent
-    return None
-
-
 def check_input_run_shards(name_or_path: str, data: DataArguments, flag: str = "--model_name_or_path") -> None:
     """A model an earlier step of this project trained must come from the same data shards as this step's.
 
@@ -237,7 +227,7 @@ def check_input_run_shards(name_or_path: str, data: DataArguments, flag: str = "
     """
     if is_embedded_name(name_or_path):
         return
-    run_dir = _run_dir_of(Path(name_or_path).expanduser())
+    run_dir = run_dir_of(name_or_path)
     earlier = read_run_args(run_dir) if run_dir is not None else None
     if earlier is not None:
         check_same_shards(vars(data), earlier, f"{flag} {name_or_path}", str(run_dir))
