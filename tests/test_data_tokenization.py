@@ -175,3 +175,37 @@ def test_a_reply_is_tokenised_as_it_reads_after_its_prompt_under_a_word_boundary
 
     scorer = RewardScorer(torch.nn.Identity(), tok, prompt_format="human_assistant", max_seq_len=256)
     assert scorer.encode(row["prompt"], row["chosen"]).tolist() == pair["chosen_input_ids"].tolist()  # as trained
+
+
+def test_a_tokenizer_that_appends_eos_is_loaded_without_it_so_answers_end_in_one_eos(tmp_path):
+    """Llama's `add_eos_token`: every encoded text ends in EOS. Loaded through `load_tokenizer`, the prompt (step 3's
+    rollout input) does not end in EOS and an SFT item ends in exactly one, which carries the loss."""
+    from training.core.model_loading import load_tokenizer
+
+    appending = make_tokenizer(chat_template=False, with_pad=True)
+    appending.add_eos_token = True
+    assert appending("hi")["input_ids"][-1] == appending.eos_token_id
+    appending.save_pretrained(tmp_path / "tokenizer")
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer"))
+    eos = tokenizer.eos_token_id
+    formatter = PromptFormatter(tokenizer, "human_assistant")
+    sample = Sample(({"role": "user", "content": "hello world"},), "good", "bad")
+    (prompt,) = tokenize_samples([sample], KIND_PROMPTS, formatter, tokenizer, TokenLimits(64))
+    assert prompt["input_ids"][-1] != eos
+    (item,) = tokenize_samples([sample], KIND_SFT, formatter, tokenizer, TokenLimits(64))
+    assert item["input_ids"].tolist().count(eos) == 1 and item["input_ids"][-1] == eos
+    assert (item["labels"] != IGNORE_INDEX).sum() == len(tokenizer(" good", add_special_tokens=False)["input_ids"]) + 1
+
+
+def test_a_tokenizer_that_appends_eos_without_a_switch_is_refused(tmp_path):
+    from tokenizers import processors
+
+    from training.core.model_loading import load_tokenizer
+
+    appending = make_tokenizer(chat_template=False, with_pad=True)
+    bos, eos = appending.bos_token, appending.eos_token
+    appending._tokenizer.post_processor = processors.TemplateProcessing(  # BOS too: the switch would lose it
+        single=f"{bos} $A {eos}", special_tokens=[(bos, appending.bos_token_id), (eos, appending.eos_token_id)])
+    appending.save_pretrained(tmp_path / "tokenizer")
+    with pytest.raises(UserError, match="appends its EOS token to every text"):
+        load_tokenizer(str(tmp_path / "tokenizer"))

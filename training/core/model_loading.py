@@ -1,6 +1,7 @@
 """Load any Hugging Face causal LM and its tokenizer, by hub name, local path or the embedded default."""
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from training.core.embedded_model import (
     is_embedded_name,
 )
 from utils.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
@@ -110,6 +113,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     )
     if tokenizer.eos_token is None:
         raise UserError(f"the tokenizer of {name_or_path} has no EOS token; set one in its tokenizer_config.json")
+    _stop_appending_eos(tokenizer, name_or_path)
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         if tokenizer.unk_token is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
             tokenizer.pad_token = tokenizer.unk_token
@@ -117,6 +121,27 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
             tokenizer.add_special_tokens({"pad_token": _PAD_TOKEN})
     tokenizer.padding_side = "right"
     return tokenizer
+
+
+def _stop_appending_eos(tokenizer: PreTrainedTokenizerBase, name_or_path: str) -> None:
+    """A tokenizer that appends its EOS to every text it encodes (Llama's `add_eos_token`) would end every prompt
+    in EOS and every answer in two, since this project adds the EOS after each answer itself: the appending is
+    turned off where the tokenizer's own switch does exactly that (the encoding otherwise unchanged), and refused
+    where it does not."""
+    probe = "Hello world"
+    appended = tokenizer(probe)["input_ids"]
+    if not appended or appended[-1] != tokenizer.eos_token_id:
+        return
+    if hasattr(tokenizer, "add_eos_token"):
+        tokenizer.add_eos_token = False
+        if tokenizer(probe)["input_ids"] == appended[:-1]:
+            logger.info("the tokenizer of %s appended its EOS to every text; turned off (add_eos_token=False): "
+                        "training adds the EOS after each answer itself", name_or_path)
+            return
+    raise UserError(f"the tokenizer of {name_or_path} appends its EOS token to every text it encodes, so every "
+                    "prompt would end in EOS and every answer in two (this project adds the EOS after each answer "
+                    "itself); turn it off in its tokenizer (add_eos_token false in tokenizer_config.json, or its "
+                    "post_processor in tokenizer.json)")
 
 
 def load_config(name_or_path: str, trust_remote_code: bool = False):
