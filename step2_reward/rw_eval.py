@@ -46,9 +46,6 @@ class RewardScorer:
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, **kwargs) -> "RewardScorer":
         return cls(RewardModel.from_pretrained(path, dtype=dtype), load_tokenizer(path), **kwargs)
 
-    def user_prompt(self, text: str) -> str:
-        return self.formatter.prompt([{"role": "user", "content": text}])
-
     def token_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=self.formatter.adds_special_tokens)["input_ids"]
 
@@ -165,8 +162,10 @@ def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
 def _rows(args: RewardEvalArguments, scorer: RewardScorer) -> list[dict]:
     rows = []
     if args.prompt:
-        rendered = scorer.user_prompt(args.prompt)
-        rows += [{"prompt": rendered, "chosen": scorer.formatter.answer(a), "rejected": None} for a in args.answer]
+        turns = [{"role": "user", "content": args.prompt}]
+        rendered = scorer.formatter.prompt(turns)
+        rows += [{"prompt": rendered, "chosen": scorer.formatter.answer(turns, a, rendered), "rejected": None}
+                 for a in args.answer]
     if args.input_file:
         file_rows = [row for row in read_rows(args.input_file, scorer.tokenizer, args.prompt_format) if row.get("chosen") is not None]
         if not file_rows:

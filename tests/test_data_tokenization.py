@@ -36,6 +36,36 @@ def test_chat_template_renders_all_turns_with_generation_prompt(chat_tok):
     assert (row["chosen"], row["rejected"]) == ("Why?", "No.")
 
 
+LLAMA2_STYLE = ("{% for message in messages %}{% if message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]"
+                "{% else %} {{ message['content'] }} <|im_end|>{% endif %}{% endfor %}")
+TURN_END_STYLE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                  "<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+REWRITING_STYLE = ("{% for message in messages %}{% if loop.last and message['role'] == 'assistant' %}ANSWER: "
+                   "{% endif %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.mark.parametrize("template, chosen, sft_text", [
+    (LLAMA2_STYLE, " Why? ", "[INST] Hi [/INST] Hello <|im_end|>[INST] Tell me a joke [/INST] Why? <|im_end|>"),
+    (TURN_END_STYLE, "Why?<|endoftext|>\n",
+     "<|im_start|>user\nHi<|endoftext|>\n<|im_start|>assistant\nHello<|endoftext|>\n<|im_start|>user\nTell me a joke"
+     "<|endoftext|>\n<|im_start|>assistant\nWhy?<|endoftext|>\n<|im_end|>"),
+    (REWRITING_STYLE, "Why?", "user: Hi\nassistant: Hello\nuser: Tell me a joke\nassistant:Why?<|im_end|>"),
+])
+def test_a_reply_is_written_as_the_chat_template_writes_it_after_the_prompt(template, chosen, sft_text):
+    """A template that decorates replies (Llama-2's spaces) trains on its decorated reply; one whose turns end in
+    another token than the EOS keeps it before the EOS the tokenisation appends; one that renders the conversation
+    otherwise than prompt + reply (it rewrites the last turn) takes the reply as it is."""
+    tokenizer = make_tokenizer(chat_template=False, with_pad=True)
+    tokenizer.chat_template = template
+    formatter = PromptFormatter(tokenizer, "chat_template")
+    sample = Sample(TURNS, "Why?", "No.")
+    row = formatter.row(sample)
+    assert row["chosen"] == chosen
+    (item,) = tokenize_samples([sample], KIND_SFT, formatter, tokenizer, TokenLimits(max_seq_len=200))
+    assert tokenizer.decode(item["input_ids"]) == sft_text
+
+
 def test_fallback_is_deepspeed_chat_human_assistant(plain_tok, chat_tok):
     for formatter in (PromptFormatter(plain_tok, "auto"), PromptFormatter(chat_tok, "human_assistant"), PromptFormatter(None)):
         row = formatter.row(Sample(TURNS, "Why?"))

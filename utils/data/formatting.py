@@ -53,10 +53,32 @@ class PromptFormatter:
         """Whether the tokenizer adds its special tokens to a rendered text: a chat template writes its own."""
         return self.style == "human_assistant"
 
-    def answer(self, reply: str | None) -> str | None:
-        if self.style == "human_assistant" and reply:
-            return " " + reply
-        return reply
+    def answer(self, turns: Sequence[dict], reply: str | None, prompt: str | None = None) -> str | None:
+        """`reply` to the conversation `turns` (rendered: `prompt`) as the text that follows the prompt; the
+        tokenisation appends the EOS token after it.
+
+        Under a chat template that is what the template writes for the reply after the generation prompt, up to
+        its EOS text: some decorate a reply (Llama-2's " reply "), and one whose turns end in another token than
+        the EOS (Gemma's <end_of_turn>) keeps it, so the model learns the format it is served in. A template that
+        renders the conversation otherwise than prompt + reply (one that rewrites earlier turns) gets the reply as
+        it is."""
+        if reply is None:
+            return None
+        if self.style == "human_assistant":
+            return " " + reply if reply else reply
+        prompt = self.prompt(turns) if prompt is None else prompt
+        try:
+            written = self.tokenizer.apply_chat_template([*turns, {"role": "assistant", "content": reply}],
+                                                         tokenize=False)
+        except Exception:  # jinja templates raise their own errors; the prompt rendered, so keep the reply
+            return reply
+        if not written.startswith(prompt):
+            return reply
+        written = written[len(prompt):]
+        end = written.find(self.tokenizer.eos_token)
+        return written[:end] if end >= 0 else written
 
     def row(self, sample: Sample) -> dict:
-        return {"prompt": self.prompt(sample.turns), "chosen": self.answer(sample.chosen), "rejected": self.answer(sample.rejected)}
+        prompt = self.prompt(sample.turns)
+        return {"prompt": prompt, "chosen": self.answer(sample.turns, sample.chosen, prompt),
+                "rejected": self.answer(sample.turns, sample.rejected, prompt)}
