@@ -229,6 +229,30 @@ class _DataCLI:
     data: DataArguments
 
 
+def test_the_shard_check_finds_a_relative_data_path_from_another_directory(setup, tmp_path, monkeypatch):
+    """Step 1 ran from the project folder on data/pairs.jsonl; step 2 runs from scripts/ on ../data/pairs.jsonl,
+    the same file, cut with another seed: refused. (args.json held the path as typed, which the check resolved
+    from step 2's directory: another file, so the overlap passed.) A record of the typed path still compares equal
+    to the run's own from the directory it was typed in (earlier runs' args.json and checkpoints)."""
+    from training.core.args import SettingsParser, flag_values
+    from training.reliability.run_records import changed_flags
+    from training.reliability.validation import check_input_run_shards
+
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "scripts").mkdir()
+    shutil.copy(setup.data, project / "data" / "pairs.jsonl")
+    monkeypatch.chdir(project)
+    step1 = SettingsParser(_DataCLI).parse_args(["--data_path", "data/pairs.jsonl", "--data_split", "1,1,0"])
+    run = write_earlier_run(setup, "relative", **flag_values(step1))
+    assert changed_flags({"data_path": ["data/pairs.jsonl"]}, {"data_path": step1.data.data_path}) == {}
+    monkeypatch.chdir(project / "scripts")
+    step2 = SettingsParser(_DataCLI).parse_args(["--data_path", "../data/pairs.jsonl", "--data_split", "1,1,0",
+                                                 "--seed", "7"]).data
+    with pytest.raises(UserError, match="was trained on"):
+        check_input_run_shards(str(run), step2)
+
+
 def test_input_runs_with_the_same_shards_or_other_data_pass_the_shard_check(setup, tmp_path):
     from training.core.args import SettingsParser
     from training.reliability.validation import check_input_run_shards

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from utils.atomic import atomic_write_text
+from utils.data.args import with_resolved_sources
 from utils.dist import is_main_process
 
 ARGS_FILE = "args.json"
@@ -79,7 +80,7 @@ def changed_flags(recorded: Mapping[str, Any], current: Mapping[str, Any],
     """{flag: (recorded value, current value)} for each flag whose value in `current` ({flag: value}, as a
     step parses its command line) differs from the one `recorded` in an args.json; the `ignored` ones aside (those
     that do not change what a run computes: `training.core.args.same_result_flags`)."""
-    current = as_recorded(current)
+    recorded, current = with_resolved_sources(recorded), as_recorded(current)
     return {name: (recorded.get(name), current.get(name)) for name in sorted(recorded.keys() | current.keys())
             if name not in ignored and recorded.get(name) != current.get(name)}
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from utils.paths import cache_root
 
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
 from .phases import build_phase_datasets
+from .sources import resolved_source
 from .splits import ShardSettings
 from .tokenization import PROMPT_OVERFLOW
 from .tokenized import TokenizedDataset
@@ -15,6 +17,18 @@ from .tokenized import TokenizedDataset
 
 def default_data_output_path() -> str:
     return str(cache_root() / "data_files")
+
+
+# Local paths in these are made absolute as they are parsed, so a run's records (args.json, its checkpoints' flags)
+# name the files it read wherever a later step, resume or pipeline rerun starts from.
+SOURCE_FLAGS = ("data_path", "sft_only_data_path")
+
+
+def with_resolved_sources(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """Recorded flags with the data sources resolved as `DataArguments` resolves them (records written before it
+    did, or by hand, compare equal to a run's own when they read the same files from here)."""
+    return {name: [resolved_source(path) for path in value] if name in SOURCE_FLAGS and isinstance(value, list)
+            else value for name, value in flags.items()}
 
 
 @dataclass
@@ -49,6 +63,10 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
     rebuild_data_cache: bool = field(default=False, metadata={"help": "rebuild the tokenised data cache"})
+
+    def __post_init__(self) -> None:
+        for flag in SOURCE_FLAGS:
+            setattr(self, flag, [resolved_source(path) for path in getattr(self, flag)])
 
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)

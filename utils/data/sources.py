@@ -78,12 +78,22 @@ def looks_local(path: str) -> bool:
     return os.path.exists(path) or path.startswith((".", "/", "~")) or Path(path).suffix in LOCAL_SUFFIXES + (".txt",)
 
 
-def source_identity(text: str) -> str:
-    """What a `--data_path` entry reads, whatever its stated format: a local path resolved, else the name."""
-    spec = parse_source_spec(text)
+def _resolved_path(spec: SourceSpec) -> str:
     if spec.is_embedded or spec.is_task or not looks_local(spec.path):
         return spec.path
     return str(Path(spec.path).expanduser().resolve())
+
+
+def source_identity(text: str) -> str:
+    """What a `--data_path` entry reads, whatever its stated format: a local path resolved, else the name."""
+    return _resolved_path(parse_source_spec(text))
+
+
+def resolved_source(text: str) -> str:
+    """A `--data_path` entry with a local path made absolute (a stated format kept); any other entry as given."""
+    spec = parse_source_spec(text)
+    resolved = _resolved_path(spec)
+    return text if resolved == spec.path else str(SourceSpec(resolved, spec.format))
 
 
 def file_fingerprint(files: Sequence[Path]) -> list:
