@@ -208,7 +208,7 @@ class ModelTrainingConfig:
     have one, unprefixed; step 3 one per model, `--actor_*` and `--critic_*`)."""
 
     gradient_checkpointing: bool = field(default=False, metadata={
-        "help": "recompute activations in the backward pass (less memory, ~30%% slower)"})
+        "same_result": True, "help": "recompute activations in the backward pass (less memory, ~30%% slower)"})
     zero_stage: int = field(default=0, metadata={
         "choices": (0, 1, 2, 3), "help": "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters"})
     offload: bool = field(default=False, metadata={
@@ -251,6 +251,14 @@ def check_positive(flags: Mapping[str, Any], *names: str) -> None:
         value = flags[name]
         if value is not None and value <= 0:
             raise UserError(f"--{name} must be positive, got {value}")
+
+
+def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
+    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but negative (0 turns it off)."""
+    for name in names:
+        value = flags[name]
+        if value is not None and value < 0:
+            raise UserError(f"--{name} must be 0 or positive, got {value}")
 
 
 def optimization_settings(

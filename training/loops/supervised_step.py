@@ -21,6 +21,7 @@ from training.core.args import (
     ScheduleSettings,
     SettingsParser,
     apply_model_options,
+    check_non_negative,
     check_positive,
     flag_values,
     optimization_settings,
@@ -66,12 +67,13 @@ class SupervisedLoopArguments:
     """Epochs, batch sizes and evaluation cadence of the supervised loop."""
 
     per_device_train_batch_size: int = field(default=8, metadata={"help": "micro-batch size per rank"})
-    per_device_eval_batch_size: int = 8
+    per_device_eval_batch_size: int = field(default=8, metadata={"resume_override": True})
     num_train_epochs: int = 1
     eval_interval: int = field(default=0, metadata={
+        "resume_override": True,
         "help": "also evaluate every N optimizer steps (0: only before training and after each epoch)"})
     eval_iters: int | None = field(default=None, metadata={
-        "help": "evaluate on at most this many held-out batches per rank (default: all)"})
+        "resume_override": True, "help": "evaluate on at most this many held-out batches per rank (default: all)"})
     log_interval: int = field(default=10, metadata={
         "same_result": True, "help": "log the training loss every N optimizer steps"})
 
@@ -161,7 +163,9 @@ def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> Super
 def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> SupervisedOutcome:
     setup_logging()
     check_positive(flag_values(args), "per_device_train_batch_size", "per_device_eval_batch_size",
-                   "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len")
+                   "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
+                   "eval_iters")
+    check_non_negative(flag_values(args), "eval_interval", "num_warmup_steps", "lora_dim")
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)
