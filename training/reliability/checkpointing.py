@@ -400,25 +400,42 @@ class CheckpointManager:
             )
         for name, engine in engines.items():
             rates = peak_learning_rates(engine)
-            with weights_only_engine_loads(engine):
+            with weights_only_engine_loads(engine), _damaged_if_unreadable(info, f"'{name}'"):
                 load_path, _ = engine.load_checkpoint(str(info.path), tag=name)
             if load_path is None:
-                raise UserError(
-                    f"checkpoint {info.path} is damaged: '{name}' could not be loaded; delete that folder "
-                    "to resume from the one before it"
-                )
+                raise UserError(_damaged(info, f"'{name}'"))
             take_peak_learning_rates(engine, rates, name)
         rng_file = info.path / RNG_DIR / f"rank{get_rank()}.pt"
-        if rng_file.is_file():
-            restore_rng_state(safe_load(rng_file))
-        else:
-            logger.warning("%s has no RNG state for rank %d; its random streams restart", info.path, get_rank())
-        client_state = safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu")
-        rank_file = info.path / RANK_STATE_DIR / f"rank{get_rank()}.pt"
-        if rank_file.is_file():
-            client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
+        with _damaged_if_unreadable(info, "its random-number state or loop state"):
+            if rng_file.is_file():
+                restore_rng_state(safe_load(rng_file))
+            else:
+                logger.warning("%s has no RNG state for rank %d; its random streams restart", info.path, get_rank())
+            client_state = safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu")
+            rank_file = info.path / RANK_STATE_DIR / f"rank{get_rank()}.pt"
+            if rank_file.is_file():
+                client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
         logger.info("resumed from %s (step %d)", info.path, info.step)
         return client_state
+
+
+def _damaged(info: CheckpointInfo, what: str) -> str:
+    return f"checkpoint {info.path} is damaged: {what} could not be loaded; delete that folder to resume from the " \
+           "one before it"
+
+
+@contextmanager
+def _damaged_if_unreadable(info: CheckpointInfo, what: str) -> Iterator[None]:
+    """A file of the checkpoint cut short or overwritten (a disk filled, a copy interrupted) raises from inside torch's
+    reader: said as the damaged checkpoint it is, with the way out."""
+    try:
+        yield
+    except (EOFError, pickle.UnpicklingError) as err:
+        raise UserError(f"{_damaged(info, what)} ({err})") from err
+    except RuntimeError as err:
+        if "PytorchStreamReader" not in str(err):
+            raise
+        raise UserError(f"{_damaged(info, what)} ({err})") from err
 
 
 def peak_learning_rates(engine: Any) -> list[float] | None:
