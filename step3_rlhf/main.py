@@ -49,6 +49,7 @@ from training.placement.spec import Placement
 from training.placement.workload import offloaded_models
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
+from training.reliability.checkpointing import data_record
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args, save_summary
 from training.reliability.signals import GracefulInterrupt
@@ -233,6 +234,9 @@ def run_step3(args: Step3Settings) -> dict:
                                max_prompt_seq_len=args.data.max_prompt_seq_len,
                                max_answer_seq_len=args.ppo.max_answer_seq_len, model=actor_path)
         prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer)
+        streams = {"train": prompts, "eval": eval_prompts, "pretraining": unsupervised}
+        checkpoints.check_data({name: data_record(stream.dataset) for name, stream in streams.items()
+                                if stream is not None}, args.checkpoints.resume)
         total_steps = count_ppo_steps(args, prompts)
         # after every check, so a refused run never overwrites an earlier one's
         save_run_args(run_dir, flag_values(args))

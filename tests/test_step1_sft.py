@@ -138,6 +138,22 @@ def test_a_bad_flag_value_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
     assert "--max_steps must be positive" in capsys.readouterr().err
 
 
+def test_a_resume_on_other_data_is_refused(distributed, tiny_model_dir, tmp_path, capsys):
+    """The data file was rewritten under the same --data_path between the run and its resume: the checkpointed
+    position, shuffle and schedule belong to the old rows, so the resume is refused, naming what changed."""
+    model_dir = tiny_model_dir("llama")
+    data = write_arithmetic_jsonl(tmp_path / "d.jsonl", 16)
+    args = _args(model_dir, data, tmp_path, "--max_steps", "1", "--save_interval", "1")
+    main(args)
+    main([*args, "--resume"])  # the same data: resumes
+    write_arithmetic_jsonl(tmp_path / "d.jsonl", 32)
+    with pytest.raises(SystemExit) as refused:
+        main([*args, "--resume"])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and "but its data differ from that run's (eval: " in error, error
+    assert "train: 7 items -> 14" in error
+
+
 def test_run_folder_rules_lock_checkpoints_and_resume(distributed, tiny_model_dir, tmp_path, capsys):
     from training.reliability.run_lock import RunLock
 

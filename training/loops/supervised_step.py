@@ -42,7 +42,7 @@ from training.loops.trainer import (
     batch_rows,
     count_optimizer_steps,
 )
-from training.reliability.checkpointing import CheckpointSettings
+from training.reliability.checkpointing import CheckpointSettings, data_record
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args
 from training.reliability.signals import GracefulInterrupt
@@ -180,6 +180,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
         check_sequence_lengths(load_config(model_name, args.run.trust_remote_code),
                                max_seq_len=args.data.max_seq_len, model=model_name)
         train_data, eval_data = args.data.build(step.phase, tokenizer)
+        checkpoints.check_data({"train": data_record(train_data), "eval": data_record(eval_data)},
+                               args.checkpoints.resume)
         loop = args.loop_config(step.name)
         num_steps = count_optimizer_steps(len(train_data), loop)
         settings = optimization_settings(args.training, args.schedule, args.run.dtype_name, num_steps,

@@ -221,6 +221,26 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.save_interval = save_interval
         self.fixed_flags = None if fixed_flags is None else as_recorded(fixed_flags)
+        self.data: dict[str, Any] | None = None
+
+    def check_data(self, data: Mapping[str, Any], resume: bool) -> None:
+        """Record what the run trains and evaluates on (`data_record` of each dataset, by name) in every checkpoint;
+        with --resume, refuse data other than the latest checkpoint's (every rank): the loop's position, the
+        shuffle and the schedule's length are the checkpointed run's, so other items would be skipped or repeated
+        (a data file rewritten under the same --data_path). A checkpoint that recorded no data is not checked."""
+        self.data = as_recorded(data)
+        problem = None
+        if resume and is_main_process():
+            info = self.latest()
+            recorded = json.loads((info.path / MARKER_FILE).read_text()).get("data") if info is not None else None
+            if recorded is not None and recorded != self.data:
+                problem = (f"--resume continues the run checkpointed in {info.path}, but its data differ from that "
+                           f"run's ({_data_changes(recorded, self.data)}): the data files changed, or flags that "
+                           f"pick the items did. Resume on that run's data, or start a new run in another "
+                           f"--output_dir")
+        problem = broadcast_from_main(problem)
+        if problem is not None:
+            raise UserError(problem)
 
     def should_save(self, step: int) -> bool:
         """Whether `--save_interval` asks for a checkpoint after optimizer step `step`."""
@@ -295,7 +315,7 @@ class CheckpointManager:
                 atomic_torch_save(client_state, tmp / CLIENT_STATE_FILE)
                 marker = {"format": FORMAT_VERSION, "step": step, "engines": names,
                           "world_size": get_world_size(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                          "flags": self.fixed_flags}
+                          "flags": self.fixed_flags, "data": self.data}
                 atomic_write_text(tmp / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
         if is_main_process():
             atomic_write_text(self.checkpoints_dir / LATEST_FILE, final.name)
@@ -417,6 +437,21 @@ class CheckpointManager:
                 client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
         logger.info("resumed from %s (step %d)", info.path, info.step)
         return client_state
+
+
+def data_record(dataset: Any) -> dict[str, Any]:
+    """What `CheckpointManager.check_data` compares of a dataset: its size and a hash of its items."""
+    return {"items": len(dataset), "sha256": dataset.digest()}
+
+
+def _data_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str:
+    changes = []
+    for name in sorted(recorded.keys() | current.keys()):
+        then, now = recorded.get(name) or {}, current.get(name) or {}
+        if then != now:
+            same_size = then.get("items") == now.get("items")
+            changes.append(f"{name}: {then.get('items')} items -> {now.get('items')}{', other items' if same_size else ''}")
+    return "; ".join(changes)
 
 
 def _damaged(info: CheckpointInfo, what: str) -> str:

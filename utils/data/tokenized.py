@@ -8,6 +8,8 @@ comes with each item under the key "metadata".
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +48,18 @@ class TokenizedDataset(Dataset):
 
     def __len__(self) -> int:
         return self._length
+
+    def digest(self) -> str:
+        """A hash of every item's tokens (and metadata): equal exactly when two datasets hold the same items."""
+        hasher = hashlib.sha256()
+        for name in sorted(self.columns):
+            flat, offsets = self.columns[name]
+            hasher.update(name.encode())
+            hasher.update(offsets.numpy().tobytes())
+            hasher.update(flat.numpy().tobytes())
+        if self.metadata is not None:
+            hasher.update(json.dumps(self.metadata, sort_keys=True, default=str).encode())
+        return hasher.hexdigest()
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not -self._length <= index < self._length:
