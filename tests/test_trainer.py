@@ -226,7 +226,8 @@ def _weights(trainer):
 
 @pytest.mark.parametrize("train_count,steps,epochs,evaluated_at", [
     (8, 6, 3, [0, 2, 3, 4, 6]),  # 4 micro-batches an epoch: every optimizer step within one epoch
-    (6, 4, 2, [0, 1, 3, 3, 4]),  # 3 an epoch: steps 2 and 4 span an epoch's end (evaluated between their batches)
+    (6, 4, 2, [0, 1, 3, 4]),  # 3 an epoch: steps 2 and 4 span an epoch's end (evaluated between their batches);
+    # step 3 is an --eval_interval step and ends epoch 1: evaluated once
 ])
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path, train_count, steps, epochs,
                                                          evaluated_at):

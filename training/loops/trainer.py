@@ -227,9 +227,14 @@ class SupervisedTrainer:
     # evaluation ---------------------------------------------------------------------------------
 
     def evaluate(self, step: int) -> dict:
-        """Run `eval_fn` on the held-out set, log it under `eval/`, and remember it."""
+        """Run `eval_fn` on the held-out set, log it under `eval/`, and remember it. The weights change only at
+        optimizer steps, so a step already evaluated (an `eval_interval` step that also ends an epoch) is not
+        evaluated again: its record takes the new epoch."""
         if self.eval_fn is None or self.eval_dataset is None or len(self.eval_dataset) == 0:
             return {}
+        if self.evaluations and self.evaluations[-1]["step"] == step:
+            self.evaluations[-1]["epoch"] = self.position.epoch
+            return self.evaluations[-1]
         self.engine.eval()
         with torch.no_grad():
             values = dict(self.eval_fn(self.engine, self.eval_batches()))
