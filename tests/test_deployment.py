@@ -56,6 +56,7 @@ def test_a_good_hostfile_is_read_with_comments_and_blank_lines(tmp_path):
         ("worker-1\n", "expected 'HOST slots=N'"),
         ("worker-1 gpus=8\n", "expected 'HOST slots=N'"),
         ("worker-1 slots=eight\n", "expected 'HOST slots=N'"),
+        ("worker-1 slots = 8\n", "expected 'HOST slots=N'"),  # DeepSpeed's launcher refuses it
         ("# nothing\n\n", "lists no hosts"),
     ],
 )
@@ -173,7 +174,8 @@ def test_the_cpu_quick_run_takes_fewer_steps_for_bigger_models_and_fp32():
 LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank"]
 
 
-def test_launch_commands_start_the_deepspeed_launcher_with_this_python(tmp_path):
+def test_launch_commands_start_the_deepspeed_launcher_with_this_python(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     script = tmp_path / "main.py"
     single = Launcher(DeploymentType.SINGLE_NODE, num_gpus=4).command(script, ["--zero_stage", "2"])
     assert single == LAUNCHER + ["--num_gpus", "4", str(script), "--zero_stage", "2"]
@@ -181,6 +183,20 @@ def test_launch_commands_start_the_deepspeed_launcher_with_this_python(tmp_path)
     assert local == LAUNCHER + ["--num_gpus", "1", "--master_port", "29611", str(script)]
     multi = Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])
     assert multi == LAUNCHER + ["--hostfile", "/h", str(script)]
+
+
+def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_path, monkeypatch):
+    """DeepSpeed's launcher drops CUDA_VISIBLE_DEVICES when given --num_gpus and numbers the GPUs from 0: a run
+    restricted to GPUs 2 and 3 (or two runs sharing a node) landed on 0 and 1. They are named in --include."""
+    script = tmp_path / "main.py"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert Launcher(DeploymentType.SINGLE_NODE, num_gpus=2).command(script, []) == \
+        LAUNCHER + ["--include", "localhost:2,3", str(script)]
+    assert Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])[4:6] == ["--include", "localhost:2"]
+    assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])[4:6] == ["--hostfile", "/h"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1b2c3d")
+    with pytest.raises(UserError, match="give their indices"):
+        Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])
 
 
 def test_the_launcher_starts_without_a_deepspeed_script_on_path(tmp_path):
@@ -241,8 +257,9 @@ def test_dry_run_prints_the_multi_node_launch_commands(tmp_path, tiny_model_dir,
 
 
 @pytest.mark.slow
-def test_single_gpu_launches_a_step_through_the_deepspeed_launcher(tmp_path, tiny_model_dir):
+def test_single_gpu_launches_a_step_through_the_deepspeed_launcher(tmp_path, tiny_model_dir, monkeypatch):
     """On this CPU machine the launcher starts one CPU rank; the path is the one a GPU machine takes."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     model = tiny_model_dir("llama")
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from utils.errors import UserError
 
-_LINE = re.compile(r"(?P<host>\S+)\s+slots\s*=\s*(?P<slots>-?\d+)")
+_LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>-?\d+)")  # DeepSpeed's launcher takes no spaces around "="
 _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"
 
 

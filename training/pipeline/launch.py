@@ -51,11 +51,24 @@ class Launcher:
         command = [sys.executable, "-m", LAUNCHER_MODULE, "--no_local_rank"]
         if self.deployment is DeploymentType.MULTI_NODE:
             command += ["--hostfile", str(self.hostfile)]
+        elif visible := visible_gpus():
+            command += ["--include", f"localhost:{','.join(visible[: self.num_gpus])}"]
         else:
             command += ["--num_gpus", str(self.num_gpus)]
         if self.master_port is not None:
             command += ["--master_port", str(self.master_port)]
         return command + [str(script), *step_argv]
+
+
+def visible_gpus() -> list[str]:
+    """The GPU indices `CUDA_VISIBLE_DEVICES` restricts this node to (empty: unset). DeepSpeed's launcher drops the
+    variable when it is given `--num_gpus` and numbers the GPUs from 0, so a restricted run names them in
+    `--include` instead."""
+    devices = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
+    if not all(device.isdigit() for device in devices):
+        raise UserError(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} names GPUs by UUID or MIG "
+                        "instance, which DeepSpeed's launcher cannot select; give their indices (nvidia-smi -L)")
+    return devices
 
 
 def format_command(command: Sequence[str]) -> str:
