@@ -164,13 +164,19 @@ class _DataCLI:
     data: DataArguments
 
 
-def test_data_args_round_trip_and_defaults():
+def test_data_args_round_trip_and_defaults(tmp_path, monkeypatch):
+    """Local paths come back absolute (a run's records name the files it read), a stated format kept; hub names,
+    tasks and the embedded default as given."""
     from training.core.args import SettingsParser
 
+    monkeypatch.chdir(tmp_path)
     parser = SettingsParser(_DataCLI)
-    args = parser.parse_args(["--data_path", "a.jsonl", "b.jsonl:hh_rlhf", "--data_split", "1,1,1", "--max_seq_len", "128"])
+    args = parser.parse_args(["--data_path", "a.jsonl", "b.jsonl:hh_rlhf", "Dahoas/rm-static", "task:arithmetic",
+                              "--data_split", "1,1,1", "--max_seq_len", "128"])
     data = args.data
-    assert data.data_path == ["a.jsonl", "b.jsonl:hh_rlhf"] and data.max_seq_len == 128 and data.seed == 1234
+    assert data.data_path == [str(tmp_path / "a.jsonl"), f"{tmp_path / 'b.jsonl'}:hh_rlhf", "Dahoas/rm-static",
+                              "task:arithmetic"]
+    assert data.max_seq_len == 128 and data.seed == 1234
     defaults = parser.parse_args([]).data
     assert defaults.data_path == ["embedded"] and defaults.data_split == "2,4,4"
 
