@@ -104,6 +104,15 @@ def test_a_7b_model_on_one_24gb_gpu_needs_lora_and_offload():
     assert sft["zero_stage"] == 3 and sft["offload"] is True and sft["lora_dim"] > 0
     assert plan.steps[2].flags["lora_dim"] == 0  # the 135M reward model still trains fully
     assert plan.steps[3].flags["actor_lora_dim"] > 0
+    # the memory model counts the adapters alone as trained: the steps must train only them
+    from step1_sft.main import build_parser as step1_parser
+    from step3_rlhf.main import parse_args as step3_args
+
+    assert step1_parser().parse_args(["--output_dir", "o", *plan.steps[1].argv()]).training.only_optimize_lora
+    assert not step1_parser().parse_args(["--output_dir", "o", *plan.steps[2].argv()]).training.only_optimize_lora
+    actor = step3_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+                        *plan.steps[3].argv()]).actor
+    assert actor.lora_dim > 0 and actor.only_optimize_lora
 
 
 def test_one_node_of_eight_gpus_shards_a_7b_model_with_zero2():
