@@ -160,6 +160,18 @@ def test_flags_go_to_the_steps_that_accept_them_and_user_values_win(tmp_path, ti
         run(common(tmp_path, fakes.model_dir) + ["--bogus", "1"], fakes)
 
 
+def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fakes):
+    """A typo in --step3-args failed only when step 3 started, after steps 1 and 2 had trained; --output_dir (the
+    steps' spelling) sent every step's model into one folder, and the run failed after step 1."""
+    argv = common(tmp_path, fakes.model_dir)
+    with pytest.raises(UserError, match="step 3's flags do not parse .*unrecognized arguments: --actor_learnin_rate "
+                                        "1e-6.*check --step3-args"):
+        run(argv + ["--step3-args", "--actor_learnin_rate 1e-6"], fakes)
+    with pytest.raises(UserError, match="--output_dir was passed to step 1: .* use --output-dir"):
+        run(argv + ["--output_dir", str(tmp_path / "elsewhere")], fakes)
+    assert fakes.calls == [] and not (tmp_path / "out" / "step1").exists()
+
+
 def test_underscore_spellings_of_train_py_flags_go_to_the_steps(tmp_path, fakes):
     """--actor_zero_stage is step 3's flag; train.py's is --actor-zero-stage (step 1 and step 3's actor)."""
     run(common(tmp_path, fakes.model_dir) + ["--actor_zero_stage", "2"], fakes)

@@ -10,6 +10,8 @@ latest checkpoint where its folder holds one, and starts from the beginning wher
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import time
 from dataclasses import dataclass
@@ -203,6 +205,25 @@ class PreparedRun:
     finished: dict[int, dict]  # the summaries of the steps skipped, finished in their folders
 
 
+def _check_step_flags(config: PipelineConfig, routed: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
+                      entry: Callable[[int], StepEntry]) -> None:
+    """Every step's command line parses before the first step starts: a misspelt or ill-typed flag in --stepN-args
+    fails now, not when its step is reached hours later. --output_dir is train.py's to give (a step's run folder
+    under --output-dir)."""
+    for step, argv in argvs.items():
+        given = [*routed.get(step, []), *config.step_args.get(step, [])]
+        if any(token.split("=", 1)[0] == "--output_dir" for token in given):
+            raise UserError(f"--output_dir was passed to step {step}: train.py puts each step's run folder under "
+                            f"--output-dir (step {step} in {config.run_dir(step)}); use --output-dir")
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors):
+                entry(step).build_parser().parse_args(argv)
+        except SystemExit as exit_:
+            message = errors.getvalue().strip().splitlines()[-1:] or [f"exit status {exit_.code}"]
+            raise UserError(f"step {step}'s flags do not parse ({message[0]}); check --{STEPS[step].name}-args") from None
+
+
 def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> PreparedRun:
     """Validate the inputs (hostfile, prerequisites, flags), plan the deployment, build each step's command."""
     deployment = config.deployment_type or detect_deployment(hardware, config.hostfile is not None)
@@ -217,6 +238,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     launcher = _launcher(config, deployment, hardware)
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
+    _check_step_flags(config, routed, argvs, entry)
     finished = _finished_steps(config, argvs, entry)
     _check_no_stale_checkpoints(config, finished)
     commands = {
