@@ -160,6 +160,19 @@ def test_flags_go_to_the_steps_that_accept_them_and_user_values_win(tmp_path, ti
         run(common(tmp_path, fakes.model_dir) + ["--bogus", "1"], fakes)
 
 
+def test_a_step_given_max_steps_is_not_capped_at_the_plans_samples(tmp_path, fakes):
+    """The quick run caps each step's data at its planned steps' worth (--max_train_samples): a user's --max_steps
+    (the README's way to train longer) ended at that cap, one epoch, unless it also raised the cap."""
+    run(common(tmp_path, fakes.model_dir) + ["--step2-args", "--max_steps 200"], fakes)
+    (_, sft, _), (_, reward, reward_argv), (_, rlhf, _) = fakes.calls
+    assert reward.max_steps == "200" and "--max_train_samples" not in reward_argv
+    assert sft.max_train_samples is not None and rlhf.max_train_samples is not None
+    fakes.calls.clear()
+    run(common(tmp_path, fakes.model_dir) + ["--output-dir", str(tmp_path / "both"),
+                                             "--step2-args", "--max_steps 200 --max_train_samples 64"], fakes)
+    assert fakes.calls[1][1].max_train_samples == "64"
+
+
 def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fakes):
     """A typo in --step3-args failed only when step 3 started, after steps 1 and 2 had trained; --output_dir (the
     steps' spelling) sent every step's model into one folder, and the run failed after step 1."""

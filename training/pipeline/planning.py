@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from .deployment import (
     CpuQuickRun,
@@ -17,7 +17,7 @@ from .deployment import (
 )
 from .hardware import Hardware
 from .hostfile import Host
-from .steps import STEPS
+from .steps import STEPS, flag_value
 
 
 def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: ModelSizes,
@@ -52,3 +52,15 @@ def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None
         overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items() if stages[model] is not None}
         if overrides:
             plan.steps[number] = replace(plan.steps[number], **overrides)
+
+
+def release_sample_caps(plan: DeploymentPlan, user_flags: Mapping[int, Sequence[str]]) -> None:
+    """A step the user gives --max_steps (and no --max_train_samples) loses the plan's --max_train_samples: the
+    plan caps the data at its own steps' worth (one epoch of the quick run), which would end the step there
+    whatever --max_steps asks."""
+    for number, tokens in user_flags.items():
+        step = plan.steps.get(number)
+        if step is None or getattr(step, "max_train_samples", None) is None:
+            continue
+        if flag_value(tokens, "--max_steps") is not None and flag_value(tokens, "--max_train_samples") is None:
+            plan.steps[number] = replace(step, max_train_samples=None)

@@ -38,7 +38,7 @@ from .launch import (
     run_in_process,
     run_subprocess,
 )
-from .planning import apply_zero_overrides, plan_deployment
+from .planning import apply_zero_overrides, plan_deployment, release_sample_caps
 from .steps import STEPS, ModelInput, StepEntry, accepted_options, drop_flag, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
@@ -235,6 +235,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     reward_model = any(source.model is Model.REWARD for source, _ in inputs.get(3, []))
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))
     apply_zero_overrides(plan, config.zero_stages())
+    release_sample_caps(plan, {step: [*routed.get(step, []), *config.step_args.get(step, [])] for step in config.steps})
     launcher = _launcher(config, deployment, hardware)
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
