@@ -115,6 +115,20 @@ def test_a_7b_model_on_one_24gb_gpu_needs_lora_and_offload():
     assert actor.lora_dim > 0 and actor.only_optimize_lora
 
 
+@pytest.mark.parametrize("gpus, step1_global, step2_global", [(8, 64, 32), (3, 63, 30), (1, 64, 32)])
+def test_the_global_batch_is_the_planned_one_on_any_number_of_gpus(gpus, step1_global, step2_global):
+    """64 samples an optimizer step in step 1 and 32 pairs in step 2: on 8 GPUs the micro-batch that fit memory
+    made 128 and 64; where the GPUs do not divide it, at most that."""
+    node = Hardware(num_gpus=gpus, gpu_memory_gib=80, cpu_memory_gib=1000, cpu_cores=96, bf16=True)
+    plan = plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(SMALL, SMALL), node, None)
+
+    def global_batch(step: int) -> int:
+        flags = plan.steps[step].flags
+        return flags["per_device_train_batch_size"] * flags["gradient_accumulation_steps"] * plan.world_size
+
+    assert (global_batch(1), global_batch(2)) == (step1_global, step2_global)
+
+
 def test_one_node_of_eight_gpus_shards_a_7b_model_with_zero2():
     plan = plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B7, B7), H100, None)
     assert plan.world_size == 8

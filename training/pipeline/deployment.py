@@ -173,8 +173,14 @@ def fit_prompt_and_answer(prompt: int, answer: int, *sizes: ModelSize) -> tuple[
     return fitted_prompt, total - fitted_prompt
 
 
-def _accumulation(target_global: int, micro: int, world: int) -> int:
-    return max(1, target_global // (micro * world))
+def _global_batch(target_global: int, micro: int, world: int) -> tuple[int, int]:
+    """The micro-batch (at most `micro`, what fits memory) and accumulation whose global batch over `world` ranks
+    comes closest to `target_global` samples without passing it (the largest micro-batch among equals)."""
+    def samples(candidate: int) -> tuple[int, int]:
+        return candidate * world * (target_global // (candidate * world)), candidate
+
+    chosen = max(range(1, max(1, min(micro, target_global // world)) + 1), key=samples)
+    return chosen, max(1, target_global // (chosen * world))
 
 
 _SEQ_LEN = 512
@@ -312,15 +318,16 @@ def cpu_target(hardware: Hardware, quick: CpuQuickRun) -> tuple[Target, list[str
 
 
 def _gpu_supervised(target: Target, fit: _Fit, target_global: int, seq_len: int) -> SupervisedPlan:
+    micro, accumulation = _global_batch(target_global, fit.micro_batch, target.world)
     return SupervisedPlan(
         zero_stage=fit.choice.zero_stage,
         offload=fit.choice.offload,
         lora_dim=_GPU_LORA_DIM if fit.choice.lora else 0,
         only_optimize_lora=fit.choice.lora,
         gradient_checkpointing=fit.checkpointing,
-        per_device_train_batch_size=fit.micro_batch,
+        per_device_train_batch_size=micro,
         per_device_eval_batch_size=fit.micro_batch,
-        gradient_accumulation_steps=_accumulation(target_global, fit.micro_batch, target.world),
+        gradient_accumulation_steps=accumulation,
         max_seq_len=seq_len,
         dtype=target.dtype,
     )
