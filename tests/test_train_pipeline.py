@@ -173,6 +173,23 @@ def test_a_step_given_max_steps_is_not_capped_at_the_plans_samples(tmp_path, fak
     assert fakes.calls[1][1].max_train_samples == "64"
 
 
+def test_a_finished_step_whose_input_was_trained_again_since_is_not_reused(tmp_path, fakes):
+    """Steps 1-3 finished; step 1 was then deleted and retrained alone (`--step 1`). The next full run skipped
+    step 3 as finished although it was trained from the old step-1 model."""
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    shutil.rmtree(tmp_path / "out" / "step1")
+    run(argv + ["--step", "1"], fakes)
+    fakes.calls.clear()
+    with pytest.raises(UserError, match="step 3 finished in .* before its input .*step1 \\(--actor_model_name_or_path"
+                                        "\\) was trained again"):
+        run(argv, fakes)
+    assert fakes.calls == []
+    shutil.rmtree(tmp_path / "out" / "step3")
+    run(argv, fakes)
+    assert [call[0] for call in fakes.calls] == [3]
+
+
 def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fakes):
     """A typo in --step3-args failed only when step 3 started, after steps 1 and 2 had trained; --output_dir (the
     steps' spelling) sent every step's model into one folder, and the run failed after step 1."""

@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
-from training.reliability.run_records import changed_flags, read_run_args, read_summary
+from training.reliability.run_records import SUMMARY_FILE, changed_flags, read_run_args, read_summary, run_dir_of
 from utils.atomic import atomic_write_text
 from utils.dist import free_port
 from utils.errors import UserError
@@ -155,7 +155,7 @@ def _finished_summary(config: PipelineConfig, step: int, argv: list[str],
     return summary
 
 
-def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]],
+def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]], inputs: Inputs,
                     entry: Callable[[int], StepEntry]) -> dict[int, dict]:
     """The summaries of the steps this run skips: finished in their folders, with the flags it gives them, from
     models it does not make anew (a step that starts from the model of a step that runs, runs too)."""
@@ -165,8 +165,25 @@ def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]],
             continue
         summary = _finished_summary(config, step, argvs[step], entry)
         if summary is not None:
+            _check_trained_from_current_inputs(config, step, inputs[step])
             finished[step] = summary
     return finished
+
+
+def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]]) -> None:
+    """Refuse to reuse a finished step whose input model was trained again after it (an earlier invocation ran
+    only that input's step): it was trained from the old model. A run's summary.json is written last, so its time
+    is when the run finished."""
+    finished_at = (config.run_dir(step) / SUMMARY_FILE).stat().st_mtime
+    for source, value in inputs:
+        input_run = run_dir_of(value) if source.from_step is not None else None
+        summary = input_run / SUMMARY_FILE if input_run is not None else None
+        if summary is not None and summary.is_file() and summary.stat().st_mtime > finished_at:
+            raise UserError(
+                f"step {step} finished in {config.run_dir(step)} before its input {value} ({source.flag}) was "
+                f"trained again, so it was trained from the old model; delete {config.run_dir(step)} to run step "
+                f"{step} from the new one, or choose another --output-dir"
+            )
 
 
 def _remade(config: PipelineConfig, step: int, finished: Mapping[int, dict]) -> bool:
@@ -240,7 +257,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
     _check_step_flags(config, routed, argvs, entry)
-    finished = _finished_steps(config, argvs, entry)
+    finished = _finished_steps(config, argvs, inputs, entry)
     _check_no_stale_checkpoints(config, finished)
     commands = {
         step: launcher.command(STEPS[step].script(), argvs[step]) if launcher
