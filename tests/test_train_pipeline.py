@@ -227,6 +227,11 @@ def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_mode
     # the quick run's task plan: 32 answers a step, 4 to each of 8 prompts, short prompts and answers
     assert (rlhf.per_device_generation_batch_size, rlhf.max_answer_seq_len, rlhf.eval_samples) == ("8", "32", "80")
 
+    fakes.calls.clear()  # step 1 alone still trains on the task --reward_fn checks (no step of it takes the flag)
+    run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math", "--step", "1",
+                                             "--output-dir", str(tmp_path / "alone")], fakes)
+    assert [call[0] for call in fakes.calls] == [1] and fakes.calls[0][1].data_path == "task:arithmetic"
+
     fakes.calls.clear()  # the user's data wins, and is not joined by the task
     run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math",
                                              "--data_path", "mine.jsonl", "--output-dir", str(tmp_path / "mine")], fakes)

@@ -247,7 +247,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     hosts = _hosts(config, deployment)
     inputs = _inputs(config)
     routed = route_extra_flags(
-        config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps}
+        config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps},
+        read_by_train_py=frozenset({"--reward_fn"}),
     ) if config.extra_args else {}
     reward_model = any(source.model is Model.REWARD for source, _ in inputs.get(3, []))
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))

@@ -167,17 +167,19 @@ def drop_flag(tokens: Sequence[str], flag: str) -> list[str]:
 
 
 def route_extra_flags(
-    tokens: Sequence[str], steps: Sequence[int], options: Mapping[int, frozenset[str]]
+    tokens: Sequence[str], steps: Sequence[int], options: Mapping[int, frozenset[str]],
+    read_by_train_py: frozenset[str] = frozenset(),
 ) -> dict[int, list[str]]:
     """Give each flag (with its values) to every step in `steps` whose CLI accepts it.
 
-    A flag no step accepts is an error, so a typo fails before hours of training rather than after.
+    A flag no step accepts is an error, so a typo fails before hours of training rather than after; unless
+    train.py reads it itself (`--reward_fn` picks every step's data).
     """
     routed: dict[int, list[str]] = {step: [] for step in steps}
     for group in group_flags(tokens):
         flag = group[0].split("=", 1)[0]
         takers = [step for step in steps if flag in options[step]]
-        if not takers:
+        if not takers and flag not in read_by_train_py:
             names = ", ".join(str(step) for step in steps)
             raise UserError(
                 f"{flag} is not a flag of train.py nor of step(s) {names}; check the spelling "
