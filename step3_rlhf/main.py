@@ -39,7 +39,14 @@ from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
 from step3_rlhf.stage_fusion import check_stage_fusion
 from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
-from training.core.args import SettingsParser, check_non_negative, check_positive, flag_values, resume_fixed_flags
+from training.core.args import (
+    SettingsParser,
+    check_non_negative,
+    check_offload_stage,
+    check_positive,
+    flag_values,
+    resume_fixed_flags,
+)
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.generation.hybrid_engine import build_generator
@@ -90,6 +97,7 @@ def check_args(args: Step3Settings) -> None:
     if args.loop.max_train_minutes is not None and args.loop.max_train_minutes <= 0:
         raise UserError(f"--max_train_minutes must be positive, got {args.loop.max_train_minutes}")
     check_non_negative(flag_values(args), "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
+    check_offload_stage(flag_values(args), "actor_", "critic_")
     if not 0.0 <= args.ema.ema_beta < 1.0:
         raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
     if args.sampling.temperature <= 0:

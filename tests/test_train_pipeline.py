@@ -202,6 +202,23 @@ def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fake
     assert fakes.calls == [] and not (tmp_path / "out" / "step1").exists()
 
 
+def test_a_zero_stage_0_override_drops_the_planned_offload():
+    """--actor-zero-stage 0 over a plan that offloads at ZeRO-3: the step would be refused (ZeRO-0 offloads
+    nothing), so the offload goes with the stage."""
+    from training.pipeline.deployment import DeploymentType, Model, ModelSizes
+    from training.pipeline.hardware import Hardware, ModelSize
+    from training.pipeline.planning import apply_zero_overrides, plan_gpu
+
+    big = ModelSize(7_000_000_000, 4096, 32, 4096)
+    plan = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(big, big),
+                    Hardware(num_gpus=1, gpu_memory_gib=24, cpu_memory_gib=512, cpu_cores=8, bf16=True), None)
+    assert plan.steps[1].flags["offload"] and plan.steps[3].flags["actor_offload"]
+    apply_zero_overrides(plan, {Model.ACTOR: 0, Model.REWARD: None})
+    assert (plan.steps[1].flags["zero_stage"], plan.steps[1].flags["offload"]) == (0, False)
+    assert (plan.steps[3].flags["actor_zero_stage"], plan.steps[3].flags["actor_offload"]) == (0, False)
+    assert plan.steps[3].flags["critic_offload"] and plan.steps[2].flags["offload"]
+
+
 def test_underscore_spellings_of_train_py_flags_go_to_the_steps(tmp_path, fakes):
     """--actor_zero_stage is step 3's flag; train.py's is --actor-zero-stage (step 1 and step 3's actor)."""
     run(common(tmp_path, fakes.model_dir) + ["--actor_zero_stage", "2"], fakes)

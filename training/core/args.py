@@ -253,6 +253,16 @@ def check_positive(flags: Mapping[str, Any], *names: str) -> None:
             raise UserError(f"--{name} must be positive, got {value}")
 
 
+def check_offload_stage(flags: Mapping[str, Any], *prefixes: str) -> None:
+    """Refuse optimizer offload at ZeRO stage 0 for the trained models named by their flag `prefixes` (`actor_`):
+    DeepSpeed offloads the optimizer state ZeRO partitions, so at stage 0 the offload was dropped while the
+    optimizer became DeepSpeedCPUAdam, which refuses parameters on a GPU."""
+    for prefix in prefixes:
+        if flags[f"{prefix}offload"] and flags[f"{prefix}zero_stage"] == 0:
+            raise UserError(f"--{prefix}offload needs --{prefix}zero_stage 1, 2 or 3 (DeepSpeed offloads the optimizer "
+                            f"state ZeRO partitions); add --{prefix}zero_stage 2, or drop --{prefix}offload")
+
+
 def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
     """Refuse a flag of `flags` (as `flag_values` gives them) that is set but negative (0 turns it off)."""
     for name in names:

@@ -22,6 +22,7 @@ from training.core.args import (
     SettingsParser,
     apply_model_options,
     check_non_negative,
+    check_offload_stage,
     check_positive,
     flag_values,
     optimization_settings,
@@ -166,6 +167,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
                    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
                    "eval_iters")
     check_non_negative(flag_values(args), "eval_interval", "num_warmup_steps", "lora_dim")
+    check_offload_stage(flag_values(args), "")
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)

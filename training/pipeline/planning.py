@@ -50,6 +50,8 @@ def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None
     """Set each model's ZeRO stage (None: keep the planned one) in the plan field each step names for it."""
     for number, spec in STEPS.items():
         overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items() if stages[model] is not None}
+        # ZeRO-0 offloads nothing: an offload planned for another stage goes with it
+        overrides |= {name.replace("zero_stage", "offload"): False for name, stage in overrides.items() if stage == 0}
         if overrides:
             plan.steps[number] = replace(plan.steps[number], **overrides)
 
