@@ -139,14 +139,19 @@ def test_hf_backend_reports_train_forward_logprobs_and_pads_after_eos(arch):
     torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
 
 
-def test_hf_backend_draws_from_the_plain_distribution_whatever_the_models_generation_config():
+@pytest.mark.parametrize("lora", [False, True])
+def test_hf_backend_draws_from_the_plain_distribution_whatever_the_models_generation_config(lora):
     """A model folder's generation_config.json (here a repetition penalty, a ban on any repeated token and a
     minimum length that holds back the EOS) must not shape the draw: the reported log-probabilities are the plain
     distribution's. Greedy answers equal those of the same model with a default config, and the module keeps its
-    own config afterwards."""
+    own config afterwards; under a peft wrapper too (it forwards the attribute to the model that holds it)."""
     from transformers import GenerationConfig as TransformersGenerationConfig
 
+    from training.core.lora import apply_lora
+
     model, tokenizer = make_tiny_model("llama")
+    if lora:
+        model = apply_lora(model, 4, lora_module_name="layers.")
     tokenizer.pad_token = tokenizer.unk_token
     tokenizer.padding_side = "left"
     enc = tokenizer(["Human: hi", "The quick brown fox jumps"], return_tensors="pt", padding=True)
@@ -155,9 +160,10 @@ def test_hf_backend_draws_from_the_plain_distribution_whatever_the_models_genera
     assert any(len(set(row.tolist())) < len(row) for row in plain.answers)  # the ban would change these answers
     own = TransformersGenerationConfig(repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=12,
                                        num_beams=1)
-    model.generation_config = own
+    holder = model.get_base_model() if lora else model
+    holder.generation_config = own
     shaped = HFGenerator(model).generate(enc["input_ids"], enc["attention_mask"], config)
-    assert model.generation_config is own
+    assert holder.generation_config is own and model.generation_config is own
     torch.testing.assert_close(shaped.answers, plain.answers, rtol=0, atol=0)
     torch.testing.assert_close(shaped.logprobs, plain.logprobs, rtol=0, atol=0)
 

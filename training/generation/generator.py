@@ -313,13 +313,16 @@ def neutral_generation_config(module: torch.nn.Module) -> Iterator[None]:
     folder's `generation_config.json`: a repetition penalty, an n-gram ban, a minimum length, beams, ...) is set
     aside, because transformers fills every setting a call leaves unset from it. The log-probabilities this
     backend reports, and the trainer recomputes, are those of the plain distribution, so anything else would make
-    the rollouts off-policy (and the `hf` backend sample otherwise than the hybrid engine)."""
-    saved = getattr(module, "generation_config", None)
-    if saved is None:
-        yield
-        return
-    module.generation_config = TransformersGenerationConfig()
+    the rollouts off-policy (and the `hf` backend sample otherwise than the hybrid engine).
+
+    The config is swapped where it is held: on the transformers model itself, also under a peft wrapper (which
+    only forwards the attribute)."""
+    holders = [part for part in module.modules() if "generation_config" in vars(part)]
+    saved = [part.generation_config for part in holders]
+    for part in holders:
+        part.generation_config = TransformersGenerationConfig()
     try:
         yield
     finally:
-        module.generation_config = saved
+        for part, config in zip(holders, saved):
+            part.generation_config = config
