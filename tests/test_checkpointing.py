@@ -209,14 +209,17 @@ def test_restore_follows_resume_flag(distributed, tmp_path):
     assert manager.restore({"actor": build_engine(0)}, resume=True)["epoch"] == 1
 
 
-@pytest.mark.parametrize("damaged", ["model_states", "client_state"])
+@pytest.mark.parametrize("damaged", ["model_states", "client_state", "rank0"])
 def test_a_checkpoint_file_cut_short_is_named_as_a_damaged_checkpoint(distributed, tmp_path, damaged):
+    """Cut at 200 bytes torch's reader raises a RuntimeError; at half its size (some lengths) an OSError."""
     manager = CheckpointManager(tmp_path / "run")
     path = manager.save(2, {"actor": build_engine(0)}, {"epoch": 1})
     target = next(path.rglob(f"*{damaged}*.pt"))
-    target.write_bytes(target.read_bytes()[:200])
-    with pytest.raises(UserError, match=f"checkpoint {path} is damaged: .* delete that folder"):
-        manager.restore({"actor": build_engine(0)}, resume=True)
+    whole = target.read_bytes()
+    for length in (200, len(whole) // 2):
+        target.write_bytes(whole[:length])
+        with pytest.raises(UserError, match=f"checkpoint {path} is damaged: .* delete that folder"):
+            manager.restore({"actor": build_engine(0)}, resume=True)
 
 
 def test_saving_the_same_step_twice_keeps_the_first(distributed, tmp_path):

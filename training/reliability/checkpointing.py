@@ -465,7 +465,7 @@ def _damaged_if_unreadable(info: CheckpointInfo, what: str) -> Iterator[None]:
     reader: said as the damaged checkpoint it is, with the way out."""
     try:
         yield
-    except (EOFError, pickle.UnpicklingError) as err:
+    except (EOFError, OSError, pickle.UnpicklingError) as err:  # torch's reader: OSError for some cut lengths
         raise UserError(f"{_damaged(info, what)} ({err})") from err
     except RuntimeError as err:
         if "PytorchStreamReader" not in str(err):
