@@ -175,17 +175,25 @@ def test_a_step_given_max_steps_is_not_capped_at_the_plans_samples(tmp_path, fak
 
 def test_a_finished_step_whose_input_was_trained_again_since_is_not_reused(tmp_path, fakes):
     """Steps 1-3 finished; step 1 was then deleted and retrained alone (`--step 1`). The next full run skipped
-    step 3 as finished although it was trained from the old step-1 model."""
+    step 3 as finished although it was trained from the old step-1 model. Copies of the run folders (new file
+    times, in any order) are still the same runs."""
     argv = common(tmp_path, fakes.model_dir)
     run(argv, fakes)
-    shutil.rmtree(tmp_path / "out" / "step1")
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    out.rename(saved)
+    for step in ("step3", "step2", "step1", "logs"):  # copied back, step 1 last: the newest files
+        shutil.copytree(saved / step, out / step)
+    fakes.calls.clear()
+    run(argv, fakes)
+    assert fakes.calls == []
+    shutil.rmtree(out / "step1")
     run(argv + ["--step", "1"], fakes)
     fakes.calls.clear()
-    with pytest.raises(UserError, match="step 3 finished in .* before its input .*step1 \\(--actor_model_name_or_path"
-                                        "\\) was trained again"):
+    with pytest.raises(UserError, match="step 3 finished in .* from an earlier run of its input .*step1 "
+                                        "\\(--actor_model_name_or_path\\), which was trained again since"):
         run(argv, fakes)
     assert fakes.calls == []
-    shutil.rmtree(tmp_path / "out" / "step3")
+    shutil.rmtree(out / "step3")
     run(argv, fakes)
     assert [call[0] for call in fakes.calls] == [3]
 

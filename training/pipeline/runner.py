@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
-from training.reliability.run_records import SUMMARY_FILE, changed_flags, read_run_args, read_summary, run_dir_of
+from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
 from utils.atomic import atomic_write_text
 from utils.dist import free_port
 from utils.errors import UserError
@@ -44,6 +44,7 @@ from .summary import StepResult, settings_table, summary_table
 
 
 Inputs = dict[int, list[tuple[ModelInput, str]]]
+TRAINED_FROM_FILE = "trained_from.json"  # train.py's record, in a step's run folder, of the inputs it trained from
 RESUME_FLAG = "--resume"
 
 
@@ -170,19 +171,36 @@ def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]], inpu
     return finished
 
 
-def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]]) -> None:
-    """Refuse to reuse a finished step whose input model was trained again after it (an earlier invocation ran
-    only that input's step): it was trained from the old model. A run's summary.json is written last, so its time
-    is when the run finished."""
-    finished_at = (config.run_dir(step) / SUMMARY_FILE).stat().st_mtime
+def _input_versions(inputs: list[tuple[ModelInput, str]]) -> dict[str, str | None]:
+    """{model flag: the `run_id` of the run that made the input} for the inputs an earlier step makes (None: none
+    recorded there). A run made again has another."""
+    versions: dict[str, str | None] = {}
     for source, value in inputs:
-        input_run = run_dir_of(value) if source.from_step is not None else None
-        summary = input_run / SUMMARY_FILE if input_run is not None else None
-        if summary is not None and summary.is_file() and summary.stat().st_mtime > finished_at:
+        if source.from_step is None:
+            continue
+        run_dir = run_dir_of(value)
+        summary = read_summary(run_dir) if run_dir is not None else None
+        versions[source.flag] = (summary or {}).get(RUN_ID_KEY)
+    return versions
+
+
+def _record_input_versions(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]]) -> None:
+    atomic_write_text(config.run_dir(step) / TRAINED_FROM_FILE, json.dumps(_input_versions(inputs), indent=2) + "\n")
+
+
+def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]]) -> None:
+    """Refuse to reuse a finished step whose input model was made again after it (an earlier invocation ran only
+    that input's step): it was trained from the old model. Not checked for a step train.py did not run."""
+    try:
+        recorded = json.loads((config.run_dir(step) / TRAINED_FROM_FILE).read_text())
+    except (OSError, ValueError):
+        return
+    for source, value in inputs:
+        if source.flag in recorded and recorded[source.flag] != _input_versions([(source, value)])[source.flag]:
             raise UserError(
-                f"step {step} finished in {config.run_dir(step)} before its input {value} ({source.flag}) was "
-                f"trained again, so it was trained from the old model; delete {config.run_dir(step)} to run step "
-                f"{step} from the new one, or choose another --output-dir"
+                f"step {step} finished in {config.run_dir(step)} from an earlier run of its input {value} "
+                f"({source.flag}), which was trained again since; delete {config.run_dir(step)} to run step {step} "
+                f"from the new one, or choose another --output-dir"
             )
 
 
@@ -220,6 +238,7 @@ class PreparedRun:
     argvs: dict[int, list[str]]
     commands: dict[int, list[str]]  # of the steps that run
     finished: dict[int, dict]  # the summaries of the steps skipped, finished in their folders
+    inputs: Inputs  # each step's model flags and their values
 
 
 def _check_step_flags(config: PipelineConfig, routed: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
@@ -265,7 +284,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
         else ["python", "-m", STEPS[step].module, *argvs[step]]
         for step in config.steps if step not in finished
     }
-    return PreparedRun(plan, launcher, argvs, commands, finished)
+    return PreparedRun(plan, launcher, argvs, commands, finished, inputs)
 
 
 def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
@@ -279,6 +298,7 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
         run_subprocess(prepared.commands[step], config.log_path(step), label, env=launcher_env(REPO_ROOT))
         summary = read_summary(config.run_dir(step)) or {}
     _check_output(config, step)
+    _record_input_versions(config, step, prepared.inputs[step])
     return StepResult(step, spec.title, time.perf_counter() - started, summary)
 
 

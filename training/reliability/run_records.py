@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,6 +18,7 @@ from utils.dist import is_main_process
 
 ARGS_FILE = "args.json"
 SUMMARY_FILE = "summary.json"
+RUN_ID_KEY = "run_id"
 
 
 def _as_json(values: Mapping[str, Any]) -> str:
@@ -86,10 +88,11 @@ def changed_flags(recorded: Mapping[str, Any], current: Mapping[str, Any],
 
 
 def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> None:
-    """Write a step's result summary (what its `main` returns) as `summary.json` in the run folder."""
+    """Write a step's result summary (what its `main` returns) as `summary.json` in the run folder, with a `run_id`
+    of its own: a run made again has another, whatever its figures (train.py tells a retrained input by it)."""
     if not is_main_process():
         return
-    _write_record(run_dir, SUMMARY_FILE, summary)
+    _write_record(run_dir, SUMMARY_FILE, {**summary, RUN_ID_KEY: uuid.uuid4().hex})
 
 
 def read_summary(run_dir: str | os.PathLike) -> dict | None:
