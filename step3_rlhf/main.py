@@ -163,9 +163,10 @@ def count_ppo_steps(args: Step3Settings, prompts: BatchStream) -> int:
     per_epoch = prompts.batches_per_epoch // args.loop.generation_batches
     if per_epoch == 0:
         raise UserError(
-            f"{len(prompts.dataset)} training prompts give fewer than --generation_batches "
-            f"{args.loop.generation_batches} "
-            f"batches of {args.loop.per_device_generation_batch_size}; add prompts or lower those flags"
+            f"{len(prompts.dataset)} training prompts ({prompts.rows_per_rank} per rank over {get_world_size()}) give "
+            f"fewer than --generation_batches {args.loop.generation_batches} "
+            f"{'full ' if prompts.drop_last else ''}batches of {args.loop.per_device_generation_batch_size} per rank; "
+            f"add prompts or lower those flags"
         )
     total = per_epoch * args.loop.num_train_epochs
     return min(total, args.schedule.max_steps) if args.schedule.max_steps else total
@@ -175,8 +176,9 @@ def _build_streams(args: Step3Settings, tokenizer) -> tuple[BatchStream, BatchSt
     data, loop, seed = args.data, args.loop, args.data.seed
     train_prompts, eval_prompts = data.build(3, tokenizer)
     collator = PromptCollator(tokenizer.pad_token_id)
-    # every PPO step a full batch: a short one could not make whole optimizer steps of the accumulation
-    prompts = BatchStream(train_prompts, loop.per_device_generation_batch_size, collator, seed, drop_last=True)
+    # with accumulation, every PPO step a full batch: a short one could not make whole optimizer steps
+    prompts = BatchStream(train_prompts, loop.per_device_generation_batch_size, collator, seed,
+                          drop_last=args.schedule.gradient_accumulation_steps > 1)
     held_out = None
     if len(eval_prompts) > 0:
         held_out = BatchStream(eval_prompts, loop.per_device_generation_batch_size, collator, seed, shuffle=False)

@@ -709,13 +709,17 @@ def test_a_short_last_prompt_batch_is_left_out_so_every_ppo_step_makes_whole_opt
     from step3_rlhf.main import main
 
     caplog.set_level(logging.INFO, logger="step3_rlhf.main")
-    argv = step3_argv(inputs, tmp_path / "run", "--per_device_generation_batch_size", "12",
-                      "--per_device_training_batch_size", "4", "--gradient_accumulation_steps", "3",
-                      "--max_answer_seq_len", "4")
-    summary = main(argv)
+    def argv(run: str, accumulation: int) -> list[str]:
+        return step3_argv(inputs, tmp_path / run, "--per_device_generation_batch_size", "12",
+                          "--per_device_training_batch_size", "4", "--gradient_accumulation_steps", str(accumulation),
+                          "--max_answer_seq_len", "4")
+
+    summary = main(argv("run", 3))
     assert summary["ppo_steps"] == 3
     assert [record["step"] for record in read_metrics(tmp_path / "run") if "train/actor_loss" in record] == [1, 2, 3]
     assert "each epoch leaves out 7 of the 43 prompts per rank" in caplog.text
+    # without accumulation any micro-batch count makes whole steps: the short batch is a fourth PPO step
+    assert main(argv("unaccumulated", 1))["ppo_steps"] == 4
 
 
 def test_a_dropping_batch_stream_hands_out_only_full_batches_and_resumes_in_place():
