@@ -208,7 +208,7 @@ def test_launch_commands_start_the_deepspeed_launcher_with_this_python(tmp_path,
     assert multi == LAUNCHER + ["--hostfile", "/h", str(script)]
 
 
-def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_path, monkeypatch):
+def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_path, monkeypatch, caplog):
     """DeepSpeed's launcher drops CUDA_VISIBLE_DEVICES when given --num_gpus and numbers the GPUs from 0: a run
     restricted to GPUs 2 and 3 (or two runs sharing a node) landed on 0 and 1. They are named in --include."""
     script = tmp_path / "main.py"
@@ -217,9 +217,9 @@ def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_pa
         LAUNCHER + ["--include", "localhost:2,3", str(script)]
     assert Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])[4:6] == ["--include", "localhost:2"]
     assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])[4:6] == ["--hostfile", "/h"]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1b2c3d")
-    with pytest.raises(UserError, match="give their indices"):
-        Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1b2c3d")  # not selectable: the launcher's own way, said
+    assert Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])[4:6] == ["--num_gpus", "1"]
+    assert "names GPUs by UUID" in caplog.text
 
 
 def test_the_launcher_starts_without_a_deepspeed_script_on_path(tmp_path):

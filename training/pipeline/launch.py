@@ -20,6 +20,8 @@ from .steps import StepMain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project's root, importable from every launched rank
 
+logger = logging.getLogger(__name__)
+
 LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
 
 
@@ -66,8 +68,10 @@ def visible_gpus() -> list[str]:
     `--include` instead."""
     devices = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
     if not all(device.isdigit() for device in devices):
-        raise UserError(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} names GPUs by UUID or MIG "
-                        "instance, which DeepSpeed's launcher cannot select; give their indices (nvidia-smi -L)")
+        logger.warning("CUDA_VISIBLE_DEVICES=%s names GPUs by UUID or MIG instance, which DeepSpeed's launcher cannot "
+                       "select: it runs on the first GPUs the processes see; give indices (nvidia-smi -L) to choose",
+                       os.environ["CUDA_VISIBLE_DEVICES"])
+        return []
     return devices
 
 
