@@ -28,7 +28,7 @@ import torch
 import torch.distributed as torch_dist
 
 from step3_rlhf.ema import save_ema_model
-from step3_rlhf.ppo_trainer import Experience, PPOTrainer, Rollout, experience_stats
+from step3_rlhf.ppo_trainer import Experience, PPOTrainer, Rollout, experience_stats, weighted_stats
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PPORun, held_out_stats, held_out_totals
 from step3_rlhf.stage_fusion import StageFusion, place_rows
 from training.core.save import save_hf_model
@@ -225,7 +225,7 @@ class PlacedPPO:
             weights = trainer.loss_weights([part for _, part in order], role)
             for (chunk, part), weight in zip(order, weights):
                 mixture = () if role != "actor" or pretraining is None else (pretraining[chunk][counts[chunk]],)
-                for key, value in update(part, *mixture, weight=weight).items():
+                for key, value in weighted_stats(update(part, *mixture, weight=weight), weight, weight).items():
                     sums[chunk][key] += value
                 counts[chunk] += 1
             for chunk in chunks:

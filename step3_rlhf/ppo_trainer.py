@@ -238,6 +238,19 @@ def check_samples_per_prompt(estimator: AdvantageEstimator, samples_per_prompt: 
         )
 
 
+TOKEN_MEAN_STATS = {"actor": ("actor_loss", "clip_fraction", "approx_kl", "entropy", "kl_loss"),
+                    "critic": ("critic_loss", "value_clip_fraction")}
+
+
+def weighted_stats(stats: Mapping[str, float], actor_weight: float, critic_weight: float) -> dict[str, float]:
+    """A micro-batch's statistics with the token means of each model multiplied by the weight its loss took
+    (`PPOTrainer.loss_weights`), so that their mean over an optimizer step's micro-batches on all ranks is the
+    step's mean over its tokens, the quantity it minimised. The pretraining loss, its own batch's mean, stays."""
+    weights = {key: weight for role, weight in (("actor", actor_weight), ("critic", critic_weight))
+               for key in TOKEN_MEAN_STATS[role]}
+    return {key: value * weights.get(key, 1.0) for key, value in stats.items()}
+
+
 class PPOTrainer:
     """Rollouts and clipped policy-gradient updates for the actor (and the critic, when the advantage
     estimator needs one) of an `RLHFEngine`, for every `--algorithm`: the estimator and the losses are
@@ -534,10 +547,8 @@ class PPOTrainer:
     def train_rlhf(self, experience: Experience, unsupervised_batch: Mapping[str, torch.Tensor] | None = None,
                    actor_weight: float = 1.0, critic_weight: float = 1.0) -> dict[str, float]:
         """One PPO update on `experience` of the actor (the policy loss) and, if there is one, the critic
-        (the value loss), their token means multiplied by their `loss_weights`. The statistics that are token means
-        (losses, clip fractions, approximate KL, entropy) come multiplied by the same weights, so that their mean
-        over an optimizer step's micro-batches on all ranks is the step's mean over its tokens, the quantity it
-        minimised; the pretraining loss, a mean over its own batch, is not weighted."""
+        (the value loss), their token means multiplied by their `loss_weights`; returns the micro-batch's
+        statistics (`weighted_stats` weighs them as the losses were for a step's mean)."""
         stats = self.train_actor(experience, unsupervised_batch, weight=actor_weight)
         if self.engine.critic is None:
             return stats
@@ -569,11 +580,11 @@ class PPOTrainer:
         entropy = masked_mean(groups.answer_entropies([part.detach() for part in logits], config.temperature), mask)
         del logits
         check_finite("actor loss", policy.loss, step, group=self._group("actor"))
-        objective, kl_stats, extra_stats = policy.loss, {}, {}
+        objective, extra_stats = policy.loss, {}
         if config.kl_in_loss:
             kl_term = kl_loss(logprobs, experience.ref_logprobs, mask, config.kl_estimator)
             objective = objective + self.kl_controller.value * kl_term
-            kl_stats["kl_loss"] = kl_term.detach()
+            extra_stats["kl_loss"] = kl_term.item()
         objective = objective * weight
         if unsupervised_batch is not None:
             lm_loss = self._language_model_loss(unsupervised_batch)
@@ -581,9 +592,8 @@ class PPOTrainer:
             objective = objective + config.unsup_coef * lm_loss
             extra_stats["unsup_loss"] = lm_loss.item()
         self._step_actor(objective)
-        token_means = {"actor_loss": policy.loss, "clip_fraction": policy.clip_fraction, "approx_kl": policy.approx_kl,
-                       "entropy": entropy, **kl_stats}
-        return {**{key: value.item() * weight for key, value in token_means.items()}, **extra_stats}
+        return {"actor_loss": policy.loss.item(), "clip_fraction": policy.clip_fraction.item(),
+                "approx_kl": policy.approx_kl.item(), "entropy": entropy.item(), **extra_stats}
 
     def train_critic(self, experience: Experience, weight: float = 1.0) -> dict[str, float]:
         """One update of the critic on `experience` (the value loss, a token mean, multiplied by `weight`:
@@ -596,7 +606,7 @@ class PPOTrainer:
             check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
             critic.backward(value.loss * weight)
             step_engine(critic, "critic")
-        return {"critic_loss": value.loss.item() * weight, "value_clip_fraction": value.clip_fraction.item() * weight}
+        return {"critic_loss": value.loss.item(), "value_clip_fraction": value.clip_fraction.item()}
 
     def skipped_steps(self) -> dict[str, float]:
         """The optimizer steps of the run so far that DeepSpeed skipped for non-finite gradients, per trained model

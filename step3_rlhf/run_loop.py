@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from step3_rlhf.ema import save_ema_model
-from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats
+from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats, weighted_stats
 from step3_rlhf.rlhf_engine import RLHFEngine
 from step3_rlhf.settings import Step3Settings
 from training.core.save import save_hf_model
@@ -236,7 +236,8 @@ class PPORun:
         updates: dict[str, float] = {}
         for part, actor_weight, critic_weight in zip(parts, actor_weights, critic_weights):
             pretraining = self.unsupervised.next() if self.unsupervised is not None else None
-            for key, value in trainer.train_rlhf(part, pretraining, actor_weight, critic_weight).items():
+            stats = trainer.train_rlhf(part, pretraining, actor_weight, critic_weight)
+            for key, value in weighted_stats(stats, actor_weight, critic_weight).items():
                 updates[key] = updates.get(key, 0.0) + value
         return {**{key: value / len(parts) for key, value in updates.items()}, **trainer.skipped_steps()}
 
