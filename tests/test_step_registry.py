@@ -69,9 +69,10 @@ def test_accepted_options_come_from_argparse_and_hf_parsers():
 
 
 def test_a_new_step_is_one_registry_entry(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    """A DPO-like step 4 that starts from step 1's model: chained, planned, overridden and checked."""
+    """A DPO-like step 4 that starts from step 1's model: chained, planned, overridden and checked (its entry point
+    here is step 1's: train.py parses every step's flags with it before anything runs)."""
     monkeypatch.setitem(STEPS, 4, StepSpec(
-        4, "step4", "preference optimisation", "step4_dpo.main",
+        4, "step4", "preference optimisation", "step1_sft.main",
         inputs=(ModelInput("--model_name_or_path", Model.ACTOR, from_step=1),),
         output=StepOutput("model", has_model), plan=SupervisedPlan, planner=plan_sft,
         zero_stage_fields={Model.ACTOR: "zero_stage"},
@@ -80,7 +81,7 @@ def test_a_new_step_is_one_registry_entry(tmp_path, tiny_model_dir, monkeypatch,
     config = PipelineConfig(step=[4, 1], actor_model=model, reward_model=model, output_dir=out, actor_zero_stage=2,
                             dry_run=True)
     command = run_pipeline(config, hardware=TWO_CORES)["commands"][4]
-    assert command[:9] == ["python", "-m", "step4_dpo.main", "--model_name_or_path", str(out / "step1"),
+    assert command[:9] == ["python", "-m", "step1_sft.main", "--model_name_or_path", str(out / "step1"),
                            "--output_dir", str(out / "step4"), "--zero_stage", "2"]
     assert "step 4" in capsys.readouterr().out  # the settings table has its column
     with pytest.raises(UserError, match=r"step 4 needs the step-1 model, .* \(--step 1 4\), or point --step1-output"):
