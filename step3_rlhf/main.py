@@ -52,7 +52,7 @@ from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.generation.hybrid_engine import build_generator
 from training.loops.call_times import CallTimer
 from training.placement.groups import PlacementGroups
-from training.placement.spec import Placement
+from training.placement.spec import AUTO, Placement
 from training.placement.workload import offloaded_models
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
@@ -233,6 +233,8 @@ def run_step3(args: Step3Settings) -> dict:
     check_args(args)
     init_distributed()
     placement = resolve_placement(args)
+    if args.placement.placement == AUTO:
+        check_args(args)  # the settings the plan chose
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
         checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args))

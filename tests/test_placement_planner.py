@@ -267,6 +267,32 @@ def test_planner_keeps_only_plans_that_fit_fastest_first():
     assert "placement" in table and best.placement.name in table and "peak GiB" in table
 
 
+def test_the_planner_offers_only_plans_step_3_accepts():
+    """Its micro-batches make whole optimizer steps of --gradient_accumulation_steps in a PPO step (each generation
+    batch split on its own), and a model whose optimizer state is offloaded is never planned at ZeRO-0; before,
+    `auto` could pick a plan that failed mid-run or that step 3 refuses."""
+    accumulated = replace(WORKLOAD, prompts_per_rank=8, generation_batches=2, accumulation=4)
+    for plan in search(accumulated, MACHINE, 4):
+        assert accumulated.whole_optimizer_steps(plan.micro_batch)
+    # 4 rows a generation batch: micro-batches of 1 or 2 make 8 or 4 a step; of 4, 2 (half an optimizer step)
+    assert {plan.micro_batch for plan in search(accumulated, MACHINE, 4)} == {1, 2}
+    assert not accumulated.whole_optimizer_steps(4)
+    offloaded = replace(WORKLOAD, optimizer_offloaded=("actor",), actor_zero_stage=2)
+    assert all(plan.actor_zero_stage >= 1 for plan in search(offloaded, MACHINE, 4))
+    assert {plan.actor_zero_stage for plan in search(offloaded, MACHINE, 1)} == {2}
+    assert {plan.actor_zero_stage for plan in search(WORKLOAD, MACHINE, 1)} == {0}
+
+
+def test_lora_counts_as_adapters_only_when_only_they_train(tmp_path):
+    from step3_rlhf.main import parse_args
+    from training.placement.workload import step3_workload
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+            "--actor_lora_dim", "8"]
+    assert not step3_workload(parse_args(base), BILLION, BILLION, BILLION).actor_lora  # the base weights train too
+    assert step3_workload(parse_args([*base, "--actor_only_optimize_lora"]), BILLION, BILLION, BILLION).actor_lora
+
+
 def test_check_fits_names_the_rank_the_models_and_the_gib():
     tiny = replace(MACHINE, memory_gib=8.0)
     with pytest.raises(UserError, match=r"cannot fit: rank 0 holds the actor, critic, reference, reward and needs "

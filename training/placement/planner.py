@@ -86,6 +86,16 @@ def _micro_batches(rows: int) -> list[int]:
     return sorted(divisors)[-MICRO_BATCHES:]
 
 
+def _zero_stages(workload: Step3Workload, role: str, world_size: int) -> tuple[int, ...]:
+    """The ZeRO stages tried for a trained model: any on several ranks (one rank shards nothing: stage 0, or the
+    run's own stage where its optimizer state is offloaded), and never stage 0 with an offloaded optimizer."""
+    offloaded = role in workload.optimizer_offloaded
+    if world_size == 1:
+        own = workload.actor_zero_stage if role == "actor" else workload.critic_zero_stage
+        return (own,) if offloaded else (0,)
+    return (1, 2, 3) if offloaded else (0, 1, 2, 3)
+
+
 def _tp_sizes(workload: Step3Workload, machine: MachineSpec, generation_ranks: int) -> list[int]:
     if not workload.hybrid_engine:
         return [1]
@@ -102,14 +112,16 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
     the one without stage fusion). A workload that asks for stage fusion keeps it; otherwise plans with and
     without it are tried where it can run."""
     roles = tuple(roles or workload.roles())
-    stages = (0, 1, 2, 3) if world_size > 1 else (0,)
-    critic_stages = stages if "critic" in roles else (workload.critic_zero_stage,)
+    actor_stages = _zero_stages(workload, "actor", world_size)
+    critic_stages = _zero_stages(workload, "critic", world_size) if "critic" in roles else (workload.critic_zero_stage,)
     fusion_choices = (True,) if workload.stage_fusion else (False, True)
+    micro_batches = [micro for micro in _micro_batches(workload.rows_per_generation_batch)
+                     if workload.whole_optimizer_steps(micro)]
     plans = []
     for base, shares, placement in _placements(world_size, roles):
         for tp in _tp_sizes(workload, machine, len(placement.ranks[placement.generation_role])):
-            for micro in _micro_batches(workload.rows_per_chunk):
-                for actor_stage in stages:
+            for micro in micro_batches:
+                for actor_stage in actor_stages:
                     for critic_stage in critic_stages:
                         if not runnable(placement, actor_stage, critic_stage, tp, workload.offloaded):
                             continue

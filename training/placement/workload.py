@@ -32,7 +32,10 @@ class Step3Workload:
     dtype: str = "bf16"
     actor_zero_stage: int = 0
     critic_zero_stage: int = 0
-    actor_lora: bool = False
+    actor_lora: bool = False  # only the actor's LoRA adapters train (--actor_lora_dim with --actor_only_optimize_lora)
+    generation_batches: int = 1  # the chunk's prompts come in this many generation batches, each split on its own
+    accumulation: int = 1  # --gradient_accumulation_steps: a PPO step's micro-batches must make whole steps of it
+    optimizer_offloaded: tuple[str, ...] = ()  # trained models whose optimizer state is in CPU memory (ZeRO >= 1)
     hybrid_engine: bool = True
     inference_tp: int = 1
     keep_inference_copy: bool = False  # the hybrid engine's inference copy held through training too
@@ -43,6 +46,16 @@ class Step3Workload:
     @property
     def rows_per_chunk(self) -> int:
         return self.prompts_per_rank * self.samples_per_prompt
+
+    @property
+    def rows_per_generation_batch(self) -> int:
+        return self.rows_per_chunk // self.generation_batches
+
+    def whole_optimizer_steps(self, micro_batch: int) -> bool:
+        """Whether training micro-batches of `micro_batch` rows make whole optimizer steps of the accumulation in a
+        PPO step (`check_args` refuses otherwise)."""
+        per_batch = -(-self.rows_per_generation_batch // micro_batch)
+        return self.ppo_epochs * self.generation_batches * per_batch % self.accumulation == 0
 
     @property
     def seq_len(self) -> int:
@@ -70,7 +83,11 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         prompt_len=args.data.max_prompt_seq_len, answer_len=args.ppo.max_answer_seq_len,
         ppo_epochs=args.loop.ppo_epochs, train_micro_batch=args.loop.per_device_training_batch_size,
         dtype=dtype or args.run.dtype_name, actor_zero_stage=args.actor.zero_stage,
-        critic_zero_stage=args.critic.zero_stage, actor_lora=args.actor.lora_dim > 0,
+        critic_zero_stage=args.critic.zero_stage,
+        actor_lora=args.actor.lora_dim > 0 and args.actor.only_optimize_lora,
+        generation_batches=args.loop.generation_batches, accumulation=args.schedule.gradient_accumulation_steps,
+        optimizer_offloaded=tuple(role for role, model in (("actor", args.actor), ("critic", args.critic))
+                                  if model.offload),
         hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size,
         keep_inference_copy=args.hybrid.keep_inference_copy,
         stage_fusion=args.placement.enable_stage_fusion,
