@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_loss_before": result.first_eval.get("loss"),
         "eval_loss_after": result.final_eval.get("loss"),
     })
-    save_summary(args.run.output_dir, summary)
-    return summary
+    return save_summary(args.run.output_dir, summary)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_chosen_mean_after": after.get("chosen_mean"),
         "eval_rejected_mean_after": after.get("rejected_mean"),
     })
-    save_summary(args.run.output_dir, summary)
-    return summary
+    return save_summary(args.run.output_dir, summary)
 
 
 if __name__ == "__main__":

@@ -286,8 +286,7 @@ def run_step3(args: Step3Settings) -> dict:
         finally:
             metrics.close()
             engine.destroy()
-    summary = _summary(run, saved, plot, time.perf_counter() - started)
-    save_summary(run_dir, summary)
+    summary = save_summary(run_dir, _summary(run, saved, plot, time.perf_counter() - started))
     gc.collect()
     return summary
 

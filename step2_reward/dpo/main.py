@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_chosen_reward_after": after.get("chosen_reward"),
         "eval_rejected_reward_after": after.get("rejected_reward"),
     })
-    save_summary(args.run.output_dir, summary)
-    return summary
+    return save_summary(args.run.output_dir, summary)
 
 
 if __name__ == "__main__":

@@ -87,12 +87,14 @@ def changed_flags(recorded: Mapping[str, Any], current: Mapping[str, Any],
             if name not in ignored and recorded.get(name) != current.get(name)}
 
 
-def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> None:
-    """Write a step's result summary (what its `main` returns) as `summary.json` in the run folder, with a `run_id`
-    of its own: a run made again has another, whatever its figures (train.py tells a retrained input by it)."""
-    if not is_main_process():
-        return
-    _write_record(run_dir, SUMMARY_FILE, {**summary, RUN_ID_KEY: uuid.uuid4().hex})
+def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """Write a step's result summary as `summary.json` in the run folder, with a `run_id` of its own (a run made
+    again has another, whatever its figures: train.py tells a retrained input by it); returns what it wrote,
+    which the step's `main` returns."""
+    recorded = {**summary, RUN_ID_KEY: uuid.uuid4().hex}
+    if is_main_process():
+        _write_record(run_dir, SUMMARY_FILE, recorded)
+    return recorded
 
 
 def read_summary(run_dir: str | os.PathLike) -> dict | None:
