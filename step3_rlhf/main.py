@@ -53,7 +53,7 @@ from training.generation.hybrid_engine import build_generator
 from training.loops.call_times import CallTimer
 from training.placement.groups import PlacementGroups
 from training.placement.spec import AUTO, Placement
-from training.placement.workload import offloaded_models
+from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.reliability.checkpointing import data_record
@@ -91,13 +91,14 @@ def parse_args(argv: list[str] | None = None) -> Step3Settings:
 
 def check_args(args: Step3Settings) -> None:
     """Everything that can be checked before anything is loaded or written."""
-    check_positive(flag_values(args), "per_device_generation_batch_size", "per_device_training_batch_size",
+    flags = flag_values(args)
+    check_positive(flags, "per_device_generation_batch_size", "per_device_training_batch_size",
                    "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
                    "eval_samples")
     if args.loop.max_train_minutes is not None and args.loop.max_train_minutes <= 0:
         raise UserError(f"--max_train_minutes must be positive, got {args.loop.max_train_minutes}")
-    check_non_negative(flag_values(args), "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
-    check_offload_stage(flag_values(args), "actor_", "critic_")
+    check_non_negative(flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
+    check_offload_stage(flags, "actor_", "critic_")
     if not 0.0 <= args.ema.ema_beta < 1.0:
         raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
     if args.sampling.temperature <= 0:
@@ -109,7 +110,7 @@ def check_args(args: Step3Settings) -> None:
             "distribution that drew each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower "
             "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
         )
-    check_positive(flag_values(args), "n_samples_per_prompt")
+    check_positive(flags, "n_samples_per_prompt")
     micro_batches = micro_batches_per_ppo_step(args)
     if micro_batches % args.schedule.gradient_accumulation_steps:
         raise UserError(
@@ -146,11 +147,10 @@ def experiences_per_step(args: Step3Settings) -> int:
 
 
 def micro_batches_per_ppo_step(args: Step3Settings) -> int:
-    """Training micro-batches of one PPO step, per rank: every generation batch's answers split by
-    --per_device_training_batch_size, in each PPO epoch (as `PPORun.train_on` splits them)."""
+    """Training micro-batches of one PPO step, per rank (`ppo_micro_batches` of the run's flags)."""
     answers = args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
-    per_batch = -(-answers // args.loop.per_device_training_batch_size)
-    return args.loop.ppo_epochs * args.loop.generation_batches * per_batch
+    return ppo_micro_batches(args.loop.ppo_epochs, args.loop.generation_batches, answers,
+                             args.loop.per_device_training_batch_size)
 
 
 def optimizer_steps_per_ppo_step(args: Step3Settings) -> int:

@@ -163,11 +163,12 @@ def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> Super
 
 def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> SupervisedOutcome:
     setup_logging()
-    check_positive(flag_values(args), "per_device_train_batch_size", "per_device_eval_batch_size",
+    flags = flag_values(args)
+    check_positive(flags, "per_device_train_batch_size", "per_device_eval_batch_size",
                    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
                    "eval_iters")
-    check_non_negative(flag_values(args), "eval_interval", "num_warmup_steps", "lora_dim")
-    check_offload_stage(flag_values(args), "")
+    check_non_negative(flags, "eval_interval", "num_warmup_steps", "lora_dim")
+    check_offload_stage(flags, "")
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)

@@ -195,8 +195,9 @@ def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs
         recorded = json.loads((config.run_dir(step) / TRAINED_FROM_FILE).read_text())
     except (OSError, ValueError):
         return
+    current = _input_versions(inputs)
     for source, value in inputs:
-        if source.flag in recorded and recorded[source.flag] != _input_versions([(source, value)])[source.flag]:
+        if source.flag in recorded and recorded[source.flag] != current.get(source.flag):
             raise UserError(
                 f"step {step} finished in {config.run_dir(step)} from an earlier run of its input {value} "
                 f"({source.flag}), which was trained again since; delete {config.run_dir(step)} to run step {step} "
@@ -241,14 +242,13 @@ class PreparedRun:
     inputs: Inputs  # each step's model flags and their values
 
 
-def _check_step_flags(config: PipelineConfig, routed: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
+def _check_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
                       entry: Callable[[int], StepEntry]) -> None:
     """Every step's command line parses before the first step starts: a misspelt or ill-typed flag in --stepN-args
     fails now, not when its step is reached hours later. --output_dir is train.py's to give (a step's run folder
-    under --output-dir)."""
+    under --output-dir), not one of the `user_flags`."""
     for step, argv in argvs.items():
-        given = [*routed.get(step, []), *config.step_args.get(step, [])]
-        if any(token.split("=", 1)[0] == "--output_dir" for token in given):
+        if any(token.split("=", 1)[0] == "--output_dir" for token in user_flags[step]):
             raise UserError(f"--output_dir was passed to step {step}: train.py puts each step's run folder under "
                             f"--output-dir (step {step} in {config.run_dir(step)}); use --output-dir")
         errors = io.StringIO()
@@ -272,11 +272,12 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     reward_model = any(source.model is Model.REWARD for source, _ in inputs.get(3, []))
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))
     apply_zero_overrides(plan, config.zero_stages())
-    release_sample_caps(plan, {step: [*routed.get(step, []), *config.step_args.get(step, [])] for step in config.steps})
+    user_flags = {step: [*routed.get(step, []), *config.step_args.get(step, [])] for step in config.steps}
+    release_sample_caps(plan, user_flags)
     launcher = _launcher(config, deployment, hardware)
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
-    _check_step_flags(config, routed, argvs, entry)
+    _check_step_flags(config, user_flags, argvs, entry)
     finished = _finished_steps(config, argvs, inputs, entry)
     _check_no_stale_checkpoints(config, finished)
     commands = {

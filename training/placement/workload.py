@@ -15,6 +15,13 @@ if TYPE_CHECKING:
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+def ppo_micro_batches(ppo_epochs: int, generation_batches: int, rows_per_generation_batch: int,
+                      micro_batch: int) -> int:
+    """Training micro-batches of one PPO step on a rank: every generation batch's rows split by `micro_batch`, in
+    each PPO epoch (as `PPORun.train_on` splits them)."""
+    return ppo_epochs * generation_batches * -(-rows_per_generation_batch // micro_batch)
+
+
 @dataclass(frozen=True)
 class Step3Workload:
     """One PPO step's shapes and the trained models' settings. A *chunk* is one rank's prompt batch:
@@ -54,8 +61,9 @@ class Step3Workload:
     def whole_optimizer_steps(self, micro_batch: int) -> bool:
         """Whether training micro-batches of `micro_batch` rows make whole optimizer steps of the accumulation in a
         PPO step (`check_args` refuses otherwise)."""
-        per_batch = -(-self.rows_per_generation_batch // micro_batch)
-        return self.ppo_epochs * self.generation_batches * per_batch % self.accumulation == 0
+        micro_batches = ppo_micro_batches(self.ppo_epochs, self.generation_batches, self.rows_per_generation_batch,
+                                          micro_batch)
+        return micro_batches % self.accumulation == 0
 
     @property
     def seq_len(self) -> int:
