@@ -378,3 +378,39 @@ def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
     step2 = tmp_path / "run" / "checkpoints" / "step2"
     assert sorted(p.name for p in (step2 / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
     assert json.loads((step2 / MARKER_FILE).read_text())["world_size"] == 2
+
+
+def test_a_resume_compares_the_precision_dtype_auto_resolves_to(distributed, tmp_path, monkeypatch):
+    """--dtype auto is bf16 on one machine and fp16 on another: a resume must share the resolved precision
+    (--dtype auto after --dtype bf16 is the same run; auto resolving elsewhere is not)."""
+    from step1_sft.main import build_parser
+    from training.core.args import resume_fixed_flags
+
+    import training.core.args
+
+    def manager_for(dtype: str) -> CheckpointManager:
+        settings = build_parser().parse_args(["--output_dir", str(tmp_path / "run"), "--dtype", dtype])
+        return CheckpointManager(tmp_path / "run", fixed_flags=resume_fixed_flags(settings))
+
+    def auto_resolves_to(dtype: torch.dtype) -> None:
+        resolve = training.core.args.resolve_dtype
+        monkeypatch.setattr("training.core.args.resolve_dtype", lambda name: dtype if name == "auto" else resolve(name))
+
+    manager_for("bf16").save(2, {"actor": build_engine(0)}, {})
+    auto_resolves_to(torch.bfloat16)
+    manager_for("auto").check_start(resume=True)
+    auto_resolves_to(torch.float16)  # on a GPU without bf16
+    with pytest.raises(UserError, match=r"--dtype \(resolved\) 'bf16' -> 'fp16'"):
+        manager_for("auto").check_start(resume=True)
+
+
+def test_a_checkpoint_that_recorded_dtype_as_given_still_resumes(distributed, tmp_path):
+    """Checkpoints written before the resolved precision was recorded hold `dtype` itself; it is not compared."""
+    from step1_sft.main import build_parser
+    from training.core.args import resume_fixed_flags
+
+    settings = build_parser().parse_args(["--output_dir", str(tmp_path / "run")])
+    older = {**resume_fixed_flags(settings), "dtype": "auto"}
+    del older["dtype (resolved)"]
+    CheckpointManager(tmp_path / "run", fixed_flags=older).save(2, {"actor": build_engine(0)}, {})
+    CheckpointManager(tmp_path / "run", fixed_flags=resume_fixed_flags(settings)).check_start(resume=True)

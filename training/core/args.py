@@ -14,6 +14,8 @@ Field metadata beyond argparse's:
   logs, or how it executes (`--save_interval`, `--disable_cuda_graph`): a resumed run may change it;
 - "resume_override": a resumed run takes the flag's new value (`--learning_rate`, `--gradient_clipping`: lowered
   after a divergence). Every other flag a resumed run must share with its checkpoint (`resume_fixed_flags`).
+- "resolved": the name of the group's property that gives the value the flag resolves to on this machine
+  (`--dtype auto` is bf16 on one GPU and fp16 on another): a resumed run must share that value, not the flag's.
 A settings field declared with `group(prefix)` gets its group's flags prefixed: step 3 trains two
 models with one `ModelTrainingConfig` each, `--actor_zero_stage` and `--critic_zero_stage`.
 Switches are bool fields (default False) and `bool | None` fields: `--flag` alone means True.
@@ -37,7 +39,7 @@ from utils.errors import UserError
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_OWN_METADATA = ("flag", "negated", "same_result", "resume_override")
+_OWN_METADATA = ("flag", "negated", "same_result", "resume_override", "resolved")
 
 S = TypeVar("S")
 
@@ -105,9 +107,17 @@ def flag_values(settings: Any) -> dict[str, Any]:
 
 def resume_fixed_flags(settings: Any) -> dict[str, Any]:
     """The `flag_values` a resumed run must share with its checkpoint: all but those marked "same_result" or
-    "resume_override"."""
+    "resume_override", and in place of a flag marked "resolved", its resolved value under the key
+    "<flag> (resolved)" (a checkpoint written before that key existed records the flag itself, and a key only
+    one side has is not compared)."""
     free = _marked_flags(type(settings), "same_result") | _marked_flags(type(settings), "resume_override")
-    return {name: value for name, value in flag_values(settings).items() if name not in free}
+    fixed = {name: value for name, value in flag_values(settings).items() if name not in free}
+    for name, group_type, prefix in _groups(type(settings)):
+        for source, flag in zip(_flag_fields(group_type), _flags(group_type, prefix)):
+            if source.metadata.get("resolved") and flag.name in fixed:
+                del fixed[flag.name]
+                fixed[f"{flag.name} (resolved)"] = getattr(getattr(settings, name), source.metadata["resolved"])
+    return fixed
 
 
 def same_result_flags(settings: Any) -> frozenset[str]:
@@ -177,8 +187,9 @@ class RunArguments:
     output_dir: str = field(metadata={
         "same_result": True, "help": "run folder: final model in <output_dir>/model, metrics, args, checkpoints"})
     dtype: str = field(default="auto", metadata={
-        "choices": DTYPE_CHOICES,
-        "help": "training precision; auto = bf16 where supported, else fp16 on GPU, fp32 on CPU"})
+        "choices": DTYPE_CHOICES, "resolved": "dtype_name",
+        "help": ("training precision; auto = bf16 where the GPU supports it or the CPU has bf16 instructions, "
+                 "else fp16 on GPU, fp32 on CPU")})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
     local_rank: int = field(default=-1, metadata={  # set by the deepspeed launcher
         "same_result": True, "help": argparse.SUPPRESS})
