@@ -38,7 +38,7 @@ def device_name(device=None) -> str:
     threads used."""
     import torch
 
-    from training.pipeline.hardware import cpu_has_native_bf16, cpu_model_name
+    from utils.cpu import cpu_has_native_bf16, cpu_model_name
 
     if device is not None and device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -79,6 +79,32 @@ def test_dtype_rules_on_cpu():
         resolve_dtype("fp16")
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_dtype_auto_on_cpu_is_bf16_only_with_bf16_instructions(monkeypatch, native):
+    """DeepSpeed's CPU accelerator calls bf16 supported everywhere, but without bf16 instructions torch emulates
+    it (over 10x slower than fp32 on AVX2): auto, and train.py's plan, take fp32 there."""
+    from training.pipeline.hardware import detect_hardware
+
+    monkeypatch.setattr("training.core.model_loading.cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("training.pipeline.hardware.cpu_has_native_bf16", lambda: native)
+    assert resolve_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+    assert detect_hardware().bf16 is native
+
+
+@pytest.mark.parametrize("field, value, native", [
+    ("flags", "fpu sse avx2 avx512f avx512bw avx512vl avx512dq", False),  # oneDNN would emulate bf16 here
+    ("flags", "avx2 avx512f avx512_bf16", True),
+    ("flags", "avx2 amx_tile amx_bf16", True),
+    ("Features", "fp asimd sve bf16 i8mm", True),  # Arm (Graviton 3) names it among its Features
+    ("Features", "fp asimd", False),
+])
+def test_native_bf16_is_read_from_the_cpus_flags(monkeypatch, field, value, native):
+    from utils import cpu
+
+    monkeypatch.setattr(cpu, "_cpuinfo_field", lambda name: value if name == field else "")
+    assert cpu.cpu_has_native_bf16() is native
+
+
 def test_zero3_helpers_report_full_sizes_of_partitioned_parameters(distributed):
     import deepspeed
 

@@ -22,6 +22,7 @@ from training.core.embedded_model import (
     embedded_model_path,
     is_embedded_name,
 )
+from utils.cpu import cpu_has_native_bf16
 from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,14 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
-    """`bf16`/`fp16`/`fp32`, or None for the device's best: bf16 where supported, else fp16 on GPU, fp32 on CPU."""
+    """`bf16`/`fp16`/`fp32`, or None/"auto" for the device's best: bf16 where the GPU supports it, else fp16; on CPU
+    bf16 only where the CPU has bf16 instructions (elsewhere torch emulates it, slower than fp32), else fp32."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     on_cpu = accelerator.device_name() == "cpu"
     if name is None or name == "auto":
-        if accelerator.is_bf16_supported():
+        if cpu_has_native_bf16() if on_cpu else accelerator.is_bf16_supported():
             return torch.bfloat16
         return torch.float32 if on_cpu else torch.float16
     if name not in _DTYPES:

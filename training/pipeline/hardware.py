@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import os
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from training.core.model_loading import load_config
+from utils.cpu import cpu_cores, cpu_has_native_bf16
 
 GIB = 1024**3
 
@@ -24,31 +23,6 @@ class Hardware:
     bf16: bool
 
 
-def cpu_cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def cpu_model_name() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (what `platform` knows where there is none)."""
-    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether the CPU has bf16 instructions (AVX512-BF16 or AMX), per /proc/cpuinfo's flags."""
-    return bool({"avx512_bf16", "amx_bf16"} & set(_cpuinfo_field("flags").split()))
-
-
-def _cpuinfo_field(name: str) -> str:
-    """The first value of `name` in /proc/cpuinfo ('' where there is none)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
-        key, _, value = line.partition(":")
-        if key.strip() == name:
-            return value.strip()
-    return ""
-
-
 def detect_hardware() -> Hardware:
     cores = cpu_cores()
     cpu_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
@@ -56,14 +30,7 @@ def detect_hardware() -> Hardware:
         count = torch.cuda.device_count()
         memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / GIB
         return Hardware(count, memory, cpu_memory, cores, torch.cuda.is_bf16_supported())
-    return Hardware(0, None, cpu_memory, cores, _cpu_supports_bf16())
-
-
-def _cpu_supports_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return Hardware(0, None, cpu_memory, cores, cpu_has_native_bf16())
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 
 from training.generation.cpu_linear import LinearWeight
-from training.pipeline.hardware import GIB, cpu_model_name
+from training.pipeline.hardware import GIB
+from utils.cpu import cpu_model_name
 from training.placement.machine import MachineSpec
 from training.placement.microbench import (
     QUICK,
