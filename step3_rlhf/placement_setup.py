@@ -79,10 +79,10 @@ def resolve_placement(args: Step3Settings) -> Placement | None:
 def _auto_choice(args: Step3Settings, world: int, roles: list[str]) -> tuple | str:
     """Rank 0's plan as plain values, or the planner's error message (so every rank raises it)."""
     from training.pipeline.hardware import model_size
-    from utils.cpu import cpu_cores
     from training.placement.auto import planning_machine
     from training.placement.planner import choose_placement
     from training.placement.workload import step3_model_paths, step3_workload
+    from utils.cpu import cpu_cores
 
     try:
         paths = step3_model_paths(args)
