@@ -304,6 +304,18 @@ def test_grpo_normalises_each_answer_by_its_groups_mean_and_sample_std():
     assert returns[:4, 0].tolist() == [1.0, 0.0, 1.0, 0.0] and returns[0, 3] == 0
 
 
+@pytest.mark.parametrize("estimator", ["group_normalized", "leave_one_out"])
+@pytest.mark.parametrize("size", [3, 5, 6, 16])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(estimator, size):
+    """0.3 (a reward function at --reward_fn_coef 0.3) and reward-model scores are not exact in binary: an fp32 group
+    mean was off by an ulp, and GRPO's division by the ~1e-7 std made that an advantage of up to 0.3."""
+    rewards = torch.zeros(3 * size, 2)
+    rewards[:, -1] = torch.tensor([0.3, 2.9, -1.3]).repeat_interleave(size)
+    inputs = AdvantageInputs(rewards, torch.ones(3 * size, 2), group_index=torch.arange(3).repeat_interleave(size))
+    advantages, _ = get_advantage_estimator(estimator)(inputs, SimpleNamespace(group_std_eps=1e-6))
+    assert advantages.abs().max().item() == 0.0
+
+
 def test_rloo_subtracts_the_mean_of_the_other_answers():
     advantages, _ = get_advantage_estimator("leave_one_out")(_group_of_four_and_a_tied_group(), SimpleNamespace())
     # row 0: 1 - (0 + 1 + 0) / 3 = 2/3; row 1: 0 - (1 + 1 + 0) / 3 = -2/3; the tied group: 0.5 - 0.5 = 0
@@ -354,6 +366,19 @@ def test_kl_estimators_by_hand():
     assert loss.item() == pytest.approx(0.5 - 1 + math.log(2))
     # d/dlogp [exp(ref - logp) - 1 - (ref - logp)] = 1 - q/p = 0.5 on token 0; 0 where masked
     torch.testing.assert_close(actor.grad, torch.tensor([[0.5, 0.0]]))
+
+
+def test_k3_is_clamped_so_one_unlikely_token_cannot_outweigh_the_rest():
+    """A token the reference gives log-prob -1 and the actor now -11: k3 = e^10 - 11 = 22,015 unclamped, which made one
+    64-token answer's KL loss 344 (and its KL-in-reward -1,100 at coefficient 0.05)."""
+    logprobs = torch.tensor([[-11.0, -1.0, -200.0]], requires_grad=True)
+    ref_logprobs = torch.tensor([[-1.0, -1.0, -1.0]])
+    k3 = KL_ESTIMATORS.get("k3")(logprobs, ref_logprobs)
+    assert k3.tolist() == [[10.0, 0.0, 10.0]] and torch.isfinite(k3).all()
+    k3.sum().backward()
+    assert logprobs.grad.tolist() == [[0.0, 0.0, 0.0]]  # clamped tokens pull no more; the middle one is at its minimum
+    small = KL_ESTIMATORS.get("k3")(torch.tensor([-1.5]), torch.tensor([-1.0]))
+    assert small.item() == pytest.approx(math.exp(0.5) - 1 - 0.5)  # unclamped below the bound
 
 
 def test_as_a_loss_k2_pulls_along_the_reverse_kl_gradient_and_k1_not_at_all():

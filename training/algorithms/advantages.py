@@ -114,9 +114,11 @@ def compute_advantages_and_returns(
 
 
 def group_sums(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: (the sum of `values` over its group, its group's size), both [B] fp32."""
-    same = (group_index[:, None] == group_index[None, :]).float()
-    return same @ values.float(), same.sum(-1)
+    """Per row: (the sum of `values` over its group, its group's size), both [B] fp64. A group of equal fp32 values
+    sums exactly in fp64, so its mean is the value itself: an fp32 mean of 0.3s is off by an ulp, which GRPO's
+    division by a ~1e-7 std turned into advantages of up to 0.3 for groups that carry no signal."""
+    same = (group_index[:, None] == group_index[None, :]).double()
+    return same @ values.double(), same.sum(-1)
 
 
 class GAEConfig(Protocol):
@@ -140,10 +142,10 @@ def group_normalized(inputs: AdvantageInputs, config: GroupConfig) -> tuple[torc
     answers all earned the same reward gets advantage 0 (it carries no signal)."""
     returns = inputs.sequence_returns
     total, size = group_sums(returns, inputs.group_index)
-    deviation = returns - total / size
+    deviation = returns.double() - total / size
     squares, _ = group_sums(deviation * deviation, inputs.group_index)
     advantages = deviation / ((squares / (size - 1).clamp(min=1.0)).sqrt() + config.group_std_eps)
-    return inputs.on_answer_tokens(advantages), inputs.on_answer_tokens(returns)
+    return inputs.on_answer_tokens(advantages.float()), inputs.on_answer_tokens(returns)
 
 
 @register_advantage_estimator("leave_one_out", needs_critic=False, min_group_size=2)
@@ -151,8 +153,8 @@ def leave_one_out(inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, t
     """RLOO: R minus the mean return of the other answers to the same prompt."""
     returns = inputs.sequence_returns
     total, size = group_sums(returns, inputs.group_index)
-    advantages = returns - (total - returns) / (size - 1).clamp(min=1.0)
-    return inputs.on_answer_tokens(advantages), inputs.on_answer_tokens(returns)
+    advantages = returns.double() - (total - returns.double()) / (size - 1).clamp(min=1.0)
+    return inputs.on_answer_tokens(advantages.float()), inputs.on_answer_tokens(returns)
 
 
 @register_advantage_estimator("reinforce_pp", needs_critic=False, whitened=True)
