@@ -6,7 +6,9 @@ The estimators (Schulman, "Approximating KL divergence") estimate KL(actor || re
 actor sampled, with log r = ref_logprob - logprob:
 - `k1`: -log r (unbiased, can be negative per token);
 - `k2`: (log r)^2 / 2 (biased, low variance, its gradient is that of the reverse KL);
-- `k3`: (r - 1) - log r (unbiased and never negative; GRPO's KL loss).
+- `k3`: (r - 1) - log r (unbiased and never negative; GRPO's KL loss), at most `K3_MAX`: it grows as r, so one
+  token the reference likes and the actor now finds unlikely (log r = 10: k3 = 22,015) would otherwise outweigh
+  every other term of the loss or the reward (verl and OpenRLHF clamp it likewise; a clamped token has no gradient).
 
 As a loss term the estimators differ in their gradient, not their value: over the actor's own samples, k2's expected
 gradient is that of KL(actor || reference) and k3's that of KL(reference || actor) (DeepSeekMath's choice), while
@@ -28,6 +30,7 @@ KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 NO_GRADIENT_AS_LOSS = ("k1",)  # estimators whose loss has zero expected gradient (see the module doc)
 LOSS_ESTIMATOR = "k2"  # the loss estimator in their place: its expected gradient is KL(actor || reference)'s
+K3_MAX = 10.0  # k3's clamp (see the module doc); exp(log r) is taken with log r clamped to +-20, finite in fp32
 
 
 @KL_ESTIMATORS.register("k1")
@@ -42,8 +45,8 @@ def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    log_r = ref_logprobs.float() - logprobs.float()
-    return torch.exp(log_r) - 1.0 - log_r
+    log_r = (ref_logprobs.float() - logprobs.float()).clamp(-20.0, 20.0)
+    return (torch.exp(log_r) - 1.0 - log_r).clamp(max=K3_MAX)
 
 
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
