@@ -86,6 +86,9 @@ def test_math_reward_rejects_non_numeric_expected_answers(answer):
     ("The answer is 1,234.", 1.0),
     ("The answer is 66. Really.", 1.0),
     ("The answer is 66", 0.0),
+    ("The answer is 3.14", 0.0),  # the decimal point is not the sentence's period
+    ("The answer is 1,234.56", 0.0),
+    ("The answer is 3.14.", 1.0),
     ("the answer is 66.", 0.0),
     ("The answer is sixty-six.", 0.0),
     ("The answer is 66. The answer is 66.", 0.0),

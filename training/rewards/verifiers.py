@@ -26,7 +26,8 @@ _MARKERS = (
     re.compile(rf"\\boxed\{{\s*({NUMBER})\s*\}}"),
 )
 _ANY_NUMBER = re.compile(NUMBER)
-_FINAL_SENTENCE = re.compile(re.escape(ANSWER_PREFIX) + f"({NUMBER})" + re.escape(ANSWER_SUFFIX))
+# no digit after the suffix: "The answer is 3.14" must not pass as "The answer is 3" and its period
+_FINAL_SENTENCE = re.compile(re.escape(ANSWER_PREFIX) + f"({NUMBER})" + re.escape(ANSWER_SUFFIX) + r"(?!\d)")
 NO_ANSWERS = (
     "builtin:math needs each prompt's expected answer in its metadata, but this data has no answers: "
     "use a task source (e.g. --data_path task:arithmetic) or give your rows a metadata column such as "
