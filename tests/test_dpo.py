@@ -220,3 +220,30 @@ def test_zero3_policy_and_reference_start_equal_and_train(distributed, inputs, t
     assert summary["eval_margin_before"] == 0.0 and summary["eval_loss_before"] == pytest.approx(25.0)  # (0 - 5)^2
     assert summary["eval_margin_after"] > 0.0
     assert (tmp_path / "run" / "model" / "config.json").is_file()
+
+
+def test_the_policy_trains_without_dropout_so_it_starts_at_log_2(inputs, tmp_path):
+    """GPT-2 has dropout 0.1 and the reference none: with dropout in the policy, the first step's loss (the policy
+    still equal to the reference) was noise around log 2 (0.6876), and its gradient pushed on that noise."""
+    model = make_tiny_model_dir(tmp_path / "tiny-gpt2", "gpt2")
+    assert json.loads((tmp_path / "tiny-gpt2" / "config.json").read_text())["resid_pdrop"] > 0
+    dpo_main(_argv({**inputs, "model": model, "cache": str(tmp_path / "cache")}, tmp_path / "run",
+                   "--max_steps", "1", "--learning_rate", "1e-9", "--per_device_train_batch_size", "8"))
+    first = next(record for record in read_metrics(tmp_path / "run") if "train/loss" in record)
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_the_reference_is_gone_before_the_final_save(inputs, tmp_path, monkeypatch):
+    """The reference (a whole model, or its ZeRO-3 shards) is freed before the policy's full weights are gathered
+    and written, the run's peak."""
+    import training.loops.supervised_step as supervised_step
+    from step2_reward.dpo.main import dpo_step, parse_args
+
+    args = parse_args(_argv(inputs, tmp_path / "run", "--max_steps", "1"))
+    objective = DPOObjective(args.dpo)
+    seen = []
+    save = supervised_step.save_hf_model
+    monkeypatch.setattr(supervised_step, "save_hf_model",
+                        lambda *a, **k: (seen.append(objective.reference), save(*a, **k))[1])
+    supervised_step.run_supervised_step(args, dpo_step(objective))
+    assert seen == [None]

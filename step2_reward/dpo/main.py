@@ -6,6 +6,10 @@ the preference loss (`training/algorithms/preference.py`), `--dpo_beta` its stre
 implicit-reward accuracy, mean chosen/rejected rewards, margin and loss are reported before training
 and after each epoch. The policy is saved as an HF model folder in `<output_dir>/model`.
 
+The policy trains with dropout off, whatever `--disable_dropout` says: the reference has none (eval mode), so
+with dropout the log-ratio of two equal models would be noise rather than 0, and the loss would push on that noise
+from the first step (TRL turns dropout off for DPO likewise; step 3 does for its actor).
+
 The default learning rate, 1e-6, is DPO's usual one (TRL's default; larger models use 5e-7): the
 loss pulls on the whole answer's summed log-probability, so steps of SFT size (1e-5) soon drive
 both answers' likelihoods down and the model off its step-1 behaviour, even at 135M parameters.
@@ -15,6 +19,8 @@ Example (CPU quick run on the embedded model and data, from step 1's run folder)
         --max_seq_len 256
 """
 from __future__ import annotations
+
+from functools import partial
 
 from step2_reward.dpo.objective import DPOObjective
 from step2_reward.dpo.settings import DPOSettings
@@ -41,7 +47,7 @@ def dpo_step(objective: DPOObjective) -> SupervisedStep:
     return SupervisedStep(
         phase=2,
         name=STEP_NAME,
-        build_model=build_causal_lm,
+        build_model=partial(build_causal_lm, disable_dropout=True),
         make_collator=PairwiseCollator,
         loss_fn=objective.loss,
         eval_fn=objective.evaluate,

@@ -101,10 +101,11 @@ FrozenModels = Callable[[SupervisedSettings, PreTrainedTokenizerBase], AbstractC
 
 
 def build_causal_lm(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
-                    dtype: torch.dtype) -> torch.nn.Module:
-    """The `ModelBuilder` of a step that trains `--model_name_or_path` as a causal LM (SFT, DPO's policy)."""
+                    dtype: torch.dtype, *, disable_dropout: bool = False) -> torch.nn.Module:
+    """The `ModelBuilder` of a step that trains `--model_name_or_path` as a causal LM (SFT, DPO's policy), its
+    dropout off with `--disable_dropout` or `disable_dropout`."""
     return load_causal_lm(args.model.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
-                          disable_dropout_layers=args.model.disable_dropout,
+                          disable_dropout_layers=args.model.disable_dropout or disable_dropout,
                           trust_remote_code=args.run.trust_remote_code)
 
 
@@ -200,13 +201,14 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
                     len(eval_data), num_steps, settings.dtype, settings.zero_stage)
         frozen = step.frozen_models(args, tokenizer) if step.frozen_models else nullcontext()
         try:
-            with frozen, GracefulInterrupt() as interrupt:
-                trainer = SupervisedTrainer(
-                    engine, train_data, eval_data, step.make_collator(tokenizer.pad_token_id), step.loss_fn,
-                    step.eval_fn, loop, metrics, num_training_steps=num_steps, checkpoints=checkpoints,
-                    interrupt=interrupt, resume=args.checkpoints.resume, count_items=step.count_items,
-                )
-                result = trainer.fit()
+            with GracefulInterrupt() as interrupt:
+                with frozen:
+                    trainer = SupervisedTrainer(
+                        engine, train_data, eval_data, step.make_collator(tokenizer.pad_token_id), step.loss_fn,
+                        step.eval_fn, loop, metrics, num_training_steps=num_steps, checkpoints=checkpoints,
+                        interrupt=interrupt, resume=args.checkpoints.resume, count_items=step.count_items,
+                    )
+                    result = trainer.fit()
                 interrupt.finishing("the final model's save")
                 model_dir = args.run.final_model_dir
                 save_hf_model(engine, tokenizer, model_dir)
