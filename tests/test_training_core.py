@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.lora import apply_lora, lora_target_modules
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.reward_model import RewardModel
 from training.core.save import save_hf_model
 from training.core.zero import full_numel, full_shape, is_zero3_module, is_zero3_param
 from utils.dist import free_port
@@ -241,3 +242,18 @@ def test_a_step_run_folder_resolves_to_its_final_model(tiny_model_dir, tmp_path)
     os.replace(model_dir, run_dir / FINAL_MODEL_SUBDIR)
     assert resolve_model_path(str(run_dir)) == str(run_dir / FINAL_MODEL_SUBDIR)
     assert load_tokenizer(str(run_dir)).pad_token_id is not None
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_disabled_dropout_makes_train_mode_forwards_deterministic(tiny_model_dir, arch):
+    """OPT's layers copy `config.dropout` into a float at construction and call `F.dropout` with it: zeroing the
+    config afterwards left step 3's OPT actor and critic (and --disable_dropout in steps 1 and 2) with dropout on,
+    so the first PPO update on a fresh rollout already had ratio != 1 (train-mode forwards differed by 0.17)."""
+    path = tiny_model_dir(arch)
+    tokenizer = load_tokenizer(path)
+    ids = torch.tensor([tokenizer("Human: What is 2 plus 3? Assistant: 5")["input_ids"]])
+    for model, output in ((load_causal_lm(path, tokenizer, disable_dropout_layers=True), "logits"),
+                          (RewardModel.from_causal_lm(path, tokenizer, disable_dropout_layers=True), "values")):
+        model.train()
+        first, second = (model(input_ids=ids, attention_mask=torch.ones_like(ids))[output] for _ in range(2))
+        assert torch.equal(first, second), f"{arch} {type(model).__name__}: dropout still on in train mode"

@@ -152,16 +152,23 @@ def load_config(name_or_path: str, trust_remote_code: bool = False):
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Zero every dropout probability (RLHF needs deterministic log-probs)."""
+    """Zero every dropout probability (RLHF needs deterministic log-probs): the `nn.Dropout` modules, the
+    probabilities layers copied from the config when they were built and pass to `F.dropout` themselves (OPT's
+    decoder layers and attention, Llama's and Qwen's attention, Falcon's and BLOOM's hidden dropout, OPT's layer
+    drop), and the config's own."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    config = getattr(model, "config", None)
-    if config is not None:
-        for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
-                    "embd_pdrop", "attn_pdrop", "summary_first_dropout"):
-            if hasattr(config, key):
-                setattr(config, key, 0.0)
+        for holder in (module, getattr(module, "config", None)):
+            for key, value in (vars(holder) if holder is not None else {}).items():
+                if _is_dropout_probability(key, value):
+                    setattr(holder, key, 0.0)
+
+
+def _is_dropout_probability(name: str, value: object) -> bool:
+    """`attention_dropout = 0.1`, `resid_pdrop`, `layerdrop` (not a bool, nor a module: those are handled apart)."""
+    return (isinstance(value, float) and value > 0
+            and (name.endswith(("dropout", "pdrop", "layerdrop")) or name.startswith("dropout")))
 
 
 @contextmanager
