@@ -28,6 +28,7 @@ from step3_rlhf.ema import ModelEMA
 from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer, experience_stats
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from training.algorithms import ADVANTAGE_ESTIMATORS, actor_loss, register_advantage_estimator
+from training.core.args import ModelTrainingConfig, apply_model_options
 from training.core.engine import (
     OptimizationSettings,
     create_frozen_engine,
@@ -223,6 +224,30 @@ def test_fp32_rollouts_reuse_the_generators_logprobs_and_train_as_if_recomputed(
     assert "score_actor" not in phases[False] and phases[True]["score_actor"]["s"] > 0
     for key in ("actor_loss", "critic_loss", "approx_kl", "entropy", "clip_fraction"):
         assert stats[False][key] == pytest.approx(stats[True][key], abs=1e-4), key
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_ppo_updates_run_in_train_mode_with_gradient_checkpointing_when_asked(distributed, inputs, checkpointing):
+    """`from_pretrained` leaves models in eval mode, where transformers skips gradient checkpointing: step 3 never
+    switched its trained models to train mode, so --actor/critic_gradient_checkpointing saved no memory. Scoring
+    still runs in eval mode; with checkpointing each layer runs again in the backward."""
+    engine = build_engine(inputs)
+    if checkpointing:
+        for module in (engine.actor.module, engine.critic.module):
+            apply_model_options(module, ModelTrainingConfig(gradient_checkpointing=True))
+    layers = {"actor": engine.actor.module.model.layers[0].self_attn,
+              "critic": engine.critic.module.backbone.layers[0].self_attn}
+    modes = {name: [] for name in layers}
+    for name, layer in layers.items():
+        layer.register_forward_pre_hook(lambda module, args, name=name: modes[name].append(module.training))
+    trainer = PPOTrainer(engine, FixedAnswers(torch.tensor([[5, 6, 7, 8]] * 4), engine.tokenizer.eos_token_id,
+                                              engine.tokenizer.pad_token_id), PPOConfig(max_answer_seq_len=4))
+    experience = trainer.generate_experience(prompt_batch(engine.tokenizer, 4))
+    assert modes == {"actor": [False], "critic": [False]}  # scored in eval mode
+    modes.update(actor=[], critic=[])
+    trainer.train_rlhf(experience)
+    forwards = 2 if checkpointing else 1  # the checkpointed layer runs again in the backward
+    assert modes == {"actor": [True] * forwards, "critic": [True] * forwards}
 
 
 def test_half_precision_rollouts_get_their_old_logprobs_recomputed(distributed, inputs):

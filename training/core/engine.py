@@ -61,7 +61,8 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
 
     The schedule counts optimizer steps (micro-batches / gradient accumulation). With master weights the model
     goes to the engine's device first, so the fp32 copies are made there. On a GPU the process's attention leaves
-    cuDNN's kernel out from here on (`exclude_cudnn_attention`).
+    cuDNN's kernel out from here on (`exclude_cudnn_attention`). The engine starts in train mode: `from_pretrained`
+    leaves a model in eval mode, where transformers skips gradient checkpointing (step 3's updates ran without it).
     """
     exclude_cudnn_attention(get_accelerator().device_name())
     if settings.master_weights:
@@ -84,6 +85,7 @@ def create_train_engine(model: torch.nn.Module, settings: OptimizationSettings,
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=settings.ds_config(), mpu=unit
         )
     skip_single_rank_gradient_allreduce(engine)
+    engine.train()
     return engine
 
 
