@@ -1,4 +1,5 @@
 """The shared DeepSpeed core: loading, ZeRO training, LoRA, saving, distributed start-up."""
+import math
 import os
 import subprocess
 import sys
@@ -132,6 +133,29 @@ def test_a_few_steps_lower_the_loss(distributed, tiny_model_dir, arch, stage):
     engine = create_train_engine(model, settings)
     losses = _train(engine, tokenizer)
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_zero3_grows_the_embeddings_for_an_added_pad_token(distributed, tmp_path, arch):
+    """A tokenizer whose unk is missing or is the EOS (GPT-2, Llama-3) gets a pad token added; at ZeRO-3 growing the
+    embeddings after the ZeRO-3 context crashed (transformers took the partitioned embedding for an empty whole)."""
+    from tiny_models import make_tiny_model
+
+    tokenizer = make_tokenizer()
+    tokenizer.unk_token = None
+    model, _ = make_tiny_model(arch, tokenizer)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    path = str(tmp_path / "model")
+    tokenizer = load_tokenizer(path)
+    assert len(tokenizer) > model.config.vocab_size, "the pad token is a new one"
+    settings = _settings(3)
+    for loaded in (load_causal_lm(path, tokenizer, ds_config=settings.ds_config()),
+                   RewardModel.from_causal_lm(path, tokenizer, ds_config=settings.ds_config())):
+        assert full_shape(loaded.get_input_embeddings().weight)[0] >= len(tokenizer)
+    losses = _train(create_train_engine(load_causal_lm(path, tokenizer, ds_config=settings.ds_config()), settings),
+                    tokenizer, steps=2)
+    assert all(math.isfinite(loss) for loss in losses)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -206,7 +206,8 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> PreTrainedModel:
-    """Load a causal LM, ZeRO-3 aware, with embeddings matching the tokenizer and EOS/pad ids set."""
+    """Load a causal LM, ZeRO-3 aware, with embeddings matching the tokenizer and EOS/pad ids set (grown inside the
+    ZeRO-3 context: outside it transformers takes the partitioned embedding for a whole, empty one)."""
     path = resolve_model_path(name_or_path)
     with zero3_construction(ds_config):
         model = _hub_call(
@@ -216,8 +217,8 @@ def load_causal_lm(
                 path, dtype=dtype, trust_remote_code=trust_remote_code, **from_pretrained_kwargs
             ),
         )
-    if tokenizer is not None:
-        match_tokenizer(model, tokenizer)
+        if tokenizer is not None:
+            match_tokenizer(model, tokenizer)
     if disable_dropout_layers:
         disable_dropout(model)
     return model

@@ -86,10 +86,10 @@ class RewardModel(nn.Module):
         """
         if isinstance(model_or_path, nn.Module):
             backbone = model_or_path.base_model  # the causal LM minus its LM head
+            if tokenizer is not None:
+                match_tokenizer(backbone, tokenizer)
         else:
-            backbone = _load_backbone(model_or_path, dtype, ds_config, trust_remote_code)
-        if tokenizer is not None:
-            match_tokenizer(backbone, tokenizer)
+            backbone = _load_backbone(model_or_path, dtype, ds_config, trust_remote_code, tokenizer)
         model = cls(backbone)
         if disable_dropout_layers:
             disable_dropout(model)
@@ -169,10 +169,15 @@ class RewardModel(nn.Module):
         return {"values": values, "end_scores": end_scores}
 
 
-def _load_backbone(path: str, dtype: torch.dtype, ds_config: dict | None, trust_remote_code: bool) -> PreTrainedModel:
-    """`AutoModel.from_pretrained` (causal-LM folders load without their LM head), ZeRO-3 partitioned on request."""
+def _load_backbone(path: str, dtype: torch.dtype, ds_config: dict | None, trust_remote_code: bool,
+                   tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedModel:
+    """`AutoModel.from_pretrained` (causal-LM folders load without their LM head), ZeRO-3 partitioned on request,
+    its embeddings grown to `tokenizer` inside the ZeRO-3 context (as `load_causal_lm` does)."""
     config = load_config(path, trust_remote_code)  # a missing folder or unreachable hub name becomes a UserError
     with zero3_construction(ds_config):
-        return AutoModel.from_pretrained(
+        backbone = AutoModel.from_pretrained(
             resolve_model_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code
         )
+        if tokenizer is not None:
+            match_tokenizer(backbone, tokenizer)
+    return backbone
