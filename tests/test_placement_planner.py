@@ -381,6 +381,38 @@ def test_call_times_are_exclusive_of_the_calls_nested_in_them():
     assert timer.take() == {}
 
 
+def test_a_decoder_handed_back_at_every_entry_is_timed_once_per_call():
+    """The kept inference copy (--keep_inference_copy) returns the same decoder at every entry into generate mode:
+    its prefill and decode step were wrapped again each time, so after k rollouts each call counted k times (and
+    ~1,000 rollouts overflowed the stack)."""
+    timer = CallTimer()
+
+    class Model:
+        def prefill(self):
+            return None
+
+        def step(self):
+            return None
+
+    class Generator:
+        decoder = type("Decoder", (), {"model": Model()})()
+
+        def _enter(self):
+            return self.decoder
+
+        def generate(self):
+            self._enter().model.prefill()
+            for _ in range(3):
+                self.decoder.model.step()
+
+    generator = Generator()
+    timer.instrument({}, {}, generator, "actor")
+    for _ in range(4):
+        generator.generate()
+        taken = timer.take()
+        assert (taken["actor/prefill"]["n"], taken["actor/decode step"]["n"]) == (1, 3)
+
+
 def test_calibration_is_saved_then_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     measured = []

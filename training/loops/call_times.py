@@ -54,19 +54,23 @@ class CallTimer:
                 self._nested[-1] += elapsed
 
     def wrap(self, owner: Any, attribute: str, name: str | Callable[[], str]) -> bool:
-        """Time every call of `owner.attribute` (a dotted path; False when it does not exist)."""
+        """Time every call of `owner.attribute` (a dotted path; False when it does not exist). A call this timer
+        already wraps is left as it is: the kept inference copy hands back the same decoder at every entry."""
         *path, method = attribute.split(".")
         for part in path:
             owner = getattr(owner, part, None)
         original = getattr(owner, method, None) if owner is not None else None
         if not callable(original):
             return False
+        if getattr(original, "timed_by", None) is self:
+            return True
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
             with self.time(name() if callable(name) else name):
                 return original(*args, **kwargs)
 
+        timed.timed_by = self
         setattr(owner, method, timed)
         return True
 
