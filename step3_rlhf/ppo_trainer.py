@@ -632,8 +632,8 @@ class PPOTrainer:
         actor = self.engine.actor
         steps_before = actor.global_steps
         actor.backward(loss)
-        step_engine(actor, "actor")
-        if self.engine.actor_ema is not None and actor.global_steps > steps_before:
+        taken = step_engine(actor, "actor")  # False where DeepSpeed skipped it, though global_steps counts it
+        if self.engine.actor_ema is not None and taken and actor.global_steps > steps_before:
             self.engine.actor_ema.update(actor)
 
     # checkpoint state ---------------------------------------------------------------------------

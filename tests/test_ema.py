@@ -57,6 +57,36 @@ def test_applied_to_swaps_in_and_restores_exactly_and_state_resumes():
     assert torch.equal(resumed.state_dict()["shadow"]["weight"], expected)
 
 
+def test_an_optimizer_step_deepspeed_skipped_leaves_the_ema_alone(distributed, tiny_model_dir):
+    """A step with non-finite gradients (finite loss) is skipped, and DeepSpeed still counts it in global_steps: the
+    EMA moved toward the unchanged weights and counted an update that did not happen."""
+    from step3_rlhf.ppo_trainer import PPOTrainer
+    from step3_rlhf.rlhf_engine import RLHFEngine
+    from training.core.engine import OptimizationSettings, create_train_engine
+
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    settings = OptimizationSettings(learning_rate=1e-1, num_training_steps=10, micro_batch_size=1,
+                                    lr_scheduler_type="constant_with_warmup")
+    actor = create_train_engine(load_causal_lm(path, tokenizer, disable_dropout_layers=True), settings)
+    ema = ModelEMA(actor, beta=0.5)
+    trainer = PPOTrainer.__new__(PPOTrainer)  # only the engine is needed to step the actor
+    trainer.engine = RLHFEngine(actor, None, None, None, tokenizer, ema)
+    ids = torch.tensor([[5, 6, 7, 8]])
+
+    def loss(nan_gradient: bool) -> torch.Tensor:
+        value = actor(input_ids=ids, labels=ids).loss
+        if nan_gradient:  # a NaN that only the backward sees, as at positions a loss masks out
+            value = torch.where(torch.tensor(False), torch.sqrt(value * 0 - 1), value)
+        return value
+
+    trainer._step_actor(loss(False))
+    shadow = {name: tensor.clone() for name, tensor in ema.state_dict()["shadow"].items()}
+    trainer._step_actor(loss(True))
+    assert actor.skipped_steps == 1 and ema.num_updates == 1
+    assert all(torch.equal(shadow[name], tensor) for name, tensor in ema.state_dict()["shadow"].items())
+
+
 def test_rejects_bad_beta():
     with pytest.raises(ValueError):
         ModelEMA(torch.nn.Linear(1, 1), beta=1.0)
