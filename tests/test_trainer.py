@@ -105,6 +105,17 @@ def test_fit_accumulates_evaluates_each_epoch_and_logs(distributed, tmp_path):
     assert len(read_metrics(tmp_path)) == len(records)
 
 
+@pytest.mark.parametrize("epochs, steps", [(1, 1), (3, 4)])
+def test_the_last_epoch_ends_when_fewer_micro_batches_than_a_step_are_left(distributed, tmp_path, epochs, steps):
+    """12 items / batch 2 = 6 micro-batches an epoch, 4 a step: the last epoch's leftover 2 make no step, and the
+    summary said one epoch fewer than the run trained, its final evaluation filed under the epoch before."""
+    config = LoopConfig(num_train_epochs=epochs, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                        gradient_accumulation_steps=4, log_interval=1)
+    result = _trainer(tmp_path, config, train_count=12).fit()
+    assert result.steps == steps and result.epochs_completed == epochs
+    assert result.evaluations[-1]["step"] == steps and result.evaluations[-1]["epoch"] == epochs
+
+
 def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path):
     config = LoopConfig(num_train_epochs=5, per_device_train_batch_size=2, per_device_eval_batch_size=4,
                         max_steps=3, eval_interval=2, log_interval=10)
@@ -226,8 +237,9 @@ def _weights(trainer):
 
 @pytest.mark.parametrize("train_count,steps,epochs,evaluated_at", [
     (8, 6, 3, [0, 2, 3, 4, 6]),  # 4 micro-batches an epoch: every optimizer step within one epoch
-    (6, 4, 2, [0, 1, 3, 4]),  # 3 an epoch: steps 2 and 4 span an epoch's end (evaluated between their batches);
-    # step 3 is an --eval_interval step and ends epoch 1: evaluated once
+    (6, 4, 3, [0, 1, 3, 4]),  # 3 an epoch: steps 2 and 4 span an epoch's end (evaluated between their batches);
+    # step 3 is an --eval_interval step and ends epoch 1: evaluated once; step 4 ends the run, and with it epoch 2
+    # (its one micro-batch left makes no step)
 ])
 def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path, train_count, steps, epochs,
                                                          evaluated_at):

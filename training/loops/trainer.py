@@ -307,10 +307,17 @@ class SupervisedTrainer:
 
     def _end_epoch_if_done(self) -> None:
         """Once every micro-batch of the epoch has run, the position moves to the next epoch, and the model is
-        evaluated."""
-        if self.position.batches_done >= self._batches_per_epoch:
+        evaluated. The last epoch is done too once every step of all epochs has been taken: the fewer than
+        `gradient_accumulation_steps` micro-batches it has left make no step (`_windows`)."""
+        last_epoch_trained = (self.position.epoch == self.config.num_train_epochs - 1
+                              and self.engine.global_steps >= self._steps_in_all_epochs)
+        if self.position.batches_done >= self._batches_per_epoch or last_epoch_trained:
             self.position = LoopPosition(epoch=self.position.epoch + 1)
             self.evaluate(self.engine.global_steps)
+
+    @property
+    def _steps_in_all_epochs(self) -> int:
+        return self._batches_per_epoch * self.config.num_train_epochs // self.config.gradient_accumulation_steps
 
     @property
     def _batches_per_epoch(self) -> int:
