@@ -170,7 +170,7 @@ class RewardModel(nn.Module):
 
 
 def _load_backbone(path: str, dtype: torch.dtype, ds_config: dict | None, trust_remote_code: bool,
-                   tokenizer: PreTrainedTokenizerBase | None) -> PreTrainedModel:
+                   tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
     """`AutoModel.from_pretrained` (causal-LM folders load without their LM head), ZeRO-3 partitioned on request,
     its embeddings grown to `tokenizer` inside the ZeRO-3 context (as `load_causal_lm` does)."""
     config = load_config(path, trust_remote_code)  # a missing folder or unreachable hub name becomes a UserError
