@@ -249,10 +249,7 @@ def load_session(args: ChatSettings) -> ChatSession:
 def chat(argv: list[str] | None = None) -> list[str]:
     """Run the chatbot; returns the answers given (the console entry point is `main`)."""
     args = build_parser().parse_args(argv)
-    if args.sampling.max_new_tokens <= 0:
-        raise UserError("--max_new_tokens must be positive")
-    if args.sampling.do_sample and args.sampling.temperature <= 0:
-        raise UserError("--temperature must be positive; use --greedy for deterministic answers")
+    args.sampling.check()
     if args.chat.seed is not None:
         torch.manual_seed(args.chat.seed)
     session = load_session(args)

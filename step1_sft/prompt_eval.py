@@ -133,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
 @run_cli
 def main(argv: list[str] | None = None) -> list[dict]:
     settings = parse_args(argv)
+    settings.generation.check()
     args = settings.run
     set_seed(args.seed)
     prompts = read_prompts(args)

@@ -169,3 +169,23 @@ def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Assistant: ") == 2
     assert "(conversation cleared)" in result.stdout and "ignored" not in result.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--repetition_penalty", "0"], "--repetition_penalty must be positive"),
+    (["--top_k", "-1"], r"--top_k must be 0 \(all tokens\) or positive, got -1"),
+    (["--top_p", "1.5"], r"--top_p must lie in \(0, 1\]"),
+    (["--temperature", "0"], "--temperature must be positive when sampling"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be positive"),
+])
+def test_sampling_flags_that_generate_would_refuse_or_ignore_are_user_errors(flags, message, tmp_path):
+    """They ended in a transformers traceback (exit 1), and --top_p 1.5 was taken silently; checked before any model
+    loads, by the chatbot and prompt_eval alike."""
+    from step1_sft import prompt_eval
+
+    with pytest.raises(UserError, match=message):
+        chat(["--model", str(tmp_path / "no-model-needed"), *flags])
+    with pytest.raises(SystemExit) as exited:
+        prompt_eval.main(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b", "--do_sample",
+                          *flags])
+    assert exited.value.code == 2

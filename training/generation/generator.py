@@ -27,6 +27,7 @@ from transformers import GenerationConfig as TransformersGenerationConfig
 from training.core.sequences import token_logprobs
 from training.core.zero import is_zero3_module
 from utils.dist import get_world_size
+from utils.errors import UserError
 
 
 @dataclass
@@ -75,6 +76,20 @@ class DecodingSettings(SamplingSettings):
     max_new_tokens: int = 128
     do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
     repetition_penalty: float = 1.0
+
+    def check(self) -> None:
+        """A `UserError` naming the flag whose value `model.generate` would refuse with a traceback (or, for
+        --top_p above 1, take silently)."""
+        rules = (
+            ("max_new_tokens", self.max_new_tokens <= 0, "must be positive"),
+            ("repetition_penalty", self.repetition_penalty <= 0, "must be positive (1.0: none)"),
+            ("temperature", self.do_sample and self.temperature <= 0, "must be positive when sampling"),
+            ("top_p", self.do_sample and not 0 < self.top_p <= 1, "must lie in (0, 1] (1: all tokens)"),
+            ("top_k", self.do_sample and self.top_k < 0, "must be 0 (all tokens) or positive"),
+        )
+        for flag, broken, rule in rules:
+            if broken:
+                raise UserError(f"--{flag} {rule}, got {getattr(self, flag)}")
 
     def generate_kwargs(self) -> dict:
         """The `model.generate` keyword arguments; the sampling ones only when sampling."""
