@@ -387,6 +387,10 @@ def test_the_fused_decoder_refuses_what_it_would_decode_differently():
     assert "gpt2" in fused_llama_unsupported_reason(make_tiny_model("gpt2")[0])
     assert "sliding-window attention (8 positions)" == fused_llama_unsupported_reason(
         make_tiny_model(WINDOWED_MISTRAL)[0])
+    # transformers' Mistral ignores layer_types and windows every layer: one that says "full" must not pass
+    mistral_typed = make_tiny_model(WINDOWED_MISTRAL, layer_types=["full_attention"] * 2)[0]
+    assert mistral_typed.config.layer_types == ["full_attention"] * 2
+    assert fused_llama_unsupported_reason(mistral_typed) == "sliding-window attention (8 positions)"
     qwen_windowed = make_tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)[0]
     assert fused_llama_unsupported_reason(qwen_windowed) == "1 sliding-window attention layers"
     dynamic_rope = make_tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,

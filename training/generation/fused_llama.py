@@ -33,6 +33,7 @@ from training.generation.cpu_linear import LinearWeight, ReducedLinear
 from training.generation.lora_terms import LoRATerm, fuse_lora_terms
 
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_LAYER_TYPED_MODEL_TYPES = ("qwen2", "qwen3")  # their attention windows the layers `layer_types` names
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 _MASK_ALIGNMENT = 16  # elements between rows of an attention mask that GPU attention kernels take without a copy
 LoRAOf = Callable[[torch.nn.Module], LoRATerm | None]  # a projection's LoRA term, if it has one
@@ -59,9 +60,9 @@ def fused_llama_unsupported_reason(model: torch.nn.Module) -> str | None:
 def _sliding_window_reason(config) -> str | None:
     """Why attention is windowed somewhere a sequence can reach, or None. Qwen2 and Qwen3 name each layer's kind
     (`layer_types`); Mistral windows every layer when `sliding_window` is set, which changes nothing for sequences
-    no longer than the window."""
+    no longer than the window, and ignores `layer_types` (a Mistral config may still carry it)."""
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
+    if layer_types is not None and config.model_type in _LAYER_TYPED_MODEL_TYPES:
         windowed = sum(kind != "full_attention" for kind in layer_types)
         return f"{windowed} sliding-window attention layers" if windowed else None
     window = getattr(config, "sliding_window", None)
