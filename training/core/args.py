@@ -250,7 +250,8 @@ class ScheduleSettings:
         "choices": OPTIMIZER_CHOICES,
         "help": "auto: torch's fused AdamW on CPU, DeepSpeedCPUAdam with --offload, FusedAdam on GPU"})
     max_steps: int | None = field(default=None, metadata={
-        "help": "stop after this many optimizer steps (for quick runs); the schedule spans them"})
+        "help": "stop after this many optimizer steps (PPO steps in step 3, each of one or more optimizer steps) "
+                "(for quick runs); the schedule spans them"})
 
 
 # reading them -------------------------------------------------------------------------------------
