@@ -501,3 +501,22 @@ def test_a_decode_step_the_compiler_cannot_build_decodes_eagerly_and_says_so(dis
     assert hybrid.decode_path == "transformers forward (eager: torch.compile failed)"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "PassManager::run failed" in warnings[0] and "--disable_cuda_graph" in warnings[0]
+
+
+def test_a_tensor_parallel_shard_of_an_offloaded_partition_is_fetched_on_the_accelerator(distributed, monkeypatch):
+    """ZeRO-3 with --offload keeps each rank's partition in CPU memory; NCCL sends only device tensors, so the shard
+    is assembled on the accelerator (the "meta" device stands in for the GPU here: one CPU process has no other)."""
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    from training.core.ds_config import get_eval_ds_config
+    from training.generation import tensor_parallel
+
+    with deepspeed.zero.Init(config_dict_or_path=get_eval_ds_config(stage=3)):
+        projection = torch.nn.Linear(4, 6, bias=False)
+    assert projection.weight.ds_tensor.device.type == "cpu"
+    plan = tensor_parallel.TensorParallelPlan(None, SimpleNamespace(size=1, rank=0))
+    monkeypatch.setattr(tensor_parallel, "get_accelerator", lambda: SimpleNamespace(current_device_name=lambda: "meta"))
+    shard = tensor_parallel.gather_tp_shard(projection.weight, plan, "model.layers.0.self_attn.q_proj.weight")
+    assert shard.device.type == "meta" and shard.shape == (6, 4)

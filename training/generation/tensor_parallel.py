@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from training.core.zero import is_zero3_param
 from training.generation.cpu_linear import ReducedLinear
@@ -208,14 +209,15 @@ class TensorParallelPlan:
 
 def gather_tp_shard(param: torch.nn.Parameter, plan: TensorParallelPlan, name: str) -> torch.Tensor:
     """This rank's TP shard of `param`; for a ZeRO-3 parameter, fetched point-to-point from the
-    partitions that hold it (collective over the parameter's ZeRO group)."""
+    partitions that hold it (collective over the parameter's ZeRO group), on the accelerator: an offloaded
+    partition (ZeRO-3 --offload) lives in CPU memory, which NCCL cannot send."""
     if not is_zero3_param(param):
         return plan.shard(name, param.data)
     group = param.ds_process_group
     world, me = dist.get_world_size(group), dist.get_rank(group)
     shape, numel = param.ds_shape, param.ds_numel
     per_rank = param.ds_tensor.numel()
-    local = param.ds_tensor.data.reshape(-1)
+    local = param.ds_tensor.data.reshape(-1).to(get_accelerator().current_device_name())
     tp_size = plan.size
 
     def needed(group_rank: int) -> torch.Tensor:
