@@ -115,6 +115,24 @@ def test_a_7b_model_on_one_24gb_gpu_needs_lora_and_offload():
     assert actor.lora_dim > 0 and actor.only_optimize_lora
 
 
+def test_planned_lora_adapts_the_models_own_decoder_blocks(tiny_model_dir):
+    """The default --lora_module_name "layers." matches nothing in GPT-2, Falcon or BLOOM ("transformer.h.N"): a plan
+    that needed LoRA for them stopped at load. Plans name each model's decoder blocks, as its meta model lists them."""
+    from dataclasses import replace
+
+    from step3_rlhf.main import parse_args as step3_args
+    from training.pipeline.hardware import model_size
+
+    assert [model_size(tiny_model_dir(arch)).blocks_name for arch in ("llama", "gpt2", "opt")] == \
+        ["layers.", "h.", "layers."]
+    gpt2_7b, small_gpt2 = replace(B7, blocks_name="h."), replace(SMALL, blocks_name="h.")
+    plan = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(gpt2_7b, small_gpt2), LAPTOP_GPU, None)
+    assert plan.steps[1].flags["lora_module_name"] == "h." and "lora_module_name" not in plan.steps[2].flags
+    step3 = step3_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+                        *plan.steps[3].argv()])
+    assert (step3.actor.lora_module_name, step3.critic.lora_module_name) == ("h.", "h.")
+
+
 @pytest.mark.parametrize("gpus, step1_global, step2_global", [(8, 64, 32), (3, 63, 30), (1, 64, 32)])
 def test_the_global_batch_is_the_planned_one_on_any_number_of_gpus(gpus, step1_global, step2_global):
     """64 samples an optimizer step in step 1 and 32 pairs in step 2: on 8 GPUs the micro-batch that fit memory

@@ -317,12 +317,13 @@ def cpu_target(hardware: Hardware, quick: CpuQuickRun) -> tuple[Target, list[str
 # --------------------------------------------------------------------------- each step's planner
 
 
-def _gpu_supervised(target: Target, fit: _Fit, target_global: int, seq_len: int) -> SupervisedPlan:
+def _gpu_supervised(target: Target, fit: _Fit, target_global: int, seq_len: int, size: ModelSize) -> SupervisedPlan:
     micro, accumulation = _global_batch(target_global, fit.micro_batch, target.world)
     return SupervisedPlan(
         zero_stage=fit.choice.zero_stage,
         offload=fit.choice.offload,
         lora_dim=_GPU_LORA_DIM if fit.choice.lora else 0,
+        lora_module_name=size.blocks_name if fit.choice.lora else None,
         only_optimize_lora=fit.choice.lora,
         gradient_checkpointing=fit.checkpointing,
         per_device_train_batch_size=micro,
@@ -378,7 +379,7 @@ def _plan_supervised(target: Target, size: ModelSize, shape: _SupervisedShape,
     seq_len = fit_length(_SEQ_LEN, size)
     fit = _fit_training(target, [size], [size] if shape.frozen_copy else [], seq_len, shape.seqs_per_sample,
                         shape.micro_batch_cap, shape.what)
-    return _gpu_supervised(target, fit, shape.global_batch, seq_len)
+    return _gpu_supervised(target, fit, shape.global_batch, seq_len, size)
 
 
 def plan_sft(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
@@ -426,6 +427,7 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
     fit = _fit_training(target, [sizes.actor, *critic_sizes], [sizes.actor, *reward_sizes], rl_seq, 1, 16, "step 3",
                         extra_per_sample=kv_cache)
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
+    critic_blocks = (sizes.reward if workload.reward_model else sizes.actor).blocks_name  # what the critic starts from
     return RLHFPlan(
         actor_zero_stage=fit.choice.zero_stage,
         critic_zero_stage=fit.choice.zero_stage,
@@ -434,6 +436,8 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
         offload_reference_model=fit.choice.offload,
         actor_lora_dim=lora_dim,
         critic_lora_dim=lora_dim,
+        actor_lora_module_name=sizes.actor.blocks_name if lora_dim else None,
+        critic_lora_module_name=critic_blocks if lora_dim else None,
         actor_only_optimize_lora=fit.choice.lora,
         critic_only_optimize_lora=fit.choice.lora,
         actor_gradient_checkpointing=fit.checkpointing,

@@ -42,6 +42,9 @@ class ModelSize:
     num_layers: int
     vocab_size: int
     max_positions: int | None = None  # the longest sequence the model takes; None: no stated limit
+    # the name of the list of decoder blocks plus "." ("h." in GPT-2, Falcon, BLOOM): the --lora_module_name that
+    # adapts every block's linear layers in the causal LM and in a reward model on its backbone alike
+    blocks_name: str = "layers."
 
 
 def model_size(name_or_path: str) -> ModelSize:
@@ -52,16 +55,27 @@ def model_size(name_or_path: str) -> ModelSize:
     layers = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0))
     vocab = int(getattr(text, "vocab_size", 0))
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    return ModelSize(_count_parameters(config, hidden, layers, vocab), hidden, layers, vocab,
-                     int(positions) if positions else None)
+    model = _meta_model(config)
+    if model is None:
+        parameters, blocks = 12 * layers * hidden * hidden + vocab * hidden, "layers."  # the usual estimate
+    else:
+        parameters, blocks = sum(p.numel() for p in model.parameters()), _blocks_name(model)
+    return ModelSize(parameters, hidden, layers, vocab, int(positions) if positions else None, blocks)
 
 
-def _count_parameters(config, hidden: int, layers: int, vocab: int) -> int:
+def _meta_model(config) -> torch.nn.Module | None:
+    """The causal LM of `config`, built on the meta device; None where transformers cannot build it."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        return sum(p.numel() for p in model.parameters())
+            return AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, TypeError, RuntimeError, ImportError):
-        return 12 * layers * hidden * hidden + vocab * hidden  # the usual transformer estimate
+        return None
+
+
+def _blocks_name(model: torch.nn.Module) -> str:
+    """The last part of the name of the module list holding most parameters (the decoder blocks), plus "."."""
+    lists = [(sum(p.numel() for p in module.parameters()), name) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList)]
+    return max(lists)[1].rpartition(".")[2] + "." if lists else "layers."

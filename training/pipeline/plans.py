@@ -37,6 +37,7 @@ class SupervisedPlan(StepPlan):
     zero_stage: int | None = None
     offload: bool | None = None
     lora_dim: int | None = None
+    lora_module_name: str | None = None
     only_optimize_lora: bool | None = None
     gradient_checkpointing: bool | None = None
     dtype: str | None = None
@@ -62,6 +63,8 @@ class RLHFPlan(StepPlan):
     offload_reference_model: bool | None = None
     actor_lora_dim: int | None = None
     critic_lora_dim: int | None = None
+    actor_lora_module_name: str | None = None
+    critic_lora_module_name: str | None = None
     actor_only_optimize_lora: bool | None = None
     critic_only_optimize_lora: bool | None = None
     actor_gradient_checkpointing: bool | None = None
