@@ -74,7 +74,8 @@ class CheckpointSettings:
     """The resume-checkpoint flags of a step."""
 
     save_interval: int = field(default=0, metadata={
-        "same_result": True, "help": "save a resume checkpoint every N optimizer steps (PPO steps in step 3; 0: only when interrupted)"})
+        "same_result": True,
+        "help": "save a resume checkpoint every N optimizer steps (PPO steps in step 3; 0: only when interrupted)"})
     resume: bool = field(default=False, metadata={
         "same_result": True, "help": "continue from the latest complete checkpoint in <output_dir>/checkpoints"})
     keep_last_checkpoints: int = field(default=2, metadata={
