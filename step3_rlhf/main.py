@@ -33,7 +33,7 @@ from step3_rlhf.ppo_trainer import (
     check_samples_per_prompt,
 )
 from step3_rlhf.placed import PlacedPPO, PlacedPPORun
-from step3_rlhf.placement_setup import resolve_placement
+from step3_rlhf.placement_setup import record_auto_plan, resolve_placement
 from step3_rlhf.run_loop import PLOT_FILE, PPORun
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
@@ -52,7 +52,7 @@ from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 from training.generation.hybrid_engine import build_generator
 from training.loops.call_times import CallTimer
 from training.placement.groups import PlacementGroups
-from training.placement.spec import AUTO, Placement
+from training.placement.spec import Placement
 from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
@@ -232,13 +232,15 @@ def run_step3(args: Step3Settings) -> dict:
     setup_logging()
     check_args(args)
     init_distributed()
-    placement = resolve_placement(args)
-    if args.placement.placement == AUTO:
+    placement, auto_plan = resolve_placement(args)
+    if auto_plan is not None:
         check_args(args)  # the settings the plan chose
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
         checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args))
         checkpoints.check_start(args.checkpoints.resume)  # before anything loads or args.json is written
+        if auto_plan is not None:
+            record_auto_plan(run_dir, auto_plan)
         set_seed(args.data.seed)
         actor_path = args.models.actor_model_name_or_path
         tokenizer = load_tokenizer(actor_path, args.run.trust_remote_code)

@@ -1,7 +1,10 @@
 """Step 3's `--placement`: the layout of its models on the ranks, checked before anything loads."""
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from step3_rlhf.settings import Step3Settings
 from training.placement.spec import (
@@ -13,10 +16,32 @@ from training.placement.spec import (
     zero3_on_part_of_the_ranks,
 )
 from training.placement.workload import offloaded_models
+from utils.atomic import atomic_write_text
 from utils.dist import broadcast_from_main, get_world_size, is_main_process
 from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+AUTO_PLAN_FILE = "placement_auto.json"  # in the run folder: what --placement auto chose when the run started
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What `--placement auto` chose: the layout, and the flags it sets."""
+
+    base: str
+    shares: dict[str, float]
+    actor_zero_stage: int
+    critic_zero_stage: int
+    inference_tp: int
+    micro_batch: int
+    stage_fusion: bool
+
+
+def record_auto_plan(output_dir: str | Path, plan: AutoPlan) -> None:
+    """Keep the plan in the run folder (main process; once the start checks passed), for a resume to take."""
+    if is_main_process():
+        atomic_write_text(Path(output_dir) / AUTO_PLAN_FILE, json.dumps(asdict(plan), indent=2) + "\n")
 
 
 def placement_roles(args: Step3Settings) -> list[str]:
@@ -47,37 +72,44 @@ def check_placement_args(args: Step3Settings, placement: Placement) -> None:
                             f"({placement.describe()}); drop it or use --placement colocate")
 
 
-def resolve_placement(args: Step3Settings) -> Placement | None:
-    """The placement of the run's models (None: co-located, the default path). `auto` takes the planner's fastest
-    plan that fits (decided on rank 0, for every rank) and its ZeRO stages, inference TP and micro-batch."""
+def resolve_placement(args: Step3Settings) -> tuple[Placement | None, AutoPlan | None]:
+    """The placement of the run's models (None: co-located, the default path), and under `auto` the plan it took:
+    the planner's fastest plan that fits (decided on rank 0, for every rank) with its ZeRO stages, inference TP and
+    micro-batch; with --resume, the plan recorded when the run started (`record_auto_plan`), not a new one, which
+    could differ by the profile's timing noise and then refuse the resume for flags the user never gave."""
     settings = args.placement
     if settings.placement == "colocate" and settings.placement_ratio is None:
-        return None
+        return None, None
     world = get_world_size()
     roles = placement_roles(args)
+    auto = None
     if settings.placement == AUTO:
-        choice = broadcast_from_main(_auto_choice(args, world, roles) if is_main_process() else None)
-        if isinstance(choice, str):
-            raise UserError(choice)
-        base, shares, actor_stage, critic_stage, tp, micro, fusion = choice
-        args.actor.zero_stage, args.critic.zero_stage = actor_stage, critic_stage
-        args.hybrid.inference_tp_size, args.loop.per_device_training_batch_size = tp, micro
-        args.placement.enable_stage_fusion = fusion
-        placement = build_placement(base, world, roles, shares)
+        auto = broadcast_from_main(_auto_plan(args, world, roles) if is_main_process() else None)
+        if isinstance(auto, str):
+            raise UserError(auto)
+        args.actor.zero_stage, args.critic.zero_stage = auto.actor_zero_stage, auto.critic_zero_stage
+        args.hybrid.inference_tp_size, args.loop.per_device_training_batch_size = auto.inference_tp, auto.micro_batch
+        args.placement.enable_stage_fusion = auto.stage_fusion
+        placement = build_placement(auto.base, world, roles, auto.shares)
         logger.info("--placement auto: %s (%s), actor ZeRO-%d, critic ZeRO-%d, inference TP %d, micro-batch %d, "
-                    "stage fusion %s", base, placement.describe(), actor_stage, critic_stage, tp, micro,
-                    "on" if fusion else "off")
+                    "stage fusion %s", auto.base, placement.describe(), auto.actor_zero_stage, auto.critic_zero_stage,
+                    auto.inference_tp, auto.micro_batch, "on" if auto.stage_fusion else "off")
     else:
         ratio = parse_placement_ratio(settings.placement_ratio) if settings.placement_ratio else None
         placement = build_placement(settings.placement, world, roles, ratio)
     if placement.is_colocated:
-        return None
+        return None, auto
     check_placement_args(args, placement)
-    return placement
+    return placement, auto
 
 
-def _auto_choice(args: Step3Settings, world: int, roles: list[str]) -> tuple | str:
-    """Rank 0's plan as plain values, or the planner's error message (so every rank raises it)."""
+def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> AutoPlan | str:
+    """Rank 0's plan: the one recorded at the run's start when resuming, else the planner's; or the planner's error
+    message (so every rank raises it)."""
+    recorded = Path(args.run.output_dir) / AUTO_PLAN_FILE
+    if args.checkpoints.resume and recorded.is_file():
+        logger.info("--placement auto: resuming with the plan chosen at the run's start (%s)", recorded)
+        return AutoPlan(**json.loads(recorded.read_text()))
     from training.pipeline.hardware import model_size
     from training.placement.auto import planning_machine
     from training.placement.planner import choose_placement
@@ -94,5 +126,5 @@ def _auto_choice(args: Step3Settings, world: int, roles: list[str]) -> tuple | s
         plan = choose_placement(workload, machine, world, roles)
     except UserError as error:
         return str(error)
-    return plan.base, dict(plan.shares), plan.actor_zero_stage, plan.critic_zero_stage, plan.inference_tp, \
-        plan.micro_batch, plan.stage_fusion
+    return AutoPlan(plan.base, dict(plan.shares), plan.actor_zero_stage, plan.critic_zero_stage, plan.inference_tp,
+                    plan.micro_batch, plan.stage_fusion)

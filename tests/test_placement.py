@@ -73,6 +73,41 @@ def test_step3_refuses_a_bad_placement_before_loading_anything(tmp_path):
     assert not (tmp_path / "run" / "args.json").exists()
 
 
+def test_a_resumed_placement_auto_run_takes_the_plan_it_started_with(tmp_path_factory, monkeypatch):
+    """The planner's quick profile is timing: planning again on --resume could pick another plan, and the resume was
+    then refused for flags (ZeRO stages, micro-batch) the user never gave. The run keeps its first plan."""
+    from types import SimpleNamespace
+
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.placement_setup import AUTO_PLAN_FILE, record_auto_plan, resolve_placement
+    from test_step3_rlhf import step3_argv
+    from training.placement import auto, planner
+
+    inputs = make_step3_inputs(tmp_path_factory)
+    run_dir = tmp_path_factory.mktemp("auto") / "run"
+    plans = iter([SimpleNamespace(base="colocate", shares={}, actor_zero_stage=stage, critic_zero_stage=stage,
+                                  inference_tp=1, micro_batch=micro, stage_fusion=False)
+                  for stage, micro in ((2, 4), (3, 2))])
+    monkeypatch.setattr(auto, "planning_machine", lambda *args: (None, "a stand-in machine"))
+    monkeypatch.setattr(planner, "choose_placement", lambda *args: next(plans))
+
+    def resolved(*extra: str):
+        args = parse_args(step3_argv(inputs, run_dir, "--placement", "auto", *extra))
+        placement, plan = resolve_placement(args)
+        assert placement is None  # co-located on one rank
+        return args, plan
+
+    started, plan = resolved()
+    assert (started.actor.zero_stage, started.loop.per_device_training_batch_size) == (2, 4)
+    run_dir.mkdir()
+    record_auto_plan(run_dir, plan)
+    assert json.loads((run_dir / AUTO_PLAN_FILE).read_text())["actor_zero_stage"] == 2
+    resumed, _ = resolved("--resume")
+    assert (resumed.actor.zero_stage, resumed.critic.zero_stage, resumed.loop.per_device_training_batch_size) == (2, 2, 4)
+    again, _ = resolved()  # a fresh start plans anew
+    assert again.actor.zero_stage == 3
+
+
 def _run_workers(tmp_path_factory, ranks: int, placements: list[str], **settings) -> str:
     inputs = make_step3_inputs(tmp_path_factory)
     inputs = {**{key: str(value) for key, value in inputs.items()}, **settings}
