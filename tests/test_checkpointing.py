@@ -404,13 +404,27 @@ def test_a_resume_compares_the_precision_dtype_auto_resolves_to(distributed, tmp
         manager_for("auto").check_start(resume=True)
 
 
-def test_a_checkpoint_that_recorded_dtype_as_given_still_resumes(distributed, tmp_path):
-    """Checkpoints written before the resolved precision was recorded hold `dtype` itself; it is not compared."""
+@pytest.mark.parametrize("recorded, given, refused", [("auto", "fp32", False), ("fp32", "fp32", False),
+                                                     ("fp32", "bf16", True), ("bf16", "auto", False)])
+def test_a_checkpoint_that_recorded_dtype_as_given_is_compared_by_what_it_resolved_to(
+        distributed, tmp_path, monkeypatch, recorded, given, refused):
+    """Checkpoints written before the resolved precision was recorded hold `dtype` as given: a precision named there
+    is compared with this run's resolved one (fp32 then, bf16 now is refused); an old "auto" resolved to what is no
+    longer known, so it resumes."""
+    import training.core.args
     from step1_sft.main import build_parser
     from training.core.args import resume_fixed_flags
 
-    settings = build_parser().parse_args(["--output_dir", str(tmp_path / "run")])
-    older = {**resume_fixed_flags(settings), "dtype": "auto"}
+    resolve = training.core.args.resolve_dtype
+    monkeypatch.setattr("training.core.args.resolve_dtype",
+                        lambda name: torch.bfloat16 if name == "auto" else resolve(name))
+    settings = build_parser().parse_args(["--output_dir", str(tmp_path / "run"), "--dtype", given])
+    older = {**resume_fixed_flags(settings), "dtype": recorded}
     del older["dtype (resolved)"]
     CheckpointManager(tmp_path / "run", fixed_flags=older).save(2, {"actor": build_engine(0)}, {})
-    CheckpointManager(tmp_path / "run", fixed_flags=resume_fixed_flags(settings)).check_start(resume=True)
+    manager = CheckpointManager(tmp_path / "run", fixed_flags=resume_fixed_flags(settings))
+    if refused:
+        with pytest.raises(UserError, match=r"--dtype \(resolved\) 'fp32' -> 'bf16'"):
+            manager.check_start(resume=True)
+    else:
+        manager.check_start(resume=True)

@@ -35,6 +35,7 @@ from training.core.engine import OptimizationSettings
 from training.core.lora import apply_lora
 from training.core.model_loading import EMBEDDED_MODEL_NAME, FINAL_MODEL_SUBDIR, resolve_dtype
 from training.core.optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
+from training.reliability.run_records import RESOLVED_SUFFIX
 from utils.errors import UserError
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
@@ -108,15 +109,15 @@ def flag_values(settings: Any) -> dict[str, Any]:
 def resume_fixed_flags(settings: Any) -> dict[str, Any]:
     """The `flag_values` a resumed run must share with its checkpoint: all but those marked "same_result" or
     "resume_override", and in place of a flag marked "resolved", its resolved value under the key
-    "<flag> (resolved)" (a checkpoint written before that key existed records the flag itself, and a key only
-    one side has is not compared)."""
+    "<flag> (resolved)" (`training.reliability.run_records.with_resolved_flags` reads older checkpoints, which
+    record the flag as given)."""
     free = _marked_flags(type(settings), "same_result") | _marked_flags(type(settings), "resume_override")
     fixed = {name: value for name, value in flag_values(settings).items() if name not in free}
     for name, group_type, prefix in _groups(type(settings)):
         for source, flag in zip(_flag_fields(group_type), _flags(group_type, prefix)):
             if source.metadata.get("resolved") and flag.name in fixed:
                 del fixed[flag.name]
-                fixed[f"{flag.name} (resolved)"] = getattr(getattr(settings, name), source.metadata["resolved"])
+                fixed[flag.name + RESOLVED_SUFFIX] = getattr(getattr(settings, name), source.metadata["resolved"])
     return fixed
 
 

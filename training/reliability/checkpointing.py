@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from training.reliability.run_records import as_recorded, changed_flags
+from training.reliability.run_records import as_recorded, changed_flags, with_resolved_flags
 from utils.atomic import (
     atomic_torch_save,
     atomic_write_text,
@@ -387,6 +387,7 @@ class CheckpointManager:
         recorded = marker.get("flags")
         if recorded is None or self.fixed_flags is None:
             return None
+        recorded = with_resolved_flags(recorded, self.fixed_flags)
         # a flag one of the two runs did not have (another version of this project) is not compared
         changed = changed_flags(recorded, self.fixed_flags, frozenset(recorded.keys() ^ self.fixed_flags.keys()))
         if not changed:

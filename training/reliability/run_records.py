@@ -19,6 +19,7 @@ from utils.dist import is_main_process
 ARGS_FILE = "args.json"
 SUMMARY_FILE = "summary.json"
 RUN_ID_KEY = "run_id"
+RESOLVED_SUFFIX = " (resolved)"  # a flag recorded as it resolved on the machine: "dtype (resolved)"
 
 
 def _as_json(values: Mapping[str, Any]) -> str:
@@ -75,6 +76,20 @@ def args_of_model(model: str | os.PathLike) -> dict:
     model no run of this project trained."""
     run_dir = run_dir_of(model)
     return (read_run_args(run_dir) if run_dir is not None else None) or {}
+
+
+def with_resolved_flags(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """`recorded` flags keyed as `current` keys the flags it records resolved ("dtype (resolved)": see
+    `training.core.args.resume_fixed_flags`). A record written before those keys existed holds the flag as given:
+    its resolved value, unless it was "auto", which resolved to what is no longer known (then left out)."""
+    flags = dict(recorded)
+    for key in current:
+        flag = key.removesuffix(RESOLVED_SUFFIX)
+        if flag != key and key not in flags and flag in flags:
+            given = flags.pop(flag)
+            if given != "auto":
+                flags[key] = given
+    return flags
 
 
 def changed_flags(recorded: Mapping[str, Any], current: Mapping[str, Any],
