@@ -46,6 +46,10 @@ class GenerationSettings(DecodingSettings):
     def generate_kwargs(self) -> dict:
         return {**super().generate_kwargs(), "num_beams": self.num_beams}
 
+    def flag_rules(self) -> list[tuple[str, bool, str]]:
+        return [*super().flag_rules(), ("num_beams", self.num_beams < 1, "must be at least 1"),
+                ("batch_size", self.batch_size < 1, "must be at least 1")]
+
 
 @dataclass
 class PromptEvalArguments:

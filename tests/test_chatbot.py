@@ -189,3 +189,12 @@ def test_sampling_flags_that_generate_would_refuse_or_ignore_are_user_errors(fla
         prompt_eval.main(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b", "--do_sample",
                           *flags])
     assert exited.value.code == 2
+
+
+@pytest.mark.parametrize("flag", ["--batch_size", "--num_beams"])
+def test_prompt_evals_own_flags_are_checked_before_a_model_loads(flag, capsys):
+    from step1_sft import prompt_eval
+
+    with pytest.raises(SystemExit) as exited:
+        prompt_eval.main(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b", flag, "0"])
+    assert exited.value.code == 2 and f"{flag} must be at least 1, got 0" in capsys.readouterr().err

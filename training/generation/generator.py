@@ -80,16 +80,19 @@ class DecodingSettings(SamplingSettings):
     def check(self) -> None:
         """A `UserError` naming the flag whose value `model.generate` would refuse with a traceback (or, for
         --top_p above 1, take silently)."""
-        rules = (
+        for flag, broken, rule in self.flag_rules():
+            if broken:
+                raise UserError(f"--{flag} {rule}, got {getattr(self, flag)}")
+
+    def flag_rules(self) -> list[tuple[str, bool, str]]:
+        """(flag, whether its value breaks the rule, the rule) for `check`; a tool's own flags extend it."""
+        return [
             ("max_new_tokens", self.max_new_tokens <= 0, "must be positive"),
             ("repetition_penalty", self.repetition_penalty <= 0, "must be positive (1.0: none)"),
             ("temperature", self.do_sample and self.temperature <= 0, "must be positive when sampling"),
             ("top_p", self.do_sample and not 0 < self.top_p <= 1, "must lie in (0, 1] (1: all tokens)"),
             ("top_k", self.do_sample and self.top_k < 0, "must be 0 (all tokens) or positive"),
-        )
-        for flag, broken, rule in rules:
-            if broken:
-                raise UserError(f"--{flag} {rule}, got {getattr(self, flag)}")
+        ]
 
     def generate_kwargs(self) -> dict:
         """The `model.generate` keyword arguments; the sampling ones only when sampling."""
