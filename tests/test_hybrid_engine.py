@@ -275,6 +275,33 @@ def test_kv_cache_is_kept_between_rollouts_unless_released(distributed, tiny_mod
     assert released.kv_cache.cache is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # the fused decoder, the transformers forward
+def test_leaving_generate_mode_frees_the_inference_copy_and_a_released_cache(distributed, tiny_model_dir, arch):
+    """The last step model was kept (for `decode_path`): it held the whole inference copy through training (two
+    copies alive while the next one loaded) and views of the KV cache, which --release_inference_cache then did not
+    free."""
+    import gc
+    import weakref
+
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage=0)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    hybrid = hybrid_engine(engine)
+    copies = []
+    build = hybrid._build
+    hybrid._build = lambda: (lambda built: (copies.append(weakref.ref(built[0].model)), built)[1])(build())
+    hybrid.generate(ids, mask, greedy_config(tokenizer))
+    storage = hybrid.kv_cache.cache
+    cache_tensors = [weakref.ref(t) for t in (storage.keys, storage.values) if isinstance(t, torch.Tensor)] \
+        if hasattr(storage, "keys") else [weakref.ref(t) for pair in storage.full_buffers for t in pair]
+    del storage
+    gc.collect()
+    assert copies[0]() is None, "the inference copy outlived generate mode"
+    assert hybrid.decode_path == ("fused Llama" if arch == "llama" else "transformers forward")
+    hybrid.release_cache()
+    gc.collect()
+    assert cache_tensors and all(ref() is None for ref in cache_tensors), "a released KV cache is still held"
+
+
 def _decode_path_addresses(hybrid: HybridEngine) -> list[int]:
     """Where every tensor a decode step reads lives: the kept copy's parameters and LoRA terms, and a plain fused
     path's weights and terms."""

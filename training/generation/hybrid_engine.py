@@ -361,17 +361,13 @@ class HybridEngine:
         self.kv_cache = RolloutKVCache()
         self._decoder: KVCacheDecoder | None = None
         self._kept: tuple[InferenceCopy, StepModel] | None = None  # with keep_inference_copy, after the first rollout
-        self._step_model: StepModel | None = None  # the last generate mode's
+        self._decode_path: str | None = None  # how the last generate mode decoded
         self._described = False  # the decode path is logged on the first entry into generate mode
 
     @property
     def decode_path(self) -> str | None:
         """How the last generate mode decoded, e.g. "fused Llama (CUDA graphs)"."""
-        if self._step_model is None:
-            return None
-        if self.settings.unpin_actor_parameters:
-            return "transformers forward of the engine's own module (unpinned)"
-        return self._step_model.description
+        return self._decode_path
 
     @property
     def in_generate_mode(self) -> bool:
@@ -395,6 +391,10 @@ class HybridEngine:
             try:
                 yield self
             finally:
+                # nothing of this generate mode is held past it but a kept copy: the step model holds the inference
+                # copy and views of the KV cache, which would outlive the training phase and a released cache
+                self._decode_path = ("transformers forward of the engine's own module (unpinned)"
+                                     if self.settings.unpin_actor_parameters else self._decoder.model.description)
                 self._decoder = None
                 if self.settings.release_inference_cache:
                     self.release_cache()
@@ -419,8 +419,7 @@ class HybridEngine:
         if self.settings.unpin_actor_parameters:
             stack.enter_context(eval_mode(self.module))
             collective = get_world_size() > 1 and is_zero3_module(self.module)
-            self._step_model = HFCachedModel(self.module, self.kv_cache)
-            return KVCacheDecoder(self._step_model, self.device, no_grad_only=True,
+            return KVCacheDecoder(HFCachedModel(self.module, self.kv_cache), self.device, no_grad_only=True,
                                   sync_done=_all_ranks_done if collective else None)
         if self._kept is not None:
             inference_copy, step_model = self._kept
@@ -430,7 +429,6 @@ class HybridEngine:
             inference_copy, step_model = self._build()
             if self.settings.keep_inference_copy:
                 self._kept = inference_copy, step_model
-        self._step_model = step_model
         return KVCacheDecoder(step_model, self.device,
                               sync_tokens=self.tp.broadcast_tokens if self.tp is not None else None)
 
