@@ -19,6 +19,7 @@ tokens, the EOS included (the EOS is an action the policy is rewarded or penalis
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, fields
@@ -373,7 +374,9 @@ class PPOTrainer:
         samples = self.samples_per_prompt(do_sample)
         streaming = {"on_finished": on_finished} if on_finished is not None else {}
         started = time.perf_counter()
-        with self.clock.time("generation"):
+        # one generate mode for both calls (the hybrid engine's): ReMax's greedy answers reuse the gathered weights
+        one_gather = getattr(self.generator, "generate_mode", contextlib.nullcontext)
+        with self.clock.time("generation"), one_gather():
             output = self.generator.generate(input_ids, prompt_mask, self.generation_config(do_sample, samples),
                                              **streaming)
             greedy = None

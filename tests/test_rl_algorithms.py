@@ -105,6 +105,20 @@ def test_remax_subtracts_the_score_of_each_prompts_greedy_answer(distributed, in
     torch.testing.assert_close(experience.advantages, expected)
 
 
+def test_remax_gathers_the_actor_once_for_its_sampled_and_greedy_answers(distributed, inputs):
+    """The sampled and the greedy generate each entered generate mode: two ZeRO-3 gathers and inference copies a
+    rollout, the design's "weights gathered once per rollout" broken."""
+    engine = critic_free(build_engine(inputs), reward=None)
+    hybrid = HybridEngine(engine.actor, HybridEngineSettings(enable=True))
+    entries = []
+    enter = hybrid._enter
+    hybrid._enter = lambda stack: (entries.append(1), enter(stack))[1]
+    config = PPOConfig(algorithm="remax", max_answer_seq_len=4)
+    experience = PPOTrainer(engine, hybrid, config, answer_length_bonus).generate_experience(
+        prompt_batch(engine.tokenizer, 2))
+    assert len(entries) == 1 and experience.scores.shape == (2,)
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_a_group_algorithm_raises_a_rule_based_reward(distributed, inputs, algorithm):
     tokenizer = build_engine(inputs).tokenizer
