@@ -295,6 +295,21 @@ def test_no_command_runs_past_the_budget(tmp_path):
     assert (results[1].status, results[1].reason) == ("skipped", "out of time (--budget_s)")
 
 
+def test_a_run_cut_by_the_budget_still_has_its_reports_collected(tmp_path):
+    """The reports copy after a train or step2_quality run is marked `always`: a run cut at --budget_s had it skipped,
+    and the figures the run had already written stayed on the machine, which goes back."""
+    ctx = _context(tmp_path, budget_s=2)
+    stages = [Stage("cut", "trains too long", (), lambda _: [
+        _python("import time; print('epoch 1 evaluated', flush=True); time.sleep(30)", "cut.log"),
+        _python("print('never')", "cut.log"),
+        _python("print('reports collected')", "cut.log", always=True)])]
+    results = runner.run_stages(stages, ctx)
+    assert results[0].status == "failed" and results[0].reason.startswith(f"exit {runner.TIMED_OUT}")
+    assert [c.returncode for c in results[0].commands] == [runner.TIMED_OUT, 0]
+    log = (ctx.out / "cut.log").read_text()
+    assert "reports collected" in log and "never" not in log
+
+
 def test_reports_are_copied_without_weights(tmp_path):
     run = tmp_path / "run"
     (run / "step1").mkdir(parents=True)
