@@ -86,6 +86,27 @@ def test_parts_arriving_over_two_calls_are_stashed_then_joined(tmp_path):
     assert output.read_bytes() == original.read_bytes()
 
 
+def test_a_part_that_arrives_damaged_is_named_in_its_own_call_and_replaced_by_a_good_copy(tmp_path):
+    """A damaged part of full size was stashed unchecked: the error came a call later, at the join, and carrying
+    the part again did not help (only parts of the wrong size were taken)."""
+    original = _random_file(tmp_path / "model.whl", 10_000)
+    split_file(original, tmp_path / "all", 6_000)
+    stash, output = tmp_path / "stash", tmp_path / "joined.whl"
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "model.whl.manifest.json").write_bytes((tmp_path / "all" / "model.whl.manifest.json").read_bytes())
+    (damaged / "model.whl.part1").write_bytes(b"x" * 6_000)
+    with pytest.raises(ValueError, match="model.whl.part1 arrived damaged"):
+        gather(damaged, stash, output)
+    (stash / "model.whl.part1").write_bytes(b"x" * 6_000)  # a stash damaged some other way
+    again = tmp_path / "again"
+    again.mkdir()
+    for name in ("model.whl.part1", "model.whl.part2"):
+        (again / name).write_bytes((tmp_path / "all" / name).read_bytes())
+    assert gather(again, stash, output) == []
+    assert output.read_bytes() == original.read_bytes()
+
+
 def _fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
     path = folder / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as archive:

@@ -33,6 +33,9 @@ class Part:
     size: int
     sha256: str
 
+    def is_whole(self, path: Path) -> bool:
+        return path.is_file() and path.stat().st_size == self.size and sha256_of(path) == self.sha256
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -50,9 +53,8 @@ class Manifest:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     def missing(self, parts_dir: Path) -> list[str]:
-        """The parts not (yet) in `parts_dir` at their full size."""
-        return [part.name for part in self.parts
-                if not (parts_dir / part.name).is_file() or (parts_dir / part.name).stat().st_size != part.size]
+        """The parts not (yet) whole in `parts_dir`: absent, short, or another sha256 than the manifest's."""
+        return [part.name for part in self.parts if not part.is_whole(parts_dir / part.name)]
 
 
 def manifest_path(parts_dir: Path, file_name: str) -> Path:
@@ -79,10 +81,7 @@ def join_parts(manifest: Manifest, parts_dir: Path, output: Path) -> Path:
     """Check every part, join them into `output` and check the whole; raise ValueError naming what is wrong."""
     missing = manifest.missing(parts_dir)
     if missing:
-        raise ValueError(f"parts missing or incomplete in {parts_dir}: {', '.join(missing)}")
-    damaged = [part.name for part in manifest.parts if sha256_of(parts_dir / part.name) != part.sha256]
-    if damaged:
-        raise ValueError(f"parts whose sha256 differs from the manifest: {', '.join(damaged)}")
+        raise ValueError(f"parts missing, incomplete or damaged (sha256) in {parts_dir}: {', '.join(missing)}")
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".joining")
     with partial.open("wb") as joined:
@@ -98,8 +97,9 @@ def join_parts(manifest: Manifest, parts_dir: Path, output: Path) -> Path:
 
 
 def gather(arrived: Path, stash: Path, output: Path) -> list[str]:
-    """Copy the manifest and parts in `arrived` into `stash` (a part already stashed whole is kept), then join
-    into `output` when every part is there; returns the parts still missing (none: `output` is joined)."""
+    """Copy the manifest and parts in `arrived` into `stash` (a part already stashed whole is kept; one stashed
+    damaged is replaced), then join into `output` when every part is there; returns the parts still missing (none:
+    `output` is joined). A part that arrived damaged is a ValueError naming it, in the call that carried it."""
     stash.mkdir(parents=True, exist_ok=True)
     manifests = sorted(arrived.glob("*.manifest.json")) or sorted(stash.glob("*.manifest.json"))
     if len(manifests) != 1:
@@ -107,9 +107,12 @@ def gather(arrived: Path, stash: Path, output: Path) -> list[str]:
     manifest = Manifest.read(manifests[0])
     if manifests[0].parent != stash:
         shutil.copyfile(manifests[0], stash / manifests[0].name)
-    already = set(manifest.missing(stash))
+    needed = set(manifest.missing(stash))
     for part in manifest.parts:
-        if part.name in already and (arrived / part.name).is_file():
+        if part.name in needed and (arrived / part.name).is_file():
+            if not part.is_whole(arrived / part.name):
+                raise ValueError(f"{part.name} arrived damaged (its size or sha256 differs from the manifest); "
+                                 "carry it again")
             shutil.copyfile(arrived / part.name, stash / part.name)
     missing = manifest.missing(stash)
     if not missing and not (output.is_file() and sha256_of(output) == manifest.sha256):
