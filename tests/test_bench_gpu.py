@@ -247,6 +247,19 @@ def _carried_context(tmp_path: Path, **settings) -> Context:
                                   state_dir=folders["state_dir"], **settings), REPO_ROOT, sys.executable)
 
 
+def test_a_call_after_the_install_still_names_its_device_and_versions(tmp_path):
+    """environment.json was written only by the call that installed the wheels: a later call's figures (session 1's
+    step2_quality) came back in an archive that named no device."""
+    from bench.gpu.stages import build_install
+
+    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), wheel_dir="no-wheels-carried",
+                                 state_dir=str(tmp_path / "state")), REPO_ROOT, sys.executable)
+    (ctx.site / "deepspeed-0.19.8.dist-info").mkdir(parents=True)
+    (environment,) = build_install(ctx)
+    assert environment.argv[1:3] == ("-m", "bench.gpu.environment") and str(ctx.out / "environment.json") in \
+        [str(arg) for arg in environment.argv]
+
+
 def test_step2_quality_trains_on_the_pairs_with_a_held_out_split_and_brings_back_its_reports(tmp_path):
     ctx = _carried_context(tmp_path, step2_epochs=4)
     stage = {stage.name: stage for stage in select(["step2_quality"], [])}["step2_quality"]

@@ -169,15 +169,18 @@ def _installed(ctx: Context, wheel: Path) -> bool:
 
 
 def build_install(ctx: Context) -> Built:
+    """The wheels installed where an earlier call has not, then `environment.json` (the device and versions) in
+    every call's output: each call's figures come back in their own archive, which must name them."""
     wheels = sorted(ctx.carried(ctx.settings.wheel_dir).glob("*.whl"))
+    environment = Command(ctx.py("-m", "bench.gpu.environment", "--output", ctx.out / "environment.json"),
+                          "install.log")
     if not wheels:
         if any(ctx.site.glob("deepspeed-*.dist-info")):
-            return []  # installed by an earlier call on this machine
+            return [environment]  # installed by an earlier call on this machine
         return f"no wheels in {ctx.settings.wheel_dir}: run python -m bench.gpu.prepare on a CPU machine, carry it"
     if all(_installed(ctx, wheel) for wheel in wheels):
-        return []
-    return [Command(_pip_install(ctx, wheels), "install.log"),
-            Command(ctx.py("-m", "bench.gpu.environment", "--output", ctx.out / "environment.json"), "install.log")]
+        return [environment]
+    return [Command(_pip_install(ctx, wheels), "install.log"), environment]
 
 
 def build_weights(ctx: Context) -> Built:
