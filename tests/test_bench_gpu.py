@@ -350,6 +350,9 @@ def test_reports_are_copied_without_weights(tmp_path):
     (run / "summary.json").write_text("{}")
     (run / "step1" / "metrics.jsonl").write_text("{}\n")
     (run / "step1" / "model.safetensors").write_bytes(b"0" * 10)
+    (run / "step1" / "model").mkdir()
+    for name in ("config.json", "tokenizer.json"):  # a saved model's files are no report
+        (run / "step1" / "model" / name).write_text("{}")
     copied = copy_reports(run, tmp_path / "out")
     assert sorted(str(p.relative_to(tmp_path / "out")) for p in copied) == ["step1/metrics.jsonl", "summary.json"]
 

@@ -30,10 +30,12 @@ def pack(out: Path) -> Path:
 
 
 def copy_reports(run_dir: Path, destination: Path) -> list[Path]:
-    """Copy the run folder's reports (`REPORT_SUFFIXES`, each under `MAX_REPORT_BYTES`), keeping their layout."""
+    """Copy the run folder's reports (`REPORT_SUFFIXES`, each under `MAX_REPORT_BYTES`), keeping their layout; not
+    the files of a saved model (a folder holding config.json: its tokenizer.json alone is 3.4 MiB for SmolLM2)."""
     copied = []
     for path in sorted(run_dir.rglob("*")):
-        if path.is_file() and path.suffix in REPORT_SUFFIXES and path.stat().st_size <= MAX_REPORT_BYTES:
+        if (path.is_file() and path.suffix in REPORT_SUFFIXES and path.stat().st_size <= MAX_REPORT_BYTES
+                and not (path.parent / "config.json").is_file()):
             target = destination / path.relative_to(run_dir)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
