@@ -35,12 +35,12 @@ from training.core.engine import OptimizationSettings
 from training.core.lora import apply_lora
 from training.core.model_loading import EMBEDDED_MODEL_NAME, FINAL_MODEL_SUBDIR, resolve_dtype
 from training.core.optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
-from training.reliability.run_records import RESOLVED_SUFFIX
 from utils.errors import UserError
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _OWN_METADATA = ("flag", "negated", "same_result", "resume_override", "resolved")
+RESOLVED_SUFFIX = " (resolved)"  # a flag recorded as it resolved on the machine: "dtype (resolved)"
 
 S = TypeVar("S")
 

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
+from training.core.args import RESOLVED_SUFFIX
 from utils.atomic import atomic_write_text
 from utils.data.args import with_resolved_sources
 from utils.dist import is_main_process
@@ -19,7 +20,6 @@ from utils.dist import is_main_process
 ARGS_FILE = "args.json"
 SUMMARY_FILE = "summary.json"
 RUN_ID_KEY = "run_id"
-RESOLVED_SUFFIX = " (resolved)"  # a flag recorded as it resolved on the machine: "dtype (resolved)"
 
 
 def _as_json(values: Mapping[str, Any]) -> str:
