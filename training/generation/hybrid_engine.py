@@ -388,14 +388,15 @@ class HybridEngine:
             return
         with contextlib.ExitStack() as stack:
             self._decoder = self._enter(stack)
+            step_model = self._decoder.model
             try:
                 yield self
             finally:
                 # nothing of this generate mode is held past it but a kept copy: the step model holds the inference
                 # copy and views of the KV cache, which would outlive the training phase and a released cache
                 self._decode_path = ("transformers forward of the engine's own module (unpinned)"
-                                     if self.settings.unpin_actor_parameters else self._decoder.model.description)
-                self._decoder = None
+                                     if self.settings.unpin_actor_parameters else step_model.description)
+                self._decoder = step_model = None
                 if self.settings.release_inference_cache:
                     self.release_cache()
 
