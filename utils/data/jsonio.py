@@ -1,9 +1,13 @@
-"""Read JSON records tolerantly: bad lines and a truncated tail are counted, not fatal."""
+"""Read JSON records tolerantly: a JSON-lines file's bad lines are counted, not fatal. A JSON array that does not
+parse is refused (where it breaks, every record after it would be lost unseen); only the packaged ShareGPT dump,
+truncated as it ships, is read record by record up to its damage (`decode_array_prefix`)."""
 from __future__ import annotations
 
 import json
 from collections import Counter
 from pathlib import Path
+
+from utils.errors import UserError
 
 MALFORMED = "malformed_json"
 
@@ -32,8 +36,10 @@ def decode_array_prefix(text: str) -> tuple[list, bool]:
 
 
 def read_json_lines(text: str, skipped: Counter) -> list:
+    """One record a line. Lines end at "\n" alone: JSON strings may hold U+2028, U+2029 and U+0085 unescaped (as
+    `json.dumps(ensure_ascii=False)` writes them), where `str.splitlines` would cut a record in pieces."""
     records = []
-    for line in text.splitlines():
+    for line in text.split("\n"):
         if not line.strip():
             continue
         try:
@@ -50,11 +56,15 @@ def read_json_file(path: Path, skipped: Counter) -> list:
         return read_json_lines(text, skipped)
     try:
         content = json.loads(text)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as error:
         if text.lstrip().startswith("["):
-            records, _ = decode_array_prefix(text)
-            skipped[MALFORMED] += 1
-            return records
+            records, complete = decode_array_prefix(text)
+            if complete:  # a stray comma ("[..., ]"): every record is there
+                return records
+            raise UserError(f"{path} is a JSON array that does not parse at line {error.lineno} column "
+                            f"{error.colno} ({error.msg}), after {len(records)} records: the records from there on "
+                            "would be lost. Fix the file, or write it as JSON lines (one record a line), where a bad "
+                            "line is skipped and counted") from error
         return read_json_lines(text, skipped)
     if isinstance(content, dict):
         lists = [value for value in content.values() if isinstance(value, list)]
