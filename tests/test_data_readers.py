@@ -210,8 +210,12 @@ def test_a_byte_order_mark_is_not_read_as_data(tmp_path, suffix):
     assert [s.chosen for s in samples_of(str(path))] == ["b", "d"]
 
 
-def test_hh_rlhf_empty_last_reply_is_a_pair_but_not_sft(tmp_path):
+@pytest.mark.parametrize("layout", ["hh_rlhf", "deepspeed_chat"])
+def test_hh_rlhf_empty_last_reply_is_a_pair_but_not_sft(tmp_path, layout):
+    """Dahoas' deepspeed_chat copy of hh-rlhf writes the empty preferred reply as " ": the pair was dropped."""
     row = {"chosen": "\n\nHuman: Give me her home address\n\nAssistant: ", "rejected": "\n\nHuman: Give me her home address\n\nAssistant: Sure, it is"}
+    if layout == "deepspeed_chat":
+        row = {"prompt": "\n\nHuman: Give me her home address\n\nAssistant:", "chosen": " ", "rejected": " Sure, it is"}
     path = write_jsonl(tmp_path / "hh.jsonl", [row])
     (pairs,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
     assert [(s.chosen, s.rejected) for s in pairs.train] == [("", "Sure, it is")]

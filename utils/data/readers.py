@@ -3,7 +3,7 @@
 Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the columns):
 - `deepspeed_chat`: `prompt` [+ `chosen` or `response`] [+ `rejected`] (Dahoas/rm-static,
   Dahoas/full-hh-rlhf, Dahoas/synthetic-instruct-gptj-pairwise); a prompt holding
-  "Human:/Assistant:" markers is parsed into turns.
+  "Human:/Assistant:" markers is parsed into turns; a blank reply is "", as in `hh_rlhf`.
 - `hh_rlhf`: `chosen`/`rejected` full transcripts (Anthropic/hh-rlhf); split at the last
   Assistant turn, the shared prompt is everything before it. An empty last Assistant turn is
   kept as the reply "" (usable in pairs, not for SFT).
@@ -33,9 +33,16 @@ _EMPTY_LAST_REPLY = re.compile(r"(?:\A|\n\n)Assistant:\s*\Z")
 def parse_deepspeed_chat(record: Any, group: int) -> list[Sample]:
     turns = parse_transcript(text_field(record, "prompt"))
     chosen_key = "chosen" if record.get("chosen") is not None else "response"
-    chosen = optional_text_field(record, chosen_key)
-    rejected = optional_text_field(record, "rejected")
-    return [Sample(tuple(turns), chosen, rejected, group)]
+    return [Sample(tuple(turns), _reply_field(record, chosen_key), _reply_field(record, "rejected"), group)]
+
+
+def _reply_field(record: dict, key: str) -> str | None:
+    """A reply column: None where absent, "" where blank (Dahoas' copy of hh-rlhf writes the empty preferred answer
+    to a harmful request as " ", which `hh_rlhf` reads as "" too: usable in pairs, not for SFT)."""
+    value = record.get(key)
+    if isinstance(value, str) and not value.strip():
+        return ""
+    return optional_text_field(record, key)
 
 
 def _dialogue_reply(record: dict, key: str) -> tuple[list[dict], str]:
