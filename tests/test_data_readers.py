@@ -165,7 +165,7 @@ def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="utils.data"):
         read_rows(path)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "utils.data"]
-    assert "malformed_json=1" in line and "wrong_type:prompt=1" in line
+    assert "wrong_type:prompt=1" in line and line.endswith("; the whole source at load: malformed_json=1")
 
 
 def test_source_without_usable_rows_stops_the_run(tmp_path):

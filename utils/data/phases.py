@@ -38,12 +38,17 @@ class SourceSplit:
     skipped: Counter = field(default_factory=Counter)
 
     def summary(self, phase: int, kind: str) -> str:
-        skipped = Counter(self.source.load_skips) + self.skipped
-        reasons = ", ".join(f"{reason}={count}" for reason, count in sorted(skipped.items())) or "none"
+        """The step's line; what the load skipped is the whole source's, said apart (each step's line repeats it)."""
+        loaded = f"; the whole source at load: {_reasons(self.source.load_skips)}" if self.source.load_skips else ""
         return (
             f"data source '{self.source.spec}' (format {self.source.format}), step {phase} {kind}: "
-            f"{self.records} records -> {len(self.train)} train / {len(self.eval)} eval samples; skipped: {reasons}"
+            f"{self.records} records -> {len(self.train)} train / {len(self.eval)} eval samples; "
+            f"skipped: {_reasons(self.skipped)}{loaded}"
         )
+
+
+def _reasons(skipped: Counter) -> str:
+    return ", ".join(f"{reason}={count}" for reason, count in sorted(skipped.items())) or "none"
 
 
 def _usable_samples(source: LoadedSource, indices: np.ndarray, kind: str, seed: int, skipped: Counter) -> list[Sample]:
