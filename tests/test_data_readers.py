@@ -165,7 +165,10 @@ def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="utils.data"):
         read_rows(path)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "utils.data"]
-    assert "wrong_type:prompt=1" in line and line.endswith("; the whole source at load: malformed_json=1")
+    assert "malformed_json=1" in line and "wrong_type:prompt=1" in line
+    # a step's line says the load's skips apart: they are the whole source's, which every step's line repeats
+    assert split.summary(2, "pairs").endswith("identical_replies=1, no_rejected=1, not_an_object=1, "
+                                              "wrong_type:prompt=1; the whole source at load: malformed_json=1")
 
 
 def test_source_without_usable_rows_stops_the_run(tmp_path):
