@@ -210,6 +210,29 @@ def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fake
     assert fakes.calls == [] and not (tmp_path / "out" / "step1").exists()
 
 
+def test_flags_for_a_step_the_run_does_not_include_are_refused(tmp_path, fakes):
+    """DPO lives in step2_reward/, so --step2-args is an easy slip for --dpo-args: the flags were dropped unseen."""
+    argv = common(tmp_path, fakes.model_dir)
+    with pytest.raises(UserError, match=r"--step2-args is given, but step 2 \(reward model\) is not part of this run, "
+                                        r"whose steps are 1 \(--step1-args\), 4 \(--dpo-args\)"):
+        run(argv + ["--algorithm", "dpo", "--step2-args", "--dpo_beta 0.5", "--dry-run"], fakes)
+    with pytest.raises(UserError, match="--dpo-args is given, but step 4"):
+        run(argv + ["--dpo-args", "--dpo_beta 0.5"], fakes)
+    assert fakes.calls == []
+
+
+@pytest.mark.parametrize("blocked", ["file", "under_a_file"])
+def test_an_output_dir_a_file_blocks_is_refused_before_anything_runs(tmp_path, fakes, blocked):
+    """train.py ended in a NotADirectoryError traceback, and --dry-run passed it."""
+    (tmp_path / "afile").write_text("keep me")
+    output = tmp_path / "afile" if blocked == "file" else tmp_path / "afile" / "run"
+    argv = ["--actor-model", fakes.model_dir, "--reward-model", fakes.model_dir, "--output-dir", str(output)]
+    for dry_run in ([], ["--dry-run"]):
+        with pytest.raises(UserError, match="--output-dir .*afile"):
+            run(argv + dry_run, fakes)
+    assert (tmp_path / "afile").read_text() == "keep me" and fakes.calls == []
+
+
 def test_a_zero_stage_0_override_drops_the_planned_offload():
     """--actor-zero-stage 0 over a plan that offloads at ZeRO-3: the step would be refused (ZeRO-0 offloads
     nothing), so the offload goes with the stage."""

@@ -21,6 +21,7 @@ from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
+from training.reliability.validation import check_folder_path
 from utils.atomic import atomic_write_text
 from utils.dist import free_port
 from utils.errors import UserError
@@ -260,8 +261,20 @@ def _check_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]
             raise UserError(f"step {step}'s flags do not parse ({message[0]}); check --{STEPS[step].name}-args") from None
 
 
+def _check_step_args_of_steps_run(config: PipelineConfig) -> None:
+    """Refuse --stepN-args for a step this run does not include: they would be dropped unseen (--step2-args meant
+    for DPO, which is --dpo-args)."""
+    for step, args in config.step_args.items():
+        if args and step not in config.steps:
+            running = ", ".join(f"{s} (--{STEPS[s].name}-args)" for s in config.steps)
+            raise UserError(f"--{STEPS[step].name}-args is given, but step {step} ({STEPS[step].title}) is not part of "
+                            f"this run, whose steps are {running}; give the flags to one of those")
+
+
 def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> PreparedRun:
     """Validate the inputs (hostfile, prerequisites, flags), plan the deployment, build each step's command."""
+    check_folder_path(config.output_dir, "--output-dir")
+    _check_step_args_of_steps_run(config)
     deployment = config.deployment_type or detect_deployment(hardware, config.hostfile is not None)
     hosts = _hosts(config, deployment)
     inputs = _inputs(config)

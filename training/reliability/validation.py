@@ -43,11 +43,21 @@ _OFFLINE_VALUES = {"1", "ON", "YES", "TRUE"}
 # output folder and disk -------------------------------------------------------------------------
 
 
-def check_output_dir(path: str | os.PathLike, flag: str = "--output_dir") -> Path:
-    """Create the run folder (and its parents) unless something in the way is a file or unwritable."""
+def check_folder_path(path: str | os.PathLike, flag: str = "--output_dir") -> Path:
+    """Refuse a folder path that a file blocks, at it or above it, creating nothing (train.py checks its
+    --output-dir so before it plans, a dry run too)."""
     folder = Path(path).expanduser()
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{flag} {folder} is a file, not a folder; choose another {flag} (the file was left as it is)")
+    blocking = next((parent for parent in folder.parents if parent.exists() and not parent.is_dir()), None)
+    if blocking is not None:
+        raise UserError(f"{flag} {folder} cannot be created: {blocking} is a file; choose another {flag}")
+    return folder
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--output_dir") -> Path:
+    """Create the run folder (and its parents) unless something in the way is a file or unwritable."""
+    folder = check_folder_path(path, flag)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as err:
