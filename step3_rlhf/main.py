@@ -48,7 +48,7 @@ from training.core.args import (
     resume_fixed_flags,
 )
 from training.core.model_loading import load_config, load_tokenizer
-from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
+from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE, refuse_reward_model
 from training.generation.hybrid_engine import build_generator
 from training.loops.call_times import CallTimer
 from training.placement.groups import PlacementGroups
@@ -137,6 +137,7 @@ def check_args(args: Step3Settings) -> None:
         check_model_source(model, f"--{flag}")
         check_remote_code(model, args.run.trust_remote_code, f"--{flag}")
         check_input_run_shards(model, args.data, f"--{flag}")
+    refuse_reward_model(args.models.actor_model_name_or_path, "--actor_model_name_or_path")
     if args.models.critic_model_name_or_path is not None:
         check_reward_model_dir(args.models.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
 

@@ -161,6 +161,30 @@ def test_reward_model_without_a_value_head(distributed, setup, capsys):
         RewardModel.from_pretrained(setup.run)
 
 
+def test_a_reward_model_given_where_a_causal_lm_trains_is_refused(distributed, setup, capsys):
+    """A step-2 folder loads as a causal LM with a freshly drawn LM head: step 1, DPO and step 3 trained it and
+    prompt_eval answered with it, silently (untied models; a tied one hides the missing head)."""
+    from step1_sft.prompt_eval import main as prompt_eval_main
+    from step2_reward.dpo.main import main as dpo_main
+
+    reward = setup.tmp / "reward"
+    shutil.copytree(setup.model, reward / "model")
+    (reward / "model" / "reward_model.json").write_text(json.dumps({"format": "rlhf-reward-model"}))
+    message = "is a reward model (step 2: a backbone and a value head); it has no language-model head"
+    for main in (step1_main, dpo_main):
+        assert_refused_and_untouched(main, step_args(setup, model_name_or_path=str(reward)), message, setup.run,
+                                     capsys)
+    step3_run = setup.tmp / "step3"
+    step3_run.mkdir()
+    argv = ["--actor_model_name_or_path", str(reward), "--critic_model_name_or_path", str(reward),
+            "--data_path", setup.data, "--output_dir", str(step3_run)]
+    assert_refused_and_untouched(step3_main, argv, f"--actor_model_name_or_path {reward} {message}", step3_run, capsys)
+    with pytest.raises(SystemExit) as exited:
+        prompt_eval_main(["--model_name_or_path_baseline", setup.model, "--model_name_or_path_finetune", str(reward),
+                          "--prompts", "Compute 3 + 4."])
+    assert exited.value.code == EXIT_USER_ERROR and message in capsys.readouterr().err
+
+
 def test_a_diverging_run_stops_at_the_non_finite_loss_naming_the_step_and_last_good_checkpoint(
         distributed, setup, capsys):
     run = setup.tmp / "diverging"

@@ -207,7 +207,11 @@ def load_causal_lm(
     **from_pretrained_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a causal LM, ZeRO-3 aware, with embeddings matching the tokenizer and EOS/pad ids set (grown inside the
-    ZeRO-3 context: outside it transformers takes the partitioned embedding for a whole, empty one)."""
+    ZeRO-3 context: outside it transformers takes the partitioned embedding for a whole, empty one). A step-2 reward
+    model is refused: its folder loads as a causal LM with a freshly drawn LM head, and would train or answer with it."""
+    from training.core.reward_model import refuse_reward_model  # it builds on this module
+
+    refuse_reward_model(name_or_path)
     path = resolve_model_path(name_or_path)
     with zero3_construction(ds_config):
         model = _hub_call(

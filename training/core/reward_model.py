@@ -47,6 +47,15 @@ def is_reward_model_dir(path: str | os.PathLike) -> bool:
     return (Path(resolve_model_path(str(path))) / MARKER_FILE).is_file()
 
 
+def refuse_reward_model(name_or_path: str, flag: str | None = None) -> None:
+    """A `UserError` where a causal LM is wanted and `name_or_path` is a reward model: it would load with a freshly
+    drawn LM head, and train or answer with it."""
+    if is_reward_model_dir(name_or_path):
+        given = f"{flag} {name_or_path}" if flag else name_or_path
+        raise UserError(f"{given} is a reward model (step 2: a backbone and a value head); it has no language-model "
+                        "head to train or answer with: pass a causal LM (a step-1 or step-3 run folder, a base model)")
+
+
 def backbone_output_size(config) -> int:
     """Width of the backbone's last hidden state (OPT projects it to `word_embed_proj_dim`)."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
