@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 import torch
@@ -18,11 +17,10 @@ from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
-    FINAL_MODEL_SUBDIR,
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
-    resolve_model_path,
+    resolve_trained_model,
 )
 from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings
@@ -40,18 +38,8 @@ _HUMAN_STOP = "Human:"
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
-    """The model folder to chat with: a train.py output dir means its step-3 actor (else its DPO model), a
-    step-3 run folder its `actor/` (or `actor_ema/` with `ema`), a step-1 or DPO run folder its `model/`."""
-    actor = "actor_ema" if ema else "actor"
-    folder = Path(path)
-    for candidate in (folder / "step3" / actor, folder / actor):
-        if (candidate / "config.json").is_file():
-            return str(candidate)
-    if not ema and (folder / "dpo" / FINAL_MODEL_SUBDIR / "config.json").is_file():
-        return str(folder / "dpo" / FINAL_MODEL_SUBDIR)
-    if ema:
-        raise UserError(f"{path} holds no EMA actor ({actor}/); run step 3 with --enable_ema or drop --ema")
-    resolved = resolve_model_path(path)
+    """The model folder to chat with (`resolve_trained_model`); a reward model is refused."""
+    resolved = resolve_trained_model(path, ema)
     if is_reward_model_dir(resolved):
         raise UserError(f"{path} is a reward model (step 2), which scores text but cannot chat; pass a step-1 or step-3 model")
     return resolved

@@ -21,6 +21,7 @@ from training.core.model_loading import (
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
+    resolve_trained_model,
 )
 from training.generation.generator import DecodingSettings
 from training.reliability.run_records import args_of_model
@@ -56,7 +57,8 @@ class PromptEvalArguments:
     """The two models, the prompts and where the answers go."""
 
     model_name_or_path_finetune: str = field(metadata={
-        "help": "the fine-tuned model: step 1's run folder or its model folder"})
+        "help": "the fine-tuned model: a run folder of step 1, DPO or step 3 (its actor), train.py's output folder "
+                "(its last model), or a model folder"})
     model_name_or_path_baseline: str = field(default=EMBEDDED_MODEL_NAME, metadata={
         "help": "the model before fine-tuning (hub name, folder, or the embedded default)"})
     prompts: list[str] | None = field(default=None, metadata={
@@ -107,8 +109,10 @@ def generate_answers(
 
 
 def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False):
-    tokenizer = load_tokenizer(name_or_path, trust_remote_code)
-    model = load_causal_lm(name_or_path, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code)
+    """The model a folder holds (a run folder of any step that trains a causal LM: `resolve_trained_model`)."""
+    path = resolve_trained_model(name_or_path)
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    model = load_causal_lm(path, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.eval(), tokenizer
 
 
@@ -129,7 +133,7 @@ def build_parser() -> SettingsParser:
 def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
     settings = build_parser().parse_args(argv)
     if settings.run.prompt_format is None:
-        recorded = args_of_model(settings.run.model_name_or_path_finetune)
+        recorded = args_of_model(resolve_trained_model(settings.run.model_name_or_path_finetune))
         settings.run.prompt_format = recorded.get("prompt_format", "auto")
     return settings
 

@@ -48,6 +48,28 @@ def test_run_folders_resolve_to_the_model_to_chat_with(tmp_path, tiny_model_dir)
         resolve_chat_model(str(pipeline / "step1"), ema=True)
 
 
+def test_prompt_eval_compares_against_a_step3_run_and_a_folder_without_a_model_is_one_error(tmp_path, tiny_model_dir,
+                                                                                           capsys):
+    """prompt_eval took only step 1's run folders: a step-3 run folder, like an unfinished run's folder (checkpoints,
+    no saved model) or an empty one, ended in a tokenizer ValueError traceback; the chatbot too for the latter."""
+    from step1_sft import prompt_eval
+
+    model = tiny_model_dir("llama")
+    shutil.copytree(model, tmp_path / "step3" / "actor")
+    answers = prompt_eval.main(["--model_name_or_path_baseline", model, "--model_name_or_path_finetune",
+                                str(tmp_path / "step3"), "--prompts", "Compute 3 + 4.", "--max_new_tokens", "3"])
+    assert answers[0]["finetune"] == answers[0]["baseline"]  # the same weights, greedy
+    (tmp_path / "unfinished" / "checkpoints").mkdir(parents=True)
+    message = "unfinished holds no model (no config.json there, nor in its model/ folder)"
+    for run in (lambda: prompt_eval.main(["--model_name_or_path_baseline", model, "--model_name_or_path_finetune",
+                                          str(tmp_path / "unfinished"), "--prompts", "Compute 3 + 4."]),
+                lambda: chat(["--model", str(tmp_path / "unfinished"), "--prompt", "hi"])):
+        with pytest.raises((SystemExit, UserError)) as stopped:
+            run()
+        text = str(stopped.value) if stopped.type is UserError else capsys.readouterr().err
+        assert message in text
+
+
 def test_a_dpo_run_resolves_to_its_model(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
     pipeline = tmp_path / "runs"  # train.py --algorithm dpo: step1/ and dpo/, no step3/

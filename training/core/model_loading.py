@@ -32,6 +32,7 @@ __all__ = [
     "FINAL_MODEL_SUBDIR",
     "resolve_model_path",
     "resolve_dtype",
+    "resolve_trained_model",
     "load_tokenizer",
     "load_config",
     "load_causal_lm",
@@ -56,6 +57,22 @@ def resolve_model_path(name_or_path: str) -> str:
     if not (run_dir / "config.json").is_file() and (run_dir / FINAL_MODEL_SUBDIR / "config.json").is_file():
         return str(run_dir / FINAL_MODEL_SUBDIR)
     return name_or_path
+
+
+def resolve_trained_model(path: str, ema: bool = False) -> str:
+    """The causal LM a run folder holds: a train.py output dir its step-3 actor (else its DPO model), a step-3 run
+    folder its `actor/` (or `actor_ema/` with `ema`), a step-1 or DPO run folder its `model/`; anything else as
+    `resolve_model_path` maps it. With `ema` and no EMA actor, a `UserError`."""
+    actor = "actor_ema" if ema else "actor"
+    folder = Path(path)
+    for candidate in (folder / "step3" / actor, folder / actor):
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    if ema:
+        raise UserError(f"{path} holds no EMA actor ({actor}/); run step 3 with --enable_ema or drop --ema")
+    if (folder / "dpo" / FINAL_MODEL_SUBDIR / "config.json").is_file():
+        return str(folder / "dpo" / FINAL_MODEL_SUBDIR)
+    return resolve_model_path(path)
 
 
 def resolve_dtype(name: str | None) -> torch.dtype:
@@ -87,8 +104,15 @@ def _hub_call(what: str, name_or_path: str, load):
             f"the {what} files in {name_or_path} hold pickled objects that a safe load refuses (they could run "
             "code); use a model saved as safetensors, or convert it with a tool you trust"
         ) from err
-    except OSError as err:
-        if Path(name_or_path).exists():
+    except (OSError, ValueError) as err:
+        local = Path(name_or_path).expanduser()
+        if local.is_dir() and not (Path(resolve_model_path(name_or_path)) / "config.json").is_file():
+            raise UserError(f"{name_or_path} holds no model (no config.json there, nor in its model/ folder): a run "
+                            "that has not saved its model yet, or no model folder; pass a model folder or the run "
+                            "folder of a finished step") from err
+        if isinstance(err, ValueError):
+            raise
+        if local.exists():
             raise UserError(f"could not load the {what} from {name_or_path}: {err}") from err
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(err).lower() or "connect" in str(err).lower()
         hint = (
