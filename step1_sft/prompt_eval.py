@@ -25,6 +25,7 @@ from training.core.model_loading import (
 )
 from training.generation.generator import DecodingSettings
 from training.reliability.run_records import args_of_model
+from training.reliability.validation import check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter
 from utils.errors import UserError, run_cli
 
@@ -142,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
 def main(argv: list[str] | None = None) -> list[dict]:
     settings = parse_args(argv)
     settings.generation.check()
+    check_output_file(settings.run.output_file)
     args = settings.run
     set_seed(args.seed)
     prompts = read_prompts(args)

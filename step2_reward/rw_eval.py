@@ -24,6 +24,7 @@ from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import load_tokenizer, resolve_dtype
 from training.core.reward_model import RewardModel
 from training.reliability.run_records import args_of_model
+from training.reliability.validation import check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
 from utils.data.collators import pad_sequences
 from utils.data.tokenization import TokenLimits, pair_sequences, sft_sequence
@@ -183,6 +184,7 @@ def _short(text: str, limit: int) -> str:
 @run_cli
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    check_output_file(args.output_file)
     scorer = RewardScorer.from_pretrained(args.model_name_or_path, resolve_dtype(args.dtype),
                                           prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
                                           batch_size=args.batch_size)

@@ -106,6 +106,29 @@ def test_bad_input_is_one_clear_error_and_overwrites_nothing(distributed, setup,
     assert_refused_and_untouched(STEPS[step], step_args(setup, **overrides), message, setup.run, capsys)
 
 
+def test_a_data_cache_folder_that_is_a_file(distributed, setup, capsys):
+    """--data_output_path pointing at a file ended in a FileExistsError traceback."""
+    (setup.tmp / "cachefile").write_text("not a folder")
+    assert_refused_and_untouched(step1_main, step_args(setup, data_output_path=str(setup.tmp / "cachefile")),
+                                 "a file stands where the data cache's folder goes", setup.run, capsys)
+
+
+@pytest.mark.parametrize("tool", ["rw_eval", "prompt_eval"])
+def test_an_output_file_that_is_a_folder_is_refused_before_any_work(setup, capsys, tool):
+    """It failed with IsADirectoryError once every row was scored or answered."""
+    from step1_sft.prompt_eval import main as prompt_eval_main
+    from step2_reward.rw_eval import main as rw_eval_main
+
+    folder = setup.tmp / "results"
+    folder.mkdir()
+    argv = (["--model_name_or_path", "no-such-model-is-loaded", "--prompt", "p", "--answer", "a"] if tool == "rw_eval"
+            else ["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b"])
+    with pytest.raises(SystemExit) as exited:
+        (rw_eval_main if tool == "rw_eval" else prompt_eval_main)([*argv, "--output_file", str(folder)])
+    assert exited.value.code == EXIT_USER_ERROR
+    assert f"--output_file {folder} is a folder" in capsys.readouterr().err
+
+
 def test_output_dir_that_is_a_file(distributed, setup, capsys):
     results = setup.tmp / "results.txt"
     results.write_text("earlier results")

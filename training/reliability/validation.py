@@ -55,6 +55,17 @@ def check_folder_path(path: str | os.PathLike, flag: str = "--output_dir") -> Pa
     return folder
 
 
+def check_output_file(path: str | os.PathLike | None, flag: str = "--output_file") -> None:
+    """Refuse, before any work, an output file path that is a folder or that a file blocks above it (it failed only
+    once every row was scored)."""
+    if path is None:
+        return
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise UserError(f"{flag} {file} is a folder; give a file path, e.g. {file / 'results.jsonl'}")
+    check_folder_path(file.parent, flag)
+
+
 def check_output_dir(path: str | os.PathLike, flag: str = "--output_dir") -> Path:
     """Create the run folder (and its parents) unless something in the way is a file or unwritable."""
     folder = check_folder_path(path, flag)

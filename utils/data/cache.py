@@ -85,6 +85,14 @@ def cache_file(data_output_path: str | os.PathLike, prefix: str, key_inputs: dic
     return Path(data_output_path).expanduser() / f"{prefix}_{key}.pt"
 
 
+def _make_cache_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        raise UserError(f"--data_output_path {folder}: a file stands where the data cache's folder goes; choose "
+                        "another --data_output_path") from err
+
+
 def build_or_load(path: Path, build: Callable[[], dict], rebuild: bool = False) -> tuple[dict, bool]:
     """Load `path`, building it first (on local rank 0, under a lock) when missing or `rebuild`.
 
@@ -93,7 +101,7 @@ def build_or_load(path: Path, build: Callable[[], dict], rebuild: bool = False) 
     built = False
     if get_local_rank() == 0:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            _make_cache_folder(path.parent)
             with FileLock(str(path) + ".lock"):
                 if rebuild or not path.is_file():
                     atomic_torch_save(build(), path)
