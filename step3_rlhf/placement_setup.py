@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from step3_rlhf.settings import Step3Settings
+from training.placement.planner import PlanChoice
 from training.placement.spec import (
     AUTO,
     OFFLOAD,
@@ -25,20 +26,7 @@ logger = logging.getLogger(__name__)
 AUTO_PLAN_FILE = "placement_auto.json"  # in the run folder: what --placement auto chose when the run started
 
 
-@dataclass(frozen=True)
-class AutoPlan:
-    """What `--placement auto` chose: the layout, and the flags it sets."""
-
-    base: str
-    shares: dict[str, float]
-    actor_zero_stage: int
-    critic_zero_stage: int
-    inference_tp: int
-    micro_batch: int
-    stage_fusion: bool
-
-
-def record_auto_plan(output_dir: str | Path, plan: AutoPlan) -> None:
+def record_auto_plan(output_dir: str | Path, plan: PlanChoice) -> None:
     """Keep the plan in the run folder (main process; once the start checks passed), for a resume to take."""
     if is_main_process():
         atomic_write_text(Path(output_dir) / AUTO_PLAN_FILE, json.dumps(asdict(plan), indent=2) + "\n")
@@ -72,7 +60,7 @@ def check_placement_args(args: Step3Settings, placement: Placement) -> None:
                             f"({placement.describe()}); drop it or use --placement colocate")
 
 
-def resolve_placement(args: Step3Settings) -> tuple[Placement | None, AutoPlan | None]:
+def resolve_placement(args: Step3Settings) -> tuple[Placement | None, PlanChoice | None]:
     """The placement of the run's models (None: co-located, the default path), and under `auto` the plan it took:
     the planner's fastest plan that fits (decided on rank 0, for every rank) with its ZeRO stages, inference TP and
     micro-batch; with --resume, the plan recorded when the run started (`record_auto_plan`), not a new one, which
@@ -103,13 +91,13 @@ def resolve_placement(args: Step3Settings) -> tuple[Placement | None, AutoPlan |
     return placement, auto
 
 
-def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> AutoPlan | str:
+def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> PlanChoice | str:
     """Rank 0's plan: the one recorded at the run's start when resuming, else the planner's; or the planner's error
     message (so every rank raises it)."""
     recorded = Path(args.run.output_dir) / AUTO_PLAN_FILE
     if args.checkpoints.resume and recorded.is_file():
         logger.info("--placement auto: resuming with the plan chosen at the run's start (%s)", recorded)
-        return AutoPlan(**json.loads(recorded.read_text()))
+        return PlanChoice(**json.loads(recorded.read_text()))
     from training.pipeline.hardware import model_size
     from training.placement.auto import planning_machine
     from training.placement.planner import choose_placement
@@ -126,5 +114,4 @@ def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> AutoPlan | 
         plan = choose_placement(workload, machine, world, roles)
     except UserError as error:
         return str(error)
-    return AutoPlan(plan.base, dict(plan.shares), plan.actor_zero_stage, plan.critic_zero_stage, plan.inference_tp,
-                    plan.micro_batch, plan.stage_fusion)
+    return plan.choice()

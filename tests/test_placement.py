@@ -76,17 +76,16 @@ def test_step3_refuses_a_bad_placement_before_loading_anything(tmp_path):
 def test_a_resumed_placement_auto_run_takes_the_plan_it_started_with(tmp_path_factory, monkeypatch):
     """The planner's quick profile is timing: planning again on --resume could pick another plan, and the resume was
     then refused for flags (ZeRO stages, micro-batch) the user never gave. The run keeps its first plan."""
-    from types import SimpleNamespace
-
     from step3_rlhf.main import parse_args
     from step3_rlhf.placement_setup import AUTO_PLAN_FILE, record_auto_plan, resolve_placement
     from test_step3_rlhf import step3_argv
     from training.placement import auto, planner
+    from training.placement.planner import PlanChoice
 
     inputs = make_step3_inputs(tmp_path_factory)
     run_dir = tmp_path_factory.mktemp("auto") / "run"
-    plans = iter([SimpleNamespace(base="colocate", shares={}, actor_zero_stage=stage, critic_zero_stage=stage,
-                                  inference_tp=1, micro_batch=micro, stage_fusion=False)
+    plans = iter([PlanChoice(base="colocate", shares={}, actor_zero_stage=stage, critic_zero_stage=stage,
+                             inference_tp=1, micro_batch=micro, stage_fusion=False)
                   for stage, micro in ((2, 4), (3, 2))])
     monkeypatch.setattr(auto, "planning_machine", lambda *args: (None, "a stand-in machine"))
     monkeypatch.setattr(planner, "choose_placement", lambda *args: next(plans))

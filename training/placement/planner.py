@@ -3,7 +3,7 @@ fastest first."""
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 from typing import Iterable, Iterator
 
@@ -22,10 +22,10 @@ MICRO_BATCHES = 4  # the largest few power-of-two divisors of a chunk's rows (an
 
 
 @dataclass(frozen=True)
-class RankedPlan:
-    """One candidate: where the models live, how they are sharded, and its predicted step."""
+class PlanChoice:
+    """What a plan sets: the ranks' layout as a preset and shares, the ZeRO stages, inference TP, training
+    micro-batch and stage fusion (what `--placement auto` applies, and keeps in its run folder)."""
 
-    placement: Placement
     base: str  # the --placement preset the shares apply to
     shares: dict[str, float]
     actor_zero_stage: int
@@ -33,7 +33,6 @@ class RankedPlan:
     inference_tp: int
     micro_batch: int
     stage_fusion: bool
-    estimate: StepEstimate
 
     @property
     def flags(self) -> list[str]:
@@ -43,6 +42,18 @@ class RankedPlan:
                 "--actor_zero_stage", str(self.actor_zero_stage), "--critic_zero_stage", str(self.critic_zero_stage),
                 "--inference_tp_size", str(self.inference_tp), "--per_device_training_batch_size", str(self.micro_batch),
                 *(["--enable_stage_fusion"] if self.stage_fusion else [])]
+
+    def choice(self) -> "PlanChoice":
+        """The choice alone (a ranked plan's without its layout and estimate)."""
+        return PlanChoice(**{f.name: getattr(self, f.name) for f in fields(PlanChoice)})
+
+
+@dataclass(frozen=True)
+class RankedPlan(PlanChoice):
+    """One candidate: its choice, where that puts the models, and its predicted step."""
+
+    placement: Placement
+    estimate: StepEstimate
 
 
 def candidate_shares(roles: Iterable[str]) -> Iterator[tuple[str, dict[str, float]]]:
@@ -132,8 +143,8 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
                                               inference_tp=tp, train_micro_batch=micro, stage_fusion=fusion)
                             estimate = estimate_step(planned, placement, machine)
                             if estimate.peak_memory_gib <= machine.usable_memory_gib:
-                                plans.append(RankedPlan(placement, base, shares, actor_stage, critic_stage, tp, micro,
-                                                        fusion, estimate))
+                                plans.append(RankedPlan(base, shares, actor_stage, critic_stage, tp, micro, fusion,
+                                                        placement, estimate))
     return sorted(plans, key=lambda plan: plan.estimate.step_s)
 
 
