@@ -51,7 +51,8 @@ def check_folder_path(path: str | os.PathLike, flag: str = "--output_dir") -> Pa
         raise UserError(f"{flag} {folder} is a file, not a folder; choose another {flag} (the file was left as it is)")
     blocking = next((parent for parent in folder.parents if parent.exists() and not parent.is_dir()), None)
     if blocking is not None:
-        raise UserError(f"{flag} {folder} cannot be created: {blocking} is a file; choose another {flag}")
+        raise UserError(f"{flag} {folder} cannot be created: part of that path is a file ({blocking}); choose "
+                        f"another {flag}")
     return folder
 
 
