@@ -1,6 +1,7 @@
 """What this CPU is and has: cores, model name, native bf16 (from /proc/cpuinfo where there is one)."""
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -28,9 +29,15 @@ def cpu_has_native_bf16() -> bool:
 
 def _cpuinfo_field(name: str) -> str:
     """The first value of `name` in /proc/cpuinfo ('' where there is none)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+    for line in _cpuinfo_lines():
         key, _, value = line.partition(":")
         if key.strip() == name:
             return value.strip()
     return ""
+
+
+@functools.cache
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """/proc/cpuinfo, read once a process (`resolve_dtype` asks on every call; the CPU does not change)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return tuple(cpuinfo.read_text().splitlines()) if cpuinfo.is_file() else ()
