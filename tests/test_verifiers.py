@@ -136,6 +136,18 @@ class Rewards:
     @staticmethod
     def shout(prompt, answer, metadata):
         return float(answer.isupper())
+
+
+def two_arguments(prompt, answer):
+    return len(answer)
+
+
+def keyword_only(prompt, answer, *, metadata):
+    return len(answer)
+
+
+def flexible(prompt, *rest, **named):
+    return len(rest)
 '''
 
 
@@ -153,6 +165,7 @@ def test_module_function_and_file_function_load(reward_module):
     assert by_file("ab", "abcde", {}) == 3
     assert load_reward_fn(f"{reward_module}:scaled")("", "abcd", {}) == 12.0
     assert load_reward_fn("my_rewards_for_test:Rewards.shout")("", "LOUD", {}) == 1.0
+    assert load_reward_fn("my_rewards_for_test:flexible")("", "a", {}) == 2
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -165,6 +178,10 @@ def test_module_function_and_file_function_load(reward_module):
     ("my_rewards_for_test:nope", "has no attribute 'nope'"),
     ("my_rewards_for_test:Rewards.nope", "has no attribute 'Rewards.nope'"),
     ("my_rewards_for_test:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a function"),
+    ("my_rewards_for_test:two_arguments",
+     r"two_arguments\(prompt, answer\) cannot be called as fn\(prompt, answer, metadata\): too many"),
+    ("my_rewards_for_test:keyword_only", "cannot be called as fn.*too many positional arguments"),
+    ("my_rewards_for_test:Rewards", "cannot be called as fn"),
 ])
 def test_bad_specs_are_user_errors(reward_module, spec, message):
     with pytest.raises(UserError, match=message):

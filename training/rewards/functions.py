@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -75,7 +76,23 @@ def load_reward_fn(spec: str) -> RewardFunction:
         raise UserError(
             f"--reward_fn {spec}: '{name}' is a {type(function).__name__}, not a function taking (prompt, answer, metadata)"
         )
+    _check_signature(function, spec)
     return function
+
+
+def _check_signature(function: Callable, spec: str) -> None:
+    """Refuse, at load, a function that cannot be called as fn(prompt, answer, metadata): it would fail
+    only at the first rollout, after the models have loaded."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # some C callables carry no signature: their first call tells
+        return
+    try:
+        signature.bind("", "", {})
+    except TypeError as err:
+        raise UserError(
+            f"--reward_fn {spec}: {describe(function)}{signature} cannot be called as fn(prompt, answer, metadata): {err}"
+        ) from None
 
 
 def describe(fn: Callable) -> str:
