@@ -197,6 +197,10 @@ def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok):
     assert len(capped) == 3 and capped.stats["skipped:wrong_type:text"] == 1
     with pytest.raises(UserError, match="no block"):
         build_unsupervised_dataset(str(jsonl), tok, 10_000, 0, str(tmp_path / "cache"))
+    wrong_column = tmp_path / "wrong_column.jsonl"
+    wrong_column.write_text("".join(json.dumps({"content": "Some text.", "id": i}) + "\n" for i in range(5)))
+    with pytest.raises(UserError, match=r"has no 'text' column in any row \(its rows have \['content', 'id'\]\)"):
+        build_unsupervised_dataset(str(wrong_column), tok, 8, 0, str(tmp_path / "cache"))
 
 
 def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypatch):

@@ -63,6 +63,16 @@ def _column_texts(records, text_column: str, skipped: Counter) -> list[str]:
     return texts
 
 
+def _check_local_column(records: list, text_column: str, source: str) -> None:
+    """Refuse a file none of whose rows has the text column: every row would be skipped, and the run would
+    stop later on 'no block' with the cause only in a warning."""
+    rows = [record for record in records if isinstance(record, dict)]
+    if rows and not any(text_column in row for row in rows):
+        columns = sorted({key for row in rows for key in row})
+        raise UserError(f"unsupervised data '{source}' has no '{text_column}' column in any row (its rows have "
+                        f"{columns}); the pretraining mixture reads each document from '{text_column}'")
+
+
 def load_texts(
     source: str, text_column: str = "text", config_name: str | None = None, shard: ShardSettings | None = None
 ) -> tuple[list[str], Counter]:
@@ -77,7 +87,9 @@ def load_texts(
         if path.suffix == ".txt":
             paragraphs = re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))
             return [p.strip() for p in paragraphs if p.strip()], skipped
-        return _column_texts(read_local_records(path, skipped), text_column, skipped), skipped
+        records = read_local_records(path, skipped)
+        _check_local_column(records, text_column, source)
+        return _column_texts(records, text_column, skipped), skipped
     dataset = load_hub_dataset(source, config_name, split="train")
     if text_column not in dataset.column_names:
         raise UserError(f"unsupervised dataset '{source}' has no '{text_column}' column (it has {dataset.column_names})")
