@@ -64,6 +64,7 @@ from training.rewards import load_reward_fn
 from training.reliability.validation import (
     check_input_run_shards,
     check_model_source,
+    check_output_apart_from_inputs,
     check_output_dir,
     check_remote_code,
     check_reward_model_dir,
@@ -137,6 +138,7 @@ def check_args(args: Step3Settings) -> None:
         check_model_source(model, f"--{flag}")
         check_remote_code(model, args.run.trust_remote_code, f"--{flag}")
         check_input_run_shards(model, args.data, f"--{flag}")
+    check_output_apart_from_inputs(args.run.output_dir, {f"--{flag}": model for flag, model in asdict(args.models).items()})
     refuse_reward_model(args.models.actor_model_name_or_path, "--actor_model_name_or_path")
     if args.models.critic_model_name_or_path is not None:
         check_reward_model_dir(args.models.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))

@@ -208,6 +208,21 @@ def test_a_reward_model_given_where_a_causal_lm_trains_is_refused(distributed, s
     assert exited.value.code == EXIT_USER_ERROR and message in capsys.readouterr().err
 
 
+def test_an_output_dir_that_holds_the_input_model_is_refused(distributed, setup, capsys):
+    """A run writing into the folder of the model it reads replaced that model with its own final save (and its
+    records), so the model it started from was lost."""
+    message = "lies in --output_dir {out}: this run would write its model, checkpoints and records over the model"
+    for model in (setup.run, setup.run / "model"):
+        argv = step_args(setup, model_name_or_path=str(model))
+        assert_refused_and_untouched(step1_main, argv, message.format(out=setup.run), setup.run, capsys)
+    step3_run = setup.tmp / "step3"
+    shutil.copytree(setup.model, step3_run / "actor")
+    argv = ["--actor_model_name_or_path", str(step3_run / "actor"), "--critic_model_name_or_path", str(setup.run),
+            "--data_path", setup.data, "--output_dir", str(step3_run)]
+    error = assert_refused_and_untouched(step3_main, argv, message.format(out=step3_run), step3_run, capsys)
+    assert error.startswith(f"error: --actor_model_name_or_path {step3_run / 'actor'} lies in"), error
+
+
 def test_a_diverging_run_stops_at_the_non_finite_loss_naming_the_step_and_last_good_checkpoint(
         distributed, setup, capsys):
     run = setup.tmp / "diverging"

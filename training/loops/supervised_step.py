@@ -51,6 +51,7 @@ from training.reliability.validation import (
     check_disk_space,
     check_input_run_shards,
     check_model_source,
+    check_output_apart_from_inputs,
     check_output_dir,
     check_remote_code,
     check_sequence_lengths,
@@ -174,6 +175,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)
     check_input_run_shards(model_name, args.data)
+    check_output_apart_from_inputs(args.run.output_dir, {"--model_name_or_path": model_name})
     init_distributed()
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):

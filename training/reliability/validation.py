@@ -23,6 +23,7 @@ from utils.errors import UserError
 
 __all__ = [
     "check_output_dir",
+    "check_output_apart_from_inputs",
     "estimate_output_bytes",
     "check_disk_space",
     "model_max_positions",
@@ -79,6 +80,19 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--output_dir") -> Pat
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {folder} is not writable; choose a folder you can write to")
     return folder
+
+
+def check_output_apart_from_inputs(output_dir: str | os.PathLike, inputs: dict[str, str | None]) -> None:
+    """Refuse an --output_dir that is, or holds, a model folder the run reads (`inputs`: flag -> path): the run's
+    final save (`model/`, `actor/`, `critic/`), its records and checkpoints would land on the model it starts from."""
+    folder = Path(output_dir).expanduser().resolve()
+    for flag, path in inputs.items():
+        if path is None or not Path(path).expanduser().exists():  # a hub name is no folder of this machine
+            continue
+        model = Path(path).expanduser().resolve()
+        if model == folder or folder in model.parents:
+            raise UserError(f"{flag} {path} lies in --output_dir {output_dir}: this run would write its model, "
+                            "checkpoints and records over the model it starts from; choose another --output_dir")
 
 
 def estimate_output_bytes(
