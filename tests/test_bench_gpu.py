@@ -35,6 +35,7 @@ from bench.gpu.prepare import describe_calls
 from bench.gpu.stages import (
     CALL_BUDGET_S,
     PIPELINE_REFERENCE,
+    REQUIRE_CUDA_ENV,
     STAGE_NAMES,
     Command,
     Context,
@@ -43,6 +44,7 @@ from bench.gpu.stages import (
     _make_models,
     build_cuda_graph,
     build_step2_quality,
+    build_tests,
     build_train,
     select,
 )
@@ -258,6 +260,19 @@ def test_a_call_after_the_install_still_names_its_device_and_versions(tmp_path):
     (environment,) = build_install(ctx)
     assert environment.argv[1:3] == ("-m", "bench.gpu.environment") and str(ctx.out / "environment.json") in \
         [str(arg) for arg in environment.argv]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows what the tests stage does on a machine without CUDA")
+def test_the_tests_stage_fails_where_cuda_is_missing_rather_than_skipping_every_test(tmp_path):
+    """A GPU machine whose torch saw no CUDA skipped every GPU test, and the tests stage reported ok."""
+    ctx = _context(tmp_path)
+    (tests,), env = build_tests(ctx), ctx.env()
+    argv = [*tests.argv[:tests.argv.index("-m", 3)], "-p", "no:cacheprovider", "-q"]  # pytest test_gpu.py, no xdist
+    required = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert required.returncode != 0 and "RLHF_REQUIRE_CUDA=1 but torch" in required.stdout, required.stdout[-2000:]
+    del env[REQUIRE_CUDA_ENV]
+    skipped = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert skipped.returncode == 0 and " skipped" in skipped.stdout and " passed" not in skipped.stdout
 
 
 def test_step2_quality_trains_on_the_pairs_with_a_held_out_split_and_brings_back_its_reports(tmp_path):

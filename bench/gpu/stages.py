@@ -23,6 +23,7 @@ CALL_BUDGET_S = 560  # no command starts after it, so packing ends within the de
 # shapes made in bf16 straight on the GPU: in fp32 on the CPU first, 7B would take 26 GiB and minutes of a call
 MADE_ON_GPU = ("llama-7b",)
 GPU_TESTS = "tests/test_gpu.py"
+REQUIRE_CUDA_ENV = "RLHF_REQUIRE_CUDA"  # set on the GPU machine: GPU tests there fail without CUDA, not skip
 PIPELINE_REFERENCE = "bench/results/pipeline_cpu_quick.json"  # bench/pipeline.py's JSON of the CPU quick run
 # The 7B generation's actor is frozen (`--frozen_actor`, bf16, ZeRO-3): no fp32 master partitions, no gradient
 # buffer. Estimated PyTorch allocations at world size 1 (6.88B parameters with SmolLM2's vocabulary, 32 layers, 4096
@@ -133,7 +134,8 @@ class Context:
         return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p), "DS_ACCELERATOR": "cuda",
                 "TORCH_EXTENSIONS_DIR": str(self.state / "torch_extensions"),
                 "RLHF_CACHE_DIR": str(self.state / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+                REQUIRE_CUDA_ENV: "1"}
 
     def py(self, *args: str | Path) -> tuple[str, ...]:
         return (self.python, *(str(a) for a in args))
