@@ -173,6 +173,21 @@ def test_a_step_given_max_steps_is_not_capped_at_the_plans_samples(tmp_path, fak
     assert fakes.calls[1][1].max_train_samples == "64"
 
 
+def test_a_step_given_max_steps_keeps_the_plans_warmup_share(tmp_path, fakes):
+    """The plan's --num_warmup_steps (a tenth of its own steps) stayed when the user set --max_steps: a shorter run
+    never reached its peak learning rate."""
+    run(common(tmp_path, fakes.model_dir), fakes)
+    (_, planned, _), (_, planned_reward, _), _ = fakes.calls
+    steps, warmup = int(planned.max_steps), int(planned.num_warmup_steps)
+    assert 1 < warmup < steps and 1 < int(planned_reward.num_warmup_steps), (steps, warmup)
+    fakes.calls.clear()
+    run(common(tmp_path, fakes.model_dir) + ["--output-dir", str(tmp_path / "short"), "--step1-args", "--max_steps 3",
+                                             "--step2-args", "--max_steps 9 --num_warmup_steps 5"], fakes)
+    (_, sft, _), (_, reward, _), _ = fakes.calls
+    assert sft.max_steps == "3" and sft.num_warmup_steps == str(max(1, 3 * warmup // steps))
+    assert int(sft.num_warmup_steps) < 3 and reward.num_warmup_steps == "5"
+
+
 def test_a_finished_step_whose_input_was_trained_again_since_is_not_reused(tmp_path, fakes):
     """Steps 1-3 finished; step 1 was then deleted and retrained alone (`--step 1`). The next full run skipped
     step 3 as finished although it was trained from the old step-1 model. Copies of the run folders (new file

@@ -56,13 +56,21 @@ def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None
             plan.steps[number] = replace(plan.steps[number], **overrides)
 
 
-def release_sample_caps(plan: DeploymentPlan, user_flags: Mapping[int, Sequence[str]]) -> None:
-    """A step the user gives --max_steps (and no --max_train_samples) loses the plan's --max_train_samples: the
-    plan caps the data at its own steps' worth (one epoch of the quick run), which would end the step there
-    whatever --max_steps asks."""
+def follow_user_max_steps(plan: DeploymentPlan, user_flags: Mapping[int, Sequence[str]]) -> None:
+    """Fit a step's plan to the --max_steps the user gives it. The plan's --max_train_samples cap (its own steps'
+    worth: one epoch of the quick run) goes, unless the user gives one too, or the step would end there whatever
+    --max_steps asks. The plan's warm-up keeps its share of the steps, unless the user gives --num_warmup_steps:
+    the tiny model's 500-step plan warms up for 50 steps, which a --max_steps 3 run never left."""
     for number, tokens in user_flags.items():
         step = plan.steps.get(number)
-        if step is None or getattr(step, "max_train_samples", None) is None:
+        user_steps = flag_value(tokens, "--max_steps")
+        if step is None or user_steps is None:
             continue
-        if flag_value(tokens, "--max_steps") is not None and flag_value(tokens, "--max_train_samples") is None:
-            plan.steps[number] = replace(step, max_train_samples=None)
+        changes = {}
+        if getattr(step, "max_train_samples", None) is not None and flag_value(tokens, "--max_train_samples") is None:
+            changes["max_train_samples"] = None
+        warmup, planned_steps = getattr(step, "num_warmup_steps", None), getattr(step, "max_steps", None)
+        if warmup and planned_steps and user_steps.isdigit() and flag_value(tokens, "--num_warmup_steps") is None:
+            changes["num_warmup_steps"] = max(1, int(user_steps) * warmup // planned_steps)  # a bad value: the step says
+        if changes:
+            plan.steps[number] = replace(step, **changes)

@@ -39,7 +39,7 @@ from .launch import (
     run_in_process,
     run_subprocess,
 )
-from .planning import apply_zero_overrides, plan_deployment, release_sample_caps
+from .planning import apply_zero_overrides, follow_user_max_steps, plan_deployment
 from .steps import STEPS, ModelInput, StepEntry, accepted_options, drop_flag, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
@@ -286,7 +286,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))
     apply_zero_overrides(plan, config.zero_stages())
     user_flags = {step: [*routed.get(step, []), *config.step_args.get(step, [])] for step in config.steps}
-    release_sample_caps(plan, user_flags)
+    follow_user_max_steps(plan, user_flags)
     launcher = _launcher(config, deployment, hardware)
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
