@@ -146,6 +146,19 @@ def test_kl_from_logits_is_the_exact_kl_summed_over_masked_positions():
     torch.testing.assert_close(kl_from_logits(logits, logits.clone(), mask), torch.zeros(2))
 
 
+def test_a_masked_token_with_a_minus_inf_logit_adds_nothing_to_entropy_or_kl():
+    """softmax gives a -inf logit probability 0, and 0 * -inf made the position's entropy and the exact KL nan."""
+    from training.core.sequences import token_entropies
+
+    logits = torch.tensor([[[1.0, 2.0, float("-inf"), 0.5]]])
+    finite = logits[..., [0, 1, 3]]
+    torch.testing.assert_close(token_entropies(logits), token_entropies(finite))
+    assert torch.isfinite(token_entropies(finite)).all()
+    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), torch.ones(1, 1)), torch.zeros(1))
+    torch.testing.assert_close(kl_from_logits(logits, torch.zeros(1, 1, 4), torch.ones(1, 1)),
+                               kl_from_logits(finite, torch.zeros(1, 1, 3), torch.ones(1, 1)) + math.log(4 / 3))
+
+
 def test_whiten_uses_only_masked_entries():
     x = torch.tensor([[1.0, 2.0, 3.0, GARBAGE], [5.0, GARBAGE, GARBAGE, GARBAGE]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])

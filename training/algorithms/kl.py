@@ -65,7 +65,8 @@ def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.T
     for row_logits, row_ref_logits, row_mask in zip(logits, ref_logits, mask):
         log_p = torch.log_softmax(row_logits.float() / temperature, dim=-1)
         log_q = torch.log_softmax(row_ref_logits.float() / temperature, dim=-1)
-        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+        p = log_p.exp()
+        per_position = torch.where(p > 0, p * (log_p - log_q), 0).sum(-1)  # 0 * log 0 is 0 (a -inf logit)
         per_row.append(torch.where(row_mask.bool(), per_position, torch.zeros_like(per_position)).sum())
     return torch.stack(per_row)
 

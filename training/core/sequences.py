@@ -81,7 +81,10 @@ def token_entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     for start in range(0, flat.shape[0], step):
         scaled = flat[start:start + step].float() / temperature
         log_z = torch.logsumexp(scaled, dim=-1)
-        out[start:start + step] = log_z - (scaled - log_z[:, None]).exp_().mul_(scaled).sum(-1)
+        probs = (scaled - log_z[:, None]).exp_()
+        # 0 * log 0 is 0: a -inf logit (a masked token) would make the product nan
+        impossible = probs == 0
+        out[start:start + step] = log_z - probs.mul_(scaled).masked_fill_(impossible, 0).sum(-1)
     return out.reshape(logits.shape[:-1])
 
 
