@@ -425,6 +425,30 @@ def test_checkpoints_of_a_step_whose_input_model_is_made_again_are_refused_befor
     assert fakes.calls == []
 
 
+def test_checkpoints_of_a_step_whose_input_was_made_again_by_an_earlier_invocation_are_refused(tmp_path,
+                                                                                              tiny_model_dir):
+    """Step 3 stopped with checkpoints; step 1 was then retrained alone (`--step 1`). `--step 3 --resume` went on
+    from weights trained on the old step-1 model, beside the new one as reference: what a step was trained from was
+    recorded only once it finished."""
+    model = tiny_model_dir("llama")
+    argv = common(tmp_path, model)
+    stopping = FakeSteps(model, extra_options={step: ["--resume"] for step in (1, 2, 3)}, fail_step=3)
+    with pytest.raises(UserError, match="step 3 .*the data file is empty"):
+        run(argv, stopping)
+    out = tmp_path / "out"
+    checkpoint = out / "step3" / CHECKPOINTS_SUBDIR / "step2"  # what step 3 saved before it stopped
+    checkpoint.mkdir(parents=True)
+    (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 2, "engines": ["actor"]}))
+    shutil.rmtree(out / "step1")
+    fakes = FakeSteps(model, extra_options={step: ["--resume"] for step in (1, 2, 3)})
+    run(argv + ["--step", "1"], fakes)
+    fakes.calls.clear()
+    with pytest.raises(UserError, match=f"step 3 stopped with checkpoints in {out / 'step3'} from an earlier run of its "
+                                        "input .*step1 \\(--actor_model_name_or_path\\), which was trained again"):
+        run(argv + ["--step", "3", "--resume"], fakes)
+    assert fakes.calls == []
+
+
 def test_a_new_run_in_a_finished_run_folder_is_unfinished_until_it_saves_its_summary(tmp_path):
     save_run_args(tmp_path, argparse.Namespace(seed=1))
     save_summary(tmp_path, {"optimizer_steps": 3})

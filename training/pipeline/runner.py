@@ -186,12 +186,16 @@ def _input_versions(inputs: list[tuple[ModelInput, str]]) -> dict[str, str | Non
 
 
 def _record_input_versions(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]]) -> None:
+    """Written before the step starts, so that its checkpoints, should it stop, say what they were trained from."""
+    config.run_dir(step).mkdir(parents=True, exist_ok=True)
     atomic_write_text(config.run_dir(step) / TRAINED_FROM_FILE, json.dumps(_input_versions(inputs), indent=2) + "\n")
 
 
-def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]]) -> None:
-    """Refuse to reuse a finished step whose input model was made again after it (an earlier invocation ran only
-    that input's step): it was trained from the old model. Not checked for a step train.py did not run."""
+def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]],
+                                       what: str = "finished") -> None:
+    """Refuse to reuse a finished step, or to resume a stopped one's checkpoints (`what`), whose input model was
+    made again since (an earlier invocation ran only that input's step): it was trained from the old model. Not
+    checked for a step train.py did not run."""
     try:
         recorded = json.loads((config.run_dir(step) / TRAINED_FROM_FILE).read_text())
     except (OSError, ValueError):
@@ -200,7 +204,7 @@ def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs
     for source, value in inputs:
         if source.flag in recorded and recorded[source.flag] != current.get(source.flag):
             raise UserError(
-                f"step {step} finished in {config.run_dir(step)} from an earlier run of its input {value} "
+                f"step {step} {what} in {config.run_dir(step)} from an earlier run of its input {value} "
                 f"({source.flag}), which was trained again since; delete {config.run_dir(step)} to run step {step} "
                 f"from the new one, or choose another --output-dir"
             )
@@ -211,16 +215,20 @@ def _remade(config: PipelineConfig, step: int, finished: Mapping[int, dict]) -> 
     return any(source.from_step in config.steps and source.from_step not in finished for source in STEPS[step].inputs)
 
 
-def _check_no_stale_checkpoints(config: PipelineConfig, finished: Mapping[int, dict]) -> None:
+def _check_no_stale_checkpoints(config: PipelineConfig, finished: Mapping[int, dict], inputs: Inputs) -> None:
     """Refuse, before anything runs, a step whose folder holds checkpoints of a run from a model this run makes
-    anew: resumed, it would go on from weights trained on the old one (and without --resume it would refuse)."""
+    anew, or that an earlier invocation made anew: resumed, it would go on from weights trained on the old one
+    (and without --resume it would refuse)."""
     for step in config.steps:
         run_dir = config.run_dir(step)
-        if step not in finished and _remade(config, step, finished) and CheckpointManager(run_dir).latest():
+        if step in finished or not CheckpointManager(run_dir).latest():
+            continue
+        if _remade(config, step, finished):
             raise UserError(
                 f"{run_dir} holds checkpoints of step {step} trained from a model this run makes again; delete "
                 f"{run_dir} (or its checkpoints) to run step {step} from the new one, or choose another --output-dir"
             )
+        _check_trained_from_current_inputs(config, step, inputs[step], "stopped with checkpoints")
 
 
 def _resume_from_checkpoints_only(config: PipelineConfig, step: int, argv: list[str]) -> list[str]:
@@ -292,7 +300,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
              for step in config.steps}
     _check_step_flags(config, user_flags, argvs, entry)
     finished = _finished_steps(config, argvs, inputs, entry)
-    _check_no_stale_checkpoints(config, finished)
+    _check_no_stale_checkpoints(config, finished, inputs)
     commands = {
         step: launcher.command(STEPS[step].script(), argvs[step]) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
@@ -306,13 +314,13 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
     print(f"\n=== step {step}: {spec.title} -> {config.run_dir(step)} (log: {config.log_path(step)}) ===", flush=True)
     started = time.perf_counter()
     label = f"step {step} ({spec.title})"
+    _record_input_versions(config, step, prepared.inputs[step])
     if prepared.launcher is None:
         summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
     else:
         run_subprocess(prepared.commands[step], config.log_path(step), label, env=launcher_env(REPO_ROOT))
         summary = read_summary(config.run_dir(step)) or {}
     _check_output(config, step)
-    _record_input_versions(config, step, prepared.inputs[step])
     return StepResult(step, spec.title, time.perf_counter() - started, summary)
 
 
