@@ -52,3 +52,21 @@ def test_lock_is_exclusive_within_one_process_and_reusable_after_release(tmp_pat
     first.release()
     with RunLock(tmp_path):
         pass
+
+
+def test_the_lock_holder_removes_what_a_dead_run_left_staged_and_a_refused_run_removes_nothing(tmp_path):
+    """A run killed inside its final save left a hidden staging folder the size of the model in the run folder,
+    and no later run (nor a resume) ever removed it."""
+    holder = RunLock(tmp_path).acquire()
+    staged = [tmp_path / ".model.tmp-2de98602", tmp_path / ".actor.tmp-old-1a2b3c4d"]
+    for folder in staged:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    (tmp_path / ".metrics.jsonl.tmp-0a0a0a0a").write_text("{}")
+    (tmp_path / "model").mkdir()
+    with pytest.raises(UserError, match="in use by another run"):
+        RunLock(tmp_path).acquire()
+    assert all(folder.is_dir() for folder in staged)  # the live holder's saves in progress stay
+    holder.release()
+    with RunLock(tmp_path):
+        assert sorted(path.name for path in tmp_path.iterdir()) == [".run.lock", OWNER_FILE, "model"]

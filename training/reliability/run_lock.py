@@ -4,11 +4,13 @@
 when the holder exits for any reason (SIGKILL and power loss included), so a crashed run never
 blocks the next one. Who holds it (pid, host, start time) is kept in a separate file, because
 older filelock versions truncate the lock file on every attempt to take it. Rank 0 takes the lock
-for the whole job and tells the other ranks whether it got it.
+for the whole job and tells the other ranks whether it got it. Having taken it, rank 0 removes the staging
+folders and files (`utils.atomic`) a killed run left in the folder.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -18,12 +20,13 @@ from pathlib import Path
 
 import filelock
 
-from utils.atomic import atomic_write_text
+from utils.atomic import atomic_write_text, remove_temporaries
 from utils.dist import broadcast_from_main, is_main_process
 from utils.errors import UserError
 
 LOCK_FILE = ".run.lock"
 OWNER_FILE = ".run.lock.json"
+logger = logging.getLogger(__name__)
 
 
 class RunLock:
@@ -59,6 +62,10 @@ class RunLock:
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": list(sys.orig_argv)}
         atomic_write_text(self.owner_path, json.dumps(owner, indent=2) + "\n")
+        # the holder is the folder's only writer: a staging folder here is a dead run's unfinished save (a final
+        # model is the size of the model), which nothing else would ever remove
+        for leftover in remove_temporaries(self.output_dir):
+            logger.info("removed %s, left by a run that stopped while saving", leftover)
         return None
 
     def acquire(self) -> "RunLock":
