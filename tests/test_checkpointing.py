@@ -230,6 +230,22 @@ def test_saving_the_same_step_twice_keeps_the_first(distributed, tmp_path):
     assert torch.load(path / "client_state.pt", weights_only=True)["tag"] == "first"
 
 
+def test_a_resume_discards_a_checkpoint_saved_past_the_one_latest_names(distributed, tmp_path):
+    """A save cut short between its folder's rename and `latest` (SIGKILL, a second Ctrl-C) left step 4 complete
+    with `latest` at step 2. The resumed run's save of step 4 kept that old folder and `latest` stayed at 2: the
+    next resume went back to step 2, and step 4 held the abandoned run's state."""
+    manager = CheckpointManager(tmp_path / "run", keep_last=3)
+    engines = {"actor": build_engine(0)}
+    manager.save(2, engines, {"run": "first"})
+    manager.save(4, engines, {"run": "first"})
+    (manager.checkpoints_dir / LATEST_FILE).write_text("step2")  # as the cut-short save of step 4 left it
+    assert manager.restore({"actor": build_engine(0)}, resume=True)["run"] == "first"
+    assert [info.step for info in manager.complete_checkpoints()] == [2]
+    saved = manager.save(4, engines, {"run": "resumed"})
+    assert manager.latest().path == saved
+    assert torch.load(saved / "client_state.pt", weights_only=True)["run"] == "resumed"
+
+
 def test_client_state_must_be_plain_data(distributed, tmp_path):
     with pytest.raises(TypeError, match=r"client_state\['position'\] is a Namespace"):
         check_weights_only_safe({"position": argparse.Namespace(epoch=1)})

@@ -206,6 +206,12 @@ def _read_marker(folder: Path) -> CheckpointInfo | None:
         return None
 
 
+def _remove_checkpoint(folder: Path) -> None:
+    # the marker first: a deletion cut short leaves a folder no resume takes for complete
+    (folder / MARKER_FILE).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 class CheckpointManager:
     """Saves and restores resume checkpoints under `<output_dir>/checkpoints` (all ranks call every method
     except `latest`, `complete_checkpoints` and `should_save`, which only read)."""
@@ -334,11 +340,18 @@ class CheckpointManager:
         removed = []
         for folder in sorted(self.checkpoints_dir.iterdir()):
             if folder.is_dir() and _TAG_PATTERN.match(folder.name) and folder not in keep:
-                # the marker first: a deletion cut short leaves a folder no resume takes for complete
-                (folder / MARKER_FILE).unlink(missing_ok=True)
-                shutil.rmtree(folder, ignore_errors=True)
+                _remove_checkpoint(folder)
                 removed.append(folder)
         return removed
+
+    def _discard_newer_than(self, loaded: CheckpointInfo) -> None:
+        """Delete complete checkpoints past the one a resume loads (rank 0): a save cut short between its rename and
+        `latest` left one, of a trajectory the resumed run abandons. Kept, the resumed run's save of that step
+        would find it complete and keep it, and `latest` would stay behind."""
+        for info in self.complete_checkpoints():
+            if info.step > loaded.step:
+                logger.warning("removing %s: the resume goes on from %s, which `latest` names", info.path, loaded.path)
+                _remove_checkpoint(info.path)
 
     # restoring --------------------------------------------------------------------------------
 
@@ -351,6 +364,8 @@ class CheckpointManager:
         info = _read_marker(Path(path))
         if info is None:
             raise UserError(f"checkpoint {path} vanished while loading; is another run using {self.checkpoints_dir}?")
+        if is_main_process():
+            self._discard_newer_than(info)
         return self._load(info, engines)
 
     def check_start(self, resume: bool) -> None:
