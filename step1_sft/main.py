@@ -8,16 +8,18 @@ Example (CPU quick run on the embedded model and data):
 """
 from __future__ import annotations
 
+from typing import Any
+
 from step1_sft.objective import evaluate_perplexity, sft_loss, sft_loss_items
 from training.core.args import SettingsParser
 from training.loops.supervised_step import (
+    SupervisedOutcome,
     SupervisedSettings,
     SupervisedStep,
     build_causal_lm,
     run_supervised_step,
     supervised_step_parser,
 )
-from training.reliability.run_records import save_summary
 from utils.data import SFTCollator
 from utils.errors import run_cli
 
@@ -30,6 +32,16 @@ def parse_args(argv: list[str] | None = None) -> SupervisedSettings:
     return build_parser().parse_args(argv)
 
 
+def sft_summary(outcome: SupervisedOutcome) -> dict[str, Any]:
+    first, final = outcome.result.first_eval, outcome.result.final_eval
+    return outcome.summary("step1_sft", {"train_items": outcome.train_items, "eval_items": outcome.eval_items}, {
+        "eval_perplexity_before": first.get("perplexity"),
+        "eval_perplexity_after": final.get("perplexity"),
+        "eval_loss_before": first.get("loss"),
+        "eval_loss_after": final.get("loss"),
+    })
+
+
 SFT_STEP = SupervisedStep(
     phase=1,
     name="step1_sft",
@@ -37,6 +49,7 @@ SFT_STEP = SupervisedStep(
     make_collator=SFTCollator,
     loss_fn=sft_loss,
     eval_fn=evaluate_perplexity,
+    summarize=sft_summary,
     count_items=sft_loss_items,
 )
 
@@ -44,17 +57,7 @@ SFT_STEP = SupervisedStep(
 @run_cli
 def main(argv: list[str] | None = None) -> dict:
     """Run step 1 and return its summary (also written to `<output_dir>/summary.json`)."""
-    args = parse_args(argv)
-    outcome = run_supervised_step(args, SFT_STEP)
-    result = outcome.result
-    counts = {"train_items": outcome.train_items, "eval_items": outcome.eval_items}
-    summary = outcome.summary("step1_sft", counts, {
-        "eval_perplexity_before": result.first_eval.get("perplexity"),
-        "eval_perplexity_after": result.final_eval.get("perplexity"),
-        "eval_loss_before": result.first_eval.get("loss"),
-        "eval_loss_after": result.final_eval.get("loss"),
-    })
-    return save_summary(args.run.output_dir, summary)
+    return run_supervised_step(parse_args(argv), SFT_STEP)
 
 
 if __name__ == "__main__":

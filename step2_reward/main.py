@@ -11,7 +11,7 @@ Example (CPU quick run on the embedded model and data):
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -20,12 +20,12 @@ from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_r
 from training.core.args import SettingsParser
 from training.core.reward_model import RewardModel
 from training.loops.supervised_step import (
+    SupervisedOutcome,
     SupervisedSettings,
     SupervisedStep,
     run_supervised_step,
     supervised_step_parser,
 )
-from training.reliability.run_records import save_summary
 from utils.data import PairwiseCollator
 from utils.errors import run_cli
 
@@ -55,26 +55,10 @@ def evaluate_reward(model: torch.nn.Module, batches: Iterable[Mapping[str, torch
     return asdict(evaluate_pairs(model, batches))
 
 
-REWARD_STEP = SupervisedStep(
-    phase=2,
-    name="step2_reward",
-    build_model=build_reward_model,
-    make_collator=PairwiseCollator,
-    loss_fn=reward_loss,
-    eval_fn=evaluate_reward,
-    trainable_heads=("v_head",),
-)
-
-
-@run_cli
-def main(argv: list[str] | None = None) -> dict:
-    """Run step 2 and return its summary (also written to `<output_dir>/summary.json`)."""
-    args = parse_args(argv)
-    outcome = run_supervised_step(args, REWARD_STEP)
-    result = outcome.result
-    before, after = result.first_eval, result.final_eval
+def reward_summary(outcome: SupervisedOutcome) -> dict[str, Any]:
+    before, after = outcome.result.first_eval, outcome.result.final_eval
     counts = {"train_pairs": outcome.train_items, "eval_pairs": after.get("num_pairs")}
-    summary = outcome.summary("step2_reward", counts, {
+    return outcome.summary("step2_reward", counts, {
         "eval_accuracy_before": before.get("accuracy"),
         "eval_accuracy_after": after.get("accuracy"),
         "eval_margin_before": before.get("margin_mean"),
@@ -82,7 +66,24 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_chosen_mean_after": after.get("chosen_mean"),
         "eval_rejected_mean_after": after.get("rejected_mean"),
     })
-    return save_summary(args.run.output_dir, summary)
+
+
+REWARD_STEP = SupervisedStep(
+    phase=2,
+    name="step2_reward",
+    build_model=build_reward_model,
+    make_collator=PairwiseCollator,
+    loss_fn=reward_loss,
+    eval_fn=evaluate_reward,
+    summarize=reward_summary,
+    trainable_heads=("v_head",),
+)
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> dict:
+    """Run step 2 and return its summary (also written to `<output_dir>/summary.json`)."""
+    return run_supervised_step(parse_args(argv), REWARD_STEP)
 
 
 if __name__ == "__main__":

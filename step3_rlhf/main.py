@@ -287,11 +287,12 @@ def run_step3(args: Step3Settings) -> dict:
                 run.fit(interrupt)
                 interrupt.finishing("the final models' save")
                 saved = run.save_models()
-            plot = plot_reward_kl(read_metrics(run_dir), run_dir / PLOT_FILE) if is_main_process() else None
+                plot = plot_reward_kl(read_metrics(run_dir), run_dir / PLOT_FILE) if is_main_process() else None
+                # last, and within the lock and the signal guard: summary.json marks the run finished
+                summary = save_summary(run_dir, _summary(run, saved, plot, time.perf_counter() - started))
         finally:
             metrics.close()
             engine.destroy()
-    summary = save_summary(run_dir, _summary(run, saved, plot, time.perf_counter() - started))
     gc.collect()
     return summary
 

@@ -1,4 +1,5 @@
 """SIGTERM/SIGINT: finish the step, save, print the resume command; a second Ctrl-C aborts."""
+import json
 import os
 import shlex
 import signal
@@ -6,7 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import TESTS_DIR
 from crash_resume import step_env
+from supervised_data import write_arithmetic_jsonl
+from test_step3_rlhf import make_step3_inputs, step3_argv
+from tiny_models import make_tiny_model_dir
 
 from training.reliability.signals import (
     EXIT_INTERRUPTED,
@@ -108,3 +113,46 @@ def test_exit_for_resume_prints_the_command_and_exits_with_the_documented_code(c
 def test_resume_command_drops_the_launcher_rank_and_adds_resume_once():
     assert resume_command(["step1_sft/main.py", "--local_rank=1", "--lr", "1e-3"]) == "step1_sft/main.py --lr 1e-3 --resume"
     assert resume_command(["main.py", "--local_rank", "0", "--resume", "--data", "a b"]) == "main.py --resume --data 'a b'"
+
+
+SIGNALLED_AT_SUMMARY = """
+import json, os, signal, sys
+import training.reliability.run_records as records
+
+write = records._write_record
+
+def signalled_write(run_dir, name, values):
+    if name == records.SUMMARY_FILE:
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's stop arrives just as the run ends
+    write(run_dir, name, values)
+
+records._write_record = signalled_write
+step, argv = sys.argv[1], json.loads(sys.argv[2])
+if step == "step1":
+    from step1_sft.main import main
+else:
+    from step3_rlhf.main import main
+main(argv)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["step1", "step3"])
+def test_a_signal_while_the_summary_is_written_lets_the_run_end_finished(tmp_path, tmp_path_factory, step):
+    """Past the final export the run promises to finish, but the summary (which marks the run finished) was written
+    after the signal guard (and the run lock) had been left: the default handler killed the run there, its models
+    written and no summary.json, so train.py took the step for unfinished."""
+    output_dir = tmp_path / "run"
+    if step == "step1":
+        argv = ["--model_name_or_path", make_tiny_model_dir(tmp_path / "model", "llama"),
+                "--data_path", write_arithmetic_jsonl(tmp_path / "d.jsonl", 16), "--data_split", "1,1,0",
+                "--data_output_path", str(tmp_path / "cache"), "--output_dir", str(output_dir),
+                "--per_device_train_batch_size", "4", "--dtype", "fp32", "--max_seq_len", "64", "--max_steps", "1"]
+    else:
+        argv = step3_argv(make_step3_inputs(tmp_path_factory), output_dir, "--max_steps", "1")
+    env = {**step_env(), "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{step_env()['PYTHONPATH']}"}
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AT_SUMMARY, step, json.dumps(argv)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "received SIGTERM: finishing the final model" in done.stderr
+    assert (output_dir / "summary.json").is_file()

@@ -21,12 +21,18 @@ Example (CPU quick run on the embedded model and data, from step 1's run folder)
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from step2_reward.dpo.objective import DPOObjective
-from step2_reward.dpo.settings import DPOSettings
+from step2_reward.dpo.settings import DPOArguments, DPOSettings
 from training.core.args import SettingsParser
-from training.loops.supervised_step import SupervisedStep, build_causal_lm, run_supervised_step, supervised_step_parser
-from training.reliability.run_records import save_summary
+from training.loops.supervised_step import (
+    SupervisedOutcome,
+    SupervisedStep,
+    build_causal_lm,
+    run_supervised_step,
+    supervised_step_parser,
+)
 from utils.data import PairwiseCollator
 from utils.errors import run_cli
 
@@ -42,30 +48,12 @@ def parse_args(argv: list[str] | None = None) -> DPOSettings:
     return build_parser().parse_args(argv)
 
 
-def dpo_step(objective: DPOObjective) -> SupervisedStep:
-    """The supervised-loop step that trains the policy with `objective` (which holds the reference)."""
-    return SupervisedStep(
-        phase=2,
-        name=STEP_NAME,
-        build_model=partial(build_causal_lm, disable_dropout=True),
-        make_collator=PairwiseCollator,
-        loss_fn=objective.loss,
-        eval_fn=objective.evaluate,
-        frozen_models=objective.reference_model,
-    )
-
-
-@run_cli
-def main(argv: list[str] | None = None) -> dict:
-    """Run the DPO step and return its summary (also written to `<output_dir>/summary.json`)."""
-    args = parse_args(argv)
-    outcome = run_supervised_step(args, dpo_step(DPOObjective(args.dpo)))
-    result = outcome.result
-    before, after = result.first_eval, result.final_eval
+def dpo_summary(settings: DPOArguments, outcome: SupervisedOutcome) -> dict[str, Any]:
+    before, after = outcome.result.first_eval, outcome.result.final_eval
     counts = {"train_pairs": outcome.train_items, "eval_pairs": after.get("num_pairs")}
-    summary = outcome.summary(STEP_NAME, counts, {
-        "dpo_loss": args.dpo.loss,
-        "dpo_beta": args.dpo.beta,
+    return outcome.summary(STEP_NAME, counts, {
+        "dpo_loss": settings.loss,
+        "dpo_beta": settings.beta,
         "eval_loss_before": before.get("loss"),
         "eval_loss_after": after.get("loss"),
         "eval_accuracy_before": before.get("accuracy"),
@@ -75,7 +63,27 @@ def main(argv: list[str] | None = None) -> dict:
         "eval_chosen_reward_after": after.get("chosen_reward"),
         "eval_rejected_reward_after": after.get("rejected_reward"),
     })
-    return save_summary(args.run.output_dir, summary)
+
+
+def dpo_step(objective: DPOObjective) -> SupervisedStep:
+    """The supervised-loop step that trains the policy with `objective` (which holds the reference)."""
+    return SupervisedStep(
+        phase=2,
+        name=STEP_NAME,
+        build_model=partial(build_causal_lm, disable_dropout=True),
+        make_collator=PairwiseCollator,
+        loss_fn=objective.loss,
+        eval_fn=objective.evaluate,
+        summarize=partial(dpo_summary, objective.settings),
+        frozen_models=objective.reference_model,
+    )
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> dict:
+    """Run the DPO step and return its summary (also written to `<output_dir>/summary.json`)."""
+    args = parse_args(argv)
+    return run_supervised_step(args, dpo_step(DPOObjective(args.dpo)))
 
 
 if __name__ == "__main__":

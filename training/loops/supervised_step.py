@@ -45,7 +45,7 @@ from training.loops.trainer import (
 )
 from training.reliability.checkpointing import CheckpointSettings, data_record
 from training.reliability.run_lock import RunLock
-from training.reliability.run_records import save_run_args
+from training.reliability.run_records import save_run_args, save_summary
 from training.reliability.signals import GracefulInterrupt
 from training.reliability.validation import (
     check_disk_space,
@@ -120,6 +120,7 @@ class SupervisedStep:
     make_collator: Callable[[int], Callable]  # pad token id -> collator
     loss_fn: LossFn
     eval_fn: EvalFn
+    summarize: Callable[[SupervisedOutcome], dict[str, Any]]  # the step's summary.json (`SupervisedOutcome.summary`)
     count_items: ItemCount = batch_rows  # what loss_fn's mean runs over: an optimizer step averages over them all
     trainable_heads: tuple[str, ...] = ()  # parameters that train even under --only_optimize_lora
     # (args, tokenizer) -> a context during which the models that loss_fn and eval_fn read but never
@@ -152,18 +153,19 @@ def supervised_step_parser(description: str, learning_rate: float,
     return parser
 
 
-def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> SupervisedOutcome:
-    """Train `step` as `args` say and save the final model in `<output_dir>/model` (every rank calls it).
+def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> dict[str, Any]:
+    """Train `step` as `args` say, save the final model in `<output_dir>/model` and then `summary.json` (every
+    rank calls it); returns the summary.
 
     The engine is destroyed and collected before returning, so a caller (train.py) can start the
     next step's engine in the same process.
     """
-    outcome = _train_and_save(args, step)
+    summary = _train_and_save(args, step)
     gc.collect()
-    return outcome
+    return summary
 
 
-def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> SupervisedOutcome:
+def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str, Any]:
     setup_logging()
     flags = flag_values(args)
     check_positive(flags, "per_device_train_batch_size", "per_device_eval_batch_size",
@@ -214,11 +216,14 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> Supervise
                 interrupt.finishing("the final model's save")
                 model_dir = args.run.final_model_dir
                 save_hf_model(engine, tokenizer, model_dir)
-            logger.info("%s: saved the final model to %s", step.name, model_dir)
+                logger.info("%s: saved the final model to %s", step.name, model_dir)
+                # last, and within the lock and the signal guard: summary.json marks the run finished
+                outcome = SupervisedOutcome(result, model_dir, len(train_data), len(eval_data), settings.dtype)
+                summary = save_summary(run_dir, step.summarize(outcome))
         finally:
             metrics.close()
             engine.destroy()
-    return SupervisedOutcome(result, model_dir, len(train_data), len(eval_data), settings.dtype)
+    return summary
 
 
 def _output_bytes(model: torch.nn.Module, dtype: torch.dtype, keep_last_checkpoints: int) -> int:
