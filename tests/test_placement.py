@@ -62,6 +62,26 @@ def test_a_bad_placement_is_one_clear_error(name, world, ratio, message):
         build()
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[1,,0.5,0.5]", "empty item"),  # was read as [1, 0.5, 0.5]: the later shares moved to other models
+    ("1,1,", "empty item"),
+    ("reward=0.5,reward=1", "the reward twice"),  # the last one was kept
+    ("[1,1,0.5,0.5", "unbalanced"),
+    ("1,1,0.5,0.5]", "unbalanced"),
+    ("(1,1,0.5,0.5]", "unbalanced"),
+    ("1,critic=1", "mixes named shares"),
+])
+def test_a_malformed_placement_ratio_is_one_clear_error(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_placement_ratio(text)
+
+
+def test_a_placement_ratio_may_space_its_items_and_shares():
+    assert parse_placement_ratio(" actor = 0.5 , critic= 0.5") == {"actor": 0.5, "critic": 0.5}
+    assert parse_placement_ratio("[ 1, 1 , 0.5,0.5 ]") == {"actor": 1.0, "critic": 1.0, "reference": 0.5,
+                                                          "reward": 0.5}
+
+
 def test_step3_refuses_a_bad_placement_before_loading_anything(tmp_path):
     """The error comes from the flags alone: the model paths do not even exist."""
     from step3_rlhf.main import main

@@ -19,7 +19,6 @@ i*W/n .. (i+1)*W/n - 1, so every chunk sees the same shapes, rows and order as i
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterable, Mapping
@@ -43,25 +42,55 @@ PLACEMENTS = (*PRESETS, AUTO)
 
 def parse_placement_ratio(text: str) -> dict[str, float]:
     """`actor=1,critic=1,reference=0.5,reward=0.5[,rollout=0]` or FlexRLHF's list `[1, 1, 0.5, 0.5]` (roles in
-    the order actor, critic, reference, reward, rollout); roles left out keep the placement's share."""
-    body = text.strip().strip("[]()")
-    items = [item.strip() for item in re.split(r"[,\s]+", body) if item.strip()]
-    if not items:
+    the order actor, critic, reference, reward, rollout); roles left out keep the placement's share. Strict:
+    commas between items, whitespace around them allowed; an empty item, a role named twice, named and positional
+    items mixed or an unbalanced bracket is one `UserError`."""
+    items = [item.strip() for item in _unbracketed(text).split(",")]
+    if items == [""]:
         raise UserError(f"--placement_ratio {text!r} names no share; e.g. 'reference=0.5,reward=0.5' or '[1,1,0.5,0.5]'")
-    shares: dict[str, float] = {}
-    positional = all("=" not in item for item in items)
-    if positional and len(items) > len(ROLES):
+    if "" in items:
+        raise UserError(f"--placement_ratio {text!r} has an empty item; separate the shares by single commas")
+    named = ["=" in item for item in items]
+    if any(named) and not all(named):
+        raise UserError(f"--placement_ratio {text!r} mixes named shares (role=share) and a list of shares; use one "
+                        "form")
+    if not any(named) and len(items) > len(ROLES):
         raise UserError(f"--placement_ratio {text!r} lists {len(items)} shares; at most {len(ROLES)} ({', '.join(ROLES)})")
-    for index, item in enumerate(items):
-        role, _, value = item.partition("=") if not positional else (ROLES[index], "=", item)
-        role = role.strip()
-        if role not in ROLES:
-            raise UserError(f"--placement_ratio {text!r}: unknown model {role!r}; the models are {', '.join(ROLES)}")
-        try:
-            shares[role] = float(value)
-        except ValueError:
-            raise UserError(f"--placement_ratio {text!r}: the share of the {role} is not a number: {value!r}") from None
+    pairs = [_role_and_value(text, item) for item in items] if all(named) else list(zip(ROLES, items))
+    shares: dict[str, float] = {}
+    for role, value in pairs:
+        if role in shares:
+            raise UserError(f"--placement_ratio {text!r} gives the share of the {role} twice; give it once")
+        shares[role] = _share_value(text, role, value)
     return shares
+
+
+BRACKETS = {"[": "]", "(": ")"}
+
+
+def _unbracketed(text: str) -> str:
+    """`text` without the one pair of brackets that may enclose it; any other bracket is refused."""
+    body = text.strip()
+    if body[:1] in BRACKETS and body[-1:] == BRACKETS[body[0]] and len(body) > 1:
+        body = body[1:-1]
+    if any(bracket in body for pair in BRACKETS.items() for bracket in pair):
+        raise UserError(f"--placement_ratio {text!r} has an unbalanced or misplaced bracket; enclose the whole list "
+                        "in one pair, e.g. '[1,1,0.5,0.5]', or use none")
+    return body
+
+
+def _role_and_value(text: str, item: str) -> tuple[str, str]:
+    role, _, value = (part.strip() for part in item.partition("="))
+    if role not in ROLES:
+        raise UserError(f"--placement_ratio {text!r}: unknown model {role!r}; the models are {', '.join(ROLES)}")
+    return role, value
+
+
+def _share_value(text: str, role: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"--placement_ratio {text!r}: the share of the {role} is not a number: {value!r}") from None
 
 
 @dataclass(frozen=True)
