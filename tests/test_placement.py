@@ -62,6 +62,15 @@ def test_a_bad_placement_is_one_clear_error(name, world, ratio, message):
         build()
 
 
+def test_shares_of_a_world_over_a_thousand_ranks_come_to_whole_ranks():
+    """Shares were rounded to a denominator of at most 1000: 1/2048 of 2048 ranks came to no rank, 3/1024 of 1024
+    to 2.99854 ranks."""
+    layout = build_placement("colocate", 2048, ROLES, {"reference": 1 / 2048, "reward": 1 / 1024})
+    assert layout.ranks["reference"] == (0,) and layout.ranks["reward"] == (1, 2)
+    with pytest.raises(UserError, match="the reference is on 3 of 1024 ranks"):
+        build_placement("colocate", 1024, ROLES, {"reference": 3 / 1024})
+
+
 @pytest.mark.parametrize("text, message", [
     ("[1,,0.5,0.5]", "empty item"),  # was read as [1, 0.5, 0.5]: the later shares moved to other models
     ("1,1,", "empty item"),

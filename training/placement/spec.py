@@ -20,7 +20,6 @@ i*W/n .. (i+1)*W/n - 1, so every chunk sees the same shapes, rows and order as i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Iterable, Mapping
 
 from utils.errors import UserError
@@ -143,15 +142,18 @@ def _rank_span(ranks: tuple[int, ...]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
 
 
+WHOLE_RANKS_TOLERANCE = 1e-6  # share * world this near a whole number is that many ranks (decimal shares round)
+
+
 def _whole_ranks(role: str, share: float, world_size: int) -> int:
-    count = Fraction(share).limit_denominator(1000) * world_size
-    if share <= 0 or count < 1:
+    count = share * world_size
+    if share <= 0 or count < 1 - WHOLE_RANKS_TOLERANCE:
         raise UserError(f"the placement gives the {role} a share of {share:g} of {world_size} rank(s), which leaves it "
                         f"without a rank; give it at least 1/{world_size}")
-    if count.denominator != 1:
-        raise UserError(f"the placement gives the {role} {share:g} of {world_size} ranks = {float(count):g} ranks; a "
+    if abs(count - round(count)) > WHOLE_RANKS_TOLERANCE:
+        raise UserError(f"the placement gives the {role} {share:g} of {world_size} ranks = {count:g} ranks; a "
                         "share must come to a whole number of ranks")
-    return int(count)
+    return round(count)
 
 
 def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROLES,
