@@ -72,6 +72,9 @@ def resolve_placement(args: Step3Settings) -> tuple[Placement | None, PlanChoice
     roles = placement_roles(args)
     auto = None
     if settings.placement == AUTO:
+        if settings.placement_ratio is not None:
+            raise UserError(f"--placement_ratio {settings.placement_ratio!r} with --placement auto: the planner chooses "
+                            "every model's share itself; drop --placement_ratio or name a placement")
         auto = broadcast_from_main(_auto_plan(args, world, roles) if is_main_process() else None)
         if isinstance(auto, str):
             raise UserError(auto)

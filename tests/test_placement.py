@@ -102,6 +102,19 @@ def test_step3_refuses_a_bad_placement_before_loading_anything(tmp_path):
     assert not (tmp_path / "run" / "args.json").exists()
 
 
+def test_placement_auto_refuses_a_placement_ratio(monkeypatch):
+    """The planner chooses the shares: a --placement_ratio beside auto (even an invalid one) was silently ignored."""
+    from step3_rlhf import placement_setup
+    from step3_rlhf.main import parse_args
+
+    monkeypatch.setattr(placement_setup, "_auto_plan", lambda *args: pytest.fail("planned despite --placement_ratio"))
+    for ratio in ("reference=0.5", "reference=7"):
+        args = parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+                           "--placement", "auto", "--placement_ratio", ratio])
+        with pytest.raises(UserError, match=r"--placement_ratio '.*' with --placement auto"):
+            placement_setup.resolve_placement(args)
+
+
 def test_a_resumed_placement_auto_run_takes_the_plan_it_started_with(tmp_path_factory, monkeypatch):
     """The planner's quick profile is timing: planning again on --resume could pick another plan, and the resume was
     then refused for flags (ZeRO stages, micro-batch) the user never gave. The run keeps its first plan."""
