@@ -2,6 +2,7 @@
 import json
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -252,6 +253,52 @@ def test_the_launcher_starts_without_a_deepspeed_script_on_path(tmp_path):
     command = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=free_port()).command(script, ["--x", "1"])
     run_subprocess(command, log, "step 1", env=env)
     assert "rank 0 of 1 ['--x', '1']" in log.read_text()
+
+
+RANK_THAT_SAVES_ON_A_STOP = """
+import sys, time
+from training.reliability.signals import GracefulInterrupt
+with GracefulInterrupt() as stop:
+    print("ready", flush=True)
+    while not stop.requested:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the checkpoint's save, printing as it goes (a closed pipe killed the rank here)
+    print("saved, after", stop.received.name, flush=True)
+    time.sleep(0.5)
+    print("still here: no second signal aborted the save", flush=True)
+    stop.exit_for_resume(1, "checkpoints/step1")
+"""
+
+PARENT = """
+import sys
+from training.pipeline.launch import StepStopped, run_subprocess
+from training.reliability.signals import take_received_signal
+try:
+    run_subprocess(sys.argv[2:], __import__("pathlib").Path(sys.argv[1]), "step 1")
+except StepStopped:
+    print("PARENT: step stopped on", take_received_signal().name, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_request_to_train_py_reaches_the_ranks_once_and_their_save_completes(tmp_path, sig):
+    """Under the launcher, a Ctrl-C killed train.py with a KeyboardInterrupt (a SIGTERM, silently) while it read the
+    ranks' output: their next print hit the closed pipe (BrokenPipeError) and the step died before its checkpoint."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_THAT_SAVES_ON_A_STOP)
+    command = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=free_port()).command(script, [])
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "step1.log"), *command], cwd=REPO_ROOT,
+                              env=step_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in parent.stdout:
+        if line.strip() == "ready":
+            parent.send_signal(sig)  # train.py alone: the ranks hear of it only through it
+            break
+    output = parent.communicate(timeout=120)[0]
+    assert parent.returncode == 0, output[-3000:]
+    assert f"saved, after {sig.name}" in output and "still here" in output, output[-3000:]
+    assert f"PARENT: step stopped on {sig.name}" in output
+    assert "BrokenPipeError" not in output
 
 
 def _train(*args, timeout=120):

@@ -5,6 +5,7 @@ import functools
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,10 +19,12 @@ from training.core.model_loading import EMBEDDED_MODEL_NAME
 from training.pipeline.cli import parse_config
 from training.pipeline.deployment import DeploymentType
 from training.pipeline.hardware import Hardware
+from training.pipeline.launch import StepStopped
 from training.pipeline.runner import run_pipeline
 from training.pipeline.steps import StepEntry
 from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, MARKER_FILE
 from training.reliability.run_records import ARGS_FILE, SUMMARY_FILE, save_run_args, save_summary
+from training.reliability.signals import EXIT_INTERRUPTED, record_signal, take_received_signal
 from utils.errors import UserError, run_cli
 
 TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
@@ -522,8 +525,50 @@ def test_launcher_runs_tee_the_output_into_the_log(tmp_path):
     run_subprocess([sys.executable, "-c", "import sys; print('to stdout'); print('to stderr', file=sys.stderr)"], log, "step 1")
     text = log.read_text()
     assert "to stdout" in text and "to stderr" in text and text.startswith("$ ")
-    with pytest.raises(UserError, match=r"step 1 failed \(exit status 3\).*step1.log"):
+    with pytest.raises(UserError, match=r"step 1 failed \(exit status 4\).*step1.log"):
+        run_subprocess([sys.executable, "-c", "raise SystemExit(4)"], log, "step 1")
+    with pytest.raises(StepStopped, match="step 1"):  # a step's exit after the checkpoint of a stop request
         run_subprocess([sys.executable, "-c", "raise SystemExit(3)"], log, "step 1")
+
+
+class StoppingSteps(FakeSteps):
+    """Fake steps of which `stop_step` takes a stop request: while it finishes (it then ends as finished), or
+    mid-training (it saves a checkpoint and exits with EXIT_INTERRUPTED)."""
+
+    def __init__(self, model_dir: str, stop_step: int, finishing: bool):
+        super().__init__(model_dir)
+        self.stop_step, self.finishing = stop_step, finishing
+
+    def main(self, step: int):
+        finished = super().main(step).__wrapped__
+
+        def main(argv):
+            if step != self.stop_step:
+                return finished(argv)
+            record_signal(signal.SIGTERM)  # what the step's GracefulInterrupt does when the signal comes
+            if not self.finishing:
+                raise SystemExit(EXIT_INTERRUPTED)
+            return finished(argv)
+
+        return main
+
+
+@pytest.mark.parametrize("finishing", [True, False])
+def test_a_stop_request_during_a_step_ends_train_py_before_the_next_step(tmp_path, tiny_model_dir, capsys, finishing):
+    """A Ctrl-C while a step wrote its final model let the step end as finished, and train.py went on to the next
+    step as if nothing had been asked; a step stopped with a checkpoint was reported as failed (exit status 3)."""
+    steps = StoppingSteps(tiny_model_dir("llama"), stop_step=2, finishing=finishing)
+    with pytest.raises(SystemExit) as stopped:
+        run(common(tmp_path, steps.model_dir), steps)
+    assert stopped.value.code == EXIT_INTERRUPTED and [call[0] for call in steps.calls] == [1, 2][:1 + finishing]
+    printed = capsys.readouterr().out.splitlines()[-1]
+    if finishing:
+        assert printed == ("train.py stopped on SIGTERM: step 2 finished and the next did not start; to go on, run the "
+                           "same train.py command (finished steps are skipped)")
+    else:
+        assert printed.startswith("train.py stopped on SIGTERM: step 2 stopped before it finished") and \
+            printed.endswith("run the same train.py command with --resume")
+    assert take_received_signal() is None
 
 
 def _write_tiny_data(path: Path) -> str:

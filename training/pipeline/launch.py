@@ -7,12 +7,16 @@ import importlib.util
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import IO, Iterator, Sequence
 
+from training.reliability.signals import EXIT_INTERRUPTED, record_signal
 from utils.errors import UserError
 
 from .deployment import DeploymentType
@@ -127,9 +131,13 @@ def teed_output(log_path: Path) -> Iterator[None]:
             root.setLevel(level)
 
 
+class StepStopped(Exception):
+    """A step stopped on a stop request (SIGINT/SIGTERM) before it finished: its checkpoints resume it."""
+
+
 def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) -> dict:
-    """Call a step's main directly. Its UserError keeps its message; any other exit becomes a UserError
-    that points at the log."""
+    """Call a step's main directly. Its UserError keeps its message; an exit on a stop request becomes
+    `StepStopped`; any other exit becomes a UserError that points at the log."""
     entry = getattr(main, "__wrapped__", main)  # past run_cli, so a UserError reaches us whole
     with teed_output(log_path):
         try:
@@ -140,6 +148,8 @@ def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) 
         except SystemExit as exit_:
             if exit_.code in (0, None):
                 return {}
+            if exit_.code == EXIT_INTERRUPTED:
+                raise StepStopped(label) from exit_
             raise UserError(f"{label} exited with status {exit_.code}; see the messages above and {log_path}") from exit_
         except Exception:
             logging.getLogger(__name__).exception("%s crashed", label)
@@ -147,26 +157,56 @@ def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) 
     return summary if isinstance(summary, dict) else {}
 
 
+@contextlib.contextmanager
+def _stop_requests_forwarded(process: subprocess.Popen) -> Iterator[list[signal.Signals]]:
+    """While the step's processes run (in a process group of their own), pass this process's SIGINT and SIGTERM on
+    to the whole group, as a terminal's Ctrl-C reaches a foreground group: each once, so a single Ctrl-C is not
+    taken for the second that aborts. Yields the signals passed on. Without this, train.py died of the first one,
+    and the ranks, writing to its closed pipe, died before they could save."""
+    forwarded: list[signal.Signals] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        record_signal(signum)
+        forwarded.append(signal.Signals(signum))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield forwarded
+        return
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield forwarded
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict[str, str] | None = None) -> None:
-    """Run a launcher command, streaming its combined output to the console and the log as it comes."""
+    """Run a launcher command, streaming its combined output to the console and the log as it comes; a stop
+    request during it ends in `StepStopped` unless the step finished all the same."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         log.write(f"$ {format_command(command)}\n".encode())
         try:
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
         except FileNotFoundError as err:
             raise UserError(f"cannot start {command[0]!r} ({err.strerror}); check that this program exists") from err
         assert process.stdout is not None
         console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-        while chunk := os.read(process.stdout.fileno(), 65536):
-            log.write(chunk)
-            log.flush()
-            if console is not None:
-                console.write(chunk)
-                console.flush()
-            else:
-                sys.stdout.write(chunk.decode(errors="replace"))
-        status = process.wait()
+        with _stop_requests_forwarded(process) as forwarded:
+            while chunk := os.read(process.stdout.fileno(), 65536):  # to the end: the ranks' last words matter most
+                log.write(chunk)
+                log.flush()
+                if console is not None:
+                    console.write(chunk)
+                    console.flush()
+                else:
+                    sys.stdout.write(chunk.decode(errors="replace"))
+            status = process.wait()
+    if status != 0 and (forwarded or status == EXIT_INTERRUPTED):
+        raise StepStopped(label)
     if status != 0:
         raise UserError(f"{label} failed (exit status {status}); its output is in {log_path}")
 

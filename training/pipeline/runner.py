@@ -13,14 +13,16 @@ import argparse
 import contextlib
 import io
 import json
+import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
+from training.reliability.signals import EXIT_INTERRUPTED, take_received_signal
 from training.reliability.validation import check_folder_path
 from utils.atomic import atomic_write_text
 from utils.dist import free_port
@@ -33,6 +35,7 @@ from .hostfile import Host, read_hostfile
 from .launch import (
     REPO_ROOT,
     Launcher,
+    StepStopped,
     check_launcher_installed,
     format_command,
     launcher_env,
@@ -337,6 +340,12 @@ def _planned(config: PipelineConfig, prepared: PreparedRun, step: int) -> str:
     return format_command(prepared.commands[step])
 
 
+def _stop(what: str, received: signal.Signals | None) -> NoReturn:
+    """End train.py as a step ends on a stop request: the message, then `EXIT_INTERRUPTED`."""
+    print(f"\ntrain.py stopped on {received.name if received else 'request'}: {what}", flush=True)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
 def run_pipeline(
     config: PipelineConfig,
     entries: Mapping[int, StepEntry] | None = None,
@@ -362,7 +371,18 @@ def run_pipeline(
         return {"deployment": deployment, "commands": prepared.commands}
 
     started = time.perf_counter()
-    results = [_step_result(config, prepared, step, entry) for step in config.steps]
+    take_received_signal()  # a stop request before this run is not one for it
+    results = []
+    for step in config.steps:
+        try:
+            results.append(_step_result(config, prepared, step, entry))
+        except StepStopped:
+            _stop(f"step {step} stopped before it finished (its checkpoints hold its progress); to go on, run the "
+                  f"same train.py command with --resume", take_received_signal())
+        received = take_received_signal()
+        if received is not None and step != config.steps[-1]:
+            _stop(f"step {step} finished and the next did not start; to go on, run the same train.py command "
+                  f"(finished steps are skipped)", received)
     total = time.perf_counter() - started
     print("\n" + summary_table(results, total), flush=True)
     report = {

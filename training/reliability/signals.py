@@ -8,6 +8,9 @@ A second SIGINT (Ctrl-C again) aborts at once; the last complete checkpoint stay
 (`finishing`: the final model's export), a signal only says that the run finishes that first, then ends as a
 finished run: stopping there would lose what the export writes, and with `--save_interval 0` the whole run.
 
+train.py runs steps one after another: a stop request during a step also ends train.py before the next step
+(`take_received_signal`), in this process or, through the launcher, in the step's processes.
+
 Only a second SIGINT aborts, not a SIGTERM after a SIGINT: Ctrl-C under the `deepspeed` launcher
 reaches each rank twice (SIGINT from the terminal, then SIGTERM from the launcher). That launcher
 kills its ranks 30 s after forwarding the signal, so a checkpoint that takes longer to write is
@@ -27,6 +30,22 @@ from utils.dist import any_rank, get_world_size, print_rank0
 
 EXIT_INTERRUPTED = 3
 """Exit status of a run stopped on request after saving its checkpoint (0: finished, 2: user error)."""
+
+_received: signal.Signals | None = None  # the first stop request this process took since `take_received_signal`
+
+
+def record_signal(signum: int) -> None:
+    """Note a stop request for whoever runs several steps in this process (train.py stops before the next)."""
+    global _received
+    if _received is None:
+        _received = signal.Signals(signum)
+
+
+def take_received_signal() -> signal.Signals | None:
+    """The first stop request since the last call (SIGINT/SIGTERM), which this call forgets."""
+    global _received
+    received, _received = _received, None
+    return received
 
 
 def resume_command(argv: Sequence[str] | None = None) -> str:
@@ -75,6 +94,7 @@ class GracefulInterrupt:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         signum = signal.Signals(signum)
+        record_signal(signum)
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
         if self.received is None:
