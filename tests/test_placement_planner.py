@@ -283,6 +283,27 @@ def test_the_planner_offers_only_plans_step_3_accepts():
     assert {plan.actor_zero_stage for plan in search(WORKLOAD, MACHINE, 1)} == {0}
 
 
+def test_the_planner_tries_the_runs_own_micro_batch_and_one():
+    """Only the largest power-of-two divisors of a generation batch's rows were tried: where none of them made whole
+    optimizer steps, `auto` found no plan and told the user to use more ranks, although the run's own micro-batch
+    (or 1) made them."""
+    # 40 rows: micro-batches of 3 make 14 a step; of 1, 2, 4, 8, 40: 40, 20, 10, 5, 1
+    own = replace(WORKLOAD, prompts_per_rank=40, train_micro_batch=3, accumulation=7)
+    assert {plan.micro_batch for plan in search(own, MACHINE, 4)} == {3}
+    one = replace(own, train_micro_batch=5, accumulation=40)  # of 5: 8
+    assert {plan.micro_batch for plan in search(one, MACHINE, 4)} == {1}
+    assert choose_placement(one, MACHINE, 4).micro_batch == 1
+
+
+def test_auto_names_the_accumulation_when_no_micro_batch_makes_whole_optimizer_steps():
+    """Not memory: more ranks would not help."""
+    odd = replace(WORKLOAD, accumulation=3)  # 4 rows: micro-batches of 1, 2, 4 make 4, 2, 1 a step
+    with pytest.raises(UserError, match=r"--gradient_accumulation_steps 3: a PPO step then has 4, 2, 1 micro-batches") \
+            as refused:
+        choose_placement(odd, MACHINE, 4)
+    assert "more ranks" not in str(refused.value)
+
+
 def test_lora_counts_as_adapters_only_when_only_they_train(tmp_path):
     from step3_rlhf.main import parse_args
     from training.placement.workload import step3_workload

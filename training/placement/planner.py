@@ -12,13 +12,13 @@ from utils.errors import UserError
 from .cost_model import StepEstimate, estimate_step, models_on
 from .machine import MachineSpec
 from .spec import PRESETS, Placement, build_placement, zero3_on_part_of_the_ranks
-from .workload import Step3Workload
+from .workload import Step3Workload, ppo_micro_batches
 
 ROLLOUT_SHARES = (0.0, 0.25, 0.5, 0.75)
 # (reference, reward) shares of the ranks left beside the rollout: together, halves, quarter splits
 SCORING_SPLITS = ((1.0, 1.0), (0.5, 0.5), (0.25, 0.75), (0.75, 0.25))
 TRAINING_SPLITS = ((1.0, 1.0), (0.5, 0.5))  # (actor, critic): co-located, or FlexRLHF's Interleave2
-MICRO_BATCHES = 4  # the largest few power-of-two divisors of a chunk's rows (and the chunk itself)
+MICRO_BATCHES = 4  # the largest few power-of-two divisors of a generation batch's rows (and its rows) tried
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,17 @@ def _named(placement: Placement, base: str, shares: dict[str, float]) -> Placeme
     return replace(placement, name=f"{base}+ratio")
 
 
-def _micro_batches(rows: int) -> list[int]:
+def _micro_batches(rows: int, own: int) -> list[int]:
+    """The training micro-batches tried: the largest few power-of-two divisors of a generation batch's `rows` (and
+    the rows themselves), the run's `own` micro-batch and 1 (the ones most likely to make whole optimizer steps)."""
     divisors = [d for d in range(1, rows + 1) if rows % d == 0 and (d & (d - 1) == 0 or d == rows)]
-    return sorted(divisors)[-MICRO_BATCHES:]
+    return sorted({*sorted(divisors)[-MICRO_BATCHES:], own, 1})
+
+
+def whole_step_micro_batches(workload: Step3Workload) -> list[int]:
+    """The micro-batches tried that make whole optimizer steps of the accumulation in a PPO step."""
+    return [micro for micro in _micro_batches(workload.rows_per_generation_batch, workload.train_micro_batch)
+            if workload.whole_optimizer_steps(micro)]
 
 
 def _zero_stages(workload: Step3Workload, role: str, world_size: int) -> tuple[int, ...]:
@@ -126,8 +134,7 @@ def search(workload: Step3Workload, machine: MachineSpec, world_size: int,
     actor_stages = _zero_stages(workload, "actor", world_size)
     critic_stages = _zero_stages(workload, "critic", world_size) if "critic" in roles else (workload.critic_zero_stage,)
     fusion_choices = (True,) if workload.stage_fusion else (False, True)
-    micro_batches = [micro for micro in _micro_batches(workload.rows_per_generation_batch)
-                     if workload.whole_optimizer_steps(micro)]
+    micro_batches = whole_step_micro_batches(workload)
     plans = []
     for base, shares, placement in _placements(world_size, roles):
         for tp in _tp_sizes(workload, machine, len(placement.ranks[placement.generation_role])):
@@ -200,13 +207,27 @@ def check_fits(workload: Step3Workload, placement: Placement, machine: MachineSp
 
 def choose_placement(workload: Step3Workload, machine: MachineSpec, world_size: int,
                      roles: Iterable[str] | None = None) -> RankedPlan:
-    """`--placement auto`: the fastest plan that fits; none fitting is the co-located ZeRO-3 plan's error."""
+    """`--placement auto`: the fastest plan that fits; none fitting is the co-located ZeRO-3 plan's error (at the
+    smallest micro-batch tried), or, where no micro-batch makes whole optimizer steps, that one."""
     plans = search(workload, machine, world_size, roles)
     if plans:
         return plans[0]
-    frugal = replace(workload, actor_zero_stage=3, critic_zero_stage=3)
+    micro_batches = whole_step_micro_batches(workload)
+    if not micro_batches:
+        raise _no_whole_optimizer_steps(workload)
+    frugal = replace(workload, actor_zero_stage=3, critic_zero_stage=3, train_micro_batch=micro_batches[0])
     check_fits(frugal, build_placement("colocate", world_size, roles or workload.roles()), machine)
     raise UserError(f"no placement of step 3's models fits {world_size} rank(s) of {machine.name}; use more ranks")
+
+
+def _no_whole_optimizer_steps(workload: Step3Workload) -> UserError:
+    tried = _micro_batches(workload.rows_per_generation_batch, workload.train_micro_batch)
+    counts = [ppo_micro_batches(workload.ppo_epochs, workload.generation_batches, workload.rows_per_generation_batch,
+                                micro) for micro in tried]
+    return UserError(f"no training micro-batch the planner tries ({', '.join(map(str, tried))} rows) makes whole "
+                     f"optimizer steps of --gradient_accumulation_steps {workload.accumulation}: a PPO step then has "
+                     f"{', '.join(map(str, counts))} micro-batches; use a --gradient_accumulation_steps that divides "
+                     "one of those")
 
 
 def _phase_split(estimate: StepEstimate) -> str:
