@@ -201,8 +201,14 @@ def check_fits(workload: Step3Workload, placement: Placement, machine: MachineSp
             raise UserError(
                 f"a model that cannot fit: rank {rank} holds the {models} and needs {needed:.1f} GiB, but "
                 f"{machine.name} has {machine.usable_memory_gib:.1f} GiB usable per rank ({machine.memory_gib:g} GiB); "
-                "raise the ZeRO stages (--actor_zero_stage/--critic_zero_stage 3), give the models more ranks "
-                "(--placement_ratio), lower --per_device_generation_batch_size, or use LoRA")
+                f"{', '.join(_memory_advice(workload))}, or use LoRA")
+
+
+def _memory_advice(workload: Step3Workload) -> list[str]:
+    """What lowers a rank's memory, less raising the ZeRO stages where both are at 3 already."""
+    zero = [] if workload.actor_zero_stage == workload.critic_zero_stage == 3 else \
+        ["raise the ZeRO stages (--actor_zero_stage/--critic_zero_stage 3)"]
+    return [*zero, "give the models more ranks (--placement_ratio)", "lower --per_device_generation_batch_size"]
 
 
 def choose_placement(workload: Step3Workload, machine: MachineSpec, world_size: int,
