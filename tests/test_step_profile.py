@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -99,13 +100,35 @@ def test_a_failed_step3_launch_reports_the_workers_error_line(tmp_path):
     assert message.endswith(f"its whole log: {tmp_path / 'step3.log'}")
 
 
-def test_a_profiled_step3_on_one_rank_measures_every_call_kind(tmp_path):
+TINY_PROFILE_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}
+
+
+def test_a_failed_profiled_step_names_a_log_that_outlives_the_calibration(tmp_path, monkeypatch):
+    """The log was written inside the profile's temporary folder, deleted before the user could read it.
+    (`run_step3`'s own failure message is the test above's.)"""
+    import training.placement.step_profile as step_profile
+
+    def failing_step3(argv, world_size, threads, log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("error: the profiled step failed\n")
+        raise UserError(f"step 3 failed\nits whole log: {log}")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(step_profile, "write_profile_models", lambda root, model: (root / "actor", root / "reward"))
+    monkeypatch.setattr(step_profile, "run_step3", failing_step3)
+    with pytest.raises(UserError) as raised:
+        profile_corrections(MACHINE, "fp32", 1, 1)
+    log = Path(str(raised.value).rpartition("its whole log: ")[2])
+    assert log.is_relative_to(calibration.cache_dir()) and "the profiled step failed" in log.read_text()
+
+
+def test_a_profiled_step3_on_one_rank_measures_every_call_kind(tmp_path, monkeypatch):
     """A real (tiny) step 3 with every call timed: each kind of call the cost model has gets a positive factor."""
-    model = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the step's log is kept
     machine = replace(MACHINE, devices_per_node=1)
-    fitted = profile_corrections(machine, "fp32", 1, 1, model, ProfileShape(batch=2, prompt_len=32, answer_len=8,
-                                                                            steps=2))
+    fitted = profile_corrections(machine, "fp32", 1, 1, TINY_PROFILE_MODEL, ProfileShape(batch=2, prompt_len=32,
+                                                                                         answer_len=8, steps=2))
     factors = fitted["call_time_factors"]
     assert {"enter generate mode", "prefill", "decode step", "forward", "train forward", "backward",
             "optimizer step"} <= set(factors), factors

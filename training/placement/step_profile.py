@@ -201,15 +201,19 @@ def run_step3(argv: list[str], world_size: int, threads: int, log: Path) -> None
 def profile_corrections(machine: MachineSpec, dtype: str, threads: int, world_size: int,
                         model: dict = PROFILE_MODEL, shape: ProfileShape = PROFILE_SHAPE) -> dict:
     """Run the profiled step (`model`'s shape at `shape`'s settings) and return the `MachineSpec` fields it
-    measures (`call_time_factors`, `step_overhead_s`), the factors relative to `machine`'s estimates."""
+    measures (`call_time_factors`, `step_overhead_s`), the factors relative to `machine`'s estimates. The step's
+    log is kept beside the calibration cache."""
     from training.pipeline.hardware import model_size
+    from training.placement.calibration import cache_path
     from training.placement.cost_model import estimate_step
     from training.placement.spec import build_placement
 
+    # the log outlives the step's temporary folder: a failure's message names it for the user to read
+    log = cache_path(dtype, threads, world_size).with_suffix(".profiled-step3.log")
     with tempfile.TemporaryDirectory(prefix="rlhf-calibration-") as folder:
         root = Path(folder)
         actor, reward = write_profile_models(root, model)
-        run_step3(profile_argv(actor, reward, root / "run", dtype, shape), world_size, threads, root / "step3.log")
+        run_step3(profile_argv(actor, reward, root / "run", dtype, shape), world_size, threads, log)
         layout = build_placement("colocate", world_size, ["actor", "critic", "reference", "reward"])
         workload = profile_workload(model_size(str(actor)), model_size(str(reward)), dtype, shape)
         predicted = predicted_calls(estimate_step(workload, layout, machine), layout)
