@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 from crash_resume import step_env
+from supervised_data import write_arithmetic_jsonl
 
 from training.core.model_loading import EMBEDDED_MODEL_NAME
 from training.pipeline.cli import parse_config
@@ -221,11 +222,52 @@ def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fake
     steps' spelling) sent every step's model into one folder, and the run failed after step 1."""
     argv = common(tmp_path, fakes.model_dir)
     with pytest.raises(UserError, match="step 3's flags do not parse .*unrecognized arguments: --actor_learnin_rate "
-                                        "1e-6.*check --step3-args"):
+                                        "1e-6.*or in --step3-args"):
         run(argv + ["--step3-args", "--actor_learnin_rate 1e-6"], fakes)
     with pytest.raises(UserError, match="--output_dir was passed to step 1: .* use --output-dir"):
         run(argv + ["--output_dir", str(tmp_path / "elsewhere")], fakes)
     assert fakes.calls == [] and not (tmp_path / "out" / "step1").exists()
+
+
+REFUSED_UP_FRONT = {
+    # id: (train.py flags, the error's text): each passed the dry run, then failed hours in, crashed with a
+    # traceback, or was dropped unseen
+    "unclosed_quote": (["--step1-args", "--learning_rate 'x"], "--step1-args \"--learning_rate 'x\" does not split "
+                       "into flags (No closing quotation); check its quotes"),
+    "samples_not_a_number": (["--algorithm", "grpo", "--n_samples_per_prompt", "abc"],
+                             "--n_samples_per_prompt must be a positive whole number, got 'abc'"),
+    "samples_zero": (["--algorithm", "grpo", "--n_samples_per_prompt", "0"], "must be a positive whole number, got '0'"),
+    "samples_negative": (["--algorithm", "grpo", "--n_samples_per_prompt=-2"], "a positive whole number, got '-2'"),
+    "model_flag_passed_to_a_step": (["--step1-args", "--model_name_or_path /m"],
+                                    "--model_name_or_path was passed to step 1: train.py gives each step its model, "
+                                    "and plans the memory for it; use --actor-model"),
+    "step3_model_flag": (["--step3-args", "--critic_model_name_or_path /m"],
+                         "use --reward-model (or --step2-output)"),
+    "algorithm_in_step3_args": (["--step3-args", "--algorithm grpo"],
+                                "--algorithm was passed to step 3: train.py plans step 3 for its own --algorithm"),
+    "hostfile_off_multi_node": (["--deployment-type", "cpu", "--hostfile", "hosts"],
+                                "--hostfile is for --deployment-type multi_node; this run is cpu"),
+    "output_of_a_step_that_runs": (["--step1-output", "/m"], "--step1-output names step 1's model for a run without "
+                                   "step 1, but this run runs it"),
+    "dpo_with_steps_2_3": (["--algorithm", "dpo", "--step", "1", "2", "3"], "--algorithm dpo runs step 1 then DPO"),
+    "grpo_with_dpo": (["--algorithm", "grpo", "--step", "1", "4"], "--algorithm grpo is step 3's RL algorithm, but "
+                      "this run runs DPO (step 4)"),
+    "unknown_builtin_reward": (["--algorithm", "grpo", "--reward_fn", "builtin:nosuch"], "nosuch"),
+    "missing_step3_data": (["--step3-args", "--data_path /nonexistent/prompts.jsonl"],
+                           "step 3's --data_path /nonexistent/prompts.jsonl: /nonexistent/prompts.jsonl does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_UP_FRONT)
+def test_flags_a_run_would_drop_or_fail_on_later_are_refused_before_anything_runs(tmp_path, tiny_model_dir, case):
+    flags, message = REFUSED_UP_FRONT[case]
+    options = {1: ["--data_path"],
+               3: ["--algorithm", "--reward_fn", "--n_samples_per_prompt", "--data_path", "--eval_samples"]}
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options=options)
+    with pytest.raises(UserError) as refused:
+        run(common(tmp_path, fakes.model_dir) + flags + ["--dry-run"], fakes)
+    assert message in str(refused.value), str(refused.value)
+    assert fakes.calls == []
 
 
 def test_flags_for_a_step_the_run_does_not_include_are_refused(tmp_path, fakes):
@@ -299,10 +341,11 @@ def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_mode
     assert [call[0] for call in fakes.calls] == [1] and fakes.calls[0][1].data_path == "task:arithmetic"
 
     fakes.calls.clear()  # the user's data wins, and is not joined by the task
+    mine = write_arithmetic_jsonl(tmp_path / "mine.jsonl", 8)
     run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math",
-                                             "--data_path", "mine.jsonl", "--output-dir", str(tmp_path / "mine")], fakes)
+                                             "--data_path", mine, "--output-dir", str(tmp_path / "mine")], fakes)
     assert all("task:arithmetic" not in argv for _, _, argv in fakes.calls)
-    assert fakes.calls[1][1].data_path == "mine.jsonl"
+    assert fakes.calls[1][1].data_path == mine
 
 
 def test_step3s_planned_workload_has_a_reward_model_exactly_when_its_inputs_give_one(tmp_path, tiny_model_dir,
@@ -313,7 +356,9 @@ def test_step3s_planned_workload_has_a_reward_model_exactly_when_its_inputs_give
     workloads = []
     plan_deployment = runner.plan_deployment
     monkeypatch.setattr(runner, "plan_deployment", lambda *args: workloads.append(args[-1]) or plan_deployment(*args))
-    grpo = common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "scorer:score"]
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text("def score(prompt, answer, metadata):\n    return float(len(answer) > 3)\n")
+    grpo = common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", f"{scorer}:score"]
     run(grpo + ["--dry-run"], fakes)  # steps 1 and 3, no step-2 output: the reward function alone
     assert workloads[-1].reward_model is False and not workloads[-1].critic
     run(common(tmp_path, fakes.model_dir) + ["--step", "1", "2"], fakes)

@@ -47,7 +47,8 @@ def parse_config(argv: list[str] | None = None) -> PipelineConfig:
     config, step_flags, extra = build_parser().parse_args_into_dataclasses(
         argv, return_remaining_strings=True, look_for_args_file=False)
     config.extra_args = extra
-    config.step_args = {number: split_step_args(getattr(step_flags, args_field(spec))) for number, spec in STEPS.items()}
+    config.step_args = {number: split_step_args(getattr(step_flags, args_field(spec)), f"--{spec.name}-args")
+                        for number, spec in STEPS.items()}
     config.step_outputs = {number: getattr(step_flags, output_field(spec), None) for number, spec in STEPS.items()}
     return config
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from training.algorithms import RL_ALGORITHMS, get_advantage_estimator, get_rl_algorithm
 from training.core.model_loading import EMBEDDED_MODEL_NAME
+from utils.errors import UserError
 
 from .deployment import DeploymentType, Model, Workload
 from .steps import STEPS, StepSpec, flag_value
@@ -82,6 +83,8 @@ class PipelineConfig:
         algorithm = get_rl_algorithm(self.algorithm)
         estimator = self.passed_flag("--advantage_estimator") or algorithm.advantage_estimator
         samples = self.passed_flag("--n_samples_per_prompt")
+        if samples is not None and not (samples.isdigit() and int(samples) > 0):
+            raise UserError(f"--n_samples_per_prompt must be a positive whole number, got {samples!r}")
         return Workload(critic=get_advantage_estimator(estimator).needs_critic, reward_model=reward_model,
                         samples_per_prompt=int(samples) if samples else algorithm.n_samples_per_prompt,
                         verifiable_task=self.uses_default_task(3))

@@ -16,6 +16,7 @@ import json
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
@@ -24,11 +25,14 @@ from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
 from training.reliability.signals import EXIT_INTERRUPTED, take_received_signal
 from training.reliability.validation import check_folder_path
+from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
+from utils.data.args import SOURCE_FLAGS
+from utils.data.sources import looks_local, parse_source_spec
 from utils.dist import free_port
 from utils.errors import UserError
 
-from .config import PipelineConfig
+from .config import DPO, PipelineConfig
 from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, read_hostfile
@@ -43,7 +47,7 @@ from .launch import (
     run_subprocess,
 )
 from .planning import apply_zero_overrides, follow_user_max_steps, plan_deployment
-from .steps import STEPS, ModelInput, StepEntry, accepted_options, drop_flag, route_extra_flags
+from .steps import STEPS, ModelInput, StepEntry, accepted_options, drop_flag, group_flags, route_extra_flags
 from .summary import StepResult, settings_table, summary_table
 
 
@@ -260,16 +264,63 @@ def _check_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]
     fails now, not when its step is reached hours later. --output_dir is train.py's to give (a step's run folder
     under --output-dir), not one of the `user_flags`."""
     for step, argv in argvs.items():
-        if any(token.split("=", 1)[0] == "--output_dir" for token in user_flags[step]):
+        given = {group[0].split("=", 1)[0] for group in group_flags(user_flags[step])}
+        if "--output_dir" in given:
             raise UserError(f"--output_dir was passed to step {step}: train.py puts each step's run folder under "
                             f"--output-dir (step {step} in {config.run_dir(step)}); use --output-dir")
+        for source in STEPS[step].inputs:
+            if source.flag in given:
+                raise UserError(
+                    f"{source.flag} was passed to step {step}: train.py gives each step its model, and plans the "
+                    f"memory for it; use --{source.model.value}-model"
+                    + (f" (or --{STEPS[source.from_step].name}-output)" if source.from_step is not None else ""))
+        if step == 3 and "--algorithm" in given:
+            raise UserError("--algorithm was passed to step 3: train.py plans step 3 for its own --algorithm "
+                            "(a critic or none, samples per prompt); give it to train.py")
         errors = io.StringIO()
         try:
             with contextlib.redirect_stderr(errors):
                 entry(step).build_parser().parse_args(argv)
         except SystemExit as exit_:
             message = errors.getvalue().strip().splitlines()[-1:] or [f"exit status {exit_.code}"]
-            raise UserError(f"step {step}'s flags do not parse ({message[0]}); check --{STEPS[step].name}-args") from None
+            raise UserError(f"step {step}'s flags do not parse ({message[0]}); check the flags train.py passes it "
+                            f"(given to every step that takes them, or in --{STEPS[step].name}-args)") from None
+
+
+def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None:
+    """Refuse train.py flags this run would drop unseen: --hostfile off multi_node, an --NAME-output of a step that
+    runs (its output is made anew), an --algorithm that the steps run contradict."""
+    if config.hostfile is not None and deployment is not DeploymentType.MULTI_NODE:
+        raise UserError(f"--hostfile is for --deployment-type multi_node; this run is {deployment.value}: drop "
+                        f"--hostfile, or pass --deployment-type multi_node")
+    for step, output in config.step_outputs.items():
+        if output is not None and step in config.steps:
+            raise UserError(f"--{STEPS[step].name}-output names step {step}'s model for a run without step {step}, "
+                            f"but this run runs it (into {config.run_dir(step)}); drop one of the two")
+    if config.algorithm == DPO and {2, 3} & set(config.steps):
+        raise UserError("--algorithm dpo runs step 1 then DPO (step 4), not steps 2 or 3; drop --step, or give "
+                        "--step 1 4 (or --step 4)")
+    if config.algorithm not in ("ppo", DPO) and 4 in config.steps:
+        raise UserError(f"--algorithm {config.algorithm} is step 3's RL algorithm, but this run runs DPO (step 4) "
+                        f"in its place; drop step 4, or give --algorithm dpo")
+
+
+DATA_PATH_FLAGS = (*(f"--{flag}" for flag in SOURCE_FLAGS), "--unsupervised_dataset_name")
+
+
+def _check_step_inputs(config: PipelineConfig, argvs: Mapping[int, list[str]]) -> None:
+    """What fails only when its step starts, hours in, checked now: the --reward_fn, and local data paths."""
+    if config.reward_fn is not None:
+        load_reward_fn(config.reward_fn)
+    for step, argv in argvs.items():
+        for group in group_flags(argv):
+            name, _, inline = group[0].partition("=")
+            if name not in DATA_PATH_FLAGS:
+                continue
+            for source in ([inline] if inline else group[1:]):
+                path = parse_source_spec(source).path
+                if looks_local(path) and not Path(path).expanduser().exists():
+                    raise UserError(f"step {step}'s {name} {source}: {path} does not exist")
 
 
 def _check_step_args_of_steps_run(config: PipelineConfig) -> None:
@@ -287,6 +338,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     check_folder_path(config.output_dir, "--output-dir")
     _check_step_args_of_steps_run(config)
     deployment = config.deployment_type or detect_deployment(hardware, config.hostfile is not None)
+    _check_run_shape(config, deployment)
     hosts = _hosts(config, deployment)
     inputs = _inputs(config)
     routed = route_extra_flags(
@@ -302,6 +354,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
     _check_step_flags(config, user_flags, argvs, entry)
+    _check_step_inputs(config, argvs)
     finished = _finished_steps(config, argvs, inputs, entry)
     _check_no_stale_checkpoints(config, finished, inputs)
     commands = {

@@ -190,5 +190,8 @@ def route_extra_flags(
     return routed
 
 
-def split_step_args(value: str | None) -> list[str]:
-    return shlex.split(value) if value else []
+def split_step_args(value: str | None, flag: str = "--stepN-args") -> list[str]:
+    try:
+        return shlex.split(value) if value else []
+    except ValueError as err:  # an unclosed quote
+        raise UserError(f"{flag} {value!r} does not split into flags ({err}); check its quotes") from None
