@@ -234,6 +234,7 @@ def run_step3(args: Step3Settings) -> dict:
     started = time.perf_counter()
     setup_logging()
     check_args(args)
+    given = flag_values(args)  # args.json records the flags as given: train.py compares a rerun's with them
     init_distributed()
     placement, auto_plan = resolve_placement(args)
     if auto_plan is not None:
@@ -256,7 +257,7 @@ def run_step3(args: Step3Settings) -> dict:
                                 if stream is not None}, args.checkpoints.resume)
         total_steps = count_ppo_steps(args, prompts)
         # after every check, so a refused run never overwrites an earlier one's
-        save_run_args(run_dir, flag_values(args))
+        save_run_args(run_dir, given)  # what --placement auto changed is in its AUTO_PLAN_FILE
         optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
         groups = PlacementGroups(placement) if placement is not None else None
         engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps, groups)

@@ -605,6 +605,29 @@ def test_a_critic_free_run_saves_checkpoints_and_logs_no_critic(distributed, inp
     assert not any(key.startswith(("train/critic", "train/value")) for key in trained[0]), trained[0]
 
 
+def test_a_placement_auto_run_records_its_flags_as_given_so_a_rerun_is_the_same_run(distributed, inputs, tmp_path,
+                                                                                   monkeypatch):
+    """args.json held the flags --placement auto had changed (the micro-batch 2 it was given became the plan's 4):
+    train.py compares a rerun's flags with it, and refused the same command as a run with other settings."""
+    from step3_rlhf.main import main, parse_args
+    from step3_rlhf.placement_setup import AUTO_PLAN_FILE
+    from training.core.args import flag_values, same_result_flags
+    from training.placement import auto, planner
+    from training.placement.planner import PlanChoice
+    from training.reliability.run_records import changed_flags, read_run_args
+
+    plan = PlanChoice(base="colocate", shares={}, actor_zero_stage=0, critic_zero_stage=0, inference_tp=1,
+                      micro_batch=4, stage_fusion=False)
+    monkeypatch.setattr(auto, "planning_machine", lambda *args: (None, "a stand-in machine"))
+    monkeypatch.setattr(planner, "choose_placement", lambda *args: plan)
+    run = tmp_path / "run"
+    argv = step3_argv(inputs, run, "--max_steps", "1", "--placement", "auto", "--per_device_training_batch_size", "2")
+    main(argv)
+    assert json.loads((run / AUTO_PLAN_FILE).read_text())["micro_batch"] == 4
+    rerun = parse_args(argv)
+    assert changed_flags(read_run_args(run), flag_values(rerun), same_result_flags(rerun)) == {}
+
+
 # the entry point -----------------------------------------------------------------------------------
 
 
