@@ -165,6 +165,17 @@ def test_more_nodes_let_a_70b_model_train_fully_without_offload():
     assert four_nodes.steps[1].flags["offload"] is False and four_nodes.steps[1].flags["lora_dim"] == 0
 
 
+def test_gpu_nodes_planned_from_a_machine_without_a_gpu_take_their_own_precision():
+    """A multi_node run planned on a login node fixed its CPU's precision for every GPU: fp32 (or bf16 from an
+    AVX512-BF16 CPU, which a V100 node cannot run)."""
+    hosts = [Host(f"worker-{i}", 8) for i in range(2)]
+    for login_node in (TWO_CORES, Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=False)):
+        plan = plan_gpu(DeploymentType.MULTI_NODE, ModelSizes(B7, B7), login_node, hosts)
+        assert {plan.steps[step].flags["dtype"] for step in (1, 2, 3)} == {"auto"}
+        assert any("--dtype auto" in note for note in plan.notes)
+    assert plan_gpu(DeploymentType.MULTI_NODE, ModelSizes(B7, B7), H100, hosts).steps[1].flags["dtype"] == "bf16"
+
+
 def test_sequence_lengths_stay_within_the_models_positions():
     short = ModelSize(parameters=1_000_000, hidden_size=64, num_layers=2, vocab_size=1000, max_positions=256)
     for plan in (plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(short, SMALL), H100, None),

@@ -297,10 +297,12 @@ def gpu_target(deployment: DeploymentType, hardware: Hardware, hosts: list[Host]
         world, nodes = sum(h.slots for h in hosts), len(hosts)
     else:
         world, nodes = (1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)), 1
-    dtype = "bf16" if hardware.bf16 else ("fp16" if hardware.num_gpus else "fp32")
+    # planned where no GPU is (a login node): each step's processes take their own GPU's precision (bf16, else fp16)
+    dtype = ("bf16" if hardware.bf16 else "fp16") if hardware.num_gpus else "auto"
     notes = []
     if hardware.num_gpus == 0:
-        notes.append("no GPU found here: sizes assume accelerators with this machine's RAM")
+        notes.append("no GPU found here: sizes assume accelerators with this machine's RAM, precision as each GPU "
+                     "allows (--dtype auto)")
     elif deployment is DeploymentType.MULTI_NODE:
         notes.append(f"{nodes} nodes, {world} GPUs; each assumed like this one ({hardware.gpu_memory_gib:.0f} GiB)")
     return Target(hardware, world, nodes, dtype), notes
