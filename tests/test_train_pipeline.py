@@ -270,6 +270,16 @@ def test_flags_a_run_would_drop_or_fail_on_later_are_refused_before_anything_run
     assert fakes.calls == []
 
 
+def test_a_model_no_step_of_the_run_uses_is_not_read(tmp_path, fakes):
+    """`--step 2 --actor-model X` failed on X, which step 2 never uses (while `--step 3` ignored it)."""
+    for steps, unused in ((["2"], "--actor-model"), (["1"], "--reward-model")):
+        argv = [*common(tmp_path, fakes.model_dir), "--step", *steps, unused, str(tmp_path / "missing"), "--dry-run"]
+        assert set(run(argv, fakes)["commands"]) == {int(steps[0])}
+    with pytest.raises(UserError, match="missing"):
+        run([*common(tmp_path, fakes.model_dir), "--step", "2", "--reward-model", str(tmp_path / "missing"),
+             "--dry-run"], fakes)
+
+
 def test_flags_for_a_step_the_run_does_not_include_are_refused(tmp_path, fakes):
     """DPO lives in step2_reward/, so --step2-args is an easy slip for --dpo-args: the flags were dropped unseen."""
     argv = common(tmp_path, fakes.model_dir)

@@ -94,13 +94,17 @@ def step_argv(config: PipelineConfig, step: int, plan: DeploymentPlan, routed: M
 
 def _model_sizes(config: PipelineConfig, inputs: Inputs) -> ModelSizes:
     """Each model's size from --actor-model/--reward-model, or, where the step training it is not run,
-    from the earlier output a step of this run starts from."""
+    from the earlier output a step of this run starts from. A model no step of the run uses is not read (`--step 2
+    --actor-model X` does not need X): it takes the other's size, for planners whose plans go unused."""
     sources = {model: config.base_model(model) for model in Model}
     for pairs in inputs.values():
         for source, value in pairs:
             if source.from_step is not None and source.from_step not in config.steps:
                 sources[source.model] = value
-    return ModelSizes(actor=model_size(sources[Model.ACTOR]), reward=model_size(sources[Model.REWARD]))
+    used = {source.model for step in config.steps for source in STEPS[step].inputs}
+    sizes = {model: model_size(path) for model, path in sources.items() if model in used}
+    return ModelSizes(actor=sizes.get(Model.ACTOR) or sizes[Model.REWARD],
+                      reward=sizes.get(Model.REWARD) or sizes[Model.ACTOR])
 
 
 def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hardware) -> Launcher | None:
