@@ -217,6 +217,21 @@ def test_a_finished_step_whose_input_was_trained_again_since_is_not_reused(tmp_p
     assert [call[0] for call in fakes.calls] == [3]
 
 
+def test_a_finished_step_whose_data_file_changed_since_is_not_reused(tmp_path, tiny_model_dir):
+    """A finished step was skipped as done after its --data_path file was rewritten: only its flags were compared."""
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options={1: ["--data_path"]})
+    data = write_arithmetic_jsonl(tmp_path / "data.jsonl", 8)
+    argv = common(tmp_path, fakes.model_dir) + ["--step", "1", "--step1-args", f"--data_path {data}"]
+    run(argv, fakes)
+    fakes.calls.clear()
+    run(argv, fakes)
+    assert fakes.calls == []  # the same data: finished, skipped
+    write_arithmetic_jsonl(tmp_path / "data.jsonl", 12)
+    with pytest.raises(UserError, match=f"step 1 finished in .* on data that changed since: {data} "):
+        run(argv, fakes)
+    assert fakes.calls == []
+
+
 def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fakes):
     """A typo in --step3-args failed only when step 3 started, after steps 1 and 2 had trained; --output_dir (the
     steps' spelling) sent every step's model into one folder, and the run failed after step 1."""

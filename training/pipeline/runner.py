@@ -28,7 +28,7 @@ from training.reliability.validation import check_folder_path
 from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
 from utils.data.args import SOURCE_FLAGS
-from utils.data.sources import looks_local, parse_source_spec
+from utils.data.sources import file_fingerprint, looks_local, parse_source_spec
 from utils.dist import free_port
 from utils.errors import UserError
 
@@ -53,6 +53,7 @@ from .summary import StepResult, settings_table, summary_table
 
 Inputs = dict[int, list[tuple[ModelInput, str]]]
 TRAINED_FROM_FILE = "trained_from.json"  # train.py's record, in a step's run folder, of the inputs it trained from
+DATA_VERSIONS_KEY = "data files"  # in it, beside the model flags: `_data_versions`
 RESUME_FLAG = "--resume"
 
 
@@ -178,7 +179,7 @@ def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]], inpu
             continue
         summary = _finished_summary(config, step, argvs[step], entry)
         if summary is not None:
-            _check_trained_from_current_inputs(config, step, inputs[step])
+            _check_trained_from_current_inputs(config, step, inputs[step], argvs[step])
             finished[step] = summary
     return finished
 
@@ -196,17 +197,31 @@ def _input_versions(inputs: list[tuple[ModelInput, str]]) -> dict[str, str | Non
     return versions
 
 
-def _record_input_versions(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]]) -> None:
+def _data_versions(argv: list[str]) -> dict[str, list]:
+    """{local data source: its files' paths, sizes and times}, for the data `argv` reads (as the data cache tells a
+    changed file): rewritten under the same path, a finished step trained on other data."""
+    versions = {}
+    for _, source, path in _local_data_paths(argv):
+        if path.is_dir():
+            versions[source] = file_fingerprint(sorted(file for file in path.rglob("*") if file.is_file()))
+        elif path.is_file():
+            versions[source] = file_fingerprint([path])
+    return versions
+
+
+def _record_input_versions(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]],
+                           argv: list[str]) -> None:
     """Written before the step starts, so that its checkpoints, should it stop, say what they were trained from."""
     config.run_dir(step).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(config.run_dir(step) / TRAINED_FROM_FILE, json.dumps(_input_versions(inputs), indent=2) + "\n")
+    versions = {**_input_versions(inputs), DATA_VERSIONS_KEY: _data_versions(argv)}
+    atomic_write_text(config.run_dir(step) / TRAINED_FROM_FILE, json.dumps(versions, indent=2) + "\n")
 
 
 def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs: list[tuple[ModelInput, str]],
-                                       what: str = "finished") -> None:
+                                       argv: list[str], what: str = "finished") -> None:
     """Refuse to reuse a finished step, or to resume a stopped one's checkpoints (`what`), whose input model was
-    made again since (an earlier invocation ran only that input's step): it was trained from the old model. Not
-    checked for a step train.py did not run."""
+    made again since (an earlier invocation ran only that input's step), or whose local data files changed: it was
+    trained from the old ones. Not checked for a step train.py did not run."""
     try:
         recorded = json.loads((config.run_dir(step) / TRAINED_FROM_FILE).read_text())
     except (OSError, ValueError):
@@ -219,6 +234,14 @@ def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs
                 f"({source.flag}), which was trained again since; delete {config.run_dir(step)} to run step {step} "
                 f"from the new one, or choose another --output-dir"
             )
+    data = _data_versions(argv)
+    for source, files in recorded.get(DATA_VERSIONS_KEY, {}).items():
+        if source in data and data[source] != files:
+            raise UserError(
+                f"step {step} {what} in {config.run_dir(step)} on data that changed since: {source} (its files' "
+                f"sizes or times differ); delete {config.run_dir(step)} to train step {step} on it again, or choose "
+                f"another --output-dir"
+            )
 
 
 def _remade(config: PipelineConfig, step: int, finished: Mapping[int, dict]) -> bool:
@@ -226,7 +249,8 @@ def _remade(config: PipelineConfig, step: int, finished: Mapping[int, dict]) -> 
     return any(source.from_step in config.steps and source.from_step not in finished for source in STEPS[step].inputs)
 
 
-def _check_no_stale_checkpoints(config: PipelineConfig, finished: Mapping[int, dict], inputs: Inputs) -> None:
+def _check_no_stale_checkpoints(config: PipelineConfig, finished: Mapping[int, dict], inputs: Inputs,
+                                argvs: Mapping[int, list[str]]) -> None:
     """Refuse, before anything runs, a step whose folder holds checkpoints of a run from a model this run makes
     anew, or that an earlier invocation made anew: resumed, it would go on from weights trained on the old one
     (and without --resume it would refuse)."""
@@ -239,7 +263,7 @@ def _check_no_stale_checkpoints(config: PipelineConfig, finished: Mapping[int, d
                 f"{run_dir} holds checkpoints of step {step} trained from a model this run makes again; delete "
                 f"{run_dir} (or its checkpoints) to run step {step} from the new one, or choose another --output-dir"
             )
-        _check_trained_from_current_inputs(config, step, inputs[step], "stopped with checkpoints")
+        _check_trained_from_current_inputs(config, step, inputs[step], argvs[step], "stopped with checkpoints")
 
 
 def _resume_from_checkpoints_only(config: PipelineConfig, step: int, argv: list[str]) -> list[str]:
@@ -312,19 +336,27 @@ def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None
 DATA_PATH_FLAGS = (*(f"--{flag}" for flag in SOURCE_FLAGS), "--unsupervised_dataset_name")
 
 
+def _local_data_paths(argv: list[str]) -> list[tuple[str, str, Path]]:
+    """(flag, source, path) of each local data source `argv` names (a hub dataset, a task or `embedded` is none)."""
+    found = []
+    for group in group_flags(argv):
+        name, _, inline = group[0].partition("=")
+        if name in DATA_PATH_FLAGS:
+            for source in ([inline] if inline else group[1:]):
+                path = parse_source_spec(source).path
+                if looks_local(path):
+                    found.append((name, source, Path(path).expanduser()))
+    return found
+
+
 def _check_step_inputs(config: PipelineConfig, argvs: Mapping[int, list[str]]) -> None:
     """What fails only when its step starts, hours in, checked now: the --reward_fn, and local data paths."""
     if config.reward_fn is not None:
         load_reward_fn(config.reward_fn)
     for step, argv in argvs.items():
-        for group in group_flags(argv):
-            name, _, inline = group[0].partition("=")
-            if name not in DATA_PATH_FLAGS:
-                continue
-            for source in ([inline] if inline else group[1:]):
-                path = parse_source_spec(source).path
-                if looks_local(path) and not Path(path).expanduser().exists():
-                    raise UserError(f"step {step}'s {name} {source}: {path} does not exist")
+        for name, source, path in _local_data_paths(argv):
+            if not path.exists():
+                raise UserError(f"step {step}'s {name} {source}: {path} does not exist")
 
 
 def _check_step_args_of_steps_run(config: PipelineConfig) -> None:
@@ -360,7 +392,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     _check_step_flags(config, user_flags, argvs, entry)
     _check_step_inputs(config, argvs)
     finished = _finished_steps(config, argvs, inputs, entry)
-    _check_no_stale_checkpoints(config, finished, inputs)
+    _check_no_stale_checkpoints(config, finished, inputs, argvs)
     commands = {
         step: launcher.command(STEPS[step].script(), argvs[step]) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
@@ -374,7 +406,7 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
     print(f"\n=== step {step}: {spec.title} -> {config.run_dir(step)} (log: {config.log_path(step)}) ===", flush=True)
     started = time.perf_counter()
     label = f"step {step} ({spec.title})"
-    _record_input_versions(config, step, prepared.inputs[step])
+    _record_input_versions(config, step, prepared.inputs[step], prepared.argvs[step])
     if prepared.launcher is None:
         summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
     else:
