@@ -50,7 +50,7 @@ from training.algorithms import (
     masked_mean,
     whiten,
 )
-from training.core.answer_window import RowGroups
+from training.core.answer_window import AnswerWindow, RowGroups
 from training.generation.generator import (
     FinishedRowsHook,
     GenerationConfig,
@@ -215,6 +215,52 @@ class Rollout(Answers):
     greedy: Answers | None = None  # ReMax: one greedy answer per prompt, its baseline
     prompt_metadata: list | None = None  # one entry per prompt
     logprobs: torch.Tensor | None = None  # [B, N] the generator's, when at parity with the training forward
+
+
+def kl_in_groups(actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor], groups: RowGroups,
+                 temperature: float) -> torch.Tensor:
+    """The exact KL per answer [B] from both models' window logits of the same `groups`."""
+    return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), temperature)
+                         for actor, ref, window in zip(actor_logits, ref_logits, groups.windows, strict=True)])
+
+
+@dataclass
+class GroupedLogits:
+    """One model's window logits of a rollout's rows, one [b_g, W_g, V] tensor per `RowGroups` group, with each
+    group's row indices: two ranks may group the same rows differently (where a ZeRO-3 forward runs, its ranks
+    agree on a group count; elsewhere each rank takes its rows' best one)."""
+
+    rows: list[torch.Tensor]
+    logits: list[torch.Tensor]
+
+    def groups(self, answers: Answers) -> RowGroups:
+        """The groups (and their windows) these logits were computed on."""
+        return RowGroups(self.rows, [AnswerWindow.of(answers.sequences[rows], answers.attention_mask[rows],
+                                                     answers.prompt_length) for rows in self.rows],
+                         answers.sequences)
+
+    def grouped_like(self, other: "GroupedLogits") -> bool:
+        return len(self.rows) == len(other.rows) and all(
+            torch.equal(mine, theirs.to(mine.device)) for mine, theirs in zip(self.rows, other.rows))
+
+    def answer_logits(self, answers: Answers) -> list[torch.Tensor]:
+        """Each row's logits predicting its answer tokens [n_i, V], in the rollout's row order (a row's answer
+        takes the last n_i columns of its group's window)."""
+        lengths = answers.attention_mask[:, answers.prompt_length:].sum(-1).tolist()
+        per_row = {}
+        for rows, logits in zip(self.rows, self.logits, strict=True):
+            for index, row in enumerate(rows.tolist()):
+                per_row[row] = logits[index, logits.shape[1] - lengths[row]:]
+        return [per_row[row] for row in range(len(lengths))]
+
+    def exact_kl(self, reference: "GroupedLogits", answers: Answers, temperature: float) -> torch.Tensor:
+        """KL(this model || `reference`) per answer [B]: in the shared groups' windows where both grouped the rows
+        alike (the co-located arithmetic), otherwise row by row on each row's answer logits."""
+        if self.grouped_like(reference):
+            return kl_in_groups(self.logits, reference.logits, self.groups(answers), temperature)
+        return torch.cat([kl_from_logits(mine[None], theirs[None], torch.ones(1, len(mine), device=mine.device),
+                                         temperature)
+                          for mine, theirs in zip(self.answer_logits(answers), reference.answer_logits(answers))])
 
 
 def row_metadata(prompt_batch: Mapping[str, Any], samples: int) -> list | None:
@@ -442,8 +488,8 @@ class PPOTrainer:
     def score_rollout(self, rollout: Rollout, roles: Sequence[str], with_exact_kl: bool = False) -> dict[str, Any]:
         """The scoring calls of `roles` on one rollout: `actor` (old log-probs), `reference` (its log-probs),
         `critic` (values), `reward` (scores, and ReMax's baseline scores). With `with_exact_kl` (evaluation), the
-        exact KL when both the actor and the reference are in `roles`, otherwise their logits (`actor_logits`,
-        `reference_logits`, one tensor per `RowGroups` group; to be combined where both arrive, `exact_kl_of`).
+        exact KL when both the actor and the reference are in `roles`, otherwise their `GroupedLogits`
+        (`actor_logits`, `reference_logits`; to be combined where both arrive, `GroupedLogits.exact_kl`).
         A rollout that carries the generator's log-probs needs no actor forward for its old log-probs."""
         engine, config, clock = self.engine, self.config, self.clock
         sequences, attention_mask, prompt_length = rollout.sequences, rollout.attention_mask, rollout.prompt_length
@@ -465,11 +511,11 @@ class PPOTrainer:
                 with clock.time(f"score_{role}"):
                     parts[f"{name}_logprobs"], logits = groups.answer_logprobs(model, config.temperature)
                 if with_exact_kl:
-                    parts[f"{role}_logits"] = logits
+                    parts[f"{role}_logits"] = GroupedLogits(groups.rows, logits)
                 del logits
             if with_exact_kl and "actor_logits" in parts and "reference_logits" in parts:
-                parts["exact_kl"] = self.exact_kl_of(parts.pop("actor_logits"), parts.pop("reference_logits"), rollout,
-                                                     groups)
+                parts["exact_kl"] = kl_in_groups(parts.pop("actor_logits").logits, parts.pop("reference_logits").logits,
+                                                 groups, config.temperature)
             if "critic" in roles:
                 with clock.time("score_critic"):
                     parts["old_values"] = groups.answer_values(engine.critic)
@@ -490,14 +536,6 @@ class PPOTrainer:
                              greedy.ended_with_eos(self.eos_token_id))
         clipped = scores.total.clamp(-self.config.clip_reward_value, self.config.clip_reward_value)
         return repeat_per_prompt(clipped, rollout.samples_per_prompt)
-
-    def exact_kl_of(self, actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor], rollout: Rollout,
-                    groups: RowGroups | None = None) -> torch.Tensor:
-        """The exact KL per answer from both models' per-group window logits (`score_rollout`) in `groups` (default:
-        the rows' own grouping, what two scoring ranks of a placement use, where neither model is ZeRO-3)."""
-        groups = groups or RowGroups.of(rollout.sequences, rollout.attention_mask, rollout.prompt_length)
-        return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), self.config.temperature)
-                             for actor, ref, window in zip(actor_logits, ref_logits, groups.windows)])
 
     def assemble_experience(self, rollout: Rollout, parts: Mapping[str, Any]) -> Experience:
         """Rewards, KL, advantages and returns from one rollout's scoring outputs (no model call)."""

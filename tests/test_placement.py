@@ -13,6 +13,7 @@ import torch.distributed.run
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TESTS_DIR
+from supervised_data import arithmetic_rows
 from crash_resume import assert_same_weights, kill_after_checkpoint, latest_checkpoint_step, launch_step, run_step
 from test_step3_rlhf import make_step3_inputs
 from training.core.model_loading import load_causal_lm, load_tokenizer
@@ -258,6 +259,29 @@ def test_an_offloaded_reference_on_every_rank_trains_the_colocated_ppo(tmp_path_
     actor on rank 0 and critic on rank 1 (the reward model on rank 1)."""
     _run_workers(tmp_path_factory, 2, ["interleave:actor=0.5,critic=0.5,reference=1"],
                  extra=["--offload_reference_model"])
+
+
+def prompts_with_one_long_held_out_prompt(tmp_path_factory) -> str:
+    """Arithmetic prompts, 'What is 3 plus 5?' behind a long preamble: on 2 ranks the first held-out batches are
+    (1+3, 5+9) on rank 0 and (3+5, 1+4) on rank 1, so rank 1's rows take two groups of their own (`RowGroups`),
+    rank 0's one, and a ZeRO-3 forward's ranks agree on one."""
+    rows = arithmetic_rows(60)
+    for row in rows:
+        row["prompt"] = row["prompt"].replace("Human: What is 3 plus 5?", "Human: Reinforcement learning from human "
+                                              "feedback trains a reward model and a policy. What is 3 plus 5?")
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_the_exact_kl_pairs_each_row_of_an_actor_and_a_zero3_reference_on_other_ranks(tmp_path_factory):
+    """Interleave2 with an offloaded (ZeRO-3) reference on both ranks: a chunk's actor and reference score on
+    different ranks, one cutting the rows into the count of groups the ZeRO-3 ranks agree on, the other into its
+    own; the held-out exact KL paired the two sides' groups as if they held the same rows (a 2-row group's logits
+    broadcast against a 1-row group's) and differed from the co-located run's."""
+    _run_workers(tmp_path_factory, 2, ["interleave:actor=0.5,critic=0.5,reference=1"],
+                 data=prompts_with_one_long_held_out_prompt(tmp_path_factory),
+                 extra=["--offload_reference_model", "--max_prompt_seq_len", "128", "--eval_samples", "8"])
 
 
 @pytest.mark.slow
