@@ -53,6 +53,30 @@ def test_greedy_equals_hf_and_logprobs_equal_train_forward(distributed, tiny_mod
     assert fast.sequences.shape[1] == fast.prompt_length + lengths.max()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # the fused decoder, and the transformers-forward one
+def test_a_checkpoint_with_its_own_output_head_under_a_tied_config_is_served_untied(distributed, tmp_path, arch):
+    """transformers keeps a stored lm_head distinct from the embedding although the config says to tie them; the
+    inference copy was built tied from the config and had no lm_head to load it into (KeyError)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from tiny_models import make_tiny_model
+
+    folder = tmp_path / "untied"
+    model, tokenizer = make_tiny_model(arch, tie_word_embeddings=False)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    head = next(name for name in weights if name.startswith("lm_head"))
+    weights[head] = torch.randn_like(weights[head])  # unlike the embedding
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    engine, tokenizer = build_engine(str(folder), 0)
+    assert engine.module.get_output_embeddings().weight is not engine.module.get_input_embeddings().weight
+    check_parity(engine, hybrid_engine(engine), tokenizer, PROMPTS)
+
+
 def _packed_linears(hybrid: HybridEngine) -> list[bool]:
     """Whether each linear weight of the decode path in use is oneDNN-packed."""
     step_model = hybrid._decoder.model

@@ -264,6 +264,12 @@ def _decoder_layers_prefix(model: torch.nn.Module) -> str | None:
     return best
 
 
+def _ties_output_to_input(model: torch.nn.Module) -> bool:
+    """Whether the model's output head is its input embedding (one parameter)."""
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    return output is not None and inputs is not None and output.weight is inputs.weight
+
+
 def _training_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(p for p in module.parameters() if p.is_floating_point()).dtype
 
@@ -276,6 +282,9 @@ class InferenceCopy:
     def __init__(self, base: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  plan: TensorParallelPlan | None, lora_shapes: dict[str, tuple[int, int, int]] | None = None):
         config = copy.deepcopy(base.config)
+        # tied as the training model is, not as its config says: transformers keeps a checkpoint's distinct output
+        # head although the config asks to tie it, and a tied copy then has no lm_head to load it into
+        config.tie_word_embeddings = _ties_output_to_input(base)
         with torch.device("meta"):
             model = type(base)(config)
         model.to(dtype)
