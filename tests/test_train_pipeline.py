@@ -190,6 +190,10 @@ def test_a_step_given_max_steps_keeps_the_plans_warmup_share(tmp_path, fakes):
     (_, sft, _), (_, reward, _), _ = fakes.calls
     assert sft.max_steps == "3" and sft.num_warmup_steps == str(max(1, 3 * warmup // steps))
     assert int(sft.num_warmup_steps) < 3 and reward.num_warmup_steps == "5"
+    fakes.calls.clear()  # a longer --max_steps is a cap the data may end the step before: the planned warm-up stays
+    run(common(tmp_path, fakes.model_dir) + ["--output-dir", str(tmp_path / "long"), "--step1-args",
+                                             f"--max_steps {steps * 10}"], fakes)
+    assert fakes.calls[0][1].num_warmup_steps == str(warmup)
 
 
 def test_a_finished_step_whose_input_was_trained_again_since_is_not_reused(tmp_path, fakes):
