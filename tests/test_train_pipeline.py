@@ -235,6 +235,20 @@ def test_a_finished_step_whose_data_file_changed_since_is_not_reused(tmp_path, t
         run(argv, fakes)
     assert fakes.calls == []
 
+    folder = tmp_path / "pairs"  # what the data layer does not read of a folder may change; a finished step whose
+    folder.mkdir()                # data is gone since is still skipped (it needs it no more)
+    write_arithmetic_jsonl(folder / "part1.jsonl", 8)
+    (folder / "README.md").write_text("about these pairs\n")
+    argv = common(tmp_path, fakes.model_dir) + ["--step", "1", "--step1-args", f"--data_path {folder}",
+                                                "--output-dir", str(tmp_path / "from_folder")]
+    run(argv, fakes)
+    (folder / "README.md").write_text("about these pairs, revised\n")
+    fakes.calls.clear()
+    run(argv, fakes)
+    shutil.rmtree(folder)
+    run(argv, fakes)
+    assert fakes.calls == []
+
 
 def test_every_steps_flags_are_checked_before_the_first_step_runs(tmp_path, fakes):
     """A typo in --step3-args failed only when step 3 started, after steps 1 and 2 had trained; --output_dir (the

@@ -28,7 +28,8 @@ from training.reliability.validation import check_folder_path
 from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
 from utils.data.args import SOURCE_FLAGS
-from utils.data.sources import file_fingerprint, looks_local, parse_source_spec
+from utils.data.sources import looks_local, parse_source_spec, source_fingerprint
+from utils.data.unsupervised import text_source_fingerprint
 from utils.dist import free_port
 from utils.errors import UserError
 
@@ -198,14 +199,19 @@ def _input_versions(inputs: list[tuple[ModelInput, str]]) -> dict[str, str | Non
 
 
 def _data_versions(argv: list[str]) -> dict[str, list]:
-    """{local data source: its files' paths, sizes and times}, for the data `argv` reads (as the data cache tells a
-    changed file): rewritten under the same path, a finished step trained on other data."""
+    """{local data source: the paths, sizes and times of the files the data layer reads of it} (as its cache tells
+    a changed file): rewritten under the same path, a finished step trained on other data. A source that cannot
+    be read now is left to its step to name."""
     versions = {}
-    for _, source, path in _local_data_paths(argv):
-        if path.is_dir():
-            versions[source] = file_fingerprint(sorted(file for file in path.rglob("*") if file.is_file()))
-        elif path.is_file():
-            versions[source] = file_fingerprint([path])
+    for flag, source, path in _local_data_paths(argv):
+        if not path.exists():
+            continue
+        try:
+            fingerprint = text_source_fingerprint(source) if flag == UNSUPERVISED_FLAG \
+                else source_fingerprint(parse_source_spec(source))
+        except UserError:
+            continue
+        versions[source] = fingerprint["files"]
     return versions
 
 
@@ -333,7 +339,8 @@ def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None
                         f"in its place; drop step 4, or give --algorithm dpo")
 
 
-DATA_PATH_FLAGS = (*(f"--{flag}" for flag in SOURCE_FLAGS), "--unsupervised_dataset_name")
+UNSUPERVISED_FLAG = "--unsupervised_dataset_name"
+DATA_PATH_FLAGS = (*(f"--{flag}" for flag in SOURCE_FLAGS), UNSUPERVISED_FLAG)
 
 
 def _local_data_paths(argv: list[str]) -> list[tuple[str, str, Path]]:
@@ -350,7 +357,8 @@ def _local_data_paths(argv: list[str]) -> list[tuple[str, str, Path]]:
 
 
 def _check_step_inputs(config: PipelineConfig, argvs: Mapping[int, list[str]]) -> None:
-    """What fails only when its step starts, hours in, checked now: the --reward_fn, and local data paths."""
+    """What fails only when its step starts, hours in, checked now for the steps that run (`argvs`): the
+    --reward_fn, and local data paths."""
     if config.reward_fn is not None:
         load_reward_fn(config.reward_fn)
     for step, argv in argvs.items():
@@ -390,8 +398,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
     _check_step_flags(config, user_flags, argvs, entry)
-    _check_step_inputs(config, argvs)
     finished = _finished_steps(config, argvs, inputs, entry)
+    _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
     commands = {
         step: launcher.command(STEPS[step].script(), argvs[step]) if launcher

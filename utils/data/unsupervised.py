@@ -96,7 +96,8 @@ def load_texts(
     return _column_texts(({text_column: text} for text in dataset[text_column]), text_column, skipped), skipped
 
 
-def _fingerprint(source: str, config_name: str | None, shard: ShardSettings | None) -> dict:
+def text_source_fingerprint(source: str, config_name: str | None = None, shard: ShardSettings | None = None) -> dict:
+    """What identifies the text source's content, without reading it (part of the cache key)."""
     if source == embedded.EMBEDDED_SOURCE:
         shard_key = shard.key() if shard is not None else None
         return {"source": source, "files": file_fingerprint([embedded.embedded_data_file()]), "shard": shard_key}
@@ -158,7 +159,7 @@ def build_unsupervised_dataset(
         return TokenizedDataset.from_lists({"input_ids": blocks, "labels": blocks}, stats).state()
 
     key_inputs = {
-        "source": _fingerprint(source, config_name, shard),
+        "source": text_source_fingerprint(source, config_name, shard),
         "text_column": text_column,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "block_size": block_size,
