@@ -34,7 +34,7 @@ from step3_rlhf.ppo_trainer import (
 )
 from step3_rlhf.placed import PlacedPPO, PlacedPPORun
 from step3_rlhf.placement_setup import record_auto_plan, resolve_placement
-from step3_rlhf.run_loop import PLOT_FILE, PPORun
+from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PLOT_FILE, PPORun
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings
 from step3_rlhf.stage_fusion import check_stage_fusion
@@ -56,7 +56,7 @@ from training.placement.spec import Placement
 from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
-from training.reliability.checkpointing import data_record
+from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, data_record
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args, save_summary
 from training.reliability.signals import GracefulInterrupt
@@ -138,7 +138,8 @@ def check_args(args: Step3Settings) -> None:
         check_model_source(model, f"--{flag}")
         check_remote_code(model, args.run.trust_remote_code, f"--{flag}")
         check_input_run_shards(model, args.data, f"--{flag}")
-    check_output_apart_from_inputs(args.run.output_dir, {f"--{flag}": model for flag, model in asdict(args.models).items()})
+    check_output_apart_from_inputs(args.run.output_dir, {f"--{flag}": model for flag, model in asdict(args.models).items()},
+                                   (ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, CHECKPOINTS_SUBDIR))
     refuse_reward_model(args.models.actor_model_name_or_path, "--actor_model_name_or_path")
     if args.models.critic_model_name_or_path is not None:
         check_reward_model_dir(args.models.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))

@@ -211,10 +211,14 @@ def test_a_reward_model_given_where_a_causal_lm_trains_is_refused(distributed, s
 def test_an_output_dir_that_holds_the_input_model_is_refused(distributed, setup, capsys):
     """A run writing into the folder of the model it reads replaced that model with its own final save (and its
     records), so the model it started from was lost."""
-    message = "lies in --output_dir {out}: this run would write its model, checkpoints and records over the model"
+    message = "lies in --output_dir {out} where this run writes its model, checkpoints and records: it would write"
     for model in (setup.run, setup.run / "model"):
         argv = step_args(setup, model_name_or_path=str(model))
         assert_refused_and_untouched(step1_main, argv, message.format(out=setup.run), setup.run, capsys)
+    shutil.copytree(setup.model, setup.tmp / "experiment" / "base")  # beside what the run writes: nothing is in its way
+    step1_main(step_args(setup, model_name_or_path=str(setup.tmp / "experiment" / "base"),
+                         output_dir=str(setup.tmp / "experiment")))
+    assert (setup.tmp / "experiment" / "model" / "config.json").is_file()
     step3_run = setup.tmp / "step3"
     shutil.copytree(setup.model, step3_run / "actor")
     argv = ["--actor_model_name_or_path", str(step3_run / "actor"), "--critic_model_name_or_path", str(setup.run),

@@ -29,7 +29,7 @@ from training.core.args import (
     resume_fixed_flags,
 )
 from training.core.engine import create_train_engine
-from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype
+from training.core.model_loading import FINAL_MODEL_SUBDIR, load_causal_lm, load_config, load_tokenizer, resolve_dtype
 from training.core.save import save_hf_model
 from training.core.zero import full_numel
 from training.loops.metrics import MetricsLogger
@@ -43,7 +43,7 @@ from training.loops.trainer import (
     batch_rows,
     count_optimizer_steps,
 )
-from training.reliability.checkpointing import CheckpointSettings, data_record
+from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, CheckpointSettings, data_record
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import save_run_args, save_summary
 from training.reliability.signals import GracefulInterrupt
@@ -177,7 +177,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)
     check_input_run_shards(model_name, args.data)
-    check_output_apart_from_inputs(args.run.output_dir, {"--model_name_or_path": model_name})
+    check_output_apart_from_inputs(args.run.output_dir, {"--model_name_or_path": model_name},
+                                   (FINAL_MODEL_SUBDIR, CHECKPOINTS_SUBDIR))
     init_distributed()
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):

@@ -82,17 +82,20 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--output_dir") -> Pat
     return folder
 
 
-def check_output_apart_from_inputs(output_dir: str | os.PathLike, inputs: dict[str, str | None]) -> None:
-    """Refuse an --output_dir that is, or holds, a model folder the run reads (`inputs`: flag -> path): the run's
-    final save (`model/`, `actor/`, `critic/`), its records and checkpoints would land on the model it starts from."""
+def check_output_apart_from_inputs(output_dir: str | os.PathLike, inputs: dict[str, str | None],
+                                   written: Sequence[str]) -> None:
+    """Refuse an --output_dir that is a model folder the run reads (`inputs`: flag -> path), or whose subfolders
+    the run writes (`written`: `model/`, `actor/`, `checkpoints/`, ...) hold one: the final save would land on the
+    model the run starts from. A model elsewhere under --output_dir is left alone."""
     folder = Path(output_dir).expanduser().resolve()
     for flag, path in inputs.items():
         if path is None or not Path(path).expanduser().exists():  # a hub name is no folder of this machine
             continue
         model = Path(path).expanduser().resolve()
-        if model == folder or folder in model.parents:
-            raise UserError(f"{flag} {path} lies in --output_dir {output_dir}: this run would write its model, "
-                            "checkpoints and records over the model it starts from; choose another --output_dir")
+        if model == folder or any(model == folder / name or folder / name in model.parents for name in written):
+            raise UserError(f"{flag} {path} lies in --output_dir {output_dir} where this run writes its model, "
+                            "checkpoints and records: it would write over the model it starts from; choose another "
+                            "--output_dir")
 
 
 def estimate_output_bytes(
