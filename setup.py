@@ -21,6 +21,7 @@ setup(
         "safetensors",
         "tokenizers",
         "filelock",
+        "psutil",
         "tqdm",
         "tensorboard",
         "matplotlib",

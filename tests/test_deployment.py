@@ -1,5 +1,6 @@
 """Deployment types: hostfile validation, the settings each type picks, launch commands, dry runs."""
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -293,17 +294,22 @@ except StepStopped:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_stop_request_to_train_py_reaches_the_ranks_once_and_their_save_completes(tmp_path, sig):
+def test_a_stop_request_under_the_launcher_reaches_the_ranks_once_and_their_save_completes(tmp_path, sig):
     """Under the launcher, a Ctrl-C killed train.py with a KeyboardInterrupt (a SIGTERM, silently) while it read the
-    ranks' output: their next print hit the closed pipe (BrokenPipeError) and the step died before its checkpoint."""
+    ranks' output: their next print hit the closed pipe (BrokenPipeError) and the step died before its checkpoint.
+    A Ctrl-C reaches the terminal's whole process group, train.py and the ranks; a SIGTERM (`kill`) train.py alone."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_THAT_SAVES_ON_A_STOP)
     command = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=free_port()).command(script, [])
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "step1.log"), *command], cwd=REPO_ROOT,
-                              env=step_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=step_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)  # its own group, as a terminal's foreground job
     for line in parent.stdout:
         if line.strip() == "ready":
-            parent.send_signal(sig)  # train.py alone: the ranks hear of it only through it
+            if sig == signal.SIGINT:
+                os.killpg(parent.pid, sig)
+            else:
+                parent.send_signal(sig)
             break
     output = parent.communicate(timeout=120)[0]
     assert parent.returncode == 0, output[-3000:]

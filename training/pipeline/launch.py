@@ -16,6 +16,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Iterator, Sequence
 
+import psutil
+
 from training.reliability.signals import EXIT_INTERRUPTED, record_signal
 from utils.errors import UserError
 
@@ -158,28 +160,40 @@ def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) 
 
 
 @contextlib.contextmanager
-def _stop_requests_forwarded(process: subprocess.Popen) -> Iterator[list[signal.Signals]]:
-    """While the step's processes run (in a process group of their own), pass this process's SIGINT and SIGTERM on
-    to the whole group, as a terminal's Ctrl-C reaches a foreground group: each once, so a single Ctrl-C is not
-    taken for the second that aborts. Yields the signals passed on. Without this, train.py died of the first one,
-    and the ranks, writing to its closed pipe, died before they could save."""
-    forwarded: list[signal.Signals] = []
+def _stop_requests_passed_on(process: subprocess.Popen) -> Iterator[list[signal.Signals]]:
+    """While the step's processes run, take this process's SIGINT and SIGTERM as stop requests rather than dying
+    of them (which closed the pipe the ranks write to, and they died before saving), and yield those taken. A
+    SIGINT is not passed on: a terminal's Ctrl-C reaches the whole process group, the ranks too, and a second one
+    would abort their save. A SIGTERM (a `kill`, a scheduler) is, to every process under the launcher: the launcher
+    alone would die of it without telling the ranks."""
+    taken: list[signal.Signals] = []
 
-    def forward(signum: int, frame: FrameType | None) -> None:
+    def take(signum: int, frame: FrameType | None) -> None:
         record_signal(signum)
-        forwarded.append(signal.Signals(signum))
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signum)
+        taken.append(signal.Signals(signum))
+        if signum == signal.SIGTERM:
+            _signal_process_tree(process.pid, signal.SIGTERM)
 
     if threading.current_thread() is not threading.main_thread():
-        yield forwarded
+        yield taken
         return
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, take) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield forwarded
+        yield taken
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _signal_process_tree(pid: int, signum: signal.Signals) -> None:
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signum)
 
 
 def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict[str, str] | None = None) -> None:
@@ -189,13 +203,12 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
     with log_path.open("ab") as log:
         log.write(f"$ {format_command(command)}\n".encode())
         try:
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         except FileNotFoundError as err:
             raise UserError(f"cannot start {command[0]!r} ({err.strerror}); check that this program exists") from err
         assert process.stdout is not None
         console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-        with _stop_requests_forwarded(process) as forwarded:
+        with _stop_requests_passed_on(process) as taken:
             while chunk := os.read(process.stdout.fileno(), 65536):  # to the end: the ranks' last words matter most
                 log.write(chunk)
                 log.flush()
@@ -205,7 +218,7 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
                 else:
                     sys.stdout.write(chunk.decode(errors="replace"))
             status = process.wait()
-    if status != 0 and (forwarded or status == EXIT_INTERRUPTED):
+    if status != 0 and (taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
         raise UserError(f"{label} failed (exit status {status}); its output is in {log_path}")
