@@ -239,6 +239,13 @@ def test_a_resume_discards_a_checkpoint_saved_past_the_one_latest_names(distribu
     manager.save(2, engines, {"run": "first"})
     manager.save(4, engines, {"run": "first"})
     (manager.checkpoints_dir / LATEST_FILE).write_text("step2")  # as the cut-short save of step 4 left it
+    client_state = manager.checkpoints_dir / "step2" / "client_state.pt"
+    whole = client_state.read_bytes()
+    client_state.write_bytes(whole[:200])
+    with pytest.raises(UserError, match="is damaged"):  # nothing is removed before the checkpoint has loaded
+        manager.restore({"actor": build_engine(0)}, resume=True)
+    assert [info.step for info in manager.complete_checkpoints()] == [2, 4]
+    client_state.write_bytes(whole)
     assert manager.restore({"actor": build_engine(0)}, resume=True)["run"] == "first"
     assert [info.step for info in manager.complete_checkpoints()] == [2]
     saved = manager.save(4, engines, {"run": "resumed"})

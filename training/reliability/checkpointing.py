@@ -364,9 +364,10 @@ class CheckpointManager:
         info = _read_marker(Path(path))
         if info is None:
             raise UserError(f"checkpoint {path} vanished while loading; is another run using {self.checkpoints_dir}?")
-        if is_main_process():
+        state = self._load(info, engines)
+        if is_main_process():  # once loaded: a damaged `latest` leaves the newer ones for the user to take
             self._discard_newer_than(info)
-        return self._load(info, engines)
+        return state
 
     def check_start(self, resume: bool) -> None:
         """Before anything loads (every rank): without --resume, refuse a folder holding an earlier run's
