@@ -25,6 +25,7 @@ from training.core.model_loading import (
 from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings
 from training.reliability.run_records import args_of_model
+from training.reliability.validation import check_generation_fits, model_max_positions
 from utils.data.formatting import (
     PROMPT_FORMATS,
     render_human_assistant,
@@ -133,30 +134,35 @@ class ChatSession:
     def clear(self) -> None:
         self.history = []
 
-    def _turns(self) -> list[dict]:
+    def _turns(self, history: list[dict]) -> list[dict]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + self.history
+        return system + history
 
-    def _context_limit(self) -> int:
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        return max(1, limit - self.options.max_new_tokens)
-
-    def _encode(self) -> torch.Tensor:
-        """The conversation as input ids; the oldest exchanges are dropped until it fits the context."""
+    def _encode(self, history: list[dict]) -> tuple[torch.Tensor, list[dict]]:
+        """The conversation `history` (ending with the new message) as input ids, and the history kept: the oldest
+        exchanges are dropped until it fits the model's positions with the answer. A new message that does not fit
+        alone (with the system prompt) is refused: cut to fit, it lost its own question."""
+        positions = model_max_positions(self.model.config)
         while True:
             if self.style == "human_assistant":
-                text = render_human_assistant(self._turns())
+                text = render_human_assistant(self._turns(history))
             else:
-                text = self.tokenizer.apply_chat_template(self._turns(), tokenize=False, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(self._turns(history), tokenize=False,
+                                                          add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=self.style == "human_assistant", return_tensors="pt")["input_ids"]
-            if ids.shape[1] <= self._context_limit() or len(self.history) <= 2:
-                return ids[:, -self._context_limit():]
-            self.history = self.history[2:]
+            if positions is None or ids.shape[1] + self.options.max_new_tokens <= positions[0]:
+                return ids, history
+            if len(history) < 3:  # no earlier exchange left to drop
+                check_generation_fits(self.model.config, ids.shape[1], self.options.max_new_tokens,
+                                      "this message, with the system prompt and the chat format,")
+            history = history[2:]
 
     @torch.no_grad()
     def reply(self, message: str, on_text: Callable[[str], None] = lambda text: None) -> str:
-        self.history.append({"role": "user", "content": message})
-        input_ids = self._encode().to(self.model.device)
+        """The model's answer to `message`, after the conversation so far; a `UserError` (the conversation left as it
+        was) where the message does not fit the model's positions with the answer."""
+        input_ids, self.history = self._encode([*self.history, {"role": "user", "content": message}])
+        input_ids = input_ids.to(self.model.device)
         stop_text = _HUMAN_STOP if self.style == "human_assistant" else None
         streamer = ReplyStreamer(self.tokenizer, on_text, stop_text)
         stop = {"stop_strings": [stop_text], "tokenizer": self.tokenizer} if stop_text is not None else {}
@@ -202,7 +208,10 @@ def converse(session: ChatSession, messages: Iterable[str], out: TextIO, show_pr
             out.write(text)
             out.flush()
 
-        answers.append(session.reply(message, stream))
+        try:
+            answers.append(session.reply(message, stream))
+        except UserError as err:  # the conversation goes on without this message
+            out.write(f"(not answered: {err})")
         out.write("\n\n")
         out.flush()
     return answers

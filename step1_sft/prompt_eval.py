@@ -25,7 +25,7 @@ from training.core.model_loading import (
 )
 from training.generation.generator import DecodingSettings
 from training.reliability.run_records import args_of_model
-from training.reliability.validation import check_output_file
+from training.reliability.validation import check_generation_fits, check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter
 from utils.errors import UserError, run_cli
 
@@ -98,6 +98,9 @@ def generate_answers(
     tokenizer.padding_side = "left"
     answers: list[str] = []
     device = next(model.parameters()).device
+    for prompt in prompts:  # each alone: a batch is as wide as its longest prompt
+        length = len(tokenizer(render_prompt(formatter, prompt), add_special_tokens=add_special_tokens)["input_ids"])
+        check_generation_fits(model.config, length, settings.max_new_tokens, f"the prompt {prompt[:40]!r}")
     for start in range(0, len(prompts), settings.batch_size):
         texts = [render_prompt(formatter, p) for p in prompts[start : start + settings.batch_size]]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
@@ -145,12 +148,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     settings.generation.check()
     check_output_file(settings.run.output_file)
     args = settings.run
-    set_seed(args.seed)
     prompts = read_prompts(args)
     dtype = resolve_dtype(args.dtype)
     answers = {}
     for label, name in (("baseline", args.model_name_or_path_baseline), ("finetune", args.model_name_or_path_finetune)):
         model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code)
+        set_seed(args.seed)  # each model samples from the same seed, whatever the other drew
         answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, args.prompt_format)
         del model
     rows = [{"prompt": p, "baseline": b, "finetune": f} for p, b, f in zip(prompts, answers["baseline"], answers["finetune"])]

@@ -111,7 +111,7 @@ def test_each_turn_sees_the_whole_conversation_in_the_chat_template():
     chat_session = session()
     first = chat_session.reply("hello world")
     chat_session.reply("how are you")
-    prompt = chat_session.tokenizer.decode(chat_session._encode()[0])
+    prompt = chat_session.tokenizer.decode(chat_session._encode(chat_session.history)[0][0])
     assert prompt.startswith("<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
     assert prompt.count("<|im_start|>user") == 2 and prompt.count("<|im_start|>assistant") == 3
     assert "<|im_start|>user\nhow are you<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
@@ -126,17 +126,38 @@ def test_the_human_assistant_format_is_used_without_a_chat_template():
     assert chat_session.style == "human_assistant"
     chat_session.history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                             {"role": "user", "content": "bye"}]
-    assert chat_session.tokenizer.decode(chat_session._encode()[0]) == " Human: hi Assistant: yo Human: bye Assistant:"
+    ids, _ = chat_session._encode(chat_session.history)
+    assert chat_session.tokenizer.decode(ids[0]) == " Human: hi Assistant: yo Human: bye Assistant:"
 
 
 def test_old_turns_are_dropped_when_the_context_is_full():
     chat_session = session()
-    chat_session.model.config.max_position_embeddings = 60
+    chat_session.model.config.max_position_embeddings = 160
     for index in range(8):
         chat_session.reply(f"tell me a joke number {index} please")
-    prompt = chat_session.tokenizer.decode(chat_session._encode()[0])
-    assert len(chat_session._encode()[0]) <= 60 - GREEDY.max_new_tokens
-    assert "number 7" in prompt and "number 0" not in prompt
+    ids, kept = chat_session._encode([*chat_session.history, {"role": "user", "content": "and number 8?"}])
+    prompt = chat_session.tokenizer.decode(ids[0])
+    assert ids.shape[1] <= 160 - GREEDY.max_new_tokens and kept[-1]["content"] == "and number 8?"
+    assert "number 7" in prompt and "number 0" not in prompt and len(kept) < len(chat_session.history)
+
+
+def test_a_message_that_does_not_fit_with_its_answer_is_refused_and_the_chat_goes_on():
+    """The last message was cut from its start to fit the positions (losing the question, then the chat format), and
+    a --max_new_tokens past the positions crashed generate with an IndexError."""
+    chat_session = session()
+    chat_session.model.config.max_position_embeddings = 60
+    chat_session.reply("hello there")
+    kept = list(chat_session.history)
+    with pytest.raises(UserError, match=r"this message, with the system prompt and the chat format, is \d+ tokens; "
+                                        r"with --max_new_tokens 6 that passes the model's 60 positions"):
+        chat_session.reply("a long question " * 20)
+    assert chat_session.history == kept  # taken back: the conversation goes on as it was
+    out = io.StringIO()
+    answers = converse(chat_session, ["word " * 80, "hi"], out, True)
+    assert "(not answered: this message" in out.getvalue() and len(answers) == 1
+    chat_session.options = SamplingOptions(max_new_tokens=60, do_sample=False)
+    with pytest.raises(UserError, match="with --max_new_tokens 60 that passes the model's 60 positions"):
+        chat_session.reply("hi")
 
 
 def test_answers_stream_and_commands_work():

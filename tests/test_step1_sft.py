@@ -131,6 +131,22 @@ def test_prompt_eval_samples_when_asked(tmp_path):
     assert greedy[0] == greedy[1]
 
 
+def test_prompt_eval_seeds_each_model_alike_and_refuses_a_prompt_past_the_positions(tmp_path, tiny_model_dir,
+                                                                                   capsys):
+    """The fine-tuned model sampled from whatever random state the baseline's generation left, so its answers
+    depended on the baseline; and a prompt with --max_new_tokens past the model's positions was an IndexError."""
+    model, other = tiny_model_dir("llama"), tiny_model_dir("gpt2")
+    argv = ["--model_name_or_path_finetune", model, "--prompts", "Compute 3 + 4.", "--max_new_tokens", "8",
+            "--do_sample", "--temperature", "1.5", "--seed", "7"]
+    beside_itself = prompt_eval.main(["--model_name_or_path_baseline", model, *argv])
+    beside_another = prompt_eval.main(["--model_name_or_path_baseline", other, *argv])
+    assert beside_itself[0]["finetune"] == beside_another[0]["finetune"] == beside_itself[0]["baseline"]
+    with pytest.raises(SystemExit) as refused:
+        prompt_eval.main(["--model_name_or_path_baseline", model, *argv[:4], "--max_new_tokens", "256"])
+    assert refused.value.code == 2
+    assert "error: the prompt 'Compute 3 + 4.' is" in capsys.readouterr().err
+
+
 def test_a_bad_flag_value_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(_args(tiny_model_dir("llama"), "unused.jsonl", tmp_path, "--max_steps", "0"))

@@ -27,6 +27,7 @@ __all__ = [
     "estimate_output_bytes",
     "check_disk_space",
     "model_max_positions",
+    "check_generation_fits",
     "check_sequence_lengths",
     "parse_data_split",
     "check_model_source",
@@ -146,6 +147,15 @@ def model_max_positions(config) -> tuple[int, str] | None:
         if isinstance(value, int) and value > 0:
             return value, attribute
     return None
+
+
+def check_generation_fits(config, prompt_tokens: int, max_new_tokens: int, what: str) -> None:
+    """Refuse a prompt (`what`, for the message) that, with `max_new_tokens` generated after it, passes the model's
+    positions: generate would index past the position table, or a prompt cut to fit would lose its question."""
+    positions = model_max_positions(config)
+    if positions is not None and prompt_tokens + max_new_tokens > positions[0]:
+        raise UserError(f"{what} is {prompt_tokens} tokens; with --max_new_tokens {max_new_tokens} that passes the "
+                        f"model's {positions[0]} positions ({positions[1]}): shorten it or lower --max_new_tokens")
 
 
 def check_sequence_lengths(
