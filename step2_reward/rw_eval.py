@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import load_tokenizer, resolve_dtype
-from training.core.reward_model import RewardModel
+from training.core.reward_model import RewardModel, resolve_reward_model
 from training.reliability.run_records import args_of_model
 from training.reliability.validation import check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
@@ -120,7 +120,8 @@ def pair_statistics(results: list[dict]) -> dict:
 class RewardEvalArguments:
     """The reward model, what it scores, and where the scores go."""
 
-    model_name_or_path: str = field(metadata={"help": "step 2's run folder or its model folder"})
+    model_name_or_path: str = field(metadata={
+        "help": "step 2's run folder or its model folder, or train.py's --output-dir (its step2/)"})
     prompt: str | None = field(default=None, metadata={"help": "a user prompt (with --answer)"})
     answer: list[str] = field(default_factory=list, metadata={
         "action": "append", "nargs": None, "help": "an answer to --prompt; repeat to compare several"})
@@ -152,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
     args = parser.parse_args(argv).scoring
     if not args.input_file and not (args.prompt and args.answer):
         parser.error("give --prompt with at least one --answer, or --input_file")
+    args.model_name_or_path = resolve_reward_model(args.model_name_or_path)
     recorded = args_of_model(args.model_name_or_path)
     if args.max_seq_len is None:
         args.max_seq_len = recorded.get("max_seq_len", 512)

@@ -78,6 +78,21 @@ def test_causal_lm_folder_is_not_a_reward_model(tiny_model_dir, tmp_path):
         RewardModel.from_pretrained(tmp_path / "missing")
 
 
+def test_rw_eval_takes_a_train_py_output_folder(tiny_model_dir, tmp_path, capsys):
+    """rw_eval's help says it takes step 2's run folder; given train.py's --output-dir (whose step2/ holds it) it
+    said the folder had no value head, as if the model were not a reward model."""
+    from step2_reward.rw_eval import main as rw_eval_main
+
+    path = tiny_model_dir("llama")
+    model = RewardModel.from_causal_lm(path, load_tokenizer(path))
+    model.save_pretrained(tmp_path / "out" / "step2" / "model")
+    load_tokenizer(path).save_pretrained(tmp_path / "out" / "step2" / "model")
+    argv = ["--prompt", "Compute 3 + 4.", "--answer", "7", "--answer", "8"]
+    by_output_dir = rw_eval_main(["--model_name_or_path", str(tmp_path / "out"), *argv])
+    by_run = rw_eval_main(["--model_name_or_path", str(tmp_path / "out" / "step2"), *argv])
+    assert by_output_dir == by_run
+
+
 def test_pairwise_loss_value():
     chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
     expected = -(F.logsigmoid(torch.tensor(2.0)) + F.logsigmoid(torch.tensor(0.0))) / 2

@@ -42,9 +42,18 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 _FORMAT = "rlhf-reward-model"
 
 
+TRAIN_PY_REWARD_RUN = "step2"  # train.py's run folder of step 2 in its --output-dir
+
+
 def is_reward_model_dir(path: str | os.PathLike) -> bool:
     """Whether `path` (a folder, a run folder or a hub name already resolved) holds a saved reward model."""
     return (Path(resolve_model_path(str(path))) / MARKER_FILE).is_file()
+
+
+def resolve_reward_model(path: str) -> str:
+    """The reward model a folder holds: a train.py output folder its `step2/` run, anything else as given."""
+    step2 = Path(path) / TRAIN_PY_REWARD_RUN
+    return str(step2) if not is_reward_model_dir(path) and is_reward_model_dir(step2) else path
 
 
 def refuse_reward_model(name_or_path: str, flag: str | None = None) -> None:
