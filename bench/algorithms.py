@@ -14,6 +14,7 @@ generation + scoring + training time), `peak_memory_gb`, `ppo_steps`, `kl_exact_
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -58,14 +59,23 @@ def common_flags(args: argparse.Namespace) -> list[str]:
             "--seed", str(args.seed), "--dtype", args.dtype]
 
 
+def step1_flags(args: argparse.Namespace) -> list[str]:
+    return ["--model_name_or_path", "smollm2-135m", *common_flags(args), "--max_seq_len", "128",
+            "--per_device_train_batch_size", "8", "--learning_rate", str(args.sft_learning_rate),
+            "--num_warmup_steps", "2", "--max_steps", str(args.sft_steps), "--max_eval_samples", "32"]
+
+
+def step1_folder(args: argparse.Namespace) -> Path:
+    """Step 1's run folder, named by its flags: a finished one is reused only by a run asking for the same."""
+    digest = hashlib.sha256(json.dumps(step1_flags(args)).encode()).hexdigest()[:8]
+    return Path(args.work_dir) / f"step1-{digest}"
+
+
 def train_step1(args: argparse.Namespace) -> Path:
-    out = Path(args.work_dir) / "step1"
+    out = step1_folder(args)
     if not (out / "model" / "config.json").is_file():
-        run_child(SCRIPT, "step1_sft.main", [
-            "--model_name_or_path", "smollm2-135m", "--output_dir", str(out), *common_flags(args),
-            "--max_seq_len", "128", "--per_device_train_batch_size", "8",
-            "--learning_rate", str(args.sft_learning_rate), "--num_warmup_steps", "2", "--max_steps", str(args.sft_steps), "--max_eval_samples", "32",
-        ], Path(args.work_dir) / "step1_result.json")
+        run_child(SCRIPT, "step1_sft.main", [*step1_flags(args), "--output_dir", str(out)],
+                  out.with_name(f"{out.name}_result.json"))
     return out
 
 

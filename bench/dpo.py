@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     sources = [source for source in args.sources if source != "hh_rlhf_harmless" or HH_PAIRS.is_file()]
     if len(sources) < len(args.sources):
         print(f"skipping hh_rlhf_harmless: {HH_PAIRS} is not there (the shared data folder beside the repository)")
+    if not sources:  # a report of no rows would replace the committed one
+        raise SystemExit(f"no source left to compare on; nothing written to {args.output}")
     started = time.time()
     rows = []
     for source in sources:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = [report["settings"] for report in steps.values()]
     report = write_report(
         "pipeline", args, rows, started, device=device_name(current_device()),
-        train_command=" ".join(["train.py", *train_argv]), deployment=summary["deployment"],
+        train_command=shlex.join(["train.py", *train_argv]), deployment=summary["deployment"],
         model=config.actor_model, reward_model=config.reward_model,
         dtype=sorted({s["dtype"] for s in settings if "dtype" in s}),
         batch_size={step: next((report["settings"][k] for k in BATCH_SIZES if k in report["settings"]), None)

@@ -3,7 +3,7 @@ PPO on the same prompt token ids, in the same process.
 
     python bench/step3.py                                   # the quick run's models in runs/default
     python bench/step3.py --peer trl --output bench/results/step3_cpu_fp32.json
-    python bench/step3.py --dtype bf16 --backend hf --steps 4
+    python bench/step3.py --dtype bf16 --backend hf --num_prompts 32    # 4 PPO steps of 8
 
 Defaults follow issue 18's setting: SmolLM2-135M after the quick run's step 1 as actor and reference, its step-2
 reward model as reward model and critic, the first 48 hh-rlhf harmless prompts of at most 128 tokens, batch 8,

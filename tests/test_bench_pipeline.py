@@ -2,6 +2,7 @@
 quality, the PPO step's median phases) beside a reference run's. The pipeline itself is stubbed: what it writes
 (each step's args.json, step 3's metrics.jsonl) and returns (its summary) stand in for a run."""
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,10 @@ def test_a_run_is_reported_step_by_step_beside_the_reference(tmp_path, monkeypat
 
     faster = {**FIGURES, "2": {"eval_accuracy_before": 0.5, "eval_accuracy_after": 0.7}}
     monkeypatch.setattr(pipeline, "run", _fake_run(faster, 20.0))
+    passed = ["--output-dir", str(tmp_path / "gpu_run"), "--step1-args", "--max_steps 1 --max_train_samples 8"]
     report = pipeline.main(["--output", str(tmp_path / "gpu.json"), "--reference", str(tmp_path / "cpu.json"),
-                            "--", "--output-dir", str(tmp_path / "gpu_run")])
+                            "--", *passed])
+    assert shlex.split(report["train_command"])[-len(passed):] == passed  # pastes back as the command it ran
     rows = {(row["step"], row["figure"]): (row["value"], row["reference"]) for row in report["results"]}
     assert rows[("2", "eval_accuracy_after")] == (0.7, 0.88)
     assert rows[("1", "seconds")] == (20.0, 60.0)
@@ -68,3 +71,29 @@ def test_a_folder_that_holds_a_run_is_refused(tmp_path):
     (tmp_path / "old" / "step1" / "summary.json").write_text("{}")
     with pytest.raises(UserError, match="already holds a run"):
         pipeline.fresh_run_argv(["--output-dir", str(tmp_path / "old")])
+
+
+def test_the_dpo_bench_writes_nothing_when_no_source_is_left(tmp_path, monkeypatch):
+    """Without the shared hh-rlhf file it skipped that source, then wrote a report of no rows over the committed
+    bench/results/dpo_cpu.json (its default --output)."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))  # bench/dpo.py imports its neighbours as a script
+    monkeypatch.delitem(sys.modules, "dpo", raising=False)
+    import dpo
+
+    monkeypatch.setattr(dpo, "HH_PAIRS", tmp_path / "missing" / "pairs.jsonl")
+    output = tmp_path / "dpo.json"
+    with pytest.raises(SystemExit, match="no source left to compare on; nothing written"):
+        dpo.main(["--sources", "hh_rlhf_harmless", "--output", str(output)])
+    assert not output.exists()
+
+
+def test_the_algorithms_bench_reuses_a_step1_model_only_of_the_same_settings(monkeypatch):
+    """Its step-1 model lived in one folder, reused whatever --sft_steps, --sft_learning_rate or the task asked."""
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    import algorithms
+
+    folder = lambda *argv: algorithms.step1_folder(algorithms.parse_args(list(argv)))  # noqa: E731
+    assert folder() == folder() != folder("--sft_steps", "7") != folder("--sft_learning_rate", "1e-3")
+    assert folder() != folder("--difficulty", "3") and folder() != folder("--seed", "5")
