@@ -10,7 +10,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -18,7 +17,7 @@ from typing import IO, Iterator, Sequence
 
 import psutil
 
-from training.reliability.signals import EXIT_INTERRUPTED, record_signal
+from training.reliability.signals import EXIT_INTERRUPTED, handling_signals, record_signal
 from utils.errors import UserError
 
 from .deployment import DeploymentType
@@ -174,15 +173,8 @@ def _stop_requests_passed_on(process: subprocess.Popen) -> Iterator[list[signal.
         if signum == signal.SIGTERM:
             _signal_process_tree(process.pid, signal.SIGTERM)
 
-    if threading.current_thread() is not threading.main_thread():
+    with handling_signals((signal.SIGINT, signal.SIGTERM), take):
         yield taken
-        return
-    previous = {signum: signal.signal(signum, take) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield taken
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _signal_process_tree(pid: int, signum: signal.Signals) -> None:

@@ -18,13 +18,14 @@ lost there, and the run resumes from the previous one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import sys
 import threading
 from types import FrameType
-from typing import NoReturn, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from utils.dist import any_rank, get_world_size, print_rank0
 
@@ -72,25 +73,37 @@ def _launched_by_launcher() -> bool:
     return get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+@contextlib.contextmanager
+def handling_signals(signals: Sequence[signal.Signals],
+                     handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """`handler` for `signals` inside the block, the previous handlers after it; in the main thread only, where
+    Python runs signal handlers (elsewhere the block runs with the handlers as they are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, earlier in previous.items():
+            signal.signal(signum, earlier)
+
+
 class GracefulInterrupt:
     """Context manager that turns SIGINT/SIGTERM into a stop request at the next step boundary."""
 
     def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)):
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, object] = {}
+        self._handling = contextlib.ExitStack()
         self._on_receipt = "stopping after this step and saving a checkpoint"
 
     def __enter__(self) -> "GracefulInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._handle)
+        self._handling.enter_context(handling_signals(self.signals, self._handle))
         return self
 
     def __exit__(self, *exc_info) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        self._handling.close()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         signum = signal.Signals(signum)
