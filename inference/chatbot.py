@@ -25,7 +25,7 @@ from training.core.model_loading import (
 from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings
 from training.reliability.run_records import args_of_model
-from training.reliability.validation import check_generation_fits, model_max_positions
+from training.reliability.validation import check_generation_fits, generation_fits
 from utils.data.formatting import (
     PROMPT_FORMATS,
     render_human_assistant,
@@ -142,7 +142,7 @@ class ChatSession:
         """The conversation `history` (ending with the new message) as input ids, and the history kept: the oldest
         exchanges are dropped until it fits the model's positions with the answer. A new message that does not fit
         alone (with the system prompt) is refused: cut to fit, it lost its own question."""
-        positions = model_max_positions(self.model.config)
+        config, max_new_tokens = self.model.config, self.options.max_new_tokens
         while True:
             if self.style == "human_assistant":
                 text = render_human_assistant(self._turns(history))
@@ -150,10 +150,10 @@ class ChatSession:
                 text = self.tokenizer.apply_chat_template(self._turns(history), tokenize=False,
                                                           add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=self.style == "human_assistant", return_tensors="pt")["input_ids"]
-            if positions is None or ids.shape[1] + self.options.max_new_tokens <= positions[0]:
+            if generation_fits(config, ids.shape[1], max_new_tokens):
                 return ids, history
             if len(history) < 3:  # no earlier exchange left to drop
-                check_generation_fits(self.model.config, ids.shape[1], self.options.max_new_tokens,
+                check_generation_fits(config, ids.shape[1], max_new_tokens,
                                       "this message, with the system prompt and the chat format,")
             history = history[2:]
 

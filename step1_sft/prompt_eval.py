@@ -98,11 +98,12 @@ def generate_answers(
     tokenizer.padding_side = "left"
     answers: list[str] = []
     device = next(model.parameters()).device
-    for prompt in prompts:  # each alone: a batch is as wide as its longest prompt
-        length = len(tokenizer(render_prompt(formatter, prompt), add_special_tokens=add_special_tokens)["input_ids"])
-        check_generation_fits(model.config, length, settings.max_new_tokens, f"the prompt {prompt[:40]!r}")
+    rendered = [render_prompt(formatter, prompt) for prompt in prompts]
+    # each alone, before any generates: a batch is as wide as its longest prompt
+    for prompt, ids in zip(prompts, tokenizer(rendered, add_special_tokens=add_special_tokens)["input_ids"]):
+        check_generation_fits(model.config, len(ids), settings.max_new_tokens, f"the prompt {prompt[:40]!r}")
     for start in range(0, len(prompts), settings.batch_size):
-        texts = [render_prompt(formatter, p) for p in prompts[start : start + settings.batch_size]]
+        texts = rendered[start : start + settings.batch_size]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
         output = model.generate(**batch, **settings.generate_kwargs(), pad_token_id=tokenizer.pad_token_id,
                                 eos_token_id=tokenizer.eos_token_id)

@@ -203,10 +203,8 @@ def _data_versions(argv: list[str]) -> dict[str, list]:
     a changed file): rewritten under the same path, a finished step trained on other data. A source that cannot
     be read now is left to its step to name."""
     versions = {}
-    for flag, source, path in _local_data_paths(argv):
-        if not path.exists():
-            continue
-        try:
+    for flag, source, _ in _local_data_paths(argv):
+        try:  # a missing or unreadable source raises too
             fingerprint = text_source_fingerprint(source) if flag == UNSUPERVISED_FLAG \
                 else source_fingerprint(parse_source_spec(source))
         except UserError:

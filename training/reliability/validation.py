@@ -27,6 +27,7 @@ __all__ = [
     "estimate_output_bytes",
     "check_disk_space",
     "model_max_positions",
+    "generation_fits",
     "check_generation_fits",
     "check_sequence_lengths",
     "parse_data_split",
@@ -149,11 +150,17 @@ def model_max_positions(config) -> tuple[int, str] | None:
     return None
 
 
+def generation_fits(config, prompt_tokens: int, max_new_tokens: int) -> bool:
+    """Whether a prompt of `prompt_tokens` and `max_new_tokens` generated after it fit the model's positions."""
+    positions = model_max_positions(config)
+    return positions is None or prompt_tokens + max_new_tokens <= positions[0]
+
+
 def check_generation_fits(config, prompt_tokens: int, max_new_tokens: int, what: str) -> None:
     """Refuse a prompt (`what`, for the message) that, with `max_new_tokens` generated after it, passes the model's
     positions: generate would index past the position table, or a prompt cut to fit would lose its question."""
-    positions = model_max_positions(config)
-    if positions is not None and prompt_tokens + max_new_tokens > positions[0]:
+    if not generation_fits(config, prompt_tokens, max_new_tokens):
+        positions = model_max_positions(config)
         raise UserError(f"{what} is {prompt_tokens} tokens; with --max_new_tokens {max_new_tokens} that passes the "
                         f"model's {positions[0]} positions ({positions[1]}): shorten it or lower --max_new_tokens")
 
