@@ -39,7 +39,6 @@ from training.algorithms import (
     AdvantageEstimator,
     AdvantageInputs,
     FixedKLController,
-    apply_no_eos_penalty,
     compute_rewards,
     get_advantage_estimator,
     get_policy_loss,
@@ -48,6 +47,7 @@ from training.algorithms import (
     kl_from_logits,
     kl_loss,
     masked_mean,
+    sequence_rewards,
     whiten,
 )
 from training.core.answer_window import AnswerWindow, RowGroups
@@ -90,7 +90,8 @@ class PPOConfig:
         "help": "use raw advantages (gae's and reinforce_pp's are otherwise whitened over the generation batch of "
                 "every rank)"})
     no_eos_penalty: float = field(default=0.0, metadata={
-        "help": "subtract this from the score of answers cut off before emitting EOS"})
+        "help": "subtract this from the reward of answers cut off before emitting EOS (after the score's clip to "
+                "+-clip_reward_value)"})
     # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it; step 3's --temperature
     temperature: float = field(default=1.0, metadata={"flag": None})
     unsup_coef: float = field(default=27.8, metadata={
@@ -162,7 +163,7 @@ class Experience:
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
-    scores: torch.Tensor  # [B] reward-model score (after the no-EOS penalty, before clipping)
+    scores: torch.Tensor  # [B] the score (reward model, plus any --reward_fn), before the clip and the no-EOS penalty
     kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer (a KL estimate if sampled)
     ended_with_eos: torch.Tensor  # [B] bool
     exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
@@ -402,13 +403,6 @@ class PPOTrainer:
         """
         return self._rollout(prompt_batch, do_sample=False, with_exact_kl=True)
 
-    def _score(self, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-               metadata: list | None, ended_with_eos: torch.Tensor) -> Scores:
-        scores = self.scorer(sequences, attention_mask, prompt_length, metadata)
-        if self.config.no_eos_penalty:
-            scores.total = apply_no_eos_penalty(scores.total, ended_with_eos, self.config.no_eos_penalty)
-        return scores
-
     def generate_rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
                          on_finished: FinishedRowsHook | None = None) -> Rollout:
         """Answer a left-padded prompt batch (`n_samples_per_prompt` samples each, or one greedy answer), plus
@@ -520,22 +514,21 @@ class PPOTrainer:
                 with clock.time("score_critic"):
                     parts["old_values"] = groups.answer_values(engine.critic)
             if "reward" in roles:
-                ended_with_eos = rollout.ended_with_eos(self.eos_token_id)
                 with clock.time("score_reward"):
-                    parts["scores"] = self._score(sequences, attention_mask, prompt_length, rollout.row_metadata,
-                                                  ended_with_eos)
+                    parts["scores"] = self.scorer(sequences, attention_mask, prompt_length, rollout.row_metadata)
                 if rollout.greedy is not None:
                     parts["baseline"] = self.baseline_scores(rollout)
         return parts
 
     @torch.no_grad()
     def baseline_scores(self, rollout: Rollout) -> torch.Tensor:
-        """ReMax's baseline: each prompt's greedy answer's clipped score, repeated for its sampled rows."""
+        """ReMax's baseline: each prompt's greedy answer's reward (`sequence_rewards`: its score clipped, less the
+        no-EOS penalty), repeated for its sampled rows."""
         greedy = rollout.greedy
-        scores = self._score(greedy.sequences, greedy.attention_mask, greedy.prompt_length, rollout.prompt_metadata,
-                             greedy.ended_with_eos(self.eos_token_id))
-        clipped = scores.total.clamp(-self.config.clip_reward_value, self.config.clip_reward_value)
-        return repeat_per_prompt(clipped, rollout.samples_per_prompt)
+        scores = self.scorer(greedy.sequences, greedy.attention_mask, greedy.prompt_length, rollout.prompt_metadata)
+        rewards = sequence_rewards(scores.total, self.config.clip_reward_value,
+                                   greedy.ended_with_eos(self.eos_token_id), self.config.no_eos_penalty)
+        return repeat_per_prompt(rewards, rollout.samples_per_prompt)
 
     def assemble_experience(self, rollout: Rollout, parts: Mapping[str, Any]) -> Experience:
         """Rewards, KL, advantages and returns from one rollout's scoring outputs (no model call)."""
@@ -544,8 +537,10 @@ class PPOTrainer:
         scores: Scores = parts["scores"]
         old_logprobs, ref_logprobs = parts["old_logprobs"], parts["ref_logprobs"]
         reward_kl_coef = 0.0 if config.kl_in_loss else self.kl_controller.value
+        ended_with_eos = rollout.ended_with_eos(self.eos_token_id)
         rewards, kl = compute_rewards(scores.total, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
-                                      config.clip_reward_value, config.kl_estimator)
+                                      config.clip_reward_value, config.kl_estimator, ended_with_eos,
+                                      config.no_eos_penalty)
         if rollout.do_sample:
             inputs = AdvantageInputs(rewards, action_mask, parts.get("old_values"), rollout.group_index,
                                      parts.get("baseline"))
@@ -554,7 +549,7 @@ class PPOTrainer:
             advantages, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
         return Experience(rollout.sequences, rollout.attention_mask, rollout.prompt_length, action_mask, old_logprobs,
                           ref_logprobs, parts.get("old_values"), rewards, advantages, returns, scores.total, kl,
-                          rollout.ended_with_eos(self.eos_token_id), parts.get("exact_kl"), rollout.group_index,
+                          ended_with_eos, parts.get("exact_kl"), rollout.group_index,
                           scores.function)
 
     @torch.no_grad()

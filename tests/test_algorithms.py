@@ -12,7 +12,6 @@ from training.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     actor_loss,
-    apply_no_eos_penalty,
     compute_advantages_and_returns,
     compute_rewards,
     critic_loss,
@@ -25,6 +24,7 @@ from training.algorithms import (
     kl_loss,
     masked_mean,
     register_advantage_estimator,
+    sequence_rewards,
     whiten,
 )
 from training.core.sequences import token_logprobs
@@ -170,6 +170,17 @@ def test_whiten_uses_only_masked_entries():
     torch.testing.assert_close(masked_mean(kept, mask), masked_mean(x, mask))
 
 
+def test_bf16_values_are_counted_and_summed_in_fp32():
+    """A bf16 mask counted 2056 tokens as 2048: the mean was 0.2% off and a whitened batch's mean -0.008."""
+    torch.manual_seed(0)
+    x = torch.rand(8, 257) * 3
+    mask = torch.ones_like(x)
+    mask[:, -1] = 0  # 2056 tokens
+    torch.testing.assert_close(masked_mean(x.bfloat16(), mask), x.bfloat16().float()[:, :-1].mean())
+    [out] = whiten([x.bfloat16()], [mask])
+    assert abs(masked_mean(out, mask).item()) < 1e-4
+
+
 def test_whitening_pieces_together_is_whitening_them_as_one_batch():
     """Two generation batches' pieces (of different widths) take the statistics of all their masked entries."""
     torch.manual_seed(0)
@@ -212,9 +223,14 @@ def test_whitening_over_ranks_takes_every_ranks_rows_together(tmp_path):
         torch.testing.assert_close(rank["out"], want)
 
 
-def test_no_eos_penalty_only_hits_unfinished_answers():
-    out = apply_no_eos_penalty(torch.tensor([1.0, 1.0]), torch.tensor([True, False]), penalty=2.0)
-    torch.testing.assert_close(out, torch.tensor([1.0, -1.0]))
+def test_the_no_eos_penalty_hits_unfinished_answers_whole_after_the_clip():
+    """The penalty came before the clip: a cut-off answer scored at or beyond the clip range kept a finished
+    answer's reward."""
+    scores = torch.tensor([8.0, 8.0, 5.5, 2.0, -7.0])
+    ended = torch.tensor([True, False, False, False, False])
+    out = sequence_rewards(scores, clip_reward_value=5.0, ended_with_eos=ended, no_eos_penalty=1.0)
+    torch.testing.assert_close(out, torch.tensor([5.0, 4.0, 4.0, 1.0, -6.0]))
+    torch.testing.assert_close(sequence_rewards(scores, 5.0), torch.tensor([5.0, 5.0, 5.0, 2.0, -5.0]))
 
 
 def test_adaptive_kl_controller_direction_and_resume():

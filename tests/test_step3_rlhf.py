@@ -149,12 +149,11 @@ def test_experience_places_reward_and_kl_on_the_right_tokens(distributed, inputs
     action = experience.action_mask.bool()
     torch.testing.assert_close(experience.old_logprobs[action], actor_lp[action], atol=1e-5, rtol=0)
     torch.testing.assert_close(experience.ref_logprobs[action], ref_lp[action], atol=1e-5, rtol=0)
-    expected_scores = raw - torch.tensor([0.0, 1.0])  # the cut-off answer pays the no-EOS penalty
-    torch.testing.assert_close(experience.scores, expected_scores, atol=1e-5, rtol=0)
+    torch.testing.assert_close(experience.scores, raw, atol=1e-5, rtol=0)
 
     expected = torch.where(action, -kl_ctl * (actor_lp - ref_lp), torch.zeros_like(actor_lp))
-    expected[0, 3] += expected_scores[0].clamp(-clip, clip)  # the EOS is row 0's last action
-    expected[1, 4] += expected_scores[1].clamp(-clip, clip)
+    expected[0, 3] += raw[0].clamp(-clip, clip)  # the EOS is row 0's last action
+    expected[1, 4] += raw[1].clamp(-clip, clip) - 1.0  # the cut-off answer pays the whole no-EOS penalty
     torch.testing.assert_close(experience.rewards, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(experience.kl, ((actor_lp - ref_lp) * action).sum(-1), atol=1e-5, rtol=0)
 

@@ -30,10 +30,10 @@ from training.algorithms.kl import (
     KL_ESTIMATORS,
     LOSS_ESTIMATOR,
     NO_GRADIENT_AS_LOSS,
-    apply_no_eos_penalty,
     compute_rewards,
     kl_from_logits,
     kl_loss,
+    sequence_rewards,
 )
 from training.algorithms.losses import (
     POLICY_LOSSES,

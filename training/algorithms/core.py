@@ -17,30 +17,32 @@ from utils.dist import get_world_size, is_initialized
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `x` where `mask` is 1 (over all elements, or along `dim`); NaN-safe for masked-out entries."""
+    """Mean of `x` where `mask` is 1 (over all elements, or along `dim`), in fp32; NaN-safe for masked-out entries."""
     total, count = _masked_totals(x, mask, dim)
     return total / count.clamp(min=1.0)
 
 
 def _masked_totals(x: torch.Tensor, mask: torch.Tensor,
                    dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sum of `x` where `mask` is 1 and the number of such entries (over all elements, or along `dim`)."""
-    mask = mask.to(x.dtype)
-    masked = torch.where(mask.bool(), x, torch.zeros_like(x))
-    return (masked.sum(), mask.sum()) if dim is None else (masked.sum(dim), mask.sum(dim))
+    """The sum of `x` where `mask` is 1 and the number of such entries (over all elements, or along `dim`), in fp32:
+    a bf16 count stops at 256 exact steps (2056 tokens counted as 2048)."""
+    mask = mask.bool()
+    masked = torch.where(mask, x.float(), 0.0)
+    count = mask.float()
+    return (masked.sum(), count.sum()) if dim is None else (masked.sum(dim), count.sum(dim))
 
 
 def whiten(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool = False,
            shift_mean: bool = True, eps: float = 1e-8) -> list[torch.Tensor]:
     """Normalise the tensors `xs` together to unit variance (and zero mean if `shift_mean`) over their masked
-    entries only, and over every rank's with `over_ranks` (collective: every rank calls it); masked-out entries
-    become 0. One tensor on one rank gets exactly the numbers of its own `masked_mean`s."""
+    entries only, and over every rank's with `over_ranks` (collective: every rank calls it), in fp32; masked-out
+    entries become 0. One tensor on one rank gets exactly the numbers of its own `masked_mean`s."""
     mean = _pooled_mean(xs, masks, over_ranks)
-    var = _pooled_mean([(x - mean) ** 2 for x in xs], masks, over_ranks)
+    var = _pooled_mean([(x.float() - mean) ** 2 for x in xs], masks, over_ranks)
     scale = torch.rsqrt(var + eps)
     out = []
     for x, mask in zip(xs, masks):
-        normalised = (x - mean) * scale
+        normalised = (x.float() - mean) * scale
         if not shift_mean:
             normalised = normalised + mean
         out.append(torch.where(mask.bool(), normalised, torch.zeros_like(normalised)))

@@ -79,10 +79,12 @@ def compute_rewards(
     kl_coef: float,
     clip_reward_value: float,
     kl_estimator: str = "k1",
+    ended_with_eos: torch.Tensor | None = None,
+    no_eos_penalty: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: -kl_coef * the `kl_estimator` estimate on every answer token (pass kl_coef 0 when
-    the KL is a loss term instead), plus the score clipped to [-clip_reward_value, clip_reward_value] on the
-    last answer token.
+    the KL is a loss term instead), plus the answer's `sequence_rewards` (its score clipped, less the no-EOS
+    penalty) on the last answer token.
 
     reward_scores [B], logprobs/ref_logprobs/action_mask [B, T] -> (rewards [B, T], kl [B]) where
     kl is each sequence's summed log-ratio over its answer (the k1 sample KL estimate, whatever the penalty).
@@ -93,7 +95,7 @@ def compute_rewards(
     penalty = log_ratio if kl_estimator == "k1" else torch.where(
         mask, KL_ESTIMATORS.get(kl_estimator)(logprobs, ref_logprobs), torch.zeros_like(log_ratio))
     rewards = -kl_coef * penalty
-    clipped = reward_scores.float().clamp(-clip_reward_value, clip_reward_value)
+    clipped = sequence_rewards(reward_scores, clip_reward_value, ended_with_eos, no_eos_penalty)
     has_answer = mask.any(-1)
     last = last_token_index(action_mask)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
@@ -101,9 +103,15 @@ def compute_rewards(
     return rewards, log_ratio.sum(-1)
 
 
-def apply_no_eos_penalty(scores: torch.Tensor, ended_with_eos: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Subtract `penalty` from the reward-model score of every answer that never emitted EOS (cut off at the length limit)."""
-    return torch.where(ended_with_eos.bool(), scores, scores - penalty)
+def sequence_rewards(scores: torch.Tensor, clip_reward_value: float, ended_with_eos: torch.Tensor | None = None,
+                     no_eos_penalty: float = 0.0) -> torch.Tensor:
+    """Each answer's reward: its score clipped to [-clip_reward_value, clip_reward_value], less `no_eos_penalty`
+    where it never emitted EOS (cut off at the length limit). The penalty comes after the clip: before it, a score
+    at or beyond the clip range lost it in part or whole, and a cut-off answer was rewarded as a finished one."""
+    clipped = scores.float().clamp(-clip_reward_value, clip_reward_value)
+    if ended_with_eos is None or not no_eos_penalty:
+        return clipped
+    return torch.where(ended_with_eos.bool(), clipped, clipped - no_eos_penalty)
 
 
 class FixedKLController:
