@@ -39,6 +39,7 @@ from training.algorithms import (
     AdvantageEstimator,
     AdvantageInputs,
     FixedKLController,
+    answer_mean_mask,
     compute_rewards,
     get_advantage_estimator,
     get_policy_loss,
@@ -68,7 +69,7 @@ from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-LOSS_AGG_MODES = ("token_mean", "micro_batch_token_mean")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "micro_batch_token_mean")
 
 
 @dataclass
@@ -120,9 +121,10 @@ class PPOConfig:
     loss_agg_mode: str = field(default="token_mean", metadata={
         "choices": LOSS_AGG_MODES,
         "help": "how an optimizer step averages the actor's and critic's per-token losses: token_mean, over all its "
-                "answer tokens on every rank and accumulated micro-batch (verl's); micro_batch_token_mean, each "
-                "micro-batch's token mean alike (DeepSpeed-Chat's: a token of a micro-batch of short answers weighs "
-                "more)"})
+                "answer tokens on every rank and accumulated micro-batch (verl's); seq_mean_token_mean, each "
+                "answer's token mean, then the mean over all the step's answers alike (the GRPO paper's: a token "
+                "of a short answer weighs more); micro_batch_token_mean, each micro-batch's token mean alike "
+                "(DeepSpeed-Chat's: a token of a micro-batch of short answers weighs more)"})
     recompute_old_logprobs: bool = field(default=False, metadata={
         "help": "always take the old log-probs from a forward of the actor after generation, even when the "
                 "generator's own log-probs are at parity with the training forward (fp32) and are reused"})
@@ -577,8 +579,16 @@ class PPOTrainer:
         if self.config.loss_agg_mode == "micro_batch_token_mean":
             return [1.0] * len(parts)
         model = self.engine.actor if role == "actor" else self.engine.critic
-        tokens = [int(part.action_mask.sum().item()) for part in parts]
-        return accumulation_weights(tokens, model.gradient_accumulation_steps(), self._group(role))
+        if self.config.loss_agg_mode == "seq_mean_token_mean":
+            items = [int(part.action_mask.any(-1).sum().item()) for part in parts]
+        else:
+            items = [int(part.action_mask.sum().item()) for part in parts]
+        return accumulation_weights(items, model.gradient_accumulation_steps(), self._group(role))
+
+    def loss_mask(self, action_mask: torch.Tensor) -> torch.Tensor:
+        """The mask a micro-batch's losses and their statistics are averaged over: its answer tokens, or under
+        `seq_mean_token_mean` each answer's tokens weighing 1 / its length (`answer_mean_mask`)."""
+        return answer_mean_mask(action_mask) if self.config.loss_agg_mode == "seq_mean_token_mean" else action_mask
 
     def train_rlhf(self, experience: Experience, unsupervised_batch: Mapping[str, torch.Tensor] | None = None,
                    actor_weight: float = 1.0, critic_weight: float = 1.0) -> dict[str, float]:
@@ -607,7 +617,7 @@ class PPOTrainer:
                      weight: float) -> dict[str, float]:
         config = self.config
         actor = self.engine.actor
-        mask = experience.action_mask
+        mask = self.loss_mask(experience.action_mask)
         step = actor.global_steps + 1
 
         groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length, (actor,))
@@ -638,7 +648,7 @@ class PPOTrainer:
         with self.clock.time("train_critic"):
             groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length, (critic,))
             value = self.value_loss(groups.answer_values(critic), experience.old_values, experience.returns,
-                                    experience.action_mask, self.config)
+                                    self.loss_mask(experience.action_mask), self.config)
             check_finite("critic loss", value.loss, critic.global_steps + 1, group=self._group("critic"))
             critic.backward(value.loss * weight)
             step_engine(critic, "critic")

@@ -469,6 +469,26 @@ def test_an_accumulated_ppo_step_averages_over_all_its_answer_tokens_under_token
             assert split_stats[key] == pytest.approx(whole_stats[key], rel=1e-5, abs=1e-7), key
 
 
+def test_seq_mean_token_mean_weighs_each_answer_alike_in_any_accumulation(distributed, inputs, monkeypatch):
+    """The GRPO paper's mean (`--loss_agg_mode seq_mean_token_mean`): each answer's token mean, then the mean over
+    the step's answers. Answers of 4 and 1 tokens, in one micro-batch or two accumulated ones, give the same
+    gradients, those of DeepSpeed-Chat's per-micro-batch mean over micro-batches of one answer each, and not
+    token_mean's; the logged losses are the same in both splits."""
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    whole, whole_stats = ppo_step_gradients(inputs, monkeypatch, 2, 1, "seq_mean_token_mean")
+    split, split_stats = ppo_step_gradients(inputs, monkeypatch, 1, 2, "seq_mean_token_mean")
+    per_answer, _ = ppo_step_gradients(inputs, monkeypatch, 1, 2, "micro_batch_token_mean")
+    per_token, _ = ppo_step_gradients(inputs, monkeypatch, 2, 1, "token_mean")
+    for role in ("actor", "critic"):
+        assert relative(split[role], whole[role]) < 1e-5, role
+        assert relative(per_answer[role], whole[role]) < 1e-5, role
+        assert relative(per_token[role], whole[role]) > 1e-2, role
+        loss = f"train/{role}_loss"
+        assert split_stats[loss] == pytest.approx(whole_stats[loss], rel=1e-5, abs=1e-7)
+
+
 def exact_kl_along_greedy_answers(engine: RLHFEngine, trainer: PPOTrainer, prompts: dict[str, torch.Tensor]) -> float:
     """Mean over answers of the sum over the greedy answer's positions of KL(actor || reference) between
     the full next-token distributions, from plain log-softmaxes of both models."""

@@ -23,7 +23,7 @@ from training.algorithms.advantages import (
     get_advantage_estimator,
     register_advantage_estimator,
 )
-from training.algorithms.core import entropy_from_logits, masked_mean, whiten
+from training.algorithms.core import answer_mean_mask, entropy_from_logits, masked_mean, whiten
 from training.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,

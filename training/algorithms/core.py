@@ -17,19 +17,26 @@ from utils.dist import get_world_size, is_initialized
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `x` where `mask` is 1 (over all elements, or along `dim`), in fp32; NaN-safe for masked-out entries."""
+    """Mean of `x` where `mask` is non-zero, each entry weighed by its mask value (a 0/1 mask: the plain mean of the
+    masked entries), over all elements or along `dim`, in fp32; NaN-safe for masked-out entries."""
     total, count = _masked_totals(x, mask, dim)
-    return total / count.clamp(min=1.0)
+    return total / torch.where(count > 0, count, 1.0)
+
+
+def answer_mean_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A weight mask that makes `masked_mean` the mean over answers of each answer's token mean: each of a row's
+    masked tokens weighs 1 / its row's count (a row with none weighs nothing)."""
+    counts = mask.float().sum(-1, keepdim=True)
+    return mask.float() / counts.clamp(min=1.0)
 
 
 def _masked_totals(x: torch.Tensor, mask: torch.Tensor,
                    dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sum of `x` where `mask` is 1 and the number of such entries (over all elements, or along `dim`), in fp32:
-    a bf16 count stops at 256 exact steps (2056 tokens counted as 2048)."""
-    mask = mask.bool()
-    masked = torch.where(mask, x.float(), 0.0)
-    count = mask.float()
-    return (masked.sum(), count.sum()) if dim is None else (masked.sum(dim), count.sum(dim))
+    """The sum of `x` weighed by `mask` where it is non-zero, and the sum of the weights (over all elements, or
+    along `dim`), in fp32: a bf16 count stops at 256 exact steps (2056 tokens counted as 2048)."""
+    weight = mask.float()
+    masked = torch.where(weight != 0, x.float(), 0.0) * weight
+    return (masked.sum(), weight.sum()) if dim is None else (masked.sum(dim), weight.sum(dim))
 
 
 def whiten(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool = False,
