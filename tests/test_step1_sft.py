@@ -154,6 +154,15 @@ def test_a_bad_flag_value_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
     assert "--max_steps must be positive" in capsys.readouterr().err
 
 
+def test_a_held_out_part_left_empty_is_said(distributed, tiny_model_dir, tmp_path, caplog):
+    """--eval_fraction 0.1 of a 1-record shard holds out nothing: the run finished with null held-out metrics and
+    no word why."""
+    data = write_arithmetic_jsonl(tmp_path / "d.jsonl", 2)
+    with caplog.at_level("WARNING"):
+        main(_args(tiny_model_dir("llama"), data, tmp_path, "--max_steps", "1"))
+    assert "--eval_fraction 0.1 held out no item of this step's 1" in caplog.text, caplog.text
+
+
 def test_a_resume_on_other_data_is_refused(distributed, tiny_model_dir, tmp_path, capsys):
     """The data file was rewritten under the same --data_path between the run and its resume: the checkpointed
     position, shuffle and schedule belong to the old rows, so the resume is refused, naming what changed."""
