@@ -66,6 +66,17 @@ def test_a_reply_is_written_as_the_chat_template_writes_it_after_the_prompt(temp
     assert tokenizer.decode(item["input_ids"]) == sft_text
 
 
+@pytest.mark.parametrize("template", [LLAMA2_STYLE, None])
+def test_a_reply_that_holds_the_eos_text_is_kept_whole(chat_tok, template):
+    """The reply ended at the first EOS text in what the template wrote: one that quotes it (ChatML's <|im_end|>,
+    or Llama-2's </s> closing an HTML <s> tag) was cut there, and trained to end after its first half."""
+    tokenizer = make_tokenizer(chat_template=False, with_pad=True)
+    tokenizer.chat_template = template or chat_tok.chat_template
+    reply = "In ChatML each turn ends in <|im_end|> and the next starts with <|im_start|>. That is all."
+    row = PromptFormatter(tokenizer, "chat_template").row(Sample(TURNS, reply, "No."))
+    assert row["chosen"] == (f" {reply} " if template else reply) and row["rejected"].strip() == "No."
+
+
 def test_fallback_is_deepspeed_chat_human_assistant(plain_tok, chat_tok):
     for formatter in (PromptFormatter(plain_tok, "auto"), PromptFormatter(chat_tok, "human_assistant"), PromptFormatter(None)):
         row = formatter.row(Sample(TURNS, "Why?"))

@@ -58,10 +58,10 @@ class PromptFormatter:
         tokenisation appends the EOS token after it.
 
         Under a chat template that is what the template writes for the reply after the generation prompt, up to
-        its EOS text: some decorate a reply (Llama-2's " reply "), and one whose turns end in another token than
-        the EOS (Gemma's <end_of_turn>) keeps it, so the model learns the format it is served in. A template that
-        renders the conversation otherwise than prompt + reply (one that rewrites earlier turns) gets the reply as
-        it is."""
+        the EOS text it writes after the reply (the reply itself may quote that text, as HTML's </s> does): some
+        decorate a reply (Llama-2's " reply "), and one whose turns end in another token than the EOS (Gemma's
+        <end_of_turn>) keeps it, so the model learns the format it is served in. A template that renders the
+        conversation otherwise than prompt + reply (one that rewrites earlier turns) gets the reply as it is."""
         if reply is None:
             return None
         if self.style == "human_assistant":
@@ -75,7 +75,8 @@ class PromptFormatter:
         if not written.startswith(prompt):
             return reply
         written = written[len(prompt):]
-        end = written.find(self.tokenizer.eos_token)
+        reply_end = written.find(reply) + len(reply) if reply in written else 0
+        end = written.find(self.tokenizer.eos_token, reply_end)  # not an EOS text the reply quotes
         return written[:end] if end >= 0 else written
 
     def row(self, sample: Sample) -> dict:
