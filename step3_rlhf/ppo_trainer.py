@@ -95,8 +95,10 @@ class PPOConfig:
                 "+-clip_reward_value)"})
     # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it; step 3's --temperature
     temperature: float = field(default=1.0, metadata={"flag": None})
-    unsup_coef: float = field(default=27.8, metadata={
-        "help": "weight of the pretraining LM loss added to the actor's PPO loss (PPO-ptx)"})
+    unsup_coef: float = field(default=0.05, metadata={
+        "help": "weight of the pretraining LM loss added to the actor's PPO loss, in one objective and one optimizer "
+                "step (PPO-ptx; OpenRLHF's 0.05: DeepSpeed-Chat's 27.8 belongs to a step of its own, where Adam "
+                "cancels the scale, and here would make the language-model gradient ~26x the policy's)"})
     algorithm: str = field(default="ppo", metadata={
         "choices": tuple(RL_ALGORITHMS.names()),
         "help": "the RL algorithm: its advantage estimator and the defaults of --n_samples_per_prompt, --kl_in_loss "

@@ -376,6 +376,30 @@ def text_batch(tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:
         [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids])
 
 
+def test_the_default_ptx_coefficient_leaves_the_policy_gradient_in_charge(distributed, inputs):
+    """The pretraining loss joins the policy loss in one objective (OpenRLHF's way, coefficient 0.05), not in an
+    optimizer step of its own, where Adam cancels a coefficient's scale (DeepSpeed-Chat's way, and its 27.8). At
+    27.8 the language-model gradient was 26 times the policy's on SmolLM2, and the step nearly orthogonal to it."""
+    engine = build_engine(inputs)
+    tokenizer = engine.tokenizer
+    eos = tokenizer.eos_token_id
+    answers = torch.tensor([[5, 6, 7, eos, 9], [10, 11, 12, 13, 14], [15, eos, 17, 18, 19], [20, 21, 22, 23, eos]])
+    trainer = PPOTrainer(engine, FixedAnswers(answers, eos, tokenizer.pad_token_id), PPOConfig(max_answer_seq_len=5))
+    experience = trainer.generate_experience(prompt_batch(tokenizer, 4))
+    module = engine.actor.module
+    parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
+
+    def gradient_norm(loss: torch.Tensor) -> float:
+        return torch.cat([grad.flatten() for grad in torch.autograd.grad(loss, parameters)]).norm().item()
+
+    logprobs = answer_logprobs(module, experience.sequences, experience.attention_mask, experience.prompt_length)
+    policy = actor_loss(logprobs, experience.old_logprobs, experience.advantages, experience.action_mask, 0.2).loss
+    text = text_batch(tokenizer, ["The quick brown fox jumps over the lazy dog.", "how are you today"])
+    language_model = module(**text, use_cache=False).loss
+    ratio = PPOConfig().unsup_coef * gradient_norm(language_model) / gradient_norm(policy)
+    assert ratio < 0.5, ratio
+
+
 def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed, inputs):
     """PPO-ptx optimises InstructGPT's one objective: each PPO micro-batch takes ONE actor step on
     policy loss + unsup_coef * LM loss (not a PPO step, then an LM step), and the EMA follows it."""
