@@ -257,8 +257,6 @@ def run_step3(args: Step3Settings) -> dict:
         checkpoints.check_data({name: data_record(stream.dataset) for name, stream in streams.items()
                                 if stream is not None}, args.checkpoints.resume)
         total_steps = count_ppo_steps(args, prompts)
-        # after every check, so a refused run never overwrites an earlier one's
-        save_run_args(run_dir, given)  # what --placement auto changed is in its AUTO_PLAN_FILE
         optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
         groups = PlacementGroups(placement) if placement is not None else None
         engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps, groups)
@@ -268,6 +266,9 @@ def run_step3(args: Step3Settings) -> dict:
         reward_fn = load_reward_fn(args.rewards.reward_fn) if args.rewards.reward_fn is not None else None
         fusion = args.placement.stage_fusion_micro_batch_size if args.placement.enable_stage_fusion else 0
         trainer = PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef, fusion)
+        # after every check (the models' LoRA and vocabulary ones included), so a refused run never overwrites an
+        # earlier one's
+        save_run_args(run_dir, given)  # what --placement auto changed is in its AUTO_PLAN_FILE
         metrics = MetricsLogger(run_dir)
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s%s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,

@@ -743,6 +743,26 @@ def test_critic_without_a_value_head_is_refused(distributed, inputs, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--actor_lora_dim", "4", "--actor_lora_module_name", "nosuch."], "--actor_lora_module_name 'nosuch.' matches"),
+    (["--critic_only_optimize_lora"], "--critic_only_optimize_lora needs --critic_lora_dim > 0")])
+def test_a_model_flag_refused_at_load_leaves_the_run_folders_record_and_names_the_models_flag(
+        distributed, inputs, tmp_path, capsys, flags, message):
+    """The LoRA checks run as the models load, after args.json was written: a rerun into a finished run's folder
+    refused there rewrote its record of flags (the finished run's weights then matched no record), and a module
+    name matching nothing was reported as --lora_module_name, a flag step 3 does not have."""
+    from step3_rlhf.main import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "args.json").write_text('{"earlier": "run"}')
+    with pytest.raises(SystemExit) as stop:
+        main(step3_argv(inputs, run, "--max_steps", "1", *flags))
+    assert stop.value.code == EXIT_USER_ERROR
+    assert message in capsys.readouterr().err
+    assert json.loads((run / "args.json").read_text()) == {"earlier": "run"}
+
+
 @pytest.mark.parametrize("truncation", [["--top_p", "0.9"], ["--top_k", "20"]])
 def test_truncated_sampling_for_rollouts_is_refused_with_the_reason(distributed, inputs, tmp_path, capsys, truncation):
     from step3_rlhf.main import main

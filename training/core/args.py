@@ -326,7 +326,7 @@ def apply_model_options(
             model.config.use_cache = False
     if config.lora_dim > 0:
         model = apply_lora(model, config.lora_dim, lora_module_name=config.lora_module_name,
-                           only_optimize_lora=config.only_optimize_lora)
+                           only_optimize_lora=config.only_optimize_lora, flag_prefix=flag_prefix)
         for name, param in model.named_parameters():
             if any(head in name for head in trainable_heads):
                 param.requires_grad_(True)

@@ -11,8 +11,9 @@ from utils.errors import UserError
 _LINEAR_TYPES = (torch.nn.Linear, Conv1D)
 
 
-def lora_target_modules(model: torch.nn.Module, lora_module_name: str) -> list[str]:
-    """Full names of the linear layers whose path contains `lora_module_name` (never the LM head)."""
+def lora_target_modules(model: torch.nn.Module, lora_module_name: str, flag_prefix: str = "") -> list[str]:
+    """Full names of the linear layers whose path contains `lora_module_name` (never the LM head); `flag_prefix`
+    names the model's flag in the error (`actor_`)."""
     names = [
         name
         for name, module in model.named_modules()
@@ -20,7 +21,7 @@ def lora_target_modules(model: torch.nn.Module, lora_module_name: str) -> list[s
     ]
     if not names:
         raise UserError(
-            f"--lora_module_name {lora_module_name!r} matches no linear layer of this model; "
+            f"--{flag_prefix}lora_module_name {lora_module_name!r} matches no linear layer of this model; "
             "pick a substring of its layer names such as 'layers.' (Llama), 'h.' (GPT-2) or 'decoder.layers.' (OPT)"
         )
     return names
@@ -33,13 +34,15 @@ def apply_lora(
     only_optimize_lora: bool = False,
     lora_alpha: float | None = None,
     lora_dropout: float = 0.0,
+    flag_prefix: str = "",
 ) -> PeftModel:
     """Wrap `model` with LoRA adapters of rank `lora_dim`, in the dtype of the weights they adapt.
 
     peft would make them fp32 beside bf16 weights, which DeepSpeed ZeRO-3 refuses (it partitions one dtype: an
     AssertionError in `deepspeed.initialize`) and ZeRO-1/2 cast to bf16 anyway; the optimizers keep fp32 masters
     of them as of every trained weight. peft freezes the base weights; unless `only_optimize_lora`, they are made
-    trainable again so the adapters and the base train together (DeepSpeed-Chat's default).
+    trainable again so the adapters and the base train together (DeepSpeed-Chat's default). `flag_prefix` names
+    the model's flags in errors (`actor_`).
     """
     if lora_dim <= 0:
         raise ValueError("lora_dim must be positive")
@@ -47,7 +50,7 @@ def apply_lora(
         r=lora_dim,
         lora_alpha=lora_alpha if lora_alpha is not None else lora_dim,
         lora_dropout=lora_dropout,
-        target_modules=lora_target_modules(model, lora_module_name),
+        target_modules=lora_target_modules(model, lora_module_name, flag_prefix),
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         bias="none",
     )
