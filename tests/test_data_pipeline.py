@@ -99,6 +99,57 @@ def test_zero_share_for_the_built_step_is_a_user_error(tmp_path, tok):
         build_phase_datasets(2, [path], "1,0,1", tok, 64, 0, str(tmp_path / "cache"))
 
 
+def test_a_shard_without_records_says_so(tmp_path, tok):
+    """8,1,1 of six records gives step 2 none: the error said only "no usable rows; skipped: {}"."""
+    path = write_pairs(tmp_path / "six.jsonl", 6, "six")
+    with pytest.raises(UserError, match=r"its step-2 shard holds 0 of its 6 records \(--data_split 8,1,1\)"):
+        build_phase_datasets(2, [path], "8,1,1", tok, 64, 0, str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("phase, hint, not_hint", [
+    (1, "raise --max_seq_len", "--max_prompt_seq_len"),
+    (2, "raise --max_seq_len", "--prompt_overflow"),
+    (3, "raise --max_prompt_seq_len or use --prompt_overflow left_truncate", "--max_seq_len"),
+])
+def test_no_training_items_left_names_the_flag_that_limits_this_step(tmp_path, tok, phase, hint, not_hint):
+    """Steps 1 and 2 drop a prompt at --max_seq_len; only step 3 reads --max_prompt_seq_len and --prompt_overflow,
+    which every step's hint named."""
+    rows = [{"prompt": f"question {i} " + "lorem ipsum " * 40, "chosen": "a", "rejected": "b"} for i in range(30)]
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError, match="no step-.* training items") as error:
+        build_phase_datasets(phase, [str(tmp_path / "long.jsonl")], "1,1,1", tok, 64, 0, str(tmp_path / "cache"),
+                             max_prompt_seq_len=64)
+    assert hint in str(error.value) and not_hint not in str(error.value)
+
+
+def test_no_training_items_left_when_eval_fraction_holds_out_the_whole_shard(tmp_path, tok):
+    path = write_pairs(tmp_path / "six.jsonl", 6, "six")
+    with pytest.raises(UserError, match="--eval_fraction 0.9 holds out every record") as error:
+        build_phase_datasets(1, [path], "1,1,1", tok, 64, 1, str(tmp_path / "cache"), eval_fraction=0.9)
+    assert "--max_seq_len" not in str(error.value)
+
+
+def test_no_training_items_left_when_every_training_row_is_skipped(tmp_path, tok):
+    path = tmp_path / "two.jsonl"  # seed 0 trains on the first record, which has no reply, and holds out the second
+    path.write_text(json.dumps({"prompt": "p0"}) + "\n" + json.dumps({"prompt": "p1", "chosen": "c1"}) + "\n")
+    with pytest.raises(UserError, match="no step-1 training items: every record left for training was skipped"):
+        build_phase_datasets(1, [str(path)], "1,0,0", tok, 64, 0, str(tmp_path / "cache"), eval_fraction=0.5)
+
+
+def test_a_chat_template_that_refuses_every_row_is_named_with_its_own_message(tmp_path, caplog):
+    """Gemma-2's template raises on a system turn: every row was dropped as chat_template_error and the error
+    blamed the lengths, without the template's message."""
+    tokenizer = make_tokenizer(chat_template=True)
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported')"
+                               " }}{% endif %}" + tokenizer.chat_template)
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"q {i}"},
+                          {"role": "assistant", "content": f"a {i}"}]} for i in range(30)]
+    (tmp_path / "system.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UserError, match="System role not supported") as error:
+        build_phase_datasets(1, [str(tmp_path / "system.jsonl")], "1,1,1", tokenizer, 64, 0, str(tmp_path / "cache"))
+    assert "--prompt_format human_assistant" in str(error.value) and "--max_seq_len" not in str(error.value)
+
+
 @pytest.fixture
 def count_builds(monkeypatch):
     calls = []

@@ -39,6 +39,7 @@ class PromptFormatter:
     def __init__(self, tokenizer=None, prompt_format: str = "auto"):
         self.tokenizer = tokenizer
         self.style = resolve_prompt_format(prompt_format, tokenizer)
+        self.template_error: str | None = None  # the first the chat template raised: the report says why rows dropped
 
     def prompt(self, turns: Sequence[dict]) -> str:
         if self.style == "human_assistant":
@@ -46,6 +47,7 @@ class PromptFormatter:
         try:
             return self.tokenizer.apply_chat_template(list(turns), tokenize=False, add_generation_prompt=True)
         except Exception as err:  # jinja templates raise their own errors (e.g. roles must alternate)
+            self.template_error = self.template_error or f"{type(err).__name__}: {err}"
             raise SkipRow("chat_template_error") from err
 
     @property

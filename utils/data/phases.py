@@ -35,6 +35,7 @@ class SourceSplit:
     train: list = field(default_factory=list)
     eval: list = field(default_factory=list)
     records: int = 0
+    held_out: int = 0  # of `records`
     skipped: Counter = field(default_factory=Counter)
 
     def summary(self, phase: int, kind: str) -> str:
@@ -78,7 +79,7 @@ def split_source(
         train_indices, eval_indices = holdout(seeded_order(len(source), seed), eval_fraction)
     else:
         train_indices, eval_indices = ShardSettings(data_split, seed, eval_fraction).records(len(source), phase)
-    result = SourceSplit(source, records=len(train_indices) + len(eval_indices))
+    result = SourceSplit(source, records=len(train_indices) + len(eval_indices), held_out=len(eval_indices))
     result.train = _usable_samples(source, train_indices, kind, seed, result.skipped)
     result.eval = _usable_samples(source, eval_indices, kind, seed + 1, result.skipped)
     return result
@@ -113,23 +114,53 @@ def phase_splits(
     return splits
 
 
+def _no_usable_rows(split: SourceSplit, phase: int, kind: str, data_split: str) -> UserError:
+    if split.records == 0:
+        return UserError(
+            f"data source '{split.source.spec}' gives step {phase} nothing: its step-{phase} shard holds 0 of its "
+            f"{len(split.source)} records (--data_split {data_split}); give step {phase} a larger share or the source "
+            "more records")
+    return UserError(
+        f"data source '{split.source.spec}' has no usable rows for step {phase} ({kind}); "
+        f"skipped: {dict(split.skipped)}. Check the source, its format (PATH:FORMAT) and --data_split")
+
+
+def _no_training_items(phase: int, splits: Sequence[SourceSplit], train_stats: dict, eval_fraction: float,
+                       template_error: str | None) -> UserError:
+    """The error for a step left without training items, saying what took them: the held-out part, skipped rows, or
+    the drops its stats count (each with the flag that changes it for this step)."""
+    if not any(split.records > split.held_out for split in splits):
+        return UserError(f"no step-{phase} training items: --eval_fraction {eval_fraction} holds out every record of "
+                         f"the step's shard; lower it, or give the step more data")
+    if not any(split.train for split in splits):
+        return UserError(f"no step-{phase} training items: every record left for training was skipped (see the data "
+                         "source lines above); check the sources and their format (PATH:FORMAT)")
+    hints = {
+        "prompt_too_long": "raise --max_prompt_seq_len or use --prompt_overflow left_truncate" if phase == 3
+                           else "raise --max_seq_len (it must hold a prompt and the start of its reply)",
+        "identical_after_truncation": "raise --max_seq_len (the two replies differ only after it)",
+        "chat_template_error": f"the chat template failed ({template_error}); use --prompt_format human_assistant, "
+                               "or change the rows it refuses",
+    }
+    said = "; ".join(hint for reason, hint in hints.items() if train_stats.get(f"dropped:{reason}"))
+    return UserError(f"no step-{phase} training items are left after tokenisation ({train_stats}); {said}")
+
+
 def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: PromptFormatter, limits: TokenLimits, seed: int) -> dict:
     splits = phase_splits(phase, kind=kind, seed=seed, **splits_args)
     for split in splits:
         logger.log(logging.WARNING if split.skipped or split.source.load_skips else logging.INFO, split.summary(phase, kind))
         if not split.train and not split.eval:
-            raise UserError(
-                f"data source '{split.source.spec}' has no usable rows for step {phase} ({kind}); "
-                f"skipped: {dict(split.skipped)}. Check the source, its format (PATH:FORMAT) and --data_split"
-            )
+            raise _no_usable_rows(split, phase, kind, splits_args["data_split"])
     train = tokenize_samples(blend([s.train for s in splits], seed), kind, formatter, tokenizer, limits)
     evaluation = tokenize_samples(blend([s.eval for s in splits], seed), kind, formatter, tokenizer, limits)
     logger.info("step %d %s data: train %s; eval %s", phase, kind, train.stats, evaluation.stats)
+    if formatter.template_error:
+        logger.warning("step %d %s data: the chat template failed on rows (dropped:chat_template_error); the first "
+                       "error: %s", phase, kind, formatter.template_error)
     if len(train) == 0:
-        raise UserError(
-            f"no step-{phase} training items are left after tokenisation ({train.stats}); "
-            "raise --max_seq_len / --max_prompt_seq_len or use --prompt_overflow left_truncate"
-        )
+        raise _no_training_items(phase, splits, train.stats, splits_args["eval_fraction"],
+                                 formatter.template_error)
     return {"train": train.state(), "eval": evaluation.state()}
 
 
