@@ -67,7 +67,7 @@ def test_copies_of_a_record_are_dropped_so_no_text_is_both_trained_on_and_held_o
     assert sum(len(prompts) for prompts in seen) == 60 and len(set().union(*seen)) == 60
 
 
-@pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2"])
+@pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2", "nan,1,1", "inf,1,1", "1e308,1e308,1"])
 def test_bad_data_split_is_a_user_error(bad):
     with pytest.raises(UserError, match="data_split"):
         parse_data_split(bad)

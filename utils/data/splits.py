@@ -7,6 +7,7 @@ conversation inside one shard and one side of the eval split.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,14 +18,15 @@ NUM_PHASES = 3
 
 
 def parse_data_split(data_split: str) -> list[float]:
-    """'2,4,4' -> [2.0, 4.0, 4.0]; three non-negative weights with a positive sum."""
+    """'2,4,4' -> [2.0, 4.0, 4.0]; three non-negative weights with a positive, finite sum (an infinite weight, or
+    a sum past the largest float, cuts no shard: inf / inf)."""
     try:
         weights = [float(part) for part in str(data_split).split(",")]
     except ValueError:
         weights = []
-    if len(weights) != NUM_PHASES or any(w < 0 or w != w for w in weights) or sum(weights) <= 0:
+    if len(weights) != NUM_PHASES or any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
         raise UserError(
-            f"--data_split '{data_split}' must be three non-negative numbers with a positive sum, "
+            f"--data_split '{data_split}' must be three non-negative numbers with a positive sum, all finite, "
             "one per step, e.g. 2,4,4"
         )
     return weights
