@@ -134,16 +134,19 @@ def test_log_probs_and_entropy():
     torch.testing.assert_close(entropy_from_logits(both, torch.tensor([[0, 0, 1, 1]])), torch.tensor(0.0))
 
 
-def test_kl_from_logits_is_the_exact_kl_summed_over_masked_positions():
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_kl_from_logits_is_the_exact_kl_summed_over_masked_positions(temperature):
+    """At a temperature both distributions are tempered (the actor's alone was once: never 0 for one model)."""
     torch.manual_seed(0)
     logits, ref_logits = torch.randn(2, 4, 9), torch.randn(2, 4, 9)
     mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]])
     ref_logits[0, 0] = GARBAGE  # masked-out positions never reach the result
-    per_position = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=logits),
-                                                     torch.distributions.Categorical(logits=ref_logits))
-    torch.testing.assert_close(kl_from_logits(logits, ref_logits, mask), (per_position * mask).sum(-1))
-    assert torch.all(kl_from_logits(logits, ref_logits, mask) > 0)
-    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), mask), torch.zeros(2))
+    per_position = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=logits / temperature),
+                                                     torch.distributions.Categorical(logits=ref_logits / temperature))
+    exact = kl_from_logits(logits, ref_logits, mask, temperature)
+    torch.testing.assert_close(exact, (per_position * mask).sum(-1))
+    assert torch.all(exact > 0)
+    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), mask, temperature), torch.zeros(2))
 
 
 def test_a_masked_token_with_a_minus_inf_logit_adds_nothing_to_entropy_or_kl():
