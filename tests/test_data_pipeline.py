@@ -268,6 +268,27 @@ def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypa
     assert state["value"].tolist() == [1] and not built
 
 
+def test_a_damaged_cache_file_is_built_again_with_a_warning(tmp_path, tok, caplog, monkeypatch):
+    """A cache file cut short (a disk that filled, a copy interrupted) or emptied ended the run in a bare
+    OSError / EOFError from torch.load."""
+    import utils.data.cache as cache
+
+    args = (1, [write_pairs(tmp_path / "a.jsonl", 20, "a")], "1,1,1", tok, 64, 0, str(tmp_path / "cache"))
+    first, _ = build_phase_datasets(*args)
+    (cached,) = (tmp_path / "cache").glob("*.pt")
+    for damaged in (cached.read_bytes()[: cached.stat().st_size // 2], b""):
+        cached.write_bytes(damaged)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="utils.data"):
+            again, _ = build_phase_datasets(*args)
+        assert again.digest() == first.digest()
+        assert f"the data cache file {cached} is damaged" in caplog.text
+    cached.write_bytes(b"")
+    monkeypatch.setattr(cache, "get_local_rank", lambda: 1)  # which loads what local rank 0 built (or left)
+    with pytest.raises(UserError, match=f"the data cache {cached} cannot be read .*--rebuild_data_cache"):
+        build_phase_datasets(*args)
+
+
 def test_a_failed_cache_write_leaves_no_partial_file_and_a_finished_one_is_fsynced(tmp_path, monkeypatch):
     import os
 

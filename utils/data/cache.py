@@ -1,15 +1,18 @@
 """On-disk cache of tokenised data, keyed by a hash of everything that changes it.
 
-One process per node (local rank 0) builds under a file lock while the other ranks wait at a
-barrier, then every rank loads the file. Writes go to a temporary file, fsynced and renamed into
-place, so a crash never leaves a half-written cache behind.
+One process per node (local rank 0) loads or builds under a file lock while the other ranks wait at a
+barrier, then they load the file. Writes go to a temporary file, fsynced and renamed into place, so a
+crash never leaves a half-written cache behind; a file damaged otherwise (a disk that filled, a copy
+cut short) is built again.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import logging
 import os
+import pickle
 from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
@@ -22,6 +25,8 @@ from utils.dist import barrier, get_local_rank
 from utils.errors import UserError
 
 DATA_CODE_DIR = Path(__file__).resolve().parent
+logger = logging.getLogger("utils.data")
+_UNREADABLE = (OSError, EOFError, RuntimeError, pickle.UnpicklingError)  # what torch.load raises on a damaged file
 PROBE_TEXT = "Probe: Hello, World! 12 + 30 = 42.\n\tTabs, accents (é, ü) and 漢字."
 PROBE_CONVERSATION = (
     {"role": "user", "content": "Hi there."},
@@ -93,23 +98,38 @@ def _make_cache_folder(folder: Path) -> None:
                         "another --data_output_path") from err
 
 
+def _load_or_warn(path: Path) -> dict | None:
+    """The cache file's contents; None, with a warning naming it, for a damaged one (a disk that filled, a copy
+    cut short): it is built again."""
+    try:
+        return torch.load(path, weights_only=True)
+    except _UNREADABLE as err:
+        logger.warning("the data cache file %s is damaged (%s: %s); building it again", path, type(err).__name__, err)
+        return None
+
+
 def build_or_load(path: Path, build: Callable[[], dict], rebuild: bool = False) -> tuple[dict, bool]:
-    """Load `path`, building it first (on local rank 0, under a lock) when missing or `rebuild`.
+    """Load `path`, building it first (on local rank 0, under a lock) when missing, damaged or `rebuild`.
 
     Returns `(obj, built)` where `built` says whether this process built it.
     """
-    built = False
-    if get_local_rank() == 0:
-        try:
-            _make_cache_folder(path.parent)
-            with FileLock(str(path) + ".lock"):
-                if rebuild or not path.is_file():
-                    atomic_torch_save(build(), path)
-                    built = True
-        finally:
-            barrier()
-    else:
+    if get_local_rank() != 0:
         barrier()
-    if not path.is_file():
-        raise UserError(f"the data cache {path} was not built; see the error reported by local rank 0")
-    return torch.load(path, weights_only=True), built
+        if not path.is_file():
+            raise UserError(f"the data cache {path} was not built; see the error reported by local rank 0")
+        try:
+            return torch.load(path, weights_only=True), False
+        except _UNREADABLE as err:
+            raise UserError(f"the data cache {path} cannot be read ({type(err).__name__}: {err}); rerun with "
+                            "--rebuild_data_cache") from err
+    try:
+        _make_cache_folder(path.parent)
+        with FileLock(str(path) + ".lock"):
+            state = None if rebuild or not path.is_file() else _load_or_warn(path)
+            if state is not None:
+                return state, False
+            state = build()
+            atomic_torch_save(state, path)
+            return state, True
+    finally:
+        barrier()
