@@ -106,7 +106,7 @@ def test_cpu_decode_packs_its_weights_for_onednn_unless_disabled_and_both_match_
 
 @pytest.mark.parametrize("arch,stage", [("llama", 0), ("llama", 3), ("qwen2", 3), ("gpt2", 3)])
 def test_lora_is_merged_for_generation_and_training_weights_stay_untouched(distributed, tiny_model_dir, arch, stage):
-    engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch)
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage, lora_arch=arch, lora_alpha=16)  # scale 4
     check_lora_merge(engine, hybrid_engine(engine), tokenizer)
 
 
@@ -116,7 +116,7 @@ def test_a_frozen_engine_is_served_alike_its_zero3_weights_gathered_and_its_lora
     """An inference-only engine (no optimizer; nothing, LoRA adapters included, requires grad), as
     bench/generation.py's --frozen_actor makes the actor: the hybrid engine needs nothing of a training engine."""
     monkeypatch.setattr("training.core.engine.get_eval_ds_config", fully_partitioned_eval_config)
-    engine, tokenizer = build_frozen_engine(tiny_model_dir(arch), stage, lora_arch=arch)
+    engine, tokenizer = build_frozen_engine(tiny_model_dir(arch), stage, lora_arch=arch, lora_alpha=16)  # scale 4
     assert not any(p.requires_grad for p in engine.module.parameters())
     if stage == 3:
         assert all(p.ds_numel > p.numel() == 0 for p in engine.module.parameters()), "every weight partitioned"

@@ -41,9 +41,11 @@ PROMPTS = [
 ]
 
 
-def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtype: str = "fp32", seed: int = 0):
+def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtype: str = "fp32", seed: int = 0,
+                 lora_alpha: float | None = None):
     """A training engine for a tiny model; at ZeRO-3 no parameter is persistent, so every one is really partitioned.
-    Its attention kernels are the ones `create_train_engine` leaves the process."""
+    Its attention kernels are the ones `create_train_engine` leaves the process. `lora_alpha` other than 4 scales
+    the adapters (peft's alpha / r), so that a merge leaving the scale out shows."""
     exclude_cudnn_attention(get_accelerator().device_name())
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(model_path)
@@ -53,7 +55,7 @@ def build_engine(model_path: str, stage: int, lora_arch: str | None = None, dtyp
     model = load_causal_lm(model_path, tokenizer, dtype=resolve_dtype(dtype), ds_config=config,
                            disable_dropout_layers=True)
     if lora_arch is not None:
-        model = apply_lora(model, lora_dim=4, lora_module_name=LORA_MODULE_NAMES[lora_arch])
+        model = apply_lora(model, lora_dim=4, lora_module_name=LORA_MODULE_NAMES[lora_arch], lora_alpha=lora_alpha)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, tokenizer
@@ -72,14 +74,14 @@ def fully_partitioned_eval_config(*args, **kwargs) -> dict:
     return fully_partitioned(get_eval_ds_config(*args, **kwargs))
 
 
-def build_frozen_engine(model_path: str, stage: int, lora_arch: str | None = None):
+def build_frozen_engine(model_path: str, stage: int, lora_arch: str | None = None, lora_alpha: float | None = None):
     """An inference-only engine for a tiny model (`create_frozen_engine`, as bench/generation.py's --frozen_actor
-    builds it), its LoRA adapters' B made non-zero so that merging them matters."""
+    builds it), its LoRA adapters' B made non-zero so that merging them matters (`lora_alpha` as `build_engine`)."""
     torch.manual_seed(0)
     tokenizer = load_tokenizer(model_path)
     model = load_frozen_causal_lm(model_path, tokenizer, "fp32", stage)
     if lora_arch is not None:
-        model = apply_lora(model, lora_dim=4, lora_module_name=LORA_MODULE_NAMES[lora_arch])
+        model = apply_lora(model, lora_dim=4, lora_module_name=LORA_MODULE_NAMES[lora_arch], lora_alpha=lora_alpha)
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.5)
