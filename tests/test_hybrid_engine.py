@@ -145,7 +145,9 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution_and_seeded_runs
 @pytest.mark.parametrize("arch,samples", [("llama", 1), ("llama", 3), ("gpt2", 1)])
 def test_rows_are_handed_over_once_each_as_they_end(distributed, tiny_model_dir, arch, samples):
     """`on_finished` (stage fusion) receives every row exactly once, at the step it ends, as the final output has
-    it (fused Llama and transformers decode paths; K continuations per prompt), and changes no answer."""
+    it (fused Llama and transformers decode paths; K continuations per prompt), and changes no answer. The rows end
+    at scattered steps, so the batch shrinks many times: its log-probs are the train-mode forward's (a shrink that
+    left one row's cache behind another's passed the rest)."""
     engine, tokenizer = build_engine(tiny_model_dir(arch), stage=0)
     with torch.no_grad():  # EOS likely at some positions: answers end at scattered steps
         engine.module.get_output_embeddings().weight[tokenizer.eos_token_id] *= 40.0
@@ -156,6 +158,7 @@ def test_rows_are_handed_over_once_each_as_they_end(distributed, tiny_model_dir,
     handed: list[tuple[list[int], object]] = []
     out = hybrid.generate(ids, mask, config, on_finished=lambda rows, rows_out: handed.append((rows.tolist(), rows_out)))
     assert torch.equal(out.sequences, hybrid.generate(ids, mask, config).sequences)
+    torch.testing.assert_close(out.logprobs, train_mode_logprobs(engine, out) * out.answer_mask, rtol=0, atol=1e-4)
     rows = [row for row_list, _ in handed for row in row_list]
     assert sorted(rows) == list(range(len(PROMPTS) * samples))
     lengths = out.answer_mask.sum(-1)
