@@ -137,6 +137,17 @@ def test_accumulation_weights_make_each_steps_loss_the_mean_over_its_items():
         accumulation_weights([1, 2, 3], accumulation=2)
 
 
+def test_accumulation_weights_count_every_ranks_micro_batches(monkeypatch):
+    """Two ranks: this one's micro-batches of 2 and 12 items, the other's 10 in all. DeepSpeed averages the four
+    micro-batches' gradients, so each mean weighs items x 4 / 24 (a rank factor left out passed on one rank)."""
+    from training.loops import accumulation
+
+    monkeypatch.setattr(accumulation, "is_initialized", lambda: True)
+    monkeypatch.setattr(accumulation.torch_dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(accumulation, "sum_over_ranks", lambda values, group=None: [value + 10 for value in values])
+    assert accumulation.accumulation_weights([2, 12], accumulation=2) == pytest.approx([2 * 4 / 24, 12 * 4 / 24])
+
+
 def _uneven_answers(tokenizer):
     """Two SFT items whose answers differ sixfold in predicted tokens (the rest of each is prompt, labelled -100)."""
     items = []
