@@ -209,6 +209,17 @@ def test_restore_follows_resume_flag(distributed, tmp_path):
     assert manager.restore({"actor": build_engine(0)}, resume=True)["epoch"] == 1
 
 
+def test_a_ranks_own_state_comes_back_to_it(distributed, tmp_path):
+    """A placement's per-rank state (its chunks' random streams) round-trips on one process; before, only the
+    slow two-rank placement resumes reached it."""
+    manager = CheckpointManager(tmp_path / "run")
+    manager.save(2, {"actor": build_engine(0)}, {"epoch": 1}, rank_state={"chunks": [3, 5]})
+    state = manager.restore({"actor": build_engine(0)}, resume=True)
+    assert state["epoch"] == 1 and state["rank_state"] == {"chunks": [3, 5]}
+    manager.save(4, {"actor": build_engine(0)}, {"epoch": 2})
+    assert "rank_state" not in manager.restore({"actor": build_engine(0)}, resume=True)
+
+
 @pytest.mark.parametrize("damaged", ["model_states", "client_state", "rank0"])
 def test_a_checkpoint_file_cut_short_is_named_as_a_damaged_checkpoint(distributed, tmp_path, damaged):
     """Cut at 200 bytes torch's reader raises a RuntimeError; at half its size (some lengths) an OSError."""
