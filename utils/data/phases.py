@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -12,7 +11,7 @@ from utils.errors import UserError
 
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .formatting import PromptFormatter
-from .samples import PHASE_KINDS, Sample, SkipRow, unusable_reason
+from .samples import PHASE_KINDS, Sample, SkippedRows, SkipRow, unusable_reason
 from .sources import (
     LoadedSource,
     SourceSpec,
@@ -36,29 +35,27 @@ class SourceSplit:
     eval: list = field(default_factory=list)
     records: int = 0
     held_out: int = 0  # of `records`
-    skipped: Counter = field(default_factory=Counter)
+    skipped: SkippedRows = field(default_factory=SkippedRows)
 
     def summary(self, phase: int, kind: str) -> str:
         """The step's line; what the load skipped is the whole source's, said apart (each step's line repeats it)."""
-        loaded = f"; the whole source at load: {_reasons(self.source.load_skips)}" if self.source.load_skips else ""
+        loaded = f"; the whole source at load: {self.source.load_skips.report()}" if self.source.load_skips else ""
         return (
             f"data source '{self.source.spec}' (format {self.source.format}), step {phase} {kind}: "
             f"{self.records} records -> {len(self.train)} train / {len(self.eval)} eval samples; "
-            f"skipped: {_reasons(self.skipped)}{loaded}"
+            f"skipped: {self.skipped.report()}{loaded}"
         )
 
 
-def _reasons(skipped: Counter) -> str:
-    return ", ".join(f"{reason}={count}" for reason, count in sorted(skipped.items())) or "none"
-
-
-def _usable_samples(source: LoadedSource, indices: np.ndarray, kind: str, seed: int, skipped: Counter) -> list[Sample]:
+def _usable_samples(source: LoadedSource, indices: np.ndarray, kind: str, seed: int,
+                    skipped: SkippedRows) -> list[Sample]:
+    """The samples of the records at `indices` that `kind` can use (a sample's `group` is its record's index)."""
     samples: list[Sample] = []
     for group, record in zip(indices.tolist(), source.take(indices.tolist())):
         try:
             samples.extend(source.parse(record, group))
         except SkipRow as skip:
-            skipped[skip.reason] += 1
+            skipped.skip(skip.reason, source.where(group))
     if kind == "pairs" and source.add_rejections is not None:
         samples = source.add_rejections(samples, seed)
     usable = []
@@ -67,7 +64,7 @@ def _usable_samples(source: LoadedSource, indices: np.ndarray, kind: str, seed: 
         if reason is None:
             usable.append(sample)
         else:
-            skipped[reason] += 1
+            skipped.skip(reason, source.where(sample.group))
     return usable
 
 

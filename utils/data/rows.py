@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 from .formatting import PromptFormatter
 from .samples import SkipRow
@@ -19,14 +18,13 @@ def read_rows(path: str, tokenizer=None, prompt_format: str = "auto") -> list[di
     """
     source = load_source(parse_source_spec(path))
     formatter = PromptFormatter(tokenizer, prompt_format)
-    skipped = Counter(source.load_skips)
+    skipped = source.load_skips.copy()
     rows = []
     for group, record in enumerate(source.records):
         try:
             rows.extend(formatter.row(sample) for sample in source.parse(record, group))
         except SkipRow as skip:
-            skipped[skip.reason] += 1
-    reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
-    logger.log(logging.WARNING if skipped else logging.INFO,
-               "data source '%s' (format %s): %d rows; skipped: %s", source.spec, source.format, len(rows), reasons)
+            skipped.skip(skip.reason, source.where(group))
+    logger.log(logging.WARNING if skipped else logging.INFO, "data source '%s' (format %s): %d rows; skipped: %s",
+               source.spec, source.format, len(rows), skipped.report())
     return rows

@@ -7,6 +7,7 @@ counted per source and reported in one log line.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,37 @@ class SkipRow(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class SkippedRows(Counter):
+    """Rows skipped, counted per reason, with where the first few of each were (a local file's name and line), so
+    the report points at rows to fix."""
+
+    EXAMPLES = 3
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.examples: dict[str, list[str]] = {}
+
+    def skip(self, reason: str, where: str | None = None) -> None:
+        self[reason] += 1
+        places = self.examples.setdefault(reason, [])
+        if where is not None and len(places) < self.EXAMPLES:
+            places.append(where)
+
+    def copy(self) -> SkippedRows:
+        copied = SkippedRows(self)
+        copied.examples = {reason: list(places) for reason, places in self.examples.items()}
+        return copied
+
+    def report(self) -> str:
+        """ "reason=count (where, ...), ..." in reason order; "none" when nothing was skipped."""
+        return ", ".join(f"{reason}={count}{self._places(reason, count)}" for reason, count in sorted(self.items())) \
+            or "none"
+
+    def _places(self, reason: str, count: int) -> str:
+        places = self.examples.get(reason, [])
+        return f" ({', '.join(places)}{', ...' if count > len(places) else ''})" if places else ""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +19,15 @@ from utils.errors import UserError
 
 from . import embedded
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
-from .samples import ASSISTANT, ROLE_ALIASES, SkipRow, text_field
+from .jsonio import utf8_text
+from .local_files import read_local_files
+from .samples import ASSISTANT, ROLE_ALIASES, SkippedRows, SkipRow, text_field
 from .sources import (
     file_fingerprint,
     load_hub_dataset,
     load_source,
     looks_local,
     parse_source_spec,
-    read_local_records,
 )
 from .splits import ShardSettings
 from .tokenized import TokenizedDataset
@@ -53,13 +53,13 @@ def _embedded_texts(shard: ShardSettings | None) -> list[str]:
     ]
 
 
-def _column_texts(records, text_column: str, skipped: Counter) -> list[str]:
+def _column_texts(records, text_column: str, skipped: SkippedRows) -> list[str]:
     texts = []
     for record in records:
         try:
             texts.append(text_field(record, text_column))
         except SkipRow as skip:
-            skipped[skip.reason] += 1
+            skipped.skip(skip.reason)
     return texts
 
 
@@ -75,9 +75,9 @@ def _check_local_column(records: list, text_column: str, source: str) -> None:
 
 def load_texts(
     source: str, text_column: str = "text", config_name: str | None = None, shard: ShardSettings | None = None
-) -> tuple[list[str], Counter]:
+) -> tuple[list[str], SkippedRows]:
     """The source's documents, and counts of rows skipped per reason; `shard` cuts the embedded source."""
-    skipped: Counter = Counter()
+    skipped = SkippedRows()
     if source == embedded.EMBEDDED_SOURCE:
         return _embedded_texts(shard), skipped
     if looks_local(source):
@@ -85,9 +85,9 @@ def load_texts(
         if not path.exists():
             raise UserError(f"unsupervised data path {source} does not exist")
         if path.suffix == ".txt":
-            paragraphs = re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))
+            paragraphs = re.split(r"\n\s*\n", utf8_text(path.read_bytes(), path))
             return [p.strip() for p in paragraphs if p.strip()], skipped
-        records = read_local_records(path, skipped)
+        records = [record for file in read_local_files(path, skipped) for record in file.records]
         _check_local_column(records, text_column, source)
         return _column_texts(records, text_column, skipped), skipped
     dataset = load_hub_dataset(source, config_name, split="train")
@@ -146,9 +146,8 @@ def build_unsupervised_dataset(
 
     def build() -> dict:
         texts, skipped = load_texts(source, text_column, config_name, shard)
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "none"
         logger.log(logging.WARNING if skipped else logging.INFO,
-                   "unsupervised source '%s': %d documents; skipped: %s", source, len(texts), reasons)
+                   "unsupervised source '%s': %d documents; skipped: %s", source, len(texts), skipped.report())
         blocks = _blocks(texts, tokenizer, block_size, seed, max_blocks)
         if not blocks:
             raise UserError(
