@@ -290,3 +290,16 @@ def test_the_bad_row_report_names_the_file_and_line_of_the_first_rows_skipped(tm
         read_rows(str(tmp_path / "data"))
     assert "wrong_type:chosen=4 (part-001.jsonl line 201, part-001.jsonl line 250, part-001.jsonl line 260, ...)" \
         in caplog.text  # read in order
+
+
+def test_a_folder_of_files_in_different_row_formats_is_refused_naming_each(tmp_path):
+    """The format was detected from the folder's first records: the other file's rows were all skipped."""
+    (tmp_path / "mixed").mkdir()
+    chats = [{"conversations": [{"from": "human", "value": f"q {i}"}, {"from": "gpt", "value": f"a {i}"}]}
+             for i in range(30)]
+    write_jsonl(tmp_path / "mixed" / "a_chat.jsonl", chats)
+    write_jsonl(tmp_path / "mixed" / "b_pairs.jsonl", PAIRS)
+    with pytest.raises(UserError, match=r"holds files of different row formats: a_chat.jsonl \(sharegpt\), "
+                                        r"b_pairs.jsonl \(deepspeed_chat\); pass each"):
+        load_source(parse_source_spec(str(tmp_path / "mixed")))
+    assert len(load_source(parse_source_spec(f"{tmp_path / 'mixed'}:deepspeed_chat")).records) == 60  # as stated

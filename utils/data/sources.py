@@ -4,7 +4,8 @@ A source is `embedded`, a generated task (`task:arithmetic?difficulty=3`, see ta
 json/jsonl/parquet file or folder (see local_files.py), or a Hugging Face hub name (loaded with
 `datasets.load_dataset`, all splits concatenated in name order: the pipeline makes its own phase and eval
 splits). Append `:FORMAT` to state the row format instead of detecting it from the columns, e.g.
-`pairs.jsonl:hh_rlhf`. A local row's dict column `metadata` is kept with its samples.
+`pairs.jsonl:hh_rlhf`; each file of a folder is detected on its own, and a folder whose files differ is
+refused. A local row's dict column `metadata` is kept with its samples.
 
 A local source is fingerprinted by its files' paths, sizes and mtimes; a hub dataset by its name
 only, so pass --rebuild_data_cache after the hub copy changes.
@@ -22,6 +23,7 @@ from typing import Any
 from utils.errors import UserError
 
 from . import embedded, tasks
+from .jsonio import FileRecords
 from .local_files import LOCAL_SUFFIXES, RecordOrigins, local_files, read_local_files
 from .readers import FORMATS, PARSERS, Parser, detect_format, with_row_metadata
 from .samples import SkippedRows, SkipRow
@@ -194,13 +196,13 @@ def _read_source(spec: SourceSpec) -> LoadedSource:
     if local:
         files = read_local_files(Path(spec.path).expanduser(), skipped)
         records = [record for file in files for record in file.records]
-        origins = RecordOrigins.of(files)
+        origins, data_format = RecordOrigins.of(files), spec.format or _detect_local_format(spec, files)
     else:
-        records, origins = load_hub_dataset(spec.path), None
+        records = load_hub_dataset(spec.path)
+        origins, data_format = None, spec.format or detect_format(_columns(records))
     if len(records) == 0:
         said = f" (skipped: {skipped.report()})" if skipped else ""
         raise UserError(f"data source '{spec}' holds no records{said}")
-    data_format = spec.format or detect_format(_columns(records))
     if data_format is None:
         raise UserError(
             f"cannot tell the row format of data source '{spec}' from its columns {sorted(set(_columns(records)))}; "
@@ -209,3 +211,13 @@ def _read_source(spec: SourceSpec) -> LoadedSource:
     parse = with_row_metadata(PARSERS[data_format]) if local else PARSERS[data_format]
     return LoadedSource(spec, records, data_format, parse, skipped, origins=origins)
 
+
+def _detect_local_format(spec: SourceSpec, files: Sequence[FileRecords]) -> str | None:
+    """The format of the files' rows, each file detected on its own: files of different formats are refused (the
+    other files' rows would all be skipped)."""
+    formats = {file.name: detect_format(_columns(file.records)) for file in files if file.records}
+    if len(set(formats.values())) > 1:
+        found = ", ".join(f"{name} ({data_format or 'unknown'})" for name, data_format in formats.items())
+        raise UserError(f"data folder '{spec}' holds files of different row formats: {found}; pass each format's "
+                        "files as their own --data_path entries (their rows are blended)")
+    return next(iter(formats.values()), None)
