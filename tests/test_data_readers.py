@@ -2,6 +2,7 @@
 import json
 import logging
 import re
+from pathlib import Path
 
 import pytest
 
@@ -292,6 +293,22 @@ def test_the_bad_row_report_names_the_file_and_line_of_the_first_rows_skipped(tm
         in caplog.text  # read in order
 
 
+def test_hidden_and_underscored_files_and_folders_of_a_data_folder_are_not_read(tmp_path):
+    """A notebook's autosave copies (.ipynb_checkpoints/) of an older file were read as rows, as were Spark's
+    _-prefixed bookkeeping files: `datasets` leaves both out."""
+    from utils.data.sources import source_fingerprint
+
+    data = tmp_path / ".config" / "data"  # a hidden folder above the source is no reason to leave it out
+    (data / ".ipynb_checkpoints").mkdir(parents=True)
+    (data / "_temporary").mkdir()
+    write_jsonl(data / "pairs.jsonl", PAIRS)
+    write_jsonl(data / ".ipynb_checkpoints" / "pairs-checkpoint.jsonl", [dict(row, chosen="OLD") for row in PAIRS])
+    write_jsonl(data / "_temporary" / "part-0.jsonl", [dict(row, chosen="PARTIAL") for row in PAIRS])
+    write_jsonl(data / "_SUCCESS.jsonl", [])
+    assert [s.chosen for s in samples_of(str(data))] == [row["chosen"] for row in PAIRS]
+    assert [Path(file).name for file, *_ in source_fingerprint(parse_source_spec(str(data)))["files"]] == ["pairs.jsonl"]
+
+
 def test_a_folder_of_files_in_different_row_formats_is_refused_naming_each(tmp_path):
     """The format was detected from the folder's first records: the other file's rows were all skipped."""
     (tmp_path / "mixed").mkdir()
@@ -303,3 +320,29 @@ def test_a_folder_of_files_in_different_row_formats_is_refused_naming_each(tmp_p
                                         r"b_pairs.jsonl \(deepspeed_chat\); pass each"):
         load_source(parse_source_spec(str(tmp_path / "mixed")))
     assert len(load_source(parse_source_spec(f"{tmp_path / 'mixed'}:deepspeed_chat")).records) == 60  # as stated
+
+
+def test_a_folder_saved_by_datasets_is_loaded_as_that_dataset(tmp_path):
+    """save_to_disk's dataset_info.json and state.json were read as two records of unknown columns."""
+    import datasets
+
+    datasets.Dataset.from_list(PAIRS).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(PAIRS[:20]),
+                          "test": datasets.Dataset.from_list(PAIRS[20:])}).save_to_disk(str(tmp_path / "saved_dict"))
+    assert [s.chosen for s in samples_of(str(tmp_path / "saved"))] == [row["chosen"] for row in PAIRS]
+    assert sorted(s.chosen for s in samples_of(str(tmp_path / "saved_dict"))) == sorted(row["chosen"] for row in PAIRS)
+
+
+def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
+    """{"train": [...], "test": [...]} (a hub dataset's splits written as one object) was read as one record whose
+    columns are train and test; like a hub dataset's splits, its lists are read one after the other in name order."""
+    (tmp_path / "splits.json").write_text(json.dumps({"train": PAIRS[:20], "test": PAIRS[20:], "version": [1, 2]}))
+    assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
+
+
+def test_a_pretty_printed_json_file_named_jsonl_is_told_to_be_renamed(tmp_path):
+    """Each of its lines is a piece of one document: the run said only "holds no records (malformed_json=152)"."""
+    (tmp_path / "pretty.jsonl").write_text(json.dumps(PAIRS, indent=2))
+    with pytest.raises(UserError, match=r"pretty.jsonl is one JSON document over \d+ lines, not JSON lines .*rename "
+                                        r"it to pretty.json"):
+        load_source(parse_source_spec(str(tmp_path / "pretty.jsonl")))

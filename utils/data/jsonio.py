@@ -87,13 +87,27 @@ def read_json_lines(data: bytes, name: str, skipped: SkippedRows) -> FileRecords
     return read
 
 
+def _refuse_unreadable_json_lines(data: bytes, path: Path) -> None:
+    """A .jsonl file none of whose lines is a record: refused when it is not UTF-8, or is one JSON document (a
+    pretty-printed array saved under .jsonl), both said with what to do; otherwise its lines stay counted."""
+    text = utf8_text(data, path)
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return
+    lines = text.count("\n") + 1
+    raise UserError(f"{path} is one JSON document over {lines} lines, not JSON lines (one record a line): rename it "
+                    f"to {path.with_suffix('.json').name}")
+
+
 def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
-    """Records of a .jsonl file, or of a .json file (an array, an object holding one list, or JSON lines)."""
+    """Records of a .jsonl file, or of a .json file: an array, an object holding one list or several lists of
+    records (read one after the other in name order, as a hub dataset's splits are), or JSON lines."""
     data = path.read_bytes()
     if path.suffix == ".jsonl":
         read = read_json_lines(data, name, skipped)
         if not read.records and data.strip():
-            utf8_text(data, path)  # a file none of whose lines is a record, in another encoding: refused
+            _refuse_unreadable_json_lines(data, path)
         return read
     text = utf8_text(data, path)
     try:
@@ -108,7 +122,16 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
                             "would be lost. Fix the file, or write it as JSON lines (one record a line), where a bad "
                             "line is skipped and counted") from error
         return read_json_lines(data, name, skipped)
-    if isinstance(content, dict):
-        lists = [value for value in content.values() if isinstance(value, list)]
-        content = lists[0] if len(lists) == 1 else [content]
-    return FileRecords.numbered(name, "record", content if isinstance(content, list) else [content])
+    return FileRecords.numbered(name, "record", _records_of(content))
+
+
+def _records_of(content) -> list:
+    if isinstance(content, list):
+        return content
+    if not isinstance(content, dict):
+        return [content]
+    lists = {key: value for key, value in content.items() if isinstance(value, list)}
+    if len(lists) == 1:
+        return next(iter(lists.values()))
+    record_lists = [value for _, value in sorted(lists.items()) if value and all(isinstance(r, dict) for r in value)]
+    return [record for records in record_lists for record in records] if record_lists else [content]

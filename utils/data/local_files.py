@@ -1,6 +1,9 @@
 """Local data: which files a path holds, their records, and where each record was read (for the bad-row report).
 
-A folder is read recursively, its .json/.jsonl/.parquet files in name order.
+A folder is read recursively, its .json/.jsonl/.parquet files in name order. Files and folders inside it whose names
+start with "." or "_" are left out, as `datasets` leaves them out: a notebook's `.ipynb_checkpoints/` copies of older
+files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`' `save_to_disk` is loaded as the dataset
+it holds (a `DatasetDict`'s splits one after the other in name order, as a hub dataset's are).
 """
 from __future__ import annotations
 
@@ -15,14 +18,27 @@ from .jsonio import FileRecords, read_json_file
 from .samples import SkippedRows
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+_SAVED_DATASET_MARKS = (("state.json", "dataset_info.json"), ("dataset_dict.json",))  # what `save_to_disk` writes
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a folder `datasets.Dataset.save_to_disk` (or a `DatasetDict`'s) wrote."""
+    return path.is_dir() and any(all((path / name).is_file() for name in marks) for marks in _SAVED_DATASET_MARKS)
+
+
+def _visible_files(folder: Path) -> list[Path]:
+    return sorted(file for file in folder.rglob("*") if file.is_file()
+                  and not any(part.startswith((".", "_")) for part in file.relative_to(folder).parts))
 
 
 def local_files(path: Path) -> list[Path]:
-    """The files a local source reads."""
+    """The files a local source reads (a saved dataset's: all of them)."""
     if not path.exists():
         raise UserError(f"data path {path} does not exist")
+    if is_saved_dataset(path):
+        return _visible_files(path)
     if path.is_dir():
-        files = sorted(file for file in path.rglob("*") if file.suffix in LOCAL_SUFFIXES and file.is_file())
+        files = [file for file in _visible_files(path) if file.suffix in LOCAL_SUFFIXES]
         if not files:
             raise UserError(f"data folder {path} holds no {'/'.join(LOCAL_SUFFIXES)} files")
         return files
@@ -43,9 +59,21 @@ def _read_parquet(file: Path, name: str) -> FileRecords:
     return FileRecords.numbered(name, "row", table.to_pylist())
 
 
+def _read_saved_dataset(path: Path) -> list[FileRecords]:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        return [FileRecords.numbered(f"{path.name}[{split}]", "row", loaded[split].to_list())
+                for split in sorted(loaded)]
+    return [FileRecords.numbered(path.name, "row", loaded.to_list())]
+
+
 def read_local_files(path: Path, skipped: SkippedRows) -> list[FileRecords]:
     """The records of each file of `path` (a file or folder); bad lines of JSON-lines files are counted in `skipped`."""
     files = local_files(path)
+    if is_saved_dataset(path):
+        return _read_saved_dataset(path)
     root = path if path.is_dir() else path.parent
     return [_read_parquet(file, str(file.relative_to(root))) if file.suffix == ".parquet"
             else read_json_file(file, str(file.relative_to(root)), skipped) for file in files]
