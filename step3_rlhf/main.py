@@ -269,6 +269,7 @@ def run_step3(args: Step3Settings) -> dict:
         # after every check (the models' LoRA and vocabulary ones included), so a refused run never overwrites an
         # earlier one's
         save_run_args(run_dir, given)  # what --placement auto changed is in its AUTO_PLAN_FILE
+        args.data.record_split(run_dir)
         metrics = MetricsLogger(run_dir)
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s%s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,

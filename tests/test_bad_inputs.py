@@ -277,6 +277,19 @@ def test_step2_refuses_a_step1_model_that_trained_on_all_of_its_data(distributed
     assert "drop it from --data_path" in error
 
 
+def test_step2_refuses_a_step1_run_whose_data_gained_a_record_since(distributed, setup, capsys):
+    """Step 1 skipped a malformed line, which the user then fixed: with one more record, the same --seed and
+    --data_split permute every record anew, and step 2's shard overlapped the rows step 1 trained on."""
+    lines = Path(setup.data).read_text().splitlines()
+    Path(setup.data).write_text("\n".join(lines[:5] + [lines[5][:-1]] + lines[6:]) + "\n")
+    step1 = setup.tmp / "step1"
+    step1_main(step_args(setup, output_dir=str(step1)))
+    Path(setup.data).write_text("\n".join(lines) + "\n")
+    assert_refused_and_untouched(step2_main, step_args(setup, model_name_or_path=str(step1)),
+                                 f"--model_name_or_path {step1} was trained on a shard of {setup.data} cut from its 15 "
+                                 "records, but it holds 16 now", setup.run, capsys)
+
+
 def test_step3_refuses_step1_and_step2_models_cut_another_way(distributed, setup, capsys):
     from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE
 

@@ -200,6 +200,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         model = apply_model_options(model, args.training, trainable_heads=step.trainable_heads)
         check_disk_space(run_dir, _output_bytes(model, dtype, args.checkpoints.keep_last_checkpoints), step.name)
         save_run_args(run_dir, flag_values(args))  # only now: a bad argument must leave an earlier run's files as they were
+        args.data.record_split(run_dir)
         engine = create_train_engine(model, settings)
         metrics = MetricsLogger(run_dir)
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),

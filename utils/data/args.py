@@ -1,6 +1,7 @@
 """The data settings the three steps share: each field is one command-line flag (names follow DeepSpeed-Chat)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -10,6 +11,7 @@ from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
 from .phases import build_phase_datasets
 from .sources import resolved_source
+from .split_record import write_split_record
 from .splits import ShardSettings
 from .tokenization import PROMPT_OVERFLOW
 from .tokenized import TokenizedDataset
@@ -70,6 +72,11 @@ class DataArguments:
 
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)
+
+    def record_split(self, run_dir: str | os.PathLike) -> None:
+        """Record in the run folder how many records each `--data_path` source held when it was cut (`split_record`):
+        a later step started from the run refuses a source that changed since."""
+        write_split_record(run_dir, self.data_path, self.data_output_path)
 
     def build(self, phase: int, tokenizer) -> tuple[TokenizedDataset, TokenizedDataset]:
         """`build_phase_datasets` with these options."""

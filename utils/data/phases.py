@@ -19,6 +19,7 @@ from .sources import (
     parse_source_spec,
     source_fingerprint,
 )
+from .split_record import remember_record_count
 from .splits import ShardSettings, holdout, parse_data_split, seeded_order
 from .tokenization import TokenLimits, tokenize_samples
 from .tokenized import TokenizedDataset
@@ -143,8 +144,11 @@ def _no_training_items(phase: int, splits: Sequence[SourceSplit], train_stats: d
     return UserError(f"no step-{phase} training items are left after tokenisation ({train_stats}); {said}")
 
 
-def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: PromptFormatter, limits: TokenLimits, seed: int) -> dict:
+def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: PromptFormatter, limits: TokenLimits,
+           seed: int, data_output_path: str) -> dict:
     splits = phase_splits(phase, kind=kind, seed=seed, **splits_args)
+    for path, split in zip(splits_args["data_paths"], splits):  # the sharded ones; step-1-only sources follow
+        remember_record_count(path, data_output_path, len(split.source))
     for split in splits:
         logger.log(logging.WARNING if split.skipped or split.source.load_skips else logging.INFO, split.summary(phase, kind))
         if not split.train and not split.eval:
@@ -214,7 +218,8 @@ def build_phase_datasets(
     }
     path = cache_file(data_output_path, f"step{phase}_{kind}", key_inputs)
     state, built = build_or_load(
-        path, lambda: _build(phase, kind, splits_args, tokenizer, formatter, limits, seed), rebuild=rebuild_cache
+        path, lambda: _build(phase, kind, splits_args, tokenizer, formatter, limits, seed, data_output_path),
+        rebuild=rebuild_cache
     )
     train = TokenizedDataset.from_state(state["train"]).head(max_train_samples)
     evaluation = TokenizedDataset.from_state(state["eval"]).head(max_eval_samples)

@@ -7,8 +7,9 @@ values cuts a shared source differently, so its shard overlaps the rows that mod
 two settings decide the shards: `--eval_fraction` splits a shard within one step, and a stated
 format (`PATH:FORMAT`) changes how rows parse, not which rows a shard holds. A source the earlier step
 trained on whole (step 1's `--sft_only_data_path`) overlaps any shard of it, whatever the settings. A source
-whose record count changed between the runs is permuted anew too; args.json does not record that, so it is not
-checked here.
+whose record count changed between the runs (a malformed line fixed, a row added) is permuted anew too: the earlier
+run's folder records the counts it cut (`split_record`), which are compared with the source's now; a run folder
+written before that record is not checked for it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from utils.errors import UserError
 
 from .sources import source_identity
+from .split_record import read_split_record, record_count
 from .splits import same_shards
 
 RUN_DATA_KEYS = ("data_path", "seed", "data_split")
@@ -47,12 +49,34 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
     shared = shared_sources(current["data_path"], earlier["data_path"])
     seed, data_split = int(current["seed"]), str(current["data_split"])
     earlier_seed, earlier_split = int(earlier["seed"]), str(earlier["data_split"])
-    if not shared or same_shards(seed, data_split, earlier_seed, earlier_split):
+    if not shared:
         return
-    theirs = f"--seed {earlier_seed} --data_split {earlier_split}"
-    ours = f"--seed {seed} --data_split {data_split}"
-    raise UserError(
-        f"{earlier_name} was trained on {', '.join(shared)} cut with {theirs}, but this step cuts it with {ours}, "
-        f"so its shard would overlap the rows that model trained on; rerun with {theirs} to match {earlier_run}, "
-        f"or retrain {earlier_run} with {ours}"
-    )
+    if not same_shards(seed, data_split, earlier_seed, earlier_split):
+        theirs = f"--seed {earlier_seed} --data_split {earlier_split}"
+        ours = f"--seed {seed} --data_split {data_split}"
+        raise UserError(
+            f"{earlier_name} was trained on {', '.join(shared)} cut with {theirs}, but this step cuts it with {ours}, "
+            f"so its shard would overlap the rows that model trained on; rerun with {theirs} to match {earlier_run}, "
+            f"or retrain {earlier_run} with {ours}"
+        )
+    check_same_record_counts(shared, current, earlier_name, earlier_run)
+
+
+def check_same_record_counts(shared: Sequence[str], current: Mapping[str, Any], earlier_name: str,
+                             earlier_run: str) -> None:
+    """Refuse a `shared` source whose record count differs from the one `earlier_run` recorded when it cut it: the
+    same settings permute another count otherwise, and the shards overlap."""
+    recorded = read_split_record(earlier_run)
+    if recorded is None:
+        return
+    for path in shared:
+        then = recorded.get(source_identity(path))
+        if then is None:
+            continue
+        now = record_count(path, current["data_output_path"], recount=current["rebuild_data_cache"])
+        if now != then:
+            raise UserError(
+                f"{earlier_name} was trained on a shard of {path} cut from its {then} records, but it holds {now} "
+                f"now (a record fixed, added or removed): cut anew, this step's shard would overlap the rows that "
+                f"model trained on; restore the data as {earlier_run} read it, or retrain {earlier_run} on the data "
+                "as it is now")
