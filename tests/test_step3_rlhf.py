@@ -853,9 +853,12 @@ def test_a_dropping_batch_stream_hands_out_only_full_batches_and_resumes_in_plac
 
 @pytest.mark.slow
 def test_sigkilled_step3_resumes_to_the_same_weights(inputs, tmp_path):
+    """With every piece of state a resume restores: the EMA, an adaptive KL coefficient (a fast one) and the
+    pretraining stream's position (a resume that restarted either passed without these flags)."""
     script = REPO_ROOT / "step3_rlhf" / "main.py"
     flags = ["--max_steps", "8", "--save_interval", "2", "--actor_learning_rate", "1e-3", "--enable_ema",
-             "--enable_hybrid_engine"]
+             "--enable_hybrid_engine", "--target_kl", "0.01", "--kl_horizon", "10",
+             "--unsupervised_dataset_name", inputs["text"], "--unsup_coef", "1.0"]
     reference = tmp_path / "uninterrupted"
     run_step(script, step3_argv(inputs, reference, *flags), tmp_path / "reference.log")
 
