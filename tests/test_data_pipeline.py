@@ -2,6 +2,7 @@
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import make_tokenizer
@@ -48,6 +49,17 @@ def test_phase_shards_are_disjoint_cover_the_source_and_are_deterministic(tmp_pa
     assert len(shards[1][1]) == 2
     (other_seed,) = phase_splits(1, [path], "2,4,4", seed=8, eval_fraction=0.1)
     assert prompts_of(other_seed.train) != shards[1][0]
+
+
+def test_a_small_shard_holds_out_at_least_one_record_where_it_can():
+    """round(3 x 0.1) is 0: a shard of two or more records still holds one out (with a positive --eval_fraction),
+    a shard of one cannot, and --eval_fraction 0 holds out none."""
+    from utils.data.splits import holdout
+
+    train, held_out = holdout(np.arange(3), 0.1)
+    assert held_out.tolist() == [0] and train.tolist() == [1, 2]
+    assert holdout(np.arange(1), 0.1)[1].size == 0
+    assert holdout(np.arange(3), 0.0)[1].size == 0
 
 
 def test_copies_of_a_record_are_dropped_so_no_text_is_both_trained_on_and_held_out(tmp_path):

@@ -164,6 +164,8 @@ def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
     assert split.source.load_skips == {"malformed_json": 1}
     assert split.skipped == {"no_rejected": 1, "empty:prompt": 1, "wrong_type:prompt": 1,
                              "identical_replies": 1, "not_an_object": 1}
+    (held_out,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0.5)  # the held-out part's skips count too
+    assert len(held_out.train) + len(held_out.eval) == 1 and held_out.skipped == split.skipped
     with caplog.at_level(logging.INFO, logger="utils.data"):
         read_rows(path)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "utils.data"]
