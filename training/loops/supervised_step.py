@@ -205,7 +205,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         metrics = MetricsLogger(run_dir)
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),
                     len(eval_data), num_steps, settings.dtype, settings.zero_stage)
-        if not len(eval_data) and args.data.eval_fraction > 0:
+        if not len(eval_data) and args.data.eval_fraction > 0 and args.data.max_eval_samples != 0:
             logger.warning("%s: --eval_fraction %g held out no item of this step's %d: the run reports no held-out "
                            "metrics; give it more data or a larger --eval_fraction", step.name,
                            args.data.eval_fraction, len(train_data))
