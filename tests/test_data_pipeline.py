@@ -301,6 +301,31 @@ def test_a_damaged_cache_file_is_built_again_with_a_warning(tmp_path, tok, caplo
         build_phase_datasets(*args)
 
 
+def test_a_damaged_cache_file_whose_rebuild_fails_is_gone_for_the_other_ranks(tmp_path, monkeypatch):
+    """Local rank 0 warned of the damaged file and its rebuild failed: the file stayed, and the other ranks told the
+    user to rerun with --rebuild_data_cache, which failed the same way. With it gone they point at local rank 0's
+    error; likewise a --rebuild_data_cache build that fails leaves no old file for them to load."""
+    import utils.data.cache as cache
+
+    def failing_build():
+        raise UserError("no step-1 training items are left after tokenisation; raise --max_seq_len")
+
+    target = tmp_path / "step1_sft_x.pt"
+    for rebuild, old in ((False, b"PK\x03\x04 cut short"), (True, None)):
+        monkeypatch.setattr(cache, "get_local_rank", lambda: 0)
+        if old is None:  # a sound file, to be replaced
+            cache.build_or_load(target, lambda: {"value": torch.tensor([1])})
+        else:
+            target.write_bytes(old)
+        with pytest.raises(UserError, match="no step-1 training items"):
+            cache.build_or_load(target, failing_build, rebuild=rebuild)
+        assert not target.exists()
+        monkeypatch.setattr(cache, "get_local_rank", lambda: 1)  # past the barrier
+        with pytest.raises(UserError, match=f"the data cache {target} was not built; see the error reported by local "
+                                            "rank 0"):
+            cache.build_or_load(target, lambda: pytest.fail("only local rank 0 builds"), rebuild=rebuild)
+
+
 def test_a_failed_cache_write_leaves_no_partial_file_and_a_finished_one_is_fsynced(tmp_path, monkeypatch):
     import os
 

@@ -111,7 +111,8 @@ def _load_or_warn(path: Path) -> dict | None:
 def build_or_load(path: Path, build: Callable[[], dict], rebuild: bool = False) -> tuple[dict, bool]:
     """Load `path`, building it first (on local rank 0, under a lock) when missing, damaged or `rebuild`.
 
-    Returns `(obj, built)` where `built` says whether this process built it.
+    Returns `(obj, built)` where `built` says whether this process built it. A file to be built again (damaged, or
+    `rebuild`) is removed before the build, so a build that fails leaves no file for the other ranks to load.
     """
     if get_local_rank() != 0:
         barrier()
@@ -128,6 +129,9 @@ def build_or_load(path: Path, build: Callable[[], dict], rebuild: bool = False) 
             state = None if rebuild or not path.is_file() else _load_or_warn(path)
             if state is not None:
                 return state, False
+            # a damaged or replaced file goes first: should the build fail, the other ranks find no file and say so
+            # ("see local rank 0"), rather than load the file it was to replace or call a damaged one theirs to rebuild
+            path.unlink(missing_ok=True)
             state = build()
             atomic_torch_save(state, path)
             return state, True
