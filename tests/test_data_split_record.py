@@ -1,18 +1,25 @@
-"""A step's run folder records how many records each source held when it was cut; a later step started from that run
-refuses a source whose count changed since: the seeded permutation is drawn over the count, so every record moves and
-the shards overlap (a fixed malformed line put 53 of step 2's 400 pairs in step 1's shard)."""
+"""A step's run folder records how many records its build cut each source from; a later step started from that run
+refuses a source its own build cut from another count: the seeded permutation is drawn over the count, so every
+record moves and the shards overlap (a fixed malformed line put 53 of step 2's 400 pairs in step 1's shard). The
+counts are the builds' own (kept with the cached data), compared where the later step's build reads the data, so the
+check before the build reads no source, and a hub source, fingerprinted by its name, is checked as a file is."""
 import json
 
+import datasets
 import pytest
 from tiny_models import make_tokenizer
 
-import utils.data.split_record as split_record
+import utils.data.cache as cache
+import utils.data.sources as sources
+from training.reliability.validation import check_input_run_shards
 from utils.data import DataArguments
-from utils.data.shard_match import check_same_shards
-from utils.data.split_record import SPLIT_RECORD_FILE, record_count
+from utils.data.split_record import SPLIT_RECORD_FILE
 from utils.errors import UserError
 
-LINES = [json.dumps({"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"}) for i in range(100)]
+ROWS = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(100)]
+LINES = [json.dumps(row) for row in ROWS]
+REFUSED = (r"--model_name_or_path {run} was trained on a shard of {source} cut from its {then} records, but it holds "
+           r"{now} now .*restore the data as .*step1 read it, or retrain .*step1 on the data as it is now")
 
 
 def write_lines(path, lines):
@@ -20,19 +27,37 @@ def write_lines(path, lines):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def run_step1(data: DataArguments, tok, run) -> None:
+    """What step 1 does with its data: build, then record (after its model loads) in its run folder."""
+    data.build(1, tok)
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({key: getattr(data, key) for key in ("data_path", "seed", "data_split")}))
+    data.record_split(run)
+
+
+def recorded(run) -> list:
+    return [entry["records"] for entry in json.loads((run / SPLIT_RECORD_FILE).read_text())["sources"]]
+
+
 @pytest.fixture
-def step1(tmp_path):
+def step1(tmp_path, tok):
     """Step 1's run folder, cut from a file with one malformed line, and its data arguments."""
     broken = list(LINES)
     broken[50] = broken[50][:-1]
     data = DataArguments(data_path=[write_lines(tmp_path / "pairs.jsonl", broken)], data_split="1,1,1",
                          data_output_path=str(tmp_path / "cache"))
-    data.build(1, make_tokenizer())
-    run = tmp_path / "step1"
-    run.mkdir()
-    (run / "args.json").write_text(json.dumps(vars(data)))
-    data.record_split(run)
-    return run, data
+    run_step1(data, tok, tmp_path / "step1")
+    return tmp_path / "step1", data
+
+
+def step2_data(step1_data: DataArguments, **changes) -> DataArguments:
+    return DataArguments(**{"data_path": step1_data.data_path, "data_split": "1,1,1",
+                            "data_output_path": step1_data.data_output_path, **changes})
 
 
 def test_a_step_records_the_record_count_of_each_source_it_cut(step1):
@@ -41,20 +66,119 @@ def test_a_step_records_the_record_count_of_each_source_it_cut(step1):
                                                                               "records": 99}]}
 
 
-def test_a_source_whose_record_count_changed_since_the_input_run_cut_it_is_refused(step1, tmp_path):
+def test_a_source_whose_record_count_changed_since_the_input_run_cut_it_is_refused(step1, tmp_path, tok):
     run, data = step1
     write_lines(tmp_path / "pairs.jsonl", LINES)  # the malformed line fixed
-    with pytest.raises(UserError, match=r"--model_name_or_path step1 was trained on a shard of .*pairs.jsonl cut from "
-                                        r"its 99 records, but it holds 100 now .*restore the data as .*step1 read it, "
-                                        r"or retrain .*step1 on the data as it is now"):
-        check_same_shards(vars(data), vars(data), "--model_name_or_path step1", str(run))
+    step2 = step2_data(data)
+    check_input_run_shards(str(run), step2)  # the settings match; the count is the build's to compare
+    with pytest.raises(UserError, match=REFUSED.format(run=run, source=".*pairs.jsonl", then=99, now=100)):
+        step2.build(2, tok)
     (run / SPLIT_RECORD_FILE).unlink()  # a run folder from before the record: not checked
-    check_same_shards(vars(data), vars(data), "--model_name_or_path step1", str(run))
+    step2 = step2_data(data)
+    check_input_run_shards(str(run), step2)
+    step2.build(2, tok)
 
 
-def test_an_unchanged_source_passes_without_being_read_again(step1, monkeypatch):
-    """The build remembered the count beside its cache: the check does not read the whole source again."""
-    run, data = step1
-    monkeypatch.setattr(split_record, "load_source", lambda spec: pytest.fail("the remembered count was not used"))
-    check_same_shards(vars(data), vars(data), "--model_name_or_path step1", str(run))
-    assert record_count(data.data_path[0], data.data_output_path) == 99
+def test_the_record_holds_the_count_the_build_cut_not_the_one_at_write_time(tmp_path, tok):
+    """The record was counted when written (after the model loaded): a record added in between was recorded as what
+    the step trained on, and a later step on the changed data passed."""
+    source = tmp_path / "pairs.jsonl"
+    data = DataArguments(data_path=[write_lines(source, LINES[:99])], data_split="1,1,1",
+                         data_output_path=str(tmp_path / "cache"))
+    data.build(1, tok)  # step 1 cuts 99 records
+    write_lines(source, LINES)  # ... and the file gains one while its model loads
+    (tmp_path / "step1").mkdir()
+    (tmp_path / "step1" / "args.json").write_text(json.dumps({"data_path": data.data_path, "seed": data.seed,
+                                                              "data_split": data.data_split}))
+    data.record_split(tmp_path / "step1")
+    assert recorded(tmp_path / "step1") == [99]
+    step2 = step2_data(data)
+    check_input_run_shards(str(tmp_path / "step1"), step2)
+    with pytest.raises(UserError, match=REFUSED.format(run=tmp_path / "step1", source=".*pairs.jsonl", then=99,
+                                                        now=100)):
+        step2.build(2, tok)
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """A hub dataset `someone/pairs` whose rows the test changes, and the reads of it."""
+    state = {"rows": ROWS[:99], "reads": 0}
+
+    def load_hub_dataset(name, config_name=None, split=None):
+        state["reads"] += 1
+        return datasets.Dataset.from_list(state["rows"])
+
+    monkeypatch.setattr(sources, "load_hub_dataset", load_hub_dataset)
+    return state
+
+
+def test_a_hub_source_that_changed_since_the_input_run_is_refused_on_every_rank(tmp_path, tok, hub, monkeypatch):
+    """A hub source is fingerprinted by its name: the count remembered for it passed the check, step 2's build cut
+    the new count (23 of its 101 prompts were in step 1's shard) and recorded it as the one step 1 cut."""
+    data = DataArguments(data_path=["someone/pairs"], data_split="1,1,1", data_output_path=str(tmp_path / "cache"))
+    run_step1(data, tok, tmp_path / "step1")
+    assert recorded(tmp_path / "step1") == [99]
+    hub["rows"] = ROWS  # the hub copy gains a record
+    refused = REFUSED.format(run=tmp_path / "step1", source="someone/pairs", then=99, now=100)
+    for rebuild in (False, True):
+        hub["reads"] = 0
+        step2 = step2_data(data, rebuild_data_cache=rebuild)
+        check_input_run_shards(str(tmp_path / "step1"), step2)
+        assert hub["reads"] == 0  # the check before the build reads no source
+        with pytest.raises(UserError, match=refused):
+            step2.build(2, tok)
+    # another local rank loads what local rank 0 built (or found cached) and refuses as it does, past the barrier
+    monkeypatch.setattr(cache, "get_local_rank", lambda: 1)
+    hub["reads"] = 0
+    step2 = step2_data(data)
+    check_input_run_shards(str(tmp_path / "step1"), step2)
+    with pytest.raises(UserError, match=refused):
+        step2.build(2, tok)
+    assert hub["reads"] == 0
+
+
+def test_a_cached_build_is_checked_as_the_count_its_items_were_cut_from(tmp_path, tok, hub):
+    """Step 2's data cached before the hub copy changed holds the items cut from step 1's count: it passes, reads no
+    source, and the run records that count; a step 1 run on the new copy is refused it."""
+    data = DataArguments(data_path=["someone/pairs"], data_split="1,1,1", data_output_path=str(tmp_path / "cache"))
+    run_step1(data, tok, tmp_path / "step1")
+    step2_data(data).build(2, tok)  # cached from 99 records
+    hub["rows"], hub["reads"] = ROWS, 0
+    step2 = step2_data(data)
+    check_input_run_shards(str(tmp_path / "step1"), step2)
+    step2.build(2, tok)
+    assert hub["reads"] == 0
+    (tmp_path / "step2").mkdir()
+    step2.record_split(tmp_path / "step2")
+    assert recorded(tmp_path / "step2") == [99]
+    retrained = DataArguments(data_path=["someone/pairs"], data_split="1,1,1", rebuild_data_cache=True,
+                              data_output_path=str(tmp_path / "cache"))
+    run_step1(retrained, tok, tmp_path / "step1_new")
+    assert recorded(tmp_path / "step1_new") == [100]
+    step2 = step2_data(data)
+    check_input_run_shards(str(tmp_path / "step1_new"), step2)
+    with pytest.raises(UserError, match="step1_new was trained on a shard of someone/pairs cut from its 100 records, "
+                                        "but it holds 99 now"):
+        step2.build(2, tok)
+
+
+def test_the_check_before_the_build_reads_no_source_and_each_step_reads_it_once(tmp_path, tok, hub):
+    """The check read every shared source whole, in every process, before the processes started: a second read
+    with --rebuild_data_cache or another --data_output_path."""
+    data = DataArguments(data_path=["someone/pairs"], data_split="1,1,1", data_output_path=str(tmp_path / "cache"))
+    run_step1(data, tok, tmp_path / "step1")
+    assert hub["reads"] == 1
+    for changes in ({"rebuild_data_cache": True}, {"data_output_path": str(tmp_path / "cache2")}):
+        hub["reads"] = 0
+        step2 = step2_data(data, **changes)
+        check_input_run_shards(str(tmp_path / "step1"), step2)
+        assert hub["reads"] == 0
+        step2.build(2, tok)
+        (tmp_path / "step2").mkdir(exist_ok=True)
+        step2.record_split(tmp_path / "step2")
+        assert hub["reads"] == 1 and recorded(tmp_path / "step2") == [99]
+
+
+def test_a_run_folder_is_recorded_only_from_a_build(tmp_path):
+    with pytest.raises(RuntimeError, match="needs the step's data built first"):
+        DataArguments().record_split(tmp_path)

@@ -17,7 +17,6 @@ from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
 from training.core.model_loading import resolve_model_path
 from training.reliability.run_records import read_run_args, run_dir_of
 from utils.data.args import DataArguments
-from utils.data.shard_match import check_same_shards
 from utils.data.splits import parse_data_split
 from utils.errors import UserError
 
@@ -279,11 +278,13 @@ def check_input_run_shards(name_or_path: str, data: DataArguments, flag: str = "
     """A model an earlier step of this project trained must come from the same data shards as this step's.
 
     Its run folder's args.json says how it cut the data (`utils.data.shard_match`); a model without
-    one (the embedded default, a hub name, a plain HF folder) is not checked.
+    one (the embedded default, a hub name, a plain HF folder) is not checked. The record counts the run cut its
+    sources from (its data_split.json) are compared by this step's data build, with the counts it cuts: no source is
+    read here.
     """
     if is_embedded_name(name_or_path):
         return
     run_dir = run_dir_of(name_or_path)
     earlier = read_run_args(run_dir) if run_dir is not None else None
     if earlier is not None:
-        check_same_shards(vars(data), earlier, f"{flag} {name_or_path}", str(run_dir))
+        data.check_input_run(earlier, f"{flag} {name_or_path}", str(run_dir))

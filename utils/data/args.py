@@ -9,7 +9,8 @@ from utils.paths import cache_root
 
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
-from .phases import build_phase_datasets
+from .phases import build_phase_data
+from .shard_match import InputRunRecord, check_same_shards
 from .sources import resolved_source
 from .split_record import write_split_record
 from .splits import ShardSettings
@@ -65,6 +66,10 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
     rebuild_data_cache: bool = field(default=False, metadata={"help": "rebuild the tokenised data cache"})
+    # not flags: set by the step's own code
+    input_runs: list[InputRunRecord] = field(default_factory=list, repr=False, compare=False, metadata={"flag": None})
+    cut_records: list[tuple[str, int]] | None = field(default=None, repr=False, compare=False,
+                                                      metadata={"flag": None})
 
     def __post_init__(self) -> None:
         for flag in SOURCE_FLAGS:
@@ -73,14 +78,23 @@ class DataArguments:
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)
 
+    def check_input_run(self, earlier: Mapping[str, Any], earlier_name: str, earlier_run: str) -> None:
+        """Refuse settings that cut other shards than the run that trained an input model (`check_same_shards`; its
+        `args.json` gives `earlier`), and have `build` compare the record counts that run recorded with its own."""
+        record = check_same_shards(vars(self), earlier, earlier_name, earlier_run)
+        if record is not None and record not in self.input_runs:
+            self.input_runs.append(record)
+
     def record_split(self, run_dir: str | os.PathLike) -> None:
-        """Record in the run folder how many records each `--data_path` source held when it was cut (`split_record`):
-        a later step started from the run refuses a source that changed since."""
-        write_split_record(run_dir, self.data_path, self.data_output_path)
+        """Record in the run folder how many records `build` cut each `--data_path` source from (`split_record`): a
+        later step started from the run refuses a source that changed since."""
+        if self.cut_records is None:
+            raise RuntimeError("record_split needs the step's data built first (DataArguments.build)")
+        write_split_record(run_dir, self.cut_records)
 
     def build(self, phase: int, tokenizer) -> tuple[TokenizedDataset, TokenizedDataset]:
-        """`build_phase_datasets` with these options."""
-        return build_phase_datasets(
+        """`build_phase_data` with these options (and the records each source was cut from kept for `record_split`)."""
+        data = build_phase_data(
             phase,
             self.data_path,
             self.data_split,
@@ -97,7 +111,10 @@ class DataArguments:
             prompt_format=self.prompt_format,
             prompt_overflow=self.prompt_overflow,
             whole_sequence_loss=self.whole_sequence_loss,
+            input_runs=self.input_runs,
         )
+        self.cut_records = data.records
+        return data.train, data.eval
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -12,6 +12,7 @@ from utils.errors import UserError
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .formatting import PromptFormatter
 from .samples import PHASE_KINDS, Sample, SkippedRows, SkipRow, unusable_reason
+from .shard_match import InputRunRecord, check_same_record_counts
 from .sources import (
     LoadedSource,
     SourceSpec,
@@ -19,7 +20,7 @@ from .sources import (
     parse_source_spec,
     source_fingerprint,
 )
-from .split_record import remember_record_count
+from .split_record import RECORDS_KEY
 from .splits import ShardSettings, holdout, parse_data_split, seeded_order
 from .tokenization import TokenLimits, tokenize_samples
 from .tokenized import TokenizedDataset
@@ -145,10 +146,10 @@ def _no_training_items(phase: int, splits: Sequence[SourceSplit], train_stats: d
 
 
 def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: PromptFormatter, limits: TokenLimits,
-           seed: int, data_output_path: str) -> dict:
+           seed: int) -> dict:
     splits = phase_splits(phase, kind=kind, seed=seed, **splits_args)
-    for path, split in zip(splits_args["data_paths"], splits):  # the sharded ones; step-1-only sources follow
-        remember_record_count(path, data_output_path, len(split.source))
+    # the records each sharded source was cut from (step-1-only sources follow them in `splits`), kept with the items
+    records = [[path, len(split.source)] for path, split in zip(splits_args["data_paths"], splits)]
     for split in splits:
         logger.log(logging.WARNING if split.skipped or split.source.load_skips else logging.INFO, split.summary(phase, kind))
         if not split.train and not split.eval:
@@ -162,10 +163,24 @@ def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: Promp
     if len(train) == 0:
         raise _no_training_items(phase, splits, train.stats, splits_args["eval_fraction"],
                                  formatter.template_error)
-    return {"train": train.state(), "eval": evaluation.state()}
+    return {"train": train.state(), "eval": evaluation.state(), RECORDS_KEY: records}
 
 
-def build_phase_datasets(
+class PhaseData(NamedTuple):
+    """A step's tokenised data, and the records each `--data_path` source was cut from (`(entry, count)`, in order)."""
+
+    train: TokenizedDataset
+    eval: TokenizedDataset
+    records: list[tuple[str, int]]
+
+
+def build_phase_datasets(*args, **kwargs) -> tuple[TokenizedDataset, TokenizedDataset]:
+    """`build_phase_data` (its arguments) less the record counts: the tokenised (train, eval) datasets."""
+    data = build_phase_data(*args, **kwargs)
+    return data.train, data.eval
+
+
+def build_phase_data(
     phase: int,
     data_paths: Sequence[str],
     data_split: str,
@@ -182,11 +197,15 @@ def build_phase_datasets(
     prompt_format: str = "auto",
     prompt_overflow: str = "drop",
     whole_sequence_loss: bool = False,
-) -> tuple[TokenizedDataset, TokenizedDataset]:
-    """Tokenised (train, eval) datasets for step `phase` (1 SFT, 2 reward pairs, 3 PPO prompts).
+    input_runs: Sequence[InputRunRecord] = (),
+) -> PhaseData:
+    """Tokenised train and eval datasets for step `phase` (1 SFT, 2 reward pairs, 3 PPO prompts), and the records
+    each source was cut from.
 
     Built once and cached under `data_output_path`; `max_*_samples` cap the loaded data (the
-    first items of the seeded blend), so changing them never rebuilds the cache.
+    first items of the seeded blend), so changing them never rebuilds the cache. A source cut from another record
+    count than one of `input_runs` (the runs that trained this step's input models) recorded is refused, on every rank
+    (each holds the cached state; a cache hit counts as the build its items were cut in).
     """
     if phase not in PHASE_KINDS:
         raise UserError(f"phase must be 1, 2 or 3, not {phase}")
@@ -218,13 +237,14 @@ def build_phase_datasets(
     }
     path = cache_file(data_output_path, f"step{phase}_{kind}", key_inputs)
     state, built = build_or_load(
-        path, lambda: _build(phase, kind, splits_args, tokenizer, formatter, limits, seed, data_output_path),
-        rebuild=rebuild_cache
+        path, lambda: _build(phase, kind, splits_args, tokenizer, formatter, limits, seed), rebuild=rebuild_cache
     )
+    records = [(path, int(count)) for path, (_, count) in zip(data_paths, state[RECORDS_KEY], strict=True)]
+    check_same_record_counts(records, input_runs)
     train = TokenizedDataset.from_state(state["train"]).head(max_train_samples)
     evaluation = TokenizedDataset.from_state(state["eval"]).head(max_eval_samples)
     logger.info(
         "step %d data %s %s: %d train / %d eval items", phase, "built into" if built else "loaded from cache", path,
         len(train), len(evaluation),
     )
-    return train, evaluation
+    return PhaseData(train, evaluation, records)

@@ -7,21 +7,32 @@ values cuts a shared source differently, so its shard overlaps the rows that mod
 two settings decide the shards: `--eval_fraction` splits a shard within one step, and a stated
 format (`PATH:FORMAT`) changes how rows parse, not which rows a shard holds. A source the earlier step
 trained on whole (step 1's `--sft_only_data_path`) overlaps any shard of it, whatever the settings. A source
-whose record count changed between the runs (a malformed line fixed, a row added) is permuted anew too: the earlier
-run's folder records the counts it cut (`split_record`), which are compared with the source's now; a run folder
+whose record count changed between the runs (a malformed line fixed, a row added, a hub copy updated) is permuted
+anew too: the earlier run's folder records the counts its build cut (`split_record`), which this step's build compares
+with the counts it cuts (`check_same_record_counts`; the check before the build reads no source); a run folder
 written before that record is not checked for it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from utils.errors import UserError
 
 from .sources import source_identity
-from .split_record import read_split_record, record_count
+from .split_record import read_split_record
 from .splits import same_shards
 
 RUN_DATA_KEYS = ("data_path", "seed", "data_split")
+
+
+@dataclass(frozen=True)
+class InputRunRecord:
+    """The record counts the run that trained an input model cut the sources this step shares with it from."""
+
+    name: str  # where the input came from: its flag and value
+    run: str  # its run folder
+    records: Mapping[str, int]  # {source identity: records}
 
 
 def shared_sources(data_paths: Sequence[str], other_data_paths: Sequence[str]) -> list[str]:
@@ -30,8 +41,11 @@ def shared_sources(data_paths: Sequence[str], other_data_paths: Sequence[str]) -
     return [path for path in data_paths if source_identity(path) in others]
 
 
-def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str, earlier_run: str) -> None:
-    """Refuse a step whose shards would overlap those of the run that trained its input model.
+def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str,
+                      earlier_run: str) -> InputRunRecord | None:
+    """Refuse a step whose shards would overlap those of the run that trained its input model, as far as the settings
+    tell; return the record counts that run cut the shared sources from, for the step's build to compare with the
+    counts it cuts (`check_same_record_counts`), or None where it recorded none. No source is read.
 
     `current` and `earlier` are run arguments (a step's parsed flags; the input run's `args.json`);
     `earlier_name` says where the input came from (its flag and value), `earlier_run` is its run
@@ -39,7 +53,7 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
     source with this step are not checked.
     """
     if not all(key in earlier for key in RUN_DATA_KEYS) or not isinstance(earlier["data_path"], list):
-        return
+        return None
     trained_whole = shared_sources(current["data_path"], earlier.get("sft_only_data_path") or [])
     if trained_whole:
         raise UserError(
@@ -50,7 +64,7 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
     seed, data_split = int(current["seed"]), str(current["data_split"])
     earlier_seed, earlier_split = int(earlier["seed"]), str(earlier["data_split"])
     if not shared:
-        return
+        return None
     if not same_shards(seed, data_split, earlier_seed, earlier_split):
         theirs = f"--seed {earlier_seed} --data_split {earlier_split}"
         ours = f"--seed {seed} --data_split {data_split}"
@@ -59,24 +73,24 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
             f"so its shard would overlap the rows that model trained on; rerun with {theirs} to match {earlier_run}, "
             f"or retrain {earlier_run} with {ours}"
         )
-    check_same_record_counts(shared, current, earlier_name, earlier_run)
-
-
-def check_same_record_counts(shared: Sequence[str], current: Mapping[str, Any], earlier_name: str,
-                             earlier_run: str) -> None:
-    """Refuse a `shared` source whose record count differs from the one `earlier_run` recorded when it cut it: the
-    same settings permute another count otherwise, and the shards overlap."""
     recorded = read_split_record(earlier_run)
     if recorded is None:
-        return
-    for path in shared:
-        then = recorded.get(source_identity(path))
-        if then is None:
-            continue
-        now = record_count(path, current["data_output_path"], recount=current["rebuild_data_cache"])
-        if now != then:
-            raise UserError(
-                f"{earlier_name} was trained on a shard of {path} cut from its {then} records, but it holds {now} "
-                f"now (a record fixed, added or removed): cut anew, this step's shard would overlap the rows that "
-                f"model trained on; restore the data as {earlier_run} read it, or retrain {earlier_run} on the data "
-                "as it is now")
+        return None
+    identities = {source_identity(path) for path in shared}
+    return InputRunRecord(earlier_name, earlier_run, {source: count for source, count in recorded.items()
+                                                      if source in identities})
+
+
+def check_same_record_counts(cut: Sequence[tuple[str, int]], input_runs: Sequence[InputRunRecord]) -> None:
+    """Refuse a source whose record count, as this step's build cut it (`cut`: `(--data_path entry, count)`), differs
+    from the one an input run recorded when it cut it: the same settings permute another count, and the shards
+    overlap."""
+    for run in input_runs:
+        for path, now in cut:
+            then = run.records.get(source_identity(path))
+            if then is not None and then != now:
+                raise UserError(
+                    f"{run.name} was trained on a shard of {path} cut from its {then} records, but it holds {now} "
+                    f"now (a record fixed, added or removed): cut anew, this step's shard would overlap the rows "
+                    f"that model trained on; restore the data as {run.run} read it, or retrain {run.run} on the "
+                    "data as it is now")
