@@ -342,6 +342,24 @@ def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
     assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
 
 
+def test_the_unsupervised_folder_fingerprint_leaves_out_the_files_its_reader_leaves_out(tmp_path):
+    """Its own listing kept hidden and "_" files: a notebook's autosave changed the cache key (and train.py's record of
+    a finished step's data) though no text read changed."""
+    from utils.data.unsupervised import load_texts, text_source_fingerprint
+
+    texts = tmp_path / "texts"
+    (texts / ".ipynb_checkpoints").mkdir(parents=True)
+    write_jsonl(texts / "docs.jsonl", [{"text": f"document {i}"} for i in range(5)])
+    write_jsonl(texts / "_SUCCESS.jsonl", [])
+    hidden = texts / ".ipynb_checkpoints" / "docs-checkpoint.jsonl"
+    write_jsonl(hidden, [{"text": "old autosave"}])
+    before = text_source_fingerprint(str(texts))
+    assert [Path(file).name for file, *_ in before["files"]] == ["docs.jsonl"]
+    write_jsonl(hidden, [{"text": "a newer autosave"}])
+    assert text_source_fingerprint(str(texts)) == before
+    assert load_texts(str(texts))[0] == [f"document {i}" for i in range(5)]
+
+
 def test_a_pretty_printed_json_file_named_jsonl_is_told_to_be_renamed(tmp_path):
     """Each of its lines is a piece of one document: the run said only "holds no records (malformed_json=152)"."""
     (tmp_path / "pretty.jsonl").write_text(json.dumps(PAIRS, indent=2))

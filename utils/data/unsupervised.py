@@ -20,7 +20,7 @@ from utils.errors import UserError
 from . import embedded
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .jsonio import utf8_text
-from .local_files import read_local_files
+from .local_files import local_files, read_local_files
 from .samples import ASSISTANT, ROLE_ALIASES, SkippedRows, SkipRow, text_field
 from .sources import (
     file_fingerprint,
@@ -105,8 +105,8 @@ def text_source_fingerprint(source: str, config_name: str | None = None, shard: 
         path = Path(source).expanduser()
         if not path.exists():
             raise UserError(f"unsupervised data path {source} does not exist")
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        return {"source": source, "files": file_fingerprint(files)}
+        # a folder's files as `load_texts` reads them (hidden and "_" names left out), a file (.txt too) itself
+        return {"source": source, "files": file_fingerprint(local_files(path) if path.is_dir() else [path])}
     return {"source": source, "config": config_name, "hub": True}
 
 
