@@ -338,8 +338,31 @@ def test_a_folder_saved_by_datasets_is_loaded_as_that_dataset(tmp_path):
 def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
     """{"train": [...], "test": [...]} (a hub dataset's splits written as one object) was read as one record whose
     columns are train and test; like a hub dataset's splits, its lists are read one after the other in name order."""
-    (tmp_path / "splits.json").write_text(json.dumps({"train": PAIRS[:20], "test": PAIRS[20:], "version": [1, 2]}))
+    (tmp_path / "splits.json").write_text(json.dumps({"train": PAIRS[:20], "test": PAIRS[20:], "version": "1.0"}))
     assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
+
+
+@pytest.mark.parametrize("record, data_format", [
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+      "tools": [{"name": "search", "description": "web search"}]}, "messages"),
+    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}], "tags": ["x"]},
+     "sharegpt"),
+])
+def test_a_json_file_of_one_record_with_several_lists_is_that_record(tmp_path, record, data_format):
+    """Read as several record lists, its messages (and tools) were the records: refused as an unknown format, or
+    each message a row of its own."""
+    (tmp_path / "one.json").write_text(json.dumps(record))
+    source = load_source(parse_source_spec(str(tmp_path / "one.json")))
+    assert (source.format, source.records) == (data_format, [record])
+    assert [s.chosen for s in samples_of(str(tmp_path / "one.json"))] == ["Hello!"]
+
+
+def test_a_json_object_with_a_list_that_is_not_records_is_one_record(tmp_path):
+    """Its one list of records was read as the file's records; it is one record, whose columns the error names."""
+    record = {"id": "c1", "turns": [{"role": "user", "content": "Hi"}], "tags": ["x"]}
+    (tmp_path / "one.json").write_text(json.dumps(record))
+    with pytest.raises(UserError, match=r"from its columns \['id', 'tags', 'turns'\]"):
+        load_source(parse_source_spec(str(tmp_path / "one.json")))
 
 
 def test_the_unsupervised_folder_fingerprint_leaves_out_the_files_its_reader_leaves_out(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from utils.errors import UserError
 
+from .readers import detect_format
 from .samples import SkippedRows
 
 MALFORMED = "malformed_json"
@@ -126,12 +127,16 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
 
 
 def _records_of(content) -> list:
+    """The records of a .json file's document: an array's elements; an object that is a row itself (its keys detect as
+    a row format: `{"messages": [...], "tools": [...]}`) is one record; else the records of its one list, or of its
+    several lists when each is a list of records (`{"train": [...], "test": [...]}`, in name order)."""
     if isinstance(content, list):
         return content
-    if not isinstance(content, dict):
+    if not isinstance(content, dict) or detect_format(content) is not None:
         return [content]
     lists = {key: value for key, value in content.items() if isinstance(value, list)}
     if len(lists) == 1:
         return next(iter(lists.values()))
-    record_lists = [value for _, value in sorted(lists.items()) if value and all(isinstance(r, dict) for r in value)]
-    return [record for records in record_lists for record in records] if record_lists else [content]
+    if lists and all(isinstance(record, dict) for value in lists.values() for record in value):
+        return [record for _, records in sorted(lists.items()) for record in records]
+    return [content]
