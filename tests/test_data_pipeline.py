@@ -85,6 +85,15 @@ def test_bad_data_split_is_a_user_error(bad):
         parse_data_split(bad)
 
 
+def test_a_data_split_of_finite_weights_whose_sum_overflows_says_so():
+    """It was told its weights must be "all finite", which they are."""
+    with pytest.raises(UserError, match=r"--data_split '1e308,1e308,1': its weights are finite, but their sum is past "
+                                        r"the largest float .*scale them down"):
+        parse_data_split("1e308,1e308,1")
+    with pytest.raises(UserError, match="--data_split 'inf,1,1' must be three finite numbers"):
+        parse_data_split("inf,1,1")
+
+
 def test_two_sources_blend_into_one_seeded_mix(tmp_path, tok):
     a = write_pairs(tmp_path / "a.jsonl", 40, "alpha")
     b = write_pairs(tmp_path / "b.jsonl", 40, "beta")

@@ -182,7 +182,9 @@ def test_source_without_usable_rows_stops_the_run(tmp_path):
     from utils.data import build_phase_datasets
 
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
-    with pytest.raises(UserError, match="prompts.jsonl.*no usable rows for step 2"):
+    # the skipped rows said as the source's line says them, where they are (was a bare Counter's dict)
+    with pytest.raises(UserError, match=r"prompts.jsonl.*no usable rows for step 2 \(pairs\); skipped: no_chosen=2 "
+                                        r"\(prompts.jsonl line \d, prompts.jsonl line \d\)\. Check the source"):
         build_phase_datasets(2, [path], "1,1,1", make_tokenizer(), 64, 0, str(tmp_path / "cache"))
 
 

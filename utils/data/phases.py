@@ -121,7 +121,7 @@ def _no_usable_rows(split: SourceSplit, phase: int, kind: str, data_split: str) 
             "more records")
     return UserError(
         f"data source '{split.source.spec}' has no usable rows for step {phase} ({kind}); "
-        f"skipped: {dict(split.skipped)}. Check the source, its format (PATH:FORMAT) and --data_split")
+        f"skipped: {split.skipped.report()}. Check the source, its format (PATH:FORMAT) and --data_split")
 
 
 def _no_training_items(phase: int, splits: Sequence[SourceSplit], train_stats: dict, eval_fraction: float,

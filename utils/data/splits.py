@@ -8,6 +8,7 @@ conversation inside one shard and one side of the eval split.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,17 +19,23 @@ NUM_PHASES = 3
 
 
 def parse_data_split(data_split: str) -> list[float]:
-    """'2,4,4' -> [2.0, 4.0, 4.0]; three non-negative weights with a positive, finite sum (an infinite weight, or
-    a sum past the largest float, cuts no shard: inf / inf)."""
+    """'2,4,4' -> [2.0, 4.0, 4.0]; three non-negative, finite weights with a positive, finite sum (an infinite weight,
+    or a sum past the largest float, cuts no shard: inf / inf)."""
     try:
         weights = [float(part) for part in str(data_split).split(",")]
     except ValueError:
         weights = []
-    if len(weights) != NUM_PHASES or any(w < 0 for w in weights) or not 0 < sum(weights) < math.inf:
+    if len(weights) != NUM_PHASES or not all(w >= 0 for w in weights) or not sum(weights) > 0:  # nan fails both
         raise UserError(
-            f"--data_split '{data_split}' must be three non-negative numbers with a positive sum, all finite, "
-            "one per step, e.g. 2,4,4"
+            f"--data_split '{data_split}' must be three non-negative numbers with a positive sum, one per step, "
+            "e.g. 2,4,4"
         )
+    if not all(math.isfinite(w) for w in weights):
+        raise UserError(f"--data_split '{data_split}' must be three finite numbers (only their proportions count), "
+                        "e.g. 2,4,4")
+    if not math.isfinite(sum(weights)):
+        raise UserError(f"--data_split '{data_split}': its weights are finite, but their sum is past the largest "
+                        f"float ({sys.float_info.max:.4g}); scale them down (only their proportions count), e.g. 2,4,4")
     return weights
 
 
