@@ -200,7 +200,7 @@ def test_bf16_generation_samples_from_the_trained_distribution_at_positions_past
                                                                                     fused, packing, stage, lora):
     """On the fused decode path (with Qwen3's head norms, Qwen2's biases, LoRA) and on the transformers forward.
     Tolerance: total-variation distance between the hybrid engine's next-token distribution and the train forward's,
-    over 32 sampled tokens at positions 520-551, below 1e-3 on average and 1e-2 at worst (measured on the fused
+    over 32 sampled tokens at positions 520-551, below 1e-3 on average and 2e-2 at worst (measured on the fused
     path: ~2e-4 and ~7e-3 for Llama, ~4e-4 and ~5e-3 for Qwen3 where bf16 is packed; 4e-6 and 2e-4 for Llama, 5e-5
     and 3e-3 for Qwen3, 0 for the biased Qwen2 and for LoRA with plain weights; 0 on the transformers forward, the
     train forward's own code). What failed it: RoPE's inv_freq rounded to bf16 (0.03 on average); residual adds
@@ -232,8 +232,10 @@ def test_a_compiled_bf16_transformers_step_samples_from_the_trained_distribution
                         lambda model, kv_cache, compiled: HFCachedModel(model, kv_cache, compiled=True))
     torch._dynamo.reset()
     counters.clear()
+    # unpacked, as on a GPU: on a CPU with native bf16, inductor cannot lower oneDNN's packed linear unless frozen
     check_long_position_parity(tiny_model_dir("llama", **LONG_POSITION_MODEL), "bf16",
-                               functools.partial(hybrid_engine, fused_decode=False), lora_arch="llama" if lora else None)
+                               functools.partial(hybrid_engine, fused_decode=False, onednn_packing=False),
+                               lora_arch="llama" if lora else None)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
 

