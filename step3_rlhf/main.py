@@ -74,7 +74,10 @@ from utils.data import (
     PromptCollator,
     SFTCollator,
     build_unsupervised_dataset,
+    write_split_record,
 )
+from utils.data.phases import PhaseData
+from utils.data.shard_match import InputRunRecord
 from utils.dist import get_world_size, init_distributed, is_main_process
 from utils.errors import UserError, run_cli
 from utils.log import setup_logging
@@ -90,8 +93,9 @@ def parse_args(argv: list[str] | None = None) -> Step3Settings:
     return build_parser().parse_args(argv)
 
 
-def check_args(args: Step3Settings) -> None:
-    """Everything that can be checked before anything is loaded or written."""
+def check_args(args: Step3Settings) -> list[InputRunRecord]:
+    """Everything that can be checked before anything is loaded or written; returns what the runs that trained the
+    input models recorded of their data (for the data build to compare: `check_input_run_shards`)."""
     flags = flag_values(args)
     check_positive(flags, "per_device_generation_batch_size", "per_device_training_batch_size",
                    "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
@@ -132,17 +136,21 @@ def check_args(args: Step3Settings) -> None:
                         "model), --reward_fn (e.g. builtin:math), or both")
     if args.rewards.reward_fn is not None:
         load_reward_fn(args.rewards.reward_fn)
+    input_runs = []
     for flag, model in asdict(args.models).items():
         if model is None:
             continue
         check_model_source(model, f"--{flag}")
         check_remote_code(model, args.run.trust_remote_code, f"--{flag}")
-        check_input_run_shards(model, args.data, f"--{flag}")
+        input_run = check_input_run_shards(model, args.data, f"--{flag}")
+        if input_run is not None:
+            input_runs.append(input_run)
     check_output_apart_from_inputs(args.run.output_dir, {f"--{flag}": model for flag, model in asdict(args.models).items()},
                                    (ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, CHECKPOINTS_SUBDIR))
     refuse_reward_model(args.models.actor_model_name_or_path, "--actor_model_name_or_path")
     if args.models.critic_model_name_or_path is not None:
         check_reward_model_dir(args.models.critic_model_name_or_path, (MARKER_FILE, VALUE_HEAD_FILE))
+    return input_runs
 
 
 def experiences_per_step(args: Step3Settings) -> int:
@@ -176,9 +184,10 @@ def count_ppo_steps(args: Step3Settings, prompts: BatchStream) -> int:
     return min(total, args.schedule.max_steps) if args.schedule.max_steps else total
 
 
-def _build_streams(args: Step3Settings, tokenizer) -> tuple[BatchStream, BatchStream | None, BatchStream | None]:
+def _build_streams(args: Step3Settings, tokenizer,
+                   phase_data: PhaseData) -> tuple[BatchStream, BatchStream | None, BatchStream | None]:
     data, loop, seed = args.data, args.loop, args.data.seed
-    train_prompts, eval_prompts = data.build(3, tokenizer)
+    train_prompts, eval_prompts = phase_data.train, phase_data.eval
     collator = PromptCollator(tokenizer.pad_token_id)
     # with accumulation, every PPO step a full batch: a short one could not make whole optimizer steps
     prompts = BatchStream(train_prompts, loop.per_device_generation_batch_size, collator, seed,
@@ -234,7 +243,7 @@ def call_timer(engine: RLHFEngine, generator: object | None, placement: Placemen
 def run_step3(args: Step3Settings) -> dict:
     started = time.perf_counter()
     setup_logging()
-    check_args(args)
+    input_runs = check_args(args)
     given = flag_values(args)  # args.json records the flags as given: train.py compares a rerun's with them
     init_distributed()
     placement, auto_plan = resolve_placement(args)
@@ -252,7 +261,8 @@ def run_step3(args: Step3Settings) -> dict:
         check_sequence_lengths(load_config(actor_path, args.run.trust_remote_code),
                                max_prompt_seq_len=args.data.max_prompt_seq_len,
                                max_answer_seq_len=args.ppo.max_answer_seq_len, model=actor_path)
-        prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer)
+        phase_data = args.data.build(3, tokenizer, input_runs)
+        prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer, phase_data)
         streams = {"train": prompts, "eval": eval_prompts, "pretraining": unsupervised}
         checkpoints.check_data({name: data_record(stream.dataset) for name, stream in streams.items()
                                 if stream is not None}, args.checkpoints.resume)
@@ -269,7 +279,7 @@ def run_step3(args: Step3Settings) -> dict:
         # after every check (the models' LoRA and vocabulary ones included), so a refused run never overwrites an
         # earlier one's
         save_run_args(run_dir, given)  # what --placement auto changed is in its AUTO_PLAN_FILE
-        args.data.record_split(run_dir)
+        write_split_record(run_dir, phase_data.records)
         metrics = MetricsLogger(run_dir)
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s%s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,

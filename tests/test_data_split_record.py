@@ -12,7 +12,7 @@ from tiny_models import make_tokenizer
 import utils.data.cache as cache
 import utils.data.sources as sources
 from training.reliability.validation import check_input_run_shards
-from utils.data import DataArguments
+from utils.data import DataArguments, write_split_record
 from utils.data.split_record import SPLIT_RECORD_FILE
 from utils.errors import UserError
 
@@ -34,10 +34,16 @@ def tok():
 
 def run_step1(data: DataArguments, tok, run) -> None:
     """What step 1 does with its data: build, then record (after its model loads) in its run folder."""
-    data.build(1, tok)
+    records = data.build(1, tok).records
     run.mkdir()
     (run / "args.json").write_text(json.dumps({key: getattr(data, key) for key in ("data_path", "seed", "data_split")}))
-    data.record_split(run)
+    write_split_record(run, records)
+
+
+def input_runs(run, data: DataArguments) -> list:
+    """What a step started from `run` hands its data build (`check_input_run_shards`, none for an unchecked run)."""
+    record = check_input_run_shards(str(run), data)
+    return [] if record is None else [record]
 
 
 def recorded(run) -> list:
@@ -70,13 +76,13 @@ def test_a_source_whose_record_count_changed_since_the_input_run_cut_it_is_refus
     run, data = step1
     write_lines(tmp_path / "pairs.jsonl", LINES)  # the malformed line fixed
     step2 = step2_data(data)
-    check_input_run_shards(str(run), step2)  # the settings match; the count is the build's to compare
+    runs = input_runs(run, step2)  # the settings match; the count is the build's to compare
     with pytest.raises(UserError, match=REFUSED.format(run=run, source=".*pairs.jsonl", then=99, now=100)):
-        step2.build(2, tok)
+        step2.build(2, tok, runs)
     (run / SPLIT_RECORD_FILE).unlink()  # a run folder from before the record: not checked
     step2 = step2_data(data)
-    check_input_run_shards(str(run), step2)
-    step2.build(2, tok)
+    runs = input_runs(run, step2)
+    step2.build(2, tok, runs)
 
 
 def test_the_record_holds_the_count_the_build_cut_not_the_one_at_write_time(tmp_path, tok):
@@ -85,18 +91,18 @@ def test_the_record_holds_the_count_the_build_cut_not_the_one_at_write_time(tmp_
     source = tmp_path / "pairs.jsonl"
     data = DataArguments(data_path=[write_lines(source, LINES[:99])], data_split="1,1,1",
                          data_output_path=str(tmp_path / "cache"))
-    data.build(1, tok)  # step 1 cuts 99 records
+    records = data.build(1, tok).records  # step 1 cuts 99 records
     write_lines(source, LINES)  # ... and the file gains one while its model loads
     (tmp_path / "step1").mkdir()
     (tmp_path / "step1" / "args.json").write_text(json.dumps({"data_path": data.data_path, "seed": data.seed,
                                                               "data_split": data.data_split}))
-    data.record_split(tmp_path / "step1")
+    write_split_record(tmp_path / "step1", records)
     assert recorded(tmp_path / "step1") == [99]
     step2 = step2_data(data)
-    check_input_run_shards(str(tmp_path / "step1"), step2)
+    runs = input_runs(tmp_path / "step1", step2)
     with pytest.raises(UserError, match=REFUSED.format(run=tmp_path / "step1", source=".*pairs.jsonl", then=99,
                                                         now=100)):
-        step2.build(2, tok)
+        step2.build(2, tok, runs)
 
 
 @pytest.fixture
@@ -123,17 +129,17 @@ def test_a_hub_source_that_changed_since_the_input_run_is_refused_on_every_rank(
     for rebuild in (False, True):
         hub["reads"] = 0
         step2 = step2_data(data, rebuild_data_cache=rebuild)
-        check_input_run_shards(str(tmp_path / "step1"), step2)
+        runs = input_runs(tmp_path / "step1", step2)
         assert hub["reads"] == 0  # the check before the build reads no source
         with pytest.raises(UserError, match=refused):
-            step2.build(2, tok)
+            step2.build(2, tok, runs)
     # another local rank loads what local rank 0 built (or found cached) and refuses as it does, past the barrier
     monkeypatch.setattr(cache, "get_local_rank", lambda: 1)
     hub["reads"] = 0
     step2 = step2_data(data)
-    check_input_run_shards(str(tmp_path / "step1"), step2)
+    runs = input_runs(tmp_path / "step1", step2)
     with pytest.raises(UserError, match=refused):
-        step2.build(2, tok)
+        step2.build(2, tok, runs)
     assert hub["reads"] == 0
 
 
@@ -145,21 +151,21 @@ def test_a_cached_build_is_checked_as_the_count_its_items_were_cut_from(tmp_path
     step2_data(data).build(2, tok)  # cached from 99 records
     hub["rows"], hub["reads"] = ROWS, 0
     step2 = step2_data(data)
-    check_input_run_shards(str(tmp_path / "step1"), step2)
-    step2.build(2, tok)
+    runs = input_runs(tmp_path / "step1", step2)
+    records = step2.build(2, tok, runs).records
     assert hub["reads"] == 0
     (tmp_path / "step2").mkdir()
-    step2.record_split(tmp_path / "step2")
+    write_split_record(tmp_path / "step2", records)
     assert recorded(tmp_path / "step2") == [99]
     retrained = DataArguments(data_path=["someone/pairs"], data_split="1,1,1", rebuild_data_cache=True,
                               data_output_path=str(tmp_path / "cache"))
     run_step1(retrained, tok, tmp_path / "step1_new")
     assert recorded(tmp_path / "step1_new") == [100]
     step2 = step2_data(data)
-    check_input_run_shards(str(tmp_path / "step1_new"), step2)
+    runs = input_runs(tmp_path / "step1_new", step2)
     with pytest.raises(UserError, match="step1_new was trained on a shard of someone/pairs cut from its 100 records, "
                                         "but it holds 99 now"):
-        step2.build(2, tok)
+        step2.build(2, tok, runs)
 
 
 def test_the_check_before_the_build_reads_no_source_and_each_step_reads_it_once(tmp_path, tok, hub):
@@ -171,14 +177,9 @@ def test_the_check_before_the_build_reads_no_source_and_each_step_reads_it_once(
     for changes in ({"rebuild_data_cache": True}, {"data_output_path": str(tmp_path / "cache2")}):
         hub["reads"] = 0
         step2 = step2_data(data, **changes)
-        check_input_run_shards(str(tmp_path / "step1"), step2)
+        runs = input_runs(tmp_path / "step1", step2)
         assert hub["reads"] == 0
-        step2.build(2, tok)
+        records = step2.build(2, tok, runs).records
         (tmp_path / "step2").mkdir(exist_ok=True)
-        step2.record_split(tmp_path / "step2")
+        write_split_record(tmp_path / "step2", records)
         assert hub["reads"] == 1 and recorded(tmp_path / "step2") == [99]
-
-
-def test_a_run_folder_is_recorded_only_from_a_build(tmp_path):
-    with pytest.raises(RuntimeError, match="needs the step's data built first"):
-        DataArguments().record_split(tmp_path)

@@ -57,7 +57,7 @@ from training.reliability.validation import (
     check_sequence_lengths,
     estimate_output_bytes,
 )
-from utils.data import DataArguments
+from utils.data import DataArguments, write_split_record
 from utils.dist import init_distributed
 from utils.log import setup_logging
 
@@ -176,7 +176,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)
-    check_input_run_shards(model_name, args.data)
+    input_run = check_input_run_shards(model_name, args.data)
     check_output_apart_from_inputs(args.run.output_dir, {"--model_name_or_path": model_name},
                                    (FINAL_MODEL_SUBDIR, CHECKPOINTS_SUBDIR))
     init_distributed()
@@ -188,7 +188,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         tokenizer = load_tokenizer(model_name, args.run.trust_remote_code)
         check_sequence_lengths(load_config(model_name, args.run.trust_remote_code),
                                max_seq_len=args.data.max_seq_len, model=model_name)
-        train_data, eval_data = args.data.build(step.phase, tokenizer)
+        train_data, eval_data, cut_records = args.data.build(step.phase, tokenizer,
+                                                             [input_run] if input_run is not None else [])
         checkpoints.check_data({"train": data_record(train_data), "eval": data_record(eval_data)},
                                args.checkpoints.resume)
         loop = args.loop_config(step.name)
@@ -200,7 +201,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         model = apply_model_options(model, args.training, trainable_heads=step.trainable_heads)
         check_disk_space(run_dir, _output_bytes(model, dtype, args.checkpoints.keep_last_checkpoints), step.name)
         save_run_args(run_dir, flag_values(args))  # only now: a bad argument must leave an earlier run's files as they were
-        args.data.record_split(run_dir)
+        write_split_record(run_dir, cut_records)
         engine = create_train_engine(model, settings)
         metrics = MetricsLogger(run_dir)
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),

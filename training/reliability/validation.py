@@ -17,6 +17,7 @@ from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
 from training.core.model_loading import resolve_model_path
 from training.reliability.run_records import read_run_args, run_dir_of
 from utils.data.args import DataArguments
+from utils.data.shard_match import InputRunRecord, check_same_shards
 from utils.data.splits import parse_data_split
 from utils.errors import UserError
 
@@ -274,17 +275,19 @@ def check_reward_model_dir(
     return folder
 
 
-def check_input_run_shards(name_or_path: str, data: DataArguments, flag: str = "--model_name_or_path") -> None:
+def check_input_run_shards(name_or_path: str, data: DataArguments,
+                           flag: str = "--model_name_or_path") -> InputRunRecord | None:
     """A model an earlier step of this project trained must come from the same data shards as this step's.
 
     Its run folder's args.json says how it cut the data (`utils.data.shard_match`); a model without
-    one (the embedded default, a hub name, a plain HF folder) is not checked. The record counts the run cut its
-    sources from (its data_split.json) are compared by this step's data build, with the counts it cuts: no source is
-    read here.
+    one (the embedded default, a hub name, a plain HF folder) is not checked. Returns the record counts the run cut
+    the sources it shares with this step from (its data_split.json), for this step's data build to compare with the
+    counts it cuts (`DataArguments.build`): no source is read here.
     """
     if is_embedded_name(name_or_path):
-        return
+        return None
     run_dir = run_dir_of(name_or_path)
     earlier = read_run_args(run_dir) if run_dir is not None else None
-    if earlier is not None:
-        data.check_input_run(earlier, f"{flag} {name_or_path}", str(run_dir))
+    if earlier is None:
+        return None
+    return check_same_shards(vars(data), earlier, f"{flag} {name_or_path}", str(run_dir))

@@ -9,6 +9,7 @@ from .readers import FORMATS, detect_format
 from .rows import read_rows
 from .samples import Sample
 from .sources import SourceSpec, load_source, parse_source_spec
+from .split_record import write_split_record
 from .tokenization import IGNORE_INDEX
 from .tokenized import TokenizedDataset
 from .unsupervised import build_unsupervised_dataset
@@ -34,4 +35,5 @@ __all__ = [
     "TokenizedDataset",
     "build_unsupervised_dataset",
     "read_rows",
+    "write_split_record",
 ]

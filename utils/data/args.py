@@ -1,21 +1,19 @@
 """The data settings the three steps share: each field is one command-line flag (names follow DeepSpeed-Chat)."""
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from utils.paths import cache_root
 
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
-from .phases import build_phase_data
-from .shard_match import InputRunRecord, check_same_shards
+from .phases import PhaseData, build_phase_data
+from .shard_match import InputRunRecord
 from .sources import resolved_source
-from .split_record import write_split_record
 from .splits import ShardSettings
 from .tokenization import PROMPT_OVERFLOW
-from .tokenized import TokenizedDataset
 
 
 def default_data_output_path() -> str:
@@ -66,10 +64,6 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
     rebuild_data_cache: bool = field(default=False, metadata={"help": "rebuild the tokenised data cache"})
-    # not flags: set by the step's own code
-    input_runs: list[InputRunRecord] = field(default_factory=list, repr=False, compare=False, metadata={"flag": None})
-    cut_records: list[tuple[str, int]] | None = field(default=None, repr=False, compare=False,
-                                                      metadata={"flag": None})
 
     def __post_init__(self) -> None:
         for flag in SOURCE_FLAGS:
@@ -78,23 +72,10 @@ class DataArguments:
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)
 
-    def check_input_run(self, earlier: Mapping[str, Any], earlier_name: str, earlier_run: str) -> None:
-        """Refuse settings that cut other shards than the run that trained an input model (`check_same_shards`; its
-        `args.json` gives `earlier`), and have `build` compare the record counts that run recorded with its own."""
-        record = check_same_shards(vars(self), earlier, earlier_name, earlier_run)
-        if record is not None and record not in self.input_runs:
-            self.input_runs.append(record)
-
-    def record_split(self, run_dir: str | os.PathLike) -> None:
-        """Record in the run folder how many records `build` cut each `--data_path` source from (`split_record`): a
-        later step started from the run refuses a source that changed since."""
-        if self.cut_records is None:
-            raise RuntimeError("record_split needs the step's data built first (DataArguments.build)")
-        write_split_record(run_dir, self.cut_records)
-
-    def build(self, phase: int, tokenizer) -> tuple[TokenizedDataset, TokenizedDataset]:
-        """`build_phase_data` with these options (and the records each source was cut from kept for `record_split`)."""
-        data = build_phase_data(
+    def build(self, phase: int, tokenizer, input_runs: Sequence[InputRunRecord] = ()) -> PhaseData:
+        """`build_phase_data` with these options: the step's train and eval data, and the records each source was cut
+        from (for `write_split_record`), checked against those of `input_runs` (`check_input_run_shards`)."""
+        return build_phase_data(
             phase,
             self.data_path,
             self.data_split,
@@ -111,10 +92,8 @@ class DataArguments:
             prompt_format=self.prompt_format,
             prompt_overflow=self.prompt_overflow,
             whole_sequence_loss=self.whole_sequence_loss,
-            input_runs=self.input_runs,
+            input_runs=input_runs,
         )
-        self.cut_records = data.records
-        return data.train, data.eval
 
 
 @dataclass
