@@ -581,10 +581,8 @@ class PPOTrainer:
         if self.config.loss_agg_mode == "micro_batch_token_mean":
             return [1.0] * len(parts)
         model = self.engine.actor if role == "actor" else self.engine.critic
-        if self.config.loss_agg_mode == "seq_mean_token_mean":
-            items = [int(part.action_mask.any(-1).sum().item()) for part in parts]
-        else:
-            items = [int(part.action_mask.sum().item()) for part in parts]
+        # what a micro-batch's loss mask weighs in all: its answer tokens, or its answers under seq_mean_token_mean
+        items = [round(self.loss_mask(part.action_mask).sum().item()) for part in parts]
         return accumulation_weights(items, model.gradient_accumulation_steps(), self._group(role))
 
     def loss_mask(self, action_mask: torch.Tensor) -> torch.Tensor:

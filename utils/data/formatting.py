@@ -77,7 +77,8 @@ class PromptFormatter:
         if not written.startswith(prompt):
             return reply
         written = written[len(prompt):]
-        reply_end = written.find(reply) + len(reply) if reply in written else 0
+        reply_start = written.find(reply)
+        reply_end = reply_start + len(reply) if reply_start >= 0 else 0
         end = written.find(self.tokenizer.eos_token, reply_end)  # not an EOS text the reply quotes
         return written[:end] if end >= 0 else written
 

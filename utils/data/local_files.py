@@ -71,12 +71,11 @@ def _read_saved_dataset(path: Path) -> list[FileRecords]:
 
 def read_local_files(path: Path, skipped: SkippedRows) -> list[FileRecords]:
     """The records of each file of `path` (a file or folder); bad lines of JSON-lines files are counted in `skipped`."""
-    files = local_files(path)
     if is_saved_dataset(path):
         return _read_saved_dataset(path)
     root = path if path.is_dir() else path.parent
     return [_read_parquet(file, str(file.relative_to(root))) if file.suffix == ".parquet"
-            else read_json_file(file, str(file.relative_to(root)), skipped) for file in files]
+            else read_json_file(file, str(file.relative_to(root)), skipped) for file in local_files(path)]
 
 
 class RecordOrigins:
