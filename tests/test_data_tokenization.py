@@ -142,7 +142,17 @@ def test_prompts_drop_or_left_truncate_overlong(chat_tok):
     kept = tokenize_samples([short, long], KIND_PROMPTS, formatter, chat_tok, TokenLimits(64, limit, "left_truncate"))
     assert kept.stats == {"items": 2, "left_truncated": 1}
     full = _ids(chat_tok, formatter.prompt(long.turns))
-    assert kept[1]["input_ids"].tolist() == full[-limit:]
+    assert full[0] == chat_tok.bos_token_id  # the template writes it first
+    assert kept[1]["input_ids"].tolist() == full[:1] + full[-(limit - 1):]
+
+
+def test_a_left_truncated_prompt_keeps_only_its_latest_tokens_when_it_has_no_bos(plain_tok):
+    formatter = PromptFormatter(plain_tok, "human_assistant")
+    long = Sample(TURNS + ({"role": "assistant", "content": "fox " * 30}, {"role": "user", "content": "End now"}))
+    full = _ids(plain_tok, formatter.prompt(long.turns))
+    assert plain_tok.bos_token_id not in full
+    kept = tokenize_samples([long], KIND_PROMPTS, formatter, plain_tok, TokenLimits(64, 10, "left_truncate"))
+    assert kept[0]["input_ids"].tolist() == full[-10:]
 
 
 def test_prompt_collator_left_pads(chat_tok):

@@ -6,8 +6,8 @@
   with the shared prompt's length (`prompt_length`, one element: where the answers start, what DPO
   needs); pairs whose two sides are identical after the cut (nothing to compare) are dropped.
 - prompts (phase 3): the prompt alone; over `max_prompt_seq_len` it is dropped, or left-truncated
-  (its most recent tokens kept) with `prompt_overflow="left_truncate"`. When any sample has
-  metadata, every item keeps its sample's (or {}).
+  (its most recent tokens kept, after its BOS token if it began with one) with
+  `prompt_overflow="left_truncate"`. When any sample has metadata, every item keeps its sample's (or {}).
 Prompt and reply are tokenised as one text, as the model reads it: a SentencePiece tokenizer that prepends a
 word boundary to every text it is given (Llama-2's, Mistral's) would otherwise begin each reply with a stray
 '▁' token. The answer starts after the tokens the joint text shares with the prompt tokenised alone
@@ -105,12 +105,16 @@ def pair_sequences(prompt: list[int], chosen: list[int], rejected: list[int], eo
     return _pair_item(chosen[:start], chosen[start:] + [eos], rejected[start:] + [eos], limits)
 
 
-def _prompt_item(prompt: list[int], limits: TokenLimits, counts: Counter) -> dict | str:
+def _prompt_item(prompt: list[int], bos: int | None, limits: TokenLimits, counts: Counter) -> dict | str:
+    """The prompts item, left-truncated or dropped when too long. A truncated prompt that began with the BOS token
+    keeps it in front of its most recent tokens: a model trained with BOS first (Llama's, Mistral's) reads a text
+    without it off its training distribution."""
     if len(prompt) > limits.max_prompt_seq_len:
         if limits.prompt_overflow == "drop":
             return "prompt_too_long"
         counts["left_truncated"] += 1
-        prompt = prompt[-limits.max_prompt_seq_len :]
+        keep_bos = bos is not None and prompt[0] == bos and limits.max_prompt_seq_len > 1
+        prompt = prompt[:keep_bos] + prompt[len(prompt) - limits.max_prompt_seq_len + keep_bos:]
     return {"input_ids": prompt}
 
 
@@ -145,7 +149,7 @@ def tokenize_samples(
         elif kind == KIND_PAIRS:
             item = pair_sequences(prompt, chosen[index], rejected[index], eos, limits)
         else:
-            item = _prompt_item(prompt, limits, counts)
+            item = _prompt_item(prompt, tokenizer.bos_token_id, limits, counts)
         if isinstance(item, str):
             counts[f"dropped:{item}"] += 1
             continue
