@@ -391,3 +391,155 @@ def test_a_pretty_printed_json_file_named_jsonl_is_told_to_be_renamed(tmp_path):
     with pytest.raises(UserError, match=r"pretty.jsonl is one JSON document over \d+ lines, not JSON lines .*rename "
                                         r"it to pretty.json"):
         load_source(parse_source_spec(str(tmp_path / "pretty.jsonl")))
+
+
+def chat(*turns):
+    """Messages from (role, content) pairs."""
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+def ultrafeedback_row(i: int) -> dict:
+    """A HuggingFaceH4/ultrafeedback_binarized row: `messages` is a copy of `chosen`, `prompt` of its user turn."""
+    chosen = chat(("user", f"question {i}"), ("assistant", f"good answer {i}"))
+    return {"prompt": f"question {i}", "prompt_id": f"id{i}", "chosen": chosen,
+            "rejected": chat(("user", f"question {i}"), ("assistant", f"bad answer {i}")), "messages": chosen,
+            "score_chosen": 8.0, "score_rejected": 3.5}
+
+
+TRL_EXPLICIT = {"prompt": chat(("system", "Be brief."), ("user", "What color is the sky?")),
+                "chosen": chat(("assistant", "It is blue.")), "rejected": chat(("assistant", "It is green."))}
+TRL_IMPLICIT = {"chosen": chat(("user", "Hi"), ("assistant", "Hello!"), ("user", "Sky?"), ("assistant", "Blue.")),
+                "rejected": chat(("user", "Hi"), ("assistant", "Hello!"), ("user", "Sky?"), ("assistant", "Green."))}
+
+
+@pytest.mark.parametrize("record, data_format", [
+    (ultrafeedback_row(0), "chat_preference"),
+    (TRL_EXPLICIT, "chat_preference"),
+    (TRL_IMPLICIT, "chat_preference"),
+    ({"prompt": chat(("user", "What color is the sky?"))}, "chat_prompt"),
+    ({"prompt": chat(("user", "Sky?")), "completion": chat(("assistant", "Blue."))}, "chat_prompt"),
+    ({"prompt": "What color is the sky?", "chosen": "Blue.", "rejected": "Green."}, "deepspeed_chat"),
+    ({"prompt": "Sky?", "messages": chat(("user", "Sky?"), ("assistant", "Blue."))}, "messages"),  # ultrachat_200k
+    ({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, "hh_rlhf"),
+], ids=["ultrafeedback_binarized", "trl_explicit_prompt", "trl_implicit_prompt", "trl_prompt_only",
+        "trl_prompt_completion", "deepspeed_chat", "ultrachat", "hh_rlhf"])
+def test_detection_tells_message_lists_from_strings_of_the_same_columns(tmp_path, record, data_format):
+    """ultrafeedback_binarized's `messages` column (a copy of `chosen`) made it the `messages` format: step 2 dropped
+    every row as no_rejected. A column's value type decides where its name is ambiguous, in a file of rows whose first
+    one leaves it null too."""
+    from utils.data import detect_format
+
+    assert detect_format(record) == data_format
+    nulls = {key: None for key in record}
+    path = write_jsonl(tmp_path / "rows.jsonl", [nulls, record])
+    assert load_source(parse_source_spec(path)).format == data_format
+
+
+def test_hub_rows_are_detected_from_their_values_too(monkeypatch):
+    """A hub dataset was detected from its column names alone."""
+    import datasets
+
+    from utils.data import sources
+
+    rows = [ultrafeedback_row(i) for i in range(3)]
+    monkeypatch.setattr(sources, "load_hub_dataset", lambda name: datasets.Dataset.from_list(rows))
+    source = load_source(parse_source_spec("HuggingFaceH4/ultrafeedback_binarized"))
+    assert source.format == "chat_preference"
+    assert source.parse(source.records[1], 1)[0].rejected == "bad answer 1"
+
+
+def test_ultrafeedback_binarized_rows_build_every_pair_of_step_two(tmp_path):
+    from tiny_models import make_tokenizer
+
+    from utils.data import build_phase_datasets
+
+    tokenizer = make_tokenizer()
+    path = write_jsonl(tmp_path / "ultrafeedback.jsonl", [ultrafeedback_row(i) for i in range(12)])
+    sample = samples_of(path)[0]
+    assert sample.turns == ({"role": "user", "content": "question 0"},)
+    assert (sample.chosen, sample.rejected) == ("good answer 0", "bad answer 0")
+    train, evaluation = build_phase_datasets(2, [path], "0,1,0", tokenizer, 64, 0, str(tmp_path / "cache"),
+                                             eval_fraction=0)
+    assert len(train) == 12 and len(evaluation) == 0
+    texts = sorted((tokenizer.decode(item["chosen_input_ids"]), tokenizer.decode(item["rejected_input_ids"]))
+                   for item in train)
+    assert all("question" in chosen and "good answer" in chosen and "bad answer" in rejected
+               for chosen, rejected in texts)
+
+
+def test_trl_preference_with_explicit_and_implicit_prompts(tmp_path):
+    path = write_jsonl(tmp_path / "trl.jsonl", [TRL_EXPLICIT, dict(TRL_EXPLICIT, rejected=None)])
+    explicit, chosen_only = samples_of(path)
+    assert explicit.turns == tuple(chat(("system", "Be brief."), ("user", "What color is the sky?")))
+    assert (explicit.chosen, explicit.rejected) == ("It is blue.", "It is green.")
+    assert (chosen_only.chosen, chosen_only.rejected) == ("It is blue.", None)  # an SFT sample, as in hh_rlhf
+    (implicit,) = samples_of(write_jsonl(tmp_path / "implicit.jsonl", [TRL_IMPLICIT]))
+    assert implicit.turns == tuple(chat(("user", "Hi"), ("assistant", "Hello!"), ("user", "Sky?")))
+    assert (implicit.chosen, implicit.rejected) == ("Blue.", "Green.")
+
+
+def test_chat_replies_go_through_role_aliases_and_text_parts(tmp_path):
+    record = {"prompt": [{"role": "Human", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+              "chosen": [{"role": "model", "content": [{"type": "text", "text": "A cat."}]}],
+              "rejected": [{"role": "gpt", "content": "A dog."}]}
+    (sample,) = samples_of(write_jsonl(tmp_path / "parts.jsonl", [record]))
+    assert sample.turns == ({"role": "user", "content": "Describe it."},)
+    assert (sample.chosen, sample.rejected) == ("A cat.", "A dog.")
+
+
+def test_trl_prompt_only_and_prompt_completion(tmp_path):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"prompt": chat(("system", "Be brief."), ("user", "Sky?"))},
+        {"prompt": chat(("user", "Sky?"), ("assistant", "Blue."), ("user", "Grass?")),
+         "completion": chat(("assistant", "Green."))},
+    ])
+    prompt_only, completed = samples_of(path)
+    assert prompt_only.turns == tuple(chat(("system", "Be brief."), ("user", "Sky?")))
+    assert (prompt_only.chosen, prompt_only.rejected) == (None, None)
+    assert completed.turns == tuple(chat(("user", "Sky?"), ("assistant", "Blue."), ("user", "Grass?")))
+    assert completed.chosen == "Green."
+    (sft,) = phase_splits(1, [path], "1,0,0", seed=0, eval_fraction=0)
+    assert [s.chosen for s in sft.train] == ["Green."] and sft.skipped == {"no_chosen": 1}
+
+
+def test_an_empty_assistant_message_is_the_reply_empty_usable_in_pairs_not_sft(tmp_path):
+    """As an empty last "Assistant:" turn of an hh-rlhf transcript is: the empty answer can be the preferred one."""
+    row = {"chosen": chat(("user", "Her home address?"), ("assistant", " ")),
+           "rejected": chat(("user", "Her home address?"), ("assistant", "Sure, it is"))}
+    path = write_jsonl(tmp_path / "empty.jsonl", [row])
+    (pairs,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
+    assert [(s.turns, s.chosen, s.rejected) for s in pairs.train] == [(tuple(chat(("user", "Her home address?"))),
+                                                                       "", "Sure, it is")]
+    (sft,) = phase_splits(1, [path], "1,0,0", seed=0, eval_fraction=0)
+    assert sft.train == [] and sft.skipped == {"empty_reply": 1}
+
+
+def test_bad_chat_preference_rows_are_counted_with_what_is_wrong(tmp_path):
+    user = chat(("user", "Sky?"))
+    good = {"prompt": "Sky?", "chosen": user + chat(("assistant", "Blue.")), "rejected": user + chat(("assistant", "No."))}
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        good,
+        dict(good, rejected=chat(("user", "Grass?"), ("assistant", "No."))),
+        dict(good, chosen=user),
+        dict(good, rejected="No."),
+        dict(good, chosen=None),
+        dict(good, prompt=7),
+        dict(good, chosen=[{"role": "tool", "content": "42"}, {"role": "assistant", "content": "Blue."}]),
+        dict(good, rejected=user + ["No."]),
+    ])
+    (split,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
+    assert [(s.chosen, s.rejected) for s in split.train] == [("Blue.", "No.")]
+    assert split.skipped == {"prompt_mismatch": 1, "no_assistant_reply:chosen": 1, "wrong_type:rejected": 1,
+                             "missing:chosen": 1, "wrong_type:prompt": 1, "unknown_role": 1, "wrong_type:message": 1}
+
+
+def test_bad_chat_prompt_rows_are_counted_with_what_is_wrong(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        {"prompt": chat(("user", "Sky?")), "completion": chat(("assistant", "Blue."))},
+        {"prompt": chat(("user", "Sky?")), "completion": chat(("user", "Blue?"))},
+        {"prompt": chat(("user", "Sky?")), "completion": "Blue."},
+        {"prompt": "Sky?", "completion": chat(("assistant", "Blue."))},
+    ])
+    (split,) = phase_splits(1, [f"{path}:chat_prompt"], "1,0,0", seed=0, eval_fraction=0)
+    assert [s.chosen for s in split.train] == ["Blue."]
+    assert split.skipped == {"no_assistant_reply:completion": 1, "wrong_type:completion": 1, "wrong_type:prompt": 1}

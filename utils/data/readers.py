@@ -1,6 +1,6 @@
 """One parser per supported row format; each maps a raw record to `Sample`s or raises `SkipRow`.
 
-Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the columns):
+Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the columns and their values' types):
 - `deepspeed_chat`: `prompt` [+ `chosen` or `response`] [+ `rejected`] (Dahoas/rm-static,
   Dahoas/full-hh-rlhf, Dahoas/synthetic-instruct-gptj-pairwise); a prompt holding
   "Human:/Assistant:" markers is parsed into turns; a blank reply is "", as in `hh_rlhf`.
@@ -12,6 +12,13 @@ Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the col
 - `sharegpt`: `conversations` of {from, value}; `messages`: `messages` of {role, content}.
   A conversation gives one sample: the turns before its last assistant reply, and that reply
   (a conversation that ends on a user turn gives a prompt only).
+- `chat_preference`: `chosen` [+ `rejected`] lists of {role, content} messages, each read after the `prompt`
+  message list where there is one (TRL's conversational preference, explicit prompt) or holding the whole
+  conversation (TRL's implicit prompt; HuggingFaceH4/ultrafeedback_binarized, whose string `prompt` copies the first
+  user turn and is not read). Each side's reply is its last assistant message (an empty one is "", as in `hh_rlhf`),
+  the turns before it the context, which must be the same on both sides.
+- `chat_prompt`: a `prompt` message list [+ a `completion` message list ending on the assistant's reply] (TRL's
+  conversational prompt-only and prompt-completion); a prompt alone is read as a `messages` conversation.
 
 `with_row_metadata` wraps any of them so a row's dict column `metadata` (e.g. {"answer": "42"})
 reaches its samples.
@@ -19,12 +26,12 @@ reaches its samples.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from .samples import Sample, SkipRow, metadata_field, optional_text_field, text_field
-from .turns import parse_messages, parse_transcript, split_last_reply
+from .turns import is_empty_reply, parse_messages, parse_transcript, split_last_reply
 
 Parser = Callable[[Any, int], list]
 _EMPTY_LAST_REPLY = re.compile(r"(?:\A|\n\n)Assistant:\s*\Z")
@@ -57,14 +64,57 @@ def _dialogue_reply(record: dict, key: str) -> tuple[list[dict], str]:
     return context, reply
 
 
-def parse_hh_rlhf(record: Any, group: int) -> list[Sample]:
-    chosen_context, chosen = _dialogue_reply(record, "chosen")
+def _paired_replies(record: dict, group: int, reply_of: Callable[[str], tuple[list[dict], str]]) -> list[Sample]:
+    """The sample of a row whose `chosen` and optional `rejected` each hold their context: `reply_of(key)` gives
+    (context, reply), and the two contexts must be the same."""
+    chosen_context, chosen = reply_of("chosen")
     if record.get("rejected") is None:
         return [Sample(tuple(chosen_context), chosen, None, group)]
-    rejected_context, rejected = _dialogue_reply(record, "rejected")
+    rejected_context, rejected = reply_of("rejected")
     if rejected_context != chosen_context:
         raise SkipRow("prompt_mismatch")
     return [Sample(tuple(chosen_context), chosen, rejected, group)]
+
+
+def parse_hh_rlhf(record: Any, group: int) -> list[Sample]:
+    return _paired_replies(record, group, lambda key: _dialogue_reply(record, key))
+
+
+def _message_list(record: dict, key: str) -> list:
+    value = record.get(key)
+    if not isinstance(value, list):
+        raise SkipRow(f"wrong_type:{key}" if value is not None else f"missing:{key}")
+    return value
+
+
+def _chat_reply(record: dict, prompt: list, key: str) -> tuple[list[dict], str]:
+    """(context, reply) of the `prompt` messages followed by the message list at `record[key]`, which must end on an
+    assistant message; an empty one is the reply "" (as an empty last "Assistant:" turn of a transcript is)."""
+    conversation = prompt + _message_list(record, key)
+    if conversation and is_empty_reply(conversation[-1], "role", "content"):
+        return parse_messages(conversation[:-1], "role", "content"), ""
+    context, reply = split_last_reply(parse_messages(conversation, "role", "content"))
+    if reply is None:
+        raise SkipRow(f"no_assistant_reply:{key}")
+    return context, reply
+
+
+def parse_chat_preference(record: Any, group: int) -> list[Sample]:
+    if not isinstance(record, dict):
+        raise SkipRow("not_an_object")
+    prompt = [] if isinstance(record.get("prompt"), (str, type(None))) else _message_list(record, "prompt")
+    return _paired_replies(record, group, lambda key: _chat_reply(record, prompt, key))
+
+
+def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
+    if not isinstance(record, dict):
+        raise SkipRow("not_an_object")
+    prompt = _message_list(record, "prompt")
+    if record.get("completion") is None:
+        context, reply = split_last_reply(parse_messages(prompt, "role", "content"))
+    else:
+        context, reply = _chat_reply(record, prompt, "completion")
+    return [Sample(tuple(context), reply, None, group)]
 
 
 def parse_shp(record: Any, group: int) -> list[Sample]:
@@ -114,6 +164,8 @@ PARSERS: dict[str, Parser] = {
     "webgpt": parse_webgpt,
     "sharegpt": _conversation_parser("conversations", "from", "value"),
     "messages": _conversation_parser("messages", "role", "content"),
+    "chat_preference": parse_chat_preference,
+    "chat_prompt": parse_chat_prompt,
 }
 FORMATS = tuple(PARSERS)
 
@@ -129,9 +181,14 @@ def with_row_metadata(parse: Parser) -> Parser:
     return parse_with_metadata
 
 
-def detect_format(columns: Iterable[str]) -> str | None:
-    """Pick a format from a record's column names; None when nothing matches."""
+def detect_format(columns: Mapping[str, Any]) -> str | None:
+    """Pick a format from a record (or each column's name and a value of it); None when nothing matches.
+
+    Names alone are ambiguous where a column may hold a string or a message list: ultrafeedback_binarized has
+    `messages` besides its `chosen`/`rejected` lists, and a TRL `prompt` may be either."""
     names = set(columns)
+    if isinstance(columns.get("chosen"), list):
+        return "chat_preference"
     if "conversations" in names:
         return "sharegpt"
     if "messages" in names:
@@ -140,6 +197,8 @@ def detect_format(columns: Iterable[str]) -> str | None:
         return "shp"
     if {"question", "answer_0", "answer_1"} <= names:
         return "webgpt"
+    if isinstance(columns.get("prompt"), list):
+        return "chat_prompt"
     if "prompt" in names:
         return "deepspeed_chat"
     if {"chosen", "rejected"} <= names:

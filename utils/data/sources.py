@@ -143,10 +143,19 @@ class LoadedSource:
         return self.records.select(list(indices)).to_list()
 
 
-def _columns(records: Any) -> list[str]:
-    if not isinstance(records, list):
-        return list(records.column_names)
-    return [key for record in records[:_DETECT_SAMPLE] if isinstance(record, dict) for key in record]
+def _column_values(records: Any) -> dict[str, Any]:
+    """The columns of the first records, each with its first non-null value there (None: null in all of them): the
+    values' types tell formats apart whose column names are alike (a `prompt` string or message list)."""
+    if isinstance(records, list):
+        columns, first = {}, records[:_DETECT_SAMPLE]
+    else:
+        columns, first = dict.fromkeys(records.column_names), records.select(range(min(len(records), _DETECT_SAMPLE)))
+    for record in first:
+        if isinstance(record, dict):
+            for key, value in record.items():
+                if columns.get(key) is None:
+                    columns[key] = value
+    return columns
 
 
 def load_source(spec: SourceSpec) -> LoadedSource:
@@ -199,13 +208,13 @@ def _read_source(spec: SourceSpec) -> LoadedSource:
         origins, data_format = RecordOrigins.of(files), spec.format or _detect_local_format(spec, files)
     else:
         records = load_hub_dataset(spec.path)
-        origins, data_format = None, spec.format or detect_format(_columns(records))
+        origins, data_format = None, spec.format or detect_format(_column_values(records))
     if len(records) == 0:
         said = f" (skipped: {skipped.report()})" if skipped else ""
         raise UserError(f"data source '{spec}' holds no records{said}")
     if data_format is None:
         raise UserError(
-            f"cannot tell the row format of data source '{spec}' from its columns {sorted(set(_columns(records)))}; "
+            f"cannot tell the row format of data source '{spec}' from its columns {sorted(_column_values(records))}; "
             f"state it as PATH:FORMAT with FORMAT one of {', '.join(FORMATS)}"
         )
     parse = with_row_metadata(PARSERS[data_format]) if local else PARSERS[data_format]
@@ -215,7 +224,7 @@ def _read_source(spec: SourceSpec) -> LoadedSource:
 def _detect_local_format(spec: SourceSpec, files: Sequence[FileRecords]) -> str | None:
     """The format of the files' rows, each file detected on its own: files of different formats are refused (the
     other files' rows would all be skipped)."""
-    formats = {file.name: detect_format(_columns(file.records)) for file in files if file.records}
+    formats = {file.name: detect_format(_column_values(file.records)) for file in files if file.records}
     if len(set(formats.values())) > 1:
         found = ", ".join(f"{name} ({data_format or 'unknown'})" for name, data_format in formats.items())
         raise UserError(f"data folder '{spec}' holds files of different row formats: {found}; pass each format's "

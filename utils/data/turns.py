@@ -54,14 +54,27 @@ def parse_messages(messages: Any, role_key: str, content_key: str) -> list[dict]
     for message in messages:
         if not isinstance(message, dict):
             raise SkipRow("wrong_type:message")
-        speaker = message.get(role_key)
-        role = ROLE_ALIASES.get(speaker.lower()) if isinstance(speaker, str) else None
+        role = _role(message, role_key)
         if role is None:
             raise SkipRow("unknown_role")
         text = message_text(message.get(content_key))
         if text is not None:
             turns.append({"role": role, "content": text})
     return clean_turns(turns)
+
+
+def _role(message: dict, role_key: str) -> str | None:
+    speaker = message.get(role_key)
+    return ROLE_ALIASES.get(speaker.lower()) if isinstance(speaker, str) else None
+
+
+def is_empty_reply(message: Any, role_key: str, content_key: str) -> bool:
+    """Whether `message` is an assistant message with blank text: an empty answer, which can be the preferred one
+    (`parse_messages` drops it as an empty turn)."""
+    if not isinstance(message, dict) or _role(message, role_key) != ASSISTANT:
+        return False
+    text = message_text(message.get(content_key))
+    return text is not None and not text.strip()
 
 
 def clean_turns(turns: list[dict]) -> list[dict]:
