@@ -43,8 +43,10 @@ def test_deepspeed_chat_multi_turn_prompt_keeps_turns(tmp_path):
     assert (third.chosen, third.rejected) == (None, None)
 
 
-def test_response_column_is_the_chosen_reply(tmp_path):
-    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Q?", "response": "A."}])
+@pytest.mark.parametrize("column", ["response", "completion"])
+def test_a_response_or_completion_column_is_the_chosen_reply(tmp_path, column):
+    """DeepSpeed-Chat's `response`, and TRL's standard prompt-completion layout."""
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Q?", column: "A."}])
     assert samples_of(path)[0].chosen == "A."
 
 

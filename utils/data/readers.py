@@ -1,8 +1,9 @@
 """One parser per supported row format; each maps a raw record to `Sample`s or raises `SkipRow`.
 
 Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the columns and their values' types):
-- `deepspeed_chat`: `prompt` [+ `chosen` or `response`] [+ `rejected`] (Dahoas/rm-static,
-  Dahoas/full-hh-rlhf, Dahoas/synthetic-instruct-gptj-pairwise); a prompt holding
+- `deepspeed_chat`: `prompt` [+ `chosen`, `response` or `completion`] [+ `rejected`] (Dahoas/rm-static,
+  Dahoas/full-hh-rlhf, Dahoas/synthetic-instruct-gptj-pairwise; TRL's standard prompt-only, prompt-completion and
+  explicit-prompt preference rows); a prompt holding
   "Human:/Assistant:" markers is parsed into turns; a blank reply is "", as in `hh_rlhf`.
 - `hh_rlhf`: `chosen`/`rejected` full transcripts (Anthropic/hh-rlhf); split at the last
   Assistant turn, the shared prompt is everything before it. An empty last Assistant turn is
@@ -35,11 +36,12 @@ from .turns import is_empty_reply, parse_messages, parse_transcript, split_last_
 
 Parser = Callable[[Any, int], list]
 _EMPTY_LAST_REPLY = re.compile(r"(?:\A|\n\n)Assistant:\s*\Z")
+_REPLY_KEYS = ("chosen", "response", "completion")  # the preferred (or only) reply's column, in the order looked for
 
 
 def parse_deepspeed_chat(record: Any, group: int) -> list[Sample]:
     turns = parse_transcript(text_field(record, "prompt"))
-    chosen_key = "chosen" if record.get("chosen") is not None else "response"
+    chosen_key = next((key for key in _REPLY_KEYS if record.get(key) is not None), "chosen")
     return [Sample(tuple(turns), _reply_field(record, chosen_key), _reply_field(record, "rejected"), group)]
 
 
