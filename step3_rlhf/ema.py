@@ -7,20 +7,26 @@ weights. `offload=True` keeps the EMA in CPU memory instead of on the accelerato
 
 Create the EMA after `deepspeed.initialize` (ZeRO-3 converts LoRA adapters and other late-added
 parameters there) and call `update(engine)` after every actor optimizer step.
-`state_dict()` / `load_state_dict()` use full, world-size-independent tensors for resume;
-`save_ema_model` writes the EMA weights as a Hugging Face folder.
+
+Resume: no rank gathers or loads the whole EMA. `state_dict()` holds the small fields and the layout of the
+shares (the same on every rank); `local_state_dict()` is this rank's share of the weights, which each rank saves
+on its own: its ZeRO-3 partition, or under ZeRO 0-2, where every rank of the model's data-parallel group holds
+the same copy, a balanced 1/N slice of every flattened parameter (the group writes one copy between them, and a
+load all-gathers the slices one parameter at a time). `load_state_dict` also takes the earlier layout: full
+tensors in `state["shadow"]`, on every rank. `save_ema_model` writes the EMA weights as a Hugging Face folder.
 """
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from training.core.save import save_hf_model, unwrap
-from training.core.zero import is_zero3_param
+from training.core.zero import full_shape, is_zero3_param
 from utils.dist import get_rank
+from utils.errors import UserError
 
 
 def _local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -76,6 +82,62 @@ def _write_partitions(param: torch.Tensor, local: torch.Tensor) -> None:
             param.data.copy_(full.to(param.device, param.dtype))
 
 
+def _data_parallel_group(model: torch.nn.Module) -> tuple[Any, int, int]:
+    """A DeepSpeed engine's data-parallel group (under ZeRO 0-2 its ranks hold the same copy of the model), its size
+    and this rank's place in it; a module outside an engine is this rank's alone."""
+    group = getattr(model, "data_parallel_group", None)
+    if group is None:
+        return None, 1, 0
+    from deepspeed import comm
+
+    return group, comm.get_world_size(group=group), comm.get_rank(group=group)
+
+
+def _slice_bounds(numel: int, ranks: int, index: int) -> tuple[int, int]:
+    """Start and end of slice `index` of `ranks` balanced slices of `numel` elements (the first `numel % ranks`
+    slices one element longer)."""
+    base, longer = divmod(numel, ranks)
+    start = index * base + min(index, longer)
+    return start, start + base + (index < longer)
+
+
+def _gather_slices(share: torch.Tensor, into: torch.Tensor, group: Any, ranks: int) -> None:
+    """Fill `into` (contiguous) from every rank's `_slice_bounds` slice of it, `share` being this rank's (collective
+    over `group`). The slices travel zero-padded to the longest, in one buffer the size of `into`."""
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+
+    numel = into.numel()
+    width = -(-numel // ranks)
+    device = get_accelerator().current_device_name()
+    padded = torch.zeros(width, dtype=into.dtype, device=device)
+    padded[:share.numel()].copy_(share)
+    gathered = torch.empty(ranks * width, dtype=into.dtype, device=device)
+    parts = list(gathered.split(width))
+    comm.all_gather(parts, padded, group=group)
+    flat = into.view(-1)
+    for index, part in enumerate(parts):
+        start, end = _slice_bounds(numel, ranks, index)
+        flat[start:end].copy_(part[:end - start])
+
+
+def _layout_problem(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """What makes shares saved with layout `saved` unloadable into an EMA of layout `current`, or None."""
+    def kind(layout: Mapping[str, Any]) -> str:
+        return f"{'ZeRO-3 partitions' if layout['zero3'] else 'slices'} over {layout['ranks']} rank(s)"
+
+    if kind(saved) != kind(current):
+        return f"the checkpoint holds the actor EMA as {kind(saved)}, this run as {kind(current)}"
+    other = sorted(saved["shapes"].keys() ^ current["shapes"].keys())
+    if other:
+        return f"the checkpoint's actor EMA and this run's track different parameters ({', '.join(other[:3])}, ...)"
+    for name, shape in current["shapes"].items():
+        if list(saved["shapes"][name]) != shape:
+            return f"the actor EMA's {name} has the shape {tuple(saved['shapes'][name])} in the checkpoint and " \
+                   f"{tuple(shape)} in this run"
+    return None
+
+
 class ModelEMA:
     """EMA of a model's trainable parameters (the model may be a DeepSpeed engine, ZeRO 0-3, or a peft model)."""
 
@@ -86,12 +148,14 @@ class ModelEMA:
         self.num_updates = 0
         self._offload = offload
         self._shadow: dict[str, torch.Tensor] = {}
-        self._params = dict(self._tracked(model))  # for the ZeRO-3 layout in state_dict/load_state_dict
+        self._params = dict(self._tracked(model))  # for the ZeRO-3 layout of the resume state
+        self._group, self._group_size, self._group_rank = _data_parallel_group(model)
         with torch.no_grad():
             for name, param in self._params.items():
                 local = _local_tensor(param)
                 device = torch.device("cpu") if offload else local.device
-                self._shadow[name] = local.detach().to(device=device, dtype=torch.float32, copy=True)
+                self._shadow[name] = local.detach().to(device=device, dtype=torch.float32,
+                                                       memory_format=torch.contiguous_format, copy=True)
 
     @staticmethod
     def _tracked(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -137,30 +201,71 @@ class ModelEMA:
                 for name, param in self._tracked(model):
                     _write_partitions(param, saved[name])
 
-    def state_dict(self) -> dict[str, Any]:
-        """Full fp32 CPU tensors, independent of the world size (collective under ZeRO-3).
+    def _layout(self) -> dict[str, Any]:
+        """How `local_state_dict` divides the EMA between ranks, and each parameter's full shape."""
+        return {"zero3": any(is_zero3_param(param) for param in self._params.values()), "ranks": self._group_size,
+                "shapes": {name: list(full_shape(param)) for name, param in self._params.items()}}
 
-        Rank 0 receives every tensor; other ranks get an empty `shadow` (they need not store it).
-        """
-        shadow: dict[str, torch.Tensor] = {}
-        for name, param in self._params.items():
-            local = self._shadow[name]
-            full = _gather_partitions(param, local) if is_zero3_param(param) else local.detach().cpu().clone()
-            if get_rank() == 0:
-                shadow[name] = full
-        return {"beta": self.beta, "num_updates": self.num_updates, "shadow": shadow}
+    def _share_bounds(self, name: str) -> tuple[int, int]:
+        """Where this rank's share of parameter `name` lies in its flattened shadow: all of a ZeRO-3 partition, or
+        this rank's slice of the full copy."""
+        numel = self._shadow[name].numel()
+        if is_zero3_param(self._params[name]):
+            return 0, numel
+        return _slice_bounds(numel, self._group_size, self._group_rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The small fields and the shares' layout, the same on every rank: no weights (`local_state_dict`)."""
+        return {"beta": self.beta, "num_updates": self.num_updates, "layout": self._layout()}
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()`; every rank must pass the full state (as DeepSpeed's
-        `load_checkpoint` hands its client state to every rank)."""
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the EMA weights, as CPU copies (no communication): its ZeRO-3 partition of each
+        parameter, or its slice of each flattened parameter (module docstring)."""
+        shares = {}
+        for name, shadow in self._shadow.items():
+            start, end = self._share_bounds(name)
+            shares[name] = shadow.view(-1)[start:end].to("cpu", copy=True)
+        return shares
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any], local: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Restore from `state_dict()` and this rank's `local_state_dict()` (collective over the data-parallel
+        group under ZeRO 0-2), or from a `state` of the earlier layout, full tensors in `state["shadow"]`, which
+        every rank must pass whole (as DeepSpeed's `load_checkpoint` hands its client state to every rank)."""
+        if "shadow" in state:
+            self._load_full(state["shadow"])
+        else:
+            self._load_shares(state["layout"], local)
         self.beta = float(state["beta"])
         self.num_updates = int(state["num_updates"])
+
+    def _load_shares(self, layout: Mapping[str, Any], local: Mapping[str, torch.Tensor] | None) -> None:
+        """All checks come first (the layout's, from the client state, alike on every rank), so a refused resume
+        raises before any rank enters the all-gather."""
+        problem = _layout_problem(layout, self._layout())
+        if problem is not None:
+            raise UserError(f"--resume: {problem}; resume with the checkpointed run's model, LoRA and ZeRO settings, "
+                            "or start a new run in another --output_dir")
+        for name in self._shadow:
+            share = (local or {}).get(name)
+            start, end = self._share_bounds(name)
+            if share is None or share.numel() != end - start:
+                raise UserError(f"the checkpoint is damaged: rank {get_rank()}'s share of the actor EMA's {name} is "
+                                f"{'missing' if share is None else 'of another size'}; delete that checkpoint to "
+                                "resume from the one before it")
+        for name, shadow in self._shadow.items():
+            if is_zero3_param(self._params[name]) or self._group_size == 1:
+                shadow.view(-1).copy_(local[name])
+            else:
+                _gather_slices(local[name], shadow, self._group, self._group_size)
+
+    def _load_full(self, full_shadow: Mapping[str, torch.Tensor]) -> None:
         for name, param in self._params.items():
             shadow = self._shadow[name]
-            if name not in state["shadow"]:
+            if name not in full_shadow:
                 raise KeyError(f"EMA state has no entry for parameter {name}")
-            full = state["shadow"][name].float()
+            full = full_shadow[name].float()
             local = _own_partition(param, full) if is_zero3_param(param) else full
             if local.shape != shadow.shape:
                 raise ValueError(f"EMA state for {name} has shape {tuple(full.shape)}, the model's differs")

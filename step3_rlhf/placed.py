@@ -270,8 +270,9 @@ def chunk_stats(experiences: Mapping[int, Experience]) -> dict[str, float]:
 
 class PlacedPPORun(PPORun):
     """`PPORun` with every PPO step, evaluation and save going through a `PlacedPPO`. A resume checkpoint holds
-    each rank's engines (`CheckpointManager` saves an engine on its own ranks) and each generating rank's
-    per-chunk random streams; after a resume the shadow actor receives the restored actor's weights."""
+    each rank's engines (`CheckpointManager` saves an engine on its own ranks), each generating rank's
+    per-chunk random streams and each actor rank's share of the EMA; after a resume the shadow actor receives the
+    restored actor's weights."""
 
     def __init__(self, *args, placed: PlacedPPO, **kwargs):
         super().__init__(*args, **kwargs)
@@ -321,7 +322,8 @@ class PlacedPPORun(PPORun):
         return f"{self.args.placement.placement}: {self.placed.placement.describe()}"
 
     def rank_state(self) -> dict:
-        return {"chunk_streams": self.placed.streams.state_dict()}
+        """This rank's chunk streams, and its share of the EMA where it holds the actor."""
+        return {"chunk_streams": self.placed.streams.state_dict(), **self.trainer.rank_state()}
 
     def restore(self) -> dict | None:
         state = super().restore()

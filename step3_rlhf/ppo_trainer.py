@@ -685,16 +685,23 @@ class PPOTrainer:
     # checkpoint state ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """What a resumed run needs besides the engines: the KL coefficient (and the EMA weights)."""
+        """What a resumed run needs besides the engines, rank 0's handed to every rank: the KL coefficient (and the
+        EMA's small fields; its weights are in `rank_state`)."""
         state = {"kl_controller": self.kl_controller.state_dict()}
         if self.engine.actor_ema is not None:
             state["actor_ema"] = self.engine.actor_ema.state_dict()
         return state
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def rank_state(self) -> dict:
+        """What this rank alone holds for a resume: its share of the EMA weights (empty without an EMA here)."""
+        ema = self.engine.actor_ema
+        return {} if ema is None else {"actor_ema": ema.local_state_dict()}
+
+    def load_state_dict(self, state: Mapping, rank_state: Mapping | None = None) -> None:
+        """Restore `state_dict()` and this rank's `rank_state()` (collective over the actor's ranks with an EMA)."""
         self.kl_controller.load_state_dict(state["kl_controller"])
         if self.engine.actor_ema is not None:
-            self.engine.actor_ema.load_state_dict(state["actor_ema"])
+            self.engine.actor_ema.load_state_dict(state["actor_ema"], (rank_state or {}).get("actor_ema"))
 
 
 def experience_stats(experience: Experience) -> dict[str, float]:

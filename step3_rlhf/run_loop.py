@@ -133,8 +133,8 @@ class PPORun:
         }
 
     def rank_state(self) -> dict | None:
-        """What this rank alone holds that a resume needs beyond its RNG (nothing co-located)."""
-        return None
+        """What this rank alone holds that a resume needs beyond its RNG: its share of the EMA (None without)."""
+        return self.trainer.rank_state() or None
 
     def save_checkpoint(self) -> Path:
         return self.checkpoints.save(self.step, self.engines, self.client_state(), self.rank_state())
@@ -152,7 +152,7 @@ class PPORun:
         self.prompts.load_state_dict(state["prompts"])
         if self.unsupervised is not None and state["unsupervised"] is not None:
             self.unsupervised.load_state_dict(state["unsupervised"])
-        self.trainer.load_state_dict(state["trainer"])
+        self.trainer.load_state_dict(state["trainer"], state.get("rank_state"))
         self.evaluations = list(state["evaluations"])
         self.last_stats = dict(state["last_stats"])
         logger.info("resuming step 3 after PPO step %d", self.step)

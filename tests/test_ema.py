@@ -1,8 +1,10 @@
-"""Actor EMA: exact update arithmetic, swapping weights in and out, resume state, ZeRO-3 partitions."""
+"""Actor EMA: exact update arithmetic, swapping weights in and out, resume state (each rank its share), ZeRO-3
+partitions."""
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import deepspeed
 import pytest
@@ -13,8 +15,17 @@ from step3_rlhf.ema import ModelEMA, save_ema_model
 from training.core.ds_config import get_train_ds_config
 from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.core.save import gathered_state_dict
+from utils.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ema_weights(ema, model) -> dict:
+    """The EMA's full weights as the model holds them inside `applied_to`, on every rank (collective under
+    ZeRO-3); exact for an fp32 model."""
+    module = getattr(model, "module", model)
+    with ema.applied_to(model), deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
 
 
 def _linear_with_frozen_bias():
@@ -34,9 +45,8 @@ def test_update_is_exact_and_skips_frozen_parameters():
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([[0.5, -1.0], [2.0, 0.0]]))
     ema.update(layer)  # 0.75 * 1.5 + 0.25 * w
-    state = ema.state_dict()
-    assert set(state["shadow"]) == {"weight"} and state["num_updates"] == 2
-    assert torch.equal(state["shadow"]["weight"], torch.tensor([[1.25, 0.875], [1.625, 1.125]]))
+    assert set(ema.local_state_dict()) == {"weight"} and ema.state_dict()["num_updates"] == 2
+    assert torch.equal(_ema_weights(ema, layer)["weight"], torch.tensor([[1.25, 0.875], [1.625, 1.125]]))
 
 
 def test_applied_to_swaps_in_and_restores_exactly_and_state_resumes():
@@ -52,9 +62,22 @@ def test_applied_to_swaps_in_and_restores_exactly_and_state_resumes():
     assert torch.equal(layer.weight, own)
 
     resumed = ModelEMA(layer, beta=0.9)
-    resumed.load_state_dict(ema.state_dict())
+    resumed.load_state_dict(ema.state_dict(), ema.local_state_dict())
     assert resumed.beta == 0.5 and resumed.num_updates == 1
-    assert torch.equal(resumed.state_dict()["shadow"]["weight"], expected)
+    assert torch.equal(_ema_weights(resumed, layer)["weight"], expected)
+
+
+def test_a_resume_into_another_layout_or_without_its_share_is_refused_clearly():
+    ema = ModelEMA(torch.nn.Linear(2, 2), beta=0.5)
+    state, shares = ema.state_dict(), ema.local_state_dict()
+    assert not any(isinstance(value, torch.Tensor) for value in state.values()), "weights belong in the shares"
+    with pytest.raises(UserError, match=r"weight has the shape \(2, 2\) in the checkpoint and \(3, 2\) in this run"):
+        ModelEMA(torch.nn.Linear(2, 3)).load_state_dict(state, shares)
+    split = {**state, "layout": {**state["layout"], "ranks": 2}}
+    with pytest.raises(UserError, match=r"as slices over 2 rank\(s\), this run as slices over 1 rank\(s\)"):
+        ModelEMA(torch.nn.Linear(2, 2)).load_state_dict(split, shares)
+    with pytest.raises(UserError, match="share of the actor EMA's bias is missing"):
+        ModelEMA(torch.nn.Linear(2, 2)).load_state_dict(state, {"weight": shares["weight"]})
 
 
 def test_an_optimizer_step_deepspeed_skipped_leaves_the_ema_alone(distributed, tiny_model_dir):
@@ -81,10 +104,10 @@ def test_an_optimizer_step_deepspeed_skipped_leaves_the_ema_alone(distributed, t
         return value
 
     trainer._step_actor(loss(False))
-    shadow = {name: tensor.clone() for name, tensor in ema.state_dict()["shadow"].items()}
+    shadow = ema.local_state_dict()
     trainer._step_actor(loss(True))
     assert actor.skipped_steps == 1 and ema.num_updates == 1
-    assert all(torch.equal(shadow[name], tensor) for name, tensor in ema.state_dict()["shadow"].items())
+    assert all(torch.equal(shadow[name], tensor) for name, tensor in ema.local_state_dict().items())
 
 
 def test_rejects_bad_beta():
@@ -119,7 +142,7 @@ def test_zero3_ema_tracks_partitions_and_saves_ema_weights(persistence_threshold
         ema.update(engine)
         current = _full_params(engine)
         expected = {name: 0.5 * expected[name] + 0.5 * current[name] for name in expected}
-    shadow = ema.state_dict()["shadow"]
+    shadow = _ema_weights(ema, engine)
     assert set(shadow) == set(expected)
     for name in expected:
         assert torch.equal(shadow[name], expected[name]), name
@@ -141,8 +164,8 @@ def test_zero3_ema_tracks_partitions_and_saves_ema_weights(persistence_threshold
     torch.testing.assert_close(own_loss, reference_loss, atol=1e-5, rtol=1e-5)
 
     resumed = ModelEMA(engine, beta=0.9)
-    resumed.load_state_dict(ema.state_dict())
-    for name, value in resumed.state_dict()["shadow"].items():
+    resumed.load_state_dict(ema.state_dict(), ema.local_state_dict())
+    for name, value in _ema_weights(resumed, engine).items():
         assert torch.equal(value, expected[name]), name
 
 
@@ -171,12 +194,6 @@ def _two_rank_worker() -> None:
             current = _full_params(engine)
             if rank == 0:
                 expected = {name: 0.5 * expected[name] + 0.5 * current[name] for name in expected}
-        state = ema.state_dict()
-        if rank == 0:
-            for name in expected:
-                assert torch.equal(state["shadow"][name], expected[name]), (threshold, name)
-        else:
-            assert state["shadow"] == {}
         probe = torch.ones(2, 3)
         with ema.applied_to(engine):
             inside = _full_params(engine)
@@ -190,35 +207,120 @@ def _two_rank_worker() -> None:
             reference = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
             reference.load_state_dict(expected)
             torch.testing.assert_close(ema_output, reference(probe))
-        full_state = [state]
-        torch.distributed.broadcast_object_list(full_state, src=0)
         resumed = ModelEMA(engine, beta=0.9)
-        resumed.load_state_dict(full_state[0])
-        resumed_state = resumed.state_dict()
+        resumed.load_state_dict(ema.state_dict(), ema.local_state_dict())
+        resumed_weights = _ema_weights(resumed, engine)
         if rank == 0:
             for name in expected:
-                assert torch.equal(resumed_state["shadow"][name], expected[name]), (threshold, "resume", name)
+                assert torch.equal(resumed_weights[name], expected[name]), (threshold, "resume", name)
     if rank == 0:
         print("EMA_TWO_RANKS_OK", flush=True)
+    _leave()
+
+
+def _tensors_in(value) -> list:
+    """Every tensor inside `value`, a checkpoint's plain data."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [tensor for item in items for tensor in _tensors_in(item)]
+
+
+def _resume_worker(stage: str, folder: str) -> None:
+    """Run under `torch.distributed.run --nproc_per_node 2`: a ZeRO-`stage` actor EMA (odd-sized parameters) saved in
+    a resume checkpoint through `PPOTrainer` -- the client state without a tensor, each rank about half the
+    elements in its rank state -- and resumed exactly on both ranks; then resumed from a checkpoint of the earlier
+    layout (rank 0's full tensors in the client state, no rank state)."""
+    from step3_rlhf.ppo_trainer import PPOTrainer
+    from training.algorithms.kl import FixedKLController
+    from training.reliability.checkpointing import CLIENT_STATE_FILE, RANK_STATE_DIR, CheckpointManager, safe_load
+    from utils.dist import all_gather_objects, get_rank, init_distributed
+
+    init_distributed()
+    rank = get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    config = get_train_ds_config(stage=int(stage), train_micro_batch_size_per_gpu=2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                      config=config)
+    ema = ModelEMA(engine, beta=0.5)
+    torch.manual_seed(1 + rank)
+    for _ in range(3):
+        engine.backward((engine(torch.randn(2, 7)) - 1.0).pow(2).mean())
+        engine.step()
+        ema.update(engine)
+    expected = _ema_weights(ema, engine)
+    total = sum(tensor.numel() for tensor in expected.values())
+
+    def trainer_of(actor_ema: ModelEMA) -> PPOTrainer:
+        trainer = PPOTrainer.__new__(PPOTrainer)  # only the EMA and the KL controller take part in its state
+        trainer.engine, trainer.kl_controller = SimpleNamespace(actor_ema=actor_ema), FixedKLController(0.1)
+        return trainer
+
+    def check_resumed(checkpoints: CheckpointManager, what: str) -> None:
+        resumed = ModelEMA(engine, beta=0.9)
+        assert not all(torch.equal(value, expected[name]) for name, value in _ema_weights(resumed, engine).items())
+        state = checkpoints.restore({}, resume=True)
+        trainer_of(resumed).load_state_dict(state["trainer"], state.get("rank_state"))
+        assert (resumed.beta, resumed.num_updates) == (0.5, 3), what
+        for name, value in _ema_weights(resumed, engine).items():
+            assert torch.equal(value, expected[name]), (stage, what, name)
+
+    trainer = trainer_of(ema)
+    shares = CheckpointManager(Path(folder) / "shares")
+    saved = shares.save(3, {}, {"trainer": trainer.state_dict()}, trainer.rank_state())
+    assert _tensors_in(safe_load(saved / CLIENT_STATE_FILE)) == [], "the client state holds EMA tensors"
+    own = safe_load(saved / RANK_STATE_DIR / f"rank{rank}.pt")["actor_ema"]
+    held = all_gather_objects(sum(tensor.numel() for tensor in own.values()))
+    padding = len(expected) if stage == "3" else 0  # a ZeRO-3 partition is padded to the longest
+    assert all(abs(count - total / 2) <= len(expected) for count in held) and total <= sum(held) <= total + padding, \
+        (stage, held, total)
+    check_resumed(shares, "shares")
+
+    earlier = CheckpointManager(Path(folder) / "earlier_layout")
+    full = {"beta": 0.5, "num_updates": 3, "shadow": expected if rank == 0 else {}}
+    earlier.save(3, {}, {"trainer": {"kl_controller": FixedKLController(0.1).state_dict(), "actor_ema": full}})
+    check_resumed(earlier, "earlier layout")
+    if rank == 0:
+        print("EMA_RESUME_OK", flush=True)
+    _leave()
+
+
+def _leave() -> None:
+    """End a worker whose checks are done. The interpreter's teardown of ZeRO-3 engines' native state has aborted a
+    rank ("terminate called without an active exception", SIGABRT) now and then in CI, even after the process
+    group is destroyed, so the worker leaves without it."""
     torch.distributed.destroy_process_group()
-    # The checks are done; the interpreter's teardown of the two ZeRO-3 engines' native state has aborted a rank
-    # ("terminate called without an active exception", SIGABRT) now and then in CI, even after the process group
-    # is destroyed, so the worker leaves without it.
     sys.stderr.flush()
     os._exit(0)
 
 
-@pytest.mark.slow
-def test_zero3_ema_over_two_ranks_with_padded_partitions():
+def _run_two_ranks(*args: str) -> str:
+    """This file's worker `args[0]` (`WORKERS`) with the other `args` on 2 local ranks; its stdout."""
     from utils.dist import free_port
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), __file__]
+           "--master_port", str(free_port()), __file__, *args]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "EMA_TWO_RANKS_OK" in result.stdout
+    return result.stdout
 
+
+@pytest.mark.slow
+def test_zero3_ema_over_two_ranks_with_padded_partitions():
+    assert "EMA_TWO_RANKS_OK" in _run_two_ranks("partitions")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_each_of_two_ranks_saves_its_half_of_the_ema_and_a_resume_restores_it_exactly(stage, tmp_path):
+    """ZeRO-2: each rank a balanced slice of the copy both hold; ZeRO-3: each rank its partition. Also from a
+    checkpoint of the earlier layout (full tensors in the client state), which older runs wrote."""
+    assert "EMA_RESUME_OK" in _run_two_ranks("resume", stage, str(tmp_path))
+
+
+WORKERS = {"partitions": _two_rank_worker, "resume": _resume_worker}
 
 if __name__ == "__main__":
-    _two_rank_worker()
+    WORKERS[sys.argv[1]](*sys.argv[2:])

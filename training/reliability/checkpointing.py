@@ -5,8 +5,8 @@ One checkpoint is one folder `<output_dir>/checkpoints/step<N>/` holding
   step counters), written by `engine.save_checkpoint` from every rank;
 - `rng/rank<R>.pt`: each rank's python, numpy, torch and accelerator RNG states;
 - `rank_state/rank<R>.pt`: what else a rank alone holds, when the caller has any (a placement's per-chunk
-  random streams);
-- `client_state.pt`: rank 0's `client_state` (data position, KL controller, EMA weights, ...);
+  random streams, the rank's share of step 3's actor EMA);
+- `client_state.pt`: rank 0's `client_state` (data position, KL controller, ...), loaded whole by every rank;
 - `checkpoint.json`: the completion marker, written last.
 The folder is staged under a hidden temporary name and renamed into place once every rank has
 finished (`utils.atomic.shared_atomic_directory`); only then is the `latest` pointer file
