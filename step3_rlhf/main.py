@@ -201,7 +201,8 @@ def _build_streams(args: Step3Settings, tokenizer,
             args.unsupervised.unsupervised_dataset_name, tokenizer,
             data.max_prompt_seq_len + args.ppo.max_answer_seq_len, seed, data.data_output_path,
             rebuild_cache=data.rebuild_data_cache,
-            config_name=args.unsupervised.unsupervised_dataset_config_name, shard=data.shard_settings(),
+            config_name=args.unsupervised.unsupervised_dataset_config_name,
+            text_column=args.unsupervised.unsupervised_text_column, shard=data.shard_settings(),
         )
         unsupervised = BatchStream(blocks, loop.per_device_training_batch_size, SFTCollator(tokenizer.pad_token_id),
                                    seed)

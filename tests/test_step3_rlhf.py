@@ -72,6 +72,21 @@ def step3_argv(inputs, output_dir, *extra) -> list[str]:
             "--max_answer_seq_len", "8", "--eval_samples", "8", "--dtype", "fp32", *extra]
 
 
+def test_the_pretraining_mixture_reads_the_column_unsupervised_text_column_names(inputs, tmp_path):
+    from step3_rlhf.main import _build_streams, parse_args
+
+    corpus = tmp_path / "code.jsonl"
+    corpus.write_text("".join(json.dumps({"content": f"def f{i}(x):\n    return x + {i}\n", "id": i}) + "\n"
+                              for i in range(40)))
+    argv = step3_argv(inputs, tmp_path / "run", "--unsupervised_dataset_name", str(corpus))
+    args = parse_args([*argv, "--unsupervised_text_column", "content"])
+    tokenizer = load_tokenizer(inputs["actor"])
+    _, _, unsupervised = _build_streams(args, tokenizer, args.data.build(3, tokenizer))
+    assert unsupervised.dataset.stats["documents"] == 40
+    with pytest.raises(UserError, match="--unsupervised_text_column 'text'"):
+        _build_streams(parse_args(argv), tokenizer, args.data.build(3, tokenizer))
+
+
 # trainer internals ---------------------------------------------------------------------------------
 
 

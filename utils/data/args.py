@@ -105,3 +105,6 @@ class UnsupervisedDataArguments:
                 "(the replies of the embedded conversations in step 3's training shard)"})
     unsupervised_dataset_config_name: str | None = field(default=None, metadata={
         "help": "the hub dataset's config name"})
+    unsupervised_text_column: str = field(default="text", metadata={
+        "help": "the column each document is read from, in a hub dataset or a local .json/.jsonl/.parquet source "
+                "('content' in some code and web corpora)"})

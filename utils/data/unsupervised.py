@@ -2,7 +2,8 @@
 into fixed-length blocks (`input_ids` = `labels`), shuffled with the seed and cached on disk.
 
 Sources: a hub name (with an optional config) through `datasets`, a local .txt file (documents
-separated by blank lines), a local .json/.jsonl/.parquet file or folder with a `text` column, or
+separated by blank lines), a local .json/.jsonl/.parquet file or folder with a text column (`text`, or the one
+`--unsupervised_text_column` names), or
 `embedded`: the assistant replies of the embedded ShareGPT conversations that step 3 trains on (its
 shard less the held-out part, as `ShardSettings` cuts them), so the text never holds a reply that
 another step trains on or that step 3's evaluation compares against.
@@ -70,7 +71,8 @@ def _check_local_column(records: list, text_column: str, source: str) -> None:
     if rows and not any(text_column in row for row in rows):
         columns = sorted({key for row in rows for key in row})
         raise UserError(f"unsupervised data '{source}' has no '{text_column}' column in any row (its rows have "
-                        f"{columns}); the pretraining mixture reads each document from '{text_column}'")
+                        f"{columns}); the pretraining mixture reads each document from --unsupervised_text_column "
+                        f"'{text_column}'")
 
 
 def load_texts(
@@ -92,7 +94,8 @@ def load_texts(
         return _column_texts(records, text_column, skipped), skipped
     dataset = load_hub_dataset(source, config_name, split="train")
     if text_column not in dataset.column_names:
-        raise UserError(f"unsupervised dataset '{source}' has no '{text_column}' column (it has {dataset.column_names})")
+        raise UserError(f"unsupervised dataset '{source}' has no '{text_column}' column (it has {dataset.column_names}); "
+                        "name the one to read with --unsupervised_text_column")
     return _column_texts(({text_column: text} for text in dataset[text_column]), text_column, skipped), skipped
 
 
