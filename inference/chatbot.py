@@ -1,13 +1,17 @@
 """Multi-turn chat with any saved model: a step-3 actor, its EMA copy, a step-1 model, or any HF model.
 
 Interactive by default: type a message, the answer streams as it is generated; `clear` starts a new
-conversation and `quit` ends. For scripts, `--prompt` (repeatable) or prompts on standard input (one
-a line, when it is not a terminal) are answered in order as one conversation, then the program exits.
+conversation, `quit` (or Ctrl-D, or Ctrl-C at the prompt) ends, and Ctrl-C while the model answers stops that
+answer. For scripts, `--prompt` (repeatable) or prompts on standard input (one a line, when it is not a terminal)
+are answered in order as one conversation, then the program exits (Ctrl-C ends it, with status 130).
+
+Each turn's prompt is rendered by the `PromptFormatter` training used, in the format the model's run trained on.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 import torch
@@ -26,20 +30,22 @@ from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings
 from training.reliability.run_records import args_of_model
 from training.reliability.validation import check_generation_fits, generation_fits
-from utils.data.formatting import (
-    PROMPT_FORMATS,
-    render_human_assistant,
-    resolve_prompt_format,
-)
+from utils.data.formatting import PROMPT_FORMATS, PromptFormatter
+from utils.data.samples import SkipRow
 from utils.errors import UserError, run_cli
 
 CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
+_PROBE_REPLY = "OK"  # a reply the chat template renders, to find what it writes after a reply
+EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
-    """The model folder to chat with (`resolve_trained_model`); a reward model is refused."""
+    """The model folder to chat with (`resolve_trained_model`); a file (a model's config.json, its weights) and a
+    reward model are refused."""
+    if Path(path).is_file():
+        raise UserError(f"{path} is a file; pass the folder that holds the model ({Path(path).parent}) or a run folder")
     resolved = resolve_trained_model(path, ema)
     if is_reward_model_dir(resolved):
         raise UserError(f"{path} is a reward model (step 2), which scores text but cannot chat; pass a step-1 or step-3 model")
@@ -127,9 +133,11 @@ class ChatSession:
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
-        self.style = resolve_prompt_format(prompt_format, tokenizer)
+        self.formatter = PromptFormatter(tokenizer, prompt_format)
+        self.style = self.formatter.style
         self.system_prompt = system_prompt
         self.history: list[dict] = []
+        self.stop_token_ids = self._end_of_turn_ids()
 
     def clear(self) -> None:
         self.history = []
@@ -138,18 +146,39 @@ class ChatSession:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + history
 
+    def _prompt(self, history: list[dict]) -> str:
+        """The prompt training renders for the conversation `history` (after the system prompt)."""
+        try:
+            return self.formatter.prompt(self._turns(history))
+        except SkipRow as err:  # a template that refuses a system message (Gemma's), or a role order
+            given = " with --system" if self.system_prompt else ""
+            raise UserError(f"the chat template cannot render this conversation{given} "
+                            f"({self.formatter.template_error})") from err
+
+    def _end_of_turn_ids(self) -> list[int]:
+        """The tokens that end the model's turn: the EOS, and under a chat template the special token it writes
+        after a reply where that is not the EOS (Gemma's <end_of_turn>; Llama-3-Instruct's <|eot_id|> before its
+        EOS was changed to it). A model this project trained writes the EOS after that token; one served as its
+        authors made it stops at that token and would go on with the next turn's header."""
+        stops = [self.tokenizer.eos_token_id]
+        if self.style == "chat_template":
+            turns = [{"role": "user", "content": "Hi"}]
+            written = self.formatter.answer(self._turns(turns), _PROBE_REPLY, self._prompt(turns))
+            reply_start = written.find(_PROBE_REPLY)
+            after = written[reply_start + len(_PROBE_REPLY):] if reply_start >= 0 else ""
+            ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
+            if ids and ids[0] not in stops and _is_special(self.tokenizer, ids[0]):
+                stops.append(ids[0])
+        return stops
+
     def _encode(self, history: list[dict]) -> tuple[torch.Tensor, list[dict]]:
         """The conversation `history` (ending with the new message) as input ids, and the history kept: the oldest
         exchanges are dropped until it fits the model's positions with the answer. A new message that does not fit
         alone (with the system prompt) is refused: cut to fit, it lost its own question."""
         config, max_new_tokens = self.model.config, self.options.max_new_tokens
         while True:
-            if self.style == "human_assistant":
-                text = render_human_assistant(self._turns(history))
-            else:
-                text = self.tokenizer.apply_chat_template(self._turns(history), tokenize=False,
-                                                          add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=self.style == "human_assistant", return_tensors="pt")["input_ids"]
+            ids = self.tokenizer(self._prompt(history), add_special_tokens=self.formatter.adds_special_tokens,
+                                 return_tensors="pt")["input_ids"]
             if generation_fits(config, ids.shape[1], max_new_tokens):
                 return ids, history
             if len(history) < 3:  # no earlier exchange left to drop
@@ -160,28 +189,44 @@ class ChatSession:
     @torch.no_grad()
     def reply(self, message: str, on_text: Callable[[str], None] = lambda text: None) -> str:
         """The model's answer to `message`, after the conversation so far; a `UserError` (the conversation left as it
-        was) where the message does not fit the model's positions with the answer."""
-        input_ids, self.history = self._encode([*self.history, {"role": "user", "content": message}])
+        was) where the message does not fit the model's positions with the answer. A `KeyboardInterrupt` (Ctrl-C)
+        while it answers ends the answer there: the conversation keeps what `on_text` was given of it."""
+        input_ids, history = self._encode([*self.history, {"role": "user", "content": message}])
         input_ids = input_ids.to(self.model.device)
         stop_text = _HUMAN_STOP if self.style == "human_assistant" else None
         streamer = ReplyStreamer(self.tokenizer, on_text, stop_text)
         stop = {"stop_strings": [stop_text], "tokenizer": self.tokenizer} if stop_text is not None else {}
-        self.model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            streamer=streamer,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            **stop,
-            **self.options.generate_kwargs(),
-        )
+        try:
+            self.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                streamer=streamer,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.stop_token_ids,
+                **stop,
+                **self.options.generate_kwargs(),
+            )
+        except KeyboardInterrupt:
+            shown = streamer.reply(final=False).strip()
+            if shown:
+                self.history = [*history, {"role": "assistant", "content": shown}]
+            raise
         answer = streamer.reply().strip()
-        self.history.append({"role": "assistant", "content": answer})
+        self.history = [*history, {"role": "assistant", "content": answer}]
         return answer
 
 
-def converse(session: ChatSession, messages: Iterable[str], out: TextIO, show_prompts: bool) -> list[str]:
-    """Answer each message in turn (streaming to `out`); honours `clear` and `quit`. Returns the answers."""
+def _is_special(tokenizer, token_id: int) -> bool:
+    """Whether `token_id` is one of the tokenizer's special tokens (which a decoded reply leaves out)."""
+    added = tokenizer.added_tokens_decoder.get(token_id)
+    return token_id in tokenizer.all_special_ids or bool(added is not None and added.special)
+
+
+def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interactive: bool = False) -> list[str]:
+    """Answer each message in turn (streaming to `out`); honours `clear` and `quit`. Returns the answers.
+
+    `interactive`: the terminal shows the messages as typed (they are not echoed), and Ctrl-C stops only the answer
+    being generated; otherwise it ends the conversation."""
     answers = []
     for raw in messages:
         message = raw.strip()
@@ -193,7 +238,7 @@ def converse(session: ChatSession, messages: Iterable[str], out: TextIO, show_pr
             session.clear()
             out.write("(conversation cleared)\n")
             continue
-        if show_prompts:
+        if not interactive:
             out.write(f"Human: {message}\n")
         out.write("Assistant: ")
         out.flush()
@@ -212,17 +257,22 @@ def converse(session: ChatSession, messages: Iterable[str], out: TextIO, show_pr
             answers.append(session.reply(message, stream))
         except UserError as err:  # the conversation goes on without this message
             out.write(f"(not answered: {err})")
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            out.write(" (stopped)" if started else "(stopped)")
         out.write("\n\n")
         out.flush()
     return answers
 
 
 def _interactive_lines() -> Iterable[str]:
-    print("chat: type a message; 'clear' starts over, 'quit' ends.", flush=True)
+    print("chat: type a message; 'clear' starts over, 'quit' (or Ctrl-D) ends, Ctrl-C stops an answer.", flush=True)
     while True:
         try:
             yield input("Human: ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt: the shell's prompt on a line of its own
+            print(flush=True)
             return
 
 
@@ -251,16 +301,21 @@ def chat(argv: list[str] | None = None) -> list[str]:
         torch.manual_seed(args.chat.seed)
     session = load_session(args)
     if args.chat.prompt:
-        return converse(session, args.chat.prompt, sys.stdout, show_prompts=True)
+        return converse(session, args.chat.prompt, sys.stdout)
     if not sys.stdin.isatty():
-        return converse(session, sys.stdin, sys.stdout, show_prompts=True)
-    return converse(session, _interactive_lines(), sys.stdout, show_prompts=False)
+        return converse(session, sys.stdin, sys.stdout)
+    return converse(session, _interactive_lines(), sys.stdout, interactive=True)
 
 
 @run_cli
 def main(argv: list[str] | None = None) -> None:
-    """`rlhf-chat`: returns nothing, so the console script exits with status 0."""
-    chat(argv)
+    """`rlhf-chat`: returns nothing, so the console script exits with status 0; Ctrl-C that ends it (while the model
+    loads, or in a scripted conversation) exits with status 130, without a traceback."""
+    try:
+        chat(argv)
+    except KeyboardInterrupt:
+        print(flush=True)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

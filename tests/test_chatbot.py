@@ -5,11 +5,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from tiny_models import make_tiny_model
+from tiny_models import make_config, make_tiny_model, make_tokenizer
+from transformers import AutoModelForCausalLM
 
 from inference.chatbot import (
     ChatSession,
@@ -24,14 +27,35 @@ from utils.errors import UserError
 GREEDY = SamplingOptions(max_new_tokens=6, do_sample=False)
 
 
-def session(prompt_format="auto", chat_template=True, options=GREEDY):
-    from tiny_models import make_tokenizer
-
-    tokenizer = make_tokenizer(chat_template=chat_template)
+def session(prompt_format="auto", chat_template=True, options=GREEDY, tokenizer=None, system_prompt=None):
+    tokenizer = tokenizer or make_tokenizer(chat_template=chat_template)
     model, tokenizer = make_tiny_model("llama", tokenizer)
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
     model.resize_token_embeddings(len(tokenizer))
-    return ChatSession(model.eval(), tokenizer, options, prompt_format)
+    return ChatSession(model.eval(), tokenizer, options, prompt_format, system_prompt)
+
+
+def scripted_session(tokenizer, successors: dict[str, str]) -> ChatSession:
+    """A chat with a one-layer Llama that answers by rule: after the token `t` it writes `successors[t]` (greedy),
+    after any other token the pad. Its layer's outputs are zero, so the final norm sees the last token's one-hot
+    embedding, which the head maps to the successor's one-hot logits."""
+    tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    vocab = len(tokenizer)
+    config = make_config("llama", vocab, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id,
+                         hidden_size=-(-vocab // 8) * 8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = tokenizer.convert_tokens_to_ids
+    next_token = torch.full((vocab,), tokenizer.pad_token_id)
+    for token, successor in successors.items():
+        next_token[ids(token)] = ids(successor)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
+        model.lm_head.weight[next_token, torch.arange(vocab)] = 1.0
+    return ChatSession(model.eval(), tokenizer, GREEDY)
 
 
 def test_run_folders_resolve_to_the_model_to_chat_with(tmp_path, tiny_model_dir):
@@ -153,7 +177,7 @@ def test_a_message_that_does_not_fit_with_its_answer_is_refused_and_the_chat_goe
         chat_session.reply("a long question " * 20)
     assert chat_session.history == kept  # taken back: the conversation goes on as it was
     out = io.StringIO()
-    answers = converse(chat_session, ["word " * 80, "hi"], out, True)
+    answers = converse(chat_session, ["word " * 80, "hi"], out)
     assert "(not answered: this message" in out.getvalue() and len(answers) == 1
     chat_session.options = SamplingOptions(max_new_tokens=60, do_sample=False)
     with pytest.raises(UserError, match="with --max_new_tokens 60 that passes the model's 60 positions"):
@@ -163,7 +187,7 @@ def test_a_message_that_does_not_fit_with_its_answer_is_refused_and_the_chat_goe
 def test_answers_stream_and_commands_work():
     chat_session = session()
     out = io.StringIO()
-    answers = converse(chat_session, ["hello", "", "clear", "yes no maybe", "quit", "never answered"], out, True)
+    answers = converse(chat_session, ["hello", "", "clear", "yes no maybe", "quit", "never answered"], out)
     text = out.getvalue()
     assert len(answers) == 2
     assert "Human: hello\nAssistant: " in text and "(conversation cleared)" in text
@@ -241,3 +265,145 @@ def test_prompt_evals_own_flags_are_checked_before_a_model_loads(flag, capsys):
     with pytest.raises(SystemExit) as exited:
         prompt_eval.main(["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b", flag, "0"])
     assert exited.value.code == 2 and f"{flag} must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_an_answer_ends_at_the_chat_templates_end_of_turn_token_where_the_eos_is_another():
+    """Gemma's tokenizer (and Llama-3-Instruct's as first released) ends a turn in one special token and names
+    another its EOS: the model, served as it is, wrote the end of its turn and the chat went on with the next turn's
+    header, shown without its special tokens (SmolLM2-135M-Instruct with its base tokenizer's EOS: "The capital of
+    France is Paris.\\nsystem\\nProvide a concise, ..."). The answer ends at the token the template writes after a
+    reply; a model this project trained writes the EOS after it."""
+    tokenizer = make_tokenizer()
+    tokenizer.eos_token = "<|endoftext|>"
+    chat_session = scripted_session(tokenizer, {"Ċ": "H", "H": "<|im_end|>", "<|im_end|>": "<|im_start|>",
+                                                "<|im_start|>": "u", "u": "u"})
+    shown = []
+    assert chat_session.reply("hello", shown.append) == "H" and "".join(shown) == "H"
+    assert chat_session.history[-1] == {"role": "assistant", "content": "H"}
+    ids = tokenizer.convert_tokens_to_ids
+    assert chat_session.stop_token_ids == [ids("<|endoftext|>"), ids("<|im_end|>")]
+    tokenizer.eos_token = "<|im_end|>"  # the turn ends in the EOS (ChatML's), and without a template in the EOS alone
+    assert ChatSession(chat_session.model, tokenizer, GREEDY).stop_token_ids == [ids("<|im_end|>")]
+    assert ChatSession(chat_session.model, tokenizer, GREEDY, "human_assistant").stop_token_ids == [ids("<|im_end|>")]
+
+
+@pytest.mark.parametrize("prompt_format", ["chat_template", "human_assistant"])
+def test_each_turns_prompt_is_the_prompt_training_tokenised_for_that_conversation(prompt_format):
+    """The second turn's input ids, with a system prompt, are those step 1 trains on for the same turns (its
+    tokenisation of the PromptFormatter's prompt), and the answer is shown as training wrote it."""
+    from utils.data.formatting import PromptFormatter
+    from utils.data.samples import Sample
+    from utils.data.tokenization import IGNORE_INDEX, TokenLimits, tokenize_samples
+
+    chat_session = session(prompt_format, system_prompt="Be brief.")
+    chat_session.reply("hello world")
+    message = {"role": "user", "content": "how are you"}
+    ids, _ = chat_session._encode([*chat_session.history, message])
+    turns = [{"role": "system", "content": "Be brief."}, *chat_session.history, message]
+    item = tokenize_samples([Sample(turns=turns, chosen="fine", rejected=None)], "sft",
+                            PromptFormatter(chat_session.tokenizer, prompt_format), chat_session.tokenizer,
+                            TokenLimits(max_seq_len=512))[0]
+    prompt_length = int((item["labels"] == IGNORE_INDEX).sum())
+    assert ids[0].tolist() == item["input_ids"][:prompt_length].tolist()
+
+
+def test_a_chat_template_that_refuses_the_system_prompt_is_one_error_at_the_start():
+    """Gemma's template raises for a system message: --system ended the chat in a jinja traceback at the first
+    message."""
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}" + tokenizer.chat_template)
+    with pytest.raises(UserError, match=r"the chat template cannot render this conversation with --system "
+                                        r"\(TemplateError: System role not supported\)"):
+        session(tokenizer=tokenizer, system_prompt="Be brief.")
+    assert session(tokenizer=tokenizer).reply("hi") is not None
+
+
+class CtrlCAtTheFirstAnswer(io.StringIO):
+    """An output whose first write of an answer's text is followed by Ctrl-C, as when the user presses it while
+    the model answers."""
+
+    def __init__(self):
+        super().__init__()
+        self.pressed = False
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if not self.pressed and text.strip() and self.getvalue()[:-len(text)].endswith("Assistant: "):
+            self.pressed = True
+            raise KeyboardInterrupt
+        return written
+
+
+def test_ctrl_c_while_the_model_answers_stops_that_answer_and_the_chat_goes_on():
+    """Ctrl-C during an answer ended the chat in a traceback through generate, the conversation lost. Interactive,
+    it stops the answer: the conversation keeps what was shown of it, and the next message is answered. In a
+    scripted conversation it still ends the run."""
+    tokenizer = make_tokenizer()
+    chat_session = scripted_session(tokenizer, {"Ċ": "H", "H": "i", "i": "<|im_end|>"})
+    out = CtrlCAtTheFirstAnswer()
+    try:
+        answers = converse(chat_session, ["hello", "again"], out, interactive=True)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C during an answer ended the chat")
+    shown, rest = out.getvalue().removeprefix("Assistant: ").split(" (stopped)\n\n")
+    assert out.pressed and answers == ["Hi"] and rest == "Assistant: Hi\n\n"
+    assert shown and "Hi".startswith(shown)  # the answer's first piece, then Ctrl-C
+    assert [turn["content"] for turn in chat_session.history] == ["hello", shown, "again", "Hi"]
+    kept = list(chat_session.history)
+    with pytest.raises(KeyboardInterrupt):
+        converse(chat_session, ["hello", "again"], CtrlCAtTheFirstAnswer())
+    assert chat_session.history[:4] == kept and len(chat_session.history) == 6
+
+    def pressed_before_the_first_token(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    chat_session.model.forward = pressed_before_the_first_token
+    out = io.StringIO()
+    assert converse(chat_session, ["more"], out, interactive=True) == []
+    assert out.getvalue() == "Assistant: (stopped)\n\n" and len(chat_session.history) == 6  # nothing shown, nothing kept
+
+
+@pytest.mark.parametrize("key", [EOFError, KeyboardInterrupt])
+def test_ctrl_d_or_ctrl_c_at_the_prompt_ends_the_chat_on_a_line_of_its_own(key, monkeypatch, capsys):
+    """Ctrl-C at the prompt ended in a traceback, and after Ctrl-D the shell's prompt followed "Human: " on its
+    line."""
+    from inference.chatbot import _interactive_lines
+
+    typed = iter(["hello"])
+
+    def terminal(prompt: str) -> str:
+        print(prompt, end="")
+        try:
+            return next(typed)
+        except StopIteration:
+            raise key from None
+
+    monkeypatch.setattr("builtins.input", terminal)
+    assert list(_interactive_lines()) == ["hello"]
+    assert capsys.readouterr().out.endswith("Human: Human: \n")
+
+
+def test_ctrl_c_that_ends_a_scripted_chat_exits_130_without_a_traceback(tiny_model_dir, monkeypatch, capsys):
+    from inference.chatbot import main
+
+    def pressed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ChatSession, "reply", pressed)
+    with pytest.raises(SystemExit) as exited:
+        main(["--path", tiny_model_dir("llama"), "--prompt", "hi"])
+    assert exited.value.code == 130 and "Traceback" not in capsys.readouterr().err
+
+
+def test_a_file_passed_for_the_model_is_one_error(tiny_model_dir):
+    """A run's args.json ended in a traceback (transformers read it as a model's config: "AttributeError: module
+    'torch' has no attribute 'bf16'" from its --dtype), a model's config.json or weights in a misleading "could not
+    load the tokenizer from ...: Repo id must be in the form 'repo_name' ..." or "...: It looks like the config
+    file at ... is not a valid JSON file"."""
+    model = tiny_model_dir("llama")
+    (Path(model) / "args.json").write_text(json.dumps({"dtype": "bf16", "prompt_format": "auto"}))
+    for name in ("args.json", "config.json", "model.safetensors"):
+        with pytest.raises(UserError, match=f"{model}/{name} is a file; pass the folder that holds the model "
+                                            rf"\({model}\) or a run folder"):
+            chat(["--path", f"{model}/{name}", "--prompt", "hi"])
