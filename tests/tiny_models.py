@@ -12,16 +12,22 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
     OPTConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
 
 ARCHITECTURES = ("llama", "gpt2", "opt", "qwen2", "qwen3", "mistral")
+# Today's families beyond those, each in the config.json fields its hub checkpoints carry, scaled down; only
+# tests/test_architectures.py runs them (the suite's architecture-parameterised tests stay on ARCHITECTURES)
+RECENT_ARCHITECTURES = ("gemma2", "gemma3", "phi3", "phi4_mini", "llama3_2")
 # Mistral whose attention window is shorter than the tests' sequences: the hybrid engine's transformers-forward path
 # for a rotary model (the fused one serves unwindowed attention only)
 WINDOWED_MISTRAL = "mistral_windowed"
@@ -42,8 +48,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(vocab_size: int = 256, chat_template: bool = True, with_pad: bool = False) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on a few sentences; eos is `<|im_end|>`."""
+def make_tokenizer(vocab_size: int = 256, chat_template: bool = True, with_pad: bool = False,
+                   with_unk: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few sentences; eos is `<|im_end|>`. Without `with_pad` or `with_unk`
+    it has no token to pad with (as Llama-3's and Phi-4-mini's), and loading adds one."""
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<|pad|>"] if with_pad else [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -59,7 +67,7 @@ def make_tokenizer(vocab_size: int = 256, chat_template: bool = True, with_pad: 
         tokenizer_object=tok,
         bos_token="<|im_start|>",
         eos_token="<|im_end|>",
-        unk_token="<|endoftext|>",
+        unk_token="<|endoftext|>" if with_unk else None,
         pad_token="<|pad|>" if with_pad else None,
     )
     if chat_template:
@@ -70,13 +78,26 @@ def make_tokenizer(vocab_size: int = 256, chat_template: bool = True, with_pad: 
 def make_config(arch: str, vocab_size: int, pad_token_id: int | None = None, eos_token_id: int | None = None,
                 bos_token_id: int | None = None, max_positions: int = 256, initializer_range: float = 0.02,
                 **overrides):
-    """A 2-layer config of `arch` (one of `ARCHITECTURES`, or `WINDOWED_MISTRAL`), `overrides` passed to its
-    constructor last. Qwen2 has q/k/v biases; Qwen3 per-head query/key norms and heads wider than hidden_size /
-    heads."""
+    """A 2-layer config of `arch` (one of `ARCHITECTURES`, `RECENT_ARCHITECTURES` or `WINDOWED_MISTRAL`), `overrides`
+    passed to its constructor last. Qwen2 has q/k/v biases; Qwen3 per-head query/key norms and heads wider than
+    hidden_size / heads.
+
+    The recent families, shaped like google/gemma-2-2b-it, gemma-3-1b-it, microsoft/Phi-3-mini-4k-instruct,
+    Phi-4-mini-instruct and meta-llama/Llama-3.2-1B: Gemma-2 with soft caps (scaled to the logits of weights drawn
+    with std 0.3, so they bite), alternating `WINDOW`-position sliding layers, a query_pre_attn_scalar other than
+    head_dim and tied embeddings (scaled by sqrt(hidden) inside the model); Gemma-3 text with per-head q/k norms and
+    a local (sliding) layer and a global one of other rope bases; Phi-3 with fused qkv_proj and gate_up_proj and a
+    window shorter than its positions (Phi-3-mini's 2047 of 4096); Phi-4-mini with grouped key/value heads, partial
+    rotary (0.75), longrope switching from its short to its long factors past `max_positions` (its
+    original_max_position_embeddings, 4096 of 131072 in the real model) and tied embeddings; Llama-3.2 with "llama3"
+    rope scaling and tied embeddings."""
     common = dict(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
                   initializer_range=initializer_range)
     rope_family = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False, **common)
+    gemma = dict(rope_family, head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24,
+                 sliding_window=WINDOW, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    wide = dict(rope_family, hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
     configs = {
         "llama": (LlamaConfig, rope_family),
         "qwen2": (Qwen2Config, rope_family),
@@ -86,9 +107,28 @@ def make_config(arch: str, vocab_size: int, pad_token_id: int | None = None, eos
         "gpt2": (GPT2Config, dict(n_embd=32, n_layer=2, n_head=4, n_positions=max_positions, **common)),
         "opt": (OPTConfig, dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                 max_position_embeddings=max_positions, word_embed_proj_dim=32, **common)),
+        "gemma2": (Gemma2Config, dict(gemma, hidden_act="gelu_pytorch_tanh", attn_logit_softcapping=2.0,
+                                      final_logit_softcapping=5.0, rope_theta=10000.0)),
+        "gemma3": (Gemma3TextConfig, dict(gemma, num_key_value_heads=1, sliding_window_pattern=2,
+                                          rope_local_base_freq=10000.0, rope_theta=1000000.0, rope_scaling=None,
+                                          attn_logit_softcapping=None, final_logit_softcapping=None)),
+        "phi3": (Phi3Config, dict(rope_family, num_key_value_heads=4, sliding_window=WINDOW, rope_theta=10000.0,
+                                  rope_scaling=None, original_max_position_embeddings=max_positions,
+                                  rms_norm_eps=1e-5)),
+        "phi4_mini": (Phi3Config, dict(wide, partial_rotary_factor=0.75, rope_theta=10000.0,
+                                       rope_scaling={"type": "longrope",
+                                                     "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 5.0],
+                                                     "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0]},
+                                       original_max_position_embeddings=max_positions,
+                                       max_position_embeddings=32 * max_positions,
+                                       sliding_window=64 * max_positions, rms_norm_eps=1e-5)),
+        "llama3_2": (LlamaConfig, dict(wide, head_dim=16, rope_theta=500000.0,
+                                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": max_positions // 16})),
     }
     if arch not in configs:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES + RECENT_ARCHITECTURES}")
     config_class, arguments = configs[arch]
     return config_class(**{**arguments, **overrides})
 
@@ -103,12 +143,15 @@ def make_tiny_model(arch: str = "llama", tokenizer: PreTrainedTokenizerFast | No
 
 
 def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int = 0, max_positions: int = 256,
-                        initializer_range: float = 0.02, bias_std: float = 0.0, **tokenizer_kwargs) -> str:
+                        initializer_range: float = 0.02, bias_std: float = 0.0, config_overrides: dict | None = None,
+                        **tokenizer_kwargs) -> str:
     """Write a loadable HF folder (weights + tokenizer) for a tiny model and return its path. `bias_std` > 0 draws
-    its biases (zero as initialised) with that std, as a trained model's are (Qwen2's q/k/v biases are large)."""
+    its biases (zero as initialised) with that std, as a trained model's are (Qwen2's q/k/v biases are large);
+    `config_overrides` go to `make_config`."""
     path = Path(path)
     model, tokenizer = make_tiny_model(arch, make_tokenizer(**tokenizer_kwargs), seed=seed,
-                                       max_positions=max_positions, initializer_range=initializer_range)
+                                       max_positions=max_positions, initializer_range=initializer_range,
+                                       **(config_overrides or {}))
     if bias_std > 0:
         with torch.no_grad():
             for name, parameter in model.named_parameters():

@@ -18,6 +18,7 @@ from pathlib import Path
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
+from tiny_models import RECENT_ARCHITECTURES
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from training.core.attention_kernels import exclude_cudnn_attention
@@ -30,7 +31,7 @@ from training.generation.generator import GenerationConfig, HFGenerator, TokenCh
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 
 LORA_MODULE_NAMES = {"llama": "layers.", "qwen2": "layers.", "qwen3": "layers.", "mistral": "layers.", "gpt2": "h.",
-                     "opt": "decoder.layers."}
+                     "opt": "decoder.layers.", **dict.fromkeys(RECENT_ARCHITECTURES, "layers.")}
 PROMPTS = [
     "Human: What is the capital of France? Assistant:",
     "Human: hi",

@@ -27,6 +27,7 @@ __all__ = [
     "estimate_output_bytes",
     "check_disk_space",
     "model_max_positions",
+    "rotary_switch_length",
     "generation_fits",
     "check_generation_fits",
     "check_sequence_lengths",
@@ -150,6 +151,21 @@ def model_max_positions(config) -> tuple[int, str] | None:
     return None
 
 
+def rotary_switch_length(config) -> int | None:
+    """The sequence length past which the model's rotary embedding rotates every sequence of a batch with other
+    frequencies, or None where they never depend on the length within its positions. longrope (Phi-3's 128k
+    models, Phi-3.5, Phi-4-mini) takes its long factors for a whole batch once the batch's longest sequence passes
+    original_max_position_embeddings (4096 of their 131072); dynamic NTK scaling starts past the positions only."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_layer_type = [value for value in parameters.values() if isinstance(value, dict)]
+    lengths = [
+        rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        for rope in per_layer_type or [parameters]
+        if (rope.get("rope_type") or rope.get("type")) == "longrope"
+    ]
+    return min((length for length in lengths if length), default=None)
+
+
 def generation_fits(config, prompt_tokens: int, max_new_tokens: int) -> bool:
     """Whether a prompt of `prompt_tokens` and `max_new_tokens` generated after it fit the model's positions."""
     positions = model_max_positions(config)
@@ -173,12 +189,26 @@ def check_sequence_lengths(
     max_answer_seq_len: int | None = None,
     model: str = "the model",
 ) -> None:
-    """Lengths must be positive, and a whole sequence must fit the model's position embeddings."""
+    """Lengths must be positive, and a whole sequence must fit the model's position embeddings; a step-3 rollout
+    (prompt + answer) must also stay short of a rotary switch (`rotary_switch_length`): decoded across it, its
+    tokens would be drawn under other frequencies than its training forward uses, and an answer's log-probs would
+    depend on the other answers in its batch (PPO's ratios off from the first update)."""
     named = {"--max_seq_len": max_seq_len, "--max_prompt_seq_len": max_prompt_seq_len,
              "--max_answer_seq_len": max_answer_seq_len}
     for flag, value in named.items():
         if value is not None and value <= 0:
             raise UserError(f"{flag} must be a positive number of tokens, got {value}")
+    switch = rotary_switch_length(config)
+    if switch is not None and max_prompt_seq_len is not None and max_answer_seq_len is not None \
+            and max_prompt_seq_len + max_answer_seq_len > switch:
+        raise UserError(
+            f"--max_prompt_seq_len {max_prompt_seq_len} + --max_answer_seq_len {max_answer_seq_len} = "
+            f"{max_prompt_seq_len + max_answer_seq_len} tokens pass the {switch} positions after which the rotary "
+            f"embedding of {model} (longrope) switches to its long factors for every sequence of a batch "
+            "(original_max_position_embeddings): a rollout would be sampled under other frequencies than its training "
+            f"forward uses, and an answer's log-probs would depend on its batch; lower them so they sum to at most "
+            f"{switch}"
+        )
     limit = model_max_positions(config)
     if limit is None:
         return
