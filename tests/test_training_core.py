@@ -268,6 +268,29 @@ def test_a_step_run_folder_resolves_to_its_final_model(tiny_model_dir, tmp_path)
     assert load_tokenizer(str(run_dir)).pad_token_id is not None
 
 
+def test_a_train_py_folder_stopped_before_step3_resolves_to_its_step1_model(tiny_model_dir, tmp_path, caplog):
+    """`chatbot.py --path runs/default` after `train.py --step 1` said the folder held no model."""
+    from training.core.model_loading import FINAL_MODEL_SUBDIR, resolve_trained_model
+
+    pipeline = tmp_path / "runs"
+    (pipeline / "step1").mkdir(parents=True)
+    os.replace(tiny_model_dir("opt"), pipeline / "step1" / FINAL_MODEL_SUBDIR)
+    assert resolve_trained_model(str(pipeline)) == str(pipeline / "step1" / FINAL_MODEL_SUBDIR)
+    assert "no step-3 actor nor DPO model yet: using its step-1 model" in caplog.text
+
+
+def test_a_file_passed_as_a_model_is_one_error_in_every_tool(tiny_model_dir):
+    """The steps, prompt_eval and rw_eval went on to transformers, which read a run's args.json or a model's
+    config.json as a config and failed obscurely."""
+    from training.core.model_loading import resolve_model_path
+
+    model = tiny_model_dir("opt")
+    with pytest.raises(UserError, match=f"{model}/config.json is a file; pass the folder that holds the model"):
+        resolve_model_path(f"{model}/config.json")
+    with pytest.raises(UserError, match="is a file"):
+        load_tokenizer(f"{model}/config.json")
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_disabled_dropout_makes_train_mode_forwards_deterministic(tiny_model_dir, arch):
     """OPT's layers copy `config.dropout` into a float at construction and call `F.dropout` with it: zeroing the

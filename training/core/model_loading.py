@@ -50,19 +50,24 @@ FINAL_MODEL_SUBDIR = "model"
 
 def resolve_model_path(name_or_path: str) -> str:
     """Map the embedded default's short name to its local folder, and a step's run folder to the
-    final model inside it (`<output_dir>/model`); return anything else unchanged."""
+    final model inside it (`<output_dir>/model`); return anything else unchanged. A file (a model's config.json,
+    its weights, a run's args.json) is refused: transformers took it for a model's config and failed obscurely."""
     if is_embedded_name(name_or_path):
         return embedded_model_path()
     run_dir = Path(name_or_path)
+    if run_dir.is_file():
+        raise UserError(f"{name_or_path} is a file; pass the folder that holds the model ({run_dir.parent}) or a "
+                        "run folder")
     if not (run_dir / "config.json").is_file() and (run_dir / FINAL_MODEL_SUBDIR / "config.json").is_file():
         return str(run_dir / FINAL_MODEL_SUBDIR)
     return name_or_path
 
 
 def resolve_trained_model(path: str, ema: bool = False) -> str:
-    """The causal LM a run folder holds: a train.py output dir its step-3 actor (else its DPO model), a step-3 run
-    folder its `actor/` (or `actor_ema/` with `ema`), a step-1 or DPO run folder its `model/`; anything else as
-    `resolve_model_path` maps it. With `ema` and no EMA actor, a `UserError`."""
+    """The causal LM a run folder holds: a train.py output dir its step-3 actor (else its DPO model, else, with a
+    warning, its step-1 model: a run stopped before step 3), a step-3 run folder its `actor/` (or `actor_ema/` with
+    `ema`), a step-1 or DPO run folder its `model/`; anything else as `resolve_model_path` maps it. With `ema` and
+    no EMA actor, a `UserError`."""
     actor = "actor_ema" if ema else "actor"
     folder = Path(path)
     for candidate in (folder / "step3" / actor, folder / actor):
@@ -72,6 +77,10 @@ def resolve_trained_model(path: str, ema: bool = False) -> str:
         raise UserError(f"{path} holds no EMA actor ({actor}/); run step 3 with --enable_ema or drop --ema")
     if (folder / "dpo" / FINAL_MODEL_SUBDIR / "config.json").is_file():
         return str(folder / "dpo" / FINAL_MODEL_SUBDIR)
+    step1_model = folder / "step1" / FINAL_MODEL_SUBDIR
+    if (step1_model / "config.json").is_file():
+        logger.warning("%s holds no step-3 actor nor DPO model yet: using its step-1 model %s", path, step1_model)
+        return str(step1_model)
     return resolve_model_path(path)
 
 
