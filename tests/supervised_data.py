@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from utils.data import TokenizedDataset, build_phase_data
+
 
 def arithmetic_rows(count: int) -> list[dict]:
     """`count` distinct questions (a copy would be dropped at load)."""
@@ -23,3 +25,9 @@ def write_arithmetic_jsonl(path: str | Path, count: int = 48) -> str:
     path = Path(path)
     path.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_rows(count)))
     return str(path)
+
+
+def build_phase_datasets(*args, **kwargs) -> tuple[TokenizedDataset, TokenizedDataset]:
+    """`build_phase_data`'s tokenised (train, eval) datasets, without the record counts the steps write."""
+    data = build_phase_data(*args, **kwargs)
+    return data.train, data.eval

@@ -5,12 +5,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from supervised_data import build_phase_datasets
 from tiny_models import make_tokenizer
 
 import utils.data.phases as phases
 from utils.data import (
     DataArguments,
-    build_phase_datasets,
     build_unsupervised_dataset,
     phase_splits,
 )

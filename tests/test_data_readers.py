@@ -179,9 +179,8 @@ def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
 
 
 def test_source_without_usable_rows_stops_the_run(tmp_path):
+    from supervised_data import build_phase_datasets
     from tiny_models import make_tokenizer
-
-    from utils.data import build_phase_datasets
 
     path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"p{i}"} for i in range(6)])
     # the skipped rows said as the source's line says them, where they are (was a bare Counter's dict)
@@ -451,9 +450,8 @@ def test_hub_rows_are_detected_from_their_values_too(monkeypatch):
 
 
 def test_ultrafeedback_binarized_rows_build_every_pair_of_step_two(tmp_path):
+    from supervised_data import build_phase_datasets
     from tiny_models import make_tokenizer
-
-    from utils.data import build_phase_datasets
 
     tokenizer = make_tokenizer()
     path = write_jsonl(tmp_path / "ultrafeedback.jsonl", [ultrafeedback_row(i) for i in range(12)])

@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from supervised_data import write_arithmetic_jsonl
+from supervised_data import build_phase_datasets, write_arithmetic_jsonl
 from tiny_models import make_tiny_model, make_tokenizer
 from transformers import AutoModelForCausalLM, set_seed
 
@@ -14,7 +14,7 @@ from step1_sft.main import main
 from step1_sft.objective import sft_loss
 from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.loops.metrics import read_metrics
-from utils.data import SFTCollator, build_phase_datasets
+from utils.data import SFTCollator
 
 
 def _args(model_dir, data, tmp_path, *extra):

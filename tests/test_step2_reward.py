@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from supervised_data import write_arithmetic_jsonl
+from supervised_data import build_phase_datasets, write_arithmetic_jsonl
 
 from step1_sft.main import main as step1_main
 from step2_reward import rw_eval
@@ -13,7 +13,7 @@ from step2_reward.objective import evaluate_pairs
 from training.core.model_loading import load_tokenizer
 from training.core.reward_model import RewardModel
 from training.loops.metrics import read_metrics
-from utils.data import PairwiseCollator, build_phase_datasets
+from utils.data import PairwiseCollator
 
 SCORE_KEYS = ("accuracy", "chosen_mean", "rejected_mean", "margin_mean")
 

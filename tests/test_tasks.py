@@ -4,10 +4,11 @@ import re
 
 import pytest
 import torch
+from supervised_data import build_phase_datasets
 from tiny_models import make_tokenizer
 
 from training.rewards import format_reward, math_reward
-from utils.data import PromptCollator, TokenizedDataset, build_phase_datasets, phase_splits
+from utils.data import PromptCollator, TokenizedDataset, phase_splits
 from utils.data.sources import load_source, parse_source_spec, source_fingerprint, source_identity
 from utils.data.tasks import FINAL_ANSWER_TEMPLATE, SLIP_SIZES, generate_arithmetic, parse_task_spec
 from utils.errors import UserError

@@ -4,7 +4,7 @@ from .args import DataArguments, UnsupervisedDataArguments
 from .collators import PairwiseCollator, PromptCollator, SFTCollator
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS, PromptFormatter
-from .phases import build_phase_datasets, phase_splits
+from .phases import PhaseData, build_phase_data, phase_splits
 from .readers import FORMATS, detect_format
 from .rows import read_rows
 from .samples import Sample
@@ -23,7 +23,8 @@ __all__ = [
     "EMBEDDED_SOURCE",
     "PROMPT_FORMATS",
     "PromptFormatter",
-    "build_phase_datasets",
+    "PhaseData",
+    "build_phase_data",
     "phase_splits",
     "FORMATS",
     "detect_format",

@@ -174,12 +174,6 @@ class PhaseData(NamedTuple):
     records: list[tuple[str, int]]
 
 
-def build_phase_datasets(*args, **kwargs) -> tuple[TokenizedDataset, TokenizedDataset]:
-    """`build_phase_data` (its arguments) less the record counts: the tokenised (train, eval) datasets."""
-    data = build_phase_data(*args, **kwargs)
-    return data.train, data.eval
-
-
 def build_phase_data(
     phase: int,
     data_paths: Sequence[str],
