@@ -37,7 +37,6 @@ from utils.errors import UserError, run_cli
 CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
-_PROBE_REPLY = "OK"  # a reply the chat template renders, to find what it writes after a reply
 EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
 
 
@@ -137,7 +136,10 @@ class ChatSession:
         self.style = self.formatter.style
         self.system_prompt = system_prompt
         self.history: list[dict] = []
-        self.stop_token_ids = self._end_of_turn_ids()
+        self._prompt([{"role": "user", "content": "Hi"}])  # a template that refuses the system prompt fails here
+        # the EOS, and the template's end-of-turn token where it is another (Gemma's <end_of_turn>): a model served
+        # as its authors made it stops there, and would go on with the next turn's header
+        self.stop_token_ids = self.formatter.stop_token_ids
 
     def clear(self) -> None:
         self.history = []
@@ -154,22 +156,6 @@ class ChatSession:
             given = " with --system" if self.system_prompt else ""
             raise UserError(f"the chat template cannot render this conversation{given} "
                             f"({self.formatter.template_error})") from err
-
-    def _end_of_turn_ids(self) -> list[int]:
-        """The tokens that end the model's turn: the EOS, and under a chat template the special token it writes
-        after a reply where that is not the EOS (Gemma's <end_of_turn>; Llama-3-Instruct's <|eot_id|> before its
-        EOS was changed to it). A model this project trained writes the EOS after that token; one served as its
-        authors made it stops at that token and would go on with the next turn's header."""
-        stops = [self.tokenizer.eos_token_id]
-        if self.style == "chat_template":
-            turns = [{"role": "user", "content": "Hi"}]
-            written = self.formatter.answer(self._turns(turns), _PROBE_REPLY, self._prompt(turns))
-            reply_start = written.find(_PROBE_REPLY)
-            after = written[reply_start + len(_PROBE_REPLY):] if reply_start >= 0 else ""
-            ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
-            if ids and ids[0] not in stops and _is_special(self.tokenizer, ids[0]):
-                stops.append(ids[0])
-        return stops
 
     def _encode(self, history: list[dict]) -> tuple[torch.Tensor, list[dict]]:
         """The conversation `history` (ending with the new message) as input ids, and the history kept: the oldest
@@ -214,12 +200,6 @@ class ChatSession:
         answer = streamer.reply().strip()
         self.history = [*history, {"role": "assistant", "content": answer}]
         return answer
-
-
-def _is_special(tokenizer, token_id: int) -> bool:
-    """Whether `token_id` is one of the tokenizer's special tokens (which a decoded reply leaves out)."""
-    added = tokenizer.added_tokens_decoder.get(token_id)
-    return token_id in tokenizer.all_special_ids or bool(added is not None and added.special)
 
 
 def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interactive: bool = False) -> list[str]:

@@ -3,7 +3,9 @@
     python step1_sft/prompt_eval.py --model_name_or_path_baseline smollm2-135m \\
         --model_name_or_path_finetune runs/step1 --prompts "How do I boil an egg?"
 
-Prompts are rendered the way training rendered them (chat template, or " Human: ... Assistant:").
+Prompts are rendered the way training rendered them (chat template, or " Human: ... Assistant:"), and an answer
+ends where training ends the model's turn: at the EOS, or at the chat template's end-of-turn token where that is
+another (`PromptFormatter.stop_token_ids`).
 Decoding is greedy unless `--do_sample`; `--output_file` also writes the answers as JSONL.
 """
 from __future__ import annotations
@@ -106,7 +108,7 @@ def generate_answers(
         texts = rendered[start : start + settings.batch_size]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
         output = model.generate(**batch, **settings.generate_kwargs(), pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=tokenizer.eos_token_id)
+                                eos_token_id=formatter.stop_token_ids)
         new_tokens = output[:, batch["input_ids"].shape[1]:]
         answers.extend(text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
     tokenizer.padding_side = "right"

@@ -32,8 +32,9 @@ from utils.errors import UserError, run_cli
 
 
 class RewardScorer:
-    """Scores (rendered prompt, answer) texts: prompt + answer tokens + EOS, cut to `max_seq_len`, the same
-    sequence step 2 trained on."""
+    """Scores (rendered prompt, answer) texts: prompt + answer tokens + EOS (none after an answer that ends in the
+    chat template's end-of-turn token: `PromptFormatter.answer_suffix_ids`), cut to `max_seq_len`, the same sequence
+    step 2 trained on."""
 
     def __init__(self, model: RewardModel, tokenizer: PreTrainedTokenizerBase, prompt_format: str = "auto",
                  max_seq_len: int = 512, batch_size: int = 8):
@@ -51,8 +52,9 @@ class RewardScorer:
         return self.tokenizer(text, add_special_tokens=self.formatter.adds_special_tokens)["input_ids"]
 
     def encode(self, prompt: str, answer: str) -> torch.Tensor:
-        """Prompt and answer tokenised as one text, then EOS (`utils.data.tokenization`)."""
-        return torch.tensor((self.token_ids(prompt + answer) + [self.tokenizer.eos_token_id])[: self.max_seq_len])
+        """Prompt and answer tokenised as one text, then the EOS where training appends it
+        (`utils.data.tokenization`)."""
+        return torch.tensor((self.token_ids(prompt + answer) + self.formatter.answer_suffix_ids)[: self.max_seq_len])
 
     @torch.no_grad()
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
@@ -71,13 +73,13 @@ class RewardScorer:
 
     def _sequences(self, row: dict) -> list[torch.Tensor] | str:
         """The row's answer (and rejected answer) as step 2 trains on them, or why step 2 would drop the row."""
-        prompt, eos = self.token_ids(row["prompt"]), self.tokenizer.eos_token_id
+        prompt, suffix = self.token_ids(row["prompt"]), self.formatter.answer_suffix_ids
         limits = TokenLimits(max_seq_len=self.max_seq_len)
         chosen = self.token_ids(row["prompt"] + row["chosen"])
         if row.get("rejected") is None:
-            item = sft_sequence(prompt, chosen, eos, limits)
+            item = sft_sequence(prompt, chosen, suffix, limits)
             return item if isinstance(item, str) else [torch.tensor(item["input_ids"])]
-        item = pair_sequences(prompt, chosen, self.token_ids(row["prompt"] + row["rejected"]), eos, limits)
+        item = pair_sequences(prompt, chosen, self.token_ids(row["prompt"] + row["rejected"]), suffix, limits)
         if isinstance(item, str):
             return item
         return [torch.tensor(item["chosen_input_ids"]), torch.tensor(item["rejected_input_ids"])]

@@ -241,6 +241,15 @@ def call_timer(engine: RLHFEngine, generator: object | None, placement: Placemen
     return timer
 
 
+def build_trainer(args: Step3Settings, engine: RLHFEngine, generator: object | None) -> PPOTrainer:
+    """The run's PPO trainer. Its answers end where the actor's turn does under the data's --prompt_format (the
+    format it was tuned in): at the EOS, or at the chat template's end-of-turn token where that is another."""
+    reward_fn = load_reward_fn(args.rewards.reward_fn) if args.rewards.reward_fn is not None else None
+    fusion = args.placement.stage_fusion_micro_batch_size if args.placement.enable_stage_fusion else 0
+    return PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef, fusion,
+                      args.data.prompt_format)
+
+
 def run_step3(args: Step3Settings) -> dict:
     started = time.perf_counter()
     setup_logging()
@@ -274,9 +283,7 @@ def run_step3(args: Step3Settings) -> dict:
         generating = engine.shadow_actor if engine.shadow_actor is not None else engine.actor
         generator = build_generator(args.hybrid.backend, generating, tokenizer, args.hybrid) \
             if generating is not None else None
-        reward_fn = load_reward_fn(args.rewards.reward_fn) if args.rewards.reward_fn is not None else None
-        fusion = args.placement.stage_fusion_micro_batch_size if args.placement.enable_stage_fusion else 0
-        trainer = PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef, fusion)
+        trainer = build_trainer(args, engine, generator)
         # after every check (the models' LoRA and vocabulary ones included), so a refused run never overwrites an
         # earlier one's
         save_run_args(run_dir, given)  # what --placement auto changed is in its AUTO_PLAN_FILE

@@ -15,7 +15,9 @@ each one's `loss_weights` to `train_rlhf` so that an optimizer step takes the me
 Layout of an experience: `sequences` [B, P+N] are left-padded prompts followed by right-padded
 answers; every per-token tensor ([B, N]) is aligned with the answer tokens, so position j holds the
 log-probability / value / reward of answer token j, and `action_mask` is 1 on the generated
-tokens, the EOS included (the EOS is an action the policy is rewarded or penalised for).
+tokens, the stop token that ended the answer included (ending the answer is an action the policy is rewarded or
+penalised for). The stop tokens are those that end the actor's turn (`PromptFormatter.stop_token_ids`): its EOS,
+and the chat template's end-of-turn token where that is another (Gemma's <end_of_turn>).
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ from training.loops.call_times import CallTimer
 from training.reliability.guards import check_finite, step_engine
 from utils.dist import current_device, sum_over_ranks
 from training.rewards import RewardFunction
+from utils.data.formatting import PromptFormatter
 from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -91,8 +94,8 @@ class PPOConfig:
         "help": "use raw advantages (gae's and reinforce_pp's are otherwise whitened over the generation batch of "
                 "every rank)"})
     no_eos_penalty: float = field(default=0.0, metadata={
-        "help": "subtract this from the reward of answers cut off before emitting EOS (after the score's clip to "
-                "+-clip_reward_value)"})
+        "help": "subtract this from the reward of answers cut off before emitting EOS or the chat template's "
+                "end-of-turn token (after the score's clip to +-clip_reward_value)"})
     # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it; step 3's --temperature
     temperature: float = field(default=1.0, metadata={"flag": None})
     unsup_coef: float = field(default=0.05, metadata={
@@ -169,7 +172,7 @@ class Experience:
     returns: torch.Tensor
     scores: torch.Tensor  # [B] the score (reward model, plus any --reward_fn), before the clip and the no-EOS penalty
     kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer (a KL estimate if sampled)
-    ended_with_eos: torch.Tensor  # [B] bool
+    ended_with_eos: torch.Tensor  # [B] bool: the answer ended at a stop token (not cut off)
     exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
     group_index: torch.Tensor | None = None  # [B] long: rows answering the same prompt share it (group baselines)
     reward_fn_scores: torch.Tensor | None = None  # [B] the reward function's value (with --reward_fn)
@@ -203,9 +206,12 @@ class Answers:
     def of(cls, output: GenerationOutput, device: torch.device) -> "Answers":
         return cls(output.sequences, output.attention_mask, output.prompt_length, output.answer_mask.to(device))
 
-    def ended_with_eos(self, eos_token_id: int) -> torch.Tensor:
+    def ended_with_eos(self, stop_token_ids: Sequence[int]) -> torch.Tensor:
+        """[B] bool: whether each answer ended at one of `stop_token_ids` (the EOS, an end-of-turn token) rather
+        than being cut off at the length limit."""
         answers = self.sequences[:, self.prompt_length:]
-        return ((answers == eos_token_id) & self.action_mask.bool()).any(-1)
+        stops = torch.tensor(stop_token_ids, dtype=answers.dtype, device=answers.device)
+        return (torch.isin(answers, stops) & self.action_mask.bool()).any(-1)
 
 
 @dataclass
@@ -308,7 +314,9 @@ class PPOTrainer:
     estimator needs one) of an `RLHFEngine`, for every `--algorithm`: the estimator and the losses are
     looked up by name in `training.algorithms`.
 
-    Answers are scored by the engine's reward model, the `reward_fn`, or both (`RewardScorer`).
+    Answers are scored by the engine's reward model, the `reward_fn`, or both (`RewardScorer`). An answer ends at
+    any of the tokens that end the actor's turn under `prompt_format` (`PromptFormatter.stop_token_ids`; step 3
+    passes its data's --prompt_format, under which the actor was tuned).
 
     Every scoring and training forward runs on rows grouped by length and laid flush right (`RowGroups`): little
     padding, the LM head only where answer tokens are predicted. The old log-probs are the generator's own when
@@ -321,7 +329,7 @@ class PPOTrainer:
 
     def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig,
                  reward_fn: RewardFunction | None = None, reward_fn_coef: float = 1.0,
-                 stage_fusion_micro_batch_size: int = 0):
+                 stage_fusion_micro_batch_size: int = 0, prompt_format: str = "auto"):
         self.engine = engine
         # > 0: finished answers are scored in micro-batches of this many rows while generation goes on
         self.stage_fusion_micro_batch_size = stage_fusion_micro_batch_size
@@ -341,7 +349,7 @@ class PPOTrainer:
         self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer) \
             if engine.reward is not None or reward_fn is not None else None
         tokenizer = engine.tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
+        self.stop_token_ids = PromptFormatter(tokenizer, prompt_format).stop_token_ids
         self.pad_token_id = tokenizer.pad_token_id
         self.kl_controller = (
             AdaptiveKLController(config.kl_ctl, config.target_kl, config.kl_horizon)
@@ -361,7 +369,7 @@ class PPOTrainer:
     def generation_config(self, do_sample: bool = True, num_return_sequences: int = 1) -> GenerationConfig:
         return GenerationConfig(
             max_new_tokens=self.config.max_answer_seq_len,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.stop_token_ids,
             pad_token_id=self.pad_token_id,
             do_sample=do_sample,
             temperature=self.config.temperature,
@@ -531,7 +539,7 @@ class PPOTrainer:
         greedy = rollout.greedy
         scores = self.scorer(greedy.sequences, greedy.attention_mask, greedy.prompt_length, rollout.prompt_metadata)
         rewards = sequence_rewards(scores.total, self.config.clip_reward_value,
-                                   greedy.ended_with_eos(self.eos_token_id), self.config.no_eos_penalty)
+                                   greedy.ended_with_eos(self.stop_token_ids), self.config.no_eos_penalty)
         return repeat_per_prompt(rewards, rollout.samples_per_prompt)
 
     def assemble_experience(self, rollout: Rollout, parts: Mapping[str, Any]) -> Experience:
@@ -541,7 +549,7 @@ class PPOTrainer:
         scores: Scores = parts["scores"]
         old_logprobs, ref_logprobs = parts["old_logprobs"], parts["ref_logprobs"]
         reward_kl_coef = 0.0 if config.kl_in_loss else self.kl_controller.value
-        ended_with_eos = rollout.ended_with_eos(self.eos_token_id)
+        ended_with_eos = rollout.ended_with_eos(self.stop_token_ids)
         rewards, kl = compute_rewards(scores.total, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                       config.clip_reward_value, config.kl_estimator, ended_with_eos,
                                       config.no_eos_penalty)

@@ -272,7 +272,7 @@ def test_an_answer_ends_at_the_chat_templates_end_of_turn_token_where_the_eos_is
     another its EOS: the model, served as it is, wrote the end of its turn and the chat went on with the next turn's
     header, shown without its special tokens (SmolLM2-135M-Instruct with its base tokenizer's EOS: "The capital of
     France is Paris.\\nsystem\\nProvide a concise, ..."). The answer ends at the token the template writes after a
-    reply; a model this project trained writes the EOS after it."""
+    reply, where a model this project tuned on that template ends its answers too (tests/test_end_of_turn.py)."""
     tokenizer = make_tokenizer()
     tokenizer.eos_token = "<|endoftext|>"
     chat_session = scripted_session(tokenizer, {"Ċ": "H", "H": "<|im_end|>", "<|im_end|>": "<|im_start|>",

@@ -47,15 +47,18 @@ REWRITING_STYLE = ("{% for message in messages %}{% if loop.last and message['ro
 
 @pytest.mark.parametrize("template, chosen, sft_text", [
     (LLAMA2_STYLE, " Why? ", "[INST] Hi [/INST] Hello <|im_end|>[INST] Tell me a joke [/INST] Why? <|im_end|>"),
-    (TURN_END_STYLE, "Why?<|endoftext|>\n",
+    (TURN_END_STYLE, "Why?<|endoftext|>",
      "<|im_start|>user\nHi<|endoftext|>\n<|im_start|>assistant\nHello<|endoftext|>\n<|im_start|>user\nTell me a joke"
-     "<|endoftext|>\n<|im_start|>assistant\nWhy?<|endoftext|>\n<|im_end|>"),
+     "<|endoftext|>\n<|im_start|>assistant\nWhy?<|endoftext|>"),
     (REWRITING_STYLE, "Why?", "user: Hi\nassistant: Hello\nuser: Tell me a joke\nassistant:Why?<|im_end|>"),
 ])
 def test_a_reply_is_written_as_the_chat_template_writes_it_after_the_prompt(template, chosen, sft_text):
     """A template that decorates replies (Llama-2's spaces) trains on its decorated reply; one whose turns end in
-    another token than the EOS keeps it before the EOS the tokenisation appends; one that renders the conversation
-    otherwise than prompt + reply (it rewrites the last turn) takes the reply as it is."""
+    another special token than the EOS (Gemma's <end_of_turn>) ends the answer at that token, with neither what it
+    writes after it nor an EOS: the model then learns to end its turn as it is served, where step 3's generation
+    stops, and step 2 scores the sequence at that token (step 1 trained on "Why?<|endoftext|>\n<|im_end|>": an EOS
+    that a model served as its template ends its turn never reaches); one that renders the conversation otherwise
+    than prompt + reply (it rewrites the last turn) takes the reply as it is."""
     tokenizer = make_tokenizer(chat_template=False, with_pad=True)
     tokenizer.chat_template = template
     formatter = PromptFormatter(tokenizer, "chat_template")

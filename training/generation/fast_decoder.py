@@ -6,7 +6,8 @@
 Either cache is allocated at the first prefill and reused by every later call that fits (batch and
 length), so a rollout of several batches allocates it once; a call that does not fit allocates one that covers it
 and every earlier call (the larger row count and length of the two), so the cache only grows. Rows whose sequence
-has emitted EOS leave the running batch: their cache rows are compacted in place (the remaining rows are copied to the
+has emitted a stop token (`GenerationConfig.stop_token_ids`: the EOS, or a chat template's end-of-turn token) leave
+the running batch: their cache rows are compacted in place (the remaining rows are copied to the
 front of the same buffers), so later steps compute only live rows.
 
 K continuations per prompt (`GenerationConfig.num_return_sequences`) share one prefill: the cache is
@@ -387,6 +388,7 @@ class KVCacheDecoder:
         next_position = positions[:, -1:] + 1
 
         choose = TokenChoice.of(config, self.sync_tokens)
+        stops = torch.tensor(config.stop_token_ids, dtype=input_ids.dtype, device=self.device)
         generator = sampling_generator(config, self.device)
         tokens, token_logprobs = choose(logits, choose.uniforms(batch, self.device, generator))
         answers = torch.full((batch, new_tokens), config.pad_token_id, dtype=input_ids.dtype, device=self.device)
@@ -400,7 +402,7 @@ class KVCacheDecoder:
             answers[rows, step] = torch.where(alive, tokens, config.pad_token_id)
             logprobs[rows, step] = torch.where(alive, token_logprobs, 0.0)
             running = alive.clone() if on_finished is not None else alive
-            alive &= tokens != config.eos_token_id
+            alive &= ~torch.isin(tokens, stops)
             were_live, live = live, int(alive.sum())
             done = step == new_tokens - 1 or live == 0
             if self.sync_done is not None:

@@ -10,7 +10,9 @@ Conventions shared by every backend:
   (`GenerationConfig.logprob_temperature`: 1 for greedy decoding): the log-probability under the
   distribution that drew it, which a train-mode forward computes as `answer_logprobs(..., temperature=T)`.
   Top-k and top-p truncation are not reflected in it (the RLHF trainer refuses them for that reason);
-- answers are right-padded with `pad_token_id` after their EOS; N is the longest answer in the batch;
+- an answer ends at its first stop token (`GenerationConfig.eos_token_id`: the EOS, and for a chat template whose
+  turns end in another special token, that token: `PromptFormatter.stop_token_ids`), which it includes, or at
+  `max_new_tokens`; answers are right-padded with `pad_token_id` after it; N is the longest answer in the batch;
 - with `num_return_sequences` K > 1 (group sampling), every output tensor has B*K rows, prompt-major:
   row i*K + j is the j-th continuation of prompt i, and its prompt part equals prompt i as given
   (padding included). K = 1 is the plain one-answer-per-prompt layout.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 from transformers import GenerationConfig as TransformersGenerationConfig
@@ -43,10 +45,12 @@ class SamplingSettings:
 
 @dataclass(kw_only=True)
 class GenerationConfig(SamplingSettings):
-    """One call of this project's generators: the sampling settings plus length, special tokens and seed."""
+    """One call of this project's generators: the sampling settings plus length, special tokens and seed.
+
+    `eos_token_id` is the token, or the tokens, that end an answer (as transformers' `generate` takes it)."""
 
     max_new_tokens: int
-    eos_token_id: int
+    eos_token_id: int | Sequence[int]
     pad_token_id: int
     do_sample: bool = True
     seed: int | None = None
@@ -61,6 +65,11 @@ class GenerationConfig(SamplingSettings):
             raise ValueError("temperature must be positive when sampling (use do_sample=False for greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must lie in (0, 1]")
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end an answer (`eos_token_id`, one or several)."""
+        return stop_token_tuple(self.eos_token_id)
 
     @property
     def logprob_temperature(self) -> float:
@@ -111,7 +120,7 @@ class GenerationOutput:
     attention_mask: torch.Tensor  # [B, P+N] prompt mask + answer_mask
     logprobs: torch.Tensor  # [B, N] fp32 log-prob of each generated token at the sampling temperature, 0 where padded
     prompt_length: int  # P
-    answer_mask: torch.Tensor  # [B, N] 1 for generated tokens including the EOS
+    answer_mask: torch.Tensor  # [B, N] 1 for generated tokens including the stop token that ended the answer
 
     @property
     def answers(self) -> torch.Tensor:
@@ -119,9 +128,9 @@ class GenerationOutput:
 
 
 FinishedRowsHook = Callable[[torch.Tensor, GenerationOutput], None]
-"""Called by a streaming generator with rows the moment they end (EOS, or the length limit): their row indices in
-the call's output layout (B*K rows) and those rows alone as a `GenerationOutput`, trimmed to their longest answer
-(`on_finished` of `HybridEngine.generate`)."""
+"""Called by a streaming generator with rows the moment they end (a stop token, or the length limit): their row
+indices in the call's output layout (B*K rows) and those rows alone as a `GenerationOutput`, trimmed to their longest
+answer (`on_finished` of `HybridEngine.generate`)."""
 
 
 class Generator(Protocol):
@@ -224,7 +233,8 @@ def assemble_output(
     answer_mask: torch.Tensor,
     pad_token_id: int,
 ) -> GenerationOutput:
-    """Trim answer columns no sequence uses, pad after EOS, zero padded log-probs, and join prompt + answer."""
+    """Trim answer columns no sequence uses, pad after each answer's end, zero padded log-probs, and join prompt +
+    answer."""
     used = int(answer_mask.sum(-1).max().item()) if answer_mask.numel() else 0
     used = max(used, 1) if answers.shape[1] else 0
     answers, logprobs, answer_mask = answers[:, :used], logprobs[:, :used].float(), answer_mask[:, :used].long()
@@ -239,11 +249,18 @@ def assemble_output(
     )
 
 
-def answer_mask_from_tokens(answers: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 up to and including each row's first EOS, 0 after it: [B, N] -> [B, N] long."""
-    is_eos = (answers == eos_token_id).long()
-    eos_before = is_eos.cumsum(-1) - is_eos
-    return (eos_before == 0).long()
+def stop_token_tuple(eos_token_id: int | Sequence[int]) -> tuple[int, ...]:
+    """One stop token or several (`GenerationConfig.eos_token_id`) as a tuple."""
+    return tuple(eos_token_id) if isinstance(eos_token_id, Sequence) else (int(eos_token_id),)
+
+
+def answer_mask_from_tokens(answers: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
+    """1 up to and including each row's first stop token (`eos_token_id`: one or several), 0 after it:
+    [B, N] -> [B, N] long."""
+    stops = torch.tensor(stop_token_tuple(eos_token_id), dtype=answers.dtype, device=answers.device)
+    is_stop = torch.isin(answers, stops).long()
+    stop_before = is_stop.cumsum(-1) - is_stop
+    return (stop_before == 0).long()
 
 
 @contextlib.contextmanager

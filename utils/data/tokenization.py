@@ -2,7 +2,10 @@
 
 - sft (phase 1): prompt + reply + EOS; labels are -100 on the prompt unless whole-sequence loss.
   Too long: the reply is truncated (the prompt kept); a prompt that alone fills `max_seq_len` is dropped.
-- pairs (phase 2): prompt + chosen + EOS and prompt + rejected + EOS, each cut to `max_seq_len`,
+  Under a chat template whose turns end in another special token than the EOS (Gemma's <end_of_turn>) the reply's
+  text ends in that token and no EOS follows it (`PromptFormatter.answer_suffix_ids`): the answer ends where the
+  model's turn does, at one of the tokens step 3 stops generating at (`PromptFormatter.stop_token_ids`).
+- pairs (phase 2): prompt + chosen + EOS and prompt + rejected + EOS (ending as sft does), each cut to `max_seq_len`,
   with the shared prompt's length (`prompt_length`, one element: where the answers start, what DPO
   needs); pairs whose two sides are identical after the cut (nothing to compare) are dropped.
 - prompts (phase 3): the prompt alone; over `max_prompt_seq_len` it is dropped, or left-truncated
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Sequence
 
 from tqdm.auto import tqdm
 
@@ -91,18 +95,19 @@ def _pair_item(prompt: list[int], chosen: list[int], rejected: list[int], limits
     return {"chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids, "prompt_length": [len(prompt)]}
 
 
-def sft_sequence(prompt: list[int], joint: list[int], eos: int, limits: TokenLimits) -> dict | str:
-    """The sft item of a prompt (tokenised alone) and prompt + reply (tokenised as one text), or why it is dropped."""
+def sft_sequence(prompt: list[int], joint: list[int], suffix: Sequence[int], limits: TokenLimits) -> dict | str:
+    """The sft item of a prompt (tokenised alone) and prompt + reply (tokenised as one text), then `suffix` (the
+    formatter's `answer_suffix_ids`), or why it is dropped."""
     start = answer_start(prompt, joint)
-    return _sft_item(joint[:start], joint[start:] + [eos], limits)
+    return _sft_item(joint[:start], joint[start:] + list(suffix), limits)
 
 
-def pair_sequences(prompt: list[int], chosen: list[int], rejected: list[int], eos: int,
+def pair_sequences(prompt: list[int], chosen: list[int], rejected: list[int], suffix: Sequence[int],
                    limits: TokenLimits) -> dict | str:
     """The pairs item of a prompt (tokenised alone) and prompt + chosen, prompt + rejected (each tokenised as one
-    text), or why it is dropped."""
+    text), each then `suffix` (the formatter's `answer_suffix_ids`), or why it is dropped."""
     start = answer_start(prompt, chosen, rejected)
-    return _pair_item(chosen[:start], chosen[start:] + [eos], rejected[start:] + [eos], limits)
+    return _pair_item(chosen[:start], chosen[start:] + list(suffix), rejected[start:] + list(suffix), limits)
 
 
 def _prompt_item(prompt: list[int], bos: int | None, limits: TokenLimits, counts: Counter) -> dict | str:
@@ -122,8 +127,7 @@ def tokenize_samples(
     samples: list[Sample], kind: str, formatter: PromptFormatter, tokenizer, limits: TokenLimits
 ) -> TokenizedDataset:
     """Items for `kind` from `samples` (order kept); `stats` counts items and drops per reason."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
+    if tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no EOS token; set eos_token in its tokenizer_config.json")
     counts: Counter = Counter()
     rows, row_metadata = [], []
@@ -136,7 +140,7 @@ def tokenize_samples(
         row_metadata.append(dict(sample.metadata or {}))
     keep_metadata = kind == KIND_PROMPTS and any(sample.metadata is not None for sample in samples)
     metadata: list[dict] = []
-    special = formatter.adds_special_tokens
+    special, suffix = formatter.adds_special_tokens, formatter.answer_suffix_ids
     prompts = _token_ids(tokenizer, [row["prompt"] for row in rows], special)
     chosen = _token_ids(tokenizer, [row["prompt"] + row["chosen"] for row in rows], special) \
         if kind != KIND_PROMPTS else []
@@ -145,9 +149,9 @@ def tokenize_samples(
     columns: dict[str, list] = {}
     for index, prompt in enumerate(prompts):
         if kind == KIND_SFT:
-            item = sft_sequence(prompt, chosen[index], eos, limits)
+            item = sft_sequence(prompt, chosen[index], suffix, limits)
         elif kind == KIND_PAIRS:
-            item = pair_sequences(prompt, chosen[index], rejected[index], eos, limits)
+            item = pair_sequences(prompt, chosen[index], rejected[index], suffix, limits)
         else:
             item = _prompt_item(prompt, tokenizer.bos_token_id, limits, counts)
         if isinstance(item, str):
