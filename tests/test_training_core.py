@@ -268,6 +268,22 @@ def test_a_step_run_folder_resolves_to_its_final_model(tiny_model_dir, tmp_path)
     assert load_tokenizer(str(run_dir)).pad_token_id is not None
 
 
+def test_loading_keeps_the_generation_configs_other_stop_ids_after_the_tokenizers_eos(tiny_model_dir):
+    """Loading set the generation config's eos_token_id to the tokenizer's EOS alone: a Gemma model, whose list
+    [<eos>, <end_of_turn>] it replaced, was saved to be served without its end-of-turn stop, and training now ends
+    its answers at that token."""
+    import json
+    from pathlib import Path
+
+    model_dir = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(model_dir)
+    eos, end_of_turn = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config_file = Path(model_dir) / "generation_config.json"
+    for listed, expected in (([end_of_turn, eos], [eos, end_of_turn]), (eos, eos), (None, eos)):
+        config_file.write_text(json.dumps({"eos_token_id": listed}))
+        assert load_causal_lm(model_dir, tokenizer).generation_config.eos_token_id == expected, listed
+
+
 def test_a_train_py_folder_stopped_before_step3_resolves_to_its_step1_model(tiny_model_dir, tmp_path, caplog):
     """`chatbot.py --path runs/default` after `train.py --step 1` said the folder held no model."""
     from training.core.model_loading import FINAL_MODEL_SUBDIR, resolve_trained_model

@@ -160,7 +160,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
 
 def _stop_appending_eos(tokenizer: PreTrainedTokenizerBase, name_or_path: str) -> None:
     """A tokenizer that appends its EOS to every text it encodes (Llama's `add_eos_token`) would end every prompt
-    in EOS and every answer in two, since this project adds the EOS after each answer itself: the appending is
+    in EOS and every answer in two, since this project ends each answer itself (with the EOS, or the chat template's
+    end-of-turn token where that is another: `PromptFormatter.stop_token_ids`): the appending is
     turned off where the tokenizer's own switch does exactly that (the encoding otherwise unchanged), and refused
     where it does not."""
     probe = "Hello world"
@@ -220,14 +221,22 @@ def zero3_construction(ds_config: dict | None) -> Iterator[None]:
 
 
 def match_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Grow the embeddings to the tokenizer (a pad token may have been added) and record its pad/EOS ids."""
+    """Grow the embeddings to the tokenizer (a pad token may have been added) and record its pad/EOS ids. The
+    generation config keeps the other stop ids it lists after the tokenizer's EOS (Gemma's <end_of_turn>, Phi-3's
+    <|end|>): a model whose turns end at such a token, as training teaches it, stops there wherever it is served."""
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.eos_token_id = _stop_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id)
+
+
+def _stop_ids(eos: int, listed: int | list[int] | None) -> int | list[int]:
+    """`eos`, then the other ids `listed` (one id, a list, or None); a lone id stays an int."""
+    others = [token for token in ([listed] if isinstance(listed, int) else listed or []) if token != eos]
+    return [eos, *others] if others else eos
 
 
 def load_causal_lm(
