@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
 import torch
@@ -41,10 +40,7 @@ EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
-    """The model folder to chat with (`resolve_trained_model`); a file (a model's config.json, its weights) and a
-    reward model are refused."""
-    if Path(path).is_file():
-        raise UserError(f"{path} is a file; pass the folder that holds the model ({Path(path).parent}) or a run folder")
+    """The model folder to chat with (`resolve_trained_model`, which refuses a file); a reward model is refused."""
     resolved = resolve_trained_model(path, ema)
     if is_reward_model_dir(resolved):
         raise UserError(f"{path} is a reward model (step 2), which scores text but cannot chat; pass a step-1 or step-3 model")
