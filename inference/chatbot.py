@@ -43,7 +43,8 @@ def resolve_chat_model(path: str, ema: bool = False) -> str:
     """The model folder to chat with (`resolve_trained_model`, which refuses a file); a reward model is refused."""
     resolved = resolve_trained_model(path, ema)
     if is_reward_model_dir(resolved):
-        raise UserError(f"{path} is a reward model (step 2), which scores text but cannot chat; pass a step-1 or step-3 model")
+        raise UserError(f"{path} is a reward model or critic (step 2's model, step 3's critic/), which scores text but "
+                        "cannot chat; pass a step-1 model or a step-3 actor")
     return resolved
 
 

@@ -193,7 +193,7 @@ def test_a_reward_model_given_where_a_causal_lm_trains_is_refused(distributed, s
     reward = setup.tmp / "reward"
     shutil.copytree(setup.model, reward / "model")
     (reward / "model" / "reward_model.json").write_text(json.dumps({"format": "rlhf-reward-model"}))
-    message = "is a reward model (step 2: a backbone and a value head); it has no language-model head"
+    message = "is a reward model or critic (a backbone and a value head: step 2's model, step 3's critic/); it has no"
     for main in (step1_main, dpo_main):
         assert_refused_and_untouched(main, step_args(setup, model_name_or_path=str(reward)), message, setup.run,
                                      capsys)

@@ -108,7 +108,7 @@ def test_a_reward_model_is_refused(tmp_path, tiny_model_dir):
     (tmp_path / "step2").mkdir()
     os.replace(model, tmp_path / "step2" / "model")
     (tmp_path / "step2" / "model" / "reward_model.json").write_text(json.dumps({"format": "rlhf-reward-model"}))
-    with pytest.raises(UserError, match="reward model"):
+    with pytest.raises(UserError, match=r"reward model or critic \(step 2's model, step 3's critic/\)"):
         resolve_chat_model(str(tmp_path / "step2"))
 
 

@@ -61,8 +61,9 @@ def refuse_reward_model(name_or_path: str, flag: str | None = None) -> None:
     drawn LM head, and train or answer with it."""
     if is_reward_model_dir(name_or_path):
         given = f"{flag} {name_or_path}" if flag else name_or_path
-        raise UserError(f"{given} is a reward model (step 2: a backbone and a value head); it has no language-model "
-                        "head to train or answer with: pass a causal LM (a step-1 or step-3 run folder, a base model)")
+        raise UserError(f"{given} is a reward model or critic (a backbone and a value head: step 2's model, step 3's "
+                        "critic/); it has no language-model head to train or answer with: pass a causal LM (a step-1 "
+                        "or step-3 run folder, a base model)")
 
 
 def backbone_output_size(config) -> int:
