@@ -145,8 +145,23 @@ def test_prompts_drop_or_left_truncate_overlong(chat_tok):
     kept = tokenize_samples([short, long], KIND_PROMPTS, formatter, chat_tok, TokenLimits(64, limit, "left_truncate"))
     assert kept.stats == {"items": 2, "left_truncated": 1}
     full = _ids(chat_tok, formatter.prompt(long.turns))
-    assert full[0] == chat_tok.bos_token_id  # the template writes it first
-    assert kept[1]["input_ids"].tolist() == full[:1] + full[-(limit - 1):]
+    assert full[0] == chat_tok.bos_token_id and full.count(chat_tok.bos_token_id) > 1  # it opens every turn
+    assert kept[1]["input_ids"].tolist() == full[-limit:]
+
+
+def test_a_left_truncated_prompt_keeps_the_bos_that_begins_it():
+    """Llama-3's template writes <|begin_of_text|> once, first; Llama-2's tokenizer prepends <s>."""
+    from tiny_models import CHAT_TEMPLATE
+
+    tokenizer = make_tokenizer(chat_template=False, with_pad=True)
+    tokenizer.bos_token = "<|endoftext|>"
+    tokenizer.chat_template = "<|endoftext|>" + CHAT_TEMPLATE
+    formatter = PromptFormatter(tokenizer)
+    long = Sample(TURNS + ({"role": "assistant", "content": "fox " * 30}, {"role": "user", "content": "End now"}))
+    full = _ids(tokenizer, formatter.prompt(long.turns))
+    assert full.count(tokenizer.bos_token_id) == 1 and full[0] == tokenizer.bos_token_id
+    kept = tokenize_samples([long], KIND_PROMPTS, formatter, tokenizer, TokenLimits(64, 10, "left_truncate"))
+    assert kept[0]["input_ids"].tolist() == full[:1] + full[-9:]
 
 
 def test_a_left_truncated_prompt_keeps_only_its_latest_tokens_when_it_has_no_bos(plain_tok):

@@ -9,7 +9,7 @@
   with the shared prompt's length (`prompt_length`, one element: where the answers start, what DPO
   needs); pairs whose two sides are identical after the cut (nothing to compare) are dropped.
 - prompts (phase 3): the prompt alone; over `max_prompt_seq_len` it is dropped, or left-truncated
-  (its most recent tokens kept, after its BOS token if it began with one) with
+  (its most recent tokens kept, after its BOS token if it began with its only one) with
   `prompt_overflow="left_truncate"`. When any sample has metadata, every item keeps its sample's (or {}).
 Prompt and reply are tokenised as one text, as the model reads it: a SentencePiece tokenizer that prepends a
 word boundary to every text it is given (Llama-2's, Mistral's) would otherwise begin each reply with a stray
@@ -111,14 +111,15 @@ def pair_sequences(prompt: list[int], chosen: list[int], rejected: list[int], su
 
 
 def _prompt_item(prompt: list[int], bos: int | None, limits: TokenLimits, counts: Counter) -> dict | str:
-    """The prompts item, left-truncated or dropped when too long. A truncated prompt that began with the BOS token
+    """The prompts item, left-truncated or dropped when too long. A truncated prompt that begins with the BOS token
     keeps it in front of its most recent tokens: a model trained with BOS first (Llama's, Mistral's) reads a text
-    without it off its training distribution."""
+    without it off its training distribution. Not where that token recurs in the prompt: a template that opens every
+    turn with the token its tokenizer names BOS (SmolLM2's <|im_start|>) would put a turn marker before a fragment."""
     if len(prompt) > limits.max_prompt_seq_len:
         if limits.prompt_overflow == "drop":
             return "prompt_too_long"
         counts["left_truncated"] += 1
-        keep_bos = bos is not None and prompt[0] == bos and limits.max_prompt_seq_len > 1
+        keep_bos = bos is not None and prompt[0] == bos and prompt.count(bos) == 1 and limits.max_prompt_seq_len > 1
         prompt = prompt[:keep_bos] + prompt[len(prompt) - limits.max_prompt_seq_len + keep_bos:]
     return {"input_ids": prompt}
 
