@@ -43,6 +43,25 @@ def test_deepspeed_chat_multi_turn_prompt_keeps_turns(tmp_path):
     assert (third.chosen, third.rejected) == (None, None)
 
 
+def test_an_unpaired_preference_rows_undesirable_completion_is_no_reply_to_learn(tmp_path):
+    """TRL's unpaired preference rows (KTO's: prompt, completion, label) trained step 1 on completions labelled
+    false once `completion` was read as the reply; their prompts still serve step 3."""
+    text = write_jsonl(tmp_path / "kto.jsonl", [
+        {"prompt": "Colour of the sky?", "completion": "Blue.", "label": True},
+        {"prompt": "Colour of grass?", "completion": "Purple.", "label": False},
+    ])
+    chat = write_jsonl(tmp_path / "kto_chat.jsonl", [
+        {"prompt": [{"role": "user", "content": "Colour of the sky?"}],
+         "completion": [{"role": "assistant", "content": "Blue."}], "label": True},
+        {"prompt": [{"role": "user", "content": "Colour of grass?"}],
+         "completion": [{"role": "assistant", "content": "Purple."}], "label": False},
+    ])
+    for path in (text, chat):
+        good, bad = samples_of(path)
+        assert (good.chosen, bad.chosen) == ("Blue.", None), path
+        assert bad.turns == ({"role": "user", "content": "Colour of grass?"},)
+
+
 @pytest.mark.parametrize("column", ["response", "completion"])
 def test_a_response_or_completion_column_is_the_chosen_reply(tmp_path, column):
     """DeepSpeed-Chat's `response`, and TRL's standard prompt-completion layout."""

@@ -3,7 +3,8 @@
 Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the columns and their values' types):
 - `deepspeed_chat`: `prompt` [+ `chosen`, `response` or `completion`] [+ `rejected`] (Dahoas/rm-static,
   Dahoas/full-hh-rlhf, Dahoas/synthetic-instruct-gptj-pairwise; TRL's standard prompt-only, prompt-completion and
-  explicit-prompt preference rows); a prompt holding
+  explicit-prompt preference rows, and its unpaired preference rows, whose completion labelled false is no reply to
+  learn, its prompt kept); a prompt holding
   "Human:/Assistant:" markers is parsed into turns; a blank reply is "", as in `hh_rlhf`.
 - `hh_rlhf`: `chosen`/`rejected` full transcripts (Anthropic/hh-rlhf); split at the last
   Assistant turn, the shared prompt is everything before it. An empty last Assistant turn is
@@ -19,7 +20,8 @@ Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the col
   user turn and is not read). Each side's reply is its last assistant message (an empty one is "", as in `hh_rlhf`),
   the turns before it the context, which must be the same on both sides.
 - `chat_prompt`: a `prompt` message list [+ a `completion` message list ending on the assistant's reply] (TRL's
-  conversational prompt-only and prompt-completion); a prompt alone is read as a `messages` conversation.
+  conversational prompt-only and prompt-completion; in its unpaired preference rows a completion labelled false is
+  no reply to learn); a prompt alone is read as a `messages` conversation.
 
 `with_row_metadata` wraps any of them so a row's dict column `metadata` (e.g. {"answer": "42"})
 reaches its samples.
@@ -42,7 +44,17 @@ _REPLY_KEYS = ("chosen", "response", "completion")  # the preferred (or only) re
 def parse_deepspeed_chat(record: Any, group: int) -> list[Sample]:
     turns = parse_transcript(text_field(record, "prompt"))
     chosen_key = next((key for key in _REPLY_KEYS if record.get(key) is not None), "chosen")
-    return [Sample(tuple(turns), _reply_field(record, chosen_key), _reply_field(record, "rejected"), group)]
+    chosen = _reply_field(record, chosen_key)
+    if chosen_key == "completion":
+        chosen = _desirable(record, chosen)
+    return [Sample(tuple(turns), chosen, _reply_field(record, "rejected"), group)]
+
+
+def _desirable(record: dict, completion: str | None) -> str | None:
+    """A completion as the reply to learn, or None where the row's `label` marks it undesirable (TRL's unpaired
+    preference rows, as KTO trains on: false labels the answer one not to give); the row's prompt stays usable."""
+    label = record.get("label")
+    return None if isinstance(label, (bool, int)) and not label else completion
 
 
 def _reply_field(record: dict, key: str) -> str | None:
@@ -116,6 +128,7 @@ def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
         context, reply = split_last_reply(parse_messages(prompt, "role", "content"))
     else:
         context, reply = _chat_reply(record, prompt, "completion")
+        reply = _desirable(record, reply)
     return [Sample(tuple(context), reply, None, group)]
 
 
