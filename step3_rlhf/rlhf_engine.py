@@ -30,6 +30,7 @@ from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_
 from training.core.reward_model import RewardModel
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
+from utils.data import PromptFormatter
 from utils.dist import current_device
 from utils.errors import UserError
 
@@ -128,8 +129,10 @@ def build_rlhf_engine(
     if holds("actor"):
         actor_settings = settings_for("actor", args.actor, num_actor_steps)
         with model_random_stream(seed):
+            stop_token_ids = PromptFormatter(tokenizer, args.data.prompt_format).stop_token_ids  # saved with it
             actor_model = load_causal_lm(actor_path, tokenizer, dtype=dtype, ds_config=actor_settings.ds_config(),
-                                         disable_dropout_layers=True, trust_remote_code=trust_remote_code)
+                                         disable_dropout_layers=True, trust_remote_code=trust_remote_code,
+                                         stop_token_ids=stop_token_ids)
             actor_model = apply_model_options(actor_model, args.actor, flag_prefix="actor_")
             actor = bind("actor", create_train_engine(actor_model, actor_settings, unit("actor")))
 

@@ -271,6 +271,25 @@ def test_an_answer_that_ends_its_turn_is_finished_for_the_no_eos_penalty_and_rem
 
 @pytest.mark.parametrize("flags, stops", [([], ["<eos>", "<end_of_turn>"]),
                                           (["--prompt_format", "human_assistant"], ["<eos>"])])
+def test_a_tuned_model_is_saved_to_stop_where_training_ends_its_turn(tmp_path, flags, stops):
+    """Step 1 ends a base Gemma's answers at <end_of_turn> (its generation config lists only <eos>): the model it
+    saves must stop there when served by plain `generate`, vLLM or a pipeline, which read that config."""
+    from step1_sft.main import parse_args
+    from training.core.save import save_hf_model
+    from training.loops.supervised_step import build_causal_lm
+
+    tokenizer = turn_end_tokenizer(GEMMA)
+    scripted_llama(tokenizer, {}).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    args = parse_args(["--model_name_or_path", str(tmp_path / "base"), "--output_dir", str(tmp_path / "run"), *flags])
+    model = build_causal_lm(args, tokenizer, None, torch.float32)
+    save_hf_model(model, tokenizer, tmp_path / "tuned")
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "tuned").generation_config.eos_token_id
+    assert ([saved] if isinstance(saved, int) else saved) == tokenizer.convert_tokens_to_ids(stops)
+
+
+@pytest.mark.parametrize("flags, stops", [([], ["<eos>", "<end_of_turn>"]),
+                                          (["--prompt_format", "human_assistant"], ["<eos>"])])
 def test_step_3_stops_where_the_actors_turn_ends_under_the_datas_prompt_format(flags, stops):
     """The actor was tuned on --prompt_format's rows: under the chat template its turn ends at <end_of_turn>, under
     ' Human: ... Assistant:' at the EOS alone."""

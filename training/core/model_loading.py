@@ -6,7 +6,7 @@ import os
 import pickle
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import (
@@ -220,23 +220,26 @@ def zero3_construction(ds_config: dict | None) -> Iterator[None]:
     del keep_alive
 
 
-def match_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+def match_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    stop_token_ids: Sequence[int] = ()) -> None:
     """Grow the embeddings to the tokenizer (a pad token may have been added) and record its pad/EOS ids. The
-    generation config keeps the other stop ids it lists after the tokenizer's EOS (Gemma's <end_of_turn>, Phi-3's
-    <|end|>): a model whose turns end at such a token, as training teaches it, stops there wherever it is served."""
+    generation config lists, after the tokenizer's EOS, the other stop ids it listed (Gemma's <end_of_turn>, Phi-3's
+    <|end|>) and `stop_token_ids` (those training ends answers at: `PromptFormatter.stop_token_ids`), so a model
+    whose turns end at such a token, as training teaches it, stops there wherever it is served."""
     if len(tokenizer) > model.config.vocab_size:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = _stop_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id)
+        model.generation_config.eos_token_id = _stop_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id,
+                                                         stop_token_ids)
 
 
-def _stop_ids(eos: int, listed: int | list[int] | None) -> int | list[int]:
-    """`eos`, then the other ids `listed` (one id, a list, or None); a lone id stays an int."""
-    others = [token for token in ([listed] if isinstance(listed, int) else listed or []) if token != eos]
-    return [eos, *others] if others else eos
+def _stop_ids(eos: int, listed: int | list[int] | None, added: Sequence[int]) -> int | list[int]:
+    """`eos`, then the other ids `listed` (one id, a list, or None) and `added`, each once; a lone id stays an int."""
+    ids = dict.fromkeys([eos, *([listed] if isinstance(listed, int) else listed or []), *added])
+    return list(ids) if len(ids) > 1 else eos
 
 
 def load_causal_lm(
@@ -246,11 +249,13 @@ def load_causal_lm(
     ds_config: dict | None = None,
     disable_dropout_layers: bool = False,
     trust_remote_code: bool = False,
+    stop_token_ids: Sequence[int] = (),
     **from_pretrained_kwargs: Any,
 ) -> PreTrainedModel:
     """Load a causal LM, ZeRO-3 aware, with embeddings matching the tokenizer and EOS/pad ids set (grown inside the
     ZeRO-3 context: outside it transformers takes the partitioned embedding for a whole, empty one). A step-2 reward
-    model is refused: its folder loads as a causal LM with a freshly drawn LM head, and would train or answer with it."""
+    model is refused: its folder loads as a causal LM with a freshly drawn LM head, and would train or answer with it.
+    `stop_token_ids` join its generation config's stop ids (`match_tokenizer`)."""
     from training.core.reward_model import refuse_reward_model  # it builds on this module
 
     refuse_reward_model(name_or_path)
@@ -264,7 +269,7 @@ def load_causal_lm(
             ),
         )
         if tokenizer is not None:
-            match_tokenizer(model, tokenizer)
+            match_tokenizer(model, tokenizer, stop_token_ids)
     if disable_dropout_layers:
         disable_dropout(model)
     return model

@@ -57,7 +57,7 @@ from training.reliability.validation import (
     check_sequence_lengths,
     estimate_output_bytes,
 )
-from utils.data import DataArguments, write_split_record
+from utils.data import DataArguments, PromptFormatter, write_split_record
 from utils.dist import init_distributed
 from utils.log import setup_logging
 
@@ -107,7 +107,8 @@ def build_causal_lm(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase
     dropout off with `--disable_dropout` or `disable_dropout`."""
     return load_causal_lm(args.model.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
                           disable_dropout_layers=args.model.disable_dropout or disable_dropout,
-                          trust_remote_code=args.run.trust_remote_code)
+                          trust_remote_code=args.run.trust_remote_code,
+                          stop_token_ids=PromptFormatter(tokenizer, args.data.prompt_format).stop_token_ids)
 
 
 @dataclass

@@ -68,9 +68,9 @@ class PromptFormatter:
         """The special token the chat template writes right after a reply where that is not the EOS (Gemma's
         <end_of_turn>); None without one (ChatML's <|im_end|> is the EOS of SmolLM2-Instruct's and Qwen-Instruct's
         tokenizers) and under `human_assistant`, whose answers end in the EOS. Not the model folder's
-        generation_config.json eos_token_id list: loading overwrites it with the tokenizer's EOS (`match_tokenizer`),
-        so a tuned model's folder would no longer hold it, and the data, built from a tokenizer alone, could not end
-        its answers where such a token stops generation."""
+        generation_config.json eos_token_id list: the data, built from a tokenizer alone, could not end its answers
+        where such a token stops generation. The other way round, the steps add `stop_token_ids` to the generation
+        config of the model they tune (`match_tokenizer`), so it stops at them wherever it is served."""
         if self.style != "chat_template":
             return None
         try:
