@@ -8,7 +8,7 @@ weights. `offload=True` keeps the EMA in CPU memory instead of on the accelerato
 Create the EMA after `deepspeed.initialize` (ZeRO-3 converts LoRA adapters and other late-added
 parameters there) and call `update(engine)` after every actor optimizer step.
 
-Resume: no rank gathers or loads the whole EMA. `state_dict()` holds the small fields and the layout of the
+Resume: no rank writes or reads another's share, and a save gathers nothing. `state_dict()` holds the small fields and the layout of the
 shares (the same on every rank); `local_state_dict()` is this rank's share of the weights, which each rank saves
 on its own: its ZeRO-3 partition, or under ZeRO 0-2, where every rank of the model's data-parallel group holds
 the same copy, a balanced 1/N slice of every flattened parameter (the group writes one copy between them, and a
@@ -25,7 +25,7 @@ import torch
 
 from training.core.save import save_hf_model, unwrap
 from training.core.zero import full_shape, is_zero3_param
-from utils.dist import get_rank
+from utils.dist import any_rank, get_rank
 from utils.errors import UserError
 
 
@@ -241,24 +241,35 @@ class ModelEMA:
         self.num_updates = int(state["num_updates"])
 
     def _load_shares(self, layout: Mapping[str, Any], local: Mapping[str, torch.Tensor] | None) -> None:
-        """All checks come first (the layout's, from the client state, alike on every rank), so a refused resume
-        raises before any rank enters the all-gather."""
+        """All checks come first, so a refused resume raises on every rank before any enters the all-gather: the
+        layout's (from the client state, alike on every rank), then each rank's own shares, agreed over the group where
+        the slices are gathered."""
         problem = _layout_problem(layout, self._layout())
         if problem is not None:
             raise UserError(f"--resume: {problem}; resume with the checkpointed run's model, LoRA and ZeRO settings, "
                             "or start a new run in another --output_dir")
-        for name in self._shadow:
-            share = (local or {}).get(name)
-            start, end = self._share_bounds(name)
-            if share is None or share.numel() != end - start:
-                raise UserError(f"the checkpoint is damaged: rank {get_rank()}'s share of the actor EMA's {name} is "
-                                f"{'missing' if share is None else 'of another size'}; delete that checkpoint to "
-                                "resume from the one before it")
+        damaged = self._damaged_share(local or {})
+        gathers = self._group_size > 1 and not layout["zero3"]
+        if gathers and any_rank(damaged is not None, self._group) and damaged is None:
+            damaged = "another rank's share of the actor EMA is missing or of another size"
+        if damaged is not None:
+            raise UserError(f"the checkpoint is damaged: {damaged}; delete that checkpoint to resume from the one "
+                            "before it")
         for name, shadow in self._shadow.items():
             if is_zero3_param(self._params[name]) or self._group_size == 1:
                 shadow.view(-1).copy_(local[name])
             else:
                 _gather_slices(local[name], shadow, self._group, self._group_size)
+
+    def _damaged_share(self, local: Mapping[str, torch.Tensor]) -> str | None:
+        """What is wrong with this rank's saved shares (None: each is there, of its size)."""
+        for name in self._shadow:
+            share = local.get(name)
+            start, end = self._share_bounds(name)
+            if share is None or share.numel() != end - start:
+                return (f"rank {get_rank()}'s share of the actor EMA's {name} is "
+                        f"{'missing' if share is None else 'of another size'}")
+        return None
 
     def _load_full(self, full_shadow: Mapping[str, torch.Tensor]) -> None:
         for name, param in self._params.items():
