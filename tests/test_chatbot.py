@@ -8,11 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from tiny_models import make_config, make_tiny_model, make_tokenizer
-from transformers import AutoModelForCausalLM
+from tiny_models import make_scripted_llama, make_tiny_model, make_tokenizer
 
 from inference.chatbot import (
     ChatSession,
@@ -36,26 +34,9 @@ def session(prompt_format="auto", chat_template=True, options=GREEDY, tokenizer=
 
 
 def scripted_session(tokenizer, successors: dict[str, str]) -> ChatSession:
-    """A chat with a one-layer Llama that answers by rule: after the token `t` it writes `successors[t]` (greedy),
-    after any other token the pad. Its layer's outputs are zero, so the final norm sees the last token's one-hot
-    embedding, which the head maps to the successor's one-hot logits."""
+    """A greedy chat with a one-layer Llama that answers by rule (`make_scripted_llama`)."""
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-    vocab = len(tokenizer)
-    config = make_config("llama", vocab, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id,
-                         hidden_size=-(-vocab // 8) * 8, intermediate_size=8, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1)
-    model = AutoModelForCausalLM.from_config(config)
-    ids = tokenizer.convert_tokens_to_ids
-    next_token = torch.full((vocab,), tokenizer.pad_token_id)
-    for token, successor in successors.items():
-        next_token[ids(token)] = ids(successor)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.zero_()
-        model.model.norm.weight.fill_(1.0)
-        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
-        model.lm_head.weight[next_token, torch.arange(vocab)] = 1.0
-    return ChatSession(model.eval(), tokenizer, GREEDY)
+    return ChatSession(make_scripted_llama(tokenizer, successors), tokenizer, GREEDY)
 
 
 def test_run_folders_resolve_to_the_model_to_chat_with(tmp_path, tiny_model_dir):

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import make_tokenizer
+from tiny_models import make_scripted_llama, make_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from step2_reward.rw_eval import RewardScorer as RewardEvalScorer
 from step3_rlhf.ppo_trainer import Answers, PPOConfig, PPOTrainer, Rollout
@@ -124,29 +124,6 @@ def test_rw_eval_scores_the_sequences_step_2_trained_on(style):
 # (b) generation ----------------------------------------------------------------------------------------------------
 
 
-def scripted_llama(tokenizer, successors: dict[str, str]) -> LlamaForCausalLM:
-    """A one-layer Llama that writes by rule: after the token `t`, `successors[t]` (greedy), after any other token
-    the pad. Its layer's outputs are zero, so the final norm sees the last token's one-hot embedding, which the head
-    maps to the successor's one-hot logits."""
-    vocab = len(tokenizer)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=-(-vocab // 8) * 8, intermediate_size=8, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    model = LlamaForCausalLM(config)
-    ids = tokenizer.convert_tokens_to_ids
-    next_token = torch.full((vocab,), tokenizer.pad_token_id)
-    for token, successor in successors.items():
-        next_token[ids(token)] = ids(successor)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.zero_()
-        model.model.norm.weight.fill_(1.0)
-        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
-        model.lm_head.weight[next_token, torch.arange(vocab)] = 1.0
-    return model.eval()
-
-
 # after its end of turn the model goes on with a made-up next turn, as an instruct model does
 RUN_ON = {"<end_of_turn>": "<start_of_turn>", "<start_of_turn>": "u", "u": "u"}
 # the last prompt token of each row, and the answer the model writes after it, up to where it ends
@@ -166,7 +143,7 @@ def scripted_rows(tokenizer) -> tuple[LlamaForCausalLM, torch.Tensor, torch.Tens
     width = max(len(prompt) for prompt in prompts)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return scripted_llama(tokenizer, successors), input_ids, mask
+    return make_scripted_llama(tokenizer, successors), input_ids, mask
 
 
 @pytest.mark.parametrize("backend", ["hf", "hybrid_fused", "hybrid_transformers_forward"])
@@ -219,7 +196,7 @@ def test_prompt_eval_answers_end_at_the_end_of_turn_token():
     from step1_sft.prompt_eval import GenerationSettings, generate_answers
 
     tokenizer = turn_end_tokenizer(GEMMA)
-    model = scripted_llama(tokenizer, {"Ċ": "H", "H": "<end_of_turn>", **RUN_ON})
+    model = make_scripted_llama(tokenizer, {"Ċ": "H", "H": "<end_of_turn>", **RUN_ON})
     settings = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS)
     assert generate_answers(model, tokenizer, ["hello"], settings) == ["H"]
 
@@ -279,7 +256,7 @@ def test_a_tuned_model_is_saved_to_stop_where_training_ends_its_turn(tmp_path, f
     from training.loops.supervised_step import build_causal_lm
 
     tokenizer = turn_end_tokenizer(GEMMA)
-    scripted_llama(tokenizer, {}).save_pretrained(tmp_path / "base")
+    make_scripted_llama(tokenizer, {}).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     args = parse_args(["--model_name_or_path", str(tmp_path / "base"), "--output_dir", str(tmp_path / "run"), *flags])
     model = build_causal_lm(args, tokenizer, None, torch.float32)

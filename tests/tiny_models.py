@@ -160,3 +160,25 @@ def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int 
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def make_scripted_llama(tokenizer, successors: dict[str, str]):
+    """A one-layer Llama that writes by rule: after the token `t`, `successors[t]` (greedy), after any other token
+    the pad (the tokenizer must have one). Its layer's outputs are zero, so the final norm sees the last token's
+    one-hot embedding, which the head maps to the successor's one-hot logits."""
+    vocab = len(tokenizer)
+    config = make_config("llama", vocab, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id,
+                         hidden_size=-(-vocab // 8) * 8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = tokenizer.convert_tokens_to_ids
+    next_token = torch.full((vocab,), tokenizer.pad_token_id)
+    for token, successor in successors.items():
+        next_token[ids(token)] = ids(successor)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
+        model.lm_head.weight[next_token, torch.arange(vocab)] = 1.0
+    return model.eval()
