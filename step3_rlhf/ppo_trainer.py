@@ -60,6 +60,7 @@ from training.generation.generator import (
     GenerationOutput,
     Generator,
     eval_mode,
+    is_stop_token,
     repeat_per_prompt,
 )
 from training.loops.accumulation import accumulation_weights
@@ -209,9 +210,7 @@ class Answers:
     def ended_with_eos(self, stop_token_ids: Sequence[int]) -> torch.Tensor:
         """[B] bool: whether each answer ended at one of `stop_token_ids` (the EOS, an end-of-turn token) rather
         than being cut off at the length limit."""
-        answers = self.sequences[:, self.prompt_length:]
-        stops = torch.tensor(stop_token_ids, dtype=answers.dtype, device=answers.device)
-        return (torch.isin(answers, stops) & self.action_mask.bool()).any(-1)
+        return (is_stop_token(self.sequences[:, self.prompt_length:], stop_token_ids) & self.action_mask.bool()).any(-1)
 
 
 @dataclass

@@ -254,11 +254,15 @@ def stop_token_tuple(eos_token_id: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(eos_token_id) if isinstance(eos_token_id, Sequence) else (int(eos_token_id),)
 
 
+def is_stop_token(tokens: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
+    """Bool, of `tokens`' shape: where a token is one of the stop tokens (`eos_token_id`: one or several)."""
+    return torch.isin(tokens, torch.tensor(stop_token_tuple(eos_token_id), dtype=tokens.dtype, device=tokens.device))
+
+
 def answer_mask_from_tokens(answers: torch.Tensor, eos_token_id: int | Sequence[int]) -> torch.Tensor:
     """1 up to and including each row's first stop token (`eos_token_id`: one or several), 0 after it:
     [B, N] -> [B, N] long."""
-    stops = torch.tensor(stop_token_tuple(eos_token_id), dtype=answers.dtype, device=answers.device)
-    is_stop = torch.isin(answers, stops).long()
+    is_stop = is_stop_token(answers, eos_token_id).long()
     stop_before = is_stop.cumsum(-1) - is_stop
     return (stop_before == 0).long()
 
