@@ -387,3 +387,26 @@ def test_the_cache_key_follows_the_data_code(tmp_path):
     tokenization = copy / "tokenization.py"
     tokenization.write_text(tokenization.read_text().replace("IGNORE_INDEX = -100", "IGNORE_INDEX = -1"))
     assert cache.source_version(copy) != cache.source_version()
+
+
+def test_inspect_data_counts_tokenised_items_and_names_each_sources_format_and_skipped_rows(tmp_path, tok, capsys):
+    """`inspect_data --tokenizer` (README's command) stopped with 'too many values to unpack' once the build returned
+    the records too; without it the report said neither a source's format nor why its rows were skipped."""
+    from training.pipeline.inspect_data import main
+
+    tok.save_pretrained(tmp_path / "tokenizer")
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 30, "dsc")
+    chat = [[{"role": "user", "content": f"chat question {i}"}, {"role": "assistant", "content": f"chat good {i}"}]
+            for i in range(30)]
+    rows = [{"chosen": turns, "rejected": [turns[0], {"role": "assistant", "content": f"chat bad {i}"}]}
+            for i, turns in enumerate(chat)]
+    rows[0]["rejected"][0] = {"role": "user", "content": "another question"}
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reported = main(["--data_path", pairs, str(tmp_path / "chat.jsonl"), "--data_split", "1,1,1", "--seed", "0",
+                     "--tokenizer", str(tmp_path / "tokenizer"), "--data_output_path", str(tmp_path / "cache")])
+    printed = capsys.readouterr().out
+    assert reported["tokenized"][2] == {"train": 18, "eval": 2} == reported["raw"][2]["pairs"]
+    lines = [line for line in printed.splitlines() if line.startswith("data source")]
+    assert len(lines) == 6 and sum("(format chat_preference)" in line for line in lines) == 3
+    assert sum(line.endswith("skipped: prompt_mismatch=1 (chat.jsonl line 1)") for line in lines) == 1
+    assert "(format deepspeed_chat), step 3 prompts: 10 records -> 9 train / 1 eval samples; skipped: none" in printed

@@ -1,8 +1,9 @@
 """Print how much data each step gets: `python -m training.pipeline.inspect_data --data_path embedded [--tokenizer PATH]`.
 
 For each phase shard (train and eval) it counts the SFT pairs, preference pairs and prompts the
-sources yield. With `--tokenizer` it also builds (or loads from the cache) the phase's tokenised
-datasets and prints how many items survive the length limits.
+sources yield, then, per source and step, its row format and the rows the step skips with why (the steps' own data
+lines). With `--tokenizer` it also builds (or loads from the cache) the phase's tokenised datasets and prints how many
+items survive the length limits.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from training.core.args import SettingsParser
 from training.core.model_loading import load_tokenizer
 from utils.data.args import DataArguments
-from utils.data.phases import phase_splits
+from utils.data.phases import SourceSplit, phase_splits
 from utils.data.samples import KINDS, PHASE_KINDS
 from utils.data.sources import load_source
 from utils.errors import run_cli
@@ -21,21 +22,24 @@ from utils.errors import run_cli
 _KIND_LABELS = {"sft": "SFT pairs", "pairs": "preference pairs", "prompts": "prompts"}
 
 
-def raw_counts(data: DataArguments) -> dict:
-    """{phase: {kind: {"train": n, "eval": n}}} before tokenisation."""
+def shard_splits(data: DataArguments) -> dict[int, dict[str, list[SourceSplit]]]:
+    """{phase: {kind: each source's split}} before tokenisation (every source read once)."""
     load = functools.lru_cache(maxsize=None)(load_source)
-    counts = {}
-    for phase in PHASE_KINDS:
-        counts[phase] = {}
-        for kind in KINDS:
-            splits = phase_splits(
-                phase, data.data_path, data.data_split, data.seed, data.eval_fraction, data.sft_only_data_path, kind=kind, load=load
-            )
-            counts[phase][kind] = {
-                "train": sum(len(s.train) for s in splits),
-                "eval": sum(len(s.eval) for s in splits),
-            }
-    return counts
+    return {phase: {kind: phase_splits(phase, data.data_path, data.data_split, data.seed, data.eval_fraction,
+                                       data.sft_only_data_path, kind=kind, load=load) for kind in KINDS}
+            for phase in PHASE_KINDS}
+
+
+def raw_counts(splits: dict[int, dict[str, list[SourceSplit]]]) -> dict:
+    """{phase: {kind: {"train": n, "eval": n}}} of `shard_splits`."""
+    return {phase: {kind: {"train": sum(len(s.train) for s in by_source), "eval": sum(len(s.eval) for s in by_source)}
+                    for kind, by_source in by_kind.items()} for phase, by_kind in splits.items()}
+
+
+def source_lines(splits: dict[int, dict[str, list[SourceSplit]]]) -> list[str]:
+    """Each source's line for each step, of the kind the step trains on: its format, records and skipped rows."""
+    return [split.summary(phase, PHASE_KINDS[phase]) for phase, by_kind in splits.items()
+            for split in by_kind[PHASE_KINDS[phase]]]
 
 
 def _table(counts: dict, tokenized: dict) -> str:
@@ -69,17 +73,19 @@ def main(argv: list[str] | None = None) -> dict:
     settings = SettingsParser(InspectSettings, description=__doc__.splitlines()[0]).parse_args(argv)
     data = settings.data
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    counts = raw_counts(data)
+    splits = shard_splits(data)
+    counts = raw_counts(splits)
     tokenized = {}
     if settings.counting.tokenizer:
         tokenizer = load_tokenizer(settings.counting.tokenizer)
         for phase in PHASE_KINDS:
-            train, evaluation = data.build(phase, tokenizer)
-            tokenized[phase] = {"train": len(train), "eval": len(evaluation)}
+            built = data.build(phase, tokenizer)
+            tokenized[phase] = {"train": len(built.train), "eval": len(built.eval)}
     print(f"data: {' '.join(data.data_path)}  split {data.data_split}  seed {data.seed}  eval_fraction {data.eval_fraction}"
           + (f"  sft_only: {' '.join(data.sft_only_data_path)}" if data.sft_only_data_path else ""))
     print("samples per step shard (each step trains on its own shard: step 1 SFT pairs, step 2 preference pairs, step 3 prompts)")
     print(_table(counts, tokenized))
+    print("\n".join(source_lines(splits)))
     return {"raw": counts, "tokenized": tokenized}
 
 
