@@ -562,3 +562,24 @@ def test_bad_chat_prompt_rows_are_counted_with_what_is_wrong(tmp_path):
     (split,) = phase_splits(1, [f"{path}:chat_prompt"], "1,0,0", seed=0, eval_fraction=0)
     assert [s.chosen for s in split.train] == ["Blue."]
     assert split.skipped == {"no_assistant_reply:completion": 1, "wrong_type:completion": 1, "wrong_type:prompt": 1}
+
+
+@pytest.mark.parametrize("rows, reasons", [
+    ([{"prompt": "Human: Sky? Assistant:", "chosen": 4}, {"prompt": "Human: Grass? Assistant:", "chosen": "Green.",
+                                                          "rejected": ["No."]}],
+     {"wrong_type:chosen": 1, "wrong_type:rejected": 1}),
+    ([{"prompt": chat(("user", "Sky?")), "completion": "Blue."},
+      {"prompt": chat(("user", "Grass?")), "completion": chat(("user", "Green?"))}],
+     {"wrong_type:completion": 1, "no_assistant_reply:completion": 1}),
+], ids=["deepspeed_chat", "chat_prompt"])
+def test_a_prompt_whose_reply_columns_are_malformed_is_skipped_for_replies_and_kept_for_step_3(tmp_path, rows,
+                                                                                                reasons):
+    """Step 3 reads only the prompt: it lost every row whose unused chosen/rejected/completion was malformed."""
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    (prompts,) = phase_splits(3, [path], "0,0,1", seed=0, eval_fraction=0)
+    assert sorted(s.turns[-1]["content"] for s in prompts.train) == ["Grass?", "Sky?"]
+    assert [(s.chosen, s.rejected) for s in prompts.train] == [(None, None)] * 2 and not prompts.skipped
+    (sft,) = phase_splits(1, [path], "1,0,0", seed=0, eval_fraction=0)
+    (pairs,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
+    assert sft.train == pairs.train == read_rows(path) == []
+    assert sft.skipped == pairs.skipped == reasons

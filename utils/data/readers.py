@@ -41,13 +41,26 @@ _EMPTY_LAST_REPLY = re.compile(r"(?:\A|\n\n)Assistant:\s*\Z")
 _REPLY_KEYS = ("chosen", "response", "completion")  # the preferred (or only) reply's column, in the order looked for
 
 
+def _with_replies(prompt: list[dict], group: int, read: Callable[[], Sample]) -> list[Sample]:
+    """The sample `read` makes of a row whose prompt (`prompt`, read already) is usable; where its reply columns are
+    not (`read` raises `SkipRow`), the prompt alone with that reason: step 3 reads only the prompt."""
+    try:
+        return [read()]
+    except SkipRow as skip:
+        return [Sample(tuple(prompt), group=group, reply_error=skip.reason)]
+
+
 def parse_deepspeed_chat(record: Any, group: int) -> list[Sample]:
     turns = parse_transcript(text_field(record, "prompt"))
-    chosen_key = next((key for key in _REPLY_KEYS if record.get(key) is not None), "chosen")
-    chosen = _reply_field(record, chosen_key)
-    if chosen_key == "completion":
-        chosen = _desirable(record, chosen)
-    return [Sample(tuple(turns), chosen, _reply_field(record, "rejected"), group)]
+
+    def read() -> Sample:
+        chosen_key = next((key for key in _REPLY_KEYS if record.get(key) is not None), "chosen")
+        chosen = _reply_field(record, chosen_key)
+        if chosen_key == "completion":
+            chosen = _desirable(record, chosen)
+        return Sample(tuple(turns), chosen, _reply_field(record, "rejected"), group)
+
+    return _with_replies(turns, group, read)
 
 
 def _desirable(record: dict, completion: str | None) -> str | None:
@@ -124,12 +137,16 @@ def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
     if not isinstance(record, dict):
         raise SkipRow("not_an_object")
     prompt = _message_list(record, "prompt")
+    turns = parse_messages(prompt, "role", "content")
     if record.get("completion") is None:
-        context, reply = split_last_reply(parse_messages(prompt, "role", "content"))
-    else:
+        context, reply = split_last_reply(turns)
+        return [Sample(tuple(context), reply, None, group)]
+
+    def read() -> Sample:
         context, reply = _chat_reply(record, prompt, "completion")
-        reply = _desirable(record, reply)
-    return [Sample(tuple(context), reply, None, group)]
+        return Sample(tuple(context), _desirable(record, reply), None, group)
+
+    return _with_replies(turns, group, read)
 
 
 def parse_shp(record: Any, group: int) -> list[Sample]:

@@ -22,7 +22,10 @@ def read_rows(path: str, tokenizer=None, prompt_format: str = "auto") -> list[di
     rows = []
     for group, record in enumerate(source.records):
         try:
-            rows.extend(formatter.row(sample) for sample in source.parse(record, group))
+            for sample in source.parse(record, group):
+                if sample.reply_error is not None:  # a prompt without its replies: no row
+                    raise SkipRow(sample.reply_error)
+                rows.append(formatter.row(sample))
         except SkipRow as skip:
             skipped.skip(skip.reason, source.where(group))
     logger.log(logging.WARNING if skipped else logging.INFO, "data source '%s' (format %s): %d rows; skipped: %s",

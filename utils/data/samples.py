@@ -84,6 +84,8 @@ class Sample:
     can be told apart from samples of another (the embedded pair rule relies on it).
     `metadata` is the row's JSON-like extra data (e.g. {"answer": "42"} for a verifier); step 3's
     prompt items carry it to the trainer.
+    `reply_error` is why the row's reply columns could not be read (a `SkipRow` reason; no replies then): the steps
+    that train on replies skip the sample for it, step 3, which reads only the prompt, keeps it.
     """
 
     turns: tuple
@@ -91,6 +93,7 @@ class Sample:
     rejected: str | None = None
     group: int = 0
     metadata: Mapping[str, Any] | None = None
+    reply_error: str | None = None
 
 
 def unusable_reason(sample: Sample, kind: str) -> str | None:
@@ -99,6 +102,8 @@ def unusable_reason(sample: Sample, kind: str) -> str | None:
         return "no_prompt"
     if kind == KIND_PROMPTS:
         return None
+    if sample.reply_error is not None:
+        return sample.reply_error
     if sample.chosen is None:
         return "no_chosen"
     if kind == KIND_SFT and not sample.chosen:
