@@ -253,6 +253,17 @@ def test_data_args_round_trip_and_defaults(tmp_path, monkeypatch):
     assert defaults.data_path == ["embedded"] and defaults.data_split == "2,4,4"
 
 
+def test_the_data_path_help_names_every_row_format():
+    """--help listed six formats: chat_preference and chat_prompt, which PATH:FORMAT takes, were missing."""
+    from training.core.args import SettingsParser
+
+    from utils.data.readers import FORMATS
+
+    help_text = " ".join(SettingsParser(_DataCLI).format_help().split())
+    assert f"state the row format ({', '.join(FORMATS)})" in help_text
+    assert {"chat_preference", "chat_prompt"} <= set(FORMATS)
+
+
 def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok):
     text_file = tmp_path / "corpus.txt"
     text_file.write_text("The quick brown fox.\n\nJumps over the lazy dog.\n\n" * 20)

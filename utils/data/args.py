@@ -10,6 +10,7 @@ from utils.paths import cache_root
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
 from .phases import PhaseData, build_phase_data
+from .readers import FORMATS
 from .shard_match import InputRunRecord
 from .sources import resolved_source
 from .splits import ShardSettings
@@ -41,7 +42,7 @@ class DataArguments:
         "help": "data sources: 'embedded', a generated task with checkable answers (task:arithmetic, options as in "
                 "task:arithmetic?difficulty=3&size=2000&seed=0), hub names, or local json/jsonl/parquet files or folders "
                 "(a dict column 'metadata', e.g. {\"answer\": \"42\"}, is kept for step 3's reward functions); "
-                "append :FORMAT to state the row format (deepspeed_chat, hh_rlhf, shp, webgpt, sharegpt, messages)"})
+                f"append :FORMAT to state the row format ({', '.join(FORMATS)})"})
     data_split: str = field(default="2,4,4", metadata={
         "help": "comma-separated weights of the three steps' disjoint shards of each source, e.g. 2,4,4"})
     sft_only_data_path: list[str] = field(default_factory=list, metadata={
