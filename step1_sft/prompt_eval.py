@@ -138,10 +138,13 @@ def build_parser() -> SettingsParser:
 
 
 def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
+    """The flags, the fine-tuned model resolved to the folder it loads from (once: a train.py folder without a
+    step-3 actor says so once), `--prompt_format` left unset taken from the run that trained it."""
     settings = build_parser().parse_args(argv)
-    if settings.run.prompt_format is None:
-        recorded = args_of_model(resolve_trained_model(settings.run.model_name_or_path_finetune))
-        settings.run.prompt_format = recorded.get("prompt_format", "auto")
+    run = settings.run
+    run.model_name_or_path_finetune = resolve_trained_model(run.model_name_or_path_finetune)
+    if run.prompt_format is None:
+        run.prompt_format = args_of_model(run.model_name_or_path_finetune).get("prompt_format", "auto")
     return settings
 
 

@@ -84,6 +84,17 @@ def test_a_dpo_run_resolves_to_its_model(tmp_path, tiny_model_dir):
     assert resolve_chat_model(str(pipeline / "dpo")) == str(pipeline / "dpo" / "model")
 
 
+def test_prompt_eval_says_once_that_a_train_py_folder_holds_only_its_step1_model(tmp_path, tiny_model_dir, caplog):
+    """prompt_eval resolved the fine-tuned folder twice (for its args.json, then to load it): the warning twice."""
+    from step1_sft import prompt_eval
+
+    model = tiny_model_dir("llama")
+    shutil.copytree(model, tmp_path / "runs" / "step1" / "model")
+    prompt_eval.main(["--model_name_or_path_baseline", model, "--model_name_or_path_finetune", str(tmp_path / "runs"),
+                      "--prompts", "hi", "--max_new_tokens", "2"])
+    assert caplog.text.count("holds no step-3 actor nor DPO model yet") == 1
+
+
 def test_a_reward_model_is_refused(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
     (tmp_path / "step2").mkdir()
