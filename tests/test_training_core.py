@@ -297,12 +297,17 @@ def test_a_train_py_folder_stopped_before_step3_resolves_to_its_step1_model(tiny
 
 def test_a_file_passed_as_a_model_is_one_error_in_every_tool(tiny_model_dir):
     """The steps, prompt_eval and rw_eval went on to transformers, which read a run's args.json or a model's
-    config.json as a config and failed obscurely."""
+    config.json as a config and failed obscurely; the steps' own check (`check_model_source`) refused it in other
+    words than the tools."""
     from training.core.model_loading import resolve_model_path
+    from training.reliability.validation import check_model_source
 
     model = tiny_model_dir("opt")
-    with pytest.raises(UserError, match=f"{model}/config.json is a file; pass the folder that holds the model"):
+    refusal = rf"{model}/config.json is a file; pass the folder that holds the model \({model}\) or a run folder"
+    with pytest.raises(UserError, match=refusal):
         resolve_model_path(f"{model}/config.json")
+    with pytest.raises(UserError, match=f"--actor_model_name_or_path {refusal}"):
+        check_model_source(f"{model}/config.json", "--actor_model_name_or_path")
     with pytest.raises(UserError, match="is a file"):
         load_tokenizer(f"{model}/config.json")
 

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EMBEDDED_MODEL_NAME",
     "FINAL_MODEL_SUBDIR",
+    "refuse_file",
     "resolve_model_path",
     "resolve_dtype",
     "resolve_trained_model",
@@ -48,16 +49,22 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FINAL_MODEL_SUBDIR = "model"
 
 
+def refuse_file(name_or_path: str, flag: str | None = None) -> None:
+    """A `UserError` where a model is wanted and `name_or_path` is a file (a model's config.json, its weights, a run's
+    args.json): transformers took it for a model's config and failed obscurely."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        given = f"{flag} {name_or_path}" if flag else name_or_path
+        raise UserError(f"{given} is a file; pass the folder that holds the model ({path.parent}) or a run folder")
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map the embedded default's short name to its local folder, and a step's run folder to the
-    final model inside it (`<output_dir>/model`); return anything else unchanged. A file (a model's config.json,
-    its weights, a run's args.json) is refused: transformers took it for a model's config and failed obscurely."""
+    final model inside it (`<output_dir>/model`); return anything else unchanged. A file is refused (`refuse_file`)."""
     if is_embedded_name(name_or_path):
         return embedded_model_path()
+    refuse_file(name_or_path)
     run_dir = Path(name_or_path)
-    if run_dir.is_file():
-        raise UserError(f"{name_or_path} is a file; pass the folder that holds the model ({run_dir.parent}) or a "
-                        "run folder")
     if not (run_dir / "config.json").is_file() and (run_dir / FINAL_MODEL_SUBDIR / "config.json").is_file():
         return str(run_dir / FINAL_MODEL_SUBDIR)
     return name_or_path

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
-from training.core.model_loading import resolve_model_path
+from training.core.model_loading import refuse_file, resolve_model_path
 from training.reliability.run_records import read_run_args, run_dir_of
 from utils.data.args import DataArguments
 from utils.data.shard_match import InputRunRecord, check_same_shards
@@ -248,8 +248,7 @@ def check_model_source(name_or_path: str, flag: str = "--model_name_or_path") ->
     alternatives = f"a Hugging Face model folder, a previous step's run folder, or '{EMBEDDED_MODEL_NAME}'"
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not path.is_dir():
-            raise UserError(f"{flag} {name_or_path} is a file; pass {alternatives}")
+        refuse_file(name_or_path, flag)
         if not (Path(resolve_model_path(str(path))) / "config.json").is_file():
             raise UserError(f"{flag} {name_or_path} holds no config.json (nor model/config.json); pass {alternatives}")
         return
