@@ -571,10 +571,14 @@ def test_bad_chat_prompt_rows_are_counted_with_what_is_wrong(tmp_path):
     ([{"prompt": chat(("user", "Sky?")), "completion": "Blue."},
       {"prompt": chat(("user", "Grass?")), "completion": chat(("user", "Green?"))}],
      {"wrong_type:completion": 1, "no_assistant_reply:completion": 1}),
-], ids=["deepspeed_chat", "chat_prompt"])
+    ([{"prompt": chat(("user", "Grass?")), "chosen": chat(("assistant", "Green.")), "rejected": chat(("user", "?"))},
+      {"prompt": chat(("user", "Sky?")), "chosen": "Blue.", "rejected": chat(("assistant", "Red."))}],
+     {"no_assistant_reply:rejected": 1, "wrong_type:chosen": 1}),
+], ids=["deepspeed_chat", "chat_prompt", "chat_preference_explicit_prompt"])
 def test_a_prompt_whose_reply_columns_are_malformed_is_skipped_for_replies_and_kept_for_step_3(tmp_path, rows,
                                                                                                 reasons):
-    """Step 3 reads only the prompt: it lost every row whose unused chosen/rejected/completion was malformed."""
+    """Step 3 reads only the prompt: it lost every row whose unused chosen/rejected/completion was malformed (in
+    TRL's explicit-prompt preference rows, the prompt is a column of its own)."""
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     (prompts,) = phase_splits(3, [path], "0,0,1", seed=0, eval_fraction=0)
     assert sorted(s.turns[-1]["content"] for s in prompts.train) == ["Grass?", "Sky?"]

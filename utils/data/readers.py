@@ -41,11 +41,11 @@ _EMPTY_LAST_REPLY = re.compile(r"(?:\A|\n\n)Assistant:\s*\Z")
 _REPLY_KEYS = ("chosen", "response", "completion")  # the preferred (or only) reply's column, in the order looked for
 
 
-def _with_replies(prompt: list[dict], group: int, read: Callable[[], Sample]) -> list[Sample]:
-    """The sample `read` makes of a row whose prompt (`prompt`, read already) is usable; where its reply columns are
+def _with_replies(prompt: list[dict], group: int, read: Callable[[], list[Sample]]) -> list[Sample]:
+    """The samples `read` makes of a row whose prompt (`prompt`, read already) is usable; where its reply columns are
     not (`read` raises `SkipRow`), the prompt alone with that reason: step 3 reads only the prompt."""
     try:
-        return [read()]
+        return read()
     except SkipRow as skip:
         return [Sample(tuple(prompt), group=group, reply_error=skip.reason)]
 
@@ -53,12 +53,12 @@ def _with_replies(prompt: list[dict], group: int, read: Callable[[], Sample]) ->
 def parse_deepspeed_chat(record: Any, group: int) -> list[Sample]:
     turns = parse_transcript(text_field(record, "prompt"))
 
-    def read() -> Sample:
+    def read() -> list[Sample]:
         chosen_key = next((key for key in _REPLY_KEYS if record.get(key) is not None), "chosen")
         chosen = _reply_field(record, chosen_key)
         if chosen_key == "completion":
             chosen = _desirable(record, chosen)
-        return Sample(tuple(turns), chosen, _reply_field(record, "rejected"), group)
+        return [Sample(tuple(turns), chosen, _reply_field(record, "rejected"), group)]
 
     return _with_replies(turns, group, read)
 
@@ -129,8 +129,11 @@ def _chat_reply(record: dict, prompt: list, key: str) -> tuple[list[dict], str]:
 def parse_chat_preference(record: Any, group: int) -> list[Sample]:
     if not isinstance(record, dict):
         raise SkipRow("not_an_object")
-    prompt = [] if isinstance(record.get("prompt"), (str, type(None))) else _message_list(record, "prompt")
-    return _paired_replies(record, group, lambda key: _chat_reply(record, prompt, key))
+    if isinstance(record.get("prompt"), (str, type(None))):  # each side holds the whole conversation
+        return _paired_replies(record, group, lambda key: _chat_reply(record, [], key))
+    prompt = _message_list(record, "prompt")
+    return _with_replies(parse_messages(prompt, "role", "content"), group,
+                         lambda: _paired_replies(record, group, lambda key: _chat_reply(record, prompt, key)))
 
 
 def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
@@ -142,9 +145,9 @@ def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
         context, reply = split_last_reply(turns)
         return [Sample(tuple(context), reply, None, group)]
 
-    def read() -> Sample:
+    def read() -> list[Sample]:
         context, reply = _chat_reply(record, prompt, "completion")
-        return Sample(tuple(context), _desirable(record, reply), None, group)
+        return [Sample(tuple(context), _desirable(record, reply), None, group)]
 
     return _with_replies(turns, group, read)
 
