@@ -30,7 +30,9 @@ from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_
 from training.core.reward_model import RewardModel
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
+from training.reliability.run_records import args_of_model
 from utils.data import PromptFormatter
+from utils.data.tokenization import probe_tokens
 from utils.dist import current_device
 from utils.errors import UserError
 
@@ -78,6 +80,24 @@ def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_token
         )
 
 
+def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer: PreTrainedTokenizerBase,
+                      prompt_format: str, reward_path: str) -> None:
+    """Warn where the reward model was trained on conversations laid out otherwise than step 3 gives them to it: it
+    scores the actor's tokens, prompts rendered by the actor's tokenizer under --prompt_format and answers ending where
+    the actor's turn does, and step 2 rendered its pairs with the reward model's own tokenizer (another chat template,
+    or none) under the --prompt_format its run recorded."""
+    trained_format = args_of_model(reward_path).get("prompt_format", "auto")
+    scored = probe_tokens(PromptFormatter(actor_tokenizer, prompt_format), actor_tokenizer)
+    trained = probe_tokens(PromptFormatter(reward_tokenizer, trained_format), reward_tokenizer)
+    if scored != trained:
+        logger.warning(
+            "the reward model %s was trained (--prompt_format %s) on conversations laid out as %r, but step 3 gives it "
+            "the actor's answers laid out as %r (--prompt_format %s): its scores may not carry over. Train the reward "
+            "model from a model whose tokenizer renders conversations as the actor's does, or with the --prompt_format "
+            "under which both render them alike", reward_path, trained_format,
+            reward_tokenizer.decode(trained or []), actor_tokenizer.decode(scored or []), prompt_format)
+
+
 @contextlib.contextmanager
 def model_random_stream(seed: int) -> Iterator[None]:
     """Build a model from `seed`'s stream and leave the global one untouched: what a rank builds (and in what
@@ -123,7 +143,9 @@ def build_rlhf_engine(
         return groups.bind(role, engine) if groups is not None else engine
 
     if reward_path is not None:
-        check_same_vocabulary(tokenizer, load_tokenizer(reward_path, trust_remote_code), reward_path)
+        reward_tokenizer = load_tokenizer(reward_path, trust_remote_code)
+        check_same_vocabulary(tokenizer, reward_tokenizer, reward_path)
+        warn_other_layout(tokenizer, reward_tokenizer, args.data.prompt_format, reward_path)
 
     actor = reference = critic = reward = shadow = None
     if holds("actor"):

@@ -325,3 +325,42 @@ def test_under_the_human_assistant_format_the_eos_alone_ends_an_answer():
     assert trainer_of(tokenizer, "human_assistant").generation_config().eos_token_id == [tokenizer.eos_token_id]
     (item,) = tokenize_samples([Sample(TURNS, "Why?")], KIND_SFT, formatter, tokenizer, TokenLimits(max_seq_len=200))
     assert item["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def layout_warnings(actor_tokenizer, reward_tokenizer, reward_dir, caplog, prompt_format: str = "auto") -> list[str]:
+    from step3_rlhf.rlhf_engine import check_same_vocabulary, warn_other_layout
+
+    check_same_vocabulary(actor_tokenizer, reward_tokenizer, str(reward_dir))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="step3_rlhf.rlhf_engine"):
+        warn_other_layout(actor_tokenizer, reward_tokenizer, prompt_format, str(reward_dir))
+    return [record.getMessage() for record in caplog.records]
+
+
+def test_step_3_warns_where_the_reward_model_was_trained_on_another_layout(tmp_path, caplog):
+    """The vocabulary check passed a reward model trained from a base model whose tokenizer has no chat template
+    (step 2: ' Human: ... Assistant: reply<eos>') beside an instruct actor's ('<start_of_turn>user...reply<end_of_turn>'):
+    step 3 scored a layout the reward model never saw, silently. So did a step-2 run under another --prompt_format."""
+    import json
+
+    actor = turn_end_tokenizer(GEMMA)
+    assert layout_warnings(actor, turn_end_tokenizer(GEMMA), tmp_path, caplog) == []
+    base = turn_end_tokenizer(GEMMA)
+    base.chat_template = None
+    (warning,) = layout_warnings(actor, base, tmp_path, caplog)
+    assert "laid out as ' Human: Hi Assistant: OK<eos>'" in warning
+    assert "'<bos><start_of_turn>user\\nHi<end_of_turn>\\n<start_of_turn>model\\nOK<end_of_turn>'" in warning
+    (tmp_path / "args.json").write_text(json.dumps({"prompt_format": "human_assistant"}))
+    assert len(layout_warnings(actor, turn_end_tokenizer(GEMMA), tmp_path, caplog)) == 1
+    assert layout_warnings(actor, base, tmp_path, caplog, "human_assistant") == []
+
+
+def test_a_reward_model_whose_tokenizer_ends_turns_in_another_eos_reads_the_actors_layout(tmp_path, caplog):
+    """Qwen2.5's base tokenizer (EOS <|endoftext|>, turns ending in <|im_end|>) beside its instruct one (EOS
+    <|im_end|>), README's train.py example: step 2's answers end at <|im_end|> with no EOS after it, as step 3's
+    do, so the layouts match and nothing is said."""
+    instruct = make_tokenizer(with_pad=True)
+    base = make_tokenizer(with_pad=True)
+    base.eos_token = "<|endoftext|>"
+    assert PromptFormatter(base).end_of_turn_token == "<|im_end|>"
+    assert layout_warnings(instruct, base, tmp_path, caplog) == []

@@ -166,3 +166,15 @@ def tokenize_samples(
     if not columns:
         columns = {name: [] for name in _EMPTY_COLUMNS[kind]}
     return TokenizedDataset.from_lists(columns, dict(counts), metadata if keep_metadata else None)
+
+
+# a short exchange any chat template renders
+_PROBE = Sample(({"role": "user", "content": "Hi"},), "OK", "No")
+
+
+def probe_tokens(formatter: PromptFormatter, tokenizer) -> list[int] | None:
+    """A short prompt and reply as the steps lay them out for `formatter` and `tokenizer` (prompt + reply + the end of
+    the model's turn): where two give other tokens, a model trained on one's rows reads the other's unlike anything it
+    was trained on. None where the chat template refuses the exchange."""
+    items = tokenize_samples([_PROBE], KIND_PAIRS, formatter, tokenizer, TokenLimits())
+    return items[0]["chosen_input_ids"].tolist() if len(items) else None
