@@ -14,6 +14,7 @@ reach ReaLHF's plans: expect it to under-predict there.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -145,22 +146,26 @@ def _plan_note(baseline: RankedPlan | None, strategy: RankedPlan | None) -> str:
             f"{strategy.estimate.step_s:.1f} s a step vs {baseline.estimate.step_s:.1f} s")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import deepspeed
     import torch
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default=str(RESULTS), help="where the JSON report goes")
+    args = parser.parse_args(argv)
+    output = Path(args.output)
     presets = {name: load_machine_file(name) for name in ("a100-80gb", "h100-80gb")}
     rows = predict_published(presets)
     for row in rows:
         predicted = "  none" if row["predicted"] is None else f"{row['predicted']:>6.2f}"
         print(f"{row['case']:<62} published {row['published']:>6.2f}x  predicted {predicted}x  "
               f"{'agrees' if row['agrees'] else 'differs'}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": "python -m bench.placement_published " + " ".join(sys.argv[1:]),
+    output.parent.mkdir(parents=True, exist_ok=True)
+    record = {"command": " ".join(["python -m bench.placement_published", *(sys.argv[1:] if argv is None else argv)]),
               "torch": torch.__version__, "deepspeed": deepspeed.__version__,
               "machines": sorted(presets), "rows": rows}
-    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written {RESULTS}")
+    output.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"written {output}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Step 3's placement cost model and planner: roofline terms by hand, memory by hand, the schedule, the search,
 hardware files, calibration caching and train.py's --placement auto dry run."""
 import json
+import sys
 import time
 from dataclasses import replace
 
@@ -480,3 +481,21 @@ def test_published_setups_get_finite_predictions():
     assert 0 < thirty_two["predicted"] < float("inf")
     # on 8 GPUs the 7B critic needs ZeRO-3, which would partition the reward model Interleave1 puts on half
     assert eight["gpus"] == 8 and eight["predicted"] is None and eight["agrees"] is False
+
+
+def test_published_bench_help_writes_nothing_and_its_report_goes_to_output(tmp_path, monkeypatch, capsys):
+    """`--help` printed the usage only after the bench had overwritten the committed report; `--output` names the
+    file, and the command recorded in it is the one that ran."""
+    import bench.placement_published as published
+
+    monkeypatch.setattr(published, "RESULTS", tmp_path / "committed.json")
+    monkeypatch.setattr(sys, "argv", ["placement_published.py", "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        published.main()
+    assert stopped.value.code == 0 and "--output" in capsys.readouterr().out
+    assert not (tmp_path / "committed.json").exists()
+    monkeypatch.setattr(published, "predict_published", lambda presets: [])
+    published.main(["--output", str(tmp_path / "report.json")])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["command"] == f"python -m bench.placement_published --output {tmp_path / 'report.json'}"
+    assert report["rows"] == [] and not (tmp_path / "committed.json").exists()
