@@ -399,3 +399,28 @@ def test_a_file_passed_for_the_model_is_one_error(tiny_model_dir):
         with pytest.raises(UserError, match=f"{model}/{name} is a file; pass the folder that holds the model "
                                             rf"\({model}\) or a run folder"):
             chat(["--path", f"{model}/{name}", "--prompt", "hi"])
+
+
+def test_a_model_folder_without_a_tokenizer_and_a_lora_adapter_alone_are_one_error_each(tmp_path, tiny_model_dir):
+    """A model folder without its tokenizer's files ended in transformers' ValueError traceback ("Couldn't
+    instantiate the backend tokenizer ... install sentencepiece"); a PEFT adapter folder whose base model does not
+    load was "holds no model (...): a run that has not saved its model yet"."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = Path(tiny_model_dir("llama"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model / name, bare)
+    with pytest.raises(UserError, match="bare holds a model but no tokenizer .*copy its files from the model it was"):
+        chat(["--path", str(bare), "--prompt", "hi"])
+    moved = tmp_path / "moved-base"
+    shutil.copytree(model, moved)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(moved), LoraConfig(r=2)).save_pretrained(tmp_path / "adapter")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model / name, tmp_path / "adapter")
+    shutil.rmtree(moved)
+    with pytest.raises(UserError, match=f"adapter holds a LoRA adapter, not a whole model: it loads only over its base "
+                                        f"model '{moved}' .*its model did not load"):
+        chat(["--path", str(tmp_path / "adapter"), "--prompt", "hi"])

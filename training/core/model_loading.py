@@ -1,6 +1,7 @@
 """Load any Hugging Face causal LM and its tokenizer, by hub name, local path or the embedded default."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 _PAD_TOKEN = "<|pad|>"
+_ADAPTER_CONFIG = "adapter_config.json"  # a PEFT (LoRA) adapter saved alone, without its base model
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -122,14 +125,10 @@ def _hub_call(what: str, name_or_path: str, load):
         ) from err
     except (OSError, ValueError) as err:
         local = Path(name_or_path).expanduser()
-        if local.is_dir() and not (Path(resolve_model_path(name_or_path)) / "config.json").is_file():
-            raise UserError(f"{name_or_path} holds no model (no config.json there, nor in its model/ folder): a run "
-                            "that has not saved its model yet, or no model folder; pass a model folder or the run "
-                            "folder of a finished step") from err
+        if local.is_dir():
+            raise _local_folder_error(what, name_or_path, err) from err
         if isinstance(err, ValueError):
             raise
-        if local.exists():
-            raise UserError(f"could not load the {what} from {name_or_path}: {err}") from err
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(err).lower() or "connect" in str(err).lower()
         hint = (
             "the hub cannot be reached from here; download the model elsewhere and pass its local folder"
@@ -140,6 +139,38 @@ def _hub_call(what: str, name_or_path: str, load):
             f"{what} '{name_or_path}' was not found locally and could not be fetched from the hub: {hint} "
             f"(or use the embedded default '{EMBEDDED_MODEL_NAME}')"
         ) from err
+
+
+def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserError:
+    """Why the `what` ("model", "tokenizer") of a local folder did not load, in words that say what to pass."""
+    folder = Path(resolve_model_path(name_or_path))
+    no_tokenizer = what == "tokenizer" and not any((folder / name).is_file() for name in _TOKENIZER_FILES)
+    if no_tokenizer:
+        reason = f"no {' nor '.join(_TOKENIZER_FILES)}"
+    else:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    adapter = folder / _ADAPTER_CONFIG
+    if adapter.is_file() and not (folder / "config.json").is_file():
+        base = _read_json(adapter).get("base_model_name_or_path")
+        return UserError(f"{name_or_path} holds a LoRA adapter, not a whole model: it loads only over its base model "
+                         f"{base!r} (adapter_config.json), and its {what} did not load ({reason}); merge the adapter "
+                         "into its base model and pass that folder, or make the base model loadable by that name")
+    if not (folder / "config.json").is_file():
+        return UserError(f"{name_or_path} holds no model (no config.json there, nor in its model/ folder): a run "
+                         "that has not saved its model yet, or no model folder; pass a model folder or the run "
+                         "folder of a finished step")
+    if no_tokenizer:
+        return UserError(f"{name_or_path} holds a model but no tokenizer ({reason}); save the tokenizer into that "
+                         "folder, or copy its files from the model it was tuned from")
+    return UserError(f"could not load the {what} from {name_or_path}: {reason}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
