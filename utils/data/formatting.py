@@ -21,8 +21,8 @@ from .samples import ASSISTANT, SYSTEM, Sample, SkipRow
 PROMPT_FORMATS = ("auto", "chat_template", "human_assistant")
 _SPEAKERS = {"user": "Human", ASSISTANT: "Assistant", SYSTEM: "System"}
 # a conversation and a reply any template renders, to find what it writes after a reply
-_PROBE_TURNS = ({"role": "user", "content": "Hi"},)
-_PROBE_REPLY = "OK"
+PROBE_TURNS = ({"role": "user", "content": "Hi"},)
+PROBE_REPLY = "OK"
 
 
 def resolve_prompt_format(prompt_format: str, tokenizer=None) -> str:
@@ -74,14 +74,14 @@ class PromptFormatter:
         if self.style != "chat_template":
             return None
         try:
-            prompt = self.tokenizer.apply_chat_template(list(_PROBE_TURNS), tokenize=False, add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(list(PROBE_TURNS), tokenize=False, add_generation_prompt=True)
         except Exception:  # jinja templates raise their own errors: the rows will say so
             return None
-        written = self._written_after(_PROBE_TURNS, _PROBE_REPLY, prompt)
-        reply_start = written.find(_PROBE_REPLY) if written is not None else -1
+        written = self._written_after(PROBE_TURNS, PROBE_REPLY, prompt)
+        reply_start = written.find(PROBE_REPLY) if written is not None else -1
         if reply_start < 0:
             return None
-        after = self.tokenizer(written[reply_start + len(_PROBE_REPLY):], add_special_tokens=False)["input_ids"]
+        after = self.tokenizer(written[reply_start + len(PROBE_REPLY):], add_special_tokens=False)["input_ids"]
         if not after or after[0] == self.tokenizer.eos_token_id or not _is_special(self.tokenizer, after[0]):
             return None
         return self.tokenizer.convert_ids_to_tokens(after[0])

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from utils.dist import is_main_process
 from utils.errors import UserError
 
-from .formatting import PromptFormatter
+from .formatting import PROBE_REPLY, PROBE_TURNS, PromptFormatter
 from .samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample, SkipRow
 from .tokenized import TokenizedDataset
 
@@ -168,13 +168,9 @@ def tokenize_samples(
     return TokenizedDataset.from_lists(columns, dict(counts), metadata if keep_metadata else None)
 
 
-# a short exchange any chat template renders
-_PROBE = Sample(({"role": "user", "content": "Hi"},), "OK", "No")
-
-
 def probe_tokens(formatter: PromptFormatter, tokenizer) -> list[int] | None:
-    """A short prompt and reply as the steps lay them out for `formatter` and `tokenizer` (prompt + reply + the end of
-    the model's turn): where two give other tokens, a model trained on one's rows reads the other's unlike anything it
-    was trained on. None where the chat template refuses the exchange."""
-    items = tokenize_samples([_PROBE], KIND_PAIRS, formatter, tokenizer, TokenLimits())
-    return items[0]["chosen_input_ids"].tolist() if len(items) else None
+    """A short prompt and reply (`PROBE_TURNS`, `PROBE_REPLY`) as the steps lay them out for `formatter` and
+    `tokenizer` (prompt + reply + the end of the model's turn): where two give other tokens, a model trained on one's
+    rows reads the other's unlike anything it was trained on. None where the chat template refuses the exchange."""
+    items = tokenize_samples([Sample(PROBE_TURNS, PROBE_REPLY)], KIND_SFT, formatter, tokenizer, TokenLimits())
+    return items[0]["input_ids"].tolist() if len(items) else None
