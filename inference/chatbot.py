@@ -52,12 +52,13 @@ def resolve_chat_model(path: str, ema: bool = False) -> str:
 class SamplingOptions(DecodingSettings):
     """The chatbot's decoding: samples by default (`--greedy` turns it off)."""
 
-    temperature: float = 0.7
-    top_p: float = 0.9
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=0.9, metadata={
+        "help": "sample from the smallest set of tokens holding this much probability (1: all)"})
     do_sample: bool = field(default=True, metadata={
         "flag": "greedy", "negated": True,
         "help": "pick the most likely token (no sampling; --repetition_penalty still applies: 1.0 for plain argmax)"})
-    repetition_penalty: float = 1.1
+    repetition_penalty: float = field(default=1.1, metadata={"help": "transformers' repetition penalty (1.0: none)"})
 
 
 @dataclass
@@ -77,8 +78,11 @@ class ChatArguments:
         "help": "the tokenizer's chat template, or ' Human: ... Assistant:' (auto: template if any); default: the "
                 "format the model's run trained on (its args.json), else auto"})
     system: str | None = field(default=None, metadata={"help": "a system message at the start of the conversation"})
-    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
-    trust_remote_code: bool = False
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPE_CHOICES,
+        "help": "precision of the model; auto = bf16 where the GPU or CPU runs it natively, else fp16 on GPU, "
+                "fp32 on CPU"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
 
 
 @dataclass

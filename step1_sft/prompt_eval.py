@@ -44,8 +44,8 @@ DEFAULT_PROMPTS = (
 class GenerationSettings(DecodingSettings):
     """Decoding (greedy unless `--do_sample`) and the batch size of the comparison."""
 
-    num_beams: int = 1
-    batch_size: int = 8
+    num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (1: none)"})
+    batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
 
     def generate_kwargs(self) -> dict:
         return {**super().generate_kwargs(), "num_beams": self.num_beams}
@@ -71,9 +71,12 @@ class PromptEvalArguments:
         "choices": PROMPT_FORMATS,
         "help": "how both models' prompts are rendered (default: as the fine-tuned model's run trained, its "
                 "args.json; else auto)"})
-    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
-    seed: int = 1234
-    trust_remote_code: bool = False
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPE_CHOICES,
+        "help": "precision of both models; auto = bf16 where the GPU or CPU runs it natively, else fp16 on GPU, "
+                "fp32 on CPU"})
+    seed: int = field(default=1234, metadata={"help": "seed each model samples from (with --do_sample)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
     output_file: str | None = field(default=None, metadata={
         "help": "also write {prompt, baseline, finetune} rows to this JSONL file"})
 

@@ -133,9 +133,9 @@ class RewardEvalArguments:
         "choices": PROMPT_FORMATS, "help": "default: the step-2 run's (args.json), else auto"})
     max_seq_len: int | None = field(default=None, metadata={
         "help": "default: the step-2 run's (args.json), else 512"})
-    batch_size: int = 8
+    batch_size: int = field(default=8, metadata={"help": "rows scored together"})
     max_rows: int | None = field(default=None, metadata={"help": "score at most this many rows of --input_file"})
-    dtype: str = field(default="fp32", metadata={"choices": DTYPE_CHOICES})
+    dtype: str = field(default="fp32", metadata={"choices": DTYPE_CHOICES, "help": "precision of the reward model"})
     output_file: str | None = field(default=None, metadata={"help": "write the scored rows to this JSONL file"})
 
 

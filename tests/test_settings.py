@@ -10,6 +10,7 @@ from inference import chatbot
 from step1_sft import prompt_eval
 from step1_sft.main import build_parser as step1_parser
 from step2_reward import rw_eval
+from step2_reward.dpo.main import build_parser as dpo_parser
 from step2_reward.main import build_parser as step2_parser
 from step3_rlhf.main import build_parser as step3_parser
 from step3_rlhf.ppo_trainer import PPOConfig
@@ -103,6 +104,16 @@ def test_switches_optional_lists_and_the_hidden_launcher_flag(capsys):
     assert exit_.value.code == 0
     help_text = capsys.readouterr().out
     assert "--zero_stage" in help_text and "--local_rank" not in help_text and "30% slower" in help_text
+
+
+@pytest.mark.parametrize("build_parser", [step1_parser, step2_parser, step3_parser, dpo_parser, chatbot.build_parser,
+                                          prompt_eval.build_parser, rw_eval.build_parser])
+def test_every_flag_says_what_it_does_and_its_default_in_help(build_parser):
+    """A field without a help string shows neither a meaning nor a default under --help (the chatbot's
+    --temperature 0.7 read as a bare flag)."""
+    silent = [action.option_strings[0] for action in _flag_actions(build_parser())
+              if not action.help]
+    assert silent == []
 
 
 @pytest.mark.parametrize("step", sorted(PARSERS))

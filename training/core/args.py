@@ -242,7 +242,9 @@ class ModelTrainingConfig:
 class ScheduleSettings:
     """What every optimizer of a step shares: schedule, accumulation, clipping, optimizer kind, step cap."""
 
-    lr_scheduler_type: str = field(default="cosine", metadata={"choices": SCHEDULER_CHOICES})
+    lr_scheduler_type: str = field(default="cosine", metadata={
+        "choices": SCHEDULER_CHOICES,
+        "help": "learning-rate schedule after the warm-up, over the run's optimizer steps"})
     num_warmup_steps: int = field(default=0, metadata={"help": "linear warm-up, in optimizer steps"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     gradient_clipping: float = field(default=1.0, metadata={

@@ -81,10 +81,10 @@ class GenerationConfig(SamplingSettings):
 class DecodingSettings(SamplingSettings):
     """Sampling plus the rest of a `model.generate` call, for the tools that answer with transformers."""
 
-    top_k: int = 50
-    max_new_tokens: int = 128
+    top_k: int = field(default=50, metadata={"help": "sample from the k most likely tokens (0: all)"})
+    max_new_tokens: int = field(default=128, metadata={"help": "the longest answer, in tokens"})
     do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty (1.0: none)"})
 
     def check(self) -> None:
         """A `UserError` naming the flag whose value `model.generate` would refuse with a traceback (or, for

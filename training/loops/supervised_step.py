@@ -69,8 +69,10 @@ class SupervisedLoopArguments:
     """Epochs, batch sizes and evaluation cadence of the supervised loop."""
 
     per_device_train_batch_size: int = field(default=8, metadata={"help": "micro-batch size per rank"})
-    per_device_eval_batch_size: int = field(default=8, metadata={"resume_override": True})
-    num_train_epochs: int = 1
+    per_device_eval_batch_size: int = field(default=8, metadata={
+        "resume_override": True, "help": "held-out batch size per rank"})
+    num_train_epochs: int = field(default=1, metadata={
+        "help": "passes over the training items (--max_steps stops sooner)"})
     eval_interval: int = field(default=0, metadata={
         "resume_override": True,
         "help": "also evaluate every N optimizer steps (0: only before training and after each epoch)"})
