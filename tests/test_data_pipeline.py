@@ -421,3 +421,15 @@ def test_inspect_data_counts_tokenised_items_and_names_each_sources_format_and_s
     assert len(lines) == 6 and sum("(format chat_preference)" in line for line in lines) == 3
     assert sum(line.endswith("skipped: prompt_mismatch=1 (chat.jsonl line 1)") for line in lines) == 1
     assert "(format deepspeed_chat), step 3 prompts: 10 records -> 9 train / 1 eval samples; skipped: none" in printed
+
+
+def test_inspect_data_counts_tokenised_items_of_a_split_that_gives_a_step_no_share(tmp_path, tok):
+    """--data_split 1,0,1 (steps 1 and 3, a reward function scoring) stopped inspect_data --tokenizer with the build's
+    'gives step 2 no share of the data'."""
+    from training.pipeline.inspect_data import main
+
+    tok.save_pretrained(tmp_path / "tokenizer")
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 20, "dsc")
+    reported = main(["--data_path", pairs, "--data_split", "1,0,1", "--seed", "0", "--tokenizer",
+                     str(tmp_path / "tokenizer"), "--data_output_path", str(tmp_path / "cache")])
+    assert reported["tokenized"] == {1: {"train": 9, "eval": 1}, 2: {"train": 0, "eval": 0}, 3: {"train": 9, "eval": 1}}

@@ -17,6 +17,7 @@ from utils.data.args import DataArguments
 from utils.data.phases import SourceSplit, phase_splits
 from utils.data.samples import KINDS, PHASE_KINDS
 from utils.data.sources import load_source
+from utils.data.splits import parse_data_split
 from utils.errors import run_cli
 
 _KIND_LABELS = {"sft": "SFT pairs", "pairs": "preference pairs", "prompts": "prompts"}
@@ -78,9 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
     tokenized = {}
     if settings.counting.tokenizer:
         tokenizer = load_tokenizer(settings.counting.tokenizer)
+        weights = parse_data_split(data.data_split)
         for phase in PHASE_KINDS:
-            built = data.build(phase, tokenizer)
-            tokenized[phase] = {"train": len(built.train), "eval": len(built.eval)}
+            tokenized[phase] = {"train": 0, "eval": 0}
+            if weights[phase - 1] > 0:  # a step given no share (1,0,1: steps 1 and 3 with a reward function) has none
+                built = data.build(phase, tokenizer)
+                tokenized[phase] = {"train": len(built.train), "eval": len(built.eval)}
     print(f"data: {' '.join(data.data_path)}  split {data.data_split}  seed {data.seed}  eval_fraction {data.eval_fraction}"
           + (f"  sft_only: {' '.join(data.sft_only_data_path)}" if data.sft_only_data_path else ""))
     print("samples per step shard (each step trains on its own shard: step 1 SFT pairs, step 2 preference pairs, step 3 prompts)")
