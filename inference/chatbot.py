@@ -20,9 +20,10 @@ from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
+    TRAINED_DTYPE_HELP,
     load_causal_lm,
     load_tokenizer,
-    resolve_dtype,
+    resolve_trained_dtype,
     resolve_trained_model,
 )
 from training.core.reward_model import is_reward_model_dir
@@ -78,10 +79,7 @@ class ChatArguments:
         "help": "the tokenizer's chat template, or ' Human: ... Assistant:' (auto: template if any); default: the "
                 "format the model's run trained on (its args.json), else auto"})
     system: str | None = field(default=None, metadata={"help": "a system message at the start of the conversation"})
-    dtype: str = field(default="auto", metadata={
-        "choices": DTYPE_CHOICES,
-        "help": "precision of the model; auto = bf16 where the GPU or CPU runs it natively, else fp16 on GPU, "
-                "fp32 on CPU"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
 
 
@@ -265,7 +263,7 @@ def load_session(args: ChatSettings) -> ChatSession:
     chat_args = args.chat
     path = resolve_chat_model(chat_args.path, chat_args.ema)
     tokenizer = load_tokenizer(path, trust_remote_code=chat_args.trust_remote_code)
-    model = load_causal_lm(path, tokenizer, dtype=resolve_dtype(chat_args.dtype),
+    model = load_causal_lm(path, tokenizer, dtype=resolve_trained_dtype(chat_args.dtype, path),
                            trust_remote_code=chat_args.trust_remote_code)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers

@@ -20,9 +20,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
+    TRAINED_DTYPE_HELP,
     load_causal_lm,
     load_tokenizer,
-    resolve_dtype,
+    resolve_trained_dtype,
     resolve_trained_model,
 )
 from training.generation.generator import DecodingSettings
@@ -71,10 +72,7 @@ class PromptEvalArguments:
         "choices": PROMPT_FORMATS,
         "help": "how both models' prompts are rendered (default: as the fine-tuned model's run trained, its "
                 "args.json; else auto)"})
-    dtype: str = field(default="auto", metadata={
-        "choices": DTYPE_CHOICES,
-        "help": "precision of both models; auto = bf16 where the GPU or CPU runs it natively, else fp16 on GPU, "
-                "fp32 on CPU"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
     seed: int = field(default=1234, metadata={"help": "seed each model samples from (with --do_sample)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
     output_file: str | None = field(default=None, metadata={
@@ -118,11 +116,13 @@ def generate_answers(
     return answers
 
 
-def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False):
-    """The model a folder holds (a run folder of any step that trains a causal LM: `resolve_trained_model`)."""
+def load_for_generation(name_or_path: str, dtype: str = "auto", trust_remote_code: bool = False):
+    """The model a folder holds (a run folder of any step that trains a causal LM: `resolve_trained_model`), in
+    `dtype` as `resolve_trained_dtype` resolves it for that model."""
     path = resolve_trained_model(name_or_path)
     tokenizer = load_tokenizer(path, trust_remote_code)
-    model = load_causal_lm(path, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = load_causal_lm(path, tokenizer, dtype=resolve_trained_dtype(dtype, path),
+                           trust_remote_code=trust_remote_code)
     return model.eval(), tokenizer
 
 
@@ -158,10 +158,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_output_file(settings.run.output_file)
     args = settings.run
     prompts = read_prompts(args)
-    dtype = resolve_dtype(args.dtype)
     answers = {}
     for label, name in (("baseline", args.model_name_or_path_baseline), ("finetune", args.model_name_or_path_finetune)):
-        model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code)
+        model, tokenizer = load_for_generation(name, args.dtype, args.trust_remote_code)
         set_seed(args.seed)  # each model samples from the same seed, whatever the other drew
         answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, args.prompt_format)
         del model

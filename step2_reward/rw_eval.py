@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from training.core.args import DTYPE_CHOICES, SettingsParser
-from training.core.model_loading import load_tokenizer, resolve_dtype
+from training.core.model_loading import TRAINED_DTYPE_HELP, load_tokenizer, resolve_trained_dtype
 from training.core.reward_model import RewardModel, resolve_reward_model
 from training.reliability.run_records import args_of_model
 from training.reliability.validation import check_output_file
@@ -135,7 +135,7 @@ class RewardEvalArguments:
         "help": "default: the step-2 run's (args.json), else 512"})
     batch_size: int = field(default=8, metadata={"help": "rows scored together"})
     max_rows: int | None = field(default=None, metadata={"help": "score at most this many rows of --input_file"})
-    dtype: str = field(default="fp32", metadata={"choices": DTYPE_CHOICES, "help": "precision of the reward model"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
     output_file: str | None = field(default=None, metadata={"help": "write the scored rows to this JSONL file"})
 
 
@@ -189,7 +189,8 @@ def _short(text: str, limit: int) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     check_output_file(args.output_file)
-    scorer = RewardScorer.from_pretrained(args.model_name_or_path, resolve_dtype(args.dtype),
+    scorer = RewardScorer.from_pretrained(args.model_name_or_path,
+                                          resolve_trained_dtype(args.dtype, args.model_name_or_path),
                                           prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
                                           batch_size=args.batch_size)
     results = scorer.score_rows(_rows(args, scorer))

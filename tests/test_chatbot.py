@@ -424,3 +424,28 @@ def test_a_model_folder_without_a_tokenizer_and_a_lora_adapter_alone_are_one_err
     with pytest.raises(UserError, match=f"adapter holds a LoRA adapter, not a whole model: it loads only over its base "
                                         f"model '{moved}' .*its model did not load"):
         chat(["--path", str(tmp_path / "adapter"), "--prompt", "hi"])
+
+
+def test_auto_dtype_is_the_dtype_a_run_trained_its_model_in(tmp_path, tiny_model_dir, monkeypatch):
+    """`--dtype auto`, every tool's default, took the device's best: on a CPU with bf16 instructions a model its run
+    trained and evaluated in fp32 answered in bf16 (other greedy answers than its run's)."""
+    import torch
+
+    from inference.chatbot import build_parser, load_session
+    from training.core import model_loading
+
+    monkeypatch.setattr(model_loading, "cpu_has_native_bf16", lambda: True)  # "auto" is bf16 on this device
+    model = tiny_model_dir("llama")  # saved in fp32
+    for dtype in ("fp32", "bf16"):
+        run = tmp_path / dtype
+        shutil.copytree(model, run / "model")
+        (run / "args.json").write_text(json.dumps({"dtype": dtype}))
+    model_loading.load_causal_lm(model, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16" / "model")
+
+    def dtype(path: str, *argv: str) -> torch.dtype:
+        return load_session(build_parser().parse_args(["--path", path, *argv])).model.dtype
+
+    assert dtype(str(tmp_path / "fp32")) == torch.float32
+    assert dtype(str(tmp_path / "bf16")) == torch.bfloat16
+    assert dtype(model) == torch.bfloat16  # no run saved it: the device's best
+    assert dtype(str(tmp_path / "fp32"), "--dtype", "bf16") == torch.bfloat16

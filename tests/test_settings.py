@@ -146,7 +146,7 @@ def test_each_tool_keeps_its_sampling_defaults():
 
 def test_repeatable_flags_of_the_scoring_and_chat_tools():
     args = rw_eval.parse_args(["--model_name_or_path", "m", "--prompt", "p", "--answer", "a", "--answer", "b"])
-    assert args.answer == ["a", "b"] and args.dtype == "fp32"
+    assert args.answer == ["a", "b"] and args.dtype == "auto"
     assert chatbot.build_parser().parse_args(["--prompt", "x", "--prompt", "y"]).chat.prompt == ["x", "y"]
     with pytest.raises(SystemExit):
         rw_eval.parse_args(["--model_name_or_path", "m"])

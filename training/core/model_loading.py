@@ -34,6 +34,8 @@ __all__ = [
     "refuse_file",
     "resolve_model_path",
     "resolve_dtype",
+    "resolve_trained_dtype",
+    "TRAINED_DTYPE_HELP",
     "resolve_trained_model",
     "load_tokenizer",
     "load_config",
@@ -47,6 +49,7 @@ _PAD_TOKEN = "<|pad|>"
 _ADAPTER_CONFIG = "adapter_config.json"  # a PEFT (LoRA) adapter saved alone, without its base model
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SAVED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.json's
 
 
 FINAL_MODEL_SUBDIR = "model"
@@ -112,6 +115,32 @@ def resolve_dtype(name: str | None) -> torch.dtype:
     if name == "bf16" and not accelerator.is_bf16_supported():
         raise UserError("this device does not support bf16; use --dtype fp32 (or fp16 on a GPU)")
     return _DTYPES[name]
+
+
+TRAINED_DTYPE_HELP = ("auto: for a model a run of this project saved, the dtype it trained in where this device "
+                      "computes in it natively; otherwise bf16 where the device supports it, else fp16 on GPU, fp32 "
+                      "on CPU")
+
+
+def resolve_trained_dtype(name: str | None, model_path: str) -> torch.dtype:
+    """`resolve_dtype(name)`, except that "auto" (or None) for a model a run of this project saved (an args.json
+    beside it) is the dtype it was saved in, which its run trained and evaluated it in, where this device computes
+    in that dtype natively (fp32; bf16 where "auto" picks it; fp16 on a GPU): in the device's best instead, an
+    fp32-trained model's greedy answers and scores were not its run's."""
+    from deepspeed.accelerator import get_accelerator
+
+    from training.reliability.run_records import run_dir_of  # it builds on this module
+
+    best = resolve_dtype(name)
+    if name not in (None, "auto") or is_embedded_name(model_path):
+        return best
+    folder = resolve_model_path(model_path)
+    config = _read_json(Path(folder) / "config.json")
+    saved = _SAVED_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
+    if saved is None or run_dir_of(folder) is None:
+        return best
+    on_gpu = get_accelerator().device_name() != "cpu"
+    return saved if saved in (torch.float32, best) or (saved == torch.float16 and on_gpu) else best
 
 
 def _hub_call(what: str, name_or_path: str, load):
