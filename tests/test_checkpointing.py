@@ -384,12 +384,21 @@ with RunLock(output_dir):
             os.kill(os.getpid(), signal.SIGTERM)
         barrier()
         say("stop", stop.should_stop())
+    if rank == 1:  # one rank's file cut short: refused on both ranks (rank 0 went on to wait for rank 1)
+        rng = manager.latest().path / "rng" / "rank1.pt"
+        rng.write_bytes(rng.read_bytes()[:200])
+    barrier()
+    try:
+        manager.load_latest({"actor": t.build_engine(2)})
+    except UserError as error:
+        say("damaged refused", "rank 1's random-number state" in str(error))
 """
 
 
 @pytest.mark.slow
 def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
-    """torchrun with 2 ranks: ZeRO-2 resume is exact; lock, non-finite and stop decisions reach both ranks."""
+    """torchrun with 2 ranks: ZeRO-2 resume is exact; lock, non-finite and stop decisions and a damaged file of one
+    rank's reach both ranks."""
     import os
     import subprocess
     import sys
@@ -407,7 +416,7 @@ def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        for line in ("lock refused", "diff 0.0", "non-finite agreed", "stop True"):
+        for line in ("lock refused", "diff 0.0", "non-finite agreed", "stop True", "damaged refused True"):
             assert f"{rank} {line}" in result.stdout, result.stdout
     step2 = tmp_path / "run" / "checkpoints" / "step2"
     assert sorted(p.name for p in (step2 / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]

@@ -443,17 +443,32 @@ class CheckpointManager:
             if load_path is None:
                 raise UserError(_damaged(info, f"'{name}'"))
             take_peak_learning_rates(engine, rates, name)
-        rng_file = info.path / RNG_DIR / f"rank{get_rank()}.pt"
-        with _damaged_if_unreadable(info, "its random-number state or loop state"):
+        problem, client_state = None, {}
+        try:
+            client_state = self._load_rank_files(info)
+        except UserError as error:
+            problem = str(error)
+        # agreed: a rank that went on alone would wait for the refused one in the run's first collective
+        problems = [found for found in all_gather_objects(problem) if found is not None]
+        if problems:
+            raise UserError(problems[0])
+        logger.info("resumed from %s (step %d)", info.path, info.step)
+        return client_state
+
+    @staticmethod
+    def _load_rank_files(info: CheckpointInfo) -> dict[str, Any]:
+        """This rank's RNG restored and the client state, with this rank's own state under "rank_state"."""
+        rank = get_rank()
+        rng_file = info.path / RNG_DIR / f"rank{rank}.pt"
+        with _damaged_if_unreadable(info, f"rank {rank}'s random-number state or the loop state"):
             if rng_file.is_file():
                 restore_rng_state(safe_load(rng_file))
             else:
-                logger.warning("%s has no RNG state for rank %d; its random streams restart", info.path, get_rank())
+                logger.warning("%s has no RNG state for rank %d; its random streams restart", info.path, rank)
             client_state = safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu")
-            rank_file = info.path / RANK_STATE_DIR / f"rank{get_rank()}.pt"
+            rank_file = info.path / RANK_STATE_DIR / f"rank{rank}.pt"
             if rank_file.is_file():
                 client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
-        logger.info("resumed from %s (step %d)", info.path, info.step)
         return client_state
 
 
