@@ -123,7 +123,7 @@ def predictions(args: argparse.Namespace) -> tuple[dict, list[str], str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--actor", default="runs/default/step1", help="the step-1 run folder (the actor)")
     parser.add_argument("--critic", default="runs/default/step2", help="the step-2 run folder (reward and critic)")
     parser.add_argument("--ranks", type=int, default=2)
