@@ -78,6 +78,14 @@ def test_causal_lm_folder_is_not_a_reward_model(tiny_model_dir, tmp_path):
         RewardModel.from_pretrained(tmp_path / "missing")
 
 
+def test_a_step2_run_that_has_not_saved_its_model_says_so(tmp_path):
+    """rw_eval (and step 3's --reward_model) said such a run folder "has no value head: it was not trained by step
+    2", where the other tools say the run has not saved its model yet."""
+    (tmp_path / "step2" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(UserError, match="step2 holds no model .*: a run that has not saved its model yet"):
+        RewardModel.from_pretrained(tmp_path / "step2")
+
+
 def test_rw_eval_takes_a_train_py_output_folder(tiny_model_dir, tmp_path, capsys):
     """rw_eval's help says it takes step 2's run folder; given train.py's --output-dir (whose step2/ holds it) it
     said the folder had no value head, as if the model were not a reward model."""

@@ -41,6 +41,7 @@ __all__ = [
     "load_config",
     "load_causal_lm",
     "match_tokenizer",
+    "no_model_error",
     "disable_dropout",
     "zero3_construction",
 ]
@@ -170,6 +171,13 @@ def _hub_call(what: str, name_or_path: str, load):
         ) from err
 
 
+def no_model_error(name_or_path: str) -> UserError:
+    """The error for a folder that holds no model: a run that has not saved one yet (checkpoints only), or none."""
+    return UserError(f"{name_or_path} holds no model (no config.json there, nor in its model/ folder): a run that has "
+                     "not saved its model yet, or no model folder; pass a model folder or the run folder of a finished "
+                     "step")
+
+
 def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserError:
     """Why the `what` ("model", "tokenizer") of a local folder did not load, in words that say what to pass."""
     folder = Path(resolve_model_path(name_or_path))
@@ -185,9 +193,7 @@ def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserErr
                          f"{base!r} (adapter_config.json), and its {what} did not load ({reason}); merge the adapter "
                          "into its base model and pass that folder, or make the base model loadable by that name")
     if not (folder / "config.json").is_file():
-        return UserError(f"{name_or_path} holds no model (no config.json there, nor in its model/ folder): a run "
-                         "that has not saved its model yet, or no model folder; pass a model folder or the run "
-                         "folder of a finished step")
+        return no_model_error(name_or_path)
     if no_tokenizer:
         return UserError(f"{name_or_path} holds a model but no tokenizer ({reason}); save the tokenizer into that "
                          "folder, or copy its files from the model it was tuned from")

@@ -31,6 +31,7 @@ from training.core.model_loading import (
     disable_dropout,
     load_config,
     match_tokenizer,
+    no_model_error,
     resolve_model_path,
     zero3_construction,
 )
@@ -127,6 +128,8 @@ class RewardModel(nn.Module):
         folder = Path(resolve_model_path(str(path)))
         if not folder.is_dir():
             raise UserError(f"reward model folder {folder} does not exist; pass the output folder of step 2")
+        if not (folder / "config.json").is_file():
+            raise no_model_error(str(path))
         if not (folder / MARKER_FILE).is_file() or not (folder / VALUE_HEAD_FILE).is_file():
             raise UserError(
                 f"{folder} has no value head: it was not trained by step 2; run step 2 "
