@@ -220,6 +220,16 @@ def test_a_ranks_own_state_comes_back_to_it(distributed, tmp_path):
     assert "rank_state" not in manager.restore({"actor": build_engine(0)}, resume=True)
 
 
+def test_a_checkpoint_missing_a_ranks_own_state_is_damaged(distributed, tmp_path):
+    """A placed run's rank read its chunks' random streams from a state that was not there: a KeyError on that rank
+    alone, while the others waited for it."""
+    manager = CheckpointManager(tmp_path / "run")
+    path = manager.save(2, {"actor": build_engine(0)}, {"epoch": 1}, rank_state={"chunks": [3, 5]})
+    (path / "rank_state" / "rank0.pt").unlink()
+    with pytest.raises(UserError, match=r"is damaged: rank 0's own state \(rank_state/rank0.pt is missing\)"):
+        manager.restore({"actor": build_engine(0)}, resume=True)
+
+
 @pytest.mark.parametrize("damaged", ["model_states", "client_state", "rank0"])
 def test_a_checkpoint_file_cut_short_is_named_as_a_damaged_checkpoint(distributed, tmp_path, damaged):
     """Cut at 200 bytes torch's reader raises a RuntimeError; at half its size (some lengths) an OSError."""

@@ -290,7 +290,8 @@ class CheckpointManager:
 
         `client_state` is taken from rank 0 and handed back to every rank by `load_latest`; it gets
         a `step` entry. `rank_state` (plain data, like `client_state`) is each rank's own, handed back to the
-        same rank as the client state's `rank_state`. A checkpoint of the same step that is already complete is
+        same rank as the client state's `rank_state`: every rank passes one, or none does (a resume refuses a
+        checkpoint where one rank's is missing). A checkpoint of the same step that is already complete is
         kept as it is.
         """
         client_state = dict(client_state or {})
@@ -469,6 +470,9 @@ class CheckpointManager:
             rank_file = info.path / RANK_STATE_DIR / f"rank{rank}.pt"
             if rank_file.is_file():
                 client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
+            elif rank_file.parent.is_dir():  # every rank saved its own state, or none did
+                raise UserError(_damaged(info, f"rank {rank}'s own state ({RANK_STATE_DIR}/{rank_file.name} is "
+                                               "missing)"))
         return client_state
 
 
