@@ -327,6 +327,50 @@ def test_under_the_human_assistant_format_the_eos_alone_ends_an_answer():
     assert item["input_ids"][-1] == tokenizer.eos_token_id
 
 
+class RecordingRewardModel(torch.nn.Module):
+    """A reward model that keeps the rows it is given and scores each by the token it scores at (its last real one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[list[int]] = []
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_) -> dict[str, torch.Tensor]:
+        self.rows += [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+        last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(-1)
+        return {"values": torch.zeros(input_ids.shape), "end_scores": input_ids[torch.arange(len(last)), last].float()}
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_step_3_gives_the_reward_model_the_sequence_step_2_trained_it_on(style):
+    """A chat_preference row (ultrafeedback's shape): step 2 trains on prompt + chosen ending at the end-of-turn token;
+    when the actor writes that answer and goes on with a next turn, step 3's reward model reads the same tokens and
+    scores at the same one, its end-of-turn token, whatever the prompt's left padding."""
+    from step3_rlhf.scoring import RewardScorer
+    from utils.data.readers import parse_chat_preference
+    from utils.data.samples import KIND_PROMPTS
+
+    tokenizer = turn_end_tokenizer(style)
+    formatter = PromptFormatter(tokenizer)
+    chat = [{"role": "user", "content": "Tell me a joke"}]
+    record = {"prompt": "Tell me a joke", "chosen": chat + [{"role": "assistant", "content": "Why did the chicken?"}],
+              "rejected": chat + [{"role": "assistant", "content": "No."}]}
+    limits = TokenLimits(max_seq_len=200, max_prompt_seq_len=100)
+    (pair,) = tokenize_samples(parse_chat_preference(record, 0), KIND_PAIRS, formatter, tokenizer, limits)
+    (prompt,) = tokenize_samples(parse_chat_preference(record, 0), KIND_PROMPTS, formatter, tokenizer, limits)
+    trained, start = pair["chosen_input_ids"].tolist(), int(pair["prompt_length"])
+    assert prompt["input_ids"].tolist() == trained[:start]
+    run_on = tokenizer.convert_tokens_to_ids(["<start_of_turn>", "u", "u"])
+    answers = torch.tensor([trained[start:] + run_on, trained[start:-1] + run_on[-1:] * 4])  # ends its turn; cut off
+    prompts = torch.tensor([[tokenizer.pad_token_id] * 2 + trained[:start]] * 2)
+    output = assemble_output(prompts, (prompts != tokenizer.pad_token_id).long(), answers, torch.zeros(answers.shape),
+                             answer_mask_from_tokens(answers, formatter.stop_token_ids), tokenizer.pad_token_id)
+    reward_model = RecordingRewardModel()
+    scores = RewardScorer(reward_model, None, 1.0, tokenizer)(output.sequences, output.attention_mask,
+                                                               output.prompt_length, None)
+    assert trained in reward_model.rows
+    assert scores.total.tolist() == [tokenizer.convert_tokens_to_ids(style.end_of_turn), run_on[-1]]
+
+
 def layout_warnings(actor_tokenizer, reward_tokenizer, reward_dir, caplog, prompt_format: str = "auto") -> list[str]:
     from step3_rlhf.rlhf_engine import check_same_vocabulary, warn_other_layout
 
