@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -605,6 +607,19 @@ def critic_free_estimator(monkeypatch) -> list[dict]:
         return advantages, advantages
 
     return calls
+
+
+def test_the_readmes_own_loop_runs_as_written(distributed, inputs, tmp_path, capsys):
+    """README's "Your own loop" snippet, run with this test's tiny models and four prompts (one batch): it unpacked
+    the step's data into two names once `DataArguments.build` returned three (ValueError)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = readme.split("Your own loop needs two calls")[1].split("```python\n")[1].split("```")[0]
+    snippet, count = re.subn(r"parse_args\(\[.*?\]\)", "parse_args(ARGV)", snippet, flags=re.S)
+    assert count == 1
+    argv = step3_argv(inputs, tmp_path / "mine", "--enable_hybrid_engine", "--max_train_samples", "4")
+    exec(compile(snippet, "README.md", "exec"), {"ARGV": argv})
+    score, actor_loss = capsys.readouterr().out.split()[-2:]
+    assert math.isfinite(float(score)) and math.isfinite(float(actor_loss))
 
 
 def test_experience_split_keeps_the_group_index():
