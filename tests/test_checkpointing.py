@@ -352,7 +352,7 @@ def test_tampered_checkpoint_is_refused_without_running_code(distributed, tmp_pa
 
 
 TWO_RANKS = """
-import math, os, signal, sys
+import argparse, math, os, signal, sys
 import torch
 from utils.dist import barrier, get_rank, init_distributed
 init_distributed()
@@ -394,14 +394,20 @@ with RunLock(output_dir):
             os.kill(os.getpid(), signal.SIGTERM)
         barrier()
         say("stop", stop.should_stop())
-    if rank == 1:  # one rank's file cut short: refused on both ranks (rank 0 went on to wait for rank 1)
-        rng = manager.latest().path / "rng" / "rank1.pt"
-        rng.write_bytes(rng.read_bytes()[:200])
-    barrier()
-    try:
-        manager.load_latest({"actor": t.build_engine(2)})
-    except UserError as error:
-        say("damaged refused", "rank 1's random-number state" in str(error))
+    # one rank's file refused (a class a safe load refuses), then one cut short: both ranks refuse (rank 0 went on
+    # without rank 1 and waited for it, after its own state's load or in DeepSpeed's collectives of the engine's)
+    for damage, named in (("rng/rank1.pt", "rank1.pt holds objects a safe load refuses"),
+                          ("actor/zero_pp_rank_1_mp_rank_00_optim_states.pt", "optim_states.pt (cut short)")):
+        target = manager.latest().path / damage
+        if rank == 1 and damage.startswith("rng"):
+            torch.save({"python": argparse.Namespace()}, target)
+        elif rank == 1:
+            target.write_bytes(target.read_bytes()[:200])
+        barrier()
+        try:
+            manager.load_latest({"actor": t.build_engine(2)})
+        except UserError as error:
+            say("damaged refused", named in str(error))
 """
 
 
@@ -428,6 +434,7 @@ def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
     for rank in (0, 1):
         for line in ("lock refused", "diff 0.0", "non-finite agreed", "stop True", "damaged refused True"):
             assert f"{rank} {line}" in result.stdout, result.stdout
+        assert result.stdout.count(f"{rank} damaged refused True") == 2, result.stdout
     step2 = tmp_path / "run" / "checkpoints" / "step2"
     assert sorted(p.name for p in (step2 / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
     assert json.loads((step2 / MARKER_FILE).read_text())["world_size"] == 2

@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import time
+import zipfile
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -437,6 +438,9 @@ class CheckpointManager:
                 f"checkpoint {info.path} holds the models {sorted(info.engines)}, but this run trains "
                 f"{names}; resume with the same settings, or choose another --output_dir"
             )
+        cut = broadcast_from_main(cut_short_files(info.path) if is_main_process() else None)
+        if cut:  # before any rank loads: one rank refusing mid-load left the others in DeepSpeed's collectives
+            raise UserError(_damaged(info, f"{', '.join(cut)} (cut short)"))
         for name, engine in engines.items():
             rates = peak_learning_rates(engine)
             with weights_only_engine_loads(engine), _damaged_if_unreadable(info, f"'{name}'"):
@@ -479,6 +483,12 @@ class CheckpointManager:
 def data_record(dataset: Any) -> dict[str, Any]:
     """What `CheckpointManager.check_data` compares of a dataset: its size and a hash of its items."""
     return {"items": len(dataset), "sha256": dataset.digest()}
+
+
+def cut_short_files(folder: Path) -> list[str]:
+    """The torch files of a checkpoint, every rank's, that are not whole (torch saves a zip archive, whose
+    directory comes last), relative to `folder`."""
+    return [str(path.relative_to(folder)) for path in sorted(folder.rglob("*.pt")) if not zipfile.is_zipfile(path)]
 
 
 def _data_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str:
