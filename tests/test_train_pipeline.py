@@ -719,3 +719,14 @@ def test_a_finished_step_is_the_same_run_whatever_its_saving_logging_and_decodin
     now = parse_args([*base, "--actor_learning_rate", "1e-3", "--save_interval", "5"])
     assert changed_flags(recorded, flag_values(now), same_result_flags(now)) == {
         "actor_learning_rate": (recorded["actor_learning_rate"], 1e-3)}
+
+
+def test_the_settings_table_shows_what_each_step_runs_with_where_the_users_flags_change_the_plan(tmp_path, fakes,
+                                                                                                 capsys):
+    """`--dtype fp32` on a bf16 machine ran every step in fp32 while the table said bf16."""
+    run(common(tmp_path, fakes.model_dir) + ["--dtype", "fp32", "--step3-args", "--max_answer_seq_len 64",
+                                             "--dry-run"], fakes)
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["dtype"].count("fp32 (planned bf16)") == 3
+    assert rows["max_answer_seq_len"].split()[-3:] == ["64", "(planned", "48)"]
+    assert "planned" not in rows["max_seq_len"] and rows["max_seq_len"].split()[1:] == ["256", "192", "-"]

@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, NoReturn
+from typing import Any, Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
@@ -288,6 +288,7 @@ class PreparedRun:
     commands: dict[int, list[str]]  # of the steps that run
     finished: dict[int, dict]  # the summaries of the steps skipped, finished in their folders
     inputs: Inputs  # each step's model flags and their values
+    runs_with: dict[int, dict[str, Any]]  # each step's flag values as its command line gives them
 
 
 def _check_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
@@ -404,7 +405,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
         else ["python", "-m", STEPS[step].module, *argvs[step]]
         for step in config.steps if step not in finished
     }
-    return PreparedRun(plan, launcher, argvs, commands, finished, inputs)
+    runs_with = {step: _recorded_flags(entry(step).build_parser(), argv)[0] for step, argv in argvs.items()}
+    return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with)
 
 
 def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
@@ -455,7 +457,7 @@ def run_pipeline(
     hardware = hardware or detect_hardware()
     prepared = prepare_run(config, entry, hardware)
     deployment = prepared.plan.deployment.value
-    print(settings_table(prepared.plan, config.steps), flush=True)
+    print(settings_table(prepared.plan, config.steps, prepared.runs_with), flush=True)
     how = "in this process, as" if prepared.launcher is None else "with"
     print(f"\n{'would run' if config.dry_run else 'runs'} {how}:")
     for step in config.steps:

@@ -35,12 +35,25 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def settings_table(plan: DeploymentPlan, steps: Sequence[int]) -> str:
+def _setting_cell(planned: Any, runs_with: Mapping[str, Any], name: str) -> str:
+    """The value a step runs with; where the user's flags changed the plan's, the planned one beside it."""
+    value = runs_with.get(name, planned)
+    if value == planned or str(value) == str(planned):  # a plain argparse step keeps its values as strings
+        return format_value(planned)
+    return f"{format_value(value)} (planned {format_value(planned)})"
+
+
+def settings_table(plan: DeploymentPlan, steps: Sequence[int],
+                   runs_with: Mapping[int, Mapping[str, Any]] | None = None) -> str:
+    """The plan's settings per step, each as the step runs it (`runs_with`: its command line's flag values, the
+    user's after the plan's)."""
+    runs_with = runs_with or {}
     names: list[str] = []
     for step in steps:
         names += [name for name in plan.steps[step].flags if name not in names]
     rows = [
-        [name, *(format_value(plan.steps[step].flags[name]) if name in plan.steps[step].flags else "-" for step in steps)]
+        [name, *(_setting_cell(plan.steps[step].flags[name], runs_with.get(step, {}), name)
+                 if name in plan.steps[step].flags else "-" for step in steps)]
         for name in names
     ]
     title = f"deployment: {plan.deployment.value} ({plan.world_size} process{'es' if plan.world_size > 1 else ''})"
