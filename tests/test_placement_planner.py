@@ -437,6 +437,7 @@ def test_a_decoder_handed_back_at_every_entry_is_timed_once_per_call():
 
 
 def test_calibration_is_saved_then_reused(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLHF_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     measured = []
     monkeypatch.setattr(calibration, "calibrate", lambda dtype, threads, world, quick=False: measured.append(1)
@@ -445,9 +446,12 @@ def test_calibration_is_saved_then_reused(tmp_path, monkeypatch):
     again = calibration.load_or_calibrate("bf16", 2, 1)
     assert first == again and len(measured) == 1
     path = calibration.cache_path("bf16", 2, 1)
-    assert path.parent == tmp_path / "rlhf-pipeline" / "calibration" and path.name.endswith("-bf16-t2-w1.json")
+    assert path.parent == tmp_path / "rlhf_pipeline" / "calibration" and path.name.endswith("-bf16-t2-w1.json")
     assert {"cpu_model", "torch", "date", "machine"} <= set(json.loads(path.read_text()))
     assert calibration.load_or_calibrate("bf16", 2, 1, recalibrate=True).name == "measured 2"
+    # under the project's one cache root, which RLHF_CACHE_DIR moves (it went to ~/.cache/rlhf-pipeline regardless)
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert calibration.cache_path("bf16", 2, 1).parent == tmp_path / "elsewhere" / "calibration"
 
 
 def _dry_run(tmp_path, fakes, extra):

@@ -25,6 +25,7 @@ import torch
 from training.generation.cpu_linear import LinearWeight
 from training.pipeline.hardware import GIB
 from utils.cpu import cpu_model_name
+from utils.paths import cache_root
 from training.placement.machine import MachineSpec
 from training.placement.microbench import (
     QUICK,
@@ -45,8 +46,8 @@ _BASELINE_SCRIPT = ("import os, torch, deepspeed, transformers, peft, datasets; 
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "rlhf-pipeline" / "calibration"
+    """Under the project's one cache root (`utils.paths.cache_root`: `RLHF_CACHE_DIR` applies here too)."""
+    return cache_root() / "calibration"
 
 
 def cache_path(dtype: str, threads: int, world_size: int) -> Path:
