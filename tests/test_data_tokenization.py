@@ -114,7 +114,7 @@ def test_sft_truncates_the_answer_and_drops_overlong_prompts(chat_tok):
     long_turns = ({"role": "user", "content": "fox " * 200},)
     data = tokenize_samples([Sample(TURNS, "word " * 100), Sample(long_turns, "ok")], KIND_SFT, formatter, chat_tok,
                             TokenLimits(max_seq_len=prompt_len + 5))
-    assert data.stats == {"items": 1, "dropped:prompt_too_long": 1}
+    assert data.stats == {"items": 1, "dropped:prompt_too_long": 1, "answer_truncated": 1}
     item = data[0]
     assert len(item["input_ids"]) == prompt_len + 5
     assert (item["labels"] != IGNORE_INDEX).sum() == 5
@@ -133,6 +133,22 @@ def test_pairs_append_eos_truncate_and_drop_identical(plain_tok):
     cut = tokenize_samples(samples, KIND_PAIRS, formatter, plain_tok, TokenLimits(max_seq_len=prompt_len + 2))
     assert cut.stats["dropped:identical_after_truncation"] == 1
     assert len(cut) == 1 and len(cut[0]["chosen_input_ids"]) == prompt_len + 2
+
+
+def test_items_whose_answer_is_cut_at_max_seq_len_are_counted(plain_tok):
+    """A pair or SFT item cut at --max_seq_len (its EOS with it) was kept without a word: 15% of hh-rlhf's harmless
+    pairs at 256 tokens under SmolLM2's tokenizer."""
+    formatter = PromptFormatter(plain_tok)
+    samples = [Sample(TURNS, "yes good", "no"), Sample(TURNS, "a much longer answer than that", "no")]
+    prompt_len = len(plain_tok(formatter.prompt(TURNS))["input_ids"])
+    row = formatter.row(samples[0])
+    whole = len(plain_tok(row["prompt"] + row["chosen"])["input_ids"]) + len(formatter.answer_suffix_ids)  # EOS
+    for kind in (KIND_PAIRS, KIND_SFT):
+        fits = tokenize_samples(samples[:1], kind, formatter, plain_tok, TokenLimits(max_seq_len=whole))
+        assert fits.stats == {"items": 1} and fits[0][next(iter(fits[0]))][-1] == plain_tok.eos_token_id
+        cut = tokenize_samples(samples, kind, formatter, plain_tok, TokenLimits(max_seq_len=whole))
+        assert cut.stats == {"items": 2, "answer_truncated": 1}, kind
+    assert whole > prompt_len + 1
 
 
 def test_prompts_drop_or_left_truncate_overlong(chat_tok):

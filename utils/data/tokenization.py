@@ -110,6 +110,13 @@ def pair_sequences(prompt: list[int], chosen: list[int], rejected: list[int], su
     return _pair_item(chosen[:start], chosen[start:] + list(suffix), rejected[start:] + list(suffix), limits)
 
 
+def _answer_cut(limits: TokenLimits, suffix: Sequence[int], *joints: list[int]) -> bool:
+    """Whether a kept item holds an answer only in part: a prompt + answer (+ `suffix`) longer than --max_seq_len is
+    cut there, its end-of-turn token or EOS with it, so the model learns (or a pair is scored on) an unfinished
+    answer."""
+    return any(len(joint) + len(suffix) > limits.max_seq_len for joint in joints)
+
+
 def _prompt_item(prompt: list[int], bos: int | None, limits: TokenLimits, counts: Counter) -> dict | str:
     """The prompts item, left-truncated or dropped when too long. A truncated prompt that begins with the BOS token
     keeps it in front of its most recent tokens: a model trained with BOS first (Llama's, Mistral's) reads a text
@@ -158,6 +165,8 @@ def tokenize_samples(
         if isinstance(item, str):
             counts[f"dropped:{item}"] += 1
             continue
+        if kind != KIND_PROMPTS and _answer_cut(limits, suffix, chosen[index], *rejected[index:index + 1]):
+            counts["answer_truncated"] += 1
         for name, ids in item.items():
             columns.setdefault(name, []).append(ids)
         if keep_metadata:
