@@ -587,3 +587,14 @@ def test_a_prompt_whose_reply_columns_are_malformed_is_skipped_for_replies_and_k
     (pairs,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
     assert sft.train == pairs.train == read_rows(path) == []
     assert sft.skipped == pairs.skipped == reasons
+
+
+def test_copies_of_a_row_whose_replies_do_not_read_are_records_as_before(tmp_path):
+    """Such rows were skipped whole (not records' copies) before step 3 kept their prompts: taken as copies since,
+    they changed the source's record count, which re-cut every shard and refused an earlier step's run."""
+    row = {"prompt": "Human: Sky? Assistant:", "chosen": ["x"], "rejected": "No."}
+    path = write_jsonl(tmp_path / "rows.jsonl", [
+        {"prompt": "Human: Grass? Assistant:", "chosen": "Green.", "rejected": "No."}, row, row,
+        {"prompt": "Human: Sea? Assistant:", "chosen": "Blue.", "rejected": "No."}])
+    source = load_source(parse_source_spec(path))
+    assert len(source) == 4 and not source.load_skips

@@ -184,14 +184,16 @@ def without_duplicates(source: LoadedSource) -> LoadedSource:
 
 
 def _content_key(source: LoadedSource, record: Any) -> str | None:
-    """What a record's rows parse to, as text; None for a row the parser skips (its reason is counted later). A row
-    whose replies do not read keeps its reason in the key: rows of one prompt with different faults are not copies."""
+    """What a record's rows parse to, as text; None for a row the parser skips (its reason is counted later), and
+    for a row whose replies do not read: such rows were skipped whole before step 3 kept their prompts, so counting
+    them as copies now would re-cut the shards of data an earlier run was split from."""
     try:
         samples = source.parse(record, 0)
     except SkipRow:
         return None
-    return json.dumps([(s.turns, s.chosen, s.rejected, s.metadata, s.reply_error) for s in samples], default=str,
-                      sort_keys=True)
+    if any(sample.reply_error for sample in samples):
+        return None
+    return json.dumps([(s.turns, s.chosen, s.rejected, s.metadata) for s in samples], default=str, sort_keys=True)
 
 
 def _read_source(spec: SourceSpec) -> LoadedSource:
