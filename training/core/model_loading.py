@@ -1,7 +1,6 @@
 """Load any Hugging Face causal LM and its tokenizer, by hub name, local path or the embedded default."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -130,13 +129,13 @@ def resolve_trained_dtype(name: str | None, model_path: str) -> torch.dtype:
     fp32-trained model's greedy answers and scores were not its run's."""
     from deepspeed.accelerator import get_accelerator
 
-    from training.reliability.run_records import run_dir_of  # it builds on this module
+    from training.reliability.run_records import read_record, run_dir_of  # it builds on this module
 
     best = resolve_dtype(name)
     if name not in (None, "auto") or is_embedded_name(model_path):
         return best
     folder = resolve_model_path(model_path)
-    config = _read_json(Path(folder) / "config.json")
+    config = read_record(folder, "config.json") or {}
     saved = _SAVED_DTYPES.get(config.get("dtype") or config.get("torch_dtype"))
     if saved is None or run_dir_of(folder) is None:
         return best
@@ -180,6 +179,8 @@ def no_model_error(name_or_path: str) -> UserError:
 
 def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserError:
     """Why the `what` ("model", "tokenizer") of a local folder did not load, in words that say what to pass."""
+    from training.reliability.run_records import read_record  # it builds on this module
+
     folder = Path(resolve_model_path(name_or_path))
     no_tokenizer = what == "tokenizer" and not any((folder / name).is_file() for name in _TOKENIZER_FILES)
     if no_tokenizer:
@@ -188,7 +189,7 @@ def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserErr
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     adapter = folder / _ADAPTER_CONFIG
     if adapter.is_file() and not (folder / "config.json").is_file():
-        base = _read_json(adapter).get("base_model_name_or_path")
+        base = (read_record(folder, _ADAPTER_CONFIG) or {}).get("base_model_name_or_path")
         return UserError(f"{name_or_path} holds a LoRA adapter, not a whole model: it loads only over its base model "
                          f"{base!r} (adapter_config.json), and its {what} did not load ({reason}); merge the adapter "
                          "into its base model and pass that folder, or make the base model loadable by that name")
@@ -198,14 +199,6 @@ def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserErr
         return UserError(f"{name_or_path} holds a model but no tokenizer ({reason}); save the tokenizer into that "
                          "folder, or copy its files from the model it was tuned from")
     return UserError(f"could not load the {what} from {name_or_path}: {reason}")
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return values if isinstance(values, dict) else {}
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

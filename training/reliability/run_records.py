@@ -36,7 +36,8 @@ def _write_record(run_dir: str | os.PathLike, name: str, values: Mapping[str, An
     atomic_write_text(Path(run_dir) / name, _as_json(values))
 
 
-def _read_record(run_dir: str | os.PathLike, name: str) -> dict | None:
+def read_record(run_dir: str | os.PathLike, name: str) -> dict | None:
+    """The JSON object in `run_dir`/`name`; None where it is missing, unreadable or not an object."""
     try:
         values = json.loads((Path(run_dir) / name).read_text())
     except (OSError, ValueError):
@@ -57,7 +58,7 @@ def save_run_args(run_dir: str | os.PathLike, args: Any) -> None:
 
 def read_run_args(run_dir: str | os.PathLike) -> dict | None:
     """The arguments `save_run_args` recorded in `run_dir`; None when it holds none or they do not parse."""
-    return _read_record(run_dir, ARGS_FILE)
+    return read_record(run_dir, ARGS_FILE)
 
 
 def run_dir_of(model: str | os.PathLike) -> Path | None:
@@ -114,4 +115,4 @@ def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> dict
 
 def read_summary(run_dir: str | os.PathLike) -> dict | None:
     """The summary `save_summary` wrote in `run_dir` (a finished run); None when it holds none or it does not parse."""
-    return _read_record(run_dir, SUMMARY_FILE)
+    return read_record(run_dir, SUMMARY_FILE)
