@@ -33,7 +33,7 @@ from training.placement.spec import Placement
 from training.reliability.run_records import args_of_model
 from utils.data import PromptFormatter
 from utils.data.tokenization import probe_tokens
-from utils.dist import current_device
+from utils.dist import current_device, is_main_process
 from utils.errors import UserError
 
 if TYPE_CHECKING:  # settings.py imports ppo_trainer, which imports this module
@@ -145,7 +145,8 @@ def build_rlhf_engine(
     if reward_path is not None:
         reward_tokenizer = load_tokenizer(reward_path, trust_remote_code)
         check_same_vocabulary(tokenizer, reward_tokenizer, reward_path)
-        warn_other_layout(tokenizer, reward_tokenizer, args.data.prompt_format, reward_path)
+        if is_main_process():  # the same on every rank
+            warn_other_layout(tokenizer, reward_tokenizer, args.data.prompt_format, reward_path)
 
     actor = reference = critic = reward = shadow = None
     if holds("actor"):
