@@ -19,6 +19,7 @@ from training.reliability.checkpointing import (
     CheckpointSettings,
     capture_rng_state,
     check_weights_only_safe,
+    cut_short_files,
     restore_rng_state,
 )
 from utils.atomic import atomic_directory, shared_atomic_directory
@@ -232,15 +233,22 @@ def test_a_checkpoint_missing_a_ranks_own_state_is_damaged(distributed, tmp_path
 
 @pytest.mark.parametrize("damaged", ["model_states", "client_state", "rank0"])
 def test_a_checkpoint_file_cut_short_is_named_as_a_damaged_checkpoint(distributed, tmp_path, damaged):
-    """Cut at 200 bytes torch's reader raises a RuntimeError; at half its size (some lengths) an OSError."""
+    """A file cut short (at 200 bytes, at half its size) is found before anything loads and named. One whole in
+    length whose bytes are overwritten passes that check: torch's reader raises (a RuntimeError, for some
+    damage an OSError or an unpickling error), said as the same damaged checkpoint."""
     manager = CheckpointManager(tmp_path / "run")
     path = manager.save(2, {"actor": build_engine(0)}, {"epoch": 1})
     target = next(path.rglob(f"*{damaged}*.pt"))
     whole = target.read_bytes()
     for length in (200, len(whole) // 2):
         target.write_bytes(whole[:length])
-        with pytest.raises(UserError, match=f"checkpoint {path} is damaged: .* delete that folder"):
+        with pytest.raises(UserError, match=rf"checkpoint {path} is damaged: .*{damaged}.*\(cut short\).* delete "
+                                            "that folder"):
             manager.restore({"actor": build_engine(0)}, resume=True)
+    target.write_bytes(whole[:100] + bytes(len(whole) - 400) + whole[-300:])  # the zip's directory kept
+    assert not cut_short_files(path)
+    with pytest.raises(UserError, match=f"checkpoint {path} is damaged: .* delete that folder"):
+        manager.restore({"actor": build_engine(0)}, resume=True)
 
 
 def test_saving_the_same_step_twice_keeps_the_first(distributed, tmp_path):
