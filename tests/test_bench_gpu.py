@@ -1,9 +1,12 @@
 """bench/gpu on CPU: the parts of a file too large for one device call join back to its sha256 across calls, the
 wheels' requirements are all on the GPU image or carried, the device calls fit their limits, and the runner's
-stages (dry run, failures, budget, packing) behave as the GPU session will rely on."""
+stages (dry run, failures, budget, packing) behave as the GPU session will rely on, and their commands parse against
+their scripts' parsers."""
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import subprocess
@@ -37,6 +40,7 @@ from bench.gpu.stages import (
     PIPELINE_REFERENCE,
     REQUIRE_CUDA_ENV,
     STAGE_NAMES,
+    STAGES,
     Command,
     Context,
     GpuRunSettings,
@@ -452,3 +456,99 @@ def test_the_cuda_graph_stage_times_both_decode_paths_with_and_without_graphs(tm
         "generation_smollm2-random_zero3_b8_bf16_cuda_graph.json", "generation_smollm2-random_zero3_b8_bf16_eager.json",
         "generation_gpt2-random_zero3_b8_bf16_cuda_graph.json", "generation_gpt2-random_zero3_b8_bf16_eager.json"]
     assert ["--disable_cuda_graph" in argv for argv in runs] == [False, True, False, True]
+
+
+NOT_THE_PROJECTS = ("pip", "pytest")  # `-m` modules whose flags are no parser of this project's (the GPU tests'
+# command is run on CPU by test_the_tests_stage_fails_where_cuda_is_missing_rather_than_skipping_every_test)
+ONE_GPU = dict(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=128, cpu_cores=16, bf16=True)  # the lent machine
+
+
+class _Parsed(Exception):
+    """Raised by `_stop_after_parsing` with what the outermost parser read."""
+
+
+def _stop_after_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make argparse's outermost `parse_known_args` (a subcommand's parser runs inside it) raise `_Parsed` once it
+    has read its flags: a script's `main` then parses its command line and does nothing else."""
+    original, depth = argparse.ArgumentParser.parse_known_args, [0]
+
+    def parse_known_args(self, *args, **kwargs):
+        depth[0] += 1
+        try:
+            parsed = original(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            raise _Parsed(parsed)
+        return parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+
+
+def _module_and_args(argv: tuple[str, ...]) -> tuple[str, list[str]]:
+    """(module, its flags) of a stage command: `python -m MODULE ...` or `python SCRIPT.py ...`."""
+    if argv[1] == "-m":
+        return argv[2], list(argv[3:])
+    return argv[1].removesuffix(".py").replace("/", "."), list(argv[2:])
+
+
+def _train_dry_run(train_argv: list[str]) -> None:
+    """train.py's dry run of these flags on the lent machine: every flag routed to a step that accepts it, each
+    step's command parsed by its parser."""
+    from training.pipeline.cli import parse_config
+    from training.pipeline.hardware import Hardware
+    from training.pipeline.runner import run_pipeline
+
+    run_pipeline(parse_config([*train_argv, "--dry-run"]), hardware=Hardware(**ONE_GPU))
+
+
+def _parse_command(argv: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parse a stage command's flags as its script will: with the script's `parse_args` where it has one (its
+    checks after argparse's included), else with its `main` stopped after parsing; train.py's flags behind
+    bench/pipeline.py's `--` and the step-3 flags bench/step3.py makes are parsed by their own parsers too."""
+    name, args = _module_and_args(argv)
+    module = importlib.import_module(name)
+    if not hasattr(module, "parse_args"):
+        with monkeypatch.context() as patch, pytest.raises(_Parsed):
+            _stop_after_parsing(patch)
+            module.main(args)
+        return
+    parsed = module.parse_args(args)
+    if name == "bench.pipeline":
+        _train_dry_run(parsed[1])
+    elif name == "bench.step3":
+        module.step3_settings(parsed, str(Path(parsed.output).parent / "step3"))
+
+
+def _built(stage: Stage, ctx: Context) -> list[Command]:
+    built = stage.commands(ctx)
+    assert not isinstance(built, str), built
+    return built
+
+
+def test_every_stage_command_parses_against_its_scripts_parser(tmp_path, monkeypatch):
+    """A command whose flag its script no longer takes (renamed, another type, a choice gone) or whose module has
+    moved fails on the GPU machine, a session of which is rare: every stage's commands, those of random weights
+    and those of the real ones, are parsed here as their scripts will."""
+    folders = _carried(tmp_path, with_weights=True)
+    ctx = Context(GpuRunSettings(output=str(tmp_path / "out"), **folders), REPO_ROOT, sys.executable)
+    ctx.joined_wheel.parent.mkdir(parents=True)
+    ctx.joined_wheel.write_bytes(b"")  # the embedded stage's commands: once every part has arrived
+    commands = [command for stage in STAGES if not stage.real_weights_only for command in _built(stage, ctx)]
+    real = tmp_path / "smollm2"
+    real.mkdir()
+    ctx.embedded_path_file.write_text(f"{real}\n")
+    commands += [command for stage in STAGES if stage.real_weights_only for command in _built(stage, ctx)]
+    for name in ("smollm2-random", "llama-1b-random"):  # bench/step3.py refuses an actor or reward not there
+        for folder in (ctx.model(name), ctx.model(f"{name}-value")):
+            folder.mkdir(parents=True)
+    parsed = [command for command in commands if _module_and_args(command.argv)[0] not in NOT_THE_PROJECTS]
+    for command in parsed:
+        try:
+            _parse_command(command.argv, monkeypatch)
+        except SystemExit as error:  # argparse's: the reason is in the captured stderr
+            pytest.fail(f"{command.shell()}: its parser exits {error.code}")
+    scripts = {_module_and_args(command.argv)[0] for command in parsed}
+    assert scripts == {"bench.gpu.environment", "bench.gpu.parts", "bench.gpu.convert", "bench.random_model",
+                       "bench.gpu.value_model", "bench.attention_backward", "bench.generation", "bench.step3",
+                       "bench.pipeline", "bench.gpu.pack", "step2_reward.main"}, "every script a stage runs"
