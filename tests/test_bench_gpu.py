@@ -5,9 +5,11 @@ their scripts' parsers."""
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import importlib
 import importlib.metadata
+import inspect
 import json
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from bench.gpu.plan import (
 from bench.gpu.prepare import describe_calls
 from bench.gpu.stages import (
     CALL_BUDGET_S,
+    GPU_TESTS,
     PIPELINE_REFERENCE,
     REQUIRE_CUDA_ENV,
     STAGE_NAMES,
@@ -552,3 +555,21 @@ def test_every_stage_command_parses_against_its_scripts_parser(tmp_path, monkeyp
     assert scripts == {"bench.gpu.environment", "bench.gpu.parts", "bench.gpu.convert", "bench.random_model",
                        "bench.gpu.value_model", "bench.attention_backward", "bench.generation", "bench.step3",
                        "bench.pipeline", "bench.gpu.pack", "step2_reward.main"}, "every script a stage runs"
+
+
+def _worker_calls() -> list[tuple[str, int]]:
+    """(check, how many arguments follow it) of every `run_worker(CHECK, ...)` in tests/test_gpu.py."""
+    tree = ast.parse((REPO_ROOT / GPU_TESTS).read_text())
+    return [(call.args[0].value, len(call.args) - 1) for call in ast.walk(tree)
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "run_worker"]
+
+
+def test_the_gpu_tests_worker_imports_on_cpu_and_takes_each_check_as_the_gpu_tests_call_it():
+    """tests/scripts/gpu_worker.py runs only on a GPU, in subprocesses of tests/test_gpu.py: a helper it imports that
+    was renamed, or a check whose arguments changed, failed every GPU test of the rare session."""
+    from scripts import gpu_worker
+
+    calls = _worker_calls()
+    assert {check for check, _ in calls} == set(gpu_worker.CHECKS), "every check called, none unknown"
+    for check, arguments in calls:
+        inspect.signature(gpu_worker.CHECKS[check]).bind(*["argument"] * arguments)
