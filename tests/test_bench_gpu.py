@@ -463,7 +463,6 @@ def test_the_cuda_graph_stage_times_both_decode_paths_with_and_without_graphs(tm
 
 NOT_THE_PROJECTS = ("pip", "pytest")  # `-m` modules whose flags are no parser of this project's (the GPU tests'
 # command is run on CPU by test_the_tests_stage_fails_where_cuda_is_missing_rather_than_skipping_every_test)
-ONE_GPU = dict(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=128, cpu_cores=16, bf16=True)  # the lent machine
 
 
 class _Parsed(Exception):
@@ -502,7 +501,8 @@ def _train_dry_run(train_argv: list[str]) -> None:
     from training.pipeline.hardware import Hardware
     from training.pipeline.runner import run_pipeline
 
-    run_pipeline(parse_config([*train_argv, "--dry-run"]), hardware=Hardware(**ONE_GPU))
+    lent_machine = Hardware(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=128, cpu_cores=16, bf16=True)
+    run_pipeline(parse_config([*train_argv, "--dry-run"]), hardware=lent_machine)
 
 
 def _parse_command(argv: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
