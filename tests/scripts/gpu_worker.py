@@ -3,7 +3,7 @@
     python gpu_worker.py CHECK ARGS...
 
 Each check asserts on the GPU what the CPU tests assert on CPU, through the same helpers
-(scripts/hybrid_engine_worker.py), and prints `GPU_OK CHECK` when it passed. Not yet run on a GPU.
+(scripts/hybrid_engine_worker.py), and prints `GPU_OK CHECK` when it passed. Run on an H200 in two sessions (bench/results/gpu_session*_h200.json).
 """
 from __future__ import annotations
 
