@@ -86,6 +86,12 @@ def test_model_source(tiny_model_dir, tmp_path, monkeypatch):
     empty.mkdir()
     with pytest.raises(UserError, match="holds no config.json .*a previous step's run folder, or 'smollm2-135m'"):
         check_model_source(str(empty))
+    adapter = tmp_path / "adapter"  # a PEFT/TRL LoRA save: the adapter alone
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}')
+    with pytest.raises(UserError, match=r"adapter holds a LoRA adapter, not a whole model \(its base model: "
+                                        r"'Qwen/Qwen2.5-0.5B'.*merge the adapter into its base model"):
+        check_model_source(str(adapter))
     with pytest.raises(UserError, match="is a file"):
         check_model_source(str(run_folder / "model" / "config.json"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -177,21 +177,29 @@ def no_model_error(name_or_path: str) -> UserError:
                      "step")
 
 
-def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserError:
-    """Why the `what` ("model", "tokenizer") of a local folder did not load, in words that say what to pass."""
+def lora_adapter_base(folder: str | os.PathLike) -> str | None:
+    """The base model a folder holding a LoRA adapter alone (a PEFT/TRL save: adapter_config.json, no config.json)
+    names; None for any other folder ("" where the adapter names none)."""
     from training.reliability.run_records import read_record  # it builds on this module
 
+    folder = Path(folder)
+    if (folder / "config.json").is_file() or not (folder / _ADAPTER_CONFIG).is_file():
+        return None
+    return str((read_record(folder, _ADAPTER_CONFIG) or {}).get("base_model_name_or_path") or "")
+
+
+def _local_folder_error(what: str, name_or_path: str, err: Exception) -> UserError:
+    """Why the `what` ("model", "tokenizer") of a local folder did not load, in words that say what to pass."""
     folder = Path(resolve_model_path(name_or_path))
     no_tokenizer = what == "tokenizer" and not any((folder / name).is_file() for name in _TOKENIZER_FILES)
     if no_tokenizer:
         reason = f"no {' nor '.join(_TOKENIZER_FILES)}"
     else:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    adapter = folder / _ADAPTER_CONFIG
-    if adapter.is_file() and not (folder / "config.json").is_file():
-        base = (read_record(folder, _ADAPTER_CONFIG) or {}).get("base_model_name_or_path")
+    adapter = lora_adapter_base(folder)
+    if adapter is not None:
         return UserError(f"{name_or_path} holds a LoRA adapter, not a whole model: it loads only over its base model "
-                         f"{base!r} (adapter_config.json), and its {what} did not load ({reason}); merge the adapter "
+                         f"{adapter!r} (adapter_config.json), and its {what} did not load ({reason}); merge the adapter "
                          "into its base model and pass that folder, or make the base model loadable by that name")
     if not (folder / "config.json").is_file():
         return no_model_error(name_or_path)

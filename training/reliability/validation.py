@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
-from training.core.model_loading import refuse_file, resolve_model_path
+from training.core.model_loading import lora_adapter_base, refuse_file, resolve_model_path
 from training.reliability.run_records import read_run_args, run_dir_of
 from utils.data.args import DataArguments
 from utils.data.shard_match import InputRunRecord, check_same_shards
@@ -249,7 +249,12 @@ def check_model_source(name_or_path: str, flag: str = "--model_name_or_path") ->
     path = Path(name_or_path).expanduser()
     if path.exists():
         refuse_file(name_or_path, flag)
-        if not (Path(resolve_model_path(str(path))) / "config.json").is_file():
+        folder = Path(resolve_model_path(str(path)))
+        base = lora_adapter_base(folder)
+        if base is not None:
+            raise UserError(f"{flag} {name_or_path} holds a LoRA adapter, not a whole model (its base model: {base!r}, "
+                            "adapter_config.json); merge the adapter into its base model and pass that folder")
+        if not (folder / "config.json").is_file():
             raise UserError(f"{flag} {name_or_path} holds no config.json (nor model/config.json); pass {alternatives}")
         return
     if not _HUB_ID.match(name_or_path) or ".." in name_or_path:
