@@ -574,7 +574,13 @@ def test_bad_chat_prompt_rows_are_counted_with_what_is_wrong(tmp_path):
     ([{"prompt": chat(("user", "Grass?")), "chosen": chat(("assistant", "Green.")), "rejected": chat(("user", "?"))},
       {"prompt": chat(("user", "Sky?")), "chosen": "Blue.", "rejected": chat(("assistant", "Red."))}],
      {"no_assistant_reply:rejected": 1, "wrong_type:chosen": 1}),
-], ids=["deepspeed_chat", "chat_prompt", "chat_preference_explicit_prompt"])
+    ([{"question": {"full_text": "Sky?"}, "answer_0": "Blue.", "answer_1": "Red.", "score_0": 1.0, "score_1": 1.0},
+      {"question": {"full_text": "Grass?"}, "answer_0": "Green.", "answer_1": "Red.", "score_0": "1", "score_1": 0}],
+     {"tie": 1, "wrong_type:score_0": 1}),
+    ([{"history": "Sky?", "human_ref_A": "Blue.", "human_ref_B": "Red.", "labels": 2},
+      {"history": "Grass?", "human_ref_A": "Green.", "human_ref_B": "Red."}],
+     {"wrong_type:labels": 1, "missing:labels": 1}),
+], ids=["deepspeed_chat", "chat_prompt", "chat_preference_explicit_prompt", "webgpt", "shp"])
 def test_a_prompt_whose_reply_columns_are_malformed_is_skipped_for_replies_and_kept_for_step_3(tmp_path, rows,
                                                                                                 reasons):
     """Step 3 reads only the prompt: it lost every row whose unused chosen/rejected/completion was malformed (in
@@ -598,3 +604,26 @@ def test_copies_of_a_row_whose_replies_do_not_read_are_records_as_before(tmp_pat
         {"prompt": "Human: Sea? Assistant:", "chosen": "Blue.", "rejected": "No."}])
     source = load_source(parse_source_spec(path))
     assert len(source) == 4 and not source.load_skips
+
+
+@pytest.mark.parametrize("good, bad", [
+    ({"question": {"full_text": "Sea?"}, "answer_0": "Blue.", "answer_1": "Red.", "score_0": 1.0, "score_1": 0.0},
+     {"question": {"full_text": "Sky?"}, "answer_0": "Blue.", "answer_1": "Red.", "score_0": 0.0, "score_1": 0.0}),
+    ({"history": "Sea?", "human_ref_A": "Blue.", "human_ref_B": "Red.", "labels": 1},
+     {"history": "Sky?", "human_ref_A": "Blue.", "human_ref_B": "Red.", "labels": None}),
+], ids=["webgpt_tie", "shp_no_label"])
+def test_a_tied_or_unlabelled_preference_row_gives_step_3_its_prompt_and_steps_1_2_what_they_had(tmp_path, good,
+                                                                                                 bad):
+    """Such rows have no preferred reply, but their prompts are good ones for step 3, which lost them; steps 1 and 2
+    skip them for the same reason as before, and copies of them are records, not duplicates, as before."""
+    path = write_jsonl(tmp_path / "rows.jsonl", [good, bad, bad])
+    source = load_source(parse_source_spec(path))
+    assert len(source) == 3 and not source.load_skips
+    (prompts,) = phase_splits(3, [path], "0,0,1", seed=0, eval_fraction=0)
+    assert sorted(s.turns[0]["content"] for s in prompts.train) == ["Sea?", "Sky?", "Sky?"] and not prompts.skipped
+    reason = "tie" if "score_0" in bad else "missing:labels"
+    for phase, data_split in ((1, "1,0,0"), (2, "0,1,0")):
+        (split,) = phase_splits(phase, [path], data_split, seed=0, eval_fraction=0)
+        assert [(s.chosen, s.rejected) for s in split.train] == [("Blue.", "Red.")]
+        assert (split.records, split.skipped) == (3, {reason: 2})
+    assert [row["chosen"].strip() for row in read_rows(path)] == ["Blue."]

@@ -9,8 +9,10 @@ Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the col
 - `hh_rlhf`: `chosen`/`rejected` full transcripts (Anthropic/hh-rlhf); split at the last
   Assistant turn, the shared prompt is everything before it. An empty last Assistant turn is
   kept as the reply "" (usable in pairs, not for SFT).
-- `shp`: `history`, `human_ref_A`, `human_ref_B`, `labels` (stanfordnlp/SHP; label 1 = A preferred).
-- `webgpt`: `question.full_text`, `answer_0/1`, `score_0/1` (openai/webgpt_comparisons; ties skipped).
+- `shp`: `history`, `human_ref_A`, `human_ref_B`, `labels` (stanfordnlp/SHP; label 1 = A preferred; a row without
+  a 0/1 label gives step 3 its prompt).
+- `webgpt`: `question.full_text`, `answer_0/1`, `score_0/1` (openai/webgpt_comparisons; a tie is no pair,
+  its prompt kept for step 3).
 - `sharegpt`: `conversations` of {from, value}; `messages`: `messages` of {role, content}.
   A conversation gives one sample: the turns before its last assistant reply, and that reply
   (a conversation that ends on a user turn gives a prompt only).
@@ -153,13 +155,17 @@ def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
 
 
 def parse_shp(record: Any, group: int) -> list[Sample]:
-    history = text_field(record, "history")
-    reply_a, reply_b = text_field(record, "human_ref_A"), text_field(record, "human_ref_B")
-    label = record.get("labels")
-    if isinstance(label, bool) or label not in (0, 1):
-        raise SkipRow("wrong_type:labels" if label is not None else "missing:labels")
-    chosen, rejected = (reply_a, reply_b) if label == 1 else (reply_b, reply_a)
-    return [Sample(({"role": "user", "content": history},), chosen, rejected, group)]
+    prompt = [{"role": "user", "content": text_field(record, "history")}]
+
+    def read() -> list[Sample]:
+        reply_a, reply_b = text_field(record, "human_ref_A"), text_field(record, "human_ref_B")
+        label = record.get("labels")
+        if isinstance(label, bool) or label not in (0, 1):
+            raise SkipRow("wrong_type:labels" if label is not None else "missing:labels")
+        chosen, rejected = (reply_a, reply_b) if label == 1 else (reply_b, reply_a)
+        return [Sample(tuple(prompt), chosen, rejected, group)]
+
+    return _with_replies(prompt, group, read)
 
 
 def parse_webgpt(record: Any, group: int) -> list[Sample]:
@@ -167,15 +173,20 @@ def parse_webgpt(record: Any, group: int) -> list[Sample]:
         raise SkipRow("not_an_object")
     question = record.get("question")
     question_text = text_field(question, "full_text") if isinstance(question, dict) else text_field(record, "question")
-    answers = [text_field(record, "answer_0"), text_field(record, "answer_1")]
-    scores = [record.get("score_0"), record.get("score_1")]
-    for index, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, (int, float)):
-            raise SkipRow(f"wrong_type:score_{index}" if score is not None else f"missing:score_{index}")
-    if scores[0] == scores[1]:
-        raise SkipRow("tie")
-    best = 0 if scores[0] > scores[1] else 1
-    return [Sample(({"role": "user", "content": question_text},), answers[best], answers[1 - best], group)]
+    prompt = [{"role": "user", "content": question_text}]
+
+    def read() -> list[Sample]:
+        answers = [text_field(record, "answer_0"), text_field(record, "answer_1")]
+        scores = [record.get("score_0"), record.get("score_1")]
+        for index, score in enumerate(scores):
+            if isinstance(score, bool) or not isinstance(score, (int, float)):
+                raise SkipRow(f"wrong_type:score_{index}" if score is not None else f"missing:score_{index}")
+        if scores[0] == scores[1]:
+            raise SkipRow("tie")
+        best = 0 if scores[0] > scores[1] else 1
+        return [Sample(tuple(prompt), answers[best], answers[1 - best], group)]
+
+    return _with_replies(prompt, group, read)
 
 
 def _conversation_parser(column: str, role_key: str, content_key: str) -> Parser:
