@@ -410,3 +410,17 @@ def test_a_critic_free_algorithm_plans_gpu_memory_for_the_actor_alone_and_k_answ
     assert plan(80)["actor_zero_stage"] == 3 and plan(80, grpo)["actor_zero_stage"] == 2
     flags = plan(80, grpo)
     assert flags["per_device_generation_batch_size"] * 4 == flags["per_device_training_batch_size"]
+
+
+@pytest.mark.parametrize("deployment", ["cpu", "single_gpu", "single_node"])
+def test_train_py_under_a_launcher_of_several_ranks_refuses_before_planning(tmp_path, monkeypatch, deployment):
+    """`deepspeed train.py` or `torchrun --nproc_per_node 8 train.py`: every rank planned the run and started a
+    launcher of its own on every GPU (or ran the steps in a world the plan did not size), all in one folder."""
+    from training.pipeline.cli import run
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"started by a launcher as rank 1 of 2 processes.*Run it once"):
+        run(["--deployment-type", deployment, "--step", "1", "--output-dir", str(out), "--dry-run"])
+    assert not out.exists()

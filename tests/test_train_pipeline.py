@@ -730,3 +730,22 @@ def test_the_settings_table_shows_what_each_step_runs_with_where_the_users_flags
     assert rows["dtype"].count("fp32 (planned bf16)") == 3
     assert rows["max_answer_seq_len"].split()[-3:] == ["64", "(planned", "48)"]
     assert "planned" not in rows["max_seq_len"] and rows["max_seq_len"].split()[1:] == ["256", "192", "-"]
+
+
+def test_resuming_a_step_checkpointed_by_another_number_of_processes_is_refused_before_anything_runs(tmp_path, tiny_model_dir):
+    """A multi-node run relaunched after a crash with a node fewer: the step was launched on every node, and each
+    rank then refused the checkpoint. train.py refuses it first, naming both counts and the way out."""
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options={step: ["--resume"] for step in (1, 2, 3)})
+    out = tmp_path / "out"
+    checkpoint = out / "step1" / CHECKPOINTS_SUBDIR / "step2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 2, "engines": ["model"], "world_size": 4}))
+    argv = common(tmp_path, fakes.model_dir) + ["--resume"]
+    for extra in (["--dry-run"], []):
+        with pytest.raises(UserError, match=r"step 1 would resume from .*step2, written by 4 processes, but this "
+                                            r"cpu run has 1; resume on 4 GPUs .*or delete .*checkpoints"):
+            run(argv + extra, fakes)
+    assert fakes.calls == []
+    (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 2, "engines": ["model"], "world_size": 1}))
+    run(argv, fakes)
+    assert [(step, args.resume) for step, args, _ in fakes.calls] == [(1, True), (2, None), (3, None)]

@@ -67,6 +67,20 @@ class Launcher:
         return command + [str(script), *step_argv]
 
 
+def check_not_under_a_launcher() -> None:
+    """train.py starts each step's processes itself: started by a launcher as one of several ranks, every rank
+    would plan and run the whole pipeline (for a GPU deployment each starting a launcher of its own on every GPU),
+    all writing the same folders."""
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.isdigit() and int(world_size) > 1:
+        raise UserError(
+            f"train.py was started by a launcher as rank {os.environ.get('RANK', '?')} of {world_size} processes "
+            f"(WORLD_SIZE={world_size}); it starts each step's processes itself, so every rank would run the whole "
+            "pipeline. Run it once, as `python train.py ...` (--deployment-type single_node for this node's GPUs, "
+            "multi_node with --hostfile for several nodes), or launch one step's main.py with deepspeed or torchrun"
+        )
+
+
 def visible_gpus() -> list[str]:
     """The GPU indices `CUDA_VISIBLE_DEVICES` restricts this node to (empty: unset). DeepSpeed's launcher drops the
     variable when it is given `--num_gpus` and numbers the GPUs from 0, so a restricted run names them in

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
-from training.reliability.checkpointing import CheckpointManager
+from training.reliability.checkpointing import MARKER_FILE, CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
 from training.reliability.signals import EXIT_INTERRUPTED, take_received_signal
 from training.reliability.validation import check_folder_path
@@ -42,13 +42,15 @@ from .launch import (
     Launcher,
     StepStopped,
     check_launcher_installed,
+    check_not_under_a_launcher,
     format_command,
     launcher_env,
     run_in_process,
     run_subprocess,
 )
 from .planning import apply_zero_overrides, follow_user_max_steps, plan_deployment
-from .steps import STEPS, ModelInput, StepEntry, accepted_options, drop_flag, group_flags, route_extra_flags
+from .steps import (STEPS, ModelInput, StepEntry, accepted_options, drop_flag, flag_value, group_flags,
+                    route_extra_flags)
 from .summary import StepResult, settings_table, summary_table
 
 
@@ -278,6 +280,24 @@ def _resume_from_checkpoints_only(config: PipelineConfig, step: int, argv: list[
     return drop_flag(argv, RESUME_FLAG)
 
 
+def _check_resumed_world_size(config: PipelineConfig, plan: DeploymentPlan, argvs: Mapping[int, list[str]]) -> None:
+    """Refuse, before anything starts, to resume a step from a checkpoint written by another number of processes
+    (a node or GPUs more or fewer since the crash): ZeRO shards the optimizer state by rank and each rank goes on
+    from its own data position, so the step would refuse it, but only once launched on every node."""
+    for step, argv in argvs.items():
+        info = CheckpointManager(config.run_dir(step)).latest()
+        if flag_value(argv, RESUME_FLAG) is None or info is None:
+            continue
+        saved_by = json.loads((info.path / MARKER_FILE).read_text()).get("world_size", plan.world_size)
+        if saved_by != plan.world_size:
+            raise UserError(
+                f"step {step} would resume from {info.path}, written by {saved_by} processes, but this "
+                f"{plan.deployment.value} run has {plan.world_size}; resume on {saved_by} GPUs (the hostfile, "
+                f"--deployment-type and CUDA_VISIBLE_DEVICES of that run), or delete {info.path.parent} to start "
+                f"step {step} over on {plan.world_size}"
+            )
+
+
 @dataclass
 class PreparedRun:
     """Everything decided before the first step starts."""
@@ -378,6 +398,7 @@ def _check_step_args_of_steps_run(config: PipelineConfig) -> None:
 
 def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> PreparedRun:
     """Validate the inputs (hostfile, prerequisites, flags), plan the deployment, build each step's command."""
+    check_not_under_a_launcher()
     check_folder_path(config.output_dir, "--output-dir")
     _check_step_args_of_steps_run(config)
     deployment = config.deployment_type or detect_deployment(hardware, config.hostfile is not None)
@@ -400,6 +421,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     finished = _finished_steps(config, argvs, inputs, entry)
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
+    _check_resumed_world_size(config, plan, {step: argv for step, argv in argvs.items() if step not in finished})
     commands = {
         step: launcher.command(STEPS[step].script(), argvs[step]) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
