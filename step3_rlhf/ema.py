@@ -25,7 +25,7 @@ import torch
 
 from training.core.save import save_hf_model, unwrap
 from training.core.zero import full_shape, is_zero3_param
-from utils.dist import any_rank, get_rank
+from utils.dist import get_rank, refuse_on_every_rank
 from utils.errors import UserError
 
 
@@ -242,19 +242,20 @@ class ModelEMA:
 
     def _load_shares(self, layout: Mapping[str, Any], local: Mapping[str, torch.Tensor] | None) -> None:
         """All checks come first, so a refused resume raises on every rank before any enters the all-gather: the
-        layout's (from the client state, alike on every rank), then each rank's own shares, agreed over the group where
-        the slices are gathered."""
+        layout's (from the client state, alike on every rank), then each rank's own shares, agreed over the group (under
+        ZeRO-3 too, where nothing is gathered here: a rank refusing alone left the others waiting in training's first
+        collective)."""
         problem = _layout_problem(layout, self._layout())
         if problem is not None:
             raise UserError(f"--resume: {problem}; resume with the checkpointed run's model, LoRA and ZeRO settings, "
                             "or start a new run in another --output_dir")
         damaged = self._damaged_share(local or {})
-        gathers = self._group_size > 1 and not layout["zero3"]
-        if gathers and any_rank(damaged is not None, self._group) and damaged is None:
-            damaged = "another rank's share of the actor EMA is missing or of another size"
-        if damaged is not None:
-            raise UserError(f"the checkpoint is damaged: {damaged}; delete that checkpoint to resume from the one "
-                            "before it")
+        problem = None if damaged is None else (f"the checkpoint is damaged: {damaged}; delete that checkpoint to "
+                                                "resume from the one before it")
+        if self._group_size > 1:  # a rank refusing alone would leave the others waiting in a collective
+            refuse_on_every_rank(problem, self._group)
+        elif problem is not None:
+            raise UserError(problem)
         for name, shadow in self._shadow.items():
             if is_zero3_param(self._params[name]) or self._group_size == 1:
                 shadow.view(-1).copy_(local[name])

@@ -54,3 +54,36 @@ def test_the_world_is_torn_down_at_exit_before_the_interpreters_finalization():
     result = subprocess.run([sys.executable, "-c", EXITS], cwd=REPO_ROOT, env=step_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ENDED_OK" in result.stdout, result.stderr[-3000:]
+
+
+REFUSES_ON_EVERY_RANK = """
+import torch, torch.distributed as torch_dist
+from utils.dist import get_rank, init_distributed, refuse_on_every_rank
+from utils.errors import UserError
+
+init_distributed()
+rank = get_rank()
+refuse_on_every_rank(None)  # no rank found a problem: none raises
+for case, problem in (("one", "rank 1's file is cut short" if rank == 1 else None),
+                      ("both", f"rank {rank}'s file is cut short")):
+    try:
+        refuse_on_every_rank(problem)
+        print(f"{case} {rank} went on", flush=True)
+    except UserError as error:
+        print(f"{case} {rank} refused: {str(error)!r}", flush=True)
+total = torch.ones(1)
+torch_dist.all_reduce(total)  # every rank is still in step
+print(f"in step {rank} {total.item()}", flush=True)
+"""
+
+
+def test_a_problem_one_rank_finds_is_raised_on_every_rank_naming_it(tmp_path):
+    """A rank that raised alone would leave the others waiting in their next collective (for ever under NCCL):
+    `refuse_on_every_rank` raises on every rank, the one that found nothing included, with each rank's problem."""
+    from conftest import run_on_two_ranks
+
+    out = run_on_two_ranks(REFUSES_ON_EVERY_RANK, tmp_path)
+    for rank in (0, 1):
+        assert f"one {rank} refused: \"rank 1's file is cut short\"" in out, out
+        assert f"both {rank} refused: \"rank 0's file is cut short\\nrank 1's file is cut short\"" in out, out
+        assert f"in step {rank} 2.0" in out and "went on" not in out, out

@@ -19,8 +19,7 @@ from typing import Iterator
 
 import torch
 
-from utils.dist import any_rank, barrier, broadcast_from_main, is_main_process
-from utils.errors import UserError
+from utils.dist import barrier, broadcast_from_main, is_main_process, refuse_on_every_rank
 
 TMP_MARK = ".tmp-"
 
@@ -154,14 +153,10 @@ def shared_atomic_directory(final_path: str | os.PathLike) -> Iterator[Path]:
     if is_main_process():
         tmp.mkdir(parents=True)
     barrier()
-    if any_rank(not tmp.is_dir()):
-        if is_main_process():
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(
-            f"{final.parent} is not visible to every rank; checkpoints need a folder on a filesystem "
-            "shared by all nodes: choose such an --output_dir"
-        )
     try:
+        refuse_on_every_rank(None if tmp.is_dir() else
+                             f"{final.parent} is not visible to every rank; checkpoints need a folder on a filesystem "
+                             "shared by all nodes: choose such an --output_dir")
         yield tmp
     except BaseException:
         if is_main_process():

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as torch_dist
 
+from utils.errors import UserError
 from utils.op_builds import watching_build_locks
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -162,10 +163,20 @@ def max_over_ranks(value: float) -> float:
     return float(tensor.item())
 
 
-def all_gather_objects(value) -> list:
-    """Every rank's picklable `value`, in rank order (collective: every rank must call it)."""
-    if not is_initialized() or get_world_size() == 1:
+def all_gather_objects(value, group=None) -> list:
+    """Every rank's picklable `value`, in rank order (collective: every rank of `group`, default all, must call it)."""
+    if not is_initialized() or torch_dist.get_world_size(group) == 1:
         return [value]
-    values = [None] * get_world_size()
-    torch_dist.all_gather_object(values, value)
+    values = [None] * torch_dist.get_world_size(group)
+    torch_dist.all_gather_object(values, value, group=group)
     return values
+
+
+def refuse_on_every_rank(problem: str | None, group=None) -> None:
+    """Raise `UserError` on every rank (of `group`, default all) when any of them found a problem, with each distinct
+    problem's message in rank order; `problem` is this rank's message, or None (collective: every rank of the group
+    calls it). A rank that raised alone would leave the others waiting for it in their next collective, for ever
+    under NCCL."""
+    problems = [found for found in all_gather_objects(problem, group) if found is not None]
+    if problems:
+        raise UserError("\n".join(dict.fromkeys(problems)))

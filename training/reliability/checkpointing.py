@@ -55,6 +55,7 @@ from utils.dist import (
     get_rank,
     get_world_size,
     is_main_process,
+    refuse_on_every_rank,
 )
 from utils.errors import UserError
 
@@ -246,9 +247,7 @@ class CheckpointManager:
                            f"run's ({_data_changes(recorded, self.data)}): the data files changed, or flags that "
                            f"pick the items did. Resume on that run's data, or start a new run in another "
                            f"--output_dir")
-        problem = broadcast_from_main(problem)
-        if problem is not None:
-            raise UserError(problem)
+        refuse_on_every_rank(problem)
 
     def should_save(self, step: int) -> bool:
         """Whether `--save_interval` asks for a checkpoint after optimizer step `step`."""
@@ -364,8 +363,8 @@ class CheckpointManager:
         if path is None:
             return None
         info = _read_marker(Path(path))
-        if info is None:
-            raise UserError(f"checkpoint {path} vanished while loading; is another run using {self.checkpoints_dir}?")
+        refuse_on_every_rank(None if info is not None else
+                             f"checkpoint {path} vanished while loading; is another run using {self.checkpoints_dir}?")
         state = self._load(info, engines)
         if is_main_process():  # once loaded: a damaged `latest` leaves the newer ones for the user to take
             self._discard_newer_than(info)
@@ -384,9 +383,7 @@ class CheckpointManager:
                 problem = self._nothing_to_resume()
             else:
                 problem = self._resume_problem(info)
-        problem = broadcast_from_main(problem)
-        if problem is not None:
-            raise UserError(problem)
+        refuse_on_every_rank(problem)
 
     def _nothing_to_resume(self) -> str:
         return (f"--resume: there is no complete checkpoint in {self.checkpoints_dir}; "
@@ -419,17 +416,16 @@ class CheckpointManager:
     def restore(self, engines: Mapping[str, Any], resume: bool) -> dict[str, Any] | None:
         """`load_latest` behind the `--resume` rules: with it, a checkpoint must exist; without it, none may
         (a fresh run would otherwise mix its checkpoints with an earlier run's and prune them)."""
-        found = broadcast_from_main(None if (info := self.latest()) is None else info.step)
-        if not resume:
-            if found is not None:
-                raise UserError(
-                    f"{self.checkpoints_dir} holds checkpoints of an earlier run (latest: step {found}); "
-                    "pass --resume to continue it, or choose another --output_dir"
-                )
-            return None
-        if found is None:
-            raise UserError(self._nothing_to_resume())
-        return self.load_latest(engines)
+        problem = None
+        if is_main_process():
+            info = self.latest()
+            if info is not None and not resume:
+                problem = (f"{self.checkpoints_dir} holds checkpoints of an earlier run (latest: step {info.step}); "
+                           "pass --resume to continue it, or choose another --output_dir")
+            elif info is None and resume:
+                problem = self._nothing_to_resume()
+        refuse_on_every_rank(problem)
+        return self.load_latest(engines) if resume else None
 
     def _load(self, info: CheckpointInfo, engines: Mapping[str, Any]) -> dict[str, Any]:
         names = all_engine_names(engines)
@@ -438,9 +434,9 @@ class CheckpointManager:
                 f"checkpoint {info.path} holds the models {sorted(info.engines)}, but this run trains "
                 f"{names}; resume with the same settings, or choose another --output_dir"
             )
-        cut = broadcast_from_main(cut_short_files(info.path) if is_main_process() else None)
-        if cut:  # before any rank loads: one rank refusing mid-load left the others in DeepSpeed's collectives
-            raise UserError(_damaged(info, f"{', '.join(cut)} (cut short)"))
+        cut = cut_short_files(info.path) if is_main_process() else []
+        # before any rank loads: one rank refusing mid-load left the others in DeepSpeed's collectives
+        refuse_on_every_rank(_damaged(info, f"{', '.join(cut)} (cut short)") if cut else None)
         for name, engine in engines.items():
             rates = peak_learning_rates(engine)
             with weights_only_engine_loads(engine), _damaged_if_unreadable(info, f"'{name}'"):
@@ -453,10 +449,7 @@ class CheckpointManager:
             client_state = self._load_rank_files(info)
         except UserError as error:
             problem = str(error)
-        # agreed: a rank that went on alone would wait for the refused one in the run's first collective
-        problems = [found for found in all_gather_objects(problem) if found is not None]
-        if problems:
-            raise UserError(problems[0])
+        refuse_on_every_rank(problem)
         logger.info("resumed from %s (step %d)", info.path, info.step)
         return client_state
 

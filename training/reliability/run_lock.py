@@ -21,8 +21,7 @@ from pathlib import Path
 import filelock
 
 from utils.atomic import atomic_write_text, remove_temporaries
-from utils.dist import broadcast_from_main, is_main_process
-from utils.errors import UserError
+from utils.dist import is_main_process, refuse_on_every_rank
 
 LOCK_FILE = ".run.lock"
 OWNER_FILE = ".run.lock.json"
@@ -70,12 +69,8 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         holder = self._try_acquire() if is_main_process() else None
-        holder = broadcast_from_main(holder)
-        if holder is not None:
-            raise UserError(
-                f"output dir {self.output_dir} is in use by another run ({holder}); "
-                "wait for it to finish or choose another --output_dir"
-            )
+        refuse_on_every_rank(None if holder is None else f"output dir {self.output_dir} is in use by another run "
+                             f"({holder}); wait for it to finish or choose another --output_dir")
         return self
 
     def release(self) -> None:
