@@ -1,12 +1,14 @@
 """Deployment types: hostfile validation, the settings each type picks, launch commands, dry runs."""
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -424,3 +426,60 @@ def test_train_py_under_a_launcher_of_several_ranks_refuses_before_planning(tmp_
     with pytest.raises(UserError, match=r"started by a launcher as rank 1 of 2 processes.*Run it once"):
         run(["--deployment-type", deployment, "--step", "1", "--output-dir", str(out), "--dry-run"])
     assert not out.exists()
+
+
+def _as_each_node_reads(script: str, user_args: list[str]) -> list[str] | None:
+    """The script and flags each node's shell gives the step, from the command line DeepSpeed's own PDSH runner
+    hands pdsh (None: the shell fails on it)."""
+    import argparse
+
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    args = argparse.Namespace(user_args=user_args, user_script=script, ssh_port=None, launcher_args="",
+                              master_addr="10.0.0.1", master_port=29500, venv_script=None, no_python=False, module=False,
+                              no_local_rank=True, save_pid=False, enable_each_rank_log=None)
+    command = PDSHRunner(args, "e30=").get_cmd({}, {"worker-1": [0], "worker-2": [0]})[0]
+    remote = " ".join(command[command.index(f"--master_port={args.master_port}") + 2:])  # after --no_local_rank
+    shown = subprocess.run(["bash", "-c", f"printf '%s\\0' {remote}"], capture_output=True, text=True)
+    return shown.stdout.split("\0")[:-1] if shown.returncode == 0 else None
+
+
+@pytest.mark.parametrize("value, reaches_the_step", [
+    ("/runs/my run/step1", True),  # a space: DeepSpeed double-quotes it
+    ('say "hi" (twice)', True),
+    ("a=0.5,b=0.25", True),
+    ("/data/o'brien.jsonl", False),  # the shell fails on the quote
+    ("/data/set(1).jsonl", False),
+    ("data/*.jsonl", False),  # a glob: the files it matches there
+    ("$HOME/cost is $5", False),  # expanded even in double quotes
+    ("", False),  # an empty value disappears
+])
+def test_a_multi_node_command_is_refused_where_each_nodes_shell_would_misread_it(tmp_path, monkeypatch, value,
+                                                                                 reaches_the_step):
+    """On several nodes DeepSpeed's launcher starts every node's ranks through pdsh, one unquoted command line that
+    each node's shell parses: a flag value with a quote failed there, after the ssh checks, on the cluster."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "data" / name).write_text("")
+    script, argv = str(REPO_ROOT / "step1_sft" / "main.py"), ["--data_path", value, "--seed", "1"]
+    assert (_as_each_node_reads(script, argv) == [script, *argv]) is reaches_the_step
+    two_nodes = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2)
+    if reaches_the_step:
+        assert two_nodes.command(Path(script), argv)[-5:] == [script, *argv]
+    else:
+        with pytest.raises(UserError, match=f"multi_node: the step flag value {re.escape(repr(value))} would reach"):
+            two_nodes.command(Path(script), argv)
+    assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=1).command(Path(script), argv)[-4:] == argv
+
+
+def test_a_multi_node_run_from_a_folder_or_project_path_with_a_space_is_refused(tmp_path, monkeypatch):
+    spaced = tmp_path / "my runs"
+    spaced.mkdir()
+    assert _as_each_node_reads(str(spaced / "main.py"), []) == [str(tmp_path / "my"), "runs/main.py"]  # split
+    two_nodes = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2)
+    with pytest.raises(UserError, match=r"multi_node: the step's script .*my runs/main.py.* unquoted"):
+        two_nodes.command(spaced / "main.py", [])
+    monkeypatch.chdir(spaced)
+    with pytest.raises(UserError, match=r"multi_node: this folder \(train.py's working directory.*my runs"):
+        two_nodes.command(REPO_ROOT / "step1_sft" / "main.py", [])

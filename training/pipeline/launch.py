@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -52,11 +53,14 @@ class Launcher:
     num_gpus: int = 1
     hostfile: str | None = None
     master_port: int | None = None  # None: the launcher's default (29500)
+    nodes: int = 1  # the hostfile's; on several, every node's ranks start through pdsh and a remote shell
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
         command = [sys.executable, "-m", LAUNCHER_MODULE, "--no_local_rank"]
         if self.deployment is DeploymentType.MULTI_NODE:
+            if self.nodes > 1:
+                check_remote_shell_reads(script, step_argv)
             command += ["--hostfile", str(self.hostfile)]
         elif visible := visible_gpus():
             command += ["--include", f"localhost:{','.join(visible[: self.num_gpus])}"]
@@ -79,6 +83,33 @@ def check_not_under_a_launcher() -> None:
             "pipeline. Run it once, as `python train.py ...` (--deployment-type single_node for this node's GPUs, "
             "multi_node with --hostfile for several nodes), or launch one step's main.py with deepspeed or torchrun"
         )
+
+
+_SHELL_LITERAL = re.compile(r"[\w@%+=:,./-]+")  # what a shell reads as itself, unquoted (DeepSpeed's test for its exports)
+_EXPANDED_IN_DOUBLE_QUOTES = ("$", "`", "\\")
+
+
+def check_remote_shell_reads(script: Path, step_argv: Sequence[str]) -> None:
+    """On several nodes DeepSpeed's launcher hands pdsh one command line that each node's shell parses: `cd` to this
+    folder, the step's script, its flags, none of them quoted but a flag value with a space, which it puts in double
+    quotes. Refuse, before anything starts, what a shell would read otherwise (split, expand, or fail on: a quote, a
+    parenthesis, a `$`), naming it."""
+    unquoted = {"this folder (train.py's working directory, where every node's ranks start)": os.getcwd(),
+                "the step's script": str(script)}
+    for what, path in unquoted.items():
+        if not _SHELL_LITERAL.fullmatch(path):
+            raise UserError(
+                f"multi_node: {what} {path!r} would reach each node's shell unquoted (DeepSpeed's launcher runs pdsh), "
+                "which would read it otherwise; use a path of letters, digits and @%+=:,./- only")
+    for value in step_argv:
+        literal = (" " in value and not any(char in value for char in _EXPANDED_IN_DOUBLE_QUOTES)) or \
+            _SHELL_LITERAL.fullmatch(value)
+        if not literal:
+            raise UserError(
+                f"multi_node: the step flag value {value!r} would reach each node's shell as DeepSpeed's launcher "
+                "passes it to pdsh (unquoted, or in double quotes when it has a space), which would read it otherwise; "
+                "use letters, digits, spaces and @%+=:,./- (no quotes, $, `, \\, parentheses or other shell "
+                "characters; a path can be renamed or linked)")
 
 
 def visible_gpus() -> list[str]:

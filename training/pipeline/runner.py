@@ -111,12 +111,13 @@ def _model_sizes(config: PipelineConfig, inputs: Inputs) -> ModelSizes:
                       reward=sizes.get(Model.REWARD) or sizes[Model.ACTOR])
 
 
-def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hardware) -> Launcher | None:
+def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hardware,
+              hosts: list[Host] | None) -> Launcher | None:
     if deployment is DeploymentType.CPU:
         return None
     check_launcher_installed()
     if deployment is DeploymentType.MULTI_NODE:
-        return Launcher(deployment, hostfile=config.hostfile)
+        return Launcher(deployment, hostfile=config.hostfile, nodes=len(hosts))
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
     return Launcher(deployment, num_gpus=gpus, master_port=free_port())  # a free port: runs may share the node
 
@@ -414,7 +415,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     apply_zero_overrides(plan, config.zero_stages())
     user_flags = {step: [*routed.get(step, []), *config.step_args.get(step, [])] for step in config.steps}
     follow_user_max_steps(plan, user_flags)
-    launcher = _launcher(config, deployment, hardware)
+    launcher = _launcher(config, deployment, hardware, hosts)
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
     _check_step_flags(config, user_flags, argvs, entry)
