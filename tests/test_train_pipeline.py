@@ -470,6 +470,20 @@ def test_a_rerun_skips_the_finished_steps_and_resumes_the_unfinished_one(tmp_pat
     assert fakes.calls == [] and printed.count(", skipped") == 3 and printed.count(" skipped ") == 3  # in the table
 
 
+def test_train_py_parses_each_steps_flags_once_before_the_steps_run(tmp_path, fakes, monkeypatch):
+    """The flag check, the finished-step check and the settings table read one parse of each step's command line
+    (each parsed it anew: three times for a finished step)."""
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    parses = []
+    parse_args = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda parser, args=None, namespace=None: parses.append(args) or parse_args(parser, args, namespace))
+    fakes.calls.clear()
+    run(argv, fakes)  # every step finished: none runs, each is checked against its recorded flags
+    assert fakes.calls == [] and len(parses) == 3, parses
+
+
 def test_a_finished_step_is_not_reused_for_other_flags(tmp_path, fakes):
     argv = common(tmp_path, fakes.model_dir)
     run(argv + ["--step", "1"], fakes)

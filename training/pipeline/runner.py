@@ -55,6 +55,7 @@ from .summary import StepResult, settings_table, summary_table
 
 
 Inputs = dict[int, list[tuple[ModelInput, str]]]
+RecordedFlags = tuple[dict[str, Any], frozenset[str]]  # `_recorded_flags`: a step's flag values, and those free to differ
 TRAINED_FROM_FILE = "trained_from.json"  # train.py's record, in a step's run folder, of the inputs it trained from
 DATA_VERSIONS_KEY = "data files"  # in it, beside the model flags: `_data_versions`
 RESUME_FLAG = "--resume"
@@ -142,28 +143,27 @@ def _placement_plans(config: PipelineConfig, prepared: PreparedRun, step3: StepE
 
     sizes = _model_sizes(config, _inputs(config))
     return auto_placement_report(step3.build_parser(), prepared.argvs[3], sizes.actor, sizes.reward,
-                                 prepared.plan.world_size, hardware.cpu_cores)
+                                 prepared.plan.world_size, hardware.cpu_cores,
+                                 run_world=prepared.plan.deployment is not DeploymentType.CPU)
 
 
-def _recorded_flags(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[dict, frozenset[str]]:
-    """{flag: value} of `argv` as the step records them in its args.json (a settings parser's flags once the
-    settings have resolved their defaults, `flag_values`; a plain argparse parser's namespace), and the flags among
-    them that do not change what the step computes."""
-    parsed = parser.parse_args(argv)
+def _recorded_flags(parsed: Any) -> RecordedFlags:
+    """{flag: value} of a step's parsed command line as the step records them in its args.json (a settings parser's
+    flags once the settings have resolved their defaults, `flag_values`; a plain argparse parser's namespace), and
+    the flags among them that do not change what the step computes."""
     if isinstance(parsed, argparse.Namespace):  # no field marks: only the launch flags every step has are free
         return vars(parsed), frozenset({"resume", "local_rank"})
     return flag_values(parsed), same_result_flags(parsed)
 
 
-def _finished_summary(config: PipelineConfig, step: int, argv: list[str],
-                      entry: Callable[[int], StepEntry]) -> dict | None:
+def _finished_summary(config: PipelineConfig, step: int, flags: RecordedFlags) -> dict | None:
     """The summary of the finished run in `step`'s folder, which this run skips (None: none there, the step runs).
-    A finished run whose recorded flags differ from `argv` is refused, not reused."""
+    A finished run whose recorded flags differ from this run's `flags` is refused, not reused."""
     run_dir = config.run_dir(step)
     summary, recorded = read_summary(run_dir), read_run_args(run_dir)
     if summary is None or recorded is None or not STEPS[step].output.saved_in(run_dir):
         return None
-    changed = changed_flags(recorded, *_recorded_flags(entry(step).build_parser(), argv))
+    changed = changed_flags(recorded, *flags)
     if changed:
         flags = ", ".join(f"--{name} {json.dumps(then)} -> {json.dumps(now)}" for name, (then, now) in changed.items())
         raise UserError(
@@ -173,15 +173,15 @@ def _finished_summary(config: PipelineConfig, step: int, argv: list[str],
     return summary
 
 
-def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]], inputs: Inputs,
-                    entry: Callable[[int], StepEntry]) -> dict[int, dict]:
+def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]], flags: Mapping[int, RecordedFlags],
+                    inputs: Inputs) -> dict[int, dict]:
     """The summaries of the steps this run skips: finished in their folders, with the flags it gives them, from
     models it does not make anew (a step that starts from the model of a step that runs, runs too)."""
     finished: dict[int, dict] = {}
     for step in config.steps:
         if _remade(config, step, finished):
             continue
-        summary = _finished_summary(config, step, argvs[step], entry)
+        summary = _finished_summary(config, step, flags[step])
         if summary is not None:
             _check_trained_from_current_inputs(config, step, inputs[step], argvs[step])
             finished[step] = summary
@@ -312,11 +312,12 @@ class PreparedRun:
     runs_with: dict[int, dict[str, Any]]  # each step's flag values as its command line gives them
 
 
-def _check_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
-                      entry: Callable[[int], StepEntry]) -> None:
-    """Every step's command line parses before the first step starts: a misspelt or ill-typed flag in --stepN-args
-    fails now, not when its step is reached hours later. --output_dir is train.py's to give (a step's run folder
-    under --output-dir), not one of the `user_flags`."""
+def _parsed_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
+                       entry: Callable[[int], StepEntry]) -> dict[int, RecordedFlags]:
+    """Every step's command line, parsed before the first step starts, as `_recorded_flags`: a misspelt or ill-typed
+    flag in --stepN-args fails now, not when its step is reached hours later. --output_dir is train.py's to give (a
+    step's run folder under --output-dir), not one of the `user_flags`."""
+    parsed = {}
     for step, argv in argvs.items():
         given = {group[0].split("=", 1)[0] for group in group_flags(user_flags[step])}
         if "--output_dir" in given:
@@ -334,11 +335,12 @@ def _check_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]
         errors = io.StringIO()
         try:
             with contextlib.redirect_stderr(errors):
-                entry(step).build_parser().parse_args(argv)
+                parsed[step] = _recorded_flags(entry(step).build_parser().parse_args(argv))
         except SystemExit as exit_:
             message = errors.getvalue().strip().splitlines()[-1:] or [f"exit status {exit_.code}"]
             raise UserError(f"step {step}'s flags do not parse ({message[0]}); check the flags train.py passes it "
                             f"(given to every step that takes them, or in --{STEPS[step].name}-args)") from None
+    return parsed
 
 
 def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None:
@@ -418,8 +420,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     launcher = _launcher(config, deployment, hardware, hosts)
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
-    _check_step_flags(config, user_flags, argvs, entry)
-    finished = _finished_steps(config, argvs, inputs, entry)
+    flags = _parsed_step_flags(config, user_flags, argvs, entry)
+    finished = _finished_steps(config, argvs, flags, inputs)
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
     _check_resumed_world_size(config, plan, {step: argv for step, argv in argvs.items() if step not in finished})
@@ -428,7 +430,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
         else ["python", "-m", STEPS[step].module, *argvs[step]]
         for step in config.steps if step not in finished
     }
-    runs_with = {step: _recorded_flags(entry(step).build_parser(), argv)[0] for step, argv in argvs.items()}
+    runs_with = {step: values for step, (values, _) in flags.items()}
     return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with)
 
 
