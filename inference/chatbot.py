@@ -27,7 +27,7 @@ from training.core.model_loading import (
     resolve_trained_model,
 )
 from training.core.reward_model import is_reward_model_dir
-from training.generation.generator import DecodingSettings
+from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.run_records import args_of_model
 from training.reliability.validation import check_generation_fits, generation_fits
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter
@@ -265,6 +265,7 @@ def load_session(args: ChatSettings) -> ChatSession:
     tokenizer = load_tokenizer(path, trust_remote_code=chat_args.trust_remote_code)
     model = load_causal_lm(path, tokenizer, dtype=resolve_trained_dtype(chat_args.dtype, path),
                            trust_remote_code=chat_args.trust_remote_code)
+    decode_by_flags_only(model)  # the chatbot's flags, not what a checkpoint's generation_config.json adds to them
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers
     model.to(device).eval()

@@ -6,7 +6,9 @@
 Prompts are rendered the way training rendered them (chat template, or " Human: ... Assistant:"), and an answer
 ends where training ends the model's turn: at the EOS, or at the chat template's end-of-turn token where that is
 another (`PromptFormatter.stop_token_ids`).
-Decoding is greedy unless `--do_sample`; `--output_file` also writes the answers as JSONL.
+Decoding is greedy unless `--do_sample`, and follows these flags alone for both models (not a checkpoint's
+generation_config.json); both run in one dtype, so a difference is the fine-tuning's. An answer is as long as the
+fine-tuned model's run let answers be, unless `--max_new_tokens`. `--output_file` also writes the answers as JSONL.
 """
 from __future__ import annotations
 
@@ -20,13 +22,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
-    TRAINED_DTYPE_HELP,
     load_causal_lm,
     load_tokenizer,
     resolve_trained_dtype,
     resolve_trained_model,
 )
-from training.generation.generator import DecodingSettings
+from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.run_records import args_of_model
 from training.reliability.validation import check_generation_fits, check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter
@@ -39,12 +40,18 @@ DEFAULT_PROMPTS = (
     "Explain what a neural network is in one paragraph.",
     "Give me three tips for learning a new language.",
 )
+DEFAULT_MAX_NEW_TOKENS = 128  # for a fine-tuned model no run of this project trained
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
 class GenerationSettings(DecodingSettings):
     """Decoding (greedy unless `--do_sample`) and the batch size of the comparison."""
 
+    max_new_tokens: int | None = field(default=None, metadata={
+        "help": "the longest answer, in tokens (default: as long as the fine-tuned model's run let answers be: a step-3 "
+                "run's --max_answer_seq_len; a step-1 or DPO run's --max_seq_len, prompt and answer together; else "
+                f"{DEFAULT_MAX_NEW_TOKENS})"})
     num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (1: none)"})
     batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
 
@@ -72,11 +79,45 @@ class PromptEvalArguments:
         "choices": PROMPT_FORMATS,
         "help": "how both models' prompts are rendered (default: as the fine-tuned model's run trained, its "
                 "args.json; else auto)"})
-    dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPE_CHOICES,
+        "help": "both models' dtype; auto: the fine-tuned model's, for a model a run of this project saved the dtype "
+                "it trained in where this device computes in it natively, otherwise bf16 where the device supports "
+                "it, else fp16 on GPU, fp32 on CPU"})
     seed: int = field(default=1234, metadata={"help": "seed each model samples from (with --do_sample)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
     output_file: str | None = field(default=None, metadata={
         "help": "also write {prompt, baseline, finetune} rows to this JSONL file"})
+
+
+@dataclass(frozen=True)
+class AnswerLimit:
+    """How long each answer may be: `max_new_tokens`, and with `max_seq_len` no longer than fills prompt and answer
+    to it (the window step 1 and DPO train in). `source` says where the limit came from."""
+
+    max_new_tokens: int
+    max_seq_len: int | None = None
+    source: str = "--max_new_tokens"
+
+    def after(self, prompt_tokens: int) -> int:
+        """The most tokens an answer to a prompt of `prompt_tokens` tokens may have."""
+        return self.max_new_tokens if self.max_seq_len is None else min(self.max_new_tokens,
+                                                                        self.max_seq_len - prompt_tokens)
+
+
+def answer_limit(max_new_tokens: int | None, finetune: str) -> AnswerLimit:
+    """`--max_new_tokens` where given; else the limit the fine-tuned model's run answered within (its args.json): a
+    step-3 run's --max_answer_seq_len, a step-1 or DPO run's --max_seq_len (prompt and answer together); else
+    `DEFAULT_MAX_NEW_TOKENS`."""
+    if max_new_tokens is not None:
+        return AnswerLimit(max_new_tokens)
+    recorded = args_of_model(finetune)
+    if recorded.get("max_answer_seq_len"):
+        return AnswerLimit(int(recorded["max_answer_seq_len"]), source="its run's --max_answer_seq_len")
+    if recorded.get("max_seq_len"):
+        window = int(recorded["max_seq_len"])
+        return AnswerLimit(window, window, source="its run's --max_seq_len, prompt and answer together")
+    return AnswerLimit(DEFAULT_MAX_NEW_TOKENS, source="the default")
 
 
 @dataclass
@@ -93,9 +134,11 @@ def render_prompt(formatter: PromptFormatter, text: str) -> str:
 @torch.no_grad()
 def generate_answers(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], settings: GenerationSettings,
-    prompt_format: str = "auto",
+    prompt_format: str = "auto", limit: AnswerLimit | None = None,
 ) -> list[str]:
-    """The model's answer to each user prompt (batched, left-padded; special tokens stripped)."""
+    """The model's answer to each user prompt (batched, left-padded; special tokens stripped), each at most as long
+    as `limit` lets it be (default: `settings.max_new_tokens`)."""
+    limit = limit or AnswerLimit(settings.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
     formatter = PromptFormatter(tokenizer, prompt_format)
     add_special_tokens = formatter.adds_special_tokens
     tokenizer.padding_side = "left"
@@ -103,27 +146,34 @@ def generate_answers(
     device = next(model.parameters()).device
     rendered = [render_prompt(formatter, prompt) for prompt in prompts]
     # each alone, before any generates: a batch is as wide as its longest prompt
-    for prompt, ids in zip(prompts, tokenizer(rendered, add_special_tokens=add_special_tokens)["input_ids"]):
-        check_generation_fits(model.config, len(ids), settings.max_new_tokens, f"the prompt {prompt[:40]!r}")
+    lengths = [len(ids) for ids in tokenizer(rendered, add_special_tokens=add_special_tokens)["input_ids"]]
+    for prompt, length in zip(prompts, lengths):
+        if limit.after(length) < 1:
+            raise UserError(f"the prompt {prompt[:40]!r} is {length} tokens, which leaves no room for an answer within "
+                            f"the {limit.max_seq_len} tokens of {limit.source}: shorten it or pass --max_new_tokens")
+        check_generation_fits(model.config, length, limit.after(length), f"the prompt {prompt[:40]!r}")
     for start in range(0, len(prompts), settings.batch_size):
         texts = rendered[start : start + settings.batch_size]
+        budgets = [limit.after(length) for length in lengths[start : start + settings.batch_size]]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
-        output = model.generate(**batch, **settings.generate_kwargs(), pad_token_id=tokenizer.pad_token_id,
-                                eos_token_id=formatter.stop_token_ids)
+        output = model.generate(**batch, **{**settings.generate_kwargs(), "max_new_tokens": max(budgets)},
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=formatter.stop_token_ids)
         new_tokens = output[:, batch["input_ids"].shape[1]:]
-        answers.extend(text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+        answers.extend(tokenizer.decode(row[:budget], skip_special_tokens=True).strip()
+                       for row, budget in zip(new_tokens, budgets))
     tokenizer.padding_side = "right"
     return answers
 
 
-def load_for_generation(name_or_path: str, dtype: str = "auto", trust_remote_code: bool = False):
-    """The model a folder holds (a run folder of any step that trains a causal LM: `resolve_trained_model`), in
-    `dtype` as `resolve_trained_dtype` resolves it for that model."""
+def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The model a folder holds (a run folder of any step that trains a causal LM: `resolve_trained_model`) in
+    `dtype`, decoding by the tool's flags alone (`decode_by_flags_only`)."""
     path = resolve_trained_model(name_or_path)
     tokenizer = load_tokenizer(path, trust_remote_code)
-    model = load_causal_lm(path, tokenizer, dtype=resolve_trained_dtype(dtype, path),
-                           trust_remote_code=trust_remote_code)
+    model = load_causal_lm(path, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code)
+    decode_by_flags_only(model)
     return model.eval(), tokenizer
+
 
 
 def read_prompts(args: PromptEvalArguments) -> list[str]:
@@ -158,11 +208,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     check_output_file(settings.run.output_file)
     args = settings.run
     prompts = read_prompts(args)
+    # one dtype for both, the fine-tuned model's under auto: in two, the answers would differ by the rounding too
+    dtype = resolve_trained_dtype(args.dtype, args.model_name_or_path_finetune)
+    limit = answer_limit(settings.generation.max_new_tokens, args.model_name_or_path_finetune)
+    decoding = "sampled" if settings.generation.do_sample else "greedy"
+    print(f"baseline {args.model_name_or_path_baseline} and finetune {args.model_name_or_path_finetune}: both in "
+          f"{_DTYPE_NAMES[dtype]}, {decoding}, answers of at most {limit.max_new_tokens} tokens ({limit.source}), "
+          f"prompts rendered as {args.prompt_format}\n", flush=True)
     answers = {}
     for label, name in (("baseline", args.model_name_or_path_baseline), ("finetune", args.model_name_or_path_finetune)):
-        model, tokenizer = load_for_generation(name, args.dtype, args.trust_remote_code)
+        model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code)
         set_seed(args.seed)  # each model samples from the same seed, whatever the other drew
-        answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, args.prompt_format)
+        answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, args.prompt_format, limit)
         del model
     rows = [{"prompt": p, "baseline": b, "finetune": f} for p, b, f in zip(prompts, answers["baseline"], answers["finetune"])]
     for row in rows:

@@ -219,6 +219,19 @@ def test_sampling_is_reproducible_with_a_seed_and_greedy_is_deterministic(tiny_m
         main(base + ["--temperature", "0"])
 
 
+def test_the_chat_decodes_by_its_flags_alone_not_the_checkpoints_generation_config(tiny_model_dir, tmp_path):
+    """A checkpoint's generation_config.json (suppress_tokens, no_repeat_ngram_size) joined the chatbot's flags:
+    `--greedy` did not answer with the most likely tokens."""
+    model = tiny_model_dir("llama")
+    banning = tmp_path / "banning"
+    shutil.copytree(model, banning)
+    config_file = banning / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "suppress_tokens": list(range(3, 128)),
+                                       "no_repeat_ngram_size": 1}))
+    argv = ["--prompt", "hello", "--prompt", "again", "--max_new_tokens", "5", "--greedy"]
+    assert chat(["--path", str(banning), *argv]) == chat(["--path", model, *argv])
+
+
 def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     model = tiny_model_dir("gpt2")
     result = subprocess.run(

@@ -15,6 +15,7 @@ from step1_sft.objective import sft_loss
 from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.loops.metrics import read_metrics
 from utils.data import SFTCollator
+from utils.errors import UserError
 
 
 def _args(model_dir, data, tmp_path, *extra):
@@ -145,6 +146,72 @@ def test_prompt_eval_seeds_each_model_alike_and_refuses_a_prompt_past_the_positi
         prompt_eval.main(["--model_name_or_path_baseline", model, *argv[:4], "--max_new_tokens", "256"])
     assert refused.value.code == 2
     assert "error: the prompt 'Compute 3 + 4.' is" in capsys.readouterr().err
+
+
+def _run_of(model: str, folder, record: dict) -> str:
+    """`model` copied into a run folder of this project whose args.json holds `record`."""
+    shutil.copytree(model, folder / "model")
+    (folder / "args.json").write_text(json.dumps(record))
+    return str(folder)
+
+
+def test_prompt_eval_decodes_both_models_by_its_flags_in_one_dtype(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """A checkpoint's generation_config.json (no_repeat_ngram_size, suppress_tokens, ...) joined prompt_eval's flags:
+    its 'greedy' answers were not the most likely tokens, and a baseline and a fine-tuned model of the same weights
+    answered differently. Under --dtype auto the fine-tuned run's fp32 model ran beside a bf16 baseline."""
+    import training.core.model_loading as model_loading
+
+    monkeypatch.setattr(model_loading, "cpu_has_native_bf16", lambda: True)  # auto picks bf16 on any CPU
+    model = tiny_model_dir("llama")
+    finetune = _run_of(model, tmp_path / "step1", {"dtype": "fp32", "max_seq_len": 64})
+    config_file = tmp_path / "step1" / "model" / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "no_repeat_ngram_size": 1,
+                                       "suppress_tokens": list(range(3, 128)), "repetition_penalty": 3.0,
+                                       "do_sample": True}))
+    dtypes = []
+    load = prompt_eval.load_causal_lm
+    monkeypatch.setattr(prompt_eval, "load_causal_lm", lambda *a, **kw: (dtypes.append(kw["dtype"]), load(*a, **kw))[1])
+    rows = prompt_eval.main(["--model_name_or_path_baseline", model, "--model_name_or_path_finetune", finetune,
+                             "--prompts", "Compute 3 + 4.", "hello", "--max_new_tokens", "8"])
+    assert dtypes == [torch.float32, torch.float32]
+    assert "both in fp32, greedy, answers of at most 8 tokens (--max_new_tokens)" in capsys.readouterr().out
+    assert [row["finetune"] for row in rows] == [row["baseline"] for row in rows]
+
+
+def test_prompt_eval_answers_as_long_as_the_fine_tuned_models_run_let_answers_be(tmp_path, tiny_model_dir, capsys):
+    """--max_new_tokens was 128 whatever the run: a step-3 actor trained to answer within --max_answer_seq_len ran on
+    past it, a step-1 model trained within --max_seq_len (prompt and answer) was cut short of it, or refused where
+    128 more tokens passed the model's positions. Unset, it follows the run; given, it wins."""
+    model = tiny_model_dir("llama")
+    step3 = _run_of(model, tmp_path / "step3", {"max_seq_len": 512, "max_answer_seq_len": 3})
+    step1 = _run_of(model, tmp_path / "step1", {"max_seq_len": 100})
+    assert prompt_eval.answer_limit(None, step3).max_new_tokens == 3
+    assert prompt_eval.answer_limit(9, step3) == prompt_eval.AnswerLimit(9)
+    assert prompt_eval.answer_limit(None, model).max_new_tokens == prompt_eval.DEFAULT_MAX_NEW_TOKENS
+    window = prompt_eval.answer_limit(None, step1)
+    assert (window.max_seq_len, window.after(15)) == (100, 85)
+
+    rows = prompt_eval.main(["--model_name_or_path_finetune", step3, "--model_name_or_path_baseline", model,
+                             "--prompts", "Compute 3 + 4."])
+    assert "answers of at most 3 tokens (its run's --max_answer_seq_len)" in capsys.readouterr().out
+    loaded, tokenizer = prompt_eval.load_for_generation(model, torch.float32)
+    three = prompt_eval.GenerationSettings(max_new_tokens=3)
+    assert rows[0]["finetune"] == prompt_eval.generate_answers(loaded, tokenizer, ["Compute 3 + 4."], three)[0]
+
+    # each answer of a batch fills its own prompt's window, as if generated alone
+    prompts = ["hi", "Tell me a joke."]
+    windowed = prompt_eval.generate_answers(loaded, tokenizer, prompts, prompt_eval.GenerationSettings(), "auto",
+                                            window)
+    formatter = prompt_eval.PromptFormatter(tokenizer)
+    lengths = [len(tokenizer(prompt_eval.render_prompt(formatter, p), add_special_tokens=False)["input_ids"])
+               for p in prompts]
+    assert lengths[0] != lengths[1]
+    alone = [prompt_eval.generate_answers(loaded, tokenizer, [p], prompt_eval.GenerationSettings(max_new_tokens=100 - n))
+             for p, n in zip(prompts, lengths)]
+    assert windowed == [answer for (answer,) in alone]
+    with pytest.raises(UserError, match="leaves no room for an answer within the 100 tokens of its run's --max_seq_len"):
+        prompt_eval.generate_answers(loaded, tokenizer, ["Tell me a joke. " * 20], prompt_eval.GenerationSettings(),
+                                     "auto", window)
 
 
 def test_a_bad_flag_value_is_one_clear_error(tiny_model_dir, tmp_path, capsys):

@@ -96,7 +96,7 @@ class DecodingSettings(SamplingSettings):
     def flag_rules(self) -> list[tuple[str, bool, str]]:
         """(flag, whether its value breaks the rule, the rule) for `check`; a tool's own flags extend it."""
         return [
-            ("max_new_tokens", self.max_new_tokens <= 0, "must be positive"),
+            ("max_new_tokens", self.max_new_tokens is not None and self.max_new_tokens <= 0, "must be positive"),
             ("repetition_penalty", self.repetition_penalty <= 0, "must be positive (1.0: none)"),
             ("temperature", self.do_sample and self.temperature <= 0, "must be positive when sampling"),
             ("top_p", self.do_sample and not 0 < self.top_p <= 1, "must lie in (0, 1] (1: all tokens)"),
@@ -110,6 +110,20 @@ class DecodingSettings(SamplingSettings):
         if self.do_sample:
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         return kwargs
+
+
+_SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def decode_by_flags_only(model: torch.nn.Module) -> None:
+    """Replace `model`'s generation config by one that holds only its special token ids. transformers' `generate`
+    fills every setting a call leaves unset from the model's generation_config.json, which a checkpoint may fill with
+    sampling defaults, `no_repeat_ngram_size`, `min_new_tokens` or token bans: a tool's greedy answer was then not the
+    most likely tokens, and two models compared under the same flags decoded differently. A tool that calls this
+    decodes by its own flags alone, as step 3's generators do."""
+    saved = model.generation_config
+    model.generation_config = TransformersGenerationConfig(
+        **{name: getattr(saved, name) for name in _SPECIAL_TOKEN_IDS if getattr(saved, name, None) is not None})
 
 
 @dataclass
