@@ -5,10 +5,10 @@
 
 Both backends decode greedily by default, so they must produce the same tokens (the JSON says
 whether they did) and do the same amount of work; each backend's reported log-probs are compared
-with the train-mode forward's over the generated tokens (max and mean absolute difference); tokens/s counts generated answer tokens
-(through each row's EOS); each backend runs `--repeats` times, alternating, and its fastest run
-counts. The hybrid timing includes entering and leaving generate mode (gathering,
-LoRA merging, building the inference copy), since every rollout pays it.
+with the train-mode forward's over the generated tokens (max and mean absolute difference); tokens/s counts generated
+answer tokens (through the token that ends each row's turn, as in step 3: the EOS, or the chat template's end-of-turn
+token); each backend runs `--repeats` times, alternating, and its fastest run counts. The hybrid timing includes
+entering and leaving generate mode (gathering, LoRA merging, building the inference copy), since every rollout pays it.
 
 Each backend also runs, after each timed run, the same prompts to two new tokens (the prefill, the first decode
 step, which is where a CUDA graph is captured, and for the hybrid engine entering generate mode):
@@ -88,6 +88,7 @@ from training.core.model_loading import (  # noqa: E402
 from training.core.sequences import answer_logprobs  # noqa: E402
 from training.generation.generator import GenerationConfig, GenerationOutput, HFGenerator  # noqa: E402
 from training.generation.hybrid_engine import HybridEngineSettings, build_generator  # noqa: E402
+from utils.data import PromptFormatter  # noqa: E402
 from utils.dist import current_device, init_distributed, is_main_process  # noqa: E402
 from utils.errors import UserError, run_cli  # noqa: E402
 
@@ -127,7 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--do_sample", action="store_true", help="sample instead of greedy (outputs then differ)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature with --do_sample (log-probs are compared at it)")
-    parser.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
+    parser.add_argument("--ignore_eos", action="store_true",
+                        help="always generate max_new_tokens (else an answer ends at the tokens that end the model's "
+                             "turn, as in training: the EOS, and the chat template's end-of-turn token)")
     parser.add_argument("--tp_gather_partition_size", type=int, default=8)
     parser.add_argument("--disable_cuda_graph", action="store_true",
                         help="on GPU, do not capture the hybrid engine's decode step as a CUDA graph")
@@ -155,7 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_prompts(tokenizer, batch_size: int, prompt_length: int, context_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chat-formatted questions, each after `context_tokens` tokens of context text (the other questions,
+    """Questions rendered as training renders prompts (`PromptFormatter`, auto), each after `context_tokens` tokens of context text (the other questions,
     repeated) and cut to at most `prompt_length` tokens, left-padded."""
     context = ""
     if context_tokens:
@@ -164,11 +167,7 @@ def make_prompts(tokenizer, batch_size: int, prompt_length: int, context_tokens:
     rows = []
     for i in range(batch_size):
         question = context + QUESTIONS[i % len(QUESTIONS)] + " Please be detailed." * (i // len(QUESTIONS))
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = f" Human: {question} Assistant:"
+        text = PromptFormatter(tokenizer).prompt([{"role": "user", "content": question}])
         rows.append(tokenizer(text, add_special_tokens=False)["input_ids"][-prompt_length:])
     width = max(len(r) for r in rows)
     ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
@@ -217,6 +216,20 @@ def static_compiled_generator(model_name: str, tokenizer, dtype: torch.dtype, de
     compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = True
     return HFGenerator(model, cache_implementation="static", compile_config=compile_config)
+
+
+def bench_generation_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+    """The generation every backend runs: an answer ends where step 3's rollouts end it, at any token that ends the
+    model's turn (`PromptFormatter.stop_token_ids`: the EOS, and a chat template's end-of-turn token where that is
+    another), or nowhere with `--ignore_eos`."""
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        seed=0,
+        eos_token_id=-1 if args.ignore_eos else PromptFormatter(tokenizer).stop_token_ids,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 def time_backend(generator, ids, mask, config) -> tuple[float, object, float | None]:
@@ -274,14 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         round(weight_pass_tokens_per_s(engine.module, args.batch_size, generation_dtype, current_device(), pack), 2)
         for pack in (True, False))
     ids, mask = make_prompts(tokenizer, args.batch_size, args.prompt_length, args.context_tokens)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        do_sample=args.do_sample,
-        temperature=args.temperature,
-        seed=0,
-        eos_token_id=-1 if args.ignore_eos else tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = bench_generation_config(args, tokenizer)
     hybrid_settings = HybridEngineSettings(enable=True, tp_gather_partition_size=args.tp_gather_partition_size,
                                            cuda_graph=not args.disable_cuda_graph,
                                            onednn_packing=not args.disable_onednn_packing,

@@ -98,6 +98,26 @@ def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer
             reward_tokenizer.decode(trained or []), actor_tokenizer.decode(scored or []), prompt_format)
 
 
+def warn_actor_tuned_on_other_layout(tokenizer: PreTrainedTokenizerBase, prompt_format: str, actor_path: str) -> None:
+    """Warn where the run that tuned the actor (step 1, DPO, or an earlier step 3: the --prompt_format its args.json
+    recorded) laid conversations out otherwise than step 3's --prompt_format does with the same tokenizer: PPO would
+    ask the actor in a layout it was not tuned on, and end its answers where that layout's turn ends (another token,
+    under another chat template's or none). A warning, as for the reward model: nothing is known of a model no run of
+    this project tuned, and a run may mean to move the actor to another layout."""
+    recorded = args_of_model(actor_path)
+    if "prompt_format" not in recorded:
+        return
+    tuned_format = recorded["prompt_format"]
+    tuned = probe_tokens(PromptFormatter(tokenizer, tuned_format), tokenizer)
+    asked = probe_tokens(PromptFormatter(tokenizer, prompt_format), tokenizer)
+    if tuned != asked:
+        logger.warning(
+            "the actor %s was tuned (--prompt_format %s) on conversations laid out as %r, but step 3 lays them out as "
+            "%r (--prompt_format %s): PPO starts from a model asked in a layout it was not tuned on. Pass "
+            "--prompt_format %s, as its run did", actor_path, tuned_format, tokenizer.decode(tuned or []),
+            tokenizer.decode(asked or []), prompt_format, tuned_format)
+
+
 @contextlib.contextmanager
 def model_random_stream(seed: int) -> Iterator[None]:
     """Build a model from `seed`'s stream and leave the global one untouched: what a rank builds (and in what
@@ -142,6 +162,8 @@ def build_rlhf_engine(
     def bind(role: str, engine):
         return groups.bind(role, engine) if groups is not None else engine
 
+    if is_main_process():  # the same on every rank
+        warn_actor_tuned_on_other_layout(tokenizer, args.data.prompt_format, actor_path)
     if reward_path is not None:
         reward_tokenizer = load_tokenizer(reward_path, trust_remote_code)
         check_same_vocabulary(tokenizer, reward_tokenizer, reward_path)

@@ -408,3 +408,47 @@ def test_a_reward_model_whose_tokenizer_ends_turns_in_another_eos_reads_the_acto
     base.eos_token = "<|endoftext|>"
     assert PromptFormatter(base).end_of_turn_token == "<|im_end|>"
     assert layout_warnings(instruct, base, tmp_path, caplog) == []
+
+
+def test_the_generation_benchmark_stops_where_training_ends_the_turn():
+    """bench/generation.py stopped its rows at the EOS only: a row that ended its turn ran on with a made-up next turn,
+    and tokens/s counted tokens no rollout generates. Without --ignore_eos it stops where step 3 does."""
+    from bench.generation import bench_generation_config, parse_args
+
+    tokenizer = turn_end_tokenizer(GEMMA)
+    model, input_ids, mask = scripted_rows(tokenizer)
+    config = bench_generation_config(parse_args(["--max_new_tokens", str(MAX_NEW_TOKENS)]), tokenizer)
+    out = HFGenerator(model).generate(input_ids, mask, config)
+    ids = tokenizer.convert_tokens_to_ids
+    assert [out.answers[row][out.answer_mask[row].bool()].tolist() for row in range(len(ROWS))] == [
+        ids(answer) for _, answer in ROWS]
+    ignoring = bench_generation_config(parse_args(["--max_new_tokens", "3", "--ignore_eos"]), tokenizer)
+    assert HFGenerator(model).generate(input_ids, mask, ignoring).answer_mask.all()
+
+
+def test_step_3_warns_where_the_actors_run_tuned_it_on_another_layout(tmp_path, caplog):
+    """Step 3 checked the reward model's layout but not the actor's: a step-1 model tuned under --prompt_format
+    human_assistant (' Human: Hi Assistant: OK<eos>') was asked under its chat template by a step 3 left at auto, and
+    ended its answers at <eos> where step 3 stops at <end_of_turn>, silently."""
+    import json
+
+    from step3_rlhf.rlhf_engine import warn_actor_tuned_on_other_layout
+
+    tokenizer = turn_end_tokenizer(GEMMA)
+
+    def warnings(record: dict | None, prompt_format: str) -> list[str]:
+        (tmp_path / "args.json").unlink(missing_ok=True)
+        if record is not None:
+            (tmp_path / "args.json").write_text(json.dumps(record))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="step3_rlhf.rlhf_engine"):
+            warn_actor_tuned_on_other_layout(tokenizer, prompt_format, str(tmp_path))
+        return [record.getMessage() for record in caplog.records]
+
+    (warning,) = warnings({"prompt_format": "human_assistant"}, "auto")
+    assert "tuned (--prompt_format human_assistant) on conversations laid out as ' Human: Hi Assistant: OK<eos>'" in warning
+    assert "'<bos><start_of_turn>user\\nHi<end_of_turn>\\n<start_of_turn>model\\nOK<end_of_turn>'" in warning
+    assert "Pass --prompt_format human_assistant" in warning
+    assert warnings({"prompt_format": "human_assistant"}, "human_assistant") == []
+    assert warnings({"prompt_format": "chat_template"}, "auto") == []  # the same layout under two names
+    assert warnings(None, "human_assistant") == []  # a model no run of this project tuned
