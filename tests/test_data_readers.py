@@ -627,3 +627,42 @@ def test_a_tied_or_unlabelled_preference_row_gives_step_3_its_prompt_and_steps_1
         assert [(s.chosen, s.rejected) for s in split.train] == [("Blue.", "Red.")]
         assert (split.records, split.skipped) == (3, {reason: 2})
     assert [row["chosen"].strip() for row in read_rows(path)] == ["Blue."]
+
+
+class ReadCounting(dict):
+    """A message that counts how often its fields are read."""
+
+    reads = 0
+
+    def get(self, *args):
+        ReadCounting.reads += 1
+        return super().get(*args)
+
+
+@pytest.mark.parametrize("replies, expected", [
+    ({"chosen": chat(("assistant", "Blue.")), "rejected": chat(("assistant", "Red."))},
+     (2, "Hmm,\n\nBlue.", "Hmm,\n\nRed.")),
+    ({"chosen": chat(("assistant", "More."), ("assistant", "Blue.")), "rejected": chat(("user", "?"), ("assistant", ""))},
+     (3, None, None)),
+    ({"chosen": chat(("assistant", " ")), "rejected": chat(("assistant", ""))}, (3, "", "")),
+    ({"completion": chat(("assistant", "Blue."))}, (2, "Hmm,\n\nBlue.", None)),
+    ({"completion": []}, (2, "Hmm,", None)),
+], ids=["pair", "prompt_mismatch", "empty_replies", "completion", "empty_completion"])
+def test_a_chat_rows_prompt_messages_are_read_once_with_the_replies_as_read_after_them(replies, expected):
+    """Each side's reply was parsed after the prompt's messages parsed anew (three reads of the prompt for a pair);
+    the prompt's turns are parsed once now, and the replies read as they were after the whole prompt: its last
+    assistant turn merges with a reply's first, an empty reply leaves it in the context."""
+    from utils.data.readers import parse_chat_preference, parse_chat_prompt
+    from utils.data.turns import parse_messages
+
+    def prompt():
+        return [ReadCounting(m) for m in chat(("system", "Be brief."), ("user", "Sky?"), ("assistant", "Hmm,"))]
+
+    ReadCounting.reads = 0
+    turns = parse_messages(prompt(), "role", "content")
+    reads_of_one_parse, ReadCounting.reads = ReadCounting.reads, 0
+    parse = parse_chat_prompt if "completion" in replies else parse_chat_preference
+    (sample,) = parse({"prompt": prompt(), **replies}, 0)
+    checked_for_an_empty_reply = 2 if replies.get("completion") == [] else 0  # the last message, no reply after it
+    assert ReadCounting.reads == reads_of_one_parse + checked_for_an_empty_reply
+    assert (list(sample.turns), sample.chosen, sample.rejected) == (turns[:expected[0]], *expected[1:])

@@ -116,13 +116,15 @@ def _message_list(record: dict, key: str) -> list:
     return value
 
 
-def _chat_reply(record: dict, prompt: list, key: str) -> tuple[list[dict], str]:
-    """(context, reply) of the `prompt` messages followed by the message list at `record[key]`, which must end on an
-    assistant message; an empty one is the reply "" (as an empty last "Assistant:" turn of a transcript is)."""
-    conversation = prompt + _message_list(record, key)
+def _chat_reply(record: dict, prompt: list, prompt_turns: list[dict], key: str) -> tuple[list[dict], str]:
+    """(context, reply) of the `prompt` messages (parsed already: `prompt_turns`) followed by the message list at
+    `record[key]`, which must end on an assistant message; an empty one is the reply "" (as an empty last
+    "Assistant:" turn of a transcript is)."""
+    messages = _message_list(record, key)
+    conversation = prompt + messages
     if conversation and is_empty_reply(conversation[-1], "role", "content"):
-        return parse_messages(conversation[:-1], "role", "content"), ""
-    context, reply = split_last_reply(parse_messages(conversation, "role", "content"))
+        return parse_messages(messages[:-1], "role", "content", prompt_turns), ""
+    context, reply = split_last_reply(parse_messages(messages, "role", "content", prompt_turns))
     if reply is None:
         raise SkipRow(f"no_assistant_reply:{key}")
     return context, reply
@@ -132,10 +134,11 @@ def parse_chat_preference(record: Any, group: int) -> list[Sample]:
     if not isinstance(record, dict):
         raise SkipRow("not_an_object")
     if isinstance(record.get("prompt"), (str, type(None))):  # each side holds the whole conversation
-        return _paired_replies(record, group, lambda key: _chat_reply(record, [], key))
+        return _paired_replies(record, group, lambda key: _chat_reply(record, [], [], key))
     prompt = _message_list(record, "prompt")
-    return _with_replies(parse_messages(prompt, "role", "content"), group,
-                         lambda: _paired_replies(record, group, lambda key: _chat_reply(record, prompt, key)))
+    turns = parse_messages(prompt, "role", "content")
+    return _with_replies(turns, group,
+                         lambda: _paired_replies(record, group, lambda key: _chat_reply(record, prompt, turns, key)))
 
 
 def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
@@ -148,7 +151,7 @@ def parse_chat_prompt(record: Any, group: int) -> list[Sample]:
         return [Sample(tuple(context), reply, None, group)]
 
     def read() -> list[Sample]:
-        context, reply = _chat_reply(record, prompt, "completion")
+        context, reply = _chat_reply(record, prompt, turns, "completion")
         return [Sample(tuple(context), _desirable(record, reply), None, group)]
 
     return _with_replies(turns, group, read)

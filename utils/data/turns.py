@@ -43,10 +43,12 @@ def message_text(content: Any) -> str | None:
     return None
 
 
-def parse_messages(messages: Any, role_key: str, content_key: str) -> list[dict]:
+def parse_messages(messages: Any, role_key: str, content_key: str, context: list[dict] = ()) -> list[dict]:
     """Turn a list of message dicts (ShareGPT from/value, or role/content) into clean turns.
 
-    Non-text and empty messages are dropped; an unknown speaker makes the whole row unusable.
+    Non-text and empty messages are dropped; an unknown speaker makes the whole row unusable. `context`: the turns
+    parsed already of messages that come before these (a chat row's prompt), which are not read again: the result
+    is that of parsing those messages and these together.
     """
     if not isinstance(messages, list):
         raise SkipRow("wrong_type:messages")
@@ -60,7 +62,7 @@ def parse_messages(messages: Any, role_key: str, content_key: str) -> list[dict]
         text = message_text(message.get(content_key))
         if text is not None:
             turns.append({"role": role, "content": text})
-    return clean_turns(turns)
+    return clean_turns([*context, *turns])
 
 
 def _role(message: dict, role_key: str) -> str | None:
