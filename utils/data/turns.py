@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from .samples import ASSISTANT, ROLE_ALIASES, USER, SkipRow
@@ -43,7 +44,7 @@ def message_text(content: Any) -> str | None:
     return None
 
 
-def parse_messages(messages: Any, role_key: str, content_key: str, context: list[dict] = ()) -> list[dict]:
+def parse_messages(messages: Any, role_key: str, content_key: str, context: Sequence[dict] = ()) -> list[dict]:
     """Turn a list of message dicts (ShareGPT from/value, or role/content) into clean turns.
 
     Non-text and empty messages are dropped; an unknown speaker makes the whole row unusable. `context`: the turns
