@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
+    TRAINED_DTYPE_HELP,
     load_causal_lm,
     load_tokenizer,
     resolve_trained_dtype,
@@ -81,9 +82,7 @@ class PromptEvalArguments:
                 "args.json; else auto)"})
     dtype: str = field(default="auto", metadata={
         "choices": DTYPE_CHOICES,
-        "help": "both models' dtype; auto: the fine-tuned model's, for a model a run of this project saved the dtype "
-                "it trained in where this device computes in it natively, otherwise bf16 where the device supports "
-                "it, else fp16 on GPU, fp32 on CPU"})
+        "help": f"both models' dtype, under auto the fine-tuned model's ({TRAINED_DTYPE_HELP})"})
     seed: int = field(default=1234, metadata={"help": "seed each model samples from (with --do_sample)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
     output_file: str | None = field(default=None, metadata={
