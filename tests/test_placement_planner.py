@@ -464,14 +464,30 @@ def test_dry_run_with_placement_auto_prints_the_ranked_plans(tmp_path, tiny_mode
     fakes = FakeSteps(tiny_model_dir("llama"))
     _dry_run(tmp_path, fakes, ["--hardware_file", "a100-80gb"])
     out = capsys.readouterr().out
-    assert "step 3 --placement auto on 8 rank(s); machine constants: a100-80gb from the hardware file" in out
+    assert ("step 3 --placement auto on 8 rank(s) (the hardware file's nodes x GPUs); machine constants: a100-80gb "
+            "from the hardware file") in out
     assert "placements, fastest first" in out and "the top plan's step-3 flags: --placement" in out
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a saved calibration of this machine is used
     calibration.save_calibration(replace(MACHINE, devices_per_node=1), calibration.cache_path("bf16", 2, 1))
     _dry_run(tmp_path, fakes, [])
     out = capsys.readouterr().out
-    assert "on 1 rank(s); machine constants: the saved calibration" in out and "1 │ colocate" in out
+    assert "on 1 rank(s) (the run's); machine constants: the saved calibration" in out and "1 │ colocate" in out
+
+
+def test_a_gpu_deployments_dry_run_plans_its_own_ranks_with_a_hardware_files_gpus(tmp_path, tiny_model_dir, capsys):
+    """The dry run planned the hardware file's 8 ranks for a one-GPU run and a 16-GPU one, whose step 3 then planned
+    its own ranks: the plans printed were not the ones the run would take."""
+    fakes = FakeSteps(tiny_model_dir("llama"))
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
+    for deployment, ranks in ((["single_gpu"], 1), (["multi_node", "--hostfile", str(hostfile)], 16)):
+        _dry_run(tmp_path, fakes, ["--hardware_file", "a100-80gb", "--deployment-type", *deployment])
+        out = capsys.readouterr().out
+        assert f"step 3 --placement auto on {ranks} rank(s) (the run's); machine constants: a100-80gb" in out
+        if ranks == 1:  # one rank shards nothing and lends no rank to a rollout
+            assert "flags: --placement colocate --placement_ratio actor=1,critic=1,reference=1,reward=1,rollout=0 " \
+                   "--actor_zero_stage 0 --critic_zero_stage 0" in out
 
 
 def test_published_setups_get_finite_predictions():

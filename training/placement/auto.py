@@ -35,9 +35,12 @@ def planning_machine(hardware_file: str | None, recalibrate: bool, dtype: str, w
 
 
 def auto_placement_report(parser: argparse.ArgumentParser, argv: list[str], actor: ModelSize, scorer: ModelSize,
-                          world_size: int, cores: int) -> str:
+                          world_size: int, cores: int, run_world: bool = True) -> str:
     """Parse step 3's command line, and rank the plans for its workload. `actor`/`scorer`: the sizes of the
-    step-1 and step-2 models (the critic starts from the scorer, or from the actor without a reward model)."""
+    step-1 and step-2 models (the critic starts from the scorer, or from the actor without a reward model).
+    `run_world`: `world_size` is the ranks the run will have (a GPU deployment), which step 3 plans for whatever the
+    hardware file's node count; else (the cpu deployment) a hardware file plans for its own nodes x GPUs: a cluster
+    planned before it is rented."""
     args = parser.parse_args(argv)
     paths = step3_model_paths(args)
     critic = None if paths["critic"] is None else (scorer if paths["reward"] else actor)
@@ -46,10 +49,12 @@ def auto_placement_report(parser: argparse.ArgumentParser, argv: list[str], acto
     dtype = args.run.dtype if settings.hardware_file and args.run.dtype != "auto" else None
     dtype = dtype or ("bf16" if settings.hardware_file else args.run.dtype_name)
     machine, source = planning_machine(settings.hardware_file, settings.calibrate, dtype, world_size, cores)
-    world = machine.world_size if settings.hardware_file else world_size
+    file_world = settings.hardware_file is not None and not run_world
+    world = machine.world_size if file_world else world_size
     workload = step3_workload(args, actor, critic, reward, dtype)
     plans = search(workload, machine, world)
-    lines = [f"\nstep 3 --placement auto on {world} rank(s); {source}", format_plans(plans, TOP_PLANS)]
+    ranks = "the hardware file's nodes x GPUs" if file_world else "the run's"
+    lines = [f"\nstep 3 --placement auto on {world} rank(s) ({ranks}); {source}", format_plans(plans, TOP_PLANS)]
     if plans:
         lines.append("the top plan's step-3 flags: " + " ".join(plans[0].flags))
     else:
