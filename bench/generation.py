@@ -89,6 +89,8 @@ from training.core.sequences import answer_logprobs  # noqa: E402
 from training.generation.generator import GenerationConfig, GenerationOutput, HFGenerator  # noqa: E402
 from training.generation.hybrid_engine import HybridEngineSettings, build_generator  # noqa: E402
 from utils.data import PromptFormatter  # noqa: E402
+from utils.data.samples import KIND_PROMPTS, Sample  # noqa: E402
+from utils.data.tokenization import TokenLimits, tokenize_samples  # noqa: E402
 from utils.dist import current_device, init_distributed, is_main_process  # noqa: E402
 from utils.errors import UserError, run_cli  # noqa: E402
 
@@ -158,17 +160,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_prompts(tokenizer, batch_size: int, prompt_length: int, context_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Questions rendered as training renders prompts (`PromptFormatter`, auto), each after `context_tokens` tokens of context text (the other questions,
-    repeated) and cut to at most `prompt_length` tokens, left-padded."""
+    """Questions made into prompts as step 3 makes its own (`tokenize_samples`: rendered by `PromptFormatter`, auto,
+    with the tokenizer's special tokens where there is no chat template, left-truncated to `prompt_length` tokens
+    keeping a lone BOS in front), each after `context_tokens` tokens of context text (the other questions, repeated);
+    left-padded."""
     context = ""
     if context_tokens:
         passage = tokenizer(" ".join(QUESTIONS), add_special_tokens=False)["input_ids"]
         context = tokenizer.decode((passage * (context_tokens // len(passage) + 1))[:context_tokens]) + "\n\n"
-    rows = []
-    for i in range(batch_size):
-        question = context + QUESTIONS[i % len(QUESTIONS)] + " Please be detailed." * (i // len(QUESTIONS))
-        text = PromptFormatter(tokenizer).prompt([{"role": "user", "content": question}])
-        rows.append(tokenizer(text, add_special_tokens=False)["input_ids"][-prompt_length:])
+    questions = [context + QUESTIONS[i % len(QUESTIONS)] + " Please be detailed." * (i // len(QUESTIONS))
+                 for i in range(batch_size)]
+    items = tokenize_samples([Sample(({"role": "user", "content": question},)) for question in questions],
+                             KIND_PROMPTS, PromptFormatter(tokenizer), tokenizer,
+                             TokenLimits(max_prompt_seq_len=prompt_length, prompt_overflow="left_truncate"))
+    rows = [item["input_ids"].tolist() for item in items]
     width = max(len(r) for r in rows)
     ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(batch_size, width, dtype=torch.long)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, make_tokenizer
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from transformers import AutoModelForCausalLM
 
 from bench.decode_floor import DecodeWork, copy_bandwidth_bytes_per_s, mean_decode_context
-from bench.generation import build_actor, parse_args
+from bench.generation import build_actor, make_prompts, parse_args
 from training.core.model_loading import load_tokenizer
 from utils.errors import UserError
 
@@ -36,6 +36,19 @@ def test_a_decode_step_reads_every_weight_but_an_untied_input_embedding_and_each
 
 def test_the_copy_bandwidth_counts_bytes_read_and_written():
     assert 0.1e9 < copy_bandwidth_bytes_per_s(torch.device("cpu"), 8 << 20, repeats=2) < 1e13
+
+
+def test_the_benchmarks_prompts_begin_as_step_3s_do():
+    """Without a chat template the benchmark encoded its prompts without the tokenizer's special tokens, where step 3
+    encodes them with: a Llama-style tokenizer's BOS, which the model always read first in training, was missing (and
+    a prompt cut to --prompt_length lost its beginning as step 3's does not)."""
+    tokenizer = make_tokenizer(chat_template=False, with_pad=True)
+    tokenizer.add_bos_token = True
+    ids, mask = make_prompts(tokenizer, 2, 64)
+    whole = [row[row_mask.bool()].tolist() for row, row_mask in zip(ids, mask)]
+    assert [row[0] for row in whole] == [tokenizer.bos_token_id] * 2
+    cut, cut_mask = make_prompts(tokenizer, 1, 6)
+    assert cut[0][cut_mask[0].bool()].tolist() == [tokenizer.bos_token_id, *whole[0][-5:]]
 
 
 def run_bench(model: str, output: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
