@@ -454,6 +454,52 @@ def test_calibration_is_saved_then_reused(tmp_path, monkeypatch):
     assert calibration.cache_path("bf16", 2, 1).parent == tmp_path / "elsewhere" / "calibration"
 
 
+def test_a_calibration_records_the_cores_other_processes_kept_busy(monkeypatch):
+    """On a busy machine the calibration's rates are slower than the machine's (a quick profile predicted a 247 s PPO
+    step for a ~20 s one) and nothing said so. The cores other processes took meanwhile are recorded; this process's
+    own work, and its ranks' once they ended, are not counted."""
+    import subprocess
+
+    def measure_ranks(dtype, threads, world_size, quick):  # a rank in a child process, waited for, burns a second
+        subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 1.0\n"
+                        "while time.process_time() < end: pass"], check=True)
+        end = time.process_time() + 0.5
+        while time.process_time() < end:  # and this process half a second
+            pass
+        return {field: 1.0 for field in ("matmul_flops", "memory_bandwidth", "copy_bandwidth", "intra_node_bandwidth",
+                                         "collective_latency_s", "call_overhead_s", "decode_step_overhead_s",
+                                         "backward_flops", "attention_flops", "attention_backward_flops",
+                                         "forward_elementwise_s", "backward_elementwise_s", "optimizer_s_per_param",
+                                         "reduce_efficiency", "sampling_s_per_logit")}
+
+    monkeypatch.setattr(calibration, "measure_ranks", measure_ranks)
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # another program, busy throughout
+    try:
+        machine = calibration.calibrate("bf16", 1, 1, quick=True)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert machine.others_busy_cores >= 0.5
+
+    ticks = iter([(0.0, 10.0, 1.0), (2.0, 15.0, 4.0)])  # (wall s, machine busy s, own + waited children's s)
+    monkeypatch.setattr(calibration.OthersBusyCores, "_cpu_seconds", staticmethod(lambda: next(ticks)))
+    with calibration.OthersBusyCores() as others:
+        pass
+    assert others.cores == 1.0  # 5 busy seconds less 3 of its own, over 2 s
+
+
+def test_the_planners_basis_says_how_busy_the_machine_was_while_calibrated(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path))
+    path = calibration.cache_path("bf16", 2, 1)
+    for busy, said in ((None, ""), (0.1, "; other processes kept 0.1 of 2 cores busy while it measured"),
+                       (1.5, "; measured while other processes kept 1.5 of 2 cores busy, so its times (and the "
+                             "predicted steps) are slower than this machine's when it is idle: calibrate again then "
+                             "(--calibrate)")):
+        calibration.save_calibration(replace(MACHINE, devices_per_node=1, others_busy_cores=busy), path)
+        machine, source = auto.planning_machine(None, False, "bf16", 1, cores=2)
+        assert machine.others_busy_cores == busy and source == f"machine constants: the saved calibration {path}{said}"
+
+
 def _dry_run(tmp_path, fakes, extra):
     entries = {step: entry for step, entry in fakes.entries().items() if step != 3}  # step 3's real CLI parses
     config = parse_config(common(tmp_path, fakes.model_dir) + ["--placement", "auto", "--dry-run", *extra])

@@ -25,13 +25,28 @@ def planning_machine(hardware_file: str | None, recalibrate: bool, dtype: str, w
     path = cache_path(dtype, threads, world_size)
     saved = None if recalibrate else load_calibration(path)
     if saved is not None:
-        return saved, f"machine constants: the saved calibration {path}"
+        return saved, f"machine constants: the saved calibration {path}{_others_load(saved, cores)}"
     if recalibrate:
-        return (load_or_calibrate(dtype, threads, world_size, recalibrate=True),
-                f"machine constants: measured now (--calibrate), saved to {path}")
+        machine = load_or_calibrate(dtype, threads, world_size, recalibrate=True)
+        return machine, f"machine constants: measured now (--calibrate), saved to {path}{_others_load(machine, cores)}"
     machine = calibrate(dtype, threads, world_size, quick=True)
     return machine, ("machine constants: a quick profile of this machine's CPU (no saved calibration; pass "
-                     "--calibrate for a full one, saved for later runs, or --hardware_file for GPUs)")
+                     "--calibrate for a full one, saved for later runs, or --hardware_file for GPUs)"
+                     f"{_others_load(machine, cores)}")
+
+
+BUSY_CORES = 0.5  # other processes' load from which a calibration's figures are said to be slowed by it
+
+
+def _others_load(machine: MachineSpec, cores: int) -> str:
+    """What else ran while `machine` was calibrated: its rates, and so every time predicted, are slower by it."""
+    busy = machine.others_busy_cores
+    if busy is None:
+        return ""
+    if busy < BUSY_CORES:
+        return f"; other processes kept {busy:.1f} of {cores} cores busy while it measured"
+    return (f"; measured while other processes kept {busy:.1f} of {cores} cores busy, so its times (and the "
+            "predicted steps) are slower than this machine's when it is idle: calibrate again then (--calibrate)")
 
 
 def auto_placement_report(parser: argparse.ArgumentParser, argv: list[str], actor: ModelSize, scorer: ModelSize,

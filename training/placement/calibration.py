@@ -16,10 +16,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 
 from training.generation.cpu_linear import LinearWeight
@@ -214,19 +216,45 @@ def host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
+class OthersBusyCores:
+    """The cores other processes kept busy while the code inside ran: the machine's CPU time (psutil; time the
+    hypervisor gave other guests counted) less this process's and its finished children's, over the wall time."""
+
+    cores: float = 0.0
+
+    @staticmethod
+    def _cpu_seconds() -> tuple[float, float, float]:
+        machine, own = psutil.cpu_times(), os.times()
+        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0) - getattr(machine, "guest", 0.0) \
+            - getattr(machine, "guest_nice", 0.0)  # guest time is counted in user time too
+        return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+
+    def __enter__(self) -> "OthersBusyCores":
+        self._start = self._cpu_seconds()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        (wall0, busy0, own0), (wall1, busy1, own1) = self._start, self._cpu_seconds()
+        self.cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9)
+
+
 def calibrate(dtype: str, threads: int, world_size: int, quick: bool = False) -> MachineSpec:
     """Measure this machine as `world_size` ranks of `threads` torch threads each (one node), all busy at once;
-    unless `quick`, correct the constants by a profiled real step."""
+    unless `quick`, correct the constants by a profiled real step. The machine records how many cores other
+    processes kept busy meanwhile (`MachineSpec.others_busy_cores`)."""
     from training.placement.step_profile import profile_corrections
 
-    measured = measure_ranks(dtype, threads, world_size, quick)
-    machine = MachineSpec(
-        name=f"{socket.gethostname()} (calibrated{', quick' if quick else ''}: {dtype}, {threads} thread(s), "
-             f"{world_size} rank(s))",
-        nodes=1, devices_per_node=world_size, memory_gib=host_memory_gib() / world_size,
-        inter_node_bandwidth=measured["intra_node_bandwidth"], baseline_memory_gib=measure_baseline_memory_gib(quick),
-        **measured)
-    return machine if quick else replace(machine, **profile_corrections(machine, dtype, threads, world_size))
+    with OthersBusyCores() as others:
+        measured = measure_ranks(dtype, threads, world_size, quick)
+        machine = MachineSpec(
+            name=f"{socket.gethostname()} (calibrated{', quick' if quick else ''}: {dtype}, {threads} thread(s), "
+                 f"{world_size} rank(s))",
+            nodes=1, devices_per_node=world_size, memory_gib=host_memory_gib() / world_size,
+            inter_node_bandwidth=measured["intra_node_bandwidth"],
+            baseline_memory_gib=measure_baseline_memory_gib(quick), **measured)
+        if not quick:
+            machine = replace(machine, **profile_corrections(machine, dtype, threads, world_size))
+    return replace(machine, others_busy_cores=round(others.cores, 2))
 
 
 def save_calibration(machine: MachineSpec, path: Path) -> None:

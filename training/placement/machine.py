@@ -37,6 +37,8 @@ class MachineSpec:
     `call_time_factors` (call kind -> factor) and `step_overhead_s` come from a calibration's profiled real step
     (`step_profile`): each kind of call's time inside a step over its estimate from the other constants, and the
     step's time outside its calls; a hardware file has neither (factors of 1, no overhead).
+    `others_busy_cores` is a calibration's: the cores other processes kept busy while it measured, which slow every
+    rate it took (None: a hardware file, or a calibration saved before it was recorded).
     """
 
     name: str
@@ -63,6 +65,7 @@ class MachineSpec:
     usable_memory_fraction: float = 0.92  # allocator fragmentation and workspace leave the rest unusable
     call_time_factors: dict[str, float] = field(default_factory=dict)
     step_overhead_s: float = 0.0
+    others_busy_cores: float | None = None
 
     @property
     def world_size(self) -> int:
