@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 from conftest import REPO_ROOT
-from tiny_models import make_tiny_model, make_tiny_model_dir, make_tokenizer
+from tiny_models import ARCHITECTURES, make_tiny_model, make_tiny_model_dir, make_tokenizer
+from transformers import AutoModelForCausalLM
 
 from training.core import sequences as sequences_module
 from training.core.answer_window import AnswerWindow, RowGroups, flush_right
@@ -196,13 +197,23 @@ def test_rows_alike_stay_one_group():
     assert len(groups.windows) == 1 and sorted(groups.rows[0].tolist()) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bf16_window_logprobs_at_positions_past_500_are_as_close_to_fp32_as_the_rollout_layouts(arch):
-    """bf16 kernels of another shape round differently: the window's error against the fp32 result must be of
-    the plain layout's order, at positions past 500 where rotary phases are large."""
-    tokenizer = make_tokenizer()
-    model, _ = make_tiny_model(arch, tokenizer, max_positions=1024, initializer_range=0.3)
-    model.eval()
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_bf16_window_and_group_results_at_positions_past_500_are_as_close_to_fp32_as_the_rollout_layouts(arch,
+                                                                                                          tmp_path):
+    """bf16 kernels of another shape round differently: the error against the fp32 result of the window's log-probs,
+    and of the log-probs and a critic's values computed over several `RowGroups`, must be of the plain layout's
+    order, at positions past 500 where rotary phases are large (learned ones for GPT-2 and OPT). The models load in
+    each dtype as step 3 loads them (RoPE's frequencies stay fp32 in a bf16 model)."""
+    path = make_tiny_model_dir(tmp_path, arch, max_positions=1024, initializer_range=0.3)
+    head = torch.randn(1, RewardModel.from_causal_lm(path).v_head.in_features, generator=torch.Generator().manual_seed(1))
+
+    def load(dtype: torch.dtype) -> tuple[torch.nn.Module, RewardModel]:
+        """The causal LM and a critic on its backbone, whose head is `head`."""
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        critic = RewardModel.from_causal_lm(model).eval()
+        critic.v_head.weight.data.copy_(head)
+        return model, critic
+
     generator = torch.Generator().manual_seed(0)
     prompt_mask = torch.ones(3, 520, dtype=torch.long)
     prompt_mask[1, :40] = 0
@@ -211,17 +222,29 @@ def test_bf16_window_logprobs_at_positions_past_500_are_as_close_to_fp32_as_the_
     answer_mask[0, 20:] = 0
     answer_mask[2, 5:] = 0
     mask = torch.cat([prompt_mask, answer_mask], 1)
-    sequences = torch.randint(3, len(tokenizer), mask.shape, generator=generator)
+    sequences = torch.randint(3, len(make_tokenizer()), mask.shape, generator=generator)
     window = AnswerWindow.of(sequences, mask, 520)
     assert window.sequences.shape[1] == 540  # the longest real row: 520 + 20; the rollout layout is 552 wide
+    groups = RowGroups.of(sequences, mask, 520, group_cost_tokens=1)
+    assert len(groups.windows) == 3
     answer = answer_mask.bool()
+
+    def plain_results(model: torch.nn.Module, critic: RewardModel) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs = token_logprobs(answer_logits(model, sequences, mask, 520), sequences[:, 520:])
+        return logprobs[answer], critic(sequences, mask)["values"][:, 519:-1].float()[answer]
+
     with torch.no_grad():
-        exact = token_logprobs(answer_logits(model, sequences, mask, 520), sequences[:, 520:])[answer]
-        model.to(torch.bfloat16)
-        plain = token_logprobs(answer_logits(model, sequences, mask, 520), sequences[:, 520:])[answer]
+        exact_logprobs, exact_values = plain_results(*load(torch.float32))
+        model, critic = load(torch.bfloat16)
+        plain_logprobs, plain_values = plain_results(model, critic)
         windowed = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens()))[answer]
-    plain_error, window_error = (plain - exact).abs().mean(), (windowed - exact).abs().mean()
-    assert window_error <= 1.5 * plain_error + 1e-3, (window_error, plain_error)
+        grouped = groups.answer_logprobs(model, 1.0)[0][answer]
+        grouped_values = groups.answer_values(critic)[answer]
+    for name, result, plain, exact in (("window log-probs", windowed, plain_logprobs, exact_logprobs),
+                                       ("grouped log-probs", grouped, plain_logprobs, exact_logprobs),
+                                       ("grouped values", grouped_values, plain_values, exact_values)):
+        error, plain_error = (result - exact).abs().mean(), (plain - exact).abs().mean()
+        assert error <= 1.5 * plain_error + 1e-3, (name, error, plain_error)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
