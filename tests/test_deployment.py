@@ -5,6 +5,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -483,3 +484,36 @@ def test_a_multi_node_run_from_a_folder_or_project_path_with_a_space_is_refused(
     monkeypatch.chdir(spaced)
     with pytest.raises(UserError, match=r"multi_node: this folder \(train.py's working directory.*my runs"):
         two_nodes.command(REPO_ROOT / "step1_sft" / "main.py", [])
+
+
+def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refused_before_anything_starts(tmp_path,
+                                                                                                           tiny_model_dir):
+    """A multi-node run relaunched after a crash whose ranks still hold 29500 on the first node, or whose first node's
+    `hostname -I` lists another network first, had no way to move them: train.py took no --master-port and refused
+    --master_port as a flag no step accepts."""
+    from deepspeed.launcher.runner import parse_args
+
+    from training.pipeline.cli import run
+
+    model = tiny_model_dir("llama")
+    hostfile = write(tmp_path / "hosts", "worker-1 slots=2\nworker-2 slots=2\n")
+    common = ["--step", "1", "--actor-model", model, "--output-dir", str(tmp_path / "out"), "--dry-run"]
+    command = run([*common, "--deployment-type", "multi_node", "--hostfile", hostfile, "--master-port", "29731",
+                   "--master-addr", "10.0.0.1"])["commands"][1]
+    launched = parse_args(command[3:])  # as DeepSpeed's launcher reads its command line
+    assert (launched.hostfile, launched.master_port, launched.master_addr) == (hostfile, 29731, "10.0.0.1")
+    assert launched.user_script == str(REPO_ROOT / "step1_sft" / "main.py")
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"--master-port {port} is taken on this machine"):
+            run([*common, "--deployment-type", "single_gpu", "--master-port", str(port)])
+    assert parse_args(run([*common, "--deployment-type", "single_gpu", "--master-port", str(port)])["commands"][1][3:]
+                      ).master_port == port
+    with pytest.raises(UserError, match="--master-addr is for --deployment-type multi_node; this run is single_gpu"):
+        run([*common, "--deployment-type", "single_gpu", "--master-addr", "10.0.0.1"])
+    with pytest.raises(UserError, match="--master-port is the launcher's, and the cpu deployment"):
+        run([*common, "--deployment-type", "cpu", "--master-port", "29731"])
+    assert not (tmp_path / "out").exists()

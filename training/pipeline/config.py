@@ -47,6 +47,12 @@ class PipelineConfig:
         "help": "holds step1/, step2/, step3/, logs/ and summary.json (default: runs/default)"})
     hostfile: str | None = field(default=None, metadata={
         "help": "multi_node: DeepSpeed hostfile, lines 'HOST slots=N'"})
+    master_port: int | None = field(default=None, metadata={
+        "help": "the launcher's --master_port, where rank 0's store listens (default: a free port on single_gpu and "
+                "single_node, DeepSpeed's 29500 on multi_node)"})
+    master_addr: str | None = field(default=None, metadata={
+        "help": "multi_node: the launcher's --master_addr, the first node's address the others reach (default: "
+                "the first address `hostname -I` gives on that node, asked over ssh)"})
     dry_run: bool = field(default=False, metadata={
         "help": "print the settings and the commands, check inputs, and stop"})
     # not flags: the parse's remaining flags (for the steps that accept them) and the per-step flags' values

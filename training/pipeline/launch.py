@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class Launcher:
     num_gpus: int = 1
     hostfile: str | None = None
     master_port: int | None = None  # None: the launcher's default (29500)
+    master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`)
     nodes: int = 1  # the hostfile's; on several, every node's ranks start through pdsh and a remote shell
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
@@ -68,6 +70,8 @@ class Launcher:
             command += ["--num_gpus", str(self.num_gpus)]
         if self.master_port is not None:
             command += ["--master_port", str(self.master_port)]
+        if self.master_addr is not None:
+            command += ["--master_addr", self.master_addr]
         return command + [str(script), *step_argv]
 
 
@@ -110,6 +114,18 @@ def check_remote_shell_reads(script: Path, step_argv: Sequence[str]) -> None:
                 "passes it to pdsh (unquoted, or in double quotes when it has a space), which would read it otherwise; "
                 "use letters, digits, spaces and @%+=:,./- (no quotes, $, `, \\, parentheses or other shell "
                 "characters; a path can be renamed or linked)")
+
+
+def check_port_free(port: int) -> None:
+    """A master port given for a run on this node is free here now: one in use (another run, or the ranks of one
+    that crashed and linger) would fail every rank when its store binds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            raise UserError(f"--master-port {port} is taken on this machine ({err.strerror}): another run, or the ranks "
+                            "of one that crashed, may hold it; choose another port, or leave --master-port out for "
+                            "a free one") from None
 
 
 def visible_gpus() -> list[str]:

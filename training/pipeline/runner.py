@@ -43,6 +43,7 @@ from .launch import (
     StepStopped,
     check_launcher_installed,
     check_not_under_a_launcher,
+    check_port_free,
     format_command,
     launcher_env,
     run_in_process,
@@ -118,9 +119,13 @@ def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hard
         return None
     check_launcher_installed()
     if deployment is DeploymentType.MULTI_NODE:
-        return Launcher(deployment, hostfile=config.hostfile, nodes=len(hosts))
+        return Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
+                        master_addr=config.master_addr, nodes=len(hosts))
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
-    return Launcher(deployment, num_gpus=gpus, master_port=free_port())  # a free port: runs may share the node
+    if config.master_port is None:
+        return Launcher(deployment, num_gpus=gpus, master_port=free_port())  # a free port: runs may share the node
+    check_port_free(config.master_port)
+    return Launcher(deployment, num_gpus=gpus, master_port=config.master_port)
 
 
 def _hosts(config: PipelineConfig, deployment: DeploymentType) -> list[Host] | None:
@@ -346,9 +351,16 @@ def _parsed_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str
 def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None:
     """Refuse train.py flags this run would drop unseen: --hostfile off multi_node, an --NAME-output of a step that
     runs (its output is made anew), an --algorithm that the steps run contradict."""
-    if config.hostfile is not None and deployment is not DeploymentType.MULTI_NODE:
-        raise UserError(f"--hostfile is for --deployment-type multi_node; this run is {deployment.value}: drop "
-                        f"--hostfile, or pass --deployment-type multi_node")
+    for flag, given in (("--hostfile", config.hostfile), ("--master-addr", config.master_addr)):
+        if given is not None and deployment is not DeploymentType.MULTI_NODE:
+            raise UserError(f"{flag} is for --deployment-type multi_node; this run is {deployment.value}: drop "
+                            f"{flag}, or pass --deployment-type multi_node")
+    if config.master_port is not None and deployment is DeploymentType.CPU:
+        raise UserError("--master-port is the launcher's, and the cpu deployment runs the steps in this process "
+                        "without one; drop it, or pass another --deployment-type")
+    if config.master_port is not None and not 1 <= config.master_port <= 65535:
+        raise UserError(f"--master-port {config.master_port} is not a port; give one from 1 to 65535 (or none: "
+                        "a free one on one node, 29500 on several)")
     for step, output in config.step_outputs.items():
         if output is not None and step in config.steps:
             raise UserError(f"--{STEPS[step].name}-output names step {step}'s model for a run without step {step}, "
