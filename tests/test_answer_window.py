@@ -205,12 +205,12 @@ def test_bf16_window_and_group_results_at_positions_past_500_are_as_close_to_fp3
     order, at positions past 500 where rotary phases are large (learned ones for GPT-2 and OPT). The models load in
     each dtype as step 3 loads them (RoPE's frequencies stay fp32 in a bf16 model)."""
     path = make_tiny_model_dir(tmp_path, arch, max_positions=1024, initializer_range=0.3)
-    head = torch.randn(1, RewardModel.from_causal_lm(path).v_head.in_features, generator=torch.Generator().manual_seed(1))
 
     def load(dtype: torch.dtype) -> tuple[torch.nn.Module, RewardModel]:
-        """The causal LM and a critic on its backbone, whose head is `head`."""
+        """The causal LM and a critic on its backbone, its head drawn (in fp32) from seed 1."""
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         critic = RewardModel.from_causal_lm(model).eval()
+        head = torch.randn(critic.v_head.weight.shape, generator=torch.Generator().manual_seed(1))
         critic.v_head.weight.data.copy_(head)
         return model, critic
 
