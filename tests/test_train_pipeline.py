@@ -763,3 +763,20 @@ def test_resuming_a_step_checkpointed_by_another_number_of_processes_is_refused_
     (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 2, "engines": ["model"], "world_size": 1}))
     run(argv, fakes)
     assert [(step, args.resume) for step, args, _ in fakes.calls] == [(1, True), (2, None), (3, None)]
+
+
+def test_a_step_that_fails_after_a_checkpoint_says_how_to_go_on_from_it(tmp_path, tiny_model_dir):
+    """A crash hours into a step (a node lost, an out-of-memory) ended in 'failed (exit status 1)' alone, and the
+    same command again refused the step's folder for its checkpoints: the error now names the checkpoint and --resume."""
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options={step: ["--resume"] for step in (1, 2, 3)}, fail_step=1)
+    argv = common(tmp_path, fakes.model_dir)
+    with pytest.raises(UserError) as failed:
+        run(argv, fakes)
+    assert "checkpoint" not in str(failed.value)  # none left: nothing to go on from
+    checkpoint = tmp_path / "out" / "step1" / CHECKPOINTS_SUBDIR / "step3"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 3, "engines": ["model"], "world_size": 1}))
+    with pytest.raises(UserError, match=r"^step 1 \(.*\): the data file is empty; pass a bigger one; step 1 left a "
+                                        rf"checkpoint of its step 3 \({checkpoint}\): once the cause is fixed, the same "
+                                        r"train.py command with --resume goes on from it$"):
+        run(argv + ["--resume"], fakes)

@@ -452,13 +452,26 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
     started = time.perf_counter()
     label = f"step {step} ({spec.title})"
     _record_input_versions(config, step, prepared.inputs[step], prepared.argvs[step])
-    if prepared.launcher is None:
-        summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
-    else:
-        run_subprocess(prepared.commands[step], config.log_path(step), label, env=launcher_env(REPO_ROOT))
-        summary = read_summary(config.run_dir(step)) or {}
+    try:
+        if prepared.launcher is None:
+            summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
+        else:
+            run_subprocess(prepared.commands[step], config.log_path(step), label, env=launcher_env(REPO_ROOT))
+            summary = read_summary(config.run_dir(step)) or {}
+    except UserError as error:
+        raise _with_resume_hint(config, step, error) from error
     _check_output(config, step)
     return StepResult(step, spec.title, time.perf_counter() - started, summary)
+
+
+def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> UserError:
+    """A failed step's error, saying how to go on from the checkpoint it left (a crash hours in, a node lost), if any:
+    a rerun without --resume would refuse its folder."""
+    latest = CheckpointManager(config.run_dir(step)).latest()
+    if latest is None:
+        return error
+    return UserError(f"{error}; step {step} left a checkpoint of its step {latest.step} ({latest.path}): once the "
+                     f"cause is fixed, the same train.py command with {RESUME_FLAG} goes on from it")
 
 
 def _step_result(config: PipelineConfig, prepared: PreparedRun, step: int,
