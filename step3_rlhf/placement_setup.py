@@ -101,6 +101,8 @@ def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> PlanChoice 
     if args.checkpoints.resume and recorded.is_file():
         logger.info("--placement auto: resuming with the plan chosen at the run's start (%s)", recorded)
         return PlanChoice(**json.loads(recorded.read_text()))
+    from deepspeed.accelerator import get_accelerator
+
     from training.pipeline.hardware import model_size
     from training.placement.auto import planning_machine
     from training.placement.planner import choose_placement
@@ -110,8 +112,9 @@ def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> PlanChoice 
     try:
         paths = step3_model_paths(args)
         sizes = {role: model_size(path) if path else None for role, path in paths.items()}
+        on_gpus = get_accelerator().device_name() != "cpu"
         machine, source = planning_machine(args.placement.hardware_file, args.placement.calibrate,
-                                           args.run.dtype_name, world, cpu_cores())
+                                           args.run.dtype_name, world, cpu_cores(), on_gpus)
         logger.info("--placement auto: %s", source)
         workload = step3_workload(args, sizes["actor"], sizes["critic"], sizes["reward"])
         plan = choose_placement(workload, machine, world, roles)

@@ -150,6 +150,28 @@ def test_a_resumed_placement_auto_run_takes_the_plan_it_started_with(tmp_path_fa
     assert again.actor.zero_stage == 3
 
 
+def test_step3_placement_auto_on_gpus_refuses_to_plan_them_from_a_cpu_calibration(tmp_path_factory, monkeypatch):
+    """On GPUs, step 3's --placement auto without --hardware_file planned them from this machine's calibration, which
+    measures its CPU (the cores' rates, the host's RAM as each rank's memory); every rank now refuses it."""
+    import deepspeed.accelerator
+
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.placement_setup import resolve_placement
+    from test_step3_rlhf import step3_argv
+    from training.placement import auto
+
+    class Gpu:
+        def device_name(self, index=None):
+            return "cuda"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", Gpu)
+    monkeypatch.setattr(auto, "calibrate", lambda *args, **kwargs: pytest.fail("calibrated the CPU for GPU ranks"))
+    args = parse_args(step3_argv(make_step3_inputs(tmp_path_factory), tmp_path_factory.mktemp("auto") / "run",
+                                 "--placement", "auto"))
+    with pytest.raises(UserError, match="--placement auto plans GPU ranks here, and without --hardware_file"):
+        resolve_placement(args)
+
+
 def _run_workers(tmp_path_factory, ranks: int, placements: list[str], **settings) -> str:
     inputs = make_step3_inputs(tmp_path_factory)
     inputs = {**{key: str(value) for key, value in inputs.items()}, **settings}

@@ -565,3 +565,20 @@ def test_published_bench_help_writes_nothing_and_its_report_goes_to_output(tmp_p
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["command"] == f"python -m bench.placement_published --output {tmp_path / 'report.json'}"
     assert report["rows"] == [] and not (tmp_path / "committed.json").exists()
+
+
+def test_placement_auto_for_gpu_ranks_needs_a_hardware_file(tmp_path, tiny_model_dir, monkeypatch):
+    """Without --hardware_file, --placement auto took this machine's calibration, of its CPU, for GPU ranks: a login
+    node's dry run spawned a calibration rank per GPU of the cluster, and step 3 on an 8-GPU node planned its GPUs
+    with the CPU's rates and an eighth of the host's RAM as each one's memory."""
+    monkeypatch.setattr(auto, "calibrate", lambda *args, **kwargs: pytest.fail("calibrated the CPU for GPU ranks"))
+    with pytest.raises(UserError, match=r"--placement auto plans GPU ranks here.*pass --hardware_file with a preset "
+                                        r"\(a100-80gb, h100-80gb\)"):
+        auto.planning_machine(None, False, "bf16", 8, cores=2, gpus=True)
+    assert auto.planning_machine("a100-80gb", False, "bf16", 8, cores=2, gpus=True)[0].name == "a100-80gb"
+
+    fakes = FakeSteps(tiny_model_dir("llama"))
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
+    with pytest.raises(UserError, match="--placement auto plans GPU ranks here"):
+        _dry_run(tmp_path, fakes, ["--deployment-type", "multi_node", "--hostfile", str(hostfile)])

@@ -149,7 +149,8 @@ def _placement_plans(config: PipelineConfig, prepared: PreparedRun, step3: StepE
     sizes = _model_sizes(config, _inputs(config))
     return auto_placement_report(step3.build_parser(), prepared.argvs[3], sizes.actor, sizes.reward,
                                  prepared.plan.world_size, hardware.cpu_cores,
-                                 run_world=prepared.plan.deployment is not DeploymentType.CPU)
+                                 run_world=prepared.plan.deployment is not DeploymentType.CPU,
+                                 gpus=prepared.plan.deployment is DeploymentType.MULTI_NODE or hardware.num_gpus > 0)
 
 
 def _recorded_flags(parsed: Any) -> RecordedFlags:

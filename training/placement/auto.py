@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from training.pipeline.hardware import ModelSize
+from utils.errors import UserError
 
 from .calibration import cache_path, calibrate, load_calibration, load_or_calibrate
 from .machine import MachineSpec, load_machine_file
@@ -14,13 +15,21 @@ TOP_PLANS = 10
 
 
 def planning_machine(hardware_file: str | None, recalibrate: bool, dtype: str, world_size: int,
-                     cores: int) -> tuple[MachineSpec, str]:
+                     cores: int, gpus: bool = False) -> tuple[MachineSpec, str]:
     """The machine and a line saying where its constants come from: the hardware file (its own world size), else
     this machine as `world_size` ranks: a saved calibration, a fresh one with --calibrate, or, with neither, a
-    quick profile of about ten seconds (not saved)."""
+    quick profile of about ten seconds (not saved). `gpus`: the ranks planned for are GPUs, which a calibration,
+    of this machine's CPU, does not describe: a hardware file is required."""
     if hardware_file:
         machine = load_machine_file(hardware_file, dtype)
         return machine, f"machine constants: {machine.name} from the hardware file {hardware_file} ({dtype})"
+    if gpus:
+        from .machine import preset_names
+
+        raise UserError(
+            "--placement auto plans GPU ranks here, and without --hardware_file it would take this machine's "
+            "calibration, which measures its CPU (its cores' rates, its RAM as each rank's memory); pass "
+            f"--hardware_file with a preset ({', '.join(preset_names())}) or a YAML of your GPUs, or name a placement")
     threads = max(1, cores // world_size)
     path = cache_path(dtype, threads, world_size)
     saved = None if recalibrate else load_calibration(path)
@@ -50,12 +59,12 @@ def _others_load(machine: MachineSpec, cores: int) -> str:
 
 
 def auto_placement_report(parser: argparse.ArgumentParser, argv: list[str], actor: ModelSize, scorer: ModelSize,
-                          world_size: int, cores: int, run_world: bool = True) -> str:
+                          world_size: int, cores: int, run_world: bool = True, gpus: bool = False) -> str:
     """Parse step 3's command line, and rank the plans for its workload. `actor`/`scorer`: the sizes of the
     step-1 and step-2 models (the critic starts from the scorer, or from the actor without a reward model).
     `run_world`: `world_size` is the ranks the run will have (a GPU deployment), which step 3 plans for whatever the
     hardware file's node count; else (the cpu deployment) a hardware file plans for its own nodes x GPUs: a cluster
-    planned before it is rented."""
+    planned before it is rented. `gpus`: the run's ranks are GPUs (`planning_machine`)."""
     args = parser.parse_args(argv)
     paths = step3_model_paths(args)
     critic = None if paths["critic"] is None else (scorer if paths["reward"] else actor)
@@ -63,7 +72,7 @@ def auto_placement_report(parser: argparse.ArgumentParser, argv: list[str], acto
     settings = args.placement
     dtype = args.run.dtype if settings.hardware_file and args.run.dtype != "auto" else None
     dtype = dtype or ("bf16" if settings.hardware_file else args.run.dtype_name)
-    machine, source = planning_machine(settings.hardware_file, settings.calibrate, dtype, world_size, cores)
+    machine, source = planning_machine(settings.hardware_file, settings.calibrate, dtype, world_size, cores, gpus)
     file_world = settings.hardware_file is not None and not run_world
     world = machine.world_size if file_world else world_size
     workload = step3_workload(args, actor, critic, reward, dtype)
