@@ -582,3 +582,31 @@ def test_placement_auto_for_gpu_ranks_needs_a_hardware_file(tmp_path, tiny_model
     hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
     with pytest.raises(UserError, match="--placement auto plans GPU ranks here"):
         _dry_run(tmp_path, fakes, ["--deployment-type", "multi_node", "--hostfile", str(hostfile)])
+
+
+@pytest.mark.parametrize("layout", ["colocate", "interleave", "disaggregate"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_predictions_grow_with_the_work_and_memory_falls_with_sharding(layout, stage):
+    """The planner's ranking leans on these directions: more or longer rows, a bigger model or another PPO epoch cost
+    more time and no less memory; a faster machine takes less time; a higher ZeRO stage, or more ranks at ZeRO-3,
+    no more memory per rank."""
+    roles = ("actor", "critic", "reference", "reward")
+    workload = replace(WORKLOAD, actor_zero_stage=stage, critic_zero_stage=stage, hybrid_engine=True)
+
+    def estimate(changed, world=8, name=layout, machine=MACHINE):
+        return estimate_step(changed, build_placement(name, world, roles), machine)
+
+    base = estimate(workload)
+    for more in (replace(workload, actor=replace(BILLION, parameters=2 * 10**9, hidden_size=1400)),
+                 replace(workload, prompts_per_rank=8), replace(workload, answer_len=200),
+                 replace(workload, prompt_len=200), replace(workload, samples_per_prompt=2),
+                 replace(workload, ppo_epochs=2)):
+        grown = estimate(more)
+        assert grown.step_s > base.step_s and grown.peak_memory_gib >= base.peak_memory_gib, more
+    faster = replace(MACHINE, matmul_flops=2 * MACHINE.matmul_flops, memory_bandwidth=2 * MACHINE.memory_bandwidth)
+    assert estimate(workload, machine=faster).step_s < base.step_s
+    sharded = replace(workload, actor_zero_stage=stage + 1, critic_zero_stage=stage + 1)
+    assert estimate(sharded, name="colocate").peak_memory_gib <= estimate(workload, name="colocate").peak_memory_gib
+    zero3 = replace(workload, actor_zero_stage=3, critic_zero_stage=3)
+    per_rank = [estimate(zero3, world=world, name="colocate").peak_memory_gib for world in (2, 4, 8, 16)]
+    assert per_rank == sorted(per_rank, reverse=True) and per_rank[-1] < per_rank[0]
