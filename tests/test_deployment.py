@@ -52,6 +52,16 @@ def test_a_good_hostfile_is_read_with_comments_and_blank_lines(tmp_path):
     assert read_hostfile(hostfile) == [Host("worker-1", 8), Host("worker-2", 4)]
 
 
+def test_a_hostfile_of_mpi_style_lines_is_read_as_deepspeeds_launcher_reads_it(tmp_path):
+    """A cluster's hostfile written for MPI too ('node slots=8 max_slots=8') was refused as malformed, though
+    DeepSpeed's launcher reads it (the slots, and nothing after)."""
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    lines = ["worker-1 slots=8 max_slots=8", "worker-2\tslots=4   # smaller", "  worker-3 slots=2"]
+    hostfile = write(tmp_path / "hosts", "\n".join(lines) + "\n")
+    assert {host.name: host.slots for host in read_hostfile(hostfile)} == dict(_parse_hostfile(lines))
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

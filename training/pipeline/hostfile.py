@@ -8,7 +8,8 @@ from pathlib import Path
 
 from utils.errors import UserError
 
-_LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>-?\d+)")  # DeepSpeed's launcher takes no spaces around "="
+# DeepSpeed's launcher takes no spaces around "=", and reads no further than the slots (an MPI hostfile's max_slots=N)
+_LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>-?\d+)(?:\s+\S+)*")
 _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"
 
 
@@ -21,7 +22,7 @@ class Host:
 def read_hostfile(path: str | os.PathLike) -> list[Host]:
     """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice.
 
-    Blank lines and `#` comments are ignored, as DeepSpeed's launcher does.
+    Blank lines, `#` comments and what follows the slots on a line are ignored, as DeepSpeed's launcher does.
     """
     hostfile = Path(path)
     if not hostfile.is_file():
