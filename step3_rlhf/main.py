@@ -41,6 +41,7 @@ from step3_rlhf.stage_fusion import check_stage_fusion
 from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
 from training.core.args import (
     SettingsParser,
+    check_lora_flags,
     check_non_negative,
     check_offload_stage,
     check_positive,
@@ -104,6 +105,7 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
         raise UserError(f"--max_train_minutes must be positive, got {args.loop.max_train_minutes}")
     check_non_negative(flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
     check_offload_stage(flags, "actor_", "critic_")
+    check_lora_flags(flags, "actor_", "critic_")
     if not 0.0 <= args.ema.ema_beta < 1.0:
         raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
     if args.sampling.temperature <= 0:

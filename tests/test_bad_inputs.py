@@ -94,6 +94,8 @@ CASES = {
     "warmup_negative": ("step1", {"num_warmup_steps": "-3"}, "--num_warmup_steps must be 0 or positive, got -3"),
     "lora_dim_negative": ("step2", {"lora_dim": "-4"}, "--lora_dim must be 0 or positive, got -4"),
     "offload_at_zero_0": ("step1", {"offload": "true"}, "--offload needs --zero_stage 1, 2 or 3"),
+    "lora_learning_rate_without_lora": ("step2", {"lora_learning_rate": "1e-4"},
+                                        "--lora_learning_rate needs --lora_dim > 0"),
     "max_seq_len_beyond_positions": ("step2", {"max_seq_len": "1024"},
                                      "--max_seq_len 1024 exceeds the 256 positions of"),
 }

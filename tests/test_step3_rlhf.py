@@ -773,24 +773,35 @@ def test_critic_without_a_value_head_is_refused(distributed, inputs, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--actor_lora_dim", "4", "--actor_lora_module_name", "nosuch."], "--actor_lora_module_name 'nosuch.' matches"),
-    (["--critic_only_optimize_lora"], "--critic_only_optimize_lora needs --critic_lora_dim > 0")])
 def test_a_model_flag_refused_at_load_leaves_the_run_folders_record_and_names_the_models_flag(
-        distributed, inputs, tmp_path, capsys, flags, message):
-    """The LoRA checks run as the models load, after args.json was written: a rerun into a finished run's folder
-    refused there rewrote its record of flags (the finished run's weights then matched no record), and a module
-    name matching nothing was reported as --lora_module_name, a flag step 3 does not have."""
+        distributed, inputs, tmp_path, capsys):
+    """The LoRA module check runs as the models load, after args.json was written: a rerun into a finished run's
+    folder refused there rewrote its record of flags (the finished run's weights then matched no record), and a
+    module name matching nothing was reported as --lora_module_name, a flag step 3 does not have."""
     from step3_rlhf.main import main
 
     run = tmp_path / "run"
     run.mkdir()
     (run / "args.json").write_text('{"earlier": "run"}')
     with pytest.raises(SystemExit) as stop:
-        main(step3_argv(inputs, run, "--max_steps", "1", *flags))
+        main(step3_argv(inputs, run, "--max_steps", "1", "--actor_lora_dim", "4", "--actor_lora_module_name", "nosuch."))
     assert stop.value.code == EXIT_USER_ERROR
-    assert message in capsys.readouterr().err
+    assert "--actor_lora_module_name 'nosuch.' matches" in capsys.readouterr().err
     assert json.loads((run / "args.json").read_text()) == {"earlier": "run"}
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+@pytest.mark.parametrize("flag", [["--{model}_only_optimize_lora"], ["--{model}_lora_learning_rate", "1e-4"]])
+def test_a_lora_flag_without_adapters_is_refused_before_anything_loads(inputs, tmp_path, model, flag):
+    """--only_optimize_lora without --lora_dim was refused only once the models had loaded (minutes for a large
+    one), and --lora_learning_rate without it changed nothing, silently. Both are refused with the arguments now,
+    and with --lora_dim both are accepted."""
+    from step3_rlhf.main import check_args, parse_args
+
+    flags = [word.format(model=model) for word in flag]
+    with pytest.raises(UserError, match=f"{flags[0]} needs --{model}_lora_dim > 0"):
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags)))
+    check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags, f"--{model}_lora_dim", "4")))
 
 
 @pytest.mark.parametrize("truncation", [["--top_p", "0.9"], ["--top_k", "20"]])

@@ -23,7 +23,7 @@ Switches are bool fields (default False) and `bool | None` fields: `--flag` alon
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar, get_type_hints
 
@@ -278,6 +278,20 @@ def check_offload_stage(flags: Mapping[str, Any], *prefixes: str) -> None:
                             f"state ZeRO partitions); add --{prefix}zero_stage 2, or drop --{prefix}offload")
 
 
+def check_lora_flags(flags: Mapping[str, Any], *prefixes: str) -> None:
+    """Refuse `--only_optimize_lora` and `--lora_learning_rate` without adapters (`--lora_dim` 0) for the trained
+    models named by their flag `prefixes` (`actor_`), before anything loads: the first froze nothing but was only
+    refused once the model had loaded, the second changed nothing."""
+    for prefix in prefixes:
+        if flags[f"{prefix}lora_dim"] > 0:
+            continue
+        for name in ("only_optimize_lora", "lora_learning_rate"):
+            if flags[f"{prefix}{name}"] not in (False, None):
+                raise UserError(f"--{prefix}{name} needs --{prefix}lora_dim > 0 (it applies to LoRA adapters, and "
+                                f"without --{prefix}lora_dim the model has none); add --{prefix}lora_dim 8, or drop "
+                                f"--{prefix}{name}")
+
+
 def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
     """Refuse a flag of `flags` (as `flag_values` gives them) that is set but negative (0 turns it off)."""
     for name in names:
@@ -322,6 +336,7 @@ def apply_model_options(
     train even under `only_optimize_lora`, which otherwise freezes everything but the adapters;
     `flag_prefix` names the model's flags in errors (`actor_`).
     """
+    check_lora_flags({flag_prefix + name: value for name, value in asdict(config).items()}, flag_prefix)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "config"):
@@ -332,6 +347,4 @@ def apply_model_options(
         for name, param in model.named_parameters():
             if any(head in name for head in trainable_heads):
                 param.requires_grad_(True)
-    elif config.only_optimize_lora:
-        raise UserError(f"--{flag_prefix}only_optimize_lora needs --{flag_prefix}lora_dim > 0")
     return model

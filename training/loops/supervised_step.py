@@ -21,6 +21,7 @@ from training.core.args import (
     ScheduleSettings,
     SettingsParser,
     apply_model_options,
+    check_lora_flags,
     check_non_negative,
     check_offload_stage,
     check_positive,
@@ -176,6 +177,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
                    "eval_iters")
     check_non_negative(flags, "eval_interval", "num_warmup_steps", "lora_dim")
     check_offload_stage(flags, "")
+    check_lora_flags(flags, "")
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)
