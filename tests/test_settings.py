@@ -138,8 +138,9 @@ def test_each_tool_keeps_its_sampling_defaults():
     assert greedy.sampling.generate_kwargs() == {"do_sample": False, "max_new_tokens": 128, "repetition_penalty": 1.1}
     evaluation = prompt_eval.parse_args(["--model_name_or_path_finetune", "f"]).generation
     assert (evaluation.do_sample, evaluation.temperature, evaluation.top_p, evaluation.top_k) == (False, 1.0, 1.0, 50)
-    assert evaluation.generate_kwargs() == {"do_sample": False, "max_new_tokens": 128, "repetition_penalty": 1.0,
+    assert evaluation.generate_kwargs() == {"do_sample": False, "max_new_tokens": None, "repetition_penalty": 1.0,
                                             "num_beams": 1}
+    assert prompt_eval.answer_limit(evaluation.max_new_tokens, "f").max_new_tokens == 128  # not a run of this project
     rollout = step3_parser().parse_args(_minimal_argv("step3")).sampling
     assert (rollout.temperature, rollout.top_p, rollout.top_k) == (1.0, 1.0, 0)
 
