@@ -804,6 +804,19 @@ def test_a_lora_flag_without_adapters_is_refused_before_anything_loads(inputs, t
     check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags, f"--{model}_lora_dim", "4")))
 
 
+@pytest.mark.parametrize("backend", [[], ["--enable_hybrid_engine", "--generation_backend", "hf"]])
+def test_tensor_parallel_generation_without_the_hybrid_engine_is_refused(inputs, tmp_path, backend):
+    """--inference_tp_size splits the hybrid engine's decode; the 'hf' backend ignored it without a word."""
+    from step3_rlhf.main import check_args, parse_args
+
+    with pytest.raises(UserError, match="--inference_tp_size 2 splits the hybrid engine's generation .* add "
+                                        "--enable_hybrid_engine"):
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", *backend, "--inference_tp_size", "2")))
+    with pytest.raises(UserError, match="--inference_tp_size must be positive, got 0"):
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--inference_tp_size", "0")))
+    check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--enable_hybrid_engine", "--inference_tp_size", "2")))
+
+
 @pytest.mark.parametrize("truncation", [["--top_p", "0.9"], ["--top_k", "20"]])
 def test_truncated_sampling_for_rollouts_is_refused_with_the_reason(distributed, inputs, tmp_path, capsys, truncation):
     from step3_rlhf.main import main
