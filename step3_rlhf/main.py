@@ -276,9 +276,11 @@ def run_step3(args: Step3Settings) -> dict:
         set_seed(args.data.seed)
         actor_path = args.models.actor_model_name_or_path
         tokenizer = load_tokenizer(actor_path, args.run.trust_remote_code)
-        check_sequence_lengths(load_config(actor_path, args.run.trust_remote_code),
-                               max_prompt_seq_len=args.data.max_prompt_seq_len,
-                               max_answer_seq_len=args.ppo.max_answer_seq_len, model=actor_path)
+        # the reward model and critic read whole rollouts too: one of fewer positions failed in its embedding
+        for path in filter(None, (actor_path, args.models.critic_model_name_or_path)):
+            check_sequence_lengths(load_config(path, args.run.trust_remote_code),
+                                   max_prompt_seq_len=args.data.max_prompt_seq_len,
+                                   max_answer_seq_len=args.ppo.max_answer_seq_len, model=path)
         phase_data = args.data.build(3, tokenizer, input_runs)
         prompts, eval_prompts, unsupervised = _build_streams(args, tokenizer, phase_data)
         streams = {"train": prompts, "eval": eval_prompts, "pretraining": unsupervised}

@@ -210,6 +210,25 @@ def test_a_reward_model_given_where_a_causal_lm_trains_is_refused(distributed, s
     assert exited.value.code == EXIT_USER_ERROR and message in capsys.readouterr().err
 
 
+def test_step3_refuses_rollouts_longer_than_the_reward_models_positions(distributed, setup, capsys):
+    """Only the actor's positions were checked: a reward model of fewer failed with an IndexError in its embedding
+    at the first scoring."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    short = make_tiny_model_dir(setup.tmp / "short", "gpt2", max_positions=32)
+    tokenizer = AutoTokenizer.from_pretrained(short)
+    RewardModel.from_causal_lm(AutoModelForCausalLM.from_pretrained(short), tokenizer).save_pretrained(
+        setup.tmp / "reward")
+    tokenizer.save_pretrained(setup.tmp / "reward")
+    step3_run = setup.tmp / "step3"
+    step3_run.mkdir()
+    argv = ["--actor_model_name_or_path", setup.model, "--critic_model_name_or_path", str(setup.tmp / "reward"),
+            "--data_path", setup.data, "--data_output_path", str(setup.tmp / "cache"), "--output_dir", str(step3_run),
+            "--max_prompt_seq_len", "64", "--max_answer_seq_len", "16", "--dtype", "fp32", "--max_steps", "1"]
+    assert_refused_and_untouched(step3_main, argv, "= 80 tokens exceed the 32 positions of "
+                                 f"{setup.tmp / 'reward'}", step3_run, capsys)
+
+
 def test_an_output_dir_that_holds_the_input_model_is_refused(distributed, setup, capsys):
     """A run writing into the folder of the model it reads replaced that model with its own final save (and its
     records), so the model it started from was lost."""
