@@ -86,6 +86,13 @@ def test_model_source(tiny_model_dir, tmp_path, monkeypatch):
     empty.mkdir()
     with pytest.raises(UserError, match="holds no config.json .*a previous step's run folder, or 'smollm2-135m'"):
         check_model_source(str(empty))
+    step3_run = tmp_path / "step3"  # a step-3 run folder: its models one level down, none in model/
+    for name in ("actor", "critic"):
+        shutil.copytree(model, step3_run / name)
+    (step3_run / "args.json").write_text("{}")
+    with pytest.raises(UserError, match=rf"--actor_model_name_or_path {step3_run} is a folder of models \(actor, "
+                                        rf"critic\), not a model; pass the one to start from, e\.g\. {step3_run}/actor"):
+        check_model_source(str(step3_run), "--actor_model_name_or_path")
     adapter = tmp_path / "adapter"  # a PEFT/TRL LoRA save: the adapter alone
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}')

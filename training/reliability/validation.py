@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
 from training.core.model_loading import lora_adapter_base, refuse_file, resolve_model_path
-from training.reliability.run_records import read_run_args, run_dir_of
+from training.reliability.run_records import ARGS_FILE, SUMMARY_FILE, read_run_args, run_dir_of
 from utils.data.args import DataArguments
 from utils.data.shard_match import InputRunRecord, check_same_shards
 from utils.data.splits import parse_data_split
@@ -241,6 +241,16 @@ def _cached_on_hub(repo_id: str) -> bool:
     return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
+def models_inside(folder: Path) -> list[str]:
+    """The model folders (with a config.json) one or two levels inside `folder`, relative to it, where `folder` is a
+    run folder of this project (its args.json or summary.json): a step-3 run folder's `actor`, `actor_ema` and
+    `critic`, a train.py output folder's `step1/model`, ...; none for any other folder."""
+    if not any((folder / record).is_file() for record in (ARGS_FILE, SUMMARY_FILE)):
+        return []
+    return sorted(config.parent.relative_to(folder).as_posix()
+                  for pattern in ("*/config.json", "*/*/config.json") for config in folder.glob(pattern))
+
+
 def check_model_source(name_or_path: str, flag: str = "--model_name_or_path") -> None:
     """The model must be the embedded default, a local model/run folder, or a hub name that can be fetched."""
     if is_embedded_name(name_or_path):
@@ -255,6 +265,10 @@ def check_model_source(name_or_path: str, flag: str = "--model_name_or_path") ->
             raise UserError(f"{flag} {name_or_path} holds a LoRA adapter, not a whole model (its base model: {base!r}, "
                             "adapter_config.json); merge the adapter into its base model and pass that folder")
         if not (folder / "config.json").is_file():
+            inside = models_inside(path)
+            if inside:
+                raise UserError(f"{flag} {name_or_path} is a folder of models ({', '.join(inside)}), not a model; pass "
+                                f"the one to start from, e.g. {path / inside[0]}")
             raise UserError(f"{flag} {name_or_path} holds no config.json (nor model/config.json); pass {alternatives}")
         return
     if not _HUB_ID.match(name_or_path) or ".." in name_or_path:
