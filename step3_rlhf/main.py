@@ -117,7 +117,13 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
             "distribution that drew each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower "
             "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
         )
-    check_positive(flags, "n_samples_per_prompt")
+    check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
+                   "kl_horizon")
+    # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
+    check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty", "group_std_eps")
+    for name in ("gamma", "lam"):
+        if not 0.0 <= flags[name] <= 1.0:
+            raise UserError(f"--{name} must lie in [0, 1], got {flags[name]}")
     micro_batches = micro_batches_per_ppo_step(args)
     if micro_batches % args.schedule.gradient_accumulation_steps:
         raise UserError(

@@ -804,6 +804,23 @@ def test_a_lora_flag_without_adapters_is_refused_before_anything_loads(inputs, t
     check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags, f"--{model}_lora_dim", "4")))
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("clip_reward_value", "-1", "must be positive"),  # clamp(1, -1) made every reward -1
+    ("cliprange", "0", "must be positive"), ("cliprange_value", "-0.2", "must be positive"),
+    ("target_kl", "0", "must be positive"), ("kl_horizon", "0", "must be positive"),
+    ("kl_ctl", "-0.1", "must be 0 or positive"),  # rewarded moving away from the reference
+    ("unsup_coef", "-0.05", "must be 0 or positive"),  # maximised the pretraining loss
+    ("no_eos_penalty", "-1", "must be 0 or positive"), ("group_std_eps", "-0.001", "must be 0 or positive"),
+    ("gamma", "1.5", r"must lie in \[0, 1\]"), ("lam", "-0.1", r"must lie in \[0, 1\]")])
+def test_a_ppo_constant_that_would_turn_its_term_around_is_refused_with_the_arguments(inputs, tmp_path, flag, value,
+                                                                                      message):
+    """These were taken as given and trained silently on a reversed or degenerate objective."""
+    from step3_rlhf.main import check_args, parse_args
+
+    with pytest.raises(UserError, match=f"--{flag} {message}, got {value}"):
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", f"--{flag}", value)))
+
+
 @pytest.mark.parametrize("backend", [[], ["--enable_hybrid_engine", "--generation_backend", "hf"]])
 def test_tensor_parallel_generation_without_the_hybrid_engine_is_refused(inputs, tmp_path, backend):
     """--inference_tp_size splits the hybrid engine's decode; the 'hf' backend ignored it without a word."""
