@@ -124,6 +124,10 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
     for name in ("gamma", "lam"):
         if not 0.0 <= flags[name] <= 1.0:
             raise UserError(f"--{name} must lie in [0, 1], got {flags[name]}")
+    if args.ppo.target_kl is not None and args.ppo.kl_ctl == 0:
+        raise UserError(f"--target_kl {args.ppo.target_kl} adapts the KL coefficient by multiplying it, so from "
+                        "--kl_ctl 0 it stays 0 and the KL is never held; start from --kl_ctl > 0 (e.g. 0.1), or drop "
+                        "--target_kl")
     micro_batches = micro_batches_per_ppo_step(args)
     if micro_batches % args.schedule.gradient_accumulation_steps:
         raise UserError(

@@ -821,6 +821,16 @@ def test_a_ppo_constant_that_would_turn_its_term_around_is_refused_with_the_argu
         check_args(parse_args(step3_argv(inputs, tmp_path / "run", f"--{flag}", value)))
 
 
+def test_an_adaptive_kl_coefficient_from_zero_is_refused(inputs, tmp_path):
+    """The adaptive controller multiplies the coefficient: from --kl_ctl 0 it stayed 0, and --target_kl held nothing."""
+    from step3_rlhf.main import check_args, parse_args
+
+    with pytest.raises(UserError, match="--target_kl 0.5 adapts the KL coefficient by multiplying it, so from "
+                                        "--kl_ctl 0 it stays 0"):
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--target_kl", "0.5", "--kl_ctl", "0")))
+    check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--target_kl", "0.5")))
+
+
 @pytest.mark.parametrize("backend", [[], ["--enable_hybrid_engine", "--generation_backend", "hf"]])
 def test_tensor_parallel_generation_without_the_hybrid_engine_is_refused(inputs, tmp_path, backend):
     """--inference_tp_size splits the hybrid engine's decode; the 'hf' backend ignored it without a word."""
