@@ -245,9 +245,9 @@ def test_launch_commands_start_the_deepspeed_launcher_with_this_python(tmp_path,
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     script = tmp_path / "main.py"
     single = Launcher(DeploymentType.SINGLE_NODE, num_gpus=4).command(script, ["--zero_stage", "2"])
-    assert single == LAUNCHER + ["--num_gpus", "4", str(script), "--zero_stage", "2"]
+    assert single == LAUNCHER + ["--hostfile", os.devnull, "--num_gpus", "4", str(script), "--zero_stage", "2"]
     local = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=29611).command(script, [])
-    assert local == LAUNCHER + ["--num_gpus", "1", "--master_port", "29611", str(script)]
+    assert local == LAUNCHER + ["--hostfile", os.devnull, "--num_gpus", "1", "--master_port", "29611", str(script)]
     multi = Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])
     assert multi == LAUNCHER + ["--hostfile", "/h", str(script)]
 
@@ -258,11 +258,11 @@ def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_pa
     script = tmp_path / "main.py"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
     assert Launcher(DeploymentType.SINGLE_NODE, num_gpus=2).command(script, []) == \
-        LAUNCHER + ["--include", "localhost:2,3", str(script)]
-    assert Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])[4:6] == ["--include", "localhost:2"]
+        LAUNCHER + ["--hostfile", os.devnull, "--include", "localhost:2,3", str(script)]
+    assert Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])[6:8] == ["--include", "localhost:2"]
     assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])[4:6] == ["--hostfile", "/h"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1b2c3d")  # not selectable: the launcher's own way, said
-    assert Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])[4:6] == ["--num_gpus", "1"]
+    assert Launcher(DeploymentType.SINGLE_GPU, num_gpus=1).command(script, [])[6:8] == ["--num_gpus", "1"]
     assert "names GPUs by UUID" in caplog.text
 
 
@@ -494,6 +494,22 @@ def test_a_multi_node_run_from_a_folder_or_project_path_with_a_space_is_refused(
     monkeypatch.chdir(spaced)
     with pytest.raises(UserError, match=r"multi_node: this folder \(train.py's working directory.*my runs"):
         two_nodes.command(REPO_ROOT / "step1_sft" / "main.py", [])
+
+
+def test_a_single_node_run_stays_on_this_node_where_the_cluster_has_a_default_hostfile(tmp_path, monkeypatch,
+                                                                                      tiny_model_dir):
+    """Given no --hostfile, DeepSpeed's launcher reads /job/hostfile (DLTS_HOSTFILE) where one exists: a single_node
+    run was spread over the nodes it lists (or refused its --include localhost)."""
+    from deepspeed.launcher import runner
+
+    from training.pipeline.cli import run
+
+    monkeypatch.setattr(runner, "DLTS_HOSTFILE", write(tmp_path / "job_hostfile", "worker-1 slots=8\n"))
+    common = ["--step", "1", "--actor-model", tiny_model_dir("llama"), "--output-dir", str(tmp_path / "out"),
+              "--dry-run"]
+    for deployment in ("single_gpu", "single_node"):
+        launched = runner.parse_args(run([*common, "--deployment-type", deployment])["commands"][1][3:])
+        assert runner.fetch_hostfile(launched.hostfile) is None, deployment  # this node's GPUs only
 
 
 def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refused_before_anything_starts(tmp_path,

@@ -64,10 +64,14 @@ class Launcher:
             if self.nodes > 1:
                 check_remote_shell_reads(script, step_argv)
             command += ["--hostfile", str(self.hostfile)]
-        elif visible := visible_gpus():
-            command += ["--include", f"localhost:{','.join(visible[: self.num_gpus])}"]
         else:
-            command += ["--num_gpus", str(self.num_gpus)]
+            # with no --hostfile the launcher reads /job/hostfile where a cluster has one and spreads the run over
+            # its nodes; a path that is not a file keeps it on this node
+            command += ["--hostfile", os.devnull]
+            if visible := visible_gpus():
+                command += ["--include", f"localhost:{','.join(visible[: self.num_gpus])}"]
+            else:
+                command += ["--num_gpus", str(self.num_gpus)]
         if self.master_port is not None:
             command += ["--master_port", str(self.master_port)]
         if self.master_addr is not None:
