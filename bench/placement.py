@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import print_table, write_report  # noqa: E402
 from training.loops.call_times import CALL_TIMES_FILE  # noqa: E402
 from training.placement.step_profile import measured_calls, predicted_calls, run_step3  # noqa: E402
+from utils.cpu import cpu_cores  # noqa: E402
 
 # a "+fusion" suffix runs the placement with --enable_stage_fusion
 PLACEMENTS = ("colocate", "interleave", "disaggregate", "interleave:actor=0.5,critic=0.5", "colocate+fusion",
@@ -70,12 +70,18 @@ def print_breakdown(row: dict) -> None:
             print(f"    {name:<40} {measured.get(name, 0.0):7.3f} {predicted.get(name, 0.0):7.3f}")
 
 
+def threads_per_rank(ranks: int) -> int:
+    """This process's cores shared out over `ranks`, as train.py shares them: a container pinned to a few of a big
+    host's cores would otherwise run each rank with the host's count of threads (and calibrate for it)."""
+    return max(1, cpu_cores() // ranks)
+
+
 def measure(args: argparse.Namespace, placement: str) -> dict:
     output_dir = Path(args.work_dir) / placement.replace(":", "_").replace(",", "_").replace("=", "").replace("+", "_")
     shutil.rmtree(output_dir, ignore_errors=True)  # each run starts from an empty folder
     argv = step3_argv(args, placement, output_dir)
     print("$ torch.distributed.run --nproc_per_node", args.ranks, "step3_rlhf/main.py", " ".join(argv), flush=True)
-    run_step3(argv, args.ranks, max(1, (os.cpu_count() or 1) // args.ranks), output_dir / "launcher.log")
+    run_step3(argv, args.ranks, threads_per_rank(args.ranks), output_dir / "launcher.log")
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "time/step_s" in row]
     timed = steps[1:] or steps
@@ -98,7 +104,7 @@ def predictions(args: argparse.Namespace) -> tuple[dict, list[str], str]:
     from training.placement.workload import step3_model_paths, step3_workload
 
     settings = parse_args(step3_argv(args, "colocate", Path(args.work_dir) / "plan"))
-    threads = max(1, (os.cpu_count() or 1) // args.ranks)
+    threads = threads_per_rank(args.ranks)
     machine = load_or_calibrate(settings.run.dtype_name, threads, args.ranks, recalibrate=args.calibrate)
     paths = step3_model_paths(settings)
     sizes = {role: model_size(path) if path else None for role, path in paths.items()}

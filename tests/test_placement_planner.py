@@ -1,6 +1,7 @@
 """Step 3's placement cost model and planner: roofline terms by hand, memory by hand, the schedule, the search,
 hardware files, calibration caching and train.py's --placement auto dry run."""
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -610,3 +611,13 @@ def test_predictions_grow_with_the_work_and_memory_falls_with_sharding(layout, s
     zero3 = replace(workload, actor_zero_stage=3, critic_zero_stage=3)
     per_rank = [estimate(zero3, world=world, name="colocate").peak_memory_gib for world in (2, 4, 8, 16)]
     assert per_rank == sorted(per_rank, reverse=True) and per_rank[-1] < per_rank[0]
+
+
+def test_the_placement_benchmark_shares_out_the_cores_this_process_may_use(monkeypatch):
+    """It divided os.cpu_count(), the host's cores: pinned to 2 of 64, each of 2 ranks ran (and was calibrated)
+    with 32 threads."""
+    from bench.placement import threads_per_rank
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert (threads_per_rank(1), threads_per_rank(2), threads_per_rank(4)) == (2, 1, 1)
