@@ -755,6 +755,37 @@ def test_step3_models_load_back(step3_run, inputs):
     assert critic.v_head.weight.shape[0] == 1
 
 
+def changed_tensors(folder: Path, start: Path, file: str = "model.safetensors") -> set[str]:
+    """The tensors of a saved model's `file` that differ from the start model's (taken in the saved dtype)."""
+    saved, initial = load_file(str(folder / file)), load_file(str(start / file))
+    assert saved.keys() == initial.keys()
+    return {name for name, tensor in saved.items() if not torch.equal(tensor, initial[name].to(tensor.dtype))}
+
+
+@pytest.mark.parametrize("dtype, zero_stage", [("fp32", "0"), ("bf16", "3")])
+def test_only_the_lora_adapters_train_and_are_saved_merged_with_the_ema_of_the_trained_weights(
+        distributed, inputs, dtype, zero_stage):
+    """--actor/critic_only_optimize_lora with the EMA (beta 0: the weights after the last step), the hybrid engine and
+    the pretraining mixture, co-located at ZeRO-0 in fp32 and ZeRO-3 in bf16: the saved actor and critic differ from
+    their start in the adapted projections (and the critic's value head) alone, the EMA folder holds the actor's
+    weights to the bit, and both load back with plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    run, _ = run_step3_entry_point(inputs, f"run_lora_{dtype}", "--dtype", dtype, "--actor_zero_stage", zero_stage,
+                                   "--critic_zero_stage", zero_stage, "--ema_beta", "0", "--max_steps", "1",
+                                   "--actor_lora_dim", "4", "--actor_only_optimize_lora",
+                                   "--critic_lora_dim", "4", "--critic_only_optimize_lora")
+    projections = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+    actor = changed_tensors(run / "actor", Path(inputs["actor"]))
+    assert actor and all(projections.search(name) for name in actor), sorted(actor)
+    critic = changed_tensors(run / "critic", Path(inputs["reward"]))
+    assert critic and all(projections.search(name) for name in critic), sorted(critic)
+    assert changed_tensors(run / "critic", Path(inputs["reward"]), "value_head.safetensors") == {"v_head.weight"}
+    assert_same_weights(run / "actor", run / "actor_ema")
+    AutoModelForCausalLM.from_pretrained(run / "actor")
+    RewardModel.from_pretrained(run / "critic")
+
+
 def test_a_kept_inference_copy_trains_the_same_models(step3_run, inputs):
     """--keep_inference_copy decodes each rollout from the weights of that moment, as a copy built afresh does: the
     three PPO steps train the same actor, critic and EMA to the bit."""
