@@ -491,9 +491,31 @@ def test_a_multi_node_run_from_a_folder_or_project_path_with_a_space_is_refused(
     two_nodes = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2)
     with pytest.raises(UserError, match=r"multi_node: the step's script .*my runs/main.py.* unquoted"):
         two_nodes.command(spaced / "main.py", [])
+    monkeypatch.setattr(sys, "executable", str(spaced / "bin" / "python"))  # each node's line starts with it
+    with pytest.raises(UserError, match=r"multi_node: this python \(each node's ranks start under it\) .*my runs"):
+        two_nodes.command(REPO_ROOT / "step1_sft" / "main.py", [])
+    monkeypatch.undo()
     monkeypatch.chdir(spaced)
     with pytest.raises(UserError, match=r"multi_node: this folder \(train.py's working directory.*my runs"):
         two_nodes.command(REPO_ROOT / "step1_sft" / "main.py", [])
+
+
+def test_a_master_port_its_last_run_left_in_time_wait_is_free_as_the_ranks_store_binds_it():
+    """The check bound without SO_REUSEADDR, which c10d's store sets: a rerun within a minute of a run on the same
+    --master-port was refused as 'taken'."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from training.pipeline.launch import check_port_free
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    rank_1 = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=30))
+    rank_1.set("key", "value")
+    assert store.get("key") == b"value"
+    del store, rank_1  # the server's side closes first: its connection holds the port in TIME_WAIT
+    check_port_free(port)
 
 
 def test_a_single_node_run_stays_on_this_node_where_the_cluster_has_a_default_hostfile(tmp_path, monkeypatch,

@@ -103,7 +103,7 @@ def check_remote_shell_reads(script: Path, step_argv: Sequence[str]) -> None:
     quotes. Refuse, before anything starts, what a shell would read otherwise (split, expand, or fail on: a quote, a
     parenthesis, a `$`), naming it."""
     unquoted = {"this folder (train.py's working directory, where every node's ranks start)": os.getcwd(),
-                "the step's script": str(script)}
+                "this python (each node's ranks start under it)": sys.executable, "the step's script": str(script)}
     for what, path in unquoted.items():
         if not _SHELL_LITERAL.fullmatch(path):
             raise UserError(
@@ -124,6 +124,7 @@ def check_port_free(port: int) -> None:
     """A master port given for a run on this node is free here now: one in use (another run, or the ranks of one
     that crashed and linger) would fail every rank when its store binds."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the ranks' store binds: TIME_WAIT is free
         try:
             probe.bind(("", port))
         except OSError as err:
