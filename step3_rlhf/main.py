@@ -118,9 +118,9 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
             "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
         )
     check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
-                   "kl_horizon")
+                   "kl_horizon", "group_std_eps")
     # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
-    check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty", "group_std_eps")
+    check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty")
     for name in ("gamma", "lam"):
         if not 0.0 <= flags[name] <= 1.0:
             raise UserError(f"--{name} must lie in [0, 1], got {flags[name]}")

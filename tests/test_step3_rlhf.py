@@ -841,7 +841,7 @@ def test_a_lora_flag_without_adapters_is_refused_before_anything_loads(inputs, t
     ("target_kl", "0", "must be positive"), ("kl_horizon", "0", "must be positive"),
     ("kl_ctl", "-0.1", "must be 0 or positive"),  # rewarded moving away from the reference
     ("unsup_coef", "-0.05", "must be 0 or positive"),  # maximised the pretraining loss
-    ("no_eos_penalty", "-1", "must be 0 or positive"), ("group_std_eps", "-0.001", "must be 0 or positive"),
+    ("no_eos_penalty", "-1", "must be 0 or positive"), ("group_std_eps", "0", "must be positive"),
     ("gamma", "1.5", r"must lie in \[0, 1\]"), ("lam", "-0.1", r"must lie in \[0, 1\]")])
 def test_a_ppo_constant_that_would_turn_its_term_around_is_refused_with_the_arguments(inputs, tmp_path, flag, value,
                                                                                       message):
