@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from training.core.args import DTYPE_CHOICES, SettingsParser
+from training.core.args import DTYPE_CHOICES, DTYPE_NAMES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     TRAINED_DTYPE_HELP,
@@ -42,7 +43,6 @@ DEFAULT_PROMPTS = (
     "Give me three tips for learning a new language.",
 )
 DEFAULT_MAX_NEW_TOKENS = 128  # for a fine-tuned model no run of this project trained
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -136,12 +136,13 @@ def generate_answers(
     prompt_format: str = "auto", limit: AnswerLimit | None = None,
 ) -> list[str]:
     """The model's answer to each user prompt (batched, left-padded; special tokens stripped), each at most as long
-    as `limit` lets it be (default: `settings.max_new_tokens`)."""
+    as `limit` lets it be (default: `settings.max_new_tokens`). A batch holds prompts of one budget: under a run's
+    window a short prompt's longer budget, generated for the whole batch, ran a long prompt's row past the window
+    (and past a model's learned positions)."""
     limit = limit or AnswerLimit(settings.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
     formatter = PromptFormatter(tokenizer, prompt_format)
     add_special_tokens = formatter.adds_special_tokens
     tokenizer.padding_side = "left"
-    answers: list[str] = []
     device = next(model.parameters()).device
     rendered = [render_prompt(formatter, prompt) for prompt in prompts]
     # each alone, before any generates: a batch is as wide as its longest prompt
@@ -151,15 +152,18 @@ def generate_answers(
             raise UserError(f"the prompt {prompt[:40]!r} is {length} tokens, which leaves no room for an answer within "
                             f"the {limit.max_seq_len} tokens of {limit.source}: shorten it or pass --max_new_tokens")
         check_generation_fits(model.config, length, limit.after(length), f"the prompt {prompt[:40]!r}")
-    for start in range(0, len(prompts), settings.batch_size):
-        texts = rendered[start : start + settings.batch_size]
-        budgets = [limit.after(length) for length in lengths[start : start + settings.batch_size]]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
-        output = model.generate(**batch, **{**settings.generate_kwargs(), "max_new_tokens": max(budgets)},
-                                pad_token_id=tokenizer.pad_token_id, eos_token_id=formatter.stop_token_ids)
-        new_tokens = output[:, batch["input_ids"].shape[1]:]
-        answers.extend(tokenizer.decode(row[:budget], skip_special_tokens=True).strip()
-                       for row, budget in zip(new_tokens, budgets))
+    budgets = [limit.after(length) for length in lengths]
+    answers = [""] * len(prompts)
+    for budget, group in groupby(sorted(range(len(prompts)), key=budgets.__getitem__), key=budgets.__getitem__):
+        group = list(group)
+        for start in range(0, len(group), settings.batch_size):
+            batch_rows = group[start : start + settings.batch_size]
+            batch = tokenizer([rendered[row] for row in batch_rows], return_tensors="pt", padding=True,
+                              add_special_tokens=add_special_tokens).to(device)
+            output = model.generate(**batch, **{**settings.generate_kwargs(), "max_new_tokens": budget},
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=formatter.stop_token_ids)
+            for row, new_tokens in zip(batch_rows, output[:, batch["input_ids"].shape[1]:]):
+                answers[row] = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
     tokenizer.padding_side = "right"
     return answers
 
@@ -172,7 +176,6 @@ def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code
     model = load_causal_lm(path, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code)
     decode_by_flags_only(model)
     return model.eval(), tokenizer
-
 
 
 def read_prompts(args: PromptEvalArguments) -> list[str]:
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     limit = answer_limit(settings.generation.max_new_tokens, args.model_name_or_path_finetune)
     decoding = "sampled" if settings.generation.do_sample else "greedy"
     print(f"baseline {args.model_name_or_path_baseline} and finetune {args.model_name_or_path_finetune}: both in "
-          f"{_DTYPE_NAMES[dtype]}, {decoding}, answers of at most {limit.max_new_tokens} tokens ({limit.source}), "
+          f"{DTYPE_NAMES[dtype]}, {decoding}, answers of at most {limit.max_new_tokens} tokens ({limit.source}), "
           f"prompts rendered as {args.prompt_format}\n", flush=True)
     answers = {}
     for label, name in (("baseline", args.model_name_or_path_baseline), ("finetune", args.model_name_or_path_finetune)):

@@ -209,6 +209,15 @@ def test_prompt_eval_answers_as_long_as_the_fine_tuned_models_run_let_answers_be
     alone = [prompt_eval.generate_answers(loaded, tokenizer, [p], prompt_eval.GenerationSettings(max_new_tokens=100 - n))
              for p, n in zip(prompts, lengths)]
     assert windowed == [answer for (answer,) in alone]
+    # where the window is the model's learned positions, a short prompt's budget for the batch ran the long one's
+    # row past them: IndexError
+    learned = _run_of(tiny_model_dir("gpt2", max_positions=64), tmp_path / "gpt2_step1", {"max_seq_len": 64})
+    gpt2, gpt2_tokenizer = prompt_eval.load_for_generation(learned, torch.float32)
+    prompts = ["hi", "Tell me a joke."]
+    answers = prompt_eval.generate_answers(gpt2, gpt2_tokenizer, prompts, prompt_eval.GenerationSettings(), "auto",
+                                           prompt_eval.answer_limit(None, learned))
+    assert answers == [prompt_eval.generate_answers(gpt2, gpt2_tokenizer, [p], prompt_eval.GenerationSettings(), "auto",
+                                                    prompt_eval.answer_limit(None, learned))[0] for p in prompts]
     with pytest.raises(UserError, match="leaves no room for an answer within the 100 tokens of its run's --max_seq_len"):
         prompt_eval.generate_answers(loaded, tokenizer, ["Tell me a joke. " * 20], prompt_eval.GenerationSettings(),
                                      "auto", window)

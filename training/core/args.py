@@ -38,7 +38,7 @@ from training.core.optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
 from utils.errors import UserError
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _OWN_METADATA = ("flag", "negated", "same_result", "resume_override", "resolved")
 RESOLVED_SUFFIX = " (resolved)"  # a flag recorded as it resolved on the machine: "dtype (resolved)"
 
@@ -198,7 +198,7 @@ class RunArguments:
     @property
     def dtype_name(self) -> str:
         """`--dtype` resolved for this device, as the DeepSpeed config spells it ("bf16", "fp16", "fp32")."""
-        return _DTYPE_NAMES[resolve_dtype(self.dtype)]
+        return DTYPE_NAMES[resolve_dtype(self.dtype)]
 
     @property
     def final_model_dir(self) -> Path:
