@@ -303,6 +303,20 @@ def test_flags_a_run_would_drop_or_fail_on_later_are_refused_before_anything_run
     assert fakes.calls == []
 
 
+def test_a_lora_flag_given_to_train_py_for_one_steps_adapters_is_refused_before_any_step_runs(tmp_path,
+                                                                                              tiny_model_dir):
+    """train.py gives --lora_learning_rate to every step that takes it: step 2, without --lora_dim, refused it when it
+    started, after step 1 had trained."""
+    from training.pipeline.cli import run as run_train_py
+
+    model = tiny_model_dir("llama")
+    argv = ["--step", "1", "2", "--actor-model", model, "--reward-model", model, "--output-dir", str(tmp_path / "out"),
+            "--deployment-type", "cpu", "--dry-run"]
+    with pytest.raises(UserError, match="step 2: --lora_learning_rate needs --lora_dim > 0"):
+        run_train_py([*argv, "--lora_learning_rate", "1e-3", "--step1-args", "--lora_dim 8"])
+    assert set(run_train_py([*argv, "--step1-args", "--lora_dim 8 --lora_learning_rate 1e-3"])["commands"]) == {1, 2}
+
+
 def test_a_model_no_step_of_the_run_uses_is_not_read(tmp_path, fakes):
     """`--step 2 --actor-model X` failed on X, which step 2 never uses (while `--step 3` ignored it)."""
     for steps, unused in ((["2"], "--actor-model"), (["1"], "--reward-model")):

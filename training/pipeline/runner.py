@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
-from training.core.args import flag_values, same_result_flags
+from training.core.args import check_lora_flags, flag_values, same_result_flags
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import MARKER_FILE, CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
@@ -346,7 +346,19 @@ def _parsed_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str
             message = errors.getvalue().strip().splitlines()[-1:] or [f"exit status {exit_.code}"]
             raise UserError(f"step {step}'s flags do not parse ({message[0]}); check the flags train.py passes it "
                             f"(given to every step that takes them, or in --{STEPS[step].name}-args)") from None
+        _check_lora_flags_reaching(step, parsed[step][0])
     return parsed
+
+
+def _check_lora_flags_reaching(step: int, values: Mapping[str, Any]) -> None:
+    """A LoRA flag given to train.py reaches every step that takes it, and a step without adapters refuses it when it
+    starts: after the steps before it have trained. Refuse it now."""
+    prefixes = [prefix for prefix in ("", "actor_", "critic_") if isinstance(values.get(f"{prefix}lora_dim"), int)]
+    try:
+        check_lora_flags(values, *prefixes)
+    except UserError as error:
+        raise UserError(f"step {step}: {error}. train.py gives a flag to every step that takes it: give this one in "
+                        "--stepN-args of the steps with adapters") from None
 
 
 def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None:
