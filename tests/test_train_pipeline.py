@@ -793,4 +793,6 @@ def test_a_step_that_fails_after_a_checkpoint_says_how_to_go_on_from_it(tmp_path
     with pytest.raises(UserError, match=r"^step 1 \(.*\): the data file is empty; pass a bigger one; step 1 left a "
                                         rf"checkpoint of its step 3 \({checkpoint}\): once the cause is fixed, the same "
                                         r"train.py command with --resume goes on from it$"):
-        run(argv + ["--resume"], fakes)
+        run(argv, fakes)
+    with pytest.raises(UserError, match=r"once the cause is fixed, the same train.py command goes on from it$"):
+        run(argv + ["--resume"], fakes)  # it said: with --resume

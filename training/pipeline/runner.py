@@ -483,8 +483,9 @@ def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> Us
     latest = CheckpointManager(config.run_dir(step)).latest()
     if latest is None:
         return error
+    command = "the same train.py command" + ("" if RESUME_FLAG in config.extra_args else f" with {RESUME_FLAG}")
     return UserError(f"{error}; step {step} left a checkpoint of its step {latest.step} ({latest.path}): once the "
-                     f"cause is fixed, the same train.py command with {RESUME_FLAG} goes on from it")
+                     f"cause is fixed, {command} goes on from it")
 
 
 def _step_result(config: PipelineConfig, prepared: PreparedRun, step: int,
