@@ -489,6 +489,25 @@ def test_a_calibration_records_the_cores_other_processes_kept_busy(monkeypatch):
     assert others.cores == 1.0  # 5 busy seconds less 3 of its own, over 2 s
 
 
+def test_the_busy_cores_are_counted_on_the_cores_this_process_may_use(monkeypatch):
+    """The whole host's CPU time was counted: pinned to 1 core of 2, with the other one busy, it said '1.99 of 1
+    cores busy'."""
+    from collections import namedtuple
+
+    times = namedtuple("scputimes", "user system idle iowait")
+    readings = iter([[times(0, 0, 10, 0), times(0, 0, 10, 0)], [times(0, 0, 12, 0), times(2, 0, 10, 0)]])
+
+    def cpu_times(percpu=False):  # each core's, or the host's sum
+        cores = next(readings)
+        return cores if percpu else times(*map(sum, zip(*cores)))
+
+    monkeypatch.setattr(calibration.psutil, "cpu_times", cpu_times)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    with calibration.OthersBusyCores() as others:
+        pass
+    assert others.cores == 0.0  # core 1 was busy, but this process may not run there
+
+
 def test_the_planners_basis_says_how_busy_the_machine_was_while_calibrated(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path))
     path = calibration.cache_path("bf16", 2, 1)

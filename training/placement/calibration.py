@@ -217,16 +217,19 @@ def host_memory_gib() -> float:
 
 
 class OthersBusyCores:
-    """The cores other processes kept busy while the code inside ran: the machine's CPU time (psutil; time the
-    hypervisor gave other guests counted) less this process's and its finished children's, over the wall time."""
+    """The cores other processes kept busy while the code inside ran: the CPU time of the cores this process may
+    run on (psutil, per core; time the hypervisor gave other guests counted) less this process's and its finished
+    children's, over the wall time. Other cores of the host (a container pinned to a few) are not counted."""
 
     cores: float = 0.0
 
     @staticmethod
     def _cpu_seconds() -> tuple[float, float, float]:
-        machine, own = psutil.cpu_times(), os.times()
-        busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0) - getattr(machine, "guest", 0.0) \
-            - getattr(machine, "guest_nice", 0.0)  # guest time is counted in user time too
+        per_core, own = psutil.cpu_times(percpu=True), os.times()
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(len(per_core))
+        busy = sum(sum(core) - core.idle - getattr(core, "iowait", 0.0) - getattr(core, "guest", 0.0)
+                   - getattr(core, "guest_nice", 0.0)  # guest time is counted in user time too
+                   for index, core in enumerate(per_core) if index in usable)
         return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
 
     def __enter__(self) -> "OthersBusyCores":
