@@ -205,9 +205,9 @@ def check_sequence_lengths(
             f"--max_prompt_seq_len {max_prompt_seq_len} + --max_answer_seq_len {max_answer_seq_len} = "
             f"{max_prompt_seq_len + max_answer_seq_len} tokens pass the {switch} positions after which the rotary "
             f"embedding of {model} (longrope) switches to its long factors for every sequence of a batch "
-            "(original_max_position_embeddings): a rollout would be sampled under other frequencies than its training "
-            f"forward uses, and an answer's log-probs would depend on its batch; lower them so they sum to at most "
-            f"{switch}"
+            "(original_max_position_embeddings): what it computes for an answer (log-probs, values, scores) would depend "
+            "on the other answers in its batch, and an actor would sample under other frequencies than its training "
+            f"forward uses; lower them so they sum to at most {switch}"
         )
     limit = model_max_positions(config)
     if limit is None:
