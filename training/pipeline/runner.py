@@ -171,9 +171,9 @@ def _finished_summary(config: PipelineConfig, step: int, flags: RecordedFlags) -
         return None
     changed = changed_flags(recorded, *flags)
     if changed:
-        flags = ", ".join(f"--{name} {json.dumps(then)} -> {json.dumps(now)}" for name, (then, now) in changed.items())
+        changes = ", ".join(f"--{name} {json.dumps(then)} -> {json.dumps(now)}" for name, (then, now) in changed.items())
         raise UserError(
-            f"step {step} finished in {run_dir} with other settings than this run gives it ({flags}); run with the "
+            f"step {step} finished in {run_dir} with other settings than this run gives it ({changes}); run with the "
             f"same settings, or choose another --output-dir (or delete {run_dir} to run step {step} again)"
         )
     return summary
