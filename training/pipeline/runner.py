@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, NoReturn
 
 from training.core.args import check_lora_flags, flag_values, same_result_flags
 from training.placement.spec import AUTO
-from training.reliability.checkpointing import MARKER_FILE, CheckpointManager
+from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
 from training.reliability.signals import EXIT_INTERRUPTED, take_received_signal
 from training.reliability.validation import check_folder_path
@@ -295,7 +295,7 @@ def _check_resumed_world_size(config: PipelineConfig, plan: DeploymentPlan, argv
         info = CheckpointManager(config.run_dir(step)).latest()
         if flag_value(argv, RESUME_FLAG) is None or info is None:
             continue
-        saved_by = json.loads((info.path / MARKER_FILE).read_text()).get("world_size", plan.world_size)
+        saved_by = info.world_size or plan.world_size
         if saved_by != plan.world_size:
             raise UserError(
                 f"step {step} would resume from {info.path}, written by {saved_by} processes, but this "

@@ -197,13 +197,15 @@ class CheckpointInfo:
     path: Path
     step: int
     engines: tuple[str, ...]
+    world_size: int | None = None  # the processes that wrote it (None: not recorded, by an older version)
 
 
 def _read_marker(folder: Path) -> CheckpointInfo | None:
     """The checkpoint in `folder` if its completion marker is present and readable."""
     try:
         marker = json.loads((folder / MARKER_FILE).read_text())
-        return CheckpointInfo(path=folder, step=int(marker["step"]), engines=tuple(marker["engines"]))
+        return CheckpointInfo(path=folder, step=int(marker["step"]), engines=tuple(marker["engines"]),
+                              world_size=marker.get("world_size"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -394,13 +396,14 @@ class CheckpointManager:
         state by process, and each rank goes on from its own data position and random streams), or a flag of
         `fixed_flags` with another value (a flag only one of the two runs had is not compared; a checkpoint that
         recorded no flags is not checked)."""
-        marker = json.loads((info.path / MARKER_FILE).read_text())
-        saved_by = marker.get("world_size", get_world_size())
+        saved_by = info.world_size or get_world_size()
         if saved_by != get_world_size():
             return (f"--resume: {info.path} was written by {saved_by} processes and this run has {get_world_size()}; "
                     f"resume with {saved_by} (the same launcher command), or start a new run in another --output_dir")
-        recorded = marker.get("flags")
-        if recorded is None or self.fixed_flags is None:
+        if self.fixed_flags is None:
+            return None
+        recorded = json.loads((info.path / MARKER_FILE).read_text()).get("flags")
+        if recorded is None:
             return None
         recorded = with_resolved_flags(recorded, self.fixed_flags)
         # a flag one of the two runs did not have (another version of this project) is not compared
