@@ -80,6 +80,15 @@ def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_token
         )
 
 
+def _other_layout(given_by: PreTrainedTokenizerBase, given_format: str, trained_by: PreTrainedTokenizerBase,
+                  trained_format: str) -> tuple[str, str] | None:
+    """One probe exchange as a run trained a model on it (`trained_by`'s rendering under `trained_format`) and as
+    step 3 gives it (`given_by`'s under `given_format`), where the two differ; None where they are alike."""
+    trained = probe_tokens(PromptFormatter(trained_by, trained_format), trained_by)
+    given = probe_tokens(PromptFormatter(given_by, given_format), given_by)
+    return None if trained == given else (trained_by.decode(trained or []), given_by.decode(given or []))
+
+
 def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer: PreTrainedTokenizerBase,
                       prompt_format: str, reward_path: str) -> None:
     """Warn where the reward model was trained on conversations laid out otherwise than step 3 gives them to it: it
@@ -87,15 +96,13 @@ def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer
     the actor's turn does, and step 2 rendered its pairs with the reward model's own tokenizer (another chat template,
     or none) under the --prompt_format its run recorded."""
     trained_format = args_of_model(reward_path).get("prompt_format", "auto")
-    scored = probe_tokens(PromptFormatter(actor_tokenizer, prompt_format), actor_tokenizer)
-    trained = probe_tokens(PromptFormatter(reward_tokenizer, trained_format), reward_tokenizer)
-    if scored != trained:
+    layouts = _other_layout(actor_tokenizer, prompt_format, reward_tokenizer, trained_format)
+    if layouts is not None:
         logger.warning(
             "the reward model %s was trained (--prompt_format %s) on conversations laid out as %r, but step 3 gives it "
             "the actor's answers laid out as %r (--prompt_format %s): its scores may not carry over. Train the reward "
             "model from a model whose tokenizer renders conversations as the actor's does, or with the --prompt_format "
-            "under which both render them alike", reward_path, trained_format,
-            reward_tokenizer.decode(trained or []), actor_tokenizer.decode(scored or []), prompt_format)
+            "under which both render them alike", reward_path, trained_format, *layouts, prompt_format)
 
 
 def warn_actor_tuned_on_other_layout(tokenizer: PreTrainedTokenizerBase, prompt_format: str, actor_path: str) -> None:
@@ -108,14 +115,12 @@ def warn_actor_tuned_on_other_layout(tokenizer: PreTrainedTokenizerBase, prompt_
     if "prompt_format" not in recorded:
         return
     tuned_format = recorded["prompt_format"]
-    tuned = probe_tokens(PromptFormatter(tokenizer, tuned_format), tokenizer)
-    asked = probe_tokens(PromptFormatter(tokenizer, prompt_format), tokenizer)
-    if tuned != asked:
+    layouts = _other_layout(tokenizer, prompt_format, tokenizer, tuned_format)
+    if layouts is not None:
         logger.warning(
             "the actor %s was tuned (--prompt_format %s) on conversations laid out as %r, but step 3 lays them out as "
             "%r (--prompt_format %s): PPO starts from a model asked in a layout it was not tuned on. Pass "
-            "--prompt_format %s, as its run did", actor_path, tuned_format, tokenizer.decode(tuned or []),
-            tokenizer.decode(asked or []), prompt_format, tuned_format)
+            "--prompt_format %s, as its run did", actor_path, tuned_format, *layouts, prompt_format, tuned_format)
 
 
 @contextlib.contextmanager
