@@ -128,6 +128,10 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
         raise UserError(f"--target_kl {args.ppo.target_kl} adapts the KL coefficient by multiplying it, so from "
                         "--kl_ctl 0 it stays 0 and the KL is never held; start from --kl_ctl > 0 (e.g. 0.1), or drop "
                         "--target_kl")
+    if args.unsupervised.unsupervised_dataset_name and args.ppo.unsup_coef == 0:
+        raise UserError(f"--unsupervised_dataset_name {args.unsupervised.unsupervised_dataset_name} with --unsup_coef 0 "
+                        "mixes nothing in, though every actor update would still compute a pretraining batch's "
+                        "language-model loss; give --unsup_coef > 0 (e.g. 0.05), or drop --unsupervised_dataset_name")
     micro_batches = micro_batches_per_ppo_step(args)
     if micro_batches % args.schedule.gradient_accumulation_steps:
         raise UserError(

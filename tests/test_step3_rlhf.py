@@ -862,6 +862,16 @@ def test_an_adaptive_kl_coefficient_from_zero_is_refused(inputs, tmp_path):
     check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--target_kl", "0.5")))
 
 
+def test_a_pretraining_mixture_weighted_zero_is_refused(inputs, tmp_path):
+    """It ran a language-model forward and backward of a pretraining batch on every actor update, weighted by 0."""
+    from step3_rlhf.main import check_args, parse_args
+
+    mixture = ["--unsupervised_dataset_name", inputs["text"]]
+    with pytest.raises(UserError, match="with --unsup_coef 0 mixes nothing in"):
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", *mixture, "--unsup_coef", "0")))
+    check_args(parse_args(step3_argv(inputs, tmp_path / "run", *mixture)))
+
+
 @pytest.mark.parametrize("backend", [[], ["--enable_hybrid_engine", "--generation_backend", "hf"]])
 def test_tensor_parallel_generation_without_the_hybrid_engine_is_refused(inputs, tmp_path, backend):
     """--inference_tp_size splits the hybrid engine's decode; the 'hf' backend ignored it without a word."""
