@@ -10,11 +10,13 @@ needs the real weights (`Stage.real_weights_only`: train.py's quality, step 2's 
 on; the others run earlier on random weights of SmolLM2's shape and say so in their file names (for a speed figure
 the shape is what counts, with EOS ignored).
 
-Not all of the GPU work fits one session: `SESSIONS` holds what is left in the order it should be done, the first
-session what the GPU issue values most (the GPU tests, train.py on one GPU). Two sessions have run, both on an H200
-on 2026-11-26 (`bench/results/gpu_session1_h200.json`, `gpu_session2_h200.json`: every stage's seconds). The second
-reran the tests (35 of 37 passed), train.py on FusedAdam and step 3 alone at SmolLM2; what it found (the attention
-kernels) is fixed on CPU and not yet rerun there, so the tests come first again. Minutes marked measured come from
+Not all of the GPU work fits one session: `SESSIONS` holds what is left in the order it should be done, and
+`COMPLETED` each stage that has run to its target on the current code, with the result file that shows it. Three
+sessions have run, all on an H200 (`bench/results/gpu_session1_h200.json` to `gpu_session3_h200.json`: every stage's
+seconds). The third (2026-11-27) ran the first planned session: all 39 GPU tests passed, train.py and step 3 ran
+without a skipped update, and step 2 reached its held-out accuracy target; what is left is the generation figures
+at 7B, batch 64 and with CUDA graphs on and off, and step 3 at a 1B shape. The last session reruns the GPU tests
+before its figures, so changes made on CPU since session 3 are checked on a GPU. Minutes marked measured come from
 those sessions; the others are estimates. Each GPU session corrects them from its calls' `status.json` and moves
 what it ran out of `SESSIONS`.
 """
@@ -44,15 +46,6 @@ class PlannedCall:
 
 SESSIONS = (
     (
-        # installs the wheels (6 s measured), stashes part 1, pytest -m gpu on 6 workers (39 tests; 37 took 168 s on
-        # the H200 in session 2), SmolLM2's random weights made (~0.2) and its left-padded batch's gradients through
-        # both kernel sets (~0.3)
-        PlannedCall(("weights", "tests", "attention"), 4.5),
-        # joins and converts SmolLM2 (31 s measured), train.py's three steps on one GPU on FusedAdam (148 s measured),
-        # step 3 alone at SmolLM2 (114 s measured), step 2 alone for three epochs on the hh-rlhf pairs (~2.5 min)
-        PlannedCall(("weights", "train", "step3", "step2_quality"), 7.5),
-    ),
-    (
         # 7B random weights made on the GPU and written (~1), loaded twice (the frozen ZeRO-3 actor, the baseline's
         # plain copy), compiled, timed (~4.5: hf at ZeRO-3 runs its layers' hooks at every token, the slowest backend)
         PlannedCall(("generation_7b",), 6.0),
@@ -61,12 +54,23 @@ SESSIONS = (
         PlannedCall(("step3_1b",), 5.5),
     ),
     (
+        # pytest -m gpu on 6 workers again, on the code of that day (39 tests: 242 s measured in session 3)
+        PlannedCall(("tests",), 4.5),
         # SmolLM2's shape (random weights) at batch 8 and 64: ~140 s each measured at batch 8 (the hf backend at ZeRO-3
         # 67 s of it, the static-cache baseline's compile 31 s); SmolLM2's and GPT-2's shapes with and without CUDA
         # graphs (~3)
         PlannedCall(("generation", "cuda_graph"), 8.0),
     ),
 )
+
+# Stages that have run to their targets on the current code, each with the file under bench/results that shows it.
+COMPLETED = {
+    "attention": "gpu_session3_h200.json",
+    "train": "pipeline_h200_single_gpu_fused_adam.json",
+    "step3": "step3_h200_smollm2_zero3_bf16.json",
+    "step2_quality": "step2_quality_h200_smollm2_bf16.json",
+    "weights": "gpu_session3_h200.json",
+}
 
 
 @dataclass(frozen=True)
