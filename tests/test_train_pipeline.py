@@ -796,3 +796,56 @@ def test_a_step_that_fails_after_a_checkpoint_says_how_to_go_on_from_it(tmp_path
         run(argv, fakes)
     with pytest.raises(UserError, match=r"once the cause is fixed, the same train.py command goes on from it$"):
         run(argv + ["--resume"], fakes)  # it said: with --resume
+
+
+class LaunchedSteps:
+    """`run_subprocess` for a GPU deployment on this CPU machine: reads the launcher command as DeepSpeed's launcher
+    does, runs the fake step it names in this process, and records the master port it was given. After each step,
+    `take_port` (if set) gets that port as another program would."""
+
+    def __init__(self, fakes: FakeSteps, take_port: bool):
+        self.fakes, self.take_port = fakes, take_port
+        self.ports: list[int] = []
+        self.taken: list = []
+
+    def __call__(self, command, log_path, label, env=None):
+        import socket
+
+        from deepspeed.launcher.runner import parse_args
+
+        launched = parse_args(command[3:])
+        self.ports.append(launched.master_port)
+        step = next(number for number, script in ((1, "step1_sft"), (2, "step2_reward"), (3, "step3_rlhf"))
+                    if script in launched.user_script)
+        self.fakes.main(step).__wrapped__(launched.user_args)
+        if self.take_port:
+            holder = socket.socket()
+            holder.bind(("", launched.master_port))
+            holder.listen()
+            self.taken.append(holder)
+
+
+@pytest.mark.parametrize("given_port", [False, True])
+def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fakes, monkeypatch, given_port):
+    """The free master port was chosen once, at planning, for every step: a step launched hours later, after another
+    program took the port, failed as its ranks' store could not bind. A port train.py picks is picked free at each
+    launch; a --master-port taken since is refused then, naming it."""
+    from training.pipeline import runner
+    from utils.dist import free_port
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launched = LaunchedSteps(fakes, take_port=True)
+    monkeypatch.setattr(runner, "run_subprocess", launched)
+    argv = common(tmp_path, fakes.model_dir) + ["--deployment-type", "single_gpu", "--step", "1", "2"]
+    try:
+        if not given_port:
+            run(argv, fakes)
+            assert [call[0] for call in fakes.calls] == [1, 2] and len(set(launched.ports)) == 2
+            return
+        port = free_port()
+        with pytest.raises(UserError, match=rf"^--master-port {port} is taken on this machine"):
+            run(argv + ["--master-port", str(port)], fakes)
+        assert launched.ports == [port] and [call[0] for call in fakes.calls] == [1]
+    finally:
+        for holder in launched.taken:
+            holder.close()

@@ -325,3 +325,24 @@ def test_disabled_dropout_makes_train_mode_forwards_deterministic(tiny_model_dir
         model.train()
         first, second = (model(input_ids=ids, attention_mask=torch.ones_like(ids))[output] for _ in range(2))
         assert torch.equal(first, second), f"{arch} {type(model).__name__}: dropout still on in train mode"
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "lora", "reward_model"])
+def test_a_model_trained_with_gradient_checkpointing_is_saved_with_its_kv_cache_on(tiny_model_dir, tmp_path, kind):
+    """Gradient checkpointing sets `use_cache` off for training, and the saved config.json kept it: loaded without its
+    generation_config.json, the model generated without a KV cache (each token recomputed the whole sequence), and a
+    plain forward returned no cache. The live model keeps it off."""
+    import json
+
+    from training.core.args import ModelTrainingConfig, apply_model_options
+
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    model = load_causal_lm(path, tokenizer)
+    if kind == "reward_model":
+        model = RewardModel.from_causal_lm(model, tokenizer)
+    options = ModelTrainingConfig(gradient_checkpointing=True, lora_dim=4 if kind == "lora" else 0)
+    model = apply_model_options(model, options)
+    save_hf_model(model, tokenizer, tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False

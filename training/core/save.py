@@ -84,6 +84,23 @@ def _writes_on_this_rank() -> Iterator[None]:
         mixin._get_torch_distributed_rank = original
 
 
+@contextlib.contextmanager
+def _cache_on_in_saved_config(module: torch.nn.Module) -> Iterator[None]:
+    """`use_cache` on in the config.json written inside, whatever training set: gradient checkpointing turns it off
+    (`apply_model_options`), and a folder saved so decoded without a KV cache wherever it was loaded without its
+    generation_config.json (each token recomputed the whole sequence), and its plain forward returned no cache. The
+    live model keeps its setting."""
+    config = getattr(module, "config", None)
+    training_value = getattr(config, "use_cache", None)
+    if training_value is not None:
+        config.use_cache = True
+    try:
+        yield
+    finally:
+        if training_value is not None:
+            config.use_cache = training_value
+
+
 def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLike, writer: bool | None = None,
                   synchronize: bool = True) -> None:
     """Save a (possibly ZeRO-3-partitioned, possibly LoRA) model as a loadable HF folder.
@@ -98,7 +115,7 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLi
         if isinstance(module, PeftModel):
             state = merge_lora_state_dict(module, state)
             module = module.get_base_model()
-        with atomic_directory(output_dir) as tmp, _writes_on_this_rank():
+        with atomic_directory(output_dir) as tmp, _writes_on_this_rank(), _cache_on_in_saved_config(module):
             module.save_pretrained(tmp, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)

@@ -48,8 +48,8 @@ class PipelineConfig:
     hostfile: str | None = field(default=None, metadata={
         "help": "multi_node: DeepSpeed hostfile, lines 'HOST slots=N'"})
     master_port: int | None = field(default=None, metadata={
-        "help": "the launcher's --master_port, where rank 0's store listens (default: a free port on single_gpu and "
-                "single_node, DeepSpeed's 29500 on multi_node)"})
+        "help": "the launcher's --master_port, where rank 0's store listens (default: on single_gpu and single_node a "
+                "port free when each step starts, DeepSpeed's 29500 on multi_node)"})
     master_addr: str | None = field(default=None, metadata={
         "help": "multi_node: the launcher's --master_addr, the first node's address the others reach (default: "
                 "the first address `hostname -I` gives on that node, asked over ssh)"})

@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import IO, Iterator, Sequence
@@ -20,6 +20,7 @@ from typing import IO, Iterator, Sequence
 import psutil
 
 from training.reliability.signals import EXIT_INTERRUPTED, handling_signals, record_signal
+from utils.dist import free_port
 from utils.errors import UserError
 
 from .deployment import DeploymentType
@@ -53,7 +54,7 @@ class Launcher:
     deployment: DeploymentType
     num_gpus: int = 1
     hostfile: str | None = None
-    master_port: int | None = None  # None: the launcher's default (29500)
+    master_port: int | None = None  # given by the user; None: one free at each launch on one node, 29500 on several
     master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`)
     nodes: int = 1  # the hostfile's; on several, every node's ranks start through pdsh and a remote shell
 
@@ -77,6 +78,17 @@ class Launcher:
         if self.master_addr is not None:
             command += ["--master_addr", self.master_addr]
         return command + [str(script), *step_argv]
+
+    def command_now(self, script: Path, step_argv: Sequence[str]) -> list[str]:
+        """`command` with its master port settled at this moment, not when the run was planned (hours before a
+        later step starts, and another program may have taken the port since): on this node, the given port
+        checked free, else one free now. A multi_node port is the first node's, which this node cannot check."""
+        if self.deployment is DeploymentType.MULTI_NODE:
+            return self.command(script, step_argv)
+        if self.master_port is not None:
+            check_port_free(self.master_port)
+            return self.command(script, step_argv)
+        return replace(self, master_port=free_port()).command(script, step_argv)
 
 
 def check_not_under_a_launcher() -> None:

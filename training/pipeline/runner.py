@@ -30,7 +30,6 @@ from utils.atomic import atomic_write_text
 from utils.data.args import SOURCE_FLAGS
 from utils.data.sources import looks_local, parse_source_spec, source_fingerprint
 from utils.data.unsupervised import text_source_fingerprint
-from utils.dist import free_port
 from utils.errors import UserError
 
 from .config import DPO, PipelineConfig
@@ -43,7 +42,6 @@ from .launch import (
     StepStopped,
     check_launcher_installed,
     check_not_under_a_launcher,
-    check_port_free,
     format_command,
     launcher_env,
     run_in_process,
@@ -122,9 +120,6 @@ def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hard
         return Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
                         master_addr=config.master_addr, nodes=len(hosts))
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
-    if config.master_port is None:
-        return Launcher(deployment, num_gpus=gpus, master_port=free_port())  # a free port: runs may share the node
-    check_port_free(config.master_port)
     return Launcher(deployment, num_gpus=gpus, master_port=config.master_port)
 
 
@@ -451,7 +446,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
     _check_resumed_world_size(config, plan, {step: argv for step, argv in argvs.items() if step not in finished})
     commands = {
-        step: launcher.command(STEPS[step].script(), argvs[step]) if launcher
+        step: launcher.command_now(STEPS[step].script(), argvs[step]) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
         for step in config.steps if step not in finished
     }
@@ -469,7 +464,8 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
         if prepared.launcher is None:
             summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
         else:
-            run_subprocess(prepared.commands[step], config.log_path(step), label, env=launcher_env(REPO_ROOT))
+            command = prepared.launcher.command_now(STEPS[step].script(), prepared.argvs[step])
+            run_subprocess(command, config.log_path(step), label, env=launcher_env(REPO_ROOT))
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
         raise _with_resume_hint(config, step, error) from error
