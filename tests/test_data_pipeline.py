@@ -79,6 +79,27 @@ def test_copies_of_a_record_are_dropped_so_no_text_is_both_trained_on_and_held_o
     assert sum(len(prompts) for prompts in seen) == 60 and len(set().union(*seen)) == 60
 
 
+@pytest.mark.parametrize("phase", [1, 3])
+def test_no_held_out_sample_is_one_the_step_trains_on_from_another_record_or_source(tmp_path, phase):
+    """Records that differ (other rejected replies) share a prompt and preferred reply: cut by record, step 3 held out
+    prompts it trained on and step 1 (prompt, reply) texts, and a second source's copies were not looked for. The
+    held-out copies are dropped and counted; the training samples stay as they were."""
+    rows = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i} {j}"}
+            for i in range(30) for j in range(3)]
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    second.write_text("".join(json.dumps(row) + "\n" for row in rows[::3]))
+    splits = phase_splits(phase, [str(first), str(second)], "1,1,1", seed=3, eval_fraction=0.3)
+    trained = {(s.turns[-1]["content"], s.chosen if phase == 1 else None) for split in splits for s in split.train}
+    held_out = [(s.turns[-1]["content"], s.chosen if phase == 1 else None) for split in splits for s in split.eval]
+    assert held_out and not trained & set(held_out)
+    dropped = sum(split.skipped[phases.HELD_OUT_IN_TRAINING] for split in splits)
+    assert dropped > 0 and all(len(split.eval) + split.skipped[phases.HELD_OUT_IN_TRAINING] == split.held_out
+                               for split in splits)
+    assert [len(split.train) for split in splits] == [split.records - split.held_out for split in splits]
+    assert f"{phases.HELD_OUT_IN_TRAINING}=" in "".join(split.summary(phase, "sft") for split in splits)
+
+
 @pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2", "nan,1,1", "inf,1,1", "1e308,1e308,1"])
 def test_bad_data_split_is_a_user_error(bad):
     with pytest.raises(UserError, match="data_split"):

@@ -1,6 +1,7 @@
 """Build each step's train/eval datasets from several sources: shard, parse, blend, tokenise, cache."""
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
@@ -11,7 +12,7 @@ from utils.errors import UserError
 
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .formatting import PromptFormatter
-from .samples import PHASE_KINDS, Sample, SkippedRows, SkipRow, unusable_reason
+from .samples import KIND_PAIRS, KIND_SFT, PHASE_KINDS, Sample, SkippedRows, SkipRow, unusable_reason
 from .shard_match import InputRunRecord, check_same_record_counts
 from .sources import (
     LoadedSource,
@@ -84,6 +85,31 @@ def split_source(
     return result
 
 
+HELD_OUT_IN_TRAINING = "held_out_in_training"
+
+
+def _trained_text(sample: Sample, kind: str) -> str:
+    """What `kind` reads of `sample`, as text: its prompt's turns, and the replies step 1 learns or step 2 compares."""
+    replies = (sample.chosen,) if kind == KIND_SFT else (sample.chosen, sample.rejected) if kind == KIND_PAIRS else ()
+    return json.dumps([sample.turns, *replies], sort_keys=True)
+
+
+def drop_held_out_copies(splits: Sequence[SourceSplit], kind: str) -> None:
+    """Drop from each split's held-out samples those that a split of the step trains on as they are, counted as
+    skipped `HELD_OUT_IN_TRAINING`. Records are held out, not samples: records that differ can give one sample (rows
+    of one prompt with other replies give step 3 the same prompt; SHP's pairs of one post share a preferred reply for
+    step 1), as can two sources, and the step would be scored on what it trained on. Its training samples stay."""
+    trained = {_trained_text(sample, kind) for split in splits for sample in split.train}
+    for split in splits:
+        held_out = []
+        for sample in split.eval:
+            if _trained_text(sample, kind) in trained:
+                split.skipped.skip(HELD_OUT_IN_TRAINING, split.source.where(sample.group))
+            else:
+                held_out.append(sample)
+        split.eval = held_out
+
+
 def blend(parts: Sequence[list], seed: int) -> list:
     """Concatenate the sources' samples, then shuffle them with the seed."""
     combined = [sample for part in parts for sample in part]
@@ -95,7 +121,8 @@ def phase_splits(
     sft_only_data_paths: Sequence[str] = (), kind: str | None = None,
     load: Callable[[SourceSpec], LoadedSource] = load_source,
 ) -> list[SourceSplit]:
-    """Per source, the samples `phase` uses; step-1-only sources join phase 1 entirely.
+    """Per source, the samples `phase` uses; step-1-only sources join phase 1 entirely. No held-out sample is one
+    the step trains on (`drop_held_out_copies`).
 
     `load` reads a source; pass a memoised one to reuse loaded sources across calls.
     """
@@ -110,6 +137,7 @@ def phase_splits(
             split_source(load(parse_source_spec(path)), phase, kind, data_split, seed, eval_fraction, whole=True)
             for path in sft_only_data_paths
         ]
+    drop_held_out_copies(splits, kind)
     return splits
 
 
