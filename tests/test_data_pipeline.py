@@ -274,6 +274,15 @@ def test_data_args_round_trip_and_defaults(tmp_path, monkeypatch):
     assert defaults.data_path == ["embedded"] and defaults.data_split == "2,4,4"
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_cut_shards_with_is_refused_with_the_flags(seed):
+    """numpy's RandomState takes [0, 2**32): such a --seed was parsed, and the data build died in a bare ValueError."""
+    from training.core.args import SettingsParser
+
+    with pytest.raises(UserError, match=rf"--seed must be between 0 and 4294967295, not {seed}"):
+        SettingsParser(_DataCLI).parse_args(["--seed", str(seed)])
+
+
 def test_the_data_path_help_names_every_row_format():
     """--help listed six formats: chat_preference and chat_prompt, which PATH:FORMAT takes, were missing."""
     from training.core.args import SettingsParser

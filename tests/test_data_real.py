@@ -63,6 +63,16 @@ def test_embedded_pairs_follow_the_documented_rule_deterministically():
     assert all(len(s.chosen) <= 1200 for s in split.train)
 
 
+@needs_sharegpt
+def test_the_largest_seed_draws_the_held_out_pairs_too():
+    """The held-out pairs' rejected replies were drawn with --seed + 1: past numpy's seeds at the largest one."""
+    from utils.data import phase_splits
+
+    (split,) = phase_splits(2, ["embedded"], "2,4,4", seed=2**32 - 1, eval_fraction=0.1)
+    assert len(split.train) > 2000 and len(split.eval) > 100
+    assert all(sample.rejected and sample.rejected != sample.chosen for sample in split.eval)
+
+
 @pytest.mark.slow
 @needs_sharegpt
 def test_embedded_pretraining_text_is_only_step3s_training_conversations(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from .phases import PhaseData, build_phase_data
 from .readers import FORMATS
 from .shard_match import InputRunRecord
 from .sources import resolved_source
-from .splits import ShardSettings
+from .splits import ShardSettings, check_seed
 from .tokenization import PROMPT_OVERFLOW
 
 
@@ -67,6 +67,7 @@ class DataArguments:
     rebuild_data_cache: bool = field(default=False, metadata={"help": "rebuild the tokenised data cache"})
 
     def __post_init__(self) -> None:
+        check_seed(self.seed)
         for flag in SOURCE_FLAGS:
             setattr(self, flag, [resolved_source(path) for path in getattr(self, flag)])
 

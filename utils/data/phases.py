@@ -22,7 +22,7 @@ from .sources import (
     source_fingerprint,
 )
 from .split_record import RECORDS_KEY
-from .splits import ShardSettings, holdout, parse_data_split, seeded_order
+from .splits import ShardSettings, held_out_seed, holdout, parse_data_split, seeded_order
 from .tokenization import TokenLimits, tokenize_samples
 from .tokenized import TokenizedDataset
 
@@ -81,7 +81,7 @@ def split_source(
         train_indices, eval_indices = ShardSettings(data_split, seed, eval_fraction).records(len(source), phase)
     result = SourceSplit(source, records=len(train_indices) + len(eval_indices), held_out=len(eval_indices))
     result.train = _usable_samples(source, train_indices, kind, seed, result.skipped)
-    result.eval = _usable_samples(source, eval_indices, kind, seed + 1, result.skipped)
+    result.eval = _usable_samples(source, eval_indices, kind, held_out_seed(seed), result.skipped)
     return result
 
 

@@ -16,6 +16,19 @@ import numpy as np
 from utils.errors import UserError
 
 NUM_PHASES = 3
+SEEDS = 2**32  # numpy's RandomState, which cuts the shards, takes a seed in [0, 2**32)
+
+
+def check_seed(seed: int) -> None:
+    """Refuse a --seed the shards cannot be cut with (numpy raised a bare ValueError when the data was built)."""
+    if not 0 <= seed < SEEDS:
+        raise UserError(f"--seed must be between 0 and {SEEDS - 1}, not {seed}")
+
+
+def held_out_seed(seed: int) -> int:
+    """The seed of the held-out part's random choices (the embedded pairs' rejected replies): another stream than
+    the training part's, within the seeds numpy takes."""
+    return (seed + 1) % SEEDS
 
 
 def parse_data_split(data_split: str) -> list[float]:
