@@ -28,8 +28,8 @@ from training.core.model_loading import (
 )
 from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings, decode_by_flags_only
+from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import args_of_model
-from training.reliability.validation import check_generation_fits, generation_fits
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter
 from utils.data.samples import SkipRow
 from utils.errors import UserError, run_cli
@@ -124,13 +124,15 @@ class ReplyStreamer(TextStreamer):
 
 
 class ChatSession:
-    """A conversation with one model; `reply` extends the history by one exchange."""
+    """A conversation with one model; `reply` extends the history by one exchange, an answer as long as `limit`
+    lets it be (default: `--max_new_tokens`, else `DEFAULT_MAX_NEW_TOKENS`)."""
 
     def __init__(self, model, tokenizer, options: SamplingOptions, prompt_format: str = "auto",
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, limit: AnswerLimit | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
+        self.limit = limit or answer_limit(options.max_new_tokens)
         self.formatter = PromptFormatter(tokenizer, prompt_format)
         self.style = self.formatter.style
         self.system_prompt = system_prompt
@@ -158,17 +160,17 @@ class ChatSession:
 
     def _encode(self, history: list[dict]) -> tuple[torch.Tensor, list[dict]]:
         """The conversation `history` (ending with the new message) as input ids, and the history kept: the oldest
-        exchanges are dropped until it fits the model's positions with the answer. A new message that does not fit
-        alone (with the system prompt) is refused: cut to fit, it lost its own question."""
-        config, max_new_tokens = self.model.config, self.options.max_new_tokens
+        exchanges are dropped until it leaves room for an answer (`self.limit`: within the window of the model's run,
+        if any) within the model's positions. A new message that does not fit alone (with the system prompt) is
+        refused: cut to fit, it lost its own question."""
         while True:
             ids = self.tokenizer(self._prompt(history), add_special_tokens=self.formatter.adds_special_tokens,
                                  return_tensors="pt")["input_ids"]
-            if generation_fits(config, ids.shape[1], max_new_tokens):
+            if self.limit.fits(self.model.config, ids.shape[1]):
                 return ids, history
             if len(history) < 3:  # no earlier exchange left to drop
-                check_generation_fits(config, ids.shape[1], max_new_tokens,
-                                      "this message, with the system prompt and the chat format,")
+                self.limit.check(self.model.config, ids.shape[1],
+                                 "this message, with the system prompt and the chat format,")
             history = history[2:]
 
     @torch.no_grad()
@@ -190,6 +192,7 @@ class ChatSession:
                 eos_token_id=self.stop_token_ids,
                 **stop,
                 **self.options.generate_kwargs(),
+                max_new_tokens=self.limit.after(input_ids.shape[1]),
             )
         except KeyboardInterrupt:
             shown = streamer.reply(final=False).strip()
@@ -270,7 +273,8 @@ def load_session(args: ChatSettings) -> ChatSession:
     exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers
     model.to(device).eval()
     prompt_format = chat_args.prompt_format or args_of_model(path).get("prompt_format", "auto")
-    return ChatSession(model, tokenizer, args.sampling, prompt_format, chat_args.system)
+    return ChatSession(model, tokenizer, args.sampling, prompt_format, chat_args.system,
+                       answer_limit(args.sampling.max_new_tokens, path))
 
 
 def chat(argv: list[str] | None = None) -> list[str]:

@@ -30,8 +30,9 @@ from training.core.model_loading import (
     resolve_trained_model,
 )
 from training.generation.generator import DecodingSettings, decode_by_flags_only
+from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import args_of_model
-from training.reliability.validation import check_generation_fits, check_output_file
+from training.reliability.validation import check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter
 from utils.errors import UserError, run_cli
 
@@ -42,17 +43,12 @@ DEFAULT_PROMPTS = (
     "Explain what a neural network is in one paragraph.",
     "Give me three tips for learning a new language.",
 )
-DEFAULT_MAX_NEW_TOKENS = 128  # for a fine-tuned model no run of this project trained
 
 
 @dataclass
 class GenerationSettings(DecodingSettings):
     """Decoding (greedy unless `--do_sample`) and the batch size of the comparison."""
 
-    max_new_tokens: int | None = field(default=None, metadata={
-        "help": "the longest answer, in tokens (default: as long as the fine-tuned model's run let answers be: a step-3 "
-                "run's --max_answer_seq_len; a step-1 or DPO run's --max_seq_len, prompt and answer together; else "
-                f"{DEFAULT_MAX_NEW_TOKENS})"})
     num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (1: none)"})
     batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
 
@@ -89,36 +85,6 @@ class PromptEvalArguments:
         "help": "also write {prompt, baseline, finetune} rows to this JSONL file"})
 
 
-@dataclass(frozen=True)
-class AnswerLimit:
-    """How long each answer may be: `max_new_tokens`, and with `max_seq_len` no longer than fills prompt and answer
-    to it (the window step 1 and DPO train in). `source` says where the limit came from."""
-
-    max_new_tokens: int
-    max_seq_len: int | None = None
-    source: str = "--max_new_tokens"
-
-    def after(self, prompt_tokens: int) -> int:
-        """The most tokens an answer to a prompt of `prompt_tokens` tokens may have."""
-        return self.max_new_tokens if self.max_seq_len is None else min(self.max_new_tokens,
-                                                                        self.max_seq_len - prompt_tokens)
-
-
-def answer_limit(max_new_tokens: int | None, finetune: str) -> AnswerLimit:
-    """`--max_new_tokens` where given; else the limit the fine-tuned model's run answered within (its args.json): a
-    step-3 run's --max_answer_seq_len, a step-1 or DPO run's --max_seq_len (prompt and answer together); else
-    `DEFAULT_MAX_NEW_TOKENS`."""
-    if max_new_tokens is not None:
-        return AnswerLimit(max_new_tokens)
-    recorded = args_of_model(finetune)
-    if recorded.get("max_answer_seq_len"):
-        return AnswerLimit(int(recorded["max_answer_seq_len"]), source="its run's --max_answer_seq_len")
-    if recorded.get("max_seq_len"):
-        window = int(recorded["max_seq_len"])
-        return AnswerLimit(window, window, source="its run's --max_seq_len, prompt and answer together")
-    return AnswerLimit(DEFAULT_MAX_NEW_TOKENS, source="the default")
-
-
 @dataclass
 class PromptEvalSettings:
     run: PromptEvalArguments
@@ -139,7 +105,7 @@ def generate_answers(
     as `limit` lets it be (default: `settings.max_new_tokens`). A batch holds prompts of one budget: under a run's
     window a short prompt's longer budget, generated for the whole batch, ran a long prompt's row past the window
     (and past a model's learned positions)."""
-    limit = limit or AnswerLimit(settings.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+    limit = limit or answer_limit(settings.max_new_tokens)
     formatter = PromptFormatter(tokenizer, prompt_format)
     add_special_tokens = formatter.adds_special_tokens
     tokenizer.padding_side = "left"
@@ -148,10 +114,7 @@ def generate_answers(
     # each alone, before any generates: a batch is as wide as its longest prompt
     lengths = [len(ids) for ids in tokenizer(rendered, add_special_tokens=add_special_tokens)["input_ids"]]
     for prompt, length in zip(prompts, lengths):
-        if limit.after(length) < 1:
-            raise UserError(f"the prompt {prompt[:40]!r} is {length} tokens, which leaves no room for an answer within "
-                            f"the {limit.max_seq_len} tokens of {limit.source}: shorten it or pass --max_new_tokens")
-        check_generation_fits(model.config, length, limit.after(length), f"the prompt {prompt[:40]!r}")
+        limit.check(model.config, length, f"the prompt {prompt[:40]!r}")
     budgets = [limit.after(length) for length in lengths]
     answers = [""] * len(prompts)
     for budget, group in groupby(sorted(range(len(prompts)), key=budgets.__getitem__), key=budgets.__getitem__):

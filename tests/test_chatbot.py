@@ -20,6 +20,7 @@ from inference.chatbot import (
     converse,
     resolve_chat_model,
 )
+from training.reliability.answer_limit import AnswerLimit
 from utils.errors import UserError
 
 GREEDY = SamplingOptions(max_new_tokens=6, do_sample=False)
@@ -171,7 +172,7 @@ def test_a_message_that_does_not_fit_with_its_answer_is_refused_and_the_chat_goe
     out = io.StringIO()
     answers = converse(chat_session, ["word " * 80, "hi"], out)
     assert "(not answered: this message" in out.getvalue() and len(answers) == 1
-    chat_session.options = SamplingOptions(max_new_tokens=60, do_sample=False)
+    chat_session.limit = AnswerLimit(60)
     with pytest.raises(UserError, match="with --max_new_tokens 60 that passes the model's 60 positions"):
         chat_session.reply("hi")
 
@@ -462,3 +463,38 @@ def test_auto_dtype_is_the_dtype_a_run_trained_its_model_in(tmp_path, tiny_model
     assert dtype(str(tmp_path / "bf16")) == torch.bfloat16
     assert dtype(model) == torch.bfloat16  # no run saved it: the device's best
     assert dtype(str(tmp_path / "fp32"), "--dtype", "bf16") == torch.bfloat16
+
+
+def test_the_chat_answers_as_long_as_the_models_run_let_answers_be(tmp_path, tiny_model_dir):
+    """The chatbot's --max_new_tokens was 128 whatever the run, defined apart from prompt_eval's: a step-3 actor
+    trained to answer within --max_answer_seq_len ran on past it. Unset, it follows the run as prompt_eval does
+    (`answer_limit`); given, it wins; under a step-1 run's --max_seq_len the conversation and its answer share the
+    window, the oldest exchanges dropped when the conversation leaves no room."""
+    from inference.chatbot import build_parser, load_session
+
+    model = tiny_model_dir("llama")
+    runs = {"step3": {"max_seq_len": 512, "max_answer_seq_len": 3}, "step1": {"max_seq_len": 40}}
+    for name, record in runs.items():
+        shutil.copytree(model, tmp_path / name / "model")
+        (tmp_path / name / "args.json").write_text(json.dumps(record))
+
+    def budgets(path: str, *flags: str) -> list[tuple[int, int]]:
+        """(prompt tokens, max_new_tokens) of each of three turns' generate."""
+        chat_session = load_session(build_parser().parse_args(["--path", path, "--greedy", *flags]))
+        calls, generate = [], chat_session.model.generate
+
+        def recording(**kwargs):
+            calls.append((kwargs["input_ids"].shape[1], kwargs["max_new_tokens"]))
+            return generate(**kwargs)
+
+        chat_session.model.generate = recording
+        for message in ("hello", "how are you", "tell me a joke"):
+            chat_session.reply(message)
+        return calls
+
+    assert [budget for _, budget in budgets(str(tmp_path / "step3"))] == [3, 3, 3]
+    assert [budget for _, budget in budgets(str(tmp_path / "step3"), "--max_new_tokens", "5")] == [5, 5, 5]
+    assert [budget for _, budget in budgets(model, "--max_new_tokens", "4")] == [4, 4, 4]
+    window = budgets(str(tmp_path / "step1"))
+    assert all(prompt + budget == 40 for prompt, budget in window), window
+    assert SamplingOptions().max_new_tokens is None  # one default, prompt_eval's: `answer_limit`

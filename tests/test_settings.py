@@ -130,16 +130,15 @@ def test_args_json_has_one_key_per_flag(step, tmp_path):
 def test_each_tool_keeps_its_sampling_defaults():
     chat = chatbot.build_parser().parse_args([]).sampling
     assert (chat.max_new_tokens, chat.temperature, chat.top_p, chat.top_k, chat.repetition_penalty) == \
-        (128, 0.7, 0.9, 50, 1.1)
-    assert chat.generate_kwargs() == {"do_sample": True, "max_new_tokens": 128, "temperature": 0.7, "top_p": 0.9,
-                                      "top_k": 50, "repetition_penalty": 1.1}
+        (None, 0.7, 0.9, 50, 1.1)  # None: as long as the model's run let answers be (`answer_limit`)
+    assert chat.generate_kwargs() == {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50,
+                                      "repetition_penalty": 1.1}
     greedy = chatbot.build_parser().parse_args(["--greedy", "--model", "m"])
     assert greedy.chat.path == "m"
-    assert greedy.sampling.generate_kwargs() == {"do_sample": False, "max_new_tokens": 128, "repetition_penalty": 1.1}
+    assert greedy.sampling.generate_kwargs() == {"do_sample": False, "repetition_penalty": 1.1}
     evaluation = prompt_eval.parse_args(["--model_name_or_path_finetune", "f"]).generation
     assert (evaluation.do_sample, evaluation.temperature, evaluation.top_p, evaluation.top_k) == (False, 1.0, 1.0, 50)
-    assert evaluation.generate_kwargs() == {"do_sample": False, "max_new_tokens": None, "repetition_penalty": 1.0,
-                                            "num_beams": 1}
+    assert evaluation.generate_kwargs() == {"do_sample": False, "repetition_penalty": 1.0, "num_beams": 1}
     assert prompt_eval.answer_limit(evaluation.max_new_tokens, "f").max_new_tokens == 128  # not a run of this project
     rollout = step3_parser().parse_args(_minimal_argv("step3")).sampling
     assert (rollout.temperature, rollout.top_p, rollout.top_k) == (1.0, 1.0, 0)

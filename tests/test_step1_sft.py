@@ -13,6 +13,7 @@ from step1_sft import prompt_eval
 from step1_sft.main import main
 from step1_sft.objective import sft_loss
 from training.core.model_loading import load_causal_lm, load_tokenizer
+from training.generation.generator import DEFAULT_MAX_NEW_TOKENS
 from training.loops.metrics import read_metrics
 from utils.data import SFTCollator
 from utils.errors import UserError
@@ -187,7 +188,7 @@ def test_prompt_eval_answers_as_long_as_the_fine_tuned_models_run_let_answers_be
     step1 = _run_of(model, tmp_path / "step1", {"max_seq_len": 100})
     assert prompt_eval.answer_limit(None, step3).max_new_tokens == 3
     assert prompt_eval.answer_limit(9, step3) == prompt_eval.AnswerLimit(9)
-    assert prompt_eval.answer_limit(None, model).max_new_tokens == prompt_eval.DEFAULT_MAX_NEW_TOKENS
+    assert prompt_eval.answer_limit(None, model).max_new_tokens == DEFAULT_MAX_NEW_TOKENS
     window = prompt_eval.answer_limit(None, step1)
     assert (window.max_seq_len, window.after(15)) == (100, 85)
 

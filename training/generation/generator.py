@@ -77,12 +77,18 @@ class GenerationConfig(SamplingSettings):
         return self.temperature if self.do_sample else 1.0
 
 
+DEFAULT_MAX_NEW_TOKENS = 128  # the chatbot's and prompt_eval's, for a model no run of this project trained
+
+
 @dataclass
 class DecodingSettings(SamplingSettings):
     """Sampling plus the rest of a `model.generate` call, for the tools that answer with transformers."""
 
     top_k: int = field(default=50, metadata={"help": "sample from the k most likely tokens (0: all)"})
-    max_new_tokens: int = field(default=128, metadata={"help": "the longest answer, in tokens"})
+    max_new_tokens: int | None = field(default=None, metadata={
+        "help": "the longest answer, in tokens (default: as long as the model's run let answers be: a step-3 run's "
+                "--max_answer_seq_len; a step-1 or DPO run's --max_seq_len, prompt and answer together; else "
+                f"{DEFAULT_MAX_NEW_TOKENS}; prompt_eval: the fine-tuned model's run)"})
     do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
     repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty (1.0: none)"})
 
@@ -104,9 +110,9 @@ class DecodingSettings(SamplingSettings):
         ]
 
     def generate_kwargs(self) -> dict:
-        """The `model.generate` keyword arguments; the sampling ones only when sampling."""
-        kwargs = dict(max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
-                      repetition_penalty=self.repetition_penalty)
+        """The `model.generate` keyword arguments, but for `max_new_tokens` (each answer's `AnswerLimit`); the
+        sampling ones only when sampling."""
+        kwargs = {"do_sample": self.do_sample, "repetition_penalty": self.repetition_penalty}
         if self.do_sample:
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         return kwargs
