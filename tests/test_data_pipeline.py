@@ -417,6 +417,28 @@ def test_tokenizers_that_insert_special_tokens_differently_get_their_own_cache(t
     assert all(special_id in item["input_ids"].tolist() for item in fresh)
 
 
+def test_a_tokenizer_changed_where_its_vocabulary_and_probes_do_not_show_gets_its_own_cache(tmp_path):
+    """A tokenizer.json updated in place (here an NFKC normalizer; as well other merges or pre-tokenizer) under the same
+    name, vocabulary and special tokens, encoding the probe text alike: the cache served the old tokens."""
+    from tokenizers import normalizers
+
+    from utils.data.cache import tokenizer_fingerprint
+
+    rows = [{"prompt": f"ｆｕｌｌ width ﬁle {i}", "chosen": f"ﬁne {i}", "rejected": f"ｂａｄ {i}"} for i in range(20)]
+    path = tmp_path / "wide.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    before, after = make_tokenizer(with_pad=True), make_tokenizer(with_pad=True)
+    after.backend_tokenizer.normalizer = normalizers.NFKC()
+    args = (3, [str(path)], "1,1,1")
+    build_phase_datasets(*args, before, 64, 0, str(tmp_path / "cache"))
+    cached, _ = build_phase_datasets(*args, after, 64, 0, str(tmp_path / "cache"))
+    fresh, _ = build_phase_datasets(*args, after, 64, 0, str(tmp_path / "fresh"))
+    assert [item["input_ids"].tolist() for item in cached] == [item["input_ids"].tolist() for item in fresh]
+    fingerprint = tokenizer_fingerprint(after)
+    after(["a padded", "batch"], padding=True, truncation=True, max_length=2)  # sets the backend's per-call state
+    assert tokenizer_fingerprint(after) == fingerprint
+
+
 def test_the_cache_key_follows_the_data_code(tmp_path):
     import shutil
 

@@ -72,12 +72,26 @@ def _probe_encodings(tokenizer) -> dict:
     return probes
 
 
+def _backend_hash(tokenizer) -> str | None:
+    """A hash of a fast tokenizer's definition (its tokenizer.json: normalizer, pre-tokenizer, merges, ...); None for
+    a slow one. The vocabulary and the probes miss a change there that the probe text does not show (a tokenizer.json
+    updated in place with another normalizer or merges), and the cache served the old tokens. Not its truncation and
+    padding: each call sets them, so they tell what was last encoded (another rank would look for another file)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    definition = json.loads(backend.to_str())
+    return stable_hash({key: value for key, value in definition.items() if key not in ("truncation", "padding")})
+
+
 def tokenizer_fingerprint(tokenizer) -> dict:
-    """Name, hashes of the vocabulary, special tokens and chat template, and the probe encodings."""
+    """Name, hashes of the vocabulary, the fast tokenizer's definition, special tokens and chat template, and the
+    probe encodings."""
     return {
         "name": getattr(tokenizer, "name_or_path", ""),
         "class": type(tokenizer).__name__,
         "vocab": stable_hash(sorted(tokenizer.get_vocab().items())),
+        "backend": _backend_hash(tokenizer),
         "special": {name: str(value) for name, value in sorted(tokenizer.special_tokens_map.items())},
         "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
         "chat_template": stable_hash(getattr(tokenizer, "chat_template", None)),
