@@ -137,6 +137,7 @@ class ChatSession:
         self.style = self.formatter.style
         self.system_prompt = system_prompt
         self.history: list[dict] = []
+        self.dropped_exchanges = 0  # the oldest exchanges the last reply left out to fit
         self._prompt([{"role": "user", "content": "Hi"}])  # a template that refuses the system prompt fails here
         # the EOS, and the template's end-of-turn token where it is another (Gemma's <end_of_turn>): a model served
         # as its authors made it stops there, and would go on with the next turn's header
@@ -178,7 +179,9 @@ class ChatSession:
         """The model's answer to `message`, after the conversation so far; a `UserError` (the conversation left as it
         was) where the message does not fit the model's positions with the answer. A `KeyboardInterrupt` (Ctrl-C)
         while it answers ends the answer there: the conversation keeps what `on_text` was given of it."""
+        self.dropped_exchanges = 0
         input_ids, history = self._encode([*self.history, {"role": "user", "content": message}])
+        self.dropped_exchanges = (len(self.history) + 1 - len(history)) // 2
         input_ids = input_ids.to(self.model.device)
         stop_text = _HUMAN_STOP if self.style == "human_assistant" else None
         streamer = ReplyStreamer(self.tokenizer, on_text, stop_text)
@@ -202,6 +205,14 @@ class ChatSession:
         answer = streamer.reply().strip()
         self.history = [*history, {"role": "assistant", "content": answer}]
         return answer
+
+
+def dropped_note(exchanges: int) -> str:
+    """What the chat says after an answer for which the oldest `exchanges` were left out: silently, the model seemed
+    to forget the conversation's start."""
+    which = "exchange was" if exchanges == 1 else f"{exchanges} exchanges were"
+    return (f"the oldest {which} left out of the conversation to leave room for this answer; 'clear' starts a new "
+            "one")
 
 
 def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interactive: bool = False) -> list[str]:
@@ -237,6 +248,8 @@ def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interac
 
         try:
             answers.append(session.reply(message, stream))
+            if session.dropped_exchanges:
+                out.write(f"\n({dropped_note(session.dropped_exchanges)})")
         except UserError as err:  # the conversation goes on without this message
             out.write(f"(not answered: {err})")
         except KeyboardInterrupt:

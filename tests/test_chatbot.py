@@ -498,3 +498,18 @@ def test_the_chat_answers_as_long_as_the_models_run_let_answers_be(tmp_path, tin
     window = budgets(str(tmp_path / "step1"))
     assert all(prompt + budget == 40 for prompt, budget in window), window
     assert SamplingOptions().max_new_tokens is None  # one default, prompt_eval's: `answer_limit`
+
+
+def test_a_conversation_cut_to_fit_says_so_after_the_answer():
+    """The oldest exchanges were dropped to fit the model's positions without a word: the model seemed to forget the
+    start of the conversation."""
+    chat_session = session()
+    chat_session.model.config.max_position_embeddings = 60
+    out = io.StringIO()
+    converse(chat_session, ["hello there my friend", "how are you today"], out)
+    first, second = out.getvalue().split("Human: ")[1:]
+    assert "left out" not in first
+    assert second.endswith("\n(the oldest exchange was left out of the conversation to leave room for this answer; "
+                           "'clear' starts a new one)\n\n")
+    assert [turn["role"] for turn in chat_session.history] == ["user", "assistant"]
+    assert chat_session.history[0]["content"] == "how are you today"
