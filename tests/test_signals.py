@@ -115,6 +115,36 @@ def test_resume_command_drops_the_launcher_rank_and_adds_resume_once():
     assert resume_command(["main.py", "--local_rank", "0", "--resume", "--data", "a b"]) == "main.py --resume --data 'a b'"
 
 
+STEP_THAT_SIGNALS_TRAIN_PY = """
+import os, signal, sys, time
+seen = []
+for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, lambda number, frame: seen.append(signal.Signals(number).name))
+for count in (1, 2):
+    os.kill(os.getppid(), signal.SIGINT)  # `kill -INT` to train.py alone
+    waited_until = time.monotonic() + 5
+    while len(seen) < count and time.monotonic() < waited_until:
+        time.sleep(0.01)
+print("the step's processes got", seen, flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_sigint_to_train_py_alone_reaches_the_launched_step_as_a_stop_request_and_a_second_as_an_abort(tmp_path):
+    """`kill -INT` to train.py (not to its process group, as a terminal's Ctrl-C) was not passed on to the launched
+    step: train.py waited for the step to run to its end. The first is passed on as a SIGTERM, a stop request that
+    the SIGINT a Ctrl-C gives the ranks as well does not turn into an abort; a second as a SIGINT, an abort."""
+    from training.pipeline.launch import StepStopped, run_subprocess
+    from training.reliability.signals import take_received_signal
+
+    log = tmp_path / "step1.log"
+    take_received_signal()  # one an earlier test took in this process
+    with pytest.raises(StepStopped):
+        run_subprocess([sys.executable, "-c", STEP_THAT_SIGNALS_TRAIN_PY], log, "step 1")
+    assert take_received_signal() == signal.SIGINT
+    assert "the step's processes got ['SIGTERM', 'SIGINT']" in log.read_text()
+
+
 SIGNALLED_AT_SUMMARY = """
 import json, os, signal, sys
 import training.reliability.run_records as records

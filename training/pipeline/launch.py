@@ -239,17 +239,19 @@ def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) 
 @contextlib.contextmanager
 def _stop_requests_passed_on(process: subprocess.Popen) -> Iterator[list[signal.Signals]]:
     """While the step's processes run, take this process's SIGINT and SIGTERM as stop requests rather than dying
-    of them (which closed the pipe the ranks write to, and they died before saving), and yield those taken. A
-    SIGINT is not passed on: a terminal's Ctrl-C reaches the whole process group, the ranks too, and a second one
-    would abort their save. A SIGTERM (a `kill`, a scheduler) is, to every process under the launcher: the launcher
-    alone would die of it without telling the ranks."""
+    of them (which closed the pipe the ranks write to, and they died before saving), pass each on to every process
+    under the launcher (the launcher alone would die of it without telling the ranks), and yield those taken.
+
+    A stop request is passed on as a SIGTERM, whichever came: a `kill -INT` reaches train.py alone, but a terminal's
+    Ctrl-C reaches its whole process group, the ranks too, and a SIGINT passed on would be their second, which
+    aborts their save. A second SIGINT is passed on as itself: the ranks abort, as at a second Ctrl-C."""
     taken: list[signal.Signals] = []
 
     def take(signum: int, frame: FrameType | None) -> None:
         record_signal(signum)
+        again = signum == signal.SIGINT and signal.SIGINT in taken
         taken.append(signal.Signals(signum))
-        if signum == signal.SIGTERM:
-            _signal_process_tree(process.pid, signal.SIGTERM)
+        _signal_process_tree(process.pid, signal.SIGINT if again else signal.SIGTERM)
 
     with handling_signals((signal.SIGINT, signal.SIGTERM), take):
         yield taken
