@@ -141,6 +141,30 @@ def test_zero_share_for_the_built_step_is_a_user_error(tmp_path, tok):
         build_phase_datasets(2, [path], "1,0,1", tok, 64, 0, str(tmp_path / "cache"))
 
 
+def test_step_one_given_no_share_trains_on_its_step_one_only_sources_alone(tmp_path, tok):
+    """--data_split 0,1,1 with --sft_only_data_path (step 1 on its own SFT data, steps 2 and 3 on the pairs, as
+    DeepSpeed-Chat allows) was refused: 'gives step 1 no share of the data'. The pairs give step 1 nothing, the
+    step-1-only source all it trains and holds out; an unusable one is still refused."""
+    from training.pipeline.inspect_data import main
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 20, "pairs")
+    sft_only = write_pairs(tmp_path / "sft.jsonl", 20, "sft")
+    args = (1, [pairs], "0,1,1", tok, 64, 0, str(tmp_path / "cache"))
+    train, evaluation = build_phase_datasets(*args, sft_only_data_paths=[sft_only], eval_fraction=0.1)
+    assert (len(train), len(evaluation)) == (18, 2)
+    assert all("sft question" in tok.decode(item["input_ids"]) for item in [*train, *evaluation])
+    with pytest.raises(UserError, match=r"gives step 1 no share of the data; .* \(or step-1-only sources"):
+        build_phase_datasets(*args)
+    unusable = tmp_path / "unusable.jsonl"
+    unusable.write_text(json.dumps({"prompt": "no reply"}) + "\n")
+    with pytest.raises(UserError, match="unusable.jsonl' has no usable rows for step 1"):
+        build_phase_datasets(*args, sft_only_data_paths=[str(unusable)])
+    tok.save_pretrained(tmp_path / "tokenizer")
+    reported = main(["--data_path", pairs, "--data_split", "0,1,1", "--sft_only_data_path", sft_only, "--seed", "0",
+                     "--tokenizer", str(tmp_path / "tokenizer"), "--data_output_path", str(tmp_path / "cache")])
+    assert reported["tokenized"][1] == {"train": 18, "eval": 2}
+
+
 def test_a_shard_without_records_says_so(tmp_path, tok):
     """8,1,1 of six records gives step 2 none: the error said only "no usable rows; skipped: {}"."""
     path = write_pairs(tmp_path / "six.jsonl", 6, "six")

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from training.core.args import SettingsParser
 from training.core.model_loading import load_tokenizer
 from utils.data.args import DataArguments
-from utils.data.phases import SourceSplit, phase_splits
+from utils.data.phases import SourceSplit, gives_step_data, phase_splits
 from utils.data.samples import KINDS, PHASE_KINDS
 from utils.data.sources import load_source
-from utils.data.splits import parse_data_split
 from utils.errors import run_cli
 
 _KIND_LABELS = {"sft": "SFT pairs", "pairs": "preference pairs", "prompts": "prompts"}
@@ -79,10 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokenized = {}
     if settings.counting.tokenizer:
         tokenizer = load_tokenizer(settings.counting.tokenizer)
-        weights = parse_data_split(data.data_split)
         for phase in PHASE_KINDS:
             tokenized[phase] = {"train": 0, "eval": 0}
-            if weights[phase - 1] > 0:  # a step given no share (1,0,1: steps 1 and 3 with a reward function) has none
+            # a step given no share (1,0,1: steps 1 and 3 with a reward function) has none
+            if gives_step_data(phase, data.data_split, data.sft_only_data_path):
                 built = data.build(phase, tokenizer)
                 tokenized[phase] = {"train": len(built.train), "eval": len(built.eval)}
     print(f"data: {' '.join(data.data_path)}  split {data.data_split}  seed {data.seed}  eval_fraction {data.eval_fraction}"

@@ -141,6 +141,12 @@ def phase_splits(
     return splits
 
 
+def gives_step_data(phase: int, data_split: str, sft_only_data_paths: Sequence[str] = ()) -> bool:
+    """Whether step `phase` has data to build: a positive --data_split weight, or for step 1 step-1-only sources (with
+    a zero weight, as 0,1,1, it trains on them alone, as in DeepSpeed-Chat)."""
+    return parse_data_split(data_split)[phase - 1] > 0 or (phase == 1 and bool(sft_only_data_paths))
+
+
 def _no_usable_rows(split: SourceSplit, phase: int, kind: str, data_split: str) -> UserError:
     if split.records == 0:
         return UserError(
@@ -176,11 +182,12 @@ def _no_training_items(phase: int, splits: Sequence[SourceSplit], train_stats: d
 def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: PromptFormatter, limits: TokenLimits,
            seed: int) -> dict:
     splits = phase_splits(phase, kind=kind, seed=seed, **splits_args)
+    has_share = parse_data_split(splits_args["data_split"])[phase - 1] > 0
     # the records each sharded source was cut from (step-1-only sources follow them in `splits`), kept with the items
     records = [[path, len(split.source)] for path, split in zip(splits_args["data_paths"], splits)]
     for split in splits:
         logger.log(logging.WARNING if split.skipped or split.source.load_skips else logging.INFO, split.summary(phase, kind))
-        if not split.train and not split.eval:
+        if not split.train and not split.eval and (split.records or has_share):  # a zero share: nothing, as asked
             raise _no_usable_rows(split, phase, kind, splits_args["data_split"])
     train = tokenize_samples(blend([s.train for s in splits], seed), kind, formatter, tokenizer, limits)
     evaluation = tokenize_samples(blend([s.eval for s in splits], seed), kind, formatter, tokenizer, limits)
@@ -238,8 +245,9 @@ def build_phase_data(
             raise UserError(f"--{flag} must be 0 or more, not {count}")
     kind = PHASE_KINDS[phase]
     weights = parse_data_split(data_split)
-    if weights[phase - 1] == 0 and data_paths:
-        raise UserError(f"--data_split {data_split} gives step {phase} no share of the data; give it a positive weight")
+    if not gives_step_data(phase, data_split, sft_only_data_paths):
+        raise UserError(f"--data_split {data_split} gives step {phase} no share of the data; give it a positive weight"
+                        + (" (or step-1-only sources, --sft_only_data_path)" if phase == 1 else ""))
     formatter = PromptFormatter(tokenizer, prompt_format)
     limits = TokenLimits(max_seq_len, max_prompt_seq_len, prompt_overflow, whole_sequence_loss)
     whole_sources = tuple(sft_only_data_paths) if phase == 1 else ()
