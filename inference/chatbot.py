@@ -9,6 +9,7 @@ Each turn's prompt is rendered by the `PromptFormatter` training used, in the fo
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TextIO
@@ -261,7 +262,15 @@ def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interac
     return answers
 
 
+def _enable_line_editing() -> None:
+    """Arrow keys, Home/End and earlier messages (up arrow) at the prompt, through GNU readline where this Python has
+    it: importing it is what makes `input` edit lines. Without it a left arrow went into the message as '\\x1b[D'."""
+    with contextlib.suppress(ImportError):  # a Python without readline (Windows') reads plain lines
+        import readline  # noqa: F401
+
+
 def _interactive_lines() -> Iterable[str]:
+    _enable_line_editing()
     print("chat: type a message; 'clear' starts over, 'quit' (or Ctrl-D) ends, Ctrl-C stops an answer.", flush=True)
     while True:
         try:

@@ -513,3 +513,27 @@ def test_a_conversation_cut_to_fit_says_so_after_the_answer():
                            "'clear' starts a new one)\n\n")
     assert [turn["role"] for turn in chat_session.history] == ["user", "assistant"]
     assert chat_session.history[0]["content"] == "how are you today"
+
+
+def test_the_prompt_edits_its_line_as_a_shell_does():
+    """`input` without readline took the keys as typed: 'helo', a left arrow and 'l' was the message 'helo\\x1b[Dl'."""
+    pty = pytest.importorskip("pty")
+    import select
+    import time
+
+    child, terminal = pty.fork()
+    if child == 0:  # the chat's prompt on a terminal
+        os.chdir(REPO_ROOT)
+        first_message = "from inference.chatbot import _interactive_lines; print('MESSAGE', repr(next(_interactive_lines())))"
+        os.execve(sys.executable, [sys.executable, "-c", first_message], step_env())
+    shown, deadline = b"", time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if select.select([terminal], [], [], 0.2)[0]:
+            try:
+                shown += os.read(terminal, 4096)
+            except OSError:  # the child exited: its terminal closed
+                break
+        if shown.endswith(b"Human: "):
+            os.write(terminal, b"helo\x1b[Dl\r")
+    os.waitpid(child, 0)
+    assert "MESSAGE 'hello'" in shown.decode(errors="replace")
