@@ -28,33 +28,19 @@ from typing import Mapping
 from transformers import set_seed
 
 from step3_rlhf.plots import plot_reward_kl
-from step3_rlhf.ppo_trainer import (
-    PPOTrainer,
-    check_samples_per_prompt,
-)
+from step3_rlhf.ppo_trainer import PPOTrainer
 from step3_rlhf.placed import PlacedPPO, PlacedPPORun
 from step3_rlhf.placement_setup import record_auto_plan, resolve_placement
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PLOT_FILE, PPORun
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
-from step3_rlhf.settings import Step3Settings
-from step3_rlhf.stage_fusion import check_stage_fusion
-from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
-from training.core.args import (
-    SettingsParser,
-    check_lora_flags,
-    check_non_negative,
-    check_offload_stage,
-    check_positive,
-    flag_values,
-    resume_fixed_flags,
-)
+from step3_rlhf.settings import Step3Settings, micro_batches_per_ppo_step
+from training.core.args import SettingsParser, flag_values, resume_fixed_flags
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE, refuse_reward_model
 from training.generation.hybrid_engine import build_generator
 from training.loops.call_times import CallTimer
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
-from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.loops.batch_stream import BatchStream
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, data_record
@@ -97,65 +83,7 @@ def parse_args(argv: list[str] | None = None) -> Step3Settings:
 def check_args(args: Step3Settings) -> list[InputRunRecord]:
     """Everything that can be checked before anything is loaded or written; returns what the runs that trained the
     input models recorded of their data (for the data build to compare: `check_input_run_shards`)."""
-    flags = flag_values(args)
-    check_positive(flags, "per_device_generation_batch_size", "per_device_training_batch_size",
-                   "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
-                   "eval_samples")
-    if args.loop.max_train_minutes is not None and args.loop.max_train_minutes <= 0:
-        raise UserError(f"--max_train_minutes must be positive, got {args.loop.max_train_minutes}")
-    check_non_negative(flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
-    check_offload_stage(flags, "actor_", "critic_")
-    check_lora_flags(flags, "actor_", "critic_")
-    if not 0.0 <= args.ema.ema_beta < 1.0:
-        raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
-    if args.sampling.temperature <= 0:
-        raise UserError(f"--temperature must be positive, got {args.sampling.temperature}")
-    if args.sampling.top_p != 1.0 or args.sampling.top_k != 0:
-        raise UserError(
-            f"--top_p {args.sampling.top_p} / --top_k {args.sampling.top_k}: step 3 samples rollouts from the full "
-            "distribution at --temperature, because PPO's ratios and KL must use the log-probabilities of the "
-            "distribution that drew each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower "
-            "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
-        )
-    check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
-                   "kl_horizon", "group_std_eps")
-    # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
-    check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty")
-    for name in ("gamma", "lam"):
-        if not 0.0 <= flags[name] <= 1.0:
-            raise UserError(f"--{name} must lie in [0, 1], got {flags[name]}")
-    if args.ppo.target_kl is not None and args.ppo.kl_ctl == 0:
-        raise UserError(f"--target_kl {args.ppo.target_kl} adapts the KL coefficient by multiplying it, so from "
-                        "--kl_ctl 0 it stays 0 and the KL is never held; start from --kl_ctl > 0 (e.g. 0.1), or drop "
-                        "--target_kl")
-    if args.unsupervised.unsupervised_dataset_name and args.ppo.unsup_coef == 0:
-        raise UserError(f"--unsupervised_dataset_name {args.unsupervised.unsupervised_dataset_name} with --unsup_coef 0 "
-                        "mixes nothing in, though every actor update would still compute a pretraining batch's "
-                        "language-model loss; give --unsup_coef > 0 (e.g. 0.05), or drop --unsupervised_dataset_name")
-    micro_batches = micro_batches_per_ppo_step(args)
-    if micro_batches % args.schedule.gradient_accumulation_steps:
-        raise UserError(
-            f"--gradient_accumulation_steps {args.schedule.gradient_accumulation_steps} does not divide the "
-            f"{micro_batches} training micro-batches of a PPO step (--ppo_epochs x --generation_batches x the "
-            f"micro-batches of --per_device_generation_batch_size x --n_samples_per_prompt answers at "
-            f"--per_device_training_batch_size): an optimizer step would span two PPO steps, and a checkpoint "
-            f"between them would lose its accumulated gradients; use a divisor of {micro_batches}")
-    estimator = get_advantage_estimator(args.ppo.advantage_estimator)  # an unknown name fails, listing the known
-    get_policy_loss(args.ppo.policy_loss)
-    get_value_loss(args.ppo.value_loss)
-    check_samples_per_prompt(estimator, args.ppo.n_samples_per_prompt)
-    check_positive(flags, "inference_tp_size")
-    if args.hybrid.inference_tp_size > 1 and args.hybrid.backend != "hybrid":
-        raise UserError(
-            f"--inference_tp_size {args.hybrid.inference_tp_size} splits the hybrid engine's generation across ranks, "
-            "but the rollouts would be generated by the 'hf' backend (transformers' generate on each rank's whole "
-            "model), which ignores it; add --enable_hybrid_engine, or drop --inference_tp_size")
-    check_stage_fusion(args.placement.enable_stage_fusion, args.placement.stage_fusion_micro_batch_size,
-                       args.hybrid.backend, args.hybrid.inference_tp_size, args.actor.zero_stage,
-                       args.critic.zero_stage, offloaded_models(args), get_world_size())
-    if args.models.critic_model_name_or_path is None and args.rewards.reward_fn is None:
-        raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
-                        "model), --reward_fn (e.g. builtin:math), or both")
+    args.check_flags(get_world_size())
     if args.rewards.reward_fn is not None:
         load_reward_fn(args.rewards.reward_fn)
     input_runs = []
@@ -180,16 +108,9 @@ def experiences_per_step(args: Step3Settings) -> int:
     return args.loop.generation_batches * args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
 
 
-def micro_batches_per_ppo_step(args: Step3Settings) -> int:
-    """Training micro-batches of one PPO step, per rank (`ppo_micro_batches` of the run's flags)."""
-    answers = args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
-    return ppo_micro_batches(args.loop.ppo_epochs, args.loop.generation_batches, answers,
-                             args.loop.per_device_training_batch_size)
-
-
 def optimizer_steps_per_ppo_step(args: Step3Settings) -> int:
     """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none;
-    `check_args` makes the accumulation divide the micro-batches)."""
+    `Step3Settings.check_flags` makes the accumulation divide the micro-batches)."""
     return micro_batches_per_ppo_step(args) // args.schedule.gradient_accumulation_steps
 
 

@@ -1,15 +1,31 @@
 """Step 3's command line: one typed group per concern (see `training.core.args`)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from step3_rlhf.ppo_trainer import PPOConfig
-from training.core.args import ModelTrainingConfig, RunArguments, ScheduleSettings, group
+from step3_rlhf.ppo_trainer import PPOConfig, check_samples_per_prompt
+from step3_rlhf.stage_fusion import check_stage_fusion
+from training.algorithms import get_advantage_estimator, get_policy_loss, get_value_loss
+from training.core.args import (
+    ModelTrainingConfig,
+    RunArguments,
+    ScheduleSettings,
+    check_lora_flags,
+    check_non_negative,
+    check_offload_stage,
+    check_positive,
+    flag_values,
+    group,
+)
 from training.generation.generator import SamplingSettings
 from training.generation.hybrid_engine import HybridEngineSettings
 from training.placement.settings import PlacementSettings
+from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.reliability.checkpointing import CheckpointSettings
 from utils.data import DataArguments, UnsupervisedDataArguments
+from utils.errors import UserError
 
 
 @dataclass
@@ -100,3 +116,99 @@ class Step3Settings:
     def __post_init__(self) -> None:
         self.ppo.temperature = self.sampling.temperature
 
+    def check_flags(self, world_size: int) -> None:
+        """Refuse, with a `UserError` naming the flag, what the flags alone make wrong: checked before anything is
+        loaded or written, by step 3 itself and by train.py before its first step. `world_size`: the ranks step 3
+        runs on (stage fusion's rule depends on it)."""
+        flags = flag_values(self)
+        _check_loop(self, flags)
+        _check_sampling(self.sampling)
+        _check_ppo_constants(self, flags)
+        _check_accumulation(self)
+        _check_algorithm(self.ppo)
+        _check_generation(self, flags, world_size)
+        if self.models.critic_model_name_or_path is None and self.rewards.reward_fn is None:
+            raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
+                            "model), --reward_fn (e.g. builtin:math), or both")
+
+
+def micro_batches_per_ppo_step(args: Step3Settings) -> int:
+    """Training micro-batches of one PPO step, per rank (`ppo_micro_batches` of the run's flags)."""
+    answers = args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
+    return ppo_micro_batches(args.loop.ppo_epochs, args.loop.generation_batches, answers,
+                             args.loop.per_device_training_batch_size)
+
+
+def _check_loop(args: Step3Settings, flags: Mapping[str, Any]) -> None:
+    """Batch sizes, passes, evaluation cadence, the models' training options and the EMA."""
+    check_positive(flags, "per_device_generation_batch_size", "per_device_training_batch_size",
+                   "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
+                   "eval_samples")
+    if args.loop.max_train_minutes is not None and args.loop.max_train_minutes <= 0:
+        raise UserError(f"--max_train_minutes must be positive, got {args.loop.max_train_minutes}")
+    check_non_negative(flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
+    check_offload_stage(flags, "actor_", "critic_")
+    check_lora_flags(flags, "actor_", "critic_")
+    if not 0.0 <= args.ema.ema_beta < 1.0:
+        raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
+
+
+def _check_sampling(sampling: RolloutSampling) -> None:
+    if sampling.temperature <= 0:
+        raise UserError(f"--temperature must be positive, got {sampling.temperature}")
+    if sampling.top_p != 1.0 or sampling.top_k != 0:
+        raise UserError(
+            f"--top_p {sampling.top_p} / --top_k {sampling.top_k}: step 3 samples rollouts from the full "
+            "distribution at --temperature, because PPO's ratios and KL must use the log-probabilities of the "
+            "distribution that drew each token, and top-p/top-k truncation changes it; drop --top_p/--top_k (lower "
+            "--temperature to sharpen sampling); truncated sampling stays available in inference/chatbot.py"
+        )
+
+
+def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
+    check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
+                   "kl_horizon", "group_std_eps")
+    # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
+    check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty")
+    for name in ("gamma", "lam"):
+        if not 0.0 <= flags[name] <= 1.0:
+            raise UserError(f"--{name} must lie in [0, 1], got {flags[name]}")
+    if args.ppo.target_kl is not None and args.ppo.kl_ctl == 0:
+        raise UserError(f"--target_kl {args.ppo.target_kl} adapts the KL coefficient by multiplying it, so from "
+                        "--kl_ctl 0 it stays 0 and the KL is never held; start from --kl_ctl > 0 (e.g. 0.1), or drop "
+                        "--target_kl")
+    if args.unsupervised.unsupervised_dataset_name and args.ppo.unsup_coef == 0:
+        raise UserError(f"--unsupervised_dataset_name {args.unsupervised.unsupervised_dataset_name} with --unsup_coef 0 "
+                        "mixes nothing in, though every actor update would still compute a pretraining batch's "
+                        "language-model loss; give --unsup_coef > 0 (e.g. 0.05), or drop --unsupervised_dataset_name")
+
+
+def _check_accumulation(args: Step3Settings) -> None:
+    micro_batches = micro_batches_per_ppo_step(args)
+    if micro_batches % args.schedule.gradient_accumulation_steps:
+        raise UserError(
+            f"--gradient_accumulation_steps {args.schedule.gradient_accumulation_steps} does not divide the "
+            f"{micro_batches} training micro-batches of a PPO step (--ppo_epochs x --generation_batches x the "
+            f"micro-batches of --per_device_generation_batch_size x --n_samples_per_prompt answers at "
+            f"--per_device_training_batch_size): an optimizer step would span two PPO steps, and a checkpoint "
+            f"between them would lose its accumulated gradients; use a divisor of {micro_batches}")
+
+
+def _check_algorithm(ppo: PPOConfig) -> None:
+    """The registry names (an unknown one fails, listing the known) and the answers per prompt they need."""
+    estimator = get_advantage_estimator(ppo.advantage_estimator)
+    get_policy_loss(ppo.policy_loss)
+    get_value_loss(ppo.value_loss)
+    check_samples_per_prompt(estimator, ppo.n_samples_per_prompt)
+
+
+def _check_generation(args: Step3Settings, flags: Mapping[str, Any], world_size: int) -> None:
+    check_positive(flags, "inference_tp_size")
+    if args.hybrid.inference_tp_size > 1 and args.hybrid.backend != "hybrid":
+        raise UserError(
+            f"--inference_tp_size {args.hybrid.inference_tp_size} splits the hybrid engine's generation across ranks, "
+            "but the rollouts would be generated by the 'hf' backend (transformers' generate on each rank's whole "
+            "model), which ignores it; add --enable_hybrid_engine, or drop --inference_tp_size")
+    check_stage_fusion(args.placement.enable_stage_fusion, args.placement.stage_fusion_micro_batch_size,
+                       args.hybrid.backend, args.hybrid.inference_tp_size, args.actor.zero_stage,
+                       args.critic.zero_stage, offloaded_models(args), world_size)

@@ -45,3 +45,8 @@ class DPOSettings(SupervisedSettings):
     """The command line of the DPO step."""
 
     dpo: DPOArguments
+
+    def check_flags(self, world_size: int) -> None:
+        """The supervised step's checks, and the preference objective's (`DPOArguments.preference_loss`)."""
+        super().check_flags(world_size)
+        self.dpo.preference_loss()

@@ -59,7 +59,7 @@ from training.reliability.validation import (
     estimate_output_bytes,
 )
 from utils.data import DataArguments, PromptFormatter, write_split_record
-from utils.dist import init_distributed
+from utils.dist import get_world_size, init_distributed
 from utils.log import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,18 @@ class SupervisedSettings:
     training: ModelTrainingConfig
     schedule: ScheduleSettings
     checkpoints: CheckpointSettings
+
+    def check_flags(self, world_size: int) -> None:
+        """Refuse, with a `UserError` naming the flag, what the flags alone make wrong: checked before anything is
+        loaded or written, by the step itself and by train.py before its first step. `world_size` (the ranks the
+        step runs on) changes nothing here; step 3's rules depend on it."""
+        flags = flag_values(self)
+        check_positive(flags, "per_device_train_batch_size", "per_device_eval_batch_size",
+                       "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
+                       "eval_iters")
+        check_non_negative(flags, "eval_interval", "num_warmup_steps", "lora_dim")
+        check_offload_stage(flags, "")
+        check_lora_flags(flags, "")
 
     def loop_config(self, description: str) -> LoopConfig:
         return LoopConfig(**asdict(self.loop), gradient_accumulation_steps=self.schedule.gradient_accumulation_steps,
@@ -171,13 +183,7 @@ def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> dict[
 
 def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str, Any]:
     setup_logging()
-    flags = flag_values(args)
-    check_positive(flags, "per_device_train_batch_size", "per_device_eval_batch_size",
-                   "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
-                   "eval_iters")
-    check_non_negative(flags, "eval_interval", "num_warmup_steps", "lora_dim")
-    check_offload_stage(flags, "")
-    check_lora_flags(flags, "")
+    args.check_flags(get_world_size())
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)

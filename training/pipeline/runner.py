@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
-from training.core.args import check_lora_flags, flag_values, same_result_flags
+from training.core.args import flag_values, same_result_flags
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
@@ -49,7 +49,7 @@ from .launch import (
 )
 from .planning import apply_zero_overrides, follow_user_max_steps, plan_deployment
 from .steps import (STEPS, ModelInput, StepEntry, accepted_options, drop_flag, flag_value, group_flags,
-                    route_extra_flags)
+                    route_extra_flags, step_args_flags)
 from .summary import StepResult, settings_table, summary_table
 
 
@@ -313,47 +313,73 @@ class PreparedRun:
     runs_with: dict[int, dict[str, Any]]  # each step's flag values as its command line gives them
 
 
-def _parsed_step_flags(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
-                       entry: Callable[[int], StepEntry]) -> dict[int, RecordedFlags]:
-    """Every step's command line, parsed before the first step starts, as `_recorded_flags`: a misspelt or ill-typed
-    flag in --stepN-args fails now, not when its step is reached hours later. --output_dir is train.py's to give (a
-    step's run folder under --output-dir), not one of the `user_flags`."""
-    parsed = {}
+def _parsed_step_commands(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
+                          entry: Callable[[int], StepEntry]) -> dict[int, Any]:
+    """Every step's command line, parsed by its CLI before the first step starts: a misspelt or ill-typed flag in
+    --stepN-args fails now, not when its step is reached hours later; every step's problem at once."""
+    parsed, problems = {}, {}
     for step, argv in argvs.items():
-        given = {group[0].split("=", 1)[0] for group in group_flags(user_flags[step])}
-        if "--output_dir" in given:
-            raise UserError(f"--output_dir was passed to step {step}: train.py puts each step's run folder under "
-                            f"--output-dir (step {step} in {config.run_dir(step)}); use --output-dir")
-        for source in STEPS[step].inputs:
-            if source.flag in given:
-                raise UserError(
-                    f"{source.flag} was passed to step {step}: train.py gives each step its model, and plans the "
-                    f"memory for it; use --{source.model.value}-model"
-                    + (f" (or --{STEPS[source.from_step].name}-output)" if source.from_step is not None else ""))
-        if step == 3 and "--algorithm" in given:
-            raise UserError("--algorithm was passed to step 3: train.py plans step 3 for its own --algorithm "
-                            "(a critic or none, samples per prompt); give it to train.py")
-        errors = io.StringIO()
         try:
-            with contextlib.redirect_stderr(errors):
-                parsed[step] = _recorded_flags(entry(step).build_parser().parse_args(argv))
-        except SystemExit as exit_:
-            message = errors.getvalue().strip().splitlines()[-1:] or [f"exit status {exit_.code}"]
-            raise UserError(f"step {step}'s flags do not parse ({message[0]}); check the flags train.py passes it "
-                            f"(given to every step that takes them, or in --{STEPS[step].name}-args)") from None
-        _check_lora_flags_reaching(step, parsed[step][0])
+            parsed[step] = _parse_step_command(config, step, user_flags[step], argv, entry)
+        except UserError as error:
+            problems[step] = str(error)
+    _refuse_step_problems(problems)
     return parsed
 
 
-def _check_lora_flags_reaching(step: int, values: Mapping[str, Any]) -> None:
-    """A LoRA flag given to train.py reaches every step that takes it, and a step without adapters refuses it when it
-    starts: after the steps before it have trained. Refuse it now."""
-    prefixes = [prefix for prefix in ("", "actor_", "critic_") if isinstance(values.get(f"{prefix}lora_dim"), int)]
+def _parse_step_command(config: PipelineConfig, step: int, user_flags: list[str], argv: list[str],
+                        entry: Callable[[int], StepEntry]) -> Any:
+    """`argv` parsed by `step`'s CLI. --output_dir is train.py's to give (a step's run folder under --output-dir), not
+    one of the `user_flags`; so are the step's model flags and step 3's --algorithm."""
+    given = {group[0].split("=", 1)[0] for group in group_flags(user_flags)}
+    if "--output_dir" in given:
+        raise UserError(f"--output_dir was passed to step {step}: train.py puts each step's run folder under "
+                        f"--output-dir (step {step} in {config.run_dir(step)}); use --output-dir")
+    for source in STEPS[step].inputs:
+        if source.flag in given:
+            raise UserError(
+                f"{source.flag} was passed to step {step}: train.py gives each step its model, and plans the "
+                f"memory for it; use --{source.model.value}-model"
+                + (f" (or --{STEPS[source.from_step].name}-output)" if source.from_step is not None else ""))
+    if step == 3 and "--algorithm" in given:
+        raise UserError("--algorithm was passed to step 3: train.py plans step 3 for its own --algorithm "
+                        "(a critic or none, samples per prompt); give it to train.py")
+    errors = io.StringIO()
     try:
-        check_lora_flags(values, *prefixes)
-    except UserError as error:
-        raise UserError(f"step {step}: {error}. train.py gives a flag to every step that takes it: give this one in "
-                        "--stepN-args of the steps with adapters") from None
+        with contextlib.redirect_stderr(errors):
+            return entry(step).build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        message = errors.getvalue().strip().splitlines()[-1:] or [f"exit status {exit_.code}"]
+        raise UserError(f"step {step}'s flags do not parse ({message[0]}); check the flags train.py passes it "
+                        f"(given to every step that takes them, or in --{STEPS[step].name}-args)") from None
+
+
+def _check_step_flags(config: PipelineConfig, parsed: Mapping[int, Any], world_size: int) -> None:
+    """Each step's own flag checks (its settings' `check_flags`, which the step runs when it starts), for the steps
+    in `parsed`, on `world_size` ranks: a value a step refuses fails now, not after the steps before it trained.
+    train.py gives a flag to every step that takes it, so one meant for one step may reach another that refuses it."""
+    problems = {}
+    for step, settings in parsed.items():
+        if isinstance(settings, argparse.Namespace):  # a plain argparse CLI: no settings, no checks
+            continue
+        try:
+            settings.check_flags(world_size)
+        except UserError as error:
+            problems[step] = f"step {step}: {error}"
+    routed_to_others = config.extra_args and len(problems) < len(parsed)  # a step took what another refuses
+    hint = ("; train.py gives a flag to every step that takes it: to give one to some steps only, pass it in "
+            f"{step_args_flags()}") if routed_to_others else ""
+    _refuse_step_problems(problems, hint)
+
+
+def _refuse_step_problems(problems: Mapping[int, str], hint: str = "") -> None:
+    """One `UserError` naming every step's problem (each message names its step), then `hint`."""
+    if not problems:
+        return
+    listed = "; ".join(problems[step] for step in sorted(problems))
+    if len(problems) > 1:
+        listed = f"{len(problems)} steps refuse their flags, before any step runs: {listed}"
+    raise UserError(listed + hint)
 
 
 def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None:
@@ -440,8 +466,12 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     launcher = _launcher(config, deployment, hardware, hosts)
     argvs = {step: _resume_from_checkpoints_only(config, step, step_argv(config, step, plan, routed, inputs))
              for step in config.steps}
-    flags = _parsed_step_flags(config, user_flags, argvs, entry)
+    parsed = _parsed_step_commands(config, user_flags, argvs, entry)
+    flags = {step: _recorded_flags(settings) for step, settings in parsed.items()}
     finished = _finished_steps(config, argvs, flags, inputs)
+    # a finished step is skipped, its flags unused: not checked (a check added since would refuse what it finished with)
+    _check_step_flags(config, {step: settings for step, settings in parsed.items() if step not in finished},
+                      plan.world_size)
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
     _check_resumed_world_size(config, plan, {step: argv for step, argv in argvs.items() if step not in finished})

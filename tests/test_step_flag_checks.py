@@ -1,0 +1,106 @@
+"""Each step's flag-only checks (its settings' `check_flags`): the step runs them when it starts, and train.py runs
+every step's before its first step, so a value step 3 refuses fails in seconds, not after steps 1 and 2 trained."""
+import shutil
+
+import pytest
+
+from training.core.args import flag_values
+from training.pipeline.cli import parse_config
+from training.pipeline.hardware import Hardware
+from training.pipeline.runner import run_pipeline
+from training.pipeline.steps import STEPS, StepEntry
+from training.reliability.run_records import save_run_args, save_summary
+from utils.errors import UserError
+
+TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
+
+
+class RecordedMains:
+    """The steps' real parsers (so train.py runs their real checks) with mains that only record that they ran."""
+
+    def __init__(self):
+        self.ran: list[int] = []
+
+    def main(self, step: int):
+        def main(argv: list[str]) -> dict:
+            self.ran.append(step)
+            raise UserError(f"step {step} started")
+
+        return main
+
+    def entries(self) -> dict[int, StepEntry]:
+        return {step: StepEntry(self.main(step), spec.entry().build_parser) for step, spec in STEPS.items()}
+
+
+def train(tmp_path, model: str, *flags: str, mains: RecordedMains | None = None) -> dict:
+    argv = ["--actor-model", model, "--reward-model", model, "--output-dir", str(tmp_path / "out"), *flags]
+    return run_pipeline(parse_config(argv), entries=(mains or RecordedMains()).entries(), hardware=TWO_CORES)
+
+
+def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir):
+    """--step3-args "--ema_beta 2" parsed, and train.py trained steps 1 and 2 before step 3 refused it."""
+    mains = RecordedMains()
+    with pytest.raises(UserError, match=r"^step 3: --ema_beta must lie in \[0, 1\), got 2.0$"):
+        train(tmp_path, tiny_model_dir("llama"), "--step3-args", "--ema_beta 2", mains=mains)
+    assert mains.ran == [] and not (tmp_path / "out" / "step1").exists()
+
+
+def test_every_steps_refusal_is_reported_at_once_naming_its_step(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama")
+    with pytest.raises(UserError) as refused:
+        train(tmp_path, model, "--step1-args=--offload", "--step3-args", "--top_p 0.9", "--dry-run")
+    message = str(refused.value)
+    assert message.startswith("2 steps refuse their flags, before any step runs: step 1: --offload needs --zero_stage")
+    assert "; step 3: --top_p 0.9 / --top_k 0: step 3 samples rollouts from the full distribution" in message
+    with pytest.raises(UserError, match=r"^2 steps refuse their flags, before any step runs: step 1's flags do not "
+                                        r"parse .*--learnin_rate.*; step 3's flags do not parse .*--ema_beta"):
+        train(tmp_path, model, "--step1-args", "--learnin_rate 1", "--step3-args", "--ema_beta x", "--dry-run")
+    with pytest.raises(UserError, match=r"^step 4: --dpo_beta must be positive, got 0.0$"):
+        train(tmp_path, model, "--algorithm", "dpo", "--dpo-args", "--dpo_beta 0", "--dry-run")
+
+
+def test_a_flag_every_step_refuses_is_not_blamed_on_routing(tmp_path, tiny_model_dir):
+    """The --stepN-args hint is for a flag one step takes and another refuses, not for a value no step takes."""
+    model = tiny_model_dir("llama")
+    with pytest.raises(UserError) as refused:
+        train(tmp_path, model, "--max_steps", "0", "--dry-run")
+    assert str(refused.value).count("--max_steps must be positive, got 0") == 3
+    assert "--step1-args" not in str(refused.value)
+    with pytest.raises(UserError, match=r"^step 2: --lora_learning_rate needs .*: to give one to some steps only, "
+                                        r"pass it in --step1-args/"):
+        train(tmp_path, model, "--step", "1", "2", "--lora_learning_rate", "1e-3", "--step1-args", "--lora_dim 8",
+              "--dry-run")
+
+
+@pytest.mark.parametrize("module, model_flags, flags, message", [
+    ("step1_sft.main", ["--model_name_or_path"], ["--offload"], "--offload needs --zero_stage 1, 2 or 3"),
+    ("step2_reward.dpo.main", ["--model_name_or_path"], ["--dpo_label_smoothing", "0.5"],
+     "--dpo_label_smoothing must be in [0, 0.5)"),
+    ("step3_rlhf.main", ["--actor_model_name_or_path", "--critic_model_name_or_path"], ["--ema_beta", "2"],
+     "--ema_beta must lie in [0, 1), got 2.0"),
+])
+def test_a_step_script_alone_still_refuses_the_flag(tmp_path, module, model_flags, flags, message):
+    """Before it reads its models (which do not exist here) or writes its run folder."""
+    import importlib
+
+    models = [token for flag in model_flags for token in (flag, str(tmp_path / "no_model"))]
+    with pytest.raises(UserError) as refused:
+        importlib.import_module(module).main.__wrapped__([*models, "--output_dir", str(tmp_path / "run"), *flags])
+    assert message in str(refused.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_finished_step_skipped_on_rerun_is_not_checked(tmp_path, tiny_model_dir):
+    """Step 1 finished with a flag a later check refuses (--lora_learning_rate without adapters, which an earlier
+    version took): a rerun skips it, so refusing its flags would block the steps after it for nothing."""
+    model = tiny_model_dir("llama")
+    flags = ["--step", "1", "--step1-args", "--lora_learning_rate 1e-3", "--dry-run"]
+    with pytest.raises(UserError, match="^step 1: --lora_learning_rate needs --lora_dim > 0"):
+        train(tmp_path, model, *flags)
+    planned = train(tmp_path, model, "--step", "1", "--dry-run")["commands"][1][3:]
+    run_dir = tmp_path / "out" / "step1"
+    finished = STEPS[1].entry().build_parser().parse_args([*planned, "--lora_learning_rate", "1e-3"])
+    shutil.copytree(model, run_dir / "model")
+    save_run_args(run_dir, flag_values(finished))
+    save_summary(run_dir, {"step": "step1_sft"})
+    assert train(tmp_path, model, *flags)["commands"] == {}
