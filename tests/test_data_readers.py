@@ -253,6 +253,27 @@ def test_hh_rlhf_empty_last_reply_is_a_pair_but_not_sft(tmp_path, layout):
     assert sft.train == [] and sft.skipped == {"empty_reply": 1}
 
 
+@pytest.mark.parametrize("layout", ["hh_rlhf", "deepspeed_chat"])
+def test_a_transcript_with_windows_line_ends_reads_as_its_unix_twin(tmp_path, layout):
+    """Turns break at a blank line, "\\r\\n\\r\\n" as well as "\\n\\n": a transcript written with CRLF was read by the
+    inline rule, which broke a turn at any "Human:" or "Assistant:" after a line end (a dialogue the user quotes),
+    and an empty preferred reply was no reply at all (skipped no_assistant_reply, not the pair it is)."""
+    context = "\n\nHuman: Write a dialogue:\nHuman: hi\nAssistant: hello\n\nAssistant: Sure.\n\nHuman: Now say nothing"
+    rows = [{"chosen": f"{context}\n\nAssistant: ", "rejected": f"{context}\n\nAssistant: No."},
+            {"chosen": f"{context}\n\nAssistant: Done.", "rejected": f"{context}\n\nAssistant: "}]
+    if layout == "deepspeed_chat":
+        rows = [{"prompt": f"{context}\n\nAssistant:", "chosen": row["chosen"][len(context) + 13:],
+                 "rejected": row["rejected"][len(context) + 13:]} for row in rows]
+    windows = [{key: value.replace("\n", "\r\n") for key, value in row.items()} for row in rows]
+    unix_pairs, windows_pairs = (
+        sorted(phase_splits(2, [write_jsonl(tmp_path / name, data)], "0,1,0", seed=0, eval_fraction=0)[0].train,
+               key=lambda sample: sample.chosen)
+        for name, data in (("unix.jsonl", rows), ("windows.jsonl", windows)))
+    assert [(len(s.turns), s.chosen, s.rejected) for s in unix_pairs] == [(3, "", "No."), (3, "Done.", "")]
+    assert [([{**turn, "content": turn["content"].replace("\r\n", "\n")} for turn in s.turns], s.chosen, s.rejected)
+            for s in windows_pairs] == [(list(s.turns), s.chosen, s.rejected) for s in unix_pairs]
+
+
 def test_embedded_without_its_package_says_how_to_install(monkeypatch):
     import importlib.util
 

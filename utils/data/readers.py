@@ -36,10 +36,10 @@ from dataclasses import replace
 from typing import Any
 
 from .samples import Sample, SkipRow, metadata_field, optional_text_field, text_field
-from .turns import is_empty_reply, parse_messages, parse_transcript, split_last_reply
+from .turns import BLANK_LINE, is_empty_reply, parse_messages, parse_transcript, split_last_reply
 
 Parser = Callable[[Any, int], list]
-_EMPTY_LAST_REPLY = re.compile(r"(?:\A|\n\n)Assistant:\s*\Z")
+_EMPTY_LAST_REPLY = re.compile(rf"(?:\A|{BLANK_LINE})Assistant:\s*\Z")
 _REPLY_KEYS = ("chosen", "response", "completion")  # the preferred (or only) reply's column, in the order looked for
 
 

@@ -7,18 +7,22 @@ from typing import Any
 
 from .samples import ASSISTANT, ROLE_ALIASES, USER, SkipRow
 
-_BLANK_LINE_MARKER = re.compile(r"(?:\A\s*|\n\n)(Human|Assistant):")
+# a blank line is "\n\n" or, in a transcript written with Windows line ends, "\r\n\r\n"
+BLANK_LINE = r"\r?\n\r?\n"
+_BLANK_LINE_MARKER = re.compile(rf"(?:\A\s*|{BLANK_LINE})(Human|Assistant):")
+_MARKER_AFTER_BLANK_LINE = re.compile(rf"{BLANK_LINE}(?:Human|Assistant):")
 _INLINE_MARKER = re.compile(r"(?:^|\s)(Human|Assistant):")
 _MARKER_ROLES = {"Human": USER, "Assistant": ASSISTANT}
 
 
 def parse_transcript(text: str) -> list[dict]:
-    """Split "\\n\\nHuman: ...\\n\\nAssistant: ..." (or " Human: ... Assistant: ...") into turns.
+    """Split "\\n\\nHuman: ...\\n\\nAssistant: ..." (or " Human: ... Assistant: ...") into turns; its blank lines may
+    be Windows' "\\r\\n\\r\\n".
 
     Text without speaker markers is one user turn. A trailing empty "Assistant:" (the
     DeepSpeed-Chat prompt ending) yields no turn. Empty turns are dropped.
     """
-    if "\n\nHuman:" in text or "\n\nAssistant:" in text:
+    if _MARKER_AFTER_BLANK_LINE.search(text):
         pattern = _BLANK_LINE_MARKER
     elif text.lstrip().startswith(("Human:", "Assistant:")):
         pattern = _INLINE_MARKER
