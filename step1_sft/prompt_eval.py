@@ -13,6 +13,8 @@ fine-tuned model's run let answers be, unless `--max_new_tokens`. `--output_file
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
@@ -96,6 +98,17 @@ def render_prompt(formatter: PromptFormatter, text: str) -> str:
     return formatter.prompt([{"role": "user", "content": text}])
 
 
+@contextmanager
+def padding_on(tokenizer: PreTrainedTokenizerBase, side: str) -> Iterator[None]:
+    """The tokenizer pads on `side` within the block, and on the side it came with after it, also when it raises."""
+    found = tokenizer.padding_side
+    tokenizer.padding_side = side
+    try:
+        yield
+    finally:
+        tokenizer.padding_side = found
+
+
 @torch.no_grad()
 def generate_answers(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], settings: GenerationSettings,
@@ -105,10 +118,15 @@ def generate_answers(
     as `limit` lets it be (default: `settings.max_new_tokens`). A batch holds prompts of one budget: under a run's
     window a short prompt's longer budget, generated for the whole batch, ran a long prompt's row past the window
     (and past a model's learned positions)."""
-    limit = limit or answer_limit(settings.max_new_tokens)
+    with padding_on(tokenizer, "left"):
+        return _answers(model, tokenizer, prompts, settings, prompt_format, limit or answer_limit(settings.max_new_tokens))
+
+
+def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
+             settings: GenerationSettings, prompt_format: str, limit: AnswerLimit) -> list[str]:
+    """`generate_answers` with the tokenizer already padding on the left."""
     formatter = PromptFormatter(tokenizer, prompt_format)
     add_special_tokens = formatter.adds_special_tokens
-    tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     rendered = [render_prompt(formatter, prompt) for prompt in prompts]
     # each alone, before any generates: a batch is as wide as its longest prompt
@@ -127,7 +145,6 @@ def generate_answers(
                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=formatter.stop_token_ids)
             for row, new_tokens in zip(batch_rows, output[:, batch["input_ids"].shape[1]:]):
                 answers[row] = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
-    tokenizer.padding_side = "right"
     return answers
 
 

@@ -133,6 +133,25 @@ def test_prompt_eval_samples_when_asked(tmp_path):
     assert greedy[0] == greedy[1]
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_prompt_eval_leaves_the_tokenizer_padding_on_the_side_it_found(side, monkeypatch):
+    """generate_answers padded on the left, then always set the tokenizer to the right: a tokenizer that came on the
+    left went back on the right, and one whose generation raised stayed on the left."""
+    model, tokenizer = make_tiny_model("opt", make_tokenizer(with_pad=True))
+    tokenizer.padding_side = side
+    settings = prompt_eval.GenerationSettings(max_new_tokens=2)
+    prompt_eval.generate_answers(model, tokenizer, ["hello"], settings)
+    assert tokenizer.padding_side == side
+
+    def fail(**_):
+        raise RuntimeError("generation failed")
+
+    monkeypatch.setattr(model, "generate", fail)
+    with pytest.raises(RuntimeError, match="generation failed"):
+        prompt_eval.generate_answers(model, tokenizer, ["hello"], settings)
+    assert tokenizer.padding_side == side
+
+
 def test_prompt_eval_seeds_each_model_alike_and_refuses_a_prompt_past_the_positions(tmp_path, tiny_model_dir,
                                                                                    capsys):
     """The fine-tuned model sampled from whatever random state the baseline's generation left, so its answers
