@@ -204,6 +204,7 @@ def _check_algorithm(ppo: PPOConfig) -> None:
 
 def _check_generation(args: Step3Settings, flags: Mapping[str, Any], world_size: int) -> None:
     check_positive(flags, "inference_tp_size")
+    args.hybrid.check_flags()
     if args.hybrid.inference_tp_size > 1 and args.hybrid.backend != "hybrid":
         raise UserError(
             f"--inference_tp_size {args.hybrid.inference_tp_size} splits the hybrid engine's generation across ranks, "

@@ -37,11 +37,17 @@ def train(tmp_path, model: str, *flags: str, mains: RecordedMains | None = None)
     return run_pipeline(parse_config(argv), entries=(mains or RecordedMains()).entries(), hardware=TWO_CORES)
 
 
-def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir):
-    """--step3-args "--ema_beta 2" parsed, and train.py trained steps 1 and 2 before step 3 refused it."""
+@pytest.mark.parametrize("step3_args, message", [
+    ("--ema_beta 2", r"--ema_beta must lie in \[0, 1\), got 2.0"),
+    # the hybrid engine refused it when it was built, after step 3 had loaded its four models
+    ("--enable_hybrid_engine --unpin_actor_parameters --keep_inference_copy",
+     "--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy"),
+])
+def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step3_args, message):
+    """The flags parsed, and train.py trained steps 1 and 2 before step 3 refused them."""
     mains = RecordedMains()
-    with pytest.raises(UserError, match=r"^step 3: --ema_beta must lie in \[0, 1\), got 2.0$"):
-        train(tmp_path, tiny_model_dir("llama"), "--step3-args", "--ema_beta 2", mains=mains)
+    with pytest.raises(UserError, match=f"^step 3: {message}"):
+        train(tmp_path, tiny_model_dir("llama"), "--step3-args", step3_args, mains=mains)
     assert mains.ran == [] and not (tmp_path / "out" / "step1").exists()
 
 

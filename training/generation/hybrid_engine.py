@@ -112,6 +112,13 @@ class HybridEngineSettings:
             return self.generation_backend
         return "hybrid" if self.enable else "hf"
 
+    def check_flags(self) -> None:
+        """Refuse flag combinations the hybrid engine cannot run (`Step3Settings.check_flags` calls it before
+        anything loads; the engine, when it is built)."""
+        if self.unpin_actor_parameters and (self.inference_tp_size > 1 or self.keep_inference_copy):
+            raise UserError("--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy; "
+                            "drop --unpin_actor_parameters")
+
 
 def build_generator(backend: str, engine: torch.nn.Module, tokenizer, settings: HybridEngineSettings) -> Generator:
     """The generator for `backend`; a model the hybrid engine cannot serve falls back to `hf`, loudly."""
@@ -358,9 +365,7 @@ class HybridEngine:
     """Switches a DeepSpeed engine's actor between training and fast generation (see module doc)."""
 
     def __init__(self, engine: torch.nn.Module, settings: HybridEngineSettings):
-        if settings.unpin_actor_parameters and (settings.inference_tp_size > 1 or settings.keep_inference_copy):
-            raise UserError("--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy; "
-                            "drop --unpin_actor_parameters")
+        settings.check_flags()
         self.engine = engine
         self.module = getattr(engine, "module", engine)
         self.settings = settings
