@@ -307,6 +307,20 @@ def test_a_seed_numpy_cannot_cut_shards_with_is_refused_with_the_flags(seed):
         SettingsParser(_DataCLI).parse_args(["--seed", str(seed)])
 
 
+def test_a_run_that_rebuilds_the_data_cache_is_the_same_run():
+    """A rebuilt cache holds what the build makes (a resumed run checks its items): train.py rerun with
+    --rebuild_data_cache refused the steps it had finished as runs with other flags, and --resume the checkpoint."""
+    from training.core.args import SettingsParser, flag_values, resume_fixed_flags, same_result_flags
+    from training.reliability.run_records import changed_flags
+
+    parser = SettingsParser(_DataCLI)
+    before, rebuilding = parser.parse_args([]), parser.parse_args(["--rebuild_data_cache"])
+    assert changed_flags(flag_values(before), flag_values(rebuilding), same_result_flags(rebuilding)) == {}
+    assert resume_fixed_flags(before) == resume_fixed_flags(rebuilding)
+    assert changed_flags(flag_values(before), flag_values(parser.parse_args(["--seed", "1"])),
+                         same_result_flags(rebuilding)) == {"seed": (1234, 1)}
+
+
 def test_the_data_path_help_names_every_row_format():
     """--help listed six formats: chat_preference and chat_prompt, which PATH:FORMAT takes, were missing."""
     from training.core.args import SettingsParser

@@ -64,7 +64,8 @@ class DataArguments:
     eval_fraction: float = field(default=0.1, metadata={"help": "fraction of each step's shard held out for evaluation"})
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
-    rebuild_data_cache: bool = field(default=False, metadata={"help": "rebuild the tokenised data cache"})
+    rebuild_data_cache: bool = field(default=False, metadata={
+        "same_result": True, "help": "rebuild the tokenised data cache"})
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
