@@ -42,6 +42,8 @@ def train(tmp_path, model: str, *flags: str, mains: RecordedMains | None = None)
     # the hybrid engine refused it when it was built, after step 3 had loaded its four models
     ("--enable_hybrid_engine --unpin_actor_parameters --keep_inference_copy",
      "--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy"),
+    # the checkpoint manager refused it when it was made, in step 3's new run folder
+    ("--keep_last_checkpoints 0", "--keep_last_checkpoints must be at least 1, got 0"),
 ])
 def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step3_args, message):
     """The flags parsed, and train.py trained steps 1 and 2 before step 3 refused them."""
@@ -80,6 +82,7 @@ def test_a_flag_every_step_refuses_is_not_blamed_on_routing(tmp_path, tiny_model
 
 @pytest.mark.parametrize("module, model_flags, flags, message", [
     ("step1_sft.main", ["--model_name_or_path"], ["--offload"], "--offload needs --zero_stage 1, 2 or 3"),
+    ("step1_sft.main", ["--model_name_or_path"], ["--save_interval", "-1"], "--save_interval must be 0 (off) or"),
     ("step2_reward.dpo.main", ["--model_name_or_path"], ["--dpo_label_smoothing", "0.5"],
      "--dpo_label_smoothing must be in [0, 0.5)"),
     ("step3_rlhf.main", ["--actor_model_name_or_path", "--critic_model_name_or_path"], ["--ema_beta", "2"],

@@ -106,6 +106,7 @@ class SupervisedSettings:
         check_non_negative(flags, "eval_interval", "num_warmup_steps", "lora_dim")
         check_offload_stage(flags, "")
         check_lora_flags(flags, "")
+        self.checkpoints.check_flags()
 
     def loop_config(self, description: str) -> LoopConfig:
         return LoopConfig(**asdict(self.loop), gradient_accumulation_steps=self.schedule.gradient_accumulation_steps,

@@ -83,9 +83,21 @@ class CheckpointSettings:
     keep_last_checkpoints: int = field(default=2, metadata={
         "same_result": True, "help": "how many resume checkpoints to keep (older ones are deleted)"})
 
+    def check_flags(self) -> None:
+        """Refuse a policy no manager runs (`check_checkpoint_policy`), before the step loads or writes anything."""
+        check_checkpoint_policy(self.keep_last_checkpoints, self.save_interval)
+
     def manager(self, output_dir: str | Path, fixed_flags: Mapping[str, Any] | None = None) -> "CheckpointManager":
         return CheckpointManager(output_dir, keep_last=self.keep_last_checkpoints, save_interval=self.save_interval,
                                  fixed_flags=fixed_flags)
+
+
+def check_checkpoint_policy(keep_last: int, save_interval: int) -> None:
+    """Refuse keeping no checkpoint, or a negative save interval (`CheckpointManager` and `CheckpointSettings`)."""
+    if keep_last < 1:
+        raise UserError(f"--keep_last_checkpoints must be at least 1, got {keep_last}")
+    if save_interval < 0:
+        raise UserError(f"--save_interval must be 0 (off) or a positive number of steps, got {save_interval}")
 
 
 # RNG ----------------------------------------------------------------------------------------------
@@ -224,10 +236,7 @@ class CheckpointManager:
                  fixed_flags: Mapping[str, Any] | None = None):
         """`fixed_flags`: the flags a resumed run must share with its checkpoint (`training.core.args.
         resume_fixed_flags`), recorded in each checkpoint's marker and compared by `check_start`."""
-        if keep_last < 1:
-            raise UserError(f"--keep_last_checkpoints must be at least 1, got {keep_last}")
-        if save_interval < 0:
-            raise UserError(f"--save_interval must be 0 (off) or a positive number of steps, got {save_interval}")
+        check_checkpoint_policy(keep_last, save_interval)
         self.checkpoints_dir = Path(output_dir) / CHECKPOINTS_SUBDIR
         self.keep_last = keep_last
         self.save_interval = save_interval
