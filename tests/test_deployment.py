@@ -448,6 +448,25 @@ def test_train_py_under_a_launcher_of_several_ranks_refuses_before_planning(tmp_
     assert not out.exists()
 
 
+def test_steps_launched_by_train_py_that_torchrun_started_as_its_only_rank_get_none_of_torchruns_variables(monkeypatch):
+    """`torchrun --nproc_per_node 1 train.py`: the variables torchrun set for train.py reached the step's ranks under
+    DeepSpeed's launcher, which sets RANK, MASTER_PORT and the like anew but not TORCHELASTIC_*: with torchrun's
+    agent-store flag every rank, rank 0 too, waited for a store no one served (init_process_group hung until its
+    30-minute timeout)."""
+    from training.pipeline.launch import launcher_env
+    from utils.dist import launcher_variables
+
+    torchrun_set = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": "29400", "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "none"}
+    for name, value in torchrun_set.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PYTHONPATH", "/site")
+    env = launcher_env(REPO_ROOT)
+    assert launcher_variables(env) == []
+    assert env["PYTHONPATH"] == f"{REPO_ROOT}{os.pathsep}/site" and env["HOME"] == os.environ["HOME"]
+
+
 def _as_each_node_reads(script: str, user_args: list[str]) -> list[str] | None:
     """The script and flags each node's shell gives the step, from the command line DeepSpeed's own PDSH runner
     hands pdsh (None: the shell fails on it)."""

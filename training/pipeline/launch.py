@@ -20,7 +20,7 @@ from typing import IO, Iterator, Sequence
 import psutil
 
 from training.reliability.signals import EXIT_INTERRUPTED, handling_signals, record_signal
-from utils.dist import free_port
+from utils.dist import free_port, launcher_variables
 from utils.errors import UserError
 
 from .deployment import DeploymentType
@@ -297,7 +297,10 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
 
 
 def launcher_env(repo_root: Path) -> dict[str, str]:
-    """The environment for launched steps: the project importable from every rank."""
-    env = dict(os.environ)
+    """The environment for launched steps: the project importable from every rank, and none of the variables a
+    launcher that started train.py as its only rank set for it (`torchrun --nproc_per_node 1 train.py`): the ranks'
+    launcher sets RANK and the like anew, but not torchrun's agent-store flag, with which every rank waited for a
+    store no one served."""
+    env = {key: value for key, value in os.environ.items() if key not in launcher_variables(os.environ)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
     return env

@@ -168,15 +168,11 @@ def profile_workload(actor: ModelSize, critic: ModelSize, dtype: str,
 
 
 def launch_env(threads: int) -> dict[str, str]:
-    """The launched steps' environment (`launcher_env`) for a launcher of its own, without the variables of a
-    launcher that started this process, each worker on `threads` torch threads."""
+    """The launched steps' environment (`launcher_env`, without the variables of a launcher that started this
+    process) for a launcher of its own, each worker on `threads` torch threads."""
     from training.pipeline.launch import REPO_ROOT, launcher_env
-    from utils.dist import launcher_variables
 
-    env = launcher_env(REPO_ROOT)
-    for key in launcher_variables(env):
-        del env[key]
-    return env | {"OMP_NUM_THREADS": str(threads)}
+    return launcher_env(REPO_ROOT) | {"OMP_NUM_THREADS": str(threads)}
 
 
 def run_step3(argv: list[str], world_size: int, threads: int, log: Path) -> None:
