@@ -354,6 +354,25 @@ def test_hidden_and_underscored_files_and_folders_of_a_data_folder_are_not_read(
     assert [Path(file).name for file, *_ in source_fingerprint(parse_source_spec(str(data)))["files"]] == ["pairs.jsonl"]
 
 
+def test_a_data_folders_symlinked_subfolders_are_read_each_real_folder_once(tmp_path):
+    """A folder assembled from links to shard folders (`ln -s /datasets/hh/harmless data/harmless`) was read without
+    them, silently: rglob does not enter a linked folder (a linked file it read). A link back up is no loop."""
+    from utils.data.sources import source_fingerprint
+
+    shards, data = tmp_path / "shards", tmp_path / "data"
+    (shards / "part1").mkdir(parents=True)
+    data.mkdir()
+    rows = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(6)]
+    write_jsonl(shards / "part1" / "a.jsonl", rows[:3])
+    write_jsonl(data / "b.jsonl", rows[3:])
+    (data / "part1").symlink_to(shards / "part1")
+    (data / "part1_again").symlink_to(shards / "part1")
+    (shards / "part1" / "up").symlink_to(data)
+    assert sorted(s.chosen for s in samples_of(str(data))) == sorted(row["chosen"] for row in rows)
+    files = [Path(file).name for file, *_ in source_fingerprint(parse_source_spec(str(data)))["files"]]
+    assert sorted(files) == ["a.jsonl", "b.jsonl"]
+
+
 def test_a_folder_of_files_in_different_row_formats_is_refused_naming_each(tmp_path):
     """The format was detected from the folder's first records: the other file's rows were all skipped."""
     (tmp_path / "mixed").mkdir()

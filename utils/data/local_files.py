@@ -1,12 +1,14 @@
 """Local data: which files a path holds, their records, and where each record was read (for the bad-row report).
 
-A folder is read recursively, its .json/.jsonl/.parquet files in name order. Files and folders inside it whose names
-start with "." or "_" are left out, as `datasets` leaves them out: a notebook's `.ipynb_checkpoints/` copies of older
-files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`' `save_to_disk` is loaded as the dataset
-it holds (a `DatasetDict`'s splits one after the other in name order, as a hub dataset's are).
+A folder is read recursively (into linked folders too), its .json/.jsonl/.parquet files in name order. Files and
+folders inside it whose names start with "." or "_" are left out, as `datasets` leaves them out: a notebook's
+`.ipynb_checkpoints/` copies of older files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`'
+`save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, as a
+hub dataset's are).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,9 +28,24 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any(all((path / name).is_file() for name in marks) for marks in _SAVED_DATASET_MARKS)
 
 
+def _is_hidden(name: str) -> bool:
+    return name.startswith((".", "_"))
+
+
 def _visible_files(folder: Path) -> list[Path]:
-    return sorted(file for file in folder.rglob("*") if file.is_file()
-                  and not any(part.startswith((".", "_")) for part in file.relative_to(folder).parts))
+    """The files under `folder`, in name order, hidden names left out. Linked folders are followed (a folder assembled
+    from links to shard folders: rglob left their files out, silently), each real folder once (a link back up is no
+    loop; the first of two links to one folder in name order reads it)."""
+    files, seen = [], set()
+    for root, folders, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            folders.clear()
+            continue
+        seen.add(real)
+        folders[:] = sorted(name for name in folders if not _is_hidden(name))
+        files += [Path(root) / name for name in names if not _is_hidden(name) and (Path(root) / name).is_file()]
+    return sorted(files)
 
 
 def local_files(path: Path) -> list[Path]:
