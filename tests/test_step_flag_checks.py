@@ -63,6 +63,8 @@ def test_every_steps_refusal_is_reported_at_once_naming_its_step(tmp_path, tiny_
     with pytest.raises(UserError, match=r"^2 steps refuse their flags, before any step runs: step 1's flags do not "
                                         r"parse .*--learnin_rate.*; step 3's flags do not parse .*--ema_beta"):
         train(tmp_path, model, "--step1-args", "--learnin_rate 1", "--step3-args", "--ema_beta x", "--dry-run")
+    with pytest.raises(UserError, match=r"^step 3: --kl_in_loss with --kl_estimator k1: "):  # refused as parsed
+        train(tmp_path, model, "--step3-args", "--kl_in_loss --kl_estimator k1", "--dry-run")
     with pytest.raises(UserError, match=r"^step 4: --dpo_beta must be positive, got 0.0$"):
         train(tmp_path, model, "--algorithm", "dpo", "--dpo-args", "--dpo_beta 0", "--dry-run")
 

@@ -348,6 +348,8 @@ def _parse_step_command(config: PipelineConfig, step: int, user_flags: list[str]
     try:
         with contextlib.redirect_stderr(errors):
             return entry(step).build_parser().parse_args(argv)
+    except UserError as error:  # a refusal of the settings' own, as they are made (`__post_init__`)
+        raise UserError(f"step {step}: {error}") from None
     except SystemExit as exit_:
         message = errors.getvalue().strip().splitlines()[-1:] or [f"exit status {exit_.code}"]
         raise UserError(f"step {step}'s flags do not parse ({message[0]}); check the flags train.py passes it "
