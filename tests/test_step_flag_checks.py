@@ -44,6 +44,9 @@ def train(tmp_path, model: str, *flags: str, mains: RecordedMains | None = None)
      "--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy"),
     # the checkpoint manager refused it when it was made, in step 3's new run folder
     ("--keep_last_checkpoints 0", "--keep_last_checkpoints must be at least 1, got 0"),
+    # the data layer refused them when step 3 built its data, after its tokenizer had loaded
+    ("--eval_fraction 1.5", r"--eval_fraction must be in \[0, 1\), not 1.5"),
+    ("--data_split 1,2", "--data_split '1,2' must be three non-negative numbers"),
 ])
 def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step3_args, message):
     """The flags parsed, and train.py trained steps 1 and 2 before step 3 refused them."""

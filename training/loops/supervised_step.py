@@ -107,6 +107,7 @@ class SupervisedSettings:
         check_offload_stage(flags, "")
         check_lora_flags(flags, "")
         self.checkpoints.check_flags()
+        self.data.check_flags()
 
     def loop_config(self, description: str) -> LoopConfig:
         return LoopConfig(**asdict(self.loop), gradient_accumulation_steps=self.schedule.gradient_accumulation_steps,

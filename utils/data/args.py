@@ -13,7 +13,7 @@ from .phases import PhaseData, build_phase_data
 from .readers import FORMATS
 from .shard_match import InputRunRecord
 from .sources import resolved_source
-from .splits import ShardSettings, check_seed
+from .splits import ShardSettings, check_eval_fraction, check_seed, parse_data_split
 from .tokenization import PROMPT_OVERFLOW
 
 
@@ -71,6 +71,12 @@ class DataArguments:
         check_seed(self.seed)
         for flag in SOURCE_FLAGS:
             setattr(self, flag, [resolved_source(path) for path in getattr(self, flag)])
+
+    def check_flags(self) -> None:
+        """Refuse a --data_split or --eval_fraction no shard can be cut with, before the step reads any data (the
+        steps' `check_flags`, which train.py runs before its first step, call it)."""
+        parse_data_split(self.data_split)
+        check_eval_fraction(self.eval_fraction)
 
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)

@@ -72,10 +72,14 @@ def phase_shard(num_records: int, data_split: str, phase: int, seed: int) -> np.
     return order[bounds[phase - 1] : bounds[phase]]
 
 
-def holdout(indices: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, eval): eval is the first `eval_fraction` (at least one record when there are two or more)."""
+def check_eval_fraction(eval_fraction: float) -> None:
     if not 0 <= eval_fraction < 1:
         raise UserError(f"--eval_fraction must be in [0, 1), not {eval_fraction}")
+
+
+def holdout(indices: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval): eval is the first `eval_fraction` (at least one record when there are two or more)."""
+    check_eval_fraction(eval_fraction)
     num_eval = int(round(len(indices) * eval_fraction))
     if eval_fraction > 0 and len(indices) >= 2:
         num_eval = max(num_eval, 1)
