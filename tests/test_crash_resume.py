@@ -1,6 +1,7 @@
 """Step 1 killed mid-run (SIGKILL), cut off in the middle of a save, or stopped by Ctrl-C ends, after
 `--resume`, with exactly the weights of an uninterrupted run (CPU, fixed seed, GPT-2 with dropout on,
-so the RNG state, data position, optimizer and LR schedule must all come back)."""
+so the RNG state, data position, optimizer and LR schedule must all come back). Step 3, with the EMA and the
+pretraining mixture, killed in a rollout, between updates or mid-save, resumes to the same models and metrics."""
 import json
 import shlex
 import shutil
@@ -171,3 +172,90 @@ def test_a_sigterm_during_the_final_export_lets_the_run_finish_it(inputs, tmp_pa
     assert "received SIGTERM: finishing the final model's save, then ending" in done.stderr
     assert (run / "model" / "config.json").is_file() and (run / "summary.json").is_file()
     assert not (run / "checkpoints").exists()
+
+
+# step 3: a crash at each point of a PPO step, with the EMA and the pretraining mixture -----------------------------
+
+STEP3 = REPO_ROOT / "step3_rlhf" / "main.py"
+STEP3_FLAGS = ["--max_steps", "6", "--save_interval", "2", "--actor_learning_rate", "1e-3", "--enable_ema",
+               "--ema_beta", "0.5", "--enable_hybrid_engine", "--unsupervised_dataset_name", "{text}",
+               "--unsup_coef", "1.0", "--seed", "5"]
+# Step 3 killing itself (SIGKILL) in PPO step 6, after checkpoint 4 and step 5's metrics: in its rollout, or after
+# its first update (the actor, the EMA and both streams moved on in memory).
+KILL_IN_STEP3 = """
+import os, signal, sys
+from step3_rlhf import run_loop
+from step3_rlhf.ppo_trainer import PPOTrainer
+from step3_rlhf.main import main
+
+point, method = sys.argv[1], {"rollout": "generate_experience", "training": "train_rlhf"}[sys.argv[1]]
+original, calls = getattr(PPOTrainer, method), []
+step_of = run_loop.PPORun._ppo_step
+
+def ppo_step(run):
+    calls.append(run.step + 1)
+    return step_of(run)
+
+def killed_in_step_6(self, *args, **kwargs):
+    result = original(self, *args, **kwargs)
+    if calls[-1:] == [6]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+run_loop.PPORun._ppo_step = ppo_step
+setattr(PPOTrainer, method, killed_in_step_6)
+main(sys.argv[2:])
+"""
+
+
+@pytest.fixture(scope="module")
+def step3_inputs(tmp_path_factory):
+    from test_step3_rlhf import make_step3_inputs
+
+    return make_step3_inputs(tmp_path_factory)
+
+
+def step3_args(inputs, output_dir) -> list[str]:
+    from test_step3_rlhf import step3_argv
+
+    return step3_argv(inputs, output_dir, *[flag.format(text=inputs["text"]) for flag in STEP3_FLAGS])
+
+
+@pytest.fixture(scope="module")
+def step3_reference(step3_inputs, tmp_path_factory) -> Path:
+    """The uninterrupted step-3 run's folder."""
+    run = tmp_path_factory.mktemp("step3_reference") / "run"
+    run_step(STEP3, step3_args(step3_inputs, run), run.parent / "reference.log")
+    return run
+
+
+def logged_values(run: Path) -> list[dict]:
+    """Every metrics line but its wall-clock readings (times, rates, memory)."""
+    timed = ("time", "memory/")
+    return [{key: value for key, value in record.items() if not key.startswith(timed) and "per_s" not in key}
+            for record in read_metrics(run)]
+
+
+@pytest.mark.parametrize("point", ["rollout", "training", "checkpoint"])
+def test_step3_killed_anywhere_in_a_ppo_step_resumes_to_the_uninterrupted_run(step3_reference, step3_inputs,
+                                                                              tmp_path, point):
+    """Killed in a rollout, between updates or while writing checkpoint 6, the resumed run draws the same prompts,
+    pretraining text and samples: the same models (actor, critic, EMA) and the same metrics, each step once."""
+    run = tmp_path / "run"
+    args = step3_args(step3_inputs, run)
+    if point == "checkpoint":
+        killed = launch_step(STEP3, args, tmp_path / "killed.log", stall_save_at=6)
+        wait_for_stalled_save(killed)
+        killed.process.send_signal(signal.SIGKILL)
+    else:
+        with open(tmp_path / "killed.log", "w") as log:
+            killed = subprocess.run([sys.executable, "-c", KILL_IN_STEP3, point, *args], check=False, stdout=log,
+                                    stderr=subprocess.STDOUT, env=step_env(), cwd=REPO_ROOT, timeout=400)
+        assert killed.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    assert latest_checkpoint_step(run) == 4 and not (run / "actor").exists()
+
+    output = run_step(STEP3, [*args, "--resume"], tmp_path / "resumed.log")
+    assert "resuming step 3 after PPO step 4" in output
+    for folder in ("actor", "critic", "actor_ema"):
+        assert_same_weights(step3_reference / folder, run / folder)
+    assert logged_values(run) == logged_values(step3_reference)
