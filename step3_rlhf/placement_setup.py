@@ -5,9 +5,10 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from step3_rlhf.settings import Step3Settings
 from training.placement.planner import PlanChoice
+from training.placement.settings import PlacementSettings
 from training.placement.spec import (
     AUTO,
     OFFLOAD,
@@ -20,6 +21,9 @@ from training.placement.workload import offloaded_models
 from utils.atomic import atomic_write_text
 from utils.dist import broadcast_from_main, get_world_size, is_main_process
 from utils.errors import UserError
+
+if TYPE_CHECKING:  # step3_rlhf.settings calls `check_placement_flags` from `Step3Settings.check_flags`
+    from step3_rlhf.settings import Step3Settings
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +64,45 @@ def check_placement_args(args: Step3Settings, placement: Placement) -> None:
                             f"({placement.describe()}); drop it or use --placement colocate")
 
 
+def check_placement_flags(args: Step3Settings, world_size: int) -> None:
+    """What the --placement flags alone refuse on `world_size` ranks (`Step3Settings.check_flags`, before anything
+    loads): a --placement_ratio under auto, and a named placement that cannot be laid out or that the other flags do
+    not run with. Under auto the plan needs the machine's profile; the run checks it as it plans."""
+    if args.placement.placement == AUTO:
+        _refuse_ratio_with_auto(args.placement)
+        return
+    placement = named_placement(args, world_size)
+    if placement is not None and not placement.is_colocated:
+        check_placement_args(args, placement)
+
+
+def named_placement(args: Step3Settings, world_size: int) -> Placement | None:
+    """The layout --placement (not auto) and --placement_ratio name on `world_size` ranks (None: the default,
+    co-located)."""
+    settings = args.placement
+    if settings.placement == "colocate" and settings.placement_ratio is None:
+        return None
+    ratio = parse_placement_ratio(settings.placement_ratio) if settings.placement_ratio else None
+    return build_placement(settings.placement, world_size, placement_roles(args), ratio)
+
+
+def _refuse_ratio_with_auto(settings: PlacementSettings) -> None:
+    if settings.placement_ratio is not None:
+        raise UserError(f"--placement_ratio {settings.placement_ratio!r} with --placement auto: the planner chooses "
+                        "every model's share itself; drop --placement_ratio or name a placement")
+
+
 def resolve_placement(args: Step3Settings) -> tuple[Placement | None, PlanChoice | None]:
     """The placement of the run's models (None: co-located, the default path), and under `auto` the plan it took:
     the planner's fastest plan that fits (decided on rank 0, for every rank) with its ZeRO stages, inference TP and
     micro-batch; with --resume, the plan recorded when the run started (`record_auto_plan`), not a new one, which
     could differ by the profile's timing noise and then refuse the resume for flags the user never gave."""
     settings = args.placement
-    if settings.placement == "colocate" and settings.placement_ratio is None:
-        return None, None
     world = get_world_size()
-    roles = placement_roles(args)
     auto = None
     if settings.placement == AUTO:
-        if settings.placement_ratio is not None:
-            raise UserError(f"--placement_ratio {settings.placement_ratio!r} with --placement auto: the planner chooses "
-                            "every model's share itself; drop --placement_ratio or name a placement")
+        _refuse_ratio_with_auto(settings)
+        roles = placement_roles(args)
         auto = broadcast_from_main(_auto_plan(args, world, roles) if is_main_process() else None)
         if isinstance(auto, str):
             raise UserError(auto)
@@ -86,9 +114,8 @@ def resolve_placement(args: Step3Settings) -> tuple[Placement | None, PlanChoice
                     "stage fusion %s", auto.base, placement.describe(), auto.actor_zero_stage, auto.critic_zero_stage,
                     auto.inference_tp, auto.micro_batch, "on" if auto.stage_fusion else "off")
     else:
-        ratio = parse_placement_ratio(settings.placement_ratio) if settings.placement_ratio else None
-        placement = build_placement(settings.placement, world, roles, ratio)
-    if placement.is_colocated:
+        placement = named_placement(args, world)
+    if placement is None or placement.is_colocated:
         return None, auto
     check_placement_args(args, placement)
     return placement, auto

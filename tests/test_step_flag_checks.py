@@ -47,6 +47,9 @@ def train(tmp_path, model: str, *flags: str, mains: RecordedMains | None = None)
     # the data layer refused them when step 3 built its data, after its tokenizer had loaded
     ("--eval_fraction 1.5", r"--eval_fraction must be in \[0, 1\), not 1.5"),
     ("--data_split 1,2", "--data_split '1,2' must be three non-negative numbers"),
+    # step 3 refused them as it laid out its models, once its processes had started
+    ("--placement disaggregate", "the placement gives the rollout a share of 0.5 of 1 rank"),
+    ("--placement auto --placement_ratio actor=1", "--placement_ratio 'actor=1' with --placement auto"),
 ])
 def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step3_args, message):
     """The flags parsed, and train.py trained steps 1 and 2 before step 3 refused them."""
