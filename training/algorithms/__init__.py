@@ -10,7 +10,8 @@
 - `losses`: policy losses (`ppo`) and value losses (`clipped`) by name;
 - `preference`: preference-pair losses against a frozen reference (`sigmoid` DPO, `ipo`, `hinge`) by name.
 A new algorithm is one registered function: `@register_advantage_estimator("name", needs_critic=False)`
-(`whitened=True` to have the trainer whiten its advantages over every rank's generation batch),
+(`whitened=True` to have the trainer whiten its advantages over every rank's generation batch, `reads=("gamma",)`
+to name the settings it reads),
 `@register_policy_loss("name")`, `@register_value_loss("name")` or `@register_preference_loss("name")`, and,
 to give a step-3 algorithm an `--algorithm` name with its defaults, one `register_rl_algorithm(RLAlgorithm(...))`.
 """

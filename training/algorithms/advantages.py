@@ -3,7 +3,8 @@
 An estimator is one function `(inputs: AdvantageInputs, config) -> (advantages [B, T], returns [B, T])`,
 both 0 off the answer tokens. `inputs.rewards` are the shaped per-token rewards (`kl.compute_rewards`:
 the score on each answer's last token, plus the KL penalty on every token when the KL is in the reward),
-`config` the trainer's settings (each estimator reads the fields it uses). Each declares what it needs:
+`config` the trainer's settings (each estimator reads the fields it uses, and names them in `reads`: step 3 refuses
+such a flag, changed, where the estimator it runs does not read it). Each declares what it needs:
 a critic (`values`), groups of answers to one prompt (`group_index`, `min_group_size` rows each), or the
 reward of the prompt's greedy answer (`baseline_rewards`); the trainer and engine provide exactly that. An
 estimator registered `whitened` returns its advantages as they are, and the trainer whitens them over the
@@ -61,6 +62,7 @@ class AdvantageEstimator:
     min_group_size: int = 1  # answers per prompt it needs (--n_samples_per_prompt)
     needs_greedy_baseline: bool = False
     whitened: bool = False  # its advantages are whitened over the generation batch (by the trainer)
+    reads: tuple[str, ...] = ()  # the fields of `config` it reads (step-3 flags: "gamma", "lam")
 
     def __call__(self, inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fn(inputs, config)
@@ -70,12 +72,12 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 
 
 def register_advantage_estimator(name: str, needs_critic: bool, min_group_size: int = 1,
-                                 needs_greedy_baseline: bool = False,
-                                 whitened: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+                                 needs_greedy_baseline: bool = False, whitened: bool = False,
+                                 reads: tuple[str, ...] = ()) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register an estimator function under `name` (the function itself is returned unchanged)."""
 
     def register(fn: EstimatorFn) -> EstimatorFn:
-        entry = AdvantageEstimator(name, fn, needs_critic, min_group_size, needs_greedy_baseline, whitened)
+        entry = AdvantageEstimator(name, fn, needs_critic, min_group_size, needs_greedy_baseline, whitened, reads)
         ADVANTAGE_ESTIMATORS.add(name, entry)
         return fn
 
@@ -130,13 +132,13 @@ class GroupConfig(Protocol):
     group_std_eps: float
 
 
-@register_advantage_estimator("gae", needs_critic=True, whitened=True)
+@register_advantage_estimator("gae", needs_critic=True, whitened=True, reads=("gamma", "lam"))
 def gae(inputs: AdvantageInputs, config: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE(gamma, lambda) on the critic's values (whitened by the trainer); the returns are the critic's targets."""
     return compute_advantages_and_returns(inputs.values, inputs.rewards, inputs.action_mask, config.gamma, config.lam)
 
 
-@register_advantage_estimator("group_normalized", needs_critic=False, min_group_size=2)
+@register_advantage_estimator("group_normalized", needs_critic=False, min_group_size=2, reads=("group_std_eps",))
 def group_normalized(inputs: AdvantageInputs, config: GroupConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's outcome advantage: (R - group mean) / (group sample std + `group_std_eps`); a group whose
     answers all earned the same reward gets advantage 0 (it carries no signal)."""
@@ -157,7 +159,7 @@ def leave_one_out(inputs: AdvantageInputs, config: Any) -> tuple[torch.Tensor, t
     return inputs.on_answer_tokens(advantages.float()), inputs.on_answer_tokens(returns)
 
 
-@register_advantage_estimator("reinforce_pp", needs_critic=False, whitened=True)
+@register_advantage_estimator("reinforce_pp", needs_critic=False, whitened=True, reads=("gamma",))
 def reinforce_pp(inputs: AdvantageInputs, config: GAEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: each token's discounted return-to-go (no critic), as advantage (whitened by the trainer)."""
     zeros = torch.zeros_like(inputs.rewards, dtype=torch.float32)

@@ -106,6 +106,24 @@ def flag_values(settings: Any) -> dict[str, Any]:
     return values
 
 
+def non_default_flags(settings: Any) -> dict[str, Any]:
+    """The `flag_values` of `settings` that differ from their flag's default: the flags a command line changed. A flag
+    given its default value is not among them; a required flag, and a field that `__post_init__` fills when left at
+    its default None (`PPOConfig.ALGORITHM_DEFAULTS`), always are."""
+    defaults = {flag.name: _flag_default(source, flag) for _, group_type, prefix in _groups(type(settings))
+                for source, flag in zip(_flag_fields(group_type), _flags(group_type, prefix))}
+    return {name: value for name, value in flag_values(settings).items() if value != defaults[name]}
+
+
+def _flag_default(source: Field, flag: _Flag) -> Any:
+    """The value `flag_values` gives a flag left out (MISSING for a required one)."""
+    if flag.negated:
+        return False
+    if source.default_factory is not MISSING:
+        return source.default_factory()
+    return source.default
+
+
 def resume_fixed_flags(settings: Any) -> dict[str, Any]:
     """The `flag_values` a resumed run must share with its checkpoint: all but those marked "same_result" or
     "resume_override", and in place of a flag marked "resolved", its resolved value under the key

@@ -417,7 +417,7 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
             target.cpu_cost(sizes.actor) + target.cpu_cost(sizes.reward if workload.reward_model else sizes.actor)) / 2
         steps = quick.steps_within(3, step_s)
         return RLHFPlan(
-            actor_zero_stage=0, critic_zero_stage=0, dtype=target.dtype,
+            actor_zero_stage=0, critic_zero_stage=_critic_zero_stage(workload, 0), dtype=target.dtype,
             per_device_generation_batch_size=quick.ppo_batch, per_device_training_batch_size=quick.ppo_batch * samples,
             gradient_accumulation_steps=1, max_prompt_seq_len=prompt_len, max_answer_seq_len=answer_len,
             enable_hybrid_engine=True, actor_learning_rate=quick.ppo_actor_learning_rate,
@@ -430,20 +430,21 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
                         extra_per_sample=kv_cache)
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
     critic_blocks = (sizes.reward if workload.reward_model else sizes.actor).blocks_name  # what the critic starts from
+    # the critic's flags only for a critic, which a critic-free step 3 refuses as doing nothing
+    critic = {"critic_offload": fit.choice.offload, "critic_lora_dim": lora_dim,
+              "critic_lora_module_name": critic_blocks if lora_dim else None,
+              "critic_only_optimize_lora": fit.choice.lora,
+              "critic_gradient_checkpointing": fit.checkpointing} if workload.critic else {}
     return RLHFPlan(
         actor_zero_stage=fit.choice.zero_stage,
-        critic_zero_stage=fit.choice.zero_stage,
+        critic_zero_stage=_critic_zero_stage(workload, fit.choice.zero_stage),
         actor_offload=fit.choice.offload,
-        critic_offload=fit.choice.offload,
         offload_reference_model=fit.choice.offload,
         actor_lora_dim=lora_dim,
-        critic_lora_dim=lora_dim,
         actor_lora_module_name=sizes.actor.blocks_name if lora_dim else None,
-        critic_lora_module_name=critic_blocks if lora_dim else None,
         actor_only_optimize_lora=fit.choice.lora,
-        critic_only_optimize_lora=fit.choice.lora,
         actor_gradient_checkpointing=fit.checkpointing,
-        critic_gradient_checkpointing=fit.checkpointing,
+        **critic,
         per_device_generation_batch_size=max(1, fit.micro_batch // samples),
         per_device_training_batch_size=fit.micro_batch,
         gradient_accumulation_steps=1,
@@ -452,6 +453,12 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
         enable_hybrid_engine=True,
         dtype=target.dtype,
     )
+
+
+def _critic_zero_stage(workload: Workload, stage: int) -> int | None:
+    """Step 3's --critic_zero_stage: the critic's stage, and the reward model's (ZeRO-3 at 3, as DeepSpeed-Chat's);
+    not planned for a run with neither, where step 3 refuses it as a flag that does nothing."""
+    return stage if workload.critic or workload.reward_model else None
 
 
 def _quick_task_rlhf(quick: CpuQuickRun, target: Target, sizes: ModelSizes, workload: Workload) -> RLHFPlan:
@@ -464,7 +471,8 @@ def _quick_task_rlhf(quick: CpuQuickRun, target: Target, sizes: ModelSizes, work
     prompt_len, answer_len = fit_prompt_and_answer(quick.task_max_prompt_seq_len, quick.task_max_answer_seq_len,
                                                    sizes.actor)
     return RLHFPlan(
-        actor_zero_stage=0, critic_zero_stage=0, dtype=target.dtype, per_device_generation_batch_size=prompts,
+        actor_zero_stage=0, critic_zero_stage=_critic_zero_stage(workload, 0), dtype=target.dtype,
+        per_device_generation_batch_size=prompts,
         per_device_training_batch_size=min(rows, quick.task_training_batch), gradient_accumulation_steps=1,
         max_prompt_seq_len=prompt_len, max_answer_seq_len=answer_len, enable_hybrid_engine=True,
         actor_learning_rate=quick.task_actor_learning_rate, max_steps=steps, max_train_samples=steps * prompts,

@@ -47,9 +47,12 @@ def plan_deployment(
 
 
 def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None]) -> None:
-    """Set each model's ZeRO stage (None: keep the planned one) in the plan field each step names for it."""
+    """Set each model's ZeRO stage (None: keep the planned one) in the plan field each step names for it, where the
+    plan sets that field (step 3's plan leaves --critic_zero_stage out of a run without critic and reward model)."""
     for number, spec in STEPS.items():
-        overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items() if stages[model] is not None}
+        planned = plan.steps[number].flags
+        overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items()
+                     if stages[model] is not None and name in planned}
         # ZeRO-0 offloads nothing: an offload planned for another stage goes with it
         overrides |= {name.replace("zero_stage", "offload"): False for name, stage in overrides.items() if stage == 0}
         if overrides:
