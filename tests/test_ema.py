@@ -218,6 +218,67 @@ def _two_rank_worker() -> None:
     _leave()
 
 
+class _TiedOddModel(torch.nn.Module):
+    """A 7-token, 5-wide language model whose head is its embedding (tied), every size odd."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, 5)
+        self.mid = torch.nn.Linear(5, 5)
+        self.head = torch.nn.Linear(5, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+def _tied_worker() -> None:
+    """Run under `torch.distributed.run --nproc_per_node 2`: ZeRO-2 slices and ZeRO-3 padded partitions of a tied,
+    odd-sized model; the EMA one rank computes from the gathered weights (beta 0: the actor's; beta 0.5: the exact
+    average), inside `applied_to` (the tied head too) and after a resume."""
+    from utils.dist import get_rank, init_distributed
+
+    init_distributed()
+    rank = get_rank()
+    probe = torch.tensor([[0, 3, 6, 1]])
+    for stage in (2, 3):
+        for beta in (0.0, 0.5):
+            torch.manual_seed(0)
+            config = get_train_ds_config(stage=stage, train_micro_batch_size_per_gpu=2)
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
+                model = _TiedOddModel()
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                              config=config)
+            ema = ModelEMA(engine, beta=beta)
+            expected = _full_params(engine)
+            torch.manual_seed(1 + rank)
+            for _ in range(3):
+                engine.backward(engine(torch.randint(0, 7, (2, 4))).logsumexp(-1).mean())
+                engine.step()
+                ema.update(engine)
+                current = _full_params(engine)
+                expected = {name: beta * expected[name] + (1 - beta) * current[name] for name in expected}
+            with ema.applied_to(engine), torch.no_grad():
+                ema_output = engine(probe)
+            resumed = ModelEMA(engine, beta=0.9)
+            resumed.load_state_dict(ema.state_dict(), ema.local_state_dict())
+            for what, weights in (("applied_to", _ema_weights(ema, engine)), ("resume", _ema_weights(resumed, engine))):
+                assert set(weights) == {"embed.weight", "mid.weight", "mid.bias"}, (stage, what, set(weights))
+                if rank == 0:
+                    for name in expected:
+                        assert torch.equal(weights[name], expected[name]), (stage, beta, what, name)
+            if rank == 0:
+                if beta == 0.0:
+                    assert all(torch.equal(expected[name], current[name]) for name in current)
+                reference = _TiedOddModel()
+                reference.load_state_dict({**expected, "head.weight": expected["embed.weight"]})
+                torch.testing.assert_close(ema_output, reference(probe))
+    if rank == 0:
+        print("EMA_TIED_OK", flush=True)
+    _leave()
+
+
 def _tensors_in(value) -> list:
     """Every tensor inside `value`, a checkpoint's plain data."""
     if isinstance(value, torch.Tensor):
@@ -325,7 +386,12 @@ def test_each_of_two_ranks_saves_its_half_of_the_ema_and_a_resume_restores_it_ex
     assert "EMA_RESUME_OK" in _run_two_ranks("resume", stage, str(tmp_path))
 
 
-WORKERS = {"partitions": _two_rank_worker, "resume": _resume_worker}
+@pytest.mark.slow
+def test_the_ema_of_tied_odd_sized_weights_over_two_ranks_is_the_one_rank_ema_and_resumes_exactly():
+    assert "EMA_TIED_OK" in _run_two_ranks("tied")
+
+
+WORKERS = {"partitions": _two_rank_worker, "resume": _resume_worker, "tied": _tied_worker}
 
 if __name__ == "__main__":
     WORKERS[sys.argv[1]](*sys.argv[2:])
