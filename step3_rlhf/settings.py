@@ -173,7 +173,7 @@ def _check_sampling(sampling: RolloutSampling) -> None:
 
 def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
     check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
-                   "kl_horizon", "group_std_eps")
+                   "kl_horizon", "group_std_eps", "max_prompt_seq_len", "max_answer_seq_len")
     # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
     check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty")
     for name in ("gamma", "lam"):

@@ -44,6 +44,8 @@ def train(tmp_path, model: str, *flags: str, mains: RecordedMains | None = None)
      "--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy"),
     # the checkpoint manager refused it when it was made, in step 3's new run folder
     ("--keep_last_checkpoints 0", "--keep_last_checkpoints must be at least 1, got 0"),
+    # refused once step 3 had loaded its tokenizer and read its models' configs
+    ("--max_answer_seq_len 0", "--max_answer_seq_len must be positive, got 0"),
     # the data layer refused them when step 3 built its data, after its tokenizer had loaded
     ("--eval_fraction 1.5", r"--eval_fraction must be in \[0, 1\), not 1.5"),
     ("--data_split 1,2", "--data_split '1,2' must be three non-negative numbers"),
