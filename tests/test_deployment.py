@@ -1,4 +1,5 @@
 """Deployment types: hostfile validation, the settings each type picks, launch commands, dry runs."""
+import contextlib
 import json
 import os
 import re
@@ -248,7 +249,7 @@ def test_launch_commands_start_the_deepspeed_launcher_with_this_python(tmp_path,
     assert single == LAUNCHER + ["--hostfile", os.devnull, "--num_gpus", "4", str(script), "--zero_stage", "2"]
     local = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1, master_port=29611).command(script, [])
     assert local == LAUNCHER + ["--hostfile", os.devnull, "--num_gpus", "1", "--master_port", "29611", str(script)]
-    multi = Launcher(DeploymentType.MULTI_NODE, hostfile="/h").command(script, [])
+    multi = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2).command(script, [])
     assert multi == LAUNCHER + ["--hostfile", "/h", str(script)]
 
 
@@ -509,7 +510,31 @@ def test_a_multi_node_command_is_refused_where_each_nodes_shell_would_misread_it
     else:
         with pytest.raises(UserError, match=f"multi_node: the step flag value {re.escape(repr(value))} would reach"):
             two_nodes.command(Path(script), argv)
-    assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=1).command(Path(script), argv)[-4:] == argv
+    assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h", on_this_machine=True).command(Path(script), argv)[-4:] \
+        == argv
+
+
+@pytest.mark.parametrize("host, here", [("worker-1", False), ("localhost", True), (socket.gethostname(), True),
+                                        ("127.0.0.1", True)])
+def test_a_hostfile_of_one_node_starts_the_ranks_on_that_node(tmp_path, tiny_model_dir, host, here):
+    """DeepSpeed's launcher starts the ranks of a hostfile's single node on the machine it runs on, not through pdsh
+    on that node: `--hostfile` naming one compute node, run from a login node, ran the step there, its rank 0 told
+    the compute node's address for the store it serves itself. A node other than this machine is now reached as
+    several are (`--force_multi`), its command line read by that node's shell (so checked)."""
+    from deepspeed.launcher.runner import parse_args
+
+    from training.pipeline.cli import run
+
+    hostfile = write(tmp_path / "hosts", f"{host} slots=2\n")
+    argv = ["--deployment-type", "multi_node", "--hostfile", hostfile, "--step", "1", "--actor-model",
+            tiny_model_dir("llama"), "--output-dir", str(tmp_path / "out"), "--dry-run"]
+    launched = parse_args(run(argv)["commands"][1][3:])
+    assert (launched.force_multi, launched.hostfile) == (not here, hostfile)
+    quoted = tmp_path / "o'brien.jsonl"
+    quoted.write_text('{"prompt": " Human: hi Assistant:", "chosen": " hello"}\n')
+    refused = pytest.raises(UserError, match="would reach each node's shell") if not here else contextlib.nullcontext()
+    with refused:
+        run([*argv, "--data_path", str(quoted)])
 
 
 def test_a_multi_node_run_from_a_folder_or_project_path_with_a_space_is_refused(tmp_path, monkeypatch):

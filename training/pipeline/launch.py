@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import ipaddress
 import logging
 import os
 import re
@@ -56,15 +57,24 @@ class Launcher:
     hostfile: str | None = None
     master_port: int | None = None  # given by the user; None: one free at each launch on one node, 29500 on several
     master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`)
-    nodes: int = 1  # the hostfile's; on several, every node's ranks start through pdsh and a remote shell
+    nodes: int = 1  # the hostfile's
+    on_this_machine: bool = False  # multi_node: the hostfile's one node is the machine train.py runs on
+
+    @property
+    def through_pdsh(self) -> bool:
+        """multi_node: every node's ranks start through pdsh and a remote shell, but those of one node that is this
+        machine, which the launcher starts itself."""
+        return self.deployment is DeploymentType.MULTI_NODE and (self.nodes > 1 or not self.on_this_machine)
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
         command = [sys.executable, "-m", LAUNCHER_MODULE, "--no_local_rank"]
+        if self.through_pdsh:
+            check_remote_shell_reads(script, step_argv)
         if self.deployment is DeploymentType.MULTI_NODE:
-            if self.nodes > 1:
-                check_remote_shell_reads(script, step_argv)
             command += ["--hostfile", str(self.hostfile)]
+            if self.through_pdsh and self.nodes == 1:  # else the launcher starts a single node's ranks on this one
+                command.append("--force_multi")
         else:
             # with no --hostfile the launcher reads /job/hostfile where a cluster has one and spreads the run over
             # its nodes; a path that is not a file keeps it on this node
@@ -89,6 +99,19 @@ class Launcher:
             check_port_free(self.master_port)
             return self.command(script, step_argv)
         return replace(self, master_port=free_port()).command(script, step_argv)
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether a hostfile's host names the machine this runs on: its name, or a name or address that resolves to
+    a loopback address or one of its interfaces'."""
+    if host in {"localhost", socket.gethostname(), socket.getfqdn()}:
+        return True
+    try:
+        addresses = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)}
+    except OSError:  # a name this machine cannot resolve is not its own
+        return False
+    own = {address.address.split("%")[0] for nic in psutil.net_if_addrs().values() for address in nic}
+    return any(ipaddress.ip_address(address).is_loopback or address in own for address in addresses)
 
 
 def check_not_under_a_launcher() -> None:
