@@ -96,6 +96,7 @@ CASES = {
     "offload_at_zero_0": ("step1", {"offload": "true"}, "--offload needs --zero_stage 1, 2 or 3"),
     "lora_learning_rate_without_lora": ("step2", {"lora_learning_rate": "1e-4"},
                                         "--lora_learning_rate needs --lora_dim > 0"),
+    "lora_module_name_without_lora": ("step1", {"lora_module_name": "h."}, "--lora_module_name needs --lora_dim > 0"),
     "max_seq_len_beyond_positions": ("step2", {"max_seq_len": "1024"},
                                      "--max_seq_len 1024 exceeds the 256 positions of"),
 }

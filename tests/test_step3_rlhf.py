@@ -822,11 +822,12 @@ def test_a_model_flag_refused_at_load_leaves_the_run_folders_record_and_names_th
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])
-@pytest.mark.parametrize("flag", [["--{model}_only_optimize_lora"], ["--{model}_lora_learning_rate", "1e-4"]])
+@pytest.mark.parametrize("flag", [["--{model}_only_optimize_lora"], ["--{model}_lora_learning_rate", "1e-4"],
+                                  ["--{model}_lora_module_name", "h."]])
 def test_a_lora_flag_without_adapters_is_refused_before_anything_loads(inputs, tmp_path, model, flag):
     """--only_optimize_lora without --lora_dim was refused only once the models had loaded (minutes for a large
-    one), and --lora_learning_rate without it changed nothing, silently. Both are refused with the arguments now,
-    and with --lora_dim both are accepted."""
+    one), and --lora_learning_rate or --lora_module_name without it changed nothing, silently. They are refused with
+    the arguments now, and with --lora_dim accepted."""
     from step3_rlhf.main import check_args, parse_args
 
     flags = [word.format(model=model) for word in flag]

@@ -296,15 +296,19 @@ def check_offload_stage(flags: Mapping[str, Any], *prefixes: str) -> None:
                             f"state ZeRO partitions); add --{prefix}zero_stage 2, or drop --{prefix}offload")
 
 
+_ADAPTER_FLAG_DEFAULTS = {source.name: source.default for source in fields(ModelTrainingConfig)
+                          if source.name in ("only_optimize_lora", "lora_learning_rate", "lora_module_name")}
+
+
 def check_lora_flags(flags: Mapping[str, Any], *prefixes: str) -> None:
-    """Refuse `--only_optimize_lora` and `--lora_learning_rate` without adapters (`--lora_dim` 0) for the trained
-    models named by their flag `prefixes` (`actor_`), before anything loads: the first froze nothing but was only
-    refused once the model had loaded, the second changed nothing."""
+    """Refuse `--only_optimize_lora`, `--lora_learning_rate` and `--lora_module_name` without adapters (`--lora_dim`
+    0) for the trained models named by their flag `prefixes` (`actor_`), before anything loads: the first froze
+    nothing but was only refused once the model had loaded, the others changed nothing."""
     for prefix in prefixes:
         if flags[f"{prefix}lora_dim"] > 0:
             continue
-        for name in ("only_optimize_lora", "lora_learning_rate"):
-            if flags[f"{prefix}{name}"] not in (False, None):
+        for name, default in _ADAPTER_FLAG_DEFAULTS.items():
+            if flags[f"{prefix}{name}"] != default:
                 raise UserError(f"--{prefix}{name} needs --{prefix}lora_dim > 0 (it applies to LoRA adapters, and "
                                 f"without --{prefix}lora_dim the model has none); add --{prefix}lora_dim 8, or drop "
                                 f"--{prefix}{name}")
