@@ -649,11 +649,11 @@ def test_launcher_runs_tee_the_output_into_the_log(tmp_path):
 
 class StoppingSteps(FakeSteps):
     """Fake steps of which `stop_step` takes a stop request: while it finishes (it then ends as finished), or
-    mid-training (it saves a checkpoint and exits with EXIT_INTERRUPTED)."""
+    mid-training (it saves a checkpoint of its step `checkpoint`, unless None, and exits with EXIT_INTERRUPTED)."""
 
-    def __init__(self, model_dir: str, stop_step: int, finishing: bool):
-        super().__init__(model_dir)
-        self.stop_step, self.finishing = stop_step, finishing
+    def __init__(self, model_dir: str, stop_step: int, finishing: bool, checkpoint: int | None = None):
+        super().__init__(model_dir, extra_options={step: ["--resume"] for step in MODEL_FLAGS})
+        self.stop_step, self.finishing, self.checkpoint = stop_step, finishing, checkpoint
 
     def main(self, step: int):
         finished = super().main(step).__wrapped__
@@ -662,9 +662,14 @@ class StoppingSteps(FakeSteps):
             if step != self.stop_step:
                 return finished(argv)
             record_signal(signal.SIGTERM)  # what the step's GracefulInterrupt does when the signal comes
-            if not self.finishing:
-                raise SystemExit(EXIT_INTERRUPTED)
-            return finished(argv)
+            if self.finishing:
+                return finished(argv)
+            if self.checkpoint is not None:
+                saved = Path(self.parser(step).parse_args(argv).output_dir) / CHECKPOINTS_SUBDIR / f"step{self.checkpoint}"
+                saved.mkdir(parents=True)
+                (saved / MARKER_FILE).write_text(json.dumps({"step": self.checkpoint, "engines": ["model"],
+                                                             "world_size": 1}))
+            raise SystemExit(EXIT_INTERRUPTED)
 
         return main
 
@@ -682,9 +687,24 @@ def test_a_stop_request_during_a_step_ends_train_py_before_the_next_step(tmp_pat
         assert printed == ("train.py stopped on SIGTERM: step 2 finished and the next did not start; to go on, run the "
                            "same train.py command (finished steps are skipped)")
     else:
-        assert printed.startswith("train.py stopped on SIGTERM: step 2 stopped before it finished") and \
-            printed.endswith("run the same train.py command with --resume")
+        assert printed == ("train.py stopped on SIGTERM: step 2 stopped before its first checkpoint; to go on, run the "
+                           "same train.py command (step 2 starts over)")
     assert take_received_signal() is None
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_step_stopped_with_a_checkpoint_says_which_and_how_to_go_on_from_it(tmp_path, tiny_model_dir, capsys, resume):
+    """train.py said 'its checkpoints hold its progress; ... run the same train.py command with --resume' of every
+    step stopped mid-training: of one stopped before its first checkpoint too, and 'with --resume' to a command that
+    had it."""
+    steps = StoppingSteps(tiny_model_dir("llama"), stop_step=2, finishing=False, checkpoint=5)
+    with pytest.raises(SystemExit) as stopped:
+        run(common(tmp_path, steps.model_dir) + (["--resume"] if resume else []), steps)
+    assert stopped.value.code == EXIT_INTERRUPTED
+    checkpoint = tmp_path / "out" / "step2" / CHECKPOINTS_SUBDIR / "step5"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"train.py stopped on SIGTERM: step 2 stopped before it finished, with a checkpoint of its step 5 "
+        f"({checkpoint}); to go on, run the same train.py command{'' if resume else ' with --resume'}")
 
 
 def _write_tiny_data(path: Path) -> str:

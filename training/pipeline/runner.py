@@ -512,9 +512,24 @@ def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> Us
     latest = CheckpointManager(config.run_dir(step)).latest()
     if latest is None:
         return error
-    command = "the same train.py command" + ("" if RESUME_FLAG in config.extra_args else f" with {RESUME_FLAG}")
     return UserError(f"{error}; step {step} left a checkpoint of its step {latest.step} ({latest.path}): once the "
-                     f"cause is fixed, {command} goes on from it")
+                     f"cause is fixed, {_resuming_command(config)} goes on from it")
+
+
+def _resuming_command(config: PipelineConfig) -> str:
+    """The command that goes on from a step's checkpoint: this one, with --resume where it has none."""
+    return "the same train.py command" + ("" if RESUME_FLAG in config.extra_args else f" with {RESUME_FLAG}")
+
+
+def _stopped_mid_step(config: PipelineConfig, step: int) -> str:
+    """What train.py says of a step a stop request ended before it finished: the checkpoint a rerun goes on from,
+    or, stopped before its first, that the step starts over."""
+    latest = CheckpointManager(config.run_dir(step)).latest()
+    if latest is None:
+        return (f"step {step} stopped before its first checkpoint; to go on, run the same train.py command (step "
+                f"{step} starts over)")
+    return (f"step {step} stopped before it finished, with a checkpoint of its step {latest.step} ({latest.path}); to "
+            f"go on, run {_resuming_command(config)}")
 
 
 def _step_result(config: PipelineConfig, prepared: PreparedRun, step: int,
@@ -567,8 +582,7 @@ def run_pipeline(
         try:
             results.append(_step_result(config, prepared, step, entry))
         except StepStopped:
-            _stop(f"step {step} stopped before it finished (its checkpoints hold its progress); to go on, run the "
-                  f"same train.py command with --resume", take_received_signal())
+            _stop(_stopped_mid_step(config, step), take_received_signal())
         received = take_received_signal()
         if received is not None and step != config.steps[-1]:
             _stop(f"step {step} finished and the next did not start; to go on, run the same train.py command "
