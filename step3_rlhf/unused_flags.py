@@ -24,6 +24,8 @@ CRITIC_FLAGS = ("critic_learning_rate", "critic_weight_decay", "critic_lora_dim"
 HYBRID_ENGINE_FLAGS = ("inference_tp_size", "tp_gather_partition_size", "release_inference_cache",
                        "keep_inference_copy", "unpin_actor_parameters", "disable_fused_decode", "disable_cuda_graph",
                        "disable_onednn_packing", "generation_dtype")
+INFERENCE_COPY_FLAGS = ("tp_gather_partition_size", "disable_fused_decode", "disable_cuda_graph", "disable_onednn_packing",
+                        "generation_dtype")
 PRETRAINING_FLAGS = ("unsup_coef", "unsupervised_dataset_config_name", "unsupervised_text_column")
 
 
@@ -108,6 +110,20 @@ def _not_the_hybrid_engine(args: Step3Settings) -> str | None:
             f"(transformers' generate on each rank's whole model), which ignores it; {remedy}")
 
 
+def _no_inference_copy(args: Step3Settings) -> str | None:
+    if not args.hybrid.unpin_actor_parameters:
+        return None
+    return ("it configures the hybrid engine's inference copy, and with --unpin_actor_parameters none is built (the "
+            "actor's own module generates through its ZeRO-3 hooks); drop --unpin_actor_parameters")
+
+
+def _nothing_gathered(args: Step3Settings) -> str | None:
+    if args.actor.zero_stage == 3 or args.placement.placement == AUTO:  # the planner may choose ZeRO-3
+        return None
+    return (f"it bounds the decoder layers gathered at once from a ZeRO-3 actor, and at --actor_zero_stage "
+            f"{args.actor.zero_stage} every rank holds the whole actor (nothing is gathered); use --actor_zero_stage 3")
+
+
 def _no_pretraining_source(args: Step3Settings) -> str | None:
     if args.unsupervised.unsupervised_dataset_name:
         return None
@@ -142,6 +158,8 @@ def rules() -> list[UnusedFlags]:
         UnusedFlags(("kl_horizon",), _fixed_kl_coefficient),
         UnusedFlags(("ema_beta",), _no_ema),
         UnusedFlags(HYBRID_ENGINE_FLAGS, _not_the_hybrid_engine),
+        UnusedFlags(INFERENCE_COPY_FLAGS, _no_inference_copy),
+        UnusedFlags(("tp_gather_partition_size",), _nothing_gathered),
         UnusedFlags(PRETRAINING_FLAGS, _no_pretraining_source),
         UnusedFlags(("stage_fusion_micro_batch_size",), _no_stage_fusion),
         UnusedFlags(("hardware_file", "calibrate"), _no_planner),

@@ -117,7 +117,30 @@ def test_a_hybrid_engine_flag_without_the_hybrid_engine_is_refused(flags):
     assert message.endswith("which ignores it; add --enable_hybrid_engine, or drop it")
     overridden = refused("--enable_hybrid_engine", "--generation_backend", "hf", *flags)
     assert overridden.endswith("which ignores it; drop --generation_backend hf, or drop it")
-    check_unused_flags(settings("--enable_hybrid_engine", *flags))
+    check_unused_flags(settings("--enable_hybrid_engine", "--actor_zero_stage", "3", *flags))
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tp_gather_partition_size", "4"], ["--disable_fused_decode"], ["--disable_cuda_graph"],
+    ["--disable_onednn_packing"], ["--generation_dtype", "bf16"]])
+def test_an_inference_copy_flag_with_unpinned_parameters_is_refused(flags):
+    """Unpinned, the actor's own module generates: no inference copy is gathered, fused, graphed, packed or cast."""
+    unpinned = ["--enable_hybrid_engine", "--actor_zero_stage", "3", "--unpin_actor_parameters"]
+    assert refused(*unpinned, *flags) == (
+        f"{' '.join(flags)} does nothing here: it configures the hybrid engine's inference copy, and with "
+        "--unpin_actor_parameters none is built (the actor's own module generates through its ZeRO-3 hooks); drop "
+        "--unpin_actor_parameters, or drop it")
+    check_unused_flags(settings(*unpinned, "--release_inference_cache"))  # the KV cache is still the engine's
+
+
+def test_a_gather_group_size_below_zero_3_is_refused():
+    """Below ZeRO-3 every rank holds the whole actor: the inference copy gathers nothing, in groups of any size."""
+    assert refused("--enable_hybrid_engine", "--actor_zero_stage", "2", "--tp_gather_partition_size", "2") == (
+        "--tp_gather_partition_size 2 does nothing here: it bounds the decoder layers gathered at once from a ZeRO-3 "
+        "actor, and at --actor_zero_stage 2 every rank holds the whole actor (nothing is gathered); use "
+        "--actor_zero_stage 3, or drop it")
+    check_unused_flags(settings("--enable_hybrid_engine", "--actor_zero_stage", "3", "--tp_gather_partition_size", "2"))
+    check_unused_flags(settings("--enable_hybrid_engine", "--placement", "auto", "--tp_gather_partition_size", "2"))
 
 
 @pytest.mark.parametrize("flags", [
