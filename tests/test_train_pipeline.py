@@ -820,11 +820,11 @@ def test_a_step_that_fails_after_a_checkpoint_says_how_to_go_on_from_it(tmp_path
 
 class LaunchedSteps:
     """`run_subprocess` for a GPU deployment on this CPU machine: reads the launcher command as DeepSpeed's launcher
-    does, runs the fake step it names in this process, and records the master port it was given. After each step,
-    `take_port` (if set) gets that port as another program would."""
+    does, runs the fake step it names in this process, and records the master port it was given, which it then
+    holds as another program would."""
 
-    def __init__(self, fakes: FakeSteps, take_port: bool):
-        self.fakes, self.take_port = fakes, take_port
+    def __init__(self, fakes: FakeSteps):
+        self.fakes = fakes
         self.ports: list[int] = []
         self.taken: list = []
 
@@ -838,11 +838,10 @@ class LaunchedSteps:
         step = next(number for number, script in ((1, "step1_sft"), (2, "step2_reward"), (3, "step3_rlhf"))
                     if script in launched.user_script)
         self.fakes.main(step).__wrapped__(launched.user_args)
-        if self.take_port:
-            holder = socket.socket()
-            holder.bind(("", launched.master_port))
-            holder.listen()
-            self.taken.append(holder)
+        holder = socket.socket()
+        holder.bind(("", launched.master_port))
+        holder.listen()
+        self.taken.append(holder)
 
 
 @pytest.mark.parametrize("given_port", [False, True])
@@ -854,7 +853,7 @@ def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fak
     from utils.dist import free_port
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    launched = LaunchedSteps(fakes, take_port=True)
+    launched = LaunchedSteps(fakes)
     monkeypatch.setattr(runner, "run_subprocess", launched)
     argv = common(tmp_path, fakes.model_dir) + ["--deployment-type", "single_gpu", "--step", "1", "2"]
     try:
