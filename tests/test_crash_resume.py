@@ -1,7 +1,8 @@
 """Step 1 killed mid-run (SIGKILL), cut off in the middle of a save, or stopped by Ctrl-C ends, after
 `--resume`, with exactly the weights of an uninterrupted run (CPU, fixed seed, GPT-2 with dropout on,
 so the RNG state, data position, optimizer and LR schedule must all come back). Step 3, with the EMA and the
-pretraining mixture, killed in a rollout, between updates or mid-save, resumes to the same models and metrics."""
+pretraining mixture, killed in a rollout, between updates or mid-save, resumes to the same models and metrics, on
+one rank and on two with a ZeRO-3 actor."""
 import json
 import shlex
 import shutil
@@ -180,15 +181,16 @@ STEP3 = REPO_ROOT / "step3_rlhf" / "main.py"
 STEP3_FLAGS = ["--max_steps", "6", "--save_interval", "2", "--actor_learning_rate", "1e-3", "--enable_ema",
                "--ema_beta", "0.5", "--enable_hybrid_engine", "--unsupervised_dataset_name", "{text}",
                "--unsup_coef", "1.0", "--seed", "5"]
-# Step 3 killing itself (SIGKILL) in PPO step 6, after checkpoint 4 and step 5's metrics: in its rollout, or after
-# its first update (the actor, the EMA and both streams moved on in memory).
+# Step 3 killing itself (SIGKILL) in PPO step N (argument 2): in its rollout (argument 1), or after its first update
+# (the actor, the EMA and both streams moved on in memory). Every rank of a launched run kills itself there.
 KILL_IN_STEP3 = """
 import os, signal, sys
 from step3_rlhf import run_loop
 from step3_rlhf.ppo_trainer import PPOTrainer
 from step3_rlhf.main import main
 
-point, method = sys.argv[1], {"rollout": "generate_experience", "training": "train_rlhf"}[sys.argv[1]]
+method = {"rollout": "generate_experience", "training": "train_rlhf"}[sys.argv[1]]
+kill_step = int(sys.argv[2])
 original, calls = getattr(PPOTrainer, method), []
 step_of = run_loop.PPORun._ppo_step
 
@@ -196,15 +198,15 @@ def ppo_step(run):
     calls.append(run.step + 1)
     return step_of(run)
 
-def killed_in_step_6(self, *args, **kwargs):
+def killed_in_kill_step(self, *args, **kwargs):
     result = original(self, *args, **kwargs)
-    if calls[-1:] == [6]:
+    if calls[-1:] == [kill_step]:
         os.kill(os.getpid(), signal.SIGKILL)
     return result
 
 run_loop.PPORun._ppo_step = ppo_step
-setattr(PPOTrainer, method, killed_in_step_6)
-main(sys.argv[2:])
+setattr(PPOTrainer, method, killed_in_kill_step)
+main(sys.argv[3:])
 """
 
 
@@ -249,7 +251,7 @@ def test_step3_killed_anywhere_in_a_ppo_step_resumes_to_the_uninterrupted_run(st
         killed.process.send_signal(signal.SIGKILL)
     else:
         with open(tmp_path / "killed.log", "w") as log:
-            killed = subprocess.run([sys.executable, "-c", KILL_IN_STEP3, point, *args], check=False, stdout=log,
+            killed = subprocess.run([sys.executable, "-c", KILL_IN_STEP3, point, "6", *args], check=False, stdout=log,
                                     stderr=subprocess.STDOUT, env=step_env(), cwd=REPO_ROOT, timeout=400)
         assert killed.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
     assert latest_checkpoint_step(run) == 4 and not (run / "actor").exists()
@@ -259,3 +261,36 @@ def test_step3_killed_anywhere_in_a_ppo_step_resumes_to_the_uninterrupted_run(st
     for folder in ("actor", "critic", "actor_ema"):
         assert_same_weights(step3_reference / folder, run / folder)
     assert logged_values(run) == logged_values(step3_reference)
+
+
+@pytest.mark.parametrize("hybrid_engine", [False, True], ids=["hf", "hybrid_engine"])
+def test_step3_on_two_ranks_with_a_zero3_actor_killed_mid_training_resumes_to_the_uninterrupted_run(
+        step3_inputs, tmp_path, hybrid_engine):
+    """2 gloo ranks, the actor and its EMA partitioned by ZeRO-3 (odd-sized partitions padded), both ranks killed
+    after PPO step 4's first update: the resumed run ends with the uninterrupted run's models and metrics."""
+    from utils.dist import free_port
+
+    kill_script = tmp_path / "kill_in_step3.py"
+    kill_script.write_text(KILL_IN_STEP3)
+
+    def launched(script: list[str], name: str, *extra: str) -> subprocess.CompletedProcess:
+        args = step3_args(step3_inputs, tmp_path / name)
+        args[args.index("--max_steps") + 1] = "4"
+        args += ["--actor_zero_stage", "3", "--per_device_generation_batch_size", "2",
+                 "--per_device_training_batch_size", "1", *extra]
+        if not hybrid_engine:
+            args.remove("--enable_hybrid_engine")
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                   "127.0.0.1", "--master_port", str(free_port()), *script, *args]
+        with open(tmp_path / f"{name}{len(extra)}.log", "w") as log:
+            return subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**step_env(), "OMP_NUM_THREADS": "1"}, cwd=REPO_ROOT, timeout=600)
+
+    assert launched([str(STEP3)], "reference").returncode == 0, (tmp_path / "reference0.log").read_text()[-3000:]
+    killed = launched([str(kill_script), "training", "4"], "run")
+    assert killed.returncode != 0 and "Signal 9 (SIGKILL)" in (tmp_path / "run0.log").read_text()
+    assert latest_checkpoint_step(tmp_path / "run") == 2
+    assert launched([str(STEP3)], "run", "--resume").returncode == 0, (tmp_path / "run1.log").read_text()[-3000:]
+    for folder in ("actor", "critic", "actor_ema"):
+        assert_same_weights(tmp_path / "reference" / folder, tmp_path / "run" / folder)
+    assert logged_values(tmp_path / "run") == logged_values(tmp_path / "reference")
