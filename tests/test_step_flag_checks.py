@@ -123,3 +123,13 @@ def test_a_finished_step_skipped_on_rerun_is_not_checked(tmp_path, tiny_model_di
     save_run_args(run_dir, flag_values(finished))
     save_summary(run_dir, {"step": "step1_sft"})
     assert train(tmp_path, model, *flags)["commands"] == {}
+
+
+def test_step_3_is_checked_on_the_ranks_the_deployment_plans(tmp_path, tiny_model_dir):
+    """Stage fusion with a ZeRO-3 actor runs on one rank, not on the two of this single_node run."""
+    argv = ["--actor-model", tiny_model_dir("llama"), "--reward-model", tiny_model_dir("llama"), "--output-dir",
+            str(tmp_path / "out"), "--deployment-type", "single_node", "--actor-zero-stage", "3", "--step3-args",
+            "--enable_hybrid_engine --enable_stage_fusion", "--dry-run"]
+    two_gpus = Hardware(num_gpus=2, gpu_memory_gib=80, cpu_memory_gib=24, cpu_cores=2, bf16=True)
+    with pytest.raises(UserError, match="^step 3: --enable_stage_fusion with ZeRO-3 for the actor on 2 ranks"):
+        run_pipeline(parse_config(argv), entries=RecordedMains().entries(), hardware=two_gpus)
