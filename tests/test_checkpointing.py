@@ -1,7 +1,9 @@
 """Resume checkpoints: exact continuation, crash-safe saves, the `latest` pointer, pruning, atomic folders."""
 import argparse
+import enum
 import json
 import random
+from collections import defaultdict, namedtuple
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,6 +284,13 @@ def test_a_resume_discards_a_checkpoint_saved_past_the_one_latest_names(distribu
     assert torch.load(saved / "client_state.pt", weights_only=True)["run"] == "resumed"
 
 
+Position = namedtuple("Position", "epoch batch")
+
+
+class Stage(enum.IntEnum):
+    TRAIN = 1
+
+
 def test_client_state_must_be_plain_data(distributed, tmp_path):
     with pytest.raises(TypeError, match=r"client_state\['position'\] is a Namespace"):
         check_weights_only_safe({"position": argparse.Namespace(epoch=1)})
@@ -289,6 +298,16 @@ def test_client_state_must_be_plain_data(distributed, tmp_path):
         check_weights_only_safe({"ok": [1, 2.0, "x", None, torch.zeros(2)], "bad": {"x": np.zeros(2)}})
     with pytest.raises(ValueError, match="client_state\\['step'\\] is 3"):
         CheckpointManager(tmp_path).save(4, {}, {"step": 3})
+
+
+@pytest.mark.parametrize("value", [np.float64(0.5), np.str_("a"), Position(1, 2), defaultdict(int, a=1), Stage.TRAIN],
+                         ids=["numpy float", "numpy str", "namedtuple", "defaultdict", "IntEnum"])
+def test_a_subclass_of_plain_data_that_a_resume_could_not_load_is_refused_at_the_save(distributed, tmp_path, value):
+    """A float, str, tuple, dict or int of a subclass (a numpy float, a namedtuple, ...) passed the save's check as
+    plain data, then the resume's safe load refused the checkpoint as 'written by another version or altered'."""
+    with pytest.raises(TypeError, match=rf"client_state\['loop'\]\[0\] is a {type(value).__name__};"):
+        CheckpointManager(tmp_path).save(1, {}, {"loop": [value]})
+    assert CheckpointManager(tmp_path).latest() is None
 
 
 def test_rng_state_round_trip_through_weights_only_load(tmp_path):

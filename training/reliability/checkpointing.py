@@ -137,7 +137,8 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 # client state -------------------------------------------------------------------------------------
 
-_PLAIN_SCALARS = (bool, int, float, str, type(None), torch.Tensor, torch.Size)
+# exact types: a subclass (a numpy float, a namedtuple, an IntEnum, a defaultdict) pickles as its own class
+_PLAIN_SCALARS = (bool, int, float, str, type(None), torch.Size)
 
 
 def check_weights_only_safe(value: Any, where: str = "client_state") -> None:
@@ -145,13 +146,13 @@ def check_weights_only_safe(value: Any, where: str = "client_state") -> None:
 
     Checked when saving, so a bad entry fails the first save rather than the resume.
     """
-    if isinstance(value, _PLAIN_SCALARS):
+    if type(value) in _PLAIN_SCALARS or isinstance(value, torch.Tensor):
         return
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         for index, item in enumerate(value):
             check_weights_only_safe(item, f"{where}[{index}]")
         return
-    if isinstance(value, (dict, OrderedDict)):
+    if type(value) in (dict, OrderedDict):
         for key, item in value.items():
             if not isinstance(key, (str, int)):
                 raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
