@@ -308,6 +308,9 @@ def test_a_subclass_of_plain_data_that_a_resume_could_not_load_is_refused_at_the
     with pytest.raises(TypeError, match=rf"client_state\['loop'\]\[0\] is a {type(value).__name__};"):
         CheckpointManager(tmp_path).save(1, {}, {"loop": [value]})
     assert CheckpointManager(tmp_path).latest() is None
+    if isinstance(value, (int, str)):  # as a key too
+        with pytest.raises(TypeError, match=rf"client_state\['loop'\] has a key of type {type(value).__name__};"):
+            CheckpointManager(tmp_path).save(1, {}, {"loop": {value: 1}})
 
 
 def test_rng_state_round_trip_through_weights_only_load(tmp_path):

@@ -154,7 +154,7 @@ def check_weights_only_safe(value: Any, where: str = "client_state") -> None:
         return
     if type(value) in (dict, OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, (str, int)):
+            if type(key) not in (str, int, bool):
                 raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
             check_weights_only_safe(item, f"{where}[{key!r}]")
         return
