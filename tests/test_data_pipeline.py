@@ -1,5 +1,6 @@
 """Phase shards, eval hold-out, blending, step-1-only sources, the on-disk cache, unsupervised blocks."""
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -263,6 +264,39 @@ def test_cache_hits_and_misses_on_every_key_input(tmp_path, tok, count_builds):
     assert build()[0], "a changed source file must miss"
     assert build(phase=1)[0]
     assert build(phase=1, whole_sequence_loss=True)[0]
+
+
+def write_shp(path, labels):
+    rows = [{"history": f"question {i}", "human_ref_A": f"answer A{i}", "human_ref_B": f"answer B{i}", "labels": label}
+            for i, label in enumerate(labels)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["just_written", "settled"])
+def test_a_same_size_edit_that_keeps_the_mtime_misses_the_cache(tmp_path, tok, count_builds, monkeypatch, settled):
+    """SHP labels flipped in place (same size), the mtime restored: the cache, keyed by size and mtime, served the
+    old pairs. `settled`: every file counts as long unchanged, so its hash comes from the process's memo."""
+    import time
+
+    from utils.data import sources
+
+    if settled:
+        monkeypatch.setattr(sources, "_SETTLED_NS", -(10**12))
+    path = tmp_path / "shp.jsonl"
+    labels = [i % 2 for i in range(30)]
+    args = (2, [write_shp(path, labels)], "1,1,1", tok, 64, 0, str(tmp_path / "cache"))
+    old, _ = build_phase_datasets(*args)
+    stat = path.stat()
+    time.sleep(0.05)  # past the file system's time resolution: the rewrite gets another ctime
+    write_shp(path, [1 - label for label in labels])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    builds = len(count_builds)
+    flipped, _ = build_phase_datasets(*args)
+    assert len(count_builds) == builds + 1, "the edited file must miss the cache"
+    fresh, _ = build_phase_datasets(*args, rebuild_cache=True)
+    assert flipped.digest() == fresh.digest() != old.digest()
 
 
 def test_cached_data_matches_a_fresh_build(tmp_path, tok):

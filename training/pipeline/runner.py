@@ -204,9 +204,9 @@ def _input_versions(inputs: list[tuple[ModelInput, str]]) -> dict[str, str | Non
 
 
 def _data_versions(argv: list[str]) -> dict[str, list]:
-    """{local data source: the paths, sizes and times of the files the data layer reads of it} (as its cache tells
-    a changed file): rewritten under the same path, a finished step trained on other data. A source that cannot
-    be read now is left to its step to name."""
+    """{local data source: the paths, sizes and content hashes of the files the data layer reads of it} (as its
+    cache tells a changed file): rewritten under the same path, a finished step trained on other data. A source that
+    cannot be read now is left to its step to name."""
     versions = {}
     for flag, source, _ in _local_data_paths(argv):
         try:  # a missing or unreadable source raises too
@@ -248,7 +248,7 @@ def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs
         if source in data and data[source] != files:
             raise UserError(
                 f"step {step} {what} in {config.run_dir(step)} on data that changed since: {source} (its files' "
-                f"sizes or times differ); delete {config.run_dir(step)} to train step {step} on it again, or choose "
+                f"sizes or contents differ); delete {config.run_dir(step)} to train step {step} on it again, or choose "
                 f"another --output-dir"
             )
 

@@ -7,14 +7,17 @@ splits). Append `:FORMAT` to state the row format instead of detecting it from t
 `pairs.jsonl:hh_rlhf`; each file of a folder is detected on its own, and a folder whose files differ is
 refused. A local row's dict column `metadata` is kept with its samples.
 
-A local source is fingerprinted by its files' paths, sizes and mtimes; a hub dataset by its name
+A local source is fingerprinted by its files' paths, sizes and content hashes; a hub dataset by its name
 only, so pass --rebuild_data_cache after the hub copy changes.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,8 +86,42 @@ def resolved_source(text: str) -> str:
     return text if resolved == spec.path else str(SourceSpec(resolved, spec.format))
 
 
+_HASH_CHUNK = 1 << 20
+_SETTLED_NS = 1_000_000_000  # a file's times are coarser than this nowhere the data lives
+
+
+def _hashed_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@functools.cache
+def _memoized_hash(path: str, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> str:
+    """The stat fields only key the memo: any write, and any mtime restored after one, changes the ctime."""
+    return _hashed_file(path)
+
+
+def _content_hash(path: str, stat: os.stat_result) -> str:
+    """SHA-256 of the file, read once per process and version of it; a file changed within the last second is read
+    each time (a second write that soon may leave its times as they were)."""
+    if time.time_ns() - stat.st_ctime_ns < _SETTLED_NS:
+        return _hashed_file(path)
+    return _memoized_hash(path, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)
+
+
 def file_fingerprint(files: Sequence[Path]) -> list:
-    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    """Each file's resolved path, size and content hash (the same on every rank that reads the same bytes).
+
+    Not its mtime: a same-size edit within the file system's time resolution, or by a tool that restores the mtime,
+    kept it, and the data cache served the old rows (a flipped preference label). Hashing runs at about 1 GB/s."""
+    fingerprints = []
+    for file in files:
+        path, stat = str(file.resolve()), file.stat()
+        fingerprints.append([path, stat.st_size, _content_hash(path, stat)])
+    return fingerprints
 
 
 def source_fingerprint(spec: SourceSpec) -> dict:
