@@ -180,16 +180,17 @@ def test_a_sigterm_during_the_final_export_lets_the_run_finish_it(inputs, tmp_pa
 STEP3 = REPO_ROOT / "step3_rlhf" / "main.py"
 STEP3_FLAGS = ["--max_steps", "6", "--save_interval", "2", "--actor_learning_rate", "1e-3", "--enable_ema",
                "--ema_beta", "0.5", "--enable_hybrid_engine", "--unsupervised_dataset_name", "{text}",
-               "--unsup_coef", "1.0", "--seed", "5"]
-# Step 3 killing itself (SIGKILL) in PPO step N (argument 2): in its rollout (argument 1), or after its first update
-# (the actor, the EMA and both streams moved on in memory). Every rank of a launched run kills itself there.
+               "--unsup_coef", "1.0", "--seed", "5", "--eval_interval", "2"]
+# Step 3 killing itself (SIGKILL) in PPO step N (argument 2): in its rollout (argument 1), after its first update
+# (the actor, the EMA and both streams moved on in memory), or in the held-out evaluation after it (before its
+# checkpoint). Every rank of a launched run kills itself there.
 KILL_IN_STEP3 = """
 import os, signal, sys
 from step3_rlhf import run_loop
 from step3_rlhf.ppo_trainer import PPOTrainer
 from step3_rlhf.main import main
 
-method = {"rollout": "generate_experience", "training": "train_rlhf"}[sys.argv[1]]
+method = {"rollout": "generate_experience", "training": "train_rlhf", "evaluation": "evaluate_prompts"}[sys.argv[1]]
 kill_step = int(sys.argv[2])
 original, calls = getattr(PPOTrainer, method), []
 step_of = run_loop.PPORun._ppo_step
@@ -238,26 +239,28 @@ def logged_values(run: Path) -> list[dict]:
             for record in read_metrics(run)]
 
 
-@pytest.mark.parametrize("point", ["rollout", "training", "checkpoint"])
+@pytest.mark.parametrize("point, step, resumed_at", [("rollout", 6, 4), ("training", 6, 4), ("checkpoint", 6, 4),
+                                                      ("evaluation", 4, 2)])
 def test_step3_killed_anywhere_in_a_ppo_step_resumes_to_the_uninterrupted_run(step3_reference, step3_inputs,
-                                                                              tmp_path, point):
-    """Killed in a rollout, between updates or while writing checkpoint 6, the resumed run draws the same prompts,
-    pretraining text and samples: the same models (actor, critic, EMA) and the same metrics, each step once."""
+                                                                              tmp_path, point, step, resumed_at):
+    """Killed in a rollout, between updates, while writing a checkpoint or in the held-out evaluation before it, the
+    resumed run draws the same prompts, pretraining text and samples: the same models (actor, critic, EMA) and the
+    same metrics, each step and each evaluation once."""
     run = tmp_path / "run"
     args = step3_args(step3_inputs, run)
     if point == "checkpoint":
-        killed = launch_step(STEP3, args, tmp_path / "killed.log", stall_save_at=6)
+        killed = launch_step(STEP3, args, tmp_path / "killed.log", stall_save_at=step)
         wait_for_stalled_save(killed)
         killed.process.send_signal(signal.SIGKILL)
     else:
         with open(tmp_path / "killed.log", "w") as log:
-            killed = subprocess.run([sys.executable, "-c", KILL_IN_STEP3, point, "6", *args], check=False, stdout=log,
+            killed = subprocess.run([sys.executable, "-c", KILL_IN_STEP3, point, str(step), *args], check=False, stdout=log,
                                     stderr=subprocess.STDOUT, env=step_env(), cwd=REPO_ROOT, timeout=400)
         assert killed.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
-    assert latest_checkpoint_step(run) == 4 and not (run / "actor").exists()
+    assert latest_checkpoint_step(run) == resumed_at and not (run / "actor").exists()
 
     output = run_step(STEP3, [*args, "--resume"], tmp_path / "resumed.log")
-    assert "resuming step 3 after PPO step 4" in output
+    assert f"resuming step 3 after PPO step {resumed_at}" in output
     for folder in ("actor", "critic", "actor_ema"):
         assert_same_weights(step3_reference / folder, run / folder)
     assert logged_values(run) == logged_values(step3_reference)
