@@ -43,7 +43,6 @@ def sft_summary(outcome: SupervisedOutcome) -> dict[str, Any]:
 
 
 SFT_STEP = SupervisedStep(
-    phase=1,
     name="step1_sft",
     build_model=build_causal_lm,
     make_collator=SFTCollator,

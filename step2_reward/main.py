@@ -20,6 +20,7 @@ from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_r
 from training.core.args import SettingsParser
 from training.core.reward_model import RewardModel
 from training.loops.supervised_step import (
+    PreferenceSettings,
     SupervisedOutcome,
     SupervisedSettings,
     SupervisedStep,
@@ -31,10 +32,11 @@ from utils.errors import run_cli
 
 
 def build_parser() -> SettingsParser:
-    return supervised_step_parser("Step 2: reward model training on preference pairs with DeepSpeed", learning_rate=2e-5)
+    return supervised_step_parser("Step 2: reward model training on preference pairs with DeepSpeed", learning_rate=2e-5,
+                                  settings=PreferenceSettings)
 
 
-def parse_args(argv: list[str] | None = None) -> SupervisedSettings:
+def parse_args(argv: list[str] | None = None) -> PreferenceSettings:
     return build_parser().parse_args(argv)
 
 
@@ -69,7 +71,6 @@ def reward_summary(outcome: SupervisedOutcome) -> dict[str, Any]:
 
 
 REWARD_STEP = SupervisedStep(
-    phase=2,
     name="step2_reward",
     build_model=build_reward_model,
     make_collator=PairwiseCollator,

@@ -131,7 +131,7 @@ class Step3Settings:
         _check_generation(self, flags, world_size)
         check_placement_flags(self, world_size)
         self.checkpoints.check_flags()
-        self.data.check_flags()
+        self.data.check_flags(phase=3)
         if self.models.critic_model_name_or_path is None and self.rewards.reward_fn is None:
             raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
                             "model), --reward_fn (e.g. builtin:math), or both")

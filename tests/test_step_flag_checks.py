@@ -97,6 +97,11 @@ def test_a_flag_every_step_refuses_is_not_blamed_on_routing(tmp_path, tiny_model
      "--dpo_label_smoothing must be in [0, 0.5)"),
     ("step3_rlhf.main", ["--actor_model_name_or_path", "--critic_model_name_or_path"], ["--ema_beta", "2"],
      "--ema_beta must lie in [0, 1), got 2.0"),
+    # steps 2, 3 and DPO took step 1's own sources and trained without them
+    *((module, model_flags, ["--sft_only_data_path", "sft.jsonl"], "--sft_only_data_path names sources step 1 alone")
+      for module, model_flags in (("step2_reward.main", ["--model_name_or_path"]),
+                                  ("step2_reward.dpo.main", ["--model_name_or_path"]),
+                                  ("step3_rlhf.main", ["--actor_model_name_or_path", "--critic_model_name_or_path"]))),
 ])
 def test_a_step_script_alone_still_refuses_the_flag(tmp_path, module, model_flags, flags, message):
     """Before it reads its models (which do not exist here) or writes its run folder."""
@@ -107,6 +112,20 @@ def test_a_step_script_alone_still_refuses_the_flag(tmp_path, module, model_flag
         importlib.import_module(module).main.__wrapped__([*models, "--output_dir", str(tmp_path / "run"), *flags])
     assert message in str(refused.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_train_py_gives_step_1s_own_sources_to_step_1_only(tmp_path, tiny_model_dir):
+    """--sft_only_data_path went to every step, steps 2 and 3 taking it and ignoring it; without step 1 in the run
+    nothing reads it."""
+    model, sft = tiny_model_dir("llama"), str(tmp_path / "sft.jsonl")
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "p", "chosen": "c"}\n')
+    commands = train(tmp_path, model, "--sft_only_data_path", sft, "--dry-run")["commands"]
+    assert {step: "--sft_only_data_path" in command for step, command in commands.items()} == {1: True, 2: False,
+                                                                                                 3: False}
+    with pytest.raises(UserError, match="^--sft_only_data_path is read by step 1 only, which this run does not run"):
+        train(tmp_path, model, "--step", "2", "3", "--step1-output", model, "--sft_only_data_path", sft, "--dry-run")
+    with pytest.raises(UserError, match="^step 2: --sft_only_data_path names sources step 1 alone trains on"):
+        train(tmp_path, model, "--step2-args", f"--sft_only_data_path {sft}", "--dry-run")
 
 
 def test_a_finished_step_skipped_on_rerun_is_not_checked(tmp_path, tiny_model_dir):

@@ -68,7 +68,6 @@ def dpo_summary(settings: DPOArguments, outcome: SupervisedOutcome) -> dict[str,
 def dpo_step(objective: DPOObjective) -> SupervisedStep:
     """The supervised-loop step that trains the policy with `objective` (which holds the reference)."""
     return SupervisedStep(
-        phase=2,
         name=STEP_NAME,
         build_model=partial(build_causal_lm, disable_dropout=True),
         make_collator=PairwiseCollator,

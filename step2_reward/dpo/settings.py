@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from training.algorithms import PREFERENCE_LOSSES, PreferenceLoss, get_preference_loss
-from training.loops.supervised_step import SupervisedSettings
+from training.loops.supervised_step import PreferenceSettings
 from utils.errors import UserError
 
 
@@ -41,7 +41,7 @@ class DPOArguments:
 
 
 @dataclass
-class DPOSettings(SupervisedSettings):
+class DPOSettings(PreferenceSettings):
     """The command line of the DPO step."""
 
     dpo: DPOArguments

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedTokenizerBase, set_seed
@@ -85,7 +85,10 @@ class SupervisedLoopArguments:
 
 @dataclass
 class SupervisedSettings:
-    """The command line of a supervised step (steps 1 and 2)."""
+    """The command line of a supervised step: step 1's; a step on the preference pairs extends it
+    (`PreferenceSettings`)."""
+
+    phase: ClassVar[int] = 1  # the shard of --data_path it trains on (`DataArguments.build`)
 
     model: ModelSource
     run: RunArguments
@@ -107,11 +110,18 @@ class SupervisedSettings:
         check_offload_stage(flags, "")
         check_lora_flags(flags, "")
         self.checkpoints.check_flags()
-        self.data.check_flags()
+        self.data.check_flags(self.phase)
 
     def loop_config(self, description: str) -> LoopConfig:
         return LoopConfig(**asdict(self.loop), gradient_accumulation_steps=self.schedule.gradient_accumulation_steps,
                           max_steps=self.schedule.max_steps, seed=self.data.seed, description=description)
+
+
+@dataclass
+class PreferenceSettings(SupervisedSettings):
+    """The command line of a supervised step on the preference pairs of shard 2 (step 2; DPO extends it)."""
+
+    phase: ClassVar[int] = 2
 
 
 ModelBuilder = Callable[[SupervisedSettings, PreTrainedTokenizerBase, dict, torch.dtype], torch.nn.Module]
@@ -132,7 +142,6 @@ def build_causal_lm(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase
 class SupervisedStep:
     """What distinguishes one supervised step from another."""
 
-    phase: int
     name: str
     build_model: ModelBuilder  # (args, tokenizer, ds_config, dtype) -> model, ZeRO-3 aware
     make_collator: Callable[[int], Callable]  # pad token id -> collator
@@ -201,7 +210,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         tokenizer = load_tokenizer(model_name, args.run.trust_remote_code)
         check_sequence_lengths(load_config(model_name, args.run.trust_remote_code),
                                max_seq_len=args.data.max_seq_len, model=model_name)
-        train_data, eval_data, cut_records = args.data.build(step.phase, tokenizer,
+        train_data, eval_data, cut_records = args.data.build(args.phase, tokenizer,
                                                              [input_run] if input_run is not None else [])
         checkpoints.check_data({"train": data_record(train_data), "eval": data_record(eval_data)},
                                args.checkpoints.resume)

@@ -12,7 +12,8 @@ from .steps import STEPS, split_step_args, step_args_flags
 
 EPILOG = f"""\
 Any other flag is passed to every step of the run whose CLI accepts it (e.g. --data_path,
---seed, --max_steps, --learning_rate); a flag that no step accepts is an error. To give a flag
+--seed, --max_steps, --learning_rate; --sft_only_data_path to step 1 only); a flag that no step
+accepts is an error. To give a flag
 to one step only, use {step_args_flags()} with a quoted string, e.g.
 --step3-args "--actor_learning_rate 1e-6" (write --stepN-args=--flag=value for a single token).
 Flags given by the user come after the deployment's planned settings, so they override them.

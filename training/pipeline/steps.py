@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Sequence
 
 from training.core.model_loading import resolve_model_path
 from training.core.reward_model import is_reward_model_dir
+from utils.data.args import STEP1_ONLY_FLAGS
 from utils.errors import UserError
 
 from .deployment import Model, ModelSizes, Target, Workload, plan_dpo, plan_reward, plan_rlhf, plan_sft
@@ -126,6 +127,8 @@ STEPS: dict[int, StepSpec] = {spec.number: spec for spec in (
 )}
 
 _NUMBER = re.compile(r"-?\d+(\.\d*)?([eE]-?\d+)?")
+# flags every step's CLI takes (the data flags are shared) that one step alone reads, the others refusing them
+ONE_STEP_FLAGS = {f"--{flag}": 1 for flag in STEP1_ONLY_FLAGS}
 
 
 def step_args_flags() -> str:
@@ -170,7 +173,8 @@ def route_extra_flags(
     tokens: Sequence[str], steps: Sequence[int], options: Mapping[int, frozenset[str]],
     read_by_train_py: frozenset[str] = frozenset(),
 ) -> dict[int, list[str]]:
-    """Give each flag (with its values) to every step in `steps` whose CLI accepts it.
+    """Give each flag (with its values) to every step in `steps` whose CLI accepts it; one of `ONE_STEP_FLAGS` to its
+    step alone.
 
     A flag no step accepts is an error, so a typo fails before hours of training rather than after; unless
     train.py reads it itself (`--reward_fn` picks every step's data).
@@ -178,7 +182,9 @@ def route_extra_flags(
     routed: dict[int, list[str]] = {step: [] for step in steps}
     for group in group_flags(tokens):
         flag = group[0].split("=", 1)[0]
-        takers = [step for step in steps if flag in options[step]]
+        takers = [step for step in steps if flag in options[step] and ONE_STEP_FLAGS.get(flag, step) == step]
+        if flag in ONE_STEP_FLAGS and not takers:
+            raise UserError(f"{flag} is read by step {ONE_STEP_FLAGS[flag]} only, which this run does not run; drop it")
         if not takers and flag not in read_by_train_py:
             names = ", ".join(str(step) for step in steps)
             raise UserError(

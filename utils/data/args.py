@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from utils.errors import UserError
 from utils.paths import cache_root
 
 from .embedded import EMBEDDED_SOURCE
@@ -24,6 +25,8 @@ def default_data_output_path() -> str:
 # Local paths in these are made absolute as they are parsed, so a run's records (args.json, its checkpoints' flags)
 # name the files it read wherever a later step, resume or pipeline rerun starts from.
 SOURCE_FLAGS = ("data_path", "sft_only_data_path")
+# Read by step 1 alone: the other steps refuse them (`DataArguments.check_flags`), and train.py gives them to step 1 only.
+STEP1_ONLY_FLAGS = ("sft_only_data_path",)
 
 
 def with_resolved_sources(flags: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,11 +75,16 @@ class DataArguments:
         for flag in SOURCE_FLAGS:
             setattr(self, flag, [resolved_source(path) for path in getattr(self, flag)])
 
-    def check_flags(self) -> None:
-        """Refuse a --data_split or --eval_fraction no shard can be cut with, before the step reads any data (the
-        steps' `check_flags`, which train.py runs before its first step, call it)."""
+    def check_flags(self, phase: int) -> None:
+        """Refuse a --data_split or --eval_fraction no shard can be cut with, and step 1's own flags in a step that
+        trains on shard `phase` > 1 (which ignored them), before the step reads any data (the steps' `check_flags`,
+        which train.py runs before its first step, call it)."""
         parse_data_split(self.data_split)
         check_eval_fraction(self.eval_fraction)
+        given = [f"--{flag}" for flag in STEP1_ONLY_FLAGS if getattr(self, flag)]
+        if phase != 1 and given:
+            raise UserError(f"{', '.join(given)} names sources step 1 alone trains on, and this step reads only its "
+                            f"shard of --data_path: drop it (train.py gives it to step 1 only)")
 
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)
