@@ -17,6 +17,7 @@ from training.core.args import (
     check_lora_flags,
     check_non_negative,
     check_offload_stage,
+    check_optimizer_flags,
     check_positive,
     flag_values,
     group,
@@ -155,6 +156,7 @@ def _check_loop(args: Step3Settings, flags: Mapping[str, Any]) -> None:
     check_non_negative(flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
     check_offload_stage(flags, "actor_", "critic_")
     check_lora_flags(flags, "actor_", "critic_")
+    check_optimizer_flags(flags, "actor_", "critic_")
     if not 0.0 <= args.ema.ema_beta < 1.0:
         raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
 

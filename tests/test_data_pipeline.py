@@ -230,13 +230,14 @@ def count_builds(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("flag", ["max_train_samples", "max_eval_samples"])
-def test_a_negative_sample_cap_is_refused(tmp_path, tok, flag):
+@pytest.mark.parametrize("flag, least", [("max_train_samples", 1), ("max_eval_samples", 0)])
+def test_a_sample_cap_below_its_least_is_refused(tmp_path, tok, flag, least):
+    """No training item is refused too: the step failed on it once it had loaded its model."""
     path = tmp_path / "a.jsonl"
     write_pairs(path, 10, "a")
-    with pytest.raises(UserError, match=f"--{flag} must be 0 or more, not -1"):
+    with pytest.raises(UserError, match=f"--{flag} must be {least} or more, not {least - 1}"):
         build_phase_datasets(phase=2, data_paths=[str(path)], data_split="1,1,1", tokenizer=tok, max_seq_len=64,
-                             seed=0, data_output_path=str(tmp_path / "cache"), **{flag: -1})
+                             seed=0, data_output_path=str(tmp_path / "cache"), **{flag: least - 1})
 
 
 def test_cache_hits_and_misses_on_every_key_input(tmp_path, tok, count_builds):

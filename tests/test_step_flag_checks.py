@@ -1,5 +1,6 @@
 """Each step's flag-only checks (its settings' `check_flags`): the step runs them when it starts, and train.py runs
 every step's before its first step, so a value step 3 refuses fails in seconds, not after steps 1 and 2 trained."""
+import re
 import shutil
 
 import pytest
@@ -58,6 +59,32 @@ def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tin
     mains = RecordedMains()
     with pytest.raises(UserError, match=f"^step 3: {message}"):
         train(tmp_path, tiny_model_dir("llama"), "--step3-args", step3_args, mains=mains)
+    assert mains.ran == [] and not (tmp_path / "out" / "step1").exists()
+
+
+@pytest.mark.parametrize("step_args, message", [
+    # the data build refused them, after the step had loaded its tokenizer (under train.py, after the steps before)
+    ("--step1-args=--max_seq_len=1", "step 1: --max_seq_len must be at least 2 (a prompt token and a reply token)"),
+    ("--step3-args=--max_seq_len=0", "step 3: --max_seq_len must be at least 2"),
+    ("--step2-args=--max_prompt_seq_len=0", "step 2: --max_prompt_seq_len must be at least 1, got 0"),
+    ("--step3-args=--max_train_samples=-1", "step 3: --max_train_samples must be 1 or more, not -1"),
+    ("--step2-args=--max_train_samples=0", "step 2: --max_train_samples must be 1 or more, not 0"),
+    ("--step1-args=--max_eval_samples=-1", "step 1: --max_eval_samples must be 0 or more, not -1"),
+    # taken as 1
+    ("--step3-args=--enable_hybrid_engine --actor_zero_stage 3 --tp_gather_partition_size 0",
+     "step 3: --tp_gather_partition_size must be at least 1 (decoder layers gathered at once), got 0"),
+    # AdamW refused it once the model had loaded
+    ("--step1-args=--learning_rate=-1e-5", "step 1: --learning_rate must be 0 or positive, got -1e-05"),
+    # taken without a word: per parameter group, or a clipping norm applied only when positive
+    ("--step2-args=--lora_dim 8 --lora_learning_rate=-1e-4", "step 2: --lora_learning_rate must be 0 or positive"),
+    ("--step3-args=--critic_weight_decay=-0.1", "step 3: --critic_weight_decay must be 0 or positive, got -0.1"),
+    ("--step3-args=--gradient_clipping=-1", "step 3: --gradient_clipping must be 0 or positive, got -1.0"),
+])
+def test_a_value_only_a_later_stage_refused_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step_args,
+                                                                              message):
+    mains = RecordedMains()
+    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+        train(tmp_path, tiny_model_dir("llama"), step_args, mains=mains)
     assert mains.ran == [] and not (tmp_path / "out" / "step1").exists()
 
 

@@ -322,6 +322,18 @@ def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
             raise UserError(f"--{name} must be 0 or positive, got {value}")
 
 
+_OPTIMIZER_FLAGS = ("learning_rate", "lora_learning_rate", "weight_decay")
+
+
+def check_optimizer_flags(flags: Mapping[str, Any], *prefixes: str) -> None:
+    """Refuse a negative learning rate, adapter learning rate or weight decay of the trained models named by their
+    flag `prefixes` (`actor_`), and a negative --gradient_clipping: torch's AdamW refused a negative --learning_rate
+    only once the model had loaded, and took the others without a word (set per parameter group, or a norm that
+    DeepSpeed and the master-weight optimizer apply only when positive), training away from the loss, growing the
+    weights, or leaving the gradients unclipped."""
+    check_non_negative(flags, "gradient_clipping", *(prefix + name for prefix in prefixes for name in _OPTIMIZER_FLAGS))
+
+
 def optimization_settings(
     model: ModelTrainingConfig,
     schedule: ScheduleSettings,

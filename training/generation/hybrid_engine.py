@@ -118,6 +118,9 @@ class HybridEngineSettings:
         if self.unpin_actor_parameters and (self.inference_tp_size > 1 or self.keep_inference_copy):
             raise UserError("--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy; "
                             "drop --unpin_actor_parameters")
+        if self.tp_gather_partition_size < 1:  # it was taken as 1
+            raise UserError(f"--tp_gather_partition_size must be at least 1 (decoder layers gathered at once), got "
+                            f"{self.tp_gather_partition_size}")
 
 
 def build_generator(backend: str, engine: torch.nn.Module, tokenizer, settings: HybridEngineSettings) -> Generator:
@@ -217,7 +220,7 @@ class WeightSource:
 
     def __init__(self, module: torch.nn.Module, partition_size: int):
         self.module = module
-        self.partition_size = max(1, partition_size)
+        self.partition_size = partition_size
         peft = _is_peft(module)
         self.entries: list[_Entry] = []
         for name, param in module.named_parameters():

@@ -24,6 +24,7 @@ from training.core.args import (
     check_lora_flags,
     check_non_negative,
     check_offload_stage,
+    check_optimizer_flags,
     check_positive,
     flag_values,
     optimization_settings,
@@ -109,6 +110,7 @@ class SupervisedSettings:
         check_non_negative(flags, "eval_interval", "num_warmup_steps", "lora_dim")
         check_offload_stage(flags, "")
         check_lora_flags(flags, "")
+        check_optimizer_flags(flags, "")
         self.checkpoints.check_flags()
         self.data.check_flags(self.phase)
 

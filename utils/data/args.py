@@ -10,12 +10,12 @@ from utils.paths import cache_root
 
 from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
-from .phases import PhaseData, build_phase_data
+from .phases import PhaseData, build_phase_data, check_sample_caps
 from .readers import FORMATS
 from .shard_match import InputRunRecord
 from .sources import resolved_source
 from .splits import ShardSettings, check_eval_fraction, check_seed, parse_data_split
-from .tokenization import PROMPT_OVERFLOW
+from .tokenization import PROMPT_OVERFLOW, check_token_limits
 
 
 def default_data_output_path() -> str:
@@ -76,11 +76,13 @@ class DataArguments:
             setattr(self, flag, [resolved_source(path) for path in getattr(self, flag)])
 
     def check_flags(self, phase: int) -> None:
-        """Refuse a --data_split or --eval_fraction no shard can be cut with, and step 1's own flags in a step that
-        trains on shard `phase` > 1 (which ignored them), before the step reads any data (the steps' `check_flags`,
-        which train.py runs before its first step, call it)."""
+        """Refuse a --data_split or --eval_fraction no shard can be cut with, token limits or sample caps the build
+        refuses, and step 1's own flags in a step that trains on shard `phase` > 1 (which ignored them), before the
+        step reads any data (the steps' `check_flags`, which train.py runs before its first step, call it)."""
         parse_data_split(self.data_split)
         check_eval_fraction(self.eval_fraction)
+        check_token_limits(self.max_seq_len, self.max_prompt_seq_len)
+        check_sample_caps(self.max_train_samples, self.max_eval_samples)
         given = [f"--{flag}" for flag in STEP1_ONLY_FLAGS if getattr(self, flag)]
         if phase != 1 and given:
             raise UserError(f"{', '.join(given)} names sources step 1 alone trains on, and this step reads only its "

@@ -209,6 +209,14 @@ class PhaseData(NamedTuple):
     records: list[tuple[str, int]]
 
 
+def check_sample_caps(max_train_samples: int | None, max_eval_samples: int | None) -> None:
+    """--max_train_samples 1 or more (0 leaves the step nothing to train on), --max_eval_samples 0 or more (0: no
+    evaluation); None: no cap."""
+    for flag, count, least in (("max_train_samples", max_train_samples, 1), ("max_eval_samples", max_eval_samples, 0)):
+        if count is not None and count < least:
+            raise UserError(f"--{flag} must be {least} or more, not {count}")
+
+
 def build_phase_data(
     phase: int,
     data_paths: Sequence[str],
@@ -240,9 +248,7 @@ def build_phase_data(
         raise UserError(f"phase must be 1, 2 or 3, not {phase}")
     if not data_paths and not (phase == 1 and sft_only_data_paths):
         raise UserError("no data sources given: pass --data_path (e.g. --data_path embedded)")
-    for flag, count in (("max_train_samples", max_train_samples), ("max_eval_samples", max_eval_samples)):
-        if count is not None and count < 0:
-            raise UserError(f"--{flag} must be 0 or more, not {count}")
+    check_sample_caps(max_train_samples, max_eval_samples)
     kind = PHASE_KINDS[phase]
     weights = parse_data_split(data_split)
     if not gives_step_data(phase, data_split, sft_only_data_paths):

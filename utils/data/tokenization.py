@@ -41,6 +41,15 @@ _EMPTY_COLUMNS = {
 }
 
 
+def check_token_limits(max_seq_len: int, max_prompt_seq_len: int) -> None:
+    """A sequence holds a prompt token and a reply token at least, a prompt one token (every step's data build
+    checks both, and so do the steps' flag checks, before anything loads)."""
+    if max_seq_len < 2:
+        raise UserError(f"--max_seq_len must be at least 2 (a prompt token and a reply token), got {max_seq_len}")
+    if max_prompt_seq_len < 1:
+        raise UserError(f"--max_prompt_seq_len must be at least 1, got {max_prompt_seq_len}")
+
+
 @dataclass(frozen=True)
 class TokenLimits:
     max_seq_len: int = 512
@@ -51,8 +60,7 @@ class TokenLimits:
     def __post_init__(self):
         if self.prompt_overflow not in PROMPT_OVERFLOW:
             raise UserError(f"--prompt_overflow must be one of {', '.join(PROMPT_OVERFLOW)}, not '{self.prompt_overflow}'")
-        if self.max_seq_len < 2 or self.max_prompt_seq_len < 1:
-            raise UserError("--max_seq_len must be at least 2 and --max_prompt_seq_len at least 1")
+        check_token_limits(self.max_seq_len, self.max_prompt_seq_len)
 
     def key(self, kind: str) -> dict:
         """The limits that change `kind`'s items (for the cache key)."""
