@@ -845,10 +845,11 @@ class LaunchedSteps:
 
 
 @pytest.mark.parametrize("given_port", [False, True])
-def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fakes, monkeypatch, given_port):
+def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fakes, monkeypatch, capsys, given_port):
     """The free master port was chosen once, at planning, for every step: a step launched hours later, after another
     program took the port, failed as its ranks' store could not bind. A port train.py picks is picked free at each
-    launch; a --master-port taken since is refused then, naming it."""
+    launch, and printed then (the commands printed before step 1 hold ports free at planning); a --master-port taken
+    since is refused then, naming it."""
     from training.pipeline import runner
     from utils.dist import free_port
 
@@ -860,6 +861,11 @@ def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fak
         if not given_port:
             run(argv, fakes)
             assert [call[0] for call in fakes.calls] == [1, 2] and len(set(launched.ports)) == 2
+            out = capsys.readouterr().out
+            assert "each step takes one free when it starts" in out
+            assert all("launch: " in line and f"--master_port {port} " in line
+                       for line, port in zip([line for line in out.splitlines() if line.startswith("launch: ")],
+                                             launched.ports, strict=True))
             return
         port = free_port()
         with pytest.raises(UserError, match=rf"^--master-port {port} is taken on this machine"):

@@ -66,6 +66,11 @@ class Launcher:
         machine, which the launcher starts itself."""
         return self.deployment is DeploymentType.MULTI_NODE and (self.nodes > 1 or not self.on_this_machine)
 
+    @property
+    def settles_port_at_launch(self) -> bool:
+        """Whether `command_now` picks a free master port at each launch (on one node, none given)."""
+        return self.deployment is not DeploymentType.MULTI_NODE and self.master_port is None
+
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
         command = [sys.executable, "-m", LAUNCHER_MODULE, "--no_local_rank"]
@@ -93,12 +98,11 @@ class Launcher:
         """`command` with its master port settled at this moment, not when the run was planned (hours before a
         later step starts, and another program may have taken the port since): on this node, the given port
         checked free, else one free now. A multi_node port is the first node's, which this node cannot check."""
-        if self.deployment is DeploymentType.MULTI_NODE:
-            return self.command(script, step_argv)
-        if self.master_port is not None:
+        if self.settles_port_at_launch:
+            return replace(self, master_port=free_port()).command(script, step_argv)
+        if self.deployment is not DeploymentType.MULTI_NODE:
             check_port_free(self.master_port)
-            return self.command(script, step_argv)
-        return replace(self, master_port=free_port()).command(script, step_argv)
+        return self.command(script, step_argv)
 
 
 def is_this_machine(host: str) -> bool:

@@ -498,6 +498,7 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
             summary = run_in_process(entry(step).main, prepared.argvs[step], config.log_path(step), label)
         else:
             command = prepared.launcher.command_now(STEPS[step].script(), prepared.argvs[step])
+            print(f"launch: {format_command(command)}", flush=True)  # its master port is settled now
             run_subprocess(command, config.log_path(step), label, env=launcher_env(REPO_ROOT))
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
@@ -568,6 +569,8 @@ def run_pipeline(
     print(settings_table(prepared.plan, config.steps, prepared.runs_with), flush=True)
     how = "in this process, as" if prepared.launcher is None else "with"
     print(f"\n{'would run' if config.dry_run else 'runs'} {how}:")
+    if prepared.launcher is not None and prepared.launcher.settles_port_at_launch:
+        print("  (master ports free now; each step takes one free when it starts, printed at its launch)")
     for step in config.steps:
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
     if config.dry_run:
