@@ -361,7 +361,7 @@ def test_a_zero_stage_0_override_drops_the_planned_offload():
     plan = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(big, big),
                     Hardware(num_gpus=1, gpu_memory_gib=24, cpu_memory_gib=512, cpu_cores=8, bf16=True), None)
     assert plan.steps[1].flags["offload"] and plan.steps[3].flags["actor_offload"]
-    apply_zero_overrides(plan, {Model.ACTOR: 0, Model.REWARD: None})
+    assert apply_zero_overrides(plan, {Model.ACTOR: 0, Model.REWARD: None}, steps=(1, 2, 3)) == set()
     assert (plan.steps[1].flags["zero_stage"], plan.steps[1].flags["offload"]) == (0, False)
     assert (plan.steps[3].flags["actor_zero_stage"], plan.steps[3].flags["actor_offload"]) == (0, False)
     assert plan.steps[3].flags["critic_offload"] and plan.steps[2].flags["offload"]
@@ -403,6 +403,23 @@ def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_mode
                                              "--data_path", mine, "--output-dir", str(tmp_path / "mine")], fakes)
     assert all("task:arithmetic" not in argv for _, _, argv in fakes.calls)
     assert fakes.calls[1][1].data_path == mine
+
+
+def test_a_zero_stage_override_no_step_of_the_run_takes_is_refused(tmp_path, tiny_model_dir):
+    """--reward-zero-stage under a critic-free algorithm with --reward_fn (steps 1 and 3: no reward model, no
+    critic) and --actor-zero-stage for step 2 alone were dropped without a word."""
+    options = {1: ["--data_path"], 3: ["--data_path", "--algorithm", "--reward_fn", "--eval_samples"]}
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options=options)
+    verifier = common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", "builtin:math"]
+    with pytest.raises(UserError, match=r"^--reward-zero-stage 2: no step of this run \(steps 1, 3\) has a reward "
+                                        r"model or critic .*: drop it$"):
+        run(verifier + ["--reward-zero-stage", "2"], fakes)
+    with pytest.raises(UserError, match=r"^--actor-zero-stage 3: no step of this run \(steps 2\) trains or runs "
+                                        r"the actor: drop it$"):
+        run(common(tmp_path, fakes.model_dir) + ["--step", "2", "--actor-zero-stage", "3"], fakes)
+    assert fakes.calls == []
+    run(verifier + ["--actor-zero-stage", "2"], fakes)
+    assert fakes.calls[-1][1].actor_zero_stage == "2"
 
 
 def test_step3s_planned_workload_has_a_reward_model_exactly_when_its_inputs_give_one(tmp_path, tiny_model_dir,

@@ -209,5 +209,6 @@ def test_train_pys_reward_zero_stage_reaches_a_step3_critic_or_reward_model_only
     for critic, reward_model, given in ((True, False, True), (False, True, True), (False, False, False)):
         plan = plan_cpu(ModelSizes(SMALL, SMALL), TWO_CORES,
                         workload=Workload(critic=critic, reward_model=reward_model, samples_per_prompt=4))
-        apply_zero_overrides(plan, {Model.ACTOR: None, Model.REWARD: 2})
+        untaken = apply_zero_overrides(plan, {Model.ACTOR: None, Model.REWARD: 2}, steps=(3,))
         assert plan.steps[3].flags.get("critic_zero_stage") == (2 if given else None)
+        assert untaken == (set() if given else {Model.REWARD}), "train.py refuses a stage no step takes"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from .deployment import (
     CpuQuickRun,
@@ -46,17 +46,23 @@ def plan_deployment(
     return plan_gpu(deployment, sizes, hardware, hosts, workload)
 
 
-def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None]) -> None:
+def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None],
+                         steps: Collection[int]) -> set[Model]:
     """Set each model's ZeRO stage (None: keep the planned one) in the plan field each step names for it, where the
-    plan sets that field (step 3's plan leaves --critic_zero_stage out of a run without critic and reward model)."""
+    plan sets that field (step 3's plan leaves --critic_zero_stage out of a run without critic and reward model).
+    Returns the models given a stage that no step of `steps` takes."""
+    taken = set()
     for number, spec in STEPS.items():
         planned = plan.steps[number].flags
         overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items()
                      if stages[model] is not None and name in planned}
+        if number in steps:
+            taken |= {model for model, name in spec.zero_stage_fields.items() if name in overrides}
         # ZeRO-0 offloads nothing: an offload planned for another stage goes with it
         overrides |= {name.replace("zero_stage", "offload"): False for name, stage in overrides.items() if stage == 0}
         if overrides:
             plan.steps[number] = replace(plan.steps[number], **overrides)
+    return {model for model, stage in stages.items() if stage is not None} - taken
 
 
 def follow_user_max_steps(plan: DeploymentPlan, user_flags: Mapping[int, Sequence[str]]) -> None:

@@ -54,6 +54,13 @@ from .steps import (STEPS, ModelInput, StepEntry, accepted_options, drop_flag, f
 from .summary import StepResult, settings_table, summary_table
 
 
+# what a step must have for --actor-zero-stage / --reward-zero-stage to set a stage
+UNTAKEN_ZERO_STAGE = {
+    Model.ACTOR: "trains or runs the actor",
+    Model.REWARD: "has a reward model or critic (step 3 has none under a critic-free algorithm with --reward_fn)",
+}
+
+
 Inputs = dict[int, list[tuple[ModelInput, str]]]
 RecordedFlags = tuple[dict[str, Any], frozenset[str]]  # `_recorded_flags`: a step's flag values, and those free to differ
 TRAINED_FROM_FILE = "trained_from.json"  # train.py's record, in a step's run folder, of the inputs it trained from
@@ -463,7 +470,10 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     ) if config.extra_args else {}
     reward_model = any(source.model is Model.REWARD for source, _ in inputs.get(3, []))
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))
-    apply_zero_overrides(plan, config.zero_stages())
+    if untaken := apply_zero_overrides(plan, config.zero_stages(), config.steps):
+        raise UserError("; ".join(
+            f"--{model.value}-zero-stage {config.zero_stages()[model]}: no step of this run (steps "
+            f"{', '.join(map(str, config.steps))}) {UNTAKEN_ZERO_STAGE[model]}: drop it" for model in sorted(untaken)))
     user_flags = {step: [*routed.get(step, []), *config.step_args.get(step, [])] for step in config.steps}
     follow_user_max_steps(plan, user_flags)
     launcher = _launcher(config, deployment, hardware, hosts)
