@@ -163,12 +163,14 @@ class ChatSession:
     def _encode(self, history: list[dict]) -> tuple[torch.Tensor, list[dict]]:
         """The conversation `history` (ending with the new message) as input ids, and the history kept: the oldest
         exchanges are dropped until it leaves room for an answer (`self.limit`: within the window of the model's run,
-        if any) within the model's positions. A new message that does not fit alone (with the system prompt) is
-        refused: cut to fit, it lost its own question."""
+        if any) within the model's positions, and within a window until the answer has half of it
+        (`roomy_answer`) or no earlier exchange is left. A new message that does not fit alone (with the system
+        prompt) is refused: cut to fit, it lost its own question."""
         while True:
             ids = self.tokenizer(self._prompt(history), add_special_tokens=self.formatter.adds_special_tokens,
                                  return_tensors="pt")["input_ids"]
-            if self.limit.fits(self.model.config, ids.shape[1]):
+            roomy = self.limit.after(ids.shape[1]) >= self.limit.roomy_answer or len(history) < 3
+            if roomy and self.limit.fits(self.model.config, ids.shape[1]):
                 return ids, history
             if len(history) < 3:  # no earlier exchange left to drop
                 self.limit.check(self.model.config, ids.shape[1],

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -465,13 +466,28 @@ def test_auto_dtype_is_the_dtype_a_run_trained_its_model_in(tmp_path, tiny_model
     assert dtype(str(tmp_path / "fp32"), "--dtype", "bf16") == torch.bfloat16
 
 
+def _answer_budgets(path: str, messages: Sequence[str], *flags: str) -> list[tuple[int, int]]:
+    """(prompt tokens, max_new_tokens) of each message's generate, in one chat with the model at `path`."""
+    from inference.chatbot import build_parser, load_session
+
+    chat_session = load_session(build_parser().parse_args(["--path", path, "--greedy", *flags]))
+    calls, generate = [], chat_session.model.generate
+
+    def recording(**kwargs):
+        calls.append((kwargs["input_ids"].shape[1], kwargs["max_new_tokens"]))
+        return generate(**kwargs)
+
+    chat_session.model.generate = recording
+    for message in messages:
+        chat_session.reply(message)
+    return calls
+
+
 def test_the_chat_answers_as_long_as_the_models_run_let_answers_be(tmp_path, tiny_model_dir):
     """The chatbot's --max_new_tokens was 128 whatever the run, defined apart from prompt_eval's: a step-3 actor
     trained to answer within --max_answer_seq_len ran on past it. Unset, it follows the run as prompt_eval does
     (`answer_limit`); given, it wins; under a step-1 run's --max_seq_len the conversation and its answer share the
     window, the oldest exchanges dropped when the conversation leaves no room."""
-    from inference.chatbot import build_parser, load_session
-
     model = tiny_model_dir("llama")
     runs = {"step3": {"max_seq_len": 512, "max_answer_seq_len": 3}, "step1": {"max_seq_len": 40}}
     for name, record in runs.items():
@@ -479,18 +495,7 @@ def test_the_chat_answers_as_long_as_the_models_run_let_answers_be(tmp_path, tin
         (tmp_path / name / "args.json").write_text(json.dumps(record))
 
     def budgets(path: str, *flags: str) -> list[tuple[int, int]]:
-        """(prompt tokens, max_new_tokens) of each of three turns' generate."""
-        chat_session = load_session(build_parser().parse_args(["--path", path, "--greedy", *flags]))
-        calls, generate = [], chat_session.model.generate
-
-        def recording(**kwargs):
-            calls.append((kwargs["input_ids"].shape[1], kwargs["max_new_tokens"]))
-            return generate(**kwargs)
-
-        chat_session.model.generate = recording
-        for message in ("hello", "how are you", "tell me a joke"):
-            chat_session.reply(message)
-        return calls
+        return _answer_budgets(path, ("hello", "how are you", "tell me a joke"), *flags)
 
     assert [budget for _, budget in budgets(str(tmp_path / "step3"))] == [3, 3, 3]
     assert [budget for _, budget in budgets(str(tmp_path / "step3"), "--max_new_tokens", "5")] == [5, 5, 5]
@@ -498,6 +503,20 @@ def test_the_chat_answers_as_long_as_the_models_run_let_answers_be(tmp_path, tin
     window = budgets(str(tmp_path / "step1"))
     assert all(prompt + budget == 40 for prompt, budget in window), window
     assert SamplingOptions().max_new_tokens is None  # one default, prompt_eval's: `answer_limit`
+
+
+def test_a_chat_in_a_window_leaves_out_old_exchanges_before_the_answer_gets_short():
+    """Under a step-1 run's --max_seq_len the oldest exchanges were dropped only when no room at all was left: each
+    answer got what the conversation left of the window, down to a few tokens (17 of 200 here). They are now
+    dropped while an answer would get less than half the window; one that leaves that room is kept."""
+    chat_session = session()
+    chat_session.limit = AnswerLimit(200, 200, source="its run's --max_seq_len")
+    exchange = [{"role": "user", "content": "question"}, {"role": "assistant", "content": " ".join(["story"] * 5)}]
+    message = [{"role": "user", "content": "and then"}]
+    for earlier, kept in ((2, 1), (1, 1), (0, 0)):
+        ids, history = chat_session._encode(exchange * earlier + message)
+        assert history == exchange * kept + message
+        assert chat_session.limit.after(ids.shape[1]) >= 100, ids.shape
 
 
 def test_a_conversation_cut_to_fit_says_so_after_the_answer():

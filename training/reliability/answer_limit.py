@@ -24,6 +24,12 @@ class AnswerLimit:
         return self.max_new_tokens if self.max_seq_len is None else min(self.max_new_tokens,
                                                                         self.max_seq_len - prompt_tokens)
 
+    @property
+    def roomy_answer(self) -> int:
+        """The room a chat keeps for an answer by leaving its oldest exchanges out: within a window, half of it (or
+        `max_new_tokens` where less); without one, an answer's room does not depend on the prompt."""
+        return self.max_new_tokens if self.max_seq_len is None else min(self.max_new_tokens, self.max_seq_len // 2)
+
     def fits(self, config, prompt_tokens: int) -> bool:
         """Whether a prompt of `prompt_tokens` tokens leaves room for an answer, within the window and, with its
         answer, within the model's positions."""
