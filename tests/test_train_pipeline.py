@@ -4,6 +4,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -234,6 +235,21 @@ def test_a_finished_step_whose_data_file_changed_since_is_not_reused(tmp_path, t
     with pytest.raises(UserError, match=f"step 1 finished in .* on data that changed since: {data} "):
         run(argv, fakes)
     assert fakes.calls == []
+
+    again = common(tmp_path, fakes.model_dir) + ["--step", "1", "--step1-args", f"--data_path {data}",
+                                                 "--output-dir", str(tmp_path / "again")]
+    run(again, fakes)
+    record = tmp_path / "again" / "step1" / "trained_from.json"  # as written before content hashes: mtimes
+    legacy = json.loads(record.read_text())
+    legacy["data files"] = {source: [[path, size, os.stat(path).st_mtime_ns] for path, size, _ in files]
+                            for source, files in legacy["data files"].items()}
+    record.write_text(json.dumps(legacy))
+    fakes.calls.clear()
+    run(again, fakes)
+    assert fakes.calls == [], "a record of the older format, of the same files, is of a finished step"
+    os.utime(data, ns=(os.stat(data).st_atime_ns, os.stat(data).st_mtime_ns + 10**9))
+    with pytest.raises(UserError, match=f"step 1 finished in .* on data that changed since: {data} "):
+        run(again, fakes)
 
     folder = tmp_path / "pairs"  # what the data layer does not read of a folder may change; a finished step whose
     folder.mkdir()                # data is gone since is still skipped (it needs it no more)

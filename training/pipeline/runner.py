@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -252,12 +253,21 @@ def _check_trained_from_current_inputs(config: PipelineConfig, step: int, inputs
             )
     data = _data_versions(argv)
     for source, files in recorded.get(DATA_VERSIONS_KEY, {}).items():
-        if source in data and data[source] != files:
+        if source in data and _files_changed(files, data[source]):
             raise UserError(
                 f"step {step} {what} in {config.run_dir(step)} on data that changed since: {source} (its files' "
                 f"sizes or contents differ); delete {config.run_dir(step)} to train step {step} on it again, or choose "
                 f"another --output-dir"
             )
+
+
+def _files_changed(recorded: list, current: list) -> bool:
+    """Whether a data source's files (`file_fingerprint`: path, size, content hash) differ from those a step recorded.
+    A record written before the content hashes holds each file's mtime in ns (an int) where the hash is now: it is
+    compared as it was written, by path, size and mtime, so a run folder of that time is not refused for its format."""
+    if recorded and all(isinstance(entry[2], int) for entry in recorded):
+        current = [[path, size, os.stat(path).st_mtime_ns] for path, size, _ in current]
+    return recorded != current
 
 
 def _remade(config: PipelineConfig, step: int, finished: Mapping[int, dict]) -> bool:
