@@ -150,9 +150,7 @@ def _check_loop(args: Step3Settings, flags: Mapping[str, Any]) -> None:
     """Batch sizes, passes, evaluation cadence, the models' training options and the EMA."""
     check_positive(flags, "per_device_generation_batch_size", "per_device_training_batch_size",
                    "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
-                   "eval_samples")
-    if args.loop.max_train_minutes is not None and args.loop.max_train_minutes <= 0:
-        raise UserError(f"--max_train_minutes must be positive, got {args.loop.max_train_minutes}")
+                   "eval_samples", "max_train_minutes")
     check_non_negative(flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
     check_offload_stage(flags, "actor_", "critic_")
     check_lora_flags(flags, "actor_", "critic_")

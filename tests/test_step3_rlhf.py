@@ -853,6 +853,14 @@ def test_a_ppo_constant_that_would_turn_its_term_around_is_refused_with_the_argu
         check_args(parse_args(step3_argv(inputs, tmp_path / "run", f"--{flag}", value)))
 
 
+def test_a_training_time_budget_must_be_positive(inputs, tmp_path):
+    from step3_rlhf.main import check_args, parse_args
+
+    with pytest.raises(UserError, match=r"^--max_train_minutes must be positive, got 0\.0$"):
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--max_train_minutes", "0")))
+    check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--max_train_minutes", "0.5")))
+
+
 def test_an_adaptive_kl_coefficient_from_zero_is_refused(inputs, tmp_path):
     """The adaptive controller multiplies the coefficient: from --kl_ctl 0 it stayed 0, and --target_kl held nothing."""
     from step3_rlhf.main import check_args, parse_args
