@@ -101,6 +101,27 @@ def test_no_held_out_sample_is_one_the_step_trains_on_from_another_record_or_sou
     assert f"{phases.HELD_OUT_IN_TRAINING}=" in "".join(split.summary(phase, "sft") for split in splits)
 
 
+@pytest.mark.parametrize("phase", [1, 2, 3])
+def test_a_held_out_sample_that_differs_from_a_trained_one_only_in_whitespace_is_dropped(tmp_path, phase):
+    """Each row's copy writes its prompt and replies with Windows line ends, doubled and no-break spaces: another
+    record at load, the same text to the model. Compared exactly, such copies were held out beside the trained ones
+    (steps 1, 2 and 3 alike); now no held-out sample is a trained one up to whitespace."""
+    rows = [{"prompt": f"question {i}\nplease", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(120)]
+    rows += [{"prompt": f"question {i}\r\n  please ", "chosen": f"good\u00a0{i}", "rejected": f"bad  {i}"}
+             for i in range(120)]
+    path = tmp_path / "spaced.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (split,) = phase_splits(phase, [str(path)], "1,1,1", seed=3, eval_fraction=0.5)
+
+    def text(sample):
+        return " ".join(f"{sample.turns[-1]['content']} {sample.chosen} {sample.rejected}".split())  # NBSP too
+
+    trained = {text(sample) for sample in split.train}
+    assert split.eval and not trained & {text(sample) for sample in split.eval}
+    assert split.skipped[phases.HELD_OUT_IN_TRAINING] > 0
+    assert len(split.eval) + split.skipped[phases.HELD_OUT_IN_TRAINING] == split.held_out
+
+
 @pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2", "nan,1,1", "inf,1,1", "1e308,1e308,1"])
 def test_bad_data_split_is_a_user_error(bad):
     with pytest.raises(UserError, match="data_split"):

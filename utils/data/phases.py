@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
@@ -88,15 +89,24 @@ def split_source(
 HELD_OUT_IN_TRAINING = "held_out_in_training"
 
 
+def comparable_text(text: str) -> str:
+    """`text` as the held-out check compares it: Unicode compatibility forms folded (NFKC: a no-break or full-width
+    space, a ligature) and every run of whitespace (line ends of either kind, tabs, doubled spaces) one space. Texts
+    that differ only so are the same text to a model reading its tokens."""
+    return " ".join(unicodedata.normalize("NFKC", text).split())
+
+
 def _trained_text(sample: Sample, kind: str) -> str:
-    """What `kind` reads of `sample`, as text: its prompt's turns, and the replies step 1 learns or step 2 compares."""
+    """What `kind` reads of `sample`, as comparable text (`comparable_text`): its prompt's turns, and the replies
+    step 1 learns or step 2 compares."""
     replies = (sample.chosen,) if kind == KIND_SFT else (sample.chosen, sample.rejected) if kind == KIND_PAIRS else ()
-    return json.dumps([sample.turns, *replies], sort_keys=True)
+    turns = [{"role": turn["role"], "content": comparable_text(turn["content"])} for turn in sample.turns]
+    return json.dumps([turns, *(comparable_text(reply) for reply in replies)], sort_keys=True)
 
 
 def drop_held_out_copies(splits: Sequence[SourceSplit], kind: str) -> None:
-    """Drop from each split's held-out samples those that a split of the step trains on as they are, counted as
-    skipped `HELD_OUT_IN_TRAINING`. Records are held out, not samples: records that differ can give one sample (rows
+    """Drop from each split's held-out samples those that a split of the step trains on (the same text up to
+    whitespace and Unicode compatibility forms: `comparable_text`), counted as skipped `HELD_OUT_IN_TRAINING`. Records are held out, not samples: records that differ can give one sample (rows
     of one prompt with other replies give step 3 the same prompt; SHP's pairs of one post share a preferred reply for
     step 1), as can two sources, and the step would be scored on what it trained on. Its training samples stay."""
     trained = {_trained_text(sample, kind) for split in splits for sample in split.train}
