@@ -1,5 +1,6 @@
 """Deployment types: hostfile validation, the settings each type picks, launch commands, dry runs."""
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -618,3 +619,33 @@ def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refu
     with pytest.raises(UserError, match="--master-port is the launcher's, and the cpu deployment"):
         run([*common, "--deployment-type", "cpu", "--master-port", "29731"])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("first_host, master_addr, checked_here", [
+    ("localhost", None, True),  # a hostfile of this node: its ranks, rank 0 too, run here
+    ("127.0.0.1", "127.0.0.1", True),
+    ("localhost", "10.255.255.1", False),  # rank 0's store is served at another address
+    ("worker-1", None, False),  # another node's port, which this machine cannot check
+])
+def test_a_multi_node_master_port_is_settled_here_where_rank_0_runs_on_this_machine(first_host, master_addr,
+                                                                                    checked_here):
+    """A hostfile naming this node (first) ran its ranks here on the given --master-port, or DeepSpeed's 29500,
+    unchecked: one taken (another run, a crashed one's ranks) failed every rank as its store bound, where a
+    single_node run is refused before anything starts, or given a free port."""
+    from training.pipeline.launch import check_port_free
+
+    script = Path("/x/main.py")
+    here = first_host != "worker-1"
+    given = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, on_this_machine=here, master_addr=master_addr)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refusal = pytest.raises(UserError, match=f"--master-port {port} is taken on this machine") if checked_here \
+            else contextlib.nullcontext()
+        with refusal:
+            dataclasses.replace(given, master_port=port).command_now(script, [])
+    settled = given.command_now(script, [])
+    assert ("--master_port" in settled) is checked_here
+    if checked_here:
+        check_port_free(int(settled[settled.index("--master_port") + 1]))

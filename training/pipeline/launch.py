@@ -55,10 +55,10 @@ class Launcher:
     deployment: DeploymentType
     num_gpus: int = 1
     hostfile: str | None = None
-    master_port: int | None = None  # given by the user; None: one free at each launch on one node, 29500 on several
+    master_port: int | None = None  # given by the user; None: one free at each launch where rank 0 runs here, else 29500
     master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`)
     nodes: int = 1  # the hostfile's
-    on_this_machine: bool = False  # multi_node: the hostfile's one node is the machine train.py runs on
+    on_this_machine: bool = False  # multi_node: the hostfile's first node is the machine train.py runs on
 
     @property
     def through_pdsh(self) -> bool:
@@ -67,9 +67,17 @@ class Launcher:
         return self.deployment is DeploymentType.MULTI_NODE and (self.nodes > 1 or not self.on_this_machine)
 
     @property
+    def master_on_this_machine(self) -> bool:
+        """Whether rank 0, which serves the store on the master port, runs on this machine: on one node, or where the
+        hostfile's first node is this machine and no --master-addr names another."""
+        if self.deployment is not DeploymentType.MULTI_NODE:
+            return True
+        return self.on_this_machine and (self.master_addr is None or is_this_machine(self.master_addr))
+
+    @property
     def settles_port_at_launch(self) -> bool:
-        """Whether `command_now` picks a free master port at each launch (on one node, none given)."""
-        return self.deployment is not DeploymentType.MULTI_NODE and self.master_port is None
+        """Whether `command_now` picks a free master port at each launch (rank 0 here, none given)."""
+        return self.master_on_this_machine and self.master_port is None
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
@@ -96,11 +104,11 @@ class Launcher:
 
     def command_now(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         """`command` with its master port settled at this moment, not when the run was planned (hours before a
-        later step starts, and another program may have taken the port since): on this node, the given port
-        checked free, else one free now. A multi_node port is the first node's, which this node cannot check."""
+        later step starts, and another program may have taken the port since): where rank 0 runs on this machine,
+        the given port checked free, else one free now. Another node's port is for that node to bind."""
         if self.settles_port_at_launch:
             return replace(self, master_port=free_port()).command(script, step_argv)
-        if self.deployment is not DeploymentType.MULTI_NODE:
+        if self.master_on_this_machine:
             check_port_free(self.master_port)
         return self.command(script, step_argv)
 
@@ -160,8 +168,8 @@ def check_remote_shell_reads(script: Path, step_argv: Sequence[str]) -> None:
 
 
 def check_port_free(port: int) -> None:
-    """A master port given for a run on this node is free here now: one in use (another run, or the ranks of one
-    that crashed and linger) would fail every rank when its store binds."""
+    """A master port given for a run whose rank 0 runs on this machine is free here now: one in use (another run,
+    or the ranks of one that crashed and linger) would fail every rank when its store binds."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the ranks' store binds: TIME_WAIT is free
         try:
