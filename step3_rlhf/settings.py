@@ -160,8 +160,6 @@ def _check_loop(args: Step3Settings, flags: Mapping[str, Any]) -> None:
 
 
 def _check_sampling(sampling: RolloutSampling) -> None:
-    if sampling.temperature <= 0:
-        raise UserError(f"--temperature must be positive, got {sampling.temperature}")
     if sampling.top_p != 1.0 or sampling.top_k != 0:
         raise UserError(
             f"--top_p {sampling.top_p} / --top_k {sampling.top_k}: step 3 samples rollouts from the full "
@@ -173,7 +171,7 @@ def _check_sampling(sampling: RolloutSampling) -> None:
 
 def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
     check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
-                   "kl_horizon", "group_std_eps", "max_prompt_seq_len", "max_answer_seq_len")
+                   "kl_horizon", "group_std_eps", "max_prompt_seq_len", "max_answer_seq_len", "temperature")
     # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
     check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty")
     for name in ("gamma", "lam"):

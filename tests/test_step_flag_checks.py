@@ -79,6 +79,12 @@ def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tin
     ("--step2-args=--lora_dim 8 --lora_learning_rate=-1e-4", "step 2: --lora_learning_rate must be 0 or positive"),
     ("--step3-args=--critic_weight_decay=-0.1", "step 3: --critic_weight_decay must be 0 or positive, got -0.1"),
     ("--step3-args=--gradient_clipping=-1", "step 3: --gradient_clipping must be 0 or positive, got -1.0"),
+    # nan passed every comparison: AdamW refused it once the model had loaded, the others trained into nan losses
+    ("--step1-args=--learning_rate=nan", "step 1: --learning_rate must be a finite number, got nan"),
+    ("--step2-args=--weight_decay=inf", "step 2: --weight_decay must be a finite number, got inf"),
+    ("--step3-args=--kl_ctl=nan", "step 3: --kl_ctl must be a finite number, got nan"),
+    ("--step3-args=--temperature=nan", "step 3: --temperature must be a finite number, got nan"),
+    ("--step3-args=--cliprange=inf", "step 3: --cliprange must be a finite number, got inf"),
 ])
 def test_a_value_only_a_later_stage_refused_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step_args,
                                                                               message):
@@ -102,6 +108,8 @@ def test_every_steps_refusal_is_reported_at_once_naming_its_step(tmp_path, tiny_
         train(tmp_path, model, "--step3-args", "--kl_in_loss --kl_estimator k1", "--dry-run")
     with pytest.raises(UserError, match=r"^step 4: --dpo_beta must be positive, got 0.0$"):
         train(tmp_path, model, "--algorithm", "dpo", "--dpo-args", "--dpo_beta 0", "--dry-run")
+    with pytest.raises(UserError, match=r"^step 4: --dpo_beta must be a finite number, got nan$"):
+        train(tmp_path, model, "--algorithm", "dpo", "--dpo-args", "--dpo_beta nan", "--dry-run")
 
 
 def test_a_flag_every_step_refuses_is_not_blamed_on_routing(tmp_path, tiny_model_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from training.algorithms import PREFERENCE_LOSSES, PreferenceLoss, get_preference_loss
+from training.core.args import check_positive
 from training.loops.supervised_step import PreferenceSettings
 from utils.errors import UserError
 
@@ -30,8 +31,7 @@ class DPOArguments:
     def preference_loss(self) -> PreferenceLoss:
         """The registered loss these settings select, after checking them (a `UserError` says what to change)."""
         loss = get_preference_loss(self.loss)
-        if self.beta <= 0:
-            raise UserError(f"--dpo_beta must be positive, got {self.beta}")
+        check_positive({"dpo_beta": self.beta}, "dpo_beta")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise UserError(f"--dpo_label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing and loss.name != "sigmoid":

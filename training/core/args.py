@@ -23,6 +23,7 @@ Switches are bool fields (default False) and `bool | None` fields: `--flag` alon
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar, get_type_hints
@@ -278,8 +279,18 @@ class ScheduleSettings:
 # reading them -------------------------------------------------------------------------------------
 
 
+def check_finite(flags: Mapping[str, Any], *names: str) -> None:
+    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but nan or infinite: argparse's float
+    reads "nan" and "inf", and every comparison with nan is False, so a range check alone lets it through."""
+    for name in names:
+        value = flags[name]
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"--{name} must be a finite number, got {value}")
+
+
 def check_positive(flags: Mapping[str, Any], *names: str) -> None:
-    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but not positive."""
+    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but not a positive finite number."""
+    check_finite(flags, *names)
     for name in names:
         value = flags[name]
         if value is not None and value <= 0:
@@ -315,7 +326,9 @@ def check_lora_flags(flags: Mapping[str, Any], *prefixes: str) -> None:
 
 
 def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
-    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but negative (0 turns it off)."""
+    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but negative (0 turns it off) or not a
+    finite number."""
+    check_finite(flags, *names)
     for name in names:
         value = flags[name]
         if value is not None and value < 0:
