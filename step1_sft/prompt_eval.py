@@ -3,8 +3,10 @@
     python step1_sft/prompt_eval.py --model_name_or_path_baseline smollm2-135m \\
         --model_name_or_path_finetune runs/step1 --prompts "How do I boil an egg?"
 
-Prompts are rendered the way training rendered them (chat template, or " Human: ... Assistant:"), and an answer
-ends where training ends the model's turn: at the EOS, or at the chat template's end-of-turn token where that is
+Each model's prompts are rendered the way its training rendered them (chat template, or " Human: ... Assistant:"):
+the run that trained it (its args.json) says how, and a model no run of this project trained is prompted as its
+tokenizer says (auto: its chat template, else plain); `--prompt_format` renders both alike, `--baseline_prompt_format`
+the baseline's alone. An answer ends where training ends the model's turn: at the EOS, or at the chat template's end-of-turn token where that is
 another (`PromptFormatter.stop_token_ids`).
 Decoding is greedy unless `--do_sample`, and follows these flags alone for both models (not a checkpoint's
 generation_config.json); both run in one dtype, so a difference is the fine-tuning's. An answer is as long as the
@@ -76,8 +78,12 @@ class PromptEvalArguments:
     prompts_file: str | None = field(default=None, metadata={"help": "a text file with one prompt per line"})
     prompt_format: str | None = field(default=None, metadata={
         "choices": PROMPT_FORMATS,
-        "help": "how both models' prompts are rendered (default: as the fine-tuned model's run trained, its "
-                "args.json; else auto)"})
+        "help": "how both models' prompts are rendered (default: each model's as the run that trained it rendered "
+                "them, its args.json; else auto)"})
+    baseline_prompt_format: str | None = field(default=None, metadata={
+        "choices": PROMPT_FORMATS,
+        "help": "how the baseline's prompts are rendered (default: --prompt_format where given, else as the run that "
+                "trained the baseline rendered them, its args.json; else auto: its own chat template, else plain)"})
     dtype: str = field(default="auto", metadata={
         "choices": DTYPE_CHOICES,
         "help": f"both models' dtype, under auto the fine-tuned model's ({TRAINED_DTYPE_HELP})"})
@@ -172,14 +178,23 @@ def build_parser() -> SettingsParser:
     return SettingsParser(PromptEvalSettings, description="Side-by-side answers of a base model and a fine-tuned model")
 
 
+def trained_prompt_format(model: str) -> str:
+    """The --prompt_format of the run that trained `model` (its args.json); auto for a model no run trained."""
+    return args_of_model(model).get("prompt_format", "auto")
+
+
 def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
-    """The flags, the fine-tuned model resolved to the folder it loads from (once: a train.py folder without a
-    step-3 actor says so once), `--prompt_format` left unset taken from the run that trained it."""
+    """The flags, both models resolved to the folders they load from (once: a train.py folder without a step-3
+    actor says so once), each model's prompt format left unset taken from the run that trained it: a baseline
+    prompted in the fine-tuned model's format reads text unlike its training (or has no chat template to render)."""
     settings = build_parser().parse_args(argv)
     run = settings.run
     run.model_name_or_path_finetune = resolve_trained_model(run.model_name_or_path_finetune)
-    if run.prompt_format is None:
-        run.prompt_format = args_of_model(run.model_name_or_path_finetune).get("prompt_format", "auto")
+    run.model_name_or_path_baseline = resolve_trained_model(run.model_name_or_path_baseline)
+    both = run.prompt_format
+    run.prompt_format = both or trained_prompt_format(run.model_name_or_path_finetune)
+    run.baseline_prompt_format = run.baseline_prompt_format or both or trained_prompt_format(
+        run.model_name_or_path_baseline)
     return settings
 
 
@@ -196,12 +211,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     decoding = "sampled" if settings.generation.do_sample else "greedy"
     print(f"baseline {args.model_name_or_path_baseline} and finetune {args.model_name_or_path_finetune}: both in "
           f"{DTYPE_NAMES[dtype]}, {decoding}, answers of at most {limit.max_new_tokens} tokens ({limit.source}), "
-          f"prompts rendered as {args.prompt_format}\n", flush=True)
+          f"prompts rendered as {args.baseline_prompt_format} (baseline) and {args.prompt_format} (finetune)\n",
+          flush=True)
     answers = {}
-    for label, name in (("baseline", args.model_name_or_path_baseline), ("finetune", args.model_name_or_path_finetune)):
+    for label, name, prompt_format in (("baseline", args.model_name_or_path_baseline, args.baseline_prompt_format),
+                                       ("finetune", args.model_name_or_path_finetune, args.prompt_format)):
         model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code)
         set_seed(args.seed)  # each model samples from the same seed, whatever the other drew
-        answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, args.prompt_format, limit)
+        answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, prompt_format, limit)
         del model
     rows = [{"prompt": p, "baseline": b, "finetune": f} for p, b, f in zip(prompts, answers["baseline"], answers["finetune"])]
     for row in rows:

@@ -125,6 +125,40 @@ def test_the_chat_renders_prompts_as_the_models_run_trained_on_them(tmp_path, ti
     assert style(str(run), "--prompt_format", "chat_template") == "chat_template"
 
 
+def test_prompt_eval_prompts_the_baseline_as_it_was_trained_not_as_the_fine_tuned_model(tmp_path, tiny_model_dir,
+                                                                                          monkeypatch):
+    """The fine-tuned model's run format (its args.json) was given to the baseline too: a run trained with
+    --prompt_format human_assistant had its template-bearing baseline prompted in Human/Assistant text, and one trained
+    with chat_template failed on a baseline whose tokenizer has no template, over a flag nobody passed. Now each model
+    is prompted as its own run trained it (a model no run trained: auto), unless --prompt_format (both) or
+    --baseline_prompt_format says otherwise."""
+    from step1_sft import prompt_eval
+
+    with_template, plain = tiny_model_dir("llama"), tiny_model_dir("gpt2", chat_template=False)
+    formats = []
+    answer = prompt_eval.generate_answers
+    monkeypatch.setattr(prompt_eval, "generate_answers", lambda model, tokenizer, prompts, settings, prompt_format,
+                        limit: formats.append(prompt_format) or answer(model, tokenizer, prompts, settings,
+                                                                      prompt_format, limit))
+
+    def formats_of(baseline: str, trained_as: str, *flags: str) -> list[str]:
+        run = tmp_path / trained_as
+        if not run.exists():
+            shutil.copytree(with_template, run / "model")
+            (run / "args.json").write_text(json.dumps({"prompt_format": trained_as}))
+        formats.clear()
+        prompt_eval.main(["--model_name_or_path_baseline", baseline, "--model_name_or_path_finetune", str(run),
+                          "--prompts", "hi", "--max_new_tokens", "2", *flags])
+        return formats
+
+    assert formats_of(with_template, "human_assistant") == ["auto", "human_assistant"]
+    assert formats_of(plain, "chat_template") == ["auto", "chat_template"]
+    assert formats_of(with_template, "human_assistant", "--prompt_format", "chat_template") == ["chat_template"] * 2
+    assert formats_of(with_template, "human_assistant", "--baseline_prompt_format", "human_assistant") == \
+        ["human_assistant"] * 2
+    assert formats_of(str(tmp_path / "human_assistant"), "chat_template") == ["human_assistant", "chat_template"]
+
+
 def test_each_turn_sees_the_whole_conversation_in_the_chat_template():
     chat_session = session()
     first = chat_session.reply("hello world")
