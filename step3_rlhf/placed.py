@@ -29,7 +29,15 @@ import torch.distributed as torch_dist
 
 from step3_rlhf.ema import save_ema_model
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, Rollout, experience_stats, weighted_stats
-from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PPORun, held_out_stats, held_out_totals
+from step3_rlhf.run_loop import (
+    ACTOR_SUBDIR,
+    CRITIC_SUBDIR,
+    EMA_SUBDIR,
+    PPORun,
+    held_out_stats,
+    held_out_totals,
+    trained_learning_rates,
+)
 from step3_rlhf.stage_fusion import StageFusion, place_rows
 from training.core.save import save_hf_model
 from training.loops.call_times import CallTimer, NoTimer
@@ -293,13 +301,8 @@ class PlacedPPORun(PPORun):
         return {**stats, **_from_holders(self.trainer.skipped_steps())}
 
     def learning_rates(self) -> dict[str, float]:
-        """The actor's (and critic's) learning rate, from whichever rank holds them (collective)."""
-        local = {}
-        if self.engine.actor is not None:
-            local["train/actor_lr"] = self.engine.actor.get_lr()[0]
-        if self.engine.critic is not None:
-            local["train/critic_lr"] = self.engine.critic.get_lr()[0]
-        return _from_holders(local)
+        """The actor's (and critic's) learning rates, from whichever rank holds them (collective)."""
+        return _from_holders(trained_learning_rates({"actor": self.engine.actor, "critic": self.engine.critic}))
 
     def over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
         """Already the run's: every rank holds every chunk's statistics."""

@@ -16,6 +16,7 @@ from step3_rlhf.ema import save_ema_model
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats, weighted_stats
 from step3_rlhf.rlhf_engine import RLHFEngine
 from step3_rlhf.settings import Step3Settings
+from training.core.optim import logged_learning_rates
 from training.core.save import save_hf_model
 from training.loops.batch_stream import BatchStream
 from training.loops.call_times import CALL_TIMES_FILE, CallTimer
@@ -242,10 +243,8 @@ class PPORun:
         return {**{key: value / len(parts) for key, value in updates.items()}, **trainer.skipped_steps()}
 
     def learning_rates(self) -> dict[str, float]:
-        rates = {"train/actor_lr": self.engine.actor.get_lr()[0]}
-        if self.engine.critic is not None:
-            rates["train/critic_lr"] = self.engine.critic.get_lr()[0]
-        return rates
+        """The actor's (and critic's) learning rates (`logged_learning_rates`: their LoRA adapters' too)."""
+        return trained_learning_rates({"actor": self.engine.actor, "critic": self.engine.critic})
 
     def over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
         """This rank's statistics made the run's: the mean over ranks of their own batches."""
@@ -293,6 +292,16 @@ class PPORun:
         bar.close()
         if not self.evaluations or self.evaluations[-1]["step"] != self.step:
             self.evaluate()
+
+
+def trained_learning_rates(engines: Mapping[str, torch.nn.Module | None]) -> dict[str, float]:
+    """`train/{role}_lr` (and `train/{role}_lora_lr`) of each trained engine by role, skipping those absent (None)."""
+    rates: dict[str, float] = {}
+    for role, engine in engines.items():
+        if engine is not None:
+            rates.update(logged_learning_rates(engine, f"train/{role}_"))
+    return rates
+
 
 def peak_rss_gb() -> float:
     """This process's peak resident memory so far, in GB (10^9 bytes; Linux reports KiB)."""

@@ -3,6 +3,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.lora import apply_lora, lora_target_modules
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.optim import logged_learning_rates
 from training.core.reward_model import RewardModel
 from training.core.save import save_hf_model
 from training.core.zero import full_numel, full_shape, is_zero3_module, is_zero3_param
@@ -231,6 +233,26 @@ def test_lora_saved_merged_matches_unmerged(distributed, tiny_model_dir, tmp_pat
         actual = reloaded(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-4)
     assert base is model.get_base_model()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_logged_learning_rates_name_the_lora_adapters_own_rate(distributed, tiny_model_dir, stage):
+    """--lora_learning_rate trains the adapters at a rate of their own; the log showed the first parameter group's
+    rate alone (the other weights'), so the adapters' never appeared."""
+    from step3_rlhf.run_loop import PPORun
+
+    path = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(path)
+    plain = create_train_engine(load_causal_lm(path, tokenizer), _settings(stage))
+    with_lora = create_train_engine(apply_lora(load_causal_lm(path, tokenizer), lora_dim=4, lora_module_name="layers."),
+                                    _settings(stage, lora_learning_rate=5e-2))
+    only_lora = create_train_engine(apply_lora(load_causal_lm(path, tokenizer), lora_dim=4, lora_module_name="layers.",
+                                               only_optimize_lora=True), _settings(stage, lora_learning_rate=5e-2))
+    assert logged_learning_rates(plain, "train/") == {"train/lr": 1e-2}
+    assert logged_learning_rates(with_lora, "train/") == {"train/lr": 1e-2, "train/lora_lr": 5e-2}
+    assert logged_learning_rates(only_lora, "train/") == {"train/lr": 5e-2, "train/lora_lr": 5e-2}
+    step3 = SimpleNamespace(engine=SimpleNamespace(actor=with_lora, critic=None))
+    assert PPORun.learning_rates(step3) == {"train/actor_lr": 1e-2, "train/actor_lora_lr": 5e-2}
 
 
 def test_lora_module_name_that_matches_nothing(tiny_model_dir):

@@ -9,6 +9,8 @@ whole-list kernels) instead of DeepSpeed's per-parameter bf16 wrapper.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import get_scheduler
 
@@ -24,21 +26,43 @@ def _is_lora(name: str) -> bool:
     return "lora_" in name
 
 
-def parameter_groups(
-    model: torch.nn.Module, weight_decay: float, learning_rate: float, lora_learning_rate: float | None = None
-) -> list[dict]:
-    """Split trainable parameters into decay / no-decay groups, with LoRA weights at their own rate."""
+def _grouped_parameters(model: torch.nn.Module) -> dict[tuple[bool, bool], list[torch.nn.Parameter]]:
+    """The trainable parameters by (decays, is a LoRA weight), in the order of their groups in the optimizer."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decays = not any(marker in name.lower() for marker in _NO_DECAY_MARKERS)
         groups.setdefault((decays, _is_lora(name)), []).append(param)
+    return groups
+
+
+def parameter_groups(
+    model: torch.nn.Module, weight_decay: float, learning_rate: float, lora_learning_rate: float | None = None
+) -> list[dict]:
+    """Split trainable parameters into decay / no-decay groups, with LoRA weights at their own rate."""
     result = []
-    for (decays, lora), params in groups.items():
+    for (decays, lora), params in _grouped_parameters(model).items():
         lr = lora_learning_rate if lora and lora_learning_rate is not None else learning_rate
         result.append({"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": lr})
     return result
+
+
+def logged_learning_rates(engine: Any, prefix: str) -> dict[str, float]:
+    """An engine's current learning rates as a run logs them: `{prefix}lr`, the rate of the weights it trains outside
+    LoRA adapters (the adapters' where it trains nothing else), and, where it trains adapters, `{prefix}lora_lr`,
+    theirs (`--lora_learning_rate` gives them a rate of their own: the first group's rate alone hid it).
+    `engine.get_lr()` holds one rate per group of `parameter_groups(engine.module, ...)`, in its order."""
+    rates = engine.get_lr()
+    lora = [is_lora for _, is_lora in _grouped_parameters(engine.module)]
+    if len(lora) != len(rates):
+        raise ValueError(f"{len(rates)} learning rates for {len(lora)} parameter groups")
+    base = [rate for rate, is_lora in zip(rates, lora) if not is_lora]
+    adapters = [rate for rate, is_lora in zip(rates, lora) if is_lora]
+    logged = {f"{prefix}lr": (base or adapters)[0]}
+    if adapters:
+        logged[f"{prefix}lora_lr"] = adapters[0]
+    return logged
 
 
 def resolve_optimizer_kind(kind: str, offload: bool) -> str:

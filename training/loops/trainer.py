@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from tqdm.auto import tqdm
 
+from training.core.optim import logged_learning_rates
 from training.loops.accumulation import accumulation_weights
 from training.loops.metrics import MetricsLogger
 from training.reliability.checkpointing import CheckpointManager
@@ -298,7 +299,7 @@ class SupervisedTrainer:
             step,
             {
                 "train/loss": loss,
-                "train/lr": self.engine.get_lr()[0],
+                **logged_learning_rates(self.engine, "train/"),
                 "train/samples_per_s": samples * get_world_size() / elapsed,
                 "train/epoch": self.position.epoch + self.position.batches_done / max(self._batches_per_epoch, 1),
             },
