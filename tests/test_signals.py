@@ -145,6 +145,29 @@ def test_a_sigint_to_train_py_alone_reaches_the_launched_step_as_a_stop_request_
     assert "the step's processes got ['SIGTERM', 'SIGINT']" in log.read_text()
 
 
+def test_a_stop_request_arriving_as_the_launcher_starts_is_passed_on_to_it(tmp_path, monkeypatch):
+    """The stop-request handler was installed only once the launcher had started: a SIGTERM in between reached the
+    handler before it (train.py's default: death, the launcher left running unwatched; here a test's handler), and the
+    step ran to its end as if none had come. A stop request taken while the launcher starts now reaches it."""
+    from training.pipeline import launch
+    from training.reliability.signals import handling_signals, take_received_signal
+
+    started = launch.subprocess.Popen
+
+    def signalled_as_it_starts(*args, **kwargs):
+        process = started(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return process
+
+    monkeypatch.setattr(launch.subprocess, "Popen", signalled_as_it_starts)
+    unseen = []
+    take_received_signal()
+    with handling_signals((signal.SIGTERM,), lambda signum, frame: unseen.append(signum)), \
+            pytest.raises(launch.StepStopped):
+        launch.run_subprocess([sys.executable, "-c", "import time; time.sleep(10)"], tmp_path / "step1.log", "step 1")
+    assert take_received_signal() == signal.SIGTERM
+    assert unseen == []
+
 SIGNALLED_AT_SUMMARY = """
 import json, os, signal, sys
 import training.reliability.run_records as records

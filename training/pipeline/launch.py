@@ -271,25 +271,47 @@ def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) 
     return summary if isinstance(summary, dict) else {}
 
 
-@contextlib.contextmanager
-def _stop_requests_passed_on(process: subprocess.Popen) -> Iterator[list[signal.Signals]]:
-    """While the step's processes run, take this process's SIGINT and SIGTERM as stop requests rather than dying
-    of them (which closed the pipe the ranks write to, and they died before saving), pass each on to every process
-    under the launcher (the launcher alone would die of it without telling the ranks), and yield those taken.
+class _StopRequests:
+    """SIGINT and SIGTERM taken as stop requests while a launcher runs, passed on to every process under it (the
+    launcher alone would die of one without telling the ranks).
 
     A stop request is passed on as a SIGTERM, whichever came: a `kill -INT` reaches train.py alone, but a terminal's
     Ctrl-C reaches its whole process group, the ranks too, and a SIGINT passed on would be their second, which
     aborts their save. A second SIGINT is passed on as itself: the ranks abort, as at a second Ctrl-C."""
-    taken: list[signal.Signals] = []
 
-    def take(signum: int, frame: FrameType | None) -> None:
+    def __init__(self) -> None:
+        self.taken: list[signal.Signals] = []
+        self._process: subprocess.Popen | None = None
+        self._passed_on = False
+
+    def take(self, signum: int, frame: FrameType | None) -> None:
         record_signal(signum)
-        again = signum == signal.SIGINT and signal.SIGINT in taken
-        taken.append(signal.Signals(signum))
-        _signal_process_tree(process.pid, signal.SIGINT if again else signal.SIGTERM)
+        again = signum == signal.SIGINT and signal.SIGINT in self.taken
+        self.taken.append(signal.Signals(signum))
+        self._pass_on(signal.SIGINT if again else signal.SIGTERM)
 
-    with handling_signals((signal.SIGINT, signal.SIGTERM), take):
-        yield taken
+    def watch(self, process: subprocess.Popen) -> None:
+        """Pass stop requests on to `process` from now on, and one taken while it started."""
+        self._process = process
+        if self.taken and not self._passed_on:
+            self._pass_on(signal.SIGTERM)
+
+    def _pass_on(self, signum: signal.Signals) -> None:
+        process = self._process
+        if process is None or process.returncode is not None:  # not started, or reaped (its pid free for another)
+            return
+        self._passed_on = True
+        _signal_process_tree(process.pid, signum)
+
+
+@contextlib.contextmanager
+def _stop_requests_passed_on() -> Iterator[_StopRequests]:
+    """While the step's processes start and run, take this process's SIGINT and SIGTERM as stop requests rather than
+    dying of them (which closed the pipe the ranks write to, and they died before saving); `_StopRequests.watch`
+    names the processes to pass them on to once started."""
+    requests = _StopRequests()
+    with handling_signals((signal.SIGINT, signal.SIGTERM), requests.take):
+        yield requests
 
 
 def _signal_process_tree(pid: int, signum: signal.Signals) -> None:
@@ -307,25 +329,25 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
     """Run a launcher command, streaming its combined output to the console and the log as it comes; a stop
     request during it ends in `StepStopped` unless the step finished all the same."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
+    with log_path.open("ab") as log, _stop_requests_passed_on() as stop_requests:
         log.write(f"$ {format_command(command)}\n".encode())
         try:
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         except FileNotFoundError as err:
             raise UserError(f"cannot start {command[0]!r} ({err.strerror}); check that this program exists") from err
+        stop_requests.watch(process)
         assert process.stdout is not None
         console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-        with _stop_requests_passed_on(process) as taken:
-            while chunk := os.read(process.stdout.fileno(), 65536):  # to the end: the ranks' last words matter most
-                log.write(chunk)
-                log.flush()
-                if console is not None:
-                    console.write(chunk)
-                    console.flush()
-                else:
-                    sys.stdout.write(chunk.decode(errors="replace"))
-            status = process.wait()
-    if status != 0 and (taken or status == EXIT_INTERRUPTED):
+        while chunk := os.read(process.stdout.fileno(), 65536):  # to the end: the ranks' last words matter most
+            log.write(chunk)
+            log.flush()
+            if console is not None:
+                console.write(chunk)
+                console.flush()
+            else:
+                sys.stdout.write(chunk.decode(errors="replace"))
+        status = process.wait()
+    if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
         raise UserError(f"{label} failed (exit status {status}); its output is in {log_path}")
