@@ -14,6 +14,7 @@ from training.core.args import (
     ModelTrainingConfig,
     RunArguments,
     ScheduleSettings,
+    check_finite,
     check_lora_flags,
     check_non_negative,
     check_offload_stage,
@@ -27,6 +28,7 @@ from training.generation.hybrid_engine import HybridEngineSettings
 from training.placement.settings import PlacementSettings
 from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.reliability.checkpointing import CheckpointSettings
+from training.rewards.functions import is_builtin
 from utils.data import DataArguments, UnsupervisedDataArguments
 from utils.errors import UserError
 
@@ -133,9 +135,7 @@ class Step3Settings:
         check_placement_flags(self, world_size)
         self.checkpoints.check_flags()
         self.data.check_flags(phase=3)
-        if self.models.critic_model_name_or_path is None and self.rewards.reward_fn is None:
-            raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
-                            "model), --reward_fn (e.g. builtin:math), or both")
+        _check_scoring(self, flags)
         check_unused_flags(self)  # --inference_tp_size without the hybrid engine among them
 
 
@@ -185,6 +185,28 @@ def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
         raise UserError(f"--unsupervised_dataset_name {args.unsupervised.unsupervised_dataset_name} with --unsup_coef 0 "
                         "mixes nothing in, though every actor update would still compute a pretraining batch's "
                         "language-model loss; give --unsup_coef > 0 (e.g. 0.05), or drop --unsupervised_dataset_name")
+
+
+def _check_scoring(args: Step3Settings, flags: Mapping[str, Any]) -> None:
+    """Something scores the answers, and --reward_fn_coef gives --reward_fn's score a weight that trains: 0 leaves it
+    measured only (the evaluation reports it), so a reward model must score; a negative one suits a function of your
+    own that scores what is unwanted (a penalty), never a built-in, which scores the answer wanted 1."""
+    reward_model, reward_fn = args.models.critic_model_name_or_path, args.rewards.reward_fn
+    if reward_model is None and reward_fn is None:
+        raise UserError("step 3 needs something to score the answers: --critic_model_name_or_path (a step-2 reward "
+                        "model), --reward_fn (e.g. builtin:math), or both")
+    check_finite(flags, "reward_fn_coef")
+    coef = args.rewards.reward_fn_coef
+    if reward_fn is None:
+        return  # a weight without --reward_fn is refused as unused (`check_unused_flags`)
+    if coef == 0 and reward_model is None:
+        raise UserError(f"--reward_fn_coef 0 with --reward_fn {reward_fn} alone scores every answer 0, so nothing is "
+                        "learned; give a positive weight (e.g. 1), or a reward model to train on with "
+                        "--critic_model_name_or_path (--reward_fn then only measures the answers)")
+    if coef < 0 and is_builtin(reward_fn):
+        raise UserError(f"--reward_fn_coef {coef} with --reward_fn {reward_fn}: a built-in reward function scores the "
+                        "answer wanted 1, and a negative weight trains the actor away from it; give a positive weight "
+                        "(e.g. 1)")
 
 
 def _check_accumulation(args: Step3Settings) -> None:

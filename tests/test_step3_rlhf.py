@@ -861,6 +861,36 @@ def test_a_training_time_budget_must_be_positive(inputs, tmp_path):
     check_args(parse_args(step3_argv(inputs, tmp_path / "run", "--max_train_minutes", "0.5")))
 
 
+@pytest.mark.parametrize("reward_model, reward_fn, coef, message", [
+    # every score was 0 * the function: nothing to learn
+    (False, "builtin:math", "0", "--reward_fn_coef 0 with --reward_fn builtin:math alone scores every answer 0"),
+    # trained the actor toward wrong final numbers
+    (True, "builtin:math", "-1", "--reward_fn_coef -1.0 with --reward_fn builtin:math: a built-in reward function "
+                                 "scores the answer wanted 1"),
+    (True, "builtin:format", "nan", "--reward_fn_coef must be a finite number, got nan"),  # nan scores
+])
+def test_a_reward_function_weight_that_trains_nothing_or_the_wrong_way_is_refused(tmp_path, reward_model, reward_fn,
+                                                                                   coef, message):
+    from step3_rlhf.main import parse_args
+
+    scorer = ["--reward_fn", reward_fn, *(["--critic_model_name_or_path", "reward"] if reward_model else [])]
+    argv = ["--actor_model_name_or_path", "actor", "--output_dir", str(tmp_path / "run"), *scorer]
+    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+        parse_args([*argv, "--reward_fn_coef", coef]).check_flags(1)
+    parse_args([*argv, "--reward_fn_coef", "0.5"]).check_flags(1)
+
+
+def test_a_reward_function_measured_only_or_weighed_as_a_penalty_is_taken(tmp_path):
+    """Weight 0 beside a reward model: the evaluation reports the function, nothing trains on it; a negative weight on a
+    function of your own: a penalty."""
+    from step3_rlhf.main import parse_args
+
+    argv = ["--actor_model_name_or_path", "actor", "--output_dir", str(tmp_path / "run")]
+    parse_args([*argv, "--critic_model_name_or_path", "reward", "--reward_fn", "builtin:math", "--reward_fn_coef",
+                "0"]).check_flags(1)
+    parse_args([*argv, "--reward_fn", "my_rewards:length", "--reward_fn_coef", "-0.1"]).check_flags(1)
+
+
 def test_an_adaptive_kl_coefficient_from_zero_is_refused(inputs, tmp_path):
     """The adaptive controller multiplies the coefficient: from --kl_ctl 0 it stayed 0, and --target_kl held nothing."""
     from step3_rlhf.main import check_args, parse_args

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from training.algorithms import RL_ALGORITHMS, get_advantage_estimator, get_rl_algorithm
 from training.core.model_loading import EMBEDDED_MODEL_NAME
+from training.rewards.functions import is_builtin
 from utils.errors import UserError
 
 from .deployment import DeploymentType, Model, Workload
@@ -98,8 +99,7 @@ class PipelineConfig:
     def uses_default_task(self, step: int) -> bool:
         """A built-in verifier scores the answers and `step` is given no --data_path: it trains on the task."""
         reward_fn = self.reward_fn
-        return (reward_fn is not None and reward_fn.startswith("builtin:")
-                and self.passed_flag("--data_path", step) is None)
+        return reward_fn is not None and is_builtin(reward_fn) and self.passed_flag("--data_path", step) is None
 
     def step_flags(self, step: int) -> list[str]:
         """The flags train.py itself gives `step`: the algorithm to step 3, and, for a built-in verifier without

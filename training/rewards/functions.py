@@ -63,6 +63,11 @@ def _attribute(module: ModuleType, dotted: str, spec: str) -> Any:
     return value
 
 
+def is_builtin(spec: str) -> bool:
+    """Whether `spec` names a built-in reward function (`builtin:NAME`)."""
+    return spec.startswith(BUILTIN + ":")
+
+
 def load_reward_fn(spec: str) -> RewardFunction:
     """The reward function `spec` names (`builtin:NAME`, `module:function` or `path/to/file.py:function`)."""
     target, _, name = spec.rpartition(":")
