@@ -288,6 +288,28 @@ def test_cache_hits_and_misses_on_every_key_input(tmp_path, tok, count_builds):
     assert build(phase=1, whole_sequence_loss=True)[0]
 
 
+def test_answers_cut_at_max_seq_len_are_warned_of_once_a_step_also_from_the_cache(tmp_path, tok, caplog):
+    """An answer cut at --max_seq_len (its EOS with it) was counted only inside the build's info line of stats, and
+    not at all when the items came from the cache: the step trained on unfinished answers without a warning."""
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": f"q {i}", "chosen": "a long answer " * (1 + i % 2 * 6), "rejected": "no"} for i in range(20)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    base = {"data_paths": [str(path)], "data_split": "1,1,1", "tokenizer": tok, "seed": 0,
+            "data_output_path": str(tmp_path / "cache")}
+
+    def warnings(**settings) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="utils.data"):
+            build_phase_datasets(**{**base, **settings})
+        return [record.getMessage() for record in caplog.records if "end inside their answer" in record.getMessage()]
+
+    for phase in (1, 2):
+        (built,) = warnings(phase=phase, max_seq_len=48)
+        assert warnings(phase=phase, max_seq_len=48) == [built]  # a cache hit says the same
+        assert f"step {phase} data: " in built and "--max_seq_len 48" in built and " of the " in built
+        assert warnings(phase=phase, max_seq_len=512) == []
+
+
 def write_shp(path, labels):
     rows = [{"history": f"question {i}", "human_ref_A": f"answer A{i}", "human_ref_B": f"answer B{i}", "labels": label}
             for i, label in enumerate(labels)]

@@ -264,6 +264,19 @@ def test_a_held_out_part_left_empty_is_said(distributed, tiny_model_dir, tmp_pat
     assert "held out no item" not in caplog.text, caplog.text
 
 
+def test_answers_cut_at_max_seq_len_are_counted_in_the_summary_and_warned_of(distributed, tiny_model_dir, tmp_path,
+                                                                              caplog):
+    """A run at a --max_seq_len that cuts answers said so only inside the data build's info line of stats: its
+    summary.json now counts the cut training and held-out items, and a warning says how many."""
+    data = write_arithmetic_jsonl(tmp_path / "d.jsonl", 8)
+    with caplog.at_level("WARNING"):
+        summary = main(_args(tiny_model_dir("llama"), data, tmp_path, "--max_steps", "1", "--max_seq_len", "40"))
+    assert summary["train_answer_truncated"] == summary["train_items"] > 0
+    assert "end inside their answer at --max_seq_len 40" in caplog.text, caplog.text
+    whole = main(_args(tiny_model_dir("llama"), data, tmp_path / "whole", "--max_steps", "1"))
+    assert whole["train_answer_truncated"] == whole["eval_answer_truncated"] == 0
+
+
 def test_a_resume_on_other_data_is_refused(distributed, tiny_model_dir, tmp_path, capsys):
     """The data file was rewritten under the same --data_path between the run and its resume: the checkpointed
     position, shuffle and schedule belong to the old rows, so the resume is refused, naming what changed."""

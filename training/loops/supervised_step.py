@@ -164,12 +164,15 @@ class SupervisedOutcome:
     train_items: int
     eval_items: int
     dtype: str
+    train_answers_cut: int = 0  # of the items built (`TokenizedDataset.answers_cut`)
+    eval_answers_cut: int = 0
 
     def summary(self, step_name: str, counts: Mapping[str, Any], metrics: Mapping[str, Any]) -> dict[str, Any]:
         """A supervised step's `summary.json`: what and how long it trained, its item `counts` and own `metrics`."""
         result = self.result
         return {"step": step_name, "model_dir": str(self.model_dir), "optimizer_steps": result.steps,
-                "epochs_completed": result.epochs_completed, **counts, "dtype": self.dtype,
+                "epochs_completed": result.epochs_completed, **counts, "train_answer_truncated": self.train_answers_cut,
+                "eval_answer_truncated": self.eval_answers_cut, "dtype": self.dtype,
                 "final_train_loss": result.train_loss, **metrics, "wall_time_s": round(result.wall_time_s, 1)}
 
 
@@ -249,7 +252,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
                 save_hf_model(engine, tokenizer, model_dir)
                 logger.info("%s: saved the final model to %s", step.name, model_dir)
                 # last, and within the lock and the signal guard: summary.json marks the run finished
-                outcome = SupervisedOutcome(result, model_dir, len(train_data), len(eval_data), settings.dtype)
+                outcome = SupervisedOutcome(result, model_dir, len(train_data), len(eval_data), settings.dtype,
+                                            train_data.answers_cut, eval_data.answers_cut)
                 summary = save_summary(run_dir, step.summarize(outcome))
         finally:
             metrics.close()

@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from utils.dist import is_main_process
 from utils.errors import UserError
 
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
@@ -211,6 +212,18 @@ def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: Promp
     return {"train": train.state(), "eval": evaluation.state(), RECORDS_KEY: records}
 
 
+def cut_answers_note(phase: int, train: TokenizedDataset, evaluation: TokenizedDataset, max_seq_len: int) -> str | None:
+    """The warning for the step's items whose answer --max_seq_len cut (counted when they were built, kept with the
+    cached items); None where no answer was cut."""
+    parts = [f"{data.answers_cut} of the {data.stats.get('items', 0)} {name} items"
+             for name, data in (("training", train), ("held-out", evaluation)) if data.answers_cut]
+    if not parts:
+        return None
+    return (f"step {phase} data: {' and '.join(parts)} end inside their answer at --max_seq_len {max_seq_len} (its EOS "
+            "or end-of-turn token cut off, answer_truncated): the step learns or scores unfinished answers; raise "
+            "--max_seq_len to keep them whole")
+
+
 class PhaseData(NamedTuple):
     """A step's tokenised data, and the records each `--data_path` source was cut from (`(entry, count)`, in order)."""
 
@@ -289,6 +302,9 @@ def build_phase_data(
     check_same_record_counts(records, input_runs)
     train = TokenizedDataset.from_state(state["train"]).head(max_train_samples)
     evaluation = TokenizedDataset.from_state(state["eval"]).head(max_eval_samples)
+    note = cut_answers_note(phase, train, evaluation, max_seq_len)
+    if note is not None and is_main_process():  # once a step, also where its items come from the cache
+        logger.warning(note)
     logger.info(
         "step %d data %s %s: %d train / %d eval items", phase, "built into" if built else "loaded from cache", path,
         len(train), len(evaluation),

@@ -29,7 +29,7 @@ from utils.errors import UserError
 
 from .formatting import PROBE_REPLY, PROBE_TURNS, PromptFormatter
 from .samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample, SkipRow
-from .tokenized import TokenizedDataset
+from .tokenized import ANSWER_TRUNCATED, TokenizedDataset
 
 IGNORE_INDEX = -100
 PROMPT_OVERFLOW = ("drop", "left_truncate")
@@ -174,7 +174,7 @@ def tokenize_samples(
             counts[f"dropped:{item}"] += 1
             continue
         if kind != KIND_PROMPTS and _answer_cut(limits, suffix, chosen[index], *rejected[index:index + 1]):
-            counts["answer_truncated"] += 1
+            counts[ANSWER_TRUNCATED] += 1
         for name, ids in item.items():
             columns.setdefault(name, []).append(ids)
         if keep_metadata:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+ANSWER_TRUNCATED = "answer_truncated"  # the stats key of items whose answer --max_seq_len cut
+
 
 class TokenizedDataset(Dataset):
     def __init__(
@@ -48,6 +50,11 @@ class TokenizedDataset(Dataset):
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def answers_cut(self) -> int:
+        """How many of the built items (`stats`: before `head`) hold their answer only in part, cut at --max_seq_len."""
+        return self.stats.get(ANSWER_TRUNCATED, 0)
 
     def digest(self) -> str:
         """A hash of every item's tokens (and metadata): equal exactly when two datasets hold the same items."""
