@@ -481,8 +481,15 @@ def _as_each_node_reads(script: str, user_args: list[str]) -> list[str] | None:
                               no_local_rank=True, save_pid=False, enable_each_rank_log=None)
     command = PDSHRunner(args, "e30=").get_cmd({}, {"worker-1": [0], "worker-2": [0]})[0]
     remote = " ".join(command[command.index(f"--master_port={args.master_port}") + 2:])  # after --no_local_rank
-    shown = subprocess.run(["bash", "-c", f"printf '%s\\0' {remote}"], capture_output=True, text=True)
+    shown = subprocess.run(["bash", "-c", f"printf '%s\\0' {_as_pdsh_formats(remote)}"], capture_output=True, text=True)
     return shown.stdout.split("\0")[:-1] if shown.returncode == 0 else None
+
+
+def _as_pdsh_formats(command: str, host: str = "worker-2", user: str = "me", node_rank: int = 1) -> str:
+    """The command pdsh runs on a node: it rewrites %h, %u and %n (the node, the user, its rank: DeepSpeed's
+    `--node_rank=%n`) and %% in it."""
+    values = {"h": host, "u": user, "n": str(node_rank), "%": "%"}
+    return re.sub(r"%([hun%])", lambda match: values[match[1]], command)
 
 
 @pytest.mark.parametrize("value, reaches_the_step", [
@@ -494,6 +501,8 @@ def _as_each_node_reads(script: str, user_args: list[str]) -> list[str] | None:
     ("data/*.jsonl", False),  # a glob: the files it matches there
     ("$HOME/cost is $5", False),  # expanded even in double quotes
     ("", False),  # an empty value disappears
+    ("/data/50%noise.jsonl", False),  # pdsh puts the node's rank for %n
+    ("/runs/100%% clean", False),
 ])
 def test_a_multi_node_command_is_refused_where_each_nodes_shell_would_misread_it(tmp_path, monkeypatch, value,
                                                                                  reaches_the_step):

@@ -140,31 +140,34 @@ def check_not_under_a_launcher() -> None:
         )
 
 
-_SHELL_LITERAL = re.compile(r"[\w@%+=:,./-]+")  # what a shell reads as itself, unquoted (DeepSpeed's test for its exports)
-_EXPANDED_IN_DOUBLE_QUOTES = ("$", "`", "\\")
+# what a node's shell reads as itself, unquoted (DeepSpeed's test for its exports), less the `%` that pdsh reads first:
+# it puts the node's name, the user and the node's rank for %h, %u and %n in the command it runs on each node
+_REMOTE_LITERAL = re.compile(r"[\w@+=:,./-]+")
+_CHANGED_IN_DOUBLE_QUOTES = ("$", "`", "\\", "%")  # by the node's shell, or by pdsh (the %)
 
 
 def check_remote_shell_reads(script: Path, step_argv: Sequence[str]) -> None:
     """On several nodes DeepSpeed's launcher hands pdsh one command line that each node's shell parses: `cd` to this
     folder, the step's script, its flags, none of them quoted but a flag value with a space, which it puts in double
     quotes. Refuse, before anything starts, what a shell would read otherwise (split, expand, or fail on: a quote, a
-    parenthesis, a `$`), naming it."""
+    parenthesis, a `$`) or pdsh rewrite (a `%`), naming it."""
     unquoted = {"this folder (train.py's working directory, where every node's ranks start)": os.getcwd(),
                 "this python (each node's ranks start under it)": sys.executable, "the step's script": str(script)}
     for what, path in unquoted.items():
-        if not _SHELL_LITERAL.fullmatch(path):
+        if not _REMOTE_LITERAL.fullmatch(path):
             raise UserError(
                 f"multi_node: {what} {path!r} would reach each node's shell unquoted (DeepSpeed's launcher runs pdsh), "
-                "which would read it otherwise; use a path of letters, digits and @%+=:,./- only")
+                "which would read it otherwise (pdsh rewrites a %h, %u or %n in it); use a path of letters, digits "
+                "and @+=:,./- only")
     for value in step_argv:
-        literal = (" " in value and not any(char in value for char in _EXPANDED_IN_DOUBLE_QUOTES)) or \
-            _SHELL_LITERAL.fullmatch(value)
+        literal = (" " in value and not any(char in value for char in _CHANGED_IN_DOUBLE_QUOTES)) or \
+            _REMOTE_LITERAL.fullmatch(value)
         if not literal:
             raise UserError(
                 f"multi_node: the step flag value {value!r} would reach each node's shell as DeepSpeed's launcher "
                 "passes it to pdsh (unquoted, or in double quotes when it has a space), which would read it otherwise; "
-                "use letters, digits, spaces and @%+=:,./- (no quotes, $, `, \\, parentheses or other shell "
-                "characters; a path can be renamed or linked)")
+                "use letters, digits, spaces and @+=:,./- (no quotes, $, `, \\, parentheses or other shell "
+                "characters, nor %, which pdsh rewrites; a path can be renamed or linked)")
 
 
 def check_port_free(port: int) -> None:
