@@ -140,21 +140,27 @@ class PPOConfig:
         "advantage_estimator", "n_samples_per_prompt", "kl_in_loss", "kl_estimator")
 
     def __post_init__(self) -> None:
-        """Fill the settings left unset from `--algorithm` (an unknown name fails here, naming the choices). The KL
-        moved into the loss of an algorithm that estimates it with k1 in the reward takes `LOSS_ESTIMATOR` instead:
-        k1's loss has no gradient in expectation (`training.algorithms.kl`), and is refused when asked for."""
-        algorithm = get_rl_algorithm(self.algorithm)
-        estimator_chosen = self.kl_estimator is not None
-        for name in self.ALGORITHM_DEFAULTS:
+        """Fill the settings left unset from `--algorithm` (an unknown name fails here, naming the choices), and
+        refuse k1 asked for in the loss: its gradient there is zero in expectation (`training.algorithms.kl`)."""
+        for name, value in self.algorithm_defaults().items():
             if getattr(self, name) is None:
-                setattr(self, name, getattr(algorithm, name))
+                setattr(self, name, value)
         if self.kl_in_loss and self.kl_estimator in NO_GRADIENT_AS_LOSS:
-            if estimator_chosen:
-                raise UserError(f"--kl_in_loss with --kl_estimator {self.kl_estimator}: as a loss, its gradient is "
-                                f"zero in expectation over the actor's samples, so it would not hold the actor near "
-                                f"the reference; use {LOSS_ESTIMATOR} (the gradient of KL(actor || reference)) or "
-                                f"k3 (GRPO's), or keep the KL in the reward")
-            self.kl_estimator = LOSS_ESTIMATOR
+            raise UserError(f"--kl_in_loss with --kl_estimator {self.kl_estimator}: as a loss, its gradient is "
+                            f"zero in expectation over the actor's samples, so it would not hold the actor near "
+                            f"the reference; use {LOSS_ESTIMATOR} (the gradient of KL(actor || reference)) or "
+                            f"k3 (GRPO's), or keep the KL in the reward")
+
+    def algorithm_defaults(self) -> dict[str, Any]:
+        """The value each of `ALGORITHM_DEFAULTS` takes when left unset: `--algorithm`'s, except that the KL moved
+        into the loss (`--kl_in_loss`, as set) of an algorithm that estimates it with k1 in the reward takes
+        `LOSS_ESTIMATOR` instead."""
+        algorithm = get_rl_algorithm(self.algorithm)
+        defaults = {name: getattr(algorithm, name) for name in self.ALGORITHM_DEFAULTS}
+        kl_in_loss = defaults["kl_in_loss"] if self.kl_in_loss is None else self.kl_in_loss
+        if kl_in_loss and defaults["kl_estimator"] in NO_GRADIENT_AS_LOSS:
+            defaults["kl_estimator"] = LOSS_ESTIMATOR
+        return defaults
 
 
 @dataclass

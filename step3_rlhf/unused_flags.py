@@ -1,8 +1,9 @@
 """Step-3 flags that do nothing in the combination given, refused before anything loads (`Step3Settings.check_flags`).
 
 Each rule names flags and says, from the settings, why they do nothing and what would make them work (None: they
-take effect). Only flags changed from their defaults are refused (`non_default_flags`), so the defaults, and every
-plan train.py makes, pass: a flag given its default value changes nothing anyway.
+take effect). Only flags changed from their defaults are refused (`non_default_flags`; for the flags `--algorithm`
+fills, from the algorithm's values: `PPOConfig.algorithm_defaults`), so the defaults, and every plan train.py makes,
+pass: a flag given its default value changes nothing anyway.
 """
 from __future__ import annotations
 
@@ -98,6 +99,13 @@ def _fixed_kl_coefficient(args: Step3Settings) -> str | None:
     return "it paces the adaptive KL coefficient, and without --target_kl the coefficient stays --kl_ctl; add --target_kl"
 
 
+def _no_kl_penalty(args: Step3Settings) -> str | None:
+    if args.ppo.kl_ctl > 0:
+        return None
+    return ("with --kl_ctl 0 the KL to the reference weighs nothing, in the reward or in the loss (only the logged "
+            "kl_loss would change); give --kl_ctl > 0 (e.g. 0.1)")
+
+
 def _no_ema(args: Step3Settings) -> str | None:
     return None if args.ema.enable_ema else "no EMA of the actor is kept without --enable_ema; add --enable_ema"
 
@@ -156,6 +164,7 @@ def rules() -> list[UnusedFlags]:
         *(UnusedFlags((setting,), _not_read_by_the_estimator(setting)) for setting in estimator_settings),
         UnusedFlags(("disable_advantage_whitening",), _not_whitened),
         UnusedFlags(("kl_horizon",), _fixed_kl_coefficient),
+        UnusedFlags(("kl_in_loss", "kl_estimator"), _no_kl_penalty),
         UnusedFlags(("ema_beta",), _no_ema),
         UnusedFlags(HYBRID_ENGINE_FLAGS, _not_the_hybrid_engine),
         UnusedFlags(INFERENCE_COPY_FLAGS, _no_inference_copy),
@@ -170,10 +179,17 @@ def _as_given(name: str, value: object) -> str:
     return f"--{name}" if value is True else f"--{name} {value}"
 
 
+def _changed_flags(args: Step3Settings) -> dict[str, object]:
+    """`non_default_flags`, less the flags `--algorithm` fills that hold the algorithm's value."""
+    algorithm_values = args.ppo.algorithm_defaults()
+    return {name: value for name, value in non_default_flags(args).items()
+            if name not in algorithm_values or value != algorithm_values[name]}
+
+
 def check_unused_flags(args: Step3Settings) -> None:
     """Refuse the first rule whose flags were changed from their defaults and do nothing in this run, naming them, why
     and what to do."""
-    changed = non_default_flags(args)
+    changed = _changed_flags(args)
     for rule in rules():
         given = [name for name in rule.flags if name in changed]
         if not given:

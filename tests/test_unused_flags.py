@@ -100,6 +100,25 @@ def test_an_adaptation_horizon_without_an_adaptive_kl_coefficient_is_refused():
     check_unused_flags(settings("--kl_horizon", "100", "--target_kl", "0.5"))
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--kl_estimator", "k3"], "--kl_estimator k3"), (["--kl_in_loss"], "--kl_in_loss"),
+    (["--algorithm", "grpo", "--kl_in_loss", "false"], "--kl_in_loss False"),
+    (["--algorithm", "grpo", "--kl_estimator", "k2"], "--kl_estimator k2")])
+def test_a_kl_estimator_or_place_without_a_kl_coefficient_is_refused(flags, named):
+    """At --kl_ctl 0 the KL weighs nothing wherever it is and however estimated: they changed only the logged kl_loss."""
+    assert refused(*flags, "--kl_ctl", "0").startswith(f"{named} does nothing here: with --kl_ctl 0 the KL to the "
+                                                       "reference weighs nothing")
+    check_unused_flags(settings(*flags))
+
+
+@pytest.mark.parametrize("algorithm", ("ppo", *CRITIC_FREE))
+def test_the_algorithms_own_kl_estimator_and_place_pass_without_a_kl_coefficient(algorithm):
+    """GRPO without KL (--kl_ctl 0) is a recipe of its own; its KL settings are the algorithm's, not given."""
+    check_unused_flags(settings("--algorithm", algorithm, "--kl_ctl", "0"))
+    check_unused_flags(settings("--algorithm", algorithm, "--kl_ctl", "0", "--kl_estimator",
+                                settings("--algorithm", algorithm).ppo.kl_estimator))
+
+
 def test_an_ema_decay_without_the_ema_is_refused():
     assert refused("--ema_beta", "0.9") == ("--ema_beta 0.9 does nothing here: no EMA of the actor is kept without "
                                             "--enable_ema; add --enable_ema, or drop it")
