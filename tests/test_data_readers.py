@@ -8,7 +8,7 @@ import pytest
 
 from utils.data import load_source, parse_source_spec, phase_splits, read_rows
 from utils.data.jsonio import decode_array_prefix
-from utils.data.samples import Sample
+from utils.data.samples import Sample, SkippedRows
 from utils.errors import UserError
 
 HH_CHOSEN = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Name a colour\n\nAssistant: Blue."
@@ -195,6 +195,37 @@ def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
     assert split.summary(2, "pairs").endswith(
         "identical_replies=1 (bad.jsonl line 6), no_rejected=1 (bad.jsonl line 3), not_an_object=1 (bad.jsonl line 7), "
         "wrong_type:prompt=1 (bad.jsonl line 5); the whole source at load: malformed_json=1 (bad.jsonl line 2)")
+
+
+def test_message_content_of_a_type_that_holds_no_text_skips_its_row_naming_file_and_line(tmp_path):
+    """A message whose content was a number, an object or a list of bare strings was dropped as holding no text: the
+    turns around it merged (question 1 and question 2 became one user turn, trained on with question 2's answer), or
+    the row was skipped under another reason (empty:messages, no_chosen, no_assistant_reply:chosen). Now the row is
+    skipped as wrong_type, where it is; an image part beside text, or null content, is still no text."""
+    def chat(content):
+        return {"messages": [{"role": "user", "content": "question 1"}, {"role": "assistant", "content": content},
+                             {"role": "user", "content": "question 2"}, {"role": "assistant", "content": "answer 2"}]}
+
+    path = write_jsonl(tmp_path / "chats.jsonl", [
+        chat(123), chat({"text": "answer 1"}), chat(["answer", "1"]), chat([{"type": "text", "text": None}]),
+        chat([{"type": "image"}, {"type": "text", "text": "answer 1"}]), chat(None),
+    ])
+    (split,) = phase_splits(1, [path], "1,0,0", seed=0, eval_fraction=0)
+    assert dict(split.skipped) == {"wrong_type:content": 4}
+    named = set(re.findall(r"chats.jsonl line (\d)", split.skipped.report()))
+    assert len(named) == SkippedRows.EXAMPLES and named <= {"1", "2", "3", "4"}
+    image, null = sorted(split.train, key=lambda sample: len(sample.turns))[::-1]
+    assert [turn["content"] for turn in image.turns] == ["question 1", "answer 1", "question 2"]
+    assert [turn["content"] for turn in null.turns] == ["question 1\n\nquestion 2"]  # an empty answer, as before
+    sharegpt = write_jsonl(tmp_path / "share.jsonl", [
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": 7}]}])
+    (shared,) = phase_splits(3, [sharegpt], "0,0,1", seed=0, eval_fraction=0)
+    assert shared.skipped.report() == "wrong_type:value=1 (share.jsonl line 1)"
+    preference = write_jsonl(tmp_path / "pref.jsonl", [{"prompt": [{"role": "user", "content": "q"}],
+                                                       "chosen": [{"role": "assistant", "content": 5}],
+                                                       "rejected": [{"role": "assistant", "content": "b"}]}])
+    (pairs,) = phase_splits(2, [preference], "0,1,0", seed=0, eval_fraction=0)
+    assert pairs.skipped.report() == "wrong_type:content=1 (pref.jsonl line 1)"
 
 
 def test_source_without_usable_rows_stops_the_run(tmp_path):

@@ -37,21 +37,33 @@ def parse_transcript(text: str) -> list[dict]:
     return clean_turns(turns)
 
 
-def message_text(content: Any) -> str | None:
-    """The text of a message's content: a string, or the text parts of a multimodal part list."""
-    if isinstance(content, str):
+def message_text(content: Any, content_key: str) -> str | None:
+    """The text of a message's content (`content_key` names its column): a string, or the text parts of a multimodal
+    part list; None where it holds no text (null, or only other parts: an image). Content of another type (a number,
+    an object, a list of bare strings) is `SkipRow`: dropped as no text, it merged the turns around it (a question, an
+    unreadable answer, a question: one question) or left the row's reply out under another reason."""
+    if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type", "text") == "text"]
-        texts = [text for text in parts if isinstance(text, str)]
-        return "\n".join(texts) if texts else None
-    return None
+    if not isinstance(content, list) or not all(_is_content_part(part) for part in content):
+        raise SkipRow(f"wrong_type:{content_key}")
+    texts = [part["text"] for part in content if _is_text_part(part)]
+    return "\n".join(texts) if texts else None
+
+
+def _is_text_part(part: dict) -> bool:
+    return part.get("type", "text") == "text"
+
+
+def _is_content_part(part: Any) -> bool:
+    """A part of a multimodal content list: an object, with a string `text` where it is a text part."""
+    return isinstance(part, dict) and (not _is_text_part(part) or isinstance(part.get("text"), str))
 
 
 def parse_messages(messages: Any, role_key: str, content_key: str, context: Sequence[dict] = ()) -> list[dict]:
     """Turn a list of message dicts (ShareGPT from/value, or role/content) into clean turns.
 
-    Non-text and empty messages are dropped; an unknown speaker makes the whole row unusable. `context`: the turns
+    Messages without text (an image) and empty ones are dropped; an unknown speaker, or content of a type that holds
+    no text, makes the whole row unusable. `context`: the turns
     parsed already of messages that come before these (a chat row's prompt), which are not read again: the result
     is that of parsing those messages and these together.
     """
@@ -64,7 +76,7 @@ def parse_messages(messages: Any, role_key: str, content_key: str, context: Sequ
         role = _role(message, role_key)
         if role is None:
             raise SkipRow("unknown_role")
-        text = message_text(message.get(content_key))
+        text = message_text(message.get(content_key), content_key)
         if text is not None:
             turns.append({"role": role, "content": text})
     return clean_turns([*context, *turns])
@@ -80,7 +92,7 @@ def is_empty_reply(message: Any, role_key: str, content_key: str) -> bool:
     (`parse_messages` drops it as an empty turn)."""
     if not isinstance(message, dict) or _role(message, role_key) != ASSISTANT:
         return False
-    text = message_text(message.get(content_key))
+    text = message_text(message.get(content_key), content_key)
     return text is not None and not text.strip()
 
 
