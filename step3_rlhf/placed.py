@@ -331,7 +331,8 @@ class PlacedPPORun(PPORun):
     def restore(self) -> dict | None:
         state = super().restore()
         if state is not None:
-            self.placed.streams.load_state_dict(state["rank_state"]["chunk_streams"])
+            with self.checkpoints.reading_loaded_state():
+                self.placed.streams.load_state_dict(state["rank_state"]["chunk_streams"])
             if self.placed.shadow:
                 self.placed.sync_weights()
         return state

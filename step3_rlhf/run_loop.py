@@ -143,19 +143,20 @@ class PPORun:
     def restore(self) -> dict | None:
         """Load the latest checkpoint with --resume (collective); returns its client state (None: a fresh run)."""
         state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
-        start = None if state is None else state["ppo_step"]
+        start = None if state is None else state["step"]  # the PPO step, as every checkpoint records it
         self.metrics.rewind(start, None if state is None else state.get("metrics_lines"))
         if self.call_timer is not None and is_main_process():
             rewind_jsonl(Path(self.args.run.output_dir) / CALL_TIMES_FILE, start)
         if state is None:
             return None
-        self.step = state["ppo_step"]
-        self.prompts.load_state_dict(state["prompts"])
-        if self.unsupervised is not None and state["unsupervised"] is not None:
-            self.unsupervised.load_state_dict(state["unsupervised"])
-        self.trainer.load_state_dict(state["trainer"], state.get("rank_state"))
-        self.evaluations = list(state["evaluations"])
-        self.last_stats = dict(state["last_stats"])
+        with self.checkpoints.reading_loaded_state():
+            self.step = state["ppo_step"]
+            self.prompts.load_state_dict(state["prompts"])
+            if self.unsupervised is not None and state["unsupervised"] is not None:
+                self.unsupervised.load_state_dict(state["unsupervised"])
+            self.trainer.load_state_dict(state["trainer"], state.get("rank_state"))
+            self.evaluations = list(state["evaluations"])
+            self.last_stats = dict(state["last_stats"])
         logger.info("resuming step 3 after PPO step %d", self.step)
         return state
 

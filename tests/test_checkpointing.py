@@ -253,6 +253,35 @@ def test_a_checkpoint_file_cut_short_is_named_as_a_damaged_checkpoint(distribute
         manager.restore({"actor": build_engine(0)}, resume=True)
 
 
+@pytest.mark.parametrize("victim,content,named", [
+    ("rng/rank0.pt", {"python": 1}, r"a random-number state \(rng/rank0.pt\) .*\(TypeError: "),
+    ("rng/rank0.pt", {"torch": torch.zeros(2)}, r"a random-number state \(rng/rank0.pt\) .*\(KeyError: 'python'\)"),
+    ("client_state.pt", [1, 2], r"a loop state \(client_state.pt\) .*\(a list where a dict was written\)"),
+    ("client_state.pt", {"epoch": 1}, r"a loop state \(client_state.pt\) .*\(step None where checkpoint.json says 2\)"),
+    ("rank_state/rank0.pt", [3, 5], r"a rank's own state \(rank_state/rank0.pt\) .*\(a list where a dict"),
+])
+def test_a_checkpoint_file_of_another_structure_is_named_with_the_way_out(distributed, tmp_path, victim, content,
+                                                                         named):
+    """A file whole and safe to load that holds other data than this version writes (another version's, or altered)
+    ended the resume in a bare TypeError or KeyError from the code taking it back."""
+    manager = CheckpointManager(tmp_path / "run")
+    path = manager.save(2, {"actor": build_engine(0)}, {"epoch": 1}, rank_state={"chunks": [3, 5]})
+    torch.save(content, path / victim)
+    with pytest.raises(UserError, match=rf"checkpoint {path} holds {named}.* delete that folder .* without --resume"):
+        manager.restore({"actor": build_engine(0)}, resume=True)
+
+
+def test_a_loop_state_missing_what_its_caller_reads_is_named_with_the_way_out(distributed, tmp_path):
+    """The keys of the client state are its caller's (the trainer's position, step 3's prompt stream): read within
+    `reading_loaded_state`, one that is missing names the checkpoint rather than ending in a bare KeyError."""
+    manager = CheckpointManager(tmp_path / "run")
+    path = manager.save(2, {"actor": build_engine(0)}, {"epoch": 1})
+    state = manager.restore({"actor": build_engine(0)}, resume=True)
+    with pytest.raises(UserError, match=rf"checkpoint {path} holds a loop state .*\(KeyError: 'position'\)"), \
+            manager.reading_loaded_state():
+        state["position"]
+
+
 def test_saving_the_same_step_twice_keeps_the_first(distributed, tmp_path):
     manager = CheckpointManager(tmp_path / "run")
     engines = {"actor": build_engine(0)}

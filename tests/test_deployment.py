@@ -268,6 +268,19 @@ def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_pa
     assert "names GPUs by UUID" in caplog.text
 
 
+@pytest.mark.parametrize("value, included", [("-1", None), ("", None), ("1,-1,0", "localhost:1"), ("3, -1", "localhost:3")])
+def test_a_cuda_visible_devices_that_hides_gpus_is_read_as_cuda_reads_it(tmp_path, monkeypatch, value, included):
+    """CUDA reads CUDA_VISIBLE_DEVICES up to its first invalid entry: `-1` hides every GPU. It was taken for GPUs named
+    by UUID (a warning saying so) and the ranks launched with --num_gpus, for which DeepSpeed's launcher drops the
+    variable: the run took GPU 0 on a node where the user had hidden them all."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    single = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1)
+    if included is None:
+        with pytest.raises(UserError, match=f"CUDA_VISIBLE_DEVICES={re.escape(repr(value))} hides every GPU"):
+            single.command(tmp_path / "main.py", [])
+    else:
+        assert single.command(tmp_path / "main.py", [])[6:8] == ["--include", included]
+
 def test_the_launcher_starts_without_a_deepspeed_script_on_path(tmp_path):
     """An unactivated virtual environment: its python runs train.py, but its bin/ is not on PATH."""
     from training.pipeline.launch import run_subprocess

@@ -20,7 +20,7 @@ from training.loops.trainer import (
     SupervisedTrainer,
     count_optimizer_steps,
 )
-from training.reliability.checkpointing import CheckpointManager
+from training.reliability.checkpointing import CLIENT_STATE_FILE, CheckpointManager
 from training.reliability.guards import NonFiniteError
 from training.reliability.signals import EXIT_INTERRUPTED, GracefulInterrupt
 from utils.errors import UserError
@@ -289,6 +289,20 @@ def test_a_run_stopped_by_sigterm_resumes_to_the_same_end(distributed, tmp_path,
     for got, want in zip(result.evaluations, expected.evaluations):
         assert got == pytest.approx(want, rel=1e-6)
     assert result.train_loss == pytest.approx(expected.train_loss, rel=1e-6)
+
+
+def test_a_resume_from_a_loop_state_without_the_position_names_the_checkpoint(distributed, tmp_path):
+    """A client state another version wrote (or altered) without the data position ended the resume in a bare
+    KeyError: 'position'."""
+    manager = CheckpointManager(tmp_path, save_interval=2)
+    _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), checkpoints=manager).fit()
+    saved = manager.latest().path / CLIENT_STATE_FILE
+    state = torch.load(saved, weights_only=True)
+    del state["position"]
+    torch.save(state, saved)
+    with pytest.raises(UserError, match=rf"checkpoint {saved.parent} holds a loop state .*KeyError: 'position'.* "
+                                        "delete that folder"):
+        _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), checkpoints=manager, resume=True).fit()
 
 
 def test_checkpoints_are_saved_every_save_interval_steps(distributed, tmp_path):

@@ -267,11 +267,12 @@ class SupervisedTrainer:
             self.metrics.rewind(None)
             return
         self.metrics.rewind(state["step"], state.get("metrics_lines"))
-        self.position = LoopPosition(**state["position"])
-        self.evaluations = list(state["evaluations"])
-        # the ranks' window together, on rank 0 alone: `_log_training` sums it over ranks again
-        self._loss_sum, self._loss_items = state["loss_window"] if is_main_process() else (0.0, 0)
-        self._last_train_loss = state["last_train_loss"]
+        with self.checkpoints.reading_loaded_state():
+            self.position = LoopPosition(**state["position"])
+            self.evaluations = list(state["evaluations"])
+            # the ranks' window together, on rank 0 alone: `_log_training` sums it over ranks again
+            self._loss_sum, self._loss_items = state["loss_window"] if is_main_process() else (0.0, 0)
+            self._last_train_loss = state["last_train_loss"]
         logger.info("resuming at step %d (epoch %d, micro-batch %d)", self.engine.global_steps,
                     self.position.epoch, self.position.batches_done)
 

@@ -184,15 +184,28 @@ def check_port_free(port: int) -> None:
 
 
 def visible_gpus() -> list[str]:
-    """The GPU indices `CUDA_VISIBLE_DEVICES` restricts this node to (empty: unset). DeepSpeed's launcher drops the
-    variable when it is given `--num_gpus` and numbers the GPUs from 0, so a restricted run names them in
-    `--include` instead."""
-    devices = [device.strip() for device in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if device.strip()]
-    if not all(device.isdigit() for device in devices):
-        logger.warning("CUDA_VISIBLE_DEVICES=%s names GPUs by UUID or MIG instance, which DeepSpeed's launcher cannot "
-                       "select: it runs on the first GPUs the processes see; give indices (nvidia-smi -L) to choose",
-                       os.environ["CUDA_VISIBLE_DEVICES"])
+    """The GPU indices `CUDA_VISIBLE_DEVICES` restricts this node to (empty: unset, or GPUs named otherwise than by
+    index). DeepSpeed's launcher drops the variable when it is given `--num_gpus` and numbers the GPUs from 0, so a
+    restricted run names them in `--include` instead. CUDA reads the list up to its first invalid entry (`-1`, or
+    nothing: no GPU at all); so does this."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
         return []
+    devices = []
+    for device in (entry.strip() for entry in value.split(",")):
+        if device.isdigit():
+            devices.append(device)
+        elif not device or device.lstrip("-").isdigit():  # invalid to CUDA, which reads no further
+            break
+        else:
+            logger.warning("CUDA_VISIBLE_DEVICES=%s names GPUs by UUID or MIG instance, which DeepSpeed's launcher "
+                           "cannot select: it runs on the first GPUs the processes see; give indices (nvidia-smi -L) "
+                           "to choose", value)
+            return []
+    if not devices:
+        raise UserError(f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU from this process, and DeepSpeed's launcher "
+                        "would drop it and start the ranks on the GPUs from 0; unset it, list the GPUs to run on "
+                        "(nvidia-smi -L gives their indices), or run with --deployment-type cpu")
     return devices
 
 

@@ -33,7 +33,7 @@ import shutil
 import time
 import zipfile
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -243,6 +243,7 @@ class CheckpointManager:
         self.save_interval = save_interval
         self.fixed_flags = None if fixed_flags is None else as_recorded(fixed_flags)
         self.data: dict[str, Any] | None = None
+        self.loaded: Path | None = None  # the checkpoint `load_latest` loaded last
 
     def check_data(self, data: Mapping[str, Any], resume: bool) -> None:
         """Record what the run trains and evaluates on (`data_record` of each dataset, by name) in every checkpoint;
@@ -378,9 +379,15 @@ class CheckpointManager:
         refuse_on_every_rank(None if info is not None else
                              f"checkpoint {path} vanished while loading; is another run using {self.checkpoints_dir}?")
         state = self._load(info, engines)
+        self.loaded = info.path
         if is_main_process():  # once loaded: a damaged `latest` leaves the newer ones for the user to take
             self._discard_newer_than(info)
         return state
+
+    def reading_loaded_state(self) -> AbstractContextManager[None]:
+        """Around a caller taking back the client state `restore` returned: a key it lacks or an entry of another
+        form (a checkpoint another version wrote, or altered) ends in a `UserError` naming the checkpoint."""
+        return _refused_if_malformed(self.loaded, "a loop state")
 
     def check_start(self, resume: bool) -> None:
         """Before anything loads (every rank): without --resume, refuse a folder holding an earlier run's
@@ -473,13 +480,20 @@ class CheckpointManager:
         rng_file = info.path / RNG_DIR / f"rank{rank}.pt"
         with _damaged_if_unreadable(info, f"rank {rank}'s random-number state or the loop state"):
             if rng_file.is_file():
-                restore_rng_state(safe_load(rng_file))
+                rng_state = safe_load(rng_file)
+                with _refused_if_malformed(info.path, f"a random-number state ({RNG_DIR}/{rng_file.name})"):
+                    restore_rng_state(rng_state)
             else:
                 logger.warning("%s has no RNG state for rank %d; its random streams restart", info.path, rank)
-            client_state = safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu")
+            client_state = _as_dict(safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu"), info.path,
+                                    f"a loop state ({CLIENT_STATE_FILE})")
+            if client_state.get("step") != info.step:
+                raise UserError(_malformed(info.path, f"a loop state ({CLIENT_STATE_FILE})",
+                                           f"step {client_state.get('step')!r} where {MARKER_FILE} says {info.step}"))
             rank_file = info.path / RANK_STATE_DIR / f"rank{rank}.pt"
             if rank_file.is_file():
-                client_state["rank_state"] = safe_load(rank_file, map_location="cpu")
+                client_state["rank_state"] = _as_dict(safe_load(rank_file, map_location="cpu"), info.path,
+                                                      f"a rank's own state ({RANK_STATE_DIR}/{rank_file.name})")
             elif rank_file.parent.is_dir():  # every rank saved its own state, or none did
                 raise UserError(_damaged(info, f"rank {rank}'s own state ({RANK_STATE_DIR}/{rank_file.name} is "
                                                "missing)"))
@@ -510,6 +524,29 @@ def _data_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> st
 def _damaged(info: CheckpointInfo, what: str) -> str:
     return f"checkpoint {info.path} is damaged: {what} could not be loaded; delete that folder to resume from the " \
            "one before it"
+
+
+def _malformed(path: Path, what: str, detail: str) -> str:
+    return (f"checkpoint {path} holds {what} in a form this version does not read ({detail}): it was written by "
+            "another version or altered; delete that folder to resume from the one before it, or start without "
+            "--resume")
+
+
+@contextmanager
+def _refused_if_malformed(path: Path, what: str) -> Iterator[None]:
+    """A file that loads but holds other data than this version writes (a key missing, a list where a dict was
+    written) raises from the code that takes it back: said as the checkpoint it is, with the way out."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        raise UserError(_malformed(path, what, f"{type(err).__name__}: {err}")) from err
+
+
+def _as_dict(value: Any, path: Path, what: str) -> dict[str, Any]:
+    """`value`, read from a file of checkpoint `path` that this version writes as a dict (`what`, for the message)."""
+    if type(value) is not dict:
+        raise UserError(_malformed(path, what, f"a {type(value).__name__} where a dict was written"))
+    return value
 
 
 @contextmanager
