@@ -138,6 +138,13 @@ class RewardEvalArguments:
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
     output_file: str | None = field(default=None, metadata={"help": "write the scored rows to this JSONL file"})
 
+    def check(self) -> None:
+        """Refuse a --batch_size or --max_rows below 1 before the model loads: the scoring crashed on the former
+        (range()'s ValueError), and took the latter as a slice (-1: the file less its last row; 0: nothing)."""
+        for flag, value in (("batch_size", self.batch_size), ("max_rows", self.max_rows)):
+            if value is not None and value < 1:
+                raise UserError(f"--{flag} must be at least 1, got {value}")
+
 
 @dataclass
 class RewardEvalSettings:
@@ -155,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
     args = parser.parse_args(argv).scoring
     if not args.input_file and not (args.prompt and args.answer):
         parser.error("give --prompt with at least one --answer, or --input_file")
+    args.check()
     args.model_name_or_path = resolve_reward_model(args.model_name_or_path)
     recorded = args_of_model(args.model_name_or_path)
     if args.max_seq_len is None:

@@ -93,6 +93,19 @@ def test_rw_eval_scores_command_line_pairs_and_files(trained, tmp_path):
     assert scorer.score([(rows[0]["prompt"], rows[0]["chosen"])])[0] == pytest.approx(rows[0]["chosen_score"], abs=1e-5)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    (["--max_rows", "-1"], "--max_rows must be at least 1, got -1"),
+    (["--max_rows", "0"], "--max_rows must be at least 1, got 0"),
+])
+def test_rw_eval_refuses_a_batch_size_or_row_cap_it_cannot_score_by(trained, flags, message, capsys):
+    """--batch_size 0 ended in range()'s ValueError once the model had loaded; --max_rows -1 scored the file less its
+    last row and --max_rows 0 nothing, silently (a slice)."""
+    with pytest.raises(SystemExit) as exited:
+        rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", trained["data"], *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_rw_eval_cuts_as_the_run_trained_and_skips_what_step_2_drops(trained, tmp_path):
     """The run trained at --max_seq_len 64 (its args.json): a prompt that alone fills it, and two answers the same
     once cut, are skipped and counted, as step 2 dropped such pairs (they would tie and count as wrong)."""
