@@ -30,7 +30,7 @@ from training.core.model_loading import (
 from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
-from training.reliability.run_records import args_of_model
+from training.reliability.run_records import trained_prompt_format
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter
 from utils.data.samples import SkipRow
 from utils.errors import UserError, run_cli
@@ -296,7 +296,7 @@ def load_session(args: ChatSettings) -> ChatSession:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers
     model.to(device).eval()
-    prompt_format = chat_args.prompt_format or args_of_model(path).get("prompt_format", "auto")
+    prompt_format = chat_args.prompt_format or trained_prompt_format(path)
     return ChatSession(model, tokenizer, args.sampling, prompt_format, chat_args.system,
                        answer_limit(args.sampling.max_new_tokens, path))
 

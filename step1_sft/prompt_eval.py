@@ -35,7 +35,7 @@ from training.core.model_loading import (
 )
 from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
-from training.reliability.run_records import args_of_model
+from training.reliability.run_records import trained_prompt_format
 from training.reliability.validation import check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter
 from utils.errors import UserError, run_cli
@@ -176,11 +176,6 @@ def read_prompts(args: PromptEvalArguments) -> list[str]:
 
 def build_parser() -> SettingsParser:
     return SettingsParser(PromptEvalSettings, description="Side-by-side answers of a base model and a fine-tuned model")
-
-
-def trained_prompt_format(model: str) -> str:
-    """The --prompt_format of the run that trained `model` (its args.json); auto for a model no run trained."""
-    return args_of_model(model).get("prompt_format", "auto")
 
 
 def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:

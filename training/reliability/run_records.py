@@ -79,6 +79,12 @@ def args_of_model(model: str | os.PathLike) -> dict:
     return (read_run_args(run_dir) if run_dir is not None else None) or {}
 
 
+def trained_prompt_format(model: str | os.PathLike) -> str:
+    """The --prompt_format of the run that trained `model` (its args.json); auto for a model no run of this project
+    trained (its chat template, else plain)."""
+    return args_of_model(model).get("prompt_format", "auto")
+
+
 def with_resolved_flags(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
     """`recorded` flags keyed as `current` keys the flags it records resolved ("dtype (resolved)": see
     `training.core.args.resume_fixed_flags`). A record written before those keys existed holds the flag as given:
