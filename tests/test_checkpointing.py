@@ -282,6 +282,27 @@ def test_a_loop_state_missing_what_its_caller_reads_is_named_with_the_way_out(di
         state["position"]
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_resume_reads_each_checkpoint_file_once(distributed, tmp_path, monkeypatch, stage):
+    """DeepSpeed's loader read the model-states file (below ZeRO, the weights and the Adam moments) twice: whole, to
+    check one entry of it, then again to load it."""
+    manager = CheckpointManager(tmp_path / "run")
+    saved = build_engine(stage)
+    path = manager.save(2, {"actor": saved}, {"epoch": 1})
+    resumed = build_engine(stage, seed=3)
+    reads, load = [], torch.load
+
+    def counted_load(file, *args, **kwargs):
+        reads.append(Path(file).relative_to(path).as_posix())
+        return load(file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted_load)
+    manager.restore({"actor": resumed}, resume=True)
+    assert "actor/mp_rank_00_model_states.pt" in reads and len(reads) == len(set(reads)), reads
+    for name, value in weights(saved).items():
+        assert torch.equal(value, weights(resumed)[name]), name
+
+
 def test_saving_the_same_step_twice_keeps_the_first(distributed, tmp_path):
     manager = CheckpointManager(tmp_path / "run")
     engines = {"actor": build_engine(0)}

@@ -192,14 +192,27 @@ def safe_load(path: str | Path, map_location=None, allowed: list[type] = ()) -> 
 
 @contextmanager
 def weights_only_engine_loads(engine) -> Iterator[None]:
-    """Within this context `engine.load_checkpoint` reads its files with `safe_load`."""
+    """Within this context `engine.load_checkpoint` reads its files with `safe_load`, each file once: DeepSpeed's
+    loader reads the model-states file whole (the module, and below ZeRO the optimizer state) to check one entry
+    (`SDLoaderBase.check_ckpt_list`), drops it, then reads it again to load it; that second read takes the first
+    one's objects (both read onto the CPU, and the check only looks)."""
     checkpoint_engine = engine.checkpoint_engine
     allowed = deepspeed_safe_globals()
-    checkpoint_engine.load = lambda path, map_location=None: safe_load(path, map_location, allowed)
+    last_read: dict[str, Any] = {}
+
+    def load_once(path, map_location=None):
+        if str(path) in last_read:
+            return last_read.pop(str(path))
+        last_read.clear()
+        last_read[str(path)] = safe_load(path, map_location, allowed)
+        return last_read[str(path)]
+
+    checkpoint_engine.load = load_once
     try:
         yield
     finally:
         del checkpoint_engine.load
+        last_read.clear()
 
 
 # the manager --------------------------------------------------------------------------------------
