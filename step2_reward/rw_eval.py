@@ -180,9 +180,13 @@ def _rows(args: RewardEvalArguments, scorer: RewardScorer) -> list[dict]:
         rows += [{"prompt": rendered, "chosen": scorer.formatter.answer(turns, a, rendered), "rejected": None}
                  for a in args.answer]
     if args.input_file:
-        file_rows = [row for row in read_rows(args.input_file, scorer.tokenizer, args.prompt_format) if row.get("chosen") is not None]
+        read = read_rows(args.input_file, scorer.tokenizer, args.prompt_format)
+        file_rows = [row for row in read if row.get("chosen") is not None]
         if not file_rows:
             raise UserError(f"{args.input_file} has no rows with a prompt and an answer to score")
+        if len(file_rows) < len(read):  # said: the statistics count only the rows scored
+            print(f"{args.input_file}: {len(read) - len(file_rows)} of its {len(read)} rows hold a prompt alone, no "
+                  "answer to score: left out", flush=True)
         rows += file_rows[: args.max_rows]
     return rows
 

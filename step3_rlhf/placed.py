@@ -293,6 +293,10 @@ class PlacedPPORun(PPORun):
     def scores(self, batches: list[dict[int, Experience]]) -> torch.Tensor:
         return torch.cat([experience.scores for batch in batches for experience in batch.values()])
 
+    def step_scores(self, batches: list[dict[int, Experience]]) -> torch.Tensor:
+        """Already every rank's: every rank holds every chunk's experience."""
+        return self.scores(batches)
+
     def train_on(self, batches: list[dict[int, Experience]]) -> dict[str, float]:
         loop = self.args.loop
         draw = self.unsupervised.next if self.unsupervised is not None else None

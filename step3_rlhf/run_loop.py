@@ -211,6 +211,8 @@ class PPORun:
                 timing[key] += value
             for key, value in stats.items():
                 rollout[key] = rollout.get(key, 0.0) + value / args.loop.generation_batches
+        # a mean of each batch's std would leave out the spread between batches (and ranks)
+        rollout["reward/score_std"] = self.step_scores(batches).std(unbiased=False).item()
         check_finite("reward", self.scores(batches), self.step + 1, self.checkpoints)
         started = time.perf_counter()
         updates = self.train_on(batches)
@@ -226,6 +228,10 @@ class PPORun:
 
     def scores(self, batches: list[Experience]) -> torch.Tensor:
         return torch.cat([experience.scores for experience in batches])
+
+    def step_scores(self, batches: list[Experience]) -> torch.Tensor:
+        """The scores of the step's answers on every rank (collective)."""
+        return torch.cat(all_gather_objects(self.scores(batches).cpu()))
 
     def train_on(self, batches: list[Experience]) -> dict[str, float]:
         """`ppo_epochs` passes of micro-batch updates (with the pretraining mixture); the mean statistics, and the

@@ -106,6 +106,17 @@ def test_rw_eval_refuses_a_batch_size_or_row_cap_it_cannot_score_by(trained, fla
     assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_rw_eval_says_how_many_rows_of_a_file_hold_a_prompt_alone(trained, tmp_path, capsys):
+    """Rows without an answer were left out of the scoring without a word: the statistics counted the others."""
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"prompt": "What is 1 plus 2?", "chosen": "1 plus 2 is 3.", "rejected": "I do not know."},
+            {"prompt": "What is 2 plus 2?"}, {"prompt": "What is 3 plus 2?"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    scored = rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", str(path)])
+    assert scored["rows"] == 1
+    assert f"{path}: 2 of its 3 rows hold a prompt alone, no answer to score: left out" in capsys.readouterr().out
+
+
 def test_rw_eval_cuts_as_the_run_trained_and_skips_what_step_2_drops(trained, tmp_path):
     """The run trained at --max_seq_len 64 (its args.json): a prompt that alone fills it, and two answers the same
     once cut, are skipped and counted, as step 2 dropped such pairs (they would tie and count as wrong)."""

@@ -633,6 +633,38 @@ def test_experience_split_keeps_the_group_index():
     assert all(part.old_values is None for part in parts)
 
 
+def scored_experience(scores: list[float]) -> Experience:
+    """A rollout batch of one-token answers with these scores (all else zero)."""
+    rows = torch.zeros(len(scores), 1)
+    return Experience(sequences=rows.long(), attention_mask=rows.long(), prompt_length=1, action_mask=rows.long() + 1,
+                      old_logprobs=rows, ref_logprobs=rows, old_values=None, rewards=rows, advantages=rows,
+                      returns=rows, scores=torch.tensor(scores), kl=rows[:, 0], ended_with_eos=rows[:, 0].bool())
+
+
+def test_the_logged_score_std_is_the_spread_of_all_the_steps_scores(distributed, monkeypatch):
+    """Two generation batches scored [0, 0] and [1, 1]: the step's scores spread by 0.5 about their mean, 0.5. The
+    logged std was the mean of each batch's own std (and of each rank's), 0: it left out the spread between batches,
+    and with one answer per rank and batch it was always 0."""
+    from types import SimpleNamespace
+
+    from step3_rlhf.run_loop import PPORun
+    from training.algorithms import FixedKLController
+    from training.loops.call_times import CallTimer
+
+    batches = iter([scored_experience([0.0, 0.0]), scored_experience([1.0, 1.0])])
+    run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=2)), SimpleNamespace(),
+                 SimpleNamespace(clock=CallTimer(), kl_controller=FixedKLController(0.1)), None, None, None,
+                 total_steps=1, checkpoints=None, metrics=None)
+    monkeypatch.setattr(run, "rollout_batch", lambda prompts: (experience := next(batches), {
+        "generation_s": 1.0, "scoring_s": 0.0, "generated_tokens": 2.0}, experience_stats(experience)))
+    monkeypatch.setattr(run, "train_on", lambda experiences: {})
+    monkeypatch.setattr(run, "learning_rates", dict)
+    run.prompts = SimpleNamespace(next=lambda: None)
+    stats = run._ppo_step()
+    assert stats["reward/score_mean"] == 0.5
+    assert stats["reward/score_std"] == 0.5
+
+
 def test_a_critic_free_estimator_builds_no_critic_and_trains_the_actor(distributed, inputs, tmp_path,
                                                                         critic_free_estimator):
     from step3_rlhf.main import parse_args

@@ -64,7 +64,18 @@ def main_worker() -> None:
                    if "train/actor_loss" in record]
         assert trained and all(record["train/actor_skipped_steps"] == record["train/critic_skipped_steps"] == 0
                                for record in trained), f"{spec}: the skipped updates' counts are not logged"
+        # the std over every rank's scores, gathered co-located, every chunk's on each rank under a placement
+        expected_stds, stds = score_stds(reference["dir"]), [record["reward/score_std"] for record in trained]
+        assert len(stds) == len(expected_stds) and all(
+            abs(got - expected) <= 1e-4 * max(1.0, abs(expected)) for got, expected in zip(stds, expected_stds)
+        ), f"{spec}: score std {stds} != {expected_stds}"
         print(f"PLACEMENT_OK {spec} {result['summary']['placement']}", flush=True)
+
+
+def score_stds(run_dir: Path) -> list[float]:
+    """The logged `reward/score_std` of each PPO step of a run."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [record["reward/score_std"] for record in records if "train/actor_loss" in record]
 
 
 if __name__ == "__main__":
