@@ -653,13 +653,12 @@ def test_the_logged_score_std_is_the_spread_of_all_the_steps_scores(distributed,
 
     batches = iter([scored_experience([0.0, 0.0]), scored_experience([1.0, 1.0])])
     run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=2)), SimpleNamespace(),
-                 SimpleNamespace(clock=CallTimer(), kl_controller=FixedKLController(0.1)), None, None, None,
-                 total_steps=1, checkpoints=None, metrics=None)
+                 SimpleNamespace(clock=CallTimer(), kl_controller=FixedKLController(0.1)),
+                 SimpleNamespace(next=lambda: None), None, None, total_steps=1, checkpoints=None, metrics=None)
     monkeypatch.setattr(run, "rollout_batch", lambda prompts: (experience := next(batches), {
         "generation_s": 1.0, "scoring_s": 0.0, "generated_tokens": 2.0}, experience_stats(experience)))
     monkeypatch.setattr(run, "train_on", lambda experiences: {})
     monkeypatch.setattr(run, "learning_rates", dict)
-    run.prompts = SimpleNamespace(next=lambda: None)
     stats = run._ppo_step()
     assert stats["reward/score_mean"] == 0.5
     assert stats["reward/score_std"] == 0.5
