@@ -84,6 +84,7 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
     """Everything that can be checked before anything is loaded or written; returns what the runs that trained the
     input models recorded of their data (for the data build to compare: `check_input_run_shards`)."""
     args.check_flags(get_world_size())
+    args.check_device()
     if args.rewards.reward_fn is not None:
         load_reward_fn(args.rewards.reward_fn)
     input_runs = []

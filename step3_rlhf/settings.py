@@ -138,6 +138,12 @@ class Step3Settings:
         _check_scoring(self, flags)
         check_unused_flags(self)  # --inference_tp_size without the hybrid engine among them
 
+    def check_device(self) -> None:
+        """Refuse, before anything loads, a --dtype or --generation_dtype this device cannot compute in (fp16 on a
+        CPU): checked by step 3 itself, and by train.py where the steps run on devices like its own."""
+        self.run.check_device()
+        self.hybrid.generation_dtype_here()
+
 
 def micro_batches_per_ppo_step(args: Step3Settings) -> int:
     """Training micro-batches of one PPO step, per rank (`ppo_micro_batches` of the run's flags)."""

@@ -94,6 +94,25 @@ def test_a_value_only_a_later_stage_refused_fails_train_py_before_step_1_starts(
     assert mains.ran == [] and not (tmp_path / "out" / "step1").exists()
 
 
+@pytest.mark.parametrize("step_args, message", [
+    # the hybrid engine refused it when it was built, after steps 1 and 2 had trained and step 3 had loaded its models
+    ("--step3-args=--enable_hybrid_engine --generation_dtype fp16",
+     "step 3: --generation_dtype fp16: fp16 is not supported on CPU; use --generation_dtype bf16 or --generation_dtype "
+     "fp32"),
+    ("--step2-args=--dtype fp16", "step 2: --dtype fp16: fp16 is not supported on CPU"),  # when step 2 started
+])
+def test_a_precision_the_steps_device_lacks_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step_args,
+                                                                                message):
+    """The cpu deployment runs the steps in train.py's process, on this CPU; planned for GPUs from a machine without
+    one (a login node), the ranks' devices are not this one's, and their precision is theirs to refuse."""
+    model = tiny_model_dir("llama")
+    mains = RecordedMains()
+    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+        train(tmp_path, model, step_args, mains=mains)
+    assert mains.ran == []
+    train(tmp_path, model, "--deployment-type", "single_gpu", step_args, "--dry-run")
+
+
 def test_every_steps_refusal_is_reported_at_once_naming_its_step(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
     with pytest.raises(UserError) as refused:
@@ -132,6 +151,8 @@ def test_a_flag_every_step_refuses_is_not_blamed_on_routing(tmp_path, tiny_model
      "--dpo_label_smoothing must be in [0, 0.5)"),
     ("step3_rlhf.main", ["--actor_model_name_or_path", "--critic_model_name_or_path"], ["--ema_beta", "2"],
      "--ema_beta must lie in [0, 1), got 2.0"),
+    ("step3_rlhf.main", ["--actor_model_name_or_path", "--critic_model_name_or_path"],
+     ["--enable_hybrid_engine", "--generation_dtype", "fp16"], "--generation_dtype fp16: fp16 is not supported on CPU"),
     # steps 2, 3 and DPO took step 1's own sources and trained without them
     *((module, model_flags, ["--sft_only_data_path", "sft.jsonl"], "--sft_only_data_path names sources step 1 alone")
       for module, model_flags in (("step2_reward.main", ["--model_name_or_path"]),

@@ -214,6 +214,10 @@ class RunArguments:
     local_rank: int = field(default=-1, metadata={  # set by the deepspeed launcher
         "same_result": True, "help": argparse.SUPPRESS})
 
+    def check_device(self) -> None:
+        """Refuse a --dtype this device cannot compute in (fp16 on a CPU)."""
+        resolve_dtype(self.dtype)
+
     @property
     def dtype_name(self) -> str:
         """`--dtype` resolved for this device, as the DeepSpeed config spells it ("bf16", "fp16", "fp32")."""

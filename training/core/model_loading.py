@@ -97,9 +97,10 @@ def resolve_trained_model(path: str, ema: bool = False) -> str:
     return resolve_model_path(path)
 
 
-def resolve_dtype(name: str | None) -> torch.dtype:
+def resolve_dtype(name: str | None, flag: str = "--dtype") -> torch.dtype:
     """`bf16`/`fp16`/`fp32`, or None/"auto" for the device's best: bf16 where the GPU supports it, else fp16; on CPU
-    bf16 only where the CPU has bf16 instructions (elsewhere torch emulates it, slower than fp32), else fp32."""
+    bf16 only where the CPU has bf16 instructions (elsewhere torch emulates it, slower than fp32), else fp32. `flag`
+    names the setting in errors."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -111,9 +112,9 @@ def resolve_dtype(name: str | None) -> torch.dtype:
     if name not in _DTYPES:
         raise UserError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}")
     if name == "fp16" and on_cpu:
-        raise UserError("fp16 is not supported on CPU; use --dtype bf16 or --dtype fp32")
+        raise UserError(f"{flag} fp16: fp16 is not supported on CPU; use {flag} bf16 or {flag} fp32")
     if name == "bf16" and not accelerator.is_bf16_supported():
-        raise UserError("this device does not support bf16; use --dtype fp32 (or fp16 on a GPU)")
+        raise UserError(f"{flag} bf16: this device does not support bf16; use {flag} fp32 (or fp16 on a GPU)")
     return _DTYPES[name]
 
 

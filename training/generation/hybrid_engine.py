@@ -122,6 +122,11 @@ class HybridEngineSettings:
             raise UserError(f"--tp_gather_partition_size must be at least 1 (decoder layers gathered at once), got "
                             f"{self.tp_gather_partition_size}")
 
+    def generation_dtype_here(self) -> torch.dtype | None:
+        """`--generation_dtype` as this device computes it (None: the training dtype); a `UserError` where the
+        device cannot (fp16 on a CPU)."""
+        return resolve_dtype(self.generation_dtype, "--generation_dtype") if self.generation_dtype else None
+
 
 def build_generator(backend: str, engine: torch.nn.Module, tokenizer, settings: HybridEngineSettings) -> Generator:
     """The generator for `backend`; a model the hybrid engine cannot serve falls back to `hf`, loudly."""
@@ -373,7 +378,7 @@ class HybridEngine:
         self.module = getattr(engine, "module", engine)
         self.settings = settings
         self.device = current_device()
-        self.dtype = resolve_dtype(settings.generation_dtype) if settings.generation_dtype else _training_dtype(self.module)
+        self.dtype = settings.generation_dtype_here() or _training_dtype(self.module)
         self.tp = TensorParallelGroup.create(settings.inference_tp_size) if settings.inference_tp_size > 1 else None
         self.kv_cache = RolloutKVCache()
         self._decoder: KVCacheDecoder | None = None

@@ -114,6 +114,11 @@ class SupervisedSettings:
         self.checkpoints.check_flags()
         self.data.check_flags(self.phase)
 
+    def check_device(self) -> None:
+        """Refuse, before anything loads, a --dtype this device cannot compute in (fp16 on a CPU): checked by the step
+        itself, and by train.py where the steps run on devices like its own."""
+        self.run.check_device()
+
     def loop_config(self, description: str) -> LoopConfig:
         return LoopConfig(**asdict(self.loop), gradient_accumulation_steps=self.schedule.gradient_accumulation_steps,
                           max_steps=self.schedule.max_steps, seed=self.data.seed, description=description)
@@ -200,6 +205,7 @@ def run_supervised_step(args: SupervisedSettings, step: SupervisedStep) -> dict[
 def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str, Any]:
     setup_logging()
     args.check_flags(get_world_size())
+    args.check_device()
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)

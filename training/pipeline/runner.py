@@ -127,7 +127,8 @@ def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hard
     check_launcher_installed()
     if deployment is DeploymentType.MULTI_NODE:
         return Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
-                        master_addr=config.master_addr, nodes=len(hosts), on_this_machine=is_this_machine(hosts[0].name))
+                        master_addr=config.master_addr, nodes=len(hosts), on_this_machine=is_this_machine(hosts[0].name),
+                        hosts=tuple(host.name for host in hosts))
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
     return Launcher(deployment, num_gpus=gpus, master_port=config.master_port)
 
@@ -374,16 +375,21 @@ def _parse_step_command(config: PipelineConfig, step: int, user_flags: list[str]
                         f"(given to every step that takes them, or in --{STEPS[step].name}-args)") from None
 
 
-def _check_step_flags(config: PipelineConfig, parsed: Mapping[int, Any], world_size: int) -> None:
+def _check_step_flags(config: PipelineConfig, parsed: Mapping[int, Any], world_size: int,
+                      on_this_device: bool) -> None:
     """Each step's own flag checks (its settings' `check_flags`, which the step runs when it starts), for the steps
-    in `parsed`, on `world_size` ranks: a value a step refuses fails now, not after the steps before it trained.
-    train.py gives a flag to every step that takes it, so one meant for one step may reach another that refuses it."""
+    in `parsed`, on `world_size` ranks: a value a step refuses fails now, not after the steps before it trained; and,
+    `on_this_device` (the ranks run on devices like this process's), the precisions they cannot compute in
+    (`check_device`). train.py gives a flag to every step that takes it, so one meant for one step may reach another
+    that refuses it."""
     problems = {}
     for step, settings in parsed.items():
         if isinstance(settings, argparse.Namespace):  # a plain argparse CLI: no settings, no checks
             continue
         try:
             settings.check_flags(world_size)
+            if on_this_device:
+                settings.check_device()
         except UserError as error:
             problems[step] = f"step {step}: {error}"
     routed_to_others = config.extra_args and len(problems) < len(parsed)  # a step took what another refuses
@@ -493,8 +499,11 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     flags = {step: _recorded_flags(settings) for step, settings in parsed.items()}
     finished = _finished_steps(config, argvs, flags, inputs)
     # a finished step is skipped, its flags unused: not checked (a check added since would refuse what it finished with)
+    # the cpu deployment runs the steps in this process; a GPU one planned where no GPU is (a login node) runs them
+    # on devices this process does not see
+    on_this_device = deployment is DeploymentType.CPU or hardware.num_gpus > 0
     _check_step_flags(config, {step: settings for step, settings in parsed.items() if step not in finished},
-                      plan.world_size)
+                      plan.world_size, on_this_device)
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
     _check_resumed_world_size(config, plan, {step: argv for step, argv in argvs.items() if step not in finished})
@@ -519,7 +528,8 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
         else:
             command = prepared.launcher.command_now(STEPS[step].script(), prepared.argvs[step])
             print(f"launch: {format_command(command)}", flush=True)  # its master port is settled now
-            run_subprocess(command, config.log_path(step), label, env=launcher_env(REPO_ROOT))
+            run_subprocess(command, config.log_path(step), label, env=launcher_env(REPO_ROOT),
+                           stop_ranks=prepared.launcher.ranks_stop_command(STEPS[step].script(), prepared.argvs[step]))
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
         raise _with_resume_hint(config, step, error) from error
