@@ -410,7 +410,7 @@ def test_the_data_path_help_names_every_row_format():
     assert {"chat_preference", "chat_prompt"} <= set(FORMATS)
 
 
-def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok):
+def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok, caplog):
     text_file = tmp_path / "corpus.txt"
     text_file.write_text("The quick brown fox.\n\nJumps over the lazy dog.\n\n" * 20)
     blocks = build_unsupervised_dataset(str(text_file), tok, 16, 0, str(tmp_path / "cache"))
@@ -422,8 +422,10 @@ def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok):
     assert (torch.cat([b["input_ids"] for b in blocks]) == tok.eos_token_id).sum() >= docs - 2
     jsonl = tmp_path / "corpus.jsonl"
     jsonl.write_text("".join(json.dumps({"text": "Human feedback trains a reward model."}) + "\n" for _ in range(10)) + '{"text": 5}\n')
-    capped = build_unsupervised_dataset(str(jsonl), tok, 8, 0, str(tmp_path / "cache"), max_blocks=3)
+    with caplog.at_level("WARNING", logger="utils.data"):
+        capped = build_unsupervised_dataset(str(jsonl), tok, 8, 0, str(tmp_path / "cache"), max_blocks=3)
     assert len(capped) == 3 and capped.stats["skipped:wrong_type:text"] == 1
+    assert "skipped: wrong_type:text=1 (corpus.jsonl line 11)" in caplog.text  # the row to fix, named
     with pytest.raises(UserError, match="no block"):
         build_unsupervised_dataset(str(jsonl), tok, 10_000, 0, str(tmp_path / "cache"))
     wrong_column = tmp_path / "wrong_column.jsonl"

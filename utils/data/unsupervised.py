@@ -21,7 +21,7 @@ from utils.errors import UserError
 from . import embedded
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .jsonio import utf8_text
-from .local_files import local_files, read_local_files
+from .local_files import RecordOrigins, local_files, read_local_files
 from .samples import ASSISTANT, ROLE_ALIASES, SkippedRows, SkipRow, text_field
 from .sources import (
     file_fingerprint,
@@ -54,13 +54,15 @@ def _embedded_texts(shard: ShardSettings | None) -> list[str]:
     ]
 
 
-def _column_texts(records, text_column: str, skipped: SkippedRows) -> list[str]:
+def _column_texts(records, text_column: str, skipped: SkippedRows, origins: RecordOrigins | None = None) -> list[str]:
+    """The text of each record's `text_column`; a record without one is counted in `skipped`, where it was read
+    (`origins`: a local source's) named."""
     texts = []
-    for record in records:
+    for index, record in enumerate(records):
         try:
             texts.append(text_field(record, text_column))
         except SkipRow as skip:
-            skipped.skip(skip.reason)
+            skipped.skip(skip.reason, origins(index) if origins is not None else None)
     return texts
 
 
@@ -89,9 +91,10 @@ def load_texts(
         if path.suffix == ".txt":
             paragraphs = re.split(r"\n\s*\n", utf8_text(path.read_bytes(), path))
             return [p.strip() for p in paragraphs if p.strip()], skipped
-        records = [record for file in read_local_files(path, skipped) for record in file.records]
+        files = read_local_files(path, skipped)
+        records = [record for file in files for record in file.records]
         _check_local_column(records, text_column, source)
-        return _column_texts(records, text_column, skipped), skipped
+        return _column_texts(records, text_column, skipped, RecordOrigins.of(files)), skipped
     dataset = load_hub_dataset(source, config_name, split="train")
     if text_column not in dataset.column_names:
         raise UserError(f"unsupervised dataset '{source}' has no '{text_column}' column (it has {dataset.column_names}); "
