@@ -293,6 +293,25 @@ def test_a_resume_on_other_data_is_refused(distributed, tiny_model_dir, tmp_path
     assert "train: 7 items -> 14" in error
 
 
+def test_a_resume_needs_free_space_only_for_the_checkpoints_not_yet_on_disk(distributed, tiny_model_dir, tmp_path,
+                                                                          monkeypatch):
+    """A resume was asked for free space for every checkpoint it keeps and one more, though those on disk hold theirs
+    already: a run stopped for want of space, resumed once room for its next checkpoint and its final model was
+    freed, was refused."""
+    from training.loops import supervised_step
+
+    needed, check = [], supervised_step.check_disk_space
+    monkeypatch.setattr(supervised_step, "check_disk_space",
+                        lambda path, needed_bytes, what: needed.append(needed_bytes) or check(path, needed_bytes, what))
+    model_dir, data = tiny_model_dir("llama"), write_arithmetic_jsonl(tmp_path / "d.jsonl", 16)
+    args = _args(model_dir, data, tmp_path, "--max_steps", "2", "--save_interval", "1")
+    first = main(args)  # leaves the checkpoints of steps 1 and 2 (--keep_last_checkpoints 2)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=needed[0] - 1))
+    resumed = main([*args, "--resume"])
+    assert resumed["eval_perplexity_after"] == pytest.approx(first["eval_perplexity_after"])
+
+
 def test_run_folder_rules_lock_checkpoints_and_resume(distributed, tiny_model_dir, tmp_path, capsys):
     from training.reliability.run_lock import RunLock
 

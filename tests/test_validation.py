@@ -49,6 +49,9 @@ def test_disk_space_check_compares_free_space_with_the_estimate(tmp_path):
     # bf16 adds an fp32 master copy; only trainable parameters carry optimizer state
     assert estimate_output_bytes(10, 2, trainable_params=1, keep_last_checkpoints=1) == 20 + 2 * (20 + 12)
     assert estimate_output_bytes(10, 4) == 40
+    # a resume finds checkpoints on disk: only those still to come (at least the one being written) need room
+    assert estimate_output_bytes(10, 4, keep_last_checkpoints=2, checkpoints_on_disk=1) == 40 + 2 * 120
+    assert estimate_output_bytes(10, 4, keep_last_checkpoints=2, checkpoints_on_disk=5) == 40 + 120
 
 
 @pytest.mark.parametrize("arch,attribute", [("gpt2", "max_position_embeddings"), ("opt", "max_position_embeddings"),

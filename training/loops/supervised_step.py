@@ -232,7 +232,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         dtype = resolve_dtype(args.run.dtype)
         model = step.build_model(args, tokenizer, settings.ds_config(), dtype)
         model = apply_model_options(model, args.training, trainable_heads=step.trainable_heads)
-        check_disk_space(run_dir, _output_bytes(model, dtype, args.checkpoints.keep_last_checkpoints), step.name)
+        check_disk_space(run_dir, _output_bytes(model, dtype, args.checkpoints.keep_last_checkpoints,
+                                                len(checkpoints.complete_checkpoints())), step.name)
         save_run_args(run_dir, flag_values(args))  # only now: a bad argument must leave an earlier run's files as they were
         write_split_record(run_dir, cut_records)
         engine = create_train_engine(model, settings)
@@ -267,9 +268,12 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
     return summary
 
 
-def _output_bytes(model: torch.nn.Module, dtype: torch.dtype, keep_last_checkpoints: int) -> int:
-    """What the run will write: the final model and its resume checkpoints (ZeRO-3 aware parameter counts)."""
+def _output_bytes(model: torch.nn.Module, dtype: torch.dtype, keep_last_checkpoints: int,
+                  checkpoints_on_disk: int) -> int:
+    """What the run will write: the final model and the resume checkpoints not yet on disk (ZeRO-3 aware parameter
+    counts)."""
     params = list(model.parameters())
     count = sum(full_numel(p) for p in params)
     trainable = sum(full_numel(p) for p in params if p.requires_grad)
-    return estimate_output_bytes(count, torch.finfo(dtype).bits // 8, trainable, keep_last_checkpoints)
+    return estimate_output_bytes(count, torch.finfo(dtype).bits // 8, trainable, keep_last_checkpoints,
+                                 checkpoints_on_disk=checkpoints_on_disk)

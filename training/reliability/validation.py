@@ -107,17 +107,19 @@ def estimate_output_bytes(
     trainable_params: int | None = None,
     keep_last_checkpoints: int = 0,
     final_models: int = 1,
+    checkpoints_on_disk: int = 0,
 ) -> int:
     """Bytes a run writes for one model: its final folder(s) plus resume checkpoints.
 
     A checkpoint holds the weights in the training dtype, the Adam moments (8 bytes per trainable
     parameter) and, below fp32, an fp32 master copy; while one is written the previous
-    `keep_last_checkpoints` still exist, hence one more than kept.
+    `keep_last_checkpoints` still exist, hence one more than kept. A resumed run finds `checkpoints_on_disk` written
+    already: their space is taken, and it writes the others (at least the one under way).
     """
     trainable = num_params if trainable_params is None else trainable_params
     optimizer_bytes_per_param = 8 + (4 if param_bytes < 4 else 0)
     checkpoint = num_params * param_bytes + trainable * optimizer_bytes_per_param
-    checkpoints = keep_last_checkpoints + 1 if keep_last_checkpoints > 0 else 0
+    checkpoints = max(keep_last_checkpoints + 1 - checkpoints_on_disk, 1) if keep_last_checkpoints > 0 else 0
     return final_models * num_params * param_bytes + checkpoints * checkpoint
 
 
