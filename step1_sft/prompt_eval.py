@@ -38,6 +38,7 @@ from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
 from training.reliability.validation import check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter
+from utils.data.jsonio import utf8_text
 from utils.errors import UserError, run_cli
 
 DEFAULT_PROMPTS = (
@@ -165,12 +166,14 @@ def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code
 
 
 def read_prompts(args: PromptEvalArguments) -> list[str]:
+    """--prompts, then --prompts_file's lines (UTF-8, as the data files: a byte-order mark is no part of the first
+    prompt, and another encoding is refused naming its first bad byte); the built-in prompts where neither gives one."""
     prompts = list(args.prompts or [])
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
             raise UserError(f"--prompts_file {path} does not exist; give a text file with one prompt per line")
-        prompts += [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts += [line.strip() for line in utf8_text(path.read_bytes(), path).splitlines() if line.strip()]
     return prompts or list(DEFAULT_PROMPTS)
 
 

@@ -120,6 +120,19 @@ def test_prompt_eval_renders_prompts_as_the_fine_tuned_models_run_trained_on_the
     assert prompt_format(model) == "auto"
 
 
+def test_prompt_eval_reads_a_prompts_file_as_utf8_text(tmp_path):
+    """A Windows editor's byte-order mark went into the first prompt (U+FEFF before its text), and a Latin-1 file
+    ended in a UnicodeDecodeError traceback."""
+    def prompts_of(data: bytes) -> list[str]:
+        path = tmp_path / "prompts.txt"
+        path.write_bytes(data)
+        return prompt_eval.read_prompts(prompt_eval.PromptEvalArguments("run", prompts_file=str(path)))
+
+    assert prompts_of("\ufeffHow are you?\r\nCaf\u00e9?\n\n".encode()) == ["How are you?", "Caf\u00e9?"]
+    with pytest.raises(UserError, match=r"prompts.txt is not UTF-8 text: its byte 3 \(0xe9\)"):
+        prompts_of("Caf\u00e9?\n".encode("latin-1"))
+
+
 def test_prompt_eval_samples_when_asked(tmp_path):
     model, tokenizer = make_tiny_model("opt", make_tokenizer(with_pad=True))
     settings = prompt_eval.GenerationSettings(max_new_tokens=5, do_sample=True, top_k=20, batch_size=2)
