@@ -285,6 +285,9 @@ def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     (["--top_p", "1.5"], r"--top_p must lie in \(0, 1\]"),
     (["--temperature", "0"], "--temperature must be positive when sampling"),
     (["--max_new_tokens", "0"], "--max_new_tokens must be positive"),
+    # nan passed `<= 0` (every comparison with nan is False) and reached generate
+    (["--temperature", "nan"], "--temperature must be positive when sampling, got nan"),
+    (["--repetition_penalty", "nan"], "--repetition_penalty must be positive"),
 ])
 def test_sampling_flags_that_generate_would_refuse_or_ignore_are_user_errors(flags, message, tmp_path):
     """They ended in a transformers traceback (exit 1), and --top_p 1.5 was taken silently; checked before any model

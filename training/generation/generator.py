@@ -61,7 +61,7 @@ class GenerationConfig(SamplingSettings):
             raise ValueError("max_new_tokens must be at least 1")
         if self.num_return_sequences < 1:
             raise ValueError("num_return_sequences must be at least 1")
-        if self.do_sample and self.temperature <= 0:
+        if self.do_sample and not self.temperature > 0:  # nan too
             raise ValueError("temperature must be positive when sampling (use do_sample=False for greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must lie in (0, 1]")
@@ -103,8 +103,9 @@ class DecodingSettings(SamplingSettings):
         """(flag, whether its value breaks the rule, the rule) for `check`; a tool's own flags extend it."""
         return [
             ("max_new_tokens", self.max_new_tokens is not None and self.max_new_tokens <= 0, "must be positive"),
-            ("repetition_penalty", self.repetition_penalty <= 0, "must be positive (1.0: none)"),
-            ("temperature", self.do_sample and self.temperature <= 0, "must be positive when sampling"),
+            # `not value > 0` refuses nan too, which every comparison answers False
+            ("repetition_penalty", not self.repetition_penalty > 0, "must be positive (1.0: none)"),
+            ("temperature", self.do_sample and not self.temperature > 0, "must be positive when sampling"),
             ("top_p", self.do_sample and not 0 < self.top_p <= 1, "must lie in (0, 1] (1: all tokens)"),
             ("top_k", self.do_sample and self.top_k < 0, "must be 0 (all tokens) or positive"),
         ]
