@@ -259,11 +259,12 @@ def test_a_checkpoint_file_cut_short_is_named_as_a_damaged_checkpoint(distribute
     ("client_state.pt", [1, 2], r"a loop state \(client_state.pt\) .*\(a list where a dict was written\)"),
     ("client_state.pt", {"epoch": 1}, r"a loop state \(client_state.pt\) .*\(step None where checkpoint.json says 2\)"),
     ("rank_state/rank0.pt", [3, 5], r"a rank's own state \(rank_state/rank0.pt\) .*\(a list where a dict"),
+    ("actor/mp_rank_00_model_states.pt", {"step": 2}, r"the 'actor' model's state \(actor/\) .*\(KeyError: 'module'\)"),
 ])
 def test_a_checkpoint_file_of_another_structure_is_named_with_the_way_out(distributed, tmp_path, victim, content,
                                                                          named):
     """A file whole and safe to load that holds other data than this version writes (another version's, or altered)
-    ended the resume in a bare TypeError or KeyError from the code taking it back."""
+    ended the resume in a bare TypeError or KeyError from the code taking it back (DeepSpeed's, for its own files)."""
     manager = CheckpointManager(tmp_path / "run")
     path = manager.save(2, {"actor": build_engine(0)}, {"epoch": 1}, rank_state={"chunks": [3, 5]})
     torch.save(content, path / victim)

@@ -472,7 +472,8 @@ class CheckpointManager:
         refuse_on_every_rank(_damaged(info, f"{', '.join(cut)} (cut short)") if cut else None)
         for name, engine in engines.items():
             rates = peak_learning_rates(engine)
-            with weights_only_engine_loads(engine), _damaged_if_unreadable(info, f"'{name}'"):
+            with weights_only_engine_loads(engine), _damaged_if_unreadable(info, f"'{name}'"), \
+                    _refused_if_malformed(info.path, f"the '{name}' model's state ({name}/)"):
                 load_path, _ = engine.load_checkpoint(str(info.path), tag=name)
             if load_path is None:
                 raise UserError(_damaged(info, f"'{name}'"))
