@@ -6,8 +6,8 @@ import json
 import logging
 import resource
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -76,6 +76,17 @@ def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dic
     averaged over the prompts."""
     return mean_over_ranks(held_out_totals(prompts, num_prompts,
                                            lambda batch: held_out_stats(trainer.evaluate_prompts(batch))))
+
+
+def answer_weighted_means(batch_stats: Sequence[Mapping[str, float]], answers: Sequence[int]) -> dict[str, float]:
+    """A step's rollout statistics from each generation batch's, each batch weighing by its `answers` (averaged batch
+    by batch, an epoch's short last batch weighed as much as a full one, each of its answers more)."""
+    total = sum(answers)
+    means: dict[str, float] = {}
+    for stats, count in zip(batch_stats, answers, strict=True):
+        for key, value in stats.items():
+            means[key] = means.get(key, 0.0) + value * (count / total)
+    return means
 
 
 def ppo_step_stats(rollout: Mapping[str, float], updates: Mapping[str, float], timing: Mapping[str, float],
@@ -203,14 +214,14 @@ class PPORun:
         args = self.args
         self.trainer.clock.take()  # what the held-out evaluation spent is not this step's
         timing = {"generation_s": 0.0, "scoring_s": 0.0, "generated_tokens": 0.0}
-        batches, rollout = [], {}
+        batches, batch_stats = [], []
         for _ in range(args.loop.generation_batches):
             batch, batch_timing, stats = self.rollout_batch(self.prompts.next())
             batches.append(batch)
+            batch_stats.append(stats)
             for key, value in batch_timing.items():
                 timing[key] += value
-            for key, value in stats.items():
-                rollout[key] = rollout.get(key, 0.0) + value / args.loop.generation_batches
+        rollout = answer_weighted_means(batch_stats, [len(self.scores([batch])) for batch in batches])
         # a mean of each batch's std would leave out the spread between batches (and ranks)
         rollout["reward/score_std"] = self.step_scores(batches).std(unbiased=False).item()
         check_finite("reward", self.scores(batches), self.step + 1, self.checkpoints)

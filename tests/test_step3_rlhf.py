@@ -641,27 +641,42 @@ def scored_experience(scores: list[float]) -> Experience:
                       returns=rows, scores=torch.tensor(scores), kl=rows[:, 0], ended_with_eos=rows[:, 0].bool())
 
 
-def test_the_logged_score_std_is_the_spread_of_all_the_steps_scores(distributed, monkeypatch):
-    """Two generation batches scored [0, 0] and [1, 1]: the step's scores spread by 0.5 about their mean, 0.5. The
-    logged std was the mean of each batch's own std (and of each rank's), 0: it left out the spread between batches,
-    and with one answer per rank and batch it was always 0."""
+def logged_rollout_stats(monkeypatch, *batch_scores: list[float]) -> dict[str, float]:
+    """The statistics one PPO step logs over generation batches of one-token answers with these scores (one rank, no
+    update)."""
     from types import SimpleNamespace
 
     from step3_rlhf.run_loop import PPORun
     from training.algorithms import FixedKLController
     from training.loops.call_times import CallTimer
 
-    batches = iter([scored_experience([0.0, 0.0]), scored_experience([1.0, 1.0])])
-    run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=2)), SimpleNamespace(),
+    batches = iter([scored_experience(scores) for scores in batch_scores])
+    run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=len(batch_scores))), SimpleNamespace(),
                  SimpleNamespace(clock=CallTimer(), kl_controller=FixedKLController(0.1)),
                  SimpleNamespace(next=lambda: None), None, None, total_steps=1, checkpoints=None, metrics=None)
     monkeypatch.setattr(run, "rollout_batch", lambda prompts: (experience := next(batches), {
         "generation_s": 1.0, "scoring_s": 0.0, "generated_tokens": 2.0}, experience_stats(experience)))
     monkeypatch.setattr(run, "train_on", lambda experiences: {})
     monkeypatch.setattr(run, "learning_rates", dict)
-    stats = run._ppo_step()
+    return run._ppo_step()
+
+
+def test_the_logged_score_std_is_the_spread_of_all_the_steps_scores(distributed, monkeypatch):
+    """Two generation batches scored [0, 0] and [1, 1]: the step's scores spread by 0.5 about their mean, 0.5. The
+    logged std was the mean of each batch's own std (and of each rank's), 0: it left out the spread between batches,
+    and with one answer per rank and batch it was always 0."""
+    stats = logged_rollout_stats(monkeypatch, [0.0, 0.0], [1.0, 1.0])
     assert stats["reward/score_mean"] == 0.5
     assert stats["reward/score_std"] == 0.5
+
+
+def test_the_logged_rollout_means_weigh_every_answer_of_the_step_alike(distributed, monkeypatch):
+    """An epoch's short last batch (its prompts left over) beside a full one: batches of 2 and 1 answers scored
+    [0, 0] and [3] make a mean score of 1 over the step's 3 answers; the mean of the batches' means, 1.5, weighed
+    each answer of the short batch twice."""
+    stats = logged_rollout_stats(monkeypatch, [0.0, 0.0], [3.0])
+    assert stats["reward/score_mean"] == pytest.approx(1.0)
+    assert stats["rollout/response_length"] == pytest.approx(1.0)
 
 
 def test_a_critic_free_estimator_builds_no_critic_and_trains_the_actor(distributed, inputs, tmp_path,
