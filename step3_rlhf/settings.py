@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from step3_rlhf.placement_setup import check_placement_flags
@@ -30,7 +31,7 @@ from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.reliability.checkpointing import CheckpointSettings
 from training.rewards.functions import is_builtin
 from utils.data import DataArguments, UnsupervisedDataArguments
-from utils.errors import UserError
+from utils.errors import UserError, refuse_all
 
 
 @dataclass
@@ -122,19 +123,20 @@ class Step3Settings:
         self.ppo.temperature = self.sampling.temperature
 
     def check_flags(self, world_size: int) -> None:
-        """Refuse, with a `UserError` naming the flag, what the flags alone make wrong: checked before anything is
-        loaded or written, by step 3 itself and by train.py before its first step. `world_size`: the ranks step 3
-        runs on (stage fusion's rule depends on it)."""
+        """Refuse, with a `UserError` naming the flag, what the flags alone make wrong (the refusals of the
+        independent checks all at once: `refuse_all`): checked before anything is loaded or written, by step 3 itself
+        and by train.py before its first step. `world_size`: the ranks step 3 runs on (stage fusion's rule depends on
+        it)."""
         flags = flag_values(self)
-        _check_loop(self, flags)
-        _check_sampling(self.sampling)
-        _check_ppo_constants(self, flags)
+        refuse_all(partial(_check_loop, self, flags), partial(_check_sampling, self.sampling),
+                   partial(_check_ppo_constants, self, flags), self.checkpoints.check_flags,
+                   partial(self.data.check_flags, phase=3))
+        # the checks below combine flags those above passed (a PPO step's micro-batches divide by
+        # --per_device_training_batch_size): the first refusal ends them
         _check_accumulation(self)
         _check_algorithm(self.ppo)
         _check_generation(self, flags, world_size)
         check_placement_flags(self, world_size)
-        self.checkpoints.check_flags()
-        self.data.check_flags(phase=3)
         _check_scoring(self, flags)
         check_unused_flags(self)  # --inference_tp_size without the hybrid engine among them
 

@@ -131,6 +131,18 @@ def test_every_steps_refusal_is_reported_at_once_naming_its_step(tmp_path, tiny_
         train(tmp_path, model, "--algorithm", "dpo", "--dpo-args", "--dpo_beta nan", "--dry-run")
 
 
+def test_every_refusal_of_one_step_is_reported_at_once(tmp_path, tiny_model_dir):
+    """Each step reported its first refusal only: a command line with three mistakes took three runs to tell."""
+    model = tiny_model_dir("llama")
+    with pytest.raises(UserError) as refused:
+        train(tmp_path, model, "--step3-args", "--ema_beta 2 --top_p 0.9 --keep_last_checkpoints 0", "--dry-run")
+    assert re.match(r"step 3: 3 problems: \(1\) --ema_beta must lie in \[0, 1\), got 2.0; \(2\) --top_p 0.9 / --top_k 0: "
+                    r".*; \(3\) --keep_last_checkpoints must be at least 1, got 0", str(refused.value))
+    with pytest.raises(UserError, match=r"^step 4: 2 problems: \(1\) --offload needs --zero_stage .*; \(2\) "
+                                        r"--dpo_beta must be positive, got 0.0$"):
+        train(tmp_path, model, "--algorithm", "dpo", "--dpo-args", "--offload --dpo_beta 0", "--dry-run")
+
+
 def test_a_flag_every_step_refuses_is_not_blamed_on_routing(tmp_path, tiny_model_dir):
     """The --stepN-args hint is for a flag one step takes and another refuses, not for a value no step takes."""
     model = tiny_model_dir("llama")

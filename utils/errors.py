@@ -19,6 +19,31 @@ class UserError(Exception):
     """An error the user can fix; its message must say how."""
 
 
+class UserErrors(UserError):
+    """Several `UserError`s reported at once (`refuse_all`), numbered in one message."""
+
+    def __init__(self, messages: list[str]):
+        self.messages = messages
+        super().__init__(f"{len(messages)} problems: " + "; ".join(f"({n}) {m}" for n, m in enumerate(messages, 1)))
+
+
+def refuse_all(*checks: Callable[[], object]) -> None:
+    """Run every one of `checks` (independent checks that raise a `UserError`) and raise every refusal at once: one
+    `UserError` as it was, several as one `UserErrors`, so a command line with several mistakes is told of them all."""
+    messages = []
+    for check in checks:
+        try:
+            check()
+        except UserErrors as errors:
+            messages.extend(errors.messages)
+        except UserError as error:
+            messages.append(str(error))
+    if len(messages) == 1:
+        raise UserError(messages[0])
+    if messages:
+        raise UserErrors(messages)
+
+
 def run_cli(main: Callable[..., T]) -> Callable[..., T]:
     """Decorate a console entry point so a `UserError` ends the process with one clear line."""
 

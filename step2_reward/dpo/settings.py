@@ -1,6 +1,7 @@
 """The DPO step's command line: the supervised step's flags plus the `--dpo_*` group."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from training.algorithms import PREFERENCE_LOSSES, PreferenceLoss, get_preference_loss
@@ -46,7 +47,6 @@ class DPOSettings(PreferenceSettings):
 
     dpo: DPOArguments
 
-    def check_flags(self, world_size: int) -> None:
+    def flag_checks(self) -> list[Callable[[], object]]:
         """The supervised step's checks, and the preference objective's (`DPOArguments.preference_loss`)."""
-        super().check_flags(world_size)
-        self.dpo.preference_loss()
+        return [*super().flag_checks(), self.dpo.preference_loss]

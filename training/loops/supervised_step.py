@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -61,6 +62,7 @@ from training.reliability.validation import (
 )
 from utils.data import DataArguments, PromptFormatter, write_split_record
 from utils.dist import get_world_size, init_distributed
+from utils.errors import refuse_all
 from utils.log import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -100,19 +102,25 @@ class SupervisedSettings:
     checkpoints: CheckpointSettings
 
     def check_flags(self, world_size: int) -> None:
-        """Refuse, with a `UserError` naming the flag, what the flags alone make wrong: checked before anything is
-        loaded or written, by the step itself and by train.py before its first step. `world_size` (the ranks the
-        step runs on) changes nothing here; step 3's rules depend on it."""
+        """Refuse, with a `UserError` naming the flag, what the flags alone make wrong, every refusal at once
+        (`refuse_all`): checked before anything is loaded or written, by the step itself and by train.py before its
+        first step. `world_size` (the ranks the step runs on) changes nothing here; step 3's rules depend on it."""
+        refuse_all(*self.flag_checks())
+
+    def flag_checks(self) -> list[Callable[[], object]]:
+        """The independent checks of `check_flags`; a step with flags of its own adds its own."""
         flags = flag_values(self)
-        check_positive(flags, "per_device_train_batch_size", "per_device_eval_batch_size",
-                       "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
-                       "eval_iters")
-        check_non_negative(flags, "eval_interval", "num_warmup_steps", "lora_dim")
-        check_offload_stage(flags, "")
-        check_lora_flags(flags, "")
-        check_optimizer_flags(flags, "")
-        self.checkpoints.check_flags()
-        self.data.check_flags(self.phase)
+        return [
+            partial(check_positive, flags, "per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
+                    "eval_iters"),
+            partial(check_non_negative, flags, "eval_interval", "num_warmup_steps", "lora_dim"),
+            partial(check_offload_stage, flags, ""),
+            partial(check_lora_flags, flags, ""),
+            partial(check_optimizer_flags, flags, ""),
+            self.checkpoints.check_flags,
+            partial(self.data.check_flags, self.phase),
+        ]
 
     def check_device(self) -> None:
         """Refuse, before anything loads, a --dtype this device cannot compute in (fp16 on a CPU): checked by the step
