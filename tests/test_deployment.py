@@ -671,3 +671,114 @@ def test_a_multi_node_master_port_is_settled_here_where_rank_0_runs_on_this_mach
     assert ("--master_port" in settled) is checked_here
     if checked_here:
         check_port_free(int(settled[settled.index("--master_port") + 1]))
+
+
+def _start_fake_rank(script: Path, argv: list[str]) -> subprocess.Popen:
+    """A process with a rank's command line as DeepSpeed's per-node launcher starts it (`python -u SCRIPT FLAGS`)."""
+    return subprocess.Popen([sys.executable, "-u", str(script), *argv], start_new_session=True)
+
+
+def test_a_stop_request_reaches_the_ranks_of_this_step_on_every_node_through_pdsh_and_those_alone(tmp_path):
+    """Through pdsh a stop request reached the ranks only through DeepSpeed's launcher, which kills pdsh (and with it
+    the ssh carrying the ranks' output) and exits at once. The command train.py now runs on every node instead
+    matches this step's ranks, by its script and run folder, and no other process."""
+    script = tmp_path / "main.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    argv = ["--actor_model_name_or_path", "/m", "--output_dir", str(tmp_path / "my run" / "step1"), "--seed", "1"]
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, hosts=("worker-1", "worker-2"))
+    command = launcher.ranks_stop_command(script, argv)
+    assert command[:5] == ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-w", "worker-1,worker-2"]
+    assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h", on_this_machine=True).ranks_stop_command(script, argv) \
+        is None  # this node's ranks, under the launcher train.py started: signalled as its children
+    unlike = tmp_path / "mainXpy"  # the pattern's "." is a dot
+    unlike.write_text(script.read_text())
+    rank = _start_fake_rank(script, argv)
+    other_runs = [_start_fake_rank(script, [*argv[:3], str(tmp_path / "my run" / "step1b")]),
+                  _start_fake_rank(unlike, argv)]
+    try:
+        time.sleep(0.5)
+        subprocess.run(["bash", "-c", _as_pdsh_formats(command[-1])], check=True, timeout=30)  # as each node runs it
+        assert rank.wait(timeout=10) == -signal.SIGTERM
+        assert [other.poll() for other in other_runs] == [None, None]
+    finally:
+        for process in [rank, *other_runs]:
+            process.kill()
+            process.wait()
+
+
+NODE_LAUNCHER = """
+import subprocess, sys
+status = subprocess.call([sys.executable, "-u", *sys.argv[2:]])
+open(sys.argv[1], "w").write(str(status))
+"""
+
+LAUNCHER_THROUGH_PDSH = """
+import signal, subprocess, sys
+status_file = sys.argv[1]
+relay = subprocess.Popen(["cat"], stdin=subprocess.PIPE)  # pdsh and ssh: the only way the ranks' output comes here
+detached = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True)"  # on another node
+subprocess.call([sys.executable, "-c", detached, sys.executable, "-c", sys.argv[2], status_file, *sys.argv[3:]],
+                stdout=relay.stdin)
+relay.stdin.close()
+
+def cut_off(signum, frame):  # DeepSpeed's launcher under pdsh: kill pdsh, then exit
+    relay.kill()
+    sys.exit(1)
+
+signal.signal(signal.SIGINT, cut_off)
+signal.signal(signal.SIGTERM, cut_off)
+relay.wait()
+sys.exit(int(open(status_file).read()))
+"""
+
+FAKE_PDSH = """#!/bin/sh
+[ "$PDSH_RCMD_TYPE" = ssh ] || { echo "pdsh: not over ssh" >&2; exit 9; }
+for last; do :; done
+exec bash -c "$last"
+"""
+
+PARENT_THROUGH_PDSH = """
+import json, sys
+from pathlib import Path
+from training.pipeline.launch import StepStopped, run_subprocess
+from training.reliability.signals import take_received_signal
+try:
+    run_subprocess(json.loads(sys.argv[2]), Path(sys.argv[1]), "step 1", stop_ranks=json.loads(sys.argv[3]))
+except StepStopped:
+    print("PARENT: step stopped on", take_received_signal().name, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, to_the_group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl_c", "kill"])
+def test_a_stop_request_through_pdsh_lets_the_ranks_on_other_nodes_save_and_report(tmp_path, sig, to_the_group):
+    """Through pdsh a stop request went to DeepSpeed's launcher (passed on, or a terminal's Ctrl-C): it killed pdsh,
+    and with it the ssh carrying the ranks' output, and exited: the ranks' next print failed on the closed pipe,
+    before their checkpoint, and train.py had already reported the step stopped. Here the launcher, pdsh and the
+    remote ranks are stand-ins (a relay process carries the ranks' output; pdsh runs its command in a shell here)."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_THAT_SAVES_ON_A_STOP)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pdsh").write_text(FAKE_PDSH)
+    (bin_dir / "pdsh").chmod(0o755)
+    argv = ["--output_dir", str(tmp_path / "out" / "step1")]
+    stop_ranks = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, hosts=("w1", "w2")).ranks_stop_command(
+        script, argv)
+    launcher = [sys.executable, "-c", LAUNCHER_THROUGH_PDSH, str(tmp_path / "status"), NODE_LAUNCHER, str(script), *argv]
+    env = {**step_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_THROUGH_PDSH, str(tmp_path / "step1.log"),
+                               json.dumps(launcher), json.dumps(stop_ranks)], cwd=REPO_ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in parent.stdout:
+        if line.strip() == "ready":
+            if to_the_group:
+                os.killpg(parent.pid, sig)
+            else:
+                parent.send_signal(sig)
+            break
+    output = parent.communicate(timeout=120)[0]
+    assert parent.returncode == 0, output[-3000:]
+    assert "saved, after SIGTERM" in output and "still here" in output, output[-3000:]
+    assert f"PARENT: step stopped on {sig.name}" in output and "passing the stop request on to the ranks" in output
+    assert "BrokenPipeError" not in output

@@ -25,7 +25,7 @@ from utils.dist import free_port, launcher_variables
 from utils.errors import UserError
 
 from .deployment import DeploymentType
-from .steps import StepMain
+from .steps import StepMain, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project's root, importable from every launched rank
 
@@ -59,6 +59,7 @@ class Launcher:
     master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`)
     nodes: int = 1  # the hostfile's
     on_this_machine: bool = False  # multi_node: the hostfile's first node is the machine train.py runs on
+    hosts: tuple[str, ...] = ()  # multi_node: the hostfile's nodes, by name
 
     @property
     def through_pdsh(self) -> bool:
@@ -111,6 +112,29 @@ class Launcher:
         if self.master_on_this_machine:
             check_port_free(self.master_port)
         return self.command(script, step_argv)
+
+    def ranks_stop_command(self, script: Path, step_argv: Sequence[str]) -> list[str] | None:
+        """Through pdsh, the command that passes a stop request (a SIGTERM) to the step's ranks on every node, leaving
+        the launcher, pdsh and ssh be (None: the ranks run under this process, signalled as its children).
+
+        A stop request cannot go through DeepSpeed's launcher there: its handler kills pdsh, with it the ssh that
+        carries the ranks' output (their next print fails on the closed pipe, before their checkpoint), and exits
+        within a second, before they have saved. pkill on each node, matching the ranks' command line (this python,
+        `-u`, the step's script, and its run folder), reaches them alone; they save, print, and end the launch with
+        `EXIT_INTERRUPTED` as on one node."""
+        if not self.through_pdsh:
+            return None
+        rank = f"^{_ere_literal(sys.executable)} -u {_ere_literal(str(script))} "
+        run_dir = flag_value(step_argv, "--output_dir")  # train.py gives it as `--output_dir DIR`
+        if run_dir is not None:
+            rank += f".*--output_dir {_ere_literal(run_dir)}( |$)"
+        return ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-w", ",".join(self.hosts),
+                f"pkill -TERM -f {shlex.quote(rank)}"]
+
+
+def _ere_literal(text: str) -> str:
+    """`text` as a POSIX extended regular expression (pkill's) that matches it alone."""
+    return re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", text)
 
 
 def is_this_machine(host: str) -> bool:
@@ -293,12 +317,17 @@ class _StopRequests:
 
     A stop request is passed on as a SIGTERM, whichever came: a `kill -INT` reaches train.py alone, but a terminal's
     Ctrl-C reaches its whole process group, the ranks too, and a SIGINT passed on would be their second, which
-    aborts their save. A second SIGINT is passed on as itself: the ranks abort, as at a second Ctrl-C."""
+    aborts their save. A second SIGINT is passed on as itself: the ranks abort, as at a second Ctrl-C.
 
-    def __init__(self) -> None:
+    With `stop_ranks` (`Launcher.ranks_stop_command`: ranks on other nodes, reached through pdsh) a stop request is
+    that command instead, run once; a second SIGINT still goes to the launcher, whose own handler kills them all."""
+
+    def __init__(self, stop_ranks: Sequence[str] | None = None) -> None:
         self.taken: list[signal.Signals] = []
         self._process: subprocess.Popen | None = None
         self._passed_on = False
+        self._stop_ranks = stop_ranks
+        self._stopping: subprocess.Popen | None = None
 
     def take(self, signum: int, frame: FrameType | None) -> None:
         record_signal(signum)
@@ -317,15 +346,25 @@ class _StopRequests:
         if process is None or process.returncode is not None:  # not started, or reaped (its pid free for another)
             return
         self._passed_on = True
-        _signal_process_tree(process.pid, signum)
+        if self._stop_ranks is None or signum != signal.SIGTERM:
+            _signal_process_tree(process.pid, signum)
+        elif self._stopping is None:
+            self._stopping = self._start_stopping_ranks(self._stop_ranks)
+
+    @staticmethod
+    def _start_stopping_ranks(command: Sequence[str]) -> subprocess.Popen:
+        os.write(sys.stderr.fileno(), (  # not through sys.stderr: the signal may have come in the middle of a write
+            f"\ntrain.py: passing the stop request on to the ranks on every node as a SIGTERM, which lets them save "
+            f"(DeepSpeed's launcher would cut their output first): {format_command(command)}\n").encode())
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
-def _stop_requests_passed_on() -> Iterator[_StopRequests]:
+def _stop_requests_passed_on(stop_ranks: Sequence[str] | None = None) -> Iterator[_StopRequests]:
     """While the step's processes start and run, take this process's SIGINT and SIGTERM as stop requests rather than
     dying of them (which closed the pipe the ranks write to, and they died before saving); `_StopRequests.watch`
     names the processes to pass them on to once started."""
-    requests = _StopRequests()
+    requests = _StopRequests(stop_ranks)
     with handling_signals((signal.SIGINT, signal.SIGTERM), requests.take):
         yield requests
 
@@ -341,14 +380,18 @@ def _signal_process_tree(pid: int, signum: signal.Signals) -> None:
             member.send_signal(signum)
 
 
-def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict[str, str] | None = None) -> None:
+def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict[str, str] | None = None,
+                   stop_ranks: Sequence[str] | None = None) -> None:
     """Run a launcher command, streaming its combined output to the console and the log as it comes; a stop
-    request during it ends in `StepStopped` unless the step finished all the same."""
+    request during it ends in `StepStopped` unless the step finished all the same. With `stop_ranks` (ranks on other
+    nodes: `Launcher.ranks_stop_command`) the launcher runs in a session of its own, which a terminal's Ctrl-C does
+    not reach: its handler would kill pdsh, and with it the ranks' output."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log, _stop_requests_passed_on() as stop_requests:
+    with log_path.open("ab") as log, _stop_requests_passed_on(stop_ranks) as stop_requests:
         log.write(f"$ {format_command(command)}\n".encode())
         try:
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=stop_ranks is not None)
         except FileNotFoundError as err:
             raise UserError(f"cannot start {command[0]!r} ({err.strerror}); check that this program exists") from err
         stop_requests.watch(process)

@@ -127,7 +127,8 @@ def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hard
     check_launcher_installed()
     if deployment is DeploymentType.MULTI_NODE:
         return Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
-                        master_addr=config.master_addr, nodes=len(hosts), on_this_machine=is_this_machine(hosts[0].name))
+                        master_addr=config.master_addr, nodes=len(hosts), on_this_machine=is_this_machine(hosts[0].name),
+                        hosts=tuple(host.name for host in hosts))
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
     return Launcher(deployment, num_gpus=gpus, master_port=config.master_port)
 
@@ -527,7 +528,8 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
         else:
             command = prepared.launcher.command_now(STEPS[step].script(), prepared.argvs[step])
             print(f"launch: {format_command(command)}", flush=True)  # its master port is settled now
-            run_subprocess(command, config.log_path(step), label, env=launcher_env(REPO_ROOT))
+            run_subprocess(command, config.log_path(step), label, env=launcher_env(REPO_ROOT),
+                           stop_ranks=prepared.launcher.ranks_stop_command(STEPS[step].script(), prepared.argvs[step]))
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
         raise _with_resume_hint(config, step, error) from error
