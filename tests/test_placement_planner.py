@@ -556,6 +556,21 @@ def test_a_gpu_deployments_dry_run_plans_its_own_ranks_with_a_hardware_files_gpu
                    "--actor_zero_stage 0 --critic_zero_stage 0" in out
 
 
+def test_a_hardware_file_of_other_nodes_than_the_hostfiles_is_refused_before_planning(tmp_path, tiny_model_dir):
+    """--placement auto took the run's ranks from the hostfile but their layout from the hardware file: a hostfile of
+    4-GPU nodes planned with a preset of 8-GPU nodes was planned as one NVLink node (collectives at its bandwidth,
+    tensor parallelism up to 8 across the two nodes), unsaid."""
+    fakes = FakeSteps(tiny_model_dir("llama"))
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("worker-1 slots=4\nworker-2 slots=4\n")
+    with pytest.raises(UserError, match=r"--hardware_file a100-80gb describes nodes of 8 GPUs, but the hostfile gives "
+                                        r"its nodes 4 slots: .*gpus_per_node: 4"):
+        _dry_run(tmp_path, fakes, ["--hardware_file", "a100-80gb", "--deployment-type", "multi_node", "--hostfile",
+                                   str(hostfile)])
+    hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\nworker-3 slots=8\n")  # more nodes than the file's: fine
+    _dry_run(tmp_path, fakes, ["--hardware_file", "a100-80gb", "--deployment-type", "multi_node", "--hostfile",
+                               str(hostfile)])
+
 def test_published_setups_get_finite_predictions():
     from bench.placement_published import predict_published, published_setups
 

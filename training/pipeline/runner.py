@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
+from training.placement.machine import load_machine_file
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
@@ -433,6 +434,24 @@ def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None
                         f"in its place; drop step 4, or give --algorithm dpo")
 
 
+def _check_hardware_file_layout(step3: Any, hosts: list[Host] | None) -> None:
+    """Step 3's --placement auto plans the run's ranks (the hostfile's) laid out in nodes as its --hardware_file
+    describes them: which ranks share a node's links, how far tensor parallelism reaches. Refuse a file whose GPUs per
+    node are not the hostfile's slots: it would plan for another machine than the run's, unsaid."""
+    placement = getattr(step3, "placement", None)
+    if hosts is None or placement is None or placement.placement != AUTO or not placement.hardware_file:
+        return
+    per_node = load_machine_file(placement.hardware_file).devices_per_node
+    slots = sorted({host.slots for host in hosts if host.slots != per_node})
+    if slots:
+        listed = ", ".join(map(str, slots))
+        raise UserError(
+            f"--hardware_file {placement.hardware_file} describes nodes of {per_node} GPUs, but the hostfile gives "
+            f"its nodes {listed} slots: --placement auto would plan step 3's collectives and tensor parallelism for "
+            f"{per_node}-GPU nodes; give a hardware file of these nodes (a copy of it with gpus_per_node: {slots[0]}), "
+            f"or a hostfile of {per_node} slots a node")
+
+
 UNSUPERVISED_FLAG = "--unsupervised_dataset_name"
 DATA_PATH_FLAGS = (*(f"--{flag}" for flag in SOURCE_FLAGS), UNSUPERVISED_FLAG)
 
@@ -507,6 +526,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
     _check_resumed_world_size(config, plan, {step: argv for step, argv in argvs.items() if step not in finished})
+    if 3 in parsed and 3 not in finished:
+        _check_hardware_file_layout(parsed[3], hosts)
     commands = {
         step: launcher.command_now(STEPS[step].script(), argvs[step]) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
