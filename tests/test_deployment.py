@@ -643,22 +643,26 @@ def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refu
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("first_host, master_addr, checked_here", [
-    ("localhost", None, True),  # a hostfile of this node: its ranks, rank 0 too, run here
-    ("127.0.0.1", "127.0.0.1", True),
-    ("localhost", "10.255.255.1", False),  # rank 0's store is served at another address
-    ("worker-1", None, False),  # another node's port, which this machine cannot check
+@pytest.mark.parametrize("first_host, nodes, master_addr, checked_here", [
+    ("localhost", 1, None, True),  # a hostfile of this node alone: every rank, rank 0 too, runs here
+    ("localhost", 2, None, True),  # rank 0 here, the others through pdsh
+    ("127.0.0.1", 2, "127.0.0.1", True),
+    ("localhost", 2, "10.255.255.1", False),  # rank 0's store is served at another address
+    ("worker-1", 2, None, False),  # another node's port, which this machine cannot check
 ])
-def test_a_multi_node_master_port_is_settled_here_where_rank_0_runs_on_this_machine(first_host, master_addr,
-                                                                                    checked_here):
-    """A hostfile naming this node (first) ran its ranks here on the given --master-port, or DeepSpeed's 29500,
+def test_a_multi_node_master_port_is_checked_free_where_rank_0_runs_on_this_machine(monkeypatch, first_host, nodes,
+                                                                                    master_addr, checked_here):
+    """A hostfile naming this node (first) ran rank 0 here on the given --master-port, or DeepSpeed's 29500,
     unchecked: one taken (another run, a crashed one's ranks) failed every rank as its store bound, where a
-    single_node run is refused before anything starts, or given a free port."""
-    from training.pipeline.launch import check_port_free
+    single_node run is refused before anything starts, or given a free port. A hostfile of this node alone now gets a
+    free one as single_node does; with other nodes the port stays DeepSpeed's (their firewalls may open it alone),
+    checked free here."""
+    from training.pipeline import launch
 
     script = Path("/x/main.py")
     here = first_host != "worker-1"
-    given = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, on_this_machine=here, master_addr=master_addr)
+    planned = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=nodes, on_this_machine=here,
+                       master_addr=master_addr)
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
@@ -666,11 +670,18 @@ def test_a_multi_node_master_port_is_settled_here_where_rank_0_runs_on_this_mach
         refusal = pytest.raises(UserError, match=f"--master-port {port} is taken on this machine") if checked_here \
             else contextlib.nullcontext()
         with refusal:
-            dataclasses.replace(given, master_port=port).command_now(script, [])
-    settled = given.command_now(script, [])
-    assert ("--master_port" in settled) is checked_here
-    if checked_here:
-        check_port_free(int(settled[settled.index("--master_port") + 1]))
+            dataclasses.replace(planned, master_port=port).command_now(script, [])
+        monkeypatch.setattr(launch, "DEEPSPEED_MASTER_PORT", port)
+        refusal = pytest.raises(UserError, match=f"DeepSpeed's default master port {port} is taken on this machine.*"
+                                                 "choose a free one with --master-port")
+        if checked_here and nodes > 1:
+            with refusal:
+                planned.command_now(script, [])
+        else:
+            settled = planned.command_now(script, [])
+            assert ("--master_port" in settled) is checked_here
+            if checked_here:
+                launch.check_port_free(int(settled[settled.index("--master_port") + 1]))
 
 
 def _start_fake_rank(script: Path, argv: list[str]) -> subprocess.Popen:

@@ -32,6 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the project's root, importabl
 logger = logging.getLogger(__name__)
 
 LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
+DEEPSPEED_MASTER_PORT = 29500  # the launcher's --master_port when none is given
 
 
 def check_launcher_installed() -> None:
@@ -55,7 +56,7 @@ class Launcher:
     deployment: DeploymentType
     num_gpus: int = 1
     hostfile: str | None = None
-    master_port: int | None = None  # given by the user; None: one free at each launch where rank 0 runs here, else 29500
+    master_port: int | None = None  # given by the user; None: one free at each launch on one node, else 29500
     master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`)
     nodes: int = 1  # the hostfile's
     on_this_machine: bool = False  # multi_node: the hostfile's first node is the machine train.py runs on
@@ -77,8 +78,9 @@ class Launcher:
 
     @property
     def settles_port_at_launch(self) -> bool:
-        """Whether `command_now` picks a free master port at each launch (rank 0 here, none given)."""
-        return self.master_on_this_machine and self.master_port is None
+        """Whether `command_now` picks a free master port at each launch: every rank on this machine, none given. With
+        ranks on other nodes it stays DeepSpeed's, which their firewalls may open alone."""
+        return not self.through_pdsh and self.master_port is None
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
@@ -109,8 +111,13 @@ class Launcher:
         the given port checked free, else one free now. Another node's port is for that node to bind."""
         if self.settles_port_at_launch:
             return replace(self, master_port=free_port()).command(script, step_argv)
-        if self.master_on_this_machine:
+        if not self.through_pdsh:
             check_port_free(self.master_port)
+        elif self.master_on_this_machine and self.master_port is not None:
+            check_port_free(self.master_port, way_out="choose another with --master-port")
+        elif self.master_on_this_machine:
+            check_port_free(DEEPSPEED_MASTER_PORT, "DeepSpeed's default master port",
+                            "choose a free one with --master-port")
         return self.command(script, step_argv)
 
     def ranks_stop_command(self, script: Path, step_argv: Sequence[str]) -> list[str] | None:
@@ -194,17 +201,17 @@ def check_remote_shell_reads(script: Path, step_argv: Sequence[str]) -> None:
                 "characters, nor %, which pdsh rewrites; a path can be renamed or linked)")
 
 
-def check_port_free(port: int) -> None:
-    """A master port given for a run whose rank 0 runs on this machine is free here now: one in use (another run,
-    or the ranks of one that crashed and linger) would fail every rank when its store binds."""
+def check_port_free(port: int, what: str = "--master-port",
+                    way_out: str = "choose another port, or leave --master-port out for a free one") -> None:
+    """The master port of a run whose rank 0 runs on this machine is free here now: one in use (another run, or the
+    ranks of one that crashed and linger) would fail every rank when its store binds."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the ranks' store binds: TIME_WAIT is free
         try:
             probe.bind(("", port))
         except OSError as err:
-            raise UserError(f"--master-port {port} is taken on this machine ({err.strerror}): another run, or the ranks "
-                            "of one that crashed, may hold it; choose another port, or leave --master-port out for "
-                            "a free one") from None
+            raise UserError(f"{what} {port} is taken on this machine ({err.strerror}): another run, or the ranks of "
+                            f"one that crashed, may hold it; {way_out}") from None
 
 
 def visible_gpus() -> list[str]:
