@@ -793,3 +793,18 @@ def test_a_stop_request_through_pdsh_lets_the_ranks_on_other_nodes_save_and_repo
     assert "saved, after SIGTERM" in output and "still here" in output, output[-3000:]
     assert f"PARENT: step stopped on {sig.name}" in output and "passing the stop request on to the ranks" in output
     assert "BrokenPipeError" not in output
+
+
+def test_a_hostfile_of_this_node_alone_starts_its_ranks_without_ssh(tmp_path):
+    """DeepSpeed's launcher starts the ranks of a hostfile's one node itself, yet first checked passwordless ssh to it
+    and asked it over ssh for its address (`hostname -I`): a hostfile naming this machine failed where it runs no ssh
+    server ('host=localhost was not reachable via ssh'). Its ranks reach rank 0 at the loopback address."""
+    from training.pipeline.launch import run_subprocess
+
+    script = tmp_path / "main.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'at', os.environ['MASTER_ADDR'])\n")
+    hostfile = write(tmp_path / "hosts", "localhost slots=1\n")
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile, on_this_machine=True, hosts=("localhost",))
+    log = tmp_path / "step1.log"
+    run_subprocess(launcher.command_now(script, []), log, "step 1", env={**step_env(), "PATH": "/usr/bin:/bin"})
+    assert "rank 0 at 127.0.0.1" in log.read_text()

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
 DEEPSPEED_MASTER_PORT = 29500  # the launcher's --master_port when none is given
+LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
 
 
 def check_launcher_installed() -> None:
@@ -91,6 +92,8 @@ class Launcher:
             command += ["--hostfile", str(self.hostfile)]
             if self.through_pdsh and self.nodes == 1:  # else the launcher starts a single node's ranks on this one
                 command.append("--force_multi")
+            elif not self.through_pdsh:  # which it does itself, yet asks ssh first (and for rank 0's address)
+                command += ["--no_ssh_check", "--master_addr", self.master_addr or LOOPBACK]
         else:
             # with no --hostfile the launcher reads /job/hostfile where a cluster has one and spreads the run over
             # its nodes; a path that is not a file keeps it on this node
@@ -101,7 +104,7 @@ class Launcher:
                 command += ["--num_gpus", str(self.num_gpus)]
         if self.master_port is not None:
             command += ["--master_port", str(self.master_port)]
-        if self.master_addr is not None:
+        if self.master_addr is not None and self.through_pdsh:
             command += ["--master_addr", self.master_addr]
         return command + [str(script), *step_argv]
 
