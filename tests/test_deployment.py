@@ -808,3 +808,28 @@ def test_a_hostfile_of_this_node_alone_starts_its_ranks_without_ssh(tmp_path):
     log = tmp_path / "step1.log"
     run_subprocess(launcher.command_now(script, []), log, "step 1", env={**step_env(), "PATH": "/usr/bin:/bin"})
     assert "rank 0 at 127.0.0.1" in log.read_text()
+
+
+def test_each_stop_request_through_pdsh_runs_the_ranks_stop_command(tmp_path, monkeypatch):
+    """The stop command ran for the first request only: one that came before pdsh had started the ranks matched none,
+    and a second SIGTERM, sent once they had, did nothing (only a second SIGINT, an abort, reached them)."""
+    from training.pipeline import launch
+    from training.reliability.signals import take_received_signal
+
+    runs = tmp_path / "runs"
+    stop_ranks = [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x')"]
+    requests = launch._StopRequests(stop_ranks)
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        requests.watch(launcher)
+        for _ in range(2):
+            requests.take(signal.SIGTERM, None)
+        waited_until = time.monotonic() + 20
+        while (not runs.exists() or runs.read_text() != "xx") and time.monotonic() < waited_until:
+            time.sleep(0.05)
+        assert launcher.poll() is None  # the launcher itself is not signalled
+    finally:
+        launcher.kill()
+        launcher.wait()
+        take_received_signal()
+    assert runs.read_text() == "xx"

@@ -330,14 +330,15 @@ class _StopRequests:
     aborts their save. A second SIGINT is passed on as itself: the ranks abort, as at a second Ctrl-C.
 
     With `stop_ranks` (`Launcher.ranks_stop_command`: ranks on other nodes, reached through pdsh) a stop request is
-    that command instead, run once; a second SIGINT still goes to the launcher, whose own handler kills them all."""
+    that command instead, run at each (one before pdsh has started the ranks matches none); a second SIGINT still
+    goes to the launcher, whose own handler kills them all."""
 
     def __init__(self, stop_ranks: Sequence[str] | None = None) -> None:
         self.taken: list[signal.Signals] = []
         self._process: subprocess.Popen | None = None
         self._passed_on = False
         self._stop_ranks = stop_ranks
-        self._stopping: subprocess.Popen | None = None
+        self._stopping: list[subprocess.Popen] = []
 
     def take(self, signum: int, frame: FrameType | None) -> None:
         record_signal(signum)
@@ -358,8 +359,8 @@ class _StopRequests:
         self._passed_on = True
         if self._stop_ranks is None or signum != signal.SIGTERM:
             _signal_process_tree(process.pid, signum)
-        elif self._stopping is None:
-            self._stopping = self._start_stopping_ranks(self._stop_ranks)
+        else:
+            self._stopping.append(self._start_stopping_ranks(self._stop_ranks))
 
     @staticmethod
     def _start_stopping_ranks(command: Sequence[str]) -> subprocess.Popen:
