@@ -75,6 +75,8 @@ def test_a_hostfile_of_mpi_style_lines_is_read_as_deepspeeds_launcher_reads_it(t
         ("worker-1 slots=eight\n", "expected 'HOST slots=N'"),
         ("worker-1 slots = 8\n", "expected 'HOST slots=N'"),  # DeepSpeed's launcher refuses it
         ("# nothing\n\n", "lists no hosts"),
+        ("node[1-4] slots=8\n", r"node\[1-4\]' would reach pdsh as a list of hosts"),  # one node to DeepSpeed, 4 to pdsh
+        ("worker-1,worker-2 slots=8\n", "would reach pdsh as a list of hosts"),
     ],
 )
 def test_a_malformed_hostfile_is_a_user_error_naming_the_problem(tmp_path, text, message):

@@ -11,6 +11,7 @@ from utils.errors import UserError
 # DeepSpeed's launcher takes no spaces around "=", and reads no further than the slots (an MPI hostfile's max_slots=N)
 _LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>-?\d+)(?:\s+\S+)*")
 _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"
+_PDSH_HOST_LIST = re.compile(r"[,\[\]]")  # pdsh's -w reads a name with these as several hosts (`node[1-4]`, `a,b`)
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class Host:
 
 
 def read_hostfile(path: str | os.PathLike) -> list[Host]:
-    """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice.
+    """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice, no host name
+    that pdsh reads as several.
 
     Blank lines, `#` comments and what follows the slots on a line are ignored, as DeepSpeed's launcher does.
     """
@@ -37,6 +39,10 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
         if match is None:
             raise UserError(f"{hostfile}:{number}: expected 'HOST slots=N', found {raw.strip()!r}; {_EXAMPLE}")
         name, slots = match["host"], int(match["slots"])
+        if _PDSH_HOST_LIST.search(name):
+            raise UserError(f"{hostfile}:{number}: host {name!r} would reach pdsh as a list of hosts (it expands "
+                            "[1-4] ranges and splits at commas), where DeepSpeed's launcher counts one node; list each "
+                            "node on a line of its own")
         if slots <= 0:
             raise UserError(f"{hostfile}:{number}: {name} has slots={slots}; slots must be a positive GPU count")
         if name in seen:
