@@ -57,8 +57,8 @@ class Launcher:
     deployment: DeploymentType
     num_gpus: int = 1
     hostfile: str | None = None
-    master_port: int | None = None  # given by the user; None: one free at each launch on one node, else 29500
-    master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`)
+    master_port: int | None = None  # given by the user; None: one free at each launch, every rank here; else 29500
+    master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`), or 127.0.0.1
     nodes: int = 1  # the hostfile's
     on_this_machine: bool = False  # multi_node: the hostfile's first node is the machine train.py runs on
     hosts: tuple[str, ...] = ()  # multi_node: the hostfile's nodes, by name
@@ -71,10 +71,8 @@ class Launcher:
 
     @property
     def master_on_this_machine(self) -> bool:
-        """Whether rank 0, which serves the store on the master port, runs on this machine: on one node, or where the
-        hostfile's first node is this machine and no --master-addr names another."""
-        if self.deployment is not DeploymentType.MULTI_NODE:
-            return True
+        """multi_node: whether rank 0, which serves the store on the master port, runs on this machine: the hostfile's
+        first node is this machine and no --master-addr names another."""
         return self.on_this_machine and (self.master_addr is None or is_this_machine(self.master_addr))
 
     @property
@@ -116,11 +114,11 @@ class Launcher:
             return replace(self, master_port=free_port()).command(script, step_argv)
         if not self.through_pdsh:
             check_port_free(self.master_port)
-        elif self.master_on_this_machine and self.master_port is not None:
-            check_port_free(self.master_port, way_out="choose another with --master-port")
-        elif self.master_on_this_machine:
+        elif self.master_on_this_machine and self.master_port is None:
             check_port_free(DEEPSPEED_MASTER_PORT, "DeepSpeed's default master port",
                             "choose a free one with --master-port")
+        elif self.master_on_this_machine:
+            check_port_free(self.master_port, way_out="choose another with --master-port")
         return self.command(script, step_argv)
 
     def ranks_stop_command(self, script: Path, step_argv: Sequence[str]) -> list[str] | None:

@@ -128,8 +128,8 @@ def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hard
     check_launcher_installed()
     if deployment is DeploymentType.MULTI_NODE:
         return Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
-                        master_addr=config.master_addr, nodes=len(hosts), on_this_machine=is_this_machine(hosts[0].name),
-                        hosts=tuple(host.name for host in hosts))
+                        master_addr=config.master_addr, nodes=len(hosts),
+                        on_this_machine=is_this_machine(hosts[0].name), hosts=tuple(host.name for host in hosts))
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
     return Launcher(deployment, num_gpus=gpus, master_port=config.master_port)
 
