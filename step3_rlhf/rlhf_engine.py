@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -30,7 +31,7 @@ from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_
 from training.core.reward_model import RewardModel
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
-from training.reliability.run_records import args_of_model
+from training.reliability.run_records import args_of_model, trained_prompt_format
 from utils.data import PromptFormatter
 from utils.data.tokenization import probe_tokens
 from utils.dist import current_device, is_main_process
@@ -95,7 +96,7 @@ def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer
     scores the actor's tokens, prompts rendered by the actor's tokenizer under --prompt_format and answers ending where
     the actor's turn does, and step 2 rendered its pairs with the reward model's own tokenizer (another chat template,
     or none) under the --prompt_format its run recorded."""
-    trained_format = args_of_model(reward_path).get("prompt_format", "auto")
+    trained_format = trained_prompt_format(reward_path)
     layouts = _other_layout(actor_tokenizer, prompt_format, reward_tokenizer, trained_format)
     if layouts is not None:
         logger.warning(
