@@ -1,4 +1,5 @@
 """SIGTERM/SIGINT: finish the step, save, print the resume command; a second Ctrl-C aborts."""
+import contextlib
 import json
 import os
 import shlex
@@ -97,6 +98,21 @@ def test_first_signal_requests_a_stop_and_a_second_sigint_aborts():
         with pytest.raises(KeyboardInterrupt, match="second interrupt"):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_with_stderr_closed_still_requests_the_stop(monkeypatch):
+    """train.py, which reads the ranks' output, killed: the handler's message meets a closed pipe."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    closed_stderr = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stderr", closed_stderr)
+    try:
+        with GracefulInterrupt() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested and stop.received == signal.SIGTERM
+    finally:
+        with contextlib.suppress(OSError):  # its unwritten message meets the closed pipe again
+            closed_stderr.close()
 
 
 def test_exit_for_resume_prints_the_command_and_exits_with_the_documented_code(capsys):

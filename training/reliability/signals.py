@@ -112,8 +112,10 @@ class GracefulInterrupt:
             raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
         if self.received is None:
             self.received = signum
-            print(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)",
-                  file=sys.stderr, flush=True)
+            # stderr closed (train.py, which reads it, was killed): the flag above is what matters, the save must go on
+            with contextlib.suppress(OSError):
+                print(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)",
+                      file=sys.stderr, flush=True)
 
     def finishing(self, task: str) -> None:
         """The run is past its last step and now does `task` ("the final model's save"): a signal from here on
