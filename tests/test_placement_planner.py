@@ -347,8 +347,11 @@ def test_hardware_files_and_their_errors(tmp_path):
         load_machine_file(_write(tmp_path, GOOD + "flops_peak: 1\n"))
     with pytest.raises(UserError, match="lacks memory_gib"):
         load_machine_file(_write(tmp_path, GOOD.replace("memory_gib: 40\n", "")))
-    with pytest.raises(UserError, match="memory_bandwidth must be a positive number, got -1"):
+    with pytest.raises(UserError, match="memory_bandwidth must be a positive, finite number, got -1"):
         load_machine_file(_write(tmp_path, GOOD.replace("1.0e12", "-1")))
+    for infinite in (".inf", "inf", "1e400"):  # YAML's infinity, and text read as a number
+        with pytest.raises(UserError, match="memory_bandwidth must be a positive, finite number, got inf"):
+            load_machine_file(_write(tmp_path, GOOD.replace("1.0e12", infinite)))
     with pytest.raises(UserError, match="not fp32"):
         load_machine_file(_write(tmp_path, GOOD), dtype="fp32")
     assert load_machine_file(_write(tmp_path, json.dumps({"nodes": 1, "gpus_per_node": 1, "memory_gib": 1,

@@ -7,6 +7,7 @@ efficiency factors (each optional in the file, defaults below). Presets for publ
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -143,14 +144,15 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _positive(path: Path, key: str, value: Any) -> float:
-    """A positive number; YAML reads `2.0e12` (no exponent sign) as text, so numeric text counts too."""
+    """A positive, finite number; YAML reads `2.0e12` (no exponent sign) as text, so numeric text counts too (an
+    infinite rate or memory would plan every call as free)."""
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise UserError(f"hardware file {path}: {key} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise UserError(f"hardware file {path}: {key} must be a positive, finite number, got {value!r}")
     return float(value)
 
 
