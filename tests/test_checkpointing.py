@@ -375,6 +375,43 @@ def test_rng_state_round_trip_through_weights_only_load(tmp_path):
     assert torch.equal(torch.rand(3), expected[2])
 
 
+CUDA_GENERATOR_STATE = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's state: its seed and offset
+
+
+def test_a_gpu_runs_rng_file_resumed_on_cpu_restores_all_but_the_accelerator_stream(tmp_path, caplog):
+    torch.manual_seed(3)
+    state = {**capture_rng_state(), "accelerator": CUDA_GENERATOR_STATE}  # as a single-GPU run writes it
+    torch.save(state, tmp_path / "rank0.pt")
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    restore_rng_state(torch.load(tmp_path / "rank0.pt", weights_only=True))
+    assert torch.equal(torch.rand(3), expected)
+    assert "saved on an accelerator and resumes on CPU" in caplog.text
+
+
+class _FakeGpu:
+    def __init__(self) -> None:
+        self.restored: list[torch.Tensor] = []
+
+    def device_name(self) -> str:
+        return "cuda"
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.restored.append(state)
+
+
+def test_the_accelerator_stream_is_restored_on_a_gpu_and_a_cpu_runs_file_says_it_starts_anew(monkeypatch, caplog):
+    import deepspeed.accelerator
+
+    cpu_saved = capture_rng_state()
+    gpu = _FakeGpu()
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: gpu)
+    restore_rng_state({**cpu_saved, "accelerator": CUDA_GENERATOR_STATE})
+    assert gpu.restored == [CUDA_GENERATOR_STATE] and not caplog.text
+    restore_rng_state(cpu_saved)
+    assert len(gpu.restored) == 1 and "saved on CPU and resumes on cuda" in caplog.text
+
+
 @dataclass
 class _CheckpointCLI:
     run: RunArguments

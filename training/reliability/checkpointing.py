@@ -121,8 +121,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
-    from deepspeed.accelerator import get_accelerator
-
+    """Bring back the states `capture_rng_state` took (`_restore_accelerator_rng`: on another kind of device, all
+    but the accelerator's)."""
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     numpy_state = state["numpy"]
@@ -131,8 +131,25 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         numpy_state["has_gauss"], numpy_state["cached_gaussian"],
     ))
     torch.set_rng_state(state["torch"])
-    if "accelerator" in state:
-        get_accelerator().set_rng_state(state["accelerator"])
+    _restore_accelerator_rng(state.get("accelerator"))
+
+
+def _restore_accelerator_rng(saved: Any) -> None:
+    """The accelerator's RNG state, `saved` by a run on an accelerator (a CPU run saves none: torch's state is its
+    device's). A checkpoint resumed on the other kind of device (a GPU run's on CPU, a CPU run's on a GPU) restarts the
+    accelerator's stream, with a warning: a CUDA state is no CPU generator's, which refused it."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    on_cpu = accelerator.device_name() == "cpu"
+    if saved is not None and not on_cpu:
+        accelerator.set_rng_state(saved)
+    elif saved is not None:
+        logger.warning("the checkpoint was saved on an accelerator and resumes on CPU: its accelerator random stream "
+                       "is not restored (the python, numpy and torch streams are)")
+    elif not on_cpu:
+        logger.warning("the checkpoint was saved on CPU and resumes on %s: its random stream there starts anew (the "
+                       "python, numpy and torch streams are restored)", accelerator.device_name())
 
 
 # client state -------------------------------------------------------------------------------------
