@@ -293,6 +293,9 @@ class PlacedPPORun(PPORun):
     def scores(self, batches: list[dict[int, Experience]]) -> torch.Tensor:
         return torch.cat([experience.scores for batch in batches for experience in batch.values()])
 
+    def answer_tokens(self, batches: list[dict[int, Experience]]) -> int:
+        return sum(int(experience.action_mask.sum().item()) for batch in batches for experience in batch.values())
+
     def step_scores(self, batches: list[dict[int, Experience]]) -> torch.Tensor:
         """Already every rank's: every rank holds every chunk's experience."""
         return self.scores(batches)

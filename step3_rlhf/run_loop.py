@@ -78,14 +78,22 @@ def evaluate(trainer: PPOTrainer, prompts: BatchStream, num_prompts: int) -> dic
                                            lambda batch: held_out_stats(trainer.evaluate_prompts(batch))))
 
 
-def answer_weighted_means(batch_stats: Sequence[Mapping[str, float]], answers: Sequence[int]) -> dict[str, float]:
-    """A step's rollout statistics from each generation batch's, each batch weighing by its `answers` (averaged batch
-    by batch, an epoch's short last batch weighed as much as a full one, each of its answers more)."""
-    total = sum(answers)
+TOKEN_MEANS = frozenset({"rollout/value_mean"})  # `experience_stats` means over answer tokens; the others: answers
+
+
+def rollout_means(batch_stats: Sequence[Mapping[str, float]], answers: Sequence[int],
+                  tokens: Sequence[int]) -> dict[str, float]:
+    """A step's rollout statistics from each generation batch's, each batch weighing by what its mean runs over: its
+    `answers`, or for a mean over answer tokens (`TOKEN_MEANS`) its answer `tokens`. (Averaged batch by batch, an
+    epoch's short last batch weighed as much as a full one, each of its answers more; weighed by answers, a batch of
+    short answers weighed each of its tokens more in a token mean.)"""
+    totals = {"answers": sum(answers) or 1, "tokens": sum(tokens) or 1}
     means: dict[str, float] = {}
-    for stats, count in zip(batch_stats, answers, strict=True):
+    for stats, answer_count, token_count in zip(batch_stats, answers, tokens, strict=True):
+        counts = {"answers": answer_count, "tokens": token_count}
         for key, value in stats.items():
-            means[key] = means.get(key, 0.0) + value * (count / total)
+            unit = "tokens" if key in TOKEN_MEANS else "answers"
+            means[key] = means.get(key, 0.0) + value * (counts[unit] / totals[unit])
     return means
 
 
@@ -221,7 +229,8 @@ class PPORun:
             batch_stats.append(stats)
             for key, value in batch_timing.items():
                 timing[key] += value
-        rollout = answer_weighted_means(batch_stats, [len(self.scores([batch])) for batch in batches])
+        rollout = rollout_means(batch_stats, [len(self.scores([batch])) for batch in batches],
+                                [self.answer_tokens([batch]) for batch in batches])
         # a mean of each batch's std would leave out the spread between batches (and ranks)
         rollout["reward/score_std"] = self.step_scores(batches).std(unbiased=False).item()
         check_finite("reward", self.scores(batches), self.step + 1, self.checkpoints)
@@ -239,6 +248,10 @@ class PPORun:
 
     def scores(self, batches: list[Experience]) -> torch.Tensor:
         return torch.cat([experience.scores for experience in batches])
+
+    def answer_tokens(self, batches: list[Experience]) -> int:
+        """The answer tokens of this rank's `batches` (what a token mean of their statistics runs over)."""
+        return sum(int(experience.action_mask.sum().item()) for experience in batches)
 
     def step_scores(self, batches: list[Experience]) -> torch.Tensor:
         """The scores of the step's answers on every rank (collective)."""

@@ -641,17 +641,33 @@ def scored_experience(scores: list[float]) -> Experience:
                       returns=rows, scores=torch.tensor(scores), kl=rows[:, 0], ended_with_eos=rows[:, 0].bool())
 
 
+def valued_experience(values: list[list[float]]) -> Experience:
+    """A rollout batch of answers as long as their critic `values` (scores and all else zero)."""
+    longest = max(map(len, values))
+    mask = torch.tensor([[1] * len(row) + [0] * (longest - len(row)) for row in values])
+    old_values = torch.tensor([row + [0.0] * (longest - len(row)) for row in values])
+    zeros = torch.zeros(len(values), longest)
+    return Experience(sequences=mask, attention_mask=mask, prompt_length=1, action_mask=mask, old_logprobs=zeros,
+                      ref_logprobs=zeros, old_values=old_values, rewards=zeros, advantages=zeros, returns=zeros,
+                      scores=torch.zeros(len(values)), kl=zeros[:, 0], ended_with_eos=zeros[:, 0].bool())
+
+
 def logged_rollout_stats(monkeypatch, *batch_scores: list[float]) -> dict[str, float]:
     """The statistics one PPO step logs over generation batches of one-token answers with these scores (one rank, no
     update)."""
+    return logged_stats_of(monkeypatch, *map(scored_experience, batch_scores))
+
+
+def logged_stats_of(monkeypatch, *experiences: Experience) -> dict[str, float]:
+    """The statistics one PPO step logs over these generation batches (one rank, no update)."""
     from types import SimpleNamespace
 
     from step3_rlhf.run_loop import PPORun
     from training.algorithms import FixedKLController
     from training.loops.call_times import CallTimer
 
-    batches = iter([scored_experience(scores) for scores in batch_scores])
-    run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=len(batch_scores))), SimpleNamespace(),
+    batches = iter(experiences)
+    run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=len(experiences))), SimpleNamespace(),
                  SimpleNamespace(clock=CallTimer(), kl_controller=FixedKLController(0.1)),
                  SimpleNamespace(next=lambda: None), None, None, total_steps=1, checkpoints=None, metrics=None)
     monkeypatch.setattr(run, "rollout_batch", lambda prompts: (experience := next(batches), {
@@ -677,6 +693,15 @@ def test_the_logged_rollout_means_weigh_every_answer_of_the_step_alike(distribut
     stats = logged_rollout_stats(monkeypatch, [0.0, 0.0], [3.0])
     assert stats["reward/score_mean"] == pytest.approx(1.0)
     assert stats["rollout/response_length"] == pytest.approx(1.0)
+
+
+def test_the_logged_value_mean_weighs_every_answer_token_of_the_step_alike(distributed, monkeypatch):
+    """`rollout/value_mean` is a mean over answer tokens: two one-token answers valued 0 beside a batch of one
+    four-token answer valued 3 make (2 x 0 + 4 x 3) / 6 = 2; weighed by answers, as the means over answers are, it
+    was 1, each token of the short answers counted twice as much as one of the long answer."""
+    stats = logged_stats_of(monkeypatch, valued_experience([[0.0], [0.0]]), valued_experience([[3.0] * 4]))
+    assert stats["rollout/value_mean"] == pytest.approx(2.0)
+    assert stats["rollout/response_length"] == pytest.approx(2.0)  # 1, 1 and 4 tokens: a mean over the answers
 
 
 def test_a_critic_free_estimator_builds_no_critic_and_trains_the_actor(distributed, inputs, tmp_path,
