@@ -1,6 +1,7 @@
 """Step 3's command line: one typed group per concern (see `training.core.args`)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -178,6 +179,7 @@ def _check_sampling(sampling: RolloutSampling) -> None:
 
 
 def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
+    _check_reward_clip(args.ppo.clip_reward_value)
     check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
                    "kl_horizon", "group_std_eps", "max_prompt_seq_len", "max_answer_seq_len", "temperature")
     # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
@@ -193,6 +195,13 @@ def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
         raise UserError(f"--unsupervised_dataset_name {args.unsupervised.unsupervised_dataset_name} with --unsup_coef 0 "
                         "mixes nothing in, though every actor update would still compute a pretraining batch's "
                         "language-model loss; give --unsup_coef > 0 (e.g. 0.05), or drop --unsupervised_dataset_name")
+
+
+def _check_reward_clip(clip_reward_value: float) -> None:
+    """An infinite clip is refused as every infinite flag is, saying how to clip nothing (it once meant that)."""
+    if clip_reward_value == math.inf:
+        raise UserError("--clip_reward_value must be a finite number, got inf; to leave the reward model's scores "
+                        "unclipped give a bound above any score it gives (e.g. --clip_reward_value 1e6)")
 
 
 def _check_scoring(args: Step3Settings, flags: Mapping[str, Any]) -> None:

@@ -85,6 +85,10 @@ def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tin
     ("--step3-args=--kl_ctl=nan", "step 3: --kl_ctl must be a finite number, got nan"),
     ("--step3-args=--temperature=nan", "step 3: --temperature must be a finite number, got nan"),
     ("--step3-args=--cliprange=inf", "step 3: --cliprange must be a finite number, got inf"),
+    # inf once left the scores unclipped: the refusal says how to ask for that now
+    ("--step3-args=--clip_reward_value=inf", "step 3: --clip_reward_value must be a finite number, got inf; to leave "
+                                             "the reward model's scores unclipped give a bound above any score it "
+                                             "gives (e.g. --clip_reward_value 1e6)"),
 ])
 def test_a_value_only_a_later_stage_refused_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step_args,
                                                                               message):
