@@ -21,14 +21,16 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from training.core.args import DTYPE_CHOICES, SettingsParser
-from training.core.model_loading import TRAINED_DTYPE_HELP, load_tokenizer, resolve_trained_dtype
-from training.core.reward_model import RewardModel, resolve_reward_model
+from training.core.model_loading import TRAINED_DTYPE_HELP, load_config, load_tokenizer, resolve_trained_dtype
+from training.core.reward_model import RewardModel, resolve_reward_model, reward_model_folder
 from training.reliability.run_records import args_of_model
-from training.reliability.validation import check_output_file
+from training.reliability.validation import check_output_file, check_sequence_lengths, model_max_positions
 from utils.data import PROMPT_FORMATS, PromptFormatter, read_rows
 from utils.data.collators import pad_sequences
-from utils.data.tokenization import TokenLimits, pair_sequences, sft_sequence
-from utils.errors import UserError, run_cli
+from utils.data.tokenization import TokenLimits, check_max_seq_len, pair_sequences, sft_sequence
+from utils.errors import UserError, refuse_all, run_cli
+
+FALLBACK_MAX_SEQ_LEN = 512  # for a model no run of this project trained
 
 
 class RewardScorer:
@@ -45,7 +47,7 @@ class RewardScorer:
         self.batch_size = batch_size
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, **kwargs) -> "RewardScorer":
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, **kwargs) -> RewardScorer:
         return cls(RewardModel.from_pretrained(path, dtype=dtype), load_tokenizer(path), **kwargs)
 
     def token_ids(self, text: str) -> list[int]:
@@ -132,18 +134,37 @@ class RewardEvalArguments:
     prompt_format: str | None = field(default=None, metadata={
         "choices": PROMPT_FORMATS, "help": "default: the step-2 run's (args.json), else auto"})
     max_seq_len: int | None = field(default=None, metadata={
-        "help": "default: the step-2 run's (args.json), else 512"})
+        "help": f"default: the step-2 run's (args.json), else {FALLBACK_MAX_SEQ_LEN} or the model's positions where "
+                "fewer"})
     batch_size: int = field(default=8, metadata={"help": "rows scored together"})
     max_rows: int | None = field(default=None, metadata={"help": "score at most this many rows of --input_file"})
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
     output_file: str | None = field(default=None, metadata={"help": "write the scored rows to this JSONL file"})
 
     def check(self) -> None:
-        """Refuse a --batch_size or --max_rows below 1 before the model loads: the scoring crashed on the former
-        (range()'s ValueError), and took the latter as a slice (-1: the file less its last row; 0: nothing)."""
-        for flag, value in (("batch_size", self.batch_size), ("max_rows", self.max_rows)):
-            if value is not None and value < 1:
-                raise UserError(f"--{flag} must be at least 1, got {value}")
+        """Refuse, all at once and before anything loads, the flags nothing can be scored by: a --batch_size or
+        --max_rows below 1 (the scoring crashed on the former, range()'s ValueError, and took the latter as a slice:
+        -1 the file less its last row, 0 nothing), a --max_seq_len below 2, and a flag the others leave nothing to do
+        (beside --input_file, a --prompt without --answer or the reverse was dropped without a word)."""
+        refuse_all(lambda: _check_at_least_one("batch_size", self.batch_size),
+                   lambda: _check_at_least_one("max_rows", self.max_rows),
+                   lambda: self.max_seq_len is None or check_max_seq_len(self.max_seq_len),
+                   self._check_prompt_has_answers, self._check_max_rows_has_a_file)
+
+    def _check_prompt_has_answers(self) -> None:
+        if bool(self.prompt) != bool(self.answer):
+            given, missing = ("--prompt", "--answer") if self.prompt else ("--answer", "--prompt")
+            raise UserError(f"{given} is scored only with {missing}: give --prompt with at least one --answer, or drop "
+                            f"{given}")
+
+    def _check_max_rows_has_a_file(self) -> None:
+        if self.max_rows is not None and not self.input_file:
+            raise UserError("--max_rows caps the rows of --input_file, and none is given: drop --max_rows")
+
+
+def _check_at_least_one(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"--{flag} must be at least 1, got {value}")
 
 
 @dataclass
@@ -166,21 +187,22 @@ def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
     args.model_name_or_path = resolve_reward_model(args.model_name_or_path)
     recorded = args_of_model(args.model_name_or_path)
     if args.max_seq_len is None:
-        args.max_seq_len = recorded.get("max_seq_len", 512)
+        args.max_seq_len = recorded.get("max_seq_len")
     if args.prompt_format is None:
         args.prompt_format = recorded.get("prompt_format", "auto")
     return args
 
 
-def _rows(args: RewardEvalArguments, scorer: RewardScorer) -> list[dict]:
+def _rows(args: RewardEvalArguments, tokenizer: PreTrainedTokenizerBase) -> list[dict]:
     rows = []
     if args.prompt:
+        formatter = PromptFormatter(tokenizer, args.prompt_format)
         turns = [{"role": "user", "content": args.prompt}]
-        rendered = scorer.formatter.prompt(turns)
-        rows += [{"prompt": rendered, "chosen": scorer.formatter.answer(turns, a, rendered), "rejected": None}
+        rendered = formatter.prompt(turns)
+        rows += [{"prompt": rendered, "chosen": formatter.answer(turns, a, rendered), "rejected": None}
                  for a in args.answer]
     if args.input_file:
-        read = read_rows(args.input_file, scorer.tokenizer, args.prompt_format)
+        read = read_rows(args.input_file, tokenizer, args.prompt_format)
         file_rows = [row for row in read if row.get("chosen") is not None]
         if not file_rows:
             raise UserError(f"{args.input_file} has no rows with a prompt and an answer to score")
@@ -197,15 +219,37 @@ def _short(text: str, limit: int) -> str:
     return repr(flat[:limit] if limit > 0 else flat[limit:])
 
 
+def _settled_max_seq_len(max_seq_len: int | None, config, model: str) -> int:
+    """A given (or recorded) --max_seq_len, checked to fit the model's positions; none: the fallback, or the model's
+    positions where fewer. Past them a learned-position model (OPT, GPT-2) failed with an IndexError once it had
+    loaded."""
+    if max_seq_len is not None:
+        check_sequence_lengths(config, max_seq_len=max_seq_len, model=model)
+        return max_seq_len
+    positions = model_max_positions(config)
+    return FALLBACK_MAX_SEQ_LEN if positions is None else min(FALLBACK_MAX_SEQ_LEN, positions[0])
+
+
+def _prepared_rows(args: RewardEvalArguments) -> tuple[PreTrainedTokenizerBase, list[dict]]:
+    """The tokenizer and the rows to score, all that needs no model weights done and checked before they load: the
+    output file, a reward model in the folder, --max_seq_len settled, the rows of --input_file read."""
+    check_output_file(args.output_file)
+    reward_model_folder(args.model_name_or_path)
+    args.max_seq_len = _settled_max_seq_len(args.max_seq_len, load_config(args.model_name_or_path),
+                                            args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    return tokenizer, _rows(args, tokenizer)
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    check_output_file(args.output_file)
-    scorer = RewardScorer.from_pretrained(args.model_name_or_path,
-                                          resolve_trained_dtype(args.dtype, args.model_name_or_path),
-                                          prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
-                                          batch_size=args.batch_size)
-    results = scorer.score_rows(_rows(args, scorer))
+    tokenizer, rows = _prepared_rows(args)
+    model = RewardModel.from_pretrained(args.model_name_or_path,
+                                        dtype=resolve_trained_dtype(args.dtype, args.model_name_or_path))
+    scorer = RewardScorer(model, tokenizer, prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
+                          batch_size=args.batch_size)
+    results = scorer.score_rows(rows)
     for row in results:
         if "skipped" in row:
             print(f"skipped ({row['skipped']} at --max_seq_len {args.max_seq_len})  | {_short(row['prompt'], -60)}",

@@ -13,7 +13,7 @@ from training.core.answer_window import RowGroups
 from training.core.model_loading import load_tokenizer
 from training.core.reward_model import MARKER_FILE, RewardModel
 from training.core.sequences import last_token_index
-from utils.errors import UserError
+from utils.errors import EXIT_USER_ERROR, UserError
 
 TEXTS = ["Human: What is the capital of France? Assistant: Paris.", "Human: Tell me a joke.", "hello"]
 
@@ -142,19 +142,68 @@ def test_a_step2_run_that_has_not_saved_its_model_says_so(tmp_path):
         RewardModel.from_pretrained(tmp_path / "step2")
 
 
+def _save_reward_model(causal_lm: str, folder) -> str:
+    """A reward model on `causal_lm`'s backbone (a fresh head), saved in `folder` as step 2 saves one."""
+    tokenizer = load_tokenizer(causal_lm)
+    RewardModel.from_causal_lm(causal_lm, tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def test_rw_eval_takes_a_train_py_output_folder(tiny_model_dir, tmp_path, capsys):
     """rw_eval's help says it takes step 2's run folder; given train.py's --output-dir (whose step2/ holds it) it
     said the folder had no value head, as if the model were not a reward model."""
     from step2_reward.rw_eval import main as rw_eval_main
 
-    path = tiny_model_dir("llama")
-    model = RewardModel.from_causal_lm(path, load_tokenizer(path))
-    model.save_pretrained(tmp_path / "out" / "step2" / "model")
-    load_tokenizer(path).save_pretrained(tmp_path / "out" / "step2" / "model")
+    _save_reward_model(tiny_model_dir("llama"), tmp_path / "out" / "step2" / "model")
     argv = ["--prompt", "Compute 3 + 4.", "--answer", "7", "--answer", "8"]
     by_output_dir = rw_eval_main(["--model_name_or_path", str(tmp_path / "out"), *argv])
     by_run = rw_eval_main(["--model_name_or_path", str(tmp_path / "out" / "step2"), *argv])
     assert by_output_dir == by_run
+
+
+PAIR = ["--prompt", "p", "--answer", "a"]
+
+
+@pytest.mark.parametrize("flags, messages", [
+    ([*PAIR, "--max_seq_len", "1"], ["--max_seq_len must be at least 2 (a prompt token and a reply token), got 1"]),
+    ([*PAIR, "--max_seq_len", "0", "--batch_size", "0"],
+     ["2 problems: (1) --batch_size must be at least 1, got 0; (2) --max_seq_len must be at least 2"]),
+    ([*PAIR, "--max_seq_len", "1000"], ["--max_seq_len 1000 exceeds the 256 positions of"]),
+    ([*PAIR, "--max_rows", "3"], ["--max_rows caps the rows of --input_file, and none is given"]),
+    (["--input_file", "{pairs}", "--prompt", "p"], ["--prompt is scored only with --answer"]),
+    (["--input_file", "{pairs}", "--answer", "a"], ["--answer is scored only with --prompt"]),
+    (["--input_file", "{missing}"], ["data path", "missing.jsonl does not exist"]),
+])
+def test_rw_eval_refuses_what_it_cannot_score_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                     flags, messages):
+    """Each was refused only once the model had loaded (--max_seq_len 1, a missing --input_file), or not at all: a
+    --max_seq_len past a learned-position model's positions ended in an IndexError traceback, and beside
+    --input_file a --prompt or --answer alone (or --max_rows without a file) was dropped without a word."""
+    from step2_reward.rw_eval import main as rw_eval_main
+
+    model = _save_reward_model(tiny_model_dir("opt"), tmp_path / "rm")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the reward model loaded")
+
+    monkeypatch.setattr(RewardModel, "from_pretrained", not_loaded)
+    argv = [flag.format(pairs=tmp_path / "pairs.jsonl", missing=tmp_path / "missing.jsonl") for flag in flags]
+    with pytest.raises(SystemExit) as exited:
+        rw_eval_main(["--model_name_or_path", model, *argv])
+    error = capsys.readouterr().err
+    assert exited.value.code == EXIT_USER_ERROR and all(message in error for message in messages), error
+
+
+def test_rw_eval_cuts_at_the_positions_of_a_model_no_run_trained(tiny_model_dir, tmp_path):
+    """Without --max_seq_len, a model no run of this project trained (no args.json) was cut at 512 tokens, past the
+    64 positions of this learned-position model: a longer answer ended in an IndexError traceback."""
+    from step2_reward.rw_eval import main as rw_eval_main
+
+    model = _save_reward_model(tiny_model_dir("opt", max_positions=64), tmp_path / "rm")
+    argv = ["--model_name_or_path", model, "--prompt", "p", "--answer", "word " * 100]
+    assert rw_eval_main(argv)["results"] == rw_eval_main([*argv, "--max_seq_len", "64"])["results"]
 
 
 def test_pairwise_loss_value():

@@ -57,6 +57,22 @@ def resolve_reward_model(path: str) -> str:
     return str(step2) if not is_reward_model_dir(path) and is_reward_model_dir(step2) else path
 
 
+def reward_model_folder(path: str | os.PathLike) -> Path:
+    """The model folder of the reward model step 2 saved at `path` (the folder or its run folder); a `UserError`
+    where it holds none (checked without loading anything)."""
+    folder = Path(resolve_model_path(str(path)))
+    if not folder.is_dir():
+        raise UserError(f"reward model folder {folder} does not exist; pass the output folder of step 2")
+    if not (folder / "config.json").is_file():
+        raise no_model_error(str(path))
+    if not (folder / MARKER_FILE).is_file() or not (folder / VALUE_HEAD_FILE).is_file():
+        raise UserError(
+            f"{folder} has no value head: it was not trained by step 2; run step 2 "
+            "(step2_reward/main.py) or pass a reward model folder"
+        )
+    return folder
+
+
 def refuse_reward_model(name_or_path: str, flag: str | None = None) -> None:
     """A `UserError` where a causal LM is wanted and `name_or_path` is a reward model: it would load with a freshly
     drawn LM head, and train or answer with it."""
@@ -125,16 +141,7 @@ class RewardModel(nn.Module):
         trust_remote_code: bool = False,
     ) -> "RewardModel":
         """Load a reward model saved by step 2 (as the frozen reward model, or to initialise the critic)."""
-        folder = Path(resolve_model_path(str(path)))
-        if not folder.is_dir():
-            raise UserError(f"reward model folder {folder} does not exist; pass the output folder of step 2")
-        if not (folder / "config.json").is_file():
-            raise no_model_error(str(path))
-        if not (folder / MARKER_FILE).is_file() or not (folder / VALUE_HEAD_FILE).is_file():
-            raise UserError(
-                f"{folder} has no value head: it was not trained by step 2; run step 2 "
-                "(step2_reward/main.py) or pass a reward model folder"
-            )
+        folder = reward_model_folder(path)
         backbone = _load_backbone(str(folder), dtype, ds_config, trust_remote_code)
         head_weight = load_file(str(folder / VALUE_HEAD_FILE))["v_head.weight"]
         model = cls(backbone)

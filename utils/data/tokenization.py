@@ -41,11 +41,16 @@ _EMPTY_COLUMNS = {
 }
 
 
-def check_token_limits(max_seq_len: int, max_prompt_seq_len: int) -> None:
-    """A sequence holds a prompt token and a reply token at least, a prompt one token (every step's data build
-    checks both, and so do the steps' flag checks, before anything loads)."""
+def check_max_seq_len(max_seq_len: int) -> None:
+    """A sequence holds a prompt token and a reply token at least."""
     if max_seq_len < 2:
         raise UserError(f"--max_seq_len must be at least 2 (a prompt token and a reply token), got {max_seq_len}")
+
+
+def check_token_limits(max_seq_len: int, max_prompt_seq_len: int) -> None:
+    """`check_max_seq_len`, and a prompt holds one token at least (every step's data build checks both, and so do the
+    steps' flag checks, before anything loads)."""
+    check_max_seq_len(max_seq_len)
     if max_prompt_seq_len < 1:
         raise UserError(f"--max_prompt_seq_len must be at least 1, got {max_prompt_seq_len}")
 
