@@ -18,6 +18,7 @@ from training.reliability.signals import (
     EXIT_INTERRUPTED,
     GracefulInterrupt,
     resume_command,
+    take_received_signal,
 )
 
 LOOP = """
@@ -113,6 +114,19 @@ def test_a_signal_with_stderr_closed_still_requests_the_stop(monkeypatch):
     finally:
         with contextlib.suppress(OSError):  # its unwritten message meets the closed pipe again
             closed_stderr.close()
+
+
+def test_a_stop_request_an_enclosing_handler_took_stops_the_inner_one():
+    """train.py's handler takes a stop request while a step it runs in this process starts up: the step's own
+    handler, entered later, stops at its first step, rather than the step running to its end."""
+    with GracefulInterrupt(on_receipt="ending before the next step") as pipeline:
+        os.kill(os.getpid(), signal.SIGTERM)
+        with GracefulInterrupt() as step:
+            assert step.received == signal.SIGTERM
+    assert pipeline.received == signal.SIGTERM
+    with GracefulInterrupt() as later:
+        assert not later.requested
+    take_received_signal()
 
 
 def test_exit_for_resume_prints_the_command_and_exits_with_the_documented_code(capsys):

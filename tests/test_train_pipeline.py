@@ -740,6 +740,52 @@ def test_a_step_stopped_with_a_checkpoint_says_which_and_how_to_go_on_from_it(tm
         f"({checkpoint}); to go on, run the same train.py command{'' if resume else ' with --resume'}")
 
 
+SIGNALLED_OUTSIDE_A_STEP = """
+import os, signal, sys
+from pathlib import Path
+import test_train_pipeline as t
+from training.pipeline import runner
+
+where, signum, model, out = sys.argv[1], signal.Signals[sys.argv[2]], sys.argv[3], Path(sys.argv[4])
+planned = runner.prepare_run
+checked = runner._check_output
+
+def signalled_while_planning(*args):
+    prepared = planned(*args)
+    os.kill(os.getpid(), signum)
+    return prepared
+
+def signalled_after_step_1(config, step):
+    checked(config, step)
+    if step == 1:
+        os.kill(os.getpid(), signum)
+
+runner.prepare_run, runner._check_output = (planned, signalled_after_step_1) if where == "between steps" else \
+    (signalled_while_planning, checked)
+fakes = t.FakeSteps(model)
+t.run(t.common(out, model), fakes)
+print("steps run:", [call[0] for call in fakes.calls])
+"""
+
+
+@pytest.mark.parametrize(("where", "signum", "said"), [
+    ("between steps", "SIGTERM", ("step 1 finished and the next did not start; to go on, run the same train.py "
+                                  "command (finished steps are skipped)")),
+    ("while planning", "SIGINT", ("stopped while planning, before any step started; to go on, run the same train.py "
+                                  "command")),
+])
+def test_a_stop_request_outside_a_step_ends_train_py_saying_how_to_go_on(tmp_path, tiny_model_dir, where, signum,
+                                                                         said):
+    """Between steps (train.py's own checks of a step's output) and while planning no handler took a stop request:
+    a SIGTERM killed train.py without a word, a SIGINT ended it in a KeyboardInterrupt traceback."""
+    env = {**step_env(), "PYTHONPATH": f"{REPO_ROOT / 'tests'}{os.pathsep}{step_env()['PYTHONPATH']}"}
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_OUTSIDE_A_STEP, where, signum, tiny_model_dir("llama"),
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == EXIT_INTERRUPTED, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == f"train.py stopped on {signum}: {said}"
+    assert "Traceback" not in done.stderr
+
+
 def _write_tiny_data(path: Path) -> str:
     rows = []
     for index in range(24):

@@ -25,7 +25,7 @@ from training.placement.machine import load_machine_file
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
-from training.reliability.signals import EXIT_INTERRUPTED, take_received_signal
+from training.reliability.signals import EXIT_INTERRUPTED, GracefulInterrupt, take_received_signal
 from training.reliability.validation import check_folder_path
 from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
@@ -614,7 +614,15 @@ def run_pipeline(
     def entry(step: int) -> StepEntry:
         return (entries or {}).get(step) or STEPS[step].entry()
 
-    hardware = hardware or detect_hardware()
+    take_received_signal()  # a stop request before this run is not one for it
+    with GracefulInterrupt(on_receipt="train.py ends before its next step (a step under way stops at its next "
+                                      "checkpoint)"):
+        return _planned_and_run(config, entry, hardware or detect_hardware())
+
+
+def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> dict:
+    """`run_pipeline` under its stop-request handler: a stop request while planning or between steps ends train.py
+    at the next of those points, saying how to go on."""
     prepared = prepare_run(config, entry, hardware)
     deployment = prepared.plan.deployment.value
     print(settings_table(prepared.plan, config.steps, prepared.runs_with), flush=True)
@@ -624,13 +632,15 @@ def run_pipeline(
         print("  (master ports free now; each step takes one free when it starts, printed at its launch)")
     for step in config.steps:
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
+    received = take_received_signal()
+    if received is not None:
+        _stop("stopped while planning, before any step started; to go on, run the same train.py command", received)
     if config.dry_run:
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
             print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
         return {"deployment": deployment, "commands": prepared.commands}
 
     started = time.perf_counter()
-    take_received_signal()  # a stop request before this run is not one for it
     results = []
     for step in config.steps:
         try:

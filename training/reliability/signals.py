@@ -92,13 +92,19 @@ def handling_signals(signals: Sequence[signal.Signals],
 class GracefulInterrupt:
     """Context manager that turns SIGINT/SIGTERM into a stop request at the next step boundary."""
 
-    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)):
+    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM),
+                 on_receipt: str = "stopping after this step and saving a checkpoint"):
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
         self._handling = contextlib.ExitStack()
-        self._on_receipt = "stopping after this step and saving a checkpoint"
+        self._on_receipt = on_receipt
 
     def __enter__(self) -> "GracefulInterrupt":
+        """Handle the signals from here on; a stop request that an enclosing one took (train.py's, while a step it
+        runs in this process started up) is this one's too."""
+        enclosing = getattr(signal.getsignal(self.signals[0]), "__self__", None)
+        if isinstance(enclosing, GracefulInterrupt):
+            self.received = enclosing.received
         self._handling.enter_context(handling_signals(self.signals, self._handle))
         return self
 
