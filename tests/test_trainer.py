@@ -4,6 +4,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,6 +126,20 @@ def test_max_steps_stops_mid_epoch_with_a_final_evaluation(distributed, tmp_path
     assert [e["step"] for e in result.evaluations] == [0, 2, 3]
     # the last step is always logged even when it is not a multiple of log_interval
     assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [3]
+
+
+def test_the_logged_samples_per_second_count_an_epochs_short_last_micro_batch_as_it_is(distributed, tmp_path,
+                                                                                      monkeypatch):
+    """5 items / batch 2: each epoch's third micro-batch holds 1 example, and was counted as 2. The clock stands
+    still, so each step's rate is its examples over the 1e-9 s floor."""
+    import training.loops.trainer as trainer_module
+
+    config = LoopConfig(num_train_epochs=2, per_device_train_batch_size=2, per_device_eval_batch_size=2, log_interval=1)
+    trainer = _trainer(tmp_path, config, train_count=5)
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: 0.0))
+    trainer.fit()
+    rates = [record["train/samples_per_s"] for record in read_metrics(tmp_path) if "train/loss" in record]
+    assert rates == pytest.approx([2e9, 2e9, 1e9, 2e9, 2e9, 1e9])
 
 
 def test_accumulation_weights_make_each_steps_loss_the_mean_over_its_items():

@@ -80,6 +80,12 @@ def micro_batches_per_epoch(num_examples: int, batch_size: int, world_size: int)
     return math.ceil(math.ceil(num_examples / world_size) / batch_size)
 
 
+def micro_batch_examples(num_examples: int, batch_size: int, world_size: int, index: int) -> int:
+    """The examples in micro-batch `index` of an epoch on each rank: `batch_size`, fewer in the epoch's last one."""
+    per_rank = math.ceil(num_examples / world_size)
+    return max(min(batch_size, per_rank - index * batch_size), 0)
+
+
 def count_optimizer_steps(num_examples: int, config: LoopConfig, world_size: int | None = None) -> int:
     """Optimizer steps the run will take: all epochs' micro-batches / accumulation, capped by `max_steps`."""
     world_size = world_size or get_world_size()
@@ -130,6 +136,7 @@ class AccumulationWindow:
     batches: list[Batch]
     items: list[int]
     weights: list[float]
+    examples: int  # the examples of its micro-batches (an epoch's last micro-batch may hold fewer than its size)
 
 
 @dataclass
@@ -325,13 +332,16 @@ class SupervisedTrainer:
     def _batches_per_epoch(self) -> int:
         return micro_batches_per_epoch(len(self.train_dataset), self.config.per_device_train_batch_size, get_world_size())
 
-    def _micro_batches(self) -> Iterator[Batch]:
-        """The run's remaining micro-batches in order, across epoch ends. The position counts each one as it is
-        taken; an epoch whose last one was taken ends (and is evaluated) when the next one is asked for."""
+    def _micro_batches(self) -> Iterator[tuple[Batch, int]]:
+        """The run's remaining micro-batches in order, across epoch ends, each with its examples. The position counts
+        each one as it is taken; an epoch whose last one was taken ends (and is evaluated) when the next one is asked
+        for."""
         while self.position.epoch < self.config.num_train_epochs:
             for batch in self.train_loader(self.position.epoch, self.position.batches_done):
+                examples = micro_batch_examples(len(self.train_dataset), self.config.per_device_train_batch_size,
+                                                get_world_size(), self.position.batches_done)
                 self.position.batches_done += 1
-                yield to_device(batch, self.engine.device)
+                yield to_device(batch, self.engine.device), examples
             self._end_epoch_if_done()
 
     def _windows(self) -> Iterator[AccumulationWindow]:
@@ -339,11 +349,13 @@ class SupervisedTrainer:
         Data too short for a whole step at the end of the last epoch is left untrained (it made no step
         before either)."""
         micro_batches = self._micro_batches()
-        while batches := list(itertools.islice(micro_batches, self.config.gradient_accumulation_steps)):
-            if len(batches) < self.config.gradient_accumulation_steps:
+        while taken := list(itertools.islice(micro_batches, self.config.gradient_accumulation_steps)):
+            if len(taken) < self.config.gradient_accumulation_steps:
                 return
+            batches = [batch for batch, _ in taken]
             items = [self.count_items(batch) for batch in batches]
-            yield AccumulationWindow(batches, items, accumulation_weights(items, len(batches)))
+            yield AccumulationWindow(batches, items, accumulation_weights(items, len(batches)),
+                                     sum(examples for _, examples in taken))
 
     def _train_window(self, window: AccumulationWindow) -> float:
         """Forward, backward and (at the window's end) the optimizer step of one window; returns this rank's
@@ -377,7 +389,7 @@ class SupervisedTrainer:
             windows = self._windows()
             while engine.global_steps < total and (window := next(windows, None)) is not None:
                 step_loss = self._train_window(window)
-                window_samples += config.per_device_train_batch_size * len(window.batches)
+                window_samples += window.examples
                 step = engine.global_steps
                 bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{engine.get_lr()[0]:.2e}")
                 bar.update(1)
