@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from training.placement.machine import check_gpus_per_node
 from training.placement.planner import PlanChoice
 from training.placement.settings import PlacementSettings
 from training.placement.spec import (
@@ -140,6 +142,8 @@ def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> PlanChoice 
         paths = step3_model_paths(args)
         sizes = {role: model_size(path) if path else None for role, path in paths.items()}
         on_gpus = get_accelerator().device_name() != "cpu"
+        if on_gpus and args.placement.hardware_file:
+            _check_launched_nodes(args.placement.hardware_file, world)
         machine, source = planning_machine(args.placement.hardware_file, args.placement.calibrate,
                                            args.run.dtype_name, world, cpu_cores(), on_gpus)
         logger.info("--placement auto: %s", source)
@@ -148,3 +152,12 @@ def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> PlanChoice 
     except UserError as error:
         return str(error)
     return plan.choice()
+
+
+def _check_launched_nodes(hardware_file: str, world: int) -> None:
+    """Ranks on several nodes, started by a launcher (train.py checks the hostfile's slots before it starts step 3):
+    the ranks the launcher runs on a node must be the hardware file's GPUs per node (`check_gpus_per_node`)."""
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's, DeepSpeed launcher's
+    if per_node is not None and world > int(per_node):
+        check_gpus_per_node(hardware_file, [int(per_node)], "the launcher runs {sizes} ranks a node",
+                            "launch {per_node} ranks a node")

@@ -172,6 +172,30 @@ def test_step3_placement_auto_on_gpus_refuses_to_plan_them_from_a_cpu_calibratio
         resolve_placement(args)
 
 
+def test_step3_launched_directly_refuses_a_hardware_file_of_other_nodes_than_the_launchers(tmp_path_factory,
+                                                                                           monkeypatch):
+    """Step 3 started by a launcher on nodes of 4 GPUs, with the 8-GPU preset: --placement auto planned its ranks as
+    8-GPU nodes (train.py refuses that layout against its hostfile; step 3 alone did not compare it to its launcher's)."""
+    import deepspeed.accelerator
+
+    from step3_rlhf import placement_setup
+    from step3_rlhf.main import parse_args
+    from test_step3_rlhf import step3_argv
+
+    class Gpu:
+        def device_name(self, index=None):
+            return "cuda"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", Gpu)
+    monkeypatch.setattr(placement_setup, "get_world_size", lambda: 8)  # two nodes of 4 ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    args = parse_args(step3_argv(make_step3_inputs(tmp_path_factory), tmp_path_factory.mktemp("auto") / "run",
+                                 "--placement", "auto", "--hardware_file", "a100-80gb"))
+    with pytest.raises(UserError, match=r"--hardware_file a100-80gb describes nodes of 8 GPUs, but the launcher runs "
+                                        r"4 ranks a node: .*gpus_per_node: 4\), or launch 8 ranks a node"):
+        placement_setup.resolve_placement(args)
+
+
 def _run_workers(tmp_path_factory, ranks: int, placements: list[str], **settings) -> str:
     inputs = make_step3_inputs(tmp_path_factory)
     inputs = {**{key: str(value) for key, value in inputs.items()}, **settings}

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
-from training.placement.machine import load_machine_file
+from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
@@ -435,21 +435,13 @@ def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None
 
 
 def _check_hardware_file_layout(step3: Any, hosts: list[Host] | None) -> None:
-    """Step 3's --placement auto plans the run's ranks (the hostfile's) laid out in nodes as its --hardware_file
-    describes them: which ranks share a node's links, how far tensor parallelism reaches. Refuse a file whose GPUs per
-    node are not the hostfile's slots: it would plan for another machine than the run's, unsaid."""
+    """Step 3's --placement auto with a --hardware_file plans the hostfile's ranks in the file's nodes: refused where
+    its GPUs per node are not the hostfile's slots (`check_gpus_per_node`)."""
     placement = getattr(step3, "placement", None)
     if hosts is None or placement is None or placement.placement != AUTO or not placement.hardware_file:
         return
-    per_node = load_machine_file(placement.hardware_file).devices_per_node
-    slots = sorted({host.slots for host in hosts if host.slots != per_node})
-    if slots:
-        listed = ", ".join(map(str, slots))
-        raise UserError(
-            f"--hardware_file {placement.hardware_file} describes nodes of {per_node} GPUs, but the hostfile gives "
-            f"its nodes {listed} slots: --placement auto would plan step 3's collectives and tensor parallelism for "
-            f"{per_node}-GPU nodes; give a hardware file of these nodes (a copy of it with gpus_per_node: {slots[0]}), "
-            f"or a hostfile of {per_node} slots a node")
+    check_gpus_per_node(placement.hardware_file, [host.slots for host in hosts], "the hostfile gives its nodes {sizes} "
+                        "slots", "a hostfile of {per_node} slots a node")
 
 
 UNSUPERVISED_FLAG = "--unsupervised_dataset_name"

@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from training.placement.workload import DTYPE_BYTES
 from utils.errors import UserError
@@ -204,6 +204,21 @@ def load_machine_file(path: str | Path, dtype: str = "bf16") -> MachineSpec:
     """Read a hardware file (or a preset's name) into the rates the cost model uses, for `dtype`."""
     resolved = resolve_machine_file(str(path))
     return machine_from_mapping(_read(resolved), resolved, dtype)
+
+
+def check_gpus_per_node(hardware_file: str, node_sizes: Iterable[int], given: str, instead: str) -> None:
+    """Step 3's --placement auto plans the run's ranks laid out in nodes as `hardware_file` describes them: which ranks
+    share a node's links, how far tensor parallelism reaches. Refuse a file whose GPUs per node are not the run's nodes'
+    (`node_sizes`, as `given` says them: "the hostfile gives its nodes ... slots"): it would plan for another machine
+    than the run's, unsaid. `instead`: the other way out, with `{per_node}` for the file's GPUs per node."""
+    per_node = load_machine_file(hardware_file).devices_per_node
+    sizes = sorted({size for size in node_sizes if size != per_node})
+    if sizes:
+        raise UserError(
+            f"--hardware_file {hardware_file} describes nodes of {per_node} GPUs, but "
+            f"{given.format(sizes=', '.join(map(str, sizes)))}: --placement auto would plan step 3's collectives and "
+            f"tensor parallelism for {per_node}-GPU nodes; give a hardware file of these nodes (a copy of it with "
+            f"gpus_per_node: {sizes[0]}), or {instead.format(per_node=per_node)}")
 
 
 def with_nodes(machine: MachineSpec, nodes: int) -> MachineSpec:
