@@ -293,6 +293,10 @@ class PlacedPPORun(PPORun):
     def scores(self, batches: list[dict[int, Experience]]) -> torch.Tensor:
         return torch.cat([experience.scores for batch in batches for experience in batch.values()])
 
+    def run_generated_tokens(self, tokens: float) -> float:
+        """Already the run's: every rank holds every chunk's rollout."""
+        return tokens
+
     def answer_tokens(self, batches: list[dict[int, Experience]]) -> int:
         return sum(int(experience.action_mask.sum().item()) for batch in batches for experience in batch.values())
 

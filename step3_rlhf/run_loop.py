@@ -101,7 +101,8 @@ def ppo_step_stats(rollout: Mapping[str, float], updates: Mapping[str, float], t
                    training_s: float, kl_coef: float, learning_rates: Mapping[str, float],
                    phases: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     """One PPO step's logged statistics: rollout means, update means, KL coefficient, phase times (and each model
-    call's, `PPOTrainer.PHASES`: 0 for a call this rank did not make), rates."""
+    call's, `PPOTrainer.PHASES`: 0 for a call this rank did not make), rates (`timing["generated_tokens"]`: every
+    rank's)."""
     return {**rollout, **{f"train/{key}": value for key, value in updates.items()},
             "reward/kl_coef": kl_coef,
             "time/generation_s": timing["generation_s"], "time/scoring_s": timing["scoring_s"],
@@ -229,6 +230,7 @@ class PPORun:
             batch_stats.append(stats)
             for key, value in batch_timing.items():
                 timing[key] += value
+        timing["generated_tokens"] = self.run_generated_tokens(timing["generated_tokens"])
         rollout = rollout_means(batch_stats, [len(self.scores([batch])) for batch in batches],
                                 [self.answer_tokens([batch]) for batch in batches])
         # a mean of each batch's std would leave out the spread between batches (and ranks)
@@ -248,6 +250,11 @@ class PPORun:
 
     def scores(self, batches: list[Experience]) -> torch.Tensor:
         return torch.cat([experience.scores for experience in batches])
+
+    def run_generated_tokens(self, tokens: float) -> float:
+        """The answer tokens every rank generated, from this rank's `tokens` (collective): the rate a step logs is
+        the run's, the same under every placement."""
+        return sum_over_ranks([tokens])[0]
 
     def answer_tokens(self, batches: list[Experience]) -> int:
         """The answer tokens of this rank's `batches` (what a token mean of their statistics runs over)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TESTS_DIR, recorded_step_gradients
+from conftest import REPO_ROOT, TESTS_DIR, recorded_step_gradients, run_on_two_ranks
 from crash_resume import (
     assert_same_weights,
     kill_after_checkpoint,
@@ -702,6 +702,21 @@ def test_the_logged_value_mean_weighs_every_answer_token_of_the_step_alike(distr
     stats = logged_stats_of(monkeypatch, valued_experience([[0.0], [0.0]]), valued_experience([[3.0] * 4]))
     assert stats["rollout/value_mean"] == pytest.approx(2.0)
     assert stats["rollout/response_length"] == pytest.approx(2.0)  # 1, 1 and 4 tokens: a mean over the answers
+
+
+def test_the_logged_generation_rate_is_the_runs_every_ranks_tokens_over_the_time(tmp_path):
+    """Two ranks each generate 2 tokens in 1 s: the run's rate is 4 tokens/s, as a placed run logs it (its rollouts
+    are every chunk's); the co-located run logged the mean of the ranks' own rates, 2."""
+    source = (
+        "from types import SimpleNamespace\n"
+        "from test_step3_rlhf import logged_rollout_stats\n"
+        "from utils.dist import init_distributed, is_main_process\n"
+        "init_distributed()\n"
+        "stats = logged_rollout_stats(SimpleNamespace(setattr=setattr), [0.0, 1.0])\n"
+        "if is_main_process():\n"
+        "    print('rate', stats['rollout/generated_tokens_per_s'])\n"
+    )
+    assert "rate 4.0" in run_on_two_ranks(source, tmp_path).splitlines()
 
 
 def test_a_critic_free_estimator_builds_no_critic_and_trains_the_actor(distributed, inputs, tmp_path,
