@@ -434,6 +434,20 @@ def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok, caplog):
         build_unsupervised_dataset(str(wrong_column), tok, 8, 0, str(tmp_path / "cache"))
 
 
+def test_a_hub_text_sources_skipped_rows_name_their_row(monkeypatch):
+    """The pretraining mixture's hub rows without their text were counted (missing:text=1) with no place to find
+    them; they are named by the dataset, its split and the row there, as a local file's are by file and line."""
+    import datasets
+
+    from utils.data.unsupervised import load_texts
+
+    documents = datasets.Dataset.from_list([{"text": "One."}, {"text": None}, {"text": "Three."}])
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: documents)
+    texts, skipped = load_texts("someone/corpus")
+    assert texts == ["One.", "Three."]
+    assert skipped.report() == "missing:text=1 (someone/corpus[train] row 2)"
+
+
 def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypatch):
     import utils.data.cache as cache
 

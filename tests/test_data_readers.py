@@ -530,13 +530,28 @@ def test_hub_rows_are_detected_from_their_values_too(monkeypatch):
     """A hub dataset was detected from its column names alone."""
     import datasets
 
-    from utils.data import sources
-
-    rows = [ultrafeedback_row(i) for i in range(3)]
-    monkeypatch.setattr(sources, "load_hub_dataset", lambda name: datasets.Dataset.from_list(rows))
+    rows = datasets.Dataset.from_list([ultrafeedback_row(i) for i in range(3)])
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: rows)
     source = load_source(parse_source_spec("HuggingFaceH4/ultrafeedback_binarized"))
     assert source.format == "chat_preference"
     assert source.parse(source.records[1], 1)[0].rejected == "bad answer 1"
+
+
+def test_the_bad_row_report_names_a_hub_datasets_split_and_row(monkeypatch, caplog):
+    """A hub dataset's skipped rows named no place (only a local file's did, by file and line): they are named by the
+    dataset, its split and the row there, as a saved dataset's are (its splits read in name order)."""
+    import datasets
+
+    def pairs(*prompts):
+        return datasets.Dataset.from_list([{"prompt": prompt, "chosen": "yes", "rejected": "no"} for prompt in prompts])
+
+    splits = datasets.DatasetDict({"train": pairs("a", "b", "", "a"), "test": pairs("c", "")})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: splits)
+    with caplog.at_level(logging.INFO, logger="utils.data"):
+        rows = read_rows("someone/pairs")
+    assert len(rows) == 3
+    assert "duplicate=1 (someone/pairs[train] row 4), empty:prompt=2 (someone/pairs[test] row 2, " \
+           "someone/pairs[train] row 3)" in caplog.text
 
 
 def test_ultrafeedback_binarized_rows_build_every_pair_of_step_two(tmp_path):

@@ -10,7 +10,6 @@ import pytest
 from tiny_models import make_tokenizer
 
 import utils.data.cache as cache
-import utils.data.sources as sources
 from training.reliability.validation import check_input_run_shards
 from utils.data import DataArguments, write_split_record
 from utils.data.split_record import SPLIT_RECORD_FILE
@@ -110,11 +109,11 @@ def hub(monkeypatch):
     """A hub dataset `someone/pairs` whose rows the test changes, and the reads of it."""
     state = {"rows": ROWS[:99], "reads": 0}
 
-    def load_hub_dataset(name, config_name=None, split=None):
+    def load_dataset(name, config_name=None, split=None):
         state["reads"] += 1
-        return datasets.Dataset.from_list(state["rows"])
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(state["rows"])})
 
-    monkeypatch.setattr(sources, "load_hub_dataset", load_hub_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     return state
 
 

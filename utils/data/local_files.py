@@ -76,12 +76,17 @@ def _read_parquet(file: Path, name: str) -> FileRecords:
     return FileRecords.numbered(name, "row", table.to_pylist())
 
 
+def split_name(dataset: str, split: str) -> str:
+    """How the bad-row report names a split of a dataset (saved, or on the hub)."""
+    return f"{dataset}[{split}]"
+
+
 def _read_saved_dataset(path: Path) -> list[FileRecords]:
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
-        return [FileRecords.numbered(f"{path.name}[{split}]", "row", loaded[split].to_list())
+        return [FileRecords.numbered(split_name(path.name, split), "row", loaded[split].to_list())
                 for split in sorted(loaded)]
     return [FileRecords.numbered(path.name, "row", loaded.to_list())]
 
@@ -96,7 +101,8 @@ def read_local_files(path: Path, skipped: SkippedRows) -> list[FileRecords]:
 
 
 class RecordOrigins:
-    """Where each record of a local source was read ("part-001.jsonl line 124"), by the record's index."""
+    """Where each record of a source was read ("part-001.jsonl line 124", a hub dataset's "name[train] row 7"), by
+    the record's index."""
 
     def __init__(self, names: Sequence[str], file_of: np.ndarray, positions: np.ndarray):
         self.names, self.file_of, self.positions = list(names), file_of, positions
@@ -107,6 +113,14 @@ class RecordOrigins:
         file_of = np.repeat(np.arange(len(files)), [len(file.records) for file in files])
         positions = np.array([position for file in files for position in file.positions], dtype=np.int64)
         return cls([f"{file.name} {file.unit}" for file in files], file_of, positions)
+
+    @classmethod
+    def numbered(cls, names: Sequence[str], counts: Sequence[int]) -> RecordOrigins:
+        """The origins of parts of `counts` records each, concatenated in order, each part's numbered from 1."""
+        counts = np.asarray(counts, dtype=np.int64)
+        file_of = np.repeat(np.arange(len(counts)), counts)
+        positions = np.arange(counts.sum(), dtype=np.int64) - (np.cumsum(counts) - counts)[file_of] + 1
+        return cls(names, file_of, positions)
 
     def take(self, indices: Sequence[int]) -> RecordOrigins:
         """The origins of the records at `indices`, in that order."""

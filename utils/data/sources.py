@@ -27,7 +27,7 @@ from utils.errors import UserError
 
 from . import embedded, tasks
 from .jsonio import FileRecords
-from .local_files import LOCAL_SUFFIXES, RecordOrigins, local_files, read_local_files
+from .local_files import LOCAL_SUFFIXES, RecordOrigins, local_files, read_local_files, split_name
 from .readers import FORMATS, PARSERS, Parser, detect_format, with_row_metadata
 from .samples import SkippedRows, SkipRow
 
@@ -143,7 +143,9 @@ def hub_error(name: str, err: Exception, what: str = "dataset") -> UserError:
     )
 
 
-def load_hub_dataset(name: str, config_name: str | None = None, split: str | None = None):
+def load_hub_dataset(name: str, config_name: str | None = None, split: str | None = None) -> tuple[Any, RecordOrigins]:
+    """The dataset's `split` (None: all its splits, one after the other in name order) as one `datasets.Dataset`, and
+    where each of its rows was read ("name[train] row 7", for the bad-row report)."""
     import datasets
 
     try:
@@ -151,8 +153,11 @@ def load_hub_dataset(name: str, config_name: str | None = None, split: str | Non
     except (ConnectionError, FileNotFoundError, ValueError) as err:
         raise hub_error(name, err) from err
     if isinstance(loaded, datasets.DatasetDict):
-        return datasets.concatenate_datasets([loaded[key] for key in sorted(loaded)])
-    return loaded
+        parts = {split_name(name, key): loaded[key] for key in sorted(loaded)}
+        dataset = datasets.concatenate_datasets(list(parts.values()))
+    else:
+        parts, dataset = {name if split is None else split_name(name, split): loaded}, loaded
+    return dataset, RecordOrigins.numbered([f"{part} row" for part in parts], [len(rows) for rows in parts.values()])
 
 
 @dataclass
@@ -165,13 +170,13 @@ class LoadedSource:
     parse: Parser
     load_skips: SkippedRows = field(default_factory=SkippedRows)
     add_rejections: Callable | None = None  # builds preference pairs for sources that have none
-    origins: RecordOrigins | None = None  # a local source's: where each record was read
+    origins: RecordOrigins | None = None  # a local or hub source's: where each record was read
 
     def __len__(self) -> int:
         return len(self.records)
 
     def where(self, index: int) -> str | None:
-        """Where the record at `index` was read, for the bad-row report (None: not a local file's)."""
+        """Where the record at `index` was read, for the bad-row report (None: an embedded or generated source's)."""
         return self.origins(index) if self.origins is not None else None
 
     def take(self, indices: Sequence[int]) -> list:
@@ -248,8 +253,8 @@ def _read_source(spec: SourceSpec) -> LoadedSource:
         records = [record for file in files for record in file.records]
         origins, data_format = RecordOrigins.of(files), spec.format or _detect_local_format(spec, files)
     else:
-        records = load_hub_dataset(spec.path)
-        origins, data_format = None, spec.format or detect_format(_column_values(records))
+        records, origins = load_hub_dataset(spec.path)
+        data_format = spec.format or detect_format(_column_values(records))
     if len(records) == 0:
         said = f" (skipped: {skipped.report()})" if skipped else ""
         raise UserError(f"data source '{spec}' holds no records{said}")

@@ -56,7 +56,7 @@ def _embedded_texts(shard: ShardSettings | None) -> list[str]:
 
 def _column_texts(records, text_column: str, skipped: SkippedRows, origins: RecordOrigins | None = None) -> list[str]:
     """The text of each record's `text_column`; a record without one is counted in `skipped`, where it was read
-    (`origins`: a local source's) named."""
+    (`origins`) named."""
     texts = []
     for index, record in enumerate(records):
         try:
@@ -95,11 +95,11 @@ def load_texts(
         records = [record for file in files for record in file.records]
         _check_local_column(records, text_column, source)
         return _column_texts(records, text_column, skipped, RecordOrigins.of(files)), skipped
-    dataset = load_hub_dataset(source, config_name, split="train")
+    dataset, origins = load_hub_dataset(source, config_name, split="train")
     if text_column not in dataset.column_names:
         raise UserError(f"unsupervised dataset '{source}' has no '{text_column}' column (it has {dataset.column_names}); "
                         "name the one to read with --unsupervised_text_column")
-    return _column_texts(({text_column: text} for text in dataset[text_column]), text_column, skipped), skipped
+    return _column_texts(({text_column: text} for text in dataset[text_column]), text_column, skipped, origins), skipped
 
 
 def text_source_fingerprint(source: str, config_name: str | None = None, shard: ShardSettings | None = None) -> dict:
