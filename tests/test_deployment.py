@@ -325,6 +325,21 @@ except StepStopped:
 """
 
 
+def _output_once_stopped_when_ready(parent: subprocess.Popen, sig: signal.Signals, to_the_group: bool) -> str:
+    """The output of `parent` (started in a session of its own), sent `sig` once it prints "ready": to its process
+    group (a terminal's Ctrl-C) or to it alone (`kill`); it must then exit 0."""
+    for line in parent.stdout:
+        if line.strip() == "ready":
+            if to_the_group:
+                os.killpg(parent.pid, sig)
+            else:
+                parent.send_signal(sig)
+            break
+    output = parent.communicate(timeout=120)[0]
+    assert parent.returncode == 0, output[-3000:]
+    return output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, to_the_group, the_ranks_see", [
     (signal.SIGINT, True, signal.SIGINT),  # Ctrl-C in a terminal: train.py's whole process group, the ranks too
@@ -343,15 +358,7 @@ def test_a_stop_request_under_the_launcher_reaches_the_ranks_once_and_their_save
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "step1.log"), *command], cwd=REPO_ROOT,
                               env=step_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)  # its own group, as a terminal's foreground job
-    for line in parent.stdout:
-        if line.strip() == "ready":
-            if to_the_group:
-                os.killpg(parent.pid, sig)
-            else:
-                parent.send_signal(sig)
-            break
-    output = parent.communicate(timeout=120)[0]
-    assert parent.returncode == 0, output[-3000:]
+    output = _output_once_stopped_when_ready(parent, sig, to_the_group)
     assert f"saved, after {the_ranks_see.name}" in output and "still here" in output, output[-3000:]
     assert f"PARENT: step stopped on {sig.name}" in output
     assert "BrokenPipeError" not in output
@@ -783,15 +790,7 @@ def test_a_stop_request_through_pdsh_lets_the_ranks_on_other_nodes_save_and_repo
     parent = subprocess.Popen([sys.executable, "-c", PARENT_THROUGH_PDSH, str(tmp_path / "step1.log"),
                                json.dumps(launcher), json.dumps(stop_ranks)], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    for line in parent.stdout:
-        if line.strip() == "ready":
-            if to_the_group:
-                os.killpg(parent.pid, sig)
-            else:
-                parent.send_signal(sig)
-            break
-    output = parent.communicate(timeout=120)[0]
-    assert parent.returncode == 0, output[-3000:]
+    output = _output_once_stopped_when_ready(parent, sig, to_the_group)
     assert "saved, after SIGTERM" in output and "still here" in output, output[-3000:]
     assert f"PARENT: step stopped on {sig.name}" in output and "passing the stop request on to the ranks" in output
     assert "BrokenPipeError" not in output
