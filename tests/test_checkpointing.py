@@ -526,6 +526,13 @@ with RunLock(output_dir):
             manager.load_latest({"actor": t.build_engine(2)})
         except UserError as error:
             say("damaged refused", named in str(error))
+    # a rank's own part of the loaded state malformed (its rank_state): rank 0 went on alone, into its next collective
+    try:
+        with manager.reading_loaded_state():
+            if rank == 1:
+                state["a key only rank 1 reads"]
+    except UserError as error:
+        say("malformed refused", "KeyError: 'a key only rank 1 reads'" in str(error))
 """
 
 
@@ -550,7 +557,8 @@ def test_two_ranks_agree_on_checkpoints_lock_guard_and_stop(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        for line in ("lock refused", "diff 0.0", "non-finite agreed", "stop True", "damaged refused True"):
+        for line in ("lock refused", "diff 0.0", "non-finite agreed", "stop True", "damaged refused True",
+                     "malformed refused True"):
             assert f"{rank} {line}" in result.stdout, result.stdout
         assert result.stdout.count(f"{rank} damaged refused True") == 2, result.stdout
     step2 = tmp_path / "run" / "checkpoints" / "step2"

@@ -33,7 +33,7 @@ import shutil
 import time
 import zipfile
 from collections import OrderedDict
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -414,10 +414,19 @@ class CheckpointManager:
             self._discard_newer_than(info)
         return state
 
-    def reading_loaded_state(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def reading_loaded_state(self) -> Iterator[None]:
         """Around a caller taking back the client state `restore` returned: a key it lacks or an entry of another
-        form (a checkpoint another version wrote, or altered) ends in a `UserError` naming the checkpoint."""
-        return _refused_if_malformed(self.loaded, "a loop state")
+        form (a checkpoint another version wrote, or altered) ends in a `UserError` naming the checkpoint, on every
+        rank when one finds it (collective: every rank reads its own part, its rank_state, in the block; a rank that
+        refused alone left the others in their next collective, which crashed on gloo and waits on NCCL)."""
+        problem = None
+        try:
+            with _refused_if_malformed(self.loaded, "a loop state"):
+                yield
+        except UserError as error:
+            problem = str(error)
+        refuse_on_every_rank(problem)
 
     def check_start(self, resume: bool) -> None:
         """Before anything loads (every rank): without --resume, refuse a folder holding an earlier run's
