@@ -33,8 +33,8 @@ from step3_rlhf.placed import PlacedPPO, PlacedPPORun
 from step3_rlhf.placement_setup import record_auto_plan, resolve_placement
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PLOT_FILE, PPORun
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
-from step3_rlhf.settings import Step3Settings, micro_batches_per_ppo_step
-from training.core.args import SettingsParser, flag_values, resume_fixed_flags
+from step3_rlhf.settings import Step3Settings, optimizer_steps_per_ppo_step, optimizer_steps_said
+from training.core.args import SettingsParser, flag_values, resume_fixed_flags, warn_long_warmup
 from training.core.model_loading import load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE, refuse_reward_model
 from training.generation.hybrid_engine import build_generator
@@ -107,12 +107,6 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
 def experiences_per_step(args: Step3Settings) -> int:
     """Rows (answers) one PPO step trains on, per rank."""
     return args.loop.generation_batches * args.loop.per_device_generation_batch_size * args.ppo.n_samples_per_prompt
-
-
-def optimizer_steps_per_ppo_step(args: Step3Settings) -> int:
-    """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none;
-    `Step3Settings.check_flags` makes the accumulation divide the micro-batches)."""
-    return micro_batches_per_ppo_step(args) // args.schedule.gradient_accumulation_steps
 
 
 def count_ppo_steps(args: Step3Settings, prompts: BatchStream) -> int:
@@ -224,6 +218,7 @@ def run_step3(args: Step3Settings) -> dict:
                                 if stream is not None}, args.checkpoints.resume)
         total_steps = count_ppo_steps(args, prompts)
         optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
+        warn_long_warmup(args.schedule.num_warmup_steps, optimizer_steps, optimizer_steps_said(total_steps, args))
         groups = PlacementGroups(placement) if placement is not None else None
         engine = build_rlhf_engine(args, tokenizer, optimizer_steps, optimizer_steps, groups)
         generating = engine.shadow_actor if engine.shadow_actor is not None else engine.actor

@@ -22,6 +22,7 @@ from training.core.args import (
     check_offload_stage,
     check_optimizer_flags,
     check_positive,
+    check_warmup,
     flag_values,
     group,
 )
@@ -135,6 +136,7 @@ class Step3Settings:
         # the checks below combine flags those above passed (a PPO step's micro-batches divide by
         # --per_device_training_batch_size): the first refusal ends them
         _check_accumulation(self)
+        _check_warmup(self)
         _check_algorithm(self.ppo)
         _check_generation(self, flags, world_size)
         check_placement_flags(self, world_size)
@@ -235,6 +237,27 @@ def _check_accumulation(args: Step3Settings) -> None:
             f"micro-batches of --per_device_generation_batch_size x --n_samples_per_prompt answers at "
             f"--per_device_training_batch_size): an optimizer step would span two PPO steps, and a checkpoint "
             f"between them would lose its accumulated gradients; use a divisor of {micro_batches}")
+
+
+def optimizer_steps_per_ppo_step(args: Step3Settings) -> int:
+    """Optimizer steps the actor and the critic each take per PPO step (the pretraining mixture adds none;
+    `_check_accumulation` makes the accumulation divide the micro-batches)."""
+    return micro_batches_per_ppo_step(args) // args.schedule.gradient_accumulation_steps
+
+
+def optimizer_steps_said(ppo_steps: int, args: Step3Settings) -> str:
+    """How `ppo_steps` PPO steps make the trained models' optimizer steps, as a message says it."""
+    per_step = optimizer_steps_per_ppo_step(args)
+    return f"{ppo_steps} PPO steps of {per_step} optimizer steps each: {ppo_steps * per_step}"
+
+
+def _check_warmup(args: Step3Settings) -> None:
+    """A --max_steps (PPO steps) whose optimizer steps the warm-up outlasts; the prompts, not yet read, may end the
+    run sooner (main's `warn_long_warmup`)."""
+    max_steps = args.schedule.max_steps
+    if max_steps is not None:
+        check_warmup(args.schedule.num_warmup_steps, max_steps * optimizer_steps_per_ppo_step(args),
+                     f"--max_steps {optimizer_steps_said(max_steps, args)}")
 
 
 def _check_algorithm(ppo: PPOConfig) -> None:

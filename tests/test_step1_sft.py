@@ -277,6 +277,15 @@ def test_a_held_out_part_left_empty_is_said(distributed, tiny_model_dir, tmp_pat
     assert "held out no item" not in caplog.text, caplog.text
 
 
+def test_a_warmup_the_data_ends_before_is_warned_of(distributed, tiny_model_dir, tmp_path, caplog):
+    """Without --max_steps the run's optimizer steps are known once the data has loaded: 8 records split 1:1 make 4
+    training items, one step of 4, which a warm-up of 3 outlasts (its one step at the learning rate 0)."""
+    data = write_arithmetic_jsonl(tmp_path / "d.jsonl", 8)
+    with caplog.at_level("WARNING"):
+        main(_args(tiny_model_dir("llama"), data, tmp_path, "--num_warmup_steps", "3"))
+    assert "--num_warmup_steps 3 lasts the whole run (1 optimizer steps of its data)" in caplog.text, caplog.text
+
+
 def test_answers_cut_at_max_seq_len_are_counted_in_the_summary_and_warned_of(distributed, tiny_model_dir, tmp_path,
                                                                               caplog):
     """A run at a --max_seq_len that cuts answers said so only inside the data build's info line of stats: its

@@ -85,6 +85,12 @@ def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tin
     ("--step3-args=--kl_ctl=nan", "step 3: --kl_ctl must be a finite number, got nan"),
     ("--step3-args=--temperature=nan", "step 3: --temperature must be a finite number, got nan"),
     ("--step3-args=--cliprange=inf", "step 3: --cliprange must be a finite number, got inf"),
+    # a warm-up as long as the run kept the learning rate below the one given to the end
+    ("--step1-args=--max_steps 5 --num_warmup_steps 5", "step 1: --num_warmup_steps 5 lasts the whole run (--max_steps 5 "
+                                                       "optimizer steps), so the learning rate never reaches the one "
+                                                       "given; give fewer warm-up steps than 5 (e.g. 0)"),
+    ("--step3-args=--max_steps 2 --num_warmup_steps 4 --ppo_epochs 2",
+     "step 3: --num_warmup_steps 4 lasts the whole run (--max_steps 2 PPO steps of 2 optimizer steps each: 4)"),
     # inf once left the scores unclipped: the refusal says how to ask for that now
     ("--step3-args=--clip_reward_value=inf", "step 3: --clip_reward_value must be a finite number, got inf; to leave "
                                              "the reward model's scores unclipped give a bound above any score it "

@@ -191,6 +191,10 @@ def test_a_step_given_max_steps_keeps_the_plans_warmup_share(tmp_path, fakes):
     (_, sft, _), (_, reward, _), _ = fakes.calls
     assert sft.max_steps == "3" and sft.num_warmup_steps == str(max(1, 3 * warmup // steps))
     assert int(sft.num_warmup_steps) < 3 and reward.num_warmup_steps == "5"
+    fakes.calls.clear()  # a one-step run warms up for none: its one step, warmed up, had the rate 0 (and is refused)
+    run(common(tmp_path, fakes.model_dir) + ["--output-dir", str(tmp_path / "one"), "--step1-args", "--max_steps 1"],
+        fakes)
+    assert fakes.calls[0][1].num_warmup_steps == "0"
     fakes.calls.clear()  # a longer --max_steps is a cap the data may end the step before: the planned warm-up stays
     run(common(tmp_path, fakes.model_dir) + ["--output-dir", str(tmp_path / "long"), "--step1-args",
                                              f"--max_steps {steps * 10}"], fakes)

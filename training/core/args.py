@@ -23,6 +23,7 @@ Switches are bool fields (default False) and `bool | None` fields: `--flag` alon
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ from training.core.lora import apply_lora
 from training.core.model_loading import EMBEDDED_MODEL_NAME, FINAL_MODEL_SUBDIR, resolve_dtype
 from training.core.optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
 from utils.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -340,6 +343,30 @@ def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
 
 
 _OPTIMIZER_FLAGS = ("learning_rate", "lora_learning_rate", "weight_decay")
+
+
+def warmup_outlasts_run(warmup: int, optimizer_steps: int, steps_said: str) -> str | None:
+    """Why a warm-up of `warmup` optimizer steps keeps the learning rate below its peak through all of the run's
+    `optimizer_steps` (which `steps_said` names), or None where it ends before: a linear warm-up over N steps gives
+    step n (from 0) the rate n / N of the peak."""
+    if warmup == 0 or warmup < optimizer_steps:
+        return None
+    return (f"--num_warmup_steps {warmup} lasts the whole run ({steps_said}), so the learning rate never reaches the "
+            f"one given; give fewer warm-up steps than {optimizer_steps} (e.g. {optimizer_steps // 10})")
+
+
+def check_warmup(warmup: int, optimizer_steps: int | None, steps_said: str) -> None:
+    """Refuse a --num_warmup_steps the run's `optimizer_steps` (None: not known from the flags) never finish."""
+    problem = warmup_outlasts_run(warmup, optimizer_steps, steps_said) if optimizer_steps is not None else None
+    if problem is not None:
+        raise UserError(problem)
+
+
+def warn_long_warmup(warmup: int, optimizer_steps: int, steps_said: str) -> None:
+    """Warn of a --num_warmup_steps the run's `optimizer_steps`, known only once its data has loaded, never finish."""
+    problem = warmup_outlasts_run(warmup, optimizer_steps, steps_said)
+    if problem is not None:
+        logger.warning(problem)
 
 
 def check_optimizer_flags(flags: Mapping[str, Any], *prefixes: str) -> None:

@@ -27,9 +27,11 @@ from training.core.args import (
     check_offload_stage,
     check_optimizer_flags,
     check_positive,
+    check_warmup,
     flag_values,
     optimization_settings,
     resume_fixed_flags,
+    warn_long_warmup,
 )
 from training.core.engine import create_train_engine
 from training.core.model_loading import FINAL_MODEL_SUBDIR, load_causal_lm, load_config, load_tokenizer, resolve_dtype
@@ -118,9 +120,17 @@ class SupervisedSettings:
             partial(check_offload_stage, flags, ""),
             partial(check_lora_flags, flags, ""),
             partial(check_optimizer_flags, flags, ""),
+            self._check_warmup,
             self.checkpoints.check_flags,
             partial(self.data.check_flags, self.phase),
         ]
+
+    def _check_warmup(self) -> None:
+        """A --max_steps (optimizer steps here) the warm-up outlasts; the data, not yet read, may end the run sooner
+        (`warn_long_warmup`)."""
+        max_steps = self.schedule.max_steps
+        if max_steps is not None and max_steps > 0:
+            check_warmup(self.schedule.num_warmup_steps, max_steps, f"--max_steps {max_steps} optimizer steps")
 
     def check_device(self) -> None:
         """Refuse, before anything loads, a --dtype this device cannot compute in (fp16 on a CPU): checked by the step
@@ -235,6 +245,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
                                args.checkpoints.resume)
         loop = args.loop_config(step.name)
         num_steps = count_optimizer_steps(len(train_data), loop)
+        warn_long_warmup(args.schedule.num_warmup_steps, num_steps, f"{num_steps} optimizer steps of its data")
         settings = optimization_settings(args.training, args.schedule, args.run.dtype_name, num_steps,
                                          args.loop.per_device_train_batch_size, job_name=step.name)
         dtype = resolve_dtype(args.run.dtype)

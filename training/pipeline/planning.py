@@ -69,7 +69,8 @@ def follow_user_max_steps(plan: DeploymentPlan, user_flags: Mapping[int, Sequenc
     """Fit a step's plan to the --max_steps the user gives it. The plan's --max_train_samples cap (its own steps'
     worth: one epoch of the quick run) goes, unless the user gives one too, or the step would end there whatever
     --max_steps asks. A shorter run than planned keeps the plan's share of warm-up, unless the user gives
-    --num_warmup_steps: the tiny model's 500-step plan warms up for 50 steps, which a --max_steps 3 run never left.
+    --num_warmup_steps: the tiny model's 500-step plan warms up for 50 steps, which a --max_steps 3 run never left
+    (and is shorter than the run: a --max_steps 1 run's one step warmed up is at rate 0; the step refuses it).
     A longer one keeps the planned warm-up: --max_steps is then a cap, and the data (an epoch) may end the step
     well before it, so a warm-up scaled up to it could last the whole run."""
     for number, tokens in user_flags.items():
@@ -83,6 +84,7 @@ def follow_user_max_steps(plan: DeploymentPlan, user_flags: Mapping[int, Sequenc
         warmup, planned_steps = getattr(step, "num_warmup_steps", None), getattr(step, "max_steps", None)
         shorter = user_steps.isdigit() and planned_steps and int(user_steps) < planned_steps  # a bad value: the step says
         if warmup and shorter and flag_value(tokens, "--num_warmup_steps") is None:
-            changes["num_warmup_steps"] = max(1, int(user_steps) * warmup // planned_steps)
+            steps = int(user_steps)
+            changes["num_warmup_steps"] = min(max(1, steps * warmup // planned_steps), max(steps - 1, 0))
         if changes:
             plan.steps[number] = replace(step, **changes)
