@@ -91,7 +91,9 @@ class RolloutSampling(SamplingSettings):
 @dataclass
 class EMASettings:
     enable_ema: bool = field(default=False, metadata={"help": "keep an EMA of the actor, saved as actor_ema/"})
-    ema_beta: float = field(default=0.992, metadata={"help": "EMA decay per actor optimizer step"})
+    ema_beta: float = field(default=0.992, metadata={
+        "help": "EMA decay per actor optimizer step, in [0, 1): ema = beta * ema + (1 - beta) * actor; 0 keeps no "
+                "average, only the actor's weights after its last step (actor_ema/ then equals actor/)"})
 
 
 @dataclass
