@@ -811,6 +811,24 @@ def test_a_hostfile_of_this_node_alone_starts_its_ranks_without_ssh(tmp_path):
     assert "rank 0 at 127.0.0.1" in log.read_text()
 
 
+def test_a_failed_stop_command_through_pdsh_is_waited_for_and_said(tmp_path, capfd):
+    """The stop commands train.py started through pdsh were never waited for: left unreaped while the step ran on,
+    and one that failed (ranks on some node not reached, saving nothing) went unsaid."""
+    from training.pipeline import launch
+    from training.reliability.signals import take_received_signal
+
+    signals_train_py = ("import os, signal, time; os.kill(os.getppid(), signal.SIGTERM); time.sleep(1); "
+                        "raise SystemExit(3)")
+    failing_stop = [sys.executable, "-c", "raise SystemExit(5)"]
+    try:
+        with pytest.raises(launch.StepStopped):
+            launch.run_subprocess([sys.executable, "-c", signals_train_py], tmp_path / "step1.log", "step 1",
+                                  stop_ranks=failing_stop)
+    finally:
+        take_received_signal()
+    assert f"the stop command {launch.format_command(failing_stop)} exited with status 5" in capfd.readouterr().err
+
+
 def test_each_stop_request_through_pdsh_runs_the_ranks_stop_command(tmp_path, monkeypatch):
     """The stop command ran for the first request only: one that came before pdsh had started the ranks matched none,
     and a second SIGTERM, sent once they had, did nothing (only a second SIGINT, an abort, reached them)."""

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
 DEEPSPEED_MASTER_PORT = 29500  # the launcher's --master_port when none is given
+STOP_COMMAND_WAIT_S = 30  # how long a step's end waits for a stop command through pdsh (one pkill a node)
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
 
 
@@ -360,6 +361,20 @@ class _StopRequests:
         else:
             self._stopping.append(self._start_stopping_ranks(self._stop_ranks))
 
+    def wait_for_stop_commands(self) -> None:
+        """Once the launcher has ended: wait for the stop commands started (not left unreaped, their status unread)
+        and say each that failed, after which ranks on some node may have had no stop request, and no save."""
+        for stopping in self._stopping:
+            try:
+                status = stopping.wait(STOP_COMMAND_WAIT_S)
+            except subprocess.TimeoutExpired:
+                status = None
+            if status != 0:
+                ended = "was still running" if status is None else f"exited with status {status}"
+                print(f"train.py: the stop command {format_command(stopping.args)} {ended} (its messages are above): "
+                      "the ranks on some node may have had no stop request, and saved no checkpoint", file=sys.stderr,
+                      flush=True)
+
     @staticmethod
     def _start_stopping_ranks(command: Sequence[str]) -> subprocess.Popen:
         os.write(sys.stderr.fileno(), (  # not through sys.stderr: the signal may have come in the middle of a write
@@ -415,6 +430,7 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
             else:
                 sys.stdout.write(chunk.decode(errors="replace"))
         status = process.wait()
+        stop_requests.wait_for_stop_commands()
     if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
