@@ -184,8 +184,9 @@ def _check_sampling(sampling: RolloutSampling) -> None:
 
 def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
     _check_reward_clip(args.ppo.clip_reward_value)
+    # --max_prompt_seq_len is the data's to check (`DataArguments.check_flags`)
     check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
-                   "kl_horizon", "group_std_eps", "max_prompt_seq_len", "max_answer_seq_len", "temperature")
+                   "kl_horizon", "group_std_eps", "max_answer_seq_len", "temperature")
     # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
     check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty")
     for name in ("gamma", "lam"):

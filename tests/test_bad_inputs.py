@@ -88,7 +88,8 @@ CASES = {
                                  "--per_device_eval_batch_size must be positive, got -1"),
     "accumulation_beyond_the_data": ("step1", {"gradient_accumulation_steps": "64"},
                                      "fewer than one optimizer step of 64"),
-    "max_seq_len_zero": ("step1", {"max_seq_len": "0"}, "--max_seq_len must be positive, got 0"),
+    "max_seq_len_zero": ("step1", {"max_seq_len": "0"},
+                         "--max_seq_len must be at least 2 (a prompt token and a reply token), got 0"),
     "eval_iters_zero": ("step1", {"eval_iters": "0"}, "--eval_iters must be positive, got 0"),  # perplexity 1.0
     "eval_interval_negative": ("step2", {"eval_interval": "-1"}, "--eval_interval must be 0 or positive, got -1"),
     "warmup_negative": ("step1", {"num_warmup_steps": "-3"}, "--num_warmup_steps must be 0 or positive, got -3"),

@@ -16,7 +16,7 @@ from utils.data import (
     phase_splits,
 )
 from utils.data.splits import parse_data_split
-from utils.errors import UserError
+from utils.errors import UserError, UserErrors
 
 
 @pytest.fixture(scope="module")
@@ -408,6 +408,18 @@ def test_the_data_path_help_names_every_row_format():
     help_text = " ".join(SettingsParser(_DataCLI).format_help().split())
     assert f"state the row format ({', '.join(FORMATS)})" in help_text
     assert {"chat_preference", "chat_prompt"} <= set(FORMATS)
+
+
+def test_every_data_flag_refusal_is_reported_at_once():
+    """The data checks of a step's flags stopped at their first refusal: a command line with seven mistakes here took
+    seven runs to learn of them, though each step reports its other flag checks' refusals at once (`refuse_all`)."""
+    data = DataArguments(data_split="1,2", eval_fraction=2.0, max_seq_len=1, max_prompt_seq_len=0, max_train_samples=0,
+                         max_eval_samples=-1, sft_only_data_path=["only.jsonl"])
+    with pytest.raises(UserErrors) as refused:
+        data.check_flags(2)
+    assert [message.split()[0] for message in refused.value.messages] == [
+        "--data_split", "--eval_fraction", "--max_seq_len", "--max_prompt_seq_len", "--max_train_samples",
+        "--max_eval_samples", "--sft_only_data_path"]
 
 
 def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok, caplog):

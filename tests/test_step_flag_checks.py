@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 
+from step1_sft.main import build_parser as step1_parser
+from step3_rlhf.main import build_parser as step3_parser
 from training.core.args import flag_values
 from training.pipeline.cli import parse_config
 from training.pipeline.hardware import Hardware
@@ -151,6 +153,18 @@ def test_every_refusal_of_one_step_is_reported_at_once(tmp_path, tiny_model_dir)
     with pytest.raises(UserError, match=r"^step 4: 2 problems: \(1\) --offload needs --zero_stage .*; \(2\) "
                                         r"--dpo_beta must be positive, got 0.0$"):
         train(tmp_path, model, "--algorithm", "dpo", "--dpo-args", "--offload --dpo_beta 0", "--dry-run")
+
+
+@pytest.mark.parametrize("parser, argv, message", [
+    (step1_parser, ["--max_seq_len", "0"], "--max_seq_len must be at least 2 (a prompt token and a reply token), got 0"),
+    (step3_parser, ["--actor_model_name_or_path", "a", "--max_prompt_seq_len", "0"],
+     "--max_prompt_seq_len must be at least 1, got 0"),
+], ids=["step1", "step3"])
+def test_a_length_two_checks_refuse_is_reported_once(parser, argv, message):
+    """The step's positive-number check and the data's token limits both refused it: '2 problems', one flag."""
+    with pytest.raises(UserError) as refused:
+        parser().parse_args(["--output_dir", "run", *argv]).check_flags(1)
+    assert str(refused.value) == message
 
 
 def test_a_flag_every_step_refuses_is_not_blamed_on_routing(tmp_path, tiny_model_dir):

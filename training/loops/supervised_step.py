@@ -114,8 +114,7 @@ class SupervisedSettings:
         flags = flag_values(self)
         return [
             partial(check_positive, flags, "per_device_train_batch_size", "per_device_eval_batch_size",
-                    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "max_seq_len",
-                    "eval_iters"),
+                    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "log_interval", "eval_iters"),
             partial(check_non_negative, flags, "eval_interval", "num_warmup_steps", "lora_dim"),
             partial(check_offload_stage, flags, ""),
             partial(check_lora_flags, flags, ""),

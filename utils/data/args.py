@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from utils.errors import UserError
+from utils.errors import UserError, refuse_all
 from utils.paths import cache_root
 
 from .embedded import EMBEDDED_SOURCE
@@ -78,11 +79,14 @@ class DataArguments:
     def check_flags(self, phase: int) -> None:
         """Refuse a --data_split or --eval_fraction no shard can be cut with, token limits or sample caps the build
         refuses, and step 1's own flags in a step that trains on shard `phase` > 1 (which ignored them), before the
-        step reads any data (the steps' `check_flags`, which train.py runs before its first step, call it)."""
-        parse_data_split(self.data_split)
-        check_eval_fraction(self.eval_fraction)
-        check_token_limits(self.max_seq_len, self.max_prompt_seq_len)
-        check_sample_caps(self.max_train_samples, self.max_eval_samples)
+        step reads any data (the steps' `check_flags`, which train.py runs before its first step, call it); every
+        refusal at once, as the steps report theirs."""
+        refuse_all(partial(parse_data_split, self.data_split), partial(check_eval_fraction, self.eval_fraction),
+                   partial(check_token_limits, self.max_seq_len, self.max_prompt_seq_len),
+                   partial(check_sample_caps, self.max_train_samples, self.max_eval_samples),
+                   partial(self._check_step1_only_sources, phase))
+
+    def _check_step1_only_sources(self, phase: int) -> None:
         given = [f"--{flag}" for flag in STEP1_ONLY_FLAGS if getattr(self, flag)]
         if phase != 1 and given:
             raise UserError(f"{', '.join(given)} names sources step 1 alone trains on, and this step reads only its "

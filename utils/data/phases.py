@@ -5,12 +5,13 @@ import json
 import logging
 import unicodedata
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from utils.dist import is_main_process
-from utils.errors import UserError
+from utils.errors import UserError, refuse_all
 
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .formatting import PromptFormatter
@@ -235,9 +236,13 @@ class PhaseData(NamedTuple):
 def check_sample_caps(max_train_samples: int | None, max_eval_samples: int | None) -> None:
     """--max_train_samples 1 or more (0 leaves the step nothing to train on), --max_eval_samples 0 or more (0: no
     evaluation); None: no cap."""
-    for flag, count, least in (("max_train_samples", max_train_samples, 1), ("max_eval_samples", max_eval_samples, 0)):
-        if count is not None and count < least:
-            raise UserError(f"--{flag} must be {least} or more, not {count}")
+    refuse_all(partial(_check_sample_cap, "max_train_samples", max_train_samples, 1),
+               partial(_check_sample_cap, "max_eval_samples", max_eval_samples, 0))
+
+
+def _check_sample_cap(flag: str, count: int | None, least: int) -> None:
+    if count is not None and count < least:
+        raise UserError(f"--{flag} must be {least} or more, not {count}")
 
 
 def build_phase_data(

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 from tqdm.auto import tqdm
 
 from utils.dist import is_main_process
-from utils.errors import UserError
+from utils.errors import UserError, refuse_all
 
 from .formatting import PROBE_REPLY, PROBE_TURNS, PromptFormatter
 from .samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample, SkipRow
@@ -47,12 +48,16 @@ def check_max_seq_len(max_seq_len: int) -> None:
         raise UserError(f"--max_seq_len must be at least 2 (a prompt token and a reply token), got {max_seq_len}")
 
 
-def check_token_limits(max_seq_len: int, max_prompt_seq_len: int) -> None:
-    """`check_max_seq_len`, and a prompt holds one token at least (every step's data build checks both, and so do the
-    steps' flag checks, before anything loads)."""
-    check_max_seq_len(max_seq_len)
+def check_max_prompt_seq_len(max_prompt_seq_len: int) -> None:
+    """A prompt holds one token at least."""
     if max_prompt_seq_len < 1:
         raise UserError(f"--max_prompt_seq_len must be at least 1, got {max_prompt_seq_len}")
+
+
+def check_token_limits(max_seq_len: int, max_prompt_seq_len: int) -> None:
+    """`check_max_seq_len` and `check_max_prompt_seq_len`, both refusals at once (every step's data build checks
+    them, and so do the steps' flag checks, before anything loads)."""
+    refuse_all(partial(check_max_seq_len, max_seq_len), partial(check_max_prompt_seq_len, max_prompt_seq_len))
 
 
 @dataclass(frozen=True)
