@@ -14,6 +14,7 @@ from tiny_models import make_tiny_model
 from step1_sft.objective import evaluate_perplexity, sft_loss, sft_loss_items
 from training.core.args import ModelTrainingConfig, ScheduleSettings, group
 from training.core.engine import OptimizationSettings, create_train_engine
+from training.core.lora import apply_lora
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.loops.trainer import (
     LoopConfig,
@@ -54,14 +55,19 @@ def _collate(items):
 
 
 def _trainer(tmp_path, config, train_count=8, lr=3e-3, seed=0, arch="llama", loss_fn=sft_loss, zero_stage=0,
-             eval_count=4, dtype="fp32", train_items=None, **options):
+             eval_count=4, dtype="fp32", train_items=None, lora_learning_rate=None, **options):
+    """A trainer of a tiny model (with LoRA adapters on its layers, trained with the rest, given
+    `lora_learning_rate`)."""
     model, tokenizer = make_tiny_model(arch, seed=seed)
+    if lora_learning_rate is not None:
+        model = apply_lora(model, 4)
     train_items = train_items(tokenizer) if train_items else _items(tokenizer, train_count)
     steps = count_optimizer_steps(len(train_items), config, world_size=1)
     settings = OptimizationSettings(
         learning_rate=lr, num_training_steps=steps, micro_batch_size=config.per_device_train_batch_size,
         zero_stage=zero_stage, dtype=dtype,
         gradient_accumulation_steps=config.gradient_accumulation_steps, lr_scheduler_type="constant_with_warmup",
+        lora_learning_rate=lora_learning_rate,
     )
     engine = create_train_engine(model, settings)
     metrics = MetricsLogger(tmp_path, enable_tensorboard=False)
@@ -140,6 +146,35 @@ def test_the_logged_samples_per_second_count_an_epochs_short_last_micro_batch_as
     trainer.fit()
     rates = [record["train/samples_per_s"] for record in read_metrics(tmp_path) if "train/loss" in record]
     assert rates == pytest.approx([2e9, 2e9, 1e9, 2e9, 2e9, 1e9])
+
+
+def test_the_progress_bar_shows_the_adapters_learning_rate_beside_the_models(distributed, tmp_path, monkeypatch):
+    """With --lora_learning_rate the bar showed the first parameter group's rate alone, as the logs did before
+    train/lora_lr: here the model's, 3e-3, hiding the adapters' 1e-4."""
+    import training.loops.trainer as trainer_module
+
+    shown = []
+
+    class RecordedBar:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def set_postfix(self, values=None, **kwargs):
+            shown.append({**(values or {}), **kwargs})
+
+        def update(self, count):
+            pass
+
+    monkeypatch.setattr(trainer_module, "tqdm", RecordedBar)
+    config = LoopConfig(per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=1)
+    _trainer(tmp_path, config, lora_learning_rate=1e-4).fit()
+    assert shown and shown[-1]["lr"] == "3.00e-03" and shown[-1]["lora_lr"] == "1.00e-04", shown
 
 
 def test_accumulation_weights_make_each_steps_loss_the_mean_over_its_items():

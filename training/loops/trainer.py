@@ -100,6 +100,14 @@ def count_optimizer_steps(num_examples: int, config: LoopConfig, world_size: int
     return min(steps, config.max_steps) if config.max_steps else steps
 
 
+def progress_postfix(step_loss: float, engine: torch.nn.Module) -> dict[str, str]:
+    """What the progress bar shows after a step: its loss and the learning rates as the metrics log them (the
+    adapters' too, `logged_learning_rates`: the first parameter group's rate alone hid theirs, or showed it as the
+    model's)."""
+    rates = logged_learning_rates(engine, "")
+    return {"loss": f"{step_loss:.4f}", **{name: f"{rate:.2e}" for name, rate in rates.items()}}
+
+
 class SkipFirst(Sampler):
     """The indices of `sampler` after its first `count` (resuming part-way through an epoch)."""
 
@@ -391,7 +399,7 @@ class SupervisedTrainer:
                 step_loss = self._train_window(window)
                 window_samples += window.examples
                 step = engine.global_steps
-                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{engine.get_lr()[0]:.2e}")
+                bar.set_postfix(progress_postfix(step_loss, engine))
                 bar.update(1)
                 if step % config.log_interval == 0 or step == total:
                     self._log_training(step, window_start, window_samples)
