@@ -29,6 +29,7 @@ from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     TRAINED_DTYPE_HELP,
     load_causal_lm,
+    load_config,
     load_tokenizer,
     resolve_trained_dtype,
     resolve_trained_model,
@@ -129,17 +130,25 @@ def generate_answers(
         return _answers(model, tokenizer, prompts, settings, prompt_format, limit or answer_limit(settings.max_new_tokens))
 
 
+def checked_prompts(tokenizer: PreTrainedTokenizerBase, config, prompts: list[str], prompt_format: str,
+                    limit: AnswerLimit) -> tuple[PromptFormatter, list[str], list[int]]:
+    """The formatter of `prompt_format`, each prompt rendered by it and its length in tokens, each checked to fit the
+    model's positions (its `config`'s) with its answer (`limit`): alone, before any generates, as a batch is as wide
+    as its longest prompt."""
+    formatter = PromptFormatter(tokenizer, prompt_format)
+    rendered = [render_prompt(formatter, prompt) for prompt in prompts]
+    lengths = [len(ids) for ids in tokenizer(rendered, add_special_tokens=formatter.adds_special_tokens)["input_ids"]]
+    for prompt, length in zip(prompts, lengths):
+        limit.check(config, length, f"the prompt {prompt[:40]!r}")
+    return formatter, rendered, lengths
+
+
 def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
              settings: GenerationSettings, prompt_format: str, limit: AnswerLimit) -> list[str]:
     """`generate_answers` with the tokenizer already padding on the left."""
-    formatter = PromptFormatter(tokenizer, prompt_format)
+    formatter, rendered, lengths = checked_prompts(tokenizer, model.config, prompts, prompt_format, limit)
     add_special_tokens = formatter.adds_special_tokens
     device = next(model.parameters()).device
-    rendered = [render_prompt(formatter, prompt) for prompt in prompts]
-    # each alone, before any generates: a batch is as wide as its longest prompt
-    lengths = [len(ids) for ids in tokenizer(rendered, add_special_tokens=add_special_tokens)["input_ids"]]
-    for prompt, length in zip(prompts, lengths):
-        limit.check(model.config, length, f"the prompt {prompt[:40]!r}")
     budgets = [limit.after(length) for length in lengths]
     answers = [""] * len(prompts)
     for budget, group in groupby(sorted(range(len(prompts)), key=budgets.__getitem__), key=budgets.__getitem__):
@@ -196,6 +205,21 @@ def parse_args(argv: list[str] | None = None) -> PromptEvalSettings:
     return settings
 
 
+def compared_models(args: PromptEvalArguments) -> tuple[tuple[str, str, str], ...]:
+    """(label, model, prompt format) of the baseline, then of the fine-tuned model."""
+    return (("baseline", args.model_name_or_path_baseline, args.baseline_prompt_format),
+            ("finetune", args.model_name_or_path_finetune, args.prompt_format))
+
+
+def check_prompts_before_loading(args: PromptEvalArguments, prompts: list[str], limit: AnswerLimit) -> None:
+    """`checked_prompts` for both models from their tokenizers and configs, before either model loads: a prompt
+    format or a prompt length the fine-tuned model refuses was refused once the baseline had loaded and answered
+    every prompt."""
+    for _, name, prompt_format in compared_models(args):
+        checked_prompts(load_tokenizer(name, args.trust_remote_code), load_config(name, args.trust_remote_code),
+                        prompts, prompt_format, limit)
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> list[dict]:
     settings = parse_args(argv)
@@ -211,9 +235,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{DTYPE_NAMES[dtype]}, {decoding}, answers of at most {limit.max_new_tokens} tokens ({limit.source}), "
           f"prompts rendered as {args.baseline_prompt_format} (baseline) and {args.prompt_format} (finetune)\n",
           flush=True)
+    check_prompts_before_loading(args, prompts, limit)
     answers = {}
-    for label, name, prompt_format in (("baseline", args.model_name_or_path_baseline, args.baseline_prompt_format),
-                                       ("finetune", args.model_name_or_path_finetune, args.prompt_format)):
+    for label, name, prompt_format in compared_models(args):
         model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code)
         set_seed(args.seed)  # each model samples from the same seed, whatever the other drew
         answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, prompt_format, limit)

@@ -22,7 +22,7 @@ from inference.chatbot import (
     resolve_chat_model,
 )
 from training.reliability.answer_limit import AnswerLimit
-from utils.errors import UserError
+from utils.errors import EXIT_USER_ERROR, UserError
 
 GREEDY = SamplingOptions(max_new_tokens=6, do_sample=False)
 
@@ -53,6 +53,27 @@ def test_run_folders_resolve_to_the_model_to_chat_with(tmp_path, tiny_model_dir)
     assert resolve_chat_model(model) == model
     with pytest.raises(UserError, match="no EMA actor"):
         resolve_chat_model(str(pipeline / "step1"), ema=True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt_format", "chat_template"], "--prompt_format chat_template needs a tokenizer with a chat template"),
+    (["--prompts", "word " * 40, "--max_new_tokens", "4"], "that passes the model's 32 positions"),
+], ids=["format", "length"])
+def test_prompt_eval_refuses_the_fine_tuned_models_prompts_before_the_baseline_loads(tiny_model_dir, monkeypatch,
+                                                                                     capsys, flags, message):
+    """A prompt format or a prompt the fine-tuned model cannot take was refused only once the baseline had loaded and
+    answered every prompt (here: the fine-tuned model has no chat template, and 32 positions)."""
+    from step1_sft import prompt_eval
+
+    baseline, finetune = tiny_model_dir("llama"), tiny_model_dir("opt", max_positions=32, chat_template=False)
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("a model loaded")
+
+    monkeypatch.setattr(prompt_eval, "load_for_generation", not_loaded)
+    with pytest.raises(SystemExit) as exited:
+        prompt_eval.main(["--model_name_or_path_baseline", baseline, "--model_name_or_path_finetune", finetune, *flags])
+    assert exited.value.code == EXIT_USER_ERROR and message in capsys.readouterr().err
 
 
 def test_prompt_eval_compares_against_a_step3_run_and_a_folder_without_a_model_is_one_error(tmp_path, tiny_model_dir,
