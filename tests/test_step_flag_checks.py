@@ -156,7 +156,8 @@ def test_every_refusal_of_one_step_is_reported_at_once(tmp_path, tiny_model_dir)
 
 
 @pytest.mark.parametrize("parser, argv, message", [
-    (step1_parser, ["--max_seq_len", "0"], "--max_seq_len must be at least 2 (a prompt token and a reply token), got 0"),
+    (step1_parser, ["--max_seq_len", "0"],
+     "--max_seq_len must be at least 2 (a prompt token and a reply token), got 0"),
     (step3_parser, ["--actor_model_name_or_path", "a", "--max_prompt_seq_len", "0"],
      "--max_prompt_seq_len must be at least 1, got 0"),
 ], ids=["step1", "step3"])
