@@ -31,7 +31,7 @@ from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
-from utils.data.formatting import PROMPT_FORMATS, PromptFormatter
+from utils.data.formatting import PROMPT_FORMATS, PromptFormatter, resolve_prompt_format
 from utils.data.samples import SkipRow
 from utils.errors import UserError, run_cli
 
@@ -290,13 +290,14 @@ def load_session(args: ChatSettings) -> ChatSession:
     chat_args = args.chat
     path = resolve_chat_model(chat_args.path, chat_args.ema)
     tokenizer = load_tokenizer(path, trust_remote_code=chat_args.trust_remote_code)
+    prompt_format = chat_args.prompt_format or trained_prompt_format(path)
+    resolve_prompt_format(prompt_format, tokenizer)  # refused before the model loads, not after
     model = load_causal_lm(path, tokenizer, dtype=resolve_trained_dtype(chat_args.dtype, path),
                            trust_remote_code=chat_args.trust_remote_code)
     decode_by_flags_only(model)  # the chatbot's flags, not what a checkpoint's generation_config.json adds to them
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers
     model.to(device).eval()
-    prompt_format = chat_args.prompt_format or trained_prompt_format(path)
     return ChatSession(model, tokenizer, args.sampling, prompt_format, chat_args.system,
                        answer_limit(args.sampling.max_new_tokens, path))
 

@@ -55,6 +55,20 @@ def test_run_folders_resolve_to_the_model_to_chat_with(tmp_path, tiny_model_dir)
         resolve_chat_model(str(pipeline / "step1"), ema=True)
 
 
+def test_the_chatbot_refuses_a_prompt_format_the_tokenizer_cannot_render_before_the_model_loads(tiny_model_dir,
+                                                                                                 monkeypatch):
+    """--prompt_format chat_template for a tokenizer without a template was refused once the model had loaded."""
+    from inference import chatbot
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(chatbot, "load_causal_lm", not_loaded)
+    with pytest.raises(UserError, match="--prompt_format chat_template needs a tokenizer with a chat template"):
+        chat(["--model", tiny_model_dir("llama", chat_template=False), "--prompt_format", "chat_template",
+              "--prompt", "hi"])
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--prompt_format", "chat_template"], "--prompt_format chat_template needs a tokenizer with a chat template"),
     (["--prompts", "word " * 40, "--max_new_tokens", "4"], "that passes the model's 32 positions"),
