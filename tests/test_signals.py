@@ -1,5 +1,6 @@
 """SIGTERM/SIGINT: finish the step, save, print the resume command; a second Ctrl-C aborts."""
 import contextlib
+import io
 import json
 import os
 import shlex
@@ -114,6 +115,39 @@ def test_a_signal_with_stderr_closed_still_requests_the_stop(monkeypatch):
     finally:
         with contextlib.suppress(OSError):  # its unwritten message meets the closed pipe again
             closed_stderr.close()
+
+
+def test_a_signal_in_the_middle_of_a_write_to_stderr_still_requests_the_stop(monkeypatch):
+    """The handler runs between two bytecodes of whatever the rank was doing, a progress bar's write to stderr
+    included: a print there re-entered stderr's buffer, whose RuntimeError ('reentrant call') left the handler
+    before the stop request was noted, and ended the rank without its checkpoint."""
+    read_end, write_end = os.pipe()
+    handlers: list[GracefulInterrupt] = []
+
+    class SignalledMidWrite(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            if handlers and not handlers[0].requested:
+                handlers[0]._handle(signal.SIGTERM, None)  # as if the signal came while this write ran
+            return os.write(write_end, bytes(data))
+
+        def fileno(self) -> int:
+            return write_end
+
+    stderr = io.TextIOWrapper(io.BufferedWriter(SignalledMidWrite()), write_through=True)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    try:
+        with GracefulInterrupt() as stop:
+            handlers.append(stop)
+            print("step 3 of 10", file=sys.stderr, flush=True)
+            assert stop.requested and stop.received == signal.SIGTERM
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end) as written:
+        assert "received SIGTERM: stopping after this step" in written.read()
+    take_received_signal()
 
 
 def test_a_stop_request_an_enclosing_handler_took_stops_the_inner_one():

@@ -20,7 +20,7 @@ from typing import IO, Iterator, Sequence
 
 import psutil
 
-from training.reliability.signals import EXIT_INTERRUPTED, handling_signals, record_signal
+from training.reliability.signals import EXIT_INTERRUPTED, handling_signals, record_signal, say_from_handler
 from utils.dist import free_port, launcher_variables
 from utils.errors import UserError
 
@@ -377,9 +377,9 @@ class _StopRequests:
 
     @staticmethod
     def _start_stopping_ranks(command: Sequence[str]) -> subprocess.Popen:
-        os.write(sys.stderr.fileno(), (  # not through sys.stderr: the signal may have come in the middle of a write
-            f"\ntrain.py: passing the stop request on to the ranks on every node as a SIGTERM, which lets them save "
-            f"(DeepSpeed's launcher would cut their output first): {format_command(command)}\n").encode())
+        say_from_handler(f"\ntrain.py: passing the stop request on to the ranks on every node as a SIGTERM, which "
+                         f"lets them save (DeepSpeed's launcher would cut their output first): "
+                         f"{format_command(command)}\n")
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
 

@@ -89,6 +89,15 @@ def handling_signals(signals: Sequence[signal.Signals],
             signal.signal(signum, earlier)
 
 
+def say_from_handler(text: str) -> None:
+    """Write `text` to stderr from a signal handler: to its file descriptor, not through `sys.stderr`, as the
+    handler may run in the middle of a write there (a progress bar's), where a buffered write raises 'reentrant
+    call' out of the handler; a closed stderr (train.py, which reads the ranks' output, killed) is passed over, as
+    the stop request noted before it is what matters."""
+    with contextlib.suppress(OSError, ValueError):
+        os.write(sys.stderr.fileno(), text.encode())
+
+
 class GracefulInterrupt:
     """Context manager that turns SIGINT/SIGTERM into a stop request at the next step boundary."""
 
@@ -118,10 +127,7 @@ class GracefulInterrupt:
             raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
         if self.received is None:
             self.received = signum
-            # stderr closed (train.py, which reads it, was killed): the flag above is what matters, the save must go on
-            with contextlib.suppress(OSError):
-                print(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)",
-                      file=sys.stderr, flush=True)
+            say_from_handler(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)\n")
 
     def finishing(self, task: str) -> None:
         """The run is past its last step and now does `task` ("the final model's save"): a signal from here on
