@@ -9,6 +9,7 @@ from utils.data import (
     PromptCollator,
     PromptFormatter,
     SFTCollator,
+    TokenizedDataset,
 )
 from utils.data.samples import KIND_PAIRS, KIND_PROMPTS, KIND_SFT, Sample
 from utils.data.tokenization import TokenLimits, tokenize_samples
@@ -148,6 +149,9 @@ def test_items_whose_answer_is_cut_at_max_seq_len_are_counted(plain_tok):
         assert fits.stats == {"items": 1} and fits[0][next(iter(fits[0]))][-1] == plain_tok.eos_token_id
         cut = tokenize_samples(samples, kind, formatter, plain_tok, TokenLimits(max_seq_len=whole))
         assert cut.stats == {"items": 2, "answer_truncated": 1}, kind
+        assert cut.answers_cut == 1 and TokenizedDataset.from_state(cut.state()).answers_cut == 1
+        assert cut.head(1).answers_cut == 0, "the item the step leaves out is not counted against the one it uses"
+        assert cut.head(2).answers_cut == 1
     assert whole > prompt_len + 1
 
 

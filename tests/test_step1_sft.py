@@ -294,6 +294,10 @@ def test_answers_cut_at_max_seq_len_are_counted_in_the_summary_and_warned_of(dis
     with caplog.at_level("WARNING"):
         summary = main(_args(tiny_model_dir("llama"), data, tmp_path, "--max_steps", "1", "--max_seq_len", "40"))
     assert summary["train_answer_truncated"] == summary["train_items"] > 0
+    capped = main(_args(tiny_model_dir("llama"), data, tmp_path / "capped", "--max_steps", "1", "--max_seq_len", "40",
+                        "--max_train_samples", "2", "--max_eval_samples", "1"))
+    assert capped["train_answer_truncated"] == capped["train_items"] == 2  # of the items used, not of those built
+    assert capped["eval_answer_truncated"] == capped["eval_items"] == 1
     assert "end inside their answer at --max_seq_len 40" in caplog.text, caplog.text
     whole = main(_args(tiny_model_dir("llama"), data, tmp_path / "whole", "--max_steps", "1"))
     assert whole["train_answer_truncated"] == whole["eval_answer_truncated"] == 0

@@ -186,7 +186,7 @@ class SupervisedOutcome:
     train_items: int
     eval_items: int
     dtype: str
-    train_answers_cut: int = 0  # of the items built (`TokenizedDataset.answers_cut`)
+    train_answers_cut: int = 0  # of the items the step uses (`TokenizedDataset.answers_cut`)
     eval_answers_cut: int = 0
 
     def summary(self, step_name: str, counts: Mapping[str, Any], metrics: Mapping[str, Any]) -> dict[str, Any]:

@@ -214,9 +214,9 @@ def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: Promp
 
 
 def cut_answers_note(phase: int, train: TokenizedDataset, evaluation: TokenizedDataset, max_seq_len: int) -> str | None:
-    """The warning for the step's items whose answer --max_seq_len cut (counted when they were built, kept with the
-    cached items); None where no answer was cut."""
-    parts = [f"{data.answers_cut} of the {data.stats.get('items', 0)} {name} items"
+    """The warning for the step's items whose answer --max_seq_len cut (marked when they were built, kept with the
+    cached items; counted among those the step uses); None where no answer was cut."""
+    parts = [f"{data.answers_cut} of the {len(data)} {name} items"
              for name, data in (("training", train), ("held-out", evaluation)) if data.answers_cut]
     if not parts:
         return None

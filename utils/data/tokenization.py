@@ -173,6 +173,7 @@ def tokenize_samples(
     rejected = _token_ids(tokenizer, [row["prompt"] + row["rejected"] for row in rows], special) \
         if kind == KIND_PAIRS else []
     columns: dict[str, list] = {}
+    answer_cut_items: list[int] = []
     for index, prompt in enumerate(prompts):
         if kind == KIND_SFT:
             item = sft_sequence(prompt, chosen[index], suffix, limits)
@@ -185,6 +186,7 @@ def tokenize_samples(
             continue
         if kind != KIND_PROMPTS and _answer_cut(limits, suffix, chosen[index], *rejected[index:index + 1]):
             counts[ANSWER_TRUNCATED] += 1
+            answer_cut_items.append(len(next(iter(columns.values()), [])))
         for name, ids in item.items():
             columns.setdefault(name, []).append(ids)
         if keep_metadata:
@@ -192,7 +194,7 @@ def tokenize_samples(
     counts["items"] = len(next(iter(columns.values()), []))
     if not columns:
         columns = {name: [] for name in _EMPTY_COLUMNS[kind]}
-    return TokenizedDataset.from_lists(columns, dict(counts), metadata if keep_metadata else None)
+    return TokenizedDataset.from_lists(columns, dict(counts), metadata if keep_metadata else None, answer_cut_items)
 
 
 def probe_tokens(formatter: PromptFormatter, tokenizer) -> list[int] | None:

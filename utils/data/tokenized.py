@@ -25,10 +25,12 @@ class TokenizedDataset(Dataset):
         columns: dict[str, tuple[torch.Tensor, torch.Tensor]],
         stats: dict[str, int] | None = None,
         metadata: list[dict[str, Any]] | None = None,
+        answer_cut_items: Sequence[int] = (),
     ):
         self.columns = columns
         self.stats = dict(stats or {})
         self.metadata = metadata
+        self.answer_cut_items = tuple(answer_cut_items)  # the indices of the items whose answer --max_seq_len cut
         lengths = {len(offsets) - 1 for _, offsets in columns.values()} | ({len(metadata)} if metadata is not None else set())
         if len(lengths) > 1:
             raise ValueError("all columns (and the metadata) must hold the same number of items")
@@ -40,21 +42,23 @@ class TokenizedDataset(Dataset):
         columns: dict[str, Sequence[Sequence[int]]],
         stats: dict[str, int] | None = None,
         metadata: list[dict[str, Any]] | None = None,
+        answer_cut_items: Sequence[int] = (),
     ) -> TokenizedDataset:
         packed = {}
         for name, sequences in columns.items():
             lengths = torch.tensor([0] + [len(seq) for seq in sequences], dtype=torch.long)
             flat = torch.tensor([token for seq in sequences for token in seq], dtype=torch.long)
             packed[name] = (flat, torch.cumsum(lengths, 0))
-        return cls(packed, stats, metadata)
+        return cls(packed, stats, metadata, answer_cut_items)
 
     def __len__(self) -> int:
         return self._length
 
     @property
     def answers_cut(self) -> int:
-        """How many of the built items (`stats`: before `head`) hold their answer only in part, cut at --max_seq_len."""
-        return self.stats.get(ANSWER_TRUNCATED, 0)
+        """How many of these items hold their answer only in part, cut at --max_seq_len (`stats` counts them among
+        the items built, before `head`)."""
+        return len(self.answer_cut_items)
 
     def digest(self) -> str:
         """A hash of every item's tokens (and metadata): equal exactly when two datasets hold the same items."""
@@ -88,15 +92,18 @@ class TokenizedDataset(Dataset):
         columns = {}
         for name, (flat, offsets) in self.columns.items():
             columns[name] = (flat[: offsets[count]].clone(), offsets[: count + 1].clone())
-        return TokenizedDataset(columns, self.stats, None if self.metadata is None else self.metadata[:count])
+        return TokenizedDataset(columns, self.stats, None if self.metadata is None else self.metadata[:count],
+                                [index for index in self.answer_cut_items if index < count])
 
     def state(self) -> dict:
         state = {"columns": {name: list(pair) for name, pair in self.columns.items()}, "stats": self.stats}
         if self.metadata is not None:
             state["metadata"] = self.metadata
+        if self.answer_cut_items:
+            state["answer_cut_items"] = list(self.answer_cut_items)
         return state
 
     @classmethod
     def from_state(cls, state: dict) -> TokenizedDataset:
         columns = {name: (pair[0], pair[1]) for name, pair in state["columns"].items()}
-        return cls(columns, state["stats"], state.get("metadata"))
+        return cls(columns, state["stats"], state.get("metadata"), state.get("answer_cut_items", ()))
