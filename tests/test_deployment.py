@@ -279,9 +279,11 @@ def test_a_cuda_visible_devices_that_hides_gpus_is_read_as_cuda_reads_it(tmp_pat
     single = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1)
     if included is None:
         with pytest.raises(UserError, match=f"CUDA_VISIBLE_DEVICES={re.escape(repr(value))} hides every GPU"):
-            single.command(tmp_path / "main.py", [])
+            single.command_now(tmp_path / "main.py", [])
+        # a dry run launches nothing: it shows the command a machine without the restriction would run
+        assert single.command_now(tmp_path / "main.py", [], check_gpus=False)[6:8] == ["--num_gpus", "1"]
     else:
-        assert single.command(tmp_path / "main.py", [])[6:8] == ["--include", included]
+        assert single.command_now(tmp_path / "main.py", [])[6:8] == ["--include", included]
 
 def test_the_launcher_starts_without_a_deepspeed_script_on_path(tmp_path):
     """An unactivated virtual environment: its python runs train.py, but its bin/ is not on PATH."""

@@ -927,6 +927,22 @@ class LaunchedSteps:
         self.taken.append(holder)
 
 
+def test_a_dry_run_plans_a_gpu_run_where_cuda_visible_devices_hides_the_gpus(tmp_path, fakes, monkeypatch):
+    """A GPU run planned on a machine whose CUDA_VISIBLE_DEVICES hides every GPU (a login node) was refused at the
+    dry run, over a launch it never makes; the run itself is still refused before step 1."""
+    from training.pipeline import runner
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    launched = LaunchedSteps(fakes)
+    monkeypatch.setattr(runner, "run_subprocess", launched)
+    argv = common(tmp_path, fakes.model_dir) + ["--deployment-type", "single_gpu", "--step", "1", "2"]
+    planned = run(argv + ["--dry-run"], fakes)
+    assert all("--num_gpus" in command for command in planned["commands"].values())
+    with pytest.raises(UserError, match="CUDA_VISIBLE_DEVICES='' hides every GPU"):
+        run(argv, fakes)
+    assert fakes.calls == [] and launched.ports == []
+
+
 @pytest.mark.parametrize("given_port", [False, True])
 def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fakes, monkeypatch, capsys, given_port):
     """The free master port was chosen once, at planning, for every step: a step launched hours later, after another

@@ -107,10 +107,16 @@ class Launcher:
             command += ["--master_addr", self.master_addr]
         return command + [str(script), *step_argv]
 
-    def command_now(self, script: Path, step_argv: Sequence[str]) -> list[str]:
+    def command_now(self, script: Path, step_argv: Sequence[str], check_gpus: bool = True) -> list[str]:
         """`command` with its master port settled at this moment, not when the run was planned (hours before a
         later step starts, and another program may have taken the port since): where rank 0 runs on this machine,
-        the given port checked free, else one free now. Another node's port is for that node to bind."""
+        the given port checked free, else one free now. Another node's port is for that node to bind. `check_gpus`
+        (False for a dry run, which launches nothing): refuse a `CUDA_VISIBLE_DEVICES` that hides every GPU."""
+        if check_gpus and self.deployment is not DeploymentType.MULTI_NODE and _cuda_visible_indices() == []:
+            raise UserError(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU from this "
+                            "process, and DeepSpeed's launcher would drop it and start the ranks on the GPUs from 0; "
+                            "unset it, list the GPUs to run on (nvidia-smi -L gives their indices), or run with "
+                            "--deployment-type cpu")
         if self.settles_port_at_launch:
             return replace(self, master_port=free_port()).command(script, step_argv)
         if not self.through_pdsh:
@@ -217,13 +223,18 @@ def check_port_free(port: int, what: str = "--master-port",
 
 
 def visible_gpus() -> list[str]:
-    """The GPU indices `CUDA_VISIBLE_DEVICES` restricts this node to (empty: unset, or GPUs named otherwise than by
-    index). DeepSpeed's launcher drops the variable when it is given `--num_gpus` and numbers the GPUs from 0, so a
-    restricted run names them in `--include` instead. CUDA reads the list up to its first invalid entry (`-1`, or
-    nothing: no GPU at all); so does this."""
+    """The GPU indices `CUDA_VISIBLE_DEVICES` restricts this node to (empty: unset, GPUs named otherwise than by
+    index, or none visible: `check_gpus_visible` refuses that at launch). DeepSpeed's launcher drops the variable when
+    it is given `--num_gpus` and numbers the GPUs from 0, so a restricted run names them in `--include` instead."""
+    return _cuda_visible_indices() or []
+
+
+def _cuda_visible_indices() -> list[str] | None:
+    """`CUDA_VISIBLE_DEVICES` as CUDA reads it, up to its first invalid entry (`-1`, or nothing: no GPU at all); None
+    where it does not restrict the GPUs by index (unset, or UUIDs, said)."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     if value is None:
-        return []
+        return None
     devices = []
     for device in (entry.strip() for entry in value.split(",")):
         if device.isdigit():
@@ -234,11 +245,7 @@ def visible_gpus() -> list[str]:
             logger.warning("CUDA_VISIBLE_DEVICES=%s names GPUs by UUID or MIG instance, which DeepSpeed's launcher "
                            "cannot select: it runs on the first GPUs the processes see; give indices (nvidia-smi -L) "
                            "to choose", value)
-            return []
-    if not devices:
-        raise UserError(f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU from this process, and DeepSpeed's launcher "
-                        "would drop it and start the ranks on the GPUs from 0; unset it, list the GPUs to run on "
-                        "(nvidia-smi -L gives their indices), or run with --deployment-type cpu")
+            return None
     return devices
 
 

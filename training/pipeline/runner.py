@@ -521,7 +521,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     if 3 in parsed and 3 not in finished:
         _check_hardware_file_layout(parsed[3], hosts)
     commands = {
-        step: launcher.command_now(STEPS[step].script(), argvs[step]) if launcher
+        step: launcher.command_now(STEPS[step].script(), argvs[step], check_gpus=not config.dry_run) if launcher
         else ["python", "-m", STEPS[step].module, *argvs[step]]
         for step in config.steps if step not in finished
     }
