@@ -176,7 +176,10 @@ def rules() -> list[UnusedFlags]:
 
 
 def _as_given(name: str, value: object) -> str:
-    return f"--{name}" if value is True else f"--{name} {value}"
+    """The flag as a command line gives it (`--kl_in_loss false`, not Python's `False`)."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--{name} false"
+    return f"--{name} {value}"
 
 
 def _changed_flags(args: Step3Settings) -> dict[str, object]:

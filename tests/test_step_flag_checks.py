@@ -90,7 +90,8 @@ def test_a_flag_step_3_refuses_fails_train_py_before_step_1_starts(tmp_path, tin
     # a warm-up as long as the run kept the learning rate below the one given to the end
     ("--step1-args=--max_steps 5 --num_warmup_steps 5", "step 1: --num_warmup_steps 5 lasts the whole run (--max_steps 5 "
                                                        "optimizer steps), so the learning rate never reaches the one "
-                                                       "given; give fewer warm-up steps than 5 (e.g. 0)"),
+                                                       "given; give fewer warm-up steps than 5 (a tenth of the run is "
+                                                       "usual), or 0 for none"),
     ("--step3-args=--max_steps 2 --num_warmup_steps 4 --ppo_epochs 2",
      "step 3: --num_warmup_steps 4 lasts the whole run (--max_steps 2 PPO steps of 2 optimizer steps each: 4)"),
     # inf once left the scores unclipped: the refusal says how to ask for that now

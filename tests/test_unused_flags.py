@@ -102,7 +102,7 @@ def test_an_adaptation_horizon_without_an_adaptive_kl_coefficient_is_refused():
 
 @pytest.mark.parametrize("flags, named", [
     (["--kl_estimator", "k3"], "--kl_estimator k3"), (["--kl_in_loss"], "--kl_in_loss"),
-    (["--algorithm", "grpo", "--kl_in_loss", "false"], "--kl_in_loss False"),
+    (["--algorithm", "grpo", "--kl_in_loss", "false"], "--kl_in_loss false"),
     (["--algorithm", "grpo", "--kl_estimator", "k2"], "--kl_estimator k2")])
 def test_a_kl_estimator_or_place_without_a_kl_coefficient_is_refused(flags, named):
     """At --kl_ctl 0 the KL weighs nothing wherever it is and however estimated: they changed only the logged kl_loss."""

@@ -352,7 +352,7 @@ def warmup_outlasts_run(warmup: int, optimizer_steps: int, steps_said: str) -> s
     if warmup == 0 or warmup < optimizer_steps:
         return None
     return (f"--num_warmup_steps {warmup} lasts the whole run ({steps_said}), so the learning rate never reaches the "
-            f"one given; give fewer warm-up steps than {optimizer_steps} (e.g. {optimizer_steps // 10})")
+            f"one given; give fewer warm-up steps than {optimizer_steps} (a tenth of the run is usual), or 0 for none")
 
 
 def check_warmup(warmup: int, optimizer_steps: int | None, steps_said: str) -> None:
