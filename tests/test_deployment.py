@@ -709,7 +709,7 @@ def test_a_stop_request_reaches_the_ranks_of_this_step_on_every_node_through_pds
     argv = ["--actor_model_name_or_path", "/m", "--output_dir", str(tmp_path / "my run" / "step1"), "--seed", "1"]
     launcher = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, hosts=("worker-1", "worker-2"))
     command = launcher.ranks_stop_command(script, argv)
-    assert command[:5] == ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-w", "worker-1,worker-2"]
+    assert command[:6] == ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-S", "-w", "worker-1,worker-2"]
     assert Launcher(DeploymentType.MULTI_NODE, hostfile="/h", on_this_machine=True).ranks_stop_command(script, argv) \
         is None  # this node's ranks, under the launcher train.py started: signalled as its children
     unlike = tmp_path / "mainXpy"  # the pattern's "." is a dot
@@ -754,10 +754,31 @@ sys.exit(int(open(status_file).read()))
 """
 
 FAKE_PDSH = """#!/bin/sh
+# pdsh over ssh to nodes that all are this machine: the command runs once a node; pdsh exits 0 whatever they return,
+# or with -S the largest of their statuses
 [ "$PDSH_RCMD_TYPE" = ssh ] || { echo "pdsh: not over ssh" >&2; exit 9; }
-for last; do :; done
-exec bash -c "$last"
+largest=0 statuses=no
+while getopts Sw: option; do
+  case $option in S) statuses=yes ;; w) hosts=$OPTARG ;; *) exit 1 ;; esac
+done
+shift $((OPTIND - 1))
+for host in $(echo "$hosts" | tr , ' '); do
+  bash -c "$1"
+  status=$?
+  [ "$status" -gt "$largest" ] && largest=$status
+done
+[ "$statuses" = yes ] && exit "$largest"
+exit 0
 """
+
+
+def _path_with_fake_pdsh(tmp_path: Path) -> str:
+    """PATH with `FAKE_PDSH` as pdsh first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "pdsh").write_text(FAKE_PDSH)
+    (bin_dir / "pdsh").chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
 
 PARENT_THROUGH_PDSH = """
 import json, sys
@@ -780,15 +801,11 @@ def test_a_stop_request_through_pdsh_lets_the_ranks_on_other_nodes_save_and_repo
     remote ranks are stand-ins (a relay process carries the ranks' output; pdsh runs its command in a shell here)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_THAT_SAVES_ON_A_STOP)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "pdsh").write_text(FAKE_PDSH)
-    (bin_dir / "pdsh").chmod(0o755)
     argv = ["--output_dir", str(tmp_path / "out" / "step1")]
     stop_ranks = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, hosts=("w1", "w2")).ranks_stop_command(
         script, argv)
     launcher = [sys.executable, "-c", LAUNCHER_THROUGH_PDSH, str(tmp_path / "status"), NODE_LAUNCHER, str(script), *argv]
-    env = {**step_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {**step_env(), "PATH": _path_with_fake_pdsh(tmp_path)}
     parent = subprocess.Popen([sys.executable, "-c", PARENT_THROUGH_PDSH, str(tmp_path / "step1.log"),
                                json.dumps(launcher), json.dumps(stop_ranks)], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -813,44 +830,93 @@ def test_a_hostfile_of_this_node_alone_starts_its_ranks_without_ssh(tmp_path):
     assert "rank 0 at 127.0.0.1" in log.read_text()
 
 
-def test_a_failed_stop_command_through_pdsh_is_waited_for_and_said(tmp_path, capfd):
-    """The stop commands train.py started through pdsh were never waited for: left unreaped while the step ran on,
-    and one that failed (ranks on some node not reached, saving nothing) went unsaid."""
+def _launcher_stopped_at_start(tmp_path: Path, stop_ranks: list[str], launcher: str) -> None:
+    """Run `launcher` (Python code that first sends run_subprocess's process a SIGTERM: a stop request while the
+    ranks start) with `stop_ranks` as the ranks' stop command; it must end in StepStopped."""
     from training.pipeline import launch
     from training.reliability.signals import take_received_signal
 
-    signals_train_py = ("import os, signal, time; os.kill(os.getppid(), signal.SIGTERM); time.sleep(1); "
-                        "raise SystemExit(3)")
-    failing_stop = [sys.executable, "-c", "raise SystemExit(5)"]
+    request = "import os, signal, time; os.kill(os.getppid(), signal.SIGTERM)\n"
     try:
         with pytest.raises(launch.StepStopped):
-            launch.run_subprocess([sys.executable, "-c", signals_train_py], tmp_path / "step1.log", "step 1",
-                                  stop_ranks=failing_stop)
+            launch.run_subprocess([sys.executable, "-c", request + launcher], tmp_path / "step1.log", "step 1",
+                                  stop_ranks=stop_ranks)
     finally:
         take_received_signal()
-    assert f"the stop command {launch.format_command(failing_stop)} exited with status 5" in capfd.readouterr().err
+
+
+def test_a_stop_request_while_the_ranks_start_through_pdsh_reaches_them_once_they_run(tmp_path, monkeypatch):
+    """Through pdsh a stop request taken while the launcher started ran the stop command once, at once: no rank ran
+    yet on the nodes, pkill matched none, and the step ran on to its end. The stop command now runs again until it
+    reaches a rank on every node (its status 0). Here it reports 'no rank matched' (1) until the rank has started."""
+    from training.pipeline import launch
+
+    monkeypatch.setattr(launch, "STOP_COMMAND_RETRY_S", 0.1, raising=False)
+    rank, reached = tmp_path / "rank_runs", tmp_path / "reached"
+    stop_ranks = [sys.executable, "-c", (f"import os, sys; os.path.exists({str(rank)!r}) or sys.exit(1); "
+                                         f"open({str(reached)!r}, 'w')")]
+    launcher = (f"time.sleep(0.5); open({str(rank)!r}, 'w')\n"
+                "waited_until = time.monotonic() + 10\n"
+                f"while not os.path.exists({str(reached)!r}) and time.monotonic() < waited_until: time.sleep(0.05)\n"
+                f"raise SystemExit(3 if os.path.exists({str(reached)!r}) else 0)")
+    _launcher_stopped_at_start(tmp_path, stop_ranks, launcher)
+    assert reached.exists()
+
+
+def test_a_stop_request_through_pdsh_that_matches_no_rank_on_a_node_is_said(tmp_path, monkeypatch, capfd):
+    """pdsh exits 0 whatever its nodes' commands return (without -S), so a pkill that matched no rank on some node
+    was not seen: the end of the step did not say that the stop request had never reached the ranks there."""
+    from training.pipeline import launch
+
+    monkeypatch.setattr(launch, "STOP_COMMAND_RETRY_S", 0.1, raising=False)
+    monkeypatch.setenv("PATH", _path_with_fake_pdsh(tmp_path))
+    stop_ranks = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, hosts=("w1", "w2")).ranks_stop_command(
+        tmp_path / "main.py", ["--output_dir", str(tmp_path / "step1")])  # no such rank runs
+    _launcher_stopped_at_start(tmp_path, stop_ranks, "time.sleep(1); raise SystemExit(3)")
+    err = capfd.readouterr().err
+    assert "the stop request never reached a rank on some node" in err
+    assert "matched no rank on some node (pkill's status 1)" in err
+    assert "trying again" not in err  # no rank yet is what pdsh finds while it starts them: said at the end alone
+
+
+def test_a_failed_stop_command_through_pdsh_is_said_at_once_and_at_the_end(tmp_path, monkeypatch, capfd):
+    """A stop command that failed (not 'no rank matched': ssh's 255, pkill's 2 or 3) is said when it fails, and at the
+    step's end, its ranks on some node never reached."""
+    from training.pipeline import launch
+
+    monkeypatch.setattr(launch, "STOP_COMMAND_RETRY_S", 0.1, raising=False)
+    failing_stop = [sys.executable, "-c", "raise SystemExit(255)"]  # ssh could not reach a node
+    _launcher_stopped_at_start(tmp_path, failing_stop, "time.sleep(1); raise SystemExit(3)")
+    err = capfd.readouterr().err
+    said = f"{launch.format_command(failing_stop)} could not reach some node (ssh's status 255)"
+    assert err.count(said) == 1  # said once, not at each try
+    assert "the stop request never reached a rank on some node" in err and "the last one could not reach" in err
 
 
 def test_each_stop_request_through_pdsh_runs_the_ranks_stop_command(tmp_path, monkeypatch):
     """The stop command ran for the first request only: one that came before pdsh had started the ranks matched none,
-    and a second SIGTERM, sent once they had, did nothing (only a second SIGINT, an abort, reached them)."""
+    and a second SIGTERM, sent once they had, did nothing (only a second SIGINT, an abort, reached them). One that
+    reached a rank on every node (status 0) is not run again before the next request."""
     from training.pipeline import launch
     from training.reliability.signals import take_received_signal
 
+    monkeypatch.setattr(launch, "STOP_COMMAND_RETRY_S", 0.1, raising=False)
     runs = tmp_path / "runs"
     stop_ranks = [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x')"]
     requests = launch._StopRequests(stop_ranks)
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         requests.watch(launcher)
-        for _ in range(2):
+        for expected in ("x", "xx"):
             requests.take(signal.SIGTERM, None)
-        waited_until = time.monotonic() + 20
-        while (not runs.exists() or runs.read_text() != "xx") and time.monotonic() < waited_until:
-            time.sleep(0.05)
+            waited_until = time.monotonic() + 20
+            while (not runs.exists() or runs.read_text() != expected) and time.monotonic() < waited_until:
+                time.sleep(0.05)
+        time.sleep(0.5)
         assert launcher.poll() is None  # the launcher itself is not signalled
     finally:
         launcher.kill()
         launcher.wait()
+        requests.launcher_ended()
         take_received_signal()
     assert runs.read_text() == "xx"

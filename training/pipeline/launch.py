@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console script runs
 DEEPSPEED_MASTER_PORT = 29500  # the launcher's --master_port when none is given
 STOP_COMMAND_WAIT_S = 30  # how long a step's end waits for a stop command through pdsh (one pkill a node)
+STOP_COMMAND_RETRY_S = 5.0  # how often a stop command through pdsh runs again until it reaches a rank on every node
+PKILL_MATCHED_NONE = 1  # pkill's exit status where no process matched (2, 3: it failed)
+SSH_FAILED = 255  # ssh's exit status where it could not run the command on the node
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
 
 
@@ -136,14 +140,15 @@ class Launcher:
         carries the ranks' output (their next print fails on the closed pipe, before their checkpoint), and exits
         within a second, before they have saved. pkill on each node, matching the ranks' command line (this python,
         `-u`, the step's script, and its run folder), reaches them alone; they save, print, and end the launch with
-        `EXIT_INTERRUPTED` as on one node."""
+        `EXIT_INTERRUPTED` as on one node. pdsh runs with `-S`, returning the largest of the nodes' exit statuses
+        (without it, 0 whatever they were): 1 where pkill matched no rank on some node (`_RanksStopper`)."""
         if not self.through_pdsh:
             return None
         rank = f"^{_ere_literal(sys.executable)} -u {_ere_literal(str(script))} "
         run_dir = flag_value(step_argv, "--output_dir")  # train.py gives it as `--output_dir DIR`
         if run_dir is not None:
             rank += f".*--output_dir {_ere_literal(run_dir)}( |$)"
-        return ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-w", ",".join(self.hosts),
+        return ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-S", "-w", ",".join(self.hosts),
                 f"pkill -TERM -f {shlex.quote(rank)}"]
 
 
@@ -336,15 +341,16 @@ class _StopRequests:
     aborts their save. A second SIGINT is passed on as itself: the ranks abort, as at a second Ctrl-C.
 
     With `stop_ranks` (`Launcher.ranks_stop_command`: ranks on other nodes, reached through pdsh) a stop request is
-    that command instead, run at each (one before pdsh has started the ranks matches none); a second SIGINT still
-    goes to the launcher, whose own handler kills them all."""
+    that command instead, run by a thread of its own (not in the signal handler) every `STOP_COMMAND_RETRY_S` until
+    one run reaches a rank on every node (status 0) or the launcher ends: a request taken before pdsh has started
+    the ranks matches none at first. A second SIGINT still goes to the launcher, whose own handler kills them all."""
 
     def __init__(self, stop_ranks: Sequence[str] | None = None) -> None:
         self.taken: list[signal.Signals] = []
         self._process: subprocess.Popen | None = None
         self._passed_on = False
         self._stop_ranks = stop_ranks
-        self._stopping: list[subprocess.Popen] = []
+        self._stopper: _RanksStopper | None = None
 
     def take(self, signum: int, frame: FrameType | None) -> None:
         record_signal(signum)
@@ -354,6 +360,8 @@ class _StopRequests:
 
     def watch(self, process: subprocess.Popen) -> None:
         """Pass stop requests on to `process` from now on, and one taken while it started."""
+        if self._stop_ranks is not None:
+            self._stopper = _RanksStopper(self._stop_ranks)
         self._process = process
         if self.taken and not self._passed_on:
             self._pass_on(signal.SIGTERM)
@@ -363,31 +371,93 @@ class _StopRequests:
         if process is None or process.returncode is not None:  # not started, or reaped (its pid free for another)
             return
         self._passed_on = True
-        if self._stop_ranks is None or signum != signal.SIGTERM:
+        if self._stopper is None or signum != signal.SIGTERM:
             _signal_process_tree(process.pid, signum)
         else:
-            self._stopping.append(self._start_stopping_ranks(self._stop_ranks))
+            say_from_handler(f"\ntrain.py: passing the stop request on to the ranks on every node as a SIGTERM, which "
+                             f"lets them save (DeepSpeed's launcher would cut their output first): "
+                             f"{format_command(self._stop_ranks)}\n")
+            self._stopper.request()
 
-    def wait_for_stop_commands(self) -> None:
-        """Once the launcher has ended: wait for the stop commands started (not left unreaped, their status unread)
-        and say each that failed, after which ranks on some node may have had no stop request, and no save."""
-        for stopping in self._stopping:
-            try:
-                status = stopping.wait(STOP_COMMAND_WAIT_S)
-            except subprocess.TimeoutExpired:
-                status = None
-            if status != 0:
-                ended = "was still running" if status is None else f"exited with status {status}"
-                print(f"train.py: the stop command {format_command(stopping.args)} {ended} (its messages are above): "
-                      "the ranks on some node may have had no stop request, and saved no checkpoint", file=sys.stderr,
-                      flush=True)
+    def launcher_ended(self) -> None:
+        """Once the launcher has ended: stop running the stop command, and say if the stop request never reached a
+        rank on some node (those ranks may have run on and saved nothing)."""
+        if self._stopper is not None:
+            self._stopper.finish()
+
+
+class _RanksStopper:
+    """Runs the command that passes a stop request to the ranks on every node (`Launcher.ranks_stop_command`, under
+    `pdsh -S`: its status is the largest of the nodes' pkill statuses) in a thread, at each request, again every
+    `STOP_COMMAND_RETRY_S` until a run reaches a rank on every node or the launcher ends. The ranks take a repeated
+    SIGTERM as nothing new; once every node is reached no more are sent (a rank past its save, shutting down without
+    its handler, would die of one)."""
+
+    def __init__(self, command: Sequence[str]) -> None:
+        self.command = list(command)
+        self.runs = 0
+        self.reached_every_node = False
+        self.last_status: int | None = None
+        self._running: subprocess.Popen | None = None
+        self._requested = threading.Event()  # set by a stop request (from the signal handler: it only sets this)
+        self._launcher_ended = threading.Event()
+        self._thread = threading.Thread(target=self._run_on_requests, name="stop-ranks", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._requested.set()
+
+    def finish(self) -> None:
+        """The launcher has ended: no more runs; wait up to `STOP_COMMAND_WAIT_S` for one under way (killed past
+        that), then say if the stop request never reached a rank on some node."""
+        self._launcher_ended.set()
+        self._requested.set()
+        self._thread.join(STOP_COMMAND_WAIT_S)
+        running = self._running
+        if self._thread.is_alive() and running is not None:
+            running.kill()
+            self._thread.join()
+            self._say(f"{format_command(self.command)} was still running {STOP_COMMAND_WAIT_S} s after the launcher "
+                      "ended, and was killed (its messages are above)")
+        elif self.runs and not self.reached_every_node:
+            self._say(f"the stop request never reached a rank on some node: {format_command(self.command)} ran "
+                      f"{self.runs} times, the last one {stop_status_meaning(self.last_status)} (its messages are "
+                      "above); the ranks there may have had no stop request, and saved no checkpoint")
+
+    def _run_on_requests(self) -> None:
+        while self._requested.wait() and not self._launcher_ended.is_set():
+            self._requested.clear()
+            while not self._run_once() and not self._launcher_ended.wait(STOP_COMMAND_RETRY_S):
+                pass
+
+    def _run_once(self) -> bool:
+        """Run the stop command once; whether it reached a rank on every node. A failure other than 'no rank
+        matched' (which it is, while pdsh starts the ranks) is said when its status is new."""
+        self._running = subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+        status = self._running.wait()
+        self._running = None
+        if status not in (0, PKILL_MATCHED_NONE, self.last_status) and not self._launcher_ended.is_set():
+            self._say(f"{format_command(self.command)} {stop_status_meaning(status)} (its messages are above); trying "
+                      f"again every {STOP_COMMAND_RETRY_S} s until it reaches a rank on every node")
+        self.runs += 1
+        self.last_status = status
+        self.reached_every_node = self.reached_every_node or status == 0
+        return status == 0
 
     @staticmethod
-    def _start_stopping_ranks(command: Sequence[str]) -> subprocess.Popen:
-        say_from_handler(f"\ntrain.py: passing the stop request on to the ranks on every node as a SIGTERM, which "
-                         f"lets them save (DeepSpeed's launcher would cut their output first): "
-                         f"{format_command(command)}\n")
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    def _say(text: str) -> None:
+        print(f"train.py: {text}", file=sys.stderr, flush=True)
+
+
+def stop_status_meaning(status: int | None) -> str:
+    """What the exit status of `pdsh -S ... pkill` says (the largest of the nodes' statuses)."""
+    if status == PKILL_MATCHED_NONE:
+        return "matched no rank on some node (pkill's status 1)"
+    if status in (2, 3):
+        return f"failed on some node (pkill's status {status})"
+    if status == SSH_FAILED:
+        return "could not reach some node (ssh's status 255)"
+    return f"failed (exit status {status})"
 
 
 @contextlib.contextmanager
@@ -437,7 +507,7 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
             else:
                 sys.stdout.write(chunk.decode(errors="replace"))
         status = process.wait()
-        stop_requests.wait_for_stop_commands()
+        stop_requests.launcher_ended()
     if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
