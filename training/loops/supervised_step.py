@@ -186,8 +186,8 @@ class SupervisedOutcome:
     train_items: int
     eval_items: int
     dtype: str
-    train_answers_cut: int = 0  # of the items the step uses (`TokenizedDataset.answers_cut`)
-    eval_answers_cut: int = 0
+    train_answers_cut: int  # of the items the step uses (`TokenizedDataset.answers_cut`)
+    eval_answers_cut: int
 
     def summary(self, step_name: str, counts: Mapping[str, Any], metrics: Mapping[str, Any]) -> dict[str, Any]:
         """A supervised step's `summary.json`: what and how long it trained, its item `counts` and own `metrics`."""
