@@ -80,6 +80,23 @@ def test_copies_of_a_record_are_dropped_so_no_text_is_both_trained_on_and_held_o
     assert sum(len(prompts) for prompts in seen) == 60 and len(set().union(*seen)) == 60
 
 
+def test_records_that_differ_only_in_whitespace_are_copies_so_the_steps_shards_stay_apart(tmp_path):
+    """The copy test's records with the copies' prompts and replies written with Windows line ends, doubled and
+    no-break spaces: the held-out check counts them as the same text, but the load kept them as records of their own,
+    so a step's shard held text (up to whitespace) of another step's. They are copies at load now, as there."""
+    rows = [{"prompt": f"question {i}\nplease", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(60)]
+    rows += [{"prompt": f"question {i}\r\n  please ", "chosen": f"good\u00a0{i}", "rejected": f"bad  {i}"}
+             for i in range(60)]
+    path = tmp_path / "spaced.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    seen = []
+    for phase in (1, 2, 3):
+        (split,) = phase_splits(phase, [str(path)], "2,4,4", seed=7, eval_fraction=0.2)
+        assert split.source.load_skips["duplicate"] == 60
+        seen.append({" ".join(s.turns[-1]["content"].split()) for s in split.train + split.eval})
+    assert sum(len(prompts) for prompts in seen) == 60 and len(set().union(*seen)) == 60
+
+
 @pytest.mark.parametrize("phase", [1, 3])
 def test_no_held_out_sample_is_one_the_step_trains_on_from_another_record_or_source(tmp_path, phase):
     """Records that differ (other rejected replies) share a prompt and preferred reply: cut by record, step 3 held out
@@ -103,23 +120,26 @@ def test_no_held_out_sample_is_one_the_step_trains_on_from_another_record_or_sou
 
 @pytest.mark.parametrize("phase", [1, 2, 3])
 def test_a_held_out_sample_that_differs_from_a_trained_one_only_in_whitespace_is_dropped(tmp_path, phase):
-    """Each row's copy writes its prompt and replies with Windows line ends, doubled and no-break spaces: another
-    record at load, the same text to the model. Compared exactly, such copies were held out beside the trained ones
-    (steps 1, 2 and 3 alike); now no held-out sample is a trained one up to whitespace."""
+    """A second source copies the first's rows with their prompts and replies written with Windows line ends, doubled
+    and no-break spaces: the same text to the model (copies across sources are not looked for at load). Compared
+    exactly, such copies were held out beside the trained ones (steps 1, 2 and 3 alike); now no held-out sample is a
+    trained one up to whitespace."""
     rows = [{"prompt": f"question {i}\nplease", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(120)]
-    rows += [{"prompt": f"question {i}\r\n  please ", "chosen": f"good\u00a0{i}", "rejected": f"bad  {i}"}
-             for i in range(120)]
-    path = tmp_path / "spaced.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (split,) = phase_splits(phase, [str(path)], "1,1,1", seed=3, eval_fraction=0.5)
+    spaced = [{"prompt": f"question {i}\r\n  please ", "chosen": f"good\u00a0{i}", "rejected": f"bad  {i}"}
+              for i in reversed(range(120))]  # in another order: each source is permuted alike by the seed
+    paths = [tmp_path / "plain.jsonl", tmp_path / "spaced.jsonl"]
+    for path, source_rows in zip(paths, (rows, spaced)):
+        path.write_text("".join(json.dumps(row) + "\n" for row in source_rows))
+    splits = phase_splits(phase, [str(path) for path in paths], "1,1,1", seed=3, eval_fraction=0.5)
 
     def text(sample):
         return " ".join(f"{sample.turns[-1]['content']} {sample.chosen} {sample.rejected}".split())  # NBSP too
 
-    trained = {text(sample) for sample in split.train}
-    assert split.eval and not trained & {text(sample) for sample in split.eval}
-    assert split.skipped[phases.HELD_OUT_IN_TRAINING] > 0
-    assert len(split.eval) + split.skipped[phases.HELD_OUT_IN_TRAINING] == split.held_out
+    trained = {text(sample) for split in splits for sample in split.train}
+    held_out = {text(sample) for split in splits for sample in split.eval}
+    assert held_out and not trained & held_out
+    assert sum(split.skipped[phases.HELD_OUT_IN_TRAINING] for split in splits) > 0
+    assert all(len(split.eval) + split.skipped[phases.HELD_OUT_IN_TRAINING] == split.held_out for split in splits)
 
 
 @pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2", "nan,1,1", "inf,1,1", "1e308,1e308,1"])

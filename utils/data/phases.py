@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import unicodedata
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, NamedTuple, Sequence
@@ -15,7 +14,17 @@ from utils.errors import UserError, refuse_all
 
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .formatting import PromptFormatter
-from .samples import KIND_PAIRS, KIND_SFT, PHASE_KINDS, Sample, SkippedRows, SkipRow, unusable_reason
+from .samples import (
+    KIND_PAIRS,
+    KIND_SFT,
+    PHASE_KINDS,
+    Sample,
+    SkippedRows,
+    SkipRow,
+    comparable_text,
+    comparable_turns,
+    unusable_reason,
+)
 from .shard_match import InputRunRecord, check_same_record_counts
 from .sources import (
     LoadedSource,
@@ -91,19 +100,11 @@ def split_source(
 HELD_OUT_IN_TRAINING = "held_out_in_training"
 
 
-def comparable_text(text: str) -> str:
-    """`text` as the held-out check compares it: Unicode compatibility forms folded (NFKC: a no-break or full-width
-    space, a ligature) and every run of whitespace (line ends of either kind, tabs, doubled spaces) one space. Texts
-    that differ only so are the same text to a model reading its tokens."""
-    return " ".join(unicodedata.normalize("NFKC", text).split())
-
-
 def _trained_text(sample: Sample, kind: str) -> str:
     """What `kind` reads of `sample`, as comparable text (`comparable_text`): its prompt's turns, and the replies
     step 1 learns or step 2 compares."""
     replies = (sample.chosen,) if kind == KIND_SFT else (sample.chosen, sample.rejected) if kind == KIND_PAIRS else ()
-    turns = [{"role": turn["role"], "content": comparable_text(turn["content"])} for turn in sample.turns]
-    return json.dumps([turns, *(comparable_text(reply) for reply in replies)], sort_keys=True)
+    return json.dumps([comparable_turns(sample.turns), *(comparable_text(reply) for reply in replies)], sort_keys=True)
 
 
 def drop_held_out_copies(splits: Sequence[SourceSplit], kind: str) -> None:

@@ -7,6 +7,7 @@ counted per source and reported in one log line.
 """
 from __future__ import annotations
 
+import unicodedata
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,6 +95,19 @@ class Sample:
     group: int = 0
     metadata: Mapping[str, Any] | None = None
     reply_error: str | None = None
+
+
+def comparable_text(text: str) -> str:
+    """`text` as two records or samples are compared for being the same text (a record's copy at load, a held-out
+    sample the step trains on): Unicode compatibility forms folded (NFKC: a no-break or full-width space, a ligature)
+    and every run of whitespace (line ends of either kind, tabs, doubled spaces) one space. Texts that differ only so
+    are the same text to a model reading its tokens."""
+    return " ".join(unicodedata.normalize("NFKC", text).split())
+
+
+def comparable_turns(turns: tuple) -> list[dict]:
+    """`turns` with each content as `comparable_text`."""
+    return [{"role": turn["role"], "content": comparable_text(turn["content"])} for turn in turns]
 
 
 def unusable_reason(sample: Sample, kind: str) -> str | None:

@@ -29,7 +29,7 @@ from . import embedded, tasks
 from .jsonio import FileRecords
 from .local_files import LOCAL_SUFFIXES, RecordOrigins, local_files, read_local_files, split_name
 from .readers import FORMATS, PARSERS, Parser, detect_format, with_row_metadata
-from .samples import SkippedRows, SkipRow
+from .samples import SkippedRows, SkipRow, comparable_text, comparable_turns
 
 _DETECT_SAMPLE = 20
 
@@ -207,8 +207,9 @@ def load_source(spec: SourceSpec) -> LoadedSource:
 
 def without_duplicates(source: LoadedSource) -> LoadedSource:
     """`source` keeping the first of each set of records whose rows parse to the same samples, the others counted
-    as skipped "duplicate" (records that differ only in an id are the same text): the seeded shards and held-out
-    parts are cut by record, so a copy would put the same text in training and in evaluation, or in two steps."""
+    as skipped "duplicate" (records that differ only in an id, or in whitespace and Unicode compatibility forms, are
+    the same text: `samples.comparable_text`, as the held-out check compares): the seeded shards and held-out parts
+    are cut by record, so a copy would put the same text in training and in evaluation, or in two steps."""
     keep, seen, skips = [], set(), source.load_skips.copy()
     for index, record in enumerate(source.records):
         key = _content_key(source, record)
@@ -226,7 +227,7 @@ def without_duplicates(source: LoadedSource) -> LoadedSource:
 
 
 def _content_key(source: LoadedSource, record: Any) -> str | None:
-    """What a record's rows parse to, as text; None for a row the parser skips (its reason is counted later), and
+    """What a record's rows parse to, as comparable text (`samples.comparable_text`); None for a row the parser skips (its reason is counted later), and
     for a row whose replies do not read: such rows were skipped whole before step 3 kept their prompts, so counting
     them as copies now would re-cut the shards of data an earlier run was split from."""
     try:
@@ -235,7 +236,12 @@ def _content_key(source: LoadedSource, record: Any) -> str | None:
         return None
     if any(sample.reply_error for sample in samples):
         return None
-    return json.dumps([(s.turns, s.chosen, s.rejected, s.metadata) for s in samples], default=str, sort_keys=True)
+    return json.dumps([(comparable_turns(s.turns), _comparable_reply(s.chosen), _comparable_reply(s.rejected),
+                        s.metadata) for s in samples], default=str, sort_keys=True)
+
+
+def _comparable_reply(reply: str | None) -> str | None:
+    return None if reply is None else comparable_text(reply)
 
 
 def _read_source(spec: SourceSpec) -> LoadedSource:
