@@ -111,7 +111,8 @@ def drop_held_out_copies(splits: Sequence[SourceSplit], kind: str) -> None:
     """Drop from each split's held-out samples those that a split of the step trains on (the same text up to
     whitespace and Unicode compatibility forms: `comparable_text`), counted as skipped `HELD_OUT_IN_TRAINING`. Records are held out, not samples: records that differ can give one sample (rows
     of one prompt with other replies give step 3 the same prompt; SHP's pairs of one post share a preferred reply for
-    step 1), as can two sources, and the step would be scored on what it trained on. Its training samples stay."""
+    step 1), as can two sources, and the step would be scored on what it trained on. Its training samples stay. A
+    pair is compared whole: one sharing its prompt and one reply with a training pair asks another comparison."""
     trained = {_trained_text(sample, kind) for split in splits for sample in split.train}
     for split in splits:
         held_out = []
