@@ -36,6 +36,7 @@ from step3_rlhf.run_loop import (
     PPORun,
     held_out_stats,
     held_out_totals,
+    rollout_means,
     trained_learning_rates,
 )
 from step3_rlhf.stage_fusion import StageFusion, place_rows
@@ -271,8 +272,12 @@ def _from_holders(local: dict[str, float]) -> dict[str, float]:
 
 
 def chunk_stats(experiences: Mapping[int, Experience]) -> dict[str, float]:
-    """`experience_stats` averaged over the chunks."""
-    return _mean_stats({chunk: experience_stats(experience) for chunk, experience in experiences.items()})
+    """`experience_stats` of all the chunks, each weighing by what its means run over (`rollout_means`): a plain mean
+    over chunks weighed each answer token of a chunk with shorter answers more in a token mean."""
+    chunks = list(experiences.values())
+    return rollout_means([experience_stats(experience) for experience in chunks],
+                         [len(experience.scores) for experience in chunks],
+                         [int(experience.action_mask.sum().item()) for experience in chunks])
 
 
 
@@ -314,6 +319,10 @@ class PlacedPPORun(PPORun):
     def learning_rates(self) -> dict[str, float]:
         """The actor's (and critic's) learning rates, from whichever rank holds them (collective)."""
         return _from_holders(trained_learning_rates({"actor": self.engine.actor, "critic": self.engine.critic}))
+
+    def rollout_over_ranks(self, rollout: dict[str, float], answers: int, tokens: int) -> dict[str, float]:
+        """Already the run's: every rank holds every chunk's rollout."""
+        return rollout
 
     def over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
         """Already the run's: every rank holds every chunk's statistics."""

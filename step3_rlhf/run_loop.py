@@ -231,17 +231,19 @@ class PPORun:
             for key, value in batch_timing.items():
                 timing[key] += value
         timing["generated_tokens"] = self.run_generated_tokens(timing["generated_tokens"])
-        rollout = rollout_means(batch_stats, [len(self.scores([batch])) for batch in batches],
-                                [self.answer_tokens([batch]) for batch in batches])
+        answers = [len(self.scores([batch])) for batch in batches]
+        tokens = [self.answer_tokens([batch]) for batch in batches]
+        rollout = self.rollout_over_ranks(rollout_means(batch_stats, answers, tokens), sum(answers), sum(tokens))
         # a mean of each batch's std would leave out the spread between batches (and ranks)
         rollout["reward/score_std"] = self.step_scores(batches).std(unbiased=False).item()
         check_finite("reward", self.scores(batches), self.step + 1, self.checkpoints)
         started = time.perf_counter()
         updates = self.train_on(batches)
         training_s = time.perf_counter() - started
-        return self.over_ranks(ppo_step_stats(rollout, updates, timing, training_s,
-                                              self.trainer.kl_controller.value, self.learning_rates(),
-                                              self.trainer.clock.take()))
+        # the rollout's keys first, as `ppo_step_stats` orders them
+        return {**rollout, **self.over_ranks(ppo_step_stats({}, updates, timing, training_s,
+                                                            self.trainer.kl_controller.value, self.learning_rates(),
+                                                            self.trainer.clock.take()))}
 
     def rollout_batch(self, prompt_batch: dict) -> tuple[Experience, dict[str, float], dict[str, float]]:
         """One prompt batch's experience, the rollout's phase times and its statistics."""
@@ -284,8 +286,15 @@ class PPORun:
         """The actor's (and critic's) learning rates (`logged_learning_rates`: their LoRA adapters' too)."""
         return trained_learning_rates({"actor": self.engine.actor, "critic": self.engine.critic})
 
+    def rollout_over_ranks(self, rollout: dict[str, float], answers: int, tokens: int) -> dict[str, float]:
+        """This rank's rollout means (over its `answers` and their answer `tokens`) made the run's, each rank
+        weighing by what its means run over (`rollout_means`; collective): a plain mean over ranks weighed each
+        answer token of a rank with shorter answers more in a token mean."""
+        return rollout_means(*zip(*all_gather_objects((rollout, answers, tokens)), strict=True))
+
     def over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
-        """This rank's statistics made the run's: the mean over ranks of their own batches."""
+        """This rank's other statistics made the run's: the mean over ranks of their own batches (the updates' are
+        already weighed for it, `weighted_stats`)."""
         return mean_over_ranks(stats)
 
     def _out_of_time(self, started: float) -> bool:

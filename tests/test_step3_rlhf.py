@@ -704,6 +704,33 @@ def test_the_logged_value_mean_weighs_every_answer_token_of_the_step_alike(distr
     assert stats["rollout/response_length"] == pytest.approx(2.0)  # 1, 1 and 4 tokens: a mean over the answers
 
 
+def test_the_logged_value_mean_weighs_every_answer_token_of_every_rank_alike(tmp_path):
+    """Rank 0's one-token answer valued 0 beside rank 1's four-token answer valued 3: the run's mean value over its
+    5 answer tokens is 12 / 5 = 2.4; the plain mean of the ranks' own means, 1.5, counted rank 0's token four times
+    as much as one of rank 1's. The means over answers stay means over the 2 answers."""
+    source = (
+        "from types import SimpleNamespace\n"
+        "from test_step3_rlhf import logged_stats_of, valued_experience\n"
+        "from utils.dist import get_rank, init_distributed, is_main_process\n"
+        "init_distributed()\n"
+        "values = [[0.0], [3.0] * 4][get_rank()]\n"
+        "stats = logged_stats_of(SimpleNamespace(setattr=setattr), valued_experience([values]))\n"
+        "if is_main_process():\n"
+        "    print(f\"value_mean {stats['rollout/value_mean']:.4f} length {stats['rollout/response_length']:.4f}\")\n"
+    )
+    assert "value_mean 2.4000 length 2.5000" in run_on_two_ranks(source, tmp_path).splitlines()
+
+
+def test_a_placed_runs_value_mean_weighs_every_answer_token_of_every_chunk_alike():
+    """As the co-located run's ranks, a placed run's chunks weigh by their answer tokens in a token mean: a one-token
+    answer valued 0 and a four-token one valued 3 make 12 / 5 = 2.4, not the chunks' plain mean 1.5."""
+    from step3_rlhf.placed import chunk_stats
+
+    stats = chunk_stats({0: valued_experience([[0.0]]), 1: valued_experience([[3.0] * 4])})
+    assert stats["rollout/value_mean"] == pytest.approx(2.4)
+    assert stats["rollout/response_length"] == pytest.approx(2.5)
+
+
 def test_the_logged_generation_rate_is_the_runs_every_ranks_tokens_over_the_time(tmp_path):
     """Two ranks each generate 2 tokens in 1 s: the run's rate is 4 tokens/s, as a placed run logs it (its rollouts
     are every chunk's); the co-located run logged the mean of the ranks' own rates, 2."""
