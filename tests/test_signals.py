@@ -7,6 +7,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import TESTS_DIR
@@ -18,6 +19,7 @@ from tiny_models import make_tiny_model_dir
 from training.reliability.signals import (
     EXIT_INTERRUPTED,
     GracefulInterrupt,
+    OutputReaderWatch,
     resume_command,
     take_received_signal,
 )
@@ -161,6 +163,46 @@ def test_a_stop_request_an_enclosing_handler_took_stops_the_inner_one():
     with GracefulInterrupt() as later:
         assert not later.requested
     take_received_signal()
+
+
+RANK_WRITING_AS_IT_TRAINS = """
+import sys, time
+from training.reliability.signals import GracefulInterrupt
+with GracefulInterrupt() as stop:
+    print("ready", flush=True)
+    waited_until = time.monotonic() + 30
+    while not stop.requested and time.monotonic() < waited_until:
+        print("step", file=sys.stderr, flush=True)  # a progress bar
+        time.sleep(0.02)
+    print("saving", flush=True)
+    open(sys.argv[1], "w").write(stop.received.name if stop.requested else "no stop request")
+    stop.exit_for_resume(1, "checkpoints/step1")
+"""
+
+
+def test_a_rank_whose_output_reader_has_gone_takes_it_as_a_stop_request_and_saves(tmp_path):
+    """train.py killed (SIGKILL, the OOM killer) left the launcher's ranks writing to the pipe it had read: their next
+    print raised BrokenPipeError and ended them with status 1 before their checkpoint (or, past it, in
+    `exit_for_resume`'s message, with 1 or 120 rather than 3). Now they take it as a stop request: save, exit 3."""
+    saved = tmp_path / "saved"
+    read_end, write_end = os.pipe()
+    rank = subprocess.Popen([sys.executable, "-c", RANK_WRITING_AS_IT_TRAINS, str(saved)], stdout=write_end,
+                            stderr=write_end, env=step_env())
+    os.close(write_end)
+    with os.fdopen(read_end) as output:
+        while output.readline().strip() not in ("ready", ""):
+            pass
+    assert rank.wait(timeout=60) == EXIT_INTERRUPTED
+    assert saved.read_text() == "SIGPIPE"
+
+
+def test_the_output_watch_ends_with_its_block():
+    read_end, write_end = os.pipe()
+    with OutputReaderWatch(lambda: None, fds=[write_end]):
+        assert "output-reader-watch" in [thread.name for thread in threading.enumerate()]
+    assert "output-reader-watch" not in [thread.name for thread in threading.enumerate()]
+    os.close(read_end)
+    os.close(write_end)
 
 
 def test_exit_for_resume_prints_the_command_and_exits_with_the_documented_code(capsys):

@@ -11,6 +11,10 @@ finished run: stopping there would lose what the export writes, and with `--save
 train.py runs steps one after another: a stop request during a step also ends train.py before the next step
 (`take_received_signal`), in this process or, through the launcher, in the step's processes.
 
+A rank's output whose reader has gone (train.py, which reads the ranks' output, killed) is a stop request too: the
+rank writes to /dev/null from then on (its next write to the pipe would raise BrokenPipeError, ending it before its
+save), saves at the next step and exits with `EXIT_INTERRUPTED`, as on a SIGTERM (`OutputReaderWatch`).
+
 Only a second SIGINT aborts, not a SIGTERM after a SIGINT: Ctrl-C under the `deepspeed` launcher
 reaches each rank twice (SIGINT from the terminal, then SIGTERM from the launcher). That launcher
 kills its ranks 30 s after forwarding the signal, so a checkpoint that takes longer to write is
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shlex
 import signal
+import stat
 import sys
 import threading
 from types import FrameType
@@ -98,6 +104,66 @@ def say_from_handler(text: str) -> None:
         os.write(sys.stderr.fileno(), text.encode())
 
 
+OUTPUT_FDS = (1, 2)  # stdout and stderr, which a launched rank shares with its launcher and train.py's pipe
+
+
+def _pipes_among(fds: Sequence[int]) -> list[int]:
+    """Those of `fds` that are open pipes."""
+    pipes = []
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                pipes.append(fd)
+    return pipes
+
+
+class OutputReaderWatch:
+    """Watches this process's stdout and stderr where they are pipes, from a thread: once no process reads one any
+    more, that file descriptor writes to /dev/null from then on (a write to the pipe would raise BrokenPipeError)
+    and `on_gone` is called, once."""
+
+    def __init__(self, on_gone: Callable[[], None], fds: Sequence[int] = OUTPUT_FDS) -> None:
+        self._on_gone = on_gone
+        self._pipes = _pipes_among(fds)
+        self._wake_read, self._wake_write = os.pipe()
+        self._thread = threading.Thread(target=self._watch, name="output-reader-watch", daemon=True)
+
+    def __enter__(self) -> None:
+        if self._pipes:
+            self._thread.start()
+
+    def __exit__(self, *exc_info) -> None:
+        os.write(self._wake_write, b"x")
+        if self._thread.is_alive():
+            self._thread.join()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        for fd in self._pipes:
+            poller.register(fd, 0)  # a pipe's write end reports POLLERR, always polled for, once it has no reader
+        poller.register(self._wake_read, select.POLLIN)
+        gone = 0
+        while gone < len(self._pipes):
+            for fd, _ in poller.poll():
+                if fd == self._wake_read:
+                    return
+                poller.unregister(fd)
+                _write_to_devnull(fd)
+                gone += 1
+                if gone == 1:
+                    self._on_gone()
+
+
+def _write_to_devnull(fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 class GracefulInterrupt:
     """Context manager that turns SIGINT/SIGTERM into a stop request at the next step boundary."""
 
@@ -115,6 +181,7 @@ class GracefulInterrupt:
         if isinstance(enclosing, GracefulInterrupt):
             self.received = enclosing.received
         self._handling.enter_context(handling_signals(self.signals, self._handle))
+        self._handling.enter_context(OutputReaderWatch(self._output_reader_gone))
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -125,9 +192,17 @@ class GracefulInterrupt:
         record_signal(signum)
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
+        self._take(signum, f"received {signum.name}")
+
+    def _output_reader_gone(self) -> None:
+        """No process reads this one's output any more (train.py killed): a stop request, noted as a SIGPIPE."""
+        record_signal(signal.SIGPIPE)
+        self._take(signal.SIGPIPE, "the process reading this one's output has gone")
+
+    def _take(self, signum: signal.Signals, what: str) -> None:
         if self.received is None:
             self.received = signum
-            say_from_handler(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)\n")
+            say_from_handler(f"\n{what}: {self._on_receipt} (press Ctrl-C again to abort at once)\n")
 
     def finishing(self, task: str) -> None:
         """The run is past its last step and now does `task` ("the final model's save"): a signal from here on
