@@ -49,6 +49,20 @@ def test_update_is_exact_and_skips_frozen_parameters():
     assert torch.equal(_ema_weights(ema, layer)["weight"], torch.tensor([[1.25, 0.875], [1.625, 1.125]]))
 
 
+def test_the_ema_of_a_bf16_model_keeps_moves_smaller_than_a_bf16_step():
+    """Each update moves the EMA by (1 - beta) x (weight - EMA), far below bf16's spacing (2^-7 at 1.0) at the usual
+    beta: an EMA held in the model's bf16 would round every move away and stay at the starting weights."""
+    layer = _linear_with_frozen_bias().to(torch.bfloat16)
+    ema = ModelEMA(layer, beta=0.75)
+    with torch.no_grad():
+        layer.weight.fill_(1.0078125)  # 1 + 2^-7, the next bf16 after 1.0
+    ema.update(layer)  # 0.75 * 1 + 0.25 * 1.0078125 = 1.001953125 (bf16 would round it to 1.0)
+    ema.update(layer)  # 0.75 * 1.001953125 + 0.25 * 1.0078125 = 1.00341796875 (again 1.0 in bf16)
+    shadow = ema.local_state_dict()["weight"]
+    assert shadow.dtype == torch.float32
+    assert torch.equal(shadow, torch.full((4,), 1.00341796875))
+
+
 def test_applied_to_swaps_in_and_restores_exactly_and_state_resumes():
     layer = _linear_with_frozen_bias()
     ema = ModelEMA(layer, beta=0.5)
