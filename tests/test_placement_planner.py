@@ -379,6 +379,16 @@ def test_hardware_files_default_the_measured_constants_from_the_datasheet(tmp_pa
     assert tuned.backward_flops == pytest.approx(0.5e12) and tuned.reduce_efficiency == 0.5
 
 
+@pytest.mark.parametrize("key", ["matmul_efficiency", "memory_efficiency", "link_efficiency", "backward_efficiency",
+                                 "reduce_efficiency", "usable_memory_fraction"])
+def test_a_share_of_a_peak_above_one_is_refused(tmp_path, key):
+    """reduce_efficiency and usable_memory_fraction above 1 were capped at 1 without a word; the others planned rates
+    above the datasheet's peaks. 1 itself is a peak reached."""
+    with pytest.raises(UserError, match=f"hardware file .*: {key} 1.5 above 1; each is the share of a peak"):
+        load_machine_file(_write(tmp_path, GOOD + f"{key}: 1.5\n"))
+    load_machine_file(_write(tmp_path, GOOD + f"{key}: 1\n"))
+
+
 def test_each_of_two_ranks_on_two_cores_is_calibrated_on_one_core(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     asked = []

@@ -105,6 +105,9 @@ FILE_DEFAULTS: dict[str, float] = {
     "sampling_bytes_per_logit": 40,  # softmax, sampling and log-softmax: ~10 passes over fp32 logits
     "usable_memory_fraction": 0.92,
 }
+# the factors that are shares of a peak: one above 1 would plan a rate above the peak (or more memory than there is)
+FRACTION_KEYS = ("matmul_efficiency", "memory_efficiency", "link_efficiency", "backward_efficiency",
+                 "reduce_efficiency", "usable_memory_fraction")
 REQUIRED_KEYS = ("nodes", "gpus_per_node", "memory_gib", "peak_flops", "memory_bandwidth",
                  "intra_node_bandwidth", "inter_node_bandwidth")
 OPTIONAL_KEYS = ("name", "description", *FILE_DEFAULTS)
@@ -166,6 +169,16 @@ def _peak_flops(path: Path, value: Any, dtype: str) -> float:
     return _positive(path, "peak_flops", value)
 
 
+def _check_fractions(path: Path, value: Mapping[str, float]) -> None:
+    """Refuse a share of a peak (`FRACTION_KEYS`) above 1: two were capped at 1 without a word, and the others planned
+    rates above the datasheet's."""
+    over = [key for key in FRACTION_KEYS if value[key] > 1.0]
+    if over:
+        raise UserError(f"hardware file {path}: {', '.join(f'{key} {value[key]:g}' for key in over)} above 1; each "
+                        "is the share of a peak a run reaches, at most 1: give the measured share (e.g. 0.5 of the "
+                        "dense FLOP/s), or raise the peak itself where the datasheet's is too low")
+
+
 def machine_from_mapping(data: Mapping[str, Any], path: Path, dtype: str = "bf16") -> MachineSpec:
     unknown = sorted(set(data) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
     if unknown:
@@ -179,6 +192,7 @@ def machine_from_mapping(data: Mapping[str, Any], path: Path, dtype: str = "bf16
     for key in ("nodes", "gpus_per_node"):
         if value[key] != int(value[key]):
             raise UserError(f"hardware file {path}: {key} must be a whole number, got {data[key]!r}")
+    _check_fractions(path, value)
     link, bandwidth = value["link_efficiency"], value["memory_bandwidth"] * value["memory_efficiency"]
     elementwise_s = value["elementwise_passes"] * DTYPE_BYTES.get(dtype, 2) / bandwidth
     return MachineSpec(
@@ -195,9 +209,9 @@ def machine_from_mapping(data: Mapping[str, Any], path: Path, dtype: str = "bf16
         attention_backward_flops=_peak_flops(path, data["peak_flops"], dtype) * value["backward_efficiency"],
         forward_elementwise_s=elementwise_s, backward_elementwise_s=2 * elementwise_s,
         optimizer_s_per_param=value["optimizer_bytes_per_param"] / bandwidth,
-        reduce_efficiency=min(1.0, value["reduce_efficiency"]),
+        reduce_efficiency=value["reduce_efficiency"],
         sampling_s_per_logit=value["sampling_bytes_per_logit"] / bandwidth,
-        usable_memory_fraction=min(1.0, value["usable_memory_fraction"]))
+        usable_memory_fraction=value["usable_memory_fraction"])
 
 
 def load_machine_file(path: str | Path, dtype: str = "bf16") -> MachineSpec:
