@@ -46,7 +46,7 @@ from training.loops.metrics import read_metrics
 from training.reliability.checkpointing import CheckpointManager
 from utils.data import PromptCollator, SFTCollator
 from utils.dist import free_port
-from utils.errors import EXIT_USER_ERROR, UserError
+from utils.errors import EXIT_USER_ERROR, UserError, UserErrors
 
 
 @pytest.fixture(scope="module")
@@ -964,6 +964,19 @@ def test_a_ppo_constant_that_would_turn_its_term_around_is_refused_with_the_argu
 
     with pytest.raises(UserError, match=f"--{flag} {message}, got {value}"):
         check_args(parse_args(step3_argv(inputs, tmp_path / "run", f"--{flag}", value)))
+
+
+def test_every_bad_ppo_constant_of_a_command_line_is_reported_at_once(inputs, tmp_path):
+    """Three bad constants that one check reads (a negative, a zero and a nan): the refusal named the first alone
+    (nan before the others: the finite check ran first), and each rerun told of one more."""
+    from step3_rlhf.main import check_args, parse_args
+
+    argv = step3_argv(inputs, tmp_path / "run", "--cliprange", "0", "--target_kl", "nan", "--kl_horizon", "-5")
+    with pytest.raises(UserErrors) as refused:
+        check_args(parse_args(argv))
+    assert refused.value.messages == ["--cliprange must be positive, got 0.0",
+                                      "--target_kl must be a finite number, got nan",
+                                      "--kl_horizon must be positive, got -5.0"]
 
 
 def test_a_training_time_budget_must_be_positive(inputs, tmp_path):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -38,10 +39,16 @@ def refuse_all(*checks: Callable[[], object]) -> None:
             messages.extend(errors.messages)
         except UserError as error:
             messages.append(str(error))
+    refuse_messages(messages)
+
+
+def refuse_messages(messages: Sequence[str]) -> None:
+    """Raise every one of `messages` (refusals) at once: one as a `UserError`, several as one `UserErrors`, none not
+    at all."""
     if len(messages) == 1:
         raise UserError(messages[0])
     if messages:
-        raise UserErrors(messages)
+        raise UserErrors(list(messages))
 
 
 def run_cli(main: Callable[..., T]) -> Callable[..., T]:

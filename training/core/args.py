@@ -25,9 +25,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar, get_type_hints
+from typing import Any, TypeVar, get_type_hints
 
 import torch
 from transformers import HfArgumentParser
@@ -37,7 +38,7 @@ from training.core.engine import OptimizationSettings
 from training.core.lora import apply_lora
 from training.core.model_loading import EMBEDDED_MODEL_NAME, FINAL_MODEL_SUBDIR, resolve_dtype
 from training.core.optim import OPTIMIZER_CHOICES, SCHEDULER_CHOICES
-from utils.errors import UserError
+from utils.errors import UserError, refuse_messages
 
 logger = logging.getLogger(__name__)
 
@@ -286,22 +287,27 @@ class ScheduleSettings:
 # reading them -------------------------------------------------------------------------------------
 
 
+def _refuse_flags(flags: Mapping[str, Any], names: Sequence[str], requirement: Callable[[float], str | None]) -> None:
+    """Refuse every flag of `names` in `flags` (as `flag_values` gives them) that is set and whose value fails
+    `requirement` (which says what the value must be, None where it is fine), all in one error."""
+    refuse_messages([f"--{name} must be {must}, got {flags[name]}" for name in names
+                     if flags[name] is not None and (must := requirement(flags[name])) is not None])
+
+
+def _finite(value: float) -> str | None:
+    """argparse's float reads "nan" and "inf", and every comparison with nan is False, so a range check alone lets
+    them through."""
+    return None if math.isfinite(value) else "a finite number"
+
+
 def check_finite(flags: Mapping[str, Any], *names: str) -> None:
-    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but nan or infinite: argparse's float
-    reads "nan" and "inf", and every comparison with nan is False, so a range check alone lets it through."""
-    for name in names:
-        value = flags[name]
-        if value is not None and not math.isfinite(value):
-            raise UserError(f"--{name} must be a finite number, got {value}")
+    """Refuse every flag of `flags` (as `flag_values` gives them) that is set but nan or infinite."""
+    _refuse_flags(flags, names, _finite)
 
 
 def check_positive(flags: Mapping[str, Any], *names: str) -> None:
-    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but not a positive finite number."""
-    check_finite(flags, *names)
-    for name in names:
-        value = flags[name]
-        if value is not None and value <= 0:
-            raise UserError(f"--{name} must be positive, got {value}")
+    """Refuse every flag of `flags` (as `flag_values` gives them) that is set but not a positive finite number."""
+    _refuse_flags(flags, names, lambda value: _finite(value) or (None if value > 0 else "positive"))
 
 
 def check_offload_stage(flags: Mapping[str, Any], *prefixes: str) -> None:
@@ -333,13 +339,9 @@ def check_lora_flags(flags: Mapping[str, Any], *prefixes: str) -> None:
 
 
 def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
-    """Refuse a flag of `flags` (as `flag_values` gives them) that is set but negative (0 turns it off) or not a
+    """Refuse every flag of `flags` (as `flag_values` gives them) that is set but negative (0 turns it off) or not a
     finite number."""
-    check_finite(flags, *names)
-    for name in names:
-        value = flags[name]
-        if value is not None and value < 0:
-            raise UserError(f"--{name} must be 0 or positive, got {value}")
+    _refuse_flags(flags, names, lambda value: _finite(value) or (None if value >= 0 else "0 or positive"))
 
 
 _OPTIMIZER_FLAGS = ("learning_rate", "lora_learning_rate", "weight_decay")
