@@ -442,6 +442,18 @@ def test_every_data_flag_refusal_is_reported_at_once():
         "--max_eval_samples", "--sft_only_data_path"]
 
 
+def test_a_source_in_both_data_path_and_sft_only_data_path_is_refused(tmp_path):
+    """Step 1 trained on such a source's step-1 shard twice (as a --data_path shard and within the whole source) and
+    on the other steps' shards, and train.py's step 2 refused the model only once step 1 had trained it. Refused
+    before any data is read, whichever way the source is written (here a stated format)."""
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 10, "a")
+    other = write_pairs(tmp_path / "other.jsonl", 10, "b")
+    DataArguments(data_path=[pairs], sft_only_data_path=[other]).check_flags(1)
+    with pytest.raises(UserError, match=r"--sft_only_data_path .*pairs.jsonl:deepspeed_chat is in --data_path too: "
+                                        r"step 1 would train on its step-1 shard twice"):
+        DataArguments(data_path=[other, pairs], sft_only_data_path=[f"{pairs}:deepspeed_chat"]).check_flags(1)
+
+
 def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok, caplog):
     text_file = tmp_path / "corpus.txt"
     text_file.write_text("The quick brown fox.\n\nJumps over the lazy dog.\n\n" * 20)

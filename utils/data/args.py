@@ -13,7 +13,7 @@ from .embedded import EMBEDDED_SOURCE
 from .formatting import PROMPT_FORMATS
 from .phases import PhaseData, build_phase_data, check_sample_caps
 from .readers import FORMATS
-from .shard_match import InputRunRecord
+from .shard_match import InputRunRecord, shared_sources
 from .sources import resolved_source
 from .splits import ShardSettings, check_eval_fraction, check_seed, parse_data_split
 from .tokenization import PROMPT_OVERFLOW, check_token_limits
@@ -84,13 +84,22 @@ class DataArguments:
         refuse_all(partial(parse_data_split, self.data_split), partial(check_eval_fraction, self.eval_fraction),
                    partial(check_token_limits, self.max_seq_len, self.max_prompt_seq_len),
                    partial(check_sample_caps, self.max_train_samples, self.max_eval_samples),
-                   partial(self._check_step1_only_sources, phase))
+                   partial(self._check_step1_only_sources, phase), partial(self._check_whole_sources_unsharded, phase))
 
     def _check_step1_only_sources(self, phase: int) -> None:
         given = [f"--{flag}" for flag in STEP1_ONLY_FLAGS if getattr(self, flag)]
         if phase != 1 and given:
             raise UserError(f"{', '.join(given)} names sources step 1 alone trains on, and this step reads only its "
                             f"shard of --data_path: drop it (train.py gives it to step 1 only)")
+
+    def _check_whole_sources_unsharded(self, phase: int) -> None:
+        """Step 1 trains on a step-1-only source whole, so it cannot also be cut into the steps' shards (the later
+        steps refuse the flag itself)."""
+        sharded = shared_sources(self.sft_only_data_path, self.data_path)
+        if phase == 1 and sharded:
+            raise UserError(f"--sft_only_data_path {', '.join(sharded)} is in --data_path too: step 1 would train on "
+                            "its step-1 shard twice and on the shards of steps 2 and 3 (which then refuse step 1's "
+                            "model); name each source in one of the two")
 
     def shard_settings(self) -> ShardSettings:
         return ShardSettings(self.data_split, self.seed, self.eval_fraction)
