@@ -477,3 +477,39 @@ def test_each_algorithm_names_a_registered_estimator_and_its_defaults(name, esti
             algorithm.kl_estimator) == (estimator, samples, in_loss, kl)
     assert get_advantage_estimator(estimator).min_group_size <= samples
     assert get_advantage_estimator(estimator).needs_critic == (name == "ppo")
+
+
+EOS = 2
+
+
+def _rloo_experience(kl_in_loss: bool):
+    """Two answers to one prompt, assembled by the trainer under RLOO at --kl_ctl 0.5: answer 0 is [5, EOS]
+    (score 1), answer 1 is [EOS] (score 0)."""
+    from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer, Rollout
+    from step3_rlhf.scoring import Scores
+
+    trainer = PPOTrainer.__new__(PPOTrainer)  # assemble_experience calls no model
+    trainer.config = PPOConfig(algorithm="rloo", kl_ctl=0.5, kl_in_loss=kl_in_loss)
+    trainer.kl_controller = FixedKLController(0.5)
+    trainer.stop_token_ids = (EOS,)
+    trainer.advantage_estimator = get_advantage_estimator("leave_one_out")
+    action_mask = torch.tensor([[1, 1], [1, 0]])
+    rollout = Rollout(torch.tensor([[9, 5, EOS], [9, EOS, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]]), 1, action_mask,
+                      torch.tensor([0, 0]), None, 2, True, 0.0)
+    parts = {"scores": Scores(torch.tensor([1.0, 0.0]), None),
+             "old_logprobs": torch.tensor([[-1.0, -2.0], [-0.8, 0.0]]),
+             "ref_logprobs": torch.tensor([[-1.5, -1.0], [-1.0, 0.0]])}
+    return trainer.assemble_experience(rollout, parts)
+
+
+def test_a_group_baseline_compares_returns_with_the_kl_penalty_in_the_reward_and_scores_with_it_in_the_loss():
+    """R, the return a group estimator compares, is the clipped score plus the KL penalty when the KL is in the reward
+    (README): log-ratios [0.5, -1] and [0.2] at --kl_ctl 0.5 give R = 1 - 0.25 + 0.5 = 1.25 and 0 - 0.1 = -0.1, so
+    RLOO's advantages are +-1.35; with --kl_in_loss the rewards hold the scores alone, and the advantages are +-1."""
+    in_reward = _rloo_experience(kl_in_loss=False)
+    torch.testing.assert_close(in_reward.rewards, torch.tensor([[-0.25, 1.5], [-0.1, 0.0]]))
+    torch.testing.assert_close(in_reward.advantages, torch.tensor([[1.35, 1.35], [-1.35, 0.0]]))
+    in_loss = _rloo_experience(kl_in_loss=True)
+    torch.testing.assert_close(in_loss.rewards, torch.tensor([[0.0, 1.0], [0.0, 0.0]]))
+    torch.testing.assert_close(in_loss.advantages, torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
+    assert in_reward.ended_with_eos.tolist() == in_loss.ended_with_eos.tolist() == [True, True]
