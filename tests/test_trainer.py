@@ -21,6 +21,8 @@ from training.loops.trainer import (
     SkipFirst,
     SupervisedTrainer,
     count_optimizer_steps,
+    micro_batch_examples,
+    micro_batches_per_epoch,
 )
 from training.reliability.checkpointing import CLIENT_STATE_FILE, CheckpointManager
 from training.reliability.guards import NonFiniteError
@@ -86,6 +88,22 @@ def test_step_count_spans_epochs_and_is_capped():
     assert count_optimizer_steps(10, config, world_size=2) == 1
     with pytest.raises(UserError, match="gradient_accumulation_steps"):
         count_optimizer_steps(3, LoopConfig(per_device_train_batch_size=2, gradient_accumulation_steps=4), world_size=1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_micro_batch_counts_are_the_distributed_samplers_batches(world_size):
+    """Each rank's loader over a `DistributedSampler` (which repeats the first examples so every rank gets as many)
+    makes as many micro-batches as `micro_batches_per_epoch` says, of the sizes `micro_batch_examples` says."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    for num_examples in (1, 2, 5, 7, 8, 13):
+        for batch_size in (1, 3, 4):
+            expected = [micro_batch_examples(num_examples, batch_size, world_size, index)
+                        for index in range(micro_batches_per_epoch(num_examples, batch_size, world_size))]
+            for rank in range(world_size):
+                sampler = DistributedSampler(range(num_examples), num_replicas=world_size, rank=rank, shuffle=False)
+                loader = DataLoader(range(num_examples), batch_size=batch_size, sampler=sampler)
+                assert [len(batch) for batch in loader] == expected, (num_examples, batch_size, rank)
 
 
 def test_skip_first_resumes_mid_epoch():

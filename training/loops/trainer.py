@@ -75,15 +75,20 @@ class LoopConfig:
     description: str = "train"
 
 
+def examples_per_rank(num_examples: int, world_size: int) -> int:
+    """The examples each rank's `DistributedSampler` yields per epoch: it repeats the first ones so that every rank
+    gets as many."""
+    return math.ceil(num_examples / world_size)
+
+
 def micro_batches_per_epoch(num_examples: int, batch_size: int, world_size: int) -> int:
-    """Micro-batches each rank sees per epoch (`DistributedSampler` pads every rank to the same count)."""
-    return math.ceil(math.ceil(num_examples / world_size) / batch_size)
+    """Micro-batches each rank sees per epoch."""
+    return math.ceil(examples_per_rank(num_examples, world_size) / batch_size)
 
 
 def micro_batch_examples(num_examples: int, batch_size: int, world_size: int, index: int) -> int:
     """The examples in micro-batch `index` of an epoch on each rank: `batch_size`, fewer in the epoch's last one."""
-    per_rank = math.ceil(num_examples / world_size)
-    return max(min(batch_size, per_rank - index * batch_size), 0)
+    return max(min(batch_size, examples_per_rank(num_examples, world_size) - index * batch_size), 0)
 
 
 def count_optimizer_steps(num_examples: int, config: LoopConfig, world_size: int | None = None) -> int:
