@@ -22,6 +22,7 @@ from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     TRAINED_DTYPE_HELP,
+    listed_stop_ids,
     load_causal_lm,
     load_tokenizer,
     resolve_trained_dtype,
@@ -140,9 +141,11 @@ class ChatSession:
         self.history: list[dict] = []
         self.dropped_exchanges = 0  # the oldest exchanges the last reply left out to fit
         self._prompt([{"role": "user", "content": "Hi"}])  # a template that refuses the system prompt fails here
-        # the EOS, and the template's end-of-turn token where it is another (Gemma's <end_of_turn>): a model served
-        # as its authors made it stops there, and would go on with the next turn's header
-        self.stop_token_ids = self.formatter.stop_token_ids
+        # the EOS, the template's end-of-turn token where it is another (Gemma's <end_of_turn>), and every other id
+        # the model's generation config stops at (Qwen2.5-Instruct's <|endoftext|> beside its <|im_end|> EOS,
+        # Llama-3.1-Instruct's <|eom_id|>): a model served as its authors made it stops at each, as transformers'
+        # generate does, and would go on with a made-up next turn
+        self.stop_token_ids = list(dict.fromkeys([*self.formatter.stop_token_ids, *listed_stop_ids(model)]))
 
     def clear(self) -> None:
         self.history = []

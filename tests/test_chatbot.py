@@ -362,8 +362,26 @@ def test_an_answer_ends_at_the_chat_templates_end_of_turn_token_where_the_eos_is
     ids = tokenizer.convert_tokens_to_ids
     assert chat_session.stop_token_ids == [ids("<|endoftext|>"), ids("<|im_end|>")]
     tokenizer.eos_token = "<|im_end|>"  # the turn ends in the EOS (ChatML's), and without a template in the EOS alone
+    chat_session.model.generation_config.eos_token_id = ids("<|im_end|>")
     assert ChatSession(chat_session.model, tokenizer, GREEDY).stop_token_ids == [ids("<|im_end|>")]
     assert ChatSession(chat_session.model, tokenizer, GREEDY, "human_assistant").stop_token_ids == [ids("<|im_end|>")]
+
+
+def test_an_answer_ends_at_every_id_the_models_generation_config_stops_at(tmp_path):
+    """Qwen2.5-Instruct's generation_config.json stops at <|endoftext|> beside its tokenizer's <|im_end|> EOS
+    (Llama-3.1-Instruct's at <|eom_id|> too), as transformers' generate does: the chat stopped at the formatter's
+    ids alone and went on past that token (hidden, as special) with whatever the model wrote next."""
+    tokenizer = make_tokenizer(with_pad=True)
+    folder = tmp_path / "instruct"
+    make_scripted_llama(tokenizer, {"Ċ": "H", "H": "<|endoftext|>", "<|endoftext|>": "u", "u": "u"}).save_pretrained(
+        folder)
+    tokenizer.save_pretrained(folder)
+    ids = tokenizer.convert_tokens_to_ids
+    config_file = folder / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "eos_token_id": [ids("<|im_end|>"), ids("<|endoftext|>")]}))
+    argv = ["--path", str(folder), "--greedy", "--repetition_penalty", "1.0", "--max_new_tokens", "5"]
+    assert chat([*argv, "--prompt", "hello"]) == ["H"]
 
 
 @pytest.mark.parametrize("prompt_format", ["chat_template", "human_assistant"])

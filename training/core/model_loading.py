@@ -40,6 +40,7 @@ __all__ = [
     "load_config",
     "load_causal_lm",
     "match_tokenizer",
+    "listed_stop_ids",
     "no_model_error",
     "disable_dropout",
     "zero3_construction",
@@ -307,13 +308,19 @@ def match_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     model.config.eos_token_id = tokenizer.eos_token_id
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = _stop_ids(tokenizer.eos_token_id, model.generation_config.eos_token_id,
+        model.generation_config.eos_token_id = _stop_ids(tokenizer.eos_token_id, listed_stop_ids(model),
                                                          stop_token_ids)
 
 
-def _stop_ids(eos: int, listed: int | list[int] | None, added: Sequence[int]) -> int | list[int]:
-    """`eos`, then the other ids `listed` (one id, a list, or None) and `added`, each once; a lone id stays an int."""
-    ids = dict.fromkeys([eos, *([listed] if isinstance(listed, int) else listed or []), *added])
+def listed_stop_ids(model: torch.nn.Module) -> list[int]:
+    """The ids `model`'s generation config stops at (its eos_token_id: one id, a list, or none)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return [listed] if isinstance(listed, int) else list(listed or [])
+
+
+def _stop_ids(eos: int, listed: Sequence[int], added: Sequence[int]) -> int | list[int]:
+    """`eos`, then the other ids `listed` and `added`, each once; a lone id stays an int."""
+    ids = dict.fromkeys([eos, *listed, *added])
     return list(ids) if len(ids) > 1 else eos
 
 
