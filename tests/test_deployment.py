@@ -10,9 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import REPO_ROOT
 from crash_resume import step_env
@@ -364,6 +366,39 @@ def test_a_stop_request_under_the_launcher_reaches_the_ranks_once_and_their_save
     assert f"saved, after {the_ranks_see.name}" in output and "still here" in output, output[-3000:]
     assert f"PARENT: step stopped on {sig.name}" in output
     assert "BrokenPipeError" not in output
+
+
+STEP_THAT_SAVES_ON_A_STOP = """
+import os, signal, sys, time
+marker = sys.argv[1]
+signal.signal(signal.SIGTERM, lambda signum, frame: open(marker, "w").write("SIGTERM"))
+print("ready", flush=True)
+waited_until = time.monotonic() + 20
+while not os.path.exists(marker) and time.monotonic() < waited_until:
+    time.sleep(0.05)
+print("saved", flush=True)
+sys.exit(3 if os.path.exists(marker) else 0)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a file every write to fails")
+@pytest.mark.parametrize("through_pdsh", [False, True], ids=["launcher", "pdsh"])
+def test_a_step_whose_output_cannot_be_copied_is_stopped_and_waited_for(tmp_path, through_pdsh, capfd):
+    """A failed write of the step's output (the log's disk full) left run_subprocess at once: train.py ended with the
+    launcher and its ranks running on unwatched (and the stop command's thread waiting). They now get a stop request
+    (the launcher's processes a SIGTERM, or through pdsh the stop command) and train.py waits for them before the
+    error goes on."""
+    from training.pipeline.launch import run_subprocess
+
+    marker = tmp_path / "stopped"
+    stop_ranks = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('stop command')"] if through_pdsh else None
+    with pytest.raises(OSError, match="No space left"):
+        run_subprocess([sys.executable, "-c", STEP_THAT_SAVES_ON_A_STOP, str(marker)], Path("/dev/full"), "step 1",
+                       stop_ranks=stop_ranks)
+    assert marker.read_text() == ("stop command" if through_pdsh else "SIGTERM")
+    assert psutil.Process().children(recursive=True) == []
+    assert "stop-ranks" not in [thread.name for thread in threading.enumerate()]
+    assert "step 1: copying its output failed" in capfd.readouterr().err
 
 
 def _train(*args, timeout=120):

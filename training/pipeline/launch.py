@@ -366,6 +366,10 @@ class _StopRequests:
         if self.taken and not self._passed_on:
             self._pass_on(signal.SIGTERM)
 
+    def stop(self) -> None:
+        """Pass a stop request on now, as a SIGTERM would, though none came."""
+        self._pass_on(signal.SIGTERM)
+
     def _pass_on(self, signum: signal.Signals) -> None:
         process = self._process
         if process is None or process.returncode is not None:  # not started, or reaped (its pid free for another)
@@ -486,7 +490,9 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
     """Run a launcher command, streaming its combined output to the console and the log as it comes; a stop
     request during it ends in `StepStopped` unless the step finished all the same. With `stop_ranks` (ranks on other
     nodes: `Launcher.ranks_stop_command`) the launcher runs in a session of its own, which a terminal's Ctrl-C does
-    not reach: its handler would kill pdsh, and with it the ranks' output."""
+    not reach: its handler would kill pdsh, and with it the ranks' output. Where copying the output fails (the disk
+    full, the console gone), the step's processes are stopped as on a stop request and waited for before the error
+    goes on: train.py does not end leaving them running unwatched."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log, _stop_requests_passed_on(stop_ranks) as stop_requests:
         log.write(f"$ {format_command(command)}\n".encode())
@@ -496,22 +502,43 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
         except FileNotFoundError as err:
             raise UserError(f"cannot start {command[0]!r} ({err.strerror}); check that this program exists") from err
         stop_requests.watch(process)
-        assert process.stdout is not None
-        console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-        while chunk := os.read(process.stdout.fileno(), 65536):  # to the end: the ranks' last words matter most
-            log.write(chunk)
-            log.flush()
-            if console is not None:
-                console.write(chunk)
-                console.flush()
-            else:
-                sys.stdout.write(chunk.decode(errors="replace"))
-        status = process.wait()
-        stop_requests.launcher_ended()
+        try:
+            _copy_output(process, log)
+        except BaseException as error:
+            _stop_unread(process, stop_requests, f"{label}: copying its output failed ({error})")
+            raise
+        finally:
+            status = process.wait()
+            stop_requests.launcher_ended()
     if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
         raise UserError(f"{label} failed (exit status {status}); its output is in {log_path}")
+
+
+def _copy_output(process: subprocess.Popen, log: IO[bytes]) -> None:
+    """Copy `process`'s output to the log and the console as it comes, to its end: the ranks' last words matter most."""
+    assert process.stdout is not None
+    console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+    while chunk := os.read(process.stdout.fileno(), 65536):
+        log.write(chunk)
+        log.flush()
+        if console is not None:
+            console.write(chunk)
+            console.flush()
+        else:
+            sys.stdout.write(chunk.decode(errors="replace"))
+
+
+def _stop_unread(process: subprocess.Popen, stop_requests: _StopRequests, why: str) -> None:
+    """`why` train.py cannot copy `process`'s output any more: pass a stop request on to its processes, and read their
+    output to its end unwritten, so that they save and end rather than run on unwatched (or block on a full pipe)."""
+    say_from_handler(f"\ntrain.py: {why}; passing a stop request on to the step's processes and waiting for them to "
+                     "end\n")
+    stop_requests.stop()
+    assert process.stdout is not None
+    while os.read(process.stdout.fileno(), 65536):
+        pass
 
 
 def launcher_env(repo_root: Path) -> dict[str, str]:
