@@ -60,13 +60,3 @@ def apply_lora(
             param.requires_grad_(True)
     return peft_model
 
-
-def is_lora_model(model: torch.nn.Module) -> bool:
-    return isinstance(model, PeftModel)
-
-
-def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
-    """Return the base model with the adapters folded into its weights (a no-op for non-LoRA models)."""
-    if isinstance(model, PeftModel):
-        return model.merge_and_unload()
-    return model
