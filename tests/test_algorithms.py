@@ -15,7 +15,6 @@ from training.algorithms import (
     compute_advantages_and_returns,
     compute_rewards,
     critic_loss,
-    entropy_from_logits,
     get_advantage_estimator,
     get_policy_loss,
     get_rl_algorithm,
@@ -27,7 +26,7 @@ from training.algorithms import (
     sequence_rewards,
     whiten,
 )
-from training.core.sequences import token_logprobs
+from training.core.sequences import token_entropies, token_logprobs
 from utils.errors import UserError
 
 GARBAGE = 1e4  # placed on masked-out positions: it must never reach a result
@@ -130,8 +129,7 @@ def test_log_probs_and_entropy():
     peaked = torch.full((1, 2, 8), -1e4)
     peaked[..., 0] = 0.0
     both = torch.cat([uniform, peaked], dim=1)
-    torch.testing.assert_close(entropy_from_logits(both, torch.tensor([[1, 1, 0, 0]])), torch.tensor(math.log(8)))
-    torch.testing.assert_close(entropy_from_logits(both, torch.tensor([[0, 0, 1, 1]])), torch.tensor(0.0))
+    torch.testing.assert_close(token_entropies(both), torch.tensor([[math.log(8)] * 2 + [0.0] * 2]))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -151,8 +149,6 @@ def test_kl_from_logits_is_the_exact_kl_summed_over_masked_positions(temperature
 
 def test_a_masked_token_with_a_minus_inf_logit_adds_nothing_to_entropy_or_kl():
     """softmax gives a -inf logit probability 0, and 0 * -inf made the position's entropy and the exact KL nan."""
-    from training.core.sequences import token_entropies
-
     logits = torch.tensor([[[1.0, 2.0, float("-inf"), 0.5]]])
     finite = logits[..., [0, 1, 3]]
     torch.testing.assert_close(token_entropies(logits), token_entropies(finite))

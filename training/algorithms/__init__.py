@@ -1,7 +1,7 @@
 """The algorithm layer of RL fine-tuning: pure tensor functions, no engines (depends on
 `training.core` and `utils` only).
 
-- `core`: masked mean, whitening, entropy from logits;
+- `core`: masked mean, whitening;
 - `kl`: KL estimators by name (`k1`, `k2`, `k3`), the KL penalty in the reward or as a loss, the no-EOS
   penalty, exact KL from logits, KL coefficient controllers;
 - `advantages`: advantage estimators by name (`gae`, `group_normalized`, `leave_one_out`, `reinforce_pp`,
@@ -24,7 +24,7 @@ from training.algorithms.advantages import (
     get_advantage_estimator,
     register_advantage_estimator,
 )
-from training.algorithms.core import answer_mean_mask, entropy_from_logits, masked_mean, whiten
+from training.algorithms.core import answer_mean_mask, masked_mean, whiten
 from training.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,

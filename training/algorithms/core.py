@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as torch_dist
 
-from training.core.sequences import token_entropies
 from utils.dist import get_world_size, is_initialized
 
 
@@ -62,9 +61,3 @@ def _pooled_mean(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over
     if over_ranks and is_initialized() and get_world_size() > 1:
         torch_dist.all_reduce(totals)
     return totals[0] / totals[1].clamp(min=1.0)
-
-
-def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean entropy (nats) of softmax(logits / temperature) at masked positions: logits [B, T, V], mask [B, T] ->
-    scalar (chunked, no gradient: `token_entropies`)."""
-    return masked_mean(token_entropies(logits, temperature), mask)

@@ -59,4 +59,3 @@ def apply_lora(
         for param in peft_model.parameters():
             param.requires_grad_(True)
     return peft_model
-
