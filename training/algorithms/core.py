@@ -39,18 +39,16 @@ def _masked_totals(x: torch.Tensor, mask: torch.Tensor,
 
 
 def whiten(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool = False,
-           shift_mean: bool = True, eps: float = 1e-8) -> list[torch.Tensor]:
-    """Normalise the tensors `xs` together to unit variance (and zero mean if `shift_mean`) over their masked
-    entries only, and over every rank's with `over_ranks` (collective: every rank calls it), in fp32; masked-out
-    entries become 0. One tensor on one rank gets exactly the numbers of its own `masked_mean`s."""
+           eps: float = 1e-8) -> list[torch.Tensor]:
+    """Normalise the tensors `xs` together to zero mean and unit variance over their masked entries only, and over
+    every rank's with `over_ranks` (collective: every rank calls it), in fp32; masked-out entries become 0. One
+    tensor on one rank gets exactly the numbers of its own `masked_mean`s."""
     mean = _pooled_mean(xs, masks, over_ranks)
     var = _pooled_mean([(x.float() - mean) ** 2 for x in xs], masks, over_ranks)
     scale = torch.rsqrt(var + eps)
     out = []
     for x, mask in zip(xs, masks):
         normalised = (x.float() - mean) * scale
-        if not shift_mean:
-            normalised = normalised + mean
         out.append(torch.where(mask.bool(), normalised, torch.zeros_like(normalised)))
     return out
 
