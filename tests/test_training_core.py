@@ -290,6 +290,28 @@ def test_a_step_run_folder_resolves_to_its_final_model(tiny_model_dir, tmp_path)
     assert load_tokenizer(str(run_dir)).pad_token_id is not None
 
 
+def test_a_model_folder_under_the_home_tilde_loads(tiny_model_dir, monkeypatch):
+    """'~/model' unexpanded by a shell (quoted, `--flag=~/model`, train.py's --step1-args) passed the steps' model
+    check (`check_model_source` expands it) and every loader then said the folder held no model: transformers took
+    it for a hub name."""
+    from pathlib import Path
+
+    from training.core.model_loading import FINAL_MODEL_SUBDIR, resolve_trained_model
+    from training.reliability.validation import check_model_source
+
+    model = Path(tiny_model_dir("llama"))
+    monkeypatch.setenv("HOME", str(model.parent))
+    path = f"~/{model.name}"
+    check_model_source(path)
+    tokenizer = load_tokenizer(path)
+    assert isinstance(load_causal_lm(path, tokenizer), torch.nn.Module)
+    assert isinstance(RewardModel.from_causal_lm(path, tokenizer), RewardModel)
+    step1 = model.parent / "runs" / "step1"  # a train.py output folder stopped after step 1
+    step1.mkdir(parents=True)
+    os.replace(model, step1 / FINAL_MODEL_SUBDIR)
+    assert resolve_trained_model("~/runs") == str(step1 / FINAL_MODEL_SUBDIR)
+
+
 def test_loading_keeps_the_generation_configs_other_stop_ids_after_the_tokenizers_eos(tiny_model_dir):
     """Loading set the generation config's eos_token_id to the tokenizer's EOS alone: a Gemma model, whose list
     [<eos>, <end_of_turn>] it replaced, was saved to be served without its end-of-turn stop, and training now ends

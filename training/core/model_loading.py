@@ -67,14 +67,15 @@ def refuse_file(name_or_path: str, flag: str | None = None) -> None:
 
 def resolve_model_path(name_or_path: str) -> str:
     """Map the embedded default's short name to its local folder, and a step's run folder to the
-    final model inside it (`<output_dir>/model`); return anything else unchanged. A file is refused (`refuse_file`)."""
+    final model inside it (`<output_dir>/model`); return anything else as it is, a leading `~` expanded (transformers
+    takes '~/model' for a hub name). A file is refused (`refuse_file`)."""
     if is_embedded_name(name_or_path):
         return embedded_model_path()
     refuse_file(name_or_path)
-    run_dir = Path(name_or_path)
+    run_dir = Path(name_or_path).expanduser()
     if not (run_dir / "config.json").is_file() and (run_dir / FINAL_MODEL_SUBDIR / "config.json").is_file():
         return str(run_dir / FINAL_MODEL_SUBDIR)
-    return name_or_path
+    return os.path.expanduser(name_or_path)
 
 
 def resolve_trained_model(path: str, ema: bool = False) -> str:
@@ -83,7 +84,7 @@ def resolve_trained_model(path: str, ema: bool = False) -> str:
     `ema`), a step-1 or DPO run folder its `model/`; anything else as `resolve_model_path` maps it. With `ema` and
     no EMA actor, a `UserError`."""
     actor = "actor_ema" if ema else "actor"
-    folder = Path(path)
+    folder = Path(path).expanduser()
     for candidate in (folder / "step3" / actor, folder / actor):
         if (candidate / "config.json").is_file():
             return str(candidate)
