@@ -114,15 +114,23 @@ def test_a_value_only_a_later_stage_refused_fails_train_py_before_step_1_starts(
      "fp32"),
     ("--step2-args=--dtype fp16", "step 2: --dtype fp16: fp16 is not supported on CPU"),  # when step 2 started
 ])
-def test_a_precision_the_steps_device_lacks_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, step_args,
-                                                                                message):
-    """The cpu deployment runs the steps in train.py's process, on this CPU; planned for GPUs from a machine without
-    one (a login node), the ranks' devices are not this one's, and their precision is theirs to refuse."""
+def test_a_precision_the_steps_device_lacks_fails_train_py_before_step_1_starts(tmp_path, tiny_model_dir, monkeypatch,
+                                                                                step_args, message):
+    """The cpu deployment runs the steps in train.py's process, on this CPU, and a GPU deployment run from a machine
+    without a GPU launches its ranks on this CPU too: that one was not checked, so step 1 trained before a later step
+    refused its precision. Only planned (a dry run from a login node), the ranks' devices are not this one's, and
+    their precision is theirs to refuse."""
+    from training.pipeline import runner
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launched = []
+    monkeypatch.setattr(runner, "run_subprocess", lambda command, *args, **kwargs: launched.append(command))
     model = tiny_model_dir("llama")
     mains = RecordedMains()
-    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
-        train(tmp_path, model, step_args, mains=mains)
-    assert mains.ran == []
+    for deployment in ("cpu", "single_gpu"):
+        with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+            train(tmp_path, model, "--deployment-type", deployment, step_args, mains=mains)
+    assert mains.ran == [] and launched == []
     train(tmp_path, model, "--deployment-type", "single_gpu", step_args, "--dry-run")
 
 

@@ -510,9 +510,11 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     flags = {step: _recorded_flags(settings) for step, settings in parsed.items()}
     finished = _finished_steps(config, argvs, flags, inputs)
     # a finished step is skipped, its flags unused: not checked (a check added since would refuse what it finished with)
-    # the cpu deployment runs the steps in this process; a GPU one planned where no GPU is (a login node) runs them
-    # on devices this process does not see
-    on_this_device = deployment is DeploymentType.CPU or hardware.num_gpus > 0
+    # the cpu deployment runs the steps in this process, and a GPU one launched here on this machine's devices (its
+    # CPU where it has no GPU); only planned where no GPU is (a dry run on a login node), or run on other nodes, the
+    # steps run on devices this process does not see
+    on_this_device = (deployment is DeploymentType.CPU or hardware.num_gpus > 0
+                      or not (config.dry_run or deployment is DeploymentType.MULTI_NODE))
     _check_step_flags(config, {step: settings for step, settings in parsed.items() if step not in finished},
                       plan.world_size, on_this_device)
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
