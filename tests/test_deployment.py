@@ -914,6 +914,21 @@ def test_a_stop_request_through_pdsh_that_matches_no_rank_on_a_node_is_said(tmp_
     assert "trying again" not in err  # no rank yet is what pdsh finds while it starts them: said at the end alone
 
 
+def test_a_stop_command_through_pdsh_returning_1_for_long_is_said_once_as_it_goes_on(tmp_path, monkeypatch, capfd):
+    """pdsh's own failures return 1, as pkill does where it matched no rank (what it finds while the ranks start, not
+    said then): a pdsh failing on every run was taken for ranks not started yet, run again every 5 s without a word
+    of train.py's until the launcher ended, hours on. Past `STOP_UNMATCHED_SAY_S` since the request it is said, once."""
+    from training.pipeline import launch
+
+    monkeypatch.setattr(launch, "STOP_COMMAND_RETRY_S", 0.1)
+    monkeypatch.setattr(launch, "STOP_UNMATCHED_SAY_S", 0.3, raising=False)
+    returning_1 = [sys.executable, "-c", "raise SystemExit(1)"]  # e.g. pdsh: 'No such rcmd module "ssh"'
+    _launcher_stopped_at_start(tmp_path, returning_1, "time.sleep(1.5); raise SystemExit(3)")
+    err = capfd.readouterr().err
+    assert err.count(f"{launch.format_command(returning_1)} has returned 1 for 0.3 s since the stop request") == 1
+    assert "pdsh failed (its own failures return 1 too" in err
+
+
 def test_a_failed_stop_command_through_pdsh_is_said_at_once_and_at_the_end(tmp_path, monkeypatch, capfd):
     """A stop command that failed (not 'no rank matched': ssh's 255, pkill's 2 or 3) is said when it fails, and at the
     step's end, its ranks on some node never reached."""

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -36,7 +37,8 @@ LAUNCHER_MODULE = "deepspeed.launcher.runner"  # what the `deepspeed` console sc
 DEEPSPEED_MASTER_PORT = 29500  # the launcher's --master_port when none is given
 STOP_COMMAND_WAIT_S = 30  # how long a step's end waits for a stop command through pdsh (one pkill a node)
 STOP_COMMAND_RETRY_S = 5.0  # how often a stop command through pdsh runs again until it reaches a rank on every node
-PKILL_MATCHED_NONE = 1  # pkill's exit status where no process matched (2, 3: it failed)
+PKILL_MATCHED_NONE = 1  # pkill's exit status where no process matched (2, 3: it failed); pdsh's own failures too
+STOP_UNMATCHED_SAY_S = 60.0  # how long a stop command through pdsh matches no rank on some node before it is said
 SSH_FAILED = 255  # ssh's exit status where it could not run the command on the node
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
 
@@ -402,6 +404,8 @@ class _RanksStopper:
         self.runs = 0
         self.reached_every_node = False
         self.last_status: int | None = None
+        self._requested_at = 0.0
+        self._said_unmatched = False
         self._running: subprocess.Popen | None = None
         self._requested = threading.Event()  # set by a stop request (from the signal handler: it only sets this)
         self._launcher_ended = threading.Event()
@@ -409,6 +413,7 @@ class _RanksStopper:
         self._thread.start()
 
     def request(self) -> None:
+        self._requested_at = time.monotonic()
         self._requested.set()
 
     def finish(self) -> None:
@@ -443,10 +448,23 @@ class _RanksStopper:
         if status not in (0, PKILL_MATCHED_NONE, self.last_status) and not self._launcher_ended.is_set():
             self._say(f"{format_command(self.command)} {stop_status_meaning(status)} (its messages are above); trying "
                       f"again every {STOP_COMMAND_RETRY_S} s until it reaches a rank on every node")
+        elif status == PKILL_MATCHED_NONE and self._unmatched_too_long():
+            self._say(f"{format_command(self.command)} has returned 1 for {STOP_UNMATCHED_SAY_S:g} s since the stop "
+                      "request: pkill matched no rank on some node, or pdsh failed (its own failures return 1 too, "
+                      f"with its messages above); trying again every {STOP_COMMAND_RETRY_S} s until it reaches a rank "
+                      "on every node or the launcher ends")
         self.runs += 1
         self.last_status = status
         self.reached_every_node = self.reached_every_node or status == 0
         return status == 0
+
+    def _unmatched_too_long(self) -> bool:
+        """Whether 'no rank matched' has lasted `STOP_UNMATCHED_SAY_S` since the request, not yet said: past the
+        ranks' start, or pdsh failing on its own (status 1 as well)."""
+        if self._said_unmatched or self._launcher_ended.is_set():
+            return False
+        self._said_unmatched = time.monotonic() - self._requested_at >= STOP_UNMATCHED_SAY_S
+        return self._said_unmatched
 
     @staticmethod
     def _say(text: str) -> None:
