@@ -318,7 +318,7 @@ class PlacedPPORun(PPORun):
 
     def learning_rates(self) -> dict[str, float]:
         """The actor's (and critic's) learning rates, from whichever rank holds them (collective)."""
-        return _from_holders(trained_learning_rates({"actor": self.engine.actor, "critic": self.engine.critic}))
+        return _from_holders(trained_learning_rates(self.engines, self.learning_rate_groups))
 
     def rollout_over_ranks(self, rollout: dict[str, float], answers: int, tokens: int) -> dict[str, float]:
         """Already the run's: every rank holds every chunk's rollout."""

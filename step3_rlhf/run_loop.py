@@ -16,7 +16,7 @@ from step3_rlhf.ema import save_ema_model
 from step3_rlhf.ppo_trainer import Experience, PPOTrainer, experience_stats, weighted_stats
 from step3_rlhf.rlhf_engine import RLHFEngine
 from step3_rlhf.settings import Step3Settings
-from training.core.optim import logged_learning_rates
+from training.core.optim import LearningRateGroups
 from training.core.save import save_hf_model
 from training.loops.batch_stream import BatchStream
 from training.loops.call_times import CALL_TIMES_FILE, CallTimer
@@ -131,6 +131,7 @@ class PPORun:
         self.evaluations: list[dict] = []
         self.last_stats: dict[str, float] = {}
         self.call_timer = call_timer
+        self.learning_rate_groups = {role: LearningRateGroups.of(model) for role, model in self.engines.items()}
 
     @property
     def placement_description(self) -> str:
@@ -283,8 +284,8 @@ class PPORun:
         return {**{key: value / len(parts) for key, value in updates.items()}, **trainer.skipped_steps()}
 
     def learning_rates(self) -> dict[str, float]:
-        """The actor's (and critic's) learning rates (`logged_learning_rates`: their LoRA adapters' too)."""
-        return trained_learning_rates({"actor": self.engine.actor, "critic": self.engine.critic})
+        """The actor's (and critic's) learning rates (`LearningRateGroups.logged`: their LoRA adapters' too)."""
+        return trained_learning_rates(self.engines, self.learning_rate_groups)
 
     def rollout_over_ranks(self, rollout: dict[str, float], answers: int, tokens: int) -> dict[str, float]:
         """This rank's rollout means (over its `answers` and their answer `tokens`) made the run's, each rank
@@ -341,12 +342,12 @@ class PPORun:
             self.evaluate()
 
 
-def trained_learning_rates(engines: Mapping[str, torch.nn.Module | None]) -> dict[str, float]:
-    """`train/{role}_lr` (and `train/{role}_lora_lr`) of each trained engine by role, skipping those absent (None)."""
+def trained_learning_rates(engines: Mapping[str, torch.nn.Module],
+                           groups: Mapping[str, LearningRateGroups]) -> dict[str, float]:
+    """`train/{role}_lr` (and `train/{role}_lora_lr`) of each trained engine by role, read through its `groups`."""
     rates: dict[str, float] = {}
     for role, engine in engines.items():
-        if engine is not None:
-            rates.update(logged_learning_rates(engine, f"train/{role}_"))
+        rates.update(groups[role].logged(engine, f"train/{role}_"))
     return rates
 
 

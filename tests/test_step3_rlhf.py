@@ -667,7 +667,8 @@ def logged_stats_of(monkeypatch, *experiences: Experience) -> dict[str, float]:
     from training.loops.call_times import CallTimer
 
     batches = iter(experiences)
-    run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=len(experiences))), SimpleNamespace(),
+    run = PPORun(SimpleNamespace(loop=SimpleNamespace(generation_batches=len(experiences))),
+                 SimpleNamespace(actor=None, critic=None),
                  SimpleNamespace(clock=CallTimer(), kl_controller=FixedKLController(0.1)),
                  SimpleNamespace(next=lambda: None), None, None, total_steps=1, checkpoints=None, metrics=None)
     monkeypatch.setattr(run, "rollout_batch", lambda prompts: (experience := next(batches), {

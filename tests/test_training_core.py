@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.lora import apply_lora, lora_target_modules
 from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
-from training.core.optim import logged_learning_rates
+from training.core.optim import LearningRateGroups
 from training.core.reward_model import RewardModel
 from training.core.save import save_hf_model
 from training.core.zero import full_numel, full_shape, is_zero3_module, is_zero3_param
@@ -248,11 +248,21 @@ def test_the_logged_learning_rates_name_the_lora_adapters_own_rate(distributed, 
                                     _settings(stage, lora_learning_rate=5e-2))
     only_lora = create_train_engine(apply_lora(load_causal_lm(path, tokenizer), lora_dim=4, lora_module_name="layers.",
                                                only_optimize_lora=True), _settings(stage, lora_learning_rate=5e-2))
-    assert logged_learning_rates(plain, "train/") == {"train/lr": 1e-2}
-    assert logged_learning_rates(with_lora, "train/") == {"train/lr": 1e-2, "train/lora_lr": 5e-2}
-    assert logged_learning_rates(only_lora, "train/") == {"train/lr": 5e-2, "train/lora_lr": 5e-2}
-    step3 = SimpleNamespace(engine=SimpleNamespace(actor=with_lora, critic=None))
+    assert logged_learning_rates(plain) == {"train/lr": 1e-2}
+    assert logged_learning_rates(with_lora) == {"train/lr": 1e-2, "train/lora_lr": 5e-2}
+    assert logged_learning_rates(only_lora) == {"train/lr": 5e-2, "train/lora_lr": 5e-2}
+    step3 = SimpleNamespace(engines={"actor": with_lora}, learning_rate_groups={"actor": LearningRateGroups.of(with_lora)})
     assert PPORun.learning_rates(step3) == {"train/actor_lr": 1e-2, "train/actor_lora_lr": 5e-2}
+    # read at every logging step without walking the model's parameters again: from an engine with no model
+    groups = LearningRateGroups.of(with_lora)
+    assert groups.logged(SimpleNamespace(get_lr=with_lora.get_lr), "train/") == logged_learning_rates(with_lora)
+    # groups that are not the model's are refused at start-up, as the groups are found
+    with pytest.raises(ValueError, match="3 learning rates for 2 parameter groups"):
+        LearningRateGroups.of(SimpleNamespace(module=plain.module, get_lr=lambda: [*plain.get_lr(), 1.0]))
+
+
+def logged_learning_rates(engine) -> dict[str, float]:
+    return LearningRateGroups.of(engine).logged(engine, "train/")
 
 
 def test_lora_module_name_that_matches_nothing(tiny_model_dir):

@@ -9,6 +9,7 @@ whole-list kernels) instead of DeepSpeed's per-parameter bf16 wrapper.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,21 +49,35 @@ def parameter_groups(
     return result
 
 
-def logged_learning_rates(engine: Any, prefix: str) -> dict[str, float]:
-    """An engine's current learning rates as a run logs them: `{prefix}lr`, the rate of the weights it trains outside
-    LoRA adapters (the adapters' where it trains nothing else), and, where it trains adapters, `{prefix}lora_lr`,
-    theirs (`--lora_learning_rate` gives them a rate of their own: the first group's rate alone hid it).
-    `engine.get_lr()` holds one rate per group of `parameter_groups(engine.module, ...)`, in its order."""
-    rates = engine.get_lr()
-    lora = [is_lora for _, is_lora in _grouped_parameters(engine.module)]
-    if len(lora) != len(rates):
-        raise ValueError(f"{len(rates)} learning rates for {len(lora)} parameter groups")
-    base = [rate for rate, is_lora in zip(rates, lora) if not is_lora]
-    adapters = [rate for rate, is_lora in zip(rates, lora) if is_lora]
-    logged = {f"{prefix}lr": (base or adapters)[0]}
-    if adapters:
-        logged[f"{prefix}lora_lr"] = adapters[0]
-    return logged
+@dataclass(frozen=True)
+class LearningRateGroups:
+    """Which of an engine's optimizer groups hold LoRA adapters, found once at start-up (`of`: it walks the model's
+    parameters), so that `logged` reads the rates at every logging step without walking them again."""
+
+    is_lora: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, engine: Any) -> LearningRateGroups:
+        """`engine.get_lr()` holds one rate per group of `parameter_groups(engine.module, ...)`, in its order; a
+        ValueError where it does not."""
+        is_lora = tuple(lora for _, lora in _grouped_parameters(engine.module))
+        rates = engine.get_lr()
+        if len(is_lora) != len(rates):
+            raise ValueError(f"{len(rates)} learning rates for {len(is_lora)} parameter groups")
+        return cls(is_lora)
+
+    def logged(self, engine: Any, prefix: str) -> dict[str, float]:
+        """The engine's current learning rates as a run logs them: `{prefix}lr`, the rate of the weights it trains
+        outside LoRA adapters (the adapters' where it trains nothing else), and, where it trains adapters,
+        `{prefix}lora_lr`, theirs (`--lora_learning_rate` gives them a rate of their own: the first group's rate alone
+        hid it)."""
+        rates = engine.get_lr()
+        base = [rate for rate, is_lora in zip(rates, self.is_lora, strict=True) if not is_lora]
+        adapters = [rate for rate, is_lora in zip(rates, self.is_lora, strict=True) if is_lora]
+        logged = {f"{prefix}lr": (base or adapters)[0]}
+        if adapters:
+            logged[f"{prefix}lora_lr"] = adapters[0]
+        return logged
 
 
 def resolve_optimizer_kind(kind: str, offload: bool) -> str:

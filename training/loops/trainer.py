@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 from tqdm.auto import tqdm
 
-from training.core.optim import logged_learning_rates
+from training.core.optim import LearningRateGroups
 from training.loops.accumulation import accumulation_weights
 from training.loops.metrics import MetricsLogger
 from training.reliability.checkpointing import CheckpointManager
@@ -105,11 +105,10 @@ def count_optimizer_steps(num_examples: int, config: LoopConfig, world_size: int
     return min(steps, config.max_steps) if config.max_steps else steps
 
 
-def progress_postfix(step_loss: float, engine: torch.nn.Module) -> dict[str, str]:
-    """What the progress bar shows after a step: its loss and the learning rates as the metrics log them (the
-    adapters' too, `logged_learning_rates`: the first parameter group's rate alone hid theirs, or showed it as the
+def progress_postfix(step_loss: float, rates: Mapping[str, float]) -> dict[str, str]:
+    """What the progress bar shows after a step: its loss and the learning `rates` as the metrics log them (the
+    adapters' too, `LearningRateGroups.logged`: the first parameter group's rate alone hid theirs, or showed it as the
     model's)."""
-    rates = logged_learning_rates(engine, "")
     return {"loss": f"{step_loss:.4f}", **{name: f"{rate:.2e}" for name, rate in rates.items()}}
 
 
@@ -187,6 +186,7 @@ class SupervisedTrainer:
         count_items: ItemCount = batch_rows,
     ):
         self.engine = engine
+        self.learning_rate_groups = LearningRateGroups.of(engine)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.collator = collator
@@ -320,7 +320,7 @@ class SupervisedTrainer:
             step,
             {
                 "train/loss": loss,
-                **logged_learning_rates(self.engine, "train/"),
+                **self.learning_rate_groups.logged(self.engine, "train/"),
                 "train/samples_per_s": samples * get_world_size() / elapsed,
                 "train/epoch": self.position.epoch + self.position.batches_done / max(self._batches_per_epoch, 1),
             },
@@ -404,7 +404,7 @@ class SupervisedTrainer:
                 step_loss = self._train_window(window)
                 window_samples += window.examples
                 step = engine.global_steps
-                bar.set_postfix(progress_postfix(step_loss, engine))
+                bar.set_postfix(progress_postfix(step_loss, self.learning_rate_groups.logged(engine, "")))
                 bar.update(1)
                 if step % config.log_interval == 0 or step == total:
                     self._log_training(step, window_start, window_samples)
