@@ -137,6 +137,8 @@ class ChatSession:
         self.limit = limit or answer_limit(options.max_new_tokens)
         self.formatter = PromptFormatter(tokenizer, prompt_format)
         self.style = self.formatter.style
+        if system_prompt is not None:
+            refuse_undecodable(system_prompt, "--system")
         self.system_prompt = system_prompt
         self.history: list[dict] = []
         self.dropped_exchanges = 0  # the oldest exchanges the last reply left out to fit
@@ -186,6 +188,7 @@ class ChatSession:
         was) where the message does not fit the model's positions with the answer. A `KeyboardInterrupt` (Ctrl-C)
         while it answers ends the answer there: the conversation keeps what `on_text` was given of it."""
         self.dropped_exchanges = 0
+        refuse_undecodable(message, "this message")
         input_ids, history = self._encode([*self.history, {"role": "user", "content": message}])
         self.dropped_exchanges = (len(self.history) + 1 - len(history)) // 2
         input_ids = input_ids.to(self.model.device)
@@ -213,6 +216,24 @@ class ChatSession:
         return answer
 
 
+def refuse_undecodable(text: str, what: str) -> None:
+    """A `UserError` where `text` holds bytes its source could not decode as UTF-8, which Python keeps as lone
+    surrogates (a Latin-1 file piped in, an argument in another encoding): the tokenizer raised a TypeError on them,
+    which ended the chat."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        character = f"byte {code - 0xDC00:#x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise UserError(f"{what} is not UTF-8 text ({character} at character {err.start + 1}); give it in UTF-8, e.g. "
+                        "a file converted with iconv -t utf-8") from err
+
+
+def printable(text: str) -> str:
+    """`text` as a UTF-8 stream can write it: what is not UTF-8 text (`refuse_undecodable`) as a backslash escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def dropped_note(exchanges: int) -> str:
     """What the chat says after an answer for which the oldest `exchanges` were left out: silently, the model seemed
     to forget the conversation's start."""
@@ -238,7 +259,7 @@ def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interac
             out.write("(conversation cleared)\n")
             continue
         if not interactive:
-            out.write(f"Human: {message}\n")
+            out.write(f"Human: {printable(message)}\n")
         out.write("Assistant: ")
         out.flush()
 
@@ -272,6 +293,15 @@ def _enable_line_editing() -> None:
     it: importing it is what makes `input` edit lines. Without it a left arrow went into the message as '\\x1b[D'."""
     with contextlib.suppress(ImportError):  # a Python without readline (Windows') reads plain lines
         import readline  # noqa: F401
+
+
+def _keep_undecodable_bytes(stream: TextIO) -> None:
+    """Read `stream` keeping what is not UTF-8 as lone surrogates, as Python reads arguments, for the chat to refuse
+    that message alone: decoded strictly (a UTF-8 locale's default), a Latin-1 line ended the chat in a
+    UnicodeDecodeError."""
+    reconfigure = getattr(stream, "reconfigure", None)  # a stand-in stream (a test's) may have none
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
 
 
 def _interactive_lines() -> Iterable[str]:
@@ -314,6 +344,7 @@ def chat(argv: list[str] | None = None) -> list[str]:
     session = load_session(args)
     if args.chat.prompt:
         return converse(session, args.chat.prompt, sys.stdout)
+    _keep_undecodable_bytes(sys.stdin)
     if not sys.stdin.isatty():
         return converse(session, sys.stdin, sys.stdout)
     return converse(session, _interactive_lines(), sys.stdout, interactive=True)

@@ -314,6 +314,33 @@ def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     assert "(conversation cleared)" in result.stdout and "ignored" not in result.stdout
 
 
+def test_a_line_that_is_not_utf8_text_is_refused_and_the_chat_goes_on(tiny_model_dir):
+    """A Latin-1 'café' piped in ended the chat in a traceback: a UnicodeDecodeError where standard input decodes
+    strictly (a UTF-8 locale), else the tokenizer's TypeError on the byte Python kept as a lone surrogate (as it
+    keeps an argument's: the next test)."""
+    model = tiny_model_dir("gpt2")
+    result = subprocess.run(
+        [sys.executable, "-m", "inference.chatbot", "--path", model, "--greedy", "--max_new_tokens", "4"],
+        input="hello\ncafé\nhow are you\n".encode("latin-1"), cwd=REPO_ROOT, capture_output=True, timeout=120,
+        env={**step_env(), "PYTHONIOENCODING": "utf-8:strict"}, check=False)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    printed = result.stdout.decode()
+    assert "Human: caf\\udce9\nAssistant: (not answered: this message is not UTF-8 text (byte 0xe9 at character 4);" \
+        in printed
+    assert printed.count("Assistant: ") == 3 and printed.count("not answered") == 1
+
+
+def test_a_message_or_system_prompt_that_is_not_utf8_text_is_one_error():
+    """An argument in another encoding (--prompt, --system) reaches Python as lone surrogates, on which the tokenizer
+    raised a TypeError."""
+    with pytest.raises(UserError, match=r"--system is not UTF-8 text \(byte 0xe9 at character 4\)"):
+        session(system_prompt="caf\udce9")
+    chat_session = session()
+    with pytest.raises(UserError, match=r"this message is not UTF-8 text \(byte 0xe9 at character 2\)"):
+        chat_session.reply("p\udce9che")
+    assert chat_session.history == []
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--repetition_penalty", "0"], "--repetition_penalty must be positive"),
     (["--top_k", "-1"], r"--top_k must be 0 \(all tokens\) or positive, got -1"),
