@@ -35,7 +35,7 @@ from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PLOT_FI
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings, optimizer_steps_per_ppo_step, optimizer_steps_said
 from training.core.args import SettingsParser, flag_values, resume_fixed_flags, warn_long_warmup
-from training.core.model_loading import load_config, load_tokenizer
+from training.core.model_loading import folder_stop_ids, load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE, refuse_reward_model
 from training.generation.hybrid_engine import build_generator
 from training.loops.call_times import CallTimer
@@ -181,11 +181,14 @@ def call_timer(engine: RLHFEngine, generator: object | None, placement: Placemen
 
 def build_trainer(args: Step3Settings, engine: RLHFEngine, generator: object | None) -> PPOTrainer:
     """The run's PPO trainer. Its answers end where the actor's turn does under the data's --prompt_format (the
-    format it was tuned in): at the EOS, or at the chat template's end-of-turn token where that is another."""
+    format it was tuned in): at the EOS, or at the chat template's end-of-turn token where that is another; and at
+    every other id the actor's generation config stops at, read from its folder (the same on every rank, also one
+    that holds no copy of the actor)."""
     reward_fn = load_reward_fn(args.rewards.reward_fn) if args.rewards.reward_fn is not None else None
     fusion = args.placement.stage_fusion_micro_batch_size if args.placement.enable_stage_fusion else 0
+    actor_stops = folder_stop_ids(args.models.actor_model_name_or_path, args.run.trust_remote_code)
     return PPOTrainer(engine, generator, args.ppo, reward_fn, args.rewards.reward_fn_coef, fusion,
-                      args.data.prompt_format)
+                      args.data.prompt_format, actor_stops)
 
 
 def run_step3(args: Step3Settings) -> dict:

@@ -17,7 +17,8 @@ answers; every per-token tensor ([B, N]) is aligned with the answer tokens, so p
 log-probability / value / reward of answer token j, and `action_mask` is 1 on the generated
 tokens, the stop token that ended the answer included (ending the answer is an action the policy is rewarded or
 penalised for). The stop tokens are those that end the actor's turn (`PromptFormatter.stop_token_ids`): its EOS,
-and the chat template's end-of-turn token where that is another (Gemma's <end_of_turn>).
+and the chat template's end-of-turn token where that is another (Gemma's <end_of_turn>); and the other ids the
+actor's generation config stops at (Qwen2.5-Instruct's <|endoftext|>).
 """
 from __future__ import annotations
 
@@ -321,7 +322,9 @@ class PPOTrainer:
 
     Answers are scored by the engine's reward model, the `reward_fn`, or both (`RewardScorer`). An answer ends at
     any of the tokens that end the actor's turn under `prompt_format` (`PromptFormatter.stop_token_ids`; step 3
-    passes its data's --prompt_format, under which the actor was tuned).
+    passes its data's --prompt_format, under which the actor was tuned), and at any other of `actor_stop_token_ids`,
+    the ids the actor's generation config stops at (as transformers' `generate` and the chatbot stop there; step 3
+    passes them: `folder_stop_ids`).
 
     Every scoring and training forward runs on rows grouped by length and laid flush right (`RowGroups`): little
     padding, the LM head only where answer tokens are predicted. The old log-probs are the generator's own when
@@ -334,7 +337,8 @@ class PPOTrainer:
 
     def __init__(self, engine: RLHFEngine, generator: Generator, config: PPOConfig,
                  reward_fn: RewardFunction | None = None, reward_fn_coef: float = 1.0,
-                 stage_fusion_micro_batch_size: int = 0, prompt_format: str = "auto"):
+                 stage_fusion_micro_batch_size: int = 0, prompt_format: str = "auto",
+                 actor_stop_token_ids: Sequence[int] = ()):
         self.engine = engine
         # > 0: finished answers are scored in micro-batches of this many rows while generation goes on
         self.stage_fusion_micro_batch_size = stage_fusion_micro_batch_size
@@ -354,7 +358,9 @@ class PPOTrainer:
         self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer) \
             if engine.reward is not None or reward_fn is not None else None
         tokenizer = engine.tokenizer
-        self.stop_token_ids = PromptFormatter(tokenizer, prompt_format).stop_token_ids
+        # the formatter's first: where the actor's generation config lists none other, the stop tokens are its alone
+        self.stop_token_ids = list(dict.fromkeys([*PromptFormatter(tokenizer, prompt_format).stop_token_ids,
+                                                  *actor_stop_token_ids]))
         self.pad_token_id = tokenizer.pad_token_id
         self.kl_controller = (
             AdaptiveKLController(config.kl_ctl, config.target_kl, config.kl_horizon)

@@ -267,16 +267,44 @@ def test_a_tuned_model_is_saved_to_stop_where_training_ends_its_turn(tmp_path, f
 
 @pytest.mark.parametrize("flags, stops", [([], ["<eos>", "<end_of_turn>"]),
                                           (["--prompt_format", "human_assistant"], ["<eos>"])])
-def test_step_3_stops_where_the_actors_turn_ends_under_the_datas_prompt_format(flags, stops):
+def test_step_3_stops_where_the_actors_turn_ends_under_the_datas_prompt_format(tmp_path, flags, stops):
     """The actor was tuned on --prompt_format's rows: under the chat template its turn ends at <end_of_turn>, under
     ' Human: ... Assistant:' at the EOS alone."""
+    tokenizer = turn_end_tokenizer(GEMMA)
+    trainer = step_3_trainer(saved_actor(tokenizer, make_scripted_llama(tokenizer, {}), tmp_path), tokenizer, flags)
+    assert trainer.generation_config().eos_token_id == tokenizer.convert_tokens_to_ids(stops)
+
+
+def saved_actor(tokenizer, model, folder) -> str:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def step_3_trainer(actor: str, tokenizer, flags: list[str] = ()) -> PPOTrainer:
+    """The trainer step 3 builds for the actor folder `actor`, its engine stood in."""
     from step3_rlhf.main import build_trainer, parse_args
 
-    tokenizer = turn_end_tokenizer(GEMMA)
-    args = parse_args(["--actor_model_name_or_path", "actor", "--critic_model_name_or_path", "reward",
+    args = parse_args(["--actor_model_name_or_path", actor, "--critic_model_name_or_path", "reward",
                        "--output_dir", "run", "--algorithm", "remax", *flags])
-    trainer = build_trainer(args, stand_in_engine(tokenizer), None)
-    assert trainer.generation_config().eos_token_id == tokenizer.convert_tokens_to_ids(stops)
+    return build_trainer(args, stand_in_engine(tokenizer), None)
+
+
+def test_step_3_also_stops_at_every_id_the_actors_generation_config_stops_at(tmp_path):
+    """Qwen2.5-Instruct's generation_config.json stops at <|endoftext|> beside its tokenizer's <|im_end|> EOS
+    (Llama-3.1-Instruct's at <|eom_id|> too), where transformers' generate and the chatbot stop: step 3 stopped at
+    the formatter's ids alone, so a rollout went on past that token ('<|endoftext|>uuu' where generate answers
+    '<|endoftext|>'), and the reward model scored, and PPO trained on, what the served model never writes."""
+    tokenizer = make_tokenizer(with_pad=True)
+    ids = tokenizer.convert_tokens_to_ids
+    model = make_scripted_llama(tokenizer, {"x": "<|endoftext|>", "<|endoftext|>": "u", "u": "u"})
+    model.generation_config.eos_token_id = [ids("<|im_end|>"), ids("<|endoftext|>")]
+    trainer = step_3_trainer(saved_actor(tokenizer, model, tmp_path), tokenizer, ["--max_answer_seq_len", "4"])
+    assert trainer.generation_config().eos_token_id == [ids("<|im_end|>"), ids("<|endoftext|>")]
+    prompt = torch.tensor([[ids("x")]])
+    served = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    rollout = HFGenerator(model).generate(prompt, torch.ones_like(prompt), trainer.generation_config(do_sample=False))
+    assert rollout.answers[rollout.answer_mask.bool()].tolist() == served[0, 1:].tolist() == [ids("<|endoftext|>")]
 
 
 # (d) a tokenizer whose EOS ends the turn: nothing changes ------------------------------------------------------

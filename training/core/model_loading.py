@@ -13,6 +13,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "load_causal_lm",
     "match_tokenizer",
     "listed_stop_ids",
+    "folder_stop_ids",
     "no_model_error",
     "disable_dropout",
     "zero3_construction",
@@ -315,8 +317,23 @@ def match_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
 
 def listed_stop_ids(model: torch.nn.Module) -> list[int]:
     """The ids `model`'s generation config stops at (its eos_token_id: one id, a list, or none)."""
-    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return [listed] if isinstance(listed, int) else list(listed or [])
+    return _id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+
+
+def folder_stop_ids(name_or_path: str, trust_remote_code: bool = False) -> list[int]:
+    """`listed_stop_ids` of the model `name_or_path` loads as, read without loading it (on a rank that holds no copy
+    of it): its generation_config.json's eos_token_id, or where it has none, its config's, of which transformers
+    then makes the model's generation config."""
+    path = resolve_model_path(name_or_path)
+    try:
+        config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        config = GenerationConfig.from_model_config(load_config(name_or_path, trust_remote_code))
+    return _id_list(config.eos_token_id)
+
+
+def _id_list(ids: int | Sequence[int] | None) -> list[int]:
+    return [ids] if isinstance(ids, int) else list(ids or [])
 
 
 def _stop_ids(eos: int, listed: Sequence[int], added: Sequence[int]) -> int | list[int]:
