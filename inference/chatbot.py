@@ -321,6 +321,8 @@ def build_parser() -> SettingsParser:
 
 def load_session(args: ChatSettings) -> ChatSession:
     chat_args = args.chat
+    if chat_args.system is not None:  # refused before the model loads, not after
+        refuse_undecodable(chat_args.system, "--system")
     path = resolve_chat_model(chat_args.path, chat_args.ema)
     tokenizer = load_tokenizer(path, trust_remote_code=chat_args.trust_remote_code)
     prompt_format = chat_args.prompt_format or trained_prompt_format(path)

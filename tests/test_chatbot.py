@@ -341,6 +341,17 @@ def test_a_message_or_system_prompt_that_is_not_utf8_text_is_one_error():
     assert chat_session.history == []
 
 
+def test_a_system_prompt_that_is_not_utf8_text_is_refused_before_the_model_loads(tiny_model_dir, monkeypatch):
+    from inference import chatbot
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(chatbot, "load_causal_lm", not_loaded)
+    with pytest.raises(UserError, match=r"--system is not UTF-8 text \(byte 0xe9 at character 4\)"):
+        chat(["--model", tiny_model_dir("llama"), "--system", "caf\udce9", "--prompt", "hi"])
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--repetition_penalty", "0"], "--repetition_penalty must be positive"),
     (["--top_k", "-1"], r"--top_k must be 0 \(all tokens\) or positive, got -1"),
