@@ -5,9 +5,9 @@ from training.reliability.run_records import save_run_args
 
 
 def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
-    logger = MetricsLogger(tmp_path, prefix="train/")
-    logger.log(1, {"loss": 2.5, "lr": 1e-3})
-    logger.log(2, {"loss": float("nan")})
+    logger = MetricsLogger(tmp_path)
+    logger.log(1, {"train/loss": 2.5, "train/lr": 1e-3})
+    logger.log(2, {"train/loss": float("nan")})
     logger.close()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]

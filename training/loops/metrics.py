@@ -28,9 +28,8 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLogger:
     """Append `{"step": n, "time": t, **metrics}` lines to `metrics.jsonl` and mirror them to TensorBoard."""
 
-    def __init__(self, run_dir: str | os.PathLike, enable_tensorboard: bool = True, prefix: str = "") -> None:
+    def __init__(self, run_dir: str | os.PathLike, enable_tensorboard: bool = True) -> None:
         self.enabled = is_main_process()
-        self.prefix = prefix
         self.path = Path(run_dir) / METRICS_FILE
         self._writer = None
         self.lines_written = 0  # the file's complete lines since `rewind` (rank 0), what a checkpoint records
@@ -51,7 +50,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self.enabled:
             return
-        clean = {f"{self.prefix}{k}": (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
         with self.path.open("a") as handle:
             handle.write(json.dumps({"step": step, "time": time.time(), **clean}, allow_nan=True) + "\n")
         self.lines_written += 1
