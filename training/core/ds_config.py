@@ -81,7 +81,7 @@ def get_train_ds_config(
     return config
 
 
-def get_eval_ds_config(stage: int = 0, offload: bool = False, dtype: str = "fp32", micro_batch_size: int = 1,
+def get_eval_ds_config(stage: int = 0, offload: bool = False, dtype: str = "fp32",
                        data_parallel_size: int | None = None) -> dict[str, Any]:
     """Config for a frozen model (reference, reward): no optimizer. ZeRO-3 shards its weights; lower
     stages keep a full copy per rank. `offload` keeps the weights in CPU memory, which DeepSpeed only
@@ -92,8 +92,8 @@ def get_eval_ds_config(stage: int = 0, offload: bool = False, dtype: str = "fp32
     if offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     return {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "train_batch_size": micro_batch_size * (data_parallel_size or get_world_size()),
+        "train_micro_batch_size_per_gpu": 1,  # never trained, but a DeepSpeed config needs its batch sizes
+        "train_batch_size": data_parallel_size or get_world_size(),
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "zero_optimization": zero,
