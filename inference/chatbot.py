@@ -3,13 +3,15 @@
 Interactive by default: type a message, the answer streams as it is generated; `clear` starts a new
 conversation, `quit` (or Ctrl-D, or Ctrl-C at the prompt) ends, and Ctrl-C while the model answers stops that
 answer. For scripts, `--prompt` (repeatable) or prompts on standard input (one a line, when it is not a terminal)
-are answered in order as one conversation, then the program exits (Ctrl-C ends it, with status 130).
+are answered in order as one conversation, then the program exits (Ctrl-C ends it, with status 130; a reader of its
+output that leaves, as `| head` does, with status 141).
 
 Each turn's prompt is rendered by the `PromptFormatter` training used, in the format the model's run trained on.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TextIO
@@ -40,6 +42,7 @@ CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
 EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
+EXIT_BROKEN_PIPE = 141  # a shell's status for a process that SIGPIPE ended: its reader left
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
@@ -355,12 +358,22 @@ def chat(argv: list[str] | None = None) -> list[str]:
 @run_cli
 def main(argv: list[str] | None = None) -> None:
     """`rlhf-chat`: returns nothing, so the console script exits with status 0; Ctrl-C that ends it (while the model
-    loads, or in a scripted conversation) exits with status 130, without a traceback."""
+    loads, or in a scripted conversation) exits with status 130, and a reader of its output that left (`| head`)
+    with status 141, without a traceback."""
     try:
         chat(argv)
     except KeyboardInterrupt:
         print(flush=True)
         sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        _silence_stdout()
+        sys.exit(EXIT_BROKEN_PIPE)
+
+
+def _silence_stdout() -> None:
+    """Standard output to /dev/null, whose reader left: Python's flush of it at exit would raise again."""
+    with contextlib.suppress(OSError, ValueError):  # a stand-in stream (a test's) has no file descriptor
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -352,6 +352,20 @@ def test_a_system_prompt_that_is_not_utf8_text_is_refused_before_the_model_loads
         chat(["--model", tiny_model_dir("llama"), "--system", "caf\udce9", "--prompt", "hi"])
 
 
+def test_a_reader_of_the_answers_that_leaves_ends_the_chat_without_a_traceback(tiny_model_dir):
+    """`rlhf-chat < questions | head` ended in a BrokenPipeError traceback once head had its lines."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "inference.chatbot", "--path", tiny_model_dir("gpt2"), "--greedy", "--max_new_tokens",
+         "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT, env=step_env())
+    child.stdin.write(b"hello\n")
+    child.stdin.flush()
+    answered = any(line.startswith(b"Assistant: ") for line in iter(child.stdout.readline, b""))
+    child.stdout.close()  # the reader leaves after the first answer
+    _, errors = child.communicate(b"and again\n", timeout=120)
+    assert answered and child.returncode == 141, errors.decode()[-3000:]
+    assert b"Traceback" not in errors and b"BrokenPipeError" not in errors
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--repetition_penalty", "0"], "--repetition_penalty must be positive"),
     (["--top_k", "-1"], r"--top_k must be 0 \(all tokens\) or positive, got -1"),
