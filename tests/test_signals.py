@@ -193,7 +193,48 @@ def test_a_rank_whose_output_reader_has_gone_takes_it_as_a_stop_request_and_save
         while output.readline().strip() not in ("ready", ""):
             pass
     assert rank.wait(timeout=60) == EXIT_INTERRUPTED
-    assert saved.read_text() == "SIGPIPE"
+    assert saved.read_text() == "SIGTERM"
+
+
+STEP_WAITING_FOR_A_STOP = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda signum, frame: open(sys.argv[1], "w").write("SIGTERM"))
+print("ready", flush=True)
+waited_until = time.monotonic() + 10
+while not os.path.exists(sys.argv[1]) and time.monotonic() < waited_until:
+    time.sleep(0.05)
+sys.exit(3 if os.path.exists(sys.argv[1]) else 0)
+"""
+
+TRAIN_PY_LAUNCHING_A_STEP = """
+import sys
+from pathlib import Path
+from training.pipeline.launch import StepStopped, run_subprocess
+from training.reliability.signals import GracefulInterrupt
+with GracefulInterrupt():
+    try:
+        run_subprocess([sys.executable, "-c", sys.argv[1], sys.argv[2]], Path(sys.argv[3]), "step 1")
+        open(sys.argv[4], "w").write("ran to its end")
+    except StepStopped:
+        open(sys.argv[4], "w").write("stopped")
+"""
+
+
+def test_train_py_whose_output_reader_has_gone_stops_the_step_under_way(tmp_path):
+    """train.py's own output left without a reader (`train.py | tee`, tee killed) was taken as a stop request by its
+    handler alone: the launched step ran on to its end, unsaid (or, had a write of its output come first, failed on
+    the pipe). It is now a stop request passed on to the step's processes, as a SIGTERM to train.py is."""
+    got, outcome = tmp_path / "step_got", tmp_path / "outcome"
+    read_end, write_end = os.pipe()
+    parent = subprocess.Popen([sys.executable, "-c", TRAIN_PY_LAUNCHING_A_STEP, STEP_WAITING_FOR_A_STOP, str(got),
+                               str(tmp_path / "step1.log"), str(outcome)], stdout=write_end, stderr=write_end,
+                              env=step_env())
+    os.close(write_end)
+    with os.fdopen(read_end) as output:
+        while output.readline().strip() not in ("ready", ""):
+            pass
+    assert parent.wait(timeout=60) == 0
+    assert (got.read_text(), outcome.read_text()) == ("SIGTERM", "stopped")
 
 
 def test_the_output_watch_ends_with_its_block():

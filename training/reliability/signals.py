@@ -11,9 +11,9 @@ finished run: stopping there would lose what the export writes, and with `--save
 train.py runs steps one after another: a stop request during a step also ends train.py before the next step
 (`take_received_signal`), in this process or, through the launcher, in the step's processes.
 
-A rank's output whose reader has gone (train.py, which reads the ranks' output, killed) is a stop request too: the
-rank writes to /dev/null from then on (its next write to the pipe would raise BrokenPipeError, ending it before its
-save), saves at the next step and exits with `EXIT_INTERRUPTED`, as on a SIGTERM (`OutputReaderWatch`).
+Output whose reader has gone (train.py, which reads the ranks' output, killed) is a stop request too, as a SIGTERM:
+the rank writes to /dev/null from then on (its next write to the pipe would raise BrokenPipeError, ending it before
+its save), saves at the next step and exits with `EXIT_INTERRUPTED` (`OutputReaderWatch`).
 
 Only a second SIGINT aborts, not a SIGTERM after a SIGINT: Ctrl-C under the `deepspeed` launcher
 reaches each rank twice (SIGINT from the terminal, then SIGTERM from the launcher). That launcher
@@ -181,7 +181,8 @@ class GracefulInterrupt:
         if isinstance(enclosing, GracefulInterrupt):
             self.received = enclosing.received
         self._handling.enter_context(handling_signals(self.signals, self._handle))
-        self._handling.enter_context(OutputReaderWatch(self._output_reader_gone))
+        if threading.current_thread() is threading.main_thread() and signal.SIGTERM in self.signals:  # handled
+            self._handling.enter_context(OutputReaderWatch(self._output_reader_gone))
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -192,17 +193,16 @@ class GracefulInterrupt:
         record_signal(signum)
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
-        self._take(signum, f"received {signum.name}")
-
-    def _output_reader_gone(self) -> None:
-        """No process reads this one's output any more (train.py killed): a stop request, noted as a SIGPIPE."""
-        record_signal(signal.SIGPIPE)
-        self._take(signal.SIGPIPE, "the process reading this one's output has gone")
-
-    def _take(self, signum: signal.Signals, what: str) -> None:
         if self.received is None:
             self.received = signum
-            say_from_handler(f"\n{what}: {self._on_receipt} (press Ctrl-C again to abort at once)\n")
+            say_from_handler(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)\n")
+
+    @staticmethod
+    def _output_reader_gone() -> None:
+        """No process reads this one's output any more (train.py killed, or the program train.py's output was piped
+        into): a SIGTERM to this process, which whatever handler is in place takes as a stop request (train.py's
+        passes it on to a step it launched)."""
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def finishing(self, task: str) -> None:
         """The run is past its last step and now does `task` ("the final model's save"): a signal from here on
