@@ -156,7 +156,7 @@ def build_rlhf_engine(
         return placement is None or placement.holds(role, rank)
 
     def settings_for(role: str, model_args, steps: int):
-        settings = optimization_settings(model_args, args.schedule, dtype_name, steps, micro_batch, job_name=role)
+        settings = optimization_settings(model_args, args.schedule, dtype_name, steps, micro_batch)
         if placement is not None:
             settings.gradient_accumulation_steps *= placement.chunks_per_member(role)
             settings.data_parallel_size = groups.group_size(role)

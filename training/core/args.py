@@ -386,7 +386,6 @@ def optimization_settings(
     dtype: str,
     num_training_steps: int,
     micro_batch_size: int,
-    job_name: str = "train",
 ) -> OptimizationSettings:
     """The `OptimizationSettings` of one trained model (`dtype` as `RunArguments.dtype_name` gives it)."""
     return OptimizationSettings(
@@ -403,7 +402,6 @@ def optimization_settings(
         num_warmup_steps=schedule.num_warmup_steps,
         lora_learning_rate=model.lora_learning_rate,
         optimizer=schedule.optimizer,
-        job_name=job_name,
     )
 
 

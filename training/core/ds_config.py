@@ -16,13 +16,13 @@ def _precision_section(dtype: str) -> dict[str, Any]:
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
-def _zero_section(stage: int, offload: bool, offload_params: bool) -> dict[str, Any]:
+def _zero_section(stage: int, offload: bool) -> dict[str, Any]:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
     zero: dict[str, Any] = {"stage": stage}
     if offload and stage > 0:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-    if offload_params and stage == 3:
+    if offload and stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     if stage == 3:
         zero.update(
@@ -48,10 +48,6 @@ def get_train_ds_config(
     train_micro_batch_size_per_gpu: int = 1,
     gradient_accumulation_steps: int = 1,
     gradient_clipping: float = 1.0,
-    tensorboard_dir: str | None = None,
-    job_name: str = "train",
-    offload_params: bool | None = None,
-    steps_per_print: int = 10**9,
     data_parallel_size: int | None = None,
 ) -> dict[str, Any]:
     """Config for a model that trains: ZeRO stage, optimizer (and, at stage 3, parameter) offload,
@@ -64,9 +60,9 @@ def get_train_ds_config(
         "train_batch_size": train_micro_batch_size_per_gpu * gradient_accumulation_steps
         * (data_parallel_size or get_world_size()),
         "gradient_clipping": gradient_clipping,
-        "steps_per_print": steps_per_print,
+        "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-        "zero_optimization": _zero_section(stage, offload, offload if offload_params is None else offload_params),
+        "zero_optimization": _zero_section(stage, offload),
         # checkpoint tags are the engines' names, the same on every rank by construction; DeepSpeed's check of
         # that is an all-reduce over the whole world, which an engine on part of the ranks (a placement) must not
         # start
@@ -76,8 +72,6 @@ def get_train_ds_config(
     if offload:
         # a client torch optimizer with offload is otherwise refused by DeepSpeed
         config["zero_force_ds_cpu_optimizer"] = False
-    if tensorboard_dir:
-        config["tensorboard"] = {"enabled": True, "output_path": tensorboard_dir, "job_name": job_name}
     return config
 
 

@@ -32,8 +32,6 @@ class OptimizationSettings:
     num_warmup_steps: int = 0
     lora_learning_rate: float | None = None
     optimizer: str = "auto"
-    tensorboard_dir: str | None = None
-    job_name: str = "train"
     data_parallel_size: int | None = None  # the ranks the model is on (None: all)
 
     @property
@@ -49,8 +47,6 @@ class OptimizationSettings:
             train_micro_batch_size_per_gpu=self.micro_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             gradient_clipping=0.0 if self.master_weights else self.gradient_clipping,
-            tensorboard_dir=self.tensorboard_dir,
-            job_name=self.job_name,
             data_parallel_size=self.data_parallel_size,
         )
 

@@ -246,7 +246,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         num_steps = count_optimizer_steps(len(train_data), loop)
         warn_long_warmup(args.schedule.num_warmup_steps, num_steps, f"{num_steps} optimizer steps of its data")
         settings = optimization_settings(args.training, args.schedule, args.run.dtype_name, num_steps,
-                                         args.loop.per_device_train_batch_size, job_name=step.name)
+                                         args.loop.per_device_train_batch_size)
         dtype = resolve_dtype(args.run.dtype)
         model = step.build_model(args, tokenizer, settings.ds_config(), dtype)
         model = apply_model_options(model, args.training, trainable_heads=step.trainable_heads)
