@@ -15,10 +15,10 @@ import torch.distributed as torch_dist
 from utils.dist import get_world_size, is_initialized
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `x` where `mask` is non-zero, each entry weighed by its mask value (a 0/1 mask: the plain mean of the
-    masked entries), over all elements or along `dim`, in fp32; NaN-safe for masked-out entries."""
-    total, count = _masked_totals(x, mask, dim)
+    masked entries), over all elements, in fp32; NaN-safe for masked-out entries."""
+    total, count = _masked_totals(x, mask)
     return total / torch.where(count > 0, count, 1.0)
 
 
@@ -29,13 +29,12 @@ def answer_mean_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask.float() / counts.clamp(min=1.0)
 
 
-def _masked_totals(x: torch.Tensor, mask: torch.Tensor,
-                   dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sum of `x` weighed by `mask` where it is non-zero, and the sum of the weights (over all elements, or
-    along `dim`), in fp32: a bf16 count stops at 256 exact steps (2056 tokens counted as 2048)."""
+def _masked_totals(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of `x` weighed by `mask` where it is non-zero, and the sum of the weights, in fp32: a bf16 count
+    stops at 256 exact steps (2056 tokens counted as 2048)."""
     weight = mask.float()
     masked = torch.where(weight != 0, x.float(), 0.0) * weight
-    return (masked.sum(), weight.sum()) if dim is None else (masked.sum(dim), weight.sum(dim))
+    return masked.sum(), weight.sum()
 
 
 def whiten(xs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], over_ranks: bool = False,
