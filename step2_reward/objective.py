@@ -32,10 +32,7 @@ class PairwiseEvaluation:
 
 
 @torch.no_grad()
-def evaluate_pairs(
-    model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], device: torch.device | str | None = None,
-    max_batches: int | None = None,
-) -> PairwiseEvaluation:
+def evaluate_pairs(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> PairwiseEvaluation:
     """Accuracy (chosen scored strictly above rejected), mean scores and mean margin over pairwise batches.
 
     `model` is a `RewardModel` or a DeepSpeed engine around one. Under torch.distributed the totals
@@ -43,11 +40,9 @@ def evaluate_pairs(
     """
     was_training = model.training
     model.eval()
-    device = device if device is not None else current_device()
+    device = current_device()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # correct, sum chosen, sum rejected, pairs
-    for index, batch in enumerate(batches):
-        if max_batches is not None and index >= max_batches:
-            break
+    for batch in batches:
         scores = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
         chosen, rejected = split_chosen_rejected(scores["end_scores"].double())
         totals[0] += (chosen > rejected).sum()
