@@ -8,8 +8,8 @@ Everything after `--` goes to train.py (nothing: its quick run on this machine),
 it names one (`--output-dir`; a folder that already holds a run would be resumed, not timed). The JSON names the
 device, versions and command, the actor and reward models, each step's dtype, ZeRO stage and batch size (from the
 step's args.json) and, per step, its seconds and its quality: step 1 the held-out loss and perplexity before and
-after, step 2 the held-out accuracy and margin before and after, step 3 the reward and exact KL of its
-evaluations, the answer length, and the median seconds of a PPO step with its generation / scoring / training
+after, step 2 (and DPO, step 4 under `--algorithm dpo`) the held-out accuracy and margin before and after, step 3
+the reward and exact KL of its evaluations, the answer length, and the median seconds of a PPO step with its generation / scoring / training
 split. With `--reference` (an earlier JSON of this script, e.g. the CPU quick run's), each figure sits beside that
 run's; the runs may differ in data and sizes (the command of each says how), so the comparison is of outcomes,
 not a parity check.
@@ -28,16 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import REPO_ROOT, device_name, write_report  # noqa: E402
 from training.pipeline.cli import parse_config, run  # noqa: E402
+from training.pipeline.config import PipelineConfig  # noqa: E402
+from training.pipeline.steps import STEPS  # noqa: E402
 from utils.dist import current_device  # noqa: E402
 from utils.errors import UserError, run_cli  # noqa: E402
 
+# held-out pairs ranked right and the mean margin: the reward model's (step 2) and DPO's implicit reward's (step 4)
+PAIR_QUALITY = ("eval_accuracy_before", "eval_accuracy_after", "eval_margin_before", "eval_margin_after",
+                "final_train_loss", "optimizer_steps")
 # per step: the summary figures reported (those a step's summary holds)
 QUALITY = {
     "1": ("eval_loss_before", "eval_loss_after", "eval_perplexity_before", "eval_perplexity_after", "final_train_loss",
           "optimizer_steps"),
-    "2": ("eval_accuracy_before", "eval_accuracy_after", "eval_margin_before", "eval_margin_after",
-          "final_train_loss", "optimizer_steps"),
+    "2": PAIR_QUALITY,
     "3": ("reward_first", "reward_last", "kl_exact_last", "response_length_last", "ppo_steps"),
+    "4": PAIR_QUALITY,
 }
 PPO_PHASES = ("time/step_s", "time/generation_s", "time/scoring_s", "time/training_s")
 BATCH_SIZES = ("per_device_train_batch_size", "per_device_generation_batch_size")  # a step's rows per step, by step
@@ -59,12 +64,18 @@ def fresh_run_argv(train_argv: list[str]) -> list[str]:
     """train.py's flags with an output folder that holds no run yet."""
     config = parse_config(train_argv)
     if any(flag == "--output-dir" or flag.startswith("--output-dir=") for flag in train_argv):
-        if (config.output_dir / "summary.json").exists() or any(config.output_dir.glob("step*/summary.json")):
+        if holds_a_run(config):
             raise UserError(f"{config.output_dir} already holds a run, which train.py would resume instead of timing: "
                             "pass a new --output-dir")
         return train_argv
     folder = REPO_ROOT / "runs" / f"pipeline_bench_{time.strftime('%Y%m%d_%H%M%S')}"
     return [*train_argv, "--output-dir", str(folder)]
+
+
+def holds_a_run(config: PipelineConfig) -> bool:
+    """Whether the run folder holds a finished run or step (DPO's `dpo/` included), which train.py would skip."""
+    return (config.output_dir / "summary.json").exists() or any(
+        (config.run_dir(step) / "summary.json").exists() for step in STEPS)
 
 
 def ppo_step_seconds(step_dir: Path) -> dict[str, float]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import pipeline
+from training.pipeline.steps import STEPS
 from utils.errors import UserError
 
 
@@ -17,16 +18,17 @@ def _fake_run(step_figures: dict[str, dict], seconds: float):
 
     def run(train_argv: list[str]) -> dict:
         out = Path(train_argv[train_argv.index("--output-dir") + 1])
-        args = {"1": {"dtype": "bf16", "zero_stage": 0, "per_device_train_batch_size": 8},
-                "2": {"dtype": "bf16", "zero_stage": 0, "per_device_train_batch_size": 8},
+        supervised = {"dtype": "bf16", "zero_stage": 0, "per_device_train_batch_size": 8}
+        args = {"1": supervised, "2": supervised, "4": supervised,
                 "3": {"dtype": "bf16", "actor_zero_stage": 0, "per_device_generation_batch_size": 4,
                       "per_device_training_batch_size": 4}}
-        for step in ("1", "2", "3"):
-            (out / f"step{step}").mkdir(parents=True)
-            (out / f"step{step}" / "args.json").write_text(json.dumps(args[step]))
+        for step in step_figures:
+            (out / STEPS[int(step)].name).mkdir(parents=True)
+            (out / STEPS[int(step)].name / "args.json").write_text(json.dumps(args[step]))
         ppo = [{"time/step_s": s, "time/generation_s": s / 2, "time/scoring_s": 0.1, "time/training_s": 0.2}
                for s in (5.0, 1.0, 3.0)]
-        (out / "step3" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"eval": 1}, *ppo]))
+        if "3" in step_figures:
+            (out / "step3" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"eval": 1}, *ppo]))
         steps = {step: {"title": f"step {step}", "seconds": seconds, "summary": {"step": step, **figures}}
                  for step, figures in step_figures.items()}
         return {"deployment": "cpu", "total_seconds": 3 * seconds, "steps": steps}
@@ -65,12 +67,26 @@ def test_a_run_is_reported_step_by_step_beside_the_reference(tmp_path, monkeypat
     assert json.loads((tmp_path / "gpu.json").read_text())["results"] == report["results"]
 
 
-def test_a_folder_that_holds_a_run_is_refused(tmp_path):
-    """train.py would resume it: nothing would be timed."""
-    (tmp_path / "old" / "step1").mkdir(parents=True)
-    (tmp_path / "old" / "step1" / "summary.json").write_text("{}")
+@pytest.mark.parametrize("finished", ["step1", "dpo"])
+def test_a_folder_that_holds_a_run_is_refused(tmp_path, finished):
+    """train.py would skip its finished steps: nothing would be timed. DPO's run folder is `dpo/`, which the check
+    once missed: a DPO run's step was then reported with the seconds of its skip."""
+    (tmp_path / "old" / finished).mkdir(parents=True)
+    (tmp_path / "old" / finished / "summary.json").write_text("{}")
     with pytest.raises(UserError, match="already holds a run"):
-        pipeline.fresh_run_argv(["--output-dir", str(tmp_path / "old")])
+        pipeline.fresh_run_argv(["--algorithm", "dpo", "--step", "4", "--output-dir", str(tmp_path / "old")])
+
+
+def test_a_dpo_run_reports_its_held_out_pair_accuracy_and_margin(tmp_path, monkeypatch):
+    """Under `--algorithm dpo` the DPO step (4) was reported with its seconds alone, none of its quality figures."""
+    monkeypatch.setattr(pipeline, "REPO_ROOT", tmp_path)
+    dpo = {"eval_accuracy_before": 0.0, "eval_accuracy_after": 0.64, "eval_margin_before": 0.0,
+           "eval_margin_after": 0.023, "final_train_loss": 0.68, "optimizer_steps": 39}
+    monkeypatch.setattr(pipeline, "run", _fake_run({"1": FIGURES["1"], "4": {**dpo, "dpo_beta": 0.1}}, 30.0))
+    report = pipeline.main(["--output", str(tmp_path / "dpo.json"), "--", "--algorithm", "dpo"])
+    assert report["steps"]["4"]["figures"] == dpo
+    assert report["batch_size"] == {"1": 8, "4": 8}
+    assert {row["figure"] for row in report["results"] if row["step"] == "4"} == {"seconds", *dpo}
 
 
 def test_the_dpo_bench_writes_nothing_when_no_source_is_left(tmp_path, monkeypatch):
