@@ -33,7 +33,7 @@ from training.placement.workload import offloaded_models, ppo_micro_batches
 from training.reliability.checkpointing import CheckpointSettings
 from training.rewards.functions import is_builtin
 from utils.data import DataArguments, UnsupervisedDataArguments
-from utils.errors import UserError, refuse_all
+from utils.errors import UserError, refuse_all, refuse_messages
 
 
 @dataclass
@@ -160,16 +160,21 @@ def micro_batches_per_ppo_step(args: Step3Settings) -> int:
 
 
 def _check_loop(args: Step3Settings, flags: Mapping[str, Any]) -> None:
-    """Batch sizes, passes, evaluation cadence, the models' training options and the EMA."""
-    check_positive(flags, "per_device_generation_batch_size", "per_device_training_batch_size",
-                   "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
-                   "eval_samples", "max_train_minutes")
-    check_non_negative(flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim")
-    check_offload_stage(flags, "actor_", "critic_")
-    check_lora_flags(flags, "actor_", "critic_")
-    check_optimizer_flags(flags, "actor_", "critic_")
-    if not 0.0 <= args.ema.ema_beta < 1.0:
-        raise UserError(f"--ema_beta must lie in [0, 1), got {args.ema.ema_beta}")
+    """Batch sizes, passes, evaluation cadence, the models' training options and the EMA, every refusal at once."""
+    refuse_all(
+        partial(check_positive, flags, "per_device_generation_batch_size", "per_device_training_batch_size",
+                "generation_batches", "ppo_epochs", "num_train_epochs", "gradient_accumulation_steps", "max_steps",
+                "eval_samples", "max_train_minutes"),
+        partial(check_non_negative, flags, "eval_interval", "num_warmup_steps", "actor_lora_dim", "critic_lora_dim"),
+        partial(check_offload_stage, flags, "actor_", "critic_"),
+        partial(check_lora_flags, flags, "actor_", "critic_"),
+        partial(check_optimizer_flags, flags, "actor_", "critic_"),
+        partial(_check_ema_beta, args.ema.ema_beta))
+
+
+def _check_ema_beta(ema_beta: float) -> None:
+    if not 0.0 <= ema_beta < 1.0:
+        raise UserError(f"--ema_beta must lie in [0, 1), got {ema_beta}")
 
 
 def _check_sampling(sampling: RolloutSampling) -> None:
@@ -183,30 +188,44 @@ def _check_sampling(sampling: RolloutSampling) -> None:
 
 
 def _check_ppo_constants(args: Step3Settings, flags: Mapping[str, Any]) -> None:
-    _check_reward_clip(args.ppo.clip_reward_value)
-    # --max_prompt_seq_len is the data's to check (`DataArguments.check_flags`)
-    check_positive(flags, "n_samples_per_prompt", "clip_reward_value", "cliprange", "cliprange_value", "target_kl",
-                   "kl_horizon", "group_std_eps", "max_answer_seq_len", "temperature")
-    # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
-    check_non_negative(flags, "kl_ctl", "unsup_coef", "no_eos_penalty")
-    for name in ("gamma", "lam"):
-        if not 0.0 <= flags[name] <= 1.0:
-            raise UserError(f"--{name} must lie in [0, 1], got {flags[name]}")
-    if args.ppo.target_kl is not None and args.ppo.kl_ctl == 0:
-        raise UserError(f"--target_kl {args.ppo.target_kl} adapts the KL coefficient by multiplying it, so from "
+    """The PPO constants, every refusal at once (--max_prompt_seq_len is the data's to check:
+    `DataArguments.check_flags`)."""
+    refuse_all(
+        partial(_check_reward_clip, flags),
+        partial(check_positive, flags, "n_samples_per_prompt", "cliprange", "cliprange_value", "target_kl",
+                "kl_horizon", "group_std_eps", "max_answer_seq_len", "temperature"),
+        # each would turn a term around (reward the KL, the cut-off answer, the pretraining loss) or divide by ~0
+        partial(check_non_negative, flags, "kl_ctl", "unsup_coef", "no_eos_penalty"),
+        partial(_check_unit_interval, flags, "gamma", "lam"),
+        partial(_check_kl_target, args.ppo),
+        partial(_check_unsupervised_mix, args))
+
+
+def _check_reward_clip(flags: Mapping[str, Any]) -> None:
+    """An infinite clip is refused as every infinite flag is, saying how to clip nothing (it once meant that)."""
+    if flags["clip_reward_value"] == math.inf:
+        raise UserError("--clip_reward_value must be a finite number, got inf; to leave the reward model's scores "
+                        "unclipped give a bound above any score it gives (e.g. --clip_reward_value 1e6)")
+    check_positive(flags, "clip_reward_value")
+
+
+def _check_unit_interval(flags: Mapping[str, Any], *names: str) -> None:
+    refuse_messages([f"--{name} must lie in [0, 1], got {flags[name]}" for name in names
+                     if not 0.0 <= flags[name] <= 1.0])
+
+
+def _check_kl_target(ppo: PPOConfig) -> None:
+    if ppo.target_kl is not None and ppo.kl_ctl == 0:
+        raise UserError(f"--target_kl {ppo.target_kl} adapts the KL coefficient by multiplying it, so from "
                         "--kl_ctl 0 it stays 0 and the KL is never held; start from --kl_ctl > 0 (e.g. 0.1), or drop "
                         "--target_kl")
+
+
+def _check_unsupervised_mix(args: Step3Settings) -> None:
     if args.unsupervised.unsupervised_dataset_name and args.ppo.unsup_coef == 0:
         raise UserError(f"--unsupervised_dataset_name {args.unsupervised.unsupervised_dataset_name} with --unsup_coef 0 "
                         "mixes nothing in, though every actor update would still compute a pretraining batch's "
                         "language-model loss; give --unsup_coef > 0 (e.g. 0.05), or drop --unsupervised_dataset_name")
-
-
-def _check_reward_clip(clip_reward_value: float) -> None:
-    """An infinite clip is refused as every infinite flag is, saying how to clip nothing (it once meant that)."""
-    if clip_reward_value == math.inf:
-        raise UserError("--clip_reward_value must be a finite number, got inf; to leave the reward model's scores "
-                        "unclipped give a bound above any score it gives (e.g. --clip_reward_value 1e6)")
 
 
 def _check_scoring(args: Step3Settings, flags: Mapping[str, Any]) -> None:

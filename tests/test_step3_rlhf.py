@@ -980,6 +980,27 @@ def test_every_bad_ppo_constant_of_a_command_line_is_reported_at_once(inputs, tm
                                       "--kl_horizon must be positive, got -5.0"]
 
 
+@pytest.mark.parametrize("flags, messages", [
+    (["--ppo_epochs", "0", "--eval_interval", "-1", "--actor_offload", "--actor_zero_stage", "0", "--ema_beta", "1"],
+     ["--ppo_epochs must be positive, got 0", "--eval_interval must be 0 or positive, got -1",
+      "--actor_offload needs --actor_zero_stage 1, 2 or 3", "--ema_beta must lie in [0, 1), got 1.0"]),
+    (["--cliprange", "0", "--kl_ctl", "-0.1", "--gamma", "1.5"],
+     ["--cliprange must be positive, got 0.0", "--kl_ctl must be 0 or positive, got -0.1",
+      "--gamma must lie in [0, 1], got 1.5"]),
+    (["--clip_reward_value", "inf", "--unsup_coef", "-1"],
+     ["--clip_reward_value must be a finite number, got inf; to leave", "--unsup_coef must be 0 or positive, got -1.0"]),
+])
+def test_bad_flags_of_one_group_but_of_different_checks_are_reported_at_once(inputs, tmp_path, flags, messages):
+    """A positive, a non-negative and a range check of one group of flags ran one after another: a bad flag of the
+    later ones was reported only once the earlier ones' were fixed."""
+    from step3_rlhf.main import check_args, parse_args
+
+    with pytest.raises(UserErrors) as refused:
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags)))
+    assert len(refused.value.messages) == len(messages)
+    assert all(said.startswith(message) for said, message in zip(refused.value.messages, messages))
+
+
 def test_a_training_time_budget_must_be_positive(inputs, tmp_path):
     from step3_rlhf.main import check_args, parse_args
 
