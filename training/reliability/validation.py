@@ -106,10 +106,9 @@ def estimate_output_bytes(
     param_bytes: int,
     trainable_params: int | None = None,
     keep_last_checkpoints: int = 0,
-    final_models: int = 1,
     checkpoints_on_disk: int = 0,
 ) -> int:
-    """Bytes a run writes for one model: its final folder(s) plus resume checkpoints.
+    """Bytes a run writes for one model: its final folder plus resume checkpoints.
 
     A checkpoint holds the weights in the training dtype, the Adam moments (8 bytes per trainable
     parameter) and, below fp32, an fp32 master copy; while one is written the previous
@@ -120,7 +119,7 @@ def estimate_output_bytes(
     optimizer_bytes_per_param = 8 + (4 if param_bytes < 4 else 0)
     checkpoint = num_params * param_bytes + trainable * optimizer_bytes_per_param
     checkpoints = max(keep_last_checkpoints + 1 - checkpoints_on_disk, 1) if keep_last_checkpoints > 0 else 0
-    return final_models * num_params * param_bytes + checkpoints * checkpoint
+    return num_params * param_bytes + checkpoints * checkpoint
 
 
 def _existing_ancestor(path: Path) -> Path:
