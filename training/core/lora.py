@@ -33,7 +33,6 @@ def apply_lora(
     lora_module_name: str = "layers.",
     only_optimize_lora: bool = False,
     lora_alpha: float | None = None,
-    lora_dropout: float = 0.0,
     flag_prefix: str = "",
 ) -> PeftModel:
     """Wrap `model` with LoRA adapters of rank `lora_dim`, in the dtype of the weights they adapt.
@@ -49,7 +48,7 @@ def apply_lora(
     config = LoraConfig(
         r=lora_dim,
         lora_alpha=lora_alpha if lora_alpha is not None else lora_dim,
-        lora_dropout=lora_dropout,
+        lora_dropout=0.0,  # as every dropout of the models this project trains
         target_modules=lora_target_modules(model, lora_module_name, flag_prefix),
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         bias="none",
