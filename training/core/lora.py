@@ -48,7 +48,7 @@ def apply_lora(
     config = LoraConfig(
         r=lora_dim,
         lora_alpha=lora_alpha if lora_alpha is not None else lora_dim,
-        lora_dropout=0.0,  # as every dropout of the models this project trains
+        lora_dropout=0.0,  # the adapters add no dropout of their own (the model's is --disable_dropout's)
         target_modules=lora_target_modules(model, lora_module_name, flag_prefix),
         fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()),
         bias="none",
