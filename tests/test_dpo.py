@@ -19,7 +19,7 @@ from training.algorithms import PREFERENCE_LOSSES, get_preference_loss
 from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.loops.metrics import read_metrics
 from utils.data import PairwiseCollator
-from utils.errors import EXIT_USER_ERROR, UserError
+from utils.errors import EXIT_USER_ERROR, UserError, UserErrors
 
 # three pairs, beta 0.5: log-ratios chosen [1, -1, 0], rejected [0, -1, -2], so h = [1, 0, 2]
 POLICY_CHOSEN = torch.tensor([-4.0, -6.0, -3.0])
@@ -139,6 +139,17 @@ def test_bad_dpo_settings_are_user_errors(flags, message, tmp_path, capsys):
         dpo_main(["--output_dir", str(tmp_path / "run"), *flags])
     assert exited.value.code == EXIT_USER_ERROR and message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_every_bad_dpo_setting_is_reported_at_once(tmp_path):
+    """An unknown --dpo_loss, --dpo_beta 0 and a --dpo_label_smoothing out of range: each was told only once the one
+    before it was fixed."""
+    args = build_parser().parse_args(["--output_dir", str(tmp_path / "run"), "--dpo_loss", "kto", "--dpo_beta", "0",
+                                      "--dpo_label_smoothing", "0.7"])
+    with pytest.raises(UserErrors) as refused:
+        args.dpo.preference_loss()
+    assert [message.split(";")[0].split(",")[0] for message in refused.value.messages] == [
+        "unknown preference loss 'kto'", "--dpo_beta must be positive", "--dpo_label_smoothing must be in [0"]
 
 
 def test_dpo_flags_and_defaults(tmp_path):

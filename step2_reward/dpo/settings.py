@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from training.algorithms import PREFERENCE_LOSSES, PreferenceLoss, get_preference_loss
 from training.core.args import check_positive
 from training.loops.supervised_step import PreferenceSettings
-from utils.errors import UserError
+from utils.errors import UserError, refuse_all
 
 
 @dataclass
@@ -31,14 +32,18 @@ class DPOArguments:
 
     def preference_loss(self) -> PreferenceLoss:
         """The registered loss these settings select, after checking them (a `UserError` says what to change)."""
+        refuse_all(partial(get_preference_loss, self.loss), partial(check_positive, {"dpo_beta": self.beta}, "dpo_beta"),
+                   self._check_label_smoothing_range)
+        # the check below builds on a loss those above found
         loss = get_preference_loss(self.loss)
-        check_positive({"dpo_beta": self.beta}, "dpo_beta")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise UserError(f"--dpo_label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing and loss.name != "sigmoid":
             raise UserError(f"--dpo_label_smoothing applies to --dpo_loss sigmoid only, not {loss.name!r}; "
                             "drop it or use the sigmoid loss")
         return loss
+
+    def _check_label_smoothing_range(self) -> None:
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise UserError(f"--dpo_label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
 @dataclass
