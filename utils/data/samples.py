@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-Turn = dict  # {"role": "system" | "user" | "assistant", "content": str}
-
 USER, ASSISTANT, SYSTEM = "user", "assistant", "system"
 
 # Speaker names used by the supported formats, mapped to chat-template roles.
