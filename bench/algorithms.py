@@ -34,9 +34,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task_size", type=int, default=2000, help="problems generated (shared by the three shards)")
     parser.add_argument("--sft_steps", type=int, default=16, help="step-1 optimizer steps (batch 8)")
     parser.add_argument("--sft_learning_rate", type=float, default=3e-5)
-    parser.add_argument("--time_budget_minutes", type=float, default=9.0, help="training time per algorithm")
+    # step 3's own flags, passed on; the second spelling is the one the committed results' commands use
+    parser.add_argument("--max_train_minutes", "--time_budget_minutes", type=float, default=9.0,
+                        help="training time per algorithm")
     parser.add_argument("--rows_per_step", type=int, default=32, help="answers per PPO step, every algorithm")
-    parser.add_argument("--training_batch_size", type=int, default=16, help="PPO micro-batch (rows)")
+    parser.add_argument("--per_device_training_batch_size", "--training_batch_size", type=int, default=16,
+                        help="PPO micro-batch (rows)")
     parser.add_argument("--actor_learning_rate", type=float, default=1e-5)
     parser.add_argument("--kl_ctl", type=float, default=0.05)
     parser.add_argument("--max_answer_seq_len", type=int, default=32)
@@ -86,11 +89,11 @@ def step3_flags(args: argparse.Namespace, algorithm: str, actor: Path, out: Path
     return ["--actor_model_name_or_path", str(actor), "--output_dir", str(out), *common_flags(args),
             "--algorithm", algorithm, "--reward_fn", "builtin:math",
             "--per_device_generation_batch_size", str(args.rows_per_step // samples),
-            "--per_device_training_batch_size", str(args.training_batch_size),
+            "--per_device_training_batch_size", str(args.per_device_training_batch_size),
             "--actor_learning_rate", str(args.actor_learning_rate), "--kl_ctl", str(args.kl_ctl),
             "--max_answer_seq_len", str(args.max_answer_seq_len), "--max_prompt_seq_len", "64",
             "--eval_samples", str(args.eval_samples), "--eval_interval", str(args.eval_interval),
-            "--max_train_minutes", str(args.time_budget_minutes),
+            "--max_train_minutes", str(args.max_train_minutes),
             "--enable_hybrid_engine", "--num_train_epochs", "100"]
 
 

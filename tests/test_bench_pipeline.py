@@ -113,3 +113,21 @@ def test_the_algorithms_bench_reuses_a_step1_model_only_of_the_same_settings(mon
     folder = lambda *argv: algorithms.step1_folder(algorithms.parse_args(list(argv)))  # noqa: E731
     assert folder() == folder() != folder("--sft_steps", "7") != folder("--sft_learning_rate", "1e-3")
     assert folder() != folder("--difficulty", "3") and folder() != folder("--seed", "5")
+
+
+def test_the_algorithms_bench_names_the_step3_flags_it_passes_on_as_step3_does(monkeypatch):
+    """Its --time_budget_minutes and --training_batch_size were step 3's --max_train_minutes and
+    --per_device_training_batch_size under names of its own; the old spellings, in the committed results' commands,
+    still read the same."""
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    import algorithms
+
+    args = algorithms.parse_args(["--max_train_minutes", "3", "--per_device_training_batch_size", "8"])
+    flags = algorithms.step3_flags(args, "grpo", Path("actor"), Path("out"))
+    assert flags[flags.index("--max_train_minutes") + 1] == "3.0"
+    assert flags[flags.index("--per_device_training_batch_size") + 1] == "8"
+    for name in ("algorithms_cpu.json", "algorithms_cpu_grpo_20min.json"):
+        report = json.loads((pipeline.REPO_ROOT / "bench" / "results" / name).read_text())
+        committed = algorithms.parse_args(shlex.split(report["command"])[2:])
+        assert committed.max_train_minutes == report["settings"]["time_budget_minutes"]
+        assert committed.per_device_training_batch_size == report["settings"]["training_batch_size"]
