@@ -16,7 +16,7 @@ from utils.data import (
     phase_splits,
 )
 from utils.data.splits import parse_data_split
-from utils.errors import UserError, UserErrors
+from utils.errors import EXIT_USER_ERROR, UserError, UserErrors
 
 
 @pytest.fixture(scope="module")
@@ -649,6 +649,21 @@ def test_inspect_data_counts_tokenised_items_and_names_each_sources_format_and_s
     assert len(lines) == 6 and sum("(format chat_preference)" in line for line in lines) == 3
     assert sum(line.endswith("skipped: prompt_mismatch=1 (chat.jsonl line 1)") for line in lines) == 1
     assert "(format deepspeed_chat), step 3 prompts: 10 records -> 9 train / 1 eval samples; skipped: none" in printed
+
+
+def test_inspect_data_refuses_the_flags_the_steps_refuse_before_reading_any_data(tmp_path, capsys):
+    """inspect_data counted a source given in both --data_path and --sft_only_data_path (which step 1 refuses) and
+    took a --max_seq_len no step takes, without a word; it runs the steps' data checks first now, every refusal at
+    once, as step 1 (the step given the step-1-only sources) runs them."""
+    from training.pipeline.inspect_data import main
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 20, "dsc")
+    with pytest.raises(SystemExit) as exited:
+        main(["--data_path", pairs, "--sft_only_data_path", pairs, "--max_seq_len", "1"])
+    printed = capsys.readouterr()
+    assert exited.value.code == EXIT_USER_ERROR and printed.out == ""
+    assert "error: 2 problems: (1) --max_seq_len must be at least 2" in printed.err
+    assert f"(2) --sft_only_data_path {pairs} is in --data_path too" in printed.err
 
 
 def test_inspect_data_counts_tokenised_items_of_a_split_that_gives_a_step_no_share(tmp_path, tok):

@@ -72,6 +72,8 @@ class InspectSettings:
 def main(argv: list[str] | None = None) -> dict:
     settings = SettingsParser(InspectSettings, description=__doc__.splitlines()[0]).parse_args(argv)
     data = settings.data
+    # the steps' data checks as step 1 runs them: the step-1-only sources go to step 1 alone, as train.py gives them
+    data.check_flags(phase=1)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     splits = shard_splits(data)
     counts = raw_counts(splits)
