@@ -142,6 +142,28 @@ def test_a_held_out_sample_that_differs_from_a_trained_one_only_in_whitespace_is
     assert all(len(split.eval) + split.skipped[phases.HELD_OUT_IN_TRAINING] == split.held_out for split in splits)
 
 
+def test_a_held_out_pair_that_swaps_a_training_pairs_replies_is_dropped(tmp_path):
+    """A second source holds the first's pairs with their replies swapped (the opposite label): the reward model
+    trained on that very comparison, yet a held-out copy with the replies the other way round was scored as unseen. A
+    pair that shares its prompt and one reply with a training pair asks another comparison, and stays."""
+    rows = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(120)]
+    # in another order: each source is permuted alike by the seed
+    swapped = [{**row, "chosen": row["rejected"], "rejected": row["chosen"]} for row in reversed(rows)]
+    other = [{**row, "rejected": f"other {i}"} for i, row in reversed(list(enumerate(rows)))]
+    paths = [tmp_path / "plain.jsonl", tmp_path / "swapped.jsonl", tmp_path / "other.jsonl"]
+    for path, source_rows in zip(paths, (rows, swapped, other)):
+        path.write_text("".join(json.dumps(row) + "\n" for row in source_rows))
+    splits = phase_splits(2, [str(path) for path in paths], "1,1,1", seed=3, eval_fraction=0.5)
+
+    def compared(sample):
+        return sample.turns[-1]["content"], frozenset((sample.chosen, sample.rejected))
+
+    trained = {compared(sample) for split in splits for sample in split.train}
+    assert splits[0].eval and not trained & {compared(sample) for split in splits[:2] for sample in split.eval}
+    assert all(split.skipped[phases.HELD_OUT_IN_TRAINING] > 0 for split in splits[:2])
+    assert len(splits[2].eval) == splits[2].held_out and not splits[2].skipped[phases.HELD_OUT_IN_TRAINING]
+
+
 @pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2", "nan,1,1", "inf,1,1", "1e308,1e308,1"])
 def test_bad_data_split_is_a_user_error(bad):
     with pytest.raises(UserError, match="data_split"):

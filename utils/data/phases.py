@@ -102,9 +102,15 @@ HELD_OUT_IN_TRAINING = "held_out_in_training"
 
 def _trained_text(sample: Sample, kind: str) -> str:
     """What `kind` reads of `sample`, as comparable text (`comparable_text`): its prompt's turns, and the replies
-    step 1 learns or step 2 compares."""
-    replies = (sample.chosen,) if kind == KIND_SFT else (sample.chosen, sample.rejected) if kind == KIND_PAIRS else ()
-    return json.dumps([comparable_turns(sample.turns), *(comparable_text(reply) for reply in replies)], sort_keys=True)
+    step 1 learns or step 2 compares. A pair's two replies are taken in either order: swapped (the opposite label),
+    they ask the comparison the model trained on."""
+    if kind == KIND_SFT:
+        replies = [comparable_text(sample.chosen)]
+    elif kind == KIND_PAIRS:
+        replies = sorted(comparable_text(reply) for reply in (sample.chosen, sample.rejected))
+    else:
+        replies = []
+    return json.dumps([comparable_turns(sample.turns), *replies], sort_keys=True)
 
 
 def drop_held_out_copies(splits: Sequence[SourceSplit], kind: str) -> None:
@@ -112,7 +118,8 @@ def drop_held_out_copies(splits: Sequence[SourceSplit], kind: str) -> None:
     whitespace and Unicode compatibility forms: `comparable_text`), counted as skipped `HELD_OUT_IN_TRAINING`. Records are held out, not samples: records that differ can give one sample (rows
     of one prompt with other replies give step 3 the same prompt; SHP's pairs of one post share a preferred reply for
     step 1), as can two sources, and the step would be scored on what it trained on. Its training samples stay. A
-    pair is compared whole: one sharing its prompt and one reply with a training pair asks another comparison."""
+    pair is compared whole, its replies in either order: one sharing its prompt and one reply with a training pair asks
+    another comparison."""
     trained = {_trained_text(sample, kind) for split in splits for sample in split.train}
     for split in splits:
         held_out = []
