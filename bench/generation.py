@@ -15,8 +15,8 @@ step, which is where a CUDA graph is captured, and for the hybrid engine enterin
 `first_step_seconds` is its fastest, and `decode_step_s`, the fastest run less it over the run's decode steps after
 the first (answer length - 2), is the steady time per decode step.
 `decode_floor_s` is the time one such step must take at least on this device (bench/decode_floor.py): the bytes it
-reads (every weight in the generation dtype but an untied input embedding, `decode_weight_bytes`, and each row's
-KV cache at the decode's mean context) over `copy_bandwidth_gb_s`, the device's rate on a `--copy_mib` tensor copy
+reads (every weight but an untied input embedding, `decode_weight_bytes` in the generation dtype, and each row's
+KV cache at the decode's mean context, in the dtype the backend decodes in: `hf`'s is `--dtype`) over `copy_bandwidth_gb_s`, the device's rate on a `--copy_mib` tensor copy
 counting bytes read and written. `decode_vs_floor` is their ratio (1 would be a step at the copy rate). The floor
 counts every row at every step: pass `--ignore_eos` (rows that end early make it an overestimate).
 
@@ -237,6 +237,12 @@ def bench_generation_config(args: argparse.Namespace, tokenizer: PreTrainedToken
     )
 
 
+def decode_dtype(args: argparse.Namespace, backend: str) -> torch.dtype:
+    """The dtype `backend` decodes in, whose bytes its floor counts: `hf` runs the engine's own model (`--dtype`),
+    the others a copy in the generation dtype (the hybrid engine's inference copy, the static baseline's plain one)."""
+    return resolve_dtype(args.dtype if backend == "hf" else args.generation_dtype or args.dtype)
+
+
 def time_backend(generator, ids, mask, config) -> tuple[float, object, float | None]:
     """Seconds, output and, on CUDA, the peak GiB PyTorch allocated during the call."""
     cuda = torch.cuda.is_available() and current_device().type == "cuda"
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     copy_bandwidth = copy_bandwidth_bytes_per_s(current_device(), args.copy_mib << 20)  # before the model is there
     tokenizer = load_tokenizer(args.model)
     engine = build_actor(args, tokenizer)
-    generation_dtype = resolve_dtype(args.generation_dtype or args.dtype)
+    generation_dtype = decode_dtype(args, "hybrid")
     work = DecodeWork.of(engine.module, generation_dtype)
     bound_tokens_per_s, matmul_bound_tokens_per_s = (
         round(weight_pass_tokens_per_s(engine.module, args.batch_size, generation_dtype, current_device(), pack), 2)
@@ -323,7 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
         seconds, peak = min(timed, key=lambda run: run[0])
         results[backend] = {"seconds": seconds, "runs_seconds": [s for s, _ in timed], "tokens": tokens,
                             "tokens_per_s": round(tokens / seconds, 2), "peak_memory_gib": peak,
-                            **decode_figures(seconds, min(first_step_runs[backend]), outputs[backend], work,
+                            **decode_figures(seconds, min(first_step_runs[backend]), outputs[backend],
+                                             DecodeWork.of(engine.module, decode_dtype(args, backend)),
                                              copy_bandwidth)}
     fast = outputs["hybrid"]
     logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config.logprob_temperature)

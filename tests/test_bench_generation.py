@@ -106,6 +106,16 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
         assert row["decode_vs_floor"] == round(row["decode_step_s"] / row["decode_floor_s"], 3)
 
 
+def test_each_backends_decode_floor_counts_the_bytes_of_the_dtype_it_decodes_in(tiny_model_dir, tmp_path):
+    """`hf` decodes the engine's own model (`--dtype`), the hybrid engine its inference copy (`--generation_dtype`):
+    with an fp32 engine generating in bf16, hf's floor counted bf16 bytes, half of what its decode steps read."""
+    _, summary = run_bench(tiny_model_dir("llama"), tmp_path / "bench.json", "--zero_stage", "0", "--dtype", "fp32",
+                           "--generation_dtype", "bf16")
+    hybrid, hf = summary["backends"]["hybrid"], summary["backends"]["hf"]
+    assert hybrid["decode_steps"] == hf["decode_steps"]  # the same steps at the same contexts (EOS ignored)
+    assert hf["decode_floor_s"] == pytest.approx(2 * hybrid["decode_floor_s"])
+
+
 def test_transformers_baseline_compiles_its_decode_step_once_and_prefills_eagerly(tiny_model_dir):
     """transformers' static-cache `generate` compiles the decode step itself (here on CPU too), as one graph reused
     by the next call; the prefill, where the cache is allocated and marked static, is not compiled (a whole
