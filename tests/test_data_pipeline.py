@@ -352,6 +352,30 @@ def test_answers_cut_at_max_seq_len_are_warned_of_once_a_step_also_from_the_cach
         assert warnings(phase=phase, max_seq_len=512) == []
 
 
+def test_a_source_named_twice_is_warned_of_once_a_step(tmp_path, tok, caplog):
+    """--data_path X X (also X and ./X:FORMAT) cut and read X twice: every step trained and evaluated on each of its
+    records twice over, without a word. It still does (no flag weighs a source otherwise), and a warning names it."""
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 40, "dsc")
+    other = write_pairs(tmp_path / "other.jsonl", 40, "other")
+    stated = f"{os.path.relpath(pairs)}:deepspeed_chat"
+
+    def warnings(phase, data_paths, sft_only=()) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="utils.data"):
+            build_phase_datasets(phase, data_paths, "1,1,1", tok, 64, 0, str(tmp_path / "cache"),
+                                 sft_only_data_paths=sft_only)
+        return [record.getMessage() for record in caplog.records if " times: " in record.getMessage()]
+
+    assert warnings(2, [pairs, other]) == []
+    (said,) = warnings(2, [pairs, other, stated])
+    assert said.startswith(f"--data_path names '{pairs}' 2 times: each step that reads it trains and evaluates on "
+                           "each of its records 2 times over")
+    (said,) = warnings(1, [pairs], sft_only=[other, other, other])
+    assert said.startswith(f"--sft_only_data_path names '{other}' 3 times")
+    assert len(build_phase_datasets(2, [pairs, pairs], "1,1,1", tok, 64, 0, str(tmp_path / "cache"))[0]) == 2 * len(
+        build_phase_datasets(2, [pairs], "1,1,1", tok, 64, 0, str(tmp_path / "cache"))[0])
+
+
 def write_shp(path, labels):
     rows = [{"history": f"question {i}", "human_ref_A": f"answer A{i}", "human_ref_B": f"answer B{i}", "labels": label}
             for i, label in enumerate(labels)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from training.core.args import SettingsParser
 from training.core.model_loading import load_tokenizer
 from utils.data.args import DataArguments
-from utils.data.phases import SourceSplit, gives_step_data, phase_splits
+from utils.data.phases import SourceSplit, gives_step_data, phase_splits, warn_repeated_sources
 from utils.data.samples import KINDS, PHASE_KINDS
 from utils.data.sources import load_source
 from utils.errors import run_cli
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     # the steps' data checks as step 1 runs them: the step-1-only sources go to step 1 alone, as train.py gives them
     data.check_flags(phase=1)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warn_repeated_sources(data.data_path, data.sft_only_data_path)
     splits = shard_splits(data)
     counts = raw_counts(splits)
     tokenized = {}

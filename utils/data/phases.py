@@ -32,6 +32,7 @@ from .sources import (
     load_source,
     parse_source_spec,
     source_fingerprint,
+    source_identity,
 )
 from .split_record import RECORDS_KEY
 from .splits import ShardSettings, held_out_seed, holdout, parse_data_split, seeded_order
@@ -160,6 +161,26 @@ def phase_splits(
         ]
     drop_held_out_copies(splits, kind)
     return splits
+
+
+def repeated_sources(paths: Sequence[str]) -> dict[str, int]:
+    """{entry: times named} of the sources `paths` names more than once (by `source_identity`: a stated format or a
+    relative path alike), each under the entry that first names it."""
+    entries: dict[str, list[str]] = {}
+    for path in paths:
+        entries.setdefault(source_identity(path), []).append(path)
+    return {named[0]: len(named) for named in entries.values() if len(named) > 1}
+
+
+def warn_repeated_sources(data_paths: Sequence[str], sft_only_data_paths: Sequence[str] = ()) -> None:
+    """Warn of a source a flag names more than once: each entry is cut and read on its own, so every step trains and
+    evaluates on that source's records as many times over. Nothing else weighs one source against another
+    (--data_split weighs the steps' shards), so it may be meant, but named twice by mistake it was doubled unsaid."""
+    for flag, paths in (("data_path", data_paths), ("sft_only_data_path", sft_only_data_paths)):
+        for source, times in repeated_sources(paths).items():
+            logger.warning("--%s names '%s' %d times: each step that reads it trains and evaluates on each of its "
+                           "records %d times over (no flag weighs a source otherwise); name it once unless that "
+                           "weight is meant", flag, source, times, times)
 
 
 def gives_step_data(phase: int, data_split: str, sft_only_data_paths: Sequence[str] = ()) -> bool:
@@ -294,6 +315,8 @@ def build_phase_data(
     formatter = PromptFormatter(tokenizer, prompt_format)
     limits = TokenLimits(max_seq_len, max_prompt_seq_len, prompt_overflow, whole_sequence_loss)
     whole_sources = tuple(sft_only_data_paths) if phase == 1 else ()
+    if is_main_process():  # once a step, also where its items come from the cache
+        warn_repeated_sources(data_paths, whole_sources)
     splits_args = dict(
         data_paths=tuple(data_paths), data_split=data_split, eval_fraction=eval_fraction, sft_only_data_paths=whole_sources
     )
