@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from conftest import TESTS_DIR
@@ -180,13 +181,27 @@ with GracefulInterrupt() as stop:
 """
 
 
-def test_a_rank_whose_output_reader_has_gone_takes_it_as_a_stop_request_and_saves(tmp_path):
+LATE_REDIRECT = """
+import time
+import training.reliability.signals as signals
+redirect = signals._write_to_devnull
+def late_redirect(fd):
+    time.sleep(0.5)  # the watch's thread, woken, waits its turn while the rank writes on
+    redirect(fd)
+signals._write_to_devnull = late_redirect
+"""
+
+
+@pytest.mark.parametrize("redirect", ["watched", "late"])
+def test_a_rank_whose_output_reader_has_gone_takes_it_as_a_stop_request_and_saves(tmp_path, redirect):
     """train.py killed (SIGKILL, the OOM killer) left the launcher's ranks writing to the pipe it had read: their next
     print raised BrokenPipeError and ended them with status 1 before their checkpoint (or, past it, in
-    `exit_for_resume`'s message, with 1 or 120 rather than 3). Now they take it as a stop request: save, exit 3."""
+    `exit_for_resume`'s message, with 1 or 120 rather than 3). Now they take it as a stop request: save, exit 3. Also
+    where a write meets the pipe before the watch's thread has redirected it: that write raised BrokenPipeError."""
     saved = tmp_path / "saved"
     read_end, write_end = os.pipe()
-    rank = subprocess.Popen([sys.executable, "-c", RANK_WRITING_AS_IT_TRAINS, str(saved)], stdout=write_end,
+    rank_code = (LATE_REDIRECT if redirect == "late" else "") + RANK_WRITING_AS_IT_TRAINS
+    rank = subprocess.Popen([sys.executable, "-c", rank_code, str(saved)], stdout=write_end,
                             stderr=write_end, env=step_env())
     os.close(write_end)
     with os.fdopen(read_end) as output:
@@ -235,6 +250,102 @@ def test_train_py_whose_output_reader_has_gone_stops_the_step_under_way(tmp_path
             pass
     assert parent.wait(timeout=60) == 0
     assert (got.read_text(), outcome.read_text()) == ("SIGTERM", "stopped")
+
+
+TRAIN_PY_RUNNING_A_STEP_IN_PROCESS = """
+import sys
+from pathlib import Path
+from training.pipeline.launch import StepStopped, run_in_process
+from training.reliability.signals import GracefulInterrupt
+
+def step_main(argv):
+    exec(sys.argv[2], {"__name__": "step"})  # the step, which saves to sys.argv[1]
+
+with GracefulInterrupt(on_receipt="train.py ends before its next step"):
+    try:
+        run_in_process(step_main, [], Path(sys.argv[3]), "step 1")
+        open(sys.argv[4], "w").write("ran to its end")
+    except StepStopped:
+        open(sys.argv[4], "w").write("stopped")
+"""
+
+
+def test_a_step_train_py_runs_in_process_saves_when_the_console_goes(tmp_path):
+    """The cpu deployment's step, run in train.py's process, its output teed to the console (`train.py | tee`, tee
+    killed): a write of the step's meeting the pipe before a watch had redirected it raised BrokenPipeError through
+    the tee, and train.py ended on it, the step unsaved, rather than stopping it and exiting 3."""
+    saved, outcome, log = tmp_path / "saved", tmp_path / "outcome", tmp_path / "step1.log"
+    read_end, write_end = os.pipe()
+    parent = subprocess.Popen([sys.executable, "-c", LATE_REDIRECT + TRAIN_PY_RUNNING_A_STEP_IN_PROCESS, str(saved),
+                               RANK_WRITING_AS_IT_TRAINS, str(log), str(outcome)], stdout=write_end,
+                              stderr=write_end, env=step_env())
+    os.close(write_end)
+    with os.fdopen(read_end) as output:
+        while output.readline().strip() not in ("ready", ""):
+            pass
+    assert parent.wait(timeout=60) == 0
+    assert (saved.read_text(), outcome.read_text()) == ("SIGTERM", "stopped")
+    assert "stopped on SIGTERM after step 1" in log.read_text()  # the tee's log still gets what the console missed
+
+
+def test_a_write_meeting_a_watched_pipe_without_its_reader_is_taken_as_its_leaving(monkeypatch):
+    read_end, write_end = os.pipe()
+    stdout = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    gone = []
+    with OutputReaderWatch(lambda: gone.append(True), fds=[write_end]):
+        os.close(read_end)
+        for _ in range(100):
+            print("step", flush=True)
+        assert gone == [True]
+    assert sys.stdout is stdout
+    assert os.path.samestat(os.fstat(write_end), os.stat(os.devnull))
+    stdout.close()
+
+
+def test_a_broken_pipe_of_another_cause_is_raised(monkeypatch):
+    """Only a watched pipe left without its reader is taken as the output's reader gone."""
+    read_end, write_end = os.pipe()
+
+    class BrokenOtherwise(io.StringIO):
+        def fileno(self) -> int:
+            return write_end
+
+        def write(self, text: str) -> int:
+            raise BrokenPipeError("a pipe inside the stream, not the output's")
+
+    monkeypatch.setattr(sys, "stdout", BrokenOtherwise())
+    gone = []
+    try:
+        with OutputReaderWatch(lambda: gone.append(True), fds=[write_end]), \
+                pytest.raises(BrokenPipeError, match="not the output's"):
+            print("step")
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert gone == []
+
+
+def test_the_output_watch_does_nothing_where_the_output_is_a_file_or_a_terminal(tmp_path, monkeypatch):
+    terminal, terminal_end = os.openpty()
+    with open(tmp_path / "out", "w") as file:
+        monkeypatch.setattr(sys, "stdout", file)
+        with OutputReaderWatch(lambda: None, fds=[file.fileno(), terminal_end]):
+            assert sys.stdout is file
+            assert "output-reader-watch" not in [thread.name for thread in threading.enumerate()]
+    os.close(terminal)
+    os.close(terminal_end)
+
+
+def test_the_output_watch_waits_without_spending_time():
+    read_end, write_end = os.pipe()
+    with OutputReaderWatch(lambda: None, fds=[write_end]):
+        spent = time.process_time()
+        time.sleep(0.3)
+        spent = time.process_time() - spent
+    os.close(read_end)
+    os.close(write_end)
+    assert spent < 0.05  # the thread blocks in poll, it does not spin
 
 
 def test_the_output_watch_ends_with_its_block():

@@ -31,7 +31,7 @@ import stat
 import sys
 import threading
 from types import FrameType
-from typing import Callable, Iterator, NoReturn, Sequence
+from typing import IO, Callable, Iterator, NoReturn, Sequence
 
 from utils.dist import any_rank, get_world_size, print_rank0
 
@@ -120,16 +120,25 @@ def _pipes_among(fds: Sequence[int]) -> list[int]:
 class OutputReaderWatch:
     """Watches this process's stdout and stderr where they are pipes, from a thread: once no process reads one any
     more, that file descriptor writes to /dev/null from then on (a write to the pipe would raise BrokenPipeError)
-    and `on_gone` is called, once."""
+    and `on_gone` is called, once.
+
+    A write can meet the pipe in the moment between its reader leaving and the thread's redirect (the thread waits
+    for the interpreter lock while the main thread prints): `sys.stdout` and `sys.stderr`, where they write to a
+    watched pipe, are guarded inside the block (`_ReaderGoneGuard`), so that such a write is taken as the thread
+    takes the reader's leaving, not raised into whatever printed (a progress bar, a log line)."""
 
     def __init__(self, on_gone: Callable[[], None], fds: Sequence[int] = OUTPUT_FDS) -> None:
         self._on_gone = on_gone
         self._pipes = _pipes_among(fds)
+        self._gone_said = False
+        self._lock = threading.Lock()
+        self._guards: dict[str, _ReaderGoneGuard] = {}
         self._wake_read, self._wake_write = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="output-reader-watch", daemon=True)
 
     def __enter__(self) -> None:
         if self._pipes:
+            self._guard_std_streams()
             self._thread.start()
 
     def __exit__(self, *exc_info) -> None:
@@ -138,22 +147,102 @@ class OutputReaderWatch:
             self._thread.join()
         os.close(self._wake_read)
         os.close(self._wake_write)
+        self._unguard_std_streams()
+
+    def reader_gone(self, fd: int) -> bool:
+        """Whether `fd`, one of the pipes watched, has no reader any more: if so it writes to /dev/null from now on
+        (it may already, redirected by this watch or another one in this process) and `on_gone` has been called."""
+        if fd not in self._pipes:
+            return False
+        with self._lock:
+            if _writes_to_devnull(fd):
+                return True
+            if not _without_reader(fd):
+                return False
+            _write_to_devnull(fd)
+            first, self._gone_said = not self._gone_said, True
+        if first:
+            self._on_gone()
+        return True
+
+    def _guard_std_streams(self) -> None:
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if _fileno(stream) in self._pipes:
+                self._guards[name] = _ReaderGoneGuard(stream, self)
+                setattr(sys, name, self._guards[name])
+
+    def _unguard_std_streams(self) -> None:
+        """Put back the streams guarded, where the guard is still in place (not replaced since)."""
+        for name, guard in self._guards.items():
+            if getattr(sys, name) is guard:
+                setattr(sys, name, guard.stream)
+        self._guards.clear()
 
     def _watch(self) -> None:
         poller = select.poll()
         for fd in self._pipes:
             poller.register(fd, 0)  # a pipe's write end reports POLLERR, always polled for, once it has no reader
         poller.register(self._wake_read, select.POLLIN)
-        gone = 0
-        while gone < len(self._pipes):
+        unread = len(self._pipes)
+        while unread:
             for fd, _ in poller.poll():
                 if fd == self._wake_read:
                     return
                 poller.unregister(fd)
-                _write_to_devnull(fd)
-                gone += 1
-                if gone == 1:
-                    self._on_gone()
+                self.reader_gone(fd)
+                unread -= 1
+
+
+class _ReaderGoneGuard:
+    """`stream` (`sys.stdout` or `sys.stderr`, writing to a pipe an `OutputReaderWatch` watches), whose write or
+    flush that raises BrokenPipeError because that pipe's reader has gone is taken by the watch as its thread would
+    take it (the text goes nowhere, as it would a moment later); a BrokenPipeError of another cause is raised."""
+
+    def __init__(self, stream: IO[str], watch: OutputReaderWatch) -> None:
+        self.stream = stream
+        self._fd = stream.fileno()
+        self._watch = watch
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            if not self._watch.reader_gone(self._fd):
+                raise
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            if not self._watch.reader_gone(self._fd):
+                raise
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def _fileno(stream: IO[str] | None) -> int | None:
+    """`stream`'s file descriptor, None where it has none (pytest's captured streams, a closed one)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _without_reader(fd: int) -> bool:
+    """Whether `fd`, a pipe's write end, has no reader (POLLERR)."""
+    poller = select.poll()
+    poller.register(fd, 0)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _writes_to_devnull(fd: int) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(os.devnull))
+    except OSError:
+        return False
 
 
 def _write_to_devnull(fd: int) -> None:
