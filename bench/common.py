@@ -6,7 +6,6 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import resource
 import shlex
 import subprocess
 import sys
@@ -26,11 +25,13 @@ def run_child(script: Path, module: str, argv: list[str], result_file: Path) -> 
 
 
 def child_main(child: list[str]) -> None:
-    """`--child MODULE RESULT_FILE ARGS...`: run MODULE.main(ARGS) and write its summary and peak memory."""
+    """`--child MODULE RESULT_FILE ARGS...`: run MODULE.main(ARGS) and write its summary and peak memory (GB, 10^9
+    bytes, as step 3's `memory/peak_rss_gb`)."""
+    from step3_rlhf.run_loop import peak_rss_gb  # first: an import after the step cannot raise the peak it reports
+
     module, result_file, argv = child[0], child[1], child[2:]
     summary = importlib.import_module(module).main(argv)
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    Path(result_file).write_text(json.dumps({"summary": summary, "peak_memory_gb": peak_kib / 2**20}, default=str))
+    Path(result_file).write_text(json.dumps({"summary": summary, "peak_memory_gb": peak_rss_gb()}, default=str))
 
 
 def device_name(device=None) -> str:

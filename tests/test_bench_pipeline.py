@@ -2,6 +2,7 @@
 quality, the PPO step's median phases) beside a reference run's. The pipeline itself is stubbed: what it writes
 (each step's args.json, step 3's metrics.jsonl) and returns (its summary) stand in for a run."""
 import json
+import resource
 import shlex
 from pathlib import Path
 
@@ -131,3 +132,17 @@ def test_the_algorithms_bench_names_the_step3_flags_it_passes_on_as_step3_does(m
         committed = algorithms.parse_args(shlex.split(report["command"])[2:])
         assert committed.max_train_minutes == report["settings"]["time_budget_minutes"]
         assert committed.per_device_training_batch_size == report["settings"]["training_batch_size"]
+
+
+def test_a_benchs_child_reports_its_peak_memory_in_gb_as_step3_does(tmp_path, monkeypatch):
+    """It wrote the peak RSS in KiB over 2^20, GiB, as `peak_memory_gb`: 7% below the GB (10^9 bytes) of step 3's
+    `memory/peak_rss_gb` and the placement bench's figures."""
+    from bench.common import child_main
+
+    (tmp_path / "stand_in_step.py").write_text("def main(argv):\n    return {'argv': argv}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    child_main(["stand_in_step", str(tmp_path / "result.json"), "--flag"])
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["summary"] == {"argv": ["--flag"]}
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert result["peak_memory_gb"] == pytest.approx(peak_kib * 1024 / 1e9, rel=1e-3)
