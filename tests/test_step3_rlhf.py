@@ -1001,6 +1001,22 @@ def test_bad_flags_of_one_group_but_of_different_checks_are_reported_at_once(inp
     assert all(said.startswith(message) for said, message in zip(refused.value.messages, messages))
 
 
+def test_every_model_flag_that_needs_adapters_or_zero_partitions_is_reported_at_once(inputs, tmp_path):
+    """The LoRA and offload checks stopped at their first flag: the actor's was reported, the critic's (and the
+    actor's second adapter flag) only once it was fixed."""
+    from step3_rlhf.main import check_args, parse_args
+
+    argv = step3_argv(inputs, tmp_path / "run", "--actor_only_optimize_lora", "--actor_lora_learning_rate", "1e-3",
+                      "--critic_lora_module_name", "h.", "--actor_offload", "--critic_offload",
+                      "--actor_zero_stage", "0", "--critic_zero_stage", "0")
+    with pytest.raises(UserErrors) as refused:
+        check_args(parse_args(argv))
+    assert [message.split(" (")[0] for message in refused.value.messages] == [
+        "--actor_offload needs --actor_zero_stage 1, 2 or 3", "--critic_offload needs --critic_zero_stage 1, 2 or 3",
+        "--actor_only_optimize_lora needs --actor_lora_dim > 0", "--actor_lora_learning_rate needs --actor_lora_dim > 0",
+        "--critic_lora_module_name needs --critic_lora_dim > 0"]
+
+
 def test_a_training_time_budget_must_be_positive(inputs, tmp_path):
     from step3_rlhf.main import check_args, parse_args
 

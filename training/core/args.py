@@ -314,10 +314,9 @@ def check_offload_stage(flags: Mapping[str, Any], *prefixes: str) -> None:
     """Refuse optimizer offload at ZeRO stage 0 for the trained models named by their flag `prefixes` (`actor_`):
     DeepSpeed offloads the optimizer state ZeRO partitions, so at stage 0 the offload was dropped while the
     optimizer became DeepSpeedCPUAdam, which refuses parameters on a GPU."""
-    for prefix in prefixes:
-        if flags[f"{prefix}offload"] and flags[f"{prefix}zero_stage"] == 0:
-            raise UserError(f"--{prefix}offload needs --{prefix}zero_stage 1, 2 or 3 (DeepSpeed offloads the optimizer "
-                            f"state ZeRO partitions); add --{prefix}zero_stage 2, or drop --{prefix}offload")
+    refuse_messages([f"--{prefix}offload needs --{prefix}zero_stage 1, 2 or 3 (DeepSpeed offloads the optimizer "
+                     f"state ZeRO partitions); add --{prefix}zero_stage 2, or drop --{prefix}offload"
+                     for prefix in prefixes if flags[f"{prefix}offload"] and flags[f"{prefix}zero_stage"] == 0])
 
 
 _ADAPTER_FLAG_DEFAULTS = {source.name: source.default for source in fields(ModelTrainingConfig)
@@ -327,15 +326,12 @@ _ADAPTER_FLAG_DEFAULTS = {source.name: source.default for source in fields(Model
 def check_lora_flags(flags: Mapping[str, Any], *prefixes: str) -> None:
     """Refuse `--only_optimize_lora`, `--lora_learning_rate` and `--lora_module_name` without adapters (`--lora_dim`
     0) for the trained models named by their flag `prefixes` (`actor_`), before anything loads: the first froze
-    nothing but was only refused once the model had loaded, the others changed nothing."""
-    for prefix in prefixes:
-        if flags[f"{prefix}lora_dim"] > 0:
-            continue
-        for name, default in _ADAPTER_FLAG_DEFAULTS.items():
-            if flags[f"{prefix}{name}"] != default:
-                raise UserError(f"--{prefix}{name} needs --{prefix}lora_dim > 0 (it applies to LoRA adapters, and "
-                                f"without --{prefix}lora_dim the model has none); add --{prefix}lora_dim 8, or drop "
-                                f"--{prefix}{name}")
+    nothing but was only refused once the model had loaded, the others changed nothing. Every such flag is refused
+    at once."""
+    refuse_messages([f"--{prefix}{name} needs --{prefix}lora_dim > 0 (it applies to LoRA adapters, and without "
+                     f"--{prefix}lora_dim the model has none); add --{prefix}lora_dim 8, or drop --{prefix}{name}"
+                     for prefix in prefixes if flags[f"{prefix}lora_dim"] <= 0
+                     for name, default in _ADAPTER_FLAG_DEFAULTS.items() if flags[f"{prefix}{name}"] != default])
 
 
 def check_non_negative(flags: Mapping[str, Any], *names: str) -> None:
