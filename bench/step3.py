@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.num_prompts < 2 * args.batch:
         raise UserError("--num_prompts must give at least two batches (the first step is a warm-up)")
+    if args.num_prompts % args.batch:
+        raise UserError(f"--num_prompts {args.num_prompts} is not a multiple of --batch {args.batch}: each PPO step "
+                        "takes a whole batch of prompts (TRL's peer refuses the rest)")
     for path in (args.actor, args.reward):
         if not Path(path).exists():
             raise UserError(f"{path} does not exist: run the quick run (python train.py) first, or pass --actor "

@@ -172,3 +172,13 @@ def test_the_profiled_step_decodes_without_cuda_graphs_and_restores_the_setting(
     with pytest.raises(RuntimeError, match="stop after generation"):
         profile_matmul_kernels(trainer, {})
     assert seen == [False] and settings.cuda_graph and trainer.generator.settings is settings
+
+
+def test_prompts_that_do_not_make_whole_batches_are_refused_before_anything_runs():
+    """This project's PPO steps used the whole batches and left the rest out; with `--peer trl`, TRL's run then
+    refused the prompts in a ValueError traceback, after this project's steps had all run."""
+    from bench.step3 import parse_args
+    from utils.errors import UserError
+
+    with pytest.raises(UserError, match="--num_prompts 20 is not a multiple of --batch 8"):
+        parse_args(["--num_prompts", "20", "--batch", "8", "--peer", "trl"])
