@@ -25,7 +25,7 @@ from training.reliability.checkpointing import (
     restore_rng_state,
 )
 from utils.atomic import atomic_directory, shared_atomic_directory
-from utils.errors import UserError
+from utils.errors import UserError, UserErrors
 
 NUM_SEQUENCES, BATCH, SEQ_LEN = 10, 2, 12
 BATCHES_PER_EPOCH = NUM_SEQUENCES // BATCH
@@ -426,6 +426,16 @@ def test_checkpoint_args_and_interval():
     assert [step for step in range(1, 16) if manager.should_save(step)] == [5, 10, 15]
     with pytest.raises(UserError, match="--keep_last_checkpoints must be at least 1"):
         CheckpointManager("x", keep_last=0)
+
+
+def test_both_bad_checkpoint_flags_are_reported_at_once():
+    """--keep_last_checkpoints 0 with --save_interval -1: the second was told only once the first was fixed."""
+    settings = SettingsParser(_CheckpointCLI).parse_args(["--output_dir", "x", "--keep_last_checkpoints", "0",
+                                                          "--save_interval", "-1"])
+    with pytest.raises(UserErrors) as refused:
+        settings.checkpoints.check_flags()
+    assert refused.value.messages == ["--keep_last_checkpoints must be at least 1, got 0",
+                                      "--save_interval must be 0 (off) or a positive number of steps, got -1"]
 
 
 def test_atomic_directory_replaces_or_leaves_untouched(tmp_path):

@@ -57,7 +57,7 @@ from utils.dist import (
     is_main_process,
     refuse_on_every_rank,
 )
-from utils.errors import UserError
+from utils.errors import UserError, refuse_messages
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,12 @@ class CheckpointSettings:
 
 
 def check_checkpoint_policy(keep_last: int, save_interval: int) -> None:
-    """Refuse keeping no checkpoint, or a negative save interval (`CheckpointManager` and `CheckpointSettings`)."""
-    if keep_last < 1:
-        raise UserError(f"--keep_last_checkpoints must be at least 1, got {keep_last}")
-    if save_interval < 0:
-        raise UserError(f"--save_interval must be 0 (off) or a positive number of steps, got {save_interval}")
+    """Refuse keeping no checkpoint, or a negative save interval (`CheckpointManager` and `CheckpointSettings`), both
+    at once."""
+    refuse_messages([message for wrong, message in (
+        (keep_last < 1, f"--keep_last_checkpoints must be at least 1, got {keep_last}"),
+        (save_interval < 0, f"--save_interval must be 0 (off) or a positive number of steps, got {save_interval}"),
+    ) if wrong])
 
 
 # RNG ----------------------------------------------------------------------------------------------
