@@ -24,6 +24,7 @@ from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     TRAINED_DTYPE_HELP,
+    answer_stop_ids,
     listed_stop_ids,
     load_causal_lm,
     load_tokenizer,
@@ -146,11 +147,8 @@ class ChatSession:
         self.history: list[dict] = []
         self.dropped_exchanges = 0  # the oldest exchanges the last reply left out to fit
         self._prompt([{"role": "user", "content": "Hi"}])  # a template that refuses the system prompt fails here
-        # the EOS, the template's end-of-turn token where it is another (Gemma's <end_of_turn>), and every other id
-        # the model's generation config stops at (Qwen2.5-Instruct's <|endoftext|> beside its <|im_end|> EOS,
-        # Llama-3.1-Instruct's <|eom_id|>): a model served as its authors made it stops at each, as transformers'
-        # generate does, and would go on with a made-up next turn
-        self.stop_token_ids = list(dict.fromkeys([*self.formatter.stop_token_ids, *listed_stop_ids(model)]))
+        # past any of them a model served as its authors made it would go on with a made-up next turn
+        self.stop_token_ids = answer_stop_ids(self.formatter.stop_token_ids, listed_stop_ids(model))
 
     def clear(self) -> None:
         self.history = []

@@ -7,7 +7,8 @@ Each model's prompts are rendered the way its training rendered them (chat templ
 the run that trained it (its args.json) says how, and a model no run of this project trained is prompted as its
 tokenizer says (auto: its chat template, else plain); `--prompt_format` renders both alike, `--baseline_prompt_format`
 the baseline's alone. An answer ends where training ends the model's turn: at the EOS, or at the chat template's end-of-turn token where that is
-another (`PromptFormatter.stop_token_ids`).
+another (`PromptFormatter.stop_token_ids`); and at every other id the model's generation config stops at, as the
+chatbot's (`answer_stop_ids`).
 Decoding is greedy unless `--do_sample`, and follows these flags alone for both models (not a checkpoint's
 generation_config.json); both run in one dtype, so a difference is the fine-tuning's. An answer is as long as the
 fine-tuned model's run let answers be, unless `--max_new_tokens`. `--output_file` also writes the answers as JSONL.
@@ -28,6 +29,8 @@ from training.core.args import DTYPE_CHOICES, DTYPE_NAMES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     TRAINED_DTYPE_HELP,
+    answer_stop_ids,
+    listed_stop_ids,
     load_causal_lm,
     load_config,
     load_tokenizer,
@@ -148,6 +151,7 @@ def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
     """`generate_answers` with the tokenizer already padding on the left."""
     formatter, rendered, lengths = checked_prompts(tokenizer, model.config, prompts, prompt_format, limit)
     add_special_tokens = formatter.adds_special_tokens
+    stop_token_ids = answer_stop_ids(formatter.stop_token_ids, listed_stop_ids(model))
     device = next(model.parameters()).device
     budgets = [limit.after(length) for length in lengths]
     answers = [""] * len(prompts)
@@ -158,7 +162,7 @@ def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
             batch = tokenizer([rendered[row] for row in batch_rows], return_tensors="pt", padding=True,
                               add_special_tokens=add_special_tokens).to(device)
             output = model.generate(**batch, **{**settings.generate_kwargs(), "max_new_tokens": budget},
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=formatter.stop_token_ids)
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids)
             for row, new_tokens in zip(batch_rows, output[:, batch["input_ids"].shape[1]:]):
                 answers[row] = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
     return answers

@@ -55,6 +55,7 @@ from training.algorithms import (
     whiten,
 )
 from training.core.answer_window import AnswerWindow, RowGroups
+from training.core.model_loading import answer_stop_ids
 from training.generation.generator import (
     FinishedRowsHook,
     GenerationConfig,
@@ -358,9 +359,8 @@ class PPOTrainer:
         self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer) \
             if engine.reward is not None or reward_fn is not None else None
         tokenizer = engine.tokenizer
-        # the formatter's first: where the actor's generation config lists none other, the stop tokens are its alone
-        self.stop_token_ids = list(dict.fromkeys([*PromptFormatter(tokenizer, prompt_format).stop_token_ids,
-                                                  *actor_stop_token_ids]))
+        self.stop_token_ids = answer_stop_ids(PromptFormatter(tokenizer, prompt_format).stop_token_ids,
+                                              actor_stop_token_ids)
         self.pad_token_id = tokenizer.pad_token_id
         self.kl_controller = (
             AdaptiveKLController(config.kl_ctl, config.target_kl, config.kl_horizon)

@@ -43,6 +43,7 @@ __all__ = [
     "match_tokenizer",
     "listed_stop_ids",
     "folder_stop_ids",
+    "answer_stop_ids",
     "no_model_error",
     "disable_dropout",
     "zero3_construction",
@@ -330,6 +331,15 @@ def folder_stop_ids(name_or_path: str, trust_remote_code: bool = False) -> list[
     except OSError:  # no generation_config.json
         config = GenerationConfig.from_model_config(load_config(name_or_path, trust_remote_code))
     return _id_list(config.eos_token_id)
+
+
+def answer_stop_ids(formatter_stop_ids: Sequence[int], model_stop_ids: Sequence[int]) -> list[int]:
+    """The ids an answer ends at: the formatter's (`PromptFormatter.stop_token_ids`: the EOS, the chat template's
+    end-of-turn token), then every other id the model's generation config stops at (`listed_stop_ids`,
+    `folder_stop_ids`: Qwen2.5-Instruct's <|endoftext|> beside its <|im_end|> EOS, Llama-3.1-Instruct's <|eom_id|>),
+    each once. A model served as its authors made it stops at each, as transformers' `generate` does; where the
+    config lists no other id, the formatter's alone."""
+    return list(dict.fromkeys([*formatter_stop_ids, *model_stop_ids]))
 
 
 def _id_list(ids: int | Sequence[int] | None) -> list[int]:
