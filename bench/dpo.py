@@ -6,7 +6,7 @@ For each pair source (the embedded pairs, and `../shared/data/hh-rlhf-harmless/p
 there), the same starting model (the embedded SmolLM2-135M-Instruct, standing in for a step-1 model)
 trains twice on the same training pairs for the same steps: DPO (`step2_reward/dpo/main.py`, the policy
 against its frozen copy) and a reward model (`step2_reward/main.py`). Both are scored on the same held-out
-pairs (the step-2 shard's eval split, its first `--eval_pairs`): DPO's accuracy is the share of pairs whose
+pairs (the step-2 shard's eval split, its first `--max_eval_samples`): DPO's accuracy is the share of pairs whose
 implicit reward beta * (log pi - log pi_ref) ranks chosen above rejected (0 before training, when every
 implicit reward is 0: ties count as wrong), the reward model's the share it scores chosen above rejected.
 Each run is a child process, so its peak memory is its own.
@@ -27,12 +27,14 @@ METHODS = {"dpo": "step2_reward.dpo.main", "reward_model": "step2_reward.main"}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each run (batch 8 pairs)")
+    # the runs' own flags, passed on; the second spelling is the one the committed result's command uses
+    parser.add_argument("--max_steps", "--steps", type=int, default=60,
+                        help="optimizer steps of each run (batch 8 pairs)")
+    parser.add_argument("--max_eval_samples", "--eval_pairs", type=int, default=64, help="held-out pairs scored")
     parser.add_argument("--dpo_learning_rate", type=float, default=5e-6)
     parser.add_argument("--dpo_beta", type=float, default=0.1)
     parser.add_argument("--reward_learning_rate", type=float, default=2e-4)
     parser.add_argument("--max_seq_len", type=int, default=256)
-    parser.add_argument("--eval_pairs", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--work_dir", default=str(REPO_ROOT / "runs" / "bench_dpo"))
@@ -51,9 +53,9 @@ def run_flags(args: argparse.Namespace, source: str, out: Path) -> list[str]:
     return ["--model_name_or_path", "smollm2-135m", "--output_dir", str(out), "--data_path", SOURCES[source],
             "--data_split", "0,1,0", "--data_output_path", str(Path(args.work_dir) / "data"), "--seed", str(args.seed),
             "--dtype", args.dtype, "--max_seq_len", str(args.max_seq_len), "--per_device_train_batch_size", "8",
-            "--per_device_eval_batch_size", "16", "--num_warmup_steps", str(max(1, args.steps // 10)),
-            "--max_steps", str(args.steps), "--max_train_samples", str(args.steps * 8),
-            "--max_eval_samples", str(args.eval_pairs)]
+            "--per_device_eval_batch_size", "16", "--num_warmup_steps", str(max(1, args.max_steps // 10)),
+            "--max_steps", str(args.max_steps), "--max_train_samples", str(args.max_steps * 8),
+            "--max_eval_samples", str(args.max_eval_samples)]
 
 
 def result_row(source: str, method: str, outcome: dict) -> dict:

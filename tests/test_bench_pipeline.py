@@ -146,3 +146,18 @@ def test_a_benchs_child_reports_its_peak_memory_in_gb_as_step3_does(tmp_path, mo
     assert result["summary"] == {"argv": ["--flag"]}
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert result["peak_memory_gb"] == pytest.approx(peak_kib * 1024 / 1e9, rel=1e-3)
+
+
+def test_the_dpo_bench_names_the_flags_it_passes_on_as_the_steps_do(monkeypatch):
+    """Its --steps and --eval_pairs were the runs' --max_steps and --max_eval_samples under names of its own; the old
+    spellings, in the committed result's command, still read the same."""
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    import dpo
+
+    flags = dpo.run_flags(dpo.parse_args(["--max_steps", "20", "--max_eval_samples", "32"]), "embedded", Path("out"))
+    assert flags[flags.index("--max_steps") + 1] == "20" and flags[flags.index("--max_train_samples") + 1] == "160"
+    assert flags[flags.index("--max_eval_samples") + 1] == "32"
+    report = json.loads((pipeline.REPO_ROOT / "bench" / "results" / "dpo_cpu.json").read_text())
+    committed = dpo.parse_args(shlex.split(report["command"])[2:])
+    assert (committed.max_steps, committed.max_eval_samples) == (report["settings"]["steps"],
+                                                                  report["settings"]["eval_pairs"])
