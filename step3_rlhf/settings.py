@@ -134,13 +134,14 @@ class Step3Settings:
         flags = flag_values(self)
         refuse_all(partial(_check_loop, self, flags), partial(_check_sampling, self.sampling),
                    partial(_check_ppo_constants, self, flags), self.checkpoints.check_flags,
-                   partial(self.data.check_flags, phase=3))
+                   partial(self.data.check_flags, phase=3), partial(check_positive, flags, "inference_tp_size"),
+                   self.hybrid.check_flags)
         # the checks below combine flags those above passed (a PPO step's micro-batches divide by
         # --per_device_training_batch_size): the first refusal ends them
         _check_accumulation(self)
         _check_warmup(self)
         _check_algorithm(self.ppo)
-        _check_generation(self, flags, world_size)
+        _check_stage_fusion(self, world_size)
         check_placement_flags(self, world_size)
         _check_scoring(self, flags)
         check_unused_flags(self)  # --inference_tp_size without the hybrid engine among them
@@ -290,9 +291,7 @@ def _check_algorithm(ppo: PPOConfig) -> None:
     check_samples_per_prompt(estimator, ppo.n_samples_per_prompt)
 
 
-def _check_generation(args: Step3Settings, flags: Mapping[str, Any], world_size: int) -> None:
-    check_positive(flags, "inference_tp_size")
-    args.hybrid.check_flags()
+def _check_stage_fusion(args: Step3Settings, world_size: int) -> None:
     check_stage_fusion(args.placement.enable_stage_fusion, args.placement.stage_fusion_micro_batch_size,
                        args.hybrid.backend, args.hybrid.inference_tp_size, args.actor.zero_stage,
                        args.critic.zero_stage, offloaded_models(args), world_size)

@@ -1017,6 +1017,21 @@ def test_every_model_flag_that_needs_adapters_or_zero_partitions_is_reported_at_
         "--critic_lora_module_name needs --critic_lora_dim > 0"]
 
 
+def test_bad_generation_flags_are_reported_with_the_other_independent_checks(inputs, tmp_path):
+    """--inference_tp_size and the hybrid engine's flags were checked after the checks that combine flags, each
+    ending the check at its first refusal: with a bad PPO constant beside them, they were told one a run."""
+    from step3_rlhf.main import check_args, parse_args
+
+    argv = step3_argv(inputs, tmp_path / "run", "--cliprange", "0", "--enable_hybrid_engine", "--inference_tp_size",
+                      "0", "--unpin_actor_parameters", "--keep_inference_copy", "--tp_gather_partition_size", "0")
+    with pytest.raises(UserErrors) as refused:
+        check_args(parse_args(argv))
+    assert [message.split(";")[0].split(" (")[0] for message in refused.value.messages] == [
+        "--cliprange must be positive, got 0.0", "--inference_tp_size must be positive, got 0",
+        "--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy",
+        "--tp_gather_partition_size must be at least 1"]
+
+
 def test_a_training_time_budget_must_be_positive(inputs, tmp_path):
     from step3_rlhf.main import check_args, parse_args
 

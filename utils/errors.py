@@ -51,6 +51,12 @@ def refuse_messages(messages: Sequence[str]) -> None:
         raise UserErrors(list(messages))
 
 
+def refuse_wrong(*cases: tuple[object, str]) -> None:
+    """Raise at once (`refuse_messages`) the message of every `(wrong, message)` case whose `wrong` is true: the
+    independent range checks of a few flags, each said where it fails."""
+    refuse_messages([message for wrong, message in cases if wrong])
+
+
 def run_cli(main: Callable[..., T]) -> Callable[..., T]:
     """Decorate a console entry point so a `UserError` ends the process with one clear line."""
 

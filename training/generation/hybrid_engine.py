@@ -61,7 +61,7 @@ from training.generation.tensor_parallel import (
     gather_tp_shard,
 )
 from utils.dist import current_device, get_world_size
-from utils.errors import UserError
+from utils.errors import UserError, refuse_wrong
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +114,14 @@ class HybridEngineSettings:
 
     def check_flags(self) -> None:
         """Refuse flag combinations the hybrid engine cannot run (`Step3Settings.check_flags` calls it before
-        anything loads; the engine, when it is built)."""
-        if self.unpin_actor_parameters and (self.inference_tp_size > 1 or self.keep_inference_copy):
-            raise UserError("--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy; "
-                            "drop --unpin_actor_parameters")
-        if self.tp_gather_partition_size < 1:  # it was taken as 1
-            raise UserError(f"--tp_gather_partition_size must be at least 1 (decoder layers gathered at once), got "
-                            f"{self.tp_gather_partition_size}")
+        anything loads; the engine, when it is built), every refusal at once."""
+        refuse_wrong(
+            (self.unpin_actor_parameters and (self.inference_tp_size > 1 or self.keep_inference_copy),
+             ("--inference_tp_size > 1 and --keep_inference_copy need the gathered inference copy; drop "
+              "--unpin_actor_parameters")),
+            (self.tp_gather_partition_size < 1,  # it was taken as 1
+             (f"--tp_gather_partition_size must be at least 1 (decoder layers gathered at once), got "
+              f"{self.tp_gather_partition_size}")))
 
     def generation_dtype_here(self) -> torch.dtype | None:
         """`--generation_dtype` as this device computes it (None: the training dtype); a `UserError` where the

@@ -57,7 +57,7 @@ from utils.dist import (
     is_main_process,
     refuse_on_every_rank,
 )
-from utils.errors import UserError, refuse_messages
+from utils.errors import UserError, refuse_wrong
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,9 @@ class CheckpointSettings:
 def check_checkpoint_policy(keep_last: int, save_interval: int) -> None:
     """Refuse keeping no checkpoint, or a negative save interval (`CheckpointManager` and `CheckpointSettings`), both
     at once."""
-    refuse_messages([message for wrong, message in (
+    refuse_wrong(
         (keep_last < 1, f"--keep_last_checkpoints must be at least 1, got {keep_last}"),
-        (save_interval < 0, f"--save_interval must be 0 (off) or a positive number of steps, got {save_interval}"),
-    ) if wrong])
+        (save_interval < 0, f"--save_interval must be 0 (off) or a positive number of steps, got {save_interval}"))
 
 
 # RNG ----------------------------------------------------------------------------------------------
