@@ -6,8 +6,8 @@
 Both backends decode greedily by default, so they must produce the same tokens (the JSON says
 whether they did) and do the same amount of work; each backend's reported log-probs are compared
 with the train-mode forward's over the generated tokens (max and mean absolute difference); tokens/s counts generated
-answer tokens (through the token that ends each row's turn, as in step 3: the EOS, or the chat template's end-of-turn
-token); each backend runs `--repeats` times, alternating, and its fastest run counts. The hybrid timing includes
+answer tokens (through the token that ends each row's turn, as in step 3: the EOS, the chat template's end-of-turn
+token, or another id the model's generation config stops at); each backend runs `--repeats` times, alternating, and its fastest run counts. The hybrid timing includes
 entering and leaving generate mode (gathering, LoRA merging, building the inference copy), since every rollout pays it.
 
 Each backend also runs, after each timed run, the same prompts to two new tokens (the prefill, the first decode
@@ -81,6 +81,8 @@ from training.core.engine import (  # noqa: E402
 from training.core.lora import apply_lora  # noqa: E402
 from training.core.model_loading import (  # noqa: E402
     EMBEDDED_MODEL_NAME,
+    answer_stop_ids,
+    folder_stop_ids,
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
@@ -131,8 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature with --do_sample (log-probs are compared at it)")
     parser.add_argument("--ignore_eos", action="store_true",
-                        help="always generate max_new_tokens (else an answer ends at the tokens that end the model's "
-                             "turn, as in training: the EOS, and the chat template's end-of-turn token)")
+                        help="always generate max_new_tokens (else an answer ends where step 3 ends it: the EOS, the "
+                             "chat template's end-of-turn token, and any other id the model's generation config "
+                             "stops at)")
     parser.add_argument("--tp_gather_partition_size", type=int, default=8)
     parser.add_argument("--disable_cuda_graph", action="store_true",
                         help="on GPU, do not capture the hybrid engine's decode step as a CUDA graph")
@@ -226,13 +229,16 @@ def static_compiled_generator(model_name: str, tokenizer, dtype: torch.dtype, de
 def bench_generation_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
     """The generation every backend runs: an answer ends where step 3's rollouts end it, at any token that ends the
     model's turn (`PromptFormatter.stop_token_ids`: the EOS, and a chat template's end-of-turn token where that is
-    another), or nowhere with `--ignore_eos`."""
+    another) and any other id `--model`'s generation config stops at (`folder_stop_ids`), or nowhere with
+    `--ignore_eos`."""
+    stop_token_ids = -1 if args.ignore_eos else answer_stop_ids(PromptFormatter(tokenizer).stop_token_ids,
+                                                                folder_stop_ids(args.model))
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
         temperature=args.temperature,
         seed=0,
-        eos_token_id=-1 if args.ignore_eos else PromptFormatter(tokenizer).stop_token_ids,
+        eos_token_id=stop_token_ids,
         pad_token_id=tokenizer.pad_token_id,
     )
 

@@ -438,20 +438,30 @@ def test_a_reward_model_whose_tokenizer_ends_turns_in_another_eos_reads_the_acto
     assert layout_warnings(instruct, base, tmp_path, caplog) == []
 
 
-def test_the_generation_benchmark_stops_where_training_ends_the_turn():
+def test_the_generation_benchmark_stops_where_step_3_does(tmp_path):
     """bench/generation.py stopped its rows at the EOS only: a row that ended its turn ran on with a made-up next turn,
-    and tokens/s counted tokens no rollout generates. Without --ignore_eos it stops where step 3 does."""
+    and tokens/s counted tokens no rollout generates; then at the formatter's ids alone, past another id the model's
+    generation config stops at (Qwen2.5-Instruct's <|endoftext|>), where step 3 stops since b63272d. Without
+    --ignore_eos it stops where step 3 does."""
     from bench.generation import bench_generation_config, parse_args
 
     tokenizer = turn_end_tokenizer(GEMMA)
     model, input_ids, mask = scripted_rows(tokenizer)
-    config = bench_generation_config(parse_args(["--max_new_tokens", str(MAX_NEW_TOKENS)]), tokenizer)
-    out = HFGenerator(model).generate(input_ids, mask, config)
+    actor = saved_actor(tokenizer, model, tmp_path)
+
+    def bench_config(*flags: str) -> GenerationConfig:
+        return bench_generation_config(parse_args(["--model", actor, "--max_new_tokens", str(MAX_NEW_TOKENS), *flags]),
+                                       tokenizer)
+
+    out = HFGenerator(model).generate(input_ids, mask, bench_config())
     ids = tokenizer.convert_tokens_to_ids
     assert [out.answers[row][out.answer_mask[row].bool()].tolist() for row in range(len(ROWS))] == [
         ids(answer) for _, answer in ROWS]
-    ignoring = bench_generation_config(parse_args(["--max_new_tokens", "3", "--ignore_eos"]), tokenizer)
-    assert HFGenerator(model).generate(input_ids, mask, ignoring).answer_mask.all()
+    assert HFGenerator(model).generate(input_ids, mask, bench_config("--ignore_eos")).answer_mask.all()
+    model.generation_config.eos_token_id = ids(["<eos>", "<|endoftext|>"])
+    saved_actor(tokenizer, model, tmp_path)
+    assert bench_config().eos_token_id == step_3_trainer(actor, tokenizer).generation_config().eos_token_id == ids(
+        ["<eos>", "<end_of_turn>", "<|endoftext|>"])
 
 
 def test_step_3_warns_where_the_actors_run_tuned_it_on_another_layout(tmp_path, caplog):
