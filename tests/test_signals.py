@@ -235,13 +235,17 @@ with GracefulInterrupt():
 """
 
 
-def test_train_py_whose_output_reader_has_gone_stops_the_step_under_way(tmp_path):
+@pytest.mark.parametrize("step, redirect", [("waiting", "watched"), ("writing", "late")])
+def test_train_py_whose_output_reader_has_gone_stops_the_step_under_way(tmp_path, step, redirect):
     """train.py's own output left without a reader (`train.py | tee`, tee killed) was taken as a stop request by its
     handler alone: the launched step ran on to its end, unsaid (or, had a write of its output come first, failed on
-    the pipe). It is now a stop request passed on to the step's processes, as a SIGTERM to train.py is."""
+    the pipe). It is now a stop request passed on to the step's processes, as a SIGTERM to train.py is. A copy of the
+    step's output meeting the pipe before the watch redirected it ended train.py in a BrokenPipeError (status 1)."""
     got, outcome = tmp_path / "step_got", tmp_path / "outcome"
     read_end, write_end = os.pipe()
-    parent = subprocess.Popen([sys.executable, "-c", TRAIN_PY_LAUNCHING_A_STEP, STEP_WAITING_FOR_A_STOP, str(got),
+    train_py = (LATE_REDIRECT if redirect == "late" else "") + TRAIN_PY_LAUNCHING_A_STEP
+    step_code = RANK_WRITING_AS_IT_TRAINS if step == "writing" else STEP_WAITING_FOR_A_STOP
+    parent = subprocess.Popen([sys.executable, "-c", train_py, step_code, str(got),
                                str(tmp_path / "step1.log"), str(outcome)], stdout=write_end, stderr=write_end,
                               env=step_env())
     os.close(write_end)

@@ -22,7 +22,13 @@ from typing import IO, Iterator, Sequence
 
 import psutil
 
-from training.reliability.signals import EXIT_INTERRUPTED, handling_signals, record_signal, say_from_handler
+from training.reliability.signals import (
+    EXIT_INTERRUPTED,
+    handling_signals,
+    output_reader_gone,
+    record_signal,
+    say_from_handler,
+)
 from utils.dist import free_port, launcher_variables
 from utils.errors import UserError
 
@@ -537,15 +543,24 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
 def _copy_output(process: subprocess.Popen, log: IO[bytes]) -> None:
     """Copy `process`'s output to the log and the console as it comes, to its end: the ranks' last words matter most."""
     assert process.stdout is not None
-    console = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
     while chunk := os.read(process.stdout.fileno(), 65536):
         log.write(chunk)
         log.flush()
-        if console is not None:
-            console.write(chunk)
-            console.flush()
-        else:
-            sys.stdout.write(chunk.decode(errors="replace"))
+        _to_console(chunk)
+
+
+def _to_console(chunk: bytes) -> None:
+    """Write `chunk` to stdout, as bytes where it has a buffer. The console gone (`train.py | tee`, tee killed) in the
+    moment before the output watch redirects it to /dev/null is the watch's stop request, not an error."""
+    if not hasattr(sys.stdout, "buffer"):
+        sys.stdout.write(chunk.decode(errors="replace"))
+        return
+    try:
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        if not output_reader_gone(sys.stdout):
+            raise
 
 
 def _stop_unread(process: subprocess.Popen, stop_requests: _StopRequests, why: str) -> None:

@@ -204,11 +204,14 @@ class _ReaderGoneGuard:
         self._fd = stream.fileno()
         self._watch = watch
 
+    def reader_gone(self) -> bool:
+        return self._watch.reader_gone(self._fd)
+
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
         except BrokenPipeError:
-            if not self._watch.reader_gone(self._fd):
+            if not self.reader_gone():
                 raise
             return len(text)
 
@@ -216,11 +219,17 @@ class _ReaderGoneGuard:
         try:
             self.stream.flush()
         except BrokenPipeError:
-            if not self._watch.reader_gone(self._fd):
+            if not self.reader_gone():
                 raise
 
     def __getattr__(self, name: str):
         return getattr(self.stream, name)
+
+
+def output_reader_gone(stream: IO[str]) -> bool:
+    """Whether `stream` (`sys.stdout` or `sys.stderr`) writes to a pipe an `OutputReaderWatch` watches, whose reader
+    has gone: for a BrokenPipeError met writing to its `buffer`, past the guard (taken as the watch takes it)."""
+    return isinstance(stream, _ReaderGoneGuard) and stream.reader_gone()
 
 
 def _fileno(stream: IO[str] | None) -> int | None:
