@@ -171,6 +171,7 @@ class _PhaseClock(TrainerCallback):
         step = {phase: self.current[phase] for phase in PHASES}
         step["step_s"] = ended - self.step_started
         step["generated_tokens"] = float(self.current["generated_tokens"])
+        step["threads"] = torch.get_num_threads()
         self.steps.append(step)
         self.current = defaultdict(float)
         self.step_started = ended
@@ -223,7 +224,8 @@ def run_trl_ppo(settings: TRLPeerSettings, prompt_ids: list[list[int]]) -> list[
     Each dict: `generation_s`, `reference_s`, `reward_s`, `critic_s` (value forward over the rollout), `train_s`
     (TRL trains actor and critic together: one forward through its PolicyAndValueWrapper, one backward and one
     optimizer step over both; this is their sum, the loss arithmetic between them excluded), `step_s` (wall time
-    of the whole step) and `generated_tokens` (response tokens up to and including EOS).
+    of the whole step), `generated_tokens` (response tokens up to and including EOS) and `threads` (torch's, this
+    process's count as it was before TRL was set up).
 
     One PPO epoch over one mini-batch, sampling at `temperature`, stop at EOS, no eval, saving or reporting.
     `dtype` "bf16" loads all four models in bf16 and TRL's AdamW trains those weights directly (TRL's PPOTrainer
@@ -257,6 +259,7 @@ def run_trl_ppo(settings: TRLPeerSettings, prompt_ids: list[list[int]]) -> list[
     scheduler = get_scheduler(settings.lr_scheduler_type, optimizer, settings.num_warmup_steps, steps)
     dataset = Dataset.from_dict({"input_ids": prompt_ids})
     clock = _PhaseClock(tokenizer.eos_token_id, tokenizer.pad_token_id)
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="trl_peer_") as output_dir:
         config = PPOConfig(
             output_dir=output_dir,
@@ -295,6 +298,9 @@ def run_trl_ppo(settings: TRLPeerSettings, prompt_ids: list[list[int]]) -> list[
             optimizers=(optimizer, scheduler),
             callbacks=[clock],
         )
+        # the accelerate state TRL sets up sets its own thread count where OMP_NUM_THREADS is unset (the host's
+        # physical cores over the ranks, whatever cores this process may use): TRL runs with this process's
+        torch.set_num_threads(threads)
         # TRL's own dataloader shuffles; the bench needs the prompts in the order it gave them.
         trainer.dataloader = trainer.accelerator.prepare(
             DataLoader(dataset, batch_size=settings.batch_size, shuffle=False, collate_fn=trainer.data_collator,

@@ -182,3 +182,35 @@ def test_prompts_that_do_not_make_whole_batches_are_refused_before_anything_runs
 
     with pytest.raises(UserError, match="--num_prompts 20 is not a multiple of --batch 8"):
         parse_args(["--num_prompts", "20", "--batch", "8", "--peer", "trl"])
+
+
+def test_trl_runs_with_the_thread_count_of_the_process_it_shares(distributed, tmp_path, monkeypatch):
+    """The accelerate state TRL's trainer sets up sets torch's thread count where OMP_NUM_THREADS is unset: the
+    host's physical cores over the ranks (in a container pinned to 2 of a 64-core host's cores, 32 threads). TRL's
+    steps then ran with other threads than this project's steps beside them in the same process."""
+    pytest.importorskip("trl.experimental.ppo")
+    import psutil
+    from accelerate.state import AcceleratorState
+
+    from bench import trl_peer
+
+    actor = make_tiny_model_dir(tmp_path / "actor", "llama", with_pad=True)
+    tokenizer = load_tokenizer(actor)
+    RewardModel.from_causal_lm(actor, tokenizer).save_pretrained(tmp_path / "reward")
+    tokenizer.save_pretrained(tmp_path / "reward")
+    scored = trl_peer.convert_scored_model(str(tmp_path / "reward"), str(tmp_path / "scored"))
+    settings = trl_peer.TRLPeerSettings(actor_path=actor, reward_path=scored, critic_path=scored, batch_size=2,
+                                        max_answer_tokens=3)
+    prompts = [tokenizer("What is 2 plus 2?")["input_ids"], tokenizer("Name a colour.")["input_ids"]]
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: threads + 1)  # a host with more cores than ours
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        steps = trl_peer.run_trl_ppo(settings, prompts)
+        after = torch.get_num_threads()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        torch.set_num_threads(threads)
+    assert after == threads
+    assert [step["threads"] for step in steps] == [threads]
