@@ -164,6 +164,20 @@ def test_a_held_out_pair_that_swaps_a_training_pairs_replies_is_dropped(tmp_path
     assert len(splits[2].eval) == splits[2].held_out and not splits[2].skipped[phases.HELD_OUT_IN_TRAINING]
 
 
+def test_a_pair_whose_replies_differ_only_in_whitespace_is_skipped_as_identical(tmp_path):
+    """Replies the same but for a doubled space, a line end or a no-break space (the same text to a model, as the
+    held-out and duplicate checks compare: `comparable_text`) were kept as a comparison, and the reward model learned
+    to prefer one spacing. They are skipped as identical_replies, as exact copies were."""
+    rows = [{"prompt": f"question {i}", "chosen": f"answer {i}", "rejected": f"answer {i}" if i % 3 == 0
+             else f"answer\u00a0 {i}\r\n" if i % 3 == 1 else f"other {i}"} for i in range(30)]
+    path = tmp_path / "spaced.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (split,) = phase_splits(2, [str(path)], "1,1,1", seed=3, eval_fraction=0.2)
+    kept = split.train + split.eval
+    assert kept and all(sample.rejected.startswith("other") for sample in kept)
+    assert split.skipped["identical_replies"] == split.records - len(kept)
+
+
 @pytest.mark.parametrize("bad", ["0,0,0", "1,2", "a,b,c", "-1,2,2", "nan,1,1", "inf,1,1", "1e308,1e308,1"])
 def test_bad_data_split_is_a_user_error(bad):
     with pytest.raises(UserError, match="data_split"):

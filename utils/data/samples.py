@@ -123,7 +123,7 @@ def unusable_reason(sample: Sample, kind: str) -> str | None:
     if kind == KIND_PAIRS:
         if sample.rejected is None:
             return "no_rejected"
-        if sample.chosen == sample.rejected:
+        if comparable_text(sample.chosen) == comparable_text(sample.rejected):  # they differ in spacing alone
             return "identical_replies"
     return None
 
