@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--work_dir", default="runs/bench_placement")
     parser.add_argument("--output", default="bench/results/placement_cpu.json")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the first step is a warm-up, left out of the measured step time")
     for folder in (args.actor, args.critic):
         if not Path(folder).is_dir():
             raise SystemExit(f"{folder} is missing: run `python train.py` first (its step-1/2 models are benched)")
