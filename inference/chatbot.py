@@ -19,6 +19,10 @@ from typing import Callable, Iterable, TextIO
 import torch
 from transformers import TextStreamer
 
+from utils.log import deepspeed_logs_to_stderr
+
+deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the answers alone
+
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (

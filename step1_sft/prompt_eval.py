@@ -25,6 +25,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
+from utils.log import deepspeed_logs_to_stderr
+
+deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the answers alone
+
 from training.core.args import DTYPE_CHOICES, DTYPE_NAMES, SettingsParser
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,

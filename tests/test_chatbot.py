@@ -314,6 +314,25 @@ def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     assert "(conversation cleared)" in result.stdout and "ignored" not in result.stdout
 
 
+@pytest.mark.parametrize("tool, first_line", [
+    (["-m", "inference.chatbot", "--prompt", "hello", "--greedy", "--path", "{model}"], "Human: hello\n"),
+    (["step1_sft/prompt_eval.py", "--prompts", "hello", "--model_name_or_path_finetune", "{model}",
+      "--model_name_or_path_baseline", "{model}"], "baseline "),
+])
+def test_scripted_output_holds_the_answers_alone_and_deepspeeds_warnings_go_to_stderr(tiny_model_dir, tool,
+                                                                                       first_line):
+    """DeepSpeed's logger writes to standard output, and on a machine without a GPU (DS_ACCELERATOR unset) warns
+    'Setting accelerator to CPU' there as it is imported: that line came first in the output a script reads."""
+    model = tiny_model_dir("gpt2")
+    argv = [arg.format(model=model) for arg in tool]
+    env = {key: value for key, value in step_env().items() if key != "DS_ACCELERATOR"}
+    result = subprocess.run([sys.executable, *argv, "--max_new_tokens", "2"], cwd=REPO_ROOT, check=False,
+                            env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith(first_line), result.stdout[:300]
+    assert "Setting accelerator to CPU" in result.stderr
+
+
 def test_a_line_that_is_not_utf8_text_is_refused_and_the_chat_goes_on(tiny_model_dir):
     """A Latin-1 'café' piped in ended the chat in a traceback: a UnicodeDecodeError where standard input decodes
     strictly (a UTF-8 locale), else the tokenizer's TypeError on the byte Python kept as a lone surrogate (as it
