@@ -307,6 +307,24 @@ def test_a_write_meeting_a_watched_pipe_without_its_reader_is_taken_as_its_leavi
     stdout.close()
 
 
+def test_a_guarded_stream_kept_past_the_watch_takes_nothing_for_it(monkeypatch):
+    """A guard something kept (a log handler made inside the block) took a write meeting the pipe without its reader
+    after the block as the watch would: `on_gone` called, a SIGTERM to the process with no handler left to take it."""
+    read_end, write_end = os.pipe()
+    stdout = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    gone = []
+    with OutputReaderWatch(lambda: gone.append(True), fds=[write_end]):
+        kept = sys.stdout
+    os.close(read_end)
+    with pytest.raises(BrokenPipeError):
+        print("after the block", file=kept, flush=True)
+    assert gone == []
+    os.close(write_end)
+    with contextlib.suppress(OSError):  # its unwritten line meets the closed file descriptor
+        stdout.close()
+
+
 def test_a_broken_pipe_of_another_cause_is_raised(monkeypatch):
     """Only a watched pipe left without its reader is taken as the output's reader gone."""
     read_end, write_end = os.pipe()

@@ -130,6 +130,7 @@ class OutputReaderWatch:
     def __init__(self, on_gone: Callable[[], None], fds: Sequence[int] = OUTPUT_FDS) -> None:
         self._on_gone = on_gone
         self._pipes = _pipes_among(fds)
+        self._watching = False
         self._gone_said = False
         self._lock = threading.Lock()
         self._guards: dict[str, _ReaderGoneGuard] = {}
@@ -137,6 +138,7 @@ class OutputReaderWatch:
         self._thread = threading.Thread(target=self._watch, name="output-reader-watch", daemon=True)
 
     def __enter__(self) -> None:
+        self._watching = True
         if self._pipes:
             self._guard_std_streams()
             self._thread.start()
@@ -148,11 +150,13 @@ class OutputReaderWatch:
         os.close(self._wake_read)
         os.close(self._wake_write)
         self._unguard_std_streams()
+        self._watching = False
 
     def reader_gone(self, fd: int) -> bool:
         """Whether `fd`, one of the pipes watched, has no reader any more: if so it writes to /dev/null from now on
-        (it may already, redirected by this watch or another one in this process) and `on_gone` has been called."""
-        if fd not in self._pipes:
+        (it may already, redirected by this watch or another one in this process) and `on_gone` has been called.
+        False past the block: a guard kept beyond it (by a log handler made inside) takes nothing for it."""
+        if not self._watching or fd not in self._pipes:
             return False
         with self._lock:
             if _writes_to_devnull(fd):
