@@ -3,6 +3,7 @@ import math
 import os
 import subprocess
 import sys
+import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.lora import apply_lora, lora_target_modules
-from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_dtype
+from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype
 from training.core.optim import LearningRateGroups
 from training.core.reward_model import RewardModel
 from training.core.save import save_hf_model
@@ -74,6 +75,41 @@ def test_missing_model_is_a_clear_error(tmp_path):
         load_tokenizer(str(tmp_path / "nope"))
     with pytest.raises(UserError, match="hub"):
         load_causal_lm("no-such-org/no-such-model")
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch) -> list[float]:
+    """The hub at a closed local port (HF_HUB_OFFLINE unset, no network used): each lookup of a file no cache holds
+    fails, after huggingface_hub's retries; the seconds it waits between them, recorded instead of slept, returned."""
+    import huggingface_hub.constants
+    import huggingface_hub.utils._http as hub_http
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    waits = []
+    monkeypatch.setattr(hub_http, "time", SimpleNamespace(sleep=waits.append))
+    return waits
+
+
+def test_an_unreachable_hub_is_waited_for_once_per_model_name(unreachable_hub):
+    """With the hub unreachable but HF_HUB_OFFLINE unset, a lookup waits out huggingface_hub's retries (about 23 s)
+    before it fails, and each loader made two (a model its adapter_config.json, then its config.json; a tokenizer its
+    config.json twice): a model name the hub could not be asked about was said after 46 s. Now one lookup's wait, once
+    a name: its next loads fail at once, with the same message."""
+    from huggingface_hub import hf_hub_download
+
+    with pytest.raises(OSError):
+        hf_hub_download("no-such-org/other-model", "config.json")
+    one_lookup = sum(unreachable_hub)
+    assert one_lookup > 0
+    unreachable_hub.clear()
+    name = f"no-such-org/model-{uuid.uuid4().hex}"  # a name this process never looked up
+    for load in (load_tokenizer, load_causal_lm, load_config):
+        with pytest.raises(UserError, match=f"'{name}' was not found locally and could not be fetched from the hub: "
+                                            "the hub cannot be reached from here"):
+            load(name)
+        assert sum(unreachable_hub) == one_lookup
 
 
 def test_dtype_rules_on_cpu():

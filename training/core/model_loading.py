@@ -1,14 +1,18 @@
 """Load any Hugging Face causal LM and its tokenizer, by hub name, local path or the embedded default."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -27,6 +31,7 @@ from utils.cpu import cpu_has_native_bf16
 from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
@@ -149,8 +154,12 @@ def resolve_trained_dtype(name: str | None, model_path: str) -> torch.dtype:
     return saved if saved in (torch.float32, best) or (saved == torch.float16 and on_gpu) else best
 
 
-def _hub_call(what: str, name_or_path: str, load):
-    """Run a from_pretrained call, turning 'not found' and 'offline' into one clear message."""
+def _hub_call(what: str, name_or_path: str, load: Callable[[], T]) -> T:
+    """Run a from_pretrained call, turning 'not found' and 'offline' into one clear message; a hub name's hub is
+    reached once first (`_hub_lookup_failure`)."""
+    failure = _hub_lookup_failure(resolve_model_path(name_or_path))
+    if failure is not None:
+        raise _not_fetched_error(what, name_or_path, unreachable=True) from failure
     try:
         return load()
     except pickle.UnpicklingError as err:  # a .bin file that torch.load(weights_only=True) refuses
@@ -164,16 +173,44 @@ def _hub_call(what: str, name_or_path: str, load):
             raise _local_folder_error(what, name_or_path, err) from err
         if isinstance(err, ValueError):
             raise
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in str(err).lower() or "connect" in str(err).lower()
-        hint = (
-            "the hub cannot be reached from here; download the model elsewhere and pass its local folder"
-            if offline
-            else "check the spelling, or pass a local folder that holds config.json"
-        )
-        raise UserError(
-            f"{what} '{name_or_path}' was not found locally and could not be fetched from the hub: {hint} "
-            f"(or use the embedded default '{EMBEDDED_MODEL_NAME}')"
-        ) from err
+        raise _not_fetched_error(what, name_or_path, _hub_unreachable(err)) from err
+
+
+def _hub_unreachable(err: Exception) -> bool:
+    """Whether a hub lookup failed for want of the hub (offline mode, no connection), not for the name."""
+    text = str(err).lower()
+    return os.environ.get("HF_HUB_OFFLINE") == "1" or "offline" in text or "connect" in text
+
+
+def _not_fetched_error(what: str, name_or_path: str, unreachable: bool) -> UserError:
+    hint = (
+        "the hub cannot be reached from here; download the model elsewhere and pass its local folder"
+        if unreachable
+        else "check the spelling, or pass a local folder that holds config.json"
+    )
+    return UserError(
+        f"{what} '{name_or_path}' was not found locally and could not be fetched from the hub: {hint} "
+        f"(or use the embedded default '{EMBEDDED_MODEL_NAME}')"
+    )
+
+
+@functools.cache
+def _hub_lookup_failure(path: str) -> LocalEntryNotFoundError | None:
+    """For a hub name (`path` not a folder), the error of fetching its config.json, looked up once a process, where the
+    hub cannot be reached and no copy is cached; None where it was fetched or found, or failed for another reason (a
+    name the hub does not know, a gated model: the loader says so). Each lookup of a file no cache holds waits out
+    huggingface_hub's retries (about 23 s) before it fails, and a loader made two (a model its adapter_config.json,
+    then its config.json; a tokenizer its config.json twice): an unreachable hub was said after 46 s, now after one
+    lookup, and at once for the name's next load."""
+    if Path(path).is_dir():
+        return None
+    try:
+        hf_hub_download(path, "config.json")
+    except LocalEntryNotFoundError as err:
+        return err if _hub_unreachable(err) else None
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def no_model_error(name_or_path: str) -> UserError:
