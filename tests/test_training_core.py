@@ -112,6 +112,26 @@ def test_an_unreachable_hub_is_waited_for_once_per_model_name(unreachable_hub):
         assert sum(unreachable_hub) == one_lookup
 
 
+def test_a_hub_model_transformers_cannot_load_is_one_error(tmp_path, monkeypatch):
+    """A hub model whose type this transformers does not know (one newer than it) raised transformers' ValueError as a
+    traceback; a local folder's was one error already."""
+    import huggingface_hub.constants
+
+    commit = "0" * 40
+    repo = tmp_path / "models--some-org--brand-new"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit / "config.json").write_text('{"model_type": "brand_new_arch"}')
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # the model as if downloaded
+    for load in (load_config, load_causal_lm):
+        with pytest.raises(UserError, match="the model of 'some-org/brand-new' does not load with transformers .*: "
+                                            "The checkpoint you are trying to load has model type `brand_new_arch` "
+                                            ".* -- a model newer than this transformers loads after 'pip install "
+                                            "--upgrade transformers'; otherwise"):
+            load("some-org/brand-new")
+
+
 def test_dtype_rules_on_cpu():
     assert resolve_dtype("fp32") == torch.float32
     assert resolve_dtype("bf16") == torch.bfloat16

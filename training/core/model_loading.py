@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
+import transformers
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import (
@@ -172,8 +173,17 @@ def _hub_call(what: str, name_or_path: str, load: Callable[[], T]) -> T:
         if local.is_dir():
             raise _local_folder_error(what, name_or_path, err) from err
         if isinstance(err, ValueError):
-            raise
+            raise _not_loadable_error(what, name_or_path, err) from err
         raise _not_fetched_error(what, name_or_path, _hub_unreachable(err)) from err
+
+
+def _not_loadable_error(what: str, name_or_path: str, err: ValueError) -> UserError:
+    """Why a hub model's `what` that was fetched did not load (a model type this transformers does not know), in
+    transformers' words, and what to do: it came as a traceback."""
+    reason = " ".join(str(err).split()) or type(err).__name__
+    return UserError(f"the {what} of '{name_or_path}' does not load with transformers {transformers.__version__}: "
+                     f"{reason} -- a model newer than this transformers loads after 'pip install --upgrade "
+                     "transformers'; otherwise its model type is not one transformers supports, so pick another model")
 
 
 def _hub_unreachable(err: Exception) -> bool:
