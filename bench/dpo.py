@@ -49,11 +49,16 @@ def method_flags(args: argparse.Namespace, method: str) -> list[str]:
     return ["--learning_rate", str(args.reward_learning_rate)]
 
 
+def warmup_steps(steps: int) -> int:
+    """A tenth of the run, at least one step, but fewer than the run's (a warm-up as long as the run is refused)."""
+    return min(max(1, steps // 10), steps - 1)
+
+
 def run_flags(args: argparse.Namespace, source: str, out: Path) -> list[str]:
     return ["--model_name_or_path", "smollm2-135m", "--output_dir", str(out), "--data_path", SOURCES[source],
             "--data_split", "0,1,0", "--data_output_path", str(Path(args.work_dir) / "data"), "--seed", str(args.seed),
             "--dtype", args.dtype, "--max_seq_len", str(args.max_seq_len), "--per_device_train_batch_size", "8",
-            "--per_device_eval_batch_size", "16", "--num_warmup_steps", str(max(1, args.max_steps // 10)),
+            "--per_device_eval_batch_size", "16", "--num_warmup_steps", str(warmup_steps(args.max_steps)),
             "--max_steps", str(args.max_steps), "--max_train_samples", str(args.max_steps * 8),
             "--max_eval_samples", str(args.max_eval_samples)]
 

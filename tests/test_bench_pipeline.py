@@ -161,3 +161,19 @@ def test_the_dpo_bench_names_the_flags_it_passes_on_as_the_steps_do(monkeypatch)
     committed = dpo.parse_args(shlex.split(report["command"])[2:])
     assert (committed.max_steps, committed.max_eval_samples) == (report["settings"]["steps"],
                                                                   report["settings"]["eval_pairs"])
+
+
+@pytest.mark.parametrize("steps,warmup", [(1, 0), (2, 1), (30, 3), (60, 6)])
+def test_the_dpo_benchs_runs_take_their_flags_at_any_length(monkeypatch, tmp_path, steps, warmup):
+    """At --max_steps 1 it gave each run one warm-up step, as long as the run, which the steps refuse: the first
+    child exited with that error and the bench with a CalledProcessError traceback."""
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    import dpo
+
+    from step2_reward import main as reward_model
+    from step2_reward.dpo import main as dpo_step
+
+    args = dpo.parse_args(["--max_steps", str(steps), "--work_dir", str(tmp_path)])
+    for method, step in (("dpo", dpo_step), ("reward_model", reward_model)):
+        flags = dpo.run_flags(args, "embedded", tmp_path / method) + dpo.method_flags(args, method)
+        assert step.parse_args(flags).schedule.num_warmup_steps == warmup
