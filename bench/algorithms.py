@@ -65,7 +65,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
 def step1_flags(args: argparse.Namespace) -> list[str]:
     return ["--model_name_or_path", "smollm2-135m", *common_flags(args), "--max_seq_len", "128",
             "--per_device_train_batch_size", "8", "--learning_rate", str(args.sft_learning_rate),
-            "--num_warmup_steps", "2", "--max_steps", str(args.sft_steps), "--max_eval_samples", "32"]
+            "--num_warmup_steps", str(min(2, args.sft_steps - 1)),  # fewer than the run's: the step refuses more
+            "--max_steps", str(args.sft_steps), "--max_eval_samples", "32"]
 
 
 def step1_folder(args: argparse.Namespace) -> Path:

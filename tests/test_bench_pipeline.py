@@ -177,3 +177,13 @@ def test_the_dpo_benchs_runs_take_their_flags_at_any_length(monkeypatch, tmp_pat
     for method, step in (("dpo", dpo_step), ("reward_model", reward_model)):
         flags = dpo.run_flags(args, "embedded", tmp_path / method) + dpo.method_flags(args, method)
         assert step.parse_args(flags).schedule.num_warmup_steps == warmup
+
+
+@pytest.mark.parametrize("steps,warmup", [(1, 0), (2, 1), (16, 2)])
+def test_the_algorithms_benchs_step1_warms_up_for_fewer_steps_than_it_runs(monkeypatch, steps, warmup):
+    """At --sft_steps 2 (or 1) its two warm-up steps lasted the whole step-1 run, which step 1 refuses."""
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    import algorithms
+
+    flags = algorithms.step1_flags(algorithms.parse_args(["--sft_steps", str(steps)]))
+    assert flags[flags.index("--num_warmup_steps") + 1] == str(warmup)
