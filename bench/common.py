@@ -20,7 +20,9 @@ def run_child(script: Path, module: str, argv: list[str], result_file: Path) -> 
     that process's peak RSS."""
     command = [sys.executable, str(script.resolve()), "--child", module, str(result_file), *argv]
     print("$", shlex.join(command[2:]), flush=True)
-    subprocess.run(command, check=True, cwd=REPO_ROOT)
+    status = subprocess.run(command, check=False, cwd=REPO_ROOT).returncode
+    if status:
+        raise SystemExit(f"{module} exited with status {status} (its error is above); no report written")
     return json.loads(result_file.read_text())
 
 

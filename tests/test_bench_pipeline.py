@@ -187,3 +187,15 @@ def test_the_algorithms_benchs_step1_warms_up_for_fewer_steps_than_it_runs(monke
 
     flags = algorithms.step1_flags(algorithms.parse_args(["--sft_steps", str(steps)]))
     assert flags[flags.index("--num_warmup_steps") + 1] == str(warmup)
+
+
+def test_a_failed_child_stops_the_bench_with_a_message_not_a_traceback(tmp_path, monkeypatch):
+    """A step that exited with an error (its own message printed) ended the bench in a CalledProcessError
+    traceback."""
+    from bench.common import run_child
+
+    (tmp_path / "failing_step.py").write_text("def main(argv):\n    raise SystemExit('error: a refused flag')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    script = Path(pipeline.__file__).parent / "dpo.py"
+    with pytest.raises(SystemExit, match=r"^failing_step exited with status 1 \(its error is above\); no report"):
+        run_child(script, "failing_step", [], tmp_path / "result.json")
