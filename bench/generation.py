@@ -156,6 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="size of the tensor copied to measure the device's copy bandwidth (beyond its caches)")
     parser.add_argument("--output", default="bench_generation.json", help="where to write the JSON result")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats}: each backend needs at least one timed run; pass 1 or more")
     if args.frozen_actor and args.zero_stage in (1, 2):
         raise UserError(f"--frozen_actor with --zero_stage {args.zero_stage}: ZeRO-1 and 2 shard only optimizer state "
                         "and gradients, which a frozen actor has none of; pass --zero_stage 0 or 3")

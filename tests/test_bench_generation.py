@@ -190,3 +190,9 @@ def test_a_frozen_actor_has_no_optimizer_and_nothing_requires_grad(distributed, 
 def test_a_frozen_actor_refuses_the_zero_stages_that_shard_only_optimizer_state(stage):
     with pytest.raises(UserError, match="pass --zero_stage 0 or 3"):
         parse_args(["--frozen_actor", "--zero_stage", stage])
+
+
+def test_no_timed_run_is_refused_before_the_model_loads():
+    """--repeats 0 loaded the model, measured the ceilings and ended in a KeyError traceback: no backend had a run."""
+    with pytest.raises(UserError, match="--repeats 0: each backend needs at least one timed run"):
+        parse_args(["--repeats", "0"])
