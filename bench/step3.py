@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peer", default="none", choices=("none", "trl"))
     parser.add_argument("--output", default=str(REPO_ROOT / "bench" / "results" / "step3_cpu_fp32.json"))
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        raise UserError(f"--batch {args.batch}: a PPO step needs at least one prompt")
     if args.num_prompts < 2 * args.batch:
         raise UserError("--num_prompts must give at least two batches (the first step is a warm-up)")
     if args.num_prompts % args.batch:

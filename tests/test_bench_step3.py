@@ -182,6 +182,8 @@ def test_prompts_that_do_not_make_whole_batches_are_refused_before_anything_runs
 
     with pytest.raises(UserError, match="--num_prompts 20 is not a multiple of --batch 8"):
         parse_args(["--num_prompts", "20", "--batch", "8", "--peer", "trl"])
+    with pytest.raises(UserError, match="--batch 0: a PPO step needs at least one prompt"):
+        parse_args(["--batch", "0"])  # not a ZeroDivisionError of the check above
 
 
 def test_trl_runs_with_the_thread_count_of_the_process_it_shares(distributed, tmp_path, monkeypatch):
