@@ -20,6 +20,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from utils.log import deepspeed_logs_to_stderr
+
+deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the scores alone
+
 from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import TRAINED_DTYPE_HELP, load_config, load_tokenizer, resolve_trained_dtype
 from training.core.reward_model import RewardModel, resolve_reward_model, reward_model_folder

@@ -1,9 +1,13 @@
 """Reward model / critic: scoring position, save and load, ZeRO-3, and that it can learn preferences."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO_ROOT
+from crash_resume import step_env
 from scripts.hybrid_engine_worker import LONG_POSITION_MODEL
 from tiny_models import ARCHITECTURES
 from transformers import AutoModel, AutoModelForCausalLM
@@ -160,6 +164,22 @@ def test_rw_eval_takes_a_train_py_output_folder(tiny_model_dir, tmp_path, capsys
     by_output_dir = rw_eval_main(["--model_name_or_path", str(tmp_path / "out"), *argv])
     by_run = rw_eval_main(["--model_name_or_path", str(tmp_path / "out" / "step2"), *argv])
     assert by_output_dir == by_run
+
+
+def test_rw_eval_prints_its_scores_alone_and_deepspeeds_warnings_go_to_stderr(tiny_model_dir, tmp_path):
+    """DeepSpeed's logger writes to the standard output it finds when imported, and on a machine without a GPU
+    (DS_ACCELERATOR unset) warns 'Setting accelerator to CPU' there: that line came before the scores a script
+    reads (the chatbot and prompt_eval were fixed in e7958e8)."""
+    model = _save_reward_model(tiny_model_dir("llama"), tmp_path / "rm")
+    env = {key: value for key, value in step_env().items() if key != "DS_ACCELERATOR"}
+    result = subprocess.run(
+        [sys.executable, "step2_reward/rw_eval.py", "--model_name_or_path", model, "--prompt", "p", "--answer", "a"],
+        cwd=REPO_ROOT, check=False, env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Setting accelerator to CPU" in result.stderr
+    assert "Setting accelerator" not in result.stdout, result.stdout[:300]
+    json.loads(result.stdout.splitlines()[-1])
 
 
 PAIR = ["--prompt", "p", "--answer", "a"]
