@@ -216,7 +216,8 @@ def _check_unit_interval(flags: Mapping[str, Any], *names: str) -> None:
 
 
 def _check_kl_target(ppo: PPOConfig) -> None:
-    if ppo.target_kl is not None and ppo.kl_ctl == 0:
+    """A target the controller could hold (a bad --target_kl is refused by its own check, not said again here)."""
+    if ppo.target_kl is not None and 0 < ppo.target_kl < math.inf and ppo.kl_ctl == 0:
         raise UserError(f"--target_kl {ppo.target_kl} adapts the KL coefficient by multiplying it, so from "
                         "--kl_ctl 0 it stays 0 and the KL is never held; start from --kl_ctl > 0 (e.g. 0.1), or drop "
                         "--target_kl")

@@ -1017,6 +1017,23 @@ def test_every_model_flag_that_needs_adapters_or_zero_partitions_is_reported_at_
         "--critic_lora_module_name needs --critic_lora_dim > 0"]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--target_kl", "nan", "--kl_ctl", "0"], "--target_kl must be a finite number, got nan"),
+    (["--target_kl", "-1", "--kl_ctl", "0"], "--target_kl must be positive, got -1.0"),
+    (["--actor_lora_dim", "-1", "--actor_lora_learning_rate", "1e-3"], "--actor_lora_dim must be 0 or positive, got -1"),
+    (["--critic_lora_dim", "-2", "--critic_only_optimize_lora"], "--critic_lora_dim must be 0 or positive, got -2"),
+])
+def test_a_refused_flag_value_is_not_said_again_by_a_check_that_builds_on_it(inputs, tmp_path, flags, message):
+    """Reported together, the checks that combine flags said more about a value already refused: '--target_kl nan
+    adapts the KL coefficient...', or '--actor_lora_dim -1' told to add --actor_lora_dim 8 'without --actor_lora_dim'."""
+    from step3_rlhf.main import check_args, parse_args
+
+    with pytest.raises(UserError) as refused:
+        check_args(parse_args(step3_argv(inputs, tmp_path / "run", *flags)))
+    assert not isinstance(refused.value, UserErrors), str(refused.value)
+    assert str(refused.value) == message
+
+
 def test_bad_generation_flags_are_reported_with_the_other_independent_checks(inputs, tmp_path):
     """--inference_tp_size and the hybrid engine's flags were checked after the checks that combine flags, each
     ending the check at its first refusal: with a bad PPO constant beside them, they were told one a run."""

@@ -327,10 +327,10 @@ def check_lora_flags(flags: Mapping[str, Any], *prefixes: str) -> None:
     """Refuse `--only_optimize_lora`, `--lora_learning_rate` and `--lora_module_name` without adapters (`--lora_dim`
     0) for the trained models named by their flag `prefixes` (`actor_`), before anything loads: the first froze
     nothing but was only refused once the model had loaded, the others changed nothing. Every such flag is refused
-    at once."""
+    at once. A negative --lora_dim is refused by its own check, not said again here."""
     refuse_messages([f"--{prefix}{name} needs --{prefix}lora_dim > 0 (it applies to LoRA adapters, and without "
                      f"--{prefix}lora_dim the model has none); add --{prefix}lora_dim 8, or drop --{prefix}{name}"
-                     for prefix in prefixes if flags[f"{prefix}lora_dim"] <= 0
+                     for prefix in prefixes if flags[f"{prefix}lora_dim"] == 0
                      for name, default in _ADAPTER_FLAG_DEFAULTS.items() if flags[f"{prefix}{name}"] != default])
 
 
