@@ -20,11 +20,11 @@ from conftest import REPO_ROOT
 from crash_resume import step_env
 
 from training.pipeline.deployment import (
-    Workload,
     CpuQuickRun,
     DeploymentType,
     MemoryChoice,
     ModelSizes,
+    Workload,
     detect_deployment,
     state_bytes_per_gpu,
 )
@@ -927,6 +927,23 @@ def test_a_stop_command_through_pdsh_returning_1_for_long_is_said_once_as_it_goe
     err = capfd.readouterr().err
     assert err.count(f"{launch.format_command(returning_1)} has returned 1 for 0.3 s since the stop request") == 1
     assert "pdsh failed (its own failures return 1 too" in err
+
+
+def test_a_repeated_stop_request_keeps_the_clock_of_a_stop_command_returning_1(monkeypatch, capfd):
+    """Each request restarted the 60 s after which a stop command returning 1 is said: a user repeating SIGTERM
+    (or a scheduler's repeated signal) kept a pdsh failing on its own unsaid."""
+    from training.pipeline import launch
+
+    monkeypatch.setattr(launch, "STOP_COMMAND_RETRY_S", 0.05)
+    monkeypatch.setattr(launch, "STOP_UNMATCHED_SAY_S", 1.5)
+    returning_1 = ["false"]
+    stopper = launch._RanksStopper(returning_1)
+    stopper.request()
+    time.sleep(1.2)
+    stopper.request()  # 1.0 s before the end: under 1.5 s since this one, 2.2 s since the first
+    time.sleep(1.0)
+    stopper.finish()
+    assert f"{launch.format_command(returning_1)} has returned 1 for 1.5 s since the stop request" in capfd.readouterr().err
 
 
 def test_a_failed_stop_command_through_pdsh_is_said_at_once_and_at_the_end(tmp_path, monkeypatch, capfd):

@@ -410,7 +410,7 @@ class _RanksStopper:
         self.runs = 0
         self.reached_every_node = False
         self.last_status: int | None = None
-        self._requested_at = 0.0
+        self._requested_at: float | None = None  # the first request's time: a repeated one keeps the clock going
         self._said_unmatched = False
         self._running: subprocess.Popen | None = None
         self._requested = threading.Event()  # set by a stop request (from the signal handler: it only sets this)
@@ -419,7 +419,8 @@ class _RanksStopper:
         self._thread.start()
 
     def request(self) -> None:
-        self._requested_at = time.monotonic()
+        if self._requested_at is None:
+            self._requested_at = time.monotonic()
         self._requested.set()
 
     def finish(self) -> None:
