@@ -22,6 +22,8 @@ from pathlib import Path
 
 from common import REPO_ROOT, child_main, print_table, run_child, write_report
 
+from utils.errors import UserError, run_cli
+
 SCRIPT = Path(__file__)
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "remax")
 PHASES = ("time/generation_s", "time/scoring_s", "time/training_s")
@@ -50,7 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work_dir", default=str(REPO_ROOT / "runs" / "bench_algorithms"))
     parser.add_argument("--output", default=str(REPO_ROOT / "bench" / "results" / "algorithms_cpu.json"))
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.sft_steps < 1:
+        raise UserError(f"--sft_steps {args.sft_steps}: step 1 needs at least one optimizer step; pass 1 or more")
+    return args
 
 
 def task_source(args: argparse.Namespace) -> str:
@@ -118,6 +123,7 @@ COLUMNS = ("algorithm", "accuracy_before", "accuracy_after", "ppo_steps", "secon
            "kl_exact_last")
 
 
+@run_cli
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.child:

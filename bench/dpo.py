@@ -19,6 +19,8 @@ from pathlib import Path
 
 from common import REPO_ROOT, child_main, print_table, run_child, write_report
 
+from utils.errors import UserError, run_cli
+
 HH_PAIRS = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs.jsonl"
 SOURCES = {"embedded": "embedded", "hh_rlhf_harmless": f"{HH_PAIRS}:hh_rlhf"}
 METHODS = {"dpo": "step2_reward.dpo.main", "reward_model": "step2_reward.main"}
@@ -40,7 +42,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work_dir", default=str(REPO_ROOT / "runs" / "bench_dpo"))
     parser.add_argument("--output", default=str(REPO_ROOT / "bench" / "results" / "dpo_cpu.json"))
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.max_steps < 1:
+        raise UserError(f"--max_steps {args.max_steps}: each run needs at least one optimizer step; pass 1 or more")
+    return args
 
 
 def method_flags(args: argparse.Namespace, method: str) -> list[str]:
@@ -77,6 +82,7 @@ COLUMNS = ("source", "method", "accuracy_before", "accuracy_after", "margin_befo
            "seconds_per_step", "peak_memory_gb")
 
 
+@run_cli
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.child:

@@ -199,3 +199,18 @@ def test_a_failed_child_stops_the_bench_with_a_message_not_a_traceback(tmp_path,
     script = Path(pipeline.__file__).parent / "dpo.py"
     with pytest.raises(SystemExit, match=r"^failing_step exited with status 1 \(its error is above\); no report"):
         run_child(script, "failing_step", [], tmp_path / "result.json")
+
+
+@pytest.mark.parametrize("bench,flag", [("dpo", "--max_steps"), ("algorithms", "--sft_steps")])
+def test_a_bench_refuses_a_step_count_below_one(monkeypatch, capsys, bench, flag):
+    """At 0 steps the bench started its first child with a warm-up of -1 steps, which that child refused beside the
+    step count itself."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    module = importlib.import_module(bench)
+    with pytest.raises(UserError, match=f"^{flag} 0: .* at least one optimizer step; pass 1 or more$"):
+        module.parse_args([flag, "0"])
+    with pytest.raises(SystemExit) as stopped:
+        module.main([flag, "-3"])
+    assert stopped.value.code == 2 and capsys.readouterr().err.startswith(f"error: {flag} -3: ")
