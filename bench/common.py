@@ -7,6 +7,7 @@ import importlib
 import importlib.metadata
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -22,8 +23,19 @@ def run_child(script: Path, module: str, argv: list[str], result_file: Path) -> 
     print("$", shlex.join(command[2:]), flush=True)
     status = subprocess.run(command, check=False, cwd=REPO_ROOT).returncode
     if status:
-        raise SystemExit(f"{module} exited with status {status} (its error is above); no report written")
+        raise SystemExit(f"{module} {child_failure(status)}; no report written")
     return json.loads(result_file.read_text())
+
+
+def child_failure(status: int) -> str:
+    """How a child that ended with `status` (nonzero) failed: its own exit, whose error it printed, or a signal (a
+    negative status), which prints nothing, SIGKILL most often from the kernel's OOM killer."""
+    if status > 0:
+        return f"exited with status {status} (its error is above)"
+    number = -status
+    name = {member.value: member.name for member in signal.Signals}.get(number, f"signal {number}")
+    cause = " (the OOM killer, if memory ran out: see dmesg)" if number == signal.SIGKILL else ""
+    return f"was killed by {name}{cause}"
 
 
 def child_main(child: list[str]) -> None:

@@ -214,3 +214,20 @@ def test_a_bench_refuses_a_step_count_below_one(monkeypatch, capsys, bench, flag
     with pytest.raises(SystemExit) as stopped:
         module.main([flag, "-3"])
     assert stopped.value.code == 2 and capsys.readouterr().err.startswith(f"error: {flag} -3: ")
+
+
+def test_a_child_killed_by_a_signal_is_said_to_be_killed_not_to_have_printed_an_error(tmp_path, monkeypatch):
+    """A child the OOM killer ended (status -9) prints nothing, yet the bench said 'exited with status -9 (its error
+    is above)'."""
+    import signal
+
+    from bench.common import child_failure, run_child
+
+    (tmp_path / "killed_step.py").write_text("import os, signal\n\n\ndef main(argv):\n"
+                                             "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    script = Path(pipeline.__file__).parent / "dpo.py"
+    with pytest.raises(SystemExit, match=r"^killed_step was killed by SIGKILL \(the OOM killer, if memory ran out"):
+        run_child(script, "killed_step", [], tmp_path / "result.json")
+    assert child_failure(-signal.SIGTERM) == "was killed by SIGTERM"
+    assert child_failure(-(signal.SIGRTMIN + 2)) == f"was killed by signal {signal.SIGRTMIN + 2}"  # a number unnamed
