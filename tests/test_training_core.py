@@ -1,4 +1,5 @@
 """The shared DeepSpeed core: loading, ZeRO training, LoRA, saving, distributed start-up."""
+import json
 import math
 import os
 import subprocess
@@ -112,24 +113,64 @@ def test_an_unreachable_hub_is_waited_for_once_per_model_name(unreachable_hub):
         assert sum(unreachable_hub) == one_lookup
 
 
-def test_a_hub_model_transformers_cannot_load_is_one_error(tmp_path, monkeypatch):
-    """A hub model whose type this transformers does not know (one newer than it) raised transformers' ValueError as a
-    traceback; a local folder's was one error already."""
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty stand-in hub cache (HF_HUB_OFFLINE set by conftest); `put(name, config)` places a model in it as if
+    downloaded: its config.json alone."""
     import huggingface_hub.constants
 
-    commit = "0" * 40
-    repo = tmp_path / "models--some-org--brand-new"
-    (repo / "snapshots" / commit).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    (repo / "snapshots" / commit / "config.json").write_text('{"model_type": "brand_new_arch"}')
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # the model as if downloaded
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    def put(name: str, config: dict) -> None:
+        commit = "0" * 40
+        repo = cache / f"models--{name.replace('/', '--')}"
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        (repo / "snapshots" / commit / "config.json").write_text(json.dumps(config))
+
+    return SimpleNamespace(path=cache, put=put)
+
+
+def test_a_hub_model_transformers_cannot_load_is_one_error(hub_cache):
+    """A hub model whose type this transformers does not know (one newer than it) raised transformers' ValueError as a
+    traceback; a local folder's was one error already."""
+    hub_cache.put("some-org/brand-new", {"model_type": "brand_new_arch"})
     for load in (load_config, load_causal_lm):
         with pytest.raises(UserError, match="the model of 'some-org/brand-new' does not load with transformers .*: "
                                             "The checkpoint you are trying to load has model type `brand_new_arch` "
                                             ".* -- a model newer than this transformers loads after 'pip install "
                                             "--upgrade transformers'; otherwise"):
             load("some-org/brand-new")
+
+
+def test_a_hub_model_with_its_own_code_says_trust_remote_code(hub_cache):
+    """A hub model that ships its own code (auto_map) was told to upgrade transformers or pick another model; what
+    loads it is --trust_remote_code."""
+    hub_cache.put("some-org/custom", {"model_type": "custom_x", "auto_map": {
+        "AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"}})
+    for load in (load_config, load_causal_lm):
+        with pytest.raises(UserError) as raised:
+            load("some-org/custom")
+        assert str(raised.value) == ("the model of 'some-org/custom' ships its own code (auto_map in its config.json), "
+                                     "which runs only with --trust_remote_code; add that flag if you trust the code, "
+                                     "or choose another model")
+
+
+def test_other_hub_model_errors_are_said_without_upgrade_advice(hub_cache):
+    """A hub model transformers knows but cannot load as asked (an image model: no causal LM), or a config without a
+    model type, was told to upgrade transformers; each is said in transformers' words alone."""
+    hub_cache.put("some-org/vision", {"model_type": "vit"})
+    hub_cache.put("some-org/untyped", {})
+    for name, load, words in (("some-org/vision", load_causal_lm, "Unrecognized configuration class"),
+                              ("some-org/untyped", load_config, "Should have a `model_type` key")):
+        with pytest.raises(UserError) as raised:
+            load(name)
+        message = str(raised.value)
+        assert message.startswith(f"the model of '{name}' does not load with transformers ")
+        assert words in message and "upgrade" not in message
 
 
 def test_dtype_rules_on_cpu():

@@ -33,6 +33,9 @@ from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# transformers' words for a model type it does not know, and for a model whose own code it was not allowed to run
+_UNKNOWN_MODEL_TYPE = "does not recognize this architecture"
+_REMOTE_CODE_ASKED = "trust_remote_code"
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
@@ -178,12 +181,19 @@ def _hub_call(what: str, name_or_path: str, load: Callable[[], T]) -> T:
 
 
 def _not_loadable_error(what: str, name_or_path: str, err: ValueError) -> UserError:
-    """Why a hub model's `what` that was fetched did not load (a model type this transformers does not know), in
-    transformers' words, and what to do: it came as a traceback."""
+    """Why a hub model's `what` that was fetched did not load, and what to do where that is known: it came as a
+    traceback. Only a model type this transformers does not know is fixed by upgrading it; a model that ships its own
+    code by --trust_remote_code; anything else is said in transformers' words alone."""
     reason = " ".join(str(err).split()) or type(err).__name__
+    if _REMOTE_CODE_ASKED in reason:
+        return UserError(f"the {what} of '{name_or_path}' ships its own code (auto_map in its config.json), which runs "
+                         "only with --trust_remote_code; add that flag if you trust the code, or choose another model")
+    advice = ""
+    if _UNKNOWN_MODEL_TYPE in reason:
+        advice = (" -- a model newer than this transformers loads after 'pip install --upgrade transformers'; "
+                  "otherwise its model type is not one transformers supports, so pick another model")
     return UserError(f"the {what} of '{name_or_path}' does not load with transformers {transformers.__version__}: "
-                     f"{reason} -- a model newer than this transformers loads after 'pip install --upgrade "
-                     "transformers'; otherwise its model type is not one transformers supports, so pick another model")
+                     f"{reason}{advice}")
 
 
 def _hub_unreachable(err: Exception) -> bool:
