@@ -111,27 +111,52 @@ def test_the_algorithms_bench_reuses_a_step1_model_only_of_the_same_settings(mon
     monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
     import algorithms
 
-    folder = lambda *argv: algorithms.step1_folder(algorithms.parse_args(list(argv)))  # noqa: E731
+    folder = lambda *argv: algorithms.step1_folder(algorithms.parse_args(list(argv)))
     assert folder() == folder() != folder("--sft_steps", "7") != folder("--sft_learning_rate", "1e-3")
     assert folder() != folder("--difficulty", "3") and folder() != folder("--seed", "5")
 
 
-def test_the_algorithms_bench_names_the_step3_flags_it_passes_on_as_step3_does(monkeypatch):
+def _committed_report(name: str) -> dict:
+    return json.loads((pipeline.REPO_ROOT / "bench" / "results" / name).read_text())
+
+
+def _fresh_report(bench, argv: list[str], tmp_path: Path, monkeypatch) -> dict:
+    """The report a rerun of `bench` (its module) with `argv` writes, without rows: its command and settings."""
+    import sys
+    import time
+
+    from bench.common import write_report
+
+    command = [f"bench/{bench.__name__}.py", *argv, "--output", str(tmp_path / "fresh.json")]
+    monkeypatch.setattr(sys, "argv", command)
+    return write_report(bench.__name__, bench.parse_args(command[1:]), [], time.time())
+
+
+def _setting(settings: dict, name: str, old_name: str):
+    """A report's setting under the flag's name, or under its old spelling: the committed results were written before
+    the benches took the steps' flag names (581cfe4, 1192991); a rerun writes the new one."""
+    return settings[name] if name in settings else settings[old_name]
+
+
+def test_the_algorithms_bench_names_the_step3_flags_it_passes_on_as_step3_does(tmp_path, monkeypatch):
     """Its --time_budget_minutes and --training_batch_size were step 3's --max_train_minutes and
     --per_device_training_batch_size under names of its own; the old spellings, in the committed results' commands,
-    still read the same."""
+    still read the same, and a rerun's report (its settings under the new names) reads as its command."""
     monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
     import algorithms
 
-    args = algorithms.parse_args(["--max_train_minutes", "3", "--per_device_training_batch_size", "8"])
-    flags = algorithms.step3_flags(args, "grpo", Path("actor"), Path("out"))
+    argv = ["--max_train_minutes", "3", "--per_device_training_batch_size", "8"]
+    flags = algorithms.step3_flags(algorithms.parse_args(argv), "grpo", Path("actor"), Path("out"))
     assert flags[flags.index("--max_train_minutes") + 1] == "3.0"
     assert flags[flags.index("--per_device_training_batch_size") + 1] == "8"
-    for name in ("algorithms_cpu.json", "algorithms_cpu_grpo_20min.json"):
-        report = json.loads((pipeline.REPO_ROOT / "bench" / "results" / name).read_text())
-        committed = algorithms.parse_args(shlex.split(report["command"])[2:])
-        assert committed.max_train_minutes == report["settings"]["time_budget_minutes"]
-        assert committed.per_device_training_batch_size == report["settings"]["training_batch_size"]
+    reports = [_committed_report("algorithms_cpu.json"), _committed_report("algorithms_cpu_grpo_20min.json"),
+               _fresh_report(algorithms, argv, tmp_path, monkeypatch)]
+    for report in reports:
+        ran = algorithms.parse_args(shlex.split(report["command"])[2:])
+        settings = report["settings"]
+        assert ran.max_train_minutes == _setting(settings, "max_train_minutes", "time_budget_minutes")
+        assert ran.per_device_training_batch_size == _setting(settings, "per_device_training_batch_size",
+                                                              "training_batch_size")
 
 
 def test_a_benchs_child_reports_its_peak_memory_in_gb_as_step3_does(tmp_path, monkeypatch):
@@ -148,19 +173,22 @@ def test_a_benchs_child_reports_its_peak_memory_in_gb_as_step3_does(tmp_path, mo
     assert result["peak_memory_gb"] == pytest.approx(peak_kib * 1024 / 1e9, rel=1e-3)
 
 
-def test_the_dpo_bench_names_the_flags_it_passes_on_as_the_steps_do(monkeypatch):
+def test_the_dpo_bench_names_the_flags_it_passes_on_as_the_steps_do(tmp_path, monkeypatch):
     """Its --steps and --eval_pairs were the runs' --max_steps and --max_eval_samples under names of its own; the old
-    spellings, in the committed result's command, still read the same."""
+    spellings, in the committed result's command, still read the same, and a rerun's report (its settings under the
+    new names) reads as its command."""
     monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
     import dpo
 
     flags = dpo.run_flags(dpo.parse_args(["--max_steps", "20", "--max_eval_samples", "32"]), "embedded", Path("out"))
     assert flags[flags.index("--max_steps") + 1] == "20" and flags[flags.index("--max_train_samples") + 1] == "160"
     assert flags[flags.index("--max_eval_samples") + 1] == "32"
-    report = json.loads((pipeline.REPO_ROOT / "bench" / "results" / "dpo_cpu.json").read_text())
-    committed = dpo.parse_args(shlex.split(report["command"])[2:])
-    assert (committed.max_steps, committed.max_eval_samples) == (report["settings"]["steps"],
-                                                                  report["settings"]["eval_pairs"])
+    fresh = _fresh_report(dpo, ["--max_steps", "20", "--max_eval_samples", "32"], tmp_path, monkeypatch)
+    for report in (_committed_report("dpo_cpu.json"), fresh):
+        ran = dpo.parse_args(shlex.split(report["command"])[2:])
+        settings = report["settings"]
+        assert ran.max_steps == _setting(settings, "max_steps", "steps")
+        assert ran.max_eval_samples == _setting(settings, "max_eval_samples", "eval_pairs")
 
 
 @pytest.mark.parametrize("steps,warmup", [(1, 0), (2, 1), (30, 3), (60, 6)])
