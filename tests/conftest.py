@@ -55,6 +55,16 @@ def run_on_two_ranks(source: str, folder: Path, *args: str) -> str:
     return result.stdout
 
 
+@pytest.fixture(autouse=True)
+def hub_lookups_forgotten():
+    """Each test starts with no remembered hub lookup (`model_loading._remote_lookup_failure`, once a process for the
+    same hub settings): a test's unreachable hub would otherwise answer another test's load of the same name."""
+    yield
+    loading = sys.modules.get("training.core.model_loading")
+    if loading is not None:
+        loading._remote_lookup_failure.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def distributed():
     """A single-process DeepSpeed world (gloo on 127.0.0.1), shared by every test in the process."""

@@ -173,6 +173,24 @@ def test_other_hub_model_errors_are_said_without_upgrade_advice(hub_cache):
         assert words in message and "upgrade" not in message
 
 
+def test_a_hub_lookup_is_not_remembered_past_a_download_or_a_move(hub_cache, tmp_path, monkeypatch):
+    """A hub name's failed lookup was remembered for the process by its text alone: the model downloaded since, or
+    the name a folder from the working directory moved to, still said 'the hub cannot be reached'."""
+    name = "some-org/later"
+    with pytest.raises(UserError, match="the hub cannot be reached from here"):
+        load_config(name)
+    hub_cache.put(name, {"model_type": "gpt2"})
+    assert load_config(name).model_type == "gpt2"
+    other = "some-org/elsewhere"
+    with pytest.raises(UserError, match="the hub cannot be reached from here"):
+        load_config(other)
+    project = tmp_path / "project"
+    (project / other).mkdir(parents=True)
+    (project / other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    monkeypatch.chdir(project)
+    assert load_config(other).model_type == "gpt2"
+
+
 def test_dtype_rules_on_cpu():
     assert resolve_dtype("fp32") == torch.float32
     assert resolve_dtype("bf16") == torch.bfloat16

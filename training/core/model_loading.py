@@ -12,7 +12,8 @@ from typing import Any, Iterator, Sequence, TypeVar
 
 import torch
 import transformers
-from huggingface_hub import hf_hub_download
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import (
     AutoConfig,
@@ -214,18 +215,32 @@ def _not_fetched_error(what: str, name_or_path: str, unreachable: bool) -> UserE
     )
 
 
-@functools.cache
 def _hub_lookup_failure(path: str) -> LocalEntryNotFoundError | None:
-    """For a hub name (`path` not a folder), the error of fetching its config.json, looked up once a process, where the
-    hub cannot be reached and no copy is cached; None where it was fetched or found, or failed for another reason (a
-    name the hub does not know, a gated model: the loader says so). Each lookup of a file no cache holds waits out
-    huggingface_hub's retries (about 23 s) before it fails, and a loader made two (a model its adapter_config.json,
-    then its config.json; a tokenizer its config.json twice): an unreachable hub was said after 46 s, now after one
-    lookup, and at once for the name's next load."""
+    """For a hub name (`path` not a folder) whose config.json no cache holds, the error of fetching it, where the hub
+    cannot be reached; None where it was fetched or found, or failed for another reason (a name the hub does not know,
+    a gated model: the loader says so). Each lookup of a file no cache holds waits out huggingface_hub's retries
+    (about 23 s) before it fails, and a loader made two (a model its adapter_config.json, then its config.json; a
+    tokenizer its config.json twice): an unreachable hub is said after one lookup, and at once for the name's next
+    load with the same hub settings. The folder and the cache are looked at each time, so a relative path is judged
+    from the working directory of the call and a copy downloaded since is used."""
     if Path(path).is_dir():
         return None
     try:
-        hf_hub_download(path, "config.json")
+        if isinstance(try_to_load_from_cache(path, "config.json", cache_dir=hub_constants.HF_HUB_CACHE), str):
+            return None
+    except ValueError:  # not a valid hub name: the loader says so
+        return None
+    return _remote_lookup_failure(path, hub_constants.HF_HUB_CACHE, hub_constants.ENDPOINT,
+                                  hub_constants.is_offline_mode(), os.environ.get("HF_HUB_OFFLINE"))
+
+
+@functools.cache
+def _remote_lookup_failure(name: str, cache_dir: str, endpoint: str, offline: bool,
+                           offline_env: str | None) -> LocalEntryNotFoundError | None:
+    """`_hub_lookup_failure` for a hub name no cache holds, once a process for the hub settings its outcome depends
+    on: the cache folder, the endpoint, offline mode (huggingface_hub's, and the variable `_hub_unreachable` reads)."""
+    try:
+        hf_hub_download(name, "config.json", cache_dir=cache_dir, endpoint=endpoint)
     except LocalEntryNotFoundError as err:
         return err if _hub_unreachable(err) else None
     except (OSError, ValueError):
