@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -55,7 +56,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.sft_steps < 1:
         raise UserError(f"--sft_steps {args.sft_steps}: step 1 needs at least one optimizer step; pass 1 or more")
+    check_rows_per_step(args.rows_per_step, args.algorithms)
     return args
+
+
+def check_rows_per_step(rows: int, algorithms: list[str]) -> None:
+    """Refuse rows a PPO step of some algorithm cannot hold: its generation batch is whole prompts (rows over its
+    answers per prompt, rounded down), so below that count it would be 0 prompts and between multiples fewer rows
+    than the others get."""
+    from training.algorithms import get_rl_algorithm
+
+    answers = {algorithm: get_rl_algorithm(algorithm).n_samples_per_prompt for algorithm in algorithms}
+    unit = math.lcm(*answers.values())
+    if rows < unit or rows % unit:
+        per_prompt = ", ".join(f"{algorithm} {count}" for algorithm, count in answers.items())
+        raise UserError(f"--rows_per_step {rows}: a PPO step takes whole prompts' answers (per prompt: {per_prompt}), "
+                        f"so every algorithm gets these rows only at a multiple of {unit}; pass e.g. "
+                        f"{max(unit, rows - rows % unit)}")
 
 
 def task_source(args: argparse.Namespace) -> str:

@@ -259,3 +259,15 @@ def test_a_child_killed_by_a_signal_is_said_to_be_killed_not_to_have_printed_an_
         run_child(script, "killed_step", [], tmp_path / "result.json")
     assert child_failure(-signal.SIGTERM) == "was killed by SIGTERM"
     assert child_failure(-(signal.SIGRTMIN + 2)) == f"was killed by signal {signal.SIGRTMIN + 2}"  # a number unnamed
+
+
+@pytest.mark.parametrize("rows", [0, 2, 6])
+def test_the_algorithms_bench_refuses_rows_per_step_an_algorithm_cannot_take_whole(monkeypatch, rows):
+    """GRPO and RLOO answer each prompt 4 times: --rows_per_step 2 gave their runs --per_device_generation_batch_size
+    0, which step 3 refused (a flag the user never passed), and 6 gave them 4 rows a step beside PPO's 6."""
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    import algorithms
+
+    with pytest.raises(UserError, match=f"^--rows_per_step {rows}: .*grpo 4, rloo 4.* multiple of 4; pass e.g. 4$"):
+        algorithms.parse_args(["--rows_per_step", str(rows)])
+    assert algorithms.parse_args(["--rows_per_step", "3", "--algorithms", "ppo", "remax"]).rows_per_step == 3
