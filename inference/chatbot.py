@@ -41,13 +41,12 @@ from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter, resolve_prompt_format
 from utils.data.samples import SkipRow
-from utils.errors import UserError, run_cli
+from utils.errors import EXIT_BROKEN_PIPE, UserError, run_cli
 
 CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
 EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
-EXIT_BROKEN_PIPE = 141  # a shell's status for a process that SIGPIPE ended: its reader left
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:

@@ -20,6 +20,7 @@ from tiny_models import make_tiny_model_dir
 
 from training.reliability.signals import (
     EXIT_INTERRUPTED,
+    OUTPUT_UNREAD,
     GracefulInterrupt,
     OutputReaderWatch,
     resume_command,
@@ -154,6 +155,24 @@ def test_a_signal_in_the_middle_of_a_write_to_stderr_still_requests_the_stop(mon
     take_received_signal()
 
 
+@pytest.mark.parametrize("quiet", [False, True])
+def test_only_the_output_watchs_own_sigterm_is_taken_as_the_output_unread(capfd, quiet):
+    """The SIGTERM the output watch sends this process was said and noted as a SIGTERM someone sent ('received
+    SIGTERM'), which train.py took for one. It is noted as `OUTPUT_UNREAD` and said as such (not at all by train.py's
+    handler, `quiet_if_unread`); a SIGTERM that comes later is one."""
+    with GracefulInterrupt(program="train.py", quiet_if_unread=quiet) as stop:
+        GracefulInterrupt._output_reader_gone()  # what the watch calls once the reader has gone
+        assert stop.received == OUTPUT_UNREAD
+    assert take_received_signal() == OUTPUT_UNREAD
+    said = capfd.readouterr().err
+    unread = "train.py's output has no reader any more (the program it was piped into ended): stopping after this step"
+    assert (unread in said, "SIGTERM" in said) == (not quiet, False)
+    with GracefulInterrupt() as later:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert later.received == signal.SIGTERM
+    assert take_received_signal() == signal.SIGTERM
+
+
 def test_a_stop_request_an_enclosing_handler_took_stops_the_inner_one():
     """train.py's handler takes a stop request while a step it runs in this process starts up: the step's own
     handler, entered later, stops at its first step, rather than the step running to its end."""
@@ -209,7 +228,7 @@ def test_a_rank_whose_output_reader_has_gone_takes_it_as_a_stop_request_and_save
         while output.readline().strip() not in ("ready", ""):
             pass
     assert rank.wait(timeout=60) == EXIT_INTERRUPTED
-    assert saved.read_text() == "SIGTERM"
+    assert saved.read_text() == OUTPUT_UNREAD.name  # the watch's own SIGTERM is not taken as one someone sent
 
 
 STEP_WAITING_FOR_A_STOP = """
@@ -266,7 +285,7 @@ from training.reliability.signals import GracefulInterrupt
 def step_main(argv):
     exec(sys.argv[2], {"__name__": "step"})  # the step, which saves to sys.argv[1]
 
-with GracefulInterrupt(on_receipt="train.py ends before its next step"):
+with GracefulInterrupt(on_receipt="train.py ends before its next step", program="train.py", quiet_if_unread=True):
     try:
         run_in_process(step_main, [], Path(sys.argv[3]), "step 1")
         open(sys.argv[4], "w").write("ran to its end")
@@ -289,8 +308,10 @@ def test_a_step_train_py_runs_in_process_saves_when_the_console_goes(tmp_path):
         while output.readline().strip() not in ("ready", ""):
             pass
     assert parent.wait(timeout=60) == 0
-    assert (saved.read_text(), outcome.read_text()) == ("SIGTERM", "stopped")
-    assert "stopped on SIGTERM after step 1" in log.read_text()  # the tee's log still gets what the console missed
+    assert (saved.read_text(), outcome.read_text()) == (OUTPUT_UNREAD.name, "stopped")
+    # the tee's log still gets what the console missed, naming the cause as train.py's handler passed it on
+    unread = "train.py's output has no reader any more (the program it was piped into ended)"
+    assert f"stopped as {unread} after step 1" in log.read_text()
 
 
 def test_a_write_meeting_a_watched_pipe_without_its_reader_is_taken_as_its_leaving(monkeypatch):

@@ -27,7 +27,7 @@ from training.pipeline.steps import StepEntry
 from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, MARKER_FILE
 from training.reliability.run_records import ARGS_FILE, SUMMARY_FILE, save_run_args, save_summary
 from training.reliability.signals import EXIT_INTERRUPTED, record_signal, take_received_signal
-from utils.errors import UserError, run_cli
+from utils.errors import EXIT_BROKEN_PIPE, UserError, run_cli
 
 TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
 MODEL_FLAGS = {1: ["--model_name_or_path"], 2: ["--model_name_or_path"],
@@ -788,6 +788,90 @@ def test_a_stop_request_outside_a_step_ends_train_py_saying_how_to_go_on(tmp_pat
     assert done.returncode == EXIT_INTERRUPTED, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == f"train.py stopped on {signum}: {said}"
     assert "Traceback" not in done.stderr
+
+
+READER_LEAVING = """
+import sys, time
+from pathlib import Path
+import test_train_pipeline as t
+from training.pipeline import runner
+from training.reliability import signals
+
+where, model, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+planned, checked = runner.prepare_run, runner._check_output
+
+def until(taken):
+    print("ready", flush=True)  # the reader reads up to this line, then leaves
+    waited_until = time.monotonic() + 30
+    while not taken() and time.monotonic() < waited_until:
+        time.sleep(0.01)
+
+def reader_left_while_planning(*args):
+    prepared = planned(*args)
+    until(lambda: signals._received is not None)
+    return prepared
+
+def reader_left_after_step(step):
+    def check_output(config, checked_step):
+        checked(config, checked_step)
+        if checked_step == step:
+            until(lambda: signals._received is not None)
+    return check_output
+
+def step_stopped_by_the_reader(argv):  # a real step's loop: it stops at its next step and saves
+    with signals.GracefulInterrupt() as stop:
+        until(lambda: stop.requested)
+        stop.exit_for_resume(1, "checkpoints/step1")
+
+class ReaderLeavingInStep2(t.FakeSteps):
+    def main(self, step):
+        return step_stopped_by_the_reader if step == 2 else super().main(step)
+
+argv, fakes = t.common(out, model), t.FakeSteps(model)
+if where == "dry run":
+    runner.prepare_run, argv = reader_left_while_planning, argv + ["--dry-run"]
+elif where == "during step 2":
+    fakes = ReaderLeavingInStep2(model)
+else:
+    runner._check_output = reader_left_after_step(1 if where == "between steps" else 3)
+try:
+    t.run(argv, fakes)
+finally:
+    print("steps run:", [call[0] for call in fakes.calls], file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("where", "status", "steps_run"), [
+    ("dry run", EXIT_BROKEN_PIPE, []),
+    ("between steps", EXIT_BROKEN_PIPE, [1]),
+    ("after the last step", EXIT_BROKEN_PIPE, [1, 2, 3]),
+    ("during step 2", EXIT_INTERRUPTED, [1]),
+])
+def test_train_py_whose_output_reader_leaves_ends_as_sigpipe_would_unless_a_step_is_under_way(
+        tmp_path, tiny_model_dir, where, status, steps_run):
+    """`train.py --dry-run | head -1` exited 3 ('stopped after saving a checkpoint') and said 'received SIGTERM',
+    which nobody sent: the output watch's own SIGTERM was taken as a stop request. Where no step is under way train.py
+    now ends quietly with the shell's status for SIGPIPE; a step under way still stops and saves (status 3), and
+    train.py says why on stderr, its stdout going nowhere."""
+    env = {**step_env(), "PYTHONPATH": f"{REPO_ROOT / 'tests'}{os.pathsep}{step_env()['PYTHONPATH']}"}
+    errors = tmp_path / "stderr"
+    with errors.open("w") as stderr:
+        train_py = subprocess.Popen([sys.executable, "-c", READER_LEAVING, where, tiny_model_dir("llama"),
+                                     str(tmp_path)], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        with train_py.stdout as output:
+            next((line for line in output if line.strip() == "ready"), None)
+        status_got = train_py.wait(timeout=120)
+    said = errors.read_text()
+    assert status_got == status, said[-3000:]
+    assert f"steps run: {steps_run}" in said
+    assert "received SIGTERM" not in said and "Traceback" not in said
+    if status == EXIT_INTERRUPTED:
+        unread = "train.py's output has no reader any more (the program it was piped into ended)"
+        assert f"train.py stopped as {unread}: step 2 stopped before its first checkpoint" in said
+        assert f"stopped as {unread} after step 1" in (tmp_path / "out" / "logs" / "step2.log").read_text()
+    else:
+        assert "train.py stopped" not in said
+    assert (tmp_path / "out" / "summary.json").exists() == (where == "after the last step")
 
 
 def _write_tiny_data(path: Path) -> str:

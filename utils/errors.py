@@ -14,6 +14,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 EXIT_USER_ERROR = 2
+EXIT_BROKEN_PIPE = 141  # a shell's status for a process that SIGPIPE ended: the reader of its output left
 
 
 class UserError(Exception):

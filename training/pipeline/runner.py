@@ -15,6 +15,7 @@ import io
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +26,20 @@ from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
-from training.reliability.signals import EXIT_INTERRUPTED, GracefulInterrupt, take_received_signal
+from training.reliability.signals import (
+    EXIT_INTERRUPTED,
+    OUTPUT_UNREAD,
+    GracefulInterrupt,
+    stopped_by,
+    take_received_signal,
+)
 from training.reliability.validation import check_folder_path
 from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
 from utils.data.args import SOURCE_FLAGS
 from utils.data.sources import looks_local, parse_source_spec, source_fingerprint
 from utils.data.unsupervised import text_source_fingerprint
-from utils.errors import UserError
+from utils.errors import EXIT_BROKEN_PIPE, UserError
 
 from .config import DPO, PipelineConfig
 from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
@@ -592,9 +599,28 @@ def _planned(config: PipelineConfig, prepared: PreparedRun, step: int) -> str:
 
 
 def _stop(what: str, received: signal.Signals | None) -> NoReturn:
-    """End train.py as a step ends on a stop request: the message, then `EXIT_INTERRUPTED`."""
-    print(f"\ntrain.py stopped on {received.name if received else 'request'}: {what}", flush=True)
+    """End train.py as a step ends on a stop request: the message (on stderr where the request is the output's
+    reader gone: stdout goes nowhere), then `EXIT_INTERRUPTED`."""
+    print(f"\ntrain.py stopped {stopped_by(received, 'train.py')}: {what}", flush=True,
+          file=sys.stderr if received == OUTPUT_UNREAD else sys.stdout)
     raise SystemExit(EXIT_INTERRUPTED)
+
+
+def _stop_if_requested(what: str) -> None:
+    """End train.py here, where no step is under way, on a stop request taken since the last look: as `_stop`
+    does, but quietly with the shell's SIGPIPE status where it is the output's reader gone (no step was cut)."""
+    received = take_received_signal()
+    if received == OUTPUT_UNREAD:
+        raise SystemExit(EXIT_BROKEN_PIPE)
+    if received is not None:
+        _stop(what, received)
+
+
+def _end_if_output_unread() -> None:
+    """train.py past its last step or its dry run's plan: its output's reader gone meanwhile ends it with the
+    shell's SIGPIPE status (what it printed was cut off); a signal there is nothing to stop."""
+    if take_received_signal() == OUTPUT_UNREAD:
+        raise SystemExit(EXIT_BROKEN_PIPE)
 
 
 def run_pipeline(
@@ -610,8 +636,10 @@ def run_pipeline(
 
     take_received_signal()  # a stop request before this run is not one for it
     with GracefulInterrupt(on_receipt="train.py ends before its next step (a step under way stops at its next "
-                                      "checkpoint)"):
-        return _planned_and_run(config, entry, hardware or detect_hardware())
+                                      "checkpoint)", program="train.py", quiet_if_unread=True):
+        report = _planned_and_run(config, entry, hardware or detect_hardware())
+        _end_if_output_unread()
+    return report
 
 
 def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> dict:
@@ -626,9 +654,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
         print("  (master ports free now; each step takes one free when it starts, printed at its launch)")
     for step in config.steps:
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
-    received = take_received_signal()
-    if received is not None:
-        _stop("stopped while planning, before any step started; to go on, run the same train.py command", received)
+    _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
             print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
@@ -641,10 +667,9 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
             results.append(_step_result(config, prepared, step, entry))
         except StepStopped:
             _stop(_stopped_mid_step(config, step), take_received_signal())
-        received = take_received_signal()
-        if received is not None and step != config.steps[-1]:
-            _stop(f"step {step} finished and the next did not start; to go on, run the same train.py command "
-                  f"(finished steps are skipped)", received)
+        if step != config.steps[-1]:
+            _stop_if_requested(f"step {step} finished and the next did not start; to go on, run the same train.py "
+                               f"command (finished steps are skipped)")
     total = time.perf_counter() - started
     print("\n" + summary_table(results, total), flush=True)
     report = {

@@ -11,9 +11,10 @@ finished run: stopping there would lose what the export writes, and with `--save
 train.py runs steps one after another: a stop request during a step also ends train.py before the next step
 (`take_received_signal`), in this process or, through the launcher, in the step's processes.
 
-Output whose reader has gone (train.py, which reads the ranks' output, killed) is a stop request too, as a SIGTERM:
-the rank writes to /dev/null from then on (its next write to the pipe would raise BrokenPipeError, ending it before
-its save), saves at the next step and exits with `EXIT_INTERRUPTED` (`OutputReaderWatch`).
+Output whose reader has gone (train.py, which reads the ranks' output, killed) is a stop request too, sent as a
+SIGTERM and noted as `OUTPUT_UNREAD`: the rank writes to /dev/null from then on (its next write to the pipe would
+raise BrokenPipeError, ending it before its save), saves at the next step and exits with `EXIT_INTERRUPTED`
+(`OutputReaderWatch`). train.py, where no step is under way, ends with the shell's status for it instead.
 
 Only a second SIGINT aborts, not a SIGTERM after a SIGINT: Ctrl-C under the `deepspeed` launcher
 reaches each rank twice (SIGINT from the terminal, then SIGTERM from the launcher). That launcher
@@ -38,14 +39,41 @@ from utils.dist import any_rank, get_world_size, print_rank0
 EXIT_INTERRUPTED = 3
 """Exit status of a run stopped on request after saving its checkpoint (0: finished, 2: user error)."""
 
+OUTPUT_UNREAD = signal.SIGPIPE
+"""The stop request noted where this process's output has no reader any more (the program it was piped into
+ended): the output watch sends this process a SIGTERM, which the handler in place takes as this, not as a SIGTERM
+someone sent."""
+
 _received: signal.Signals | None = None  # the first stop request this process took since `take_received_signal`
+_unread_output_signalled = False  # the output watch sent this process the SIGTERM no handler has taken yet
 
 
-def record_signal(signum: int) -> None:
-    """Note a stop request for whoever runs several steps in this process (train.py stops before the next)."""
-    global _received
+def record_signal(signum: int) -> signal.Signals:
+    """Note a stop request for whoever runs several steps in this process (train.py stops before the next), and
+    return it: `OUTPUT_UNREAD` for the SIGTERM the output watch sent, else the signal."""
+    global _received, _unread_output_signalled
+    request = signal.Signals(signum)
+    if request == signal.SIGTERM and _unread_output_signalled:
+        request, _unread_output_signalled = OUTPUT_UNREAD, False
     if _received is None:
-        _received = signal.Signals(signum)
+        _received = request
+    return request
+
+
+def stop_cause(request: signal.Signals, program: str = "this process") -> str:
+    """What made `request`, as a message says it: 'received SIGTERM', or `program`'s output without a reader."""
+    if request == OUTPUT_UNREAD:
+        return f"{program}'s output has no reader any more (the program it was piped into ended)"
+    return f"received {request.name}"
+
+
+def stopped_by(request: signal.Signals | None, program: str = "this process") -> str:
+    """How `program` stopped, after 'stopped': 'on SIGTERM', 'as its output has no reader ...'; None: 'on request'."""
+    if request is None:
+        return "on request"
+    if request == OUTPUT_UNREAD:
+        return f"as {stop_cause(request, program)}"
+    return f"on {request.name}"
 
 
 def take_received_signal() -> signal.Signals | None:
@@ -267,21 +295,28 @@ def _write_to_devnull(fd: int) -> None:
 
 
 class GracefulInterrupt:
-    """Context manager that turns SIGINT/SIGTERM into a stop request at the next step boundary."""
+    """Context manager that turns SIGINT/SIGTERM, and this process's output left without a reader, into a stop
+    request at the next step boundary. `program` names this process in what it says of its output (train.py's);
+    `quiet_if_unread`: say nothing on taking that one (train.py, which then ends as SIGPIPE would end it, or says so
+    as it stops a step)."""
 
     def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM),
-                 on_receipt: str = "stopping after this step and saving a checkpoint"):
+                 on_receipt: str = "stopping after this step and saving a checkpoint", program: str = "this process",
+                 quiet_if_unread: bool = False):
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
         self._handling = contextlib.ExitStack()
         self._on_receipt = on_receipt
+        self._program = program
+        self._quiet_if_unread = quiet_if_unread
 
     def __enter__(self) -> "GracefulInterrupt":
         """Handle the signals from here on; a stop request that an enclosing one took (train.py's, while a step it
-        runs in this process started up) is this one's too."""
+        runs in this process started up) is this one's too, and so is the name of the program whose output it is."""
         enclosing = getattr(signal.getsignal(self.signals[0]), "__self__", None)
         if isinstance(enclosing, GracefulInterrupt):
             self.received = enclosing.received
+            self._program = enclosing._program
         self._handling.enter_context(handling_signals(self.signals, self._handle))
         if threading.current_thread() is threading.main_thread() and signal.SIGTERM in self.signals:  # handled
             self._handling.enter_context(OutputReaderWatch(self._output_reader_gone))
@@ -291,19 +326,22 @@ class GracefulInterrupt:
         self._handling.close()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        signum = signal.Signals(signum)
-        record_signal(signum)
-        if self.received is not None and signum == signal.SIGINT:
+        request = record_signal(signum)
+        if self.received is not None and request == signal.SIGINT:
             raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
         if self.received is None:
-            self.received = signum
-            say_from_handler(f"\nreceived {signum.name}: {self._on_receipt} (press Ctrl-C again to abort at once)\n")
+            self.received = request
+            if not (request == OUTPUT_UNREAD and self._quiet_if_unread):
+                say_from_handler(f"\n{stop_cause(request, self._program)}: {self._on_receipt} (press Ctrl-C again to "
+                                 f"abort at once)\n")
 
     @staticmethod
     def _output_reader_gone() -> None:
         """No process reads this one's output any more (train.py killed, or the program train.py's output was piped
-        into): a SIGTERM to this process, which whatever handler is in place takes as a stop request (train.py's
-        passes it on to a step it launched)."""
+        into): a SIGTERM to this process, which whatever handler is in place takes as the stop request
+        `OUTPUT_UNREAD` (train.py's passes it on to a step it launched as a SIGTERM)."""
+        global _unread_output_signalled
+        _unread_output_signalled = True
         os.kill(os.getpid(), signal.SIGTERM)
 
     def finishing(self, task: str) -> None:
@@ -322,13 +360,13 @@ class GracefulInterrupt:
 
     def exit_for_resume(self, step: int, checkpoint: os.PathLike | str, argv: Sequence[str] | None = None) -> NoReturn:
         """Print where the checkpoint is and how to continue, then exit with `EXIT_INTERRUPTED` (every rank)."""
-        reason = self.received.name if self.received is not None else "a signal on another rank"
+        reason = "on a signal on another rank" if self.received is None else stopped_by(self.received, self._program)
         command = resume_command(argv)
         if _launched_by_launcher():
             hint = f"run the same launcher command with --resume added (this rank ran: {command})"
         else:
             hint = command
-        print_rank0(f"stopped on {reason} after step {step}; checkpoint saved to {checkpoint}\n"
+        print_rank0(f"stopped {reason} after step {step}; checkpoint saved to {checkpoint}\n"
                     f"to continue: {hint}")
         sys.stdout.flush()
         raise SystemExit(EXIT_INTERRUPTED)
