@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from tiny_models import make_scripted_llama, make_tiny_model, make_tokenizer
+from tiny_models import make_scripted_llama, make_tiny_model, make_tokenizer, save_model_also_stopping_at_endoftext
 
 from inference.chatbot import (
     ChatSession,
@@ -442,15 +442,7 @@ def test_an_answer_ends_at_every_id_the_models_generation_config_stops_at(tmp_pa
     """Qwen2.5-Instruct's generation_config.json stops at <|endoftext|> beside its tokenizer's <|im_end|> EOS
     (Llama-3.1-Instruct's at <|eom_id|> too), as transformers' generate does: the chat stopped at the formatter's
     ids alone and went on past that token (hidden, as special) with whatever the model wrote next."""
-    tokenizer = make_tokenizer(with_pad=True)
-    folder = tmp_path / "instruct"
-    make_scripted_llama(tokenizer, {"Ċ": "H", "H": "<|endoftext|>", "<|endoftext|>": "u", "u": "u"}).save_pretrained(
-        folder)
-    tokenizer.save_pretrained(folder)
-    ids = tokenizer.convert_tokens_to_ids
-    config_file = folder / "generation_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
-                                       "eos_token_id": [ids("<|im_end|>"), ids("<|endoftext|>")]}))
+    folder = save_model_also_stopping_at_endoftext(tmp_path / "instruct")
     argv = ["--path", str(folder), "--greedy", "--repetition_penalty", "1.0", "--max_new_tokens", "5"]
     assert chat([*argv, "--prompt", "hello"]) == ["H"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from supervised_data import build_phase_datasets, write_arithmetic_jsonl
-from tiny_models import make_scripted_llama, make_tiny_model, make_tokenizer
+from tiny_models import make_tiny_model, make_tokenizer, save_model_also_stopping_at_endoftext
 from transformers import AutoModelForCausalLM, set_seed
 
 from step1_sft import prompt_eval
@@ -150,15 +150,7 @@ def test_prompt_eval_answers_end_at_every_id_the_models_generation_config_stops_
     """Qwen2.5-Instruct's generation_config.json stops at <|endoftext|> beside its tokenizer's <|im_end|> EOS
     (Llama-3.1-Instruct's at <|eom_id|> too), where transformers' generate and the chatbot stop: prompt_eval stopped
     at the formatter's ids alone and went on past that token (hidden, as special): 'Huuu' for the chatbot's 'H'."""
-    tokenizer = make_tokenizer(with_pad=True)
-    folder = tmp_path / "instruct"
-    make_scripted_llama(tokenizer, {"Ċ": "H", "H": "<|endoftext|>", "<|endoftext|>": "u", "u": "u"}).save_pretrained(
-        folder)
-    tokenizer.save_pretrained(folder)
-    ids = tokenizer.convert_tokens_to_ids
-    config_file = folder / "generation_config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
-                                       "eos_token_id": [ids("<|im_end|>"), ids("<|endoftext|>")]}))
+    folder = save_model_also_stopping_at_endoftext(tmp_path / "instruct")
     rows = prompt_eval.main(["--model_name_or_path_baseline", str(folder), "--model_name_or_path_finetune",
                              str(folder), "--prompts", "hello", "--max_new_tokens", "5", "--dtype", "fp32"])
     assert rows == [{"prompt": "hello", "baseline": "H", "finetune": "H"}]

@@ -5,6 +5,7 @@ tokenizer) that every loader in the project accepts as `--actor_model_name_or_pa
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -182,3 +183,19 @@ def make_scripted_llama(tokenizer, successors: dict[str, str]):
         model.model.embed_tokens.weight[:, :vocab] = torch.eye(vocab)
         model.lm_head.weight[next_token, torch.arange(vocab)] = 1.0
     return model.eval()
+
+
+def save_model_also_stopping_at_endoftext(folder: Path) -> Path:
+    """A scripted model saved in `folder` that answers 'H', then '<|endoftext|>', then 'u' for ever, and whose
+    generation_config.json stops at '<|endoftext|>' beside its tokenizer's EOS, as Qwen2.5-Instruct's stops at
+    <|endoftext|> beside <|im_end|> (Llama-3.1-Instruct's at <|eom_id|> too): an answer that ends where the model's
+    config says reads 'H'."""
+    tokenizer = make_tokenizer(with_pad=True)
+    make_scripted_llama(tokenizer, {"Ċ": "H", "H": "<|endoftext|>", "<|endoftext|>": "u", "u": "u"}).save_pretrained(
+        folder)
+    tokenizer.save_pretrained(folder)
+    ids = tokenizer.convert_tokens_to_ids
+    config_file = folder / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "eos_token_id": [ids("<|im_end|>"), ids("<|endoftext|>")]}))
+    return folder
