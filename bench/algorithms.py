@@ -23,6 +23,7 @@ from pathlib import Path
 
 from common import REPO_ROOT, child_main, print_table, run_child, write_report
 
+from training.loops.metrics import read_metrics
 from utils.errors import UserError, run_cli
 
 SCRIPT = Path(__file__)
@@ -121,7 +122,7 @@ def step3_flags(args: argparse.Namespace, algorithm: str, actor: Path, out: Path
 
 
 def seconds_per_step(run_dir: Path) -> float:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     steps = [sum(row[key] for key in PHASES) for row in rows if all(key in row for key in PHASES)]
     return statistics.median(steps) if steps else float("nan")
 

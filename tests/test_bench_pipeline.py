@@ -271,3 +271,14 @@ def test_the_algorithms_bench_refuses_rows_per_step_an_algorithm_cannot_take_who
     with pytest.raises(UserError, match=f"^--rows_per_step {rows}: .*grpo 4, rloo 4.* multiple of 4; pass e.g. 4$"):
         algorithms.parse_args(["--rows_per_step", str(rows)])
     assert algorithms.parse_args(["--rows_per_step", "3", "--algorithms", "ppo", "remax"]).rows_per_step == 3
+
+
+def test_the_algorithms_benchs_step_time_skips_a_metrics_line_cut_short(tmp_path, monkeypatch):
+    """seconds_per_step parsed metrics.jsonl itself, so a line cut short (a run stopped while appending it) raised
+    a JSONDecodeError where every other reader of the file (read_metrics) drops it."""
+    monkeypatch.syspath_prepend(str(Path(pipeline.__file__).parent))
+    import algorithms
+
+    steps = [{"step": step, **{phase: float(step) for phase in algorithms.PHASES}} for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps) + '{"step": 4, "ti')
+    assert algorithms.seconds_per_step(tmp_path) == 6.0
