@@ -107,6 +107,34 @@ def test_first_signal_requests_a_stop_and_a_second_sigint_aborts():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_watch_that_cannot_start_leaves_the_handlers_and_streams_as_they_were(monkeypatch):
+    """A thread that cannot start (none left) raised out of GracefulInterrupt's entry with its signal handlers
+    installed and, in the watch, sys.stdout guarded and the wake-up pipe open: none was ever put back."""
+    import training.reliability.signals as signals
+
+    def no_thread_left(self):
+        raise RuntimeError("can't start new thread")
+
+    read_end, write_end = os.pipe()
+    stdout, before = sys.stdout, signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(threading.Thread, "start", no_thread_left)
+    try:
+        with open(write_end, "w", closefd=False) as piped:
+            monkeypatch.setattr(sys, "stdout", piped)
+            open_fds = len(os.listdir("/proc/self/fd"))
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                OutputReaderWatch(lambda: None, fds=(write_end,)).__enter__()
+            assert sys.stdout is piped and len(os.listdir("/proc/self/fd")) == open_fds
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(signals.OutputReaderWatch, "__enter__", no_thread_left)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        GracefulInterrupt().__enter__()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_signal_with_stderr_closed_still_requests_the_stop(monkeypatch):
     """train.py, which reads the ranks' output, killed: the handler's message meets a closed pipe."""
     read_end, write_end = os.pipe()

@@ -169,7 +169,11 @@ class OutputReaderWatch:
         self._watching = True
         if self._pipes:
             self._guard_std_streams()
-            self._thread.start()
+            try:
+                self._thread.start()
+            except BaseException:  # no thread left to start: the streams and the wake-up pipe go back as they were
+                self.__exit__()
+                raise
 
     def __exit__(self, *exc_info) -> None:
         os.write(self._wake_write, b"x")
@@ -317,9 +321,11 @@ class GracefulInterrupt:
         if isinstance(enclosing, GracefulInterrupt):
             self.received = enclosing.received
             self._program = enclosing._program
-        self._handling.enter_context(handling_signals(self.signals, self._handle))
-        if threading.current_thread() is threading.main_thread() and signal.SIGTERM in self.signals:  # handled
-            self._handling.enter_context(OutputReaderWatch(self._output_reader_gone))
+        with self._handling:  # closed only where the watch does not start: the handlers go back as they were
+            self._handling.enter_context(handling_signals(self.signals, self._handle))
+            if threading.current_thread() is threading.main_thread() and signal.SIGTERM in self.signals:  # handled
+                self._handling.enter_context(OutputReaderWatch(self._output_reader_gone))
+            self._handling = self._handling.pop_all()
         return self
 
     def __exit__(self, *exc_info) -> None:
