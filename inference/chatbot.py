@@ -11,7 +11,6 @@ Each turn's prompt is rendered by the `PromptFormatter` training used, in the fo
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TextIO
@@ -39,6 +38,7 @@ from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
+from training.reliability.signals import write_to_devnull
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter, resolve_prompt_format
 from utils.data.samples import SkipRow
 from utils.errors import EXIT_BROKEN_PIPE, UserError, run_cli
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
 def _silence_stdout() -> None:
     """Standard output to /dev/null, whose reader left: Python's flush of it at exit would raise again."""
     with contextlib.suppress(OSError, ValueError):  # a stand-in stream (a test's) has no file descriptor
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        write_to_devnull(sys.stdout.fileno())
 
 
 if __name__ == "__main__":

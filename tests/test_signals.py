@@ -232,11 +232,11 @@ with GracefulInterrupt() as stop:
 LATE_REDIRECT = """
 import time
 import training.reliability.signals as signals
-redirect = signals._write_to_devnull
+redirect = signals.write_to_devnull
 def late_redirect(fd):
     time.sleep(0.5)  # the watch's thread, woken, waits its turn while the rank writes on
     redirect(fd)
-signals._write_to_devnull = late_redirect
+signals.write_to_devnull = late_redirect
 """
 
 

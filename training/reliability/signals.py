@@ -195,7 +195,7 @@ class OutputReaderWatch:
                 return True
             if not _without_reader(fd):
                 return False
-            _write_to_devnull(fd)
+            write_to_devnull(fd)
             first, self._gone_said = not self._gone_said, True
         if first:
             self._on_gone()
@@ -290,7 +290,8 @@ def _writes_to_devnull(fd: int) -> bool:
         return False
 
 
-def _write_to_devnull(fd: int) -> None:
+def write_to_devnull(fd: int) -> None:
+    """`fd` writes to /dev/null from now on: its reader has left, and a write there would raise BrokenPipeError."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, fd)
