@@ -91,6 +91,18 @@ def test_actor_loss_gradient_is_zero_where_clipped():
     torch.testing.assert_close(logprobs.grad[0, 1], torch.tensor(-0.9 / 2))
 
 
+@pytest.mark.parametrize("advantage, masked", [(1.0, False), (0.0, False), (-1.0, False), (1.0, True)])
+def test_a_log_ratio_past_fp32s_exp_range_keeps_the_actor_loss_and_its_gradient_finite(advantage, masked):
+    logprobs = torch.tensor([[0.0, 100.0]], requires_grad=True)  # exp(100) overflows fp32
+    mask = torch.tensor([[1.0, 0.0 if masked else 1.0]])
+    out = actor_loss(logprobs, torch.zeros(1, 2), torch.tensor([[1.0, advantage]]), mask, cliprange=0.2)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(out.approx_kl) and torch.isfinite(logprobs.grad).all()
+    torch.testing.assert_close(logprobs.grad[0, 0], torch.tensor(-1.0 if masked else -0.5))
+    if advantage > 0 and not masked:
+        torch.testing.assert_close(out.loss, torch.tensor((-1.0 - 1.2) / 2))  # the clipped term, as without overflow
+
+
 def test_critic_loss_by_hand():
     values = torch.tensor([[1.0, 0.0, 100.0]])
     old_values = torch.tensor([[0.5, 0.1, 0.0]])

@@ -31,6 +31,11 @@ ValueLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 VALUE_LOSSES: Registry[ValueLossFn] = Registry("value loss")
+# |log r| bound before r = exp(log r): exp(log r) overflows fp32 past 88, and an infinite ratio gives a NaN gradient
+# even where the clip picks the finite term (0 * inf in exp's backward), a NaN loss at a zero advantage, and a NaN
+# gradient from a masked-out token; exp(20) is finite, and past it a token is clipped already (or, with A < 0,
+# outweighs the rest of the batch anyway)
+LOG_RATIO_MAX = 20.0
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -59,9 +64,10 @@ def actor_loss(
     """PPO clipped surrogate: mean over masked tokens of max(-A * r, -A * clip(r, 1-eps, 1+eps)), r = exp(logp - old_logp).
 
     All inputs [B, T]. `clip_fraction` is the share of tokens where the clipped term won;
-    `approx_kl` is the mean of (r - 1) - log r (Schulman's k3 estimator of KL(old || new)).
+    `approx_kl` is the mean of (r - 1) - log r (Schulman's k3 estimator of KL(old || new)). log r is clamped to
+    +-`LOG_RATIO_MAX` (no gradient past it) so that r, the loss and its gradient stay finite.
     """
-    log_ratio = logprobs.float() - old_logprobs.float()
+    log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
