@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from supervised_data import write_arithmetic_jsonl
-from tiny_models import make_tiny_model_dir
+from tiny_models import make_custom_code_model_dir, make_tiny_model_dir
 
 from step1_sft.main import main as step1_main
 from step2_reward.main import main as step2_main
@@ -147,11 +147,9 @@ def test_no_disk_space(distributed, setup, capsys, monkeypatch):
 
 
 def test_model_with_its_own_code_needs_trust_remote_code(distributed, setup, capsys):
-    config_file = Path(setup.model) / "config.json"
-    config = json.loads(config_file.read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
-    config_file.write_text(json.dumps(config))
-    assert_refused_and_untouched(step1_main, step_args(setup), "runs only with --trust_remote_code", setup.run, capsys)
+    model = make_custom_code_model_dir(setup.tmp / "custom")
+    assert_refused_and_untouched(step1_main, step_args(setup, model_name_or_path=model),
+                                 "runs only with --trust_remote_code", setup.run, capsys)
 
 
 class _RunsCode:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import REPO_ROOT
-from tiny_models import ARCHITECTURES, make_tokenizer
+from tiny_models import ARCHITECTURES, make_custom_code_model_dir, make_tokenizer
 from transformers import AutoModelForCausalLM
 
 from training.core.engine import OptimizationSettings, create_train_engine
@@ -154,9 +154,20 @@ def test_a_hub_model_with_its_own_code_says_trust_remote_code(hub_cache):
     for load in (load_config, load_causal_lm):
         with pytest.raises(UserError) as raised:
             load("some-org/custom")
-        assert str(raised.value) == ("the model of 'some-org/custom' ships its own code (auto_map in its config.json), "
+        assert str(raised.value) == ("'some-org/custom' ships its own model code (auto_map in its config.json), "
                                      "which runs only with --trust_remote_code; add that flag if you trust the code, "
                                      "or choose another model")
+
+
+def test_a_local_model_with_its_own_code_says_trust_remote_code(tmp_path):
+    """A local folder whose model ships its own code was refused in transformers' first line alone ("contains custom
+    code which must be executed"), which names no flag of this project; with --trust_remote_code its code loads it."""
+    model = make_custom_code_model_dir(tmp_path / "custom")
+    for load in (load_config, load_causal_lm):
+        with pytest.raises(UserError, match=r"^'.*custom' ships its own model code \(auto_map in its config.json\), "
+                                            "which runs only with --trust_remote_code"):
+            load(model)
+    assert type(load_causal_lm(model, trust_remote_code=True)).__name__ == "CustomForCausalLM"
 
 
 def test_other_hub_model_errors_are_said_without_upgrade_advice(hub_cache):

@@ -3,12 +3,14 @@ Also the non-finite guard, which stops a run with the step and the checkpoint to
 import json
 import math
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import make_config
+from tiny_models import make_config, make_custom_code_model_dir
 
+from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.reliability.checkpointing import MARKER_FILE, CheckpointManager
 from training.reliability.guards import NonFiniteError, check_finite
 from training.reliability.validation import (
@@ -110,16 +112,27 @@ def test_model_source(tiny_model_dir, tmp_path, monkeypatch):
         check_model_source("nobody/no-such-model", flag="--actor_model_name_or_path")
 
 
-def test_remote_code_needs_the_flag(tiny_model_dir):
-    model = tiny_model_dir("llama")
-    check_remote_code(model, trust_remote_code=False)
-    config_file = f"{model}/config.json"
-    config = json.load(open(config_file))
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
-    json.dump(config, open(config_file, "w"))
-    with pytest.raises(UserError, match="ships its own model code .* runs only with --trust_remote_code"):
+def test_remote_code_needs_the_flag(tiny_model_dir, tmp_path):
+    check_remote_code(tiny_model_dir("llama"), trust_remote_code=False)
+    model = make_custom_code_model_dir(tmp_path / "custom")
+    with pytest.raises(UserError, match="--model_name_or_path .*custom ships its own model code .* runs only with "
+                                        "--trust_remote_code"):
         check_remote_code(model, trust_remote_code=False)
     check_remote_code(model, trust_remote_code=True)
+
+
+def test_a_model_type_transformers_knows_needs_no_flag_for_its_auto_map(tiny_model_dir):
+    """A checkpoint of a type transformers has since taken in keeps the auto_map of the code it shipped before
+    (microsoft/Phi-3-mini-4k-instruct: model_type phi3, auto_map to its modeling_phi3.py); transformers loads it
+    with its own code without trust_remote_code, and a local copy of it was refused as needing the flag."""
+    model = tiny_model_dir("llama")
+    config_file = Path(model) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_llama.LlamaConfig",
+                          "AutoModelForCausalLM": "modeling_llama.LlamaForCausalLM"}
+    config_file.write_text(json.dumps(config))
+    check_remote_code(model, trust_remote_code=False)
+    assert type(load_causal_lm(model, load_tokenizer(model))).__name__ == "LlamaForCausalLM"
 
 
 def test_reward_model_folder_needs_a_value_head(tiny_model_dir, tmp_path):

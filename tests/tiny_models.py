@@ -199,3 +199,41 @@ def save_model_also_stopping_at_endoftext(folder: Path) -> Path:
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
                                        "eos_token_id": [ids("<|im_end|>"), ids("<|endoftext|>")]}))
     return folder
+
+
+CUSTOM_MODEL_TYPE = "custom_llama"  # a model type transformers does not know: only the folder's own code loads it
+_CUSTOM_CONFIG_CODE = f"""from transformers import LlamaConfig
+
+
+class CustomConfig(LlamaConfig):
+    model_type = {CUSTOM_MODEL_TYPE!r}
+"""
+_CUSTOM_MODELING_CODE = """from transformers import LlamaForCausalLM, LlamaModel
+
+from .configuration_custom import CustomConfig
+
+
+class CustomModel(LlamaModel):
+    config_class = CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+"""
+
+
+def make_custom_code_model_dir(path: str | os.PathLike, **kwargs) -> str:
+    """`make_tiny_model_dir`'s Llama as a hub model with custom code ships it: its own configuration and modeling
+    modules in the folder, named by config.json's `auto_map`, under a model type transformers does not know, so it
+    loads only with trust_remote_code."""
+    folder = Path(make_tiny_model_dir(path, "llama", **kwargs))
+    (folder / "configuration_custom.py").write_text(_CUSTOM_CONFIG_CODE)
+    (folder / "modeling_custom.py").write_text(_CUSTOM_MODELING_CODE)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(model_type=CUSTOM_MODEL_TYPE, architectures=["CustomForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_custom.CustomConfig",
+                            "AutoModel": "modeling_custom.CustomModel",
+                            "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"})
+    config_file.write_text(json.dumps(config))
+    return str(folder)

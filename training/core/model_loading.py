@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from training.core.embedded_model import (
     EMBEDDED_MODEL_NAME,
@@ -34,9 +35,8 @@ from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# transformers' words for a model type it does not know, and for a model whose own code it was not allowed to run
+# transformers' words for a model type it does not know
 _UNKNOWN_MODEL_TYPE = "does not recognize this architecture"
-_REMOTE_CODE_ASKED = "trust_remote_code"
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
@@ -47,6 +47,8 @@ __all__ = [
     "resolve_trained_dtype",
     "TRAINED_DTYPE_HELP",
     "resolve_trained_model",
+    "asks_for_own_code",
+    "own_code_error",
     "load_tokenizer",
     "load_config",
     "load_causal_lm",
@@ -159,36 +161,74 @@ def resolve_trained_dtype(name: str | None, model_path: str) -> torch.dtype:
     return saved if saved in (torch.float32, best) or (saved == torch.float16 and on_gpu) else best
 
 
-def _hub_call(what: str, name_or_path: str, load: Callable[[], T]) -> T:
-    """Run a from_pretrained call, turning 'not found' and 'offline' into one clear message; a hub name's hub is
-    reached once first (`_hub_lookup_failure`)."""
+def _hub_call(what: str, name_or_path: str, load: Callable[[], T], trust_remote_code: bool) -> T:
+    """Run a from_pretrained call, turning 'not found' and 'offline' into one clear message, and a model whose own
+    code it was not allowed to run into the flag that allows it; a hub name's hub is reached once first
+    (`_hub_lookup_failure`)."""
     failure = _hub_lookup_failure(resolve_model_path(name_or_path))
     if failure is not None:
         raise _not_fetched_error(what, name_or_path, unreachable=True) from failure
     try:
         return load()
+    except ValueError as err:
+        if not trust_remote_code and asks_for_own_code(name_or_path):
+            raise own_code_error(name_or_path) from err
+        raise _load_error(what, name_or_path, err) from err
     except pickle.UnpicklingError as err:  # a .bin file that torch.load(weights_only=True) refuses
         raise UserError(
             f"the {what} files in {name_or_path} hold pickled objects that a safe load refuses (they could run "
             "code); use a model saved as safetensors, or convert it with a tool you trust"
         ) from err
-    except (OSError, ValueError) as err:
-        local = Path(name_or_path).expanduser()
-        if local.is_dir():
-            raise _local_folder_error(what, name_or_path, err) from err
-        if isinstance(err, ValueError):
-            raise _not_loadable_error(what, name_or_path, err) from err
-        raise _not_fetched_error(what, name_or_path, _hub_unreachable(err)) from err
+    except OSError as err:
+        raise _load_error(what, name_or_path, err) from err
+
+
+def _load_error(what: str, name_or_path: str, err: OSError | ValueError) -> UserError:
+    """Why the `what` of a local folder, or of a hub name, did not load."""
+    if Path(name_or_path).expanduser().is_dir():
+        return _local_folder_error(what, name_or_path, err)
+    if isinstance(err, ValueError):
+        return _not_loadable_error(what, name_or_path, err)
+    return _not_fetched_error(what, name_or_path, _hub_unreachable(err))
+
+
+def asks_for_own_code(name_or_path: str) -> bool:
+    """Whether the model loads only by running code it ships: its config.json (in its folder, or in the hub cache for
+    a hub name) maps transformers' auto classes to its own (`auto_map`) and names a model type transformers has no
+    causal LM of. A type transformers knows loads with its code without the model's (Phi-3's checkpoints keep the
+    auto_map of the code they shipped before transformers had it)."""
+    config = _config_json(resolve_model_path(name_or_path))
+    return bool(config.get("auto_map")) and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def own_code_error(name_or_path: str, flag: str | None = None) -> UserError:
+    """The error for a model `asks_for_own_code` of, loaded without --trust_remote_code; `flag` names the setting."""
+    given = f"{flag} {name_or_path}" if flag else f"'{name_or_path}'"
+    return UserError(f"{given} ships its own model code (auto_map in its config.json), which runs only with "
+                     "--trust_remote_code; add that flag if you trust the code, or choose another model")
+
+
+def _config_json(path: str) -> dict:
+    """The config.json of a local folder, or of a hub name where the hub cache holds it ({} where neither does)."""
+    from training.reliability.run_records import read_record  # it builds on this module
+
+    folder = Path(path)
+    if not folder.is_dir():
+        try:
+            cached = try_to_load_from_cache(path, "config.json", cache_dir=hub_constants.HF_HUB_CACHE)
+        except ValueError:  # not a valid hub name
+            return {}
+        if not isinstance(cached, str):
+            return {}
+        folder = Path(cached).parent
+    return read_record(folder, "config.json") or {}
 
 
 def _not_loadable_error(what: str, name_or_path: str, err: ValueError) -> UserError:
     """Why a hub model's `what` that was fetched did not load, and what to do where that is known: it came as a
-    traceback. Only a model type this transformers does not know is fixed by upgrading it; a model that ships its own
-    code by --trust_remote_code; anything else is said in transformers' words alone."""
+    traceback. Only a model type this transformers does not know is fixed by upgrading it; anything else is said in
+    transformers' words alone."""
     reason = " ".join(str(err).split()) or type(err).__name__
-    if _REMOTE_CODE_ASKED in reason:
-        return UserError(f"the {what} of '{name_or_path}' ships its own code (auto_map in its config.json), which runs "
-                         "only with --trust_remote_code; add that flag if you trust the code, or choose another model")
     advice = ""
     if _UNKNOWN_MODEL_TYPE in reason:
         advice = (" -- a model newer than this transformers loads after 'pip install --upgrade transformers'; "
@@ -295,9 +335,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     (the model's embeddings are resized by `load_causal_lm`).
     """
     path = resolve_model_path(name_or_path)
-    tokenizer = _hub_call(
-        "tokenizer", name_or_path, lambda: AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    )
+    tokenizer = _hub_call("tokenizer", name_or_path,
+                          lambda: AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code),
+                          trust_remote_code)
     if tokenizer.eos_token is None:
         raise UserError(f"the tokenizer of {name_or_path} has no EOS token; set one in its tokenizer_config.json")
     _stop_appending_eos(tokenizer, name_or_path)
@@ -334,7 +374,8 @@ def _stop_appending_eos(tokenizer: PreTrainedTokenizerBase, name_or_path: str) -
 
 def load_config(name_or_path: str, trust_remote_code: bool = False):
     path = resolve_model_path(name_or_path)
-    return _hub_call("model", name_or_path, lambda: AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+    return _hub_call("model", name_or_path, lambda: AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                     trust_remote_code)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -449,6 +490,7 @@ def load_causal_lm(
             lambda: AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, trust_remote_code=trust_remote_code, **from_pretrained_kwargs
             ),
+            trust_remote_code,
         )
         if tokenizer is not None:
             match_tokenizer(model, tokenizer, stop_token_ids)

@@ -6,7 +6,6 @@ Batch sizes are checked by `training.core.args.check_positive`; `--data_split` b
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -14,7 +13,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
-from training.core.model_loading import lora_adapter_base, refuse_file, resolve_model_path
+from training.core.model_loading import (
+    asks_for_own_code,
+    lora_adapter_base,
+    own_code_error,
+    refuse_file,
+    resolve_model_path,
+)
 from training.reliability.run_records import ARGS_FILE, SUMMARY_FILE, read_run_args, run_dir_of
 from utils.data.args import DataArguments
 from utils.data.shard_match import InputRunRecord, check_same_shards
@@ -283,19 +288,9 @@ def check_model_source(name_or_path: str, flag: str = "--model_name_or_path") ->
 
 
 def check_remote_code(name_or_path: str, trust_remote_code: bool, flag: str = "--model_name_or_path") -> None:
-    """A local model whose config asks for its own code (`auto_map`) runs only with `--trust_remote_code`."""
-    if trust_remote_code or is_embedded_name(name_or_path):
-        return
-    config_file = Path(resolve_model_path(name_or_path)) / "config.json"
-    try:
-        auto_map = json.loads(config_file.read_text()).get("auto_map")
-    except (OSError, ValueError):
-        return
-    if auto_map:
-        raise UserError(
-            f"{flag} {name_or_path} ships its own model code (auto_map in config.json), which runs only with "
-            "--trust_remote_code; add that flag if you trust the code, or choose another model"
-        )
+    """A model that loads only by running its own code (`asks_for_own_code`) runs only with `--trust_remote_code`."""
+    if not trust_remote_code and asks_for_own_code(name_or_path):
+        raise own_code_error(name_or_path, flag)
 
 
 def check_reward_model_dir(
