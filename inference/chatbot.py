@@ -1,8 +1,8 @@
 """Multi-turn chat with any saved model: a step-3 actor, its EMA copy, a step-1 model, or any HF model.
 
-Interactive by default: type a message, the answer streams as it is generated; `clear` starts a new
-conversation, `quit` (or Ctrl-D, or Ctrl-C at the prompt) ends, and Ctrl-C while the model answers stops that
-answer. For scripts, `--prompt` (repeatable) or prompts on standard input (one a line, when it is not a terminal)
+Interactive by default: type a message (lines pasted at once are one), the answer streams as it is generated; `clear`
+starts a new conversation, `quit` (or Ctrl-D, or Ctrl-C at the prompt) ends, and Ctrl-C while the model answers stops
+that answer. For scripts, `--prompt` (repeatable) or prompts on standard input (one a line, when it is not a terminal)
 are answered in order as one conversation, then the program exits (Ctrl-C ends it, with status 130; a reader of its
 output that leaves, as `| head` does, with status 141).
 
@@ -11,6 +11,7 @@ Each turn's prompt is rendered by the `PromptFormatter` training used, in the fo
 from __future__ import annotations
 
 import contextlib
+import select
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, TextIO
@@ -35,7 +36,7 @@ from training.core.model_loading import (
     resolve_trained_model,
 )
 from training.core.reward_model import is_reward_model_dir
-from training.generation.generator import DecodingSettings, decode_by_flags_only
+from training.generation.generator import DecodingSettings, decode_by_flags_only, tokenizer_ids_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
 from training.reliability.signals import write_to_devnull
@@ -47,6 +48,7 @@ CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
 EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
+PASTE_GAP_S = 0.05  # a line that follows the one before within this long came with it, in one paste: no one types so fast
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
@@ -207,6 +209,7 @@ class ChatSession:
                 pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.stop_token_ids,
                 **stop,
+                **tokenizer_ids_only(len(self.tokenizer)),
                 **self.options.generate_kwargs(),
                 max_new_tokens=self.limit.after(input_ids.shape[1]),
             )
@@ -308,12 +311,31 @@ def _keep_undecodable_bytes(stream: TextIO) -> None:
         reconfigure(errors="surrogateescape")
 
 
+def _input_waiting(stream: TextIO, timeout: float) -> bool:
+    """Whether more of `stream` arrives within `timeout` seconds; False where it cannot be watched (Windows' console,
+    a stand-in stream)."""
+    try:
+        return bool(select.select([stream], [], [], timeout)[0])
+    except (OSError, ValueError):
+        return False
+
+
+def _typed_message(prompt: str) -> str:
+    """One message at the prompt: its line and the lines that arrived with it. A paste of several lines was a message
+    per line, the first answered before the rest was read (a question and the code it asks about: two answers, to
+    neither whole)."""
+    lines = [input(prompt)]
+    while _input_waiting(sys.stdin, PASTE_GAP_S):
+        lines.append(input())
+    return "\n".join(lines)
+
+
 def _interactive_lines() -> Iterable[str]:
     _enable_line_editing()
     print("chat: type a message; 'clear' starts over, 'quit' (or Ctrl-D) ends, Ctrl-C stops an answer.", flush=True)
     while True:
         try:
-            yield input("Human: ")
+            yield _typed_message("Human: ")
         except (EOFError, KeyboardInterrupt):  # Ctrl-D, or Ctrl-C at the prompt: the shell's prompt on a line of its own
             print(flush=True)
             return

@@ -687,25 +687,44 @@ def test_a_conversation_cut_to_fit_says_so_after_the_answer():
     assert chat_session.history[0]["content"] == "how are you today"
 
 
-def test_the_prompt_edits_its_line_as_a_shell_does():
-    """`input` without readline took the keys as typed: 'helo', a left arrow and 'l' was the message 'helo\\x1b[Dl'."""
+def _messages_typed_on_a_terminal(keys: bytes) -> str:
+    """What the chat's prompt shows on a terminal where `keys` arrive at once after its first "Human: ", Ctrl-D
+    after its next: each message it reads printed as MESSAGE 'text'."""
     pty = pytest.importorskip("pty")
+    import contextlib
     import select
+    import signal
     import time
 
     child, terminal = pty.fork()
     if child == 0:  # the chat's prompt on a terminal
         os.chdir(REPO_ROOT)
-        first_message = "from inference.chatbot import _interactive_lines; print('MESSAGE', repr(next(_interactive_lines())))"
-        os.execve(sys.executable, [sys.executable, "-c", first_message], step_env())
-    shown, deadline = b"", time.monotonic() + 60
+        messages = ("from inference.chatbot import _interactive_lines\n"
+                    "for message in _interactive_lines(): print('MESSAGE', repr(message), flush=True)")
+        os.execve(sys.executable, [sys.executable, "-c", messages], step_env())
+    shown, deadline, prompts_answered = b"", time.monotonic() + 60, 0
     while time.monotonic() < deadline:
         if select.select([terminal], [], [], 0.2)[0]:
             try:
                 shown += os.read(terminal, 4096)
             except OSError:  # the child exited: its terminal closed
                 break
-        if shown.endswith(b"Human: "):
-            os.write(terminal, b"helo\x1b[Dl\r")
+        if shown.count(b"Human: ") > prompts_answered and shown.endswith(b"Human: "):
+            os.write(terminal, keys if prompts_answered == 0 else b"\x04")
+            prompts_answered += 1
+    with contextlib.suppress(ProcessLookupError):  # one still waiting past the deadline
+        os.kill(child, signal.SIGKILL)
     os.waitpid(child, 0)
-    assert "MESSAGE 'hello'" in shown.decode(errors="replace")
+    return shown.decode(errors="replace")
+
+
+def test_the_prompt_edits_its_line_as_a_shell_does():
+    """`input` without readline took the keys as typed: 'helo', a left arrow and 'l' was the message 'helo\\x1b[Dl'."""
+    assert "MESSAGE 'hello'" in _messages_typed_on_a_terminal(b"helo\x1b[Dl\r")
+
+
+def test_lines_pasted_at_once_are_one_message():
+    """A paste of three lines was three messages, each answered before the next was read."""
+    shown = _messages_typed_on_a_terminal(b"Why does this fail?\r\rx = 1 +\rprint(x)\r")
+    assert shown.count("MESSAGE") == 1
+    assert "MESSAGE 'Why does this fail?\\n\\nx = 1 +\\nprint(x)'" in shown
