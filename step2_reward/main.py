@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_rejected
 from training.core.args import SettingsParser
-from training.core.reward_model import RewardModel
+from training.core.reward_model import RewardModel, is_reward_model_dir
 from training.loops.supervised_step import (
     PreferenceSettings,
     SupervisedOutcome,
@@ -42,9 +42,14 @@ def parse_args(argv: list[str] | None = None) -> PreferenceSettings:
 
 def build_reward_model(args: SupervisedSettings, tokenizer: PreTrainedTokenizerBase, ds_config: dict,
                        dtype: torch.dtype) -> RewardModel:
-    return RewardModel.from_causal_lm(args.model.model_name_or_path, tokenizer, dtype=dtype, ds_config=ds_config,
-                                      disable_dropout_layers=args.model.disable_dropout,
-                                      trust_remote_code=args.run.trust_remote_code)
+    """A new value head on a causal LM's backbone; a reward model step 2 saved trains on from its own value head (a
+    freshly drawn one would throw away what it learnt)."""
+    path = args.model.model_name_or_path
+    options = {"dtype": dtype, "ds_config": ds_config, "disable_dropout_layers": args.model.disable_dropout,
+               "trust_remote_code": args.run.trust_remote_code}
+    if is_reward_model_dir(path):
+        return RewardModel.from_pretrained(path, tokenizer=tokenizer, **options)
+    return RewardModel.from_causal_lm(path, tokenizer, **options)
 
 
 def reward_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -75,6 +75,17 @@ def test_saved_reward_model_loads_back_with_the_same_scores(trained):
     assert torch.equal(direct.v_head.weight, RewardModel.from_pretrained(trained["run"]).v_head.weight)
 
 
+def test_step2_from_a_reward_model_trains_on_from_its_value_head(trained, tmp_path):
+    """Step 2 given a reward model (its own run folder) drew a fresh value head on its backbone: its held-out scores
+    before training were a new head's (margin 5.34 where the model had learnt 5.99), not the model's. It starts from
+    the model's head, so it scores as the model does."""
+    summary = trained["summary"]
+    again = step2_main(["--model_name_or_path", str(trained["run"]), "--learning_rate", "2e-3", "--max_steps", "1",
+                        "--dtype", "fp32", *_common(trained["data"], trained["root"] / "cache", tmp_path / "again")])
+    assert again["eval_accuracy_before"] == summary["eval_accuracy_after"] == 1.0
+    assert again["eval_margin_before"] == pytest.approx(summary["eval_margin_after"], abs=1e-5)
+
+
 def test_rw_eval_scores_command_line_pairs_and_files(trained, tmp_path):
     run = str(trained["run"])
     cli = rw_eval.main(["--model_name_or_path", run, "--prompt", "What is 3 plus 4?",

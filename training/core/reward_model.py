@@ -139,10 +139,12 @@ class RewardModel(nn.Module):
         ds_config: dict | None = None,
         disable_dropout_layers: bool = False,
         trust_remote_code: bool = False,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> "RewardModel":
-        """Load a reward model saved by step 2 (as the frozen reward model, or to initialise the critic)."""
+        """Load a reward model saved by step 2 (as the frozen reward model, to initialise the critic, or to train it
+        further in step 2). With `tokenizer`, the embeddings grow to fit it and the pad id is recorded in the config."""
         folder = reward_model_folder(path)
-        backbone = _load_backbone(str(folder), dtype, ds_config, trust_remote_code)
+        backbone = _load_backbone(str(folder), dtype, ds_config, trust_remote_code, tokenizer)
         head_weight = load_file(str(folder / VALUE_HEAD_FILE))["v_head.weight"]
         model = cls(backbone)
         if tuple(head_weight.shape) != tuple(model.v_head.weight.shape):
