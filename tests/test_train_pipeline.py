@@ -16,11 +16,12 @@ import pytest
 from conftest import REPO_ROOT
 from crash_resume import step_env
 from supervised_data import write_arithmetic_jsonl
+from tiny_models import make_custom_code_model_dir, make_tiny_model_dir
 
 from training.core.model_loading import EMBEDDED_MODEL_NAME
 from training.pipeline.cli import parse_config
 from training.pipeline.deployment import DeploymentType
-from training.pipeline.hardware import Hardware
+from training.pipeline.hardware import Hardware, model_size
 from training.pipeline.launch import StepStopped
 from training.pipeline.runner import run_pipeline
 from training.pipeline.steps import StepEntry
@@ -94,6 +95,28 @@ def fakes(tiny_model_dir):
 
 def common(tmp_path, model):
     return ["--actor-model", model, "--reward-model", model, "--output-dir", str(tmp_path / "out")]
+
+
+def test_a_model_with_its_own_code_runs_with_trust_remote_code(tmp_path):
+    """train.py passed --trust_remote_code on to the steps, but read the models' sizes for its plan without it: a
+    model that ships its own code failed there, before any step, however the run was told to trust it."""
+    custom = make_custom_code_model_dir(tmp_path / "custom")
+    fakes = FakeSteps(custom, extra_options={step: ["--trust_remote_code"] for step in MODEL_FLAGS})
+    with pytest.raises(UserError, match="ships its own model code .* runs only with --trust_remote_code"):
+        run(common(tmp_path, custom), fakes)
+    for flag in (["--trust_remote_code"], ["--trust_remote_code=true"]):
+        run(common(tmp_path, custom) + flag + ["--dry-run"], fakes)
+    run(common(tmp_path, custom) + ["--trust_remote_code"], fakes)
+    assert [(step, args.trust_remote_code) for step, args, _ in fakes.calls] == [(1, True), (2, True), (3, True)]
+    with pytest.raises(UserError, match="--trust_remote_code takes true or false .*, got 'maybe'"):
+        run(common(tmp_path, custom) + ["--trust_remote_code", "maybe"], fakes)
+
+
+def test_a_model_size_is_read_by_its_own_code_with_trust_remote_code(tmp_path):
+    """The model is built on the meta device by its own code: without trust_remote_code transformers asked at the
+    terminal whether to run it, and where it could not ask the size was the rough estimate, not the model's."""
+    llama, custom = make_tiny_model_dir(tmp_path / "llama"), make_custom_code_model_dir(tmp_path / "custom")
+    assert model_size(custom, trust_remote_code=True) == model_size(llama)
 
 
 def test_steps_run_in_order_each_feeding_the_next_with_logs_and_a_summary(tmp_path, fakes, capsys):

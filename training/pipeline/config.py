@@ -5,8 +5,11 @@ calls for (--NAME-args for every step, --NAME-output for every step whose output
 """
 from __future__ import annotations
 
+from argparse import ArgumentTypeError
 from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
+
+from transformers.hf_argparser import string_to_bool
 
 from training.algorithms import RL_ALGORITHMS, get_advantage_estimator, get_rl_algorithm
 from training.core.model_loading import EMBEDDED_MODEL_NAME
@@ -20,6 +23,7 @@ _ZERO_STAGES = (0, 1, 2, 3)
 
 
 DPO = "dpo"
+TRUST_REMOTE_CODE_FLAG = "--trust_remote_code"
 DEFAULT_TASK_DATA = "task:arithmetic"  # the data of a built-in verifier (--reward_fn builtin:...) without --data_path
 
 
@@ -82,6 +86,16 @@ class PipelineConfig:
     @property
     def reward_fn(self) -> str | None:
         return self.passed_flag("--reward_fn")
+
+    @property
+    def trust_remote_code(self) -> bool:
+        """The steps' --trust_remote_code as given to every step: it also lets train.py read the sizes of models that
+        ship their own code."""
+        value = flag_value(self.extra_args, TRUST_REMOTE_CODE_FLAG)
+        try:
+            return value is not None and string_to_bool(value or "true")
+        except ArgumentTypeError:
+            raise UserError(f"{TRUST_REMOTE_CODE_FLAG} takes true or false (or no value), got {value!r}") from None
 
     def workload(self, reward_model: bool) -> Workload:
         """What step 3 will hold, for the planners; `reward_model`: whether its inputs resolved to one."""

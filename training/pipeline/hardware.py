@@ -47,15 +47,16 @@ class ModelSize:
     blocks_name: str = "layers."
 
 
-def model_size(name_or_path: str) -> ModelSize:
-    """Read a model's size from its config alone: the model is built on the meta device (no weights)."""
-    config = load_config(name_or_path)
+def model_size(name_or_path: str, trust_remote_code: bool = False) -> ModelSize:
+    """Read a model's size from its config alone: the model is built on the meta device (no weights), by its own code
+    with `trust_remote_code`."""
+    config = load_config(name_or_path, trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0))
     layers = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0))
     vocab = int(getattr(text, "vocab_size", 0))
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    model = _meta_model(config)
+    model = _meta_model(config, trust_remote_code)
     if model is None:
         parameters, blocks = 12 * layers * hidden * hidden + vocab * hidden, "layers."  # the usual estimate
     else:
@@ -63,13 +64,14 @@ def model_size(name_or_path: str) -> ModelSize:
     return ModelSize(parameters, hidden, layers, vocab, int(positions) if positions else None, blocks)
 
 
-def _meta_model(config) -> torch.nn.Module | None:
-    """The causal LM of `config`, built on the meta device; None where transformers cannot build it."""
+def _meta_model(config, trust_remote_code: bool) -> torch.nn.Module | None:
+    """The causal LM of `config`, built on the meta device; None where transformers cannot build it. Unless told
+    either way, transformers asks at the terminal whether to run a model's own code, and waits 15 s for an answer."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, TypeError, RuntimeError, ImportError):
         return None
 

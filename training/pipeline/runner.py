@@ -123,7 +123,7 @@ def _model_sizes(config: PipelineConfig, inputs: Inputs) -> ModelSizes:
             if source.from_step is not None and source.from_step not in config.steps:
                 sources[source.model] = value
     used = {source.model for step in config.steps for source in STEPS[step].inputs}
-    sizes = {model: model_size(path) for model, path in sources.items() if model in used}
+    sizes = {model: model_size(path, config.trust_remote_code) for model, path in sources.items() if model in used}
     return ModelSizes(actor=sizes.get(Model.ACTOR) or sizes[Model.REWARD],
                       reward=sizes.get(Model.REWARD) or sizes[Model.ACTOR])
 
