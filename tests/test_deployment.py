@@ -987,3 +987,99 @@ def test_each_stop_request_through_pdsh_runs_the_ranks_stop_command(tmp_path, mo
         requests.launcher_ended()
         take_received_signal()
     assert runs.read_text() == "xx"
+
+
+class _Launched(Exception):
+    """Raised by a stand-in for `run_subprocess`: the launch train.py would run, taken without running it."""
+
+
+def _launch_env_of_step_1(monkeypatch, tmp_path: Path, model: str, hosts: str) -> dict[str, str]:
+    """The environment train.py starts step 1's launcher in, for a multi_node run on `hosts` (a hostfile's text)."""
+    from training.pipeline import runner
+    from training.pipeline.cli import run
+
+    def launched(command, log_path, label, env=None, stop_ranks=None):
+        raise _Launched(env)
+
+    monkeypatch.setattr(runner, "run_subprocess", launched)
+    hostfile = write(tmp_path / "hosts", hosts)
+    with pytest.raises(_Launched) as taken:
+        run(["--deployment-type", "multi_node", "--hostfile", hostfile, "--step", "1", "--actor-model", model,
+             "--output-dir", str(tmp_path / "out")])
+    return taken.value.args[0]
+
+
+def test_a_multi_node_launch_passes_the_ranks_on_other_nodes_what_they_read(tmp_path, tiny_model_dir, monkeypatch):
+    """DeepSpeed's launcher passes the ranks it starts through pdsh only PYTHON*, MLFLOW*, MV2*, UCX* and (from a
+    machine with a CUDA GPU) NCCL* variables, and its env file's: with HF_HUB_OFFLINE=1 they went to the hub there,
+    with HF_HOME, TORCH_EXTENSIONS_DIR or RLHF_CACHE_DIR set they used other folders than this machine's. train.py
+    names an env file of its own (DS_ENV_FILE) with those, then the user's .deepspeed_env lines, which win; no token."""
+    model = tiny_model_dir("llama")
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir()
+    here.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\n\nHF_HOME=/users/me/hf\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_HOME", "/data/hf"), ("TORCH_EXTENSIONS_DIR", "/data/ext"),
+                        ("RLHF_CACHE_DIR", "/data/rlhf cache"), ("NCCL_DEBUG", "INFO"), ("HF_TOKEN", "hf_secret")):
+        monkeypatch.setenv(name, value)
+    env = _launch_env_of_step_1(monkeypatch, tmp_path, model, "worker-1 slots=1\nworker-2 slots=1\n")
+    env_file = Path(env["DS_ENV_FILE"])
+    assert env_file == tmp_path / "out" / "logs" / "deepspeed_env"
+    lines = env_file.read_text().splitlines()
+    for line in ("HF_HUB_OFFLINE=1", "HF_HOME=/data/hf", "TORCH_EXTENSIONS_DIR=/data/ext",
+                 "RLHF_CACHE_DIR=/data/rlhf cache", "NCCL_DEBUG=INFO"):
+        assert line in lines
+    assert lines[-2:] == ["NCCL_IB_DISABLE=1", "HF_HOME=/users/me/hf"]  # read last, they win
+    assert not [line for line in lines if "TOKEN" in line or line.startswith(("PATH=", "CUDA_VISIBLE_DEVICES="))]
+
+    this_node_alone = _launch_env_of_step_1(monkeypatch, tmp_path, model, "localhost slots=1\n")
+    assert "DS_ENV_FILE" not in this_node_alone  # its ranks start under the launcher, in its environment
+
+    monkeypatch.setenv("HF_HOME", "$SCRATCH/hf")
+    with pytest.raises(UserError, match=r"HF_HOME='\$SCRATCH/hf' would reach the ranks on other nodes"):
+        _launch_env_of_step_1(monkeypatch, tmp_path, model, "worker-1 slots=1\nworker-2 slots=1\n")
+
+
+BARE_NODES_PDSH = """#!/bin/bash
+# pdsh -S -f N -w HOSTS COMMAND: COMMAND once a node, all of them this machine, in the bare environment ssh gives, with
+# the node's rank for %n
+while getopts Sf:w: option; do
+  case $option in w) hosts=$OPTARG ;; S|f) ;; *) exit 1 ;; esac
+done
+shift $((OPTIND - 1))
+rank=0
+for host in ${hosts//,/ }; do
+  env -i HOME="$HOME" PATH=/usr/bin:/bin bash -c "${*//%n/$rank}" || exit
+  rank=$((rank + 1))
+done
+"""
+
+
+@pytest.mark.slow
+def test_deepspeeds_launcher_exports_train_pys_env_file_to_the_ranks_on_other_nodes(tmp_path, monkeypatch):
+    """DeepSpeed's own launcher, through pdsh (a stand-in running each node's command line here, in a bare
+    environment) to two nodes: the ranks there see what train.py's env file names, and the rest of its environment
+    no more."""
+    from training.pipeline.launch import env_for_other_nodes, launcher_env, run_subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("pdsh", BARE_NODES_PDSH), ("ssh", "#!/bin/sh\nexit 0\n")):  # ssh: DeepSpeed's reachability check
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HOME", "/data/hf")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/data/ext")
+    script = tmp_path / "main.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], [os.environ.get(name) for name in "
+                      "('HF_HOME', 'TORCH_EXTENSIONS_DIR', 'HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM')])\n")
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=write(tmp_path / "hosts", "w1 slots=1\nw2 slots=1\n"),
+                        master_addr="127.0.0.1", master_port=free_port(), nodes=2, hosts=("w1", "w2"))
+    log = tmp_path / "step1.log"
+    env = env_for_other_nodes(launcher_env(REPO_ROOT), tmp_path / "deepspeed_env")
+    run_subprocess(launcher.command_now(script, []), log, "step 1", env=env)
+    for rank in (0, 1):  # HF_HUB_OFFLINE=1 in this test's environment; TOKENIZERS_PARALLELISM is not passed
+        assert f"rank {rank} ['/data/hf', '/data/ext', '1', None]" in log.read_text()

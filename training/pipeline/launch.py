@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import IO, Iterator, Sequence
+from typing import IO, Iterator, Mapping, Sequence
 
 import psutil
 
@@ -29,6 +29,7 @@ from training.reliability.signals import (
     record_signal,
     say_from_handler,
 )
+from utils.atomic import atomic_write_text
 from utils.dist import free_port, launcher_variables
 from utils.errors import UserError
 
@@ -47,6 +48,12 @@ PKILL_MATCHED_NONE = 1  # pkill's exit status where no process matched (2, 3: it
 STOP_UNMATCHED_SAY_S = 60.0  # how long a stop command through pdsh matches no rank on some node before it is said
 SSH_FAILED = 255  # ssh's exit status where it could not run the command on the node
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
+# the variables the steps and the libraries under them read (the hub's cache and offline mode, the op builds' folder,
+# the project's cache, NCCL's settings), which DeepSpeed's launcher does not pass to the ranks it starts through pdsh:
+# it passes those named PYTHON*, MLFLOW*, MV2* and UCX*, NCCL* only from a machine with a CUDA GPU, and its env file's
+OTHER_NODES_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "RLHF_", "XDG_CACHE_HOME")
+DS_ENV_FILE = "DS_ENV_FILE"  # names the env file (VAR=value lines) DeepSpeed's launcher exports on every node
+DEFAULT_DS_ENV_FILE = ".deepspeed_env"  # the env file's name where DS_ENV_FILE is unset, in ~ and the working folder
 
 
 def check_launcher_installed() -> None:
@@ -583,3 +590,37 @@ def launcher_env(repo_root: Path) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key not in launcher_variables(os.environ)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def env_for_other_nodes(env: Mapping[str, str], env_file: Path) -> dict[str, str]:
+    """`env` for a launch through pdsh, its `DS_ENV_FILE` naming `env_file`, written now: the variables of `env` the
+    ranks on other nodes need (`OTHER_NODES_ENV_PREFIXES`; a token is left to each node's own login), then the lines
+    of the env files DeepSpeed's launcher would have read in its place, which win. Without it those ranks ran without
+    them: a run with HF_HUB_OFFLINE=1 went to the hub there, one with HF_HOME or RLHF_CACHE_DIR read and filled other
+    caches than this machine's."""
+    lines = [f"{name}={value}" for name, value in sorted(env.items()) if _needed_on_other_nodes(name, value)]
+    lines += _users_deepspeed_env(env)
+    env_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(env_file, "".join(f"{line}\n" for line in lines))
+    return {**env, DS_ENV_FILE: str(env_file)}
+
+
+def _needed_on_other_nodes(name: str, value: str) -> bool:
+    """Whether the variable goes to the ranks on other nodes; refused where their shell would read its value otherwise
+    (DeepSpeed's launcher exports it on the command line pdsh runs there, in double quotes)."""
+    if not name.startswith(OTHER_NODES_ENV_PREFIXES) or name.endswith("_TOKEN"):
+        return False
+    if any(char in value for char in (*_CHANGED_IN_DOUBLE_QUOTES, '"', "\n")):
+        raise UserError(f"multi_node: {name}={value!r} would reach the ranks on other nodes through their shell, "
+                        "which would read it otherwise (DeepSpeed's launcher exports it on the command line pdsh runs "
+                        "there, in double quotes); give it a value without quotes, $, `, \\, % or line breaks, or "
+                        "unset it")
+    return True
+
+
+def _users_deepspeed_env(env: Mapping[str, str]) -> list[str]:
+    """The lines of the env files DeepSpeed's launcher reads where `DS_ENV_FILE` does not name one of train.py's:
+    `.deepspeed_env` (or the name DS_ENV_FILE gives) in the home folder, then in the working folder."""
+    name = env.get(DS_ENV_FILE, DEFAULT_DS_ENV_FILE)
+    files = dict.fromkeys(Path(folder, name).resolve() for folder in (Path.home(), Path.cwd()))
+    return [line for file in files if file.is_file() for line in file.read_text().splitlines() if line.strip()]

@@ -51,6 +51,7 @@ from .launch import (
     StepStopped,
     check_launcher_installed,
     check_not_under_a_launcher,
+    env_for_other_nodes,
     format_command,
     is_this_machine,
     launcher_env,
@@ -75,6 +76,7 @@ RecordedFlags = tuple[dict[str, Any], frozenset[str]]  # `_recorded_flags`: a st
 TRAINED_FROM_FILE = "trained_from.json"  # train.py's record, in a step's run folder, of the inputs it trained from
 DATA_VERSIONS_KEY = "data files"  # in it, beside the model flags: `_data_versions`
 RESUME_FLAG = "--resume"
+OTHER_NODES_ENV_FILE = "deepspeed_env"  # in the logs folder: what the launcher exports on other nodes
 
 
 def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str | None:
@@ -550,13 +552,22 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
         else:
             command = prepared.launcher.command_now(STEPS[step].script(), prepared.argvs[step])
             print(f"launch: {format_command(command)}", flush=True)  # its master port is settled now
-            run_subprocess(command, config.log_path(step), label, env=launcher_env(REPO_ROOT),
+            run_subprocess(command, config.log_path(step), label, env=_launch_env(config, prepared.launcher),
                            stop_ranks=prepared.launcher.ranks_stop_command(STEPS[step].script(), prepared.argvs[step]))
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
         raise _with_resume_hint(config, step, error) from error
     _check_output(config, step)
     return StepResult(step, spec.title, time.perf_counter() - started, summary)
+
+
+def _launch_env(config: PipelineConfig, launcher: Launcher) -> dict[str, str]:
+    """The launcher's environment; through pdsh with the env file that carries what the ranks on other nodes need,
+    in the run's logs folder (`env_for_other_nodes`)."""
+    env = launcher_env(REPO_ROOT)
+    if not launcher.through_pdsh:
+        return env
+    return env_for_other_nodes(env, config.output_dir / "logs" / OTHER_NODES_ENV_FILE)
 
 
 def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> UserError:
