@@ -2,6 +2,7 @@
 import contextlib
 import io
 import json
+import logging
 import os
 import shlex
 import signal
@@ -354,6 +355,34 @@ def test_a_write_meeting_a_watched_pipe_without_its_reader_is_taken_as_its_leavi
     assert gone == [True]  # once, by the guard or the thread, which the block's end has joined
     assert sys.stdout is stdout
     assert os.path.samestat(os.fstat(write_end), os.stat(os.devnull))
+    stdout.close()
+
+
+def test_a_log_handler_made_before_the_watch_writes_where_prints_go_once_the_reader_has_gone(monkeypatch, capsys):
+    """A log handler keeps the stream it was made with (`setup_logging`'s, DeepSpeed's, made before the step's
+    watch): its record meeting the pipe before the watch's thread redirected it printed a '--- Logging error ---'
+    BrokenPipeError traceback, each record until then, rather than being taken as the reader's leaving."""
+    from training.reliability import signals
+
+    redirect = signals.write_to_devnull
+    monkeypatch.setattr(signals, "write_to_devnull", lambda fd: (time.sleep(0.3), redirect(fd)))  # the thread, late
+    read_end, write_end = os.pipe()
+    stdout = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    handler = logging.StreamHandler(stdout)
+    logger = logging.getLogger("test_signals.made_before_the_watch")
+    logger.addHandler(handler)
+    gone = []
+    try:
+        with OutputReaderWatch(lambda: gone.append(True), fds=[write_end]):
+            os.close(read_end)
+            for _ in range(20):
+                logger.warning("step")
+        assert handler.stream is stdout  # put back with the streams
+    finally:
+        logger.removeHandler(handler)
+    assert gone == [True]
+    assert "Logging error" not in capsys.readouterr().err
     stdout.close()
 
 

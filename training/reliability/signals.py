@@ -24,6 +24,7 @@ lost there, and the run resumes from the previous one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import shlex
@@ -187,7 +188,7 @@ class OutputReaderWatch:
     def reader_gone(self, fd: int) -> bool:
         """Whether `fd`, one of the pipes watched, has no reader any more: if so it writes to /dev/null from now on
         (it may already, redirected by this watch or another one in this process) and `on_gone` has been called.
-        False past the block: a guard kept beyond it (by a log handler made inside) takes nothing for it."""
+        False past the block: a guard something kept beyond it takes nothing for it."""
         if not self._watching or fd not in self._pipes:
             return False
         with self._lock:
@@ -202,17 +203,23 @@ class OutputReaderWatch:
         return True
 
     def _guard_std_streams(self) -> None:
+        """Guard `sys.stdout` and `sys.stderr` where they write to a watched pipe, and the log handlers made before
+        the block that write to them (a handler keeps the stream it was given: its write meeting the pipe without a
+        reader printed a '--- Logging error ---' traceback)."""
         for name in ("stdout", "stderr"):
             stream = getattr(sys, name)
             if _fileno(stream) in self._pipes:
                 self._guards[name] = _ReaderGoneGuard(stream, self)
                 setattr(sys, name, self._guards[name])
+                _redirect_log_handlers(stream, self._guards[name])
 
     def _unguard_std_streams(self) -> None:
-        """Put back the streams guarded, where the guard is still in place (not replaced since)."""
+        """Put back the streams guarded, and the log handlers' streams, where the guard is still in place (not
+        replaced since)."""
         for name, guard in self._guards.items():
             if getattr(sys, name) is guard:
                 setattr(sys, name, guard.stream)
+            _redirect_log_handlers(guard, guard.stream)
         self._guards.clear()
 
     def _watch(self) -> None:
@@ -266,6 +273,18 @@ def output_reader_gone(stream: IO[str]) -> bool:
     """Whether `stream` (`sys.stdout` or `sys.stderr`) writes to a pipe an `OutputReaderWatch` watches, whose reader
     has gone: for a BrokenPipeError met writing to its `buffer`, past the guard (taken as the watch takes it)."""
     return isinstance(stream, _ReaderGoneGuard) and stream.reader_gone()
+
+
+def _redirect_log_handlers(stream: IO[str], to: IO[str]) -> None:
+    """Point the log handlers, of every logger, that write to `stream` (DeepSpeed's logger has one of its own) at
+    `to`, which writes to the same file descriptor: not by `setStream`, whose flush of `stream` would raise where the
+    pipe's reader has already gone."""
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for handler in (handler for logger in loggers for handler in logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+            with handler.lock:
+                handler.stream = to
 
 
 def _fileno(stream: IO[str] | None) -> int | None:
