@@ -23,7 +23,7 @@ from utils.log import deepspeed_logs_to_stderr
 
 deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the answers alone
 
-from training.core.args import DTYPE_CHOICES, SettingsParser
+from training.core.args import DTYPE_CHOICES, SettingsParser, trust_remote_code_field
 from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
@@ -91,7 +91,7 @@ class ChatArguments:
                 "format the model's run trained on (its args.json), else auto"})
     system: str | None = field(default=None, metadata={"help": "a system message at the start of the conversation"})
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
+    trust_remote_code: bool = trust_remote_code_field()
 
 
 @dataclass
@@ -312,10 +312,11 @@ def _keep_undecodable_bytes(stream: TextIO) -> None:
 
 
 def _input_waiting(stream: TextIO, timeout: float) -> bool:
-    """Whether more of `stream` arrives within `timeout` seconds; False where it cannot be watched (Windows' console,
-    a stand-in stream)."""
+    """Whether more typed input arrives on the terminal `stream` within `timeout` seconds; False on anything but a
+    terminal (a file or /dev/null is always readable) and where it cannot be watched (Windows' console, a stand-in
+    stream)."""
     try:
-        return bool(select.select([stream], [], [], timeout)[0])
+        return stream.isatty() and bool(select.select([stream], [], [], timeout)[0])
     except (OSError, ValueError):
         return False
 

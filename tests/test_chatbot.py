@@ -728,3 +728,12 @@ def test_lines_pasted_at_once_are_one_message():
     shown = _messages_typed_on_a_terminal(b"Why does this fail?\r\rx = 1 +\rprint(x)\r")
     assert shown.count("MESSAGE") == 1
     assert "MESSAGE 'Why does this fail?\\n\\nx = 1 +\\nprint(x)'" in shown
+
+
+def test_only_a_terminal_has_pasted_lines_waiting():
+    """/dev/null, always readable, had a line waiting after every message: under `pytest -s < /dev/null` a typed
+    message waited for a next line that ended the chat and lost it."""
+    from inference.chatbot import _input_waiting
+
+    with open(os.devnull) as devnull:
+        assert not _input_waiting(devnull, 0.0)
