@@ -29,7 +29,7 @@ from utils.log import deepspeed_logs_to_stderr
 
 deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the answers alone
 
-from training.core.args import DTYPE_CHOICES, DTYPE_NAMES, SettingsParser
+from training.core.args import DTYPE_CHOICES, DTYPE_NAMES, SettingsParser, trust_remote_code_field
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     TRAINED_DTYPE_HELP,
@@ -97,7 +97,7 @@ class PromptEvalArguments:
         "choices": DTYPE_CHOICES,
         "help": f"both models' dtype, under auto the fine-tuned model's ({TRAINED_DTYPE_HELP})"})
     seed: int = field(default=1234, metadata={"help": "seed each model samples from (with --do_sample)"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
+    trust_remote_code: bool = trust_remote_code_field()
     output_file: str | None = field(default=None, metadata={
         "help": "also write {prompt, baseline, finetune} rows to this JSONL file"})
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from supervised_data import build_phase_datasets
-from tiny_models import make_tokenizer
+from tiny_models import make_custom_code_model_dir, make_tokenizer
 
 import utils.data.phases as phases
 from utils.data import (
@@ -709,6 +709,20 @@ def test_inspect_data_counts_tokenised_items_and_names_each_sources_format_and_s
     assert len(lines) == 6 and sum("(format chat_preference)" in line for line in lines) == 3
     assert sum(line.endswith("skipped: prompt_mismatch=1 (chat.jsonl line 1)") for line in lines) == 1
     assert "(format deepspeed_chat), step 3 prompts: 10 records -> 9 train / 1 eval samples; skipped: none" in printed
+
+
+def test_inspect_data_counts_with_a_tokenizer_that_ships_its_own_code(tmp_path, capsys):
+    """inspect_data had no --trust_remote_code: the tokenizer of a model that ships its own code, which the steps
+    load with that flag, could not count the items they train on."""
+    from training.pipeline.inspect_data import main
+
+    tokenizer = make_custom_code_model_dir(tmp_path / "custom")
+    argv = ["--data_path", write_pairs(tmp_path / "pairs.jsonl", 20, "dsc"), "--tokenizer", tokenizer,
+            "--data_output_path", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == EXIT_USER_ERROR and "runs only with --trust_remote_code" in capsys.readouterr().err
+    assert main([*argv, "--trust_remote_code"])["tokenized"][1]["train"] > 0
 
 
 def test_inspect_data_refuses_the_flags_the_steps_refuse_before_reading_any_data(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Reward model / critic: scoring position, save and load, ZeRO-3, and that it can learn preferences."""
 import json
+import math
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from conftest import REPO_ROOT
 from crash_resume import step_env
 from scripts.hybrid_engine_worker import LONG_POSITION_MODEL
-from tiny_models import ARCHITECTURES
+from tiny_models import ARCHITECTURES, make_custom_code_model_dir
 from transformers import AutoModel, AutoModelForCausalLM
 
 from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_rejected
@@ -164,6 +165,24 @@ def test_rw_eval_takes_a_train_py_output_folder(tiny_model_dir, tmp_path, capsys
     by_output_dir = rw_eval_main(["--model_name_or_path", str(tmp_path / "out"), *argv])
     by_run = rw_eval_main(["--model_name_or_path", str(tmp_path / "out" / "step2"), *argv])
     assert by_output_dir == by_run
+
+
+def test_rw_eval_scores_a_reward_model_on_a_backbone_with_its_own_code(tmp_path, capsys):
+    """Step 2 trains on a model that ships its own code with --trust_remote_code, and rw_eval had no such flag: the
+    reward model it saved could not be scored."""
+    from step2_reward.rw_eval import main as rw_eval_main
+
+    custom = make_custom_code_model_dir(tmp_path / "custom")
+    tokenizer = load_tokenizer(custom, trust_remote_code=True)
+    folder = tmp_path / "rm"
+    RewardModel.from_causal_lm(custom, tokenizer, trust_remote_code=True).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    argv = ["--model_name_or_path", str(folder), "--prompt", "Compute 3 + 4.", "--answer", "7"]
+    with pytest.raises(SystemExit) as exited:
+        rw_eval_main(argv)
+    assert exited.value.code == EXIT_USER_ERROR and "runs only with --trust_remote_code" in capsys.readouterr().err
+    scored = rw_eval_main([*argv, "--trust_remote_code"])["results"]
+    assert len(scored) == 1 and math.isfinite(scored[0]["chosen_score"])
 
 
 def test_rw_eval_prints_its_scores_alone_and_deepspeeds_warnings_go_to_stderr(tiny_model_dir, tmp_path):

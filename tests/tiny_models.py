@@ -220,15 +220,26 @@ class CustomModel(LlamaModel):
 class CustomForCausalLM(LlamaForCausalLM):
     config_class = CustomConfig
 """
+_CUSTOM_TOKENIZATION_CODE = """from transformers import PreTrainedTokenizerFast
+
+
+class CustomTokenizerFast(PreTrainedTokenizerFast):
+    pass
+"""
 
 
 def make_custom_code_model_dir(path: str | os.PathLike, **kwargs) -> str:
-    """`make_tiny_model_dir`'s Llama as a hub model with custom code ships it: its own configuration and modeling
-    modules in the folder, named by config.json's `auto_map`, under a model type transformers does not know, so it
-    loads only with trust_remote_code."""
+    """`make_tiny_model_dir`'s Llama as a hub model with custom code ships it: its own configuration, modeling and
+    tokenizer modules in the folder, named by the `auto_map` of config.json and tokenizer_config.json, under a model
+    type transformers does not know, so it and its tokenizer load only with trust_remote_code."""
     folder = Path(make_tiny_model_dir(path, "llama", **kwargs))
     (folder / "configuration_custom.py").write_text(_CUSTOM_CONFIG_CODE)
     (folder / "modeling_custom.py").write_text(_CUSTOM_MODELING_CODE)
+    (folder / "tokenization_custom.py").write_text(_CUSTOM_TOKENIZATION_CODE)
+    tokenizer_config = folder / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({
+        **json.loads(tokenizer_config.read_text()), "tokenizer_class": "CustomTokenizerFast",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizerFast"]}}))
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config.update(model_type=CUSTOM_MODEL_TYPE, architectures=["CustomForCausalLM"],

@@ -204,6 +204,13 @@ def _group_from_flags(group_type: type, prefix: str, values: Mapping[str, Any]) 
 # the groups every step shares -----------------------------------------------------------------------
 
 
+def trust_remote_code_field() -> Any:
+    """`--trust_remote_code`, as every command line that loads a model takes it."""
+    return field(default=False, metadata={
+        "help": "run the code a model ships (auto_map in its config.json), which a model of a type transformers "
+                "does not know loads by; only for a model whose code you trust"})
+
+
 @dataclass
 class RunArguments:
     """Run folder, precision and launcher plumbing (every step; `--seed` is a data flag)."""
@@ -214,7 +221,7 @@ class RunArguments:
         "choices": DTYPE_CHOICES, "resolved": "dtype_name",
         "help": ("training precision; auto = bf16 where the GPU supports it or the CPU has bf16 instructions, "
                  "else fp16 on GPU, fp32 on CPU")})
-    trust_remote_code: bool = field(default=False, metadata={"help": "allow models whose code lives on the hub"})
+    trust_remote_code: bool = trust_remote_code_field()
     local_rank: int = field(default=-1, metadata={  # set by the deepspeed launcher
         "same_result": True, "help": argparse.SUPPRESS})
 

@@ -11,7 +11,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
-from training.core.args import SettingsParser
+from training.core.args import SettingsParser, trust_remote_code_field
 from training.core.model_loading import load_tokenizer
 from utils.data.args import DataArguments
 from utils.data.phases import SourceSplit, gives_step_data, phase_splits, warn_repeated_sources
@@ -60,6 +60,7 @@ def _table(counts: dict, tokenized: dict) -> str:
 class TokenizerArguments:
     tokenizer: str | None = field(default=None, metadata={
         "help": "tokenizer (model name or folder) to count tokenised items with"})
+    trust_remote_code: bool = trust_remote_code_field()
 
 
 @dataclass
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     counts = raw_counts(splits)
     tokenized = {}
     if settings.counting.tokenizer:
-        tokenizer = load_tokenizer(settings.counting.tokenizer)
+        tokenizer = load_tokenizer(settings.counting.tokenizer, settings.counting.trust_remote_code)
         for phase in PHASE_KINDS:
             tokenized[phase] = {"train": 0, "eval": 0}
             # a step given no share (1,0,1: steps 1 and 3 with a reward function) has none
