@@ -24,7 +24,7 @@ from utils.log import deepspeed_logs_to_stderr
 
 deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the scores alone
 
-from training.core.args import DTYPE_CHOICES, SettingsParser, trust_remote_code_field
+from training.core.args import DTYPE_CHOICES, SettingsParser
 from training.core.model_loading import TRAINED_DTYPE_HELP, load_config, load_tokenizer, resolve_trained_dtype
 from training.core.reward_model import RewardModel, resolve_reward_model, reward_model_folder
 from training.reliability.run_records import args_of_model
@@ -51,8 +51,15 @@ class RewardScorer:
         self.batch_size = batch_size
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, **kwargs) -> RewardScorer:
-        return cls(RewardModel.from_pretrained(path, dtype=dtype), load_tokenizer(path), **kwargs)
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, prompt_format: str | None = None,
+                        max_seq_len: int | None = None, batch_size: int = 8) -> RewardScorer:
+        """The reward model at `path` (what rw_eval.py's --model_name_or_path takes), scoring as rw_eval.py does:
+        `prompt_format` and `max_seq_len` left None are those of the step-2 run that trained it (`trained_scoring`)."""
+        path = resolve_reward_model(path)
+        prompt_format, max_seq_len = trained_scoring(path, prompt_format, max_seq_len)
+        max_seq_len = _settled_max_seq_len(max_seq_len, load_config(path), path)
+        return cls(RewardModel.from_pretrained(path, dtype=dtype), load_tokenizer(path), prompt_format, max_seq_len,
+                   batch_size)
 
     def token_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=self.formatter.adds_special_tokens)["input_ids"]
@@ -143,7 +150,6 @@ class RewardEvalArguments:
     batch_size: int = field(default=8, metadata={"help": "rows scored together"})
     max_rows: int | None = field(default=None, metadata={"help": "score at most this many rows of --input_file"})
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
-    trust_remote_code: bool = trust_remote_code_field()
     output_file: str | None = field(default=None, metadata={"help": "write the scored rows to this JSONL file"})
 
     def check(self) -> None:
@@ -190,12 +196,17 @@ def parse_args(argv: list[str] | None = None) -> RewardEvalArguments:
         parser.error("give --prompt with at least one --answer, or --input_file")
     args.check()
     args.model_name_or_path = resolve_reward_model(args.model_name_or_path)
-    recorded = args_of_model(args.model_name_or_path)
-    if args.max_seq_len is None:
-        args.max_seq_len = recorded.get("max_seq_len")
-    if args.prompt_format is None:
-        args.prompt_format = recorded.get("prompt_format", "auto")
+    args.prompt_format, args.max_seq_len = trained_scoring(args.model_name_or_path, args.prompt_format,
+                                                           args.max_seq_len)
     return args
+
+
+def trained_scoring(model: str, prompt_format: str | None, max_seq_len: int | None) -> tuple[str, int | None]:
+    """`prompt_format` and `max_seq_len`, each where None that of the step-2 run that trained `model` (its args.json;
+    auto and None for a model no run trained), so pairs are rendered and cut as it trained on them."""
+    recorded = args_of_model(model)
+    return (recorded.get("prompt_format", "auto") if prompt_format is None else prompt_format,
+            recorded.get("max_seq_len") if max_seq_len is None else max_seq_len)
 
 
 def _rows(args: RewardEvalArguments, tokenizer: PreTrainedTokenizerBase) -> list[dict]:
@@ -240,10 +251,9 @@ def _prepared_rows(args: RewardEvalArguments) -> tuple[PreTrainedTokenizerBase, 
     output file, a reward model in the folder, --max_seq_len settled, the rows of --input_file read."""
     check_output_file(args.output_file)
     reward_model_folder(args.model_name_or_path)
-    args.max_seq_len = _settled_max_seq_len(args.max_seq_len, load_config(args.model_name_or_path,
-                                                                          args.trust_remote_code),
+    args.max_seq_len = _settled_max_seq_len(args.max_seq_len, load_config(args.model_name_or_path),
                                             args.model_name_or_path)
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    tokenizer = load_tokenizer(args.model_name_or_path)
     return tokenizer, _rows(args, tokenizer)
 
 
@@ -252,8 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     tokenizer, rows = _prepared_rows(args)
     model = RewardModel.from_pretrained(args.model_name_or_path,
-                                        dtype=resolve_trained_dtype(args.dtype, args.model_name_or_path),
-                                        trust_remote_code=args.trust_remote_code)
+                                        dtype=resolve_trained_dtype(args.dtype, args.model_name_or_path))
     scorer = RewardScorer(model, tokenizer, prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
                           batch_size=args.batch_size)
     results = scorer.score_rows(rows)

@@ -104,6 +104,17 @@ def test_rw_eval_scores_command_line_pairs_and_files(trained, tmp_path):
     assert scorer.score([(rows[0]["prompt"], rows[0]["chosen"])])[0] == pytest.approx(rows[0]["chosen_score"], abs=1e-5)
 
 
+def test_rw_eval_scorer_from_pretrained_scores_as_rw_eval_does(trained):
+    """`RewardScorer.from_pretrained(run)` cut at 512 tokens whatever the run trained at (64 here): an answer longer
+    than that scored otherwise than rw_eval.py scored the same text. It takes the run's --max_seq_len, as rw_eval.py."""
+    run = str(trained["run"])
+    cli = rw_eval.main(["--model_name_or_path", run, "--prompt", "What is 3 plus 4?", "--answer", "3 plus 4 is 7. " * 20])
+    row = cli["results"][0]
+    scorer = rw_eval.RewardScorer.from_pretrained(run)
+    assert scorer.max_seq_len == 64
+    assert scorer.score([(row["prompt"], row["chosen"])])[0] == pytest.approx(row["chosen_score"], abs=1e-5)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
     (["--max_rows", "-1"], "--max_rows must be at least 1, got -1"),
