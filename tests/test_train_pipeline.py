@@ -19,7 +19,7 @@ from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_custom_code_model_dir, make_tiny_model_dir
 
 from training.core.model_loading import EMBEDDED_MODEL_NAME
-from training.pipeline.cli import parse_config
+from training.pipeline.cli import build_parser, parse_config
 from training.pipeline.deployment import DeploymentType
 from training.pipeline.hardware import Hardware, model_size
 from training.pipeline.launch import StepStopped
@@ -117,6 +117,13 @@ def test_a_model_size_is_read_by_its_own_code_with_trust_remote_code(tmp_path):
     terminal whether to run it, and where it could not ask the size was the rough estimate, not the model's."""
     llama, custom = make_tiny_model_dir(tmp_path / "llama"), make_custom_code_model_dir(tmp_path / "custom")
     assert model_size(custom, trust_remote_code=True) == model_size(llama)
+
+
+@pytest.mark.parametrize("command", ["train.py", "rlhf-train"])
+def test_usage_names_the_command_as_it_was_run(command, monkeypatch):
+    """`rlhf-train --help` (setup.py's console script) said `usage: train.py`, a command not on the PATH."""
+    monkeypatch.setattr(sys, "argv", [f"/somewhere/bin/{command}"])
+    assert build_parser().format_usage().startswith(f"usage: {command} ")
 
 
 def test_steps_run_in_order_each_feeding_the_next_with_logs_and_a_summary(tmp_path, fakes, capsys):

@@ -33,9 +33,10 @@ class _DashedArgumentParser(HfArgumentParser):
 
 
 def build_parser() -> HfArgumentParser:
+    """train.py's parser; its usage line names the command as it was run (`train.py`, or the `rlhf-train` console
+    script)."""
     return _DashedArgumentParser(
         (PipelineConfig, StepFlags),
-        prog="train.py",
         description="Run the three RLHF steps (SFT, reward model, PPO) one after another.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
