@@ -151,7 +151,9 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.history: list[dict] = []
         self.dropped_exchanges = 0  # the oldest exchanges the last reply left out to fit
-        self._prompt([{"role": "user", "content": "Hi"}])  # a template that refuses the system prompt fails here
+        greeting = self._prompt_ids([{"role": "user", "content": "Hi"}])  # a template refusing --system fails here
+        if system_prompt is not None:  # else every message was refused in turn, each told to shorten itself
+            self.limit.check(model.config, greeting.shape[1], "--system, with the chat format and a one-word message,")
         # past any of them a model served as its authors made it would go on with a made-up next turn
         self.stop_token_ids = answer_stop_ids(self.formatter.stop_token_ids, listed_stop_ids(model))
 
@@ -171,6 +173,11 @@ class ChatSession:
             raise UserError(f"the chat template cannot render this conversation{given} "
                             f"({self.formatter.template_error})") from err
 
+    def _prompt_ids(self, history: list[dict]) -> torch.Tensor:
+        """`_prompt(history)` tokenised as training tokenised it: [1, T]."""
+        return self.tokenizer(self._prompt(history), add_special_tokens=self.formatter.adds_special_tokens,
+                              return_tensors="pt")["input_ids"]
+
     def _encode(self, history: list[dict]) -> tuple[torch.Tensor, list[dict]]:
         """The conversation `history` (ending with the new message) as input ids, and the history kept: the oldest
         exchanges are dropped until it leaves room for an answer (`self.limit`: within the window of the model's run,
@@ -178,8 +185,7 @@ class ChatSession:
         (`roomy_answer`) or no earlier exchange is left. A new message that does not fit alone (with the system
         prompt) is refused: cut to fit, it lost its own question."""
         while True:
-            ids = self.tokenizer(self._prompt(history), add_special_tokens=self.formatter.adds_special_tokens,
-                                 return_tensors="pt")["input_ids"]
+            ids = self._prompt_ids(history)
             roomy = self.limit.after(ids.shape[1]) >= self.limit.roomy_answer or len(history) < 3
             if roomy and self.limit.fits(self.model.config, ids.shape[1]):
                 return ids, history

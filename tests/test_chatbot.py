@@ -27,12 +27,12 @@ from utils.errors import EXIT_USER_ERROR, UserError
 GREEDY = SamplingOptions(max_new_tokens=6, do_sample=False)
 
 
-def session(prompt_format="auto", chat_template=True, options=GREEDY, tokenizer=None, system_prompt=None):
+def session(prompt_format="auto", chat_template=True, options=GREEDY, tokenizer=None, system_prompt=None, limit=None):
     tokenizer = tokenizer or make_tokenizer(chat_template=chat_template)
     model, tokenizer = make_tiny_model("llama", tokenizer)
     tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
     model.resize_token_embeddings(len(tokenizer))
-    return ChatSession(model.eval(), tokenizer, options, prompt_format, system_prompt)
+    return ChatSession(model.eval(), tokenizer, options, prompt_format, system_prompt, limit)
 
 
 def scripted_session(tokenizer, successors: dict[str, str]) -> ChatSession:
@@ -670,6 +670,15 @@ def test_a_chat_in_a_window_leaves_out_old_exchanges_before_the_answer_gets_shor
         ids, history = chat_session._encode(exchange * earlier + message)
         assert history == exchange * kept + message
         assert chat_session.limit.after(ids.shape[1]) >= 100, ids.shape
+
+
+def test_a_system_prompt_that_leaves_no_room_is_refused_at_the_start():
+    """A --system too long for the window was kept, and every message refused in turn, each told to shorten itself."""
+    window = AnswerLimit(6, 40, source="its run's --max_seq_len")
+    with pytest.raises(UserError, match=r"--system, with the chat format and a one-word message, is \d+ tokens, which "
+                                        r"leaves no room for an answer within the 40 tokens"):
+        session(system_prompt="You are a helpful assistant. " * 10, limit=window)
+    assert session(system_prompt="Be brief.", limit=AnswerLimit(6, 200)).reply("hi") is not None
 
 
 def test_a_conversation_cut_to_fit_says_so_after_the_answer():
