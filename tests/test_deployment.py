@@ -136,6 +136,33 @@ def test_a_7b_model_on_one_24gb_gpu_needs_lora_and_offload():
     assert actor.lora_dim > 0 and actor.only_optimize_lora
 
 
+def test_a_plan_with_offload_keeps_the_frozen_models_in_cpu_memory():
+    """The memory model counts the frozen models (step 3's reference and reward model, DPO's reference) as held in CPU
+    memory under an offload choice, but the plan offloaded step 3's reference alone: 7B models on one 24 GB GPU planned
+    their activations beside a reward model (or DPO's reference) that took 13 GiB of it. Without offload, or without a
+    reward model, the flag is not planned on."""
+    from step2_reward.dpo.main import parse_args as dpo_args
+    from step3_rlhf.main import parse_args as step3_args
+
+    def frozen(plan):
+        return step3_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+                           *plan.steps[3].argv()]).frozen
+
+    offloaded = frozen(plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), LAPTOP_GPU, None))
+    assert offloaded.offload_reference_model and offloaded.offload_reward_model
+    on_gpus = frozen(plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B7, B7), H100, None))
+    assert not on_gpus.offload_reference_model and not on_gpus.offload_reward_model
+    no_reward_model = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), LAPTOP_GPU, None,
+                               Workload(critic=False, reward_model=False))
+    assert no_reward_model.steps[3].flags["offload_reference_model"]
+    assert "offload_reward_model" not in no_reward_model.steps[3].flags
+    for plan, offloaded in ((plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), LAPTOP_GPU, None), True),
+                            (plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B7, B7), H100, None), False)):
+        dpo = dpo_args(["--model_name_or_path", "a", "--output_dir", "o", *plan.steps[4].argv()])
+        assert (dpo.training.offload, dpo.dpo.offload_reference_model) == (offloaded, offloaded)
+    assert "offload_reference_model" not in {**plan.steps[1].flags, **plan.steps[2].flags}
+
+
 def test_planned_lora_adapts_the_models_own_decoder_blocks(tiny_model_dir):
     """The default --lora_module_name "layers." matches nothing in GPT-2, Falcon or BLOOM ("transformer.h.N"): a plan
     that needed LoRA for them stopped at load. Plans name each model's decoder blocks, as its meta model lists them."""

@@ -319,11 +319,13 @@ def cpu_target(hardware: Hardware, quick: CpuQuickRun) -> tuple[Target, list[str
 # --------------------------------------------------------------------------- each step's planner
 
 
-def _gpu_supervised(target: Target, fit: _Fit, target_global: int, seq_len: int, size: ModelSize) -> SupervisedPlan:
-    micro, accumulation = _global_batch(target_global, fit.micro_batch, target.world)
+def _gpu_supervised(target: Target, fit: _Fit, shape: _SupervisedShape, seq_len: int,
+                    size: ModelSize) -> SupervisedPlan:
+    micro, accumulation = _global_batch(shape.global_batch, fit.micro_batch, target.world)
     return SupervisedPlan(
         zero_stage=fit.choice.zero_stage,
         offload=fit.choice.offload,
+        offload_reference_model=fit.choice.offload if shape.frozen_copy else None,  # as the memory model holds it
         lora_dim=_GPU_LORA_DIM if fit.choice.lora else 0,
         lora_module_name=size.blocks_name if fit.choice.lora else None,
         only_optimize_lora=fit.choice.lora,
@@ -381,7 +383,7 @@ def _plan_supervised(target: Target, size: ModelSize, shape: _SupervisedShape,
     seq_len = fit_length(_SEQ_LEN, size)
     fit = _fit_training(target, [size], [size] if shape.frozen_copy else [], seq_len, shape.seqs_per_sample,
                         shape.micro_batch_cap, shape.what)
-    return _gpu_supervised(target, fit, shape.global_batch, seq_len, size)
+    return _gpu_supervised(target, fit, shape, seq_len, size)
 
 
 def plan_sft(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
@@ -440,6 +442,7 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
         critic_zero_stage=_critic_zero_stage(workload, fit.choice.zero_stage),
         actor_offload=fit.choice.offload,
         offload_reference_model=fit.choice.offload,
+        offload_reward_model=fit.choice.offload if workload.reward_model else None,
         actor_lora_dim=lora_dim,
         actor_lora_module_name=sizes.actor.blocks_name if lora_dim else None,
         actor_only_optimize_lora=fit.choice.lora,

@@ -36,6 +36,7 @@ class SupervisedPlan(StepPlan):
 
     zero_stage: int | None = None
     offload: bool | None = None
+    offload_reference_model: bool | None = None  # DPO's frozen reference
     lora_dim: int | None = None
     lora_module_name: str | None = None
     only_optimize_lora: bool | None = None
@@ -61,6 +62,7 @@ class RLHFPlan(StepPlan):
     actor_offload: bool | None = None
     critic_offload: bool | None = None
     offload_reference_model: bool | None = None
+    offload_reward_model: bool | None = None
     actor_lora_dim: int | None = None
     critic_lora_dim: int | None = None
     actor_lora_module_name: str | None = None
