@@ -242,6 +242,7 @@ def bench_generation_config(args: argparse.Namespace, tokenizer: PreTrainedToken
         seed=0,
         eos_token_id=stop_token_ids,
         pad_token_id=tokenizer.pad_token_id,
+        tokenizer_size=len(tokenizer),
     )
 
 

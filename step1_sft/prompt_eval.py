@@ -41,7 +41,7 @@ from training.core.model_loading import (
     resolve_trained_dtype,
     resolve_trained_model,
 )
-from training.generation.generator import DecodingSettings, decode_by_flags_only
+from training.generation.generator import DecodingSettings, decode_by_flags_only, tokenizer_ids_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
 from training.reliability.validation import check_output_file
@@ -166,7 +166,8 @@ def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
             batch = tokenizer([rendered[row] for row in batch_rows], return_tensors="pt", padding=True,
                               add_special_tokens=add_special_tokens).to(device)
             output = model.generate(**batch, **{**settings.generate_kwargs(), "max_new_tokens": budget},
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids)
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids,
+                                    **tokenizer_ids_only(len(tokenizer)))
             for row, new_tokens in zip(batch_rows, output[:, batch["input_ids"].shape[1]:]):
                 answers[row] = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
     return answers

@@ -362,6 +362,7 @@ class PPOTrainer:
         self.stop_token_ids = answer_stop_ids(PromptFormatter(tokenizer, prompt_format).stop_token_ids,
                                               actor_stop_token_ids)
         self.pad_token_id = tokenizer.pad_token_id
+        self.tokenizer_size = len(tokenizer)
         self.kl_controller = (
             AdaptiveKLController(config.kl_ctl, config.target_kl, config.kl_horizon)
             if config.target_kl is not None else FixedKLController(config.kl_ctl)
@@ -385,6 +386,7 @@ class PPOTrainer:
             do_sample=do_sample,
             temperature=self.config.temperature,
             num_return_sequences=num_return_sequences,
+            tokenizer_size=self.tokenizer_size,
         )
 
     # rollouts -----------------------------------------------------------------------------------

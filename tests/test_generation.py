@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import make_padded_vocab_model_dir, make_tiny_model
 
 from training.core.args import SettingsParser
 from training.core.sequences import (
@@ -12,6 +12,7 @@ from training.core.sequences import (
     token_logprobs,
 )
 from training.generation.generator import (
+    BeyondTokenizerBan,
     GenerationConfig,
     HFGenerator,
     TokenChoice,
@@ -55,6 +56,59 @@ def test_top_k_and_top_p_draw_only_from_the_kept_tokens():
     assert abs(frequencies[0] - 0.625) < 0.05  # renormalised 0.5 / 0.8
     cold = select_next_tokens(logits, _config(temperature=0.05), generator)
     assert (cold == 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("settings", [{"do_sample": False}, {}, {"temperature": 3.0, "top_k": 40, "top_p": 0.95}])
+def test_no_token_beyond_the_tokenizer_is_chosen_and_log_probs_stay_the_whole_distributions(settings):
+    """Columns from `tokenizer_size` on are embedding rows the tokenizer has no token for (Qwen2.5's padding):
+    never chosen, greedy or drawn, even where they are the most likely; the log-probs are still those of every
+    column, as the training forward computes them."""
+    logits = torch.randn(4000, 50)
+    logits[:, 40:] += 3.0
+    choice = TokenChoice.of(_config(**settings, tokenizer_size=40))
+    tokens, logprobs = choice(logits, choice.uniforms(4000, logits.device, torch.Generator().manual_seed(0)))
+    assert tokens.max() < 40
+    torch.testing.assert_close(logprobs, token_logprobs(logits, tokens, choice.temperature))
+    if not choice.do_sample:
+        assert torch.equal(tokens, logits[:, :40].argmax(-1))
+
+
+def test_transformers_generate_is_kept_to_the_tokenizers_ids_without_touching_its_raw_logits():
+    scores = torch.randn(3, 50)
+    kept = scores.clone()
+    banned = BeyondTokenizerBan(40)(None, scores)
+    assert torch.equal(scores, kept)  # `generate` reports these as the step's logits
+    assert torch.equal(banned[:, :40], kept[:, :40]) and torch.isneginf(banned[:, 40:]).all()
+    assert BeyondTokenizerBan(50)(None, scores) is scores
+
+
+def test_hf_backend_never_draws_an_id_beyond_the_tokenizer(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = make_padded_vocab_model_dir(tmp_path / "padded")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    ids = torch.randint(3, len(tokenizer), (6, 5), generator=torch.Generator().manual_seed(0))
+    config = _config(max_new_tokens=30, seed=0, eos_token_id=-1, tokenizer_size=len(tokenizer))
+    out = HFGenerator(model).generate(ids, torch.ones_like(ids), config)
+    assert out.answers.max() < len(tokenizer)
+    with torch.no_grad():
+        expected = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length)
+    torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
+
+
+def test_the_chatbot_and_prompt_eval_never_choose_an_id_beyond_the_tokenizer(tmp_path, monkeypatch):
+    """Their answers read as text, which had the ids beyond the tokenizer dropped without a word."""
+    from inference.chatbot import ChatSession, SamplingOptions
+    from step1_sft.prompt_eval import GenerationSettings, generate_answers, load_for_generation
+
+    model, tokenizer = load_for_generation(make_padded_vocab_model_dir(tmp_path / "padded"), torch.float32)
+    generate, outputs = model.generate, []
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: outputs.append(generate(*args, **kwargs)) or
+                        outputs[-1])
+    torch.manual_seed(0)
+    generate_answers(model, tokenizer, ["hello", "a"], GenerationSettings(max_new_tokens=40, do_sample=True, top_k=0))
+    ChatSession(model, tokenizer, SamplingOptions(max_new_tokens=40, temperature=1.0, top_p=1.0)).reply("hello")
+    assert [int(output.max()) < len(tokenizer) for output in outputs] == [True, True]
 
 
 def test_full_distribution_draws_match_the_probabilities_over_a_large_vocabulary():

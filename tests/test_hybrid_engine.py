@@ -30,6 +30,7 @@ from scripts.hybrid_engine_worker import (
 )
 from transformers.pytorch_utils import Conv1D
 
+from training.core.zero import full_shape
 from training.generation.cpu_linear import PackedLinear
 from training.generation.fused_llama import FUSED_MODEL_TYPES, fused_llama_unsupported_reason
 from training.generation.generator import GenerationConfig, HFGenerator
@@ -140,6 +141,22 @@ def test_sampled_logprobs_are_those_of_the_tempered_distribution_and_seeded_runs
         torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
     other = hybrid.generate(ids, mask, GenerationConfig(**{**config.__dict__, "seed": 4}))
     assert not torch.equal(first.sequences, other.sequences)
+
+
+@pytest.mark.parametrize("arch,stage", [("llama", 3), ("gpt2", 0)])  # the fused decoder, the transformers forward
+def test_no_id_beyond_the_tokenizer_is_drawn_and_log_probs_stay_the_train_forwards(distributed, tmp_path, arch, stage):
+    """Embedding rows beyond the tokenizer (Qwen2.5's padding) hold ids that decode to nothing: a rollout drawn from
+    the whole distribution held about one in six of them here, silently dropped from the text a reward function
+    reads."""
+    from tiny_models import make_padded_vocab_model_dir
+
+    engine, tokenizer = build_engine(make_padded_vocab_model_dir(tmp_path / "padded", arch), stage)
+    ids, mask = prompt_batch(tokenizer, PROMPTS)
+    config = GenerationConfig(max_new_tokens=30, seed=0, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id,
+                              tokenizer_size=len(tokenizer))
+    out = hybrid_engine(engine).generate(ids, mask, config)
+    assert out.answers.max() < len(tokenizer) < full_shape(engine.module.get_output_embeddings().weight)[0]
+    torch.testing.assert_close(out.logprobs, train_mode_logprobs(engine, out), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch,samples", [("llama", 1), ("llama", 3), ("gpt2", 1)])

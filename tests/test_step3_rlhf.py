@@ -219,6 +219,16 @@ def test_rollouts_sampled_at_a_temperature_are_trained_on_that_temperatures_logp
     assert stats["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
 
 
+def test_every_rollout_chooses_among_the_tokenizers_ids_only(distributed, inputs):
+    """An actor's embedding may hold rows beyond its tokenizer (Qwen2.5's padding): ids that decode to nothing, which
+    the generators keep out of a rollout when told the tokenizer's size (tests/test_hybrid_engine.py,
+    tests/test_generation.py), sampled or greedy."""
+    engine = build_engine(inputs)
+    trainer = PPOTrainer(engine, HFGenerator(engine.actor), PPOConfig(max_answer_seq_len=6))
+    assert [trainer.generation_config(do_sample).tokenizer_size for do_sample in (True, False)] == \
+        [len(engine.tokenizer)] * 2
+
+
 def test_fp32_rollouts_reuse_the_generators_logprobs_and_train_as_if_recomputed(distributed, inputs):
     """The hybrid engine's fp32 log-probs are at parity with the training forward (1e-4: its parity tests), so
     the trainer takes them as the old log-probs and skips the actor's scoring forward; the update's statistics

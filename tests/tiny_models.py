@@ -163,6 +163,19 @@ def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int 
     return str(path)
 
 
+def make_padded_vocab_model_dir(path: str | os.PathLike, arch: str = "llama", extra_rows: int = 61) -> str:
+    """A tiny model folder whose embedding holds `extra_rows` rows beyond its tokenizer's ids, as Qwen2.5's 151,936 rows
+    hold 151,665 tokens: ids the tokenizer decodes to nothing, which a draw from the whole (near uniform) distribution
+    of this untrained model picks about once in six tokens."""
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    config = make_config(arch, len(tokenizer) + extra_rows, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                         tokenizer.bos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def make_scripted_llama(tokenizer, successors: dict[str, str]):
     """A one-layer Llama that writes by rule: after the token `t`, `successors[t]` (greedy), after any other token
     the pad (the tokenizer must have one). Its layer's outputs are zero, so the final norm sees the last token's

@@ -10,6 +10,9 @@ Conventions shared by every backend:
   (`GenerationConfig.logprob_temperature`: 1 for greedy decoding): the log-probability under the
   distribution that drew it, which a train-mode forward computes as `answer_logprobs(..., temperature=T)`.
   Top-k and top-p truncation are not reflected in it (the RLHF trainer refuses them for that reason);
+- no backend chooses an id from `GenerationConfig.tokenizer_size` on: a model's embedding may hold rows beyond its
+  tokenizer (Qwen2.5's 151,936 for 151,665 tokens; `match_tokenizer` rounds a grown one up to a multiple of 8),
+  untrained ids that decode to nothing. Log-probs stay those of every row, as the training forward computes them;
 - an answer ends at its first stop token (`GenerationConfig.eos_token_id`: the EOS, and for a chat template whose
   turns end in another special token, that token: `PromptFormatter.stop_token_ids`), which it includes, or at
   `max_new_tokens`; answers are right-padded with `pad_token_id` after it; N is the longest answer in the batch;
@@ -25,6 +28,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 from transformers import GenerationConfig as TransformersGenerationConfig
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from training.core.sequences import token_logprobs
 from training.core.zero import is_zero3_module
@@ -55,6 +59,7 @@ class GenerationConfig(SamplingSettings):
     do_sample: bool = True
     seed: int | None = None
     num_return_sequences: int = 1  # K continuations per prompt, prompt-major (see the module docstring)
+    tokenizer_size: int | None = None  # len(tokenizer): ids from it on are never chosen (None: any row of the model)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -184,13 +189,15 @@ class TokenChoice:
     top_k: int = 0
     top_p: float = 1.0
     sync_tokens: TokenSync | None = None
+    tokenizer_size: int | None = None  # logits columns from it on are never chosen (`GenerationConfig.tokenizer_size`)
 
     @classmethod
     def of(cls, config: GenerationConfig, sync_tokens: TokenSync | None = None) -> TokenChoice:
         """The choice `config` asks for (greedy ignores the filters, so greedy choices are all equal)."""
         sampling = config.do_sample
         return cls(do_sample=sampling, temperature=config.logprob_temperature, top_k=config.top_k if sampling else 0,
-                   top_p=config.top_p if sampling else 1.0, sync_tokens=sync_tokens)
+                   top_p=config.top_p if sampling else 1.0, sync_tokens=sync_tokens,
+                   tokenizer_size=config.tokenizer_size)
 
     def uniforms(self, rows: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:
         """One uniform number per row for a draw ([rows, 1] fp64), None when greedy."""
@@ -205,8 +212,9 @@ class TokenChoice:
         return tokens, token_logprobs(logits, tokens, self.temperature)
 
     def select(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
-        """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B]."""
-        logits = logits.float()
+        """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B], among
+        the tokenizer's ids only."""
+        logits = logits.float()[:, :self.tokenizer_size]
         if not self.do_sample:
             return logits.argmax(-1)
         logits = logits / self.temperature
@@ -230,6 +238,27 @@ def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cumulative = probs.double().cumsum(-1)
     tokens = torch.searchsorted(cumulative, uniforms * cumulative[:, -1:], right=True)
     return tokens.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+class BeyondTokenizerBan(LogitsProcessor):
+    """transformers' `generate` never chooses an id from `tokenizer_size` on (see the module docstring)."""
+
+    def __init__(self, tokenizer_size: int):
+        self.tokenizer_size = tokenizer_size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[-1] <= self.tokenizer_size:
+            return scores
+        beyond = torch.arange(self.tokenizer_size, scores.shape[-1], device=scores.device)
+        # a new tensor: `generate` keeps the one it passes in as the step's raw logits (`output_logits`)
+        return scores.index_fill(-1, beyond, float("-inf"))
+
+
+def tokenizer_ids_only(tokenizer_size: int | None) -> dict:
+    """The `generate` keyword arguments that keep its choices to a tokenizer of `tokenizer_size` ids (None: none)."""
+    if tokenizer_size is None:
+        return {}
+    return {"logits_processor": LogitsProcessorList([BeyondTokenizerBan(tokenizer_size)])}
 
 
 def sampling_generator(config: GenerationConfig, device: torch.device | str) -> torch.Generator | None:
@@ -352,6 +381,7 @@ class HFGenerator:
                 synced_gpus=is_zero3_module(self.module) and get_world_size() > 1,
                 return_dict_in_generate=True,
                 output_logits=True,
+                **tokenizer_ids_only(config.tokenizer_size),
                 **sampling,
                 **self.generate_kwargs,
             )
