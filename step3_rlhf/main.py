@@ -34,7 +34,13 @@ from step3_rlhf.placement_setup import record_auto_plan, resolve_placement
 from step3_rlhf.run_loop import ACTOR_SUBDIR, CRITIC_SUBDIR, EMA_SUBDIR, PLOT_FILE, PPORun
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from step3_rlhf.settings import Step3Settings, optimizer_steps_per_ppo_step, optimizer_steps_said
-from training.core.args import SettingsParser, flag_values, resume_fixed_flags, warn_long_warmup
+from training.core.args import (
+    SettingsParser,
+    flag_values,
+    resume_fixed_flags,
+    resume_override_flags,
+    warn_long_warmup,
+)
 from training.core.model_loading import folder_stop_ids, load_config, load_tokenizer
 from training.core.reward_model import MARKER_FILE, VALUE_HEAD_FILE, refuse_reward_model
 from training.generation.hybrid_engine import build_generator
@@ -202,7 +208,8 @@ def run_step3(args: Step3Settings) -> dict:
         check_args(args)  # the settings the plan chose
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args))
+        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args),
+                                               resume_override_flags(args))
         checkpoints.check_start(args.checkpoints.resume)  # before anything loads or args.json is written
         if auto_plan is not None:
             record_auto_plan(run_dir, auto_plan)

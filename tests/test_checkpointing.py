@@ -198,6 +198,33 @@ def test_a_resume_with_another_number_of_processes_is_refused(distributed, tmp_p
         manager.check_start(resume=True)
 
 
+@pytest.mark.parametrize("step, required, allowed, absent", [
+    ("step1_sft.main", [], ["--eval_interval", "--learning_rate", "--lora_learning_rate"], ["--max_train_minutes"]),
+    ("step3_rlhf.main", ["--actor_model_name_or_path", "actor"],
+     ["--actor_learning_rate", "--critic_lora_learning_rate", "--max_train_minutes"], ["--eval_interval"]),
+])
+def test_a_refused_resume_names_the_flags_that_step_lets_change(distributed, tmp_path, step, required, allowed,
+                                                                absent):
+    """The refusal of a changed flag says what a resume of that step may change: its own "resume_override" flags
+    (step 1 has no --max_train_minutes, which the message used to offer; its --eval_interval may change)."""
+    from importlib import import_module
+
+    from training.core.args import resume_fixed_flags, resume_override_flags
+
+    parser = import_module(step).build_parser()
+
+    def manager_for(seed: str) -> CheckpointManager:
+        settings = parser.parse_args(["--output_dir", str(tmp_path / "run"), "--seed", seed, *required])
+        return CheckpointManager(tmp_path / "run", fixed_flags=resume_fixed_flags(settings),
+                                 overridable=resume_override_flags(settings))
+
+    manager_for("1").save(2, {"actor": build_engine(0)}, {})
+    with pytest.raises(UserError, match="--seed 1 -> 2") as refused:
+        manager_for("2").check_start(resume=True)
+    assert all(flag in str(refused.value) for flag in allowed), str(refused.value)
+    assert not any(flag in str(refused.value) for flag in absent), str(refused.value)
+
+
 def test_restore_follows_resume_flag(distributed, tmp_path):
     manager = CheckpointManager(tmp_path / "run")
     engines = {"actor": build_engine(0)}

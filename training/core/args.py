@@ -144,6 +144,11 @@ def resume_fixed_flags(settings: Any) -> dict[str, Any]:
     return fixed
 
 
+def resume_override_flags(settings: Any) -> frozenset[str]:
+    """The flags marked "resume_override": a resumed run may give them other values (a refusal names them)."""
+    return _marked_flags(type(settings), "resume_override")
+
+
 def same_result_flags(settings: Any) -> frozenset[str]:
     """The flags marked "same_result": a finished run made with other values of them is the same run."""
     return _marked_flags(type(settings), "same_result")

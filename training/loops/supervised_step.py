@@ -31,6 +31,7 @@ from training.core.args import (
     flag_values,
     optimization_settings,
     resume_fixed_flags,
+    resume_override_flags,
     warn_long_warmup,
 )
 from training.core.engine import create_train_engine
@@ -232,7 +233,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
     init_distributed()
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args))
+        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args),
+                                               resume_override_flags(args))
         checkpoints.check_start(args.checkpoints.resume)  # before anything loads or args.json is written
         set_seed(args.data.seed)
         tokenizer = load_tokenizer(model_name, args.run.trust_remote_code)

@@ -36,7 +36,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -87,9 +87,10 @@ class CheckpointSettings:
         """Refuse a policy no manager runs (`check_checkpoint_policy`), before the step loads or writes anything."""
         check_checkpoint_policy(self.keep_last_checkpoints, self.save_interval)
 
-    def manager(self, output_dir: str | Path, fixed_flags: Mapping[str, Any] | None = None) -> "CheckpointManager":
+    def manager(self, output_dir: str | Path, fixed_flags: Mapping[str, Any] | None = None,
+                overridable: Iterable[str] = ()) -> "CheckpointManager":
         return CheckpointManager(output_dir, keep_last=self.keep_last_checkpoints, save_interval=self.save_interval,
-                                 fixed_flags=fixed_flags)
+                                 fixed_flags=fixed_flags, overridable=overridable)
 
 
 def check_checkpoint_policy(keep_last: int, save_interval: int) -> None:
@@ -264,14 +265,16 @@ class CheckpointManager:
     except `latest`, `complete_checkpoints` and `should_save`, which only read)."""
 
     def __init__(self, output_dir: str | Path, keep_last: int = 2, save_interval: int = 0,
-                 fixed_flags: Mapping[str, Any] | None = None):
+                 fixed_flags: Mapping[str, Any] | None = None, overridable: Iterable[str] = ()):
         """`fixed_flags`: the flags a resumed run must share with its checkpoint (`training.core.args.
-        resume_fixed_flags`), recorded in each checkpoint's marker and compared by `check_start`."""
+        resume_fixed_flags`), recorded in each checkpoint's marker and compared by `check_start`; `overridable`: the
+        step's flags a resumed run may change (`training.core.args.resume_override_flags`), which a refusal names."""
         check_checkpoint_policy(keep_last, save_interval)
         self.checkpoints_dir = Path(output_dir) / CHECKPOINTS_SUBDIR
         self.keep_last = keep_last
         self.save_interval = save_interval
         self.fixed_flags = None if fixed_flags is None else as_recorded(fixed_flags)
+        self.overridable = sorted(overridable)
         self.data: dict[str, Any] | None = None
         self.loaded: Path | None = None  # the checkpoint `load_latest` loaded last
 
@@ -468,9 +471,13 @@ class CheckpointManager:
             return None
         flags = ", ".join(f"--{name} {then!r} -> {now!r}" for name, (then, now) in changed.items())
         return (f"--resume continues the run checkpointed in {info.path}, but these flags differ from that run's: "
-                f"{flags}. Resume with that run's flags (its checkpoint.json records them; the learning rates, "
-                f"--gradient_clipping, --max_train_minutes and what only changes saving, logging or speed may "
-                f"differ), or start a new run in another --output_dir")
+                f"{flags}. Resume with that run's flags (its checkpoint.json records them; "
+                f"{self._flags_free_to_change()} may differ), or start a new run in another --output_dir")
+
+    def _flags_free_to_change(self) -> str:
+        """The flags a resumed run of this step may change, as a refusal says them."""
+        named = "".join(f"--{name}, " for name in self.overridable)
+        return f"{named}{'and ' if named else ''}what only changes saving, logging or speed"
 
     def restore(self, engines: Mapping[str, Any], resume: bool) -> dict[str, Any] | None:
         """`load_latest` behind the `--resume` rules: with it, a checkpoint must exist; without it, none may
