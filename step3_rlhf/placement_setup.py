@@ -140,7 +140,8 @@ def _auto_plan(args: Step3Settings, world: int, roles: list[str]) -> PlanChoice 
 
     try:
         paths = step3_model_paths(args)
-        sizes = {role: model_size(path) if path else None for role, path in paths.items()}
+        sizes = {role: model_size(path, args.run.trust_remote_code) if path else None
+                 for role, path in paths.items()}
         on_gpus = get_accelerator().device_name() != "cpu"
         if on_gpus and args.placement.hardware_file:
             _check_launched_nodes(args.placement.hardware_file, world)

@@ -13,7 +13,8 @@ import torch.distributed.run
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TESTS_DIR
-from supervised_data import arithmetic_rows
+from supervised_data import arithmetic_rows, write_arithmetic_jsonl
+from tiny_models import make_custom_code_model_dir
 from crash_resume import assert_same_weights, kill_after_checkpoint, latest_checkpoint_step, launch_step, run_step
 from test_step3_rlhf import make_step3_inputs
 from training.core.model_loading import load_causal_lm, load_tokenizer
@@ -170,6 +171,21 @@ def test_step3_placement_auto_on_gpus_refuses_to_plan_them_from_a_cpu_calibratio
                                  "--placement", "auto"))
     with pytest.raises(UserError, match="--placement auto plans GPU ranks here, and without --hardware_file"):
         resolve_placement(args)
+
+
+def test_step3_placement_auto_plans_a_model_with_its_own_code_with_trust_remote_code(tmp_path):
+    """--placement auto read the models' sizes without step 3's --trust_remote_code: the plan of an actor that ships
+    its own code failed on every rank with the error that asks for the flag the run was given."""
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.placement_setup import _auto_plan
+    from training.placement.planner import PlanChoice
+
+    actor = make_custom_code_model_dir(tmp_path / "custom")
+    args = parse_args(["--actor_model_name_or_path", actor, "--output_dir", str(tmp_path / "run"),
+                       "--data_path", write_arithmetic_jsonl(tmp_path / "pairs.jsonl", 8), "--data_split", "0,0,1",
+                       "--algorithm", "grpo", "--reward_fn", "builtin:math", "--dtype", "fp32",
+                       "--placement", "auto", "--hardware_file", "a100-80gb", "--trust_remote_code"])
+    assert isinstance(_auto_plan(args, 8, ["actor", "reference"]), PlanChoice)
 
 
 def test_step3_launched_directly_refuses_a_hardware_file_of_other_nodes_than_the_launchers(tmp_path_factory,
