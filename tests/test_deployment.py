@@ -26,6 +26,7 @@ from training.pipeline.deployment import (
     ModelSizes,
     Workload,
     detect_deployment,
+    host_bytes_per_node,
     state_bytes_per_gpu,
 )
 from training.pipeline.hardware import Hardware, ModelSize
@@ -148,15 +149,16 @@ def test_a_plan_with_offload_keeps_the_frozen_models_in_cpu_memory():
         return step3_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
                            *plan.steps[3].argv()]).frozen
 
-    offloaded = frozen(plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), LAPTOP_GPU, None))
+    workstation = dataclasses.replace(LAPTOP_GPU, cpu_memory_gib=256)  # the four 7B models' weights in its memory
+    offloaded = frozen(plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), workstation, None))
     assert offloaded.offload_reference_model and offloaded.offload_reward_model
     on_gpus = frozen(plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B7, B7), H100, None))
     assert not on_gpus.offload_reference_model and not on_gpus.offload_reward_model
-    no_reward_model = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), LAPTOP_GPU, None,
+    no_reward_model = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), workstation, None,
                                Workload(critic=False, reward_model=False))
     assert no_reward_model.steps[3].flags["offload_reference_model"]
     assert "offload_reward_model" not in no_reward_model.steps[3].flags
-    for plan, offloaded in ((plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), LAPTOP_GPU, None), True),
+    for plan, offloaded in ((plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), workstation, None), True),
                             (plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B7, B7), H100, None), False)):
         dpo = dpo_args(["--model_name_or_path", "a", "--output_dir", "o", *plan.steps[4].argv()])
         assert (dpo.training.offload, dpo.dpo.offload_reference_model) == (offloaded, offloaded)
@@ -233,6 +235,39 @@ def test_sequence_lengths_stay_within_the_models_positions():
     gpu = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(short, SMALL), H100, None)
     assert gpu.steps[1].flags["max_seq_len"] == 256 and gpu.steps[2].flags["max_seq_len"] == 512
     assert plan_cpu(ModelSizes(SMALL, short), TWO_CORES).steps[2].flags["max_seq_len"] <= 256
+
+
+def test_an_offload_plan_fits_the_offloaded_weights_in_host_memory():
+    """Offload at ZeRO-3 keeps every weight in CPU memory (2 bytes each), the frozen models' too, but the host check
+    counted the trained weights' optimizer state alone, model by model: a 180B model fitted one 24 GB GPU with 64 GB
+    of RAM under ZeRO-3, offload and LoRA (its bf16 weights alone take 335 GiB), to fail once its step loaded it."""
+    b180 = ModelSize(parameters=180_000_000_000, hidden_size=14848, num_layers=80, vocab_size=32000)
+    with pytest.raises(UserError, match=r"^step 1: 180\.0B parameters do not fit on 1 accelerator"):
+        plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b180, SMALL), LAPTOP_GPU, None)
+    big_host = dataclasses.replace(LAPTOP_GPU, cpu_memory_gib=1024)
+    sft = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b180, SMALL), big_host, None).steps[1].flags
+    assert (sft["zero_stage"], sft["offload"], sft["lora_dim"] > 0) == (3, True, True)
+    lora_offload = MemoryChoice(3, offload=True, lora=True)
+    two_trained = host_bytes_per_node([B7, B7], [B7], lora_offload, nodes=2)  # every model counts, per node
+    assert two_trained == pytest.approx((14 * 2 * 7e7 + 2 * 3 * 7e9) / 2)
+    assert host_bytes_per_node([B7], [B7], MemoryChoice(2, offload=True), nodes=1) == 14 * 7e9 + 2 * 7e9
+    assert host_bytes_per_node([B7], [B7], MemoryChoice(3, lora=True), nodes=1) == 0
+
+
+def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
+    """Every registered step was planned, whichever ran: a 70B actor that step 1 fits on one 80 GB GPU of a 256 GB
+    machine (its weights offloaded there) but step 3 does not (its frozen copy's weights too) refused `--step 1`."""
+    from training.pipeline import runner
+    from training.pipeline.cli import parse_config
+
+    monkeypatch.setattr(runner, "model_size", lambda *args, **kwargs: B70)
+    node = Hardware(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=32, bf16=True)
+    with pytest.raises(UserError, match=r"^step 3: .* do not fit on 1 accelerator"):
+        plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B70, B70), node, None)
+    argv = ["--deployment-type", "single_gpu", "--actor-model", tiny_model_dir("llama"), "--output-dir",
+            str(tmp_path / "out"), "--dry-run", "--step", "1"]
+    command = runner.run_pipeline(parse_config(argv), hardware=node)["commands"][1]
+    assert command[command.index("--zero_stage") + 1] == "3" and "--offload" in command
 
 
 def test_a_model_that_cannot_fit_is_a_user_error():

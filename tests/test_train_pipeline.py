@@ -479,7 +479,8 @@ def test_step3s_planned_workload_has_a_reward_model_exactly_when_its_inputs_give
     fakes = FakeSteps(tiny_model_dir("llama"), extra_options={3: ["--algorithm", "--reward_fn"]})
     workloads = []
     plan_deployment = runner.plan_deployment
-    monkeypatch.setattr(runner, "plan_deployment", lambda *args: workloads.append(args[-1]) or plan_deployment(*args))
+    monkeypatch.setattr(runner, "plan_deployment",
+                        lambda *args, **kwargs: workloads.append(args[-1]) or plan_deployment(*args, **kwargs))
     scorer = tmp_path / "scorer.py"
     scorer.write_text("def score(prompt, answer, metadata):\n    return float(len(answer) > 3)\n")
     grpo = common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--reward_fn", f"{scorer}:score"]

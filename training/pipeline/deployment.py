@@ -116,11 +116,16 @@ def _pow2_floor(value: float, cap: int) -> int:
     return min(cap, 2 ** int(math.log2(value)))
 
 
-def _host_memory_fits(params: int, choice: MemoryChoice, nodes: int, hardware: Hardware) -> bool:
+def host_bytes_per_node(trained: list[ModelSize], frozen: list[ModelSize], choice: MemoryChoice, nodes: int) -> float:
+    """What an offload choice keeps in one node's CPU memory, all models together: the trained weights' optimizer
+    states and gradients, their 2-byte weights at ZeRO-3 (parameter offload), and the frozen models' weights (offloaded
+    through ZeRO-3 at any stage). Nothing without offload."""
     if not choice.offload:
-        return True
-    trainable = params * _LORA_TRAINABLE if choice.lora else params
-    return (_ADAM_BYTES + 2) * trainable / nodes <= 0.7 * hardware.cpu_memory_gib * GIB
+        return 0.0
+    trainable = sum(m.parameters for m in trained) * (_LORA_TRAINABLE if choice.lora else 1)
+    weights = sum(m.parameters for m in trained) if choice.zero_stage == 3 else 0
+    weights += sum(m.parameters for m in frozen)
+    return ((_ADAM_BYTES + 2) * trainable + 2 * weights) / nodes
 
 
 @dataclass(frozen=True)
@@ -138,7 +143,7 @@ def _fit_training(
     world, nodes, hardware = target.world, target.nodes, target.hardware
     memory = (hardware.gpu_memory_gib or hardware.cpu_memory_gib) * GIB
     for choice in _ladder(world):
-        if not all(_host_memory_fits(m.parameters, choice, nodes, hardware) for m in trained):
+        if host_bytes_per_node(trained, frozen, choice, nodes) > 0.7 * hardware.cpu_memory_gib * GIB:
             continue
         states = sum(state_bytes_per_gpu(m.parameters, world, choice) for m in trained)
         states += sum(state_bytes_per_gpu(m.parameters, world, choice, trained=False) for m in frozen)

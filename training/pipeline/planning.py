@@ -21,29 +21,32 @@ from .steps import STEPS, flag_value
 
 
 def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: ModelSizes,
-          workload: Workload) -> DeploymentPlan:
-    steps = {number: spec.planner(target, sizes, workload) for number, spec in STEPS.items()}
-    return DeploymentPlan(deployment, target.world, steps, notes)
+          workload: Workload, steps: Collection[int] | None) -> DeploymentPlan:
+    """The plan of `steps` (None: every registered step). A step the run leaves out is not planned: a model that
+    fits none of its memory choices (step 3's four models, where step 1 trains one) refuses no run without it."""
+    plans = {number: spec.planner(target, sizes, workload) for number, spec in STEPS.items()
+             if steps is None or number in steps}
+    return DeploymentPlan(deployment, target.world, plans, notes)
 
 
 def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None,
-             workload: Workload = Workload()) -> DeploymentPlan:
+             workload: Workload = Workload(), steps: Collection[int] | None = None) -> DeploymentPlan:
     """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one)."""
-    return _plan(deployment, *gpu_target(deployment, hardware, hosts), sizes, workload)
+    return _plan(deployment, *gpu_target(deployment, hardware, hosts), sizes, workload, steps)
 
 
 def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun(),
-             workload: Workload = Workload()) -> DeploymentPlan:
-    return _plan(DeploymentType.CPU, *cpu_target(hardware, quick), sizes, workload)
+             workload: Workload = Workload(), steps: Collection[int] | None = None) -> DeploymentPlan:
+    return _plan(DeploymentType.CPU, *cpu_target(hardware, quick), sizes, workload, steps)
 
 
 def plan_deployment(
     deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None = None,
-    workload: Workload = Workload(),
+    workload: Workload = Workload(), steps: Collection[int] | None = None,
 ) -> DeploymentPlan:
     if deployment is DeploymentType.CPU:
-        return plan_cpu(sizes, hardware, workload=workload)
-    return plan_gpu(deployment, sizes, hardware, hosts, workload)
+        return plan_cpu(sizes, hardware, workload=workload, steps=steps)
+    return plan_gpu(deployment, sizes, hardware, hosts, workload, steps)
 
 
 def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None],
@@ -53,6 +56,8 @@ def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None
     Returns the models given a stage that no step of `steps` takes."""
     taken = set()
     for number, spec in STEPS.items():
+        if number not in plan.steps:
+            continue
         planned = plan.steps[number].flags
         overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items()
                      if stages[model] is not None and name in planned}

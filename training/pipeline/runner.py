@@ -505,7 +505,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
         read_by_train_py=frozenset({"--reward_fn"}),
     ) if config.extra_args else {}
     reward_model = any(source.model is Model.REWARD for source, _ in inputs.get(3, []))
-    plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model))
+    plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model),
+                           steps=config.steps)
     if untaken := apply_zero_overrides(plan, config.zero_stages(), config.steps):
         raise UserError("; ".join(
             f"--{model.value}-zero-stage {config.zero_stages()[model]}: no step of this run (steps "
