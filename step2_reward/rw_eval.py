@@ -24,7 +24,7 @@ from utils.log import deepspeed_logs_to_stderr
 
 deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the scores alone
 
-from training.core.args import DTYPE_CHOICES, SettingsParser
+from training.core.args import DTYPE_CHOICES, SettingsParser, trust_remote_code_field
 from training.core.model_loading import TRAINED_DTYPE_HELP, load_config, load_tokenizer, resolve_trained_dtype
 from training.core.reward_model import RewardModel, resolve_reward_model, reward_model_folder
 from training.reliability.run_records import args_of_model
@@ -150,6 +150,7 @@ class RewardEvalArguments:
     batch_size: int = field(default=8, metadata={"help": "rows scored together"})
     max_rows: int | None = field(default=None, metadata={"help": "score at most this many rows of --input_file"})
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES, "help": TRAINED_DTYPE_HELP})
+    trust_remote_code: bool = trust_remote_code_field()
     output_file: str | None = field(default=None, metadata={"help": "write the scored rows to this JSONL file"})
 
     def check(self) -> None:
@@ -251,9 +252,10 @@ def _prepared_rows(args: RewardEvalArguments) -> tuple[PreTrainedTokenizerBase, 
     output file, a reward model in the folder, --max_seq_len settled, the rows of --input_file read."""
     check_output_file(args.output_file)
     reward_model_folder(args.model_name_or_path)
-    args.max_seq_len = _settled_max_seq_len(args.max_seq_len, load_config(args.model_name_or_path),
+    args.max_seq_len = _settled_max_seq_len(args.max_seq_len, load_config(args.model_name_or_path,
+                                                                          args.trust_remote_code),
                                             args.model_name_or_path)
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     return tokenizer, _rows(args, tokenizer)
 
 
@@ -262,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     tokenizer, rows = _prepared_rows(args)
     model = RewardModel.from_pretrained(args.model_name_or_path,
-                                        dtype=resolve_trained_dtype(args.dtype, args.model_name_or_path))
+                                        dtype=resolve_trained_dtype(args.dtype, args.model_name_or_path),
+                                        trust_remote_code=args.trust_remote_code)
     scorer = RewardScorer(model, tokenizer, prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
                           batch_size=args.batch_size)
     results = scorer.score_rows(rows)
