@@ -150,9 +150,11 @@ def test_experience_places_reward_and_kl_on_the_right_tokens(distributed, inputs
     prompts = prompt_batch(tokenizer, 2)
     eos = tokenizer.eos_token_id
     answers = torch.tensor([[5, 6, 7, eos, 9], [10, 11, 12, 13, 14]])  # row 0 stops at its EOS; row 1 is cut off
-    kl_ctl, clip = 0.3, 0.05
+    clip = 0.05
     trainer = PPOTrainer(engine, FixedAnswers(answers, eos, tokenizer.pad_token_id),
-                         PPOConfig(max_answer_seq_len=5, kl_ctl=kl_ctl, clip_reward_value=clip, no_eos_penalty=1.0))
+                         PPOConfig(max_answer_seq_len=5, kl_ctl=0.3, target_kl=6.0, clip_reward_value=clip,
+                                   no_eos_penalty=1.0))
+    kl_coef = trainer.kl_controller.value = 0.7  # the adaptive controller has moved away from --kl_ctl
     experience = trainer.generate_experience(prompts)
     P = prompts["input_ids"].shape[1]
     assert experience.action_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
@@ -168,7 +170,7 @@ def test_experience_places_reward_and_kl_on_the_right_tokens(distributed, inputs
     torch.testing.assert_close(experience.ref_logprobs[action], ref_lp[action], atol=1e-5, rtol=0)
     torch.testing.assert_close(experience.scores, raw, atol=1e-5, rtol=0)
 
-    expected = torch.where(action, -kl_ctl * (actor_lp - ref_lp), torch.zeros_like(actor_lp))
+    expected = torch.where(action, -kl_coef * (actor_lp - ref_lp), torch.zeros_like(actor_lp))
     expected[0, 3] += raw[0].clamp(-clip, clip)  # the EOS is row 0's last action
     expected[1, 4] += raw[1].clamp(-clip, clip) - 1.0  # the cut-off answer pays the whole no-EOS penalty
     torch.testing.assert_close(experience.rewards, expected, atol=1e-5, rtol=0)
