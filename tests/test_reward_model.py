@@ -3,6 +3,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,6 +184,18 @@ def test_rw_eval_scores_a_reward_model_on_a_backbone_with_its_own_code(tmp_path,
     assert exited.value.code == EXIT_USER_ERROR and "runs only with --trust_remote_code" in capsys.readouterr().err
     scored = rw_eval_main([*argv, "--trust_remote_code"])["results"]
     assert len(scored) == 1 and math.isfinite(scored[0]["chosen_score"])
+
+
+def test_a_backbone_whose_own_code_names_no_base_model_is_one_error(tmp_path):
+    """A model whose auto_map names its causal LM alone (Phi-1.5's and Phi-2's did, before transformers had them)
+    has no class to build a reward model's backbone by: step 2 ended in transformers' ValueError listing every model
+    type it knows, as a traceback."""
+    custom = Path(make_custom_code_model_dir(tmp_path / "custom"))
+    config = json.loads((custom / "config.json").read_text())
+    del config["auto_map"]["AutoModel"]
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="custom ships its own model code, and it names no AutoModel class"):
+        RewardModel.from_causal_lm(str(custom), trust_remote_code=True)
 
 
 def test_rw_eval_prints_its_scores_alone_and_deepspeeds_warnings_go_to_stderr(tiny_model_dir, tmp_path):

@@ -25,9 +25,10 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModel, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from training.core.model_loading import (
+    asks_for_own_code,
     disable_dropout,
     load_config,
     match_tokenizer,
@@ -200,11 +201,21 @@ class RewardModel(nn.Module):
         return {"values": values, "end_scores": end_scores}
 
 
+def _check_backbone_code(path: str, config: PretrainedConfig) -> None:
+    """A model that loads only by its own code is built without its LM head by the class its auto_map names for
+    AutoModel; where it names none, transformers' error listed every model type it knows, as a traceback."""
+    if asks_for_own_code(path) and "AutoModel" not in (getattr(config, "auto_map", None) or {}):
+        raise UserError(f"{path} ships its own model code, and it names no AutoModel class (auto_map in its "
+                        "config.json): the model without its LM head, which a reward model and a critic are built on; "
+                        "choose a model whose code names one, or a model type transformers knows")
+
+
 def _load_backbone(path: str, dtype: torch.dtype, ds_config: dict | None, trust_remote_code: bool,
                    tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedModel:
     """`AutoModel.from_pretrained` (causal-LM folders load without their LM head), ZeRO-3 partitioned on request,
     its embeddings grown to `tokenizer` inside the ZeRO-3 context (as `load_causal_lm` does)."""
     config = load_config(path, trust_remote_code)  # a missing folder or unreachable hub name becomes a UserError
+    _check_backbone_code(path, config)
     with zero3_construction(ds_config):
         backbone = AutoModel.from_pretrained(
             resolve_model_path(path), config=config, dtype=dtype, trust_remote_code=trust_remote_code
