@@ -7,11 +7,13 @@ import json
 
 import pytest
 import torch
+from conftest import recorded_step_gradients
 from test_step3_rlhf import SetReward, assert_reward_rises, build_engine, make_step3_inputs, prompt_batch, step3_argv
 
 from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer
 from step3_rlhf.rlhf_engine import RLHFEngine
-from training.algorithms import KL_ESTIMATORS, masked_mean
+from training.algorithms import KL_ESTIMATORS, kl_loss, masked_mean
+from training.core.sequences import answer_logprobs
 from training.generation.generator import answer_mask_from_tokens, assemble_output
 from training.generation.hybrid_engine import HybridEngine, HybridEngineSettings
 
@@ -58,6 +60,38 @@ def test_grpo_answers_each_prompt_k_times_and_normalises_within_each_group(distr
     k3 = masked_mean(KL_ESTIMATORS.get("k3")(experience.old_logprobs, experience.ref_logprobs), experience.action_mask)
     assert stats["kl_loss"] == pytest.approx(k3.item(), abs=1e-5)  # the first update starts at the rollout's policy
     assert "critic_loss" not in stats
+
+
+def flat_gradient(loss: torch.Tensor, parameters: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The gradient of `loss` in `parameters`, flattened into one vector (the graph is kept for another loss)."""
+    return torch.cat([grad.flatten() for grad in torch.autograd.grad(loss, parameters, retain_graph=True)])
+
+
+def test_grpos_kl_in_the_loss_moves_the_actor(distributed, inputs, monkeypatch):
+    """With the KL as a loss term (GRPO's default), the actor's gradient is that of policy loss + kl_ctl * k3 KL
+    to the reference, computed by hand at the rollout's weights, not the policy loss's alone."""
+    from step3_rlhf import ppo_trainer
+
+    gradients = recorded_step_gradients(monkeypatch, ppo_trainer)
+    engine = critic_free(build_engine(inputs), reward=None)
+    config = PPOConfig(algorithm="grpo", max_answer_seq_len=6, kl_ctl=0.5)
+    trainer = PPOTrainer(engine, HybridEngine(engine.actor, HybridEngineSettings(enable=True)), config,
+                         reward_fn=answer_length_bonus)
+    torch.manual_seed(0)
+    experience = trainer.generate_experience(prompt_batch(engine.tokenizer, 2))
+    assert config.kl_in_loss and config.kl_estimator == "k3"
+
+    parameters = [parameter for parameter in engine.actor.module.parameters() if parameter.requires_grad]
+    logprobs = answer_logprobs(engine.actor.module, experience.sequences, experience.attention_mask,
+                               experience.prompt_length)
+    mask = trainer.loss_mask(experience.action_mask)
+    policy = trainer.policy_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config).loss
+    kl = kl_loss(logprobs, experience.ref_logprobs, mask, "k3")
+    policy_gradient, kl_gradient = flat_gradient(policy, parameters), flat_gradient(kl, parameters)
+    assert kl_gradient.norm() > 0.1 * policy_gradient.norm()
+
+    trainer.train_rlhf(experience)
+    torch.testing.assert_close(gradients["actor"], policy_gradient + 0.5 * kl_gradient, atol=1e-5, rtol=1e-4)
 
 
 def test_a_reward_function_is_added_to_the_reward_models_score_with_its_coefficient(distributed, inputs):
