@@ -190,8 +190,9 @@ def test_rows_are_handed_over_once_each_as_they_end(distributed, tiny_model_dir,
             torch.testing.assert_close(rows_out.logprobs[index, :width], out.logprobs[row, :width], rtol=0, atol=0)
 
 
-def test_left_padding_does_not_change_an_answer(distributed, tiny_model_dir):
-    engine, tokenizer = build_engine(tiny_model_dir("llama"), stage=0)
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "opt"])  # GPT-2's and OPT's learned positions are not shift-free
+def test_left_padding_does_not_change_an_answer(distributed, tiny_model_dir, arch):
+    engine, tokenizer = build_engine(tiny_model_dir(arch), stage=0)
     hybrid = hybrid_engine(engine)
     config = greedy_config(tokenizer)
     alone = hybrid.generate(*prompt_batch(tokenizer, PROMPTS[1:2]), config)
