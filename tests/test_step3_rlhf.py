@@ -1208,12 +1208,15 @@ def test_a_dropping_batch_stream_hands_out_only_full_batches_and_resumes_in_plac
     assert (stream.batches_per_epoch, stream.rows_left_out) == (2, 2)
     first_epoch = [stream.next()["input_ids"] for _ in range(2)]
     assert all(batch.shape == (4, 1) for batch in first_epoch)
-    state = stream.state_dict()
+    at_epoch_end = stream.state_dict()
     continued = stream.next()["input_ids"]
     assert stream.position.epoch == 1 and continued.shape == (4, 1)
-    resumed = BatchStream(rows, 4, PromptCollator(0), seed=0, drop_last=True)
-    resumed.load_state_dict(state)
-    torch.testing.assert_close(resumed.next()["input_ids"], continued)
+    mid_epoch = stream.state_dict()  # one batch into epoch 1: a resume skips that batch's rows
+    following = stream.next()["input_ids"]
+    for state, expected in ((at_epoch_end, continued), (mid_epoch, following)):
+        resumed = BatchStream(rows, 4, PromptCollator(0), seed=0, drop_last=True)
+        resumed.load_state_dict(state)
+        torch.testing.assert_close(resumed.next()["input_ids"], expected)
 
 
 # resume after SIGKILL ------------------------------------------------------------------------------
