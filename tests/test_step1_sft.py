@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, set_seed
 
 from step1_sft import prompt_eval
 from step1_sft.main import main
-from step1_sft.objective import sft_loss
+from step1_sft.objective import evaluate_perplexity, predicted_token_count, sft_loss
 from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.generation.generator import DEFAULT_MAX_NEW_TOKENS
 from training.loops.metrics import read_metrics
@@ -62,6 +62,25 @@ def test_prompt_tokens_carry_no_loss_and_the_answer_ends_with_eos(tiny_model_dir
     whole_grads, whole_labels, _, _ = _logit_grads(model_dir, data, tmp_path, whole_sequence_loss=True)
     real = whole_labels != -100  # everything but padding
     assert torch.all(whole_grads[real] > 0)
+
+
+def test_held_out_tokens_are_counted_as_the_loss_predicts_them_with_the_whole_sequence_labelled():
+    """With --whole_sequence_loss position 0 carries a label, but nothing predicts it: a batch counts the tokens its
+    loss averages over, and the held-out loss of a 3- and a 9-token batch, weighted by those counts, is that of the
+    two rows in one batch (counting position 0 weighed them 3:9 instead of 2:8)."""
+    model, _ = make_tiny_model("llama")
+    model.eval()
+    rows = [torch.arange(5, 8), torch.arange(20, 29)]
+    items = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in rows]
+    collate = SFTCollator(pad_token_id=0)
+    short, long = collate(items[:1]), collate(items[1:])
+    assert (predicted_token_count(short["labels"]), predicted_token_count(long["labels"])) == (2, 8)
+
+    held_out = evaluate_perplexity(model, [short, long])
+    with torch.no_grad():
+        together = sft_loss(model, collate(items)).item()
+    assert held_out["tokens"] == 10
+    assert held_out["loss"] == pytest.approx(together, rel=1e-5)
 
 
 def test_main_trains_evaluates_and_saves_a_loadable_model(distributed, tiny_model_dir, tmp_path):
