@@ -87,7 +87,8 @@ class PPOConfig:
     target_kl: float | None = field(default=None, metadata={
         "help": "make the KL coefficient adaptive, steering the per-answer KL toward this value"})
     kl_horizon: float = field(default=10000.0, metadata={"help": "adaptation horizon (samples) of the adaptive KL"})
-    clip_reward_value: float = field(default=5.0, metadata={"help": "clip reward-model scores to +-this"})
+    clip_reward_value: float = field(default=5.0, metadata={
+        "help": "clip the reward model's scores to +-this (--reward_fn_coef x --reward_fn is added after, unclipped)"})
     cliprange: float = field(default=0.2, metadata={"help": "PPO ratio clip range of the actor"})
     cliprange_value: float = field(default=0.2, metadata={"help": "value clip range of the critic"})
     gamma: float = field(default=1.0, metadata={"help": "discount factor"})
@@ -98,7 +99,7 @@ class PPOConfig:
                 "every rank)"})
     no_eos_penalty: float = field(default=0.0, metadata={
         "help": "subtract this from the reward of answers cut off before emitting EOS or the chat template's "
-                "end-of-turn token (after the score's clip to +-clip_reward_value)"})
+                "end-of-turn token (after the reward model score's clip to +-clip_reward_value)"})
     # rollouts are drawn at it, and every log-prob (old, new, reference) is taken at it; step 3's --temperature
     temperature: float = field(default=1.0, metadata={"flag": None})
     unsup_coef: float = field(default=0.05, metadata={
@@ -179,7 +180,7 @@ class Experience:
     rewards: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
-    scores: torch.Tensor  # [B] the score (reward model, plus any --reward_fn), before the clip and the no-EOS penalty
+    scores: torch.Tensor  # [B] reward model + any --reward_fn, before the model score's clip and the no-EOS penalty
     kl: torch.Tensor  # [B] summed log-ratio to the reference over each answer (a KL estimate if sampled)
     ended_with_eos: torch.Tensor  # [B] bool: the answer ended at a stop token (not cut off)
     exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
@@ -547,12 +548,13 @@ class PPOTrainer:
 
     @torch.no_grad()
     def baseline_scores(self, rollout: Rollout) -> torch.Tensor:
-        """ReMax's baseline: each prompt's greedy answer's reward (`sequence_rewards`: its score clipped, less the
-        no-EOS penalty), repeated for its sampled rows."""
+        """ReMax's baseline: each prompt's greedy answer's reward (`sequence_rewards`: its reward-model score clipped,
+        plus the weighted reward function, less the no-EOS penalty), repeated for its sampled rows."""
         greedy = rollout.greedy
         scores = self.scorer(greedy.sequences, greedy.attention_mask, greedy.prompt_length, rollout.prompt_metadata)
-        rewards = sequence_rewards(scores.total, self.config.clip_reward_value,
-                                   greedy.ended_with_eos(self.stop_token_ids), self.config.no_eos_penalty)
+        rewards = sequence_rewards(scores.model, self.config.clip_reward_value,
+                                   greedy.ended_with_eos(self.stop_token_ids), self.config.no_eos_penalty,
+                                   scores.weighted_function)
         return repeat_per_prompt(rewards, rollout.samples_per_prompt)
 
     def assemble_experience(self, rollout: Rollout, parts: Mapping[str, Any]) -> Experience:
@@ -563,9 +565,9 @@ class PPOTrainer:
         old_logprobs, ref_logprobs = parts["old_logprobs"], parts["ref_logprobs"]
         reward_kl_coef = 0.0 if config.kl_in_loss else self.kl_controller.value
         ended_with_eos = rollout.ended_with_eos(self.stop_token_ids)
-        rewards, kl = compute_rewards(scores.total, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
+        rewards, kl = compute_rewards(scores.model, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                       config.clip_reward_value, config.kl_estimator, ended_with_eos,
-                                      config.no_eos_penalty)
+                                      config.no_eos_penalty, scores.weighted_function)
         if rollout.do_sample:
             inputs = AdvantageInputs(rewards, action_mask, parts.get("old_values"), rollout.group_index,
                                      parts.get("baseline"))

@@ -2,7 +2,9 @@
 
 score = reward-model score (when step 3 has a reward model) + `reward_fn_coef` * reward function
 (when `--reward_fn` names one). The reward function reads the decoded prompt and answer and the
-prompt row's metadata (e.g. the task's known answer); the model reads the token ids.
+prompt row's metadata (e.g. the task's known answer); the model reads the token ids. Step 3's
+`--clip_reward_value` clips the reward model's part alone (`Scores.model`): the weighted reward
+function is added as it is.
 """
 from __future__ import annotations
 
@@ -18,8 +20,16 @@ from training.rewards import RewardFunction, score_answers
 
 @dataclass
 class Scores:
-    total: torch.Tensor  # [B] fp32, what the RL objective maximises (before the no-EOS penalty and clipping)
-    function: torch.Tensor | None  # [B] fp32, the reward function's own value (None without one)
+    """Every field a [B] fp32 tensor (or None), so that stage fusion lays micro-batches' scores into the batch."""
+
+    model: torch.Tensor  # the reward model's score (0 without one): the part --clip_reward_value clips
+    function: torch.Tensor | None = None  # the reward function's own value (None without one)
+    weighted_function: torch.Tensor | None = None  # reward_fn_coef * function: added to the reward unclipped
+
+    @property
+    def total(self) -> torch.Tensor:
+        """[B] the score the RL objective maximises, before the reward model's clip and the no-EOS penalty."""
+        return self.model if self.weighted_function is None else self.model + self.weighted_function
 
 
 @dataclass
@@ -38,18 +48,17 @@ class RewardScorer:
                  metadata: Sequence[Mapping] | None) -> Scores:
         """Scores of B prompt+answer rows (left-padded prompts, right-padded answers); `metadata` has
         one entry per row (None: no row has any). The model reads the rows grouped by length, flush right (`RowGroups`)."""
-        total = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
+        model = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
         if self.reward_model is not None:
-            total = RowGroups.of(sequences, attention_mask, prompt_length,
+            model = RowGroups.of(sequences, attention_mask, prompt_length,
                                  (self.reward_model,)).end_scores(self.reward_model)
-        function = None
-        if self.reward_fn is not None:
-            prompts = self._texts(sequences[:, :prompt_length], attention_mask[:, :prompt_length])
-            answers = self._texts(sequences[:, prompt_length:], attention_mask[:, prompt_length:])
-            rows = list(metadata) if metadata is not None else [{}] * len(answers)
-            function = score_answers(self.reward_fn, prompts, answers, rows).to(total.device)
-            total = total + self.reward_fn_coef * function
-        return Scores(total, function)
+        if self.reward_fn is None:
+            return Scores(model)
+        prompts = self._texts(sequences[:, :prompt_length], attention_mask[:, :prompt_length])
+        answers = self._texts(sequences[:, prompt_length:], attention_mask[:, prompt_length:])
+        rows = list(metadata) if metadata is not None else [{}] * len(answers)
+        function = score_answers(self.reward_fn, prompts, answers, rows).to(model.device)
+        return Scores(model, function, self.reward_fn_coef * function)
 
     def _texts(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True)

@@ -488,17 +488,25 @@ def test_each_algorithm_names_a_registered_estimator_and_its_defaults(name, esti
 EOS = 2
 
 
+def _model_free_trainer(config):
+    """A trainer whose reward arithmetic (`baseline_scores`, `assemble_experience`) runs without its models."""
+    from step3_rlhf.ppo_trainer import PPOTrainer
+
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.config = config
+    trainer.kl_controller = FixedKLController(config.kl_ctl)
+    trainer.stop_token_ids = (EOS,)
+    trainer.advantage_estimator = get_advantage_estimator(config.advantage_estimator)
+    return trainer
+
+
 def _rloo_experience(kl_in_loss: bool):
     """Two answers to one prompt, assembled by the trainer under RLOO at --kl_ctl 0.5: answer 0 is [5, EOS]
     (score 1), answer 1 is [EOS] (score 0)."""
-    from step3_rlhf.ppo_trainer import PPOConfig, PPOTrainer, Rollout
+    from step3_rlhf.ppo_trainer import PPOConfig, Rollout
     from step3_rlhf.scoring import Scores
 
-    trainer = PPOTrainer.__new__(PPOTrainer)  # assemble_experience calls no model
-    trainer.config = PPOConfig(algorithm="rloo", kl_ctl=0.5, kl_in_loss=kl_in_loss)
-    trainer.kl_controller = FixedKLController(0.5)
-    trainer.stop_token_ids = (EOS,)
-    trainer.advantage_estimator = get_advantage_estimator("leave_one_out")
+    trainer = _model_free_trainer(PPOConfig(algorithm="rloo", kl_ctl=0.5, kl_in_loss=kl_in_loss))
     action_mask = torch.tensor([[1, 1], [1, 0]])
     rollout = Rollout(torch.tensor([[9, 5, EOS], [9, EOS, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]]), 1, action_mask,
                       torch.tensor([0, 0]), None, 2, True, 0.0)
@@ -519,3 +527,47 @@ def test_a_group_baseline_compares_returns_with_the_kl_penalty_in_the_reward_and
     torch.testing.assert_close(in_loss.rewards, torch.tensor([[0.0, 1.0], [0.0, 0.0]]))
     torch.testing.assert_close(in_loss.advantages, torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
     assert in_reward.ended_with_eos.tolist() == in_loss.ended_with_eos.tolist() == [True, True]
+
+
+class ConstantRewardModel(torch.nn.Module):
+    """A stand-in reward model scoring every row `score`."""
+
+    def __init__(self, score: float):
+        super().__init__()
+        self.score = score
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"end_scores": torch.full((input_ids.shape[0],), self.score)}
+
+
+@pytest.mark.parametrize("model_score, rewards", [(7.0, [15.0, 4.0]), (None, [10.0, -1.0])])
+def test_the_reward_clip_bounds_the_reward_models_score_and_not_the_weighted_reward_function(model_score, rewards):
+    """--clip_reward_value clipped the reward model's score plus --reward_fn_coef x the reward function: at the
+    default clip 5, builtin:math weighted 10 gave a right answer 5, no more than a wrong one beside a reward model
+    scoring 7. The reward model's score alone is clipped (7 -> 5), the weighted function added after it (10 for the
+    right answer) and the no-EOS penalty (1, the wrong answer is cut off) last: in the rewards and ReMax's baseline."""
+    from tiny_models import make_tokenizer
+
+    from step3_rlhf.ppo_trainer import Answers, PPOConfig, Rollout
+    from step3_rlhf.scoring import RewardScorer
+    from training.rewards import load_reward_fn
+
+    tokenizer = make_tokenizer()
+    assert tokenizer.eos_token_id == EOS
+    trainer = _model_free_trainer(PPOConfig(algorithm="remax", kl_ctl=0.0, no_eos_penalty=1.0))
+    reward_model = None if model_score is None else ConstantRewardModel(model_score)
+    trainer.scorer = RewardScorer(reward_model, load_reward_fn("builtin:math"), 10.0, tokenizer)
+    right, wrong = tokenizer.encode("The answer is 4.") + [EOS], tokenizer.encode("The answer is 5.")
+    sequences = torch.tensor([[9, *right], [9, *wrong] + [0] * (len(right) - len(wrong))])
+    attention_mask = torch.tensor([[1] * (1 + len(right)), [1] * (1 + len(wrong)) + [0] * (len(right) - len(wrong))])
+    action_mask = attention_mask[:, 1:]
+    metadata = [{"answer": "4"}, {"answer": "4"}]
+    rollout = Rollout(sequences, attention_mask, 1, action_mask, torch.tensor([0, 1]), metadata, 1, True, 0.0,
+                      greedy=Answers(sequences, attention_mask, 1, action_mask), prompt_metadata=metadata)
+    zeros = torch.zeros(action_mask.shape)
+    parts = {"scores": trainer.scorer(sequences, attention_mask, 1, metadata), "old_logprobs": zeros,
+             "ref_logprobs": zeros, "baseline": trainer.baseline_scores(rollout)}
+    experience = trainer.assemble_experience(rollout, parts)
+    assert experience.rewards[torch.arange(2), action_mask.sum(-1) - 1].tolist() == rewards
+    assert parts["baseline"].tolist() == rewards
+    assert experience.reward_fn_scores.tolist() == [1.0, 0.0]

@@ -45,14 +45,15 @@ def test_grpo_answers_each_prompt_k_times_and_normalises_within_each_group(distr
     assert experience.batch_size == 8 and experience.group_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     P = experience.prompt_length
     assert torch.equal(experience.sequences[:, :P], prompts["input_ids"].repeat_interleave(4, 0))
-    # every answer is scored with its prompt's metadata; the KL is a loss term, so the rewards are the score alone
+    # every answer is scored with its prompt's metadata; the KL is a loss term, so the rewards are the score alone,
+    # unclipped: --clip_reward_value bounds a reward model's score, not a reward function's (here above 5)
     bonus = experience.reward_fn_scores.floor()
     assert bonus.tolist() == [1.0] * 4 + [5.0] * 4
     last = experience.action_mask.sum(-1) - 1
     expected_rewards = torch.zeros_like(experience.rewards)
-    expected_rewards[torch.arange(8), last] = experience.scores.clamp(-5, 5)
+    expected_rewards[torch.arange(8), last] = experience.scores
     torch.testing.assert_close(experience.rewards, expected_rewards)
-    scores = experience.scores.clamp(-5, 5).view(2, 4)
+    scores = experience.scores.view(2, 4)
     normalised = ((scores - scores.mean(-1, keepdim=True)) / (scores.std(-1, keepdim=True) + 1e-6)).flatten()
     torch.testing.assert_close(experience.advantages, normalised[:, None] * experience.action_mask)
 

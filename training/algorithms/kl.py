@@ -81,10 +81,11 @@ def compute_rewards(
     kl_estimator: str = "k1",
     ended_with_eos: torch.Tensor | None = None,
     no_eos_penalty: float = 0.0,
+    unclipped_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: -kl_coef * the `kl_estimator` estimate on every answer token (pass kl_coef 0 when
-    the KL is a loss term instead), plus the answer's `sequence_rewards` (its score clipped, less the no-EOS
-    penalty) on the last answer token.
+    the KL is a loss term instead), plus the answer's `sequence_rewards` (its score clipped, plus its unclipped
+    score, less the no-EOS penalty) on the last answer token.
 
     reward_scores [B], logprobs/ref_logprobs/action_mask [B, T] -> (rewards [B, T], kl [B]) where
     kl is each sequence's summed log-ratio over its answer (the k1 sample KL estimate, whatever the penalty).
@@ -95,7 +96,7 @@ def compute_rewards(
     penalty = log_ratio if kl_estimator == "k1" else torch.where(
         mask, KL_ESTIMATORS.get(kl_estimator)(logprobs, ref_logprobs), torch.zeros_like(log_ratio))
     rewards = -kl_coef * penalty
-    clipped = sequence_rewards(reward_scores, clip_reward_value, ended_with_eos, no_eos_penalty)
+    clipped = sequence_rewards(reward_scores, clip_reward_value, ended_with_eos, no_eos_penalty, unclipped_scores)
     has_answer = mask.any(-1)
     last = last_token_index(action_mask)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
@@ -104,11 +105,15 @@ def compute_rewards(
 
 
 def sequence_rewards(scores: torch.Tensor, clip_reward_value: float, ended_with_eos: torch.Tensor | None = None,
-                     no_eos_penalty: float = 0.0) -> torch.Tensor:
-    """Each answer's reward: its score clipped to [-clip_reward_value, clip_reward_value], less `no_eos_penalty`
-    where it never emitted EOS (cut off at the length limit). The penalty comes after the clip: before it, a score
-    at or beyond the clip range lost it in part or whole, and a cut-off answer was rewarded as a finished one."""
+                     no_eos_penalty: float = 0.0, unclipped_scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Each answer's reward: its score clipped to [-clip_reward_value, clip_reward_value], plus `unclipped_scores`
+    (step 3's weighted reward function: the clip guards against a reward model's outliers, and would cap the
+    function's weight), less `no_eos_penalty` where it never emitted EOS (cut off at the length limit). The penalty
+    comes after the clip: before it, a score at or beyond the clip range lost it in part or whole, and a cut-off
+    answer was rewarded as a finished one."""
     clipped = scores.float().clamp(-clip_reward_value, clip_reward_value)
+    if unclipped_scores is not None:
+        clipped = clipped + unclipped_scores.float()
     if ended_with_eos is None or not no_eos_penalty:
         return clipped
     return torch.where(ended_with_eos.bool(), clipped, clipped - no_eos_penalty)
