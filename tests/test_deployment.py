@@ -92,6 +92,38 @@ def test_a_missing_hostfile_is_a_user_error(tmp_path):
         read_hostfile(tmp_path / "nope")
 
 
+def _an_interface_address() -> str | None:
+    """One of this machine's non-loopback IPv4 addresses (None: it has none)."""
+    addresses = [address.address for nic in psutil.net_if_addrs().values() for address in nic
+                 if address.family == socket.AF_INET and not address.address.startswith("127.")]
+    return addresses[0] if addresses else None
+
+
+@pytest.mark.parametrize("first, second", [
+    ("localhost", "127.0.0.1"),
+    ("GPU-NODE-7", "localhost"),  # its host name, in any case
+    ("gpu-node-7.cluster.example", "::1"),  # its fully qualified name; an IPv6 loopback
+    ("127.0.1.1", "0:0:0:0:0:0:0:1"),
+    ("localhost", "interface"),  # one of its interfaces' addresses
+])
+def test_a_hostfile_naming_this_machine_twice_is_refused_naming_both_lines(tmp_path, monkeypatch, first, second):
+    """`localhost` and `127.0.0.1` (or this machine's name) on two lines were read as two nodes: DeepSpeed's launcher
+    starts each line's ranks on this machine from GPU 0, two ranks on a GPU, which NCCL refuses as a duplicate GPU
+    only once the ranks start. Refused now when the hostfile is read, naming both lines."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-7")
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": "gpu-node-7.cluster.example")
+    if second == "interface":
+        second = _an_interface_address()
+        if second is None:
+            pytest.skip("this machine has no non-loopback IPv4 address")
+    hostfile = write(tmp_path / "hosts", f"{first} slots=2\nworker-1 slots=2\n{second} slots=2\n")
+    with pytest.raises(UserError, match=re.escape(f"{hostfile}: line 1 ({first}) and line 3 ({second}) both name "
+                                                  "this machine")):
+        read_hostfile(hostfile)
+    assert read_hostfile(write(tmp_path / "other", f"{first} slots=2\nworker-1 slots=2\nworker-2 slots=2\n")) == \
+        [Host(first, 2), Host("worker-1", 2), Host("worker-2", 2)]  # this machine once, beside other nodes
+
+
 # --------------------------------------------------------------------------- planning
 
 

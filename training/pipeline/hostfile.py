@@ -1,10 +1,15 @@
 """DeepSpeed hostfiles (`worker-1 slots=8`, one node a line), validated before anything is launched."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from utils.errors import UserError
 
@@ -21,8 +26,8 @@ class Host:
 
 
 def read_hostfile(path: str | os.PathLike) -> list[Host]:
-    """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice, no host name
-    that pdsh reads as several.
+    """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice, this machine
+    under one name at most (`names_this_machine`), no host name that pdsh reads as several.
 
     Blank lines, `#` comments and what follows the slots on a line are ignored, as DeepSpeed's launcher does.
     """
@@ -51,4 +56,36 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
         hosts.append(Host(name, slots))
     if not hosts:
         raise UserError(f"hostfile {hostfile} lists no hosts; {_EXAMPLE}")
+    _check_this_machine_listed_once(hostfile, seen)
     return hosts
+
+
+def _check_this_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) -> None:
+    """Refuse two lines naming this machine under different names (`localhost` and `127.0.0.1`, or its host name):
+    DeepSpeed's launcher counts them two nodes and starts each one's ranks here on the GPUs from 0, two ranks on a GPU,
+    which NCCL refuses as a duplicate GPU. `lines`: {host: its line number}."""
+    here = [(number, name) for name, number in lines.items() if names_this_machine(name)]
+    if len(here) > 1:
+        (first, first_name), (second, second_name) = sorted(here)[:2]
+        raise UserError(f"{hostfile}: line {first} ({first_name}) and line {second} ({second_name}) both name this "
+                        "machine; DeepSpeed's launcher would start each line's ranks here on the GPUs from 0, two "
+                        "ranks on each GPU (NCCL refuses a duplicate GPU); list this machine once, its slots all the "
+                        "GPUs it runs on")
+
+
+def names_this_machine(host: str) -> bool:
+    """Whether a hostfile's host names the machine this runs on, as known here without asking a name server:
+    `localhost`, its host name or fully qualified one (any case), a loopback address or one of its interfaces'."""
+    if host.lower() in {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}:
+        return True
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])  # an IPv6 address may carry its interface: fe80::1%eth0
+    except ValueError:
+        return False
+    return address.is_loopback or address in _interface_addresses()
+
+
+def _interface_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """This machine's IPv4 and IPv6 addresses, one set for all its network interfaces."""
+    return {ipaddress.ip_address(address.address.split("%")[0]) for nic in psutil.net_if_addrs().values()
+            for address in nic if address.family in (socket.AF_INET, socket.AF_INET6)}

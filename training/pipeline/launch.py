@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import ipaddress
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ from utils.dist import free_port, launcher_variables
 from utils.errors import UserError
 
 from .deployment import DeploymentType
+from .hostfile import names_this_machine
 from .steps import StepMain, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project's root, importable from every launched rank
@@ -175,14 +175,13 @@ def _ere_literal(text: str) -> str:
 def is_this_machine(host: str) -> bool:
     """Whether a hostfile's host names the machine this runs on: its name, or a name or address that resolves to
     a loopback address or one of its interfaces'."""
-    if host in {"localhost", socket.gethostname(), socket.getfqdn()}:
+    if names_this_machine(host):
         return True
     try:
-        addresses = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)}
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:  # a name this machine cannot resolve is not its own
         return False
-    own = {address.address.split("%")[0] for nic in psutil.net_if_addrs().values() for address in nic}
-    return any(ipaddress.ip_address(address).is_loopback or address in own for address in addresses)
+    return any(names_this_machine(address) for address in addresses)
 
 
 def check_not_under_a_launcher() -> None:
