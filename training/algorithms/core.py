@@ -14,6 +14,9 @@ import torch.distributed as torch_dist
 
 from utils.dist import get_world_size, is_initialized
 
+# |log r| bound before r = exp(log r) (PPO's ratio, k3): exp(20) is finite in fp32, past 88 inf makes NaN gradients
+LOG_RATIO_MAX = 20.0
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `x` where `mask` is non-zero, each entry weighed by its mask value (a 0/1 mask: the plain mean of the

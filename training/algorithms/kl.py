@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from training.algorithms.core import masked_mean
+from training.algorithms.core import LOG_RATIO_MAX, masked_mean
 from utils.registry import Registry
 from training.core.sequences import last_token_index
 
@@ -30,7 +30,7 @@ KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 NO_GRADIENT_AS_LOSS = ("k1",)  # estimators whose loss has zero expected gradient (see the module doc)
 LOSS_ESTIMATOR = "k2"  # the loss estimator in their place: its expected gradient is KL(actor || reference)'s
-K3_MAX = 10.0  # k3's clamp (see the module doc); exp(log r) is taken with log r clamped to +-20, finite in fp32
+K3_MAX = 10.0  # k3's clamp (see the module doc); exp(log r) is taken with log r clamped to +-LOG_RATIO_MAX
 
 
 @KL_ESTIMATORS.register("k1")
@@ -45,7 +45,7 @@ def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    log_r = (ref_logprobs.float() - logprobs.float()).clamp(-20.0, 20.0)
+    log_r = (ref_logprobs.float() - logprobs.float()).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     return (torch.exp(log_r) - 1.0 - log_r).clamp(max=K3_MAX)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from training.algorithms.core import masked_mean
+from training.algorithms.core import LOG_RATIO_MAX, masked_mean
 from utils.registry import Registry
 
 
@@ -31,11 +31,6 @@ ValueLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 VALUE_LOSSES: Registry[ValueLossFn] = Registry("value loss")
-# |log r| bound before r = exp(log r): exp(log r) overflows fp32 past 88, and an infinite ratio gives a NaN gradient
-# even where the clip picks the finite term (0 * inf in exp's backward), a NaN loss at a zero advantage, and a NaN
-# gradient from a masked-out token; exp(20) is finite, and past it a token is clipped already (or, with A < 0,
-# outweighs the rest of the batch anyway)
-LOG_RATIO_MAX = 20.0
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -65,7 +60,10 @@ def actor_loss(
 
     All inputs [B, T]. `clip_fraction` is the share of tokens where the clipped term won;
     `approx_kl` is the mean of (r - 1) - log r (Schulman's k3 estimator of KL(old || new)). log r is clamped to
-    +-`LOG_RATIO_MAX` (no gradient past it) so that r, the loss and its gradient stay finite.
+    +-`LOG_RATIO_MAX` (no gradient past it) so that r, the loss and its gradient stay finite: an infinite ratio gave a
+    NaN gradient even where the clip picks the finite term (0 * inf in exp's backward), a NaN loss at a zero
+    advantage and a NaN gradient from a masked-out token. Past the bound a token is clipped already (or, with A < 0,
+    outweighs the rest of the batch anyway).
     """
     log_ratio = (logprobs.float() - old_logprobs.float()).clamp(-LOG_RATIO_MAX, LOG_RATIO_MAX)
     ratio = torch.exp(log_ratio)
