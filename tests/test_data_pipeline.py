@@ -538,6 +538,26 @@ def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok, caplog):
         build_unsupervised_dataset(str(wrong_column), tok, 8, 0, str(tmp_path / "cache"))
 
 
+def test_each_unsupervised_document_begins_as_its_tokenizer_begins_a_text(tmp_path):
+    """Documents were tokenised without special tokens: a Llama-style tokenizer's BOS, which the model read at the
+    start of every pretraining document, was missing, so the mixture trained it on documents that begin mid-stream.
+    A tokenizer that adds no BOS (GPT-2's, SmolLM2's) keeps its tokens; EOS still ends each document."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox\n\n" * 3)
+    plain, opening = make_tokenizer(chat_template=False), make_tokenizer(chat_template=False)
+    opening.add_bos_token = True
+    body = plain("the quick brown fox", add_special_tokens=False)["input_ids"]
+    block_size = len(body) + 2
+
+    def stream(tokenizer) -> list[int]:
+        blocks = build_unsupervised_dataset(str(corpus), tokenizer, block_size, 0, str(tmp_path / "cache"))
+        return torch.cat([block["input_ids"] for block in blocks]).tolist()
+
+    assert stream(opening) == [opening.bos_token_id, *body, opening.eos_token_id] * 3
+    plain_stream = [*body, plain.eos_token_id] * 3
+    assert stream(plain) == plain_stream[: len(plain_stream) // block_size * block_size]
+
+
 def test_a_hub_text_sources_skipped_rows_name_their_row(monkeypatch):
     """The pretraining mixture's hub rows without their text were counted (missing:text=1) with no place to find
     them; they are named by the dataset, its split and the row there, as a local file's are by file and line."""

@@ -1,4 +1,5 @@
-"""Unsupervised text for step 3's pretraining mixture: documents tokenised, joined with EOS and cut
+"""Unsupervised text for step 3's pretraining mixture: documents tokenised (each begun as the tokenizer begins a text:
+its BOS where it adds one), joined with EOS and cut
 into fixed-length blocks (`input_ids` = `labels`), shuffled with the seed and cached on disk.
 
 Sources: a hub name (with an optional config) through `datasets`, a local .txt file (documents
@@ -117,13 +118,17 @@ def text_source_fingerprint(source: str, config_name: str | None = None, shard: 
 
 
 def _blocks(texts: list[str], tokenizer, block_size: int, seed: int, max_blocks: int | None) -> list[list[int]]:
-    """Tokenise documents in seeded order until `max_blocks` blocks are filled (all when None)."""
+    """Tokenise documents in seeded order until `max_blocks` blocks are filled (all when None).
+
+    Each document begins as the tokenizer begins a text (its special tokens: a Llama-style BOS, which the model read
+    at the start of every pretraining document; none for GPT-2's or SmolLM2's) and ends in EOS. `load_tokenizer`
+    turns off a tokenizer's own EOS appending, which would end each document in two."""
     order = np.random.RandomState(seed).permutation(len(texts))
     stream: list[int] = []
     needed = None if max_blocks is None else max_blocks * block_size
     for start in range(0, len(order), _BATCH_DOCS):
         batch = [texts[i] for i in order[start : start + _BATCH_DOCS]]
-        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+        for ids in tokenizer(batch, add_special_tokens=True)["input_ids"]:
             stream.extend(ids + [tokenizer.eos_token_id])
         if needed is not None and len(stream) >= needed:
             break
