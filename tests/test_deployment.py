@@ -700,6 +700,35 @@ def test_a_hostfile_of_one_node_starts_the_ranks_on_that_node(tmp_path, tiny_mod
         run([*argv, "--data_path", str(quoted)])
 
 
+@pytest.mark.parametrize("hosts, gpus_here, visible, refused", [
+    ("localhost slots=8\nworker-1 slots=8\n", 4, None, "'localhost slots=8' names this machine, which has 4 GPUs"),
+    ("worker-1 slots=8\n127.0.0.1 slots=2\n", 1, None, "'127.0.0.1 slots=2' names this machine, which has 1 GPU;"),
+    ("localhost slots=4\nworker-1 slots=8\n", 4, None, None),  # another node's GPUs are that node's to know
+    ("localhost slots=8\n", 0, None, None),  # planned from a machine without a GPU: its count says nothing
+    ("localhost slots=8\n", 4, "0,1,2,3", None),  # the launcher gives the ranks GPUs 0-7 whatever it says
+])
+def test_a_hostfile_line_giving_this_machine_more_slots_than_its_gpus_is_refused_before_step_1(
+        tmp_path, tiny_model_dir, monkeypatch, hosts, gpus_here, visible, refused):
+    """`localhost slots=8` on a 4-GPU machine was planned and launched: DeepSpeed's launcher started ranks on GPUs 4
+    to 7, each failing on an invalid device once started. Refused while planning, naming the line."""
+    from training.pipeline.cli import parse_config
+    from training.pipeline.runner import run_pipeline
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    hostfile = write(tmp_path / "hosts", hosts)
+    here = Hardware(num_gpus=gpus_here, gpu_memory_gib=80 if gpus_here else None, cpu_memory_gib=1000, cpu_cores=96,
+                    bf16=True)
+    config = parse_config(["--deployment-type", "multi_node", "--hostfile", hostfile, "--step", "1", "--actor-model",
+                           tiny_model_dir("llama"), "--output-dir", str(tmp_path / "out"), "--dry-run"])
+    if refused is None:
+        assert run_pipeline(config, hardware=here)["commands"][1][4:6] == ["--hostfile", hostfile]
+    else:
+        with pytest.raises(UserError, match=re.escape(f"{hostfile}: {refused}")):
+            run_pipeline(config, hardware=here)
+
+
 def test_a_multi_node_run_from_a_folder_or_project_path_with_a_space_is_refused(tmp_path, monkeypatch):
     spaced = tmp_path / "my runs"
     spaced.mkdir()

@@ -44,7 +44,7 @@ from utils.errors import EXIT_BROKEN_PIPE, UserError
 from .config import DPO, PipelineConfig
 from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
 from .hardware import Hardware, detect_hardware, model_size
-from .hostfile import Host, read_hostfile
+from .hostfile import Host, names_this_machine, read_hostfile
 from .launch import (
     REPO_ROOT,
     Launcher,
@@ -149,6 +149,21 @@ def _hosts(config: PipelineConfig, deployment: DeploymentType) -> list[Host] | N
     if not config.hostfile:
         raise UserError("--deployment-type multi_node needs --hostfile FILE (one node a line: 'worker-1 slots=8')")
     return read_hostfile(config.hostfile)
+
+
+def _check_slots_of_this_machine(config: PipelineConfig, hosts: list[Host] | None, hardware: Hardware) -> None:
+    """Refuse a hostfile line that names this machine with more slots than its GPUs: DeepSpeed's launcher would start
+    a rank on each of GPUs 0 to slots - 1 here, and those past its last fail on an invalid device once started.
+    Checked where this machine's GPU count is known: it has a GPU, and no CUDA_VISIBLE_DEVICES hides some from the
+    count (the launcher gives a hostfile's ranks their GPUs by index whatever it says)."""
+    if hosts is None or hardware.num_gpus == 0 or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return
+    for host in hosts:
+        if host.slots > hardware.num_gpus and names_this_machine(host.name):
+            raise UserError(f"{config.hostfile}: '{host.name} slots={host.slots}' names this machine, which has "
+                            f"{hardware.num_gpus} GPU{'s' if hardware.num_gpus > 1 else ''}; DeepSpeed's launcher "
+                            f"would start {host.slots} ranks here, on GPUs 0 to {host.slots - 1}, those past its last "
+                            f"failing as they start; give it slots={hardware.num_gpus} at most")
 
 
 def _check_output(config: PipelineConfig, step: int) -> None:
@@ -499,6 +514,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     deployment = config.deployment_type or detect_deployment(hardware, config.hostfile is not None)
     _check_run_shape(config, deployment)
     hosts = _hosts(config, deployment)
+    _check_slots_of_this_machine(config, hosts, hardware)
     inputs = _inputs(config)
     routed = route_extra_flags(
         config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps},
