@@ -215,10 +215,12 @@ def test_planned_lora_adapts_the_models_own_decoder_blocks(tiny_model_dir):
     assert (step3.actor.lora_module_name, step3.critic.lora_module_name) == ("h.", "h.")
 
 
-@pytest.mark.parametrize("gpus, step1_global, step2_global", [(8, 64, 32), (3, 63, 30), (1, 64, 32)])
+@pytest.mark.parametrize("gpus, step1_global, step2_global",
+                         [(8, 64, 32), (3, 63, 30), (1, 64, 32), (48, 48, 48), (128, 128, 128)])
 def test_the_global_batch_is_the_planned_one_on_any_number_of_gpus(gpus, step1_global, step2_global):
     """64 samples an optimizer step in step 1 and 32 pairs in step 2: on 8 GPUs the micro-batch that fit memory
-    made 128 and 64; where the GPUs do not divide it, at most that."""
+    made 128 and 64; where the GPUs do not divide it, at most that; where they outnumber it, one sample a GPU, as
+    README says."""
     node = Hardware(num_gpus=gpus, gpu_memory_gib=80, cpu_memory_gib=1000, cpu_cores=96, bf16=True)
     plan = plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(SMALL, SMALL), node, None)
 

@@ -180,7 +180,8 @@ def fit_prompt_and_answer(prompt: int, answer: int, *sizes: ModelSize) -> tuple[
 
 def _global_batch(target_global: int, micro: int, world: int) -> tuple[int, int]:
     """The micro-batch (at most `micro`, what fits memory) and accumulation whose global batch over `world` ranks
-    comes closest to `target_global` samples without passing it (the largest micro-batch among equals)."""
+    comes closest to `target_global` samples without passing it (the largest micro-batch among equals). Where the
+    ranks outnumber `target_global`, each still takes one sample: the global batch is `world`, past the target."""
     def samples(candidate: int) -> tuple[int, int]:
         return candidate * world * (target_global // (candidate * world)), candidate
 
