@@ -226,6 +226,9 @@ def run_step3(args: Step3Settings) -> dict:
         streams = {"train": prompts, "eval": eval_prompts, "pretraining": unsupervised}
         checkpoints.check_data({name: data_record(stream.dataset) for name, stream in streams.items()
                                 if stream is not None}, args.checkpoints.resume)
+        checkpoints.check_inputs({"actor_model_name_or_path": actor_path,
+                                  "critic_model_name_or_path": args.models.critic_model_name_or_path},
+                                 args.checkpoints.resume)
         total_steps = count_ppo_steps(args, prompts)
         optimizer_steps = total_steps * optimizer_steps_per_ppo_step(args)
         warn_long_warmup(args.schedule.num_warmup_steps, optimizer_steps, optimizer_steps_said(total_steps, args))

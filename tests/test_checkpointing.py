@@ -198,6 +198,32 @@ def test_a_resume_with_another_number_of_processes_is_refused(distributed, tmp_p
         manager.check_start(resume=True)
 
 
+def test_a_resume_from_an_input_run_made_again_is_refused_and_an_older_checkpoint_is_not(distributed, tmp_path,
+                                                                                          caplog):
+    """An input run folder of this project is told by its run_id: made again (a new summary.json) at the same path,
+    the resume is refused, naming the flag, the path and both run_ids. A checkpoint written before inputs were
+    recorded resumes unchecked, saying so."""
+    from training.reliability.run_records import save_run_args, save_summary
+
+    step1 = tmp_path / "step1"
+    save_run_args(step1, {"seed": 1})
+    first_id = save_summary(step1, {})["run_id"]
+    manager = CheckpointManager(tmp_path / "run")
+    manager.check_inputs({"model_name_or_path": str(step1), "critic_model_name_or_path": None}, resume=False)
+    manager.save(2, {"actor": build_engine(0)}, {})
+    manager.check_inputs({"model_name_or_path": str(step1)}, resume=True)  # the same input resumes
+    again_id = save_summary(step1, {})["run_id"]
+    with pytest.raises(UserError, match=f"--model_name_or_path {step1}: another run made it "
+                                        f"\\(run_id {first_id} -> {again_id}\\)"):
+        manager.check_inputs({"model_name_or_path": str(step1)}, resume=True)
+    marker = manager.checkpoints_dir / "step2" / MARKER_FILE
+    marker.write_text(json.dumps({key: value for key, value in json.loads(marker.read_text()).items()
+                                  if key != "inputs"}))
+    with caplog.at_level("INFO"):
+        manager.check_inputs({"model_name_or_path": str(step1)}, resume=True)
+    assert "records no input models (an older version wrote it): the inputs are not compared" in caplog.text
+
+
 @pytest.mark.parametrize("step, required, allowed, absent", [
     ("step1_sft.main", [], ["--eval_interval", "--learning_rate", "--lora_learning_rate"], ["--max_train_minutes"]),
     ("step3_rlhf.main", ["--actor_model_name_or_path", "actor"],

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from supervised_data import build_phase_datasets, write_arithmetic_jsonl
-from tiny_models import make_tiny_model, make_tokenizer, save_model_also_stopping_at_endoftext
+from tiny_models import make_tiny_model, make_tiny_model_dir, make_tokenizer, save_model_also_stopping_at_endoftext
 from transformers import AutoModelForCausalLM, set_seed
 
 from step1_sft import prompt_eval
@@ -346,6 +346,24 @@ def test_a_resume_on_other_data_is_refused(distributed, tiny_model_dir, tmp_path
     error = capsys.readouterr().err
     assert refused.value.code == 2 and "but its data differ from that run's (eval: " in error, error
     assert "train: 7 items -> 14" in error
+
+
+def test_a_resume_from_an_input_model_replaced_at_the_same_path_is_refused(distributed, tiny_model_dir, tmp_path,
+                                                                          capsys):
+    """The input folder was rewritten with another model between the run and its resume: the resume went on with
+    the new model's tokenizer and config (DPO: its frozen reference), so it is refused, naming the flag and the
+    files that changed. The same input resumes."""
+    model_dir, data = tiny_model_dir("llama"), write_arithmetic_jsonl(tmp_path / "d.jsonl", 16)
+    args = _args(model_dir, data, tmp_path, "--max_steps", "1", "--save_interval", "1")
+    main(args)
+    main([*args, "--resume"])
+    make_tiny_model_dir(model_dir, "llama", seed=5)
+    with pytest.raises(SystemExit) as refused:
+        main([*args, "--resume"])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2, error
+    assert f"its input models are not those that run started from (--model_name_or_path {model_dir}: its files " \
+           "changed (" in error and "model.safetensors" in error, error
 
 
 def test_a_resume_needs_free_space_only_for_the_checkpoints_not_yet_on_disk(distributed, tiny_model_dir, tmp_path,

@@ -1243,6 +1243,26 @@ def test_sigkilled_step3_resumes_to_the_same_weights(inputs, tmp_path):
         assert_same_weights(reference / folder, output_dir_of(argv) / folder)
 
 
+def test_a_resume_from_a_reward_model_replaced_at_the_same_path_is_refused(distributed, tmp_path_factory, tmp_path,
+                                                                           capsys):
+    """Another reward model written over --critic_model_name_or_path between the run and its resume: the resumed
+    run scored with it (its frozen reward model) from where the old one left off, so the resume is refused, naming
+    the flag and the path."""
+    from step3_rlhf.main import main
+
+    own = make_step3_inputs(tmp_path_factory)
+    argv = step3_argv(own, tmp_path / "run", "--max_steps", "1", "--save_interval", "1")
+    main(argv)
+    tokenizer = load_tokenizer(own["actor"])
+    other = RewardModel.from_causal_lm(make_tiny_model_dir(tmp_path / "other_base", "llama", seed=2), tokenizer)
+    other.save_pretrained(own["reward"])
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--resume"])
+    error = capsys.readouterr().err
+    assert refused.value.code == EXIT_USER_ERROR, error
+    assert f"(--critic_model_name_or_path {own['reward']}: its files changed (" in error, error
+
+
 def test_resuming_a_finished_run_logs_its_last_evaluation_once(distributed, inputs, tmp_path):
     """The last PPO step is saved before the run's closing held-out evaluation is logged at the same step: a
     resume from that checkpoint cuts the metrics back to what it held, so the evaluation is logged once."""

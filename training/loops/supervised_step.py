@@ -244,6 +244,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
                                                              [input_run] if input_run is not None else [])
         checkpoints.check_data({"train": data_record(train_data), "eval": data_record(eval_data)},
                                args.checkpoints.resume)
+        checkpoints.check_inputs({"model_name_or_path": model_name}, args.checkpoints.resume)
         loop = args.loop_config(step.name)
         num_steps = count_optimizer_steps(len(train_data), loop)
         warn_long_warmup(args.schedule.num_warmup_steps, num_steps, f"{num_steps} optimizer steps of its data")

@@ -7,7 +7,8 @@ One checkpoint is one folder `<output_dir>/checkpoints/step<N>/` holding
 - `rank_state/rank<R>.pt`: what else a rank alone holds, when the caller has any (a placement's per-chunk
   random streams, the rank's share of step 3's actor EMA);
 - `client_state.pt`: rank 0's `client_state` (data position, KL controller, ...), loaded whole by every rank;
-- `checkpoint.json`: the completion marker, written last.
+- `checkpoint.json`: the completion marker, written last; it records the run's fixed flags, its data
+  (`data_record`) and which input models it started from (`model_identity`), which a resume must share.
 The folder is staged under a hidden temporary name and renamed into place once every rank has
 finished (`utils.atomic.shared_atomic_directory`); only then is the `latest` pointer file
 replaced atomically. A crash at any moment leaves `latest` on the previous complete checkpoint.
@@ -24,6 +25,7 @@ that allows the four DeepSpeed classes its ZeRO optimizer files contain (`DEEPSP
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pickle
@@ -41,7 +43,16 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from training.reliability.run_records import as_recorded, changed_flags, with_resolved_flags
+from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
+from training.core.model_loading import resolve_model_path
+from training.reliability.run_records import (
+    RUN_ID_KEY,
+    as_recorded,
+    changed_flags,
+    read_summary,
+    run_dir_of,
+    with_resolved_flags,
+)
 from utils.atomic import (
     atomic_torch_save,
     atomic_write_text,
@@ -276,6 +287,7 @@ class CheckpointManager:
         self.fixed_flags = None if fixed_flags is None else as_recorded(fixed_flags)
         self.overridable = sorted(overridable)
         self.data: dict[str, Any] | None = None
+        self.inputs: dict[str, Any] | None = None
         self.loaded: Path | None = None  # the checkpoint `load_latest` loaded last
 
     def check_data(self, data: Mapping[str, Any], resume: bool) -> None:
@@ -287,12 +299,30 @@ class CheckpointManager:
         problem = None
         if resume and is_main_process():
             info = self.latest()
-            recorded = json.loads((info.path / MARKER_FILE).read_text()).get("data") if info is not None else None
+            recorded = _marker_entry(info, "data")
             if recorded is not None and recorded != self.data:
                 problem = (f"--resume continues the run checkpointed in {info.path}, but its data differ from that "
                            f"run's ({_data_changes(recorded, self.data)}): the data files changed, or flags that "
                            f"pick the items did. Resume on that run's data, or start a new run in another "
                            f"--output_dir")
+        refuse_on_every_rank(problem)
+
+    def check_inputs(self, models: Mapping[str, str | None], resume: bool) -> None:
+        """Record which input models the run starts from ({flag: name or path}, a flag given no model left out;
+        `model_identity`) in every checkpoint; with --resume, refuse inputs other than the latest checkpoint's (every
+        rank): a model trained again or replaced at the same path would become the resumed run's frozen reference
+        or reward model, its tokenizer or its config. A checkpoint that recorded no inputs (written before this
+        record) is resumed unchecked, as it was then."""
+        self.inputs = {flag: model_identity(path) for flag, path in models.items() if path is not None}
+        problem = None
+        if resume and is_main_process():
+            info = self.latest()
+            recorded = _marker_entry(info, "inputs")
+            if info is not None and recorded is None:
+                logger.info("%s records no input models (an older version wrote it): the inputs are not compared",
+                            info.path)
+            elif recorded is not None:
+                problem = _inputs_problem(info, recorded, self.inputs, models)
         refuse_on_every_rank(problem)
 
     def should_save(self, step: int) -> bool:
@@ -369,7 +399,7 @@ class CheckpointManager:
                 atomic_torch_save(client_state, tmp / CLIENT_STATE_FILE)
                 marker = {"format": FORMAT_VERSION, "step": step, "engines": names,
                           "world_size": get_world_size(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                          "flags": self.fixed_flags, "data": self.data}
+                          "flags": self.fixed_flags, "data": self.data, "inputs": self.inputs}
                 atomic_write_text(tmp / MARKER_FILE, json.dumps(marker, indent=2) + "\n")
         if is_main_process():
             atomic_write_text(self.checkpoints_dir / LATEST_FILE, final.name)
@@ -461,7 +491,7 @@ class CheckpointManager:
                     f"resume with {saved_by} (the same launcher command), or start a new run in another --output_dir")
         if self.fixed_flags is None:
             return None
-        recorded = json.loads((info.path / MARKER_FILE).read_text()).get("flags")
+        recorded = _marker_entry(info, "flags")
         if recorded is None:
             return None
         recorded = with_resolved_flags(recorded, self.fixed_flags)
@@ -552,10 +582,85 @@ def data_record(dataset: Any) -> dict[str, Any]:
     return {"items": len(dataset), "sha256": dataset.digest()}
 
 
+def model_identity(name_or_path: str) -> dict[str, Any]:
+    """What tells an input model from another one at the same name or path, cheaply: the embedded default by its
+    name; a run folder of this project (or the model folder inside one) by its finished run's `run_id` (a run made
+    again has another); another local folder by `folder_fingerprint`; a hub name by its cached revision (None: not
+    cached)."""
+    if is_embedded_name(name_or_path):
+        return {"embedded": EMBEDDED_MODEL_NAME}
+    run_dir = run_dir_of(name_or_path)
+    run_id = (read_summary(run_dir) or {}).get(RUN_ID_KEY) if run_dir is not None else None
+    if run_id is not None:
+        return {RUN_ID_KEY: run_id}
+    folder = Path(resolve_model_path(name_or_path))
+    if folder.is_dir():
+        return {"files": folder_fingerprint(folder)}
+    return {"hub": name_or_path, "revision": _cached_hub_revision(name_or_path)}
+
+
+def folder_fingerprint(folder: Path) -> dict[str, list]:
+    """{file name: [size, mtime in ns]} of a model folder's files (weights, tokenizer, value head), config.json's
+    [size, sha256] instead: a stat of each file, no hash of the weights' gigabytes."""
+    fingerprint = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.name.startswith("."):
+            stat = path.stat()
+            fingerprint[path.name] = [stat.st_size, hashlib.sha256(path.read_bytes()).hexdigest()
+                                      if path.name == "config.json" else stat.st_mtime_ns]
+    return fingerprint
+
+
+def _cached_hub_revision(repo_id: str) -> str | None:
+    """The commit of the hub model's cached config.json (its snapshot folder), None when none is cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    return Path(cached).parent.name if isinstance(cached, str) else None
+
+
+def _inputs_problem(info: CheckpointInfo, recorded: Mapping[str, Any], current: Mapping[str, Any],
+                    models: Mapping[str, str | None]) -> str | None:
+    """The refusal of a resume whose input models differ from those `info` recorded (a flag only one of the two runs
+    gave is the flags' check's to compare), or None."""
+    changed = [flag for flag in sorted(recorded.keys() & current.keys()) if recorded[flag] != current[flag]]
+    if not changed:
+        return None
+    inputs = "; ".join(f"--{flag} {models[flag]}: {_identity_change(recorded[flag], current[flag])}"
+                       for flag in changed)
+    return (f"--resume continues the run checkpointed in {info.path}, but its input models are not those that run "
+            f"started from ({inputs}): trained again or replaced at the same path. Put that run's models back, or "
+            f"start a new run from these in another --output_dir")
+
+
+def _identity_change(then: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """How `model_identity` changed, in words."""
+    if RUN_ID_KEY in then and RUN_ID_KEY in now:
+        return f"another run made it (run_id {then[RUN_ID_KEY]} -> {now[RUN_ID_KEY]})"
+    if "files" in then and "files" in now:
+        files = sorted(name for name in then["files"].keys() | now["files"].keys()
+                       if then["files"].get(name) != now["files"].get(name))
+        return f"its files changed ({', '.join(files)})"
+    if "hub" in then and "hub" in now:
+        return f"its cached revision changed ({then['revision']} -> {now['revision']})"
+    return f"{_identity_kind(then)} then, {_identity_kind(now)} now"
+
+
+def _identity_kind(identity: Mapping[str, Any]) -> str:
+    kinds = {RUN_ID_KEY: "a run folder of this project", "files": "a model folder", "hub": "a hub model",
+             "embedded": "the embedded model"}
+    return next((kind for key, kind in kinds.items() if key in identity), "an unknown model")
+
+
 def cut_short_files(folder: Path) -> list[str]:
     """The torch files of a checkpoint, every rank's, that are not whole (torch saves a zip archive, whose
     directory comes last), relative to `folder`."""
     return [str(path.relative_to(folder)) for path in sorted(folder.rglob("*.pt")) if not zipfile.is_zipfile(path)]
+
+
+def _marker_entry(info: CheckpointInfo | None, key: str) -> Any:
+    """What the marker of checkpoint `info` records under `key` (None: no checkpoint, or not recorded)."""
+    return None if info is None else json.loads((info.path / MARKER_FILE).read_text()).get(key)
 
 
 def _data_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str:
