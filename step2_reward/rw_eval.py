@@ -9,7 +9,7 @@ chosen + rejected, hh-rlhf transcripts, ...). Rows with a rejected answer also g
 the file's accuracy and mean margin. Prompts are rendered and tokenised as in training, with the run's
 `--max_seq_len` and `--prompt_format` (its args.json) unless given; a row whose prompt alone fills
 `--max_seq_len`, or whose two answers are the same once cut, is skipped and counted, as step 2 drops it (both
-would tie and count as wrong).
+would tie and count as wrong); `RewardScorer.score`, which returns one score a pair, refuses such a pair.
 """
 from __future__ import annotations
 
@@ -65,13 +65,17 @@ class RewardScorer:
         return self.tokenizer(text, add_special_tokens=self.formatter.adds_special_tokens)["input_ids"]
 
     def encode(self, prompt: str, answer: str) -> torch.Tensor:
-        """Prompt and answer tokenised as one text, then the EOS where training appends it
-        (`utils.data.tokenization`)."""
-        return torch.tensor((self.token_ids(prompt + answer) + self.formatter.answer_suffix_ids)[: self.max_seq_len])
+        """Prompt and answer as step 2 trains on them (`_sequences`). A pair step 2 drops (its prompt alone fills
+        `max_seq_len`) is refused: no answer would be left to score, and `score_rows` skips it."""
+        found = self._sequences({"prompt": prompt, "chosen": answer})
+        if isinstance(found, str):
+            raise UserError(f"step 2 drops this pair ({found} at max_seq_len {self.max_seq_len}), and rw_eval skips "
+                            f"it: give a larger max_seq_len or a shorter prompt | {_short(prompt, -60)}")
+        return found[0]
 
     @torch.no_grad()
     def score(self, pairs: list[tuple[str, str]]) -> list[float]:
-        """Reward of each (rendered prompt, formatted answer) pair."""
+        """Reward of each (rendered prompt, formatted answer) pair; a pair step 2 drops is refused (`encode`)."""
         return self._score([self.encode(prompt, answer) for prompt, answer in pairs])
 
     def _score(self, sequences: list[torch.Tensor]) -> list[float]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import REPO_ROOT
 from crash_resume import step_env
 from scripts.hybrid_engine_worker import LONG_POSITION_MODEL
-from tiny_models import ARCHITECTURES, make_custom_code_model_dir
+from tiny_models import ARCHITECTURES, make_custom_code_model_dir, make_tokenizer
 from transformers import AutoModel, AutoModelForCausalLM
 
 from step2_reward.objective import evaluate_pairs, pairwise_loss, split_chosen_rejected
@@ -256,6 +256,22 @@ def test_rw_eval_cuts_at_the_positions_of_a_model_no_run_trained(tiny_model_dir,
     model = _save_reward_model(tiny_model_dir("opt", max_positions=64), tmp_path / "rm")
     argv = ["--model_name_or_path", model, "--prompt", "p", "--answer", "word " * 100]
     assert rw_eval_main(argv)["results"] == rw_eval_main([*argv, "--max_seq_len", "64"])["results"]
+
+
+def test_rw_evals_scorer_refuses_a_pair_step_2_drops_as_its_command_line_skips_it():
+    """`RewardScorer.score` and `encode` scored a pair whose prompt alone fills --max_seq_len, its prompt cut with no
+    answer left, where rw_eval's command line (`score_rows`) and step 2 drop it: they now refuse it, saying why."""
+    from step2_reward.rw_eval import RewardScorer
+
+    scorer = RewardScorer(torch.nn.Linear(1, 1), make_tokenizer(), "auto", max_seq_len=8)  # no pair reaches it
+    long_prompt, short_prompt = "hello world " * 8, "hi"
+    (result,) = scorer.score_rows([{"prompt": long_prompt, "chosen": " yes", "rejected": None}])
+    assert result["skipped"] == "prompt_too_long"
+    for refused in (lambda: scorer.encode(long_prompt, " yes"), lambda: scorer.score([(long_prompt, " yes")])):
+        with pytest.raises(UserError, match="^step 2 drops this pair \\(prompt_too_long at max_seq_len 8\\)"):
+            refused()
+    as_trained = (scorer.token_ids(short_prompt + " yes") + scorer.formatter.answer_suffix_ids)[:8]
+    assert scorer.encode(short_prompt, " yes").tolist() == as_trained  # a prompt that leaves room: scored as before
 
 
 def test_pairwise_loss_value():
