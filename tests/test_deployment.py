@@ -70,7 +70,9 @@ def test_a_hostfile_of_mpi_style_lines_is_read_as_deepspeeds_launcher_reads_it(t
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("worker-1 slots=8\nworker-1 slots=8\n", "listed twice"),
+        ("worker-1 slots=8\nworker-1 slots=8\n", r"hosts:2: host worker-1 is listed twice \(first on line 1\);"),
+        # two nodes to DeepSpeed's launcher, one machine to ssh: both lines' ranks on its GPUs from 0
+        ("worker-1 slots=8\nWorker-1 slots=8\n", r"host Worker-1 is listed twice \(first on line 1, as worker-1"),
         ("worker-1 slots=0\n", "positive"),
         ("worker-1 slots=-2\n", "positive"),
         ("worker-1\n", "expected 'HOST slots=N'"),

@@ -50,8 +50,11 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
                             "node on a line of its own")
         if slots <= 0:
             raise UserError(f"{hostfile}:{number}: {name} has slots={slots}; slots must be a positive GPU count")
-        if name in seen:
-            raise UserError(f"{hostfile}:{number}: host {name} is listed twice (first on line {seen[name]}); list each node once")
+        twin = next((other for other in seen if other.lower() == name.lower()), None)  # host names ignore case
+        if twin is not None:
+            spelled = "" if twin == name else f", as {twin}: host names are the same in any case"
+            raise UserError(f"{hostfile}:{number}: host {name} is listed twice (first on line {seen[twin]}{spelled}); "
+                            "list each node once")
         seen[name] = number
         hosts.append(Host(name, slots))
     if not hosts:
