@@ -51,15 +51,18 @@ class RewardScorer:
         self.batch_size = batch_size
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, prompt_format: str | None = None,
-                        max_seq_len: int | None = None, batch_size: int = 8) -> RewardScorer:
+    def from_pretrained(cls, path: str, dtype: str = "auto", prompt_format: str | None = None,
+                        max_seq_len: int | None = None, batch_size: int = 8,
+                        trust_remote_code: bool = False) -> RewardScorer:
         """The reward model at `path` (what rw_eval.py's --model_name_or_path takes), scoring as rw_eval.py does:
-        `prompt_format` and `max_seq_len` left None are those of the step-2 run that trained it (`trained_scoring`)."""
+        `prompt_format` and `max_seq_len` left None are those of the step-2 run that trained it (`trained_scoring`);
+        `dtype` and `trust_remote_code` are rw_eval.py's --dtype and --trust_remote_code."""
         path = resolve_reward_model(path)
         prompt_format, max_seq_len = trained_scoring(path, prompt_format, max_seq_len)
-        max_seq_len = _settled_max_seq_len(max_seq_len, load_config(path), path)
-        return cls(RewardModel.from_pretrained(path, dtype=dtype), load_tokenizer(path), prompt_format, max_seq_len,
-                   batch_size)
+        max_seq_len = _settled_max_seq_len(max_seq_len, load_config(path, trust_remote_code), path)
+        return cls(RewardModel.from_pretrained(path, dtype=resolve_trained_dtype(dtype, path),
+                                               trust_remote_code=trust_remote_code),
+                   load_tokenizer(path, trust_remote_code), prompt_format, max_seq_len, batch_size)
 
     def token_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=self.formatter.adds_special_tokens)["input_ids"]

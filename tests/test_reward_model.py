@@ -170,7 +170,8 @@ def test_rw_eval_takes_a_train_py_output_folder(tiny_model_dir, tmp_path, capsys
 
 def test_rw_eval_scores_a_reward_model_on_a_backbone_with_its_own_code(tmp_path, capsys):
     """Step 2 trains on a model that ships its own code with --trust_remote_code, and rw_eval had no such flag: the
-    reward model it saved could not be scored."""
+    reward model it saved could not be scored, from the command line or by RewardScorer.from_pretrained."""
+    from step2_reward.rw_eval import RewardScorer
     from step2_reward.rw_eval import main as rw_eval_main
 
     custom = make_custom_code_model_dir(tmp_path / "custom")
@@ -184,6 +185,11 @@ def test_rw_eval_scores_a_reward_model_on_a_backbone_with_its_own_code(tmp_path,
     assert exited.value.code == EXIT_USER_ERROR and "runs only with --trust_remote_code" in capsys.readouterr().err
     scored = rw_eval_main([*argv, "--trust_remote_code"])["results"]
     assert len(scored) == 1 and math.isfinite(scored[0]["chosen_score"])
+    scorer = RewardScorer.from_pretrained(str(folder), trust_remote_code=True)
+    turns = [{"role": "user", "content": "Compute 3 + 4."}]
+    rendered = scorer.formatter.prompt(turns)
+    assert scorer.score([(rendered, scorer.formatter.answer(turns, "7", rendered))]) == pytest.approx(
+        [scored[0]["chosen_score"]], abs=1e-5)
 
 
 def test_a_backbone_whose_own_code_names_no_base_model_is_one_error(tmp_path):
