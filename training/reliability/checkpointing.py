@@ -599,16 +599,27 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
     return {"hub": name_or_path, "revision": _cached_hub_revision(name_or_path)}
 
 
+FINGERPRINT_END_BYTES = 1 << 20
+
+
 def folder_fingerprint(folder: Path) -> dict[str, list]:
-    """{file name: [size, mtime in ns]} of a model folder's files (weights, tokenizer, value head), config.json's
-    [size, sha256] instead: a stat of each file, no hash of the weights' gigabytes."""
+    """{file name: [size, sha256 of its first and last MiB]} of a model folder's files (weights, tokenizer, config,
+    value head): what they hold, not when they were written, so a plain copy of the folder is the same model; no hash
+    of the weights' gigabytes, whose every part a retrained model changes."""
     fingerprint = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.startswith("."):
-            stat = path.stat()
-            fingerprint[path.name] = [stat.st_size, hashlib.sha256(path.read_bytes()).hexdigest()
-                                      if path.name == "config.json" else stat.st_mtime_ns]
+            fingerprint[path.name] = [path.stat().st_size, _ends_digest(path)]
     return fingerprint
+
+
+def _ends_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        digest.update(file.read(FINGERPRINT_END_BYTES))
+        file.seek(max(file.tell(), path.stat().st_size - FINGERPRINT_END_BYTES))
+        digest.update(file.read())
+    return digest.hexdigest()
 
 
 def _cached_hub_revision(repo_id: str) -> str | None:
