@@ -25,7 +25,7 @@ from training.core.args import flag_values, same_result_flags
 from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
-from training.reliability.run_records import RUN_ID_KEY, changed_flags, read_run_args, read_summary, run_dir_of
+from training.reliability.run_records import changed_flags, read_run_args, read_summary, run_id_of
 from training.reliability.signals import (
     EXIT_INTERRUPTED,
     OUTPUT_UNREAD,
@@ -231,9 +231,7 @@ def _input_versions(inputs: list[tuple[ModelInput, str]]) -> dict[str, str | Non
     for source, value in inputs:
         if source.from_step is None:
             continue
-        run_dir = run_dir_of(value)
-        summary = read_summary(run_dir) if run_dir is not None else None
-        versions[source.flag] = (summary or {}).get(RUN_ID_KEY)
+        versions[source.flag] = run_id_of(value)
     return versions
 
 

@@ -49,8 +49,7 @@ from training.reliability.run_records import (
     RUN_ID_KEY,
     as_recorded,
     changed_flags,
-    read_summary,
-    run_dir_of,
+    run_id_of,
     with_resolved_flags,
 )
 from utils.atomic import (
@@ -589,8 +588,7 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
     cached)."""
     if is_embedded_name(name_or_path):
         return {"embedded": EMBEDDED_MODEL_NAME}
-    run_dir = run_dir_of(name_or_path)
-    run_id = (read_summary(run_dir) or {}).get(RUN_ID_KEY) if run_dir is not None else None
+    run_id = run_id_of(name_or_path)
     if run_id is not None:
         return {RUN_ID_KEY: run_id}
     folder = Path(resolve_model_path(name_or_path))

@@ -122,3 +122,10 @@ def save_summary(run_dir: str | os.PathLike, summary: Mapping[str, Any]) -> dict
 def read_summary(run_dir: str | os.PathLike) -> dict | None:
     """The summary `save_summary` wrote in `run_dir` (a finished run); None when it holds none or it does not parse."""
     return read_record(run_dir, SUMMARY_FILE)
+
+
+def run_id_of(model: str | os.PathLike) -> str | None:
+    """The `run_id` of the finished run that made `model` (a run folder or the model folder inside one); None for a
+    model no finished run of this project made."""
+    run_dir = run_dir_of(model)
+    return (read_summary(run_dir) or {}).get(RUN_ID_KEY) if run_dir is not None else None
