@@ -278,7 +278,8 @@ def test_an_offload_plan_fits_the_offloaded_weights_in_host_memory():
     counted the trained weights' optimizer state alone, model by model: a 180B model fitted one 24 GB GPU with 64 GB
     of RAM under ZeRO-3, offload and LoRA (its bf16 weights alone take 335 GiB), to fail once its step loaded it."""
     b180 = ModelSize(parameters=180_000_000_000, hidden_size=14848, num_layers=80, vocab_size=32000)
-    with pytest.raises(UserError, match=r"^step 1: 180\.0B parameters do not fit on 1 accelerator"):
+    with pytest.raises(UserError, match=r"^step 1: 180\.0B parameters fit 1 accelerator\(s\) of 24 GiB only with "
+                                        r"offload, which puts 358\.7 GiB in host memory"):
         plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b180, SMALL), LAPTOP_GPU, None)
     big_host = dataclasses.replace(LAPTOP_GPU, cpu_memory_gib=1024)
     sft = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b180, SMALL), big_host, None).steps[1].flags
@@ -298,7 +299,7 @@ def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(runner, "model_size", lambda *args, **kwargs: B70)
     node = Hardware(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=32, bf16=True)
-    with pytest.raises(UserError, match=r"^step 3: .* do not fit on 1 accelerator"):
+    with pytest.raises(UserError, match=r"^step 3: .* fit 1 accelerator\(s\) of 80 GiB only with offload"):
         plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B70, B70), node, None)
     argv = ["--deployment-type", "single_gpu", "--actor-model", tiny_model_dir("llama"), "--output-dir",
             str(tmp_path / "out"), "--dry-run", "--step", "1"]
@@ -306,11 +307,31 @@ def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
     assert command[command.index("--zero_stage") + 1] == "3" and "--offload" in command
 
 
-def test_a_model_that_cannot_fit_is_a_user_error():
+def test_a_refusal_names_the_memory_that_is_short_and_what_would_do():
+    """Every refusal said the models did not fit the accelerators, also where their memory was not the limit: step 3's
+    7B actor and 7B reward model fit one 24 GB GPU with offload, which 64 GB of RAM cannot hold (512 GB plans it), so
+    its user bought a bigger GPU where more RAM would do. The refusal names the memory short, by how much, and what
+    helps; a model no choice fits on the accelerators says more RAM would not."""
+    sevens = ModelSizes(B7, B7)
+    with pytest.raises(UserError) as host_short:
+        plan_gpu(DeploymentType.SINGLE_GPU, sevens, LAPTOP_GPU, None, steps=[1, 2, 3])
+    assert str(host_short.value).startswith(
+        "step 3: 28.0B parameters fit 1 accelerator(s) of 24 GiB only with offload, which puts 54.0 GiB in host "
+        "memory, more than 70% of this machine's 64 GiB (44.8 GiB); use a machine with 78 GiB of memory or more")
+    assert "a smaller actor or reward model, or leave step 3 out (--step)" in str(host_short.value)
+    more_memory = dataclasses.replace(LAPTOP_GPU, cpu_memory_gib=78)  # the memory it names plans step 3
+    assert plan_gpu(DeploymentType.SINGLE_GPU, sevens, more_memory, None).steps[3].flags["actor_offload"]
+    assert set(plan_gpu(DeploymentType.SINGLE_GPU, sevens, LAPTOP_GPU, None, steps=[1, 2]).steps) == {1, 2}
+    two_nodes = [Host("worker-1", 1), Host("worker-2", 1)]
+    with pytest.raises(UserError, match=r"^step 3: .* 27\.0 GiB in host memory, more than 70% of each node's 32 GiB"):
+        plan_gpu(DeploymentType.MULTI_NODE, sevens, dataclasses.replace(LAPTOP_GPU, cpu_memory_gib=32), two_nodes)
     huge = ModelSize(parameters=2_000_000_000_000, hidden_size=16384, num_layers=200, vocab_size=32000)
-    small_host = Hardware(num_gpus=1, gpu_memory_gib=24, cpu_memory_gib=64, cpu_cores=8, bf16=True)
-    with pytest.raises(UserError, match="do not fit"):
-        plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(huge, SMALL), small_host, None)
+    for host_memory in (64, 100_000):
+        with pytest.raises(UserError, match=r"^step 1: 2000\.0B parameters do not fit the memory of 1 accelerator\(s\) "
+                                            r"of 24 GiB, even with ZeRO-3, offload and LoRA \(more host memory would "
+                                            r"not help\); use more GPUs"):
+            plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(huge, SMALL),
+                     dataclasses.replace(LAPTOP_GPU, cpu_memory_gib=host_memory), None)
 
 
 def test_the_cpu_quick_run_fits_the_embedded_model_in_the_time_budget():

@@ -74,6 +74,7 @@ _STATE_BUDGET = 0.55  # share of accelerator memory for weights/gradients/optimi
 _ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained parameter
 _LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
 _GPU_LORA_DIM = 128
+_HOST_OFFLOAD_SHARE = 0.7  # share of a node's memory that offload may fill (the rest: the processes, the OS)
 
 
 @dataclass(frozen=True)
@@ -135,32 +136,75 @@ class _Fit:
     checkpointing: bool
 
 
+def _fit_on_accelerators(
+    target: Target, trained: list[ModelSize], frozen: list[ModelSize], choice: MemoryChoice, seq_len: int,
+    seqs_per_sample: int, cap: int, extra_per_sample: float,
+) -> _Fit | None:
+    """`choice` with the largest power-of-two micro batch its states leave room for; None where the states, or one
+    sample's activations beside them, do not fit an accelerator."""
+    world, hardware = target.world, target.hardware
+    memory = _accelerator_bytes(hardware)
+    states = sum(state_bytes_per_gpu(m.parameters, world, choice) for m in trained)
+    states += sum(state_bytes_per_gpu(m.parameters, world, choice, trained=False) for m in frozen)
+    if states > _STATE_BUDGET * memory:
+        return None
+    free = memory * 0.9 - states
+    for checkpointing in (False, True):
+        per_sample = seqs_per_sample * max(activation_bytes_per_sequence(m, seq_len, checkpointing) for m in trained)
+        micro = _pow2_floor(free / (per_sample + extra_per_sample), cap)
+        if micro >= 1:
+            return _Fit(choice, micro, checkpointing)
+    return None
+
+
+def _accelerator_bytes(hardware: Hardware) -> float:
+    """One accelerator's memory; planned where no GPU is, this machine's RAM (see `gpu_target`'s note)."""
+    return (hardware.gpu_memory_gib or hardware.cpu_memory_gib) * GIB
+
+
+def _host_budget(hardware: Hardware) -> float:
+    """What offload may put in one node's CPU memory."""
+    return _HOST_OFFLOAD_SHARE * hardware.cpu_memory_gib * GIB
+
+
 def _fit_training(
     target: Target, trained: list[ModelSize], frozen: list[ModelSize], seq_len: int, seqs_per_sample: int, cap: int,
-    what: str, extra_per_sample: float = 0.0,
+    what: str, models: tuple[Model, ...], extra_per_sample: float = 0.0,
 ) -> _Fit:
-    """The first ladder choice whose states fit, and the largest power-of-two micro batch beside them."""
-    world, nodes, hardware = target.world, target.nodes, target.hardware
-    memory = (hardware.gpu_memory_gib or hardware.cpu_memory_gib) * GIB
-    for choice in _ladder(world):
-        if host_bytes_per_node(trained, frozen, choice, nodes) > 0.7 * hardware.cpu_memory_gib * GIB:
+    """The first ladder choice whose states fit the accelerators and whose offload fits host memory, and the largest
+    power-of-two micro batch beside them; else a refusal naming the limit that failed (`models`: whose size counts)."""
+    host_bound = []  # choices that fit the accelerators but offload more than host memory holds
+    for choice in _ladder(target.world):
+        fit = _fit_on_accelerators(target, trained, frozen, choice, seq_len, seqs_per_sample, cap, extra_per_sample)
+        if fit is None:
             continue
-        states = sum(state_bytes_per_gpu(m.parameters, world, choice) for m in trained)
-        states += sum(state_bytes_per_gpu(m.parameters, world, choice, trained=False) for m in frozen)
-        if states > _STATE_BUDGET * memory:
-            continue
-        free = memory * 0.9 - states
-        for checkpointing in (False, True):
-            per_sample = seqs_per_sample * max(activation_bytes_per_sequence(m, seq_len, checkpointing) for m in trained)
-            micro = _pow2_floor(free / (per_sample + extra_per_sample), cap)
-            if micro >= 1:
-                return _Fit(choice, micro, checkpointing)
+        if host_bytes_per_node(trained, frozen, choice, target.nodes) <= _host_budget(target.hardware):
+            return fit
+        host_bound.append(choice)
+    raise _not_fitting(target, trained, frozen, what, models, host_bound)
+
+
+def _not_fitting(target: Target, trained: list[ModelSize], frozen: list[ModelSize], what: str,
+                 models: tuple[Model, ...], host_bound: list[MemoryChoice]) -> UserError:
+    """The refusal of a step no choice fits, naming the limit: host memory where some choice fits the accelerators
+    (more of it would do), else the accelerators' memory (more host memory would not help)."""
+    hardware = target.hardware
     total = sum(m.parameters for m in trained + frozen) / 1e9
-    raise UserError(
-        f"{what}: {total:.1f}B parameters do not fit on {world} accelerator(s) of "
-        f"{memory / GIB:.0f} GiB even with ZeRO-3, offload and LoRA; use more GPUs (--deployment-type "
-        "multi_node with a --hostfile) or a smaller model"
-    )
+    accelerators = f"{target.world} accelerator(s) of {_accelerator_bytes(hardware) / GIB:.0f} GiB"
+    smaller = f"a smaller {' or '.join(model.value for model in models)} model, or leave {what} out (--step)"
+    if not host_bound:
+        return UserError(
+            f"{what}: {total:.1f}B parameters do not fit the memory of {accelerators}, even with ZeRO-3, offload and "
+            f"LoRA (more host memory would not help); use more GPUs (--deployment-type single_node, or multi_node "
+            f"with a --hostfile), {smaller}")
+    needed = min(host_bytes_per_node(trained, frozen, choice, target.nodes) for choice in host_bound)
+    node, machine = ("each node's", "nodes") if target.nodes > 1 else ("this machine's", "a machine")
+    return UserError(
+        f"{what}: {total:.1f}B parameters fit {accelerators} only with offload, which puts {needed / GIB:.1f} GiB in "
+        f"host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of {node} {hardware.cpu_memory_gib:.0f} GiB "
+        f"({_host_budget(hardware) / GIB:.1f} GiB); use {machine} with {math.ceil(needed / _HOST_OFFLOAD_SHARE / GIB)} "
+        f"GiB of memory or more, more GPUs (ZeRO-3 across them may need no offload) or nodes (each holds its share: "
+        f"--deployment-type multi_node with a --hostfile), {smaller}")
 
 
 def fit_length(wanted: int, *sizes: ModelSize) -> int:
@@ -361,6 +405,7 @@ class _SupervisedShape:
 
     step: int
     what: str
+    model: Model
     seqs_per_sample: int
     micro_batch_cap: int
     global_batch: int
@@ -388,7 +433,7 @@ def _plan_supervised(target: Target, size: ModelSize, shape: _SupervisedShape,
                                  recipe.learning_rate, recipe.eval_samples)
     seq_len = fit_length(_SEQ_LEN, size)
     fit = _fit_training(target, [size], [size] if shape.frozen_copy else [], seq_len, shape.seqs_per_sample,
-                        shape.micro_batch_cap, shape.what)
+                        shape.micro_batch_cap, shape.what, (shape.model,))
     return _gpu_supervised(target, fit, shape, seq_len, size)
 
 
@@ -397,7 +442,7 @@ def plan_sft(target: Target, sizes: ModelSizes, workload: Workload = Workload())
     quick = target.quick
     recipe = None if quick is None else _QuickRecipe(quick.sft_step_s, quick.sft_batch, quick.sft_max_seq_len,
                                                      quick.sft_learning_rate, quick.sft_eval_samples)
-    return _plan_supervised(target, sizes.actor, _SupervisedShape(1, "step 1", 1, 16, 64), recipe)
+    return _plan_supervised(target, sizes.actor, _SupervisedShape(1, "step 1", Model.ACTOR, 1, 16, 64), recipe)
 
 
 def plan_reward(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
@@ -405,7 +450,7 @@ def plan_reward(target: Target, sizes: ModelSizes, workload: Workload = Workload
     quick = target.quick
     recipe = None if quick is None else _QuickRecipe(quick.reward_step_s, quick.reward_batch, quick.reward_max_seq_len,
                                                      quick.reward_learning_rate, quick.reward_eval_samples)
-    return _plan_supervised(target, sizes.reward, _SupervisedShape(2, "step 2", 2, 8, 32), recipe)
+    return _plan_supervised(target, sizes.reward, _SupervisedShape(2, "step 2", Model.REWARD, 2, 8, 32), recipe)
 
 
 def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> RLHFPlan:
@@ -434,8 +479,9 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
     prompt_len, answer_len = fit_prompt_and_answer(_PROMPT_LEN, _ANSWER_LEN, sizes.actor, *reward_sizes)
     rl_seq = prompt_len + answer_len
     kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
+    models = (Model.ACTOR, Model.REWARD) if critic_sizes or reward_sizes else (Model.ACTOR,)
     fit = _fit_training(target, [sizes.actor, *critic_sizes], [sizes.actor, *reward_sizes], rl_seq, 1, 16, "step 3",
-                        extra_per_sample=kv_cache)
+                        models, extra_per_sample=kv_cache)
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
     critic_blocks = (sizes.reward if workload.reward_model else sizes.actor).blocks_name  # what the critic starts from
     # the critic's flags only for a critic, which a critic-free step 3 refuses as doing nothing
@@ -495,4 +541,5 @@ def plan_dpo(target: Target, sizes: ModelSizes, workload: Workload = Workload())
     quick = target.quick
     recipe = None if quick is None else _QuickRecipe(quick.dpo_step_s, quick.dpo_batch, quick.dpo_max_seq_len,
                                                      quick.dpo_learning_rate, quick.reward_eval_samples)
-    return _plan_supervised(target, sizes.actor, _SupervisedShape(4, "DPO", 2, 8, 32, frozen_copy=True), recipe)
+    shape = _SupervisedShape(4, "DPO", Model.ACTOR, 2, 8, 32, frozen_copy=True)
+    return _plan_supervised(target, sizes.actor, shape, recipe)
