@@ -48,7 +48,7 @@ CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
 EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
-PASTE_GAP_S = 0.05  # a line that follows the one before within this long came with it, in one paste: no one types so fast
+PASTE_GAP_S = 0.05  # a line that follows the prompt's line within this long came with it, in one paste: no one types so fast
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:
@@ -330,7 +330,10 @@ def _input_waiting(stream: TextIO, timeout: float) -> bool:
 def _typed_message(prompt: str) -> str:
     """One message at the prompt: its line and the lines that arrived with it. A paste of several lines was a message
     per line, the first answered before the rest was read (a question and the code it asks about: two answers, to
-    neither whole)."""
+    neither whole). Lines typed ahead, while the answer before streamed, wait on the terminal before the prompt shows:
+    each is a message as typed (joined, a typed-ahead 'quit' was part of the message before it)."""
+    if _input_waiting(sys.stdin, 0.0):
+        return input(prompt)
     lines = [input(prompt)]
     while _input_waiting(sys.stdin, PASTE_GAP_S):
         lines.append(input())

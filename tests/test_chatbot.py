@@ -696,9 +696,10 @@ def test_a_conversation_cut_to_fit_says_so_after_the_answer():
     assert chat_session.history[0]["content"] == "how are you today"
 
 
-def _messages_typed_on_a_terminal(keys: bytes) -> str:
-    """What the chat's prompt shows on a terminal where `keys` arrive at once after its first "Human: ", Ctrl-D
-    after its next: each message it reads printed as MESSAGE 'text'."""
+def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"") -> str:
+    """What the chat's prompt shows on a terminal where `typed_ahead` waits before the chat starts (lines typed while
+    an answer streamed), `keys` arrive at once at its first "Human: " that waits for them, Ctrl-D at the next: each
+    message it reads printed as MESSAGE 'text', until a quit command."""
     pty = pytest.importorskip("pty")
     import contextlib
     import select
@@ -708,19 +709,22 @@ def _messages_typed_on_a_terminal(keys: bytes) -> str:
     child, terminal = pty.fork()
     if child == 0:  # the chat's prompt on a terminal
         os.chdir(REPO_ROOT)
-        messages = ("from inference.chatbot import _interactive_lines\n"
-                    "for message in _interactive_lines(): print('MESSAGE', repr(message), flush=True)")
+        messages = ("from inference.chatbot import QUIT_COMMANDS, _interactive_lines\n"
+                    "for message in _interactive_lines():\n"
+                    "    print('MESSAGE', repr(message), flush=True)\n"
+                    "    if message.strip().lower() in QUIT_COMMANDS: break")
         os.execve(sys.executable, [sys.executable, "-c", messages], step_env())
-    shown, deadline, prompts_answered = b"", time.monotonic() + 60, 0
+    os.write(terminal, typed_ahead)
+    shown, deadline, answered = b"", time.monotonic() + 60, []
     while time.monotonic() < deadline:
         if select.select([terminal], [], [], 0.2)[0]:
             try:
                 shown += os.read(terminal, 4096)
             except OSError:  # the child exited: its terminal closed
                 break
-        if shown.count(b"Human: ") > prompts_answered and shown.endswith(b"Human: "):
-            os.write(terminal, keys if prompts_answered == 0 else b"\x04")
-            prompts_answered += 1
+        elif shown.endswith(b"Human: ") and len(shown) not in answered:  # a prompt quiet for 0.2 s waits for keys
+            os.write(terminal, b"\x04" if answered else keys)
+            answered.append(len(shown))
     with contextlib.suppress(ProcessLookupError):  # one still waiting past the deadline
         os.kill(child, signal.SIGKILL)
     os.waitpid(child, 0)
@@ -737,6 +741,13 @@ def test_lines_pasted_at_once_are_one_message():
     shown = _messages_typed_on_a_terminal(b"Why does this fail?\r\rx = 1 +\rprint(x)\r")
     assert shown.count("MESSAGE") == 1
     assert "MESSAGE 'Why does this fail?\\n\\nx = 1 +\\nprint(x)'" in shown
+
+
+def test_lines_typed_ahead_while_an_answer_streams_are_a_message_each():
+    """Lines typed during an answer wait on the terminal before the next prompt: they were joined as a paste, a
+    typed-ahead 'quit' sent to the model with the question before it instead of ending the chat."""
+    shown = _messages_typed_on_a_terminal(b"\x04", typed_ahead=b"what is 2+2?\rquit\r")
+    assert "MESSAGE 'what is 2+2?'" in shown and "MESSAGE 'quit'" in shown and shown.count("MESSAGE") == 2
 
 
 def test_only_a_terminal_has_pasted_lines_waiting():
