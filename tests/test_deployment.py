@@ -1141,6 +1141,12 @@ class _Launched(Exception):
     """Raised by a stand-in for `run_subprocess`: the launch train.py would run, taken without running it."""
 
 
+def _multi_node_step_1(tmp_path: Path, model: str, hosts: str) -> list[str]:
+    """train.py's flags for step 1 of a multi_node run on `hosts` (a hostfile's text)."""
+    return ["--deployment-type", "multi_node", "--hostfile", write(tmp_path / "hosts", hosts), "--step", "1",
+            "--actor-model", model, "--output-dir", str(tmp_path / "out")]
+
+
 def _launch_env_of_step_1(monkeypatch, tmp_path: Path, model: str, hosts: str) -> dict[str, str]:
     """The environment train.py starts step 1's launcher in, for a multi_node run on `hosts` (a hostfile's text)."""
     from training.pipeline import runner
@@ -1150,10 +1156,8 @@ def _launch_env_of_step_1(monkeypatch, tmp_path: Path, model: str, hosts: str) -
         raise _Launched(env)
 
     monkeypatch.setattr(runner, "run_subprocess", launched)
-    hostfile = write(tmp_path / "hosts", hosts)
     with pytest.raises(_Launched) as taken:
-        run(["--deployment-type", "multi_node", "--hostfile", hostfile, "--step", "1", "--actor-model", model,
-             "--output-dir", str(tmp_path / "out")])
+        run(_multi_node_step_1(tmp_path, model, hosts))
     return taken.value.args[0]
 
 
@@ -1161,7 +1165,8 @@ def test_a_multi_node_launch_passes_the_ranks_on_other_nodes_what_they_read(tmp_
     """DeepSpeed's launcher passes the ranks it starts through pdsh only PYTHON*, MLFLOW*, MV2*, UCX* and (from a
     machine with a CUDA GPU) NCCL* variables, and its env file's: with HF_HUB_OFFLINE=1 they went to the hub there,
     with HF_HOME, TORCH_EXTENSIONS_DIR or RLHF_CACHE_DIR set they used other folders than this machine's. train.py
-    names an env file of its own (DS_ENV_FILE) with those, then the user's .deepspeed_env lines, which win; no token."""
+    names an env file of its own (DS_ENV_FILE) with those but the ones the user's .deepspeed_env lines set, then
+    those lines, which win; no token."""
     model = tiny_model_dir("llama")
     home, here = tmp_path / "home", tmp_path / "here"
     home.mkdir()
@@ -1176,40 +1181,72 @@ def test_a_multi_node_launch_passes_the_ranks_on_other_nodes_what_they_read(tmp_
     env_file = Path(env["DS_ENV_FILE"])
     assert env_file == tmp_path / "out" / "logs" / "deepspeed_env"
     lines = env_file.read_text().splitlines()
-    for line in ("HF_HUB_OFFLINE=1", "HF_HOME=/data/hf", "TORCH_EXTENSIONS_DIR=/data/ext",
-                 "RLHF_CACHE_DIR=/data/rlhf cache", "NCCL_DEBUG=INFO"):
+    for line in ("HF_HUB_OFFLINE=1", "TORCH_EXTENSIONS_DIR=/data/ext", "RLHF_CACHE_DIR=/data/rlhf cache",
+                 "NCCL_DEBUG=INFO"):
         assert line in lines
     assert lines[-2:] == ["NCCL_IB_DISABLE=1", "HF_HOME=/users/me/hf"]  # read last, they win
+    assert "HF_HOME=/data/hf" not in lines
     assert not [line for line in lines if "TOKEN" in line or line.startswith(("PATH=", "CUDA_VISIBLE_DEVICES="))]
 
     this_node_alone = _launch_env_of_step_1(monkeypatch, tmp_path, model, "localhost slots=1\n")
     assert "DS_ENV_FILE" not in this_node_alone  # its ranks start under the launcher, in its environment
 
-    monkeypatch.setenv("HF_HOME", "$SCRATCH/hf")
-    with pytest.raises(UserError, match=r"HF_HOME='\$SCRATCH/hf' would reach the ranks on other nodes"):
-        _launch_env_of_step_1(monkeypatch, tmp_path, model, "worker-1 slots=1\nworker-2 slots=1\n")
+
+def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(tmp_path, tiny_model_dir, monkeypatch,
+                                                                                capsys):
+    """786820d refused the whole run where a variable train.py passes to the ranks on other nodes unasked had a value
+    with $, `, \\, %, a quote or a line break: NCCL's documented NCCL_DEBUG_FILE=/tmp/nccl.%h.%p stopped a multi_node
+    run (DeepSpeed's launcher had passed it from a GPU head), a .deepspeed_env line setting the variable did not help,
+    and --dry-run said nothing of it. Each value is now written for pdsh and the nodes' shells to read as itself; one
+    no env file line can carry (a line break) is left out with a warning, the same in the dry run; one the user's
+    .deepspeed_env sets is theirs alone."""
+    from training.pipeline.cli import run
+
+    model = tiny_model_dir("llama")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("HF_HOME=/users/me/hf\n")
+    for name, value in (("NCCL_DEBUG_FILE", "/tmp/nccl.%h.%p"), ("TORCH_HOME", '$SCRATCH/`t` "q" \\ x'),
+                        ("TORCH_CUDA_ARCH_LIST", "8.0\n9.0"), ("HF_HOME", "$HOME/hf\nx")):
+        monkeypatch.setenv(name, value)
+    hosts = "worker-1 slots=1\nworker-2 slots=1\n"
+    run([*_multi_node_step_1(tmp_path, model, hosts), "--dry-run"])
+    planned = capsys.readouterr().err
+    env = _launch_env_of_step_1(monkeypatch, tmp_path, model, hosts)
+    launched = capsys.readouterr().err
+    for said in (planned, launched):
+        assert said.count("warning: multi_node: ") == 1
+        assert "warning: multi_node: TORCH_CUDA_ARCH_LIST is left out of train.py's env file for the ranks on other " \
+               "nodes: its value has a line break" in said
+        assert "set it in each node's own environment, or give it a line of your own in .deepspeed_env" in said
+    lines = Path(env["DS_ENV_FILE"]).read_text().splitlines()
+    assert "NCCL_DEBUG_FILE=/tmp/nccl.%%h.%%p" in lines  # pdsh reads %% as %
+    assert 'TORCH_HOME=\\$SCRATCH/\\`t\\` \\"q\\" \\\\ x' in lines  # in double quotes, read as itself
+    assert not [line for line in lines if line.startswith(("TORCH_CUDA_ARCH_LIST=", "9.0"))]
+    assert [line for line in lines if line.startswith("HF_HOME=")] == ["HF_HOME=/users/me/hf"]
 
 
-BARE_NODES_PDSH = """#!/bin/bash
-# pdsh -S -f N -w HOSTS COMMAND: COMMAND once a node, all of them this machine, in the bare environment ssh gives, with
-# the node's rank for %n
-while getopts Sf:w: option; do
-  case $option in w) hosts=$OPTARG ;; S|f) ;; *) exit 1 ;; esac
-done
-shift $((OPTIND - 1))
-rank=0
-for host in ${hosts//,/ }; do
-  env -i HOME="$HOME" PATH=/usr/bin:/bin bash -c "${*//%n/$rank}" || exit
-  rank=$((rank + 1))
-done
+BARE_NODES_PDSH = f"#!{sys.executable}\n" + """
+# pdsh -S -f N -w HOSTS COMMAND...: COMMAND once a node, all of them this machine, in the bare environment ssh gives,
+# after pdsh's substitutions (its man page, and pdsh 2.34's ssh module): %h the node, %u the user, %n its rank, %% a %
+import getpass, os, re, subprocess, sys
+
+hosts = sys.argv[sys.argv.index("-w") + 1].split(",")
+command = " ".join(sys.argv[sys.argv.index("-w") + 2:])
+for rank, host in enumerate(hosts):
+    substituted = {"h": host, "u": getpass.getuser(), "n": str(rank), "%": "%"}
+    line = re.sub("%([hun%])", lambda found: substituted[found.group(1)], command)
+    status = subprocess.run(["bash", "-c", line], env={"HOME": os.environ["HOME"], "PATH": "/usr/bin:/bin"}).returncode
+    if status:
+        sys.exit(status)
 """
 
 
 @pytest.mark.slow
 def test_deepspeeds_launcher_exports_train_pys_env_file_to_the_ranks_on_other_nodes(tmp_path, monkeypatch):
     """DeepSpeed's own launcher, through pdsh (a stand-in running each node's command line here, in a bare
-    environment) to two nodes: the ranks there see what train.py's env file names, and the rest of its environment
-    no more."""
+    environment) to two nodes: the ranks there see what train.py's env file names, each value as itself whatever
+    pdsh and their shell read in it, and the rest of its environment no more (a value with a line break is left out)."""
     from training.pipeline.launch import env_for_other_nodes, launcher_env, run_subprocess
 
     bin_dir = tmp_path / "bin"
@@ -1221,13 +1258,19 @@ def test_deepspeeds_launcher_exports_train_pys_env_file_to_the_ranks_on_other_no
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("HF_HOME", "/data/hf")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/data/ext")
+    shell_read = {"NCCL_DEBUG_FILE": "/tmp/nccl.%h.%p", "TORCH_HOME": '$HOME/`t` "q" \\ 100%%n \'s\'',
+                  "HF_DATASETS_CACHE": "/data/a\n/data/b"}
+    for name, value in shell_read.items():
+        monkeypatch.setenv(name, value)
+    names = ("HF_HOME", "TORCH_EXTENSIONS_DIR", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM", *shell_read)
     script = tmp_path / "main.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], [os.environ.get(name) for name in "
-                      "('HF_HOME', 'TORCH_EXTENSIONS_DIR', 'HF_HUB_OFFLINE', 'TOKENIZERS_PARALLELISM')])\n")
+    script.write_text(f"import json, os\nprint('rank', os.environ['RANK'], json.dumps([os.environ.get(name) for name in "
+                      f"{names!r}]))\n")
     launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=write(tmp_path / "hosts", "w1 slots=1\nw2 slots=1\n"),
                         master_addr="127.0.0.1", master_port=free_port(), nodes=2, hosts=("w1", "w2"))
     log = tmp_path / "step1.log"
     env = env_for_other_nodes(launcher_env(REPO_ROOT), tmp_path / "deepspeed_env")
     run_subprocess(launcher.command_now(script, []), log, "step 1", env=env)
+    seen = ["/data/hf", "/data/ext", "1", None, "/tmp/nccl.%h.%p", shell_read["TORCH_HOME"], None]
     for rank in (0, 1):  # HF_HUB_OFFLINE=1 in this test's environment; TOKENIZERS_PARALLELISM is not passed
-        assert f"rank {rank} ['/data/hf', '/data/ext', '1', None]" in log.read_text()
+        assert f"rank {rank} {json.dumps(seen)}" in log.read_text()

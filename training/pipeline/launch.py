@@ -202,6 +202,7 @@ def check_not_under_a_launcher() -> None:
 # it puts the node's name, the user and the node's rank for %h, %u and %n in the command it runs on each node
 _REMOTE_LITERAL = re.compile(r"[\w@+=:,./-]+")
 _CHANGED_IN_DOUBLE_QUOTES = ("$", "`", "\\", "%")  # by the node's shell, or by pdsh (the %)
+_SPECIAL_IN_DOUBLE_QUOTES = ("\\", "$", "`", '"')  # to the node's shell, which reads each as itself after a backslash
 
 
 def check_remote_shell_reads(script: Path, step_argv: Sequence[str]) -> None:
@@ -593,28 +594,54 @@ def launcher_env(repo_root: Path) -> dict[str, str]:
 
 def env_for_other_nodes(env: Mapping[str, str], env_file: Path) -> dict[str, str]:
     """`env` for a launch through pdsh, its `DS_ENV_FILE` naming `env_file`, written now: the variables of `env` the
-    ranks on other nodes need (`OTHER_NODES_ENV_PREFIXES`; a token is left to each node's own login), then the lines
-    of the env files DeepSpeed's launcher would have read in its place, which win. Without it those ranks ran without
-    them: a run with HF_HUB_OFFLINE=1 went to the hub there, one with HF_HOME or RLHF_CACHE_DIR read and filled other
-    caches than this machine's."""
-    lines = [f"{name}={value}" for name, value in sorted(env.items()) if _needed_on_other_nodes(name, value)]
-    lines += _users_deepspeed_env(env)
+    ranks on other nodes need (`OTHER_NODES_ENV_PREFIXES`; a token is left to each node's own login), each written so
+    that it arrives as itself, then the lines of the env files DeepSpeed's launcher would have read in its place, which
+    win. Without it those ranks ran without them: a run with HF_HUB_OFFLINE=1 went to the hub there, one with HF_HOME
+    or RLHF_CACHE_DIR read and filled other caches than this machine's. A value no line can carry is left out
+    (`other_nodes_env_warnings` says which)."""
+    users_lines = _users_deepspeed_env(env)
+    lines = [f"{name}={_as_written_for_pdsh(value)}" for name, value in _taken_for_other_nodes(env, users_lines).items()
+             if _why_not_carried(value) is None]
     env_file.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(env_file, "".join(f"{line}\n" for line in lines))
+    atomic_write_text(env_file, "".join(f"{line}\n" for line in [*lines, *users_lines]))
     return {**env, DS_ENV_FILE: str(env_file)}
 
 
-def _needed_on_other_nodes(name: str, value: str) -> bool:
-    """Whether the variable goes to the ranks on other nodes; refused where their shell would read its value otherwise
-    (DeepSpeed's launcher exports it on the command line pdsh runs there, in double quotes)."""
-    if not name.startswith(OTHER_NODES_ENV_PREFIXES) or name.endswith("_TOKEN"):
-        return False
-    if any(char in value for char in (*_CHANGED_IN_DOUBLE_QUOTES, '"', "\n")):
-        raise UserError(f"multi_node: {name}={value!r} would reach the ranks on other nodes through their shell, "
-                        "which would read it otherwise (DeepSpeed's launcher exports it on the command line pdsh runs "
-                        "there, in double quotes); give it a value without quotes, $, `, \\, % or line breaks, or "
-                        "unset it")
-    return True
+def other_nodes_env_warnings(env: Mapping[str, str]) -> list[str]:
+    """One warning for each variable `env_for_other_nodes` leaves out, naming it, why and how to pass it: said before
+    any step starts, by a dry run too."""
+    return [f"multi_node: {name} is left out of train.py's env file for the ranks on other nodes: its value has "
+            f"{why}, which DeepSpeed's launcher cannot carry there as it is (it reads an env file a line at a time and "
+            "strips each value); to have it there, set it in each node's own environment, or give it a line of your "
+            f"own in {DEFAULT_DS_ENV_FILE} in your home or working folder, which train.py passes on as you wrote it"
+            for name, value in _taken_for_other_nodes(env, _users_deepspeed_env(env)).items()
+            if (why := _why_not_carried(value))]
+
+
+def _taken_for_other_nodes(env: Mapping[str, str], users_lines: Sequence[str]) -> dict[str, str]:
+    """The variables of `env` the ranks on other nodes need, but a token and those the user's env file lines set
+    (their line wins)."""
+    users_names = {line.split("=", 1)[0].strip() for line in users_lines}
+    return {name: value for name, value in sorted(env.items())
+            if name.startswith(OTHER_NODES_ENV_PREFIXES) and not name.endswith("_TOKEN") and name not in users_names}
+
+
+def _why_not_carried(value: str) -> str | None:
+    """Why an env file line cannot carry `value` to the ranks on other nodes as it is, or None where it can."""
+    if "\n" in value or "\r" in value:
+        return "a line break"
+    if value != value.strip():
+        return "white space at its start or end"
+    return None
+
+
+def _as_written_for_pdsh(value: str) -> str:
+    """`value` as an env file line gives it for the ranks on other nodes to read it as itself: DeepSpeed's launcher
+    exports it on the command line pdsh runs there, in double quotes where it has other characters than letters,
+    digits and @%+=:,./- (in which the node's shell reads a backslash, `$`, a backquote and a double quote as
+    themselves after a backslash), and pdsh first reads %h, %u, %n and %% there (%% as a %)."""
+    escaped = "".join(f"\\{char}" if char in _SPECIAL_IN_DOUBLE_QUOTES else char for char in value)
+    return escaped.replace("%", "%%")
 
 
 def _users_deepspeed_env(env: Mapping[str, str]) -> list[str]:

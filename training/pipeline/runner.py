@@ -55,6 +55,7 @@ from .launch import (
     format_command,
     is_this_machine,
     launcher_env,
+    other_nodes_env_warnings,
     run_in_process,
     run_subprocess,
 )
@@ -585,6 +586,14 @@ def _launch_env(config: PipelineConfig, launcher: Launcher) -> dict[str, str]:
     return env_for_other_nodes(env, config.output_dir / "logs" / OTHER_NODES_ENV_FILE)
 
 
+def _say_variables_left_out(launcher: Launcher | None) -> None:
+    """Warn, before any step starts and in a dry run alike, of the variables the ranks on other nodes need that
+    `_launch_env`'s env file leaves out (`other_nodes_env_warnings`)."""
+    if launcher is not None and launcher.through_pdsh:
+        for warning in other_nodes_env_warnings(launcher_env(REPO_ROOT)):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
 def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> UserError:
     """A failed step's error, saying how to go on from the checkpoint it left (a crash hours in, a node lost), if any:
     a rerun without --resume would refuse its folder."""
@@ -680,6 +689,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
         print("  (master ports free now; each step takes one free when it starts, printed at its launch)")
     for step in config.steps:
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
+    _say_variables_left_out(prepared.launcher)
     _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
