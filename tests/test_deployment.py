@@ -160,6 +160,7 @@ def test_a_7b_model_on_one_24gb_gpu_needs_lora_and_offload():
     assert sft["zero_stage"] == 3 and sft["offload"] is True and sft["lora_dim"] > 0
     assert plan.steps[2].flags["lora_dim"] == 0  # the 135M reward model still trains fully
     assert plan.steps[3].flags["actor_lora_dim"] > 0
+    assert plan.steps[3].flags["critic_lora_dim"] > 0  # LoRA on every model step 3 trains, the 135M critic too
     # the memory model counts the adapters alone as trained: the steps must train only them
     from step1_sft.main import build_parser as step1_parser
     from step3_rlhf.main import parse_args as step3_args
@@ -305,6 +306,40 @@ def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
             str(tmp_path / "out"), "--dry-run", "--step", "1"]
     command = runner.run_pipeline(parse_config(argv), hardware=node)["commands"][1]
     assert command[command.index("--zero_stage") + 1] == "3" and "--offload" in command
+
+
+LLAMA_2 = {name: ModelSize(parameters=params, hidden_size=hidden, num_layers=layers, vocab_size=32000,
+                           max_positions=4096)
+           for name, params, hidden, layers in (("7B", 6_738_415_616, 4096, 32), ("13B", 13_015_864_320, 5120, 40),
+                                                ("70B", 68_976_648_192, 8192, 80))}
+
+
+@pytest.mark.parametrize("gpu_memory, host_memory, size, planned", [
+    (24, 64, "7B", {"step 1", "step 2", "grpo", "dpo"}), (24, 64, "13B", {"step 1", "step 2"}), (24, 64, "70B", set()),
+    (80, 256, "7B", {"step 1", "step 2", "ppo", "grpo", "dpo"}),
+    (80, 256, "13B", {"step 1", "step 2", "ppo", "grpo", "dpo"}), (80, 256, "70B", {"step 1", "step 2"}),
+])
+def test_one_gpu_plans_the_llama_2_steps_readme_lists(gpu_memory, host_memory, size, planned):
+    """README's One GPU lists what one GPU plans for Llama-2's sizes (actor and reward model alike); offload counting
+    every model's weights in host memory (bc1d7a0) refused PPO's step 3 of 7B on 24 GiB with 64 GiB, which it planned
+    before, and moved 13B's step 1 on 80 GiB with 256 GiB from offload to LoRA without it."""
+    gpu = Hardware(num_gpus=1, gpu_memory_gib=gpu_memory, cpu_memory_gib=host_memory, cpu_cores=8, bf16=True)
+    runs = {"step 1": (1, Workload()), "step 2": (2, Workload()), "ppo": (3, Workload()),
+            "grpo": (3, Workload(critic=False, samples_per_prompt=4)),
+            "dpo": (4, Workload(critic=False, reward_model=False))}
+
+    def plans(step: int, workload: Workload) -> bool:
+        try:
+            plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(LLAMA_2[size], LLAMA_2[size]), gpu, None, workload, [step])
+        except UserError:
+            return False
+        return True
+
+    assert {run for run, (step, workload) in runs.items() if plans(step, workload)} == planned
+    if (gpu_memory, size) == (80, "13B"):
+        supervised = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(LLAMA_2[size], LLAMA_2[size]), gpu, None).steps
+        assert [(supervised[step].flags["offload"], supervised[step].flags["lora_dim"]) for step in (1, 2)] == \
+            [(False, 128), (False, 128)]
 
 
 def test_a_refusal_names_the_memory_that_is_short_and_what_would_do():
