@@ -1233,8 +1233,9 @@ def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(t
     with $, `, \\, %, a quote or a line break: NCCL's documented NCCL_DEBUG_FILE=/tmp/nccl.%h.%p stopped a multi_node
     run (DeepSpeed's launcher had passed it from a GPU head), a .deepspeed_env line setting the variable did not help,
     and --dry-run said nothing of it. Each value is now written for pdsh and the nodes' shells to read as itself; one
-    no env file line can carry (a line break) is left out with a warning, the same in the dry run; one the user's
-    .deepspeed_env sets is theirs alone."""
+    no env file line can carry (a line break; bytes that are not UTF-8, which failed train.py's launch on writing
+    the file) is left out with a warning, the same in the dry run; one the user's .deepspeed_env sets is theirs
+    alone."""
     from training.pipeline.cli import run
 
     model = tiny_model_dir("llama")
@@ -1242,7 +1243,8 @@ def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(t
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".deepspeed_env").write_text("HF_HOME=/users/me/hf\n")
     for name, value in (("NCCL_DEBUG_FILE", "/tmp/nccl.%h.%p"), ("TORCH_HOME", '$SCRATCH/`t` "q" \\ x'),
-                        ("TORCH_CUDA_ARCH_LIST", "8.0\n9.0"), ("HF_HOME", "$HOME/hf\nx")):
+                        ("TORCH_CUDA_ARCH_LIST", "8.0\n9.0"), ("HF_HOME", "$HOME/hf\nx"),
+                        ("HF_DATASETS_CACHE", os.fsdecode(b"/data/caf\xe9"))):  # Latin-1 bytes
         monkeypatch.setenv(name, value)
     hosts = "worker-1 slots=1\nworker-2 slots=1\n"
     run([*_multi_node_step_1(tmp_path, model, hosts), "--dry-run"])
@@ -1250,14 +1252,16 @@ def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(t
     env = _launch_env_of_step_1(monkeypatch, tmp_path, model, hosts)
     launched = capsys.readouterr().err
     for said in (planned, launched):
-        assert said.count("warning: multi_node: ") == 1
+        assert said.count("warning: multi_node: ") == 2
         assert "warning: multi_node: TORCH_CUDA_ARCH_LIST is left out of train.py's env file for the ranks on other " \
                "nodes: its value has a line break" in said
+        assert "warning: multi_node: HF_DATASETS_CACHE is left out of train.py's env file for the ranks on other " \
+               "nodes: its value has bytes that are not UTF-8 text" in said
         assert "set it in each node's own environment, or give it a line of your own in .deepspeed_env" in said
     lines = Path(env["DS_ENV_FILE"]).read_text().splitlines()
     assert "NCCL_DEBUG_FILE=/tmp/nccl.%%h.%%p" in lines  # pdsh reads %% as %
     assert 'TORCH_HOME=\\$SCRATCH/\\`t\\` \\"q\\" \\\\ x' in lines  # in double quotes, read as itself
-    assert not [line for line in lines if line.startswith(("TORCH_CUDA_ARCH_LIST=", "9.0"))]
+    assert not [line for line in lines if line.startswith(("TORCH_CUDA_ARCH_LIST=", "9.0", "HF_DATASETS_CACHE="))]
     assert [line for line in lines if line.startswith("HF_HOME=")] == ["HF_HOME=/users/me/hf"]
 
 

@@ -611,8 +611,8 @@ def other_nodes_env_warnings(env: Mapping[str, str]) -> list[str]:
     """One warning for each variable `env_for_other_nodes` leaves out, naming it, why and how to pass it: said before
     any step starts, by a dry run too."""
     return [f"multi_node: {name} is left out of train.py's env file for the ranks on other nodes: its value has "
-            f"{why}, which DeepSpeed's launcher cannot carry there as it is (it reads an env file a line at a time and "
-            "strips each value); to have it there, set it in each node's own environment, or give it a line of your "
+            f"{why}, which DeepSpeed's launcher cannot carry there as it is (it reads an env file as text, a line at a "
+            "time, and strips each value); to have it there, set it in each node's own environment, or give it a line of your "
             f"own in {DEFAULT_DS_ENV_FILE} in your home or working folder, which train.py passes on as you wrote it"
             for name, value in _taken_for_other_nodes(env, _users_deepspeed_env(env)).items()
             if (why := _why_not_carried(value))]
@@ -632,7 +632,18 @@ def _why_not_carried(value: str) -> str | None:
         return "a line break"
     if value != value.strip():
         return "white space at its start or end"
+    if not _is_utf8(value):
+        return "bytes that are not UTF-8 text"
     return None
+
+
+def _is_utf8(value: str) -> bool:
+    """Whether `value` is text: a variable's bytes that are not UTF-8 reach Python as lone surrogates."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _as_written_for_pdsh(value: str) -> str:
