@@ -612,8 +612,9 @@ def other_nodes_env_warnings(env: Mapping[str, str]) -> list[str]:
     any step starts, by a dry run too."""
     return [f"multi_node: {name} is left out of train.py's env file for the ranks on other nodes: its value has "
             f"{why}, which DeepSpeed's launcher cannot carry there as it is (it reads an env file as text, a line at a "
-            "time, and strips each value); to have it there, set it in each node's own environment, or give it a line of your "
-            f"own in {DEFAULT_DS_ENV_FILE} in your home or working folder, which train.py passes on as you wrote it"
+            "time, and strips each value); to have it there, set it in each node's own environment, or give it a line "
+            f"of your own in {DEFAULT_DS_ENV_FILE} in your home or working folder, which train.py passes on as you "
+            "wrote it"
             for name, value in _taken_for_other_nodes(env, _users_deepspeed_env(env)).items()
             if (why := _why_not_carried(value))]
 
