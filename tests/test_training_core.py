@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -168,6 +169,19 @@ def test_a_local_model_with_its_own_code_says_trust_remote_code(tmp_path):
                                             "which runs only with --trust_remote_code"):
             load(model)
     assert type(load_causal_lm(model, trust_remote_code=True)).__name__ == "CustomForCausalLM"
+
+
+def test_a_model_whose_tokenizer_alone_ships_its_own_code_says_trust_remote_code(tmp_path, tiny_model_dir):
+    """A model of a type transformers knows whose tokenizer ships its own code (an auto_map in tokenizer_config.json
+    alone) was refused in transformers' words ("pass the argument `trust_remote_code=True`"), which name no flag of
+    this project; the model itself loads without the flag, and with it the tokenizer's code loads the tokenizer."""
+    model = make_custom_code_model_dir(tmp_path / "custom")
+    shutil.copy(os.path.join(tiny_model_dir("llama"), "config.json"), os.path.join(model, "config.json"))
+    with pytest.raises(UserError, match=r"^'.*custom' ships its own tokenizer code \(auto_map in its "
+                                        r"tokenizer_config.json\), which runs only with --trust_remote_code; add"):
+        load_tokenizer(model)
+    assert load_config(model).model_type == "llama"
+    assert type(load_tokenizer(model, trust_remote_code=True)).__name__ == "CustomTokenizerFast"
 
 
 def test_other_hub_model_errors_are_said_without_upgrade_advice(hub_cache):

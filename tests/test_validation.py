@@ -121,6 +121,17 @@ def test_remote_code_needs_the_flag(tiny_model_dir, tmp_path):
     check_remote_code(model, trust_remote_code=True)
 
 
+def test_a_tokenizer_with_its_own_code_needs_the_flag_before_the_step_starts(tiny_model_dir, tmp_path):
+    """A model of a type transformers knows whose tokenizer alone ships its own code passed the check, and the step
+    created its output folder before the tokenizer's load refused it."""
+    model = make_custom_code_model_dir(tmp_path / "custom")
+    shutil.copy(Path(tiny_model_dir("llama")) / "config.json", Path(model) / "config.json")
+    with pytest.raises(UserError, match="--model_name_or_path .*custom ships its own tokenizer code \\(auto_map in "
+                                        "its tokenizer_config.json\\), which runs only with --trust_remote_code"):
+        check_remote_code(model, trust_remote_code=False)
+    check_remote_code(model, trust_remote_code=True)
+
+
 def test_a_model_type_transformers_knows_needs_no_flag_for_its_auto_map(tiny_model_dir):
     """A checkpoint of a type transformers has since taken in keeps the auto_map of the code it shipped before
     (microsoft/Phi-3-mini-4k-instruct: model_type phi3, auto_map to its modeling_phi3.py); transformers loads it

@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
 from training.core.embedded_model import (
     EMBEDDED_MODEL_NAME,
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # transformers' words for a model type it does not know
 _UNKNOWN_MODEL_TYPE = "does not recognize this architecture"
+_OWN_CODE_FILES = {"model": "config.json", "tokenizer": "tokenizer_config.json"}  # where a part says it ships code
 
 __all__ = [
     "EMBEDDED_MODEL_NAME",
@@ -48,6 +50,7 @@ __all__ = [
     "TRAINED_DTYPE_HELP",
     "resolve_trained_model",
     "asks_for_own_code",
+    "own_code_part",
     "own_code_error",
     "load_tokenizer",
     "load_config",
@@ -171,8 +174,9 @@ def _hub_call(what: str, name_or_path: str, load: Callable[[], T], trust_remote_
     try:
         return load()
     except ValueError as err:
-        if not trust_remote_code and asks_for_own_code(name_or_path):
-            raise own_code_error(name_or_path) from err
+        shipping = None if trust_remote_code else own_code_part(name_or_path, with_tokenizer=what == "tokenizer")
+        if shipping is not None:
+            raise own_code_error(name_or_path, part=shipping) from err
         raise _load_error(what, name_or_path, err) from err
     except pickle.UnpicklingError as err:  # a .bin file that torch.load(weights_only=True) refuses
         raise UserError(
@@ -201,27 +205,51 @@ def asks_for_own_code(name_or_path: str) -> bool:
     return bool(config.get("auto_map")) and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def own_code_error(name_or_path: str, flag: str | None = None) -> UserError:
-    """The error for a model `asks_for_own_code` of, loaded without --trust_remote_code; `flag` names the setting."""
+def _tokenizer_asks_for_own_code(name_or_path: str) -> bool:
+    """Whether the tokenizer loads only by running code it ships, whatever the model's config.json says: its
+    tokenizer_config.json maps AutoTokenizer to its own class (`auto_map`) and names a tokenizer class transformers
+    has not, as transformers decides it. Without a tokenizer class transformers takes the model type's tokenizer."""
+    config = _config_json(resolve_model_path(name_or_path), "tokenizer_config.json")
+    auto_map = config.get("auto_map")
+    own = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    name = str(config.get("tokenizer_class") or "").removesuffix("Fast")
+    known = name and (tokenizer_class_from_name(name) or tokenizer_class_from_name(f"{name}Fast"))
+    return bool(own) and bool(name) and not known
+
+
+def own_code_part(name_or_path: str, with_tokenizer: bool = True) -> str | None:
+    """The part of the model that loads only by code it ships: "model" (`asks_for_own_code`), else with
+    `with_tokenizer` "tokenizer" (`_tokenizer_asks_for_own_code`); None where none does."""
+    if asks_for_own_code(name_or_path):
+        return "model"
+    if with_tokenizer and _tokenizer_asks_for_own_code(name_or_path):
+        return "tokenizer"
+    return None
+
+
+def own_code_error(name_or_path: str, flag: str | None = None, part: str = "model") -> UserError:
+    """The error for a model whose `part` loads only by code it ships (`own_code_part`), loaded without
+    --trust_remote_code; `flag` names the setting."""
     given = f"{flag} {name_or_path}" if flag else f"'{name_or_path}'"
-    return UserError(f"{given} ships its own model code (auto_map in its config.json), which runs only with "
-                     "--trust_remote_code; add that flag if you trust the code, or choose another model")
+    return UserError(f"{given} ships its own {part} code (auto_map in its {_OWN_CODE_FILES[part]}), which runs only "
+                     "with --trust_remote_code; add that flag if you trust the code, or choose another model")
 
 
-def _config_json(path: str) -> dict:
-    """The config.json of a local folder, or of a hub name where the hub cache holds it ({} where neither does)."""
+def _config_json(path: str, file: str = "config.json") -> dict:
+    """A local folder's JSON `file` (its config.json), or a hub name's where the hub cache holds it ({} where neither
+    does)."""
     from training.reliability.run_records import read_record  # it builds on this module
 
     folder = Path(path)
     if not folder.is_dir():
         try:
-            cached = try_to_load_from_cache(path, "config.json", cache_dir=hub_constants.HF_HUB_CACHE)
+            cached = try_to_load_from_cache(path, file, cache_dir=hub_constants.HF_HUB_CACHE)
         except ValueError:  # not a valid hub name
             return {}
         if not isinstance(cached, str):
             return {}
         folder = Path(cached).parent
-    return read_record(folder, "config.json") or {}
+    return read_record(folder, file) or {}
 
 
 def _not_loadable_error(what: str, name_or_path: str, err: ValueError) -> UserError:

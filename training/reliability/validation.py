@@ -14,9 +14,9 @@ from typing import Callable, Sequence
 
 from training.core.embedded_model import EMBEDDED_MODEL_NAME, is_embedded_name
 from training.core.model_loading import (
-    asks_for_own_code,
     lora_adapter_base,
     own_code_error,
+    own_code_part,
     refuse_file,
     resolve_model_path,
 )
@@ -288,9 +288,11 @@ def check_model_source(name_or_path: str, flag: str = "--model_name_or_path") ->
 
 
 def check_remote_code(name_or_path: str, trust_remote_code: bool, flag: str = "--model_name_or_path") -> None:
-    """A model that loads only by running its own code (`asks_for_own_code`) runs only with `--trust_remote_code`."""
-    if not trust_remote_code and asks_for_own_code(name_or_path):
-        raise own_code_error(name_or_path, flag)
+    """A model, or its tokenizer, that loads only by running its own code (`own_code_part`) runs only with
+    `--trust_remote_code`."""
+    part = None if trust_remote_code else own_code_part(name_or_path)
+    if part is not None:
+        raise own_code_error(name_or_path, flag, part)
 
 
 def check_reward_model_dir(
