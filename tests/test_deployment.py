@@ -1227,6 +1227,21 @@ def test_a_multi_node_launch_passes_the_ranks_on_other_nodes_what_they_read(tmp_
     assert "DS_ENV_FILE" not in this_node_alone  # its ranks start under the launcher, in its environment
 
 
+def test_the_env_file_leaves_to_each_node_what_deepspeeds_launcher_leaves_to_it(tmp_path, monkeypatch):
+    """DeepSpeed's launcher does not pass NCCL_IB_HCA on a cluster marked by AISC_JOB_NAME, whose nodes set it each
+    for their own network cards (its EXCLUDE_ENVS); train.py's env file gave every node this machine's."""
+    from training.pipeline.launch import env_for_other_nodes
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    env = {"AISC_JOB_NAME": "job", "NCCL_IB_HCA": "mlx5_0", "NCCL_DEBUG": "INFO"}
+    written = Path(env_for_other_nodes(env, tmp_path / "deepspeed_env")["DS_ENV_FILE"]).read_text()
+    assert written == "NCCL_DEBUG=INFO\n"
+    env.pop("AISC_JOB_NAME")
+    written = Path(env_for_other_nodes(env, tmp_path / "deepspeed_env")["DS_ENV_FILE"]).read_text()
+    assert written == "NCCL_DEBUG=INFO\nNCCL_IB_HCA=mlx5_0\n"
+
+
 def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(tmp_path, tiny_model_dir, monkeypatch,
                                                                                 capsys):
     """786820d refused the whole run where a variable train.py passes to the ranks on other nodes unasked had a value

@@ -620,11 +620,19 @@ def other_nodes_env_warnings(env: Mapping[str, str]) -> list[str]:
 
 
 def _taken_for_other_nodes(env: Mapping[str, str], users_lines: Sequence[str]) -> dict[str, str]:
-    """The variables of `env` the ranks on other nodes need, but a token and those the user's env file lines set
-    (their line wins)."""
-    users_names = {line.split("=", 1)[0].strip() for line in users_lines}
+    """The variables of `env` the ranks on other nodes need, but a token, those each node sets itself
+    (`_each_nodes_own`) and those the user's env file lines set (their line wins)."""
+    set_elsewhere = {line.split("=", 1)[0].strip() for line in users_lines} | _each_nodes_own(env)
     return {name: value for name, value in sorted(env.items())
-            if name.startswith(OTHER_NODES_ENV_PREFIXES) and not name.endswith("_TOKEN") and name not in users_names}
+            if name.startswith(OTHER_NODES_ENV_PREFIXES) and not name.endswith("_TOKEN") and name not in set_elsewhere}
+
+
+def _each_nodes_own(env: Mapping[str, str]) -> set[str]:
+    """The variables DeepSpeed's launcher leaves to each node on a cluster `env` marks as one whose nodes set them
+    themselves, not to give every node this machine's (its EXCLUDE_ENVS: NCCL_IB_HCA under AISC_JOB_NAME)."""
+    from deepspeed.launcher.runner import EXCLUDE_ENVS
+
+    return {name for marker, names in EXCLUDE_ENVS.items() if marker in env for name in names}
 
 
 def _why_not_carried(value: str) -> str | None:
