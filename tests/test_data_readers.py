@@ -435,6 +435,21 @@ def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
     assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
 
 
+def test_a_json_object_of_columns_reads_its_rows(tmp_path):
+    """{"prompt": [...], "chosen": [...], ...} (pandas' to_dict("list") dumped; `datasets` reads it as a table) was read
+    as one record, detected as chat_preference for its list-valued chosen, and gave no row (wrong_type:message=1)."""
+    columns = {key: [row[key] for row in PAIRS] for key in ("prompt", "chosen", "rejected")}
+    columns["metadata"] = [{"answer": str(i)} for i in range(len(PAIRS))]
+    (tmp_path / "columns.json").write_text(json.dumps(columns))
+    samples = samples_of(str(tmp_path / "columns.json"))
+    assert [(s.turns[0]["content"], s.chosen, s.rejected) for s in samples] == [tuple(r.values()) for r in PAIRS]
+    assert samples[7].metadata == {"answer": "7"}
+    chat = {"prompt": [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]],
+            "completion": [[{"role": "assistant", "content": "Hello!"}], [{"role": "assistant", "content": "Hey!"}]]}
+    (tmp_path / "chat_columns.json").write_text(json.dumps(chat))
+    assert [s.chosen for s in samples_of(str(tmp_path / "chat_columns.json"))] == ["Hello!", "Hey!"]
+
+
 @pytest.mark.parametrize("record, data_format", [
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
       "tools": [{"name": "search", "description": "web search"}]}, "messages"),

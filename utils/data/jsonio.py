@@ -12,7 +12,7 @@ from pathlib import Path
 from utils.errors import UserError
 
 from .readers import detect_format
-from .samples import SkippedRows
+from .samples import METADATA_COLUMN, SkippedRows
 
 MALFORMED = "malformed_json"
 NOT_UTF8 = "not_utf8"
@@ -127,11 +127,15 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
 
 
 def _records_of(content) -> list:
-    """The records of a .json file's document: an array's elements; an object that is a row itself (its keys detect as
-    a row format: `{"messages": [...], "tools": [...]}`) is one record; else the records of its one list, or of its
-    several lists when each is a list of records (`{"train": [...], "test": [...]}`, in name order)."""
+    """The records of a .json file's document: an array's elements; an object of columns, the rows of that table
+    (`_table_rows`); an object that is a row itself (its keys detect as a row format: `{"messages": [...],
+    "tools": [...]}`) is one record; else the records of its one list, or of its several lists when each is a list of
+    records (`{"train": [...], "test": [...]}`, in name order)."""
     if isinstance(content, list):
         return content
+    rows = _table_rows(content)
+    if rows is not None:
+        return rows
     if not isinstance(content, dict) or detect_format(content) is not None:
         return [content]
     lists = {key: value for key, value in content.items() if isinstance(value, list)}
@@ -140,3 +144,17 @@ def _records_of(content) -> list:
     if lists and all(isinstance(record, dict) for value in lists.values() for record in value):
         return [record for _, records in sorted(lists.items()) for record in records]
     return [content]
+
+
+def _table_rows(content) -> list[dict] | None:
+    """The rows of an object written by columns, `{"prompt": [...], "chosen": [...]}` (pandas' `to_dict("list")`
+    dumped; `datasets` reads such an object as a table): its row i holds each column's item i. None where `content` is
+    no such table: its values are not all lists of one length, or a list holds objects other than `metadata`'s (a
+    row's own lists hold its messages; an object of splits, its records)."""
+    if not isinstance(content, dict) or not content or not all(isinstance(v, list) for v in content.values()):
+        return None
+    if len({len(column) for column in content.values()}) != 1:
+        return None
+    if any(isinstance(item, dict) for key, column in content.items() if key != METADATA_COLUMN for item in column):
+        return None
+    return [dict(zip(content, items)) for items in zip(*content.values())]

@@ -161,7 +161,10 @@ def _is_plain(value: Any) -> bool:
     return False
 
 
-def metadata_field(record: Any, key: str = "metadata") -> dict | None:
+METADATA_COLUMN = "metadata"  # a row's dict of extra data
+
+
+def metadata_field(record: Any, key: str = METADATA_COLUMN) -> dict | None:
     """The dict at `record[key]` (None when the column is absent or null), or `SkipRow` when it is not plain JSON."""
     if not isinstance(record, dict) or record.get(key) is None:
         return None
