@@ -1242,6 +1242,26 @@ def test_the_env_file_leaves_to_each_node_what_deepspeeds_launcher_leaves_to_it(
     assert written == "NCCL_DEBUG=INFO\nNCCL_IB_HCA=mlx5_0\n"
 
 
+def test_a_deepspeed_env_line_without_a_value_is_refused_while_planning(tmp_path, tiny_model_dir, monkeypatch):
+    """DeepSpeed's launcher splits each line of its env file at `=`: a line of the user's .deepspeed_env without one
+    (a comment too) ended its launch in a ValueError, which train.py showed as step 1's 'exit status 1'. It is refused
+    while planning, the dry run too, naming the file and line; blank lines stay accepted."""
+    from training.pipeline.cli import run
+
+    model = tiny_model_dir("llama")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    env_file = tmp_path / ".deepspeed_env"
+    flags = [*_multi_node_step_1(tmp_path, model, "worker-1 slots=1\nworker-2 slots=1\n"), "--dry-run"]
+    env_file.write_text("NCCL_IB_DISABLE=1\n\n  \nHF_HOME=/users/me/hf\n")
+    assert run(flags)["commands"]
+    env_file.write_text("NCCL_IB_DISABLE=1\n\n# cards of this cluster\n")
+    with pytest.raises(UserError, match=re.escape(f"{env_file}, line 3: '# cards of this cluster' is not a variable's "
+                                                  "line; DeepSpeed's launcher reads each line of its env file as "
+                                                  "KEY=VALUE")):
+        run(flags)
+
+
 def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(tmp_path, tiny_model_dir, monkeypatch,
                                                                                 capsys):
     """786820d refused the whole run where a variable train.py passes to the ranks on other nodes unasked had a value

@@ -669,4 +669,20 @@ def _users_deepspeed_env(env: Mapping[str, str]) -> list[str]:
     `.deepspeed_env` (or the name DS_ENV_FILE gives) in the home folder, then in the working folder."""
     name = env.get(DS_ENV_FILE, DEFAULT_DS_ENV_FILE)
     files = dict.fromkeys(Path(folder, name).resolve() for folder in (Path.home(), Path.cwd()))
-    return [line for file in files if file.is_file() for line in file.read_text().splitlines() if line.strip()]
+    return [line for file in files if file.is_file() for line in _variable_lines(file)]
+
+
+def _variable_lines(env_file: Path) -> list[str]:
+    """The lines of the user's `env_file` but blank ones (train.py's env file leaves those out), each refused unless
+    it has the `=` DeepSpeed's launcher splits every line at: a line without one (a comment too, which it does not
+    skip) ended its launch in a ValueError, seen only as the step's 'exit status 1'."""
+    lines = []
+    for number, line in enumerate(env_file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if "=" not in line:
+            raise UserError(f"{env_file}, line {number}: {line.strip()!r} is not a variable's line; DeepSpeed's "
+                            "launcher reads each line of its env file as KEY=VALUE (it takes no comments) and fails "
+                            "on this one: write it as KEY=VALUE or remove it")
+        lines.append(line)
+    return lines
