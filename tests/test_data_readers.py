@@ -435,6 +435,22 @@ def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
     assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
 
 
+def test_a_folder_holding_data_files_it_does_not_read_is_refused_naming_them(tmp_path):
+    """A .csv or .jsonl.gz beside .jsonl files was left out unseen (only the .jsonl rows trained); a folder of .gz files
+    alone (Anthropic/hh-rlhf's hub layout) was said to hold no data files. README.md and hidden files stay unread."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", PAIRS[:5])
+    (folder / "README.md").write_text("# pairs")
+    assert len(samples_of(str(folder))) == 5
+    (folder / "more").mkdir()
+    (folder / "more" / "b.csv").write_text("prompt,chosen\nq,a\n")
+    (folder / "more" / "c.jsonl.gz").write_bytes(b"")
+    with pytest.raises(UserError, match=r"data folder .*data holds more/b.csv, more/c.jsonl.gz, which would not be "
+                                        r"read: only .json, .jsonl, .parquet files are"):
+        load_source(parse_source_spec(str(folder)))
+
+
 def test_a_json_object_of_columns_reads_its_rows(tmp_path):
     """{"prompt": [...], "chosen": [...], ...} (pandas' to_dict("list") dumped; `datasets` reads it as a table) was read
     as one record, detected as chat_preference for its list-valued chosen, and gave no row (wrong_type:message=1)."""

@@ -20,6 +20,8 @@ from .jsonio import FileRecords, read_json_file
 from .samples import SkippedRows
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+# Data files a folder may hold that are not read: compressed or other tables, refused rather than left out unseen.
+_UNREAD_DATA_SUFFIXES = (".csv", ".tsv", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".arrow", ".feather")
 _SAVED_DATASET_MARKS = (("state.json", "dataset_info.json"), ("dataset_dict.json",))  # what `save_to_disk` writes
 
 
@@ -55,13 +57,26 @@ def local_files(path: Path) -> list[Path]:
     if is_saved_dataset(path):
         return _visible_files(path)
     if path.is_dir():
-        files = [file for file in _visible_files(path) if file.suffix in LOCAL_SUFFIXES]
+        files = _visible_files(path)
+        _refuse_unread_data_files(path, files)
+        files = [file for file in files if file.suffix in LOCAL_SUFFIXES]
         if not files:
             raise UserError(f"data folder {path} holds no {'/'.join(LOCAL_SUFFIXES)} files")
         return files
     if path.suffix not in LOCAL_SUFFIXES:
         raise UserError(f"unsupported data file {path}: use {', '.join(LOCAL_SUFFIXES)} (or a folder of them)")
     return [path]
+
+
+def _refuse_unread_data_files(folder: Path, files: Sequence[Path]) -> None:
+    """Refuse a folder holding data files of a format not read (a .jsonl.gz, a .csv beside .jsonl files): their rows
+    would be left out unseen, or the folder said to hold no data files."""
+    unread = [str(file.relative_to(folder)) for file in files if file.suffix in _UNREAD_DATA_SUFFIXES]
+    if unread:
+        named = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+        raise UserError(f"data folder {folder} holds {named}, which would not be read: only "
+                        f"{', '.join(LOCAL_SUFFIXES)} files are (decompress them, or convert them to .jsonl or "
+                        ".parquet), or move them out of the folder")
 
 
 def _read_parquet(file: Path, name: str) -> FileRecords:
