@@ -67,18 +67,26 @@ def print_table(rows: list[dict], columns: tuple[str, ...]) -> None:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
 
 
-def write_report(benchmark: str, args: argparse.Namespace, rows: list[dict], started: float, device: str | None = None,
-                 **extra) -> dict:
-    """The JSON every bench writes: device (default: this CPU), versions, the command, the settings, `results` and
-    the wall time."""
+def provenance(device: str | None = None) -> dict:
+    """Where, with what and how a result was measured: the device (default: this CPU), the threads, the torch,
+    transformers and deepspeed versions and the command line."""
     import torch
 
-    report = {
-        "benchmark": benchmark,
+    return {
         "device": device or device_name(),
         "cpu_threads": torch.get_num_threads(),
         "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "deepspeed")},
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def write_report(benchmark: str, args: argparse.Namespace, rows: list[dict], started: float, device: str | None = None,
+                 **extra) -> dict:
+    """The JSON every bench writes: device (default: this CPU), versions, the command, the settings, `results` and
+    the wall time."""
+    report = {
+        "benchmark": benchmark,
+        **provenance(device),
         **extra,
         "settings": {key: value for key, value in vars(args).items() if key != "child"},
         "results": rows,

@@ -18,10 +18,13 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import provenance
 from training.pipeline.hardware import ModelSize
 from training.placement.machine import MachineSpec, load_machine_file, with_nodes
 from training.placement.planner import RankedPlan, search
@@ -147,9 +150,6 @@ def _plan_note(baseline: RankedPlan | None, strategy: RankedPlan | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import deepspeed
-    import torch
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default=str(RESULTS), help="where the JSON report goes")
     args = parser.parse_args(argv)
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['case']:<62} published {row['published']:>6.2f}x  predicted {predicted}x  "
               f"{'agrees' if row['agrees'] else 'differs'}")
     output.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": " ".join(["python -m bench.placement_published", *(sys.argv[1:] if argv is None else argv)]),
-              "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+    record = {**provenance(),
+              "command": " ".join(["python -m bench.placement_published", *(sys.argv[1:] if argv is None else argv)]),
               "machines": sorted(presets), "rows": rows}
     output.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written {output}")

@@ -1,4 +1,5 @@
 """bench/placement.py's settings: what it refuses before any rank starts."""
+import json
 import sys
 
 import pytest
@@ -15,3 +16,15 @@ def test_one_step_is_refused_the_warm_up_would_be_the_measured_step(monkeypatch,
         placement.main()
     assert stopped.value.code == 2
     assert "--steps must be at least 2" in capsys.readouterr().err
+
+
+def test_the_published_bench_names_its_device_and_versions_as_every_bench_does(tmp_path, monkeypatch):
+    """placement_published.json recorded torch's and deepspeed's versions at its top level and no device or
+    transformers version, unlike every other bench's report."""
+    from bench import placement_published
+
+    monkeypatch.setattr(placement_published, "predict_published", lambda presets: [])
+    placement_published.main(["--output", str(tmp_path / "report.json")])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["device"] and report["cpu_threads"] >= 1
+    assert set(report["versions"]) == {"torch", "transformers", "deepspeed"} and all(report["versions"].values())
