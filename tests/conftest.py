@@ -56,13 +56,17 @@ def run_on_two_ranks(source: str, folder: Path, *args: str) -> str:
 
 
 @pytest.fixture(autouse=True)
-def hub_lookups_forgotten():
+def lookups_forgotten():
     """Each test starts with no remembered hub lookup (`model_loading._remote_lookup_failure`, once a process for the
-    same hub settings): a test's unreachable hub would otherwise answer another test's load of the same name."""
+    same hub settings) nor this machine's names (`hostfile._this_machine_names`): a test's unreachable hub or
+    stand-in host name would otherwise answer another test's."""
     yield
     loading = sys.modules.get("training.core.model_loading")
     if loading is not None:
         loading._remote_lookup_failure.cache_clear()
+    hostfile = sys.modules.get("training.pipeline.hostfile")
+    if hostfile is not None:
+        hostfile._this_machine_names.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -94,6 +94,16 @@ def test_a_missing_hostfile_is_a_user_error(tmp_path):
         read_hostfile(tmp_path / "nope")
 
 
+def test_a_long_hostfile_asks_for_this_machines_names_once(tmp_path, monkeypatch):
+    """Telling this machine's lines in a hostfile asked socket.getfqdn, which may wait on the system's resolver,
+    once a line (64 times for 64 nodes); once a process now."""
+    asked = []
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": asked.append(name) or "gpu-node-7.cluster.example")
+    hostfile = write(tmp_path / "hosts", "".join(f"worker-{n} slots=8\n" for n in range(64)))
+    assert len(read_hostfile(hostfile)) == 64
+    assert len(asked) == 1
+
+
 def _an_interface_address() -> str | None:
     """One of this machine's non-loopback IPv4 addresses (None: it has none)."""
     addresses = [address.address for nic in psutil.net_if_addrs().values() for address in nic

@@ -1,6 +1,7 @@
 """DeepSpeed hostfiles (`worker-1 slots=8`, one node a line), validated before anything is launched."""
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -77,9 +78,9 @@ def _check_this_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) ->
 
 
 def names_this_machine(host: str) -> bool:
-    """Whether a hostfile's host names the machine this runs on, as known here without asking a name server:
+    """Whether a hostfile's host names the machine this runs on, as known here without looking the host up:
     `localhost`, its host name or fully qualified one (any case), a loopback address or one of its interfaces'."""
-    if host.lower() in {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}:
+    if host.lower() in _this_machine_names():
         return True
     try:
         address = ipaddress.ip_address(host.split("%")[0])  # an IPv6 address may carry its interface: fe80::1%eth0
@@ -88,7 +89,15 @@ def names_this_machine(host: str) -> bool:
     return address.is_loopback or address in _interface_addresses()
 
 
-def _interface_addresses() -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """This machine's IPv4 and IPv6 addresses, one set for all its network interfaces."""
-    return {ipaddress.ip_address(address.address.split("%")[0]) for nic in psutil.net_if_addrs().values()
-            for address in nic if address.family in (socket.AF_INET, socket.AF_INET6)}
+@functools.cache
+def _this_machine_names() -> frozenset[str]:
+    """`localhost` and this machine's host name and fully qualified one, lower case: found once a process, since
+    getfqdn may ask the system's resolver (a hostfile of 64 lines asked it 64 times)."""
+    return frozenset({"localhost", socket.gethostname().lower(), socket.getfqdn().lower()})
+
+
+@functools.cache
+def _interface_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """This machine's IPv4 and IPv6 addresses, one set for all its network interfaces, found once a process."""
+    return frozenset(ipaddress.ip_address(address.address.split("%")[0]) for nic in psutil.net_if_addrs().values()
+                     for address in nic if address.family in (socket.AF_INET, socket.AF_INET6))
