@@ -271,6 +271,15 @@ def test_a_byte_order_mark_is_not_read_as_data(tmp_path, suffix):
     assert [s.chosen for s in samples_of(str(path))] == ["b", "d"]
 
 
+def test_json_lines_files_joined_with_their_byte_order_marks_read_every_line(tmp_path):
+    """`cat a.jsonl b.jsonl` keeps b's byte-order mark at the start of its first line: that record was skipped as
+    malformed_json."""
+    part = "".join(json.dumps(row) + "\n" for row in PAIRS[:2]).encode("utf-8-sig")
+    path = tmp_path / "joined.jsonl"
+    path.write_bytes(part + part.replace(b"0", b"5").replace(b"1", b"6"))
+    assert [s.chosen for s in samples_of(str(path))] == ["good 0", "good 1", "good 5", "good 6"]
+
+
 @pytest.mark.parametrize("layout", ["hh_rlhf", "deepspeed_chat"])
 def test_hh_rlhf_empty_last_reply_is_a_pair_but_not_sft(tmp_path, layout):
     """Dahoas' deepspeed_chat copy of hh-rlhf writes the empty preferred reply as " ": the pair was dropped."""

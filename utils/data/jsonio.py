@@ -69,11 +69,12 @@ def utf8_text(data: bytes, path: Path) -> str:
 
 def read_json_lines(data: bytes, name: str, skipped: SkippedRows) -> FileRecords:
     """One record a line. Lines end at "\\n" alone: JSON strings may hold U+2028, U+2029 and U+0085 unescaped (as
-    `json.dumps(ensure_ascii=False)` writes them), where `str.splitlines` would cut a record in pieces."""
+    `json.dumps(ensure_ascii=False)` writes them), where `str.splitlines` would cut a record in pieces. A byte-order
+    mark is left out where any line begins with it: files joined with `cat` keep each file's at its first line."""
     read = FileRecords(name, "line")
-    for number, line in enumerate(data.removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
+    for number, line in enumerate(data.split(b"\n"), start=1):
         try:
-            text = line.decode("utf-8")
+            text = line.removeprefix(codecs.BOM_UTF8).decode("utf-8")
         except UnicodeDecodeError:
             skipped.skip(NOT_UTF8, f"{name} line {number}")
             continue
