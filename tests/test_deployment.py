@@ -1252,6 +1252,25 @@ def test_the_env_file_leaves_to_each_node_what_deepspeeds_launcher_leaves_to_it(
     assert written == "NCCL_DEBUG=INFO\nNCCL_IB_HCA=mlx5_0\n"
 
 
+def test_the_variables_left_out_are_said_only_where_a_step_launches_on_other_nodes(tmp_path, tiny_model_dir,
+                                                                                   monkeypatch, capsys):
+    """The warning for a variable the env file leaves out was printed where every step was finished and nothing
+    would launch."""
+    from training.pipeline import runner
+    from training.pipeline.cli import run
+
+    model = tiny_model_dir("llama")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0\n9.0")
+    flags = [*_multi_node_step_1(tmp_path, model, "worker-1 slots=1\nworker-2 slots=1\n"), "--dry-run"]
+    run(flags)
+    assert "warning: multi_node: TORCH_CUDA_ARCH_LIST is left out" in capsys.readouterr().err
+    monkeypatch.setattr(runner, "_finished_steps", lambda config, *_: {step: {} for step in config.steps})
+    assert run(flags)["commands"] == {}
+    assert "warning: multi_node" not in capsys.readouterr().err
+
+
 def test_a_deepspeed_env_line_without_a_value_is_refused_while_planning(tmp_path, tiny_model_dir, monkeypatch):
     """DeepSpeed's launcher splits each line of its env file at `=`: a line of the user's .deepspeed_env without one
     (a comment too) ended its launch in a ValueError, which train.py showed as step 1's 'exit status 1'. It is refused

@@ -586,10 +586,12 @@ def _launch_env(config: PipelineConfig, launcher: Launcher) -> dict[str, str]:
     return env_for_other_nodes(env, config.output_dir / "logs" / OTHER_NODES_ENV_FILE)
 
 
-def _say_variables_left_out(launcher: Launcher | None) -> None:
+def _say_variables_left_out(prepared: PreparedRun) -> None:
     """Warn, before any step starts and in a dry run alike, of the variables the ranks on other nodes need that
-    `_launch_env`'s env file leaves out (`other_nodes_env_warnings`)."""
-    if launcher is not None and launcher.through_pdsh:
+    `_launch_env`'s env file leaves out (`other_nodes_env_warnings`): where a step of the run launches there, not
+    where every step is finished and nothing launches."""
+    launcher = prepared.launcher
+    if prepared.commands and launcher is not None and launcher.through_pdsh:
         for warning in other_nodes_env_warnings(launcher_env(REPO_ROOT)):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
@@ -689,7 +691,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
         print("  (master ports free now; each step takes one free when it starts, printed at its launch)")
     for step in config.steps:
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
-    _say_variables_left_out(prepared.launcher)
+    _say_variables_left_out(prepared)
     _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
