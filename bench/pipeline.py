@@ -26,12 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO_ROOT, device_name, write_report  # noqa: E402
-from training.pipeline.cli import parse_config, run  # noqa: E402
-from training.pipeline.config import PipelineConfig  # noqa: E402
-from training.pipeline.steps import STEPS  # noqa: E402
-from utils.dist import current_device  # noqa: E402
-from utils.errors import UserError, run_cli  # noqa: E402
+from bench.common import REPO_ROOT, device_name, write_report
+from training.loops.metrics import read_metrics
+from training.pipeline.cli import parse_config, run
+from training.pipeline.config import PipelineConfig
+from training.pipeline.steps import STEPS
+from utils.dist import current_device
+from utils.errors import UserError, run_cli
 
 # held-out pairs ranked right and the mean margin: the reward model's (step 2) and DPO's implicit reward's (step 4)
 PAIR_QUALITY = ("eval_accuracy_before", "eval_accuracy_after", "eval_margin_before", "eval_margin_after",
@@ -80,7 +81,7 @@ def holds_a_run(config: PipelineConfig) -> bool:
 
 def ppo_step_seconds(step_dir: Path) -> dict[str, float]:
     """The median seconds of a PPO step and of its phases (step 3's metrics.jsonl)."""
-    records = [json.loads(line) for line in (step_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(step_dir)
     return {f"median_{key.removeprefix('time/')}": round(statistics.median(r[key] for r in records if key in r), 3)
             for key in PPO_PHASES if any(key in r for r in records)}
 

@@ -282,3 +282,12 @@ def test_the_algorithms_benchs_step_time_skips_a_metrics_line_cut_short(tmp_path
     steps = [{"step": step, **{phase: float(step) for phase in algorithms.PHASES}} for step in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps) + '{"step": 4, "ti')
     assert algorithms.seconds_per_step(tmp_path) == 6.0
+
+
+def test_the_pipeline_benchs_ppo_step_time_skips_a_metrics_line_cut_short(tmp_path):
+    """ppo_step_seconds parsed metrics.jsonl itself, as bench/algorithms.py did before 839c688: a line cut short
+    raised a JSONDecodeError where read_metrics, every other reader of the file, drops it."""
+    steps = [{"step": step, **{phase: float(step) for phase in pipeline.PPO_PHASES}} for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in steps) + '{"step": 4, "ti')
+    assert pipeline.ppo_step_seconds(tmp_path) == {"median_step_s": 2.0, "median_generation_s": 2.0,
+                                                   "median_scoring_s": 2.0, "median_training_s": 2.0}
