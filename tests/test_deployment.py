@@ -758,7 +758,7 @@ def test_a_hostfile_of_one_node_starts_the_ranks_on_that_node(tmp_path, tiny_mod
 
     from training.pipeline.cli import run
 
-    hostfile = write(tmp_path / "hosts", f"{host} slots=2\n")
+    hostfile = write(tmp_path / "hosts", f"{host} slots=1\n")  # a GPU machine running the suite has one or more
     argv = ["--deployment-type", "multi_node", "--hostfile", hostfile, "--step", "1", "--actor-model",
             tiny_model_dir("llama"), "--output-dir", str(tmp_path / "out"), "--dry-run"]
     launched = parse_args(run(argv)["commands"][1][3:])
