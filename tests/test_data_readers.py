@@ -490,6 +490,18 @@ def test_a_json_file_of_one_record_with_several_lists_is_that_record(tmp_path, r
     assert [s.chosen for s in samples_of(str(tmp_path / "one.json"))] == ["Hello!"]
 
 
+@pytest.mark.parametrize("content, first", [(["What is 2+2?", "Hi"], 'record 1: str "What is 2+2?"'),
+                                            ([{}, {}], "record 1: dict {}")])
+def test_records_that_are_not_objects_with_columns_are_refused_saying_so(tmp_path, content, first):
+    """A JSON array of prompt strings was refused 'from its columns []; state it as PATH:FORMAT', and any format stated
+    skipped every record (not_an_object)."""
+    (tmp_path / "prompts.json").write_text(json.dumps(content))
+    with pytest.raises(UserError, match=rf"holds no columns to read rows from: its first records are not JSON objects "
+                                        rf"with columns \(at prompts.json {re.escape(first)}\); write each record as "
+                                        r"an object, e\.g\. \{\"prompt\""):
+        load_source(parse_source_spec(str(tmp_path / "prompts.json")))
+
+
 def test_a_json_object_with_a_list_that_is_not_records_is_one_record(tmp_path):
     """Its one list of records was read as the file's records; it is one record, whose columns the error names."""
     record = {"id": "c1", "turns": [{"role": "user", "content": "Hi"}], "tags": ["x"]}

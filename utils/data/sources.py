@@ -265,12 +265,26 @@ def _read_source(spec: SourceSpec) -> LoadedSource:
         said = f" (skipped: {skipped.report()})" if skipped else ""
         raise UserError(f"data source '{spec}' holds no records{said}")
     if data_format is None:
-        raise UserError(
-            f"cannot tell the row format of data source '{spec}' from its columns {sorted(_column_values(records))}; "
-            f"state it as PATH:FORMAT with FORMAT one of {', '.join(FORMATS)}"
-        )
+        raise _unknown_format(spec, records, origins)
     parse = with_row_metadata(PARSERS[data_format]) if local else PARSERS[data_format]
     return LoadedSource(spec, records, data_format, parse, skipped, origins=origins)
+
+
+def _unknown_format(spec: SourceSpec, records: Any, origins: RecordOrigins) -> UserError:
+    """The error for a source whose row format is not detected: the columns its first records hold, or, where they
+    hold none (a JSON array of prompt strings), what its first record is."""
+    columns = sorted(_column_values(records))
+    if not columns:
+        first = records[0]
+        return UserError(
+            f"data source '{spec}' holds no columns to read rows from: its first records are not JSON objects with "
+            f"columns (at {origins(0)}: {type(first).__name__} {json.dumps(first, default=str)[:60]}); write each "
+            f"record as an object, e.g. {{\"prompt\": \"...\", \"chosen\": \"...\"}}, in one of the formats "
+            f"{', '.join(FORMATS)}")
+    return UserError(
+        f"cannot tell the row format of data source '{spec}' from its columns {columns}; state it as PATH:FORMAT with "
+        f"FORMAT one of {', '.join(FORMATS)}, or write its rows in one of them (README's Data passage lists their "
+        "columns)")
 
 
 def _detect_local_format(spec: SourceSpec, files: Sequence[FileRecords]) -> str | None:
