@@ -1252,6 +1252,21 @@ def test_the_env_file_leaves_to_each_node_what_deepspeeds_launcher_leaves_to_it(
     assert written == "NCCL_DEBUG=INFO\nNCCL_IB_HCA=mlx5_0\n"
 
 
+def test_a_host_the_name_server_does_not_answer_for_is_taken_for_another_machine_in_bounded_time(monkeypatch,
+                                                                                                  caplog):
+    """Telling whether the hostfile's first host is this machine asked the system's resolver with no time limit: a
+    name server down held planning up, saying nothing, for as long as the resolver kept trying."""
+    from training.pipeline import launch
+
+    monkeypatch.setattr(launch, "HOST_LOOKUP_TIMEOUT_S", 0.2, raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: time.sleep(3) or [])
+    started = time.monotonic()
+    assert not launch.is_this_machine("worker-1.cluster.example")
+    assert time.monotonic() - started < 2
+    assert "looking up worker-1.cluster.example found no address in 0.2 s" in caplog.text
+    assert "takes it for another machine than this one" in caplog.text
+
+
 def test_the_variables_left_out_are_said_only_where_a_step_launches_on_other_nodes(tmp_path, tiny_model_dir,
                                                                                    monkeypatch, capsys):
     """The warning for a variable the env file leaves out was printed where every step was finished and nothing

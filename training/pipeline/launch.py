@@ -49,6 +49,7 @@ STOP_UNMATCHED_SAY_S = 60.0  # how long a stop command through pdsh matches no r
 SSH_FAILED = 255  # ssh's exit status where it could not run the command on the node
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
 # the variables the steps and the libraries under them read (the hub's cache and offline mode, the op builds' folder,
+HOST_LOOKUP_TIMEOUT_S = 5.0  # how long telling whether a hostfile's host is this machine waits for the resolver
 # the project's cache, NCCL's settings), which DeepSpeed's launcher does not pass to the ranks it starts through pdsh:
 # it passes those named PYTHON*, MLFLOW*, MV2* and UCX*, NCCL* only from a machine with a CUDA GPU, and its env file's
 OTHER_NODES_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "RLHF_", "XDG_CACHE_HOME")
@@ -177,11 +178,31 @@ def is_this_machine(host: str) -> bool:
     a loopback address or one of its interfaces'."""
     if names_this_machine(host):
         return True
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:  # a name this machine cannot resolve is not its own
-        return False
-    return any(names_this_machine(address) for address in addresses)
+    return any(names_this_machine(address) for address in _addresses_of(host))
+
+
+def _addresses_of(host: str) -> set[str]:
+    """The addresses `host` resolves to; none where it does not resolve (a name this machine cannot resolve is not
+    its own), or where the system's resolver has not answered within HOST_LOOKUP_TIMEOUT_S, which is said: a name
+    server down or out of reach held planning up with no word for as long as the resolver kept trying."""
+    found: list[set[str]] = []
+
+    def look_up() -> None:
+        try:
+            found.append({info[4][0] for info in socket.getaddrinfo(host, None)})
+        except OSError:
+            found.append(set())
+
+    lookup = threading.Thread(target=look_up, name=f"look up {host}", daemon=True)
+    lookup.start()
+    lookup.join(HOST_LOOKUP_TIMEOUT_S)
+    if not found:
+        logger.warning("looking up %s found no address in %g s (the name server does not answer); train.py takes it "
+                       "for another machine than this one, reached through pdsh and ssh. If it is this machine, name "
+                       "it localhost or %s in the hostfile (and in --master-addr)", host, HOST_LOOKUP_TIMEOUT_S,
+                       socket.gethostname())
+        return set()
+    return found[0]
 
 
 def check_not_under_a_launcher() -> None:
