@@ -31,9 +31,9 @@ from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_
 from training.core.reward_model import RewardModel
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
-from training.reliability.run_records import args_of_model, trained_prompt_format
+from training.reliability.layouts import other_layout, warn_tuned_on_other_layout
+from training.reliability.run_records import trained_prompt_format
 from utils.data import PromptFormatter
-from utils.data.tokenization import probe_tokens
 from utils.dist import current_device, is_main_process
 from utils.errors import UserError
 
@@ -81,15 +81,6 @@ def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_token
         )
 
 
-def _other_layout(given_by: PreTrainedTokenizerBase, given_format: str, trained_by: PreTrainedTokenizerBase,
-                  trained_format: str) -> tuple[str, str] | None:
-    """One probe exchange as a run trained a model on it (`trained_by`'s rendering under `trained_format`) and as
-    step 3 gives it (`given_by`'s under `given_format`), where the two differ; None where they are alike."""
-    trained = probe_tokens(PromptFormatter(trained_by, trained_format), trained_by)
-    given = probe_tokens(PromptFormatter(given_by, given_format), given_by)
-    return None if trained == given else (trained_by.decode(trained or []), given_by.decode(given or []))
-
-
 def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer: PreTrainedTokenizerBase,
                       prompt_format: str, reward_path: str) -> None:
     """Warn where the reward model was trained on conversations laid out otherwise than step 3 gives them to it: it
@@ -97,31 +88,13 @@ def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer
     the actor's turn does, and step 2 rendered its pairs with the reward model's own tokenizer (another chat template,
     or none) under the --prompt_format its run recorded."""
     trained_format = trained_prompt_format(reward_path)
-    layouts = _other_layout(actor_tokenizer, prompt_format, reward_tokenizer, trained_format)
+    layouts = other_layout(actor_tokenizer, prompt_format, reward_tokenizer, trained_format)
     if layouts is not None:
         logger.warning(
             "the reward model %s was trained (--prompt_format %s) on conversations laid out as %r, but step 3 gives it "
             "the actor's answers laid out as %r (--prompt_format %s): its scores may not carry over. Train the reward "
             "model from a model whose tokenizer renders conversations as the actor's does, or with the --prompt_format "
             "under which both render them alike", reward_path, trained_format, *layouts, prompt_format)
-
-
-def warn_actor_tuned_on_other_layout(tokenizer: PreTrainedTokenizerBase, prompt_format: str, actor_path: str) -> None:
-    """Warn where the run that tuned the actor (step 1, DPO, or an earlier step 3: the --prompt_format its args.json
-    recorded) laid conversations out otherwise than step 3's --prompt_format does with the same tokenizer: PPO would
-    ask the actor in a layout it was not tuned on, and end its answers where that layout's turn ends (another token,
-    under another chat template's or none). A warning, as for the reward model: nothing is known of a model no run of
-    this project tuned, and a run may mean to move the actor to another layout."""
-    recorded = args_of_model(actor_path)
-    if "prompt_format" not in recorded:
-        return
-    tuned_format = recorded["prompt_format"]
-    layouts = _other_layout(tokenizer, prompt_format, tokenizer, tuned_format)
-    if layouts is not None:
-        logger.warning(
-            "the actor %s was tuned (--prompt_format %s) on conversations laid out as %r, but step 3 lays them out as "
-            "%r (--prompt_format %s): PPO starts from a model asked in a layout it was not tuned on. Pass "
-            "--prompt_format %s, as its run did", actor_path, tuned_format, *layouts, prompt_format, tuned_format)
 
 
 @contextlib.contextmanager
@@ -169,7 +142,7 @@ def build_rlhf_engine(
         return groups.bind(role, engine) if groups is not None else engine
 
     if is_main_process():  # the same on every rank
-        warn_actor_tuned_on_other_layout(tokenizer, args.data.prompt_format, actor_path)
+        warn_tuned_on_other_layout(tokenizer, args.data.prompt_format, actor_path, "step 3")
     if reward_path is not None:
         reward_tokenizer = load_tokenizer(reward_path, trust_remote_code)
         check_same_vocabulary(tokenizer, reward_tokenizer, reward_path)

@@ -225,6 +225,19 @@ def test_dpo_resumes_after_a_crash_with_the_uninterrupted_weights(trained, input
     assert_same_weights(reference_run / "model", tmp_path / "run" / "model")
 
 
+def test_dpo_warns_where_its_model_was_tuned_on_another_layout(trained, inputs, tmp_path, caplog):
+    """Step 3 warned where its actor's run had tuned it under another --prompt_format, DPO did not: a DPO run from a
+    model tuned under the tokenizer's chat template (auto) and given --prompt_format human_assistant trained policy and
+    reference on pairs laid out as neither was tuned, silently."""
+    run, _ = trained
+    with caplog.at_level("WARNING", logger="training.reliability.layouts"):
+        dpo_main(_argv({**inputs, "model": str(run)}, tmp_path / "run", "--max_steps", "1",
+                       "--prompt_format", "human_assistant"))
+    (warning,) = [record.getMessage() for record in caplog.records if record.name == "training.reliability.layouts"]
+    assert f"the model {run} was tuned (--prompt_format auto)" in warning
+    assert "but DPO lays them out as ' Human:" in warning and "Pass --prompt_format auto" in warning
+
+
 def test_zero3_policy_and_reference_start_equal_and_train(distributed, inputs, tmp_path):
     summary = dpo_main(_argv(inputs, tmp_path / "run", "--zero_stage", "3", "--max_steps", "3", "--dpo_loss", "ipo"))
     assert summary["optimizer_steps"] == 3 and summary["dpo_loss"] == "ipo"

@@ -470,7 +470,7 @@ def test_step_3_warns_where_the_actors_run_tuned_it_on_another_layout(tmp_path, 
     ended its answers at <eos> where step 3 stops at <end_of_turn>, silently."""
     import json
 
-    from step3_rlhf.rlhf_engine import warn_actor_tuned_on_other_layout
+    from training.reliability.layouts import warn_tuned_on_other_layout
 
     tokenizer = turn_end_tokenizer(GEMMA)
 
@@ -479,8 +479,8 @@ def test_step_3_warns_where_the_actors_run_tuned_it_on_another_layout(tmp_path, 
         if record is not None:
             (tmp_path / "args.json").write_text(json.dumps(record))
         caplog.clear()
-        with caplog.at_level("WARNING", logger="step3_rlhf.rlhf_engine"):
-            warn_actor_tuned_on_other_layout(tokenizer, prompt_format, str(tmp_path))
+        with caplog.at_level("WARNING", logger="training.reliability.layouts"):
+            warn_tuned_on_other_layout(tokenizer, prompt_format, str(tmp_path), "step 3")
         return [record.getMessage() for record in caplog.records]
 
     (warning,) = warnings({"prompt_format": "human_assistant"}, "auto")

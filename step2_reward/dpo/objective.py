@@ -13,7 +13,8 @@ from step2_reward.objective import split_chosen_rejected
 from training.algorithms import PairLoss
 from training.core.engine import create_reference_engine
 from training.core.sequences import answer_logprobs
-from utils.dist import sum_over_ranks
+from training.reliability.layouts import warn_tuned_on_other_layout
+from utils.dist import is_main_process, sum_over_ranks
 
 
 def answer_logprob_sums(module: torch.nn.Module,
@@ -40,7 +41,11 @@ class DPOObjective:
 
     @contextmanager
     def reference_model(self, args: DPOSettings, tokenizer: PreTrainedTokenizerBase) -> Iterator[None]:
-        """The frozen reference: a copy of the model the policy starts from, in eval mode."""
+        """The frozen reference: a copy of the model the policy starts from, in eval mode. Where the run that tuned
+        that model recorded another conversation layout than this step's --prompt_format, a warning says so first:
+        policy and reference would be compared on pairs laid out as neither was tuned."""
+        if is_main_process():  # the same on every rank
+            warn_tuned_on_other_layout(tokenizer, args.data.prompt_format, args.model.model_name_or_path, "DPO")
         engine = create_reference_engine(
             args.model.model_name_or_path, tokenizer, args.run.dtype_name, args.training.zero_stage,
             offload=self.settings.offload_reference_model, trust_remote_code=args.run.trust_remote_code,
