@@ -260,8 +260,8 @@ def test_the_policy_trains_without_dropout_so_it_starts_at_log_2(inputs, tmp_pat
 def test_the_reference_is_gone_before_the_final_save(inputs, tmp_path, monkeypatch):
     """The reference (a whole model, or its ZeRO-3 shards) is freed before the policy's full weights are gathered
     and written, the run's peak."""
-    import training.loops.supervised_step as supervised_step
     from step2_reward.dpo.main import dpo_step, parse_args
+    from training.loops import supervised_step
 
     args = parse_args(_argv(inputs, tmp_path / "run", "--max_steps", "1"))
     objective = DPOObjective(args.dpo)
