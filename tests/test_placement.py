@@ -73,6 +73,20 @@ def test_shares_of_a_world_over_a_thousand_ranks_come_to_whole_ranks():
         build_placement("colocate", 1024, ROLES, {"reference": 3 / 1024})
 
 
+def test_a_share_that_is_no_whole_number_of_ranks_is_refused_naming_the_shares_that_work():
+    """interleave on 3 ranks (half of them: 1.5 ranks) and a share of 3 of 4 ranks were refused without a share that
+    works (0.333333, the six digits a user would type for a third, is 0.999999 ranks: refused, now naming
+    0.33333333). Each share named is one --placement_ratio reads back as a layout."""
+    for name, world, ratio, shares in (("interleave", 3, None, "0.33333333 or 1"),
+                                       ("colocate", 3, "reference=0.333333", "0.33333333 or 1"),
+                                       ("colocate", 4, "reference=0.75", "0.25, 0.5 or 1"),
+                                       ("colocate", 6, "reward=0.1", "0.16666667, 0.33333333, 0.5 or 1")):
+        with pytest.raises(UserError, match=f"(give|give it|work on {world} ranks:) {shares}"):
+            build_placement(name, world, ROLES, parse_placement_ratio(ratio) if ratio else None)
+        for share in shares.replace(" or ", ", ").split(", "):
+            assert build_placement("colocate", world, ROLES, {"reference": float(share)}).ranks["reference"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("[1,,0.5,0.5]", "empty item"),  # was read as [1, 0.5, 0.5]: the later shares moved to other models
     ("1,1,", "empty item"),

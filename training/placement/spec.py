@@ -145,14 +145,31 @@ def _rank_span(ranks: tuple[int, ...]) -> str:
 WHOLE_RANKS_TOLERANCE = 1e-6  # share * world this near a whole number is that many ranks (decimal shares round)
 
 
+def share_text(count: int, world_size: int) -> str:
+    """`count` of `world_size` ranks as the shortest decimal --placement_ratio reads back as that many ranks."""
+    for digits in range(1, 18):
+        text = f"{count / world_size:.{digits}g}"
+        if abs(float(text) * world_size - count) <= WHOLE_RANKS_TOLERANCE / 10:
+            return text
+    return repr(count / world_size)
+
+
+def shares_that_work(world_size: int) -> str:
+    """The shares of `world_size` ranks a model may take: a whole number of ranks that divides the world."""
+    shares = [share_text(count, world_size) for count in range(1, world_size + 1) if world_size % count == 0]
+    return shares[0] if len(shares) == 1 else f"{', '.join(shares[:-1])} or {shares[-1]}"
+
+
 def _whole_ranks(role: str, share: float, world_size: int) -> int:
     count = share * world_size
     if share <= 0 or count < 1 - WHOLE_RANKS_TOLERANCE:
         raise UserError(f"the placement gives the {role} a share of {share:g} of {world_size} rank(s), which leaves it "
-                        f"without a rank; give it at least 1/{world_size}")
+                        f"without a rank; give it at least {share_text(1, world_size)} (shares that work on "
+                        f"{world_size} ranks: {shares_that_work(world_size)})")
     if abs(count - round(count)) > WHOLE_RANKS_TOLERANCE:
-        raise UserError(f"the placement gives the {role} {share:g} of {world_size} ranks = {count:g} ranks; a "
-                        "share must come to a whole number of ranks")
+        raise UserError(f"the placement gives the {role} {share!r} of {world_size} ranks = {count!r} ranks; a share "
+                        f"must come to a whole number of ranks: on {world_size} ranks give "
+                        f"{shares_that_work(world_size)}")
     return round(count)
 
 
@@ -195,7 +212,8 @@ def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROL
     for role, members in ranks.items():
         if world_size % len(members):
             raise UserError(f"the {role} is on {len(members)} of {world_size} ranks; each of its ranks must serve the "
-                            f"same number of ranks' batches, so {len(members)} must divide {world_size}")
+                            f"same number of ranks' batches, so {len(members)} must divide {world_size}: give it "
+                            f"{shares_that_work(world_size)}")
     ordered = {role: ranks[role] for role in ROLES if role in ranks}
     return Placement(name if ratio is None else f"{name}+ratio", world_size, ordered)
 
