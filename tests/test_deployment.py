@@ -1267,6 +1267,24 @@ def test_a_host_the_name_server_does_not_answer_for_is_taken_for_another_machine
     assert "takes it for another machine than this one" in caplog.text
 
 
+def test_a_cuda_visible_devices_a_multi_node_run_does_not_follow_is_said(tmp_path, tiny_model_dir, monkeypatch,
+                                                                          capsys):
+    """DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node: a multi_node run with
+    CUDA_VISIBLE_DEVICES=2,3 and ranks on this machine ran on its GPUs 0 and 1, unsaid. Said once, where ranks run
+    here; not where all run on other nodes."""
+    from training.pipeline.cli import run
+
+    model = tiny_model_dir("llama")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    run([*_multi_node_step_1(tmp_path, model, "localhost slots=2\nworker-2 slots=2\n"), "--dry-run"])
+    said = capsys.readouterr().err
+    assert said.count("warning: multi_node: CUDA_VISIBLE_DEVICES=2,3 is not followed for the ranks on this "
+                      "machine") == 1
+    assert "train.py has no --include" in said and "--deployment-type single_node" in said
+    run([*_multi_node_step_1(tmp_path, model, "worker-1 slots=2\nworker-2 slots=2\n"), "--dry-run"])
+    assert "CUDA_VISIBLE_DEVICES" not in capsys.readouterr().err
+
+
 def test_the_variables_left_out_are_said_only_where_a_step_launches_on_other_nodes(tmp_path, tiny_model_dir,
                                                                                    monkeypatch, capsys):
     """The warning for a variable the env file leaves out was printed where every step was finished and nothing

@@ -596,6 +596,20 @@ def _say_variables_left_out(prepared: PreparedRun) -> None:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
+def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
+    """Warn, where a multi_node step will launch ranks on this machine, that its CUDA_VISIBLE_DEVICES is not followed:
+    DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node whatever it says (selecting others
+    takes its --include, which train.py does not pass), so a run restricted to GPUs 2 and 3 ran on 0 and 1, unsaid."""
+    launcher, visible = prepared.launcher, os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not (prepared.commands and visible and launcher is not None and launcher.deployment is DeploymentType.MULTI_NODE
+            and (launcher.on_this_machine or any(names_this_machine(host) for host in launcher.hosts))):
+        return
+    print(f"warning: multi_node: CUDA_VISIBLE_DEVICES={visible} is not followed for the ranks on this machine: "
+          "DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node, and train.py has no "
+          "--include to choose others; to run on those GPUs alone, use --deployment-type single_node here, which "
+          "follows it", file=sys.stderr, flush=True)
+
+
 def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> UserError:
     """A failed step's error, saying how to go on from the checkpoint it left (a crash hours in, a node lost), if any:
     a rerun without --resume would refuse its folder."""
@@ -694,6 +708,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     _say_variables_left_out(prepared)
     _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:
+    _say_visible_devices_not_followed(prepared)
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
             print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
         return {"deployment": deployment, "commands": prepared.commands}
