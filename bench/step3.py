@@ -34,10 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import REPO_ROOT, device_name, print_table, write_report  # noqa: E402
-from bench.step3_work import (  # noqa: E402
+from bench.common import REPO_ROOT, device_name, print_table, write_report
+from bench.step3_work import (
     MachineRates,
     ModelShape,
     RolloutShape,
@@ -45,18 +45,18 @@ from bench.step3_work import (  # noqa: E402
     scoring_floor,
     training_floor,
 )
-from step3_rlhf.main import parse_args as parse_step3_args  # noqa: E402
-from step3_rlhf.ppo_trainer import PPOTrainer  # noqa: E402
-from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine  # noqa: E402
-from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype  # noqa: E402
-from training.core.optim import OPTIMIZER_CHOICES  # noqa: E402
-from training.generation.cpu_linear import onednn_packing_available  # noqa: E402
-from training.generation.hybrid_engine import build_generator  # noqa: E402
-from utils.data import PromptCollator  # noqa: E402
-from utils.data.formatting import PromptFormatter  # noqa: E402
-from utils.data.rows import read_rows  # noqa: E402
-from utils.dist import current_device, init_distributed  # noqa: E402
-from utils.errors import UserError, run_cli  # noqa: E402
+from step3_rlhf.main import parse_args as parse_step3_args
+from step3_rlhf.ppo_trainer import PPOTrainer
+from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
+from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype
+from training.core.optim import OPTIMIZER_CHOICES
+from training.generation.cpu_linear import onednn_packing_available
+from training.generation.hybrid_engine import build_generator
+from utils.data import PromptCollator
+from utils.data.formatting import PromptFormatter
+from utils.data.rows import read_rows
+from utils.dist import current_device, init_distributed
+from utils.errors import UserError, run_cli
 
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless" / "pairs.jsonl"
 # phase -> this project's timed calls in it (PPOTrainer.PHASES) and TRL's (bench/trl_peer.py)
@@ -109,7 +109,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             "and --reward")
     if not Path(args.prompts).is_file():
         raise UserError(f"{args.prompts} not found: the hh-rlhf harmless pairs ship in ../shared/data; pass --prompts")
+    if args.peer == "trl":
+        require_trl()
     return args
+
+
+def require_trl() -> None:
+    """Refuse `--peer trl` without TRL before this project's steps run: TRL's run comes after them."""
+    try:
+        import trl  # noqa: F401
+    except ImportError as error:
+        raise UserError(f"--peer trl needs TRL 1.12.0: pip install -c constraints.txt -e '.[bench]' ({error})")
 
 
 def on_cuda() -> bool:
@@ -302,10 +312,6 @@ def run_trl(args: argparse.Namespace, prompt_ids: list[list[int]], rows: tuple[t
     """TRL's PPO steps on the same prompts (bench/trl_peer.py) with this project's run's PPO coefficients,
     learning rates and schedule (`step3`, its parsed settings), after checking that the converted reward model
     scores this project's last rollout as ours does; and that check's largest difference."""
-    try:
-        import trl  # noqa: F401
-    except ImportError as error:
-        raise UserError(f"--peer trl needs TRL 1.12.0: pip install -c constraints.txt -e '.[bench]' ({error})")
     from bench import trl_peer
 
     with tempfile.TemporaryDirectory() as workdir:
