@@ -159,7 +159,7 @@ def rules() -> list[UnusedFlags]:
     return [
         UnusedFlags(CRITIC_FLAGS, _no_critic),
         UnusedFlags(("critic_zero_stage",), _neither_critic_nor_reward_model),
-        UnusedFlags(("offload_reward_model",), _no_reward_model),
+        UnusedFlags(("offload_reward_model", "clip_reward_value"), _no_reward_model),
         UnusedFlags(("reward_fn_coef",), _no_reward_fn),
         *(UnusedFlags((setting,), _not_read_by_the_estimator(setting)) for setting in estimator_settings),
         UnusedFlags(("disable_advantage_whitening",), _not_whitened),

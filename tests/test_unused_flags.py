@@ -66,11 +66,14 @@ def test_the_critic_zero_stage_is_refused_only_without_a_reward_model_too():
     check_unused_flags(settings("--critic_zero_stage", "3", scorer=REWARD_FN))  # ppo's critic from the actor
 
 
-def test_offloading_a_reward_model_that_is_not_there_is_refused():
-    message = refused("--algorithm", "grpo", "--offload_reward_model", scorer=REWARD_FN)
-    assert message == ("--offload_reward_model does nothing here: no reward model scores the answers (--reward_fn "
+@pytest.mark.parametrize("flag, named", [(["--offload_reward_model"], "--offload_reward_model"),
+                                         (["--clip_reward_value", "1"], "--clip_reward_value 1.0")])
+def test_a_reward_model_flag_without_a_reward_model_is_refused(flag, named):
+    """--clip_reward_value bounds the reward model's score alone (83338e2): with --reward_fn alone it clipped a 0."""
+    message = refused("--algorithm", "grpo", *flag, scorer=REWARD_FN)
+    assert message == (f"{named} does nothing here: no reward model scores the answers (--reward_fn "
                        "alone); give one with --critic_model_name_or_path (a step-2 run folder), or drop it")
-    check_unused_flags(settings("--algorithm", "grpo", "--offload_reward_model"))
+    check_unused_flags(settings("--algorithm", "grpo", *flag))
 
 
 def test_a_reward_function_weight_without_a_reward_function_is_refused():

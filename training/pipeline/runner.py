@@ -706,9 +706,9 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     for step in config.steps:
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
     _say_variables_left_out(prepared)
+    _say_visible_devices_not_followed(prepared)
     _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:
-    _say_visible_devices_not_followed(prepared)
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
             print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
         return {"deployment": deployment, "commands": prepared.commands}
