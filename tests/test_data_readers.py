@@ -253,6 +253,19 @@ def test_a_json_array_that_breaks_is_refused_where_it_breaks(tmp_path):
     assert [s.chosen for s in samples_of(str(tmp_path / "comma.json"))] == ["b", "d"]  # nothing lost: taken
 
 
+def test_a_json_object_that_breaks_is_refused_where_it_breaks(tmp_path):
+    """Read as JSON lines, {"data": [ one record a line, ... ]} with one bad record gave the last record alone (the one
+    line without a comma), the others counted malformed_json. A .json file of JSON lines still skips its bad line."""
+    lines = [json.dumps(row) for row in PAIRS[:6]]
+    lines[2] = lines[2].replace('"question 2"', '"question 2', 1)
+    (tmp_path / "data.json").write_text('{"data": [\n' + ",\n".join(lines) + "\n]}\n")
+    with pytest.raises(UserError, match=r"data.json is a JSON document that does not parse at line 4 column \d+ "
+                                        r".*: its records would be lost.*write it as JSON lines"):
+        samples_of(str(tmp_path / "data.json"))
+    (tmp_path / "lines.json").write_text("\n".join(lines) + "\n")
+    assert [s.chosen for s in samples_of(str(tmp_path / "lines.json"))] == [f"good {i}" for i in (0, 1, 3, 4, 5)]
+
+
 def test_json_lines_end_only_at_newlines(tmp_path):
     """U+2028/U+2029/U+0085 are legal unescaped inside JSON strings (json.dumps(ensure_ascii=False) writes them; 12
     of the embedded ShareGPT conversations hold U+2028): str.splitlines cut such a record in unparseable pieces."""

@@ -119,12 +119,37 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
             records, complete = decode_array_prefix(text)
             if complete:  # a stray comma ("[..., ]"): every record is there
                 return FileRecords.numbered(name, "record", records)
-            raise UserError(f"{path} is a JSON array that does not parse at line {error.lineno} column "
-                            f"{error.colno} ({error.msg}), after {len(records)} records: the records from there on "
-                            "would be lost. Fix the file, or write it as JSON lines (one record a line), where a bad "
-                            "line is skipped and counted") from error
+            raise _unparsed_document(path, f"array that does not parse at line {error.lineno} column "
+                                     f"{error.colno} ({error.msg}), after {len(records)} records: the records from "
+                                     "there on") from error
+        if _is_broken_document(text, error):
+            raise _unparsed_document(path, f"document that does not parse at line {error.lineno} column "
+                                     f"{error.colno} ({error.msg}): its records") from error
         return read_json_lines(data, name, skipped)
     return FileRecords.numbered(name, "record", _records_of(content))
+
+
+def _unparsed_document(path: Path, what: str) -> UserError:
+    """The refusal of a .json file that is one JSON document that does not parse: `what` says where it breaks and
+    which records would be lost."""
+    return UserError(f"{path} is a JSON {what} would be lost. Fix the file, or write it as JSON lines (one record a "
+                     "line), where a bad line is skipped and counted")
+
+
+def _is_broken_document(text: str, error: json.JSONDecodeError) -> bool:
+    """Whether `text`, which does not parse (`error`), is one JSON document broken past its first line (`{"data": [`
+    does not parse alone), not JSON lines (each line a record: the first parses alone, or is itself where it breaks).
+    Read as JSON lines, such a document gave the records that sit on a line of their own without a comma (one a
+    list), the others counted malformed."""
+    first = next(((number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()), None)
+    if first is None:
+        return False
+    number, line = first
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return error.lineno > number
+    return False
 
 
 def _records_of(content) -> list:
