@@ -274,6 +274,35 @@ def test_placements_keep_the_colocated_actor_ema(tmp_path_factory):
         assert max((actor[k].float() - ema[k].float()).abs().max().item() for k in actor) > 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "remax"])
+def test_placements_train_the_colocated_critic_free_algorithms(tmp_path_factory, algorithm):
+    """GRPO, RLOO and ReMax hold no critic: the reference and reward model score side by side (interleave), the
+    actor on one rank beside them (Interleave2 without a critic), a shadow actor generates (disaggregate); ReMax's
+    greedy baseline is scored where the reward model is."""
+    samples = [] if algorithm == "remax" else ["--n_samples_per_prompt", "2"]
+    _run_workers(tmp_path_factory, 2, ["interleave", "disaggregate", "interleave:actor=0.5"], critic_flags=[],
+                 extra=["--algorithm", algorithm, *samples])
+
+
+@pytest.mark.slow
+def test_placements_train_the_colocated_ppo_over_several_batches_passes_and_accumulations(tmp_path_factory):
+    """--generation_batches 2 --ppo_epochs 2 --gradient_accumulation_steps 2: a rank serving two chunks accumulates
+    over both (its engine's accumulation doubled), so each optimizer step averages the co-located run's
+    micro-batches."""
+    _run_workers(tmp_path_factory, 2, ["interleave:actor=0.5,critic=0.5", "disaggregate"],
+                 extra=["--generation_batches", "2", "--ppo_epochs", "2", "--gradient_accumulation_steps", "2"])
+
+
+@pytest.mark.slow
+def test_placements_train_the_colocated_ppo_with_lora_and_an_adaptive_kl(tmp_path_factory):
+    """LoRA on both trained models, only the actor's adapters optimized (the shadow actor receives the adapters
+    alone), and --target_kl moving the KL coefficient from every chunk's answers."""
+    _run_workers(tmp_path_factory, 2, ["interleave:actor=0.5,critic=0.5", "disaggregate"],
+                 extra=["--actor_lora_dim", "4", "--critic_lora_dim", "4", "--actor_only_optimize_lora",
+                        "--target_kl", "0.01", "--kl_ctl", "0.1"])
+
+
 def eos_prone_actor(tmp_path_factory) -> str:
     """The test actor with its EOS row scaled, so the answers of a batch end at scattered steps (stage fusion then
     has rows to score before the last answer ends)."""

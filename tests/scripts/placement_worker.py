@@ -1,5 +1,5 @@
 """Run under `torch.distributed.run`: step 3 on tiny models once per placement (same seed), then, on rank 0,
-compare each run's trained actor and critic (and the actor's EMA, when the runs keep one) and its held-out
+compare each run's trained models (the actor, the critic and the actor's EMA, those the co-located run wrote) and its held-out
 figures with the co-located run's.
 
     placement_worker.py INPUTS_JSON OUT_DIR PLACEMENT[:RATIO] ...   (the first one is the reference run)
@@ -27,8 +27,9 @@ def run(inputs: dict, out: Path, spec: str) -> dict:
             "--data_output_path", str(out / "cache"), "--max_prompt_seq_len", "96", "--max_answer_seq_len", "8",
             "--eval_samples", "4", "--dtype", inputs.get("dtype", "fp32"), "--max_steps", "2",
             "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "1",
-            "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--enable_hybrid_engine",
-            "--placement", name, *(["--placement_ratio", ratio] if ratio else []), *inputs.get("extra", [])]
+            "--actor_learning_rate", "1e-3", *inputs.get("critic_flags", ["--critic_learning_rate", "1e-3"]),
+            "--enable_hybrid_engine", "--placement", name, *(["--placement_ratio", ratio] if ratio else []),
+            *inputs.get("extra", [])]
     summary = main(argv)
     barrier()
     return {"dir": output_dir, "summary": summary}
@@ -46,7 +47,7 @@ def main_worker() -> None:
     for spec in specs[1:]:
         result = results[spec]
         assert result["summary"]["placement"].startswith(spec.partition(":")[0]), result["summary"]["placement"]
-        models = ["actor", "critic", *(["actor_ema"] if (reference["dir"] / "actor_ema").exists() else [])]
+        models = [model for model in ("actor", "critic", "actor_ema") if (reference["dir"] / model).exists()]
         for model in models:
             assert (result["dir"] / model).is_dir(), f"{spec}: no {model} folder"
             expected, got = weights(reference["dir"] / model), weights(result["dir"] / model)
@@ -62,8 +63,9 @@ def main_worker() -> None:
             assert abs(expected - got) <= 1e-4 * max(1.0, abs(expected)), f"{spec}: {key} {got} != {expected}"
         trained = [record for record in map(json.loads, (result["dir"] / "metrics.jsonl").read_text().splitlines())
                    if "train/actor_loss" in record]
-        assert trained and all(record["train/actor_skipped_steps"] == record["train/critic_skipped_steps"] == 0
-                               for record in trained), f"{spec}: the skipped updates' counts are not logged"
+        skipped = [f"train/{model}_skipped_steps" for model in models if model != "actor_ema"]
+        assert trained and all(record[key] == 0 for record in trained for key in skipped), \
+            f"{spec}: the skipped updates' counts are not logged"
         # the std over every rank's scores, gathered co-located, every chunk's on each rank under a placement
         expected_stds, stds = score_stds(reference["dir"]), [record["reward/score_std"] for record in trained]
         assert len(stds) == len(expected_stds) and all(
