@@ -1,6 +1,6 @@
 """Run under `torch.distributed.run`: step 3 on tiny models once per placement (same seed), then, on rank 0,
-compare each run's trained models (the actor, the critic and the actor's EMA, those the co-located run wrote) and its held-out
-figures with the co-located run's.
+compare each run's trained models (the actor, the critic and the actor's EMA, those the co-located run wrote)
+and its held-out figures with the co-located run's.
 
     placement_worker.py INPUTS_JSON OUT_DIR PLACEMENT[:RATIO] ...   (the first one is the reference run)
 """
