@@ -1,9 +1,14 @@
 """Every committed benchmark result says where, with what and how it was measured: a figure without its device,
 library versions and command cannot be checked or reproduced."""
+import contextlib
+import importlib
 import json
+import shlex
 from pathlib import Path
 
 import pytest
+
+from utils.errors import UserError
 
 RESULTS = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*.json"))
 
@@ -26,3 +31,30 @@ def test_a_result_names_its_device_versions_and_command(path):
     versions = report.get("versions", {})
     assert all(versions.get(name) for name in ("torch", "transformers", "deepspeed")), f"versions missing: {versions}"
     assert all(isinstance(command, str) and command.strip() for command in _commands(report)), "no command"
+
+
+def _bench_invocations(report: dict) -> list[tuple[str, list[str]]]:
+    """Each bench/<name>.py a result's command ran, with its arguments (a command may chain several with &&)."""
+    invocations = []
+    for part in (report.get("command") or "").split("&&"):
+        words = shlex.split(part)
+        script = next((word for word in words if word.startswith("bench/") and word.endswith(".py")), None)
+        if script is not None:
+            invocations.append((Path(script).stem, words[words.index(script) + 1:]))
+    return invocations
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+PARSED = [(path, name, argv) for path in RESULTS for name, argv in _bench_invocations(json.loads(path.read_text()))
+          if "\ndef parse_args(" in (BENCH / f"{name}.py").read_text()]
+
+
+@pytest.mark.parametrize("path, name, argv", PARSED, ids=[f"{path.name}:{name}" for path, name, _ in PARSED])
+def test_a_results_command_still_parses_with_todays_flags(path, name, argv, monkeypatch):
+    """A result is reproduced by its command: a flag renamed without its old spelling kept as an alias would leave
+    the committed command refused by argparse (SystemExit). A UserError is this machine's (a folder the command named
+    on its own, TRL not installed) and passes."""
+    monkeypatch.syspath_prepend(str(BENCH))  # as the scripts run: some import their neighbours (`from common ...`)
+    parse_args = importlib.import_module(name).parse_args
+    with contextlib.suppress(UserError):
+        parse_args(argv)
