@@ -5,6 +5,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
 from supervised_data import write_arithmetic_jsonl
@@ -1088,3 +1090,74 @@ def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fak
     finally:
         for holder in launched.taken:
             holder.close()
+
+
+class CrashingSteps(FakeSteps):
+    """Fake steps of which step 2 raises `error` mid-step, as a model's forward or a bad data row would."""
+
+    def __init__(self, model_dir: str, error: Exception):
+        super().__init__(model_dir)
+        self.error = error
+
+    def main(self, step: int):
+        finished = super().main(step)
+        if step != 2:
+            return finished
+
+        @run_cli
+        def main(argv):
+            raise self.error
+
+        return main
+
+
+@pytest.mark.parametrize("error, said", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+     (r"torch\.OutOfMemoryError: CUDA out of memory\. Tried to allocate 2\.00 GiB; out of accelerator memory: .*"
+      r"--offload, or LoRA \(--lora_dim 128[^)]*\)")),
+    (KeyError("chosen"), r"KeyError: 'chosen'"),
+])
+def test_a_step_that_crashes_is_named_with_its_cause_log_and_way_on_and_recorded(tmp_path, tiny_model_dir, capsys,
+                                                                                 error, said):
+    """An exception mid-step (not a UserError) ended train.py in a traceback printed twice and exit status 1, naming
+    neither the step nor its log, with no summary.json: now one error line (status 2), the traceback in the log."""
+    fakes = CrashingSteps(tiny_model_dir("llama"), error)
+    log = tmp_path / "out" / "logs" / "step2.log"
+    with pytest.raises(SystemExit) as ended:
+        run_cli(run)(common(tmp_path, fakes.model_dir), fakes)
+    assert ended.value.code == 2
+    error_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: step 2 \(reward model\) crashed: {said}; the traceback is in {re.escape(str(log))}; "
+                        r"once the cause is fixed, the same train.py command runs step 2 again \(finished steps are "
+                        r"skipped\)", error_line), error_line
+    assert "Traceback (most recent call last)" in log.read_text()
+    report = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert list(report["steps"]) == ["1"] and report["failed"]["step"] == 2
+    assert "crashed" in report["failed"]["error"]
+
+
+def test_a_launched_step_that_fails_names_the_cause_its_ranks_printed(tmp_path):
+    """A launched step ended in 'failed (exit status 1); its output is in ...' alone: the exception's line is named."""
+    from training.pipeline.launch import run_subprocess
+
+    log = tmp_path / "step2.log"
+    with pytest.raises(UserError, match=r"^step 2 failed \(exit status 1\): KeyError: 'chosen'; its output is in "):
+        run_subprocess([sys.executable, "-c", "{}['chosen']"], log, "step 2")
+
+
+@pytest.mark.parametrize("through_deepspeed", [False, True])
+def test_a_step_whose_rank_the_oom_killer_ends_says_so(tmp_path, through_deepspeed):
+    """A rank SIGKILLed (the OS's out-of-memory killer) ended in 'failed (exit status 247)': DeepSpeed's launcher exits
+    with -9 & 255. It is named as killed by signal 9, likely out of host memory, with the local rank."""
+    from training.pipeline.launch import run_subprocess
+    from utils.dist import free_port
+
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    if through_deepspeed:
+        script = tmp_path / "rank.py"
+        script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+        killed = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), str(script)]
+    who = "local rank 0 was " if through_deepspeed else ""
+    with pytest.raises(UserError, match=rf"^step 1 failed \(exit status -?\d+\): {who}killed \(signal 9, SIGKILL\), "
+                                        r"likely out of host memory"):
+        run_subprocess(killed, tmp_path / "step1.log", "step 1")

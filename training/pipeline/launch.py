@@ -33,6 +33,7 @@ from utils.dist import free_port, launcher_variables
 from utils.errors import UserError
 
 from .deployment import DeploymentType
+from .failures import cause_in_output, exception_cause, output_tail, signal_cause
 from .hostfile import names_this_machine
 from .steps import StepMain, flag_value
 
@@ -48,8 +49,8 @@ PKILL_MATCHED_NONE = 1  # pkill's exit status where no process matched (2, 3: it
 STOP_UNMATCHED_SAY_S = 60.0  # how long a stop command through pdsh matches no rank on some node before it is said
 SSH_FAILED = 255  # ssh's exit status where it could not run the command on the node
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
-HOST_LOOKUP_TIMEOUT_S = 5.0  # how long telling whether a hostfile's host is this machine waits for the resolver
 # the variables the steps and the libraries under them read (the hub's cache and offline mode, the op builds' folder,
+HOST_LOOKUP_TIMEOUT_S = 5.0  # how long telling whether a hostfile's host is this machine waits for the resolver
 # the project's cache, NCCL's settings), which DeepSpeed's launcher does not pass to the ranks it starts through pdsh:
 # it passes those named PYTHON*, MLFLOW*, MV2* and UCX*, NCCL* only from a machine with a CUDA GPU, and its env file's
 OTHER_NODES_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "RLHF_", "XDG_CACHE_HOME")
@@ -362,9 +363,9 @@ def run_in_process(main: StepMain, argv: list[str], log_path: Path, label: str) 
             if exit_.code == EXIT_INTERRUPTED:
                 raise StepStopped(label) from exit_
             raise UserError(f"{label} exited with status {exit_.code}; see the messages above and {log_path}") from exit_
-        except Exception:
+        except Exception as error:  # its traceback goes to the log; train.py ends with one line naming it
             logging.getLogger(__name__).exception("%s crashed", label)
-            raise
+            raise UserError(f"{label} crashed: {exception_cause(error)}; the traceback is in {log_path}") from error
     return summary if isinstance(summary, dict) else {}
 
 
@@ -566,7 +567,15 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
     if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
-        raise UserError(f"{label} failed (exit status {status}); its output is in {log_path}")
+        raise UserError(f"{label} failed (exit status {status}){_failure_cause(status, log_path)}; its output is in "
+                        f"{log_path}")
+
+
+def _failure_cause(status: int, log_path: Path) -> str:
+    """': <why>' a launched step ended with `status`, from the signal that ended the launcher or the end of the
+    step's output; empty where neither says."""
+    cause = signal_cause(-status) if status < 0 else cause_in_output(output_tail(log_path))
+    return f": {cause}" if cause else ""
 
 
 def _copy_output(process: subprocess.Popen, log: IO[bytes]) -> None:

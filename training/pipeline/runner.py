@@ -611,11 +611,13 @@ def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
 
 
 def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> UserError:
-    """A failed step's error, saying how to go on from the checkpoint it left (a crash hours in, a node lost), if any:
-    a rerun without --resume would refuse its folder."""
+    """A failed step's error, saying how to go on: from the checkpoint it left (a crash hours in, a node lost), where
+    it left one (a rerun without --resume would refuse its folder), else by the same command, which skips the finished
+    steps."""
     latest = CheckpointManager(config.run_dir(step)).latest()
     if latest is None:
-        return error
+        return UserError(f"{error}; once the cause is fixed, the same train.py command runs step {step} again "
+                         f"(finished steps are skipped)")
     return UserError(f"{error}; step {step} left a checkpoint of its step {latest.step} ({latest.path}): once the "
                      f"cause is fixed, {_resuming_command(config)} goes on from it")
 
@@ -720,16 +722,30 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
             results.append(_step_result(config, prepared, step, entry))
         except StepStopped:
             _stop(_stopped_mid_step(config, step), take_received_signal())
+        except UserError as error:
+            _write_report(config, _report(deployment, results, time.perf_counter() - started,
+                                          failed={"step": step, "error": str(error)}))
+            raise
         if step != config.steps[-1]:
             _stop_if_requested(f"step {step} finished and the next did not start; to go on, run the same train.py "
                                f"command (finished steps are skipped)")
     total = time.perf_counter() - started
     print("\n" + summary_table(results, total), flush=True)
+    report = _report(deployment, results, total)
+    _write_report(config, report)
+    return report
+
+
+def _report(deployment: str, results: list[StepResult], total: float, failed: dict | None = None) -> dict:
+    """What `summary.json` holds: the steps that finished (or were skipped), and the one that failed, if one did."""
     report = {
         "deployment": deployment,
         "total_seconds": total,
         "steps": {str(r.step): {"title": r.title, "seconds": r.seconds, "skipped": r.skipped, "summary": dict(r.summary)}
                   for r in results},
     }
+    return report if failed is None else {**report, "failed": failed}
+
+
+def _write_report(config: PipelineConfig, report: dict) -> None:
     atomic_write_text(config.output_dir / "summary.json", json.dumps(report, indent=2, default=str) + "\n")
-    return report

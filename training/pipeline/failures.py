@@ -1,0 +1,63 @@
+"""What train.py says of a step that failed: the cause, from the exception or the last words of the step's output,
+and what to do about it (out of memory: accelerator or host)."""
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+TAIL_BYTES = 65536  # of a step's log read for its cause: a traceback's last line is near its end
+# the last line of a Python traceback ('torch.OutOfMemoryError: CUDA out of memory...', "KeyError: 'chosen'"),
+# as a rank prints it, maybe behind torch's '[rankN]:' prefix
+EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)(?::.*)?)$")
+# DeepSpeed's launcher on the first rank that ended with a status: "[..., '--local_rank=0'] exits with return code =
+# -9" (negative: the signal that killed it)
+RANK_ENDED = re.compile(r"--local_rank=(\d+)'\] exits with return code = (-?\d+)")
+ACCELERATOR_OOM_ADVICE = ("out of accelerator memory: give the step a smaller per-device batch, or --offload, or "
+                          "LoRA (--lora_dim 128; step 3: the --actor_/--critic_ flags)")
+HOST_OOM_ADVICE = ("likely out of host memory (the OS's out-of-memory killer; `dmesg` says): run with fewer "
+                   "models offloaded, a smaller batch, or on a machine with more memory")
+
+
+def signal_cause(signum: int) -> str:
+    """A process ended by signal `signum`, and why where a signal says it (SIGKILL: the OOM killer, most often)."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = "unknown"
+    killed = f"killed (signal {signum}, {name})"
+    return f"{killed}, {HOST_OOM_ADVICE}" if signum == signal.SIGKILL else killed
+
+
+def exception_cause(error: BaseException) -> str:
+    """A step's exception as its traceback's last line says it, with the advice it calls for."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return with_advice(f"{name}: {error}")
+
+
+def with_advice(cause: str) -> str:
+    """`cause`, followed by what to do where it is running out of accelerator memory."""
+    return f"{cause}; {ACCELERATOR_OOM_ADVICE}" if "out of memory" in cause.lower() else cause
+
+
+def cause_in_output(output: str) -> str | None:
+    """Why a launched step failed, read from the end of its output: the rank DeepSpeed's launcher saw end first, and
+    the signal that killed it or else the last exception line a rank printed (None: neither found)."""
+    ended = RANK_ENDED.findall(output)
+    rank, status = ended[-1] if ended else (None, "0")
+    who = f"local rank {rank}" if rank is not None else "a rank"
+    if int(status) < 0:
+        return f"{who} was {signal_cause(-int(status))}"
+    exceptions = [match.group(1) for line in output.splitlines() if (match := EXCEPTION_LINE.match(line.strip()))]
+    if not exceptions:
+        return None
+    return with_advice(f"{who}: {exceptions[-1]}" if rank is not None else exceptions[-1])
+
+
+def output_tail(log_path: Path) -> str:
+    """The last `TAIL_BYTES` of a step's log, as text."""
+    with log_path.open("rb") as log:
+        size = log.seek(0, 2)
+        log.seek(max(0, size - TAIL_BYTES))
+        return log.read().decode(errors="replace")
