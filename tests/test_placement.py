@@ -87,6 +87,23 @@ def test_a_share_that_is_no_whole_number_of_ranks_is_refused_naming_the_shares_t
             assert build_placement("colocate", world, ROLES, {"reference": float(share)}).ranks["reference"]
 
 
+def test_a_share_of_a_model_the_run_does_not_hold_is_refused():
+    """GRPO trains no critic and --reward_fn alone loads no reward model: --placement_ratio critic=0.5 was ignored
+    and the run went on co-located. A list's critic position at the preset's share still passes."""
+    from step3_rlhf.main import parse_args
+    from step3_rlhf.placement_setup import check_placement_flags
+
+    def flags(*extra: str):
+        return parse_args(["--actor_model_name_or_path", "a", "--output_dir", "o", "--algorithm", "grpo",
+                           "--n_samples_per_prompt", "2", *extra])
+
+    with pytest.raises(UserError, match=r"gives the critic a share, but this run holds no critic"):
+        check_placement_flags(flags("--critic_model_name_or_path", "c", "--placement_ratio", "critic=0.5"), 2)
+    with pytest.raises(UserError, match=r"gives the critic and the reward a share.*its models: actor, reference;"):
+        check_placement_flags(flags("--reward_fn", "builtin:math", "--placement_ratio", "[1,0.5,1,0.5]"), 2)
+    check_placement_flags(flags("--critic_model_name_or_path", "c", "--placement_ratio", "[1,1,0.5,0.5]"), 2)
+
+
 @pytest.mark.parametrize("text, message", [
     ("[1,,0.5,0.5]", "empty item"),  # was read as [1, 0.5, 0.5]: the later shares moved to other models
     ("1,1,", "empty item"),

@@ -173,6 +173,17 @@ def _whole_ranks(role: str, share: float, world_size: int) -> int:
     return round(count)
 
 
+def _refuse_shares_of_absent_models(preset: Mapping[str, float], ratio: Mapping[str, float],
+                                    present: list[str]) -> None:
+    """A share that would move a model the run does not hold lays out nothing; the preset's own share (a list's
+    critic position under a critic-free algorithm) changes nothing and passes."""
+    moved = [role for role in MODEL_ROLES if role not in present and ratio.get(role, preset[role]) != preset[role]]
+    if moved:
+        raise UserError(f"--placement_ratio gives the {' and the '.join(moved)} a share, but this run holds no "
+                        f"{' and no '.join(moved)} (its models: {', '.join(present)}; an algorithm without a critic "
+                        "trains none, and --reward_fn alone loads no reward model); drop that share")
+
+
 def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROLES,
                     ratio: Mapping[str, float] | None = None) -> Placement:
     """Lay out the present `roles` (the actor and reference always; the critic and reward model when the run has
@@ -181,6 +192,7 @@ def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROL
     if name not in PRESETS:
         raise UserError(f"unknown placement {name!r}; choose one of {', '.join(PLACEMENTS)}")
     present = [role for role in MODEL_ROLES if role in set(roles)]
+    _refuse_shares_of_absent_models(PRESETS[name], ratio or {}, present)
     shares = {**PRESETS[name], **(ratio or {})}
     for role, share in shares.items():
         if not 0.0 <= share <= 1.0:
