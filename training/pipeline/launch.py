@@ -49,8 +49,8 @@ PKILL_MATCHED_NONE = 1  # pkill's exit status where no process matched (2, 3: it
 STOP_UNMATCHED_SAY_S = 60.0  # how long a stop command through pdsh matches no rank on some node before it is said
 SSH_FAILED = 255  # ssh's exit status where it could not run the command on the node
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
-# the variables the steps and the libraries under them read (the hub's cache and offline mode, the op builds' folder,
 HOST_LOOKUP_TIMEOUT_S = 5.0  # how long telling whether a hostfile's host is this machine waits for the resolver
+# the variables the steps and the libraries under them read (the hub's cache and offline mode, the op builds' folder,
 # the project's cache, NCCL's settings), which DeepSpeed's launcher does not pass to the ranks it starts through pdsh:
 # it passes those named PYTHON*, MLFLOW*, MV2* and UCX*, NCCL* only from a machine with a CUDA GPU, and its env file's
 OTHER_NODES_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "RLHF_", "XDG_CACHE_HOME")
