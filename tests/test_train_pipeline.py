@@ -1161,3 +1161,26 @@ def test_a_step_whose_rank_the_oom_killer_ends_says_so(tmp_path, through_deepspe
     with pytest.raises(UserError, match=rf"^step 1 failed \(exit status -?\d+\): {who}killed \(signal 9, SIGKILL\), "
                                         r"likely out of host memory"):
         run_subprocess(killed, tmp_path / "step1.log", "step 1")
+
+
+def torch_save_error_on_a_full_disk(tmp_path: Path) -> Exception:
+    """What torch.save raises where the disk is full: written to a path that is /dev/full, whose writes fail with
+    ENOSPC, as a checkpoint is saved (by path, through torch's own writer)."""
+    full = tmp_path / "full.pt"
+    full.symlink_to("/dev/full")
+    try:
+        torch.save({"weight": torch.zeros(1000)}, full)
+    except RuntimeError as error:
+        return error
+    raise AssertionError("torch.save to /dev/full did not fail")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("error", [lambda _: OSError(28, "No space left on device", "/out/step2/.tmp-model"),
+                                   torch_save_error_on_a_full_disk], ids=["python_write", "torch_save"])
+def test_a_step_that_fills_the_disk_is_told_to_free_space(tmp_path, tiny_model_dir, error):
+    """A full disk during a save ended in torch's 'unexpected pos 576 vs 534' (or Errno 28) with no word of the disk."""
+    fakes = CrashingSteps(tiny_model_dir("llama"), error(tmp_path))
+    with pytest.raises(UserError, match=r"step 2 \(reward model\) crashed: .*; a write failed, most often as the disk "
+                                        r"is full: free space where the run writes \(--output-dir\)"):
+        run(common(tmp_path, fakes.model_dir), fakes)

@@ -15,6 +15,10 @@ EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exce
 RANK_ENDED = re.compile(r"--local_rank=(\d+)'\] exits with return code = (-?\d+)")
 ACCELERATOR_OOM_ADVICE = ("out of accelerator memory: give the step a smaller per-device batch, or --offload, or "
                           "LoRA (--lora_dim 128; step 3: the --actor_/--critic_ flags)")
+# torch's zip writer on a write that failed ('unexpected pos 576 vs 534', 'file write failed'), as a full disk shows
+DISK_FULL_MARKERS = ("no space left on device", "disk quota exceeded", "unexpected pos", "file write failed")
+DISK_FULL_ADVICE = ("a write failed, most often as the disk is full: free space where the run writes (--output-dir), "
+                    "then go on; what was being saved is dropped, earlier checkpoints stay whole")
 HOST_OOM_ADVICE = ("likely out of host memory (the OS's out-of-memory killer; `dmesg` says): run with fewer "
                    "models offloaded, a smaller batch, or on a machine with more memory")
 
@@ -37,8 +41,13 @@ def exception_cause(error: BaseException) -> str:
 
 
 def with_advice(cause: str) -> str:
-    """`cause`, followed by what to do where it is running out of accelerator memory."""
-    return f"{cause}; {ACCELERATOR_OOM_ADVICE}" if "out of memory" in cause.lower() else cause
+    """`cause`, followed by what to do where it is running out of accelerator memory or of disk space."""
+    lowered = cause.lower()
+    if "out of memory" in lowered:
+        return f"{cause}; {ACCELERATOR_OOM_ADVICE}"
+    if any(marker in lowered for marker in DISK_FULL_MARKERS):
+        return f"{cause}; {DISK_FULL_ADVICE}"
+    return cause
 
 
 def cause_in_output(output: str) -> str | None:
