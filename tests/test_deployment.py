@@ -1322,6 +1322,9 @@ def test_a_deepspeed_env_line_without_a_value_is_refused_while_planning(tmp_path
                                                   "line; DeepSpeed's launcher reads each line of its env file as "
                                                   "KEY=VALUE")):
         run(flags)
+    env_file.write_text("#HF_HOME=/users/me/hf\n")  # exported on each node's command line, it made the rest a comment
+    with pytest.raises(UserError, match=re.escape(f"{env_file}, line 1: '#HF_HOME=/users/me/hf' is not a variable's")):
+        run(flags)
 
 
 def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(tmp_path, tiny_model_dir, monkeypatch,

@@ -704,13 +704,15 @@ def _users_deepspeed_env(env: Mapping[str, str]) -> list[str]:
 
 def _variable_lines(env_file: Path) -> list[str]:
     """The lines of the user's `env_file` but blank ones (train.py's env file leaves those out), each refused unless
-    it has the `=` DeepSpeed's launcher splits every line at: a line without one (a comment too, which it does not
-    skip) ended its launch in a ValueError, seen only as the step's 'exit status 1'."""
+    it is KEY=VALUE, no comment: DeepSpeed's launcher splits every line at its first `=`, and a line without one (a
+    comment too, which it does not skip) ended its launch in a ValueError, seen only as the step's 'exit status 1';
+    it exports KEY on each node's command line, where a commented-out `#HF_HOME=...` made the rest of that line a
+    comment, so no rank started there."""
     lines = []
     for number, line in enumerate(env_file.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        if "=" not in line:
+        if "=" not in line or line.lstrip().startswith("#"):
             raise UserError(f"{env_file}, line {number}: {line.strip()!r} is not a variable's line; DeepSpeed's "
                             "launcher reads each line of its env file as KEY=VALUE (it takes no comments) and fails "
                             "on this one: write it as KEY=VALUE or remove it")
