@@ -273,6 +273,17 @@ def test_every_placement_on_four_ranks_trains_the_colocated_ppo(tmp_path_factory
 
 
 @pytest.mark.slow
+def test_placements_on_three_ranks_train_the_colocated_ppo(tmp_path_factory):
+    """A world no power of two: the actor alone on rank 0 serves 3 chunks, the rollout on rank 2. The co-located run
+    averages 3 ranks' gradients and a placed rank weighs each chunk's loss by a third, which round differently in
+    fp32 (1/3 is no binary fraction); Adam's normalised steps carry that to ~2e-5 after two steps, hence 1e-4."""
+    third = "0.33333333"
+    _run_workers(tmp_path_factory, 3, [f"interleave:actor={third},critic={third},reference={third},reward={third}",
+                                       f"disaggregate:rollout={third},actor={third},critic={third},"
+                                       f"reference={third},reward={third}"], tolerance=1e-4)
+
+
+@pytest.mark.slow
 def test_placements_match_in_bf16(tmp_path_factory):
     """bf16: every chunk keeps its shapes and order, so the placements stay within bf16 rounding of colocate."""
     _run_workers(tmp_path_factory, 2, ["interleave", "disaggregate"], dtype="bf16", tolerance=1e-3)
