@@ -1136,13 +1136,29 @@ def test_a_step_that_crashes_is_named_with_its_cause_log_and_way_on_and_recorded
     assert "crashed" in report["failed"]["error"]
 
 
-def test_a_launched_step_that_fails_names_the_cause_its_ranks_printed(tmp_path):
-    """A launched step ended in 'failed (exit status 1); its output is in ...' alone: the exception's line is named."""
+RANK_ENDING_IN_A_USER_ERROR = """\
+from utils.errors import UserError, run_cli
+
+@run_cli
+def main():
+    raise UserError("loss is not finite (nan) at step 3; stopping")
+
+main()
+"""
+
+
+@pytest.mark.parametrize("rank, status, cause", [
+    ("{}['chosen']", 1, "KeyError: 'chosen'"),
+    (RANK_ENDING_IN_A_USER_ERROR, 2, r"loss is not finite \(nan\) at step 3; stopping"),
+], ids=["exception", "user_error"])
+def test_a_launched_step_that_fails_names_the_cause_its_ranks_printed(tmp_path, rank, status, cause):
+    """A launched step ended in 'failed (exit status 1); its output is in ...' alone: the exception's line, or the
+    `error:` line of a step's UserError (a NaN guard's, a bad data file's), is named."""
     from training.pipeline.launch import run_subprocess
 
     log = tmp_path / "step2.log"
-    with pytest.raises(UserError, match=r"^step 2 failed \(exit status 1\): KeyError: 'chosen'; its output is in "):
-        run_subprocess([sys.executable, "-c", "{}['chosen']"], log, "step 2")
+    with pytest.raises(UserError, match=rf"^step 2 failed \(exit status {status}\): {cause}; its output is in "):
+        run_subprocess([sys.executable, "-c", rank], log, "step 2", env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 
 @pytest.mark.parametrize("through_deepspeed", [False, True])

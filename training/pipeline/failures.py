@@ -7,9 +7,9 @@ import signal
 from pathlib import Path
 
 TAIL_BYTES = 65536  # of a step's log read for its cause: a traceback's last line is near its end
-# the last line of a Python traceback ('torch.OutOfMemoryError: CUDA out of memory...', "KeyError: 'chosen'"),
-# as a rank prints it, maybe behind torch's '[rankN]:' prefix
-EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)(?::.*)?)$")
+# the line a rank ends on: a Python traceback's last ('torch.OutOfMemoryError: CUDA out of memory...', "KeyError:
+# 'chosen'"), or a step's `error: ...` (a UserError, as `run_cli` prints it), maybe behind torch's '[rankN]:' prefix
+CAUSE_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:error: (.+)|([A-Za-z_][\w.]*(?:Error|Exception)(?::.*)?))$")
 # DeepSpeed's launcher on the first rank that ended with a status: "[..., '--local_rank=0'] exits with return code =
 # -9" (negative: the signal that killed it)
 RANK_ENDED = re.compile(r"--local_rank=(\d+)'\] exits with return code = (-?\d+)")
@@ -52,16 +52,16 @@ def with_advice(cause: str) -> str:
 
 def cause_in_output(output: str) -> str | None:
     """Why a launched step failed, read from the end of its output: the rank DeepSpeed's launcher saw end first, and
-    the signal that killed it or else the last exception line a rank printed (None: neither found)."""
+    the signal that killed it or else the last exception or `error:` line a rank printed (None: neither found)."""
     ended = RANK_ENDED.findall(output)
     rank, status = ended[-1] if ended else (None, "0")
     who = f"local rank {rank}" if rank is not None else "a rank"
     if int(status) < 0:
         return f"{who} was {signal_cause(-int(status))}"
-    exceptions = [match.group(1) for line in output.splitlines() if (match := EXCEPTION_LINE.match(line.strip()))]
-    if not exceptions:
+    causes = [match.group(1) or match.group(2) for line in output.splitlines() if (match := CAUSE_LINE.match(line.strip()))]
+    if not causes:
         return None
-    return with_advice(f"{who}: {exceptions[-1]}" if rank is not None else exceptions[-1])
+    return with_advice(f"{who}: {causes[-1]}" if rank is not None else causes[-1])
 
 
 def output_tail(log_path: Path) -> str:
