@@ -1161,6 +1161,17 @@ def test_a_launched_step_that_fails_names_the_cause_its_ranks_printed(tmp_path, 
         run_subprocess([sys.executable, "-c", rank], log, "step 2", env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="needs pdsh")
+def test_a_step_failing_on_another_node_names_the_node(tmp_path):
+    """Through pdsh each line of a rank on another node begins with the node's name ('worker-1: KeyError: ...'),
+    which the cause reader passed over: the failure named no cause there."""
+    from training.pipeline.launch import run_subprocess
+
+    rank = [sys.executable, "-c", "{}['chosen']"]
+    with pytest.raises(UserError, match=r"^step 3 failed \(exit status \d+\): a rank on worker-1: KeyError: 'chosen';"):
+        run_subprocess(["pdsh", "-S", "-R", "exec", "-w", "worker-1", *rank], tmp_path / "step3.log", "step 3")
+
+
 @pytest.mark.parametrize("through_deepspeed", [False, True])
 def test_a_step_whose_rank_the_oom_killer_ends_says_so(tmp_path, through_deepspeed):
     """A rank SIGKILLed (the OS's out-of-memory killer) ended in 'failed (exit status 247)': DeepSpeed's launcher exits

@@ -7,12 +7,15 @@ import signal
 from pathlib import Path
 
 TAIL_BYTES = 65536  # of a step's log read for its cause: a traceback's last line is near its end
+NODE_PREFIX = r"(?:(?P<node>[\w.-]+): )"  # pdsh's ahead of each line of a rank on another node ('worker-1: ')
 # the line a rank ends on: a Python traceback's last ('torch.OutOfMemoryError: CUDA out of memory...', "KeyError:
 # 'chosen'"), or a step's `error: ...` (a UserError, as `run_cli` prints it), maybe behind torch's '[rankN]:' prefix
-CAUSE_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:error: (.+)|([A-Za-z_][\w.]*(?:Error|Exception)(?::.*)?))$")
+# (the node prefix lazy: "KeyError: 'x'" is no node's line)
+CAUSE_LINE = re.compile(NODE_PREFIX + r"??(?:\[rank\d+\]:\s*)?(?:error: (?P<error>.+)|"
+                        r"(?P<exception>[A-Za-z_][\w.]*(?:Error|Exception)(?::.*)?))$")
 # DeepSpeed's launcher on the first rank that ended with a status: "[..., '--local_rank=0'] exits with return code =
 # -9" (negative: the signal that killed it)
-RANK_ENDED = re.compile(r"--local_rank=(\d+)'\] exits with return code = (-?\d+)")
+RANK_ENDED = re.compile(NODE_PREFIX + r"?.*--local_rank=(?P<rank>\d+)'\] exits with return code = (?P<status>-?\d+)$")
 ACCELERATOR_OOM_ADVICE = ("out of accelerator memory: give the step a smaller per-device batch, or --offload, or "
                           "LoRA (--lora_dim 128; step 3: the --actor_/--critic_ flags)")
 # torch's zip writer on a write that failed ('unexpected pos 576 vs 534', 'file write failed'), as a full disk shows
@@ -51,17 +54,24 @@ def with_advice(cause: str) -> str:
 
 
 def cause_in_output(output: str) -> str | None:
-    """Why a launched step failed, read from the end of its output: the rank DeepSpeed's launcher saw end first, and
-    the signal that killed it or else the last exception or `error:` line a rank printed (None: neither found)."""
-    ended = RANK_ENDED.findall(output)
-    rank, status = ended[-1] if ended else (None, "0")
-    who = f"local rank {rank}" if rank is not None else "a rank"
-    if int(status) < 0:
-        return f"{who} was {signal_cause(-int(status))}"
-    causes = [match.group(1) or match.group(2) for line in output.splitlines() if (match := CAUSE_LINE.match(line.strip()))]
+    """Why a launched step failed, read from the end of its output: the rank DeepSpeed's launcher saw end first (on
+    the node pdsh names), and the signal that killed it or else the last exception or `error:` line a rank printed
+    (None: neither found)."""
+    lines = [line.strip() for line in output.splitlines()]
+    ended = [match for line in lines if (match := RANK_ENDED.match(line))]
+    if ended and int(ended[-1]["status"]) < 0:
+        return f"{_rank_named(ended[-1])} was {signal_cause(-int(ended[-1]['status']))}"
+    causes = [match for line in lines if (match := CAUSE_LINE.match(line))]
     if not causes:
         return None
-    return with_advice(f"{who}: {causes[-1]}" if rank is not None else causes[-1])
+    line = causes[-1]["error"] or causes[-1]["exception"]
+    where = _rank_named(ended[-1]) if ended else causes[-1]["node"] and f"a rank on {causes[-1]['node']}"
+    return with_advice(f"{where}: {line}" if where else line)
+
+
+def _rank_named(ended: re.Match) -> str:
+    """The rank a launcher's line names: its local rank, and its node where pdsh names one."""
+    return f"local rank {ended['rank']}" + (f" on {ended['node']}" if ended["node"] else "")
 
 
 def output_tail(log_path: Path) -> str:
