@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from utils.errors import UserError
 
 from .hardware import GIB, Hardware, ModelSize
 from .hostfile import Host
-from .plans import RLHFPlan, StepPlan, SupervisedPlan
+from .plans import DPOPlan, RLHFPlan, StepPlan, SupervisedPlan
 
 
 class DeploymentType(str, enum.Enum):
@@ -375,7 +375,6 @@ def _gpu_supervised(target: Target, fit: _Fit, shape: _SupervisedShape, seq_len:
     return SupervisedPlan(
         zero_stage=fit.choice.zero_stage,
         offload=fit.choice.offload,
-        offload_reference_model=fit.choice.offload if shape.frozen_copy else None,  # as the memory model holds it
         lora_dim=_GPU_LORA_DIM if fit.choice.lora else 0,
         lora_module_name=size.blocks_name if fit.choice.lora else None,
         only_optimize_lora=fit.choice.lora,
@@ -535,11 +534,13 @@ def _quick_task_rlhf(quick: CpuQuickRun, target: Target, sizes: ModelSizes, work
     )
 
 
-def plan_dpo(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> SupervisedPlan:
+def plan_dpo(target: Target, sizes: ModelSizes, workload: Workload = Workload()) -> DPOPlan:
     """DPO trains the actor on pairs (two sequences a sample) beside its frozen reference, 32 pairs an optimizer
-    step on GPUs."""
+    step on GPUs; on GPUs the reference is offloaded with the actor, as the memory model holds it."""
     quick = target.quick
     recipe = None if quick is None else _QuickRecipe(quick.dpo_step_s, quick.dpo_batch, quick.dpo_max_seq_len,
                                                      quick.dpo_learning_rate, quick.reward_eval_samples)
     shape = _SupervisedShape(4, "DPO", Model.ACTOR, 2, 8, 32, frozen_copy=True)
-    return _plan_supervised(target, sizes.actor, shape, recipe)
+    plan = _plan_supervised(target, sizes.actor, shape, recipe)
+    return DPOPlan(**{f.name: getattr(plan, f.name) for f in fields(plan)},
+                   offload_reference_model=plan.offload if quick is None else None)

@@ -36,7 +36,6 @@ class SupervisedPlan(StepPlan):
 
     zero_stage: int | None = None
     offload: bool | None = None
-    offload_reference_model: bool | None = None  # DPO's frozen reference
     lora_dim: int | None = None
     lora_module_name: str | None = None
     only_optimize_lora: bool | None = None
@@ -51,6 +50,13 @@ class SupervisedPlan(StepPlan):
     max_steps: int | None = None
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+
+
+@dataclass(frozen=True)
+class DPOPlan(SupervisedPlan):
+    """DPO: a supervised step's settings, and its frozen reference's offload."""
+
+    offload_reference_model: bool | None = None
 
 
 @dataclass(frozen=True)

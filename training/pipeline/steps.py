@@ -19,7 +19,7 @@ from utils.data.args import STEP1_ONLY_FLAGS
 from utils.errors import UserError
 
 from .deployment import Model, ModelSizes, Target, Workload, plan_dpo, plan_reward, plan_rlhf, plan_sft
-from .plans import RLHFPlan, StepPlan, SupervisedPlan
+from .plans import DPOPlan, RLHFPlan, StepPlan, SupervisedPlan
 
 StepMain = Callable[[list[str]], dict]
 Planner = Callable[[Target, ModelSizes, Workload], StepPlan]
@@ -122,7 +122,7 @@ STEPS: dict[int, StepSpec] = {spec.number: spec for spec in (
         4, "dpo", "DPO (instead of steps 2 and 3)", "step2_reward.dpo.main",
         inputs=(ModelInput("--model_name_or_path", Model.ACTOR, from_step=1),),
         output=StepOutput("model", has_model),
-        plan=SupervisedPlan, planner=plan_dpo, zero_stage_fields={Model.ACTOR: "zero_stage"},
+        plan=DPOPlan, planner=plan_dpo, zero_stage_fields={Model.ACTOR: "zero_stage"},
     ),
 )}
 
