@@ -53,6 +53,7 @@ HOST_LOOKUP_TIMEOUT_S = 5.0  # how long telling whether a hostfile's host is thi
 # the variables the steps and the libraries under them read (the hub's cache and offline mode, the op builds' folder,
 # the project's cache, NCCL's settings), which DeepSpeed's launcher does not pass to the ranks it starts through pdsh:
 # it passes those named PYTHON*, MLFLOW*, MV2* and UCX*, NCCL* only from a machine with a CUDA GPU, and its env file's
+# lines
 OTHER_NODES_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "RLHF_", "XDG_CACHE_HOME")
 DS_ENV_FILE = "DS_ENV_FILE"  # names the env file (VAR=value lines) DeepSpeed's launcher exports on every node
 DEFAULT_DS_ENV_FILE = ".deepspeed_env"  # the env file's name where DS_ENV_FILE is unset, in ~ and the working folder
