@@ -681,21 +681,23 @@ def test_a_checkpoint_that_recorded_dtype_as_given_is_compared_by_what_it_resolv
 
 
 def test_a_folder_fingerprint_tells_retrained_weights_from_a_copy(tmp_path):
-    """A local input folder is told by what its files hold, not when they were written: weights of the same size
-    written anew (a retrained model) differ, while a plain copy of the folder (new mtimes) is the same model and must
-    not refuse its resume."""
+    """A local input folder is told by what its files hold, not when they were written: weights written anew (a
+    model trained again, maybe in some layers alone: the middle of the file) differ, while a plain copy of the folder
+    (new mtimes) or a model card added beside it is the same model and must not refuse its resume."""
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text('{"model_type": "llama"}')
-    weights = np.random.default_rng(0).bytes(3 * 2**20)
+    weights = np.random.default_rng(0).bytes(8 * 2**20)
     (folder / "model.safetensors").write_bytes(weights)
     recorded = folder_fingerprint(folder)
     copied = tmp_path / "copy"
     copied.mkdir()
     for path in folder.iterdir():
         (copied / path.name).write_bytes(path.read_bytes())
+    (copied / "README.md").write_text("a model card")
     assert folder_fingerprint(copied) == recorded
-    retrained = bytearray(weights)
-    retrained[-5] ^= 1
-    (folder / "model.safetensors").write_bytes(bytes(retrained))
-    assert folder_fingerprint(folder) != recorded
+    for changed_at in (len(weights) - 5, len(weights) // 2):
+        retrained = bytearray(weights)
+        retrained[changed_at] ^= 1
+        (folder / "model.safetensors").write_bytes(bytes(retrained))
+        assert folder_fingerprint(folder) != recorded

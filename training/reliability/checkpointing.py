@@ -597,26 +597,37 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
     return {"hub": name_or_path, "revision": _cached_hub_revision(name_or_path)}
 
 
-FINGERPRINT_END_BYTES = 1 << 20
+FINGERPRINT_END_BYTES = 1 << 20  # read at each end of a model folder's file
+FINGERPRINT_SAMPLES = 16  # chunks read in between, evenly spaced
+FINGERPRINT_SAMPLE_BYTES = 1 << 16
+NOT_MODEL_FILES = re.compile(r"(?i)^(readme|license|licence|notice|use_policy)\b|\.md$")  # a model card, terms
 
 
 def folder_fingerprint(folder: Path) -> dict[str, list]:
-    """{file name: [size, sha256 of its first and last MiB]} of a model folder's files (weights, tokenizer, config,
-    value head): what they hold, not when they were written, so a plain copy of the folder is the same model; no hash
-    of the weights' gigabytes, whose every part a retrained model changes."""
+    """{file name: [size, sha256 of its ends and chunks between]} of the files of a model folder the loaders read
+    (weights, tokenizer, config, value head; not its card or license, which a user may add): what they hold, not when
+    they were written, so a plain copy of the folder is the same model; about 3 MiB of each file read, not the
+    weights' gigabytes, yet a model trained again (a fine-tune of some layers too) changes some chunk read."""
     fingerprint = {}
     for path in sorted(folder.iterdir()):
-        if path.is_file() and not path.name.startswith("."):
-            fingerprint[path.name] = [path.stat().st_size, _ends_digest(path)]
+        if path.is_file() and not path.name.startswith(".") and not NOT_MODEL_FILES.search(path.name):
+            fingerprint[path.name] = [path.stat().st_size, _sampled_digest(path)]
     return fingerprint
 
 
-def _ends_digest(path: Path) -> str:
+def _sampled_digest(path: Path) -> str:
+    """sha256 of `path`'s first and last FINGERPRINT_END_BYTES and FINGERPRINT_SAMPLES chunks between them."""
+    size = path.stat().st_size
+    between = size - 2 * FINGERPRINT_END_BYTES
+    reads = [(0, FINGERPRINT_END_BYTES),
+             *((FINGERPRINT_END_BYTES + between * k // FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES)
+               for k in range(FINGERPRINT_SAMPLES) if between > 0),
+             (max(0, size - FINGERPRINT_END_BYTES), FINGERPRINT_END_BYTES)]
     digest = hashlib.sha256()
     with path.open("rb") as file:
-        digest.update(file.read(FINGERPRINT_END_BYTES))
-        file.seek(max(file.tell(), path.stat().st_size - FINGERPRINT_END_BYTES))
-        digest.update(file.read())
+        for offset, length in reads:
+            file.seek(offset)
+            digest.update(file.read(length))
     return digest.hexdigest()
 
 
