@@ -216,18 +216,20 @@ def test_a_step_script_alone_still_refuses_the_flag(tmp_path, module, model_flag
     assert not (tmp_path / "run").exists()
 
 
-def test_train_py_gives_step_1s_own_sources_to_step_1_only(tmp_path, tiny_model_dir):
-    """--sft_only_data_path went to every step, steps 2 and 3 taking it and ignoring it; without step 1 in the run
-    nothing reads it."""
+@pytest.mark.parametrize("flag, refused", [("--sft_only_data_path", "names sources step 1 alone trains on"),
+                                           ("--whole_sequence_loss", "sets step 1's loss alone")])
+def test_train_py_gives_step_1s_own_flags_to_step_1_only(tmp_path, tiny_model_dir, flag, refused):
+    """--sft_only_data_path went to every step, steps 2 and 3 taking it and ignoring it, and --whole_sequence_loss
+    still did (step 2 and DPO ignored it); without step 1 in the run nothing reads them."""
     model, sft = tiny_model_dir("llama"), str(tmp_path / "sft.jsonl")
     (tmp_path / "sft.jsonl").write_text('{"prompt": "p", "chosen": "c"}\n')
-    commands = train(tmp_path, model, "--sft_only_data_path", sft, "--dry-run")["commands"]
-    assert {step: "--sft_only_data_path" in command for step, command in commands.items()} == {1: True, 2: False,
-                                                                                                 3: False}
-    with pytest.raises(UserError, match="^--sft_only_data_path is read by step 1 only, which this run does not run"):
-        train(tmp_path, model, "--step", "2", "3", "--step1-output", model, "--sft_only_data_path", sft, "--dry-run")
-    with pytest.raises(UserError, match="^step 2: --sft_only_data_path names sources step 1 alone trains on"):
-        train(tmp_path, model, "--step2-args", f"--sft_only_data_path {sft}", "--dry-run")
+    given = [flag, sft] if flag == "--sft_only_data_path" else [flag]
+    commands = train(tmp_path, model, *given, "--dry-run")["commands"]
+    assert {step: flag in command for step, command in commands.items()} == {1: True, 2: False, 3: False}
+    with pytest.raises(UserError, match=f"^{flag} is read by step 1 only, which this run does not run"):
+        train(tmp_path, model, "--step", "2", "3", "--step1-output", model, *given, "--dry-run")
+    with pytest.raises(UserError, match=f"^step 2: {flag} {refused}"):
+        train(tmp_path, model, f"--step2-args={' '.join(given)}", "--dry-run")
 
 
 def test_a_finished_step_skipped_on_rerun_is_not_checked(tmp_path, tiny_model_dir):

@@ -26,8 +26,12 @@ def default_data_output_path() -> str:
 # Local paths in these are made absolute as they are parsed, so a run's records (args.json, its checkpoints' flags)
 # name the files it read wherever a later step, resume or pipeline rerun starts from.
 SOURCE_FLAGS = ("data_path", "sft_only_data_path")
-# Read by step 1 alone: the other steps refuse them (`DataArguments.check_flags`), and train.py gives them to step 1 only.
-STEP1_ONLY_FLAGS = ("sft_only_data_path",)
+# Read by step 1 alone, each with why another step refuses it (`DataArguments.check_flags`); train.py gives them to
+# step 1 only.
+STEP1_ONLY_FLAGS = {
+    "sft_only_data_path": "names sources step 1 alone trains on, and this step reads only its shard of --data_path",
+    "whole_sequence_loss": "sets step 1's loss alone, which this step does not compute",
+}
 
 
 def with_resolved_sources(flags: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,7 +68,7 @@ class DataArguments:
         "choices": PROMPT_OVERFLOW,
         "help": "step 3 prompts over --max_prompt_seq_len: drop them (counted) or keep their last tokens"})
     whole_sequence_loss: bool = field(default=False, metadata={
-        "help": "step 1: compute the loss on the prompt tokens too, not only on the answer"})
+        "help": "step 1: compute the loss on the prompt tokens too, not only on the answer (the other steps refuse it)"})
     eval_fraction: float = field(default=0.1, metadata={"help": "fraction of each step's shard held out for evaluation"})
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
@@ -84,13 +88,13 @@ class DataArguments:
         refuse_all(partial(parse_data_split, self.data_split), partial(check_eval_fraction, self.eval_fraction),
                    partial(check_token_limits, self.max_seq_len, self.max_prompt_seq_len),
                    partial(check_sample_caps, self.max_train_samples, self.max_eval_samples),
-                   partial(self._check_step1_only_sources, phase), partial(self._check_whole_sources_unsharded, phase))
+                   partial(self._check_step1_only_flags, phase), partial(self._check_whole_sources_unsharded, phase))
 
-    def _check_step1_only_sources(self, phase: int) -> None:
-        given = [f"--{flag}" for flag in STEP1_ONLY_FLAGS if getattr(self, flag)]
+    def _check_step1_only_flags(self, phase: int) -> None:
+        given = [f"--{flag} {why}" for flag, why in STEP1_ONLY_FLAGS.items() if getattr(self, flag)]
         if phase != 1 and given:
-            raise UserError(f"{', '.join(given)} names sources step 1 alone trains on, and this step reads only its "
-                            f"shard of --data_path: drop it (train.py gives it to step 1 only)")
+            raise UserError(f"{'; '.join(given)}: drop {'it' if len(given) == 1 else 'them'} (train.py gives "
+                            f"{'it' if len(given) == 1 else 'them'} to step 1 only)")
 
     def _check_whole_sources_unsharded(self, phase: int) -> None:
         """Step 1 trains on a step-1-only source whole, so it cannot also be cut into the steps' shards (the later
