@@ -35,11 +35,18 @@ def scripted_experience(kls: list[float]) -> Experience:
                       scores=rows[:, 0], kl=torch.tensor(kls), ended_with_eos=rows[:, 0].bool())
 
 
+class StandInTokenizer(SimpleNamespace):
+    """What the trainer reads of a tokenizer: its EOS and pad ids, and its size (the ids a sampler may choose)."""
+
+    def __len__(self) -> int:
+        return 1
+
+
 class ScriptedRollouts(PPOTrainer):
     """A trainer whose rollouts are scripted; `generate_experience` itself runs unchanged."""
 
     def __init__(self, rollouts: list[list[float]]):
-        engine = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0, pad_token_id=0), actor_ema=None,
+        engine = SimpleNamespace(tokenizer=StandInTokenizer(eos_token_id=0, pad_token_id=0), actor_ema=None,
                                  critic=SimpleNamespace(), has_critic=True,  # a stand-in critic: the default estimator (GAE) needs one
                                  reward=SimpleNamespace())  # and something to score answers
         super().__init__(engine, generator=None, config=CONFIG)
