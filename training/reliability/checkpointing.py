@@ -311,9 +311,11 @@ class CheckpointManager:
         `model_identity`) in every checkpoint; with --resume, refuse inputs other than the latest checkpoint's (every
         rank): a model trained again or replaced at the same path would become the resumed run's frozen reference
         or reward model, its tokenizer or its config. A checkpoint that recorded no inputs (written before this
-        record) is resumed unchecked, as it was then."""
-        self.inputs = {flag: model_identity(path) for flag, path in models.items() if path is not None}
+        record) is resumed unchecked, as it was then. Rank 0 alone, which writes the markers, reads the models'
+        identities (a fingerprint reads some MiB of each file)."""
         problem = None
+        if is_main_process():
+            self.inputs = {flag: model_identity(path) for flag, path in models.items() if path is not None}
         if resume and is_main_process():
             info = self.latest()
             recorded = _marker_entry(info, "inputs")
