@@ -58,8 +58,9 @@ def run_on_two_ranks(source: str, folder: Path, *args: str) -> str:
 @pytest.fixture(autouse=True)
 def lookups_forgotten():
     """Each test starts with no remembered hub lookup (`model_loading._remote_lookup_failure`, once a process for the
-    same hub settings) nor this machine's names (`hostfile._this_machine_names`): a test's unreachable hub or
-    stand-in host name would otherwise answer another test's."""
+    same hub settings) nor this machine's names (`hostfile._this_machine_names`), nor a host looked up
+    (`hostfile._lookup`, `hostfile.is_this_machine`): a test's unreachable hub, stand-in host name or resolver would
+    otherwise answer another test's."""
     yield
     loading = sys.modules.get("training.core.model_loading")
     if loading is not None:
@@ -67,6 +68,8 @@ def lookups_forgotten():
     hostfile = sys.modules.get("training.pipeline.hostfile")
     if hostfile is not None:
         hostfile._this_machine_names.cache_clear()
+        hostfile._lookup.cache_clear()
+        hostfile.is_this_machine.cache_clear()
 
 
 @pytest.fixture(scope="session")

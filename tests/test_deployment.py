@@ -1256,15 +1256,40 @@ def test_a_host_the_name_server_does_not_answer_for_is_taken_for_another_machine
                                                                                                   caplog):
     """Telling whether the hostfile's first host is this machine asked the system's resolver with no time limit: a
     name server down held planning up, saying nothing, for as long as the resolver kept trying."""
-    from training.pipeline import launch
+    from training.pipeline import hostfile, launch
 
-    monkeypatch.setattr(launch, "HOST_LOOKUP_TIMEOUT_S", 0.2, raising=False)
+    monkeypatch.setattr(hostfile, "HOST_LOOKUP_TIMEOUT_S", 0.2)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: time.sleep(3) or [])
     started = time.monotonic()
     assert not launch.is_this_machine("worker-1.cluster.example")
     assert time.monotonic() - started < 2
     assert "looking up worker-1.cluster.example found no address in 0.2 s" in caplog.text
     assert "takes it for another machine than this one" in caplog.text
+
+
+def test_each_launch_of_a_run_looks_its_master_address_up_once(monkeypatch, caplog):
+    """Whether rank 0 runs on this machine (its master port checked free here) asked the resolver for --master-addr
+    at every step's launch, each waiting up to HOST_LOOKUP_TIMEOUT_S where the name server did not answer, and saying
+    so again each time. The answer is kept for the process."""
+    from training.pipeline import hostfile
+
+    asked = []
+
+    def slow_resolver(host, *args, **kwargs):
+        asked.append(host)
+        time.sleep(3)
+        return []
+
+    monkeypatch.setattr(hostfile, "HOST_LOOKUP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(socket, "getaddrinfo", slow_resolver)
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, on_this_machine=True,
+                        master_addr="head.cluster.example", master_port=free_port(), hosts=("localhost", "worker-1"))
+    started = time.monotonic()
+    for _ in range(4):  # a step's launch each
+        launcher.command_now(Path("/x/main.py"), [])
+    assert time.monotonic() - started < 1
+    assert asked == ["head.cluster.example"]
+    assert caplog.text.count("looking up head.cluster.example found no address") == 1
 
 
 def test_a_cuda_visible_devices_a_multi_node_run_does_not_follow_is_said(tmp_path, tiny_model_dir, monkeypatch,

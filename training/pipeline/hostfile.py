@@ -1,12 +1,16 @@
 """DeepSpeed hostfiles (`worker-1 slots=8`, one node a line), validated before anything is launched."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
+import logging
 import os
 import re
 import socket
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,10 +18,13 @@ import psutil
 
 from utils.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 # DeepSpeed's launcher takes no spaces around "=", and reads no further than the slots (an MPI hostfile's max_slots=N)
 _LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>-?\d+)(?:\s+\S+)*")
 _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"
 _PDSH_HOST_LIST = re.compile(r"[,\[\]]")  # pdsh's -w reads a name with these as several hosts (`node[1-4]`, `a,b`)
+HOST_LOOKUP_TIMEOUT_S = 5.0  # how long looking a hostfile's hosts up waits for the system's resolver
 
 
 @dataclass(frozen=True)
@@ -101,3 +108,59 @@ def _interface_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Ad
     """This machine's IPv4 and IPv6 addresses, one set for all its network interfaces, found once a process."""
     return frozenset(ipaddress.ip_address(address.address.split("%")[0]) for nic in psutil.net_if_addrs().values()
                      for address in nic if address.family in (socket.AF_INET, socket.AF_INET6))
+
+
+@functools.cache
+def is_this_machine(host: str) -> bool:
+    """Whether a hostfile's host (or --master-addr) names the machine this runs on: its name, or a name or address
+    that resolves to a loopback address or one of its interfaces'. Told once a process for each host: each step's
+    launch asks it of the master address, and the resolver may take up to HOST_LOOKUP_TIMEOUT_S to answer."""
+    if names_this_machine(host):
+        return True
+    addresses = looked_up([host])[host]
+    if addresses is None:
+        logger.warning("looking up %s found no address in %g s (the name server does not answer); train.py takes it "
+                       "for another machine than this one, reached through pdsh and ssh. If it is this machine, name "
+                       "it localhost or %s in the hostfile (and in --master-addr)", host, HOST_LOOKUP_TIMEOUT_S,
+                       socket.gethostname())
+        return False
+    return any(names_this_machine(address) for address in addresses)
+
+
+def looked_up(hosts: Iterable[str]) -> dict[str, frozenset[str] | None]:
+    """Each host's addresses from the system's resolver (none where it does not resolve: a name this machine cannot
+    resolve is not its own), all asked at once and waited for HOST_LOOKUP_TIMEOUT_S together; None for a host whose
+    lookup has not answered by then (a name server down or out of reach), which is not waited for again."""
+    lookups = {host: _lookup(host) for host in hosts}
+    deadline = time.monotonic() + HOST_LOOKUP_TIMEOUT_S
+    return {host: lookup.addresses(deadline) for host, lookup in lookups.items()}
+
+
+@functools.cache
+def _lookup(host: str) -> _Lookup:
+    """The lookup of `host`, started once a process."""
+    return _Lookup(host)
+
+
+class _Lookup:
+    """One host's addresses, asked of the system's resolver in a thread of its own: getaddrinfo takes no time limit,
+    and a name server down held planning up, with no word, for as long as the resolver kept trying."""
+
+    def __init__(self, host: str) -> None:
+        self._host = host
+        self._found: frozenset[str] = frozenset()
+        self._answered = threading.Event()
+        self._given_up = False
+        threading.Thread(target=self._ask, name=f"look up {host}", daemon=True).start()
+
+    def _ask(self) -> None:
+        with contextlib.suppress(OSError):
+            self._found = frozenset(info[4][0] for info in socket.getaddrinfo(self._host, None))
+        self._answered.set()
+
+    def addresses(self, deadline: float) -> frozenset[str] | None:
+        """The addresses found, waiting for them until `deadline` (time.monotonic's) at most; None where the resolver
+        has not answered by then, or had not by an earlier deadline."""
+        if not self._given_up and not self._answered.wait(max(0.0, deadline - time.monotonic())):
+            self._given_up = True
+        return None if self._given_up else self._found

@@ -34,7 +34,7 @@ from utils.errors import UserError
 
 from .deployment import DeploymentType
 from .failures import cause_in_output, exception_cause, output_tail, signal_cause
-from .hostfile import names_this_machine
+from .hostfile import is_this_machine
 from .steps import StepMain, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project's root, importable from every launched rank
@@ -49,7 +49,6 @@ PKILL_MATCHED_NONE = 1  # pkill's exit status where no process matched (2, 3: it
 STOP_UNMATCHED_SAY_S = 60.0  # how long a stop command through pdsh matches no rank on some node before it is said
 SSH_FAILED = 255  # ssh's exit status where it could not run the command on the node
 LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
-HOST_LOOKUP_TIMEOUT_S = 5.0  # how long telling whether a hostfile's host is this machine waits for the resolver
 # the variables the steps and the libraries under them read (the hub's cache and offline mode, the op builds' folder,
 # the project's cache, NCCL's settings), which DeepSpeed's launcher does not pass to the ranks it starts through pdsh:
 # it passes those named PYTHON*, MLFLOW*, MV2* and UCX*, NCCL* only from a machine with a CUDA GPU, and its env file's
@@ -173,38 +172,6 @@ class Launcher:
 def _ere_literal(text: str) -> str:
     """`text` as a POSIX extended regular expression (pkill's) that matches it alone."""
     return re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", text)
-
-
-def is_this_machine(host: str) -> bool:
-    """Whether a hostfile's host names the machine this runs on: its name, or a name or address that resolves to
-    a loopback address or one of its interfaces'."""
-    if names_this_machine(host):
-        return True
-    return any(names_this_machine(address) for address in _addresses_of(host))
-
-
-def _addresses_of(host: str) -> set[str]:
-    """The addresses `host` resolves to; none where it does not resolve (a name this machine cannot resolve is not
-    its own), or where the system's resolver has not answered within HOST_LOOKUP_TIMEOUT_S, which is said: a name
-    server down or out of reach held planning up with no word for as long as the resolver kept trying."""
-    found: list[set[str]] = []
-
-    def look_up() -> None:
-        try:
-            found.append({info[4][0] for info in socket.getaddrinfo(host, None)})
-        except OSError:
-            found.append(set())
-
-    lookup = threading.Thread(target=look_up, name=f"look up {host}", daemon=True)
-    lookup.start()
-    lookup.join(HOST_LOOKUP_TIMEOUT_S)
-    if not found:
-        logger.warning("looking up %s found no address in %g s (the name server does not answer); train.py takes it "
-                       "for another machine than this one, reached through pdsh and ssh. If it is this machine, name "
-                       "it localhost or %s in the hostfile (and in --master-addr)", host, HOST_LOOKUP_TIMEOUT_S,
-                       socket.gethostname())
-        return set()
-    return found[0]
 
 
 def check_not_under_a_launcher() -> None:
