@@ -379,6 +379,37 @@ def test_a_model_no_step_of_the_run_uses_is_not_read(tmp_path, fakes):
              "--dry-run"], fakes)
 
 
+def test_a_model_flag_no_step_of_the_run_starts_from_is_said_with_what_is_used_instead(tmp_path, tiny_model_dir,
+                                                                                        capsys):
+    """`--algorithm dpo --reward-model X` and `--reward_fn builtin:math --reward-model X` took X and used no reward
+    model, and `--step 3 --reward-model X` took step 2's output, all without a word. The default (the embedded
+    model) is said nothing of, nor a model a step of the run starts from."""
+    options = {1: ["--data_path"], 3: ["--algorithm", "--reward_fn", "--data_path", "--eval_samples"]}
+    fakes = FakeSteps(tiny_model_dir("llama"), extra_options=options)
+    model = fakes.model_dir
+
+    def warnings(*flags: str) -> list[str]:
+        run([*common(tmp_path, model), *flags, "--dry-run"], fakes)
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --")]
+
+    assert warnings() == []
+    assert warnings("--algorithm", "dpo") == [(
+        f"warning: --reward-model {model} is not used: no step of this run (steps 1, 4) uses the reward model: DPO "
+        "trains the step-1 model against a frozen copy of itself, with no reward model; drop --reward-model")]
+    (grpo,) = warnings("--algorithm", "grpo", "--reward_fn", "builtin:math")
+    assert "(steps 1, 3) uses the reward model: step 3 scores its answers with --reward_fn builtin:math alone" in grpo
+    run([*common(tmp_path, model), "--step", "1", "2"], fakes)
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert warnings("--step", "3") == [
+        f"warning: --{name}-model {model} is not used: step 3 takes the step-{step} {what} in {out / f'step{step}'}, "
+        f"not one trained from it (add {step} to --step for that); or drop --{name}-model"
+        for name, step, what in (("actor", 1, "model"), ("reward", 2, "reward model"))]
+    run_pipeline(parse_config(["--algorithm", "dpo", "--output-dir", str(tmp_path / "default"), "--dry-run"]),
+                 entries=fakes.entries(), hardware=TWO_CORES)
+    assert "warning: --" not in capsys.readouterr().err
+
+
 def test_flags_for_a_step_the_run_does_not_include_are_refused(tmp_path, fakes):
     """DPO lives in step2_reward/, so --step2-args is an easy slip for --dpo-args: the flags were dropped unseen."""
     argv = common(tmp_path, fakes.model_dir)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
+from training.core.model_loading import EMBEDDED_MODEL_NAME
 from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
@@ -610,6 +611,37 @@ def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
           "follows it", file=sys.stderr, flush=True)
 
 
+def _say_model_flags_unused(config: PipelineConfig, inputs: Inputs) -> None:
+    """Warn of an --actor-model or --reward-model given (not the embedded default) that no step of the run starts
+    from, saying what the run uses instead: DPO and a step 3 scored by --reward_fn alone have no reward model, and a
+    step 3 whose steps 1 and 2 are not run takes their outputs. A warning, not a refusal: the same command with
+    another --step (or --algorithm) stays valid."""
+    for model in Model:
+        given = config.base_model(model)
+        starts_from_it = any(source.model is model and source.from_step is None
+                             for step in config.steps for source in STEPS[step].inputs)
+        if given != EMBEDDED_MODEL_NAME and not starts_from_it:
+            print(f"warning: --{model.value}-model {given} is not used: {_used_instead(config, inputs, model)}",
+                  file=sys.stderr, flush=True)
+
+
+def _used_instead(config: PipelineConfig, inputs: Inputs, model: Model) -> str:
+    """What the run uses in place of the `model` flag no step starts from (an earlier step's output, or nothing), and
+    what to do."""
+    taken = [f"step {step} takes the step-{source.from_step} {STEPS[source.from_step].output.what} in {value}, not "
+             f"one trained from it (add {source.from_step} to --step for that)"
+             for step, pairs in inputs.items() for source, value in pairs if source.model is model]
+    if taken:
+        return "; ".join(taken) + f"; or drop --{model.value}-model"
+    why = ""
+    if model is Model.REWARD and config.algorithm == DPO:
+        why = ": DPO trains the step-1 model against a frozen copy of itself, with no reward model"
+    elif model is Model.REWARD and 3 in config.steps:
+        why = f": step 3 scores its answers with --reward_fn {config.reward_fn} alone"
+    steps = ", ".join(map(str, config.steps))
+    return f"no step of this run (steps {steps}) uses the {model.value} model{why}; drop --{model.value}-model"
+
+
 def _with_resume_hint(config: PipelineConfig, step: int, error: UserError) -> UserError:
     """A failed step's error, saying how to go on: from the checkpoint it left (a crash hours in, a node lost), where
     it left one (a rerun without --resume would refuse its folder), else by the same command, which skips the finished
@@ -709,6 +741,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
     _say_variables_left_out(prepared)
     _say_visible_devices_not_followed(prepared)
+    _say_model_flags_unused(config, prepared.inputs)
     _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:
         if 3 in config.steps and config.passed_flag("--placement") == AUTO:
