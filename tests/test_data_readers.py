@@ -170,6 +170,15 @@ def test_missing_local_path_and_offline_hub_name(tmp_path):
     assert "Dahoas/rm-static" in str(err.value)
 
 
+@pytest.mark.parametrize("path", ["data/train.csv", "data/train.jsonl.gz", "corpus.tsv"])
+def test_a_missing_relative_data_file_is_said_missing_not_looked_up_on_the_hub(tmp_path, monkeypatch, path):
+    """A relative path ending in a data file's extension that is not read (.csv, .gz) was taken for a hub name and
+    failed as 'could not load dataset ... from the Hugging Face hub (OfflineModeIsEnabled)'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=rf"data path {re.escape(path)} does not exist \(under the current directory "):
+        load_source(parse_source_spec(path))
+
+
 def test_bad_rows_are_counted_per_reason_and_logged(tmp_path, caplog):
     path = write_jsonl(tmp_path / "bad.jsonl", [
         {"prompt": "ok", "chosen": "good", "rejected": "bad"},

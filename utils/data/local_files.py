@@ -21,7 +21,7 @@ from .samples import SkippedRows
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 # Data files a folder may hold that are not read: compressed or other tables, refused rather than left out unseen.
-_UNREAD_DATA_SUFFIXES = (".csv", ".tsv", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".arrow", ".feather")
+UNREAD_DATA_SUFFIXES = (".csv", ".tsv", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".arrow", ".feather")
 _SAVED_DATASET_MARKS = (("state.json", "dataset_info.json"), ("dataset_dict.json",))  # what `save_to_disk` writes
 
 
@@ -53,7 +53,8 @@ def _visible_files(folder: Path) -> list[Path]:
 def local_files(path: Path) -> list[Path]:
     """The files a local source reads (a saved dataset's: all of them)."""
     if not path.exists():
-        raise UserError(f"data path {path} does not exist")
+        relative = "" if path.is_absolute() else f" (under the current directory {Path.cwd()})"
+        raise UserError(f"data path {path} does not exist{relative}")
     if is_saved_dataset(path):
         return _visible_files(path)
     if path.is_dir():
@@ -71,7 +72,7 @@ def local_files(path: Path) -> list[Path]:
 def _refuse_unread_data_files(folder: Path, files: Sequence[Path]) -> None:
     """Refuse a folder holding data files of a format not read (a .jsonl.gz, a .csv beside .jsonl files): their rows
     would be left out unseen, or the folder said to hold no data files."""
-    unread = [str(file.relative_to(folder)) for file in files if file.suffix in _UNREAD_DATA_SUFFIXES]
+    unread = [str(file.relative_to(folder)) for file in files if file.suffix in UNREAD_DATA_SUFFIXES]
     if unread:
         named = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
         raise UserError(f"data folder {folder} holds {named}, which would not be read: only "

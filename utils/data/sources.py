@@ -27,7 +27,14 @@ from utils.errors import UserError
 
 from . import embedded, tasks
 from .jsonio import FileRecords
-from .local_files import LOCAL_SUFFIXES, RecordOrigins, local_files, read_local_files, split_name
+from .local_files import (
+    LOCAL_SUFFIXES,
+    UNREAD_DATA_SUFFIXES,
+    RecordOrigins,
+    local_files,
+    read_local_files,
+    split_name,
+)
 from .readers import FORMATS, PARSERS, Parser, detect_format, with_row_metadata
 from .samples import SkippedRows, SkipRow, comparable_text, comparable_turns
 
@@ -64,8 +71,11 @@ def parse_source_spec(text: str) -> SourceSpec:
 
 
 def looks_local(path: str) -> bool:
-    """A path that exists, or that is written like a file path rather than a hub name `owner/name`."""
-    return os.path.exists(path) or path.startswith((".", "/", "~")) or Path(path).suffix in LOCAL_SUFFIXES + (".txt",)
+    """A path that exists, or that is written like a file path rather than a hub name `owner/name`: it begins with
+    ".", "/" or "~", or ends in a data file's extension (one read, .txt, or one refused as a .csv is: a missing
+    `data/train.csv` taken for a hub name failed on the hub, or offline, rather than saying the file is missing)."""
+    return os.path.exists(path) or path.startswith((".", "/", "~")) or \
+        Path(path).suffix in LOCAL_SUFFIXES + UNREAD_DATA_SUFFIXES + (".txt",)
 
 
 def _resolved_path(spec: SourceSpec) -> str:
