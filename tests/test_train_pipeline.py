@@ -1221,6 +1221,39 @@ def test_a_step_whose_rank_the_oom_killer_ends_says_so(tmp_path, through_deepspe
         run_subprocess(killed, tmp_path / "step1.log", "step 1")
 
 
+def torch_cpu_allocation_error() -> Exception:
+    """What torch raises where the host refuses an allocation ('DefaultCPUAllocator: can't allocate memory ...')."""
+    try:
+        torch.empty(2**50, dtype=torch.uint8)
+    except RuntimeError as error:
+        return error
+    raise AssertionError("torch allocated a PiB")
+
+
+HOST_MEMORY_SAID = r"; out of host memory: run with fewer models offloaded, a smaller batch, or on a machine with more"
+
+
+@pytest.mark.parametrize("error, said", [
+    (lambda: MemoryError(), r"MemoryError"),
+    (lambda: OSError(12, "Cannot allocate memory"), r"OSError: \[Errno 12\] Cannot allocate memory"),
+    (torch_cpu_allocation_error, r"RuntimeError: .*DefaultCPUAllocator: .*"),
+], ids=["memory_error", "errno_12", "torch_cpu"])
+def test_a_step_out_of_host_memory_is_told_so(tmp_path, tiny_model_dir, error, said):
+    """A step whose host refused an allocation (Python's MemoryError, errno 12, torch's CPU allocator) was named
+    without a word of memory, while a rank the OOM killer ended was told it ran out of host memory and what to do."""
+    fakes = CrashingSteps(tiny_model_dir("llama"), error())
+    with pytest.raises(UserError, match=rf"step 2 \(reward model\) crashed: {said}{HOST_MEMORY_SAID}"):
+        run(common(tmp_path, fakes.model_dir), fakes)
+
+
+def test_a_launched_step_whose_rank_runs_out_of_host_memory_is_told_so(tmp_path):
+    """The same of a rank's last words: its traceback's 'MemoryError' line."""
+    from training.pipeline.launch import run_subprocess
+
+    with pytest.raises(UserError, match=rf"^step 1 failed \(exit status 1\): MemoryError{HOST_MEMORY_SAID}"):
+        run_subprocess([sys.executable, "-c", "raise MemoryError"], tmp_path / "step1.log", "step 1")
+
+
 def torch_save_error_on_a_full_disk(tmp_path: Path) -> Exception:
     """What torch.save raises where the disk is full: written to a path that is /dev/full, whose writes fail with
     ENOSPC, as a checkpoint is saved (by path, through torch's own writer)."""

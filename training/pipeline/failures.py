@@ -22,8 +22,11 @@ ACCELERATOR_OOM_ADVICE = ("out of accelerator memory: give the step a smaller pe
 DISK_FULL_MARKERS = ("no space left on device", "disk quota exceeded", "unexpected pos", "file write failed")
 DISK_FULL_ADVICE = ("a write failed, most often as the disk is full: free space where the run writes (--output-dir), "
                     "then go on; what was being saved is dropped, earlier checkpoints stay whole")
-HOST_OOM_ADVICE = ("likely out of host memory (the OS's out-of-memory killer; `dmesg` says): run with fewer "
-                   "models offloaded, a smaller batch, or on a machine with more memory")
+HOST_MEMORY_ADVICE = "run with fewer models offloaded, a smaller batch, or on a machine with more memory"
+HOST_OOM_ADVICE = f"likely out of host memory (the OS's out-of-memory killer; `dmesg` says): {HOST_MEMORY_ADVICE}"
+# an allocation the host refused: Python's MemoryError, errno 12's words, torch's CPU allocator ('DefaultCPUAllocator:
+# can't allocate memory: ... Error code 12 (Cannot allocate memory)'); whole words: torch.OutOfMemoryError is CUDA's
+HOST_MEMORY_MARKERS = re.compile(r"\bMemoryError\b|cannot allocate memory|DefaultCPUAllocator", re.IGNORECASE)
 
 
 def signal_cause(signum: int) -> str:
@@ -37,17 +40,21 @@ def signal_cause(signum: int) -> str:
 
 
 def exception_cause(error: BaseException) -> str:
-    """A step's exception as its traceback's last line says it, with the advice it calls for."""
+    """A step's exception as its traceback's last line says it (its name alone where it has no message: a bare
+    MemoryError), with the advice it calls for."""
     kind = type(error)
     name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-    return with_advice(f"{name}: {error}")
+    return with_advice(f"{name}: {error}" if str(error) else name)
 
 
 def with_advice(cause: str) -> str:
-    """`cause`, followed by what to do where it is running out of accelerator memory or of disk space."""
+    """`cause`, followed by what to do where it is running out of accelerator memory, of host memory or of disk
+    space."""
     lowered = cause.lower()
     if "out of memory" in lowered:
         return f"{cause}; {ACCELERATOR_OOM_ADVICE}"
+    if HOST_MEMORY_MARKERS.search(cause):
+        return f"{cause}; out of host memory: {HOST_MEMORY_ADVICE}"
     if any(marker in lowered for marker in DISK_FULL_MARKERS):
         return f"{cause}; {DISK_FULL_ADVICE}"
     return cause
