@@ -136,6 +136,35 @@ def test_a_hostfile_naming_this_machine_twice_is_refused_naming_both_lines(tmp_p
         [Host(first, 2), Host("worker-1", 2), Host("worker-2", 2)]  # this machine once, beside other nodes
 
 
+_NAME_SERVER = {"node1": "10.1.0.1", "node1.cluster.example": "10.1.0.1", "10.1.0.1": "10.1.0.1",
+                "node2": "10.1.0.2", "gpu-node-7-ib": "127.0.1.1", "localhost": "127.0.0.1"}
+
+
+def _stand_in_resolver(host, *args, **kwargs):
+    """socket.getaddrinfo answering from `_NAME_SERVER`."""
+    if host not in _NAME_SERVER:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (_NAME_SERVER[host], 0))]
+
+
+@pytest.mark.parametrize("first, second, machine", [
+    ("node1", "10.1.0.1", "10.1.0.1"),  # a node and its address
+    ("node1", "node1.cluster.example", "10.1.0.1"),  # its short and fully qualified names
+    ("localhost", "gpu-node-7-ib", "this machine"),  # a name of this machine its own names do not tell
+])
+def test_a_hostfile_naming_one_machine_under_two_names_is_refused_naming_both_lines(tmp_path, monkeypatch, first,
+                                                                                    second, machine):
+    """Two lines whose hosts resolve to one machine were read as two nodes: DeepSpeed's launcher starts each line's
+    ranks there on its GPUs from 0, two ranks on each GPU, which NCCL refuses only once the ranks start. Refused when
+    the hostfile is read, naming both lines and the address they share."""
+    monkeypatch.setattr(socket, "getaddrinfo", _stand_in_resolver)
+    hostfile = write(tmp_path / "hosts", f"{first} slots=2\nnode2 slots=2\n{second} slots=2\n")
+    with pytest.raises(UserError, match=re.escape(f"{hostfile}: line 1 ({first}) and line 3 ({second}) name the same "
+                                                  f"machine (both resolve to {machine})")):
+        read_hostfile(hostfile)
+    assert len(read_hostfile(write(tmp_path / "other", f"{first} slots=2\nnode2 slots=2\nworker-9 slots=2\n"))) == 3
+
+
 # --------------------------------------------------------------------------- planning
 
 

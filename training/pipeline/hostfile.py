@@ -25,6 +25,7 @@ _LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>-?\d+)(?:\s+\S+)*")
 _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"
 _PDSH_HOST_LIST = re.compile(r"[,\[\]]")  # pdsh's -w reads a name with these as several hosts (`node[1-4]`, `a,b`)
 HOST_LOOKUP_TIMEOUT_S = 5.0  # how long looking a hostfile's hosts up waits for the system's resolver
+_THIS_MACHINE = "this machine"  # what `_machines_named` gives for any of this machine's addresses
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class Host:
 
 def read_hostfile(path: str | os.PathLike) -> list[Host]:
     """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice, this machine
-    under one name at most (`names_this_machine`), no host name that pdsh reads as several.
+    under one name at most (`names_this_machine`), no two names resolving to one machine (`looked_up`), no host name
+    that pdsh reads as several.
 
     Blank lines, `#` comments and what follows the slots on a line are ignored, as DeepSpeed's launcher does.
     """
@@ -68,6 +70,7 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
     if not hosts:
         raise UserError(f"hostfile {hostfile} lists no hosts; {_EXAMPLE}")
     _check_this_machine_listed_once(hostfile, seen)
+    _check_each_machine_listed_once(hostfile, seen)
     return hosts
 
 
@@ -82,6 +85,29 @@ def _check_this_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) ->
                         "machine; DeepSpeed's launcher would start each line's ranks here on the GPUs from 0, two "
                         "ranks on each GPU (NCCL refuses a duplicate GPU); list this machine once, its slots all the "
                         "GPUs it runs on")
+
+
+def _check_each_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) -> None:
+    """Refuse two lines whose hosts resolve to one machine (`node1` and its address, a short name and a fully
+    qualified one): DeepSpeed's launcher starts each line's ranks there on the GPUs from 0, two ranks on each GPU. A
+    host whose lookup finds nothing in time is not compared. `lines`: {host: its line number}."""
+    first_named: dict[str, tuple[int, str]] = {}  # machine: the first line naming it, its host
+    for host, addresses in looked_up(sorted(lines, key=lines.__getitem__)).items():
+        for machine in _machines_named(host, addresses or frozenset()):
+            first, first_host = first_named.setdefault(machine, (lines[host], host))
+            if first_host != host:
+                raise UserError(
+                    f"{hostfile}: line {first} ({first_host}) and line {lines[host]} ({host}) name the same machine "
+                    f"(both resolve to {machine}); DeepSpeed's launcher would start each line's ranks there on the "
+                    "GPUs from 0, two ranks on each GPU (NCCL refuses a duplicate GPU); list each node once, its slots "
+                    "all the GPUs it runs on")
+
+
+def _machines_named(host: str, addresses: frozenset[str]) -> set[str]:
+    """The machines `host` names, known by its `addresses`: each address, or `_THIS_MACHINE` for any of this
+    machine's (its loopback and its interfaces' addresses are one machine)."""
+    machines = {_THIS_MACHINE if names_this_machine(address) else address for address in addresses}
+    return machines | ({_THIS_MACHINE} if names_this_machine(host) else set())
 
 
 def names_this_machine(host: str) -> bool:
