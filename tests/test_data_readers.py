@@ -459,6 +459,39 @@ def test_a_folder_saved_by_datasets_is_loaded_as_that_dataset(tmp_path):
     assert sorted(s.chosen for s in samples_of(str(tmp_path / "saved_dict"))) == sorted(row["chosen"] for row in PAIRS)
 
 
+@pytest.mark.parametrize("name, content", [
+    ("dataset_infos.json", {"default": {"description": "", "features": {"prompt": {"dtype": "string"}}}}),
+    ("dataset_info.json", {"citation": "", "features": {"prompt": {"dtype": "string", "_type": "Value"}}}),
+    ("state.json", {"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_fingerprint": "ab12"}),
+])
+def test_datasets_metadata_beside_a_folders_rows_is_no_rows(tmp_path, name, content):
+    """A hub copy's dataset_infos.json (or a stray dataset_info.json/state.json) beside its .jsonl files was read as a
+    record: the folder was refused as holding files of different row formats, and with its format stated, the file
+    was a bad row."""
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", PAIRS[:5])
+    (folder / name).write_text(json.dumps(content))
+    for spec in (str(folder), f"{folder}:deepspeed_chat"):
+        source = load_source(parse_source_spec(spec))
+        assert (len(source.records), dict(source.load_skips)) == (5, {})
+
+
+@pytest.mark.parametrize("save", ["dataset", "dataset_dict"])
+def test_a_folder_holding_a_saved_dataset_is_refused_naming_the_folder_to_pass(tmp_path, save):
+    """A save_to_disk folder given by its parent was refused as holding .arrow files to decompress or convert."""
+    import datasets
+
+    saved = datasets.Dataset.from_list(PAIRS)
+    if save == "dataset_dict":
+        saved = datasets.DatasetDict({"train": saved})
+    saved.save_to_disk(str(tmp_path / "runs" / "pairs"))
+    with pytest.raises(UserError, match=rf"data folder {re.escape(str(tmp_path / 'runs'))} holds a dataset saved by "
+                                        rf"datasets' save_to_disk, .*: pass {re.escape(str(tmp_path / 'runs' / 'pairs'))}"
+                                        r" instead$"):
+        load_source(parse_source_spec(str(tmp_path / "runs")))
+
+
 def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
     """{"train": [...], "test": [...]} (a hub dataset's splits written as one object) was read as one record whose
     columns are train and test; like a hub dataset's splits, its lists are read one after the other in name order."""

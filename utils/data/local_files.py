@@ -4,7 +4,8 @@ A folder is read recursively (into linked folders too), its .json/.jsonl/.parque
 folders inside it whose names start with "." or "_" are left out, as `datasets` leaves them out: a notebook's
 `.ipynb_checkpoints/` copies of older files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`'
 `save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, as a
-hub dataset's are).
+hub dataset's are); a folder holding one is refused naming it. The files `datasets` writes beside rows
+(dataset_info.json, dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 # Data files a folder may hold that are not read: compressed or other tables, refused rather than left out unseen.
 UNREAD_DATA_SUFFIXES = (".csv", ".tsv", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".arrow", ".feather")
 _SAVED_DATASET_MARKS = (("state.json", "dataset_info.json"), ("dataset_dict.json",))  # what `save_to_disk` writes
+# What `datasets` writes beside a dataset's rows, not rows: a hub copy's dataset_infos.json, save_to_disk's files.
+_DATASET_METADATA_NAMES = ("dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json")
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -59,14 +62,37 @@ def local_files(path: Path) -> list[Path]:
         return _visible_files(path)
     if path.is_dir():
         files = _visible_files(path)
+        _refuse_saved_datasets_inside(path, files)
         _refuse_unread_data_files(path, files)
-        files = [file for file in files if file.suffix in LOCAL_SUFFIXES]
+        files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.name not in _DATASET_METADATA_NAMES]
         if not files:
             raise UserError(f"data folder {path} holds no {'/'.join(LOCAL_SUFFIXES)} files")
         return files
     if path.suffix not in LOCAL_SUFFIXES:
         raise UserError(f"unsupported data file {path}: use {', '.join(LOCAL_SUFFIXES)} (or a folder of them)")
     return [path]
+
+
+def _saved_datasets_inside(folder: Path, files: Sequence[Path]) -> list[Path]:
+    """The folders below `folder` that `save_to_disk` wrote, each the outermost (a `DatasetDict`'s, not its splits')."""
+    saved = set()
+    for file in files:
+        below = reversed(file.relative_to(folder).parents[:-1])  # the file's folders below `folder`, outermost first
+        outermost = next((folder / part for part in below if is_saved_dataset(folder / part)), None)
+        if outermost is not None:
+            saved.add(outermost)
+    return sorted(saved)
+
+
+def _refuse_saved_datasets_inside(folder: Path, files: Sequence[Path]) -> None:
+    """Refuse a folder that holds a dataset saved by `save_to_disk` (given by its parent): its .arrow files are read
+    only as the dataset that folder is, and were refused as data files to decompress or convert."""
+    saved = _saved_datasets_inside(folder, files)
+    if saved:
+        each = ", each as its own --data_path entry," if len(saved) > 1 else ""
+        raise UserError(f"data folder {folder} holds {'datasets' if len(saved) > 1 else 'a dataset'} saved by "
+                        f"datasets' save_to_disk, read only from the folder it was saved to: pass "
+                        f"{' and '.join(map(str, saved))}{each} instead")
 
 
 def _refuse_unread_data_files(folder: Path, files: Sequence[Path]) -> None:
