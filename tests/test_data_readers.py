@@ -530,6 +530,25 @@ def test_a_json_object_of_columns_reads_its_rows(tmp_path):
     assert [s.chosen for s in samples_of(str(tmp_path / "chat_columns.json"))] == ["Hello!", "Hey!"]
 
 
+@pytest.mark.parametrize("name, orient", [("pairs.json", "columns"), ("pairs.json", "index"),
+                                         ("pairs.json", "split"), ("pairs.jsonl", "columns")])
+def test_a_table_pandas_wrote_by_columns_index_or_split_is_refused_saying_how_to_write_it(tmp_path, name, orient):
+    """pandas' DataFrame.to_json (its default orient="columns", even to a .jsonl name, or "index"/"split") was read as
+    one record: {"prompt": {"0": ..., "1": ...}, ...} detected as deepspeed_chat and skipped as wrong_type:prompt (in a
+    folder beside other files, a whole table lost as one bad row), or its index labels taken for columns."""
+    import pandas as pd
+
+    frame = pd.DataFrame(PAIRS[:5])
+    frame.to_json(tmp_path / name, orient=orient)
+    for spec in (str(tmp_path / name), f"{tmp_path / name}:deepspeed_chat"):
+        with pytest.raises(UserError, match=rf"{name} holds a table as pandas' DataFrame.to_json writes it with "
+                                            rf"orient=.*{orient}.*: write it as JSON lines, "
+                                            r'df.to_json\("pairs.jsonl", orient="records", lines=True\)'):
+            load_source(parse_source_spec(spec))
+    frame.to_json(tmp_path / "pairs.jsonl", orient="records", lines=True)
+    assert [s.chosen for s in samples_of(str(tmp_path / "pairs.jsonl"))] == [row["chosen"] for row in PAIRS[:5]]
+
+
 @pytest.mark.parametrize("record, data_format", [
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
       "tools": [{"name": "search", "description": "web search"}]}, "messages"),

@@ -1,7 +1,8 @@
 """Read JSON records tolerantly: a JSON-lines file's bad lines (not JSON, or not UTF-8) are counted, not fatal. A
 JSON array that does not parse is refused (where it breaks, every record after it would be lost unseen); only the
 packaged ShareGPT dump, truncated as it ships, is read record by record up to its damage (`decode_array_prefix`). A
-whole-file format that is not UTF-8 is refused naming its first bad byte."""
+whole-file format that is not UTF-8 is refused naming its first bad byte, a table pandas wrote by columns, index or
+split naming the layout to write instead."""
 from __future__ import annotations
 
 import codecs
@@ -110,6 +111,8 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
         read = read_json_lines(data, name, skipped)
         if not read.records and data.strip():
             _refuse_unreadable_json_lines(data, path)
+        if len(read.records) == 1:  # pandas' df.to_json("x.jsonl") writes its table on one line
+            _refuse_pandas_layout(read.records[0], path)
         return read
     text = utf8_text(data, path)
     try:
@@ -126,7 +129,33 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
             raise _unparsed_document(path, f"document that does not parse at line {error.lineno} column "
                                      f"{error.colno} ({error.msg}): its records") from error
         return read_json_lines(data, name, skipped)
+    _refuse_pandas_layout(content, path)
     return FileRecords.numbered(name, "record", _records_of(content))
+
+
+def _pandas_layout(content) -> str | None:
+    """The `orient` pandas' `DataFrame.to_json` wrote `content` with where it is no list of records: "split"
+    ({"columns": [...], "index": [...], "data": [[...], ...]}), or its default "columns" ({column: {index: value}})
+    or "index" ({index: {column: value}}), an object of objects of one set of keys (a row's columns hold text or
+    lists, so no row is one); None for any other document."""
+    if not isinstance(content, dict) or not content:
+        return None
+    if {"columns", "data"} <= content.keys() <= {"columns", "index", "data"} and isinstance(content["data"], list):
+        return '"split"'
+    inner = list(content.values())
+    if all(isinstance(value, dict) and value and value.keys() == inner[0].keys() for value in inner):
+        return '"columns" (its default) or "index"'
+    return None
+
+
+def _refuse_pandas_layout(content, path: Path) -> None:
+    """Refuse a table pandas wrote by columns, index or split: read as records, the whole table was one row,
+    skipped for its columns' types, or its column names or index labels were taken for columns."""
+    layout = _pandas_layout(content)
+    if layout is not None:
+        raise UserError(f"{path} holds a table as pandas' DataFrame.to_json writes it with orient={layout}, not one "
+                        f"record per row: write it as JSON lines, df.to_json(\"{path.with_suffix('.jsonl').name}\", "
+                        "orient=\"records\", lines=True)")
 
 
 def _unparsed_document(path: Path, what: str) -> UserError:
