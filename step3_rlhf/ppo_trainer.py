@@ -186,6 +186,7 @@ class Experience:
     exact_kl: torch.Tensor | None = None  # [B] sum over the answer of KL(actor || reference) per state (evaluation)
     group_index: torch.Tensor | None = None  # [B] long: rows answering the same prompt share it (group baselines)
     reward_fn_scores: torch.Tensor | None = None  # [B] the reward function's value (with --reward_fn)
+    reward_clipped: torch.Tensor | None = None  # [B] bool: --clip_reward_value clipped the reward model's score
 
     @property
     def batch_size(self) -> int:
@@ -280,6 +281,12 @@ class GroupedLogits:
         return torch.cat([kl_from_logits(mine[None], theirs[None], torch.ones(1, len(mine), device=mine.device),
                                          temperature)
                           for mine, theirs in zip(self.answer_logits(answers), reference.answer_logits(answers))])
+
+
+def reward_clipped(scores: Scores, clip_reward_value: float) -> torch.Tensor | None:
+    """[B] bool: whether each answer's reward-model score lay beyond +-`clip_reward_value`, so the clip changed it
+    (None without a reward model: nothing is clipped)."""
+    return None if scores.model is None else scores.model.abs() > clip_reward_value
 
 
 def row_metadata(prompt_batch: Mapping[str, Any], samples: int) -> list | None:
@@ -552,7 +559,7 @@ class PPOTrainer:
         plus the weighted reward function, less the no-EOS penalty), repeated for its sampled rows."""
         greedy = rollout.greedy
         scores = self.scorer(greedy.sequences, greedy.attention_mask, greedy.prompt_length, rollout.prompt_metadata)
-        rewards = sequence_rewards(scores.model, self.config.clip_reward_value,
+        rewards = sequence_rewards(scores.clipped_part, self.config.clip_reward_value,
                                    greedy.ended_with_eos(self.stop_token_ids), self.config.no_eos_penalty,
                                    scores.weighted_function)
         return repeat_per_prompt(rewards, rollout.samples_per_prompt)
@@ -565,7 +572,7 @@ class PPOTrainer:
         old_logprobs, ref_logprobs = parts["old_logprobs"], parts["ref_logprobs"]
         reward_kl_coef = 0.0 if config.kl_in_loss else self.kl_controller.value
         ended_with_eos = rollout.ended_with_eos(self.stop_token_ids)
-        rewards, kl = compute_rewards(scores.model, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
+        rewards, kl = compute_rewards(scores.clipped_part, old_logprobs, ref_logprobs, action_mask, reward_kl_coef,
                                       config.clip_reward_value, config.kl_estimator, ended_with_eos,
                                       config.no_eos_penalty, scores.weighted_function)
         if rollout.do_sample:
@@ -577,7 +584,7 @@ class PPOTrainer:
         return Experience(rollout.sequences, rollout.attention_mask, rollout.prompt_length, action_mask, old_logprobs,
                           ref_logprobs, parts.get("old_values"), rewards, advantages, returns, scores.total, kl,
                           ended_with_eos, parts.get("exact_kl"), rollout.group_index,
-                          scores.function)
+                          scores.function, reward_clipped(scores, config.clip_reward_value))
 
     @torch.no_grad()
     def _rollout(self, prompt_batch: Mapping[str, Any], do_sample: bool,
@@ -743,4 +750,6 @@ def experience_stats(experience: Experience) -> dict[str, float]:
         stats["reward/fn_mean"] = experience.reward_fn_scores.float().mean().item()
     if experience.old_values is not None:
         stats["rollout/value_mean"] = masked_mean(experience.old_values, experience.action_mask).item()
+    if experience.reward_clipped is not None:
+        stats["reward/clip_fraction"] = experience.reward_clipped.float().mean().item()
     return stats

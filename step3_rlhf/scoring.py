@@ -22,14 +22,19 @@ from training.rewards import RewardFunction, score_answers
 class Scores:
     """Every field a [B] fp32 tensor (or None), so that stage fusion lays micro-batches' scores into the batch."""
 
-    model: torch.Tensor  # the reward model's score (0 without one): the part --clip_reward_value clips
+    model: torch.Tensor | None  # the reward model's score (None without one): the part --clip_reward_value clips
     function: torch.Tensor | None = None  # the reward function's own value (None without one)
     weighted_function: torch.Tensor | None = None  # reward_fn_coef * function: added to the reward unclipped
 
     @property
+    def clipped_part(self) -> torch.Tensor:
+        """[B] the part of the reward --clip_reward_value clips: the reward model's score, 0 without one."""
+        return self.model if self.model is not None else torch.zeros_like(self.weighted_function)
+
+    @property
     def total(self) -> torch.Tensor:
         """[B] the score the RL objective maximises, before the reward model's clip and the no-EOS penalty."""
-        return self.model if self.weighted_function is None else self.model + self.weighted_function
+        return self.clipped_part if self.weighted_function is None else self.clipped_part + self.weighted_function
 
 
 @dataclass
@@ -48,7 +53,7 @@ class RewardScorer:
                  metadata: Sequence[Mapping] | None) -> Scores:
         """Scores of B prompt+answer rows (left-padded prompts, right-padded answers); `metadata` has
         one entry per row (None: no row has any). The model reads the rows grouped by length, flush right (`RowGroups`)."""
-        model = torch.zeros(sequences.shape[0], dtype=torch.float32, device=sequences.device)
+        model = None
         if self.reward_model is not None:
             model = RowGroups.of(sequences, attention_mask, prompt_length,
                                  (self.reward_model,)).end_scores(self.reward_model)
@@ -57,7 +62,7 @@ class RewardScorer:
         prompts = self._texts(sequences[:, :prompt_length], attention_mask[:, :prompt_length])
         answers = self._texts(sequences[:, prompt_length:], attention_mask[:, prompt_length:])
         rows = list(metadata) if metadata is not None else [{}] * len(answers)
-        function = score_answers(self.reward_fn, prompts, answers, rows).to(model.device)
+        function = score_answers(self.reward_fn, prompts, answers, rows).to(sequences.device)
         return Scores(model, function, self.reward_fn_coef * function)
 
     def _texts(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:

@@ -699,6 +699,37 @@ def test_the_logged_score_std_is_the_spread_of_all_the_steps_scores(distributed,
     assert stats["reward/score_std"] == 0.5
 
 
+def clip_experience(model_scores: list[float] | None) -> Experience:
+    """Four one-token answers ([EOS]) to one prompt, assembled by a model-free RLOO trainer at the default
+    --clip_reward_value 5: scored `model_scores` by a reward model, or by a reward function alone (None)."""
+    from step3_rlhf.ppo_trainer import Rollout
+    from step3_rlhf.scoring import Scores
+    from training.algorithms import FixedKLController, get_advantage_estimator
+
+    eos = 2
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.config = PPOConfig(algorithm="rloo", n_samples_per_prompt=4)
+    trainer.kl_controller = FixedKLController(trainer.config.kl_ctl)
+    trainer.stop_token_ids = (eos,)
+    trainer.advantage_estimator = get_advantage_estimator(trainer.config.advantage_estimator)
+    ones = torch.ones(4, 1, dtype=torch.long)
+    rollout = Rollout(torch.cat([ones * 9, ones * eos], 1), torch.ones(4, 2, dtype=torch.long), 1, ones,
+                      torch.zeros(4, dtype=torch.long), None, 4, True, 0.0)
+    function = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    scores = Scores(None if model_scores is None else torch.tensor(model_scores), function, function)
+    zeros = torch.zeros(4, 1)
+    return trainer.assemble_experience(rollout, {"scores": scores, "old_logprobs": zeros, "ref_logprobs": zeros})
+
+
+def test_the_share_of_reward_model_scores_the_clip_changed_is_logged(distributed, monkeypatch):
+    """--clip_reward_value clipped the reward model's scores and no metric said how often, so the clip was tuned
+    blind. Scores 7 and -6 lie beyond the default 5 and 5 itself does not: half the answers' scores were clipped.
+    A run scored by a reward function alone clips nothing and logs no such key."""
+    stats = logged_stats_of(monkeypatch, clip_experience([7.0, -6.0, 1.0, 5.0]))
+    assert stats["reward/clip_fraction"] == 0.5
+    assert "reward/clip_fraction" not in logged_stats_of(monkeypatch, clip_experience(None))
+
+
 def test_the_logged_rollout_means_weigh_every_answer_of_the_step_alike(distributed, monkeypatch):
     """An epoch's short last batch (its prompts left over) beside a full one: batches of 2 and 1 answers scored
     [0, 0] and [3] make a mean score of 1 over the step's 3 answers; the mean of the batches' means, 1.5, weighed
