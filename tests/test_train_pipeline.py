@@ -1,6 +1,7 @@
 """train.py: steps in order with outputs chained, prerequisites, flag routing, logs, summary; and a real
 end-to-end run on a tiny model with the chatbot answering from its result."""
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -119,6 +120,34 @@ def test_a_model_size_is_read_by_its_own_code_with_trust_remote_code(tmp_path):
     terminal whether to run it, and where it could not ask the size was the rough estimate, not the model's."""
     llama, custom = make_tiny_model_dir(tmp_path / "llama"), make_custom_code_model_dir(tmp_path / "custom")
     assert model_size(custom, trust_remote_code=True) == model_size(llama)
+
+
+def test_the_plan_counts_the_host_memory_available_and_says_so(monkeypatch):
+    """detect_hardware counted the memory installed: on a node whose other jobs held 44 of its 64 GiB, a 7B GRPO step
+    3 was planned to offload 40 GiB into it, to fail once its step loaded. The plan counts what is available, and its
+    note and refusal say so."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import GIB, ModelSize, detect_hardware
+    from training.pipeline.planning import plan_gpu
+
+    b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
+    grpo = Workload(critic=False, samples_per_prompt=4)
+
+    def plan(available_gib: int):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=64 * GIB,
+                                                                               available=available_gib * GIB))
+        gpu = dataclasses.replace(detect_hardware(), num_gpus=1, gpu_memory_gib=24)
+        return plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b7, b7), gpu, None, grpo, [3])
+
+    assert plan(64).steps[3].flags["actor_offload"]
+    with pytest.raises(UserError, match=r"more than 70% of this machine's 20 GiB available of 64 GiB installed "
+                                        r"\(14\.0 GiB\)"):
+        plan(20)
+    assert "host memory counted for offload: 60 GiB available of 64 GiB installed on this machine" in plan(60).notes
 
 
 @pytest.mark.parametrize("command", ["train.py", "rlhf-train"])

@@ -74,7 +74,7 @@ _STATE_BUDGET = 0.55  # share of accelerator memory for weights/gradients/optimi
 _ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained parameter
 _LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
 _GPU_LORA_DIM = 128
-_HOST_OFFLOAD_SHARE = 0.7  # share of a node's memory that offload may fill (the rest: the processes, the OS)
+_HOST_OFFLOAD_SHARE = 0.7  # share of a node's available memory that offload may fill (the rest: the steps' processes)
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def _not_fitting(target: Target, trained: list[ModelSize], frozen: list[ModelSiz
     node, machine = ("each node's", "nodes") if target.nodes > 1 else ("this machine's", "a machine")
     return UserError(
         f"{what}: {total:.1f}B parameters fit {accelerators} only with offload, which puts {needed / GIB:.1f} GiB in "
-        f"host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of {node} {hardware.cpu_memory_gib:.0f} GiB "
+        f"host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of {node} {hardware.host_memory_said()} "
         f"({_host_budget(hardware) / GIB:.1f} GiB); use {machine} with {math.ceil(needed / _HOST_OFFLOAD_SHARE / GIB)} "
         f"GiB of memory or more, more GPUs (ZeRO-3 across them may need no offload) or nodes (each holds its share: "
         f"--deployment-type multi_node with a --hostfile), {smaller}")

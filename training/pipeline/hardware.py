@@ -1,9 +1,9 @@
 """What the planner needs to know about the machine and the models: memory, cores, parameter counts."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from training.core.model_loading import load_config
@@ -14,23 +14,37 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class Hardware:
-    """One node: its accelerators (0 on a CPU machine) and host resources."""
+    """One node: its accelerators (0 on a CPU machine) and host resources.
+
+    `cpu_memory_gib` is the host memory the plan counts: detected, what was available then (what other processes
+    hold left out); `cpu_memory_total_gib` the memory installed beside it, for messages (None: the two are not told
+    apart, as for a machine a test describes)."""
 
     num_gpus: int
     gpu_memory_gib: float | None
     cpu_memory_gib: float
     cpu_cores: int
     bf16: bool
+    cpu_memory_total_gib: float | None = None
+
+    def host_memory_said(self) -> str:
+        """The host memory the plan counts, as messages name it: '20 GiB available of 64 GiB installed'."""
+        if self.cpu_memory_total_gib is None:
+            return f"{self.cpu_memory_gib:.0f} GiB"
+        return f"{self.cpu_memory_gib:.0f} GiB available of {self.cpu_memory_total_gib:.0f} GiB installed"
 
 
 def detect_hardware() -> Hardware:
+    """This machine. Its host memory is what is available now: the installed total counted memory that other jobs
+    on a shared node hold, and a plan offloading into it failed once its step loaded."""
     cores = cpu_cores()
-    cpu_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    memory = psutil.virtual_memory()
+    available, installed = memory.available / GIB, memory.total / GIB
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / GIB
-        return Hardware(count, memory, cpu_memory, cores, torch.cuda.is_bf16_supported())
-    return Hardware(0, None, cpu_memory, cores, cpu_has_native_bf16())
+        gpu_memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / GIB
+        return Hardware(count, gpu_memory, available, cores, torch.cuda.is_bf16_supported(), installed)
+    return Hardware(0, None, available, cores, cpu_has_native_bf16(), installed)
 
 
 @dataclass(frozen=True)

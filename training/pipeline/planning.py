@@ -32,7 +32,14 @@ def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: M
 def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None,
              workload: Workload = Workload(), steps: Collection[int] | None = None) -> DeploymentPlan:
     """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one)."""
-    return _plan(deployment, *gpu_target(deployment, hardware, hosts), sizes, workload, steps)
+    target, notes = gpu_target(deployment, hardware, hosts)
+    return _plan(deployment, target, [*notes, _host_memory_note(deployment, hardware)], sizes, workload, steps)
+
+
+def _host_memory_note(deployment: DeploymentType, hardware: Hardware) -> str:
+    """The host memory the offload choices were sized for, as counted here (on multi_node, for every node)."""
+    nodes = ", each node assumed alike" if deployment is DeploymentType.MULTI_NODE else ""
+    return f"host memory counted for offload: {hardware.host_memory_said()} on this machine{nodes}"
 
 
 def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun(),
