@@ -538,6 +538,28 @@ def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok, caplog):
         build_unsupervised_dataset(str(wrong_column), tok, 8, 0, str(tmp_path / "cache"))
 
 
+def test_a_folder_of_text_files_is_read_as_a_text_file_is_each_file_in_name_order(tmp_path):
+    """A folder of .txt files (a corpus of one document a file) was refused as holding no .json/.jsonl/.parquet files;
+    a .csv beside them is refused as in any data folder, and an edited file changes the source's fingerprint."""
+    from utils.data.unsupervised import load_texts, text_source_fingerprint
+
+    corpus = tmp_path / "corpus"
+    (corpus / "part2").mkdir(parents=True)
+    (corpus / "b.txt").write_text("second file, one paragraph\n")
+    (corpus / "a.txt").write_text("first file, first paragraph\n\nfirst file, second paragraph")
+    (corpus / "part2" / "c.txt").write_text("nested file")
+    (corpus / ".notes.txt").write_text("hidden")
+    texts, skipped = load_texts(str(corpus))
+    assert (texts, dict(skipped)) == (["first file, first paragraph", "first file, second paragraph",
+                                       "second file, one paragraph", "nested file"], {})
+    before = text_source_fingerprint(str(corpus))
+    (corpus / "part2" / "c.txt").write_text("nested file, edited")
+    assert text_source_fingerprint(str(corpus)) != before
+    (corpus / "table.csv").write_text("text\nx\n")
+    with pytest.raises(UserError, match=r"holds table.csv, which would not be read"):
+        load_texts(str(corpus))
+
+
 def test_each_unsupervised_document_begins_as_its_tokenizer_begins_a_text(tmp_path):
     """Documents were tokenised without special tokens: a Llama-style tokenizer's BOS, which the model read at the
     start of every pretraining document, was missing, so the mixture trained it on documents that begin mid-stream.

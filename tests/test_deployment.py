@@ -1381,6 +1381,37 @@ def test_a_deepspeed_env_line_without_a_value_is_refused_while_planning(tmp_path
         run(flags)
 
 
+@pytest.mark.parametrize("line, misread", [
+    ("=1", "does not begin with a variable's name"),  # `export =1`: an error on each node, nothing set
+    ("HF HOME=/users/me/hf", "does not begin with a variable's name"),  # `export HF HOME=...` set HOME on each node
+    ("A;B=1", "does not begin with a variable's name"),  # B set, not exported
+    ("$(hostname)=1", "does not begin with a variable's name"),  # run on each node
+    ('NCCL_SOCKET_IFNAME="eth0 eth1"', "has a value the node's shell would read as several words"),  # A=eth0 alone
+    ('HF_HOME=/users/me/"hf', "has a quote the node's shell would not see closed"),  # no rank started
+])
+def test_a_deepspeed_env_line_each_nodes_shell_would_misread_is_refused_naming_it(tmp_path, monkeypatch, line,
+                                                                                    misread):
+    """DeepSpeed's launcher puts `export KEY=VALUE` on each node's command line for every line of its env file, split
+    at the first `=` and the value in double quotes where it has characters other than @%+=:,./-: a line whose key
+    is no variable's name, or whose value the shell reads as several words or an unclosed quote, did something else
+    on every node (checked with PDSHRunner.add_export and bash), unsaid. Refused, naming the file and line; a key
+    DeepSpeed strips, `export KEY=...` and a value with `$` and spaces are the user's to write."""
+    from training.pipeline.launch import env_for_other_nodes
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    env_file = tmp_path / ".deepspeed_env"
+    env_file.write_text(f"NCCL_IB_DISABLE=1\n{line}\n")
+    with pytest.raises(UserError, match=re.escape(f"{env_file}, line 2: {line!r} {misread}")) as refused:
+        env_for_other_nodes({}, tmp_path / "deepspeed_env")
+    assert "puts `export KEY=VALUE` on each node's command line" in str(refused.value)
+    fine = ["HF_HOME =/users/me/hf", "export TORCH_HOME=$HOME/torch cache", "NCCL_DEBUG_FILE=/tmp/nccl.%h.%p", "A="]
+    env_file.write_text("".join(f"{fine_line}\n" for fine_line in fine))
+    env = {"HF_HOME": "/data/hf", "TORCH_HOME": "/data/torch", "HF_HUB_OFFLINE": "1"}
+    written = Path(env_for_other_nodes(env, tmp_path / "deepspeed_env")["DS_ENV_FILE"]).read_text()
+    assert written.splitlines() == ["HF_HUB_OFFLINE=1", *fine]  # theirs, set by the user's lines, left out
+
+
 def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(tmp_path, tiny_model_dir, monkeypatch,
                                                                                 capsys):
     """786820d refused the whole run where a variable train.py passes to the ranks on other nodes unasked had a value

@@ -620,7 +620,7 @@ def other_nodes_env_warnings(env: Mapping[str, str]) -> list[str]:
 def _taken_for_other_nodes(env: Mapping[str, str], users_lines: Sequence[str]) -> dict[str, str]:
     """The variables of `env` the ranks on other nodes need, but a token, those each node sets itself
     (`_each_nodes_own`) and those the user's env file lines set (their line wins)."""
-    set_elsewhere = {line.split("=", 1)[0].strip() for line in users_lines} | _each_nodes_own(env)
+    set_elsewhere = {_exported_name(line) for line in users_lines} | _each_nodes_own(env)
     return {name: value for name, value in sorted(env.items())
             if name.startswith(OTHER_NODES_ENV_PREFIXES) and not name.endswith("_TOKEN") and name not in set_elsewhere}
 
@@ -675,7 +675,7 @@ def _variable_lines(env_file: Path) -> list[str]:
     it is KEY=VALUE, no comment: DeepSpeed's launcher splits every line at its first `=`, and a line without one (a
     comment too, which it does not skip) ended its launch in a ValueError, seen only as the step's 'exit status 1';
     it exports KEY on each node's command line, where a commented-out `#HF_HOME=...` made the rest of that line a
-    comment, so no rank started there."""
+    comment, so no rank started there (`_misread_on_the_nodes`: what else that command line would misread)."""
     lines = []
     for number, line in enumerate(env_file.read_text().splitlines(), 1):
         if not line.strip():
@@ -684,5 +684,37 @@ def _variable_lines(env_file: Path) -> list[str]:
             raise UserError(f"{env_file}, line {number}: {line.strip()!r} is not a variable's line; DeepSpeed's "
                             "launcher reads each line of its env file as KEY=VALUE (it takes no comments) and fails "
                             "on this one: write it as KEY=VALUE or remove it")
+        if misread := _misread_on_the_nodes(line):
+            raise UserError(f"{env_file}, line {number}: {line.strip()!r} {misread}; DeepSpeed's launcher puts "
+                            "`export KEY=VALUE` on each node's command line as it reads the line (the value in double "
+                            "quotes where it has other characters than letters, digits and @%+=:,./-): write it as "
+                            "KEY=VALUE, KEY a variable's name, the value unquoted")
         lines.append(line)
     return lines
+
+
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell's `export` takes as a name
+_DEEPSPEED_UNQUOTED = re.compile(r"[\w@%+=:,./-]*")  # a value DeepSpeed's launcher exports without double quotes
+
+
+def _exported_name(line: str) -> str:
+    """The variable a user's env file `line` sets on the nodes: its key as DeepSpeed's launcher strips it, less an
+    `export ` before it (`export export HF_HOME=...` exports HF_HOME there all the same)."""
+    key = line.split("=", 1)[0].strip()
+    return key.removeprefix("export ").strip() if key.startswith("export ") else key
+
+
+def _misread_on_the_nodes(line: str) -> str | None:
+    """What the nodes' shells would make of `line`'s `export KEY=VALUE` other than setting one variable to its value,
+    or None where they read it as it is: a key that is no variable's name (`=value`, `HF HOME=...` exported HF and set
+    HOME, `A;B=...` set B unexported), a value read as more than one word (`A="x y"`, quoted again, set A to x alone)
+    or with a quote it does not close (the whole command line failed: no rank started)."""
+    if not _VARIABLE_NAME.fullmatch(_exported_name(line)):
+        return "does not begin with a variable's name (letters, digits and _, not a digit first)"
+    value = line.split("=", 1)[1].strip()
+    exported = value if _DEEPSPEED_UNQUOTED.fullmatch(value) else f'"{value}"'
+    try:
+        words = shlex.split(f"KEY={exported}")
+    except ValueError:
+        return "has a quote the node's shell would not see closed"
+    return None if len(words) == 1 else "has a value the node's shell would read as several words"

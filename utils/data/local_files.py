@@ -21,6 +21,7 @@ from .jsonio import FileRecords, read_json_file
 from .samples import SkippedRows
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+TEXT_SUFFIX = ".txt"  # plain text: the pretraining mixture's documents
 # Data files a folder may hold that are not read: compressed or other tables, refused rather than left out unseen.
 UNREAD_DATA_SUFFIXES = (".csv", ".tsv", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar", ".arrow", ".feather")
 _SAVED_DATASET_MARKS = (("state.json", "dataset_info.json"), ("dataset_dict.json",))  # what `save_to_disk` writes
@@ -71,6 +72,23 @@ def local_files(path: Path) -> list[Path]:
     if path.suffix not in LOCAL_SUFFIXES:
         raise UserError(f"unsupported data file {path}: use {', '.join(LOCAL_SUFFIXES)} (or a folder of them)")
     return [path]
+
+
+def local_text_files(path: Path) -> list[Path]:
+    """The plain-text files of a local source of text (the pretraining mixture's): a .txt file, or the .txt files of a
+    folder that holds no .json/.jsonl/.parquet file (other data files, or a saved dataset inside it, refused as
+    `local_files` refuses them); [] for a source of records."""
+    if not path.is_dir():
+        return [path] if path.suffix == TEXT_SUFFIX else []
+    if is_saved_dataset(path):
+        return []
+    files = _visible_files(path)
+    texts = [file for file in files if file.suffix == TEXT_SUFFIX]
+    if not texts or any(file.suffix in LOCAL_SUFFIXES and file.name not in _DATASET_METADATA_NAMES for file in files):
+        return []
+    _refuse_saved_datasets_inside(path, files)
+    _refuse_unread_data_files(path, files)
+    return texts
 
 
 def _saved_datasets_inside(folder: Path, files: Sequence[Path]) -> list[Path]:

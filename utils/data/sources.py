@@ -29,6 +29,7 @@ from . import embedded, tasks
 from .jsonio import FileRecords
 from .local_files import (
     LOCAL_SUFFIXES,
+    TEXT_SUFFIX,
     UNREAD_DATA_SUFFIXES,
     RecordOrigins,
     local_files,
@@ -75,7 +76,7 @@ def looks_local(path: str) -> bool:
     ".", "/" or "~", or ends in a data file's extension (one read, .txt, or one refused as a .csv is: a missing
     `data/train.csv` taken for a hub name failed on the hub, or offline, rather than saying the file is missing)."""
     return os.path.exists(path) or path.startswith((".", "/", "~")) or \
-        Path(path).suffix in LOCAL_SUFFIXES + UNREAD_DATA_SUFFIXES + (".txt",)
+        Path(path).suffix in (*LOCAL_SUFFIXES, *UNREAD_DATA_SUFFIXES, TEXT_SUFFIX)
 
 
 def _resolved_path(spec: SourceSpec) -> str:

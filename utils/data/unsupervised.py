@@ -3,8 +3,9 @@ its BOS where it adds one), joined with EOS and cut
 into fixed-length blocks (`input_ids` = `labels`), shuffled with the seed and cached on disk.
 
 Sources: a hub name (with an optional config) through `datasets`, a local .txt file (documents
-separated by blank lines), a local .json/.jsonl/.parquet file or folder with a text column (`text`, or the one
-`--unsupervised_text_column` names), or
+separated by blank lines) or folder of .txt files (each read so, in name order: a file's end ends a document), a
+local .json/.jsonl/.parquet file or folder with a text column (`text`, or the one `--unsupervised_text_column` names),
+or
 `embedded`: the assistant replies of the embedded ShareGPT conversations that step 3 trains on (its
 shard less the held-out part, as `ShardSettings` cuts them), so the text never holds a reply that
 another step trains on or that step 3's evaluation compares against.
@@ -22,7 +23,7 @@ from utils.errors import UserError
 from . import embedded
 from .cache import build_or_load, cache_file, tokenizer_fingerprint
 from .jsonio import utf8_text
-from .local_files import RecordOrigins, local_files, read_local_files
+from .local_files import RecordOrigins, local_files, local_text_files, read_local_files
 from .samples import ASSISTANT, ROLE_ALIASES, SkippedRows, SkipRow, text_field
 from .sources import (
     file_fingerprint,
@@ -78,6 +79,12 @@ def _check_local_column(records: list, text_column: str, source: str) -> None:
                         f"'{text_column}'")
 
 
+def _text_file_documents(path: Path) -> list[str]:
+    """The documents of a .txt file: its text between blank lines."""
+    paragraphs = re.split(r"\n\s*\n", utf8_text(path.read_bytes(), path))
+    return [p.strip() for p in paragraphs if p.strip()]
+
+
 def load_texts(
     source: str, text_column: str = "text", config_name: str | None = None, shard: ShardSettings | None = None
 ) -> tuple[list[str], SkippedRows]:
@@ -89,9 +96,9 @@ def load_texts(
         path = Path(source).expanduser()
         if not path.exists():
             raise UserError(f"unsupervised data path {source} does not exist")
-        if path.suffix == ".txt":
-            paragraphs = re.split(r"\n\s*\n", utf8_text(path.read_bytes(), path))
-            return [p.strip() for p in paragraphs if p.strip()], skipped
+        text_files = local_text_files(path)
+        if text_files:
+            return [document for file in text_files for document in _text_file_documents(file)], skipped
         files = read_local_files(path, skipped)
         records = [record for file in files for record in file.records]
         _check_local_column(records, text_column, source)
@@ -112,8 +119,9 @@ def text_source_fingerprint(source: str, config_name: str | None = None, shard: 
         path = Path(source).expanduser()
         if not path.exists():
             raise UserError(f"unsupervised data path {source} does not exist")
-        # a folder's files as `load_texts` reads them (hidden and "_" names left out), a file (.txt too) itself
-        return {"source": source, "files": file_fingerprint(local_files(path) if path.is_dir() else [path])}
+        # the files `load_texts` reads: a folder's (hidden and "_" names left out), a file itself
+        files = local_text_files(path) or (local_files(path) if path.is_dir() else [path])
+        return {"source": source, "files": file_fingerprint(files)}
     return {"source": source, "config": config_name, "hub": True}
 
 
