@@ -67,23 +67,42 @@ def print_table(rows: list[dict], columns: tuple[str, ...]) -> None:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
 
 
+def git_output(*args: str) -> str | None:
+    """`git ARGS` run in this checkout, its output stripped; None where git or the repository is missing."""
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def code_version() -> dict:
+    """The commit of the code measured and whether the checkout differed from it (changed or new files): a figure
+    from a tree with uncommitted changes cannot be reproduced from its commit alone. None for both outside a git
+    checkout."""
+    commit = git_output("rev-parse", "HEAD")
+    changes = git_output("status", "--porcelain") if commit else None
+    return {"git_commit": commit, "git_uncommitted_changes": bool(changes) if changes is not None else None}
+
+
 def provenance(device: str | None = None) -> dict:
     """Where, with what and how a result was measured: the device (default: this CPU), the threads, the torch,
-    transformers and deepspeed versions and the command line."""
+    transformers and deepspeed versions, the code's commit (`code_version`) and the command line."""
     import torch
 
     return {
         "device": device or device_name(),
         "cpu_threads": torch.get_num_threads(),
         "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "deepspeed")},
+        **code_version(),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
     }
 
 
 def write_report(benchmark: str, args: argparse.Namespace, rows: list[dict], started: float, device: str | None = None,
                  **extra) -> dict:
-    """The JSON every bench writes: device (default: this CPU), versions, the command, the settings, `results` and
-    the wall time."""
+    """The JSON every bench writes: device (default: this CPU), versions, the commit, the command, the settings,
+    `results` and the wall time."""
     report = {
         "benchmark": benchmark,
         **provenance(device),

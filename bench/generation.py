@@ -51,9 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -65,7 +63,7 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from transformers import CompileConfig, PreTrainedTokenizerBase  # noqa: E402
 
-from bench.common import device_name  # noqa: E402
+from bench.common import device_name, provenance  # noqa: E402
 from bench.decode_floor import (  # noqa: E402
     DecodeWork,
     copy_bandwidth_bytes_per_s,
@@ -345,9 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config.logprob_temperature)
                      for backend, out in outputs.items()}
     summary = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "device": device_name(current_device()),
-        "versions": {name: importlib.metadata.version(name) for name in ("torch", "transformers", "deepspeed")},
+        **provenance(device_name(current_device())),
         "model": args.model,
         "zero_stage": args.zero_stage,
         "frozen_actor": args.frozen_actor,
@@ -362,7 +358,6 @@ def main(argv: list[str] | None = None) -> dict:
         "cuda_graph": hybrid_settings.cuda_graph,
         "onednn_packing": hybrid_settings.onednn_packing,
         "hybrid_decode_path": getattr(generators["hybrid"], "decode_path", None),
-        "threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "hybrid_tokens_per_s": results["hybrid"]["tokens_per_s"],
         "hf_tokens_per_s": results["hf"]["tokens_per_s"],

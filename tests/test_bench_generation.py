@@ -75,6 +75,7 @@ def test_the_generation_benchmark_times_every_backend_and_writes_its_json(tiny_m
     assert summary["prompt_tokens"] > 30, "the context goes before each question"
     assert summary["device"] and set(summary["versions"]) == {"torch", "transformers", "deepspeed"}
     assert "bench/generation.py" in summary["command"]
+    assert len(summary["git_commit"]) == 40 and isinstance(summary["git_uncommitted_changes"], bool)
     for backend, key in (("hybrid", "hybrid"), ("hf", "hf"), ("hf_static_compiled", "static_compiled")):
         row = summary["backends"][backend]
         assert row["tokens"] == 3 * 6

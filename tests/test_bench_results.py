@@ -58,3 +58,38 @@ def test_a_results_command_still_parses_with_todays_flags(path, name, argv, monk
     parse_args = importlib.import_module(name).parse_args
     with contextlib.suppress(UserError):
         parse_args(argv)
+
+
+
+def _report_from(code: Path, output: Path, monkeypatch) -> dict:
+    """The report a bench writes with its code in the folder `code`."""
+    import time
+    from argparse import Namespace
+
+    from bench import common
+
+    monkeypatch.setattr(common, "REPO_ROOT", code)
+    return common.write_report("check", Namespace(output=str(output)), [], time.time())
+
+
+def test_a_new_report_names_the_commit_of_the_code_it_measured(tmp_path, monkeypatch):
+    """A report named the device, versions and command but not the code: a figure could not be traced to the
+    commit that produced it, nor told apart from one measured on a tree with uncommitted changes. Outside a git
+    checkout both are None."""
+    import subprocess
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "bench.py").write_text("print(1)\n")
+    for command in (["init", "-q"], ["add", "bench.py"],
+                    ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "bench"]):
+        subprocess.run(["git", *command], cwd=code, check=True, capture_output=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=code, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    clean = _report_from(code, tmp_path / "clean.json", monkeypatch)
+    assert clean["git_commit"] == head and clean["git_uncommitted_changes"] is False
+    assert json.loads((tmp_path / "clean.json").read_text())["git_commit"] == head
+    (code / "bench.py").write_text("print(2)\n")
+    assert _report_from(code, tmp_path / "changed.json", monkeypatch)["git_uncommitted_changes"] is True
+    outside = _report_from(tmp_path, tmp_path / "outside.json", monkeypatch)
+    assert outside["git_commit"] is None and outside["git_uncommitted_changes"] is None
