@@ -837,6 +837,22 @@ def test_a_step_stopped_with_a_checkpoint_says_which_and_how_to_go_on_from_it(tm
         f"({checkpoint}); to go on, run the same train.py command{'' if resume else ' with --resume'}")
 
 
+@pytest.mark.parametrize("finishing", [True, False], ids=["between_steps", "mid_step"])
+def test_a_run_a_stop_request_ends_says_so_in_its_summary(tmp_path, tiny_model_dir, capsys, monkeypatch, finishing):
+    """A run stopped during a step or between steps wrote no summary.json, while a failed one wrote one with 'failed':
+    a user or a scheduler reading the run folder could not tell a stopped run from one still going. It now says
+    which step a rerun goes on with, the signal, what train.py said and the command that goes on."""
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py", "--step", "1", "2", "3"])
+    steps = StoppingSteps(tiny_model_dir("llama"), stop_step=2, finishing=finishing, checkpoint=5)
+    with pytest.raises(SystemExit):
+        run(common(tmp_path, steps.model_dir), steps)
+    report = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert list(report["steps"]) == ["1", "2"][:1 + finishing] and "failed" not in report
+    assert report["stopped"] == {"step": 3 if finishing else 2, "signal": "SIGTERM",
+                                 "message": capsys.readouterr().out.splitlines()[-1],
+                                 "resume": "python train.py --step 1 2 3 --resume"}
+
+
 SIGNALLED_OUTSIDE_A_STEP = """
 import os, signal, sys
 from pathlib import Path
@@ -881,6 +897,7 @@ def test_a_stop_request_outside_a_step_ends_train_py_saying_how_to_go_on(tmp_pat
     assert done.returncode == EXIT_INTERRUPTED, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == f"train.py stopped on {signum}: {said}"
     assert "Traceback" not in done.stderr
+    assert (tmp_path / "out" / "summary.json").exists() == (where == "between steps")  # none while planning
 
 
 READER_LEAVING = """
@@ -964,7 +981,9 @@ def test_train_py_whose_output_reader_leaves_ends_as_sigpipe_would_unless_a_step
         assert f"stopped as {unread} after step 1" in (tmp_path / "out" / "logs" / "step2.log").read_text()
     else:
         assert "train.py stopped" not in said
-    assert (tmp_path / "out" / "summary.json").exists() == (where == "after the last step")
+    assert (tmp_path / "out" / "summary.json").exists() == (where != "dry run")
+    if where in ("between steps", "during step 2"):
+        assert json.loads((tmp_path / "out" / "summary.json").read_text())["stopped"]["signal"] == "SIGPIPE"
 
 
 def _write_tiny_data(path: Path) -> str:

@@ -31,6 +31,7 @@ from training.reliability.signals import (
     EXIT_INTERRUPTED,
     OUTPUT_UNREAD,
     GracefulInterrupt,
+    resume_command,
     stopped_by,
     take_received_signal,
 )
@@ -683,22 +684,42 @@ def _planned(config: PipelineConfig, prepared: PreparedRun, step: int) -> str:
     return format_command(prepared.commands[step])
 
 
+def _stopped_message(what: str, received: signal.Signals | None) -> str:
+    """What train.py says as a stop request ends it: how it stopped, then `what` (which step, how to go on)."""
+    return f"train.py stopped {stopped_by(received, 'train.py')}: {what}"
+
+
 def _stop(what: str, received: signal.Signals | None) -> NoReturn:
     """End train.py as a step ends on a stop request: the message (on stderr where the request is the output's
     reader gone: stdout goes nowhere), then `EXIT_INTERRUPTED`."""
-    print(f"\ntrain.py stopped {stopped_by(received, 'train.py')}: {what}", flush=True,
+    print(f"\n{_stopped_message(what, received)}", flush=True,
           file=sys.stderr if received == OUTPUT_UNREAD else sys.stdout)
     raise SystemExit(EXIT_INTERRUPTED)
 
 
-def _stop_if_requested(what: str) -> None:
-    """End train.py here, where no step is under way, on a stop request taken since the last look: as `_stop`
-    does, but quietly with the shell's SIGPIPE status where it is the output's reader gone (no step was cut)."""
-    received = take_received_signal()
+def _stop_between_steps(what: str, received: signal.Signals) -> NoReturn:
+    """End train.py, where no step is under way, on a stop request: as `_stop` does, but quietly with the shell's
+    SIGPIPE status where it is the output's reader gone (no step was cut)."""
     if received == OUTPUT_UNREAD:
         raise SystemExit(EXIT_BROKEN_PIPE)
+    _stop(what, received)
+
+
+def _stop_if_requested(what: str) -> None:
+    """End train.py here, where no step is under way, on a stop request taken since the last look
+    (`_stop_between_steps`)."""
+    received = take_received_signal()
     if received is not None:
-        _stop(what, received)
+        _stop_between_steps(what, received)
+
+
+def _stopped_record(step: int, received: signal.Signals | None, what: str) -> dict:
+    """What `summary.json` says of a run a stop request ended: the step a rerun goes on with (the one stopped, or the
+    next one), the signal (SIGPIPE: train.py's output left without a reader; None: a step's own, not train.py's),
+    what train.py said, and the command that goes on (this one with --resume, which a step with no checkpoint
+    ignores)."""
+    return {"step": step, "signal": received.name if received is not None else None,
+            "message": _stopped_message(what, received), "resume": resume_command()}
 
 
 def _end_if_output_unread() -> None:
@@ -750,18 +771,24 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
 
     started = time.perf_counter()
     results = []
-    for step in config.steps:
+    for step, next_step in zip(config.steps, [*config.steps[1:], None]):
         try:
             results.append(_step_result(config, prepared, step, entry))
         except StepStopped:
-            _stop(_stopped_mid_step(config, step), take_received_signal())
+            received, what = take_received_signal(), _stopped_mid_step(config, step)
+            _write_report(config, _report(deployment, results, time.perf_counter() - started,
+                                          stopped=_stopped_record(step, received, what)))
+            _stop(what, received)
         except UserError as error:
             _write_report(config, _report(deployment, results, time.perf_counter() - started,
                                           failed={"step": step, "error": str(error)}))
             raise
-        if step != config.steps[-1]:
-            _stop_if_requested(f"step {step} finished and the next did not start; to go on, run the same train.py "
-                               f"command (finished steps are skipped)")
+        if next_step is not None and (received := take_received_signal()) is not None:
+            what = (f"step {step} finished and the next did not start; to go on, run the same train.py command "
+                    f"(finished steps are skipped)")
+            _write_report(config, _report(deployment, results, time.perf_counter() - started,
+                                          stopped=_stopped_record(next_step, received, what)))
+            _stop_between_steps(what, received)
     total = time.perf_counter() - started
     print("\n" + summary_table(results, total), flush=True)
     report = _report(deployment, results, total)
@@ -769,15 +796,18 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     return report
 
 
-def _report(deployment: str, results: list[StepResult], total: float, failed: dict | None = None) -> dict:
-    """What `summary.json` holds: the steps that finished (or were skipped), and the one that failed, if one did."""
+def _report(deployment: str, results: list[StepResult], total: float, failed: dict | None = None,
+            stopped: dict | None = None) -> dict:
+    """What `summary.json` holds: the steps that finished (or were skipped), and the one that failed, or the stop
+    request that ended the run (`_stopped_record`), if one did."""
     report = {
         "deployment": deployment,
         "total_seconds": total,
         "steps": {str(r.step): {"title": r.title, "seconds": r.seconds, "skipped": r.skipped, "summary": dict(r.summary)}
                   for r in results},
     }
-    return report if failed is None else {**report, "failed": failed}
+    ending = {name: value for name, value in (("failed", failed), ("stopped", stopped)) if value is not None}
+    return {**report, **ending}
 
 
 def _write_report(config: PipelineConfig, report: dict) -> None:
