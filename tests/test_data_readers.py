@@ -745,6 +745,26 @@ def test_an_empty_assistant_message_is_the_reply_empty_usable_in_pairs_not_sft(t
     assert sft.train == [] and sft.skipped == {"empty_reply": 1}
 
 
+@pytest.mark.parametrize("column, role_key, content_key", [("messages", "role", "content"),
+                                                           ("conversations", "from", "value")])
+def test_a_row_with_tool_messages_is_skipped_naming_the_role(tmp_path, caplog, column, role_key, content_key):
+    """A tool call's result (role tool, function or ipython) has no turn in the prompt formats: its row is skipped,
+    not read in part. The report said unknown_role alone, not which speaker, so a tool-calling data set lost every
+    row to an unnamed role."""
+    def message(role, text):
+        return {role_key: role, content_key: text}
+
+    rows = [{column: [message("user", "Hi"), message("assistant", "Hello!")]}]
+    rows += [{column: [message("user", "Weather?"), message(role, '{"sky": "blue"}'), message("assistant", "Blue.")]}
+             for role in ("tool", "function", "ipython")]
+    rows.append({column: [message("user", "Hi"), {content_key: "no speaker"}, message("assistant", "Hello!")]})
+    path = write_jsonl(tmp_path / "tools.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="utils.data"):
+        assert [row["chosen"] for row in read_rows(path)] == [" Hello!"]
+    assert ("skipped: unknown_role=1 (tools.jsonl line 5), unknown_role:function=1 (tools.jsonl line 3), "
+            "unknown_role:ipython=1 (tools.jsonl line 4), unknown_role:tool=1 (tools.jsonl line 2)") in caplog.text
+
+
 def test_bad_chat_preference_rows_are_counted_with_what_is_wrong(tmp_path):
     user = chat(("user", "Sky?"))
     good = {"prompt": "Sky?", "chosen": user + chat(("assistant", "Blue.")), "rejected": user + chat(("assistant", "No."))}
@@ -761,7 +781,7 @@ def test_bad_chat_preference_rows_are_counted_with_what_is_wrong(tmp_path):
     (split,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
     assert [(s.chosen, s.rejected) for s in split.train] == [("Blue.", "No.")]
     assert split.skipped == {"prompt_mismatch": 1, "no_assistant_reply:chosen": 1, "wrong_type:rejected": 1,
-                             "missing:chosen": 1, "wrong_type:prompt": 1, "unknown_role": 1, "wrong_type:message": 1}
+                             "missing:chosen": 1, "wrong_type:prompt": 1, "unknown_role:tool": 1, "wrong_type:message": 1}
 
 
 def test_bad_chat_prompt_rows_are_counted_with_what_is_wrong(tmp_path):

@@ -13,6 +13,7 @@ _BLANK_LINE_MARKER = re.compile(rf"(?:\A\s*|{BLANK_LINE})(Human|Assistant):")
 _MARKER_AFTER_BLANK_LINE = re.compile(rf"{BLANK_LINE}(?:Human|Assistant):")
 _INLINE_MARKER = re.compile(r"(?:^|\s)(Human|Assistant):")
 _MARKER_ROLES = {"Human": USER, "Assistant": ASSISTANT}
+_SPEAKER_NAMED = 24  # characters of an unknown speaker a skip reason names
 
 
 def parse_transcript(text: str) -> list[dict]:
@@ -75,11 +76,18 @@ def parse_messages(messages: Any, role_key: str, content_key: str, context: Sequ
             raise SkipRow("wrong_type:message")
         role = _role(message, role_key)
         if role is None:
-            raise SkipRow("unknown_role")
+            raise SkipRow(_unknown_role(message.get(role_key)))
         text = message_text(message.get(content_key), content_key)
         if text is not None:
             turns.append({"role": role, "content": text})
     return clean_turns([*context, *turns])
+
+
+def _unknown_role(speaker: Any) -> str:
+    """The skip reason of a message whose speaker is no role the prompt formats have a turn for, naming it: a tool
+    call's result (`unknown_role:tool`, `:function`, `:ipython`) is not trained on, and its row not read in part
+    (the reply would answer a tool output the prompt leaves out)."""
+    return f"unknown_role:{speaker[:_SPEAKER_NAMED]}" if isinstance(speaker, str) and speaker.strip() else "unknown_role"
 
 
 def _role(message: dict, role_key: str) -> str | None:
