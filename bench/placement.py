@@ -29,6 +29,7 @@ from bench.common import print_table, write_report  # noqa: E402
 from training.loops.call_times import CALL_TIMES_FILE  # noqa: E402
 from training.placement.step_profile import measured_calls, predicted_calls, run_step3  # noqa: E402
 from utils.cpu import cpu_cores  # noqa: E402
+from utils.errors import UserError, run_cli  # noqa: E402
 
 # a "+fusion" suffix runs the placement with --enable_stage_fusion
 PLACEMENTS = ("colocate", "interleave", "disaggregate", "interleave:actor=0.5,critic=0.5", "colocate+fusion",
@@ -128,7 +129,7 @@ def predictions(args: argparse.Namespace) -> tuple[dict, list[str], str]:
     return predicted, ranking, machine.name
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--actor", default="runs/default/step1", help="the step-1 run folder (the actor)")
     parser.add_argument("--critic", default="runs/default/step2", help="the step-2 run folder (reward and critic)")
@@ -143,12 +144,19 @@ def main() -> None:
                         help="time every model call on every rank and print it beside the cost model's call")
     parser.add_argument("--work_dir", default="runs/bench_placement")
     parser.add_argument("--output", default="bench/results/placement_cpu.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2: the first step is a warm-up, left out of the measured step time")
+    return args
+
+
+@run_cli
+def main(argv: list[str] | None = None) -> dict:
+    """Measure every placement, print the table and write the report; returns the report."""
+    args = parse_args(argv)
     for folder in (args.actor, args.critic):
         if not Path(folder).is_dir():
-            raise SystemExit(f"{folder} is missing: run `python train.py` first (its step-1/2 models are benched)")
+            raise UserError(f"{folder} is missing: run `python train.py` first (its step-1/2 models are benched)")
     started = time.time()
     predicted, ranking, machine = predictions(args)
     rows = []
@@ -163,11 +171,11 @@ def main() -> None:
     print_table(rows, ("placement", "ranks", "measured_step_s", "predicted_step_s", "step_error", "measured_peak_gb",
                        "predicted_peak_gb", "peak_error"))
     print(f"planner's first choice: {ranking[0]}; measured fastest: {fastest}")
-    write_report("placement", args, rows, started, measured=rows, machine_constants=machine,
-                 planner_ranking=ranking, planner_first_choice=ranking[0], measured_fastest=fastest,
-                 first_choice_is_fastest=ranking[0] == fastest,
-                 all_predictions_within_25_percent=all(abs(row["step_error"]) <= 0.25
-                                                       and abs(row["peak_error"]) <= 0.25 for row in rows))
+    return write_report("placement", args, rows, started, machine_constants=machine,
+                        planner_ranking=ranking, planner_first_choice=ranking[0], measured_fastest=fastest,
+                        first_choice_is_fastest=ranking[0] == fastest,
+                        all_predictions_within_25_percent=all(abs(row["step_error"]) <= 0.25
+                                                              and abs(row["peak_error"]) <= 0.25 for row in rows))
 
 
 if __name__ == "__main__":
