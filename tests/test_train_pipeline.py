@@ -137,17 +137,20 @@ def test_the_plan_counts_the_host_memory_available_and_says_so(monkeypatch):
     b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
     grpo = Workload(critic=False, samples_per_prompt=4)
 
-    def plan(available_gib: int):
+    def plan(available_gib: int, gpus: int = 1):
         monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=64 * GIB,
                                                                                available=available_gib * GIB))
-        gpu = dataclasses.replace(detect_hardware(), num_gpus=1, gpu_memory_gib=24)
-        return plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b7, b7), gpu, None, grpo, [3])
+        here = dataclasses.replace(detect_hardware(), num_gpus=gpus, gpu_memory_gib=24 if gpus else None)
+        return plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b7, b7), here, None, grpo, [3])
 
     assert plan(64).steps[3].flags["actor_offload"]
     with pytest.raises(UserError, match=r"more than 70% of this machine's 20 GiB available of 64 GiB installed "
                                         r"\(14\.0 GiB\)"):
         plan(20)
     assert "host memory counted for offload: 60 GiB available of 64 GiB installed on this machine" in plan(60).notes
+    # planned where no GPU is (a login node), the same figure stands for each GPU's memory
+    assert "host memory counted for offload and as each GPU's (no GPU here): 60 GiB available of 64 GiB installed " \
+           "on this machine" in plan(60, gpus=0).notes
 
 
 @pytest.mark.parametrize("command", ["train.py", "rlhf-train"])

@@ -37,9 +37,11 @@ def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, 
 
 
 def _host_memory_note(deployment: DeploymentType, hardware: Hardware) -> str:
-    """The host memory the offload choices were sized for, as counted here (on multi_node, for every node)."""
+    """The host memory the offload choices were sized for, as counted here (on multi_node, for every node); planned
+    where no GPU is, the accelerators' memory too (`gpu_target`)."""
+    accelerators = " and as each GPU's (no GPU here)" if hardware.num_gpus == 0 else ""
     nodes = ", each node assumed alike" if deployment is DeploymentType.MULTI_NODE else ""
-    return f"host memory counted for offload: {hardware.host_memory_said()} on this machine{nodes}"
+    return f"host memory counted for offload{accelerators}: {hardware.host_memory_said()} on this machine{nodes}"
 
 
 def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun(),
