@@ -7,11 +7,12 @@ import importlib
 import importlib.metadata
 import json
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from training.pipeline.failures import signal_cause
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,13 +30,10 @@ def run_child(script: Path, module: str, argv: list[str], result_file: Path) -> 
 
 def child_failure(status: int) -> str:
     """How a child that ended with `status` (nonzero) failed: its own exit, whose error it printed, or a signal (a
-    negative status), which prints nothing, SIGKILL most often from the kernel's OOM killer."""
+    negative status), which prints nothing, said as train.py says it of a step (SIGKILL: likely the OOM killer)."""
     if status > 0:
         return f"exited with status {status} (its error is above)"
-    number = -status
-    name = {member.value: member.name for member in signal.Signals}.get(number, f"signal {number}")
-    cause = " (the OOM killer, if memory ran out: see dmesg)" if number == signal.SIGKILL else ""
-    return f"was killed by {name}{cause}"
+    return f"was {signal_cause(-status)}"
 
 
 def child_main(child: list[str]) -> None:
