@@ -492,6 +492,17 @@ def test_a_folder_holding_a_saved_dataset_is_refused_naming_the_folder_to_pass(t
         load_source(parse_source_spec(str(tmp_path / "runs")))
 
 
+@pytest.mark.parametrize("name", ["data-00000-of-00001.arrow", "state.json"])
+def test_a_file_of_a_saved_dataset_is_refused_naming_its_folder(tmp_path, name):
+    """Its .arrow file was refused as an unsupported data file, its state.json read as a record of unknown columns."""
+    import datasets
+
+    datasets.Dataset.from_list(PAIRS).save_to_disk(str(tmp_path / "pairs"))
+    with pytest.raises(UserError, match=rf"{name} is a file of a dataset saved by datasets' save_to_disk, read only "
+                                        rf"as the dataset: pass its folder {re.escape(str(tmp_path / 'pairs'))} instead"):
+        load_source(parse_source_spec(str(tmp_path / "pairs" / name)))
+
+
 def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
     """{"train": [...], "test": [...]} (a hub dataset's splits written as one object) was read as one record whose
     columns are train and test; like a hub dataset's splits, its lists are read one after the other in name order."""

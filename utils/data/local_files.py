@@ -69,6 +69,9 @@ def local_files(path: Path) -> list[Path]:
         if not files:
             raise UserError(f"data folder {path} holds no {'/'.join(LOCAL_SUFFIXES)} files")
         return files
+    if is_saved_dataset(path.parent):
+        raise UserError(f"{path} is a file of a dataset saved by datasets' save_to_disk, read only as the dataset: "
+                        f"pass its folder {path.parent} instead")
     if path.suffix not in LOCAL_SUFFIXES:
         raise UserError(f"unsupported data file {path}: use {', '.join(LOCAL_SUFFIXES)} (or a folder of them)")
     return [path]
