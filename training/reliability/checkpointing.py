@@ -599,17 +599,20 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
     return {"hub": name_or_path, "revision": _cached_hub_revision(name_or_path)}
 
 
-FINGERPRINT_END_BYTES = 1 << 20  # read at each end of a model folder's file
+FINGERPRINT_END_BYTES = 1 << 20  # read at each end of a model folder's file that is no safetensors file
 FINGERPRINT_SAMPLES = 16  # chunks read in between, evenly spaced
 FINGERPRINT_SAMPLE_BYTES = 1 << 16
+FINGERPRINT_TENSOR_SAMPLE_BYTES = 1 << 14  # read at the start, middle and end of each tensor of a safetensors file
+SAFETENSORS_MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 NOT_MODEL_FILES = re.compile(r"(?i)^(readme|license|licence|notice|use_policy)\b|\.md$")  # a model card, terms
 
 
 def folder_fingerprint(folder: Path) -> dict[str, list]:
-    """{file name: [size, sha256 of its ends and chunks between]} of the files of a model folder the loaders read
-    (weights, tokenizer, config, value head; not its card or license, which a user may add): what they hold, not when
-    they were written, so a plain copy of the folder is the same model; about 3 MiB of each file read, not the
-    weights' gigabytes, yet a model trained again (a fine-tune of some layers too) changes some chunk read."""
+    """{file name: [size, sha256 of sampled reads]} of the files of a model folder the loaders read (weights,
+    tokenizer, config, value head; not its card or license, which a user may add): what they hold, not when they
+    were written, so a plain copy of the folder is the same model. A safetensors file is read by its tensors
+    (`_safetensors_reads`), so a model trained again in any tensor (a fine-tune of one layer too) changes it; another
+    file by its ends and chunks between (`_spread_reads`). Neither reads the weights' gigabytes."""
     fingerprint = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.startswith(".") and not NOT_MODEL_FILES.search(path.name):
@@ -618,19 +621,65 @@ def folder_fingerprint(folder: Path) -> dict[str, list]:
 
 
 def _sampled_digest(path: Path) -> str:
-    """sha256 of `path`'s first and last FINGERPRINT_END_BYTES and FINGERPRINT_SAMPLES chunks between them."""
+    """sha256 of the reads `_safetensors_reads` (a readable safetensors file) or `_spread_reads` name of `path`."""
     size = path.stat().st_size
-    between = size - 2 * FINGERPRINT_END_BYTES
-    reads = [(0, FINGERPRINT_END_BYTES),
-             *((FINGERPRINT_END_BYTES + between * k // FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES)
-               for k in range(FINGERPRINT_SAMPLES) if between > 0),
-             (max(0, size - FINGERPRINT_END_BYTES), FINGERPRINT_END_BYTES)]
+    reads = _safetensors_reads(path, size) if path.suffix == ".safetensors" else None
     digest = hashlib.sha256()
     with path.open("rb") as file:
-        for offset, length in reads:
+        for offset, length in reads or _spread_reads(size):
             file.seek(offset)
             digest.update(file.read(length))
     return digest.hexdigest()
+
+
+def _spread_reads(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of a file's first and last FINGERPRINT_END_BYTES and FINGERPRINT_SAMPLES chunks between:
+    about 3 MiB, however large the file."""
+    between = size - 2 * FINGERPRINT_END_BYTES
+    return [(0, FINGERPRINT_END_BYTES),
+            *((FINGERPRINT_END_BYTES + between * k // FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES)
+              for k in range(FINGERPRINT_SAMPLES) if between > 0),
+            (max(0, size - FINGERPRINT_END_BYTES), FINGERPRINT_END_BYTES)]
+
+
+def _safetensors_reads(path: Path, size: int) -> list[tuple[int, int]] | None:
+    """(offset, length) of a safetensors file's header (each tensor's name, dtype, shape and place) and of
+    FINGERPRINT_TENSOR_SAMPLE_BYTES at the start, middle and end of each tensor's bytes: at most the header and 48 KiB
+    a tensor (about 15 MiB for a 7B model's ~300 tensors), wherever in the file a tensor lies. None where the file
+    is no readable safetensors file (read as another file is)."""
+    header = _safetensors_header(path, size)
+    if header is None:
+        return None
+    data_start = 8 + header[0]
+    reads = [(0, data_start)]
+    for begin, end in header[1]:
+        reads.extend(_tensor_reads(data_start + begin, end - begin))
+    return reads
+
+
+def _safetensors_header(path: Path, size: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """(the header's length, each tensor's [begin, end) within the data) of a safetensors file, None where its
+    header is unreadable or places a tensor outside the file."""
+    with path.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little") if size >= 8 else 0
+        if not 0 < length <= min(SAFETENSORS_MAX_HEADER_BYTES, size - 8):
+            return None
+        try:
+            header = json.loads(file.read(length))
+            places = [tuple(entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+    valid = all(len(place) == 2 and all(isinstance(at, int) for at in place)
+                and 0 <= place[0] <= place[1] <= size - 8 - length for place in places)
+    return (length, places) if valid else None
+
+
+def _tensor_reads(offset: int, length: int) -> list[tuple[int, int]]:
+    """(offset, length) of the start, middle and end of a tensor's bytes (the whole tensor where that is as short)."""
+    chunk = FINGERPRINT_TENSOR_SAMPLE_BYTES
+    if length <= 3 * chunk:
+        return [(offset, length)]
+    return [(offset, chunk), (offset + (length - chunk) // 2, chunk), (offset + length - chunk, chunk)]
 
 
 def _cached_hub_revision(repo_id: str) -> str | None:
