@@ -64,6 +64,19 @@ def test_a_bad_placement_is_one_clear_error(name, world, ratio, message):
         build()
 
 
+@pytest.mark.parametrize("name, world, ratio, message", [
+    ("disaggregate", 1, None, "a share of 0.5 of 1 rank, which leaves it without a rank; give it at least 1 (shares "
+                              "that work on 1 rank: 1)"),
+    ("colocate", 1, {"rollout": 1}, "the rollout share 1 takes every rank (1 rank) and leaves none"),
+    ("disaggregate", 2, {"actor": 1}, "the actor asks for 2 of 2 ranks, but the rollout takes 1 rank and leaves 1"),
+])
+def test_a_placement_error_counts_one_rank_in_the_singular(name, world, ratio, message):
+    """The errors said '1 ranks' (on 1 ranks, all 1 ranks) and 'only 1 are left'."""
+    with pytest.raises(UserError) as refused:
+        build_placement(name, world, ROLES, ratio)
+    assert message in str(refused.value)
+
+
 def test_shares_of_a_world_over_a_thousand_ranks_come_to_whole_ranks():
     """Shares were rounded to a denominator of at most 1000: 1/2048 of 2048 ranks came to no rank, 3/1024 of 1024
     to 2.99854 ranks."""

@@ -145,6 +145,11 @@ def _rank_span(ranks: tuple[int, ...]) -> str:
 WHOLE_RANKS_TOLERANCE = 1e-6  # share * world this near a whole number is that many ranks (decimal shares round)
 
 
+def ranks_text(count: int) -> str:
+    """`count` ranks in words: "1 rank", "2 ranks"."""
+    return f"{count} rank" if count == 1 else f"{count} ranks"
+
+
 def share_text(count: int, world_size: int) -> str:
     """`count` of `world_size` ranks as the shortest decimal --placement_ratio reads back as that many ranks."""
     for digits in range(1, 18):
@@ -163,9 +168,9 @@ def shares_that_work(world_size: int) -> str:
 def _whole_ranks(role: str, share: float, world_size: int) -> int:
     count = share * world_size
     if share <= 0 or count < 1 - WHOLE_RANKS_TOLERANCE:
-        raise UserError(f"the placement gives the {role} a share of {share:g} of {world_size} rank(s), which leaves it "
-                        f"without a rank; give it at least {share_text(1, world_size)} (shares that work on "
-                        f"{world_size} ranks: {shares_that_work(world_size)})")
+        raise UserError(f"the placement gives the {role} a share of {share:g} of {ranks_text(world_size)}, which "
+                        f"leaves it without a rank; give it at least {share_text(1, world_size)} (shares that work on "
+                        f"{ranks_text(world_size)}: {shares_that_work(world_size)})")
     if abs(count - round(count)) > WHOLE_RANKS_TOLERANCE:
         raise UserError(f"the placement gives the {role} {share!r} of {world_size} ranks = {count!r} ranks; a share "
                         f"must come to a whole number of ranks: on {world_size} ranks give "
@@ -200,13 +205,13 @@ def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROL
     rollout = 0 if shares["rollout"] == 0 else _whole_ranks("rollout", shares["rollout"], world_size)
     available = world_size - rollout
     if available < 1:
-        raise UserError(f"the rollout share {shares['rollout']:g} takes all {world_size} ranks and leaves none for the "
-                        "actor and the models that score; lower it")
+        raise UserError(f"the rollout share {shares['rollout']:g} takes every rank ({ranks_text(world_size)}) and "
+                        "leaves none for the actor and the models that score; lower it")
     counts = {role: _whole_ranks(role, shares[role], world_size) for role in present}
     for role, count in counts.items():
         if count > available:
-            raise UserError(f"more shares than ranks: the {role} asks for {count} of {world_size} ranks, but only "
-                            f"{available} are left beside the rollout's {rollout}")
+            raise UserError(f"more shares than ranks: the {role} asks for {count} of {world_size} ranks, but the "
+                            f"rollout takes {ranks_text(rollout)} and leaves {available}")
     ranks: dict[str, tuple[int, ...]] = {}
     for first, second in CONCURRENT_PAIRS:
         pair = [role for role in (first, second) if role in counts]
