@@ -560,6 +560,18 @@ def test_a_table_pandas_wrote_by_columns_index_or_split_is_refused_saying_how_to
     assert [s.chosen for s in samples_of(str(tmp_path / "pairs.jsonl"))] == [row["chosen"] for row in PAIRS[:5]]
 
 
+def test_a_jsonl_file_that_is_one_array_on_one_line_is_refused_saying_how_to_write_it(tmp_path):
+    """pandas' df.to_json("pairs.jsonl", orient="records") without lines=True writes one array on one line: read as one
+    record, it was refused as holding no columns, and with its format stated skipped whole as not_an_object=1."""
+    import pandas as pd
+
+    pd.DataFrame(PAIRS[:5]).to_json(tmp_path / "pairs.jsonl", orient="records")
+    for spec in (str(tmp_path / "pairs.jsonl"), f"{tmp_path / 'pairs.jsonl'}:deepspeed_chat"):
+        with pytest.raises(UserError, match=r"pairs.jsonl is one JSON array on one line, not JSON lines \(one record a "
+                                            r"line\): rename it to pairs.json, or write a record a line"):
+            load_source(parse_source_spec(spec))
+
+
 @pytest.mark.parametrize("record, data_format", [
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
       "tools": [{"name": "search", "description": "web search"}]}, "messages"),

@@ -112,6 +112,7 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
         if not read.records and data.strip():
             _refuse_unreadable_json_lines(data, path)
         if len(read.records) == 1:  # pandas' df.to_json("x.jsonl") writes its table on one line
+            _refuse_one_line_array(read.records[0], path)
             _refuse_pandas_layout(read.records[0], path)
         return read
     text = utf8_text(data, path)
@@ -131,6 +132,15 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
         return read_json_lines(data, name, skipped)
     _refuse_pandas_layout(content, path)
     return FileRecords.numbered(name, "record", _records_of(content))
+
+
+def _refuse_one_line_array(record, path: Path) -> None:
+    """Refuse a .jsonl file that is one array of records on one line (pandas' orient="records" without lines=True):
+    read as one record, it was refused as holding no columns, or, its format stated, skipped whole as one bad row."""
+    if isinstance(record, list):
+        raise UserError(f"{path} is one JSON array on one line, not JSON lines (one record a line): rename it to "
+                        f"{path.with_suffix('.json').name}, or write a record a line (pandas: df.to_json(..., "
+                        "orient=\"records\", lines=True))")
 
 
 def _pandas_layout(content) -> str | None:
