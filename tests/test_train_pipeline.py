@@ -366,6 +366,8 @@ REFUSED_UP_FRONT = {
                                 "--hostfile is for --deployment-type multi_node; this run is cpu"),
     "output_of_a_step_that_runs": (["--step1-output", "/m"], "--step1-output names step 1's model for a run without "
                                    "step 1, but this run runs it"),
+    "output_no_step_takes": (["--algorithm", "dpo", "--step2-output", "/m"],
+                             "--step2-output is for step 3, which this run (steps 1, 4) does not include; drop it"),
     "dpo_with_steps_2_3": (["--algorithm", "dpo", "--step", "1", "2", "3"], "--algorithm dpo runs step 1 then DPO"),
     "grpo_with_dpo": (["--algorithm", "grpo", "--step", "1", "4"], "--algorithm grpo is step 3's RL algorithm, but "
                       "this run runs DPO (step 4)"),

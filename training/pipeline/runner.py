@@ -436,7 +436,7 @@ def _refuse_step_problems(problems: Mapping[int, str], hint: str = "") -> None:
 
 def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None:
     """Refuse train.py flags this run would drop unseen: --hostfile off multi_node, an --NAME-output of a step that
-    runs (its output is made anew), an --algorithm that the steps run contradict."""
+    runs (its output is made anew) or that no step of the run takes, an --algorithm that the steps run contradict."""
     for flag, given in (("--hostfile", config.hostfile), ("--master-addr", config.master_addr)):
         if given is not None and deployment is not DeploymentType.MULTI_NODE:
             raise UserError(f"{flag} is for --deployment-type multi_node; this run is {deployment.value}: drop "
@@ -451,12 +451,24 @@ def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None
         if output is not None and step in config.steps:
             raise UserError(f"--{STEPS[step].name}-output names step {step}'s model for a run without step {step}, "
                             f"but this run runs it (into {config.run_dir(step)}); drop one of the two")
+    _check_outputs_taken(config)
     if config.algorithm == DPO and {2, 3} & set(config.steps):
         raise UserError("--algorithm dpo runs step 1 then DPO (step 4), not steps 2 or 3; drop --step, or give "
                         "--step 1 4 (or --step 4)")
     if config.algorithm not in ("ppo", DPO) and 4 in config.steps:
         raise UserError(f"--algorithm {config.algorithm} is step 3's RL algorithm, but this run runs DPO (step 4) "
                         f"in its place; drop step 4, or give --algorithm dpo")
+
+
+def _check_outputs_taken(config: PipelineConfig) -> None:
+    """Refuse an --NAME-output that no step of the run takes (--step2-output with --algorithm dpo, whose steps 1 and
+    4 have no reward model): it would be dropped unseen."""
+    for step, output in config.step_outputs.items():
+        readers = [number for number, spec in STEPS.items() if any(source.from_step == step for source in spec.inputs)]
+        if output is not None and not set(readers) & set(config.steps):
+            raise UserError(f"--{STEPS[step].name}-output is for step {' or '.join(map(str, readers))}, which this "
+                            f"run (steps {', '.join(map(str, config.steps))}) does not include; drop it, or add that "
+                            f"step to --step")
 
 
 def _check_hardware_file_layout(step3: Any, hosts: list[Host] | None) -> None:
