@@ -723,3 +723,27 @@ def test_a_folder_fingerprint_sees_any_tensor_of_a_safetensors_file_trained_agai
         if folder_fingerprint(folder) == recorded:
             unseen.append(name)
     assert unseen == []
+
+
+def test_a_checkpoint_fingerprinting_its_input_folder_in_an_older_format_resumes(distributed, tmp_path, caplog):
+    """A marker an older version wrote holds digests of other reads of the same files (no format recorded): the
+    resume goes on, saying the folder is not compared, while one of this format still refuses a changed file."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    models = {"model_name_or_path": str(folder)}
+    manager = CheckpointManager(tmp_path / "run")
+    manager.check_inputs(models, resume=False)
+    manager.save(2, {"actor": build_engine(0)}, {})
+    marker = manager.checkpoints_dir / "step2" / MARKER_FILE
+    written = json.loads(marker.read_text())
+    older = {"files": {name: [size, "0" * 64] for name, (size, _) in written["inputs"][
+        "model_name_or_path"]["files"].items()}}
+    marker.write_text(json.dumps({**written, "inputs": {"model_name_or_path": older}}))
+    with caplog.at_level("INFO"):
+        manager.check_inputs(models, resume=True)
+    assert f"fingerprinted --model_name_or_path {folder} in another format" in caplog.text
+    marker.write_text(json.dumps(written))
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(UserError, match=r"its files changed \(config.json\)"):
+        manager.check_inputs(models, resume=True)

@@ -595,10 +595,12 @@ def model_identity(name_or_path: str) -> dict[str, Any]:
         return {RUN_ID_KEY: run_id}
     folder = Path(resolve_model_path(name_or_path))
     if folder.is_dir():
-        return {"files": folder_fingerprint(folder)}
+        return {"files": folder_fingerprint(folder), FINGERPRINT_FORMAT_KEY: FINGERPRINT_FORMAT}
     return {"hub": name_or_path, "revision": _cached_hub_revision(name_or_path)}
 
 
+FINGERPRINT_FORMAT = 3  # how `folder_fingerprint` reads a file (the two before: its ends; its ends and 16 chunks)
+FINGERPRINT_FORMAT_KEY = "fingerprint_format"
 FINGERPRINT_END_BYTES = 1 << 20  # read at each end of a model folder's file that is no safetensors file
 FINGERPRINT_SAMPLES = 16  # chunks read in between, evenly spaced
 FINGERPRINT_SAMPLE_BYTES = 1 << 16
@@ -693,8 +695,14 @@ def _cached_hub_revision(repo_id: str) -> str | None:
 def _inputs_problem(info: CheckpointInfo, recorded: Mapping[str, Any], current: Mapping[str, Any],
                     models: Mapping[str, str | None]) -> str | None:
     """The refusal of a resume whose input models differ from those `info` recorded (a flag only one of the two runs
-    gave is the flags' check's to compare), or None."""
-    changed = [flag for flag in sorted(recorded.keys() & current.keys()) if recorded[flag] != current[flag]]
+    gave is the flags' check's to compare), or None. A model folder `info` fingerprinted in another format is not
+    compared (its digests differ from this version's, the files unchanged), saying so in the log."""
+    shared = sorted(recorded.keys() & current.keys())
+    unread = [flag for flag in shared if _other_fingerprint_format(recorded[flag], current[flag])]
+    if unread:
+        logger.info("%s fingerprinted %s in another format (an older version wrote it): not compared", info.path,
+                    ", ".join(f"--{flag} {models[flag]}" for flag in unread))
+    changed = [flag for flag in shared if flag not in unread and recorded[flag] != current[flag]]
     if not changed:
         return None
     inputs = "; ".join(f"--{flag} {models[flag]}: {_identity_change(recorded[flag], current[flag])}"
@@ -702,6 +710,11 @@ def _inputs_problem(info: CheckpointInfo, recorded: Mapping[str, Any], current: 
     return (f"--resume continues the run checkpointed in {info.path}, but its input models are not those that run "
             f"started from ({inputs}): trained again or replaced at the same path. Put that run's models back, or "
             f"start a new run from these in another --output_dir")
+
+
+def _other_fingerprint_format(then: Mapping[str, Any], now: Mapping[str, Any]) -> bool:
+    """Whether two `model_identity`s are model folders' fingerprints of different formats, which cannot be compared."""
+    return "files" in then and "files" in now and then.get(FINGERPRINT_FORMAT_KEY) != now.get(FINGERPRINT_FORMAT_KEY)
 
 
 def _identity_change(then: Mapping[str, Any], now: Mapping[str, Any]) -> str:
