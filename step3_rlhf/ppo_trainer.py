@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 
 from step3_rlhf.rlhf_engine import RLHFEngine
-from step3_rlhf.scoring import RewardScorer, Scores
+from step3_rlhf.scoring import RewardScorer, Scores, trained_end_id
 from step3_rlhf.stage_fusion import StageFusion
 from training.algorithms import (
     KL_ESTIMATORS,
@@ -363,12 +363,13 @@ class PPOTrainer:
                 f"{'has one' if engine.has_critic else 'has none'}; build the engine for the same estimator"
             )
         check_samples_per_prompt(self.advantage_estimator, config.n_samples_per_prompt)
-        # None on a rank of a placement that scores no answers
-        self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, engine.tokenizer) \
-            if engine.reward is not None or reward_fn is not None else None
         tokenizer = engine.tokenizer
-        self.stop_token_ids = answer_stop_ids(PromptFormatter(tokenizer, prompt_format).stop_token_ids,
-                                              actor_stop_token_ids)
+        formatter = PromptFormatter(tokenizer, prompt_format)
+        self.stop_token_ids = answer_stop_ids(formatter.stop_token_ids, actor_stop_token_ids)
+        # None on a rank of a placement that scores no answers
+        self.scorer = RewardScorer(engine.reward, reward_fn, reward_fn_coef, tokenizer, self.stop_token_ids,
+                                   trained_end_id(formatter)) \
+            if engine.reward is not None or reward_fn is not None else None
         self.pad_token_id = tokenizer.pad_token_id
         self.tokenizer_size = len(tokenizer)
         self.kl_controller = (

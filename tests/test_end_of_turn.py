@@ -399,6 +399,27 @@ def test_step_3_gives_the_reward_model_the_sequence_step_2_trained_it_on(style):
     assert scores.total.tolist() == [tokenizer.convert_tokens_to_ids(style.end_of_turn), run_on[-1]]
 
 
+@pytest.mark.parametrize("style, other_stop", [pytest.param(GEMMA, "<eos>", id="gemma_eos"),
+                                               pytest.param(None, "<|endoftext|>", id="generation_config_id")])
+def test_an_answer_ended_at_another_stop_token_is_scored_where_step_2_trained_the_reward_model(style, other_stop):
+    """Step 2's sequences end in one token: the chat template's end-of-turn token (Gemma's <end_of_turn>, no EOS after
+    it) or the EOS (ChatML's <|im_end|>). Step 3 also ends an answer at the EOS where the template ends turns in its
+    own token, and at every other id the actor's generation config stops at (Qwen2.5-Instruct's <|endoftext|>): the
+    reward model scored such an answer at that token, where no training shaped its score. It now reads the answer
+    ending in step 2's token; an answer that ended there, or was cut off, is read as generated."""
+    tokenizer = turn_end_tokenizer(style) if style is not None else make_tokenizer(with_pad=True)
+    ids = tokenizer.convert_tokens_to_ids
+    end = ids(style.end_of_turn if style is not None else "<|im_end|>")  # where step 2's sequences end
+    reward_model = RecordingRewardModel()
+    engine = SimpleNamespace(tokenizer=tokenizer, actor_ema=None, critic=None, has_critic=False, reward=reward_model)
+    trainer = PPOTrainer(engine, None, PPOConfig(algorithm="remax"), actor_stop_token_ids=[ids(other_stop)])
+    answers = answers_of(trainer, torch.tensor([[5, ids(other_stop), 6], [5, end, 6], [5, 6, 7]]))
+    scores = trainer.scorer(answers.sequences, answers.attention_mask, answers.prompt_length, None)
+    assert scores.total.tolist() == [end, end, 7]
+    assert reward_model.rows == [[9, 5, end], [9, 5, end], [9, 5, 6, 7]]
+    assert answers.sequences[0, 2] == ids(other_stop)  # the rollout itself keeps what the actor wrote
+
+
 def layout_warnings(actor_tokenizer, reward_tokenizer, reward_dir, caplog, prompt_format: str = "auto") -> list[str]:
     from step3_rlhf.rlhf_engine import check_same_vocabulary, warn_other_layout
 
