@@ -275,6 +275,21 @@ def test_a_json_object_that_breaks_is_refused_where_it_breaks(tmp_path):
     assert [s.chosen for s in samples_of(str(tmp_path / "lines.json"))] == [f"good {i}" for i in (0, 1, 3, 4, 5)]
 
 
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+@pytest.mark.parametrize("broken", [0, 2, 5], ids=["first", "middle", "last"])
+def test_json_lines_with_a_record_cut_short_skip_that_line_wherever_it_is(tmp_path, suffix, broken):
+    """A .json file of JSON lines whose first record lost its closing brace was refused as "a JSON document that does
+    not parse at line 2 ... write it as JSON lines", which it is; the same line elsewhere was skipped and counted."""
+    lines = [json.dumps(row) for row in PAIRS[:6]]
+    lines[broken] = lines[broken].removesuffix("}")
+    path = tmp_path / f"lines{suffix}"
+    path.write_text("\n".join(lines) + "\n")
+    source = load_source(parse_source_spec(str(path)))
+    assert [sample.chosen for group, record in enumerate(source.records) for sample in source.parse(record, group)] \
+        == [f"good {i}" for i in range(6) if i != broken]
+    assert source.load_skips == {"malformed_json": 1}
+
+
 def test_json_lines_end_only_at_newlines(tmp_path):
     """U+2028/U+2029/U+0085 are legal unescaped inside JSON strings (json.dumps(ensure_ascii=False) writes them; 12
     of the embedded ShareGPT conversations hold U+2028): str.splitlines cut such a record in unparseable pieces."""

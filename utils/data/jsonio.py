@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from utils.errors import UserError
@@ -175,20 +177,42 @@ def _unparsed_document(path: Path, what: str) -> UserError:
                      "line), where a bad line is skipped and counted")
 
 
+LATER_LINES_LOOKED_AT = 3
+
+
 def _is_broken_document(text: str, error: json.JSONDecodeError) -> bool:
     """Whether `text`, which does not parse (`error`), is one JSON document broken past its first line (`{"data": [`
-    does not parse alone), not JSON lines (each line a record: the first parses alone, or is itself where it breaks).
-    Read as JSON lines, such a document gave the records that sit on a line of their own without a comma (one a
-    list), the others counted malformed."""
-    first = next(((number, line) for number, line in enumerate(text.split("\n"), start=1) if line.strip()), None)
-    if first is None:
+    does not parse alone), not JSON lines (each line a record: the first parses alone, or is itself where it breaks,
+    or the few lines after it parse alone as objects: the first record is the broken one). Read as JSON lines, such a
+    document gave the records that sit on a line of their own without a comma (one a list), the others counted
+    malformed."""
+    lines = list(islice(_non_blank_lines(text), 1 + LATER_LINES_LOOKED_AT))
+    if not lines:
         return False
-    number, line = first
+    (number, first), later = lines[0], lines[1:]
+    if _parses_alone(first):
+        return False
+    return error.lineno > number and not (later and all(_parses_alone(line, dict) for _, line in later))
+
+
+def _non_blank_lines(text: str) -> Iterator[tuple[int, str]]:
+    """The lines of `text` that hold more than whitespace, numbered from 1, cut at "\\n" as JSON lines are, one at a
+    time: a few are looked at, not the whole file split."""
+    start, number = 0, 1
+    while start <= len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        if text[start:end].strip():
+            yield number, text[start:end]
+        start, number = end + 1, number + 1
+
+
+def _parses_alone(line: str, kind: type = object) -> bool:
+    """Whether `line` on its own parses as JSON, of type `kind`."""
     try:
-        json.loads(line)
+        return isinstance(json.loads(line), kind)
     except json.JSONDecodeError:
-        return error.lineno > number
-    return False
+        return False
 
 
 def _records_of(content) -> list:
