@@ -48,7 +48,8 @@ CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})
 _HUMAN_STOP = "Human:"
 EXIT_INTERRUPTED = 130  # a shell's status for a process that SIGINT ended
-PASTE_GAP_S = 0.05  # a line that follows the prompt's line within this long came with it, in one paste: no one types so fast
+# a line that follows the prompt's line within this long came with it, in one paste: no one types so fast
+PASTE_GAP_S = 0.05
 
 
 def resolve_chat_model(path: str, ema: bool = False) -> str:

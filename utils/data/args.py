@@ -68,7 +68,8 @@ class DataArguments:
         "choices": PROMPT_OVERFLOW,
         "help": "step 3 prompts over --max_prompt_seq_len: drop them (counted) or keep their last tokens"})
     whole_sequence_loss: bool = field(default=False, metadata={
-        "help": "step 1: compute the loss on the prompt tokens too, not only on the answer (the other steps refuse it)"})
+        "help": "step 1: compute the loss on the prompt tokens too, not only on the answer "
+                "(the other steps refuse it)"})
     eval_fraction: float = field(default=0.1, metadata={"help": "fraction of each step's shard held out for evaluation"})
     max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training items"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use at most this many evaluation items"})
