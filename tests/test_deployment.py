@@ -1296,6 +1296,39 @@ def test_a_host_the_name_server_does_not_answer_for_is_taken_for_another_machine
     assert "takes it for another machine than this one" in caplog.text
 
 
+def test_this_machines_fully_qualified_name_is_waited_for_in_bounded_time(monkeypatch):
+    """Telling a host from this machine asked socket.getfqdn with no time limit before the bounded lookup: with a
+    name server down, is_this_machine("worker-1") took 13 s (getfqdn's 8 s, then the lookup's 5 s). getfqdn is waited
+    for HOST_LOOKUP_TIMEOUT_S now, this machine then known by its host name alone, once a process."""
+    from training.pipeline import hostfile
+
+    asked = []
+    monkeypatch.setattr(hostfile, "HOST_LOOKUP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-7")
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": asked.append(name) or time.sleep(3) or "gpu-node-7.example")
+    monkeypatch.setattr(socket, "getaddrinfo", _stand_in_resolver)
+    started = time.monotonic()
+    assert not hostfile.is_this_machine("worker-1")
+    assert hostfile.is_this_machine("GPU-NODE-7") and not hostfile.is_this_machine("node2")
+    assert time.monotonic() - started < 1.5
+    assert len(asked) == 1
+
+
+def test_a_host_name_the_resolver_cannot_encode_is_refused_naming_its_line(tmp_path, monkeypatch, caplog):
+    """`a..b` (which the hostfile's line pattern accepts) made the lookup thread die on a UnicodeError, its traceback
+    printed, and the host was then said to be one 'the name server does not answer' for. Refused when the hostfile is
+    read, naming the line; as --master-addr it is no address of this machine, without that warning."""
+    from training.pipeline import hostfile
+
+    monkeypatch.setattr(hostfile, "HOST_LOOKUP_TIMEOUT_S", 0.5)
+    path = write(tmp_path / "hosts", "worker-1 slots=2\na..b slots=2\n")
+    with pytest.raises(UserError, match=re.escape(f"{path}:2: host 'a..b' is not a valid host name (label empty or "
+                                                  "too long: each part between dots must be 1 to 63 characters)")):
+        read_hostfile(path)
+    assert not hostfile.is_this_machine("a..b")
+    assert "found no address" not in caplog.text
+
+
 def test_each_launch_of_a_run_looks_its_master_address_up_once(monkeypatch, caplog):
     """Whether rank 0 runs on this machine (its master port checked free here) asked the resolver for --master-addr
     at every step's launch, each waiting up to HOST_LOOKUP_TIMEOUT_S where the name server did not answer, and saying

@@ -37,7 +37,7 @@ class Host:
 def read_hostfile(path: str | os.PathLike) -> list[Host]:
     """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice, this machine
     under one name at most (`names_this_machine`), no two names resolving to one machine (`looked_up`), no host name
-    that pdsh reads as several.
+    that pdsh reads as several or the resolver cannot look up.
 
     Blank lines, `#` comments and what follows the slots on a line are ignored, as DeepSpeed's launcher does.
     """
@@ -58,6 +58,7 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
             raise UserError(f"{hostfile}:{number}: host {name!r} would reach pdsh as a list of hosts (it expands "
                             "[1-4] ranges and splits at commas), where DeepSpeed's launcher counts one node; list each "
                             "node on a line of its own")
+        _check_host_name(hostfile, number, name)
         if slots <= 0:
             raise UserError(f"{hostfile}:{number}: {name} has slots={slots}; slots must be a positive GPU count")
         twin = next((other for other in seen if other.lower() == name.lower()), None)  # host names ignore case
@@ -72,6 +73,17 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
     _check_this_machine_listed_once(hostfile, seen)
     _check_each_machine_listed_once(hostfile, seen)
     return hosts
+
+
+def _check_host_name(hostfile: Path, number: int, name: str) -> None:
+    """Refuse a host the system's resolver cannot be asked about (`a..b`): it encodes every name as IDNA, which
+    fails on an empty part between dots or one over 63 characters."""
+    try:
+        name.encode("idna")
+    except UnicodeError as error:
+        reason = error.__cause__ or error
+        raise UserError(f"{hostfile}:{number}: host {name!r} is not a valid host name ({reason}: each part between "
+                        "dots must be 1 to 63 characters); write the node's name or address") from None
 
 
 def _check_this_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) -> None:
@@ -124,9 +136,23 @@ def names_this_machine(host: str) -> bool:
 
 @functools.cache
 def _this_machine_names() -> frozenset[str]:
-    """`localhost` and this machine's host name and fully qualified one, lower case: found once a process, since
-    getfqdn may ask the system's resolver (a hostfile of 64 lines asked it 64 times)."""
-    return frozenset({"localhost", socket.gethostname().lower(), socket.getfqdn().lower()})
+    """`localhost` and this machine's host name and fully qualified one (where `_fully_qualified_name` finds it),
+    lower case: found once a process, since getfqdn may ask the system's resolver (a hostfile of 64 lines asked it 64
+    times)."""
+    names, fully_qualified = {"localhost", socket.gethostname().lower()}, _fully_qualified_name()
+    return frozenset(names | {fully_qualified.lower()} if fully_qualified else names)
+
+
+def _fully_qualified_name() -> str | None:
+    """socket.getfqdn's answer, asked in a thread of its own and waited for HOST_LOOKUP_TIMEOUT_S at most (None: no
+    answer by then): it asks the system's resolver with no time limit, and a name server down held each look at this
+    machine's names up for as long as the resolver kept trying (8 s, before a host's own bounded lookup)."""
+    answer: list[str] = []
+    asking = threading.Thread(target=lambda: answer.append(socket.getfqdn()), name="look up this machine's name",
+                              daemon=True)
+    asking.start()
+    asking.join(HOST_LOOKUP_TIMEOUT_S)
+    return answer[0] if answer else None
 
 
 @functools.cache
@@ -180,7 +206,7 @@ class _Lookup:
         threading.Thread(target=self._ask, name=f"look up {host}", daemon=True).start()
 
     def _ask(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, UnicodeError):  # UnicodeError: a name IDNA cannot encode (`a..b`)
             self._found = frozenset(info[4][0] for info in socket.getaddrinfo(self._host, None))
         self._answered.set()
 
