@@ -27,6 +27,7 @@ from training.reliability.signals import (
     resume_command,
     take_received_signal,
 )
+from utils.errors import EXIT_BROKEN_PIPE, run_cli
 
 LOOP = """
 import sys, time
@@ -402,6 +403,47 @@ def test_a_guarded_stream_kept_past_the_watch_takes_nothing_for_it(monkeypatch):
     os.close(write_end)
     with contextlib.suppress(OSError):  # its unwritten line meets the closed file descriptor
         stdout.close()
+
+
+RANK_STARTING_UP = """
+import time
+from utils.errors import run_cli
+
+@run_cli
+def main():  # a step before its stop handler is in place (loading its model), printing as it goes
+    print("ready", flush=True)
+    waited_until = time.monotonic() + 30
+    while time.monotonic() < waited_until:
+        print("loading", flush=True)
+        time.sleep(0.02)
+
+main()
+"""
+
+
+def test_a_rank_whose_output_reader_goes_before_its_stop_handler_ends_quietly(tmp_path):
+    """train.py killed while a rank started up (no GracefulInterrupt yet to watch the pipe) ended the rank's next
+    print in a BrokenPipeError traceback and status 1: run_cli now ends it quietly with the shell's SIGPIPE status."""
+    errors = tmp_path / "stderr"
+    read_end, write_end = os.pipe()
+    with errors.open("w") as stderr:
+        rank = subprocess.Popen([sys.executable, "-c", RANK_STARTING_UP], stdout=write_end, stderr=stderr,
+                                env=step_env())
+    os.close(write_end)
+    with os.fdopen(read_end) as output:
+        output.readline()
+    assert rank.wait(timeout=60) == EXIT_BROKEN_PIPE
+    assert errors.read_text() == ""
+
+
+def test_run_cli_raises_a_broken_pipe_of_another_cause():
+    """Only stdout or stderr left without its reader ends the process quietly; a pipe or socket of its own raises."""
+    @run_cli
+    def main():
+        raise BrokenPipeError("a socket of its own")
+
+    with pytest.raises(BrokenPipeError, match="of its own"):
+        main()
 
 
 def test_a_broken_pipe_of_another_cause_is_raised(monkeypatch):

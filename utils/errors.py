@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from utils.output_pipes import unread_outputs, write_to_devnull
+
 T = TypeVar("T")
 
 EXIT_USER_ERROR = 2
@@ -59,7 +61,9 @@ def refuse_wrong(*cases: tuple[object, str]) -> None:
 
 
 def run_cli(main: Callable[..., T]) -> Callable[..., T]:
-    """Decorate a console entry point so a `UserError` ends the process with one clear line."""
+    """Decorate a console entry point so a `UserError` ends the process with one clear line, and its output left
+    without a reader (train.py, which reads a rank's output, killed before the rank's stop handler is in place; `|
+    head`) ends it quietly with the shell's SIGPIPE status, not in a BrokenPipeError traceback and status 1."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -68,5 +72,12 @@ def run_cli(main: Callable[..., T]) -> Callable[..., T]:
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        except BrokenPipeError:
+            unread = unread_outputs()
+            if not unread:
+                raise
+            for fd in unread:  # Python's flush of them at exit would raise again
+                write_to_devnull(fd)
+            sys.exit(EXIT_BROKEN_PIPE)
 
     return wrapper

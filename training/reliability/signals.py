@@ -29,13 +29,13 @@ import os
 import select
 import shlex
 import signal
-import stat
 import sys
 import threading
 from types import FrameType
 from typing import IO, Callable, Iterator, NoReturn, Sequence
 
 from utils.dist import any_rank, get_world_size, print_rank0
+from utils.output_pipes import OUTPUT_FDS, pipes_among, without_reader, write_to_devnull
 
 EXIT_INTERRUPTED = 3
 """Exit status of a run stopped on request after saving its checkpoint (0: finished, 2: user error)."""
@@ -133,19 +133,6 @@ def say_from_handler(text: str) -> None:
         os.write(sys.stderr.fileno(), text.encode())
 
 
-OUTPUT_FDS = (1, 2)  # stdout and stderr, which a launched rank shares with its launcher and train.py's pipe
-
-
-def _pipes_among(fds: Sequence[int]) -> list[int]:
-    """Those of `fds` that are open pipes."""
-    pipes = []
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                pipes.append(fd)
-    return pipes
-
-
 class OutputReaderWatch:
     """Watches this process's stdout and stderr where they are pipes, from a thread: once no process reads one any
     more, that file descriptor writes to /dev/null from then on (a write to the pipe would raise BrokenPipeError)
@@ -158,7 +145,7 @@ class OutputReaderWatch:
 
     def __init__(self, on_gone: Callable[[], None], fds: Sequence[int] = OUTPUT_FDS) -> None:
         self._on_gone = on_gone
-        self._pipes = _pipes_among(fds)
+        self._pipes = pipes_among(fds)
         self._watching = False
         self._gone_said = False
         self._lock = threading.Lock()
@@ -194,7 +181,7 @@ class OutputReaderWatch:
         with self._lock:
             if _writes_to_devnull(fd):
                 return True
-            if not _without_reader(fd):
+            if not without_reader(fd):
                 return False
             write_to_devnull(fd)
             first, self._gone_said = not self._gone_said, True
@@ -295,27 +282,11 @@ def _fileno(stream: IO[str] | None) -> int | None:
         return None
 
 
-def _without_reader(fd: int) -> bool:
-    """Whether `fd`, a pipe's write end, has no reader (POLLERR)."""
-    poller = select.poll()
-    poller.register(fd, 0)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
-
-
 def _writes_to_devnull(fd: int) -> bool:
     try:
         return os.path.samestat(os.fstat(fd), os.stat(os.devnull))
     except OSError:
         return False
-
-
-def write_to_devnull(fd: int) -> None:
-    """`fd` writes to /dev/null from now on: its reader has left, and a write there would raise BrokenPipeError."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
 
 
 class GracefulInterrupt:
