@@ -147,7 +147,7 @@ class PlacedPPO:
         generated_by = {chunk: placement.owner(placement.generation_role, chunk) for chunk in range(placement.world_size)}
         senders = {generated_by[chunk] for chunk in generated_by
                    if generated_by[chunk] != rank and self.calls_of(rank, chunk)}
-        inbox = Inbox(self.fusion_group, len(senders)) if senders else None
+        inbox = Inbox(self.fusion_group, senders) if senders else None
         outbox = Outbox(self.fusion_group)
         pieces: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = defaultdict(list)
 

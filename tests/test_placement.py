@@ -65,8 +65,8 @@ def test_a_bad_placement_is_one_clear_error(name, world, ratio, message):
 
 
 @pytest.mark.parametrize("name, world, ratio, message", [
-    ("disaggregate", 1, None, "a share of 0.5 of 1 rank, which leaves it without a rank; give it at least 1 (shares "
-                              "that work on 1 rank: 1)"),
+    ("disaggregate", 1, None, ("a share of 0.5 of 1 rank, which leaves it without a rank; give it at least 1 "
+                               "(shares that work on 1 rank: 1)")),
     ("colocate", 1, {"rollout": 1}, "the rollout share 1 takes every rank (1 rank) and leaves none"),
     ("disaggregate", 2, {"actor": 1}, "the actor asks for 2 of 2 ranks, but the rollout takes 1 rank and leaves 1"),
 ])
@@ -517,3 +517,43 @@ def test_profiled_calls_change_nothing_and_every_rank_reports_its_calls(tmp_path
         names = set().union(*(rank["calls"] for rank in records[-1]["ranks"]))
         assert expected <= names, names
         assert all(rank["peak_rss_gb"] > 0 for rank in records[-1]["ranks"])
+
+
+_STAGE_FUSION_RECEIVER = """
+import datetime, sys, time
+import torch.distributed as dist
+from training.placement.exchange import Inbox
+rank, port, peer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+group = dist.new_group(backend="gloo")
+if rank == 1:
+    time.sleep(900 if peer == "hangs" else 0)  # never sends: alive and stuck (the test ends it), or gone
+    sys.exit(0)
+try:
+    list(Inbox(group, [1], timeout=datetime.timedelta(seconds=2)).remaining())
+except RuntimeError as error:
+    print(error)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", ["hangs", "dies"])
+def test_stage_fusion_waits_for_a_silent_sender_a_bounded_time_and_names_it(peer):
+    """A stage-fusion rank received its rows with a blocking gloo recv, which has no bound: a sender that hung, or
+    died (gloo's recv kept waiting after the peer's process had exited), left the receiver waiting forever. The wait
+    is now bounded, and ends in an error naming the sender and what to check."""
+    from crash_resume import step_env
+
+    port = str(free_port())
+    command = [sys.executable, "-c", _STAGE_FUSION_RECEIVER]
+    sender = subprocess.Popen([*command, "1", port, peer], cwd=REPO_ROOT, env=step_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        receiver = subprocess.run([*command, "0", port, peer], cwd=REPO_ROOT, env=step_env(), capture_output=True,
+                                  text=True, timeout=900, check=False)
+    finally:
+        sender.kill()
+        sender.wait()
+    assert receiver.returncode == 0, receiver.stderr[-2000:]
+    assert "stage fusion: rank 0 got nothing from rank 1 within 2 s" in receiver.stdout, receiver.stdout
+    assert "look for its error in its log" in receiver.stdout and "DEEPSPEED_TIMEOUT" in receiver.stdout

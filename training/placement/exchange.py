@@ -7,7 +7,9 @@ then run whichever call it owns next. Tensors travel on the CPU and return to th
 
 Stage fusion sends rows point to point instead (`post`, `Inbox`) over a gloo group of its own: a send never
 waits for its receiver, and each receiving rank takes its messages on a background thread, so a rank can decode
-its own answers while the rows of another's arrive, and score them between its decode steps.
+its own answers while the rows of another's arrive, and score them between its decode steps. Each receive waits at
+most DeepSpeed's process-group timeout (`DEEPSPEED_TIMEOUT` minutes, the bound of every collective of the run): a
+sender that died or hangs ends the run with an error naming it, where a receive without a bound waited forever.
 """
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import dataclasses
 import pickle
 import queue
 import threading
-from typing import Any, Iterator, Mapping
+from datetime import timedelta
+from typing import Any, Collection, Iterator, Mapping
 
 import torch
 import torch.distributed as torch_dist
+from deepspeed.constants import default_pg_timeout
 
 from utils.dist import all_gather_objects
 
@@ -139,30 +143,54 @@ class Outbox:
 
 
 class Inbox:
-    """Receives the values `Outbox.post` sends from any rank of `group`, on a background thread, until `senders`
-    ranks have closed; the caller takes them as they arrive (`ready`) or waits for the rest (`remaining`)."""
+    """Receives the values `Outbox.post` sends from the ranks `senders` of `group`, on a background thread, until each
+    has closed; the caller takes them as they arrive (`ready`) or waits for the rest (`remaining`). A wait of more than
+    `timeout` for the next message (by default the one of DeepSpeed's process groups) ends it with an error naming the
+    senders still open, raised in the caller's thread."""
 
-    def __init__(self, group: Any, senders: int):
+    def __init__(self, group: Any, senders: Collection[int], timeout: timedelta = default_pg_timeout):
         self.group = group
+        self.timeout = timeout
         self.arrived: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._receive, args=(senders,), daemon=True)
+        self.thread = threading.Thread(target=self._receive, args=(set(senders),), daemon=True)
         self.thread.start()
 
-    def _receive(self, senders: int) -> None:
+    def _receive(self, open_senders: set[int]) -> None:
         try:
-            while senders:
+            while open_senders:
                 size = torch.zeros(1, dtype=torch.long)
-                source = torch_dist.recv(size, group=self.group, tag=_SIZE_TAG)
+                source = self._received(size, None, _SIZE_TAG, open_senders)
                 body = torch.empty(int(size.item()), dtype=torch.uint8)
-                torch_dist.recv(body, src=source, group=self.group, tag=_BODY_TAG)
+                self._received(body, source, _BODY_TAG, open_senders)
                 kind, value = pickle.loads(body.numpy().tobytes())
                 if kind == "close":
-                    senders -= 1
+                    open_senders.discard(source)
                 else:
                     self.arrived.put(("message", value))
         except BaseException as error:  # handed to the caller's thread, which raises it
             self.arrived.put(("error", error))
         self.arrived.put(("closed", None))
+
+    def _received(self, tensor: torch.Tensor, source: int | None, tag: int, open_senders: set[int]) -> int:
+        """Fill `tensor` from `source` (None: whichever rank sends first) within the timeout; the rank it came from."""
+        work = torch_dist.irecv(tensor, src=source, group=self.group, tag=tag)
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            raise RuntimeError(self._silence(open_senders, error)) from error
+        if source is not None:
+            return source
+        return torch_dist.get_global_rank(self.group, work._source_rank())  # as torch_dist.recv finds the sender
+
+    def _silence(self, open_senders: set[int], error: RuntimeError) -> str:
+        """What a receive that ended without its message says: who was waited for, how long, what to check."""
+        ranks = ", ".join(str(rank) for rank in sorted(open_senders))
+        peers = f"rank{'s' if len(open_senders) > 1 else ''} {ranks}"
+        return (f"stage fusion: rank {torch_dist.get_rank()} got nothing from {peers} within "
+                f"{self.timeout.total_seconds():g} s, whose finished rows it still waits for ({error}): a rank that "
+                "died or hangs; look for its error in its log or the launcher's output. If generation truly takes "
+                "longer than that between finished rows, raise DEEPSPEED_TIMEOUT (minutes), which bounds every "
+                "collective of the run too")
 
     def _next(self, block: bool) -> tuple[str, Any] | None:
         try:
