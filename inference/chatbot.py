@@ -14,7 +14,12 @@ import contextlib
 import select
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, TextIO
+from typing import Callable, Iterable, Iterator, TextIO
+
+try:
+    import termios
+except ImportError:  # Windows: no terminal modes, and its console is never watched (`_input_waiting`)
+    termios = None
 
 import torch
 from transformers import TextStreamer
@@ -319,13 +324,37 @@ def _keep_undecodable_bytes(stream: TextIO) -> None:
 
 
 def _input_waiting(stream: TextIO, timeout: float) -> bool:
-    """Whether more typed input arrives on the terminal `stream` within `timeout` seconds; False on anything but a
-    terminal (a file or /dev/null is always readable) and where it cannot be watched (Windows' console, a stand-in
-    stream)."""
-    try:
-        return stream.isatty() and bool(select.select([stream], [], [], timeout)[0])
-    except (OSError, ValueError):
+    """Whether more typed input arrives on the terminal `stream` within `timeout` seconds, a line without its Enter
+    too (`_unfinished_lines_readable`); False on anything but a terminal (a file or /dev/null is always readable) and
+    where it cannot be watched (Windows' console, a stand-in stream)."""
+    if termios is None:
         return False
+    try:
+        if not stream.isatty():
+            return False
+        with _unfinished_lines_readable(stream):
+            return bool(select.select([stream], [], [], timeout)[0])
+    except (OSError, ValueError, termios.error):
+        return False
+
+
+@contextlib.contextmanager
+def _unfinished_lines_readable(stream: TextIO) -> Iterator[None]:
+    """The terminal `stream` out of line mode meanwhile, so that a line that has no Enter yet (a paste's last line,
+    copied without its newline) is seen waiting: in line mode the terminal holds it back until the Enter. GNU
+    readline reads so already; with plain `input` (a Python without readline) the paste was answered without its
+    last line, which then became a message of its own. Back in line mode the waiting text is handed to the next
+    read, which takes the rest of its line."""
+    fd = stream.fileno()
+    line_mode = termios.tcgetattr(fd)
+    keys_mode = [*line_mode[:6], list(line_mode[6])]
+    keys_mode[3] &= ~termios.ICANON
+    keys_mode[6][termios.VMIN], keys_mode[6][termios.VTIME] = 1, 0
+    termios.tcsetattr(fd, termios.TCSANOW, keys_mode)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, line_mode)
 
 
 def _typed_message(prompt: str) -> str:

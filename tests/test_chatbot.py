@@ -696,10 +696,13 @@ def test_a_conversation_cut_to_fit_says_so_after_the_answer():
     assert chat_session.history[0]["content"] == "how are you today"
 
 
-def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"") -> str:
+def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: bytes = b"",
+                                  readline: bool = True) -> str:
     """What the chat's prompt shows on a terminal where `typed_ahead` waits before the chat starts (lines typed while
-    an answer streamed), `keys` arrive at once at its first "Human: " that waits for them, Ctrl-D at the next: each
-    message it reads printed as MESSAGE 'text', until a quit command."""
+    an answer streamed), `keys` arrive at once at its first "Human: " that waits for them, `then` once the terminal is
+    quiet after them with no new prompt (the Enter that ends a paste's last line), Ctrl-D at the next prompt: each
+    message it reads printed as MESSAGE 'text', until a quit command. Without `readline`, the chat's Python has no
+    readline module (plain `input`)."""
     pty = pytest.importorskip("pty")
     import contextlib
     import select
@@ -709,7 +712,8 @@ def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"") -> str:
     child, terminal = pty.fork()
     if child == 0:  # the chat's prompt on a terminal
         os.chdir(REPO_ROOT)
-        messages = ("from inference.chatbot import QUIT_COMMANDS, _interactive_lines\n"
+        messages = (("" if readline else "import sys; sys.modules['readline'] = None\n") +
+                    "from inference.chatbot import QUIT_COMMANDS, _interactive_lines\n"
                     "for message in _interactive_lines():\n"
                     "    print('MESSAGE', repr(message), flush=True)\n"
                     "    if message.strip().lower() in QUIT_COMMANDS: break")
@@ -725,6 +729,9 @@ def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"") -> str:
         elif shown.endswith(b"Human: ") and len(shown) not in answered:  # a prompt quiet for 0.2 s waits for keys
             os.write(terminal, b"\x04" if answered else keys)
             answered.append(len(shown))
+        elif then and answered:  # quiet after the keys, and no new prompt: they left a line without its Enter
+            os.write(terminal, then)
+            then = b""
     with contextlib.suppress(ProcessLookupError):  # one still waiting past the deadline
         os.kill(child, signal.SIGKILL)
     os.waitpid(child, 0)
@@ -741,6 +748,16 @@ def test_lines_pasted_at_once_are_one_message():
     shown = _messages_typed_on_a_terminal(b"Why does this fail?\r\rx = 1 +\rprint(x)\r")
     assert shown.count("MESSAGE") == 1
     assert "MESSAGE 'Why does this fail?\\n\\nx = 1 +\\nprint(x)'" in shown
+
+
+@pytest.mark.parametrize("readline", [pytest.param(True, id="readline"), pytest.param(False, id="plain_input")])
+def test_a_pasted_last_line_without_its_newline_joins_the_message_at_its_enter(readline):
+    """A paste copied without its last newline leaves that line on the terminal until the Enter. With plain `input`
+    (a Python without readline) the terminal held that line back from the check for more pasted lines: the lines
+    before it were answered alone, and it became a message of its own."""
+    shown = _messages_typed_on_a_terminal(b"Why does this fail?\rx = 1 +\rprint(x)", then=b"\r", readline=readline)
+    assert shown.count("MESSAGE") == 1
+    assert "MESSAGE 'Why does this fail?\\nx = 1 +\\nprint(x)'" in shown
 
 
 def test_lines_typed_ahead_while_an_answer_streams_are_a_message_each():
