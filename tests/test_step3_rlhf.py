@@ -889,7 +889,7 @@ def test_step3_writes_models_metrics_plot_and_summary(step3_run):
     assert [r["step"] for r in trained] == [1, 2, 3]
     for key in ("reward/score_std", "reward/kl", "train/entropy", "train/clip_fraction", "train/critic_loss",
                 "train/actor_loss", "train/unsup_loss", "rollout/response_length", "time/generation_s",
-                "time/scoring_s", "time/training_s", "rollout/generated_tokens_per_s"):
+                "time/scoring_s", "time/training_s", "rollout/generated_tokens_per_s", "reward/clip_fraction"):
         assert all(key in r for r in trained), key
     assert all(r["train/actor_skipped_steps"] == r["train/critic_skipped_steps"] == 0 for r in trained)
     assert [e["step"] for e in summary["evaluations"]] == [0, 3]
