@@ -248,6 +248,20 @@ def test_a_finished_step_skipped_on_rerun_is_not_checked(tmp_path, tiny_model_di
     assert train(tmp_path, model, *flags)["commands"] == {}
 
 
+def test_a_finished_later_step_that_recorded_a_step_1_flag_is_reused(tmp_path, tiny_model_dir):
+    """train.py gave --whole_sequence_loss to every step before it was step 1's alone, so a finished step 2 recorded
+    it: the same command run again gives it to step 1 only, and that step 2 is reused, not refused as
+    '--whole_sequence_loss true -> false' for a flag it never read."""
+    model = tiny_model_dir("llama")
+    planned = train(tmp_path, model, "--whole_sequence_loss", "--dry-run")["commands"][2][3:]
+    run_dir = tmp_path / "out" / "step2"
+    finished = STEPS[2].entry().build_parser().parse_args(planned)
+    shutil.copytree(model, run_dir / "model")
+    (run_dir / "model" / "reward_model.json").write_text("{}")
+    save_run_args(run_dir, {**flag_values(finished), "whole_sequence_loss": True})
+    save_summary(run_dir, {"step": "step2_reward"})
+    assert sorted(train(tmp_path, model, "--whole_sequence_loss", "--dry-run")["commands"]) == [1, 3]
+
 def test_step_3_is_checked_on_the_ranks_the_deployment_plans(tmp_path, tiny_model_dir):
     """Stage fusion with a ZeRO-3 actor runs on one rank, not on the two of this single_node run."""
     argv = ["--actor-model", tiny_model_dir("llama"), "--reward-model", tiny_model_dir("llama"), "--output-dir",
