@@ -1112,7 +1112,7 @@ class LaunchedSteps:
         self.ports: list[int] = []
         self.taken: list = []
 
-    def __call__(self, command, log_path, label, env=None, stop_ranks=None):
+    def __call__(self, command, log_path, label, env=None, stop_ranks=None, nodes=()):
         import socket
 
         from deepspeed.launcher.runner import parse_args
@@ -1253,22 +1253,53 @@ def test_a_step_failing_on_another_node_names_the_node(tmp_path):
 
     rank = [sys.executable, "-c", "{}['chosen']"]
     with pytest.raises(UserError, match=r"^step 3 failed \(exit status \d+\): a rank on worker-1: KeyError: 'chosen';"):
-        run_subprocess(["pdsh", "-S", "-R", "exec", "-w", "worker-1", *rank], tmp_path / "step3.log", "step 3")
+        run_subprocess(["pdsh", "-S", "-R", "exec", "-w", "worker-1", *rank], tmp_path / "step3.log", "step 3",
+                       nodes=("worker-0", "worker-1"))
+
+
+LAUNCHER_LINE = ("[2026-11-27 21:51:45,360] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'main.py', "
+                 "'--data_path', 'x'] exits with return code = {}")
+
+
+@pytest.mark.parametrize("output, nodes, cause", [
+    ("usage: main.py [-h]\nmain.py: error: unrecognized arguments: --foo", ("worker-1",),
+     "main.py: unrecognized arguments: --foo"),
+    ("worker-1: usage: main.py [-h]\nworker-1: main.py: error: unrecognized arguments: --foo", ("worker-1",),
+     "a rank on worker-1: main.py: unrecognized arguments: --foo"),
+    ("\n".join(["worker-1: KeyError: 'chosen'", f"worker-1: {LAUNCHER_LINE.format(1)}",
+                "worker-2: RuntimeError: NCCL communicator was aborted", f"worker-2: {LAUNCHER_LINE.format(1)}"]),
+     ("worker-1", "worker-2"),
+     "a rank on worker-1: KeyError: 'chosen'"),
+    (f"worker-1: {LAUNCHER_LINE.format(-9)}\nworker-2: {LAUNCHER_LINE.format(1)}", ("worker-1", "worker-2"),
+     "a rank on worker-1 was killed (signal 9, SIGKILL)"),
+], ids=["argparse_here", "argparse_on_a_node", "cause_of_the_node_that_ended_first", "killed_on_a_node"])
+def test_a_cause_names_a_node_only_where_pdsh_does(output, nodes, cause):
+    """argparse's 'main.py: error: ...' was read as pdsh's prefix of a node named main.py ('a rank on main.py: ...'); a
+    node is one of the hostfile's, and the cause is the line of the node whose launcher saw a rank end first, not the
+    last line of another node whose ranks failed after, their peer gone."""
+    from training.pipeline.failures import cause_in_output
+
+    assert cause_in_output(output, nodes).startswith(cause)
 
 
 @pytest.mark.parametrize("through_deepspeed", [False, True])
 def test_a_step_whose_rank_the_oom_killer_ends_says_so(tmp_path, through_deepspeed):
     """A rank SIGKILLed (the OS's out-of-memory killer) ended in 'failed (exit status 247)': DeepSpeed's launcher exits
-    with -9 & 255. It is named as killed by signal 9, likely out of host memory, with the local rank."""
-    from training.pipeline.launch import run_subprocess
-    from utils.dist import free_port
+    with -9 & 255. It is named as killed by signal 9, likely out of host memory. Through DeepSpeed's launcher as
+    train.py starts it (--no_local_rank, the step's flags after its script), rank 0 of 2 killed: its launcher's line
+    names the command of the last rank it started, not the one that ended, so the message names no local rank."""
+    from training.pipeline.deployment import DeploymentType
+    from training.pipeline.launch import Launcher, run_subprocess
 
     killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     if through_deepspeed:
         script = tmp_path / "rank.py"
-        script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
-        killed = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), str(script)]
-    who = "local rank 0 was " if through_deepspeed else ""
+        script.write_text("import os, signal, time\nif os.environ['LOCAL_RANK'] == '0':\n"
+                          "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)\n")
+        launcher = Launcher(DeploymentType.SINGLE_NODE, num_gpus=2)
+        killed = launcher.command_now(script, ["--data_path", "x", "--output_dir", str(tmp_path / "out")],
+                                      check_gpus=False)
+    who = "a rank was " if through_deepspeed else ""
     with pytest.raises(UserError, match=rf"^step 1 failed \(exit status -?\d+\): {who}killed \(signal 9, SIGKILL\), "
                                         r"likely out of host memory"):
         run_subprocess(killed, tmp_path / "step1.log", "step 1")

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 TAIL_BYTES = 65536  # of a step's log read for its cause: a traceback's last line is near its end
-NODE_PREFIX = r"(?:(?P<node>[\w.-]+): )"  # pdsh's ahead of each line of a rank on another node ('worker-1: ')
 # the line a rank ends on: a Python traceback's last ('torch.OutOfMemoryError: CUDA out of memory...', "KeyError:
-# 'chosen'"), or a step's `error: ...` (a UserError, as `run_cli` prints it), maybe behind torch's '[rankN]:' prefix
-# (the node prefix lazy: "KeyError: 'x'" is no node's line)
-CAUSE_LINE = re.compile(NODE_PREFIX + r"??(?:\[rank\d+\]:\s*)?(?:error: (?P<error>.+)|"
+# 'chosen'"), a step's `error: ...` (a UserError, as `run_cli` prints it) or argparse's `main.py: error: ...` (its
+# program's name ahead), maybe behind torch's '[rankN]:' prefix
+CAUSE_LINE = re.compile(r"(?:\[rank\d+\]:\s*)?(?:(?:(?P<program>[\w.-]+): )?error: (?P<error>.+)|"
                         r"(?P<exception>[A-Za-z_][\w.]*(?:Error|Exception)(?::.*)?))$")
-# DeepSpeed's launcher on the first rank that ended with a status: "[..., '--local_rank=0'] exits with return code =
-# -9" (negative: the signal that killed it)
-RANK_ENDED = re.compile(NODE_PREFIX + r"?.*--local_rank=(?P<rank>\d+)'\] exits with return code = (?P<status>-?\d+)$")
+# DeepSpeed's launcher on a node where one of its ranks ended with a status: "[...] [ERROR] [launch.py:259:...] ['python',
+# '-u', 'main.py', '--data_path', ...] exits with return code = -9" (negative: the signal that killed it). The command
+# it prints is the last rank it started, not the one that ended, so the line names no rank.
+RANK_ENDED = re.compile(r"\[.*\] exits with return code = (?P<status>-?\d+)$")
 ACCELERATOR_OOM_ADVICE = ("out of accelerator memory: give the step a smaller per-device batch, or --offload, or "
                           "LoRA (--lora_dim 128; step 3: the --actor_/--critic_ flags)")
 # torch's zip writer on a write that failed ('unexpected pos 576 vs 534', 'file write failed'), as a full disk shows
@@ -60,25 +61,35 @@ def with_advice(cause: str) -> str:
     return cause
 
 
-def cause_in_output(output: str) -> str | None:
-    """Why a launched step failed, read from the end of its output: the rank DeepSpeed's launcher saw end first (on
-    the node pdsh names), and the signal that killed it or else the last exception or `error:` line a rank printed
-    (None: neither found)."""
-    lines = [line.strip() for line in output.splitlines()]
-    ended = [match for line in lines if (match := RANK_ENDED.match(line))]
-    if ended and int(ended[-1]["status"]) < 0:
-        return f"{_rank_named(ended[-1])} was {signal_cause(-int(ended[-1]['status']))}"
-    causes = [match for line in lines if (match := CAUSE_LINE.match(line))]
+def cause_in_output(output: str, nodes: Sequence[str] = ()) -> str | None:
+    """Why a launched step failed, read from the end of its output: the first node whose DeepSpeed launcher saw a rank
+    end (the ranks of other nodes most often fail after, their peers gone), and the signal that killed it or else the
+    last exception or `error:` line a rank of that node printed (None: neither found). `nodes`: the hostfile's, whose
+    names pdsh puts ahead of each line of their ranks ('worker-1: '); a line's prefix names a node only where it is one
+    of them, as argparse's 'main.py: error: ...' is no node's."""
+    lines = [_node_and_line(line.strip(), nodes) for line in output.splitlines()]
+    ended = [(node, match) for node, line in lines if (match := RANK_ENDED.match(line))]
+    ended_node = ended[0][0] if ended else None
+    if ended and int(ended[0][1]["status"]) < 0:
+        return f"{_a_rank_on(ended_node)} was {signal_cause(-int(ended[0][1]['status']))}"
+    causes = [(node, match) for node, line in lines if (match := CAUSE_LINE.match(line))
+              and (not ended or node == ended_node)]
     if not causes:
         return None
-    line = causes[-1]["error"] or causes[-1]["exception"]
-    where = _rank_named(ended[-1]) if ended else causes[-1]["node"] and f"a rank on {causes[-1]['node']}"
-    return with_advice(f"{where}: {line}" if where else line)
+    node, cause = causes[-1]
+    line = cause["exception"] or (f"{cause['program']}: {cause['error']}" if cause["program"] else cause["error"])
+    return with_advice(f"{_a_rank_on(node)}: {line}" if node else line)
 
 
-def _rank_named(ended: re.Match) -> str:
-    """The rank a launcher's line names: its local rank, and its node where pdsh names one."""
-    return f"local rank {ended['rank']}" + (f" on {ended['node']}" if ended["node"] else "")
+def _a_rank_on(node: str | None) -> str:
+    """A rank, on the node pdsh names where it names one."""
+    return f"a rank on {node}" if node else "a rank"
+
+
+def _node_and_line(line: str, nodes: Sequence[str]) -> tuple[str | None, str]:
+    """The node pdsh names ahead of `line` (None: none of `nodes`), and the rank's line behind it."""
+    name, separator, rest = line.partition(": ")
+    return (name, rest) if separator and name in nodes else (None, line)
 
 
 def output_tail(log_path: Path) -> str:

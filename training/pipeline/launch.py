@@ -508,13 +508,14 @@ def _signal_process_tree(pid: int, signum: signal.Signals) -> None:
 
 
 def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict[str, str] | None = None,
-                   stop_ranks: Sequence[str] | None = None) -> None:
+                   stop_ranks: Sequence[str] | None = None, nodes: Sequence[str] = ()) -> None:
     """Run a launcher command, streaming its combined output to the console and the log as it comes; a stop
     request during it ends in `StepStopped` unless the step finished all the same. With `stop_ranks` (ranks on other
     nodes: `Launcher.ranks_stop_command`) the launcher runs in a session of its own, which a terminal's Ctrl-C does
     not reach: its handler would kill pdsh, and with it the ranks' output. Where copying the output fails (the disk
     full, the console gone), the step's processes are stopped as on a stop request and waited for before the error
-    goes on: train.py does not end leaving them running unwatched."""
+    goes on: train.py does not end leaving them running unwatched. `nodes`: the hostfile's, whose names pdsh puts ahead
+    of their ranks' lines (`cause_in_output`)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log, _stop_requests_passed_on(stop_ranks) as stop_requests:
         log.write(f"$ {format_command(command)}\n".encode())
@@ -535,14 +536,14 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
     if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
-        raise UserError(f"{label} failed (exit status {status}){_failure_cause(status, log_path)}; its output is in "
-                        f"{log_path}")
+        raise UserError(f"{label} failed (exit status {status}){_failure_cause(status, log_path, nodes)}; its output "
+                        f"is in {log_path}")
 
 
-def _failure_cause(status: int, log_path: Path) -> str:
+def _failure_cause(status: int, log_path: Path, nodes: Sequence[str]) -> str:
     """': <why>' a launched step ended with `status`, from the signal that ended the launcher or the end of the
     step's output; empty where neither says."""
-    cause = signal_cause(-status) if status < 0 else cause_in_output(output_tail(log_path))
+    cause = signal_cause(-status) if status < 0 else cause_in_output(output_tail(log_path), nodes)
     return f": {cause}" if cause else ""
 
 

@@ -589,7 +589,8 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
             command = prepared.launcher.command_now(STEPS[step].script(), prepared.argvs[step])
             print(f"launch: {format_command(command)}", flush=True)  # its master port is settled now
             run_subprocess(command, config.log_path(step), label, env=_launch_env(config, prepared.launcher),
-                           stop_ranks=prepared.launcher.ranks_stop_command(STEPS[step].script(), prepared.argvs[step]))
+                           stop_ranks=prepared.launcher.ranks_stop_command(STEPS[step].script(), prepared.argvs[step]),
+                           nodes=prepared.launcher.hosts)
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
         raise _with_resume_hint(config, step, error) from error
