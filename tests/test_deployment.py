@@ -805,6 +805,7 @@ def test_a_hostfile_of_one_node_starts_the_ranks_on_that_node(tmp_path, tiny_mod
     ("localhost slots=4\nworker-1 slots=8\n", 4, None, None),  # another node's GPUs are that node's to know
     ("localhost slots=8\n", 0, None, None),  # planned from a machine without a GPU: its count says nothing
     ("localhost slots=8\n", 4, "0,1,2,3", None),  # the launcher gives the ranks GPUs 0-7 whatever it says
+    ("gpu-node-7-ib slots=8\nworker-1 slots=8\n", 4, None, "'gpu-node-7-ib slots=8' names this machine"),  # looked up
 ])
 def test_a_hostfile_line_giving_this_machine_more_slots_than_its_gpus_is_refused_before_step_1(
         tmp_path, tiny_model_dir, monkeypatch, hosts, gpus_here, visible, refused):
@@ -813,6 +814,7 @@ def test_a_hostfile_line_giving_this_machine_more_slots_than_its_gpus_is_refused
     from training.pipeline.cli import parse_config
     from training.pipeline.runner import run_pipeline
 
+    monkeypatch.setattr(socket, "getaddrinfo", _stand_in_resolver)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if visible is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
@@ -1354,22 +1356,32 @@ def test_each_launch_of_a_run_looks_its_master_address_up_once(monkeypatch, capl
     assert caplog.text.count("looking up head.cluster.example found no address") == 1
 
 
+@pytest.mark.parametrize("visible, hosts, here", [
+    ("2,3", "localhost slots=2\nworker-2 slots=2\n", "localhost slots=2"),
+    ("2,3", "worker-2 slots=2\ngpu-node-7-ib slots=2\n", "gpu-node-7-ib slots=2"),  # a name resolving to it
+    ("0,1", "localhost slots=2\nworker-2 slots=2\n", None),  # the GPUs it lists, as a scheduler sets it
+    ("0,1,2,3", "localhost slots=2\nworker-2 slots=2\n", None),  # among those it lists
+    ("2,3", "worker-1 slots=2\nworker-2 slots=2\n", None),  # no rank here
+])
 def test_a_cuda_visible_devices_a_multi_node_run_does_not_follow_is_said(tmp_path, tiny_model_dir, monkeypatch,
-                                                                          capsys):
+                                                                          capsys, visible, hosts, here):
     """DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node: a multi_node run with
     CUDA_VISIBLE_DEVICES=2,3 and ranks on this machine ran on its GPUs 0 and 1, unsaid. Said once, where ranks run
-    here; not where all run on other nodes."""
+    here (this machine told by a lookup too) on GPUs it does not list; it was said for 0,1 beside `localhost slots=2`
+    too, and not for a line naming this machine by a name only a lookup tells."""
     from training.pipeline.cli import run
 
-    model = tiny_model_dir("llama")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    run([*_multi_node_step_1(tmp_path, model, "localhost slots=2\nworker-2 slots=2\n"), "--dry-run"])
+    monkeypatch.setattr(socket, "getaddrinfo", _stand_in_resolver)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    run([*_multi_node_step_1(tmp_path, tiny_model_dir("llama"), hosts), "--dry-run"])
     said = capsys.readouterr().err
-    assert said.count("warning: multi_node: CUDA_VISIBLE_DEVICES=2,3 is not followed for the ranks on this "
-                      "machine") == 1
+    if here is None:
+        assert "CUDA_VISIBLE_DEVICES" not in said
+        return
+    assert said.count(f"warning: multi_node: CUDA_VISIBLE_DEVICES={visible} is not followed for the ranks on this "
+                      f"machine: DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node (here "
+                      f"GPUs 0,1, for '{here}')") == 1
     assert "train.py has no --include" in said and "--deployment-type single_node" in said
-    run([*_multi_node_step_1(tmp_path, model, "worker-1 slots=2\nworker-2 slots=2\n"), "--dry-run"])
-    assert "CUDA_VISIBLE_DEVICES" not in capsys.readouterr().err
 
 
 def test_the_variables_left_out_are_said_only_where_a_step_launches_on_other_nodes(tmp_path, tiny_model_dir,

@@ -46,7 +46,7 @@ from utils.errors import EXIT_BROKEN_PIPE, UserError
 from .config import DPO, PipelineConfig
 from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
 from .hardware import Hardware, detect_hardware, model_size
-from .hostfile import Host, names_this_machine, read_hostfile
+from .hostfile import Host, read_hostfile
 from .launch import (
     REPO_ROOT,
     Launcher,
@@ -60,6 +60,7 @@ from .launch import (
     other_nodes_env_warnings,
     run_in_process,
     run_subprocess,
+    visible_gpus,
 )
 from .planning import apply_zero_overrides, follow_user_max_steps, plan_deployment
 from .steps import (STEPS, ModelInput, StepEntry, accepted_options, drop_flag, flag_value, group_flags,
@@ -162,7 +163,7 @@ def _check_slots_of_this_machine(config: PipelineConfig, hosts: list[Host] | Non
     if hosts is None or hardware.num_gpus == 0 or "CUDA_VISIBLE_DEVICES" in os.environ:
         return
     for host in hosts:
-        if host.slots > hardware.num_gpus and names_this_machine(host.name):
+        if host.slots > hardware.num_gpus and is_this_machine(host.name):
             raise UserError(f"{config.hostfile}: '{host.name} slots={host.slots}' names this machine, which has "
                             f"{hardware.num_gpus} GPU{'s' if hardware.num_gpus > 1 else ''}; DeepSpeed's launcher "
                             f"would start {host.slots} ranks here, on GPUs 0 to {host.slots - 1}, those past its last "
@@ -362,6 +363,7 @@ class PreparedRun:
     finished: dict[int, dict]  # the summaries of the steps skipped, finished in their folders
     inputs: Inputs  # each step's model flags and their values
     runs_with: dict[int, dict[str, Any]]  # each step's flag values as its command line gives them
+    hosts: list[Host] | None = None  # multi_node: the hostfile's lines
 
 
 def _parsed_step_commands(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
@@ -573,7 +575,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
         for step in config.steps if step not in finished
     }
     runs_with = {step: values for step, (values, _) in flags.items()}
-    return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with)
+    return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with, hosts)
 
 
 def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
@@ -620,13 +622,20 @@ def _say_variables_left_out(prepared: PreparedRun) -> None:
 def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
     """Warn, where a multi_node step will launch ranks on this machine, that its CUDA_VISIBLE_DEVICES is not followed:
     DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node whatever it says (selecting others
-    takes its --include, which train.py does not pass), so a run restricted to GPUs 2 and 3 ran on 0 and 1, unsaid."""
-    launcher, visible = prepared.launcher, os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not (prepared.commands and visible and launcher is not None and launcher.deployment is DeploymentType.MULTI_NODE
-            and (launcher.on_this_machine or any(names_this_machine(host) for host in launcher.hosts))):
+    takes its --include, which train.py does not pass), so a run restricted to GPUs 2 and 3 ran on 0 and 1, unsaid.
+    Said only where one of those GPUs is not among those it lists (not for `0,1` beside `localhost slots=2`, as a
+    scheduler sets it), or it names GPUs otherwise than by index."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not (prepared.commands and visible and prepared.hosts):
+        return
+    listed = {int(index) for index in visible_gpus()}
+    here = next((host for host in prepared.hosts
+                 if not set(range(host.slots)) <= listed and is_this_machine(host.name)), None)
+    if here is None:
         return
     print(f"warning: multi_node: CUDA_VISIBLE_DEVICES={visible} is not followed for the ranks on this machine: "
-          "DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node, and train.py has no "
+          "DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node (here GPUs "
+          f"{','.join(map(str, range(here.slots)))}, for '{here.name} slots={here.slots}'), and train.py has no "
           "--include to choose others; to run on those GPUs alone, use --deployment-type single_node here, which "
           "follows it", file=sys.stderr, flush=True)
 
