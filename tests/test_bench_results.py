@@ -89,6 +89,10 @@ def test_a_new_report_names_the_commit_of_the_code_it_measured(tmp_path, monkeyp
     clean = _report_from(code, tmp_path / "clean.json", monkeypatch)
     assert clean["git_commit"] == head and clean["git_uncommitted_changes"] is False
     assert json.loads((tmp_path / "clean.json").read_text())["git_commit"] == head
+    results = code / "bench" / "results"
+    results.mkdir(parents=True)
+    (results / "earlier.json").write_text("{}\n")  # a result a benchmark wrote is no change of the code measured
+    assert _report_from(code, results / "next.json", monkeypatch)["git_uncommitted_changes"] is False
     (code / "bench.py").write_text("print(2)\n")
     assert _report_from(code, tmp_path / "changed.json", monkeypatch)["git_uncommitted_changes"] is True
     outside = _report_from(tmp_path, tmp_path / "outside.json", monkeypatch)
