@@ -2,6 +2,7 @@
 co-located run's PPO (same seed: same trained actor and critic, same held-out figures)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,23 @@ def test_a_share_of_a_model_the_run_does_not_hold_is_refused():
     with pytest.raises(UserError, match=r"gives the critic and the reward a share.*its models: actor, reference;"):
         check_placement_flags(flags("--reward_fn", "builtin:math", "--placement_ratio", "[1,0.5,1,0.5]"), 2)
     check_placement_flags(flags("--critic_model_name_or_path", "c", "--placement_ratio", "[1,1,0.5,0.5]"), 2)
+
+
+@pytest.mark.parametrize("ratio, advice", [
+    ("1,0.5,0.5,0.5", ("a list cannot leave a position out: give the critic's position colocate's share, "
+                       "--placement_ratio '[1,1,0.5,0.5]', or name the shares by model, "
+                       "--placement_ratio 'actor=1,reference=0.5,reward=0.5'")),
+    ("actor=1,critic=0.5,reward=0.5", "leave out the share of the critic: --placement_ratio 'actor=1,reward=0.5'"),
+    ("critic=0.5", "leave out the share of the critic: give no --placement_ratio"),
+])
+def test_a_refused_share_of_an_absent_model_says_what_to_give_in_the_form_given(ratio, advice):
+    """The refusal said "drop that share", which a positional list cannot do: dropping the critic's 0.5 from
+    `1,0.5,0.5,0.5` moves the reference's share into the critic's position. Each form is told what to give."""
+    with pytest.raises(UserError) as refusal:
+        build_placement("colocate", 2, ("actor", "reference", "reward"), parse_placement_ratio(ratio))
+    assert str(refusal.value).endswith(advice)
+    for given in re.findall(r"--placement_ratio '([^']+)'", advice):  # each value it names is taken
+        build_placement("colocate", 2, ("actor", "reference", "reward"), parse_placement_ratio(given))
 
 
 @pytest.mark.parametrize("text, message", [

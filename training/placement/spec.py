@@ -39,11 +39,16 @@ AUTO = "auto"
 PLACEMENTS = (*PRESETS, AUTO)
 
 
+class ShareList(dict):
+    """Shares read from FlexRLHF's positional list (`[1, 1, 0.5, 0.5]`): a position cannot be left out, so a
+    refusal of one names the value to put there instead."""
+
+
 def parse_placement_ratio(text: str) -> dict[str, float]:
     """`actor=1,critic=1,reference=0.5,reward=0.5[,rollout=0]` or FlexRLHF's list `[1, 1, 0.5, 0.5]` (roles in
     the order actor, critic, reference, reward, rollout); roles left out keep the placement's share. Strict:
     commas between items, whitespace around them allowed; an empty item, a role named twice, named and positional
-    items mixed or an unbalanced bracket is one `UserError`."""
+    items mixed or an unbalanced bracket is one `UserError`. A list's shares come as a `ShareList`."""
     items = [item.strip() for item in _unbracketed(text).split(",")]
     if items == [""]:
         raise UserError(f"--placement_ratio {text!r} names no share; e.g. 'reference=0.5,reward=0.5' or '[1,1,0.5,0.5]'")
@@ -61,7 +66,7 @@ def parse_placement_ratio(text: str) -> dict[str, float]:
         if role in shares:
             raise UserError(f"--placement_ratio {text!r} gives the share of the {role} twice; give it once")
         shares[role] = _share_value(text, role, value)
-    return shares
+    return shares if all(named) else ShareList(shares)
 
 
 BRACKETS = {"[": "]", "(": ")"}
@@ -178,15 +183,30 @@ def _whole_ranks(role: str, share: float, world_size: int) -> int:
     return round(count)
 
 
-def _refuse_shares_of_absent_models(preset: Mapping[str, float], ratio: Mapping[str, float],
-                                    present: list[str]) -> None:
+def _refuse_shares_of_absent_models(name: str, ratio: Mapping[str, float], present: list[str]) -> None:
     """A share that would move a model the run does not hold lays out nothing; the preset's own share (a list's
     critic position under a critic-free algorithm) changes nothing and passes."""
+    preset = PRESETS[name]
     moved = [role for role in MODEL_ROLES if role not in present and ratio.get(role, preset[role]) != preset[role]]
     if moved:
         raise UserError(f"--placement_ratio gives the {' and the '.join(moved)} a share, but this run holds no "
                         f"{' and no '.join(moved)} (its models: {', '.join(present)}; an algorithm without a critic "
-                        "trains none, and --reward_fn alone loads no reward model); drop that share")
+                        "trains none, and --reward_fn alone loads no reward model); "
+                        f"{_absent_share_advice(name, ratio, present, moved)}")
+
+
+def _absent_share_advice(name: str, ratio: Mapping[str, float], present: list[str], moved: list[str]) -> str:
+    """What to give instead, in the form the user wrote: a list keeps its positions (the absent model's at the
+    preset's share), named shares leave the absent models out."""
+    held = {role: share for role, share in ratio.items() if role in present or role not in MODEL_ROLES}
+    named = ",".join(f"{role}={share:g}" for role, share in held.items())
+    by_model = f"--placement_ratio '{named}'" if named else "give no --placement_ratio"
+    if isinstance(ratio, ShareList):
+        listed = ",".join(f"{share if role in held else PRESETS[name][role]:g}" for role, share in ratio.items())
+        positions = " and the ".join(f"{role}'s" for role in moved) + (" positions" if len(moved) > 1 else " position")
+        return (f"a list cannot leave a position out: give the {positions} {name}'s share, --placement_ratio "
+                f"'[{listed}]', or name the shares by model, {by_model}")
+    return f"leave out the share of the {' and the '.join(moved)}: {by_model}"
 
 
 def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROLES,
@@ -197,7 +217,7 @@ def build_placement(name: str, world_size: int, roles: Iterable[str] = MODEL_ROL
     if name not in PRESETS:
         raise UserError(f"unknown placement {name!r}; choose one of {', '.join(PLACEMENTS)}")
     present = [role for role in MODEL_ROLES if role in set(roles)]
-    _refuse_shares_of_absent_models(PRESETS[name], ratio or {}, present)
+    _refuse_shares_of_absent_models(name, ratio or {}, present)
     shares = {**PRESETS[name], **(ratio or {})}
     for role, share in shares.items():
         if not 0.0 <= share <= 1.0:
