@@ -13,7 +13,9 @@ _BLANK_LINE_MARKER = re.compile(rf"(?:\A\s*|{BLANK_LINE})(Human|Assistant):")
 _MARKER_AFTER_BLANK_LINE = re.compile(rf"{BLANK_LINE}(?:Human|Assistant):")
 _INLINE_MARKER = re.compile(r"(?:^|\s)(Human|Assistant):")
 _MARKER_ROLES = {"Human": USER, "Assistant": ASSISTANT}
-_SPEAKER_NAMED = 24  # characters of an unknown speaker a skip reason names
+# speakers of a tool call and its result, which a skip reason names: any other speaker is text of a data set's own
+# (a role-play character), and naming each would grow the report without bound
+TOOL_SPEAKERS = frozenset({"tool", "function", "function_call", "ipython", "observation"})
 
 
 def parse_transcript(text: str) -> list[dict]:
@@ -86,8 +88,9 @@ def parse_messages(messages: Any, role_key: str, content_key: str, context: Sequ
 def _unknown_role(speaker: Any) -> str:
     """The skip reason of a message whose speaker is no role the prompt formats have a turn for, naming it: a tool
     call's result (`unknown_role:tool`, `:function`, `:ipython`) is not trained on, and its row not read in part
-    (the reply would answer a tool output the prompt leaves out)."""
-    return f"unknown_role:{speaker[:_SPEAKER_NAMED]}" if isinstance(speaker, str) and speaker.strip() else "unknown_role"
+    (the reply would answer a tool output the prompt leaves out). Other speakers are `unknown_role` alone."""
+    named = speaker.strip().lower() if isinstance(speaker, str) else None
+    return f"unknown_role:{named}" if named in TOOL_SPEAKERS else "unknown_role"
 
 
 def _role(message: dict, role_key: str) -> str | None:
