@@ -69,6 +69,7 @@ from utils.data import (
     build_unsupervised_dataset,
     write_split_record,
 )
+from utils.data.args import flags_another_step_reads
 from utils.data.phases import PhaseData
 from utils.data.shard_match import InputRunRecord
 from utils.dist import get_world_size, init_distributed, is_main_process
@@ -208,8 +209,8 @@ def run_step3(args: Step3Settings) -> dict:
         check_args(args)  # the settings the plan chose
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args),
-                                               resume_override_flags(args))
+        fixed_flags = resume_fixed_flags(args, flags_another_step_reads(3))
+        checkpoints = args.checkpoints.manager(args.run.output_dir, fixed_flags, resume_override_flags(args))
         checkpoints.check_start(args.checkpoints.resume)  # before anything loads or args.json is written
         if auto_plan is not None:
             record_auto_plan(run_dir, auto_plan)

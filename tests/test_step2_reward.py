@@ -184,3 +184,28 @@ def test_zero3_bf16_reward_model_saves_and_reloads_with_its_scores(distributed, 
     reloaded = _reload_scores(tmp_path / "run", data, tmp_path / "cache", dtype=torch.bfloat16)
     assert reloaded.chosen_mean == pytest.approx(summary["eval_chosen_mean_after"], abs=2e-2)
     assert reloaded.rejected_mean == pytest.approx(summary["eval_rejected_mean_after"], abs=2e-2)
+
+
+def test_a_step_2_checkpoint_that_recorded_a_step_1_flag_resumes(distributed, tiny_model_dir, tmp_path, capsys):
+    """Before d3462bc train.py gave --whole_sequence_loss to every step, so a step 2 checkpoint recorded it; now only
+    step 1 gets it, and --resume refused that checkpoint as '--whole_sequence_loss True -> False', a flag step 2 never
+    read. It resumes; a flag step 2 reads that differs (--seed) is still refused."""
+    from training.reliability.checkpointing import MARKER_FILE
+
+    data = write_arithmetic_jsonl(tmp_path / "pairs.jsonl", 16)
+    args = ["--model_name_or_path", tiny_model_dir("llama"), "--max_steps", "1", "--save_interval", "1",
+            *_common(data, tmp_path / "cache", tmp_path / "run")]
+    step2_main(args)
+    [marker] = (tmp_path / "run").glob(f"checkpoints/*/{MARKER_FILE}")
+    recorded = json.loads(marker.read_text())
+
+    def record_flags(**flags):
+        marker.write_text(json.dumps({**recorded, "flags": {**recorded["flags"], **flags}}))
+
+    record_flags(whole_sequence_loss=True)
+    assert step2_main([*args, "--resume"])["optimizer_steps"] == 1
+    record_flags(whole_sequence_loss=True, seed=1)
+    with pytest.raises(SystemExit) as refused:
+        step2_main([*args, "--resume"])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and "--seed 1 -> 1234" in error and "whole_sequence_loss" not in error, error

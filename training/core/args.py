@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
@@ -129,12 +129,13 @@ def _flag_default(source: Field, flag: _Flag) -> Any:
     return source.default
 
 
-def resume_fixed_flags(settings: Any) -> dict[str, Any]:
+def resume_fixed_flags(settings: Any, unread: Collection[str] = frozenset()) -> dict[str, Any]:
     """The `flag_values` a resumed run must share with its checkpoint: all but those marked "same_result" or
-    "resume_override", and in place of a flag marked "resolved", its resolved value under the key
-    "<flag> (resolved)" (`training.reliability.run_records.with_resolved_flags` reads older checkpoints, which
-    record the flag as given)."""
-    free = _marked_flags(type(settings), "same_result") | _marked_flags(type(settings), "resume_override")
+    "resume_override" and the `unread` ones (flags this step takes but does not read: `utils.data.args.
+    flags_another_step_reads`; a checkpoint recording them is not compared on them), and in place of a flag marked
+    "resolved", its resolved value under the key "<flag> (resolved)"
+    (`training.reliability.run_records.with_resolved_flags` reads older checkpoints, which record the flag as given)."""
+    free = _marked_flags(type(settings), "same_result") | _marked_flags(type(settings), "resume_override") | set(unread)
     fixed = {name: value for name, value in flag_values(settings).items() if name not in free}
     for name, group_type, prefix in _groups(type(settings)):
         for source, flag in zip(_flag_fields(group_type), _flags(group_type, prefix)):

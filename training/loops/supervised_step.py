@@ -64,6 +64,7 @@ from training.reliability.validation import (
     estimate_output_bytes,
 )
 from utils.data import DataArguments, PromptFormatter, write_split_record
+from utils.data.args import flags_another_step_reads
 from utils.dist import get_world_size, init_distributed
 from utils.errors import refuse_all
 from utils.log import setup_logging
@@ -233,8 +234,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
     init_distributed()
     run_dir = check_output_dir(args.run.output_dir)
     with RunLock(run_dir):
-        checkpoints = args.checkpoints.manager(args.run.output_dir, resume_fixed_flags(args),
-                                               resume_override_flags(args))
+        fixed_flags = resume_fixed_flags(args, flags_another_step_reads(args.phase))
+        checkpoints = args.checkpoints.manager(args.run.output_dir, fixed_flags, resume_override_flags(args))
         checkpoints.check_start(args.checkpoints.resume)  # before anything loads or args.json is written
         set_seed(args.data.seed)
         tokenizer = load_tokenizer(model_name, args.run.trust_remote_code)

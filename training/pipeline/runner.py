@@ -38,7 +38,7 @@ from training.reliability.signals import (
 from training.reliability.validation import check_folder_path
 from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
-from utils.data.args import SOURCE_FLAGS, STEP1_ONLY_FLAGS
+from utils.data.args import SOURCE_FLAGS, flags_another_step_reads
 from utils.data.sources import looks_local, parse_source_spec, source_fingerprint
 from utils.data.unsupervised import text_source_fingerprint
 from utils.errors import EXIT_BROKEN_PIPE, UserError
@@ -203,7 +203,7 @@ def _finished_summary(config: PipelineConfig, step: int, flags: RecordedFlags) -
     summary, recorded = read_summary(run_dir), read_run_args(run_dir)
     if summary is None or recorded is None or not STEPS[step].output.saved_in(run_dir):
         return None
-    changed = changed_flags(recorded, flags[0], flags[1] | _flags_another_step_reads(step))
+    changed = changed_flags(recorded, flags[0], flags[1] | flags_another_step_reads(step))
     if changed:
         changes = ", ".join(f"--{name} {json.dumps(then)} -> {json.dumps(now)}" for name, (then, now) in changed.items())
         raise UserError(
@@ -211,12 +211,6 @@ def _finished_summary(config: PipelineConfig, step: int, flags: RecordedFlags) -
             f"same settings, or choose another --output-dir (or delete {run_dir} to run step {step} again)"
         )
     return summary
-
-
-def _flags_another_step_reads(step: int) -> frozenset[str]:
-    """The flags a step's args.json records, but another step alone reads (`STEP1_ONLY_FLAGS`): not compared, since
-    train.py gave them to every step before they were step 1's (a step 2 run with --whole_sequence_loss recorded it)."""
-    return frozenset() if step == 1 else frozenset(STEP1_ONLY_FLAGS)
 
 
 def _finished_steps(config: PipelineConfig, argvs: Mapping[int, list[str]], flags: Mapping[int, RecordedFlags],

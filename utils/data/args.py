@@ -34,6 +34,13 @@ STEP1_ONLY_FLAGS = {
 }
 
 
+def flags_another_step_reads(step: int) -> frozenset[str]:
+    """The flags step `step` (its number, or its shard: both 1 for step 1 alone) records but another step alone reads
+    (`STEP1_ONLY_FLAGS`): train.py gave them to every step before they were step 1's, so a later step's args.json and
+    checkpoints may hold them; they are not compared when that step is run again or resumed."""
+    return frozenset() if step == 1 else frozenset(STEP1_ONLY_FLAGS)
+
+
 def with_resolved_sources(flags: Mapping[str, Any]) -> dict[str, Any]:
     """Recorded flags with the data sources resolved as `DataArguments` resolves them (records written before it
     did, or by hand, compare equal to a run's own when they read the same files from here)."""
