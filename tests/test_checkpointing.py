@@ -740,7 +740,7 @@ def test_a_checkpoint_fingerprinting_its_input_folder_in_an_older_format_resumes
     older = {"files": {name: [size, "0" * 64] for name, (size, _) in written["inputs"][
         "model_name_or_path"]["files"].items()}}
     marker.write_text(json.dumps({**written, "inputs": {"model_name_or_path": older}}))
-    with caplog.at_level("INFO"):
+    with caplog.at_level("WARNING"):
         manager.check_inputs(models, resume=True)
     assert f"fingerprinted --model_name_or_path {folder} in another format" in caplog.text
     marker.write_text(json.dumps(written))

@@ -696,12 +696,14 @@ def _inputs_problem(info: CheckpointInfo, recorded: Mapping[str, Any], current: 
                     models: Mapping[str, str | None]) -> str | None:
     """The refusal of a resume whose input models differ from those `info` recorded (a flag only one of the two runs
     gave is the flags' check's to compare), or None. A model folder `info` fingerprinted in another format is not
-    compared (its digests differ from this version's, the files unchanged), saying so in the log."""
+    compared (its digests differ from this version's, the files unchanged), with a warning: a model trained again
+    since would go on unseen."""
     shared = sorted(recorded.keys() & current.keys())
     unread = [flag for flag in shared if _other_fingerprint_format(recorded[flag], current[flag])]
     if unread:
-        logger.info("%s fingerprinted %s in another format (an older version wrote it): not compared", info.path,
-                    ", ".join(f"--{flag} {models[flag]}" for flag in unread))
+        logger.warning("%s fingerprinted %s in another format (an older version wrote it), so they are not compared: "
+                       "make sure they are the models that run started from", info.path,
+                       ", ".join(f"--{flag} {models[flag]}" for flag in unread))
     changed = [flag for flag in shared if flag not in unread and recorded[flag] != current[flag]]
     if not changed:
         return None
