@@ -60,6 +60,37 @@ def test_a_results_command_still_parses_with_todays_flags(path, name, argv, monk
         parse_args(argv)
 
 
+PIPELINE_RUNS = [(path, argv) for path, name, argv in PARSED if name == "pipeline"]
+
+
+def _check_train_flags(pipeline_argv: list[str]) -> None:
+    """bench/pipeline.py's `--` part as train.py takes it: its own flags parsed (argparse's SystemExit on a bad
+    value), the rest given to the steps that accept them (a `UserError` naming a flag no step accepts). Neither reads
+    a file, so a path only the measuring machine has (its --data_path) passes."""
+    from bench.pipeline import parse_args
+    from training.pipeline.cli import parse_config
+    from training.pipeline.runner import route_user_flags
+    from training.pipeline.steps import STEPS
+
+    _, train_argv = parse_args(pipeline_argv)
+    route_user_flags(parse_config(train_argv), lambda step: STEPS[step].entry())
+
+
+@pytest.mark.parametrize("path, argv", PIPELINE_RUNS, ids=[path.name for path, _ in PIPELINE_RUNS])
+def test_a_pipeline_results_train_py_flags_still_parse(path, argv):
+    """bench/pipeline.py's parse_args hands the flags after `--` to train.py unparsed, so the test above passed a
+    committed pipeline command whose train.py flag had been renamed."""
+    _check_train_flags(argv)
+
+
+def test_a_renamed_train_py_flag_in_a_committed_pipeline_command_is_caught():
+    """A committed command with --deployment-type spelled as a train.py that renamed it would no longer read."""
+    argv = next(argv for _, argv in PIPELINE_RUNS if "--deployment-type" in argv)
+    renamed = ["--deployment-kind" if word == "--deployment-type" else word for word in argv]
+    with pytest.raises(UserError, match="--deployment-kind is not a flag of train.py nor of step"):
+        _check_train_flags(renamed)
+
+
 
 def _report_from(code: Path, output: Path, monkeypatch) -> dict:
     """The report a bench writes with its code in the folder `code`."""

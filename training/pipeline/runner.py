@@ -521,6 +521,15 @@ def _check_step_args_of_steps_run(config: PipelineConfig) -> None:
                             f"this run, whose steps are {running}; give the flags to one of those")
 
 
+def route_user_flags(config: PipelineConfig, entry: Callable[[int], StepEntry]) -> dict[int, list[str]]:
+    """The flags given to train.py that it does not read itself, each given to the run's steps that accept it; one
+    that no step accepts (a typo, a renamed flag) is a `UserError` (`route_extra_flags`). Reads no file."""
+    return route_extra_flags(
+        config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps},
+        read_by_train_py=frozenset({"--reward_fn"}),
+    ) if config.extra_args else {}
+
+
 def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> PreparedRun:
     """Validate the inputs (hostfile, prerequisites, flags), plan the deployment, build each step's command."""
     check_not_under_a_launcher()
@@ -531,10 +540,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     hosts = _hosts(config, deployment)
     _check_slots_of_this_machine(config, hosts, hardware)
     inputs = _inputs(config)
-    routed = route_extra_flags(
-        config.extra_args, config.steps, {s: accepted_options(entry(s).build_parser()) for s in config.steps},
-        read_by_train_py=frozenset({"--reward_fn"}),
-    ) if config.extra_args else {}
+    routed = route_user_flags(config, entry)
     reward_model = any(source.model is Model.REWARD for source, _ in inputs.get(3, []))
     plan = plan_deployment(deployment, _model_sizes(config, inputs), hardware, hosts, config.workload(reward_model),
                            steps=config.steps)
