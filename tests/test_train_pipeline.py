@@ -1282,6 +1282,18 @@ def test_a_cause_names_a_node_only_where_pdsh_does(output, nodes, cause):
     assert cause_in_output(output, nodes).startswith(cause)
 
 
+def test_a_rerun_step_that_fails_names_its_own_cause_not_the_last_attempts(tmp_path):
+    """A step's log holds every attempt at it (a rerun appends), and the cause was read from its whole tail: a rerun
+    failing fast on "KeyError: 'chosen'" was said to have had a rank killed by SIGKILL, the earlier attempt's end."""
+    from training.pipeline.launch import run_subprocess
+
+    log = tmp_path / "step2.log"
+    log.write_text(f"$ deepspeed main.py --data_path x\nloading\n{LAUNCHER_LINE.format(-9)}\n")
+    with pytest.raises(UserError, match=r"^step 2 failed \(exit status 1\): KeyError: 'chosen'; its output is in "):
+        run_subprocess([sys.executable, "-c", "{}['chosen']"], log, "step 2")
+    assert log.read_text().count("exits with return code = -9") == 1
+
+
 @pytest.mark.parametrize("through_deepspeed", [False, True])
 def test_a_step_whose_rank_the_oom_killer_ends_says_so(tmp_path, through_deepspeed):
     """A rank SIGKILLed (the OS's out-of-memory killer) ended in 'failed (exit status 247)': DeepSpeed's launcher exits

@@ -92,9 +92,10 @@ def _node_and_line(line: str, nodes: Sequence[str]) -> tuple[str | None, str]:
     return (name, rest) if separator and name in nodes else (None, line)
 
 
-def output_tail(log_path: Path) -> str:
-    """The last `TAIL_BYTES` of a step's log, as text."""
+def output_tail(log_path: Path, attempt_start: int = 0) -> str:
+    """The last `TAIL_BYTES` of a step's log from `attempt_start` on, as text: the log holds every attempt at the step
+    (a rerun appends to it), and only the last attempt's output says why it failed."""
     with log_path.open("rb") as log:
         size = log.seek(0, 2)
-        log.seek(max(0, size - TAIL_BYTES))
+        log.seek(max(attempt_start, size - TAIL_BYTES))
         return log.read().decode(errors="replace")

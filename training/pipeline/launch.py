@@ -518,6 +518,7 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
     of their ranks' lines (`cause_in_output`)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log, _stop_requests_passed_on(stop_ranks) as stop_requests:
+        attempt_start = log.tell()
         log.write(f"$ {format_command(command)}\n".encode())
         try:
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -536,14 +537,14 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
     if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
         raise StepStopped(label)
     if status != 0:
-        raise UserError(f"{label} failed (exit status {status}){_failure_cause(status, log_path, nodes)}; its output "
-                        f"is in {log_path}")
+        cause = _failure_cause(status, log_path, attempt_start, nodes)
+        raise UserError(f"{label} failed (exit status {status}){cause}; its output is in {log_path}")
 
 
-def _failure_cause(status: int, log_path: Path, nodes: Sequence[str]) -> str:
+def _failure_cause(status: int, log_path: Path, attempt_start: int, nodes: Sequence[str]) -> str:
     """': <why>' a launched step ended with `status`, from the signal that ended the launcher or the end of the
-    step's output; empty where neither says."""
-    cause = signal_cause(-status) if status < 0 else cause_in_output(output_tail(log_path), nodes)
+    step's output in its log from `attempt_start` on (this attempt's); empty where neither says."""
+    cause = signal_cause(-status) if status < 0 else cause_in_output(output_tail(log_path, attempt_start), nodes)
     return f": {cause}" if cause else ""
 
 
