@@ -1329,25 +1329,59 @@ def torch_cpu_allocation_error() -> Exception:
 HOST_MEMORY_SAID = r"; out of host memory: run with fewer models offloaded, a smaller batch, or on a machine with more"
 
 
+def numpy_allocation_error() -> MemoryError:
+    """What numpy raises where the host refuses an array ('Unable to allocate 8.00 TiB for an array ...'): its own
+    MemoryError subclass, made here rather than by asking for the memory."""
+    import numpy
+    from numpy._core._exceptions import _ArrayMemoryError
+
+    return _ArrayMemoryError((2**40,), numpy.dtype("float64"))
+
+
+class AllocationRefused(MemoryError):
+    """A library's MemoryError whose name does not say memory."""
+
+
+NUMPY_ALLOCATION_SAID = (r"numpy\._core\._exceptions\._ArrayMemoryError: Unable to allocate 8\.00 TiB for an array "
+                         r"with shape \(1099511627776,\) and data type float64")
+
+
 @pytest.mark.parametrize("error, said", [
     (lambda: MemoryError(), r"MemoryError"),
     (lambda: OSError(12, "Cannot allocate memory"), r"OSError: \[Errno 12\] Cannot allocate memory"),
     (torch_cpu_allocation_error, r"RuntimeError: .*DefaultCPUAllocator: .*"),
-], ids=["memory_error", "errno_12", "torch_cpu"])
+    (numpy_allocation_error, NUMPY_ALLOCATION_SAID),
+    (lambda: AllocationRefused("no room for the rollout buffer"),
+     rf"{re.escape(__name__)}\.AllocationRefused: no room for the rollout buffer"),
+], ids=["memory_error", "errno_12", "torch_cpu", "numpy", "memory_error_subclass"])
 def test_a_step_out_of_host_memory_is_told_so(tmp_path, tiny_model_dir, error, said):
     """A step whose host refused an allocation (Python's MemoryError, errno 12, torch's CPU allocator) was named
-    without a word of memory, while a rank the OOM killer ended was told it ran out of host memory and what to do."""
+    without a word of memory, while a rank the OOM killer ended was told it ran out of host memory and what to do.
+    A MemoryError subclass (numpy's '_ArrayMemoryError: Unable to allocate ...') was told nothing of memory either."""
     fakes = CrashingSteps(tiny_model_dir("llama"), error())
     with pytest.raises(UserError, match=rf"step 2 \(reward model\) crashed: {said}{HOST_MEMORY_SAID}"):
         run(common(tmp_path, fakes.model_dir), fakes)
 
 
-def test_a_launched_step_whose_rank_runs_out_of_host_memory_is_told_so(tmp_path):
-    """The same of a rank's last words: its traceback's 'MemoryError' line."""
+@pytest.mark.parametrize("rank, said", [
+    ("raise MemoryError", "MemoryError"),
+    (("import numpy\nfrom numpy._core._exceptions import _ArrayMemoryError\n"
+      "raise _ArrayMemoryError((2**40,), numpy.dtype('float64'))"), NUMPY_ALLOCATION_SAID),
+], ids=["memory_error", "numpy"])
+def test_a_launched_step_whose_rank_runs_out_of_host_memory_is_told_so(tmp_path, rank, said):
+    """The same of a rank's last words: its traceback's 'MemoryError' line, or numpy's '_ArrayMemoryError' line."""
     from training.pipeline.launch import run_subprocess
 
-    with pytest.raises(UserError, match=rf"^step 1 failed \(exit status 1\): MemoryError{HOST_MEMORY_SAID}"):
-        run_subprocess([sys.executable, "-c", "raise MemoryError"], tmp_path / "step1.log", "step 1")
+    with pytest.raises(UserError, match=rf"^step 1 failed \(exit status 1\): {said}{HOST_MEMORY_SAID}"):
+        run_subprocess([sys.executable, "-c", rank], tmp_path / "step1.log", "step 1")
+
+
+def test_cudas_out_of_memory_error_is_not_told_of_host_memory():
+    """torch.OutOfMemoryError is the accelerator's memory: the host memory markers leave its name alone."""
+    from training.pipeline.failures import with_advice
+
+    assert with_advice("torch.OutOfMemoryError") == "torch.OutOfMemoryError"
+    assert "out of host memory" not in with_advice("torch.cuda.OutOfMemoryError: CUDA error")
 
 
 def torch_save_error_on_a_full_disk(tmp_path: Path) -> Exception:

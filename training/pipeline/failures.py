@@ -25,9 +25,11 @@ DISK_FULL_ADVICE = ("a write failed, most often as the disk is full: free space 
                     "then go on; what was being saved is dropped, earlier checkpoints stay whole")
 HOST_MEMORY_ADVICE = "run with fewer models offloaded, a smaller batch, or on a machine with more memory"
 HOST_OOM_ADVICE = f"likely out of host memory (the OS's out-of-memory killer; `dmesg` says): {HOST_MEMORY_ADVICE}"
-# an allocation the host refused: Python's MemoryError, errno 12's words, torch's CPU allocator ('DefaultCPUAllocator:
-# can't allocate memory: ... Error code 12 (Cannot allocate memory)'); whole words: torch.OutOfMemoryError is CUDA's
-HOST_MEMORY_MARKERS = re.compile(r"\bMemoryError\b|cannot allocate memory|DefaultCPUAllocator", re.IGNORECASE)
+# an allocation the host refused: Python's MemoryError or a subclass named for it (numpy's '_ArrayMemoryError: Unable
+# to allocate ...'), errno 12's words, torch's CPU allocator ('DefaultCPUAllocator: can't allocate memory: ... Error
+# code 12 (Cannot allocate memory)'); not torch.OutOfMemoryError, which is CUDA's
+HOST_MEMORY_MARKERS = re.compile(r"\b\w*(?<!OutOf)MemoryError\b|cannot allocate memory|DefaultCPUAllocator",
+                                 re.IGNORECASE)
 
 
 def signal_cause(signum: int) -> str:
@@ -42,10 +44,11 @@ def signal_cause(signum: int) -> str:
 
 def exception_cause(error: BaseException) -> str:
     """A step's exception as its traceback's last line says it (its name alone where it has no message: a bare
-    MemoryError), with the advice it calls for."""
+    MemoryError), with the advice it calls for: a MemoryError of any name is the host's memory running out."""
     kind = type(error)
     name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-    return with_advice(f"{name}: {error}" if str(error) else name)
+    cause = f"{name}: {error}" if str(error) else name
+    return with_host_memory_advice(cause) if isinstance(error, MemoryError) else with_advice(cause)
 
 
 def with_advice(cause: str) -> str:
@@ -55,10 +58,15 @@ def with_advice(cause: str) -> str:
     if "out of memory" in lowered:
         return f"{cause}; {ACCELERATOR_OOM_ADVICE}"
     if HOST_MEMORY_MARKERS.search(cause):
-        return f"{cause}; out of host memory: {HOST_MEMORY_ADVICE}"
+        return with_host_memory_advice(cause)
     if any(marker in lowered for marker in DISK_FULL_MARKERS):
         return f"{cause}; {DISK_FULL_ADVICE}"
     return cause
+
+
+def with_host_memory_advice(cause: str) -> str:
+    """`cause`, followed by what to do where the host's memory ran out."""
+    return f"{cause}; out of host memory: {HOST_MEMORY_ADVICE}"
 
 
 def cause_in_output(output: str, nodes: Sequence[str] = ()) -> str | None:
