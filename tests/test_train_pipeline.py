@@ -122,35 +122,78 @@ def test_a_model_size_is_read_by_its_own_code_with_trust_remote_code(tmp_path):
     assert model_size(custom, trust_remote_code=True) == model_size(llama)
 
 
-def test_the_plan_counts_the_host_memory_available_and_says_so(monkeypatch):
-    """detect_hardware counted the memory installed: on a node whose other jobs held 44 of its 64 GiB, a 7B GRPO step
-    3 was planned to offload 40 GiB into it, to fail once its step loaded. The plan counts what is available, and its
-    note and refusal say so."""
+def _planned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload, steps):
+    """plan_gpu's plan on a detected machine of `gpus` 24 GiB GPUs whose psutil says these memory figures."""
     from types import SimpleNamespace
 
     import psutil
 
-    from training.pipeline.deployment import ModelSizes, Workload
-    from training.pipeline.hardware import GIB, ModelSize, detect_hardware
+    from training.pipeline.hardware import GIB, detect_hardware
     from training.pipeline.planning import plan_gpu
 
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=installed_gib * GIB,
+                                                                           available=available_gib * GIB))
+    here = dataclasses.replace(detect_hardware(), num_gpus=gpus, gpu_memory_gib=24 if gpus else None)
+    return plan_gpu(DeploymentType.SINGLE_GPU, sizes, here, None, workload, steps)
+
+
+def test_the_same_command_plans_the_same_flags_whatever_memory_other_jobs_hold_now(monkeypatch):
+    """677c882 sized the plan from the memory available at the moment: a 3B step 1 on one 24 GiB GPU was planned
+    as a ZeRO-2 offload full fine-tune with 56 GiB free and as ZeRO-3 LoRA 128 with 52 GiB free, so a rerun refused
+    its finished step or checkpoint, or trained another way. The plan counts the memory installed."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+
+    b3 = ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000)
+    plans = {gpus: [_planned_with_memory(monkeypatch, 96, available, gpus, ModelSizes(b3, b3), Workload(), [1])
+                    for available in (90, 56, 52, 40)]
+             for gpus in (1, 0)}  # 0: planned on a login node, each GPU sized from this machine's memory
+    for same_command in plans.values():
+        assert all(plan.steps[1].flags == same_command[0].steps[1].flags for plan in same_command)
+        assert all(plan.notes == same_command[0].notes for plan in same_command)
+    assert plans[1][0].steps[1].flags["offload"] and not plans[1][0].steps[1].flags["lora_dim"]
+    assert ("host memory counted for offload and as each GPU's (no GPU here): 96 GiB installed on this machine"
+            in plans[0][0].notes)
+
+
+def test_offload_that_the_memory_available_now_does_not_hold_is_warned_of(monkeypatch):
+    """The plan keeps to the memory installed; where other jobs leave less available than its offload needs, it
+    warns naming both figures and what to do, without changing a flag. The refusal names the memory installed."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+
     b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
-    grpo = Workload(critic=False, samples_per_prompt=4)
+    sizes, grpo = ModelSizes(b7, b7), Workload(critic=False, samples_per_prompt=4)
 
-    def plan(available_gib: int, gpus: int = 1):
-        monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=64 * GIB,
-                                                                               available=available_gib * GIB))
-        here = dataclasses.replace(detect_hardware(), num_gpus=gpus, gpu_memory_gib=24 if gpus else None)
-        return plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b7, b7), here, None, grpo, [3])
+    free = _planned_with_memory(monkeypatch, 64, 60, 1, sizes, grpo, [3])
+    assert free.steps[3].flags["actor_offload"] and free.warnings == []
+    assert "host memory counted for offload: 64 GiB installed on this machine" in free.notes
+    busy = _planned_with_memory(monkeypatch, 64, 20, 1, sizes, grpo, [3])
+    assert busy.steps[3].flags == free.steps[3].flags
+    assert len(busy.warnings) == 1
+    assert re.search(r"step 3's offload puts \d+\.\d GiB in host memory, more than 70% of the 20 GiB available on "
+                     r"this machine now \(14\.0 GiB; the plan counts its 64 GiB installed.*free memory here",
+                     busy.warnings[0])
+    # planned where no GPU is, the steps run elsewhere: this machine's available memory is not theirs
+    assert _planned_with_memory(monkeypatch, 64, 20, 0, sizes, grpo, [3]).warnings == []
+    with pytest.raises(UserError, match=r"more than 70% of this machine's 20 GiB \(14\.0 GiB\)"):
+        _planned_with_memory(monkeypatch, 20, 20, 1, sizes, grpo, [3])
 
-    assert plan(64).steps[3].flags["actor_offload"]
-    with pytest.raises(UserError, match=r"more than 70% of this machine's 20 GiB available of 64 GiB installed "
-                                        r"\(14\.0 GiB\)"):
-        plan(20)
-    assert "host memory counted for offload: 60 GiB available of 64 GiB installed on this machine" in plan(60).notes
-    # planned where no GPU is (a login node), the same figure stands for each GPU's memory
-    assert "host memory counted for offload and as each GPU's (no GPU here): 60 GiB available of 64 GiB installed " \
-           "on this machine" in plan(60, gpus=0).notes
+
+def test_train_py_says_the_offload_warning_before_any_step(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The plan's warning reaches the user: train.py prints it (stderr) with the plan, and the plan stands."""
+    from training.pipeline import runner
+    from training.pipeline.hardware import ModelSize
+
+    b70 = ModelSize(parameters=70_000_000_000, hidden_size=8192, num_layers=80, vocab_size=32000)
+    monkeypatch.setattr(runner, "model_size", lambda *args, **kwargs: b70)
+    node = Hardware(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=32, bf16=True,
+                    cpu_memory_available_gib=100)
+    argv = ["--deployment-type", "single_gpu", "--actor-model", tiny_model_dir("llama"), "--output-dir",
+            str(tmp_path / "out"), "--dry-run", "--step", "1"]
+    command = run_pipeline(parse_config(argv), hardware=node)["commands"][1]
+    assert "--offload" in command
+    assert "warning: step 1's offload puts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["train.py", "rlhf-train"])

@@ -42,6 +42,7 @@ class DeploymentPlan:
     world_size: int
     steps: dict[int, StepPlan]
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # said before the steps run; they change no setting
 
 
 class Model(str, enum.Enum):
@@ -74,7 +75,7 @@ _STATE_BUDGET = 0.55  # share of accelerator memory for weights/gradients/optimi
 _ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained parameter
 _LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
 _GPU_LORA_DIM = 128
-_HOST_OFFLOAD_SHARE = 0.7  # share of a node's available memory that offload may fill (the rest: the steps' processes)
+_HOST_OFFLOAD_SHARE = 0.7  # share of a node's memory that offload may fill (the rest: the processes, the OS)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,22 @@ def _host_budget(hardware: Hardware) -> float:
     return _HOST_OFFLOAD_SHARE * hardware.cpu_memory_gib * GIB
 
 
+def host_memory_short_now(target: Target) -> list[str]:
+    """Warnings for the planned steps whose offload this machine's memory available now does not hold, at the share
+    the plan gives offload of the memory installed. The plan is not changed: it depends on the machine, not on what
+    other jobs hold at the moment (a rerun would plan other flags and refuse the finished steps and checkpoints)."""
+    available = target.hardware.cpu_memory_available_gib
+    if available is None:
+        return []
+    budget = _HOST_OFFLOAD_SHARE * available * GIB
+    return [f"{what}'s offload puts {need / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of the "
+            f"{available:.0f} GiB available on this machine now ({budget / GIB:.1f} GiB; the plan counts its "
+            f"{target.hardware.cpu_memory_gib:.0f} GiB installed, other processes hold the rest), so the step may "
+            f"run out of host memory once it loads; free memory here before it starts (other jobs), or plan less "
+            f"offload: a smaller model, more GPUs or nodes"
+            for what, need in target.host_needs.items() if need > budget]
+
+
 def _fit_training(
     target: Target, trained: list[ModelSize], frozen: list[ModelSize], seq_len: int, seqs_per_sample: int, cap: int,
     what: str, models: tuple[Model, ...], extra_per_sample: float = 0.0,
@@ -178,7 +195,9 @@ def _fit_training(
         fit = _fit_on_accelerators(target, trained, frozen, choice, seq_len, seqs_per_sample, cap, extra_per_sample)
         if fit is None:
             continue
-        if host_bytes_per_node(trained, frozen, choice, target.nodes) <= _host_budget(target.hardware):
+        host_bytes = host_bytes_per_node(trained, frozen, choice, target.nodes)
+        if host_bytes <= _host_budget(target.hardware):
+            target.host_needs[what] = host_bytes
             return fit
         host_bound.append(choice)
     raise _not_fitting(target, trained, frozen, what, models, host_bound)
@@ -201,7 +220,7 @@ def _not_fitting(target: Target, trained: list[ModelSize], frozen: list[ModelSiz
     node, machine = ("each node's", "nodes") if target.nodes > 1 else ("this machine's", "a machine")
     return UserError(
         f"{what}: {total:.1f}B parameters fit {accelerators} only with offload, which puts {needed / GIB:.1f} GiB in "
-        f"host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of {node} {hardware.host_memory_said()} "
+        f"host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of {node} {hardware.cpu_memory_gib:.0f} GiB "
         f"({_host_budget(hardware) / GIB:.1f} GiB); use {machine} with {math.ceil(needed / _HOST_OFFLOAD_SHARE / GIB)} "
         f"GiB of memory or more, more GPUs (ZeRO-3 across them may need no offload) or nodes (each holds its share: "
         f"--deployment-type multi_node with a --hostfile), {smaller}")
@@ -331,6 +350,8 @@ class Target:
     nodes: int
     dtype: str
     quick: CpuQuickRun | None = None
+    # what each step's chosen offload puts in one node's memory, by its name ("step 3"), filled as it is planned
+    host_needs: dict[str, float] = field(default_factory=dict, compare=False)
 
     def cpu_cost(self, size: ModelSize) -> float:
         """A quick-run step's time for a model of `size`, relative to the reference model on the reference cores."""

@@ -16,35 +16,29 @@ GIB = 1024**3
 class Hardware:
     """One node: its accelerators (0 on a CPU machine) and host resources.
 
-    `cpu_memory_gib` is the host memory the plan counts: detected, what was available then (what other processes
-    hold left out); `cpu_memory_total_gib` the memory installed beside it, for messages (None: the two are not told
-    apart, as for a machine a test describes)."""
+    `cpu_memory_gib` is the host memory installed, which the plan counts: the same command plans the same flags on
+    the same machine whatever other jobs hold at the moment (a plan that changed with it made a rerun refuse its
+    finished steps and checkpoints). `cpu_memory_available_gib` is what was free when detected, only to warn that
+    the plan's offload may not fit now (None: not known, as for a machine a test describes)."""
 
     num_gpus: int
     gpu_memory_gib: float | None
     cpu_memory_gib: float
     cpu_cores: int
     bf16: bool
-    cpu_memory_total_gib: float | None = None
-
-    def host_memory_said(self) -> str:
-        """The host memory the plan counts, as messages name it: '20 GiB available of 64 GiB installed'."""
-        if self.cpu_memory_total_gib is None:
-            return f"{self.cpu_memory_gib:.0f} GiB"
-        return f"{self.cpu_memory_gib:.0f} GiB available of {self.cpu_memory_total_gib:.0f} GiB installed"
+    cpu_memory_available_gib: float | None = None
 
 
 def detect_hardware() -> Hardware:
-    """This machine. Its host memory is what is available now: the installed total counted memory that other jobs
-    on a shared node hold, and a plan offloading into it failed once its step loaded."""
+    """This machine: its accelerators, cores and installed memory, and the memory available now beside it."""
     cores = cpu_cores()
     memory = psutil.virtual_memory()
-    available, installed = memory.available / GIB, memory.total / GIB
+    installed, available = memory.total / GIB, memory.available / GIB
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         gpu_memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / GIB
-        return Hardware(count, gpu_memory, available, cores, torch.cuda.is_bf16_supported(), installed)
-    return Hardware(0, None, available, cores, cpu_has_native_bf16(), installed)
+        return Hardware(count, gpu_memory, installed, cores, torch.cuda.is_bf16_supported(), available)
+    return Hardware(0, None, installed, cores, cpu_has_native_bf16(), available)
 
 
 @dataclass(frozen=True)

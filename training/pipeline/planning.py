@@ -14,6 +14,7 @@ from .deployment import (
     Workload,
     cpu_target,
     gpu_target,
+    host_memory_short_now,
 )
 from .hardware import Hardware
 from .hostfile import Host
@@ -31,9 +32,13 @@ def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: M
 
 def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None,
              workload: Workload = Workload(), steps: Collection[int] | None = None) -> DeploymentPlan:
-    """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one)."""
+    """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one), sized from the memory
+    installed; a warning where the memory available now holds less than their offload."""
     target, notes = gpu_target(deployment, hardware, hosts)
-    return _plan(deployment, target, [*notes, _host_memory_note(deployment, hardware)], sizes, workload, steps)
+    plan = _plan(deployment, target, [*notes, _host_memory_note(deployment, hardware)], sizes, workload, steps)
+    if hardware.num_gpus:  # planned where no GPU is, the steps run on other machines
+        plan.warnings += host_memory_short_now(target)
+    return plan
 
 
 def _host_memory_note(deployment: DeploymentType, hardware: Hardware) -> str:
@@ -41,7 +46,8 @@ def _host_memory_note(deployment: DeploymentType, hardware: Hardware) -> str:
     where no GPU is, the accelerators' memory too (`gpu_target`)."""
     accelerators = " and as each GPU's (no GPU here)" if hardware.num_gpus == 0 else ""
     nodes = ", each node assumed alike" if deployment is DeploymentType.MULTI_NODE else ""
-    return f"host memory counted for offload{accelerators}: {hardware.host_memory_said()} on this machine{nodes}"
+    return (f"host memory counted for offload{accelerators}: {hardware.cpu_memory_gib:.0f} GiB installed on this "
+            f"machine{nodes}")
 
 
 def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun(),
