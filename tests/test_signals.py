@@ -436,6 +436,31 @@ def test_a_rank_whose_output_reader_goes_before_its_stop_handler_ends_quietly(tm
     assert errors.read_text() == ""
 
 
+RANK_REFUSING = """
+from utils.errors import UserError, run_cli
+
+@run_cli
+def main():
+    raise UserError("the data file has no 'chosen' column")
+
+main()
+"""
+
+
+def test_a_user_error_said_on_a_stderr_without_its_reader_ends_quietly(tmp_path):
+    """Printing a UserError's 'error: ...' line on a stderr whose reader had gone raised BrokenPipeError inside the
+    `except UserError` block, out of reach of its sibling `except BrokenPipeError`: a traceback and status 1. It
+    ends quietly with the shell's SIGPIPE status, as any other output without its reader does."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        rank = subprocess.run([sys.executable, "-c", RANK_REFUSING], stdout=subprocess.DEVNULL, stderr=write_end,
+                              env=step_env(), timeout=60, check=False)
+    finally:
+        os.close(write_end)
+    assert rank.returncode == EXIT_BROKEN_PIPE
+
+
 def test_run_cli_raises_a_broken_pipe_of_another_cause():
     """Only stdout or stderr left without its reader ends the process quietly; a pipe or socket of its own raises."""
     @run_cli

@@ -63,15 +63,17 @@ def refuse_wrong(*cases: tuple[object, str]) -> None:
 def run_cli(main: Callable[..., T]) -> Callable[..., T]:
     """Decorate a console entry point so a `UserError` ends the process with one clear line, and its output left
     without a reader (train.py, which reads a rank's output, killed before the rank's stop handler is in place; `|
-    head`) ends it quietly with the shell's SIGPIPE status, not in a BrokenPipeError traceback and status 1."""
+    head`) ends it quietly with the shell's SIGPIPE status, not in a BrokenPipeError traceback and status 1: saying a
+    `UserError` on a stderr without a reader too."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
-        except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
+            try:
+                return main(*args, **kwargs)
+            except UserError as err:
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                sys.exit(EXIT_USER_ERROR)
         except BrokenPipeError:
             unread = unread_outputs()
             if not unread:
