@@ -1010,7 +1010,8 @@ def test_train_py_whose_output_reader_leaves_ends_as_sigpipe_would_unless_a_step
     """`train.py --dry-run | head -1` exited 3 ('stopped after saving a checkpoint') and said 'received SIGTERM',
     which nobody sent: the output watch's own SIGTERM was taken as a stop request. Where no step is under way train.py
     now ends quietly with the shell's status for SIGPIPE; a step under way still stops and saves (status 3), and
-    train.py says why on stderr, its stdout going nowhere."""
+    train.py says why on stderr, its stdout going nowhere. summary.json's `stopped.message` is what train.py said: it
+    held 'train.py stopped as ...' where train.py, between steps, said nothing."""
     env = {**step_env(), "PYTHONPATH": f"{REPO_ROOT / 'tests'}{os.pathsep}{step_env()['PYTHONPATH']}"}
     errors = tmp_path / "stderr"
     with errors.open("w") as stderr:
@@ -1031,7 +1032,9 @@ def test_train_py_whose_output_reader_leaves_ends_as_sigpipe_would_unless_a_step
         assert "train.py stopped" not in said
     assert (tmp_path / "out" / "summary.json").exists() == (where != "dry run")
     if where in ("between steps", "during step 2"):
-        assert json.loads((tmp_path / "out" / "summary.json").read_text())["stopped"]["signal"] == "SIGPIPE"
+        stopped = json.loads((tmp_path / "out" / "summary.json").read_text())["stopped"]
+        assert stopped["signal"] == "SIGPIPE"
+        assert (stopped["message"] is None) == (status == EXIT_BROKEN_PIPE)  # what train.py said: nothing if quiet
 
 
 def _write_tiny_data(path: Path) -> str:

@@ -741,13 +741,19 @@ def _stop_if_requested(what: str) -> None:
         _stop_between_steps(what, received)
 
 
-def _stopped_record(step: int, received: signal.Signals | None, what: str) -> dict:
+def _said_between_steps(what: str, received: signal.Signals) -> str | None:
+    """What train.py says as a stop request ends it between steps (`_stop_between_steps`): nothing where it is the
+    output's reader gone, as train.py then ends quietly."""
+    return None if received == OUTPUT_UNREAD else _stopped_message(what, received)
+
+
+def _stopped_record(step: int, received: signal.Signals | None, message: str | None) -> dict:
     """What `summary.json` says of a run a stop request ended: the step a rerun goes on with (the one stopped, or the
     next one), the signal (SIGPIPE: train.py's output left without a reader; None: a step's own, not train.py's),
-    what train.py said, and the command that goes on (this one with --resume, which a step with no checkpoint
-    ignores)."""
-    return {"step": step, "signal": received.name if received is not None else None,
-            "message": _stopped_message(what, received), "resume": resume_command()}
+    what train.py said (None: it ended quietly), and the command that goes on (this one with --resume, which a step
+    with no checkpoint ignores)."""
+    return {"step": step, "signal": received.name if received is not None else None, "message": message,
+            "resume": resume_command()}
 
 
 def _end_if_output_unread() -> None:
@@ -807,7 +813,8 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
         except StepStopped:
             received, what = take_received_signal(), _stopped_mid_step(config, step)
             _write_report(config, _report(deployment, results, time.perf_counter() - started,
-                                          stopped=_stopped_record(step, received, what)))
+                                          stopped=_stopped_record(step, received,
+                                                                  _stopped_message(what, received))))
             _stop(what, received)
         except UserError as error:
             _write_report(config, _report(deployment, results, time.perf_counter() - started,
@@ -817,7 +824,8 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
             what = (f"step {step} finished and the next did not start; to go on, run the same train.py command "
                     f"(finished steps are skipped)")
             _write_report(config, _report(deployment, results, time.perf_counter() - started,
-                                          stopped=_stopped_record(next_step, received, what)))
+                                          stopped=_stopped_record(next_step, received,
+                                                                  _said_between_steps(what, received))))
             _stop_between_steps(what, received)
     total = time.perf_counter() - started
     print("\n" + summary_table(results, total), flush=True)
