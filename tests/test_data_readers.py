@@ -794,16 +794,17 @@ def test_a_row_with_tool_messages_is_skipped_naming_the_role(tmp_path, caplog, c
 
     rows = [{column: [message("user", "Hi"), message("assistant", "Hello!")]}]
     rows += [{column: [message("user", "Weather?"), message(role, '{"sky": "blue"}'), message("assistant", "Blue.")]}
-             for role in ("tool", "function", "ipython")]
+             for role in ("tool", "function", "ipython", "observation", "Function_Call")]
     rows.append({column: [message("user", "Hi"), {content_key: "no speaker"}, message("assistant", "Hello!")]})
     rows += [{column: [message("user", "Hi"), message(name, "Hail!"), message("assistant", "Hello!")]}
              for name in ("Gandalf", "Frodo, son of Drogo=1")]  # a role-play set's characters are not named one by one
     path = write_jsonl(tmp_path / "tools.jsonl", rows)
     with caplog.at_level(logging.WARNING, logger="utils.data"):
         assert [row["chosen"] for row in read_rows(path)] == [" Hello!"]
-    assert ("skipped: unknown_role=3 (tools.jsonl line 5, tools.jsonl line 6, tools.jsonl line 7), "
-            "unknown_role:function=1 (tools.jsonl line 3), "
-            "unknown_role:ipython=1 (tools.jsonl line 4), unknown_role:tool=1 (tools.jsonl line 2)") in caplog.text
+    assert ("skipped: unknown_role=3 (tools.jsonl line 7, tools.jsonl line 8, tools.jsonl line 9), "
+            "unknown_role:function=1 (tools.jsonl line 3), unknown_role:function_call=1 (tools.jsonl line 6), "
+            "unknown_role:ipython=1 (tools.jsonl line 4), unknown_role:observation=1 (tools.jsonl line 5), "
+            "unknown_role:tool=1 (tools.jsonl line 2)") in caplog.text
 
 
 def test_bad_chat_preference_rows_are_counted_with_what_is_wrong(tmp_path):

@@ -86,9 +86,10 @@ def parse_messages(messages: Any, role_key: str, content_key: str, context: Sequ
 
 
 def _unknown_role(speaker: Any) -> str:
-    """The skip reason of a message whose speaker is no role the prompt formats have a turn for, naming it: a tool
-    call's result (`unknown_role:tool`, `:function`, `:ipython`) is not trained on, and its row not read in part
-    (the reply would answer a tool output the prompt leaves out). Other speakers are `unknown_role` alone."""
+    """The skip reason of a message whose speaker is no role the prompt formats have a turn for: a tool call or its
+    result (`unknown_role:tool`, `:function`, `:function_call`, `:ipython`, `:observation`) is not trained on, and
+    its row not read in part (the reply would answer a tool output the prompt leaves out). Other speakers are
+    `unknown_role` alone."""
     named = speaker.strip().lower() if isinstance(speaker, str) else None
     return f"unknown_role:{named}" if named in TOOL_SPEAKERS else "unknown_role"
 
