@@ -3,6 +3,7 @@ end-to-end run on a tiny model with the chatbot answering from its result."""
 import argparse
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import os
@@ -1375,20 +1376,28 @@ def torch_cpu_allocation_error() -> Exception:
 HOST_MEMORY_SAID = r"; out of host memory: run with fewer models offloaded, a smaller batch, or on a machine with more"
 
 
+def numpy_exceptions_module() -> str:
+    """Where the installed numpy keeps its exceptions: numpy._core since numpy 2, numpy.core in 1.x (which torch
+    allows)."""
+    import numpy
+
+    return "numpy._core._exceptions" if int(numpy.__version__.split(".")[0]) >= 2 else "numpy.core._exceptions"
+
+
 def numpy_allocation_error() -> MemoryError:
     """What numpy raises where the host refuses an array ('Unable to allocate 8.00 TiB for an array ...'): its own
     MemoryError subclass, made here rather than by asking for the memory."""
     import numpy
-    from numpy._core._exceptions import _ArrayMemoryError
 
-    return _ArrayMemoryError((2**40,), numpy.dtype("float64"))
+    array_memory_error = importlib.import_module(numpy_exceptions_module())._ArrayMemoryError
+    return array_memory_error((2**40,), numpy.dtype("float64"))
 
 
 class AllocationRefused(MemoryError):
     """A library's MemoryError whose name does not say memory."""
 
 
-NUMPY_ALLOCATION_SAID = (r"numpy\._core\._exceptions\._ArrayMemoryError: Unable to allocate 8\.00 TiB for an array "
+NUMPY_ALLOCATION_SAID = (r"numpy\._?core\._exceptions\._ArrayMemoryError: Unable to allocate 8\.00 TiB for an array "
                          r"with shape \(1099511627776,\) and data type float64")
 
 
@@ -1411,7 +1420,7 @@ def test_a_step_out_of_host_memory_is_told_so(tmp_path, tiny_model_dir, error, s
 
 @pytest.mark.parametrize("rank, said", [
     ("raise MemoryError", "MemoryError"),
-    (("import numpy\nfrom numpy._core._exceptions import _ArrayMemoryError\n"
+    ((f"import numpy\nfrom {numpy_exceptions_module()} import _ArrayMemoryError\n"
       "raise _ArrayMemoryError((2**40,), numpy.dtype('float64'))"), NUMPY_ALLOCATION_SAID),
 ], ids=["memory_error", "numpy"])
 def test_a_launched_step_whose_rank_runs_out_of_host_memory_is_told_so(tmp_path, rank, said):
