@@ -24,6 +24,7 @@ from tiny_models import make_custom_code_model_dir, make_tiny_model_dir
 
 from training.core.model_loading import EMBEDDED_MODEL_NAME
 from training.pipeline.cli import build_parser, parse_config
+from training.pipeline.config import PipelineConfig
 from training.pipeline.deployment import DeploymentType
 from training.pipeline.hardware import Hardware, model_size
 from training.pipeline.launch import StepStopped
@@ -123,19 +124,35 @@ def test_a_model_size_is_read_by_its_own_code_with_trust_remote_code(tmp_path):
     assert model_size(custom, trust_remote_code=True) == model_size(llama)
 
 
-def _planned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload, steps):
-    """plan_gpu's plan on a detected machine of `gpus` 24 GiB GPUs whose psutil says these memory figures."""
+def _machine_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int) -> Hardware:
+    """This machine as detected, with `gpus` 24 GiB GPUs and these memory figures from psutil."""
     from types import SimpleNamespace
 
     import psutil
 
     from training.pipeline.hardware import GIB, detect_hardware
-    from training.pipeline.planning import plan_gpu
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=installed_gib * GIB,
                                                                            available=available_gib * GIB))
-    here = dataclasses.replace(detect_hardware(), num_gpus=gpus, gpu_memory_gib=24 if gpus else None)
+    return dataclasses.replace(detect_hardware(), num_gpus=gpus, gpu_memory_gib=24 if gpus else None)
+
+
+def _planned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload, steps):
+    """plan_gpu's plan on a detected machine of `gpus` 24 GiB GPUs whose psutil says these memory figures."""
+    from training.pipeline.planning import plan_gpu
+
+    here = _machine_with_memory(monkeypatch, installed_gib, available_gib, gpus)
     return plan_gpu(DeploymentType.SINGLE_GPU, sizes, here, None, workload, steps)
+
+
+def _offload_warned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload,
+                                steps) -> list[str]:
+    """The host memory warnings of `_planned_with_memory`'s plan, all its steps running."""
+    from training.pipeline.planning import host_memory_warnings
+
+    plan = _planned_with_memory(monkeypatch, installed_gib, available_gib, gpus, sizes, workload, steps)
+    return host_memory_warnings(plan, _machine_with_memory(monkeypatch, installed_gib, available_gib, gpus), None,
+                                steps)
 
 
 def test_the_same_command_plans_the_same_flags_whatever_memory_other_jobs_hold_now(monkeypatch):
@@ -167,34 +184,103 @@ def test_offload_that_the_memory_available_now_does_not_hold_is_warned_of(monkey
     sizes, grpo = ModelSizes(b7, b7), Workload(critic=False, samples_per_prompt=4)
 
     free = _planned_with_memory(monkeypatch, 64, 60, 1, sizes, grpo, [3])
-    assert free.steps[3].flags["actor_offload"] and free.warnings == []
+    assert free.steps[3].flags["actor_offload"]
+    assert _offload_warned_with_memory(monkeypatch, 64, 60, 1, sizes, grpo, [3]) == []
     assert "host memory counted for offload: 64 GiB installed on this machine" in free.notes
     busy = _planned_with_memory(monkeypatch, 64, 20, 1, sizes, grpo, [3])
     assert busy.steps[3].flags == free.steps[3].flags
-    assert len(busy.warnings) == 1
+    (warning,) = _offload_warned_with_memory(monkeypatch, 64, 20, 1, sizes, grpo, [3])
     assert re.search(r"step 3's offload puts \d+\.\d GiB in host memory, more than 70% of the 20 GiB available on "
                      r"this machine now \(14\.0 GiB; the plan counts its 64 GiB installed.*free memory here",
-                     busy.warnings[0])
+                     warning)
     # planned where no GPU is, the steps run elsewhere: this machine's available memory is not theirs
-    assert _planned_with_memory(monkeypatch, 64, 20, 0, sizes, grpo, [3]).warnings == []
+    assert _offload_warned_with_memory(monkeypatch, 64, 20, 0, sizes, grpo, [3]) == []
     with pytest.raises(UserError, match=r"more than 70% of this machine's 20 GiB \(14\.0 GiB\)"):
         _planned_with_memory(monkeypatch, 20, 20, 1, sizes, grpo, [3])
 
 
-def test_train_py_says_the_offload_warning_before_any_step(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    """The plan's warning reaches the user: train.py prints it (stderr) with the plan, and the plan stands."""
+def _seventy_b_on_one_gpu(tmp_path, model: str, monkeypatch, *flags: str, deployment: str = "single_gpu",
+                          available_gib: int = 100) -> tuple[PipelineConfig, Hardware]:
+    """train.py's dry run of `flags` with a 70B model (every model given) on one 80 GiB GPU of a 256 GiB machine with
+    `available_gib` available now: on single_gpu its plan offloads more than 70% of 100 GiB."""
     from training.pipeline import runner
     from training.pipeline.hardware import ModelSize
 
     b70 = ModelSize(parameters=70_000_000_000, hidden_size=8192, num_layers=80, vocab_size=32000)
     monkeypatch.setattr(runner, "model_size", lambda *args, **kwargs: b70)
     node = Hardware(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=32, bf16=True,
-                    cpu_memory_available_gib=100)
-    argv = ["--deployment-type", "single_gpu", "--actor-model", tiny_model_dir("llama"), "--output-dir",
-            str(tmp_path / "out"), "--dry-run", "--step", "1"]
-    command = run_pipeline(parse_config(argv), hardware=node)["commands"][1]
+                    cpu_memory_available_gib=available_gib)
+    argv = ["--deployment-type", deployment, "--actor-model", model, "--reward-model", model, "--output-dir",
+            str(tmp_path / "out"), "--dry-run", *flags]
+    return parse_config(argv), node
+
+
+def test_train_py_says_the_offload_warning_before_any_step(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The plan's warning reaches the user: train.py prints it (stderr) with the plan, and the plan stands."""
+    config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1")
+    command = run_pipeline(config, hardware=node)["commands"][1]
     assert "--offload" in command
     assert "warning: step 1's offload puts" in capsys.readouterr().err
+
+
+def test_a_finished_steps_offload_is_not_warned_of_on_a_rerun(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The warning was said for every planned step: a rerun after step 1 finished still warned that step 1's
+    offload needs more host memory than is free, though step 1 is skipped. It is said for the steps that run."""
+    from training.core.args import flag_values
+    from training.pipeline import runner
+    from training.pipeline.steps import STEPS
+
+    model = tiny_model_dir("llama")
+    config, node = _seventy_b_on_one_gpu(tmp_path, model, monkeypatch, "--step", "1", "2")
+    assert sorted(run_pipeline(config, hardware=node)["commands"]) == [1, 2]
+    assert _offload_warnings_said(capsys) == {"step 1", "step 2"}
+
+    step1_argv = runner.prepare_run(config, lambda step: STEPS[step].entry(), node).argvs[1]
+    run_dir = config.run_dir(1)
+    shutil.copytree(model, run_dir / "model")
+    save_run_args(run_dir, flag_values(STEPS[1].entry().build_parser().parse_args(step1_argv)))
+    save_summary(run_dir, {"step": "step1_sft"})
+    assert sorted(run_pipeline(config, hardware=node)["commands"]) == [2]
+    assert _offload_warnings_said(capsys) == {"step 2"}
+
+
+def test_a_zero_stage_the_user_sets_is_not_warned_of_with_the_planned_offloads_figure(tmp_path, tiny_model_dir,
+                                                                                      monkeypatch, capsys):
+    """The need was recorded as planned, before --actor-zero-stage: at ZeRO-0 nothing is offloaded, yet step 1 was
+    warned of the planned offload's figure. A step whose stage the user sets has no planned figure to warn of."""
+    config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1", "2",
+                                         "--actor-zero-stage", "0")
+    assert "--offload" not in run_pipeline(config, hardware=node)["commands"][1]
+    assert _offload_warnings_said(capsys) == {"step 2"}
+
+
+@pytest.mark.parametrize("hosts, warned", [
+    ("node1 slots=1\nnode2 slots=1\n", set()),  # planned on a head node that runs no rank
+    ("gpu-node-7-ib slots=1\nnode2 slots=1\n", {"step 1"}),  # this machine, under a name that resolves to it
+])
+def test_a_multi_node_offload_is_warned_of_only_where_a_hostfile_line_is_this_machine(
+        hosts, warned, tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """On multi_node the steps' offload was compared with this machine's available memory even where the hostfile
+    lists only other machines, whose memory that figure says nothing of."""
+    import socket
+
+    def resolver(host, *args, **kwargs):
+        if host != "gpu-node-7-ib":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(hosts)
+    config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1", "--hostfile",
+                                         str(hostfile), deployment="multi_node", available_gib=60)
+    assert "--offload" in run_pipeline(config, hardware=node)["commands"][1]
+    assert _offload_warnings_said(capsys) == warned
+
+
+def _offload_warnings_said(capsys) -> set[str]:
+    """The steps train.py warned of on stderr that their offload may not fit the memory available now."""
+    return set(re.findall(r"^warning: (step \d)'s offload puts", capsys.readouterr().err, re.MULTILINE))
 
 
 @pytest.mark.parametrize("command", ["train.py", "rlhf-train"])

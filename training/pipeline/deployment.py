@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from utils.errors import UserError
@@ -42,7 +43,9 @@ class DeploymentPlan:
     world_size: int
     steps: dict[int, StepPlan]
     notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # said before the steps run; they change no setting
+    # what each step's planned offload puts in one node's memory, by step number (`host_memory_short_now`); a step
+    # whose ZeRO stage the user sets is left out (`apply_zero_overrides`): the figure is the planned stage's
+    host_needs: dict[int, float] = field(default_factory=dict)
 
 
 class Model(str, enum.Enum):
@@ -168,25 +171,26 @@ def _host_budget(hardware: Hardware) -> float:
     return _HOST_OFFLOAD_SHARE * hardware.cpu_memory_gib * GIB
 
 
-def host_memory_short_now(target: Target) -> list[str]:
-    """Warnings for the planned steps whose offload this machine's memory available now does not hold, at the share
-    the plan gives offload of the memory installed. The plan is not changed: it depends on the machine, not on what
-    other jobs hold at the moment (a rerun would plan other flags and refuse the finished steps and checkpoints)."""
-    available = target.hardware.cpu_memory_available_gib
+def host_memory_short_now(hardware: Hardware, needs: Mapping[int, float]) -> list[str]:
+    """Warnings for the steps in `needs` (step: bytes its offload puts in host memory) that this machine's memory
+    available now does not hold, at the share the plan gives offload of the memory installed. The plan is not
+    changed: it depends on the machine, not on what other jobs hold at the moment (a rerun would plan other flags
+    and refuse the finished steps and checkpoints)."""
+    available = hardware.cpu_memory_available_gib
     if available is None:
         return []
     budget = _HOST_OFFLOAD_SHARE * available * GIB
-    return [f"{what}'s offload puts {need / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of the "
-            f"{available:.0f} GiB available on this machine now ({budget / GIB:.1f} GiB; the plan counts its "
-            f"{target.hardware.cpu_memory_gib:.0f} GiB installed, other processes hold the rest), so the step may "
-            f"run out of host memory once it loads; free memory here before it starts (other jobs), or plan less "
-            f"offload: a smaller model, more GPUs or nodes"
-            for what, need in target.host_needs.items() if need > budget]
+    return [f"step {step}'s offload puts {need / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of "
+            f"the {available:.0f} GiB available on this machine now ({budget / GIB:.1f} GiB; the plan counts its "
+            f"{hardware.cpu_memory_gib:.0f} GiB installed, other processes hold the rest), so the step may run out "
+            f"of host memory once it loads; free memory here before it starts (other jobs), or plan less offload: a "
+            f"smaller model, more GPUs or nodes"
+            for step, need in sorted(needs.items()) if need > budget]
 
 
 def _fit_training(
     target: Target, trained: list[ModelSize], frozen: list[ModelSize], seq_len: int, seqs_per_sample: int, cap: int,
-    what: str, models: tuple[Model, ...], extra_per_sample: float = 0.0,
+    step: int, what: str, models: tuple[Model, ...], extra_per_sample: float = 0.0,
 ) -> _Fit:
     """The first ladder choice whose states fit the accelerators and whose offload fits host memory, and the largest
     power-of-two micro batch beside them; else a refusal naming the limit that failed (`models`: whose size counts)."""
@@ -197,7 +201,7 @@ def _fit_training(
             continue
         host_bytes = host_bytes_per_node(trained, frozen, choice, target.nodes)
         if host_bytes <= _host_budget(target.hardware):
-            target.host_needs[what] = host_bytes
+            target.host_needs[step] = host_bytes
             return fit
         host_bound.append(choice)
     raise _not_fitting(target, trained, frozen, what, models, host_bound)
@@ -350,8 +354,8 @@ class Target:
     nodes: int
     dtype: str
     quick: CpuQuickRun | None = None
-    # what each step's chosen offload puts in one node's memory, by its name ("step 3"), filled as it is planned
-    host_needs: dict[str, float] = field(default_factory=dict, compare=False)
+    # what each step's chosen offload puts in one node's memory, by step number, filled as it is planned
+    host_needs: dict[int, float] = field(default_factory=dict, compare=False)
 
     def cpu_cost(self, size: ModelSize) -> float:
         """A quick-run step's time for a model of `size`, relative to the reference model on the reference cores."""
@@ -453,7 +457,7 @@ def _plan_supervised(target: Target, size: ModelSize, shape: _SupervisedShape,
                                  recipe.learning_rate, recipe.eval_samples)
     seq_len = fit_length(_SEQ_LEN, size)
     fit = _fit_training(target, [size], [size] if shape.frozen_copy else [], seq_len, shape.seqs_per_sample,
-                        shape.micro_batch_cap, shape.what, (shape.model,))
+                        shape.micro_batch_cap, shape.step, shape.what, (shape.model,))
     return _gpu_supervised(target, fit, shape, seq_len, size)
 
 
@@ -500,8 +504,8 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
     rl_seq = prompt_len + answer_len
     kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
     models = (Model.ACTOR, Model.REWARD) if critic_sizes or reward_sizes else (Model.ACTOR,)
-    fit = _fit_training(target, [sizes.actor, *critic_sizes], [sizes.actor, *reward_sizes], rl_seq, 1, 16, "step 3",
-                        models, extra_per_sample=kv_cache)
+    fit = _fit_training(target, [sizes.actor, *critic_sizes], [sizes.actor, *reward_sizes], rl_seq, 1, 16, 3,
+                        "step 3", models, extra_per_sample=kv_cache)
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
     critic_blocks = (sizes.reward if workload.reward_model else sizes.actor).blocks_name  # what the critic starts from
     # the critic's flags only for a critic, which a critic-free step 3 refuses as doing nothing

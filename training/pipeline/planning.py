@@ -17,7 +17,7 @@ from .deployment import (
     host_memory_short_now,
 )
 from .hardware import Hardware
-from .hostfile import Host
+from .hostfile import Host, is_this_machine
 from .steps import STEPS, flag_value
 
 
@@ -27,18 +27,33 @@ def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: M
     fits none of its memory choices (step 3's four models, where step 1 trains one) refuses no run without it."""
     plans = {number: spec.planner(target, sizes, workload) for number, spec in STEPS.items()
              if steps is None or number in steps}
-    return DeploymentPlan(deployment, target.world, plans, notes)
+    return DeploymentPlan(deployment, target.world, plans, notes, dict(target.host_needs))
 
 
 def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None,
              workload: Workload = Workload(), steps: Collection[int] | None = None) -> DeploymentPlan:
     """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one), sized from the memory
-    installed; a warning where the memory available now holds less than their offload."""
+    installed (`host_memory_warnings` compares their offload with the memory available now)."""
     target, notes = gpu_target(deployment, hardware, hosts)
-    plan = _plan(deployment, target, [*notes, _host_memory_note(deployment, hardware)], sizes, workload, steps)
-    if hardware.num_gpus:  # planned where no GPU is, the steps run on other machines
-        plan.warnings += host_memory_short_now(target)
-    return plan
+    return _plan(deployment, target, [*notes, _host_memory_note(deployment, hardware)], sizes, workload, steps)
+
+
+def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[Host] | None,
+                         steps: Collection[int]) -> list[str]:
+    """Warnings for the `steps` that run whose planned offload the memory available on this machine now does not
+    hold; none where no rank runs here, as this machine's available memory is not theirs: planned where no GPU is
+    (a login node), or on multi_node with a hostfile that does not list this machine."""
+    warnings = host_memory_short_now(hardware, {step: need for step, need in plan.host_needs.items() if step in steps})
+    if warnings and _ranks_run_here(plan.deployment, hardware, hosts):
+        return warnings
+    return []
+
+
+def _ranks_run_here(deployment: DeploymentType, hardware: Hardware, hosts: list[Host] | None) -> bool:
+    """Whether the GPU steps' ranks run on this machine; on multi_node, where a hostfile line is this machine (asked
+    last: a name may be looked up)."""
+    return hardware.num_gpus > 0 and (deployment is not DeploymentType.MULTI_NODE
+                                      or any(is_this_machine(host.name) for host in hosts or ()))
 
 
 def _host_memory_note(deployment: DeploymentType, hardware: Hardware) -> str:
@@ -76,6 +91,8 @@ def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None
         planned = plan.steps[number].flags
         overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items()
                      if stages[model] is not None and name in planned}
+        if any(planned[name] != stage for name, stage in overrides.items()):
+            plan.host_needs.pop(number, None)  # its figure is the planned stage's; another stage offloads otherwise
         if number in steps:
             taken |= {model for model, name in spec.zero_stage_fields.items() if name in overrides}
         # ZeRO-0 offloads nothing: an offload planned for another stage goes with it

@@ -62,7 +62,7 @@ from .launch import (
     run_subprocess,
     visible_gpus,
 )
-from .planning import apply_zero_overrides, follow_user_max_steps, plan_deployment
+from .planning import apply_zero_overrides, follow_user_max_steps, host_memory_warnings, plan_deployment
 from .steps import (STEPS, ModelInput, StepEntry, accepted_options, drop_flag, flag_value, group_flags,
                     route_extra_flags, step_args_flags)
 from .summary import StepResult, settings_table, summary_table
@@ -727,8 +727,8 @@ def _stop(what: str, received: signal.Signals | None) -> NoReturn:
 
 def _stop_between_steps(what: str, received: signal.Signals) -> NoReturn:
     """End train.py, where no step is under way, on a stop request: as `_stop` does, but quietly with the shell's
-    SIGPIPE status where it is the output's reader gone (no step was cut)."""
-    if received == OUTPUT_UNREAD:
+    SIGPIPE status where `_said_between_steps` says nothing (the output's reader gone: no step was cut)."""
+    if _said_between_steps(what, received) is None:
         raise SystemExit(EXIT_BROKEN_PIPE)
     _stop(what, received)
 
@@ -797,7 +797,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     _say_variables_left_out(prepared)
     _say_visible_devices_not_followed(prepared)
     _say_model_flags_unused(config, prepared.inputs)
-    for warning in prepared.plan.warnings:
+    for warning in host_memory_warnings(prepared.plan, hardware, prepared.hosts, prepared.commands):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:
