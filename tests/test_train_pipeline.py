@@ -1409,14 +1409,15 @@ LAUNCHER_LINE = ("[2026-11-27 21:51:45,360] [ERROR] [launch.py:259:sigkill_handl
                 "worker-1: ValueError: bad reward", "worker-2: Segmentation fault (core dumped)",
                 f"worker-2: {LAUNCHER_LINE.format(1)}", f"worker-1: {LAUNCHER_LINE.format(1)}"]),
      ("worker-1", "worker-2"),
-     "a rank on worker-1: ValueError: bad reward"),
+     "a rank on worker-2 ended first (exit status 1) printing no error; worker-1's last: ValueError: bad reward"),
 ], ids=["argparse_here", "argparse_on_a_node", "cause_of_the_node_that_ended_first", "killed_on_a_node",
         "cause_of_another_node_where_the_first_printed_none"])
 def test_a_cause_names_a_node_only_where_pdsh_does(output, nodes, cause):
     """argparse's 'main.py: error: ...' was read as pdsh's prefix of a node named main.py ('a rank on main.py: ...'); a
     node is one of the hostfile's, and the cause is the line of the node whose launcher saw a rank end first, not the
     last line of another node whose ranks failed after, their peer gone. Where the ranks of the node that ended first
-    printed no cause line, the step said no cause at all: the last of another node's is named, with its node."""
+    printed no cause line, the step said no cause at all, then named another node's last as a rank's cause: that node
+    and its exit status are said first, the other node's line after."""
     from training.pipeline.failures import cause_in_output
 
     assert cause_in_output(output, nodes).startswith(cause)

@@ -72,10 +72,10 @@ def with_host_memory_advice(cause: str) -> str:
 def cause_in_output(output: str, nodes: Sequence[str] = ()) -> str | None:
     """Why a launched step failed, read from the end of its output: the first node whose DeepSpeed launcher saw a rank
     end (the ranks of other nodes most often fail after, their peers gone), and the signal that killed it or else the
-    last exception or `error:` line a rank of that node printed; where its ranks printed none, the last such line of
-    another node (None: none found). `nodes`: the hostfile's, whose names pdsh puts ahead of each line of their ranks
-    ('worker-1: '); a line's prefix names a node only where it is one of them, as argparse's 'main.py: error: ...' is
-    no node's."""
+    last exception or `error:` line a rank of that node printed; where its ranks printed none, that node and its exit
+    status, then the last such line of another node (None: none found). `nodes`: the hostfile's, whose names pdsh
+    puts ahead of each line of their ranks ('worker-1: '); a line's prefix names a node only where it is one of them,
+    as argparse's 'main.py: error: ...' is no node's."""
     lines = [_node_and_line(line.strip(), nodes) for line in output.splitlines()]
     ended = [(node, match) for node, line in lines if (match := RANK_ENDED.match(line))]
     ended_node = ended[0][0] if ended else None
@@ -87,7 +87,16 @@ def cause_in_output(output: str, nodes: Sequence[str] = ()) -> str | None:
     of_ended_node = [(node, match) for node, match in causes if node == ended_node]
     node, cause = (of_ended_node if ended and of_ended_node else causes)[-1]
     line = cause["exception"] or (f"{cause['program']}: {cause['error']}" if cause["program"] else cause["error"])
+    if ended and not of_ended_node:
+        return with_advice(f"{_ended_first_silent(ended_node, ended[0][1]['status'])}; "
+                           f"{node or 'the output'}'s last: {line}")
     return with_advice(f"{_a_rank_on(node)}: {line}" if node else line)
+
+
+def _ended_first_silent(node: str | None, status: str) -> str:
+    """The rank that ended first, on the node pdsh names, where its node printed no cause line: another node's line,
+    said after it, is most often a rank that failed after it, its peer gone, not the cause."""
+    return f"{_a_rank_on(node)} ended first (exit status {status}) printing no error"
 
 
 def _a_rank_on(node: str | None) -> str:
