@@ -147,12 +147,12 @@ def _planned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gp
 
 def _offload_warned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload,
                                 steps) -> list[str]:
-    """The host memory warnings of `_planned_with_memory`'s plan, all its steps running."""
+    """The host memory warnings of `_planned_with_memory`'s plan, all its steps running with its flags."""
     from training.pipeline.planning import host_memory_warnings
 
     plan = _planned_with_memory(monkeypatch, installed_gib, available_gib, gpus, sizes, workload, steps)
     return host_memory_warnings(plan, _machine_with_memory(monkeypatch, installed_gib, available_gib, gpus), None,
-                                steps)
+                                {step: plan.steps[step].flags for step in steps})
 
 
 def test_the_same_command_plans_the_same_flags_whatever_memory_other_jobs_hold_now(monkeypatch):
@@ -252,6 +252,20 @@ def test_a_zero_stage_the_user_sets_is_not_warned_of_with_the_planned_offloads_f
                                          "--actor-zero-stage", "0")
     assert "--offload" not in run_pipeline(config, hardware=node)["commands"][1]
     assert _offload_warnings_said(capsys) == {"step 2"}
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (("--step1-args", "--offload false"), {"step 2"}),
+    (("--step1-args", "--lora_dim 8"), {"step 2"}),
+    (("--zero_stage", "2"), set()),  # routed to each step that takes it: 1 and 2
+], ids=["step_args_offload", "step_args_lora", "routed_stage"])
+def test_a_step_the_users_flags_run_with_other_memory_flags_is_not_warned_of(flags, warned, tmp_path, tiny_model_dir,
+                                                                            monkeypatch, capsys):
+    """The user's own step flags come after the plan's: with --step1-args "--offload false" step 1 offloads nothing,
+    yet was warned of the planned offload's figure. Only a step run with the memory flags it was sized for is."""
+    config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1", "2", *flags)
+    run_pipeline(config, hardware=node)
+    assert _offload_warnings_said(capsys) == warned
 
 
 @pytest.mark.parametrize("hosts, warned", [

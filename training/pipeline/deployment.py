@@ -11,6 +11,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from utils.errors import UserError
 
@@ -43,9 +44,10 @@ class DeploymentPlan:
     world_size: int
     steps: dict[int, StepPlan]
     notes: list[str] = field(default_factory=list)
-    # what each step's planned offload puts in one node's memory, by step number (`host_memory_short_now`); a step
-    # whose ZeRO stage the user sets is left out (`apply_zero_overrides`): the figure is the planned stage's
+    # what each step's planned offload puts in one node's memory, by step number (`host_memory_short_now`), and the
+    # memory flags as planned that it was sized for (`planning.memory_flags`): a step run otherwise is not warned of
     host_needs: dict[int, float] = field(default_factory=dict)
+    sized_for: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 class Model(str, enum.Enum):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from .deployment import (
     CpuQuickRun,
@@ -19,6 +19,9 @@ from .deployment import (
 from .hardware import Hardware
 from .hostfile import Host, is_this_machine
 from .steps import STEPS, flag_value
+from .summary import runs_as_planned
+
+_MEMORY_FLAG_WORDS = ("zero_stage", "offload", "lora_dim", "only_optimize_lora")  # in `memory_flags`' names
 
 
 def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: ModelSizes,
@@ -27,7 +30,13 @@ def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: M
     fits none of its memory choices (step 3's four models, where step 1 trains one) refuses no run without it."""
     plans = {number: spec.planner(target, sizes, workload) for number, spec in STEPS.items()
              if steps is None or number in steps}
-    return DeploymentPlan(deployment, target.world, plans, notes, dict(target.host_needs))
+    return DeploymentPlan(deployment, target.world, plans, notes, dict(target.host_needs),
+                          {number: memory_flags(plan.flags) for number, plan in plans.items()})
+
+
+def memory_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The flags among a step's `flags` that its offload's host memory depends on: ZeRO stages, offload, LoRA."""
+    return {name: value for name, value in flags.items() if any(word in name for word in _MEMORY_FLAG_WORDS)}
 
 
 def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None,
@@ -39,14 +48,23 @@ def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, 
 
 
 def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[Host] | None,
-                         steps: Collection[int]) -> list[str]:
-    """Warnings for the `steps` that run whose planned offload the memory available on this machine now does not
-    hold; none where no rank runs here, as this machine's available memory is not theirs: planned where no GPU is
-    (a login node), or on multi_node with a hostfile that does not list this machine."""
-    warnings = host_memory_short_now(hardware, {step: need for step, need in plan.host_needs.items() if step in steps})
+                         runs_with: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """Warnings for the steps that run (`runs_with`: each one's flag values as its command line gives them) whose
+    planned offload the memory available on this machine now does not hold; not for a step whose memory flags the
+    user's change (--actor-zero-stage, --stepN-args "--offload false"), whose need is not the planned one. None
+    where no rank runs here, as this machine's available memory is not theirs: planned where no GPU is (a login
+    node), or on multi_node with a hostfile that does not list this machine."""
+    warnings = host_memory_short_now(hardware, {step: need for step, need in plan.host_needs.items()
+                                                if step in runs_with and _runs_as_sized(plan, step, runs_with[step])})
     if warnings and _ranks_run_here(plan.deployment, hardware, hosts):
         return warnings
     return []
+
+
+def _runs_as_sized(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) -> bool:
+    """Whether `step` runs with the memory flags its planned host need was sized for."""
+    return all(runs_as_planned(planned, runs_with.get(name, planned))
+               for name, planned in plan.sized_for[step].items())
 
 
 def _ranks_run_here(deployment: DeploymentType, hardware: Hardware, hosts: list[Host] | None) -> bool:
@@ -91,8 +109,6 @@ def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None
         planned = plan.steps[number].flags
         overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items()
                      if stages[model] is not None and name in planned}
-        if any(planned[name] != stage for name, stage in overrides.items()):
-            plan.host_needs.pop(number, None)  # its figure is the planned stage's; another stage offloads otherwise
         if number in steps:
             taken |= {model for model, name in spec.zero_stage_fields.items() if name in overrides}
         # ZeRO-0 offloads nothing: an offload planned for another stage goes with it

@@ -797,7 +797,8 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     _say_variables_left_out(prepared)
     _say_visible_devices_not_followed(prepared)
     _say_model_flags_unused(config, prepared.inputs)
-    for warning in host_memory_warnings(prepared.plan, hardware, prepared.hosts, prepared.commands):
+    running = {step: prepared.runs_with[step] for step in prepared.commands}
+    for warning in host_memory_warnings(prepared.plan, hardware, prepared.hosts, running):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
     if config.dry_run:

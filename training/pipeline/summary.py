@@ -35,10 +35,15 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def runs_as_planned(planned: Any, value: Any) -> bool:
+    """Whether a step's flag value is the planned one (a plain argparse step keeps its values as strings)."""
+    return value == planned or str(value) == str(planned)
+
+
 def _setting_cell(planned: Any, runs_with: Mapping[str, Any], name: str) -> str:
     """The value a step runs with; where the user's flags changed the plan's, the planned one beside it."""
     value = runs_with.get(name, planned)
-    if value == planned or str(value) == str(planned):  # a plain argparse step keeps its values as strings
+    if runs_as_planned(planned, value):
         return format_value(planned)
     return f"{format_value(value)} (planned {format_value(planned)})"
 
