@@ -196,7 +196,7 @@ def test_offload_that_the_memory_available_now_does_not_hold_is_warned_of(monkey
     # planned where no GPU is, the steps run elsewhere: this machine's available memory is not theirs
     assert _offload_warned_with_memory(monkeypatch, 64, 20, 0, sizes, grpo, [3]) == []
     with pytest.raises(UserError, match=r"more than 70% of this machine's 20 GiB \(14\.0 GiB\)"):
-        _planned_with_memory(monkeypatch, 20, 20, 1, sizes, grpo, [3])
+        _planned_with_memory(monkeypatch, 20, 16, 1, sizes, grpo, [3])  # the figure installed, not the 16 available
 
 
 def _seventy_b_on_one_gpu(tmp_path, model: str, monkeypatch, *flags: str, deployment: str = "single_gpu",
