@@ -199,6 +199,16 @@ def test_offload_that_the_memory_available_now_does_not_hold_is_warned_of(monkey
         _planned_with_memory(monkeypatch, 20, 16, 1, sizes, grpo, [3])  # the figure installed, not the 16 available
 
 
+def test_dpos_offload_is_warned_of_by_its_name(monkeypatch):
+    """DPO, planned as step 4, was warned of as "step 4's offload", a name no other message of train.py gives it."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+
+    b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
+    (warning,) = _offload_warned_with_memory(monkeypatch, 64, 20, 1, ModelSizes(b7, b7), Workload(), [4])
+    assert warning.startswith("DPO (step 4)'s offload puts")
+
+
 def _seventy_b_on_one_gpu(tmp_path, model: str, monkeypatch, *flags: str, deployment: str = "single_gpu",
                           available_gib: int = 100) -> tuple[PipelineConfig, Hardware]:
     """train.py's dry run of `flags` with a 70B model (every model given) on one 80 GiB GPU of a 256 GiB machine with

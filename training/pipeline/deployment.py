@@ -81,6 +81,7 @@ _ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained paramet
 _LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
 _GPU_LORA_DIM = 128
 _HOST_OFFLOAD_SHARE = 0.7  # share of a node's memory that offload may fill (the rest: the processes, the OS)
+_STEPS_SAID = {4: "DPO (step 4)"}  # a step train.py's messages name otherwise than "step N"
 
 
 @dataclass(frozen=True)
@@ -182,11 +183,11 @@ def host_memory_short_now(hardware: Hardware, needs: Mapping[int, float]) -> lis
     if available is None:
         return []
     budget = _HOST_OFFLOAD_SHARE * available * GIB
-    return [f"step {step}'s offload puts {need / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of "
-            f"the {available:.0f} GiB available on this machine now ({budget / GIB:.1f} GiB; the plan counts its "
-            f"{hardware.cpu_memory_gib:.0f} GiB installed, other processes hold the rest), so the step may run out "
-            f"of host memory once it loads; free memory here before it starts (other jobs), or plan less offload: a "
-            f"smaller model, more GPUs or nodes"
+    return [f"{_STEPS_SAID.get(step, f'step {step}')}'s offload puts {need / GIB:.1f} GiB in host memory, more than "
+            f"{_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} GiB available on this machine now ({budget / GIB:.1f} "
+            f"GiB; the plan counts its {hardware.cpu_memory_gib:.0f} GiB installed, other processes hold the rest), so "
+            f"the step may run out of host memory once it loads; free memory here before it starts (other jobs), or "
+            f"plan less offload: a smaller model, more GPUs or nodes"
             for step, need in sorted(needs.items()) if need > budget]
 
 
