@@ -124,24 +124,31 @@ def test_a_model_size_is_read_by_its_own_code_with_trust_remote_code(tmp_path):
     assert model_size(custom, trust_remote_code=True) == model_size(llama)
 
 
-def _machine_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int) -> Hardware:
-    """This machine as detected, with `gpus` 24 GiB GPUs and these memory figures from psutil."""
+def _machine_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int,
+                         cgroups: Path | None = None) -> Hardware:
+    """This machine as detected, with `gpus` 24 GiB GPUs and these memory figures from psutil, its process in the
+    cgroups of the folder `cgroups` (`_fake_cgroups`; None: in none, whatever memory limit this machine sets)."""
     from types import SimpleNamespace
 
     import psutil
 
+    from training.pipeline import hardware
     from training.pipeline.hardware import GIB, detect_hardware
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=installed_gib * GIB,
                                                                            available=available_gib * GIB))
+    cgroups = cgroups or Path("/nonexistent")
+    monkeypatch.setattr(hardware, "PROC_SELF_CGROUP", cgroups / "proc_self_cgroup")
+    monkeypatch.setattr(hardware, "CGROUP_ROOT", cgroups / "sys_fs_cgroup")
     return dataclasses.replace(detect_hardware(), num_gpus=gpus, gpu_memory_gib=24 if gpus else None)
 
 
-def _planned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload, steps):
+def _planned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload, steps,
+                         cgroups: Path | None = None):
     """plan_gpu's plan on a detected machine of `gpus` 24 GiB GPUs whose psutil says these memory figures."""
     from training.pipeline.planning import plan_gpu
 
-    here = _machine_with_memory(monkeypatch, installed_gib, available_gib, gpus)
+    here = _machine_with_memory(monkeypatch, installed_gib, available_gib, gpus, cgroups)
     return plan_gpu(DeploymentType.SINGLE_GPU, sizes, here, None, workload, steps)
 
 
@@ -172,6 +179,51 @@ def test_the_same_command_plans_the_same_flags_whatever_memory_other_jobs_hold_n
     assert plans[1][0].steps[1].flags["offload"] and not plans[1][0].steps[1].flags["lora_dim"]
     assert ("host memory counted for offload and as each GPU's (no GPU here): 96 GiB installed on this machine"
             in plans[0][0].notes)
+
+
+def _fake_cgroups(folder: Path, proc_self_cgroup: str, limits: dict[str, str]) -> Path:
+    """A folder holding a /proc/self/cgroup of these lines and, under sys_fs_cgroup, these limit files (path below
+    /sys/fs/cgroup: text)."""
+    (folder / "proc_self_cgroup").write_text(proc_self_cgroup)
+    for path, limit in limits.items():
+        (folder / "sys_fs_cgroup" / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / "sys_fs_cgroup" / path).write_text(limit)
+    return folder
+
+
+V1_NO_LIMIT = "9223372036854771712"
+
+
+@pytest.mark.parametrize("proc_self_cgroup, limits, limit_gib, counted", [
+    ("0::/system.slice/slurmstepd.scope/job_7/step_0\n",  # Slurm's --mem=64G, set on the job, not the step
+     {"memory.max": "max", "system.slice/slurmstepd.scope/job_7/memory.max": str(64 * 1024**3),
+      "system.slice/slurmstepd.scope/job_7/step_0/memory.max": "max"},
+     64, "64 GiB (this process's cgroup memory limit; 1024 GiB installed)"),
+    ("5:cpuacct,cpu:/docker/3f2a\n4:memory:/docker/3f2a\n",  # docker --memory 32g: the container's own root
+     {"memory/memory.limit_in_bytes": str(32 * 1024**3)},
+     32, "32 GiB (this process's cgroup memory limit; 1024 GiB installed)"),
+    ("4:memory:/user/1000\n0::/user.slice\n",  # v1's 'no limit' figure, v2's 'max'
+     {"memory/user/1000/memory.limit_in_bytes": V1_NO_LIMIT, "memory/memory.limit_in_bytes": V1_NO_LIMIT,
+      "user.slice/memory.max": "max", "memory.max": "max"},
+     None, "1024 GiB installed"),
+    ("0::/user.slice\n", {"user.slice/memory.max": str(2048 * 1024**3)}, 2048, "1024 GiB installed"),
+], ids=["v2", "v1", "none", "above_installed"])
+def test_host_memory_is_counted_up_to_the_cgroup_memory_limit(proc_self_cgroup, limits, limit_gib, counted,
+                                                             tmp_path, monkeypatch):
+    """psutil's memory installed ignores a cgroup's limit (Slurm's --mem, Kubernetes, docker --memory): a 1 TiB node
+    running a 64 GiB job was planned as 1 TiB, offload sized for memory the job may not use, and the job killed. The
+    plan counts the limit where one is set below what is installed, and its note says so."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import GIB, ModelSize, cgroup_memory_limit
+
+    b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
+    cgroups = _fake_cgroups(tmp_path, proc_self_cgroup, limits)
+    here = _machine_with_memory(monkeypatch, 1024, 900, 1, cgroups)
+    assert cgroup_memory_limit() == (limit_gib and limit_gib * GIB)
+    capped = limit_gib is not None and limit_gib < 1024
+    assert (here.cpu_memory_gib, here.cpu_memory_available_gib) == ((limit_gib,) * 2 if capped else (1024, 900))
+    plan = _planned_with_memory(monkeypatch, 1024, 900, 1, ModelSizes(b7, b7), Workload(), [1], cgroups)
+    assert f"host memory counted for offload: {counted} on this machine" in plan.notes
 
 
 def test_offload_that_the_memory_available_now_does_not_hold_is_warned_of(monkeypatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 import psutil
 import torch
@@ -10,6 +11,10 @@ from training.core.model_loading import load_config
 from utils.cpu import cpu_cores, cpu_has_native_bf16
 
 GIB = 1024**3
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup per hierarchy: "0::/path" (v2), "4:memory:/path"
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # v2 is mounted here, v1's memory controller under memory/
+# cgroup v1 says 'no limit' as the largest page-aligned 64-bit figure (9223372036854771712); no host has this much
+NO_LIMIT_V1 = 2**62
 
 
 @dataclass(frozen=True)
@@ -19,7 +24,9 @@ class Hardware:
     `cpu_memory_gib` is the host memory installed, which the plan counts: the same command plans the same flags on
     the same machine whatever other jobs hold at the moment (a plan that changed with it made a rerun refuse its
     finished steps and checkpoints). `cpu_memory_available_gib` is what was free when detected, only to warn that
-    the plan's offload may not fit now (None: not known, as for a machine a test describes)."""
+    the plan's offload may not fit now (None: not known, as for a machine a test describes). Where this process's
+    cgroup limits its memory below what is installed (Slurm's --mem, Kubernetes, docker --memory), both are capped at
+    the limit, as memory beyond it kills the job, and `cpu_memory_installed_gib` holds the figure installed."""
 
     num_gpus: int
     gpu_memory_gib: float | None
@@ -27,18 +34,69 @@ class Hardware:
     cpu_cores: int
     bf16: bool
     cpu_memory_available_gib: float | None = None
+    cpu_memory_installed_gib: float | None = None  # None: no cgroup limit capped cpu_memory_gib
+
+    @property
+    def cpu_memory_said(self) -> str:
+        """`cpu_memory_gib` as the plan's note says it: installed, or the cgroup's limit below what is installed."""
+        if self.cpu_memory_installed_gib is None:
+            return f"{self.cpu_memory_gib:.0f} GiB installed"
+        return (f"{self.cpu_memory_gib:.0f} GiB (this process's cgroup memory limit; "
+                f"{self.cpu_memory_installed_gib:.0f} GiB installed)")
 
 
 def detect_hardware() -> Hardware:
     """This machine: its accelerators, cores and installed memory, and the memory available now beside it."""
     cores = cpu_cores()
     memory = psutil.virtual_memory()
-    installed, available = memory.total / GIB, memory.available / GIB
+    limit = cgroup_memory_limit()
+    capped = limit is not None and limit < memory.total
+    usable = limit if capped else memory.total
+    installed, available = usable / GIB, min(memory.available, usable) / GIB
+    uncapped = memory.total / GIB if capped else None
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         gpu_memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count)) / GIB
-        return Hardware(count, gpu_memory, installed, cores, torch.cuda.is_bf16_supported(), available)
-    return Hardware(0, None, installed, cores, cpu_has_native_bf16(), available)
+        return Hardware(count, gpu_memory, installed, cores, torch.cuda.is_bf16_supported(), available, uncapped)
+    return Hardware(0, None, installed, cores, cpu_has_native_bf16(), available, uncapped)
+
+
+def cgroup_memory_limit() -> int | None:
+    """The memory limit in bytes of this process's cgroup: the smallest set on its path from the root, in cgroup v2
+    (memory.max) or v1 (memory.limit_in_bytes); None where none is set or the files cannot be read. A container sees
+    its own cgroup as the mount's root, so the root's file is read too."""
+    limits = [limit for file in _memory_limit_files() if (limit := _memory_limit_in(file)) is not None]
+    return min(limits, default=None)
+
+
+def _memory_limit_files() -> list[Path]:
+    """The memory limit files of this process's cgroups (v2 and v1's memory controller) and of their ancestors."""
+    try:
+        lines = PROC_SELF_CGROUP.read_text().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:
+            mount, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            mount, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        cgroup = PurePosixPath(path.lstrip("/"))
+        files += [mount / directory / name for directory in (cgroup, *cgroup.parents)]
+    return files
+
+
+def _memory_limit_in(file: Path) -> int | None:
+    """The limit a cgroup memory file sets; None for none ('max' in v2, a huge figure in v1) or an unreadable file."""
+    try:
+        text = file.read_text().strip()
+        limit = None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+    return limit if limit is not None and limit < NO_LIMIT_V1 else None
 
 
 @dataclass(frozen=True)

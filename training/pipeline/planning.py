@@ -79,8 +79,7 @@ def _host_memory_note(deployment: DeploymentType, hardware: Hardware) -> str:
     where no GPU is, the accelerators' memory too (`gpu_target`)."""
     accelerators = " and as each GPU's (no GPU here)" if hardware.num_gpus == 0 else ""
     nodes = ", each node assumed alike" if deployment is DeploymentType.MULTI_NODE else ""
-    return (f"host memory counted for offload{accelerators}: {hardware.cpu_memory_gib:.0f} GiB installed on this "
-            f"machine{nodes}")
+    return f"host memory counted for offload{accelerators}: {hardware.cpu_memory_said} on this machine{nodes}"
 
 
 def plan_cpu(sizes: ModelSizes, hardware: Hardware, quick: CpuQuickRun = CpuQuickRun(),
