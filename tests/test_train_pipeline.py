@@ -213,7 +213,7 @@ def test_host_memory_is_counted_up_to_the_cgroup_memory_limit(proc_self_cgroup, 
     """psutil's memory installed ignores a cgroup's limit (Slurm's --mem, Kubernetes, docker --memory): a 1 TiB node
     running a 64 GiB job was planned as 1 TiB, offload sized for memory the job may not use, and the job killed. The
     plan counts the limit where one is set below what is installed, and its note says so."""
-    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.deployment import ModelSizes, Workload, host_memory_short_now
     from training.pipeline.hardware import GIB, ModelSize, cgroup_memory_limit
 
     b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
@@ -224,6 +224,9 @@ def test_host_memory_is_counted_up_to_the_cgroup_memory_limit(proc_self_cgroup, 
     assert (here.cpu_memory_gib, here.cpu_memory_available_gib) == ((limit_gib,) * 2 if capped else (1024, 900))
     plan = _planned_with_memory(monkeypatch, 1024, 900, 1, ModelSizes(b7, b7), Workload(), [1], cgroups)
     assert f"host memory counted for offload: {counted} on this machine" in plan.notes
+    if capped:  # the offload warning names the figure the plan counted as the note does, not "installed" alone
+        (warning,) = host_memory_short_now(here, {1: limit_gib * GIB})
+        assert f"the plan counts its {counted}, other processes hold the rest" in warning
 
 
 def test_offload_that_the_memory_available_now_does_not_hold_is_warned_of(monkeypatch):

@@ -185,7 +185,7 @@ def host_memory_short_now(hardware: Hardware, needs: Mapping[int, float]) -> lis
     budget = _HOST_OFFLOAD_SHARE * available * GIB
     return [f"{_STEPS_SAID.get(step, f'step {step}')}'s offload puts {need / GIB:.1f} GiB in host memory, more than "
             f"{_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} GiB available on this machine now ({budget / GIB:.1f} "
-            f"GiB; the plan counts its {hardware.cpu_memory_gib:.0f} GiB installed, other processes hold the rest), so "
+            f"GiB; the plan counts its {hardware.cpu_memory_said}, other processes hold the rest), so "
             f"the step may run out of host memory once it loads; free memory here before it starts (other jobs), or "
             f"plan less offload: a smaller model, more GPUs or nodes"
             for step, need in sorted(needs.items()) if need > budget]
