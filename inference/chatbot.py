@@ -44,10 +44,10 @@ from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings, decode_by_flags_only, tokenizer_ids_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
-from training.reliability.signals import write_to_devnull
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter, resolve_prompt_format
 from utils.data.samples import SkipRow
 from utils.errors import EXIT_BROKEN_PIPE, UserError, run_cli
+from utils.output_pipes import write_to_devnull
 
 CLEAR_COMMANDS = frozenset({"clear", "reset"})
 QUIT_COMMANDS = frozenset({"quit", "exit"})

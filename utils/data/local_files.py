@@ -65,7 +65,7 @@ def local_files(path: Path) -> list[Path]:
         files = _visible_files(path)
         _refuse_saved_datasets_inside(path, files)
         _refuse_unread_data_files(path, files)
-        files = [file for file in files if file.suffix in LOCAL_SUFFIXES and file.name not in _DATASET_METADATA_NAMES]
+        files = [file for file in files if _holds_rows(file)]
         if not files:
             raise UserError(f"data folder {path} holds no {'/'.join(LOCAL_SUFFIXES)} files")
         return files
@@ -75,6 +75,12 @@ def local_files(path: Path) -> list[Path]:
     if path.suffix not in LOCAL_SUFFIXES:
         raise UserError(f"unsupported data file {path}: use {', '.join(LOCAL_SUFFIXES)} (or a folder of them)")
     return [path]
+
+
+def _holds_rows(file: Path) -> bool:
+    """Whether a folder's `file` is one of its data files: a .json/.jsonl/.parquet file, not the metadata `datasets`
+    writes beside rows."""
+    return file.suffix in LOCAL_SUFFIXES and file.name not in _DATASET_METADATA_NAMES
 
 
 def local_text_files(path: Path) -> list[Path]:
@@ -87,7 +93,7 @@ def local_text_files(path: Path) -> list[Path]:
         return []
     files = _visible_files(path)
     texts = [file for file in files if file.suffix == TEXT_SUFFIX]
-    if not texts or any(file.suffix in LOCAL_SUFFIXES and file.name not in _DATASET_METADATA_NAMES for file in files):
+    if not texts or any(_holds_rows(file) for file in files):
         return []
     _refuse_saved_datasets_inside(path, files)
     _refuse_unread_data_files(path, files)
