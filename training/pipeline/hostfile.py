@@ -10,9 +10,10 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import psutil
 
@@ -24,8 +25,11 @@ logger = logging.getLogger(__name__)
 _LINE = re.compile(r"(?P<host>\S+)\s+slots=(?P<slots>-?\d+)(?:\s+\S+)*")
 _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"
 _PDSH_HOST_LIST = re.compile(r"[,\[\]]")  # pdsh's -w reads a name with these as several hosts (`node[1-4]`, `a,b`)
+_HOST_NAME_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"  # between dots: no - first or last
+_HOST_NAME = re.compile(rf"{_HOST_NAME_PART}(?:\.{_HOST_NAME_PART})*\.?")
 HOST_LOOKUP_TIMEOUT_S = 5.0  # how long looking a hostfile's hosts up waits for the system's resolver
 _THIS_MACHINE = "this machine"  # what `_machines_named` gives for any of this machine's addresses
+Answer = TypeVar("Answer")
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,31 @@ def _check_host_name(hostfile: Path, number: int, name: str) -> None:
                         "dots must be 1 to 63 characters); write the node's name or address") from None
 
 
+def check_host_or_address(value: str, flag: str) -> None:
+    """Refuse a `flag` value that is neither a host name nor an IP address: the launcher hands it to every rank as
+    rank 0's address, and torch's rendezvous failed there, on every node, on an empty one, 'host:port', a URL or a
+    space, with an error that named neither the value nor the flag."""
+    if _HOST_NAME.fullmatch(value) or _is_ip_address(value):
+        return
+    if "://" in value:
+        hint = "; write the host alone, without the scheme"
+    elif value.rpartition(":")[2].isdigit():
+        hint = "; write the host alone, and the port with --master-port"
+    else:
+        hint = ""
+    raise UserError(f"{flag} {value!r} is not a host name or an IP address (a name's parts between dots are letters, "
+                    f"digits, - and _, 1 to 63 of them){hint}")
+
+
+def _is_ip_address(value: str) -> bool:
+    """Whether `value` is an IPv4 or IPv6 address (one with its interface too: fe80::1%eth0)."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_this_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) -> None:
     """Refuse two lines naming this machine under different names (`localhost` and `127.0.0.1`, or its host name):
     DeepSpeed's launcher counts them two nodes and starts each one's ranks here on the GPUs from 0, two ranks on a GPU,
@@ -136,23 +165,13 @@ def names_this_machine(host: str) -> bool:
 
 @functools.cache
 def _this_machine_names() -> frozenset[str]:
-    """`localhost` and this machine's host name and fully qualified one (where `_fully_qualified_name` finds it),
-    lower case: found once a process, since getfqdn may ask the system's resolver (a hostfile of 64 lines asked it 64
-    times)."""
-    names, fully_qualified = {"localhost", socket.gethostname().lower()}, _fully_qualified_name()
+    """`localhost` and this machine's host name and fully qualified one (socket.getfqdn's answer, where it comes within
+    HOST_LOOKUP_TIMEOUT_S: a name server down held each look at this machine's names up for as long as the resolver
+    kept trying, 8 s), lower case: found once a process, since getfqdn may ask the system's resolver (a hostfile of 64
+    lines asked it 64 times)."""
+    asked = _Asked(socket.getfqdn, "look up this machine's name")
+    names, fully_qualified = {"localhost", socket.gethostname().lower()}, asked.answer(_deadline())
     return frozenset(names | {fully_qualified.lower()} if fully_qualified else names)
-
-
-def _fully_qualified_name() -> str | None:
-    """socket.getfqdn's answer, asked in a thread of its own and waited for HOST_LOOKUP_TIMEOUT_S at most (None: no
-    answer by then): it asks the system's resolver with no time limit, and a name server down held each look at this
-    machine's names up for as long as the resolver kept trying (8 s, before a host's own bounded lookup)."""
-    answer: list[str] = []
-    asking = threading.Thread(target=lambda: answer.append(socket.getfqdn()), name="look up this machine's name",
-                              daemon=True)
-    asking.start()
-    asking.join(HOST_LOOKUP_TIMEOUT_S)
-    return answer[0] if answer else None
 
 
 @functools.cache
@@ -184,35 +203,47 @@ def looked_up(hosts: Iterable[str]) -> dict[str, frozenset[str] | None]:
     resolve is not its own), all asked at once and waited for HOST_LOOKUP_TIMEOUT_S together; None for a host whose
     lookup has not answered by then (a name server down or out of reach), which is not waited for again."""
     lookups = {host: _lookup(host) for host in hosts}
-    deadline = time.monotonic() + HOST_LOOKUP_TIMEOUT_S
-    return {host: lookup.addresses(deadline) for host, lookup in lookups.items()}
+    deadline = _deadline()
+    return {host: lookup.answer(deadline) for host, lookup in lookups.items()}
+
+
+def _deadline() -> float:
+    """When a lookup started now stops being waited for (time.monotonic's)."""
+    return time.monotonic() + HOST_LOOKUP_TIMEOUT_S
 
 
 @functools.cache
-def _lookup(host: str) -> _Lookup:
+def _lookup(host: str) -> _Asked[frozenset[str]]:
     """The lookup of `host`, started once a process."""
-    return _Lookup(host)
+    return _Asked(functools.partial(_addresses_of, host), f"look up {host}")
 
 
-class _Lookup:
-    """One host's addresses, asked of the system's resolver in a thread of its own: getaddrinfo takes no time limit,
-    and a name server down held planning up, with no word, for as long as the resolver kept trying."""
+def _addresses_of(host: str) -> frozenset[str]:
+    """`host`'s addresses from the system's resolver; none where it does not resolve or IDNA cannot encode it (`a..b`)."""
+    with contextlib.suppress(OSError, UnicodeError):
+        return frozenset(info[4][0] for info in socket.getaddrinfo(host, None))
+    return frozenset()
 
-    def __init__(self, host: str) -> None:
-        self._host = host
-        self._found: frozenset[str] = frozenset()
+
+class _Asked(Generic[Answer]):
+    """What `ask()` answers, asked of the system's resolver in a thread of its own, started as this is made: getaddrinfo
+    and getfqdn take no time limit, and a name server down held planning up, with no word, for as long as the resolver
+    kept trying."""
+
+    def __init__(self, ask: Callable[[], Answer], name: str) -> None:
+        self._ask = ask
+        self._answer: Answer | None = None
         self._answered = threading.Event()
         self._given_up = False
-        threading.Thread(target=self._ask, name=f"look up {host}", daemon=True).start()
+        threading.Thread(target=self._wait_for_answer, name=name, daemon=True).start()
 
-    def _ask(self) -> None:
-        with contextlib.suppress(OSError, UnicodeError):  # UnicodeError: a name IDNA cannot encode (`a..b`)
-            self._found = frozenset(info[4][0] for info in socket.getaddrinfo(self._host, None))
+    def _wait_for_answer(self) -> None:
+        self._answer = self._ask()
         self._answered.set()
 
-    def addresses(self, deadline: float) -> frozenset[str] | None:
-        """The addresses found, waiting for them until `deadline` (time.monotonic's) at most; None where the resolver
-        has not answered by then, or had not by an earlier deadline."""
+    def answer(self, deadline: float) -> Answer | None:
+        """The answer, waited for until `deadline` (time.monotonic's) at most; None where it has not come by then, or
+        had not by an earlier deadline."""
         if not self._given_up and not self._answered.wait(max(0.0, deadline - time.monotonic())):
             self._given_up = True
-        return None if self._given_up else self._found
+        return None if self._given_up else self._answer
