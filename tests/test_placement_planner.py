@@ -4,13 +4,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 from test_train_pipeline import TWO_CORES, FakeSteps, common
 
 import training.placement.auto as auto
 import training.placement.calibration as calibration
+import training.placement.planner as planner
 from training.pipeline.cli import parse_config
 from training.pipeline.hardware import GIB, ModelSize
 from training.pipeline.runner import run_pipeline
@@ -327,6 +328,25 @@ def test_check_fits_names_the_rank_the_models_and_the_gib():
     assert "ZeRO" not in str(refused.value)  # at ZeRO-3 already: no advice to raise the stages
 
 
+def test_no_placement_fitting_one_rank_counts_it_in_the_singular(monkeypatch):
+    """It said 'fits 1 rank(s)'."""
+    monkeypatch.setattr(planner, "search", lambda *args: [])  # the co-located ZeRO-3 plan fits, yet none is offered
+    for world, said in ((1, "fits 1 rank of round"), (4, "fits 4 ranks of round")):
+        with pytest.raises(UserError, match=f"no placement of step 3's models {said}; use more ranks"):
+            choose_placement(WORKLOAD, MACHINE, world)
+
+
+def test_a_calibrated_machine_counts_one_rank_in_the_singular(monkeypatch):
+    """Its name said '1 rank(s)'."""
+    unmeasured = {"name", "nodes", "devices_per_node", "memory_gib", "inter_node_bandwidth", "baseline_memory_gib",
+                  "usable_memory_fraction", "call_time_factors", "step_overhead_s", "others_busy_cores"}
+    measured = {key: value for key, value in asdict(MACHINE).items() if key not in unmeasured}
+    monkeypatch.setattr(calibration, "measure_ranks", lambda *args: measured)
+    monkeypatch.setattr(calibration, "measure_baseline_memory_gib", lambda quick: 1.0)
+    for world, said in ((1, ", 1 rank)"), (2, ", 2 ranks)")):
+        assert calibration.calibrate("fp32", 1, world, quick=True).name.endswith(said)
+
+
 def _write(tmp_path, text, name="machine.yaml"):
     path = tmp_path / name
     path.write_text(text)
@@ -543,7 +563,7 @@ def test_dry_run_with_placement_auto_prints_the_ranked_plans(tmp_path, tiny_mode
     fakes = FakeSteps(tiny_model_dir("llama"))
     _dry_run(tmp_path, fakes, ["--hardware_file", "a100-80gb"])
     out = capsys.readouterr().out
-    assert ("step 3 --placement auto on 8 rank(s) (the hardware file's nodes x GPUs); machine constants: a100-80gb "
+    assert ("step 3 --placement auto on 8 ranks (the hardware file's nodes x GPUs); machine constants: a100-80gb "
             "from the hardware file") in out
     assert "placements, fastest first" in out and "the top plan's step-3 flags: --placement" in out
 
@@ -551,7 +571,7 @@ def test_dry_run_with_placement_auto_prints_the_ranked_plans(tmp_path, tiny_mode
     calibration.save_calibration(replace(MACHINE, devices_per_node=1), calibration.cache_path("bf16", 2, 1))
     _dry_run(tmp_path, fakes, [])
     out = capsys.readouterr().out
-    assert "on 1 rank(s) (the run's); machine constants: the saved calibration" in out and "1 │ colocate" in out
+    assert "on 1 rank (the run's); machine constants: the saved calibration" in out and "1 │ colocate" in out
 
 
 def test_a_gpu_deployments_dry_run_plans_its_own_ranks_with_a_hardware_files_gpus(tmp_path, tiny_model_dir, capsys):
@@ -560,11 +580,11 @@ def test_a_gpu_deployments_dry_run_plans_its_own_ranks_with_a_hardware_files_gpu
     fakes = FakeSteps(tiny_model_dir("llama"))
     hostfile = tmp_path / "hosts"
     hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
-    for deployment, ranks in ((["single_gpu"], 1), (["multi_node", "--hostfile", str(hostfile)], 16)):
+    for deployment, ranks in ((["single_gpu"], "1 rank"), (["multi_node", "--hostfile", str(hostfile)], "16 ranks")):
         _dry_run(tmp_path, fakes, ["--hardware_file", "a100-80gb", "--deployment-type", *deployment])
         out = capsys.readouterr().out
-        assert f"step 3 --placement auto on {ranks} rank(s) (the run's); machine constants: a100-80gb" in out
-        if ranks == 1:  # one rank shards nothing and lends no rank to a rollout
+        assert f"step 3 --placement auto on {ranks} (the run's); machine constants: a100-80gb" in out
+        if ranks == "1 rank":  # one rank shards nothing and lends no rank to a rollout
             assert "flags: --placement colocate --placement_ratio actor=1,critic=1,reference=1,reward=1,rollout=0 " \
                    "--actor_zero_stage 0 --critic_zero_stage 0" in out
 

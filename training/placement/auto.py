@@ -9,6 +9,7 @@ from utils.errors import UserError
 from .calibration import cache_path, calibrate, load_calibration, load_or_calibrate
 from .machine import MachineSpec, load_machine_file
 from .planner import format_plans, search
+from .spec import ranks_text
 from .workload import step3_model_paths, step3_workload
 
 TOP_PLANS = 10
@@ -78,7 +79,7 @@ def auto_placement_report(parser: argparse.ArgumentParser, argv: list[str], acto
     workload = step3_workload(args, actor, critic, reward, dtype)
     plans = search(workload, machine, world)
     ranks = "the hardware file's nodes x GPUs" if file_world else "the run's"
-    lines = [f"\nstep 3 --placement auto on {world} rank(s) ({ranks}); {source}", format_plans(plans, TOP_PLANS)]
+    lines = [f"\nstep 3 --placement auto on {ranks_text(world)} ({ranks}); {source}", format_plans(plans, TOP_PLANS)]
     if plans:
         lines.append("the top plan's step-3 flags: " + " ".join(plans[0].flags))
     else:

@@ -37,6 +37,7 @@ from training.placement.microbench import (
     measure_layer,
     measure_optimizer_s_per_param,
 )
+from training.placement.spec import ranks_text
 
 DECODE_ROWS = 4  # a small rollout batch
 GRADIENT_NUMEL = 32 * 2**20  # the gradients all-reduced in the calibration: a small model's, past every cache
@@ -251,7 +252,7 @@ def calibrate(dtype: str, threads: int, world_size: int, quick: bool = False) ->
         measured = measure_ranks(dtype, threads, world_size, quick)
         machine = MachineSpec(
             name=f"{socket.gethostname()} (calibrated{', quick' if quick else ''}: {dtype}, {threads} thread(s), "
-                 f"{world_size} rank(s))",
+                 f"{ranks_text(world_size)})",
             nodes=1, devices_per_node=world_size, memory_gib=host_memory_gib() / world_size,
             inter_node_bandwidth=measured["intra_node_bandwidth"],
             baseline_memory_gib=measure_baseline_memory_gib(quick), **measured)

@@ -11,7 +11,7 @@ from utils.errors import UserError
 
 from .cost_model import StepEstimate, estimate_step, models_on
 from .machine import MachineSpec
-from .spec import PRESETS, Placement, build_placement, zero3_on_part_of_the_ranks
+from .spec import PRESETS, Placement, build_placement, ranks_text, zero3_on_part_of_the_ranks
 from .workload import Step3Workload, ppo_micro_batches
 
 ROLLOUT_SHARES = (0.0, 0.25, 0.5, 0.75)
@@ -223,7 +223,7 @@ def choose_placement(workload: Step3Workload, machine: MachineSpec, world_size: 
         raise _no_whole_optimizer_steps(workload)
     frugal = replace(workload, actor_zero_stage=3, critic_zero_stage=3, train_micro_batch=micro_batches[0])
     check_fits(frugal, build_placement("colocate", world_size, roles or workload.roles()), machine)
-    raise UserError(f"no placement of step 3's models fits {world_size} rank(s) of {machine.name}; use more ranks")
+    raise UserError(f"no placement of step 3's models fits {ranks_text(world_size)} of {machine.name}; use more ranks")
 
 
 def _no_whole_optimizer_steps(workload: Step3Workload) -> UserError:
