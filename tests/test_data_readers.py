@@ -903,6 +903,36 @@ def test_a_tied_or_unlabelled_preference_row_gives_step_3_its_prompt_and_steps_1
     assert [row["chosen"].strip() for row in read_rows(path)] == ["Blue."]
 
 
+HH_SKY, HH_SKY_BAD = "\n\nHuman: Sky?\n\nAssistant: Blue.", "\n\nHuman: Sky?\n\nAssistant: Red."
+
+
+@pytest.mark.parametrize("rows, reasons", [
+    ([{"chosen": HH_SKY.replace("Sky", "Sea"), "rejected": HH_SKY_BAD.replace("Sky", "Sea")},
+      {"rejected": HH_SKY_BAD}, {"chosen": "", "rejected": HH_SKY_BAD}, {"chosen": HH_SKY, "rejected": "\n\nHuman: Sky?"},
+      {"chosen": HH_SKY, "rejected": HH_SKY_BAD.replace("Sky", "Sun")}],
+     {"missing:chosen": 1, "empty:chosen": 1, "no_assistant_reply:rejected": 1, "prompt_mismatch": 1}),
+    ([{"chosen": chat(("user", "Sea?"), ("assistant", "Blue.")), "rejected": chat(("user", "Sea?"), ("assistant", "Red."))},
+      {"chosen": None, "rejected": chat(("user", "Sky?"), ("assistant", "Red."))},
+      {"chosen": " ", "rejected": chat(("user", "Sky?"), ("assistant", "Red."))},
+      {"chosen": chat(("user", "Sky?"), ("assistant", "Blue.")), "rejected": chat(("user", "Sky?")) + ["Red."]},
+      {"chosen": chat(("user", "Sky?"), ("tool", "42"), ("assistant", "Blue.")),
+       "rejected": chat(("user", "Sky?"), ("assistant", "Red."))}],
+     {"missing:chosen": 1, "wrong_type:chosen": 1, "wrong_type:message": 1, "unknown_role:tool": 1}),
+], ids=["hh_rlhf", "chat_preference_implicit_prompt"])
+def test_a_transcript_pair_one_side_of_which_does_not_read_gives_step_3_the_other_sides_prompt(tmp_path, rows,
+                                                                                              reasons):
+    """Each side of an hh-rlhf (or TRL implicit-prompt) row holds the whole conversation: a row without its chosen, or
+    with an empty one, was dropped by step 3 too, though the rejected side carries the prompt step 3 reads. Steps 1
+    and 2 skip such rows as before; sides of other prompts, or a tool's message, still give step 3 nothing."""
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    (prompts,) = phase_splits(3, [path], "0,0,1", seed=0, eval_fraction=0)
+    assert sorted(s.turns[-1]["content"] for s in prompts.train) == ["Sea?", "Sky?", "Sky?", "Sky?"]
+    assert prompts.skipped == {reason: 1 for reason in ("prompt_mismatch", "unknown_role:tool") if reason in reasons}
+    for phase, data_split in ((1, "1,0,0"), (2, "0,1,0")):
+        (split,) = phase_splits(phase, [path], data_split, seed=0, eval_fraction=0)
+        assert (len(split.train), split.skipped) == (1, reasons)
+
+
 class ReadCounting(dict):
     """A message that counts how often its fields are read."""
 

@@ -8,7 +8,8 @@ Formats (state one as `PATH:FORMAT`, or let `detect_format` pick it from the col
   "Human:/Assistant:" markers is parsed into turns; a blank reply is "", as in `hh_rlhf`.
 - `hh_rlhf`: `chosen`/`rejected` full transcripts (Anthropic/hh-rlhf); split at the last
   Assistant turn, the shared prompt is everything before it. An empty last Assistant turn is
-  kept as the reply "" (usable in pairs, not for SFT).
+  kept as the reply "" (usable in pairs, not for SFT). A row one side of which does not read (no `chosen`) gives step 3
+  the prompt of the other.
 - `shp`: `history`, `human_ref_A`, `human_ref_B`, `labels` (stanfordnlp/SHP; label 1 = A preferred; a row without
   a 0/1 label gives step 3 its prompt).
 - `webgpt`: `question.full_text`, `answer_0/1`, `score_0/1` (openai/webgpt_comparisons; a tie is no pair,
@@ -36,11 +37,12 @@ from dataclasses import replace
 from typing import Any
 
 from .samples import Sample, SkipRow, metadata_field, optional_text_field, text_field
-from .turns import BLANK_LINE, is_empty_reply, parse_messages, parse_transcript, split_last_reply
+from .turns import BLANK_LINE, UNKNOWN_ROLE, is_empty_reply, parse_messages, parse_transcript, split_last_reply
 
 Parser = Callable[[Any, int], list]
 _EMPTY_LAST_REPLY = re.compile(rf"(?:\A|{BLANK_LINE})Assistant:\s*\Z")
 _REPLY_KEYS = ("chosen", "response", "completion")  # the preferred (or only) reply's column, in the order looked for
+PROMPT_MISMATCH = "prompt_mismatch"  # a pair's two sides hold other contexts: no prompt of the row's
 
 
 def _with_replies(prompt: list[dict], group: int, read: Callable[[], list[Sample]]) -> list[Sample]:
@@ -101,12 +103,31 @@ def _paired_replies(record: dict, group: int, reply_of: Callable[[str], tuple[li
         return [Sample(tuple(chosen_context), chosen, None, group)]
     rejected_context, rejected = reply_of("rejected")
     if rejected_context != chosen_context:
-        raise SkipRow("prompt_mismatch")
+        raise SkipRow(PROMPT_MISMATCH)
     return [Sample(tuple(chosen_context), chosen, rejected, group)]
 
 
+def _paired_replies_or_prompt(record: dict, group: int,
+                              reply_of: Callable[[str], tuple[list[dict], str]]) -> list[Sample]:
+    """`_paired_replies`, or where one side does not read (a missing or empty `chosen`, a `rejected` without an
+    assistant reply), the context of the side that does, alone with that reason: step 3 reads only the prompt, which
+    each side carries. Sides whose contexts differ, or a speaker the prompt formats have no turn for, give none."""
+    try:
+        return _paired_replies(record, group, reply_of)
+    except SkipRow as skip:
+        if skip.reason == PROMPT_MISMATCH or skip.reason.startswith(UNKNOWN_ROLE):  # the row's, not one reply's
+            raise
+        for key in ("chosen", "rejected"):
+            try:
+                context, _ = reply_of(key)
+            except SkipRow:
+                continue
+            return [Sample(tuple(context), group=group, reply_error=skip.reason)]
+        raise
+
+
 def parse_hh_rlhf(record: Any, group: int) -> list[Sample]:
-    return _paired_replies(record, group, lambda key: _dialogue_reply(record, key))
+    return _paired_replies_or_prompt(record, group, lambda key: _dialogue_reply(record, key))
 
 
 def _message_list(record: dict, key: str) -> list:
@@ -134,7 +155,7 @@ def parse_chat_preference(record: Any, group: int) -> list[Sample]:
     if not isinstance(record, dict):
         raise SkipRow("not_an_object")
     if isinstance(record.get("prompt"), (str, type(None))):  # each side holds the whole conversation
-        return _paired_replies(record, group, lambda key: _chat_reply(record, [], [], key))
+        return _paired_replies_or_prompt(record, group, lambda key: _chat_reply(record, [], [], key))
     prompt = _message_list(record, "prompt")
     turns = parse_messages(prompt, "role", "content")
     return _with_replies(turns, group,

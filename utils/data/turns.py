@@ -16,6 +16,7 @@ _MARKER_ROLES = {"Human": USER, "Assistant": ASSISTANT}
 # speakers of a tool call and its result, which a skip reason names: any other speaker is text of a data set's own
 # (a role-play character), and naming each would grow the report without bound
 TOOL_SPEAKERS = frozenset({"tool", "function", "function_call", "ipython", "observation"})
+UNKNOWN_ROLE = "unknown_role"  # the skip reason of a speaker no prompt format has a turn for
 
 
 def parse_transcript(text: str) -> list[dict]:
@@ -91,7 +92,7 @@ def _unknown_role(speaker: Any) -> str:
     its row not read in part (the reply would answer a tool output the prompt leaves out). Other speakers are
     `unknown_role` alone."""
     named = speaker.strip().lower() if isinstance(speaker, str) else None
-    return f"unknown_role:{named}" if named in TOOL_SPEAKERS else "unknown_role"
+    return f"{UNKNOWN_ROLE}:{named}" if named in TOOL_SPEAKERS else UNKNOWN_ROLE
 
 
 def _role(message: dict, role_key: str) -> str | None:
