@@ -1316,6 +1316,24 @@ def test_this_machines_fully_qualified_name_is_waited_for_in_bounded_time(monkey
     assert len(asked) == 1
 
 
+@pytest.mark.parametrize("tell", ["is_this_machine", "read_hostfile"])
+def test_this_machines_name_and_the_hosts_lookups_are_waited_for_together(tmp_path, monkeypatch, tell):
+    """With a name server down, the first is_this_machine waited HOST_LOOKUP_TIMEOUT_S for getfqdn, then as long
+    again for the host's own lookup (10 s), and reading a hostfile the same. The host's lookups are started beside
+    getfqdn now, all waited for within one HOST_LOOKUP_TIMEOUT_S."""
+    from training.pipeline import hostfile
+
+    monkeypatch.setattr(hostfile, "HOST_LOOKUP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(socket, "getfqdn", lambda name="": time.sleep(5) or "gpu-node-7.example")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: time.sleep(5) or [])
+    started = time.monotonic()
+    if tell == "is_this_machine":
+        assert not hostfile.is_this_machine("worker-1")
+    else:
+        assert len(read_hostfile(write(tmp_path / "hosts", "worker-1 slots=1\nworker-2 slots=1\n"))) == 2
+    assert time.monotonic() - started < 1.7
+
+
 def test_a_host_name_the_resolver_cannot_encode_is_refused_naming_its_line(tmp_path, monkeypatch, caplog):
     """`a..b` (which the hostfile's line pattern accepts) made the lookup thread die on a UnicodeError, its traceback
     printed, and the host was then said to be one 'the name server does not answer' for. Refused when the hostfile is

@@ -10,7 +10,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -40,7 +40,7 @@ class Host:
 
 def read_hostfile(path: str | os.PathLike) -> list[Host]:
     """Parse and validate a hostfile: it exists, every line is `host slots=N` with N > 0, no host twice, this machine
-    under one name at most (`names_this_machine`), no two names resolving to one machine (`looked_up`), no host name
+    under one name at most (`names_this_machine`), no two names resolving to one machine (`_lookup`), no host name
     that pdsh reads as several or the resolver cannot look up.
 
     Blank lines, `#` comments and what follows the slots on a line are ignored, as DeepSpeed's launcher does.
@@ -74,8 +74,9 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
         hosts.append(Host(name, slots))
     if not hosts:
         raise UserError(f"hostfile {hostfile} lists no hosts; {_EXAMPLE}")
+    lookups = {host: _lookup(host) for host in seen}  # started beside this machine's names' getfqdn, waited with it
     _check_this_machine_listed_once(hostfile, seen)
-    _check_each_machine_listed_once(hostfile, seen)
+    _check_each_machine_listed_once(hostfile, seen, {host: lookup.answer() for host, lookup in lookups.items()})
     return hosts
 
 
@@ -128,12 +129,14 @@ def _check_this_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) ->
                         "GPUs it runs on")
 
 
-def _check_each_machine_listed_once(hostfile: Path, lines: Mapping[str, int]) -> None:
+def _check_each_machine_listed_once(hostfile: Path, lines: Mapping[str, int],
+                                    looked_up: Mapping[str, frozenset[str] | None]) -> None:
     """Refuse two lines whose hosts resolve to one machine (`node1` and its address, a short name and a fully
     qualified one): DeepSpeed's launcher starts each line's ranks there on the GPUs from 0, two ranks on each GPU. A
-    host whose lookup finds nothing in time is not compared. `lines`: {host: its line number}."""
+    host whose lookup finds nothing in time (None in `looked_up`, {host: its addresses}) is not compared. `lines`:
+    {host: its line number}."""
     first_named: dict[str, tuple[int, str]] = {}  # machine: the first line naming it, its host
-    for host, addresses in looked_up(sorted(lines, key=lines.__getitem__)).items():
+    for host, addresses in looked_up.items():  # in the order of the lines
         for machine in _machines_named(host, addresses or frozenset()):
             first, first_host = first_named.setdefault(machine, (lines[host], host))
             if first_host != host:
@@ -170,7 +173,7 @@ def _this_machine_names() -> frozenset[str]:
     kept trying, 8 s), lower case: found once a process, since getfqdn may ask the system's resolver (a hostfile of 64
     lines asked it 64 times)."""
     asked = _Asked(socket.getfqdn, "look up this machine's name")
-    names, fully_qualified = {"localhost", socket.gethostname().lower()}, asked.answer(_deadline())
+    names, fully_qualified = {"localhost", socket.gethostname().lower()}, asked.answer()
     return frozenset(names | {fully_qualified.lower()} if fully_qualified else names)
 
 
@@ -185,10 +188,13 @@ def _interface_addresses() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Ad
 def is_this_machine(host: str) -> bool:
     """Whether a hostfile's host (or --master-addr) names the machine this runs on: its name, or a name or address
     that resolves to a loopback address or one of its interfaces'. Told once a process for each host: each step's
-    launch asks it of the master address, and the resolver may take up to HOST_LOOKUP_TIMEOUT_S to answer."""
+    launch asks it of the master address, and the resolver may take up to HOST_LOOKUP_TIMEOUT_S to answer: the host's
+    lookup is started before this machine's names are looked at (their getfqdn waits as long), to wait for both
+    together."""
+    lookup = _lookup(host)
     if names_this_machine(host):
         return True
-    addresses = looked_up([host])[host]
+    addresses = lookup.answer()
     if addresses is None:
         logger.warning("looking up %s found no address in %g s (the name server does not answer); train.py takes it "
                        "for another machine than this one, reached through pdsh and ssh. If it is this machine, name "
@@ -198,23 +204,10 @@ def is_this_machine(host: str) -> bool:
     return any(names_this_machine(address) for address in addresses)
 
 
-def looked_up(hosts: Iterable[str]) -> dict[str, frozenset[str] | None]:
-    """Each host's addresses from the system's resolver (none where it does not resolve: a name this machine cannot
-    resolve is not its own), all asked at once and waited for HOST_LOOKUP_TIMEOUT_S together; None for a host whose
-    lookup has not answered by then (a name server down or out of reach), which is not waited for again."""
-    lookups = {host: _lookup(host) for host in hosts}
-    deadline = _deadline()
-    return {host: lookup.answer(deadline) for host, lookup in lookups.items()}
-
-
-def _deadline() -> float:
-    """When a lookup started now stops being waited for (time.monotonic's)."""
-    return time.monotonic() + HOST_LOOKUP_TIMEOUT_S
-
-
 @functools.cache
 def _lookup(host: str) -> _Asked[frozenset[str]]:
-    """The lookup of `host`, started once a process."""
+    """The lookup of `host`, started once a process: its addresses from the system's resolver (none where it does
+    not resolve: a name this machine cannot resolve is not its own)."""
     return _Asked(functools.partial(_addresses_of, host), f"look up {host}")
 
 
@@ -226,12 +219,15 @@ def _addresses_of(host: str) -> frozenset[str]:
 
 
 class _Asked(Generic[Answer]):
-    """What `ask()` answers, asked of the system's resolver in a thread of its own, started as this is made: getaddrinfo
-    and getfqdn take no time limit, and a name server down held planning up, with no word, for as long as the resolver
-    kept trying."""
+    """What `ask()` answers, asked of the system's resolver in a thread of its own, started as this is made, and waited
+    for until HOST_LOOKUP_TIMEOUT_S after that at most: getaddrinfo and getfqdn take no time limit, and a name server
+    down held planning up, with no word, for as long as the resolver kept trying. Those started together are waited
+    for that long in all, where one after another waited it each (is_this_machine took 10 s: getfqdn's 5, then the
+    host's lookup's)."""
 
     def __init__(self, ask: Callable[[], Answer], name: str) -> None:
         self._ask = ask
+        self._deadline = time.monotonic() + HOST_LOOKUP_TIMEOUT_S
         self._answer: Answer | None = None
         self._answered = threading.Event()
         self._given_up = False
@@ -241,9 +237,9 @@ class _Asked(Generic[Answer]):
         self._answer = self._ask()
         self._answered.set()
 
-    def answer(self, deadline: float) -> Answer | None:
-        """The answer, waited for until `deadline` (time.monotonic's) at most; None where it has not come by then, or
-        had not by an earlier deadline."""
-        if not self._given_up and not self._answered.wait(max(0.0, deadline - time.monotonic())):
+    def answer(self) -> Answer | None:
+        """The answer, waited for until the deadline at most; None where it has not come by then (a name server down
+        or out of reach), which is not waited for again."""
+        if not self._given_up and not self._answered.wait(max(0.0, self._deadline - time.monotonic())):
             self._given_up = True
         return None if self._given_up else self._answer
