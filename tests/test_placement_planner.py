@@ -11,7 +11,6 @@ from test_train_pipeline import TWO_CORES, FakeSteps, common
 
 import training.placement.auto as auto
 import training.placement.calibration as calibration
-import training.placement.planner as planner
 from training.pipeline.cli import parse_config
 from training.pipeline.hardware import GIB, ModelSize
 from training.pipeline.runner import run_pipeline
@@ -330,7 +329,7 @@ def test_check_fits_names_the_rank_the_models_and_the_gib():
 
 def test_no_placement_fitting_one_rank_counts_it_in_the_singular(monkeypatch):
     """It said 'fits 1 rank(s)'."""
-    monkeypatch.setattr(planner, "search", lambda *args: [])  # the co-located ZeRO-3 plan fits, yet none is offered
+    monkeypatch.setattr("training.placement.planner.search", lambda *args: [])  # none offered; ZeRO-3 colocate fits
     for world, said in ((1, "fits 1 rank of round"), (4, "fits 4 ranks of round")):
         with pytest.raises(UserError, match=f"no placement of step 3's models {said}; use more ranks"):
             choose_placement(WORKLOAD, MACHINE, world)
