@@ -276,18 +276,36 @@ def test_a_json_object_that_breaks_is_refused_where_it_breaks(tmp_path):
 
 
 @pytest.mark.parametrize("suffix", [".json", ".jsonl"])
-@pytest.mark.parametrize("broken", [0, 2, 5], ids=["first", "middle", "last"])
-def test_json_lines_with_a_record_cut_short_skip_that_line_wherever_it_is(tmp_path, suffix, broken):
+@pytest.mark.parametrize("broken", [(0,), (2,), (5,), (0, 1), (2, 3), (4, 5)],
+                         ids=["first", "middle", "last", "first_two", "middle_two", "last_two"])
+def test_json_lines_with_records_cut_short_skip_those_lines_wherever_they_are(tmp_path, suffix, broken):
     """A .json file of JSON lines whose first record lost its closing brace was refused as "a JSON document that does
-    not parse at line 2 ... write it as JSON lines", which it is; the same line elsewhere was skipped and counted."""
+    not parse at line 2 ... write it as JSON lines", which it is, and so was one whose first two records did; the same
+    lines elsewhere were skipped and counted."""
     lines = [json.dumps(row) for row in PAIRS[:6]]
-    lines[broken] = lines[broken].removesuffix("}")
+    for index in broken:
+        lines[index] = lines[index].removesuffix("}")
     path = tmp_path / f"lines{suffix}"
     path.write_text("\n".join(lines) + "\n")
     source = load_source(parse_source_spec(str(path)))
     assert [sample.chosen for group, record in enumerate(source.records) for sample in source.parse(record, group)] \
-        == [f"good {i}" for i in range(6) if i != broken]
-    assert source.load_skips == {"malformed_json": 1}
+        == [f"good {i}" for i in range(6) if i not in broken]
+    assert source.load_skips == {"malformed_json": len(broken)}
+
+
+@pytest.mark.parametrize("count, broken", [(5, (0, 1, 2)), (5, (1, 3, 4)), (1, (0,))],
+                         ids=["first_three_of_five", "three_of_five", "its_one_line"])
+def test_a_json_file_most_of_whose_lines_do_not_parse_alone_is_refused_as_a_broken_document(tmp_path, count, broken):
+    """Its records would be the few lines that parse alone, the rest counted malformed: as likely a document broken
+    somewhere, whichever lines break; refused naming where, and how many lines do not parse alone."""
+    lines = [json.dumps(row) for row in PAIRS[:count]]
+    for index in broken:
+        lines[index] = lines[index].removesuffix("}")
+    (tmp_path / "rows.json").write_text("\n\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=rf"rows.json is a JSON document that does not parse at line \d+ column \d+ "
+                                        rf".*, nor as JSON lines \({len(broken)} of its {count} non-blank lines do not "
+                                        r"parse alone\): its records would be lost"):
+        load_source(parse_source_spec(str(tmp_path / "rows.json")))
 
 
 def test_json_lines_end_only_at_newlines(tmp_path):

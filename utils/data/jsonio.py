@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
 from utils.errors import UserError
@@ -128,10 +126,7 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
             raise _unparsed_document(path, f"array that does not parse at line {error.lineno} column "
                                      f"{error.colno} ({error.msg}), after {len(records)} records: the records from "
                                      "there on") from error
-        if _is_broken_document(text, error):
-            raise _unparsed_document(path, f"document that does not parse at line {error.lineno} column "
-                                     f"{error.colno} ({error.msg}): its records") from error
-        return read_json_lines(data, name, skipped)
+        return _json_lines_of_document(data, path, name, skipped, error)
     _refuse_pandas_layout(content, path)
     return FileRecords.numbered(name, "record", _records_of(content))
 
@@ -177,42 +172,20 @@ def _unparsed_document(path: Path, what: str) -> UserError:
                      "line), where a bad line is skipped and counted")
 
 
-LATER_LINES_LOOKED_AT = 3
-
-
-def _is_broken_document(text: str, error: json.JSONDecodeError) -> bool:
-    """Whether `text`, which does not parse (`error`), is one JSON document broken past its first line (`{"data": [`
-    does not parse alone), not JSON lines (each line a record: the first parses alone, or is itself where it breaks,
-    or the few lines after it parse alone as objects: the first record is the broken one). Read as JSON lines, such a
-    document gave the records that sit on a line of their own without a comma (one a list), the others counted
-    malformed."""
-    lines = list(islice(_non_blank_lines(text), 1 + LATER_LINES_LOOKED_AT))
-    if not lines:
-        return False
-    (number, first), later = lines[0], lines[1:]
-    if _parses_alone(first):
-        return False
-    return error.lineno > number and not (later and all(_parses_alone(line, dict) for _, line in later))
-
-
-def _non_blank_lines(text: str) -> Iterator[tuple[int, str]]:
-    """The lines of `text` that hold more than whitespace, numbered from 1, cut at "\\n" as JSON lines are, one at a
-    time: a few are looked at, not the whole file split."""
-    start, number = 0, 1
-    while start <= len(text):
-        end = text.find("\n", start)
-        end = len(text) if end < 0 else end
-        if text[start:end].strip():
-            yield number, text[start:end]
-        start, number = end + 1, number + 1
-
-
-def _parses_alone(line: str, kind: type = object) -> bool:
-    """Whether `line` on its own parses as JSON, of type `kind`."""
-    try:
-        return isinstance(json.loads(line), kind)
-    except json.JSONDecodeError:
-        return False
+def _json_lines_of_document(data: bytes, path: Path, name: str, skipped: SkippedRows,
+                            error: json.JSONDecodeError) -> FileRecords:
+    """A .json file that does not parse as one document (`error`), read as JSON lines: each line that does not parse
+    alone is skipped and counted, wherever it is. Where more lines do not parse alone than do, it is refused as the
+    document broken at `error` that it is: a document's lines are its pieces (`{"data": [`, a record and its comma),
+    few of which parse alone, and read as JSON lines it gave those few and lost the rest."""
+    malformed_before = skipped[MALFORMED]
+    read = read_json_lines(data, name, skipped)
+    broken = skipped[MALFORMED] - malformed_before
+    if broken > len(read.records):
+        raise _unparsed_document(path, f"document that does not parse at line {error.lineno} column {error.colno} "
+                                 f"({error.msg}), nor as JSON lines ({broken} of its {broken + len(read.records)} "
+                                 "non-blank lines do not parse alone): its records") from error
+    return read
 
 
 def _records_of(content) -> list:
