@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import psutil
@@ -163,6 +164,22 @@ def test_a_hostfile_naming_one_machine_under_two_names_is_refused_naming_both_li
                                                   f"machine (both resolve to {machine})")):
         read_hostfile(hostfile)
     assert len(read_hostfile(write(tmp_path / "other", f"{first} slots=2\nnode2 slots=2\nworker-9 slots=2\n"))) == 3
+
+
+# what str.splitlines breaks a line at, where DeepSpeed's launcher (open, readlines) breaks it at \n and \r alone
+NOT_LINE_BREAKS_TO_DEEPSPEED = ["\v", "\f", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+
+
+@pytest.mark.parametrize("kept", NOT_LINE_BREAKS_TO_DEEPSPEED)
+def test_a_hostfile_is_read_in_the_lines_deepspeeds_launcher_reads(tmp_path, monkeypatch, kept):
+    """read_hostfile broke lines with str.splitlines: `worker-1 slots=1<form feed>worker-2 slots=1` was read as two
+    nodes where DeepSpeed's launcher reads one line, worker-1's, and launches on it alone. Read as it reads them now."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    monkeypatch.setattr(socket, "getaddrinfo", _stand_in_resolver)
+    path = write(tmp_path / "hosts", f"worker-1 slots=1{kept}worker-2 slots=1\nworker-3 slots=2\n")
+    assert {host.name: host.slots for host in read_hostfile(path)} == dict(fetch_hostfile(path)) == \
+        {"worker-1": 1, "worker-3": 2}
 
 
 # --------------------------------------------------------------------------- planning
@@ -1473,6 +1490,41 @@ def test_a_deepspeed_env_line_each_nodes_shell_would_misread_is_refused_naming_i
     env = {"HF_HOME": "/data/hf", "TORCH_HOME": "/data/torch", "HF_HUB_OFFLINE": "1"}
     written = Path(env_for_other_nodes(env, tmp_path / "deepspeed_env")["DS_ENV_FILE"]).read_text()
     assert written.splitlines() == ["HF_HUB_OFFLINE=1", *fine]  # theirs, set by the user's lines, left out
+
+
+def _exports_by_deepspeed(env_file: Path) -> dict[str, str]:
+    """What DeepSpeed's launcher exports on each node for `env_file`, read as its runner reads it (open, readlines)."""
+    with open(env_file) as lines:
+        return _deepspeed_exports_of(lines.readlines())
+
+
+def _deepspeed_exports_of(lines: list[str]) -> dict[str, str]:
+    """What DeepSpeed's launcher exports on each node for its env file's `lines`: each split at its first `=` and given
+    to PDSHRunner.add_export, which strips the key and the value and quotes the value."""
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    runner = types.SimpleNamespace(exports={})
+    for line in lines:
+        key, value = line.split("=", maxsplit=1)
+        PDSHRunner.add_export(runner, key, value)
+    return runner.exports
+
+
+@pytest.mark.parametrize("kept", NOT_LINE_BREAKS_TO_DEEPSPEED)
+def test_a_deepspeed_env_is_read_in_the_lines_deepspeeds_launcher_reads(tmp_path, monkeypatch, kept):
+    """The user's .deepspeed_env was read with str.splitlines, which breaks lines where DeepSpeed's launcher does not:
+    `TORCH_HOME=/a<form feed>b` was refused ('b' is not a variable's line) where each node gets TORCH_HOME as written,
+    and `NCCL_DEBUG=INFO<form feed>HF_HOME=/users/me/hf` read as setting HF_HOME, so train.py's own HF_HOME was
+    left out where no node gets the user's. Read as DeepSpeed's launcher reads it now: each node gets the user's lines
+    as written, and this environment's HF_HOME."""
+    from training.pipeline.launch import env_for_other_nodes
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text(f"TORCH_HOME=/a{kept}b\nNCCL_DEBUG=INFO{kept}HF_HOME=/users/me/hf\n")
+    env = env_for_other_nodes({"HF_HOME": "/data/hf"}, tmp_path / "deepspeed_env")
+    assert _exports_by_deepspeed(Path(env["DS_ENV_FILE"])) == {
+        "HF_HOME": "/data/hf", "TORCH_HOME": f'"/a{kept}b"', "NCCL_DEBUG": f'"INFO{kept}HF_HOME=/users/me/hf"'}
 
 
 def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(tmp_path, tiny_model_dir, monkeypatch,

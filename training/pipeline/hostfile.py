@@ -50,7 +50,7 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
         raise UserError(f"hostfile {hostfile} does not exist; write one ({_EXAMPLE}) and pass it with --hostfile")
     hosts: list[Host] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(hostfile.read_text().splitlines(), start=1):
+    for number, raw in enumerate(lines_as_deepspeed_reads(hostfile), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -78,6 +78,14 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
     _check_this_machine_listed_once(hostfile, seen)
     _check_each_machine_listed_once(hostfile, seen, {host: lookup.answer() for host, lookup in lookups.items()})
     return hosts
+
+
+def lines_as_deepspeed_reads(path: Path) -> list[str]:
+    """The lines of `path` as DeepSpeed's launcher reads its hostfile and env file (open, readlines), each without its
+    line break: broken at \\n, \\r and \\r\\n alone, where str.splitlines also breaks at \\v, a form feed, \\x1c-\\x1e,
+    \\x85, \\u2028 and \\u2029, which DeepSpeed's launcher keeps in the line."""
+    with path.open() as text:
+        return [line.removesuffix("\n") for line in text]
 
 
 def _check_host_name(hostfile: Path, number: int, name: str) -> None:

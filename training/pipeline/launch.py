@@ -34,7 +34,7 @@ from utils.errors import UserError
 
 from .deployment import DeploymentType
 from .failures import cause_in_output, exception_cause, output_tail, signal_cause
-from .hostfile import is_this_machine
+from .hostfile import is_this_machine, lines_as_deepspeed_reads
 from .steps import StepMain, flag_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the project's root, importable from every launched rank
@@ -679,7 +679,7 @@ def _variable_lines(env_file: Path) -> list[str]:
     it exports KEY on each node's command line, where a commented-out `#HF_HOME=...` made the rest of that line a
     comment, so no rank started there (`_misread_on_the_nodes`: what else that command line would misread)."""
     lines = []
-    for number, line in enumerate(env_file.read_text().splitlines(), 1):
+    for number, line in enumerate(lines_as_deepspeed_reads(env_file), 1):
         if not line.strip():
             continue
         if "=" not in line or line.lstrip().startswith("#"):
