@@ -560,6 +560,29 @@ def test_a_folder_of_text_files_is_read_as_a_text_file_is_each_file_in_name_orde
         load_texts(str(corpus))
 
 
+def test_a_text_folders_files_are_counted_and_its_notes_and_licence_files_warned_of(tmp_path, caplog):
+    """A folder's README.txt and LICENSE.txt were read as pretraining text like its other .txt files, unsaid, and the
+    log gave no count of the files read. They are still read (a name alone does not say what a file holds), warned
+    of by name; a file passed alone is not, and each file is split at blank lines as a .txt file alone is."""
+    from utils.data.unsupervised import load_texts
+
+    corpus = tmp_path / "corpus"
+    (corpus / "docs").mkdir(parents=True)
+    (corpus / "a.txt").write_text("first paragraph\n\nsecond paragraph")
+    (corpus / "docs" / "README.txt").write_text("How this corpus was made.")
+    (corpus / "LICENSE.txt").write_text("CC BY 4.0")
+    with caplog.at_level("INFO", logger="utils.data"):
+        texts, _ = load_texts(str(corpus))
+    assert texts == ["CC BY 4.0", "first paragraph", "second paragraph", "How this corpus was made."]
+    assert f"unsupervised source '{corpus}': 4 documents (text between blank lines) from 3 .txt files" in caplog.text
+    assert (f"unsupervised source '{corpus}' reads LICENSE.txt, docs/README.txt as pretraining text, as it reads every "
+            ".txt file of the folder; move them out of it if they are not text to train on") in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="utils.data"):
+        assert load_texts(str(corpus / "a.txt"))[0] == texts[1:3]
+    assert "from 1 .txt file\n" in caplog.text + "\n" and "move" not in caplog.text
+
+
 def test_each_unsupervised_document_begins_as_its_tokenizer_begins_a_text(tmp_path):
     """Documents were tokenised without special tokens: a Llama-style tokenizer's BOS, which the model read at the
     start of every pretraining document, was missing, so the mixture trained it on documents that begin mid-stream.

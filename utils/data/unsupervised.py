@@ -3,7 +3,8 @@ its BOS where it adds one), joined with EOS and cut
 into fixed-length blocks (`input_ids` = `labels`), shuffled with the seed and cached on disk.
 
 Sources: a hub name (with an optional config) through `datasets`, a local .txt file (documents
-separated by blank lines) or folder of .txt files (each read so, in name order: a file's end ends a document), a
+separated by blank lines, not a line each: a hard-wrapped paragraph is one) or folder of .txt files (each read so, in
+name order: a file's end ends a document; a README.txt or LICENSE.txt among them warned of), a
 local .json/.jsonl/.parquet file or folder with a text column (`text`, or the one `--unsupervised_text_column` names),
 or
 `embedded`: the assistant replies of the embedded ShareGPT conversations that step 3 trains on (its
@@ -85,6 +86,34 @@ def _text_file_documents(path: Path) -> list[str]:
     return [p.strip() for p in paragraphs if p.strip()]
 
 
+# The names (before the first ".", any case) a folder's notes, licence or change log go by: read as text to train on
+# like any .txt file of the folder, so warned of, not left out by a guess at what they hold.
+_NOTES_NAMES = frozenset({"README", "LICENSE", "LICENCE", "COPYING", "NOTICE", "CHANGELOG", "CHANGES", "AUTHORS",
+                          "CONTRIBUTING", "CITATION"})
+
+
+def _text_files_documents(source: str, files: list[Path]) -> list[str]:
+    """The documents of a source's .txt files, each file read as one .txt file is; said in the log with how many
+    files gave them, and a folder's files named as its notes or licence are (README.txt, LICENSE.txt) warned of."""
+    documents = [document for file in files for document in _text_file_documents(file)]
+    logger.info("unsupervised source '%s': %d documents (text between blank lines) from %d .txt file%s", source,
+                len(documents), len(files), "" if len(files) == 1 else "s")
+    notes = _notes_files(Path(source).expanduser(), files)
+    if notes:
+        many = len(notes) > 1
+        logger.warning("unsupervised source '%s' reads %s as pretraining text, as it reads every .txt file of the "
+                       "folder; move %s out of it if %s not text to train on", source, ", ".join(notes),
+                       "them" if many else "it", "they are" if many else "it is")
+    return documents
+
+
+def _notes_files(folder: Path, files: list[Path]) -> list[str]:
+    """The files of `folder` (none where it is a file) named as a folder's notes or licence are, by their path in it."""
+    if not folder.is_dir():
+        return []
+    return [str(file.relative_to(folder)) for file in files if file.name.split(".")[0].upper() in _NOTES_NAMES]
+
+
 def load_texts(
     source: str, text_column: str = "text", config_name: str | None = None, shard: ShardSettings | None = None
 ) -> tuple[list[str], SkippedRows]:
@@ -98,7 +127,7 @@ def load_texts(
             raise UserError(f"unsupervised data path {source} does not exist")
         text_files = local_text_files(path)
         if text_files:
-            return [document for file in text_files for document in _text_file_documents(file)], skipped
+            return _text_files_documents(source, text_files), skipped
         files = read_local_files(path, skipped)
         records = [record for file in files for record in file.records]
         _check_local_column(records, text_column, source)
