@@ -1527,6 +1527,57 @@ def test_a_deepspeed_env_is_read_in_the_lines_deepspeeds_launcher_reads(tmp_path
         "HF_HOME": "/data/hf", "TORCH_HOME": f'"/a{kept}b"', "NCCL_DEBUG": f'"INFO{kept}HF_HOME=/users/me/hf"'}
 
 
+def _exported_by_bash_and_dash(line: str) -> str | None:
+    """The variable bash and dash both export, set to 1, running the `export KEY=VALUE; ` DeepSpeed's launcher puts on
+    each node's command line for the env file `line`; None where either does anything else (sets none, fails)."""
+    ((key, value),) = _deepspeed_exports_of([line]).items()
+    exported = {_exported_by(shell, f"export {key}={value}; ") for shell in ("bash", "dash")}
+    return exported.pop() if len(exported) == 1 else None
+
+
+def _exported_by(shell: str, exports: str) -> str | None:
+    """The one variable `shell` exports, set to 1, running `exports`; None where it exports none or more, or fails."""
+    def environment(command: str) -> set[str]:
+        done = subprocess.run([shell, "-c", f"{command}exec env"], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                              text=True, check=False)
+        return set(done.stdout.splitlines()) if done.returncode == 0 and not done.stderr else set()
+
+    added = environment(exports) - environment("")
+    return added.pop().removesuffix("=1") if len(added) == 1 and next(iter(added)).endswith("=1") else None
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("dash") is None, reason="needs bash and dash")
+@pytest.mark.parametrize("key, exported", [
+    ("HF_HOME", "HF_HOME"),
+    ("export HF_HOME", "HF_HOME"),
+    ("export\tHF_HOME", "HF_HOME"),  # the shells part words at a tab too: it was refused
+    ("\x1cHF_HOME", "HF_HOME"),  # DeepSpeed's launcher strips it off the key
+    ("export \vHF_HOME", None),  # the name both shells read has the \v, which Python's strip took off: it was taken
+    ("export \x1cHF_HOME", None),
+    ("A+", None),  # `export A+=1`: bash appends to A, dash stops the node's command (no rank starts)
+    ("caf\u00e9", None),  # a letter outside POSIX's names: dash takes none, bash none in a UTF-8 or C locale
+    ("1A", None),
+])
+def test_a_deepspeed_env_key_is_taken_where_bash_and_dash_both_export_that_variable(tmp_path, monkeypatch, key,
+                                                                                     exported):
+    """A node runs DeepSpeed's `export KEY=VALUE; ` in the user's login shell, bash or dash (or another sh): a
+    .deepspeed_env key is taken where both export the variable it names, set to its value, else refused naming the
+    line. Each case is checked against both shells, where this machine has them."""
+    from training.pipeline.launch import env_for_other_nodes
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    line = f"{key}=1"
+    (tmp_path / ".deepspeed_env").write_text(f"{line}\n")
+    assert _exported_by_bash_and_dash(line) == exported
+    if exported is None:
+        with pytest.raises(UserError, match="does not begin with a variable's name"):
+            env_for_other_nodes({"HF_HOME": "/data/hf"}, tmp_path / "deepspeed_env")
+        return
+    env = env_for_other_nodes({"HF_HOME": "/data/hf"}, tmp_path / "deepspeed_env")
+    assert Path(env["DS_ENV_FILE"]).read_text() == f"{line}\n"  # the user's line, train.py's HF_HOME left out
+
+
 def test_a_multi_node_run_passes_each_value_as_itself_or_says_it_leaves_it_out(tmp_path, tiny_model_dir, monkeypatch,
                                                                                 capsys):
     """786820d refused the whole run where a variable train.py passes to the ranks on other nodes unasked had a value

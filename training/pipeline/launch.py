@@ -695,15 +695,19 @@ def _variable_lines(env_file: Path) -> list[str]:
     return lines
 
 
-_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell's `export` takes as a name
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # POSIX's name, which bash and dash both take for `export`
+_EXPORT_PREFIX = re.compile(r"export[ \t]+(?P<name>.*)", re.DOTALL)  # a shell parts words at spaces and tabs alone
 _DEEPSPEED_UNQUOTED = re.compile(r"[\w@%+=:,./-]*")  # a value DeepSpeed's launcher exports without double quotes
 
 
 def _exported_name(line: str) -> str:
     """The variable a user's env file `line` sets on the nodes: its key as DeepSpeed's launcher strips it, less an
-    `export ` before it (`export export HF_HOME=...` exports HF_HOME there all the same)."""
+    `export` and the spaces or tabs after it (`export export HF_HOME=...` exports HF_HOME there all the same). What
+    follows them is the name as the nodes' shells read it: Python's strip also took a \\v or \\x1c there, which the
+    shells keep in the name (`export \\vHF_HOME=...` set nothing on a node, and failed its command under dash)."""
     key = line.split("=", 1)[0].strip()
-    return key.removeprefix("export ").strip() if key.startswith("export ") else key
+    exported = _EXPORT_PREFIX.fullmatch(key)
+    return exported["name"] if exported else key
 
 
 def _misread_on_the_nodes(line: str) -> str | None:
