@@ -593,16 +593,29 @@ def test_a_table_pandas_wrote_by_columns_index_or_split_is_refused_saying_how_to
     assert [s.chosen for s in samples_of(str(tmp_path / "pairs.jsonl"))] == [row["chosen"] for row in PAIRS[:5]]
 
 
-def test_a_jsonl_file_that_is_one_array_on_one_line_is_refused_saying_how_to_write_it(tmp_path):
+@pytest.mark.parametrize("orient, what", [("records", "one JSON array"), ("table", "one JSON object of 5 records"),
+                                          ("splits", "one JSON object of 5 records")])
+def test_a_jsonl_file_that_is_one_document_of_records_on_one_line_is_refused_saying_how_to_write_it(tmp_path, orient,
+                                                                                                    what):
     """pandas' df.to_json("pairs.jsonl", orient="records") without lines=True writes one array on one line: read as one
-    record, it was refused as holding no columns, and with its format stated skipped whole as not_an_object=1."""
+    record, it was refused as holding no columns, and with its format stated skipped whole as not_an_object=1. Its
+    orient="table" ({"schema": ..., "data": [...]}), or an object of splits, on one line was refused 'from its
+    columns ['data', 'schema']'; named .json, each reads. A one-line file of one row still reads."""
     import pandas as pd
 
-    pd.DataFrame(PAIRS[:5]).to_json(tmp_path / "pairs.jsonl", orient="records")
-    for spec in (str(tmp_path / "pairs.jsonl"), f"{tmp_path / 'pairs.jsonl'}:deepspeed_chat"):
-        with pytest.raises(UserError, match=r"pairs.jsonl is one JSON array on one line, not JSON lines \(one record a "
+    path = tmp_path / "pairs.jsonl"
+    if orient == "splits":
+        path.write_text(json.dumps({"train": PAIRS[:3], "test": PAIRS[3:5]}))
+    else:
+        pd.DataFrame(PAIRS[:5]).to_json(path, orient=orient)
+    for spec in (str(path), f"{path}:deepspeed_chat"):
+        with pytest.raises(UserError, match=rf"pairs.jsonl is {what} on one line, not JSON lines \(one record a "
                                             r"line\): rename it to pairs.json, or write a record a line"):
             load_source(parse_source_spec(spec))
+    path.rename(tmp_path / "pairs.json")
+    assert sorted(s.chosen for s in samples_of(str(tmp_path / "pairs.json"))) == sorted(r["chosen"] for r in PAIRS[:5])
+    write_jsonl(path, [{"chosen": HH_CHOSEN, "rejected": HH_REJECTED}])
+    assert [s.chosen for s in samples_of(str(path))] == ["Blue."]
 
 
 @pytest.mark.parametrize("record, data_format", [

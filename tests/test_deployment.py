@@ -930,6 +930,32 @@ def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refu
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("master_addr, refused", [
+    ("", "is not a host name or an IP address"),
+    ("node-1:29500", "write the host alone, and the port with --master-port"),
+    ("tcp://node-1", "write the host alone, without the scheme"),
+    ("node 1", "is not a host name"),
+    (" node-1", "is not a host name"),
+    ("-node", "is not a host name"),
+    ("node-1.cluster.local", None),
+    ("10.0.0.1", None),
+    ("fe80::1%eth0", None),
+])
+def test_a_master_address_that_is_no_host_is_refused_naming_the_flag(tmp_path, master_addr, refused):
+    """--master-addr reached every rank unchecked: an empty one, 'host:port', a URL or a space failed in torch's
+    rendezvous on each node, naming neither the value nor the flag."""
+    from training.pipeline.cli import run
+
+    hostfile = write(tmp_path / "hosts", "localhost slots=1\n")
+    argv = ["--deployment-type", "multi_node", "--hostfile", hostfile, f"--master-addr={master_addr}", "--step", "1",
+            "--output-dir", str(tmp_path / "out"), "--dry-run"]
+    if refused is None:
+        assert "--master_addr" in run(argv)["commands"][1]
+        return
+    with pytest.raises(UserError, match=f"^--master-addr {re.escape(repr(master_addr))} .*{refused}"):
+        run(argv)
+
+
 @pytest.mark.parametrize("first_host, nodes, master_addr, checked_here", [
     ("localhost", 1, None, True),  # a hostfile of this node alone: every rank, rank 0 too, runs here
     ("localhost", 2, None, True),  # rank 0 here, the others through pdsh

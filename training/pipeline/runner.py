@@ -46,7 +46,7 @@ from utils.errors import EXIT_BROKEN_PIPE, UserError
 from .config import DPO, PipelineConfig
 from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
 from .hardware import Hardware, detect_hardware, model_size
-from .hostfile import Host, read_hostfile
+from .hostfile import Host, check_host_or_address, read_hostfile
 from .launch import (
     REPO_ROOT,
     Launcher,
@@ -446,6 +446,8 @@ def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None
     if config.master_port is not None and deployment is DeploymentType.CPU:
         raise UserError("--master-port is the launcher's, and the cpu deployment runs the steps in this process "
                         "without one; drop it, or pass another --deployment-type")
+    if config.master_addr is not None:
+        check_host_or_address(config.master_addr, "--master-addr")
     if config.master_port is not None and not 1 <= config.master_port <= 65535:
         raise UserError(f"--master-port {config.master_port} is not a port; give one from 1 to 65535 (or none: "
                         "a free one on one node, 29500 on several)")

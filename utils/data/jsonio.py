@@ -112,8 +112,8 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
         if not read.records and data.strip():
             _refuse_unreadable_json_lines(data, path)
         if len(read.records) == 1:  # pandas' df.to_json("x.jsonl") writes its table on one line
-            _refuse_one_line_array(read.records[0], path)
             _refuse_pandas_layout(read.records[0], path)
+            _refuse_one_line_document(read.records[0], path)
         return read
     text = utf8_text(data, path)
     try:
@@ -131,13 +131,21 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
     return FileRecords.numbered(name, "record", _records_of(content))
 
 
-def _refuse_one_line_array(record, path: Path) -> None:
-    """Refuse a .jsonl file that is one array of records on one line (pandas' orient="records" without lines=True):
-    read as one record, it was refused as holding no columns, or, its format stated, skipped whole as one bad row."""
+def _refuse_one_line_document(record, path: Path) -> None:
+    """Refuse a .jsonl file that is one document of records on one line: an array (pandas' orient="records" without
+    lines=True), or an object that is no row but holds rows, as a .json file's object is read (pandas'
+    orient="table", {"schema": {...}, "data": [...]}; {"train": [...]}). Read as one record, it was refused as
+    holding no columns, or from its columns ['data', 'schema'], or, its format stated, skipped whole as one bad row."""
     if isinstance(record, list):
-        raise UserError(f"{path} is one JSON array on one line, not JSON lines (one record a line): rename it to "
-                        f"{path.with_suffix('.json').name}, or write a record a line (pandas: df.to_json(..., "
-                        "orient=\"records\", lines=True))")
+        what = "one JSON array"
+    else:
+        records = _records_of(record) if isinstance(record, dict) and detect_format(record) is None else [record]
+        if records == [record]:
+            return
+        what = f"one JSON object of {len(records)} records"
+    raise UserError(f"{path} is {what} on one line, not JSON lines (one record a line): rename it to "
+                    f"{path.with_suffix('.json').name}, or write a record a line (pandas: df.to_json(..., "
+                    "orient=\"records\", lines=True))")
 
 
 def _pandas_layout(content) -> str | None:
