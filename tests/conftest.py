@@ -1,5 +1,6 @@
 """Test-wide settings: CPU DeepSpeed, no hub access, one distributed world per test process."""
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -70,6 +71,27 @@ def lookups_forgotten():
         hostfile._this_machine_names.cache_clear()
         hostfile._lookup.cache_clear()
         hostfile.is_this_machine.cache_clear()
+
+
+REMOTE_SHELL_TOOLS = ("pdsh", "ssh")  # what train.py needs on PATH to plan a run on other nodes
+
+
+@pytest.fixture(scope="session")
+def remote_shell_stand_ins(tmp_path_factory) -> Path:
+    """A folder of stand-ins for the remote shell tools this machine lacks, each failing if run."""
+    folder = tmp_path_factory.mktemp("remote_shell_stand_ins")
+    for tool in REMOTE_SHELL_TOOLS:
+        if shutil.which(tool) is None:
+            (folder / tool).write_text(f"#!/bin/sh\necho 'a test ran the stand-in {tool}' >&2\nexit 127\n")
+            (folder / tool).chmod(0o755)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def remote_shell_tools_on_path(remote_shell_stand_ins, monkeypatch):
+    """pdsh and ssh on PATH, stand-ins last, where this machine has none: train.py refuses to plan a run on other
+    nodes without them, and most multi_node tests plan one that they never launch. A real tool comes first."""
+    monkeypatch.setenv("PATH", f"{os.environ.get('PATH', '')}{os.pathsep}{remote_shell_stand_ins}")
 
 
 @pytest.fixture(scope="session")

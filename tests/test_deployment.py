@@ -956,6 +956,30 @@ def test_a_master_address_that_is_no_host_is_refused_naming_the_flag(tmp_path, m
         run(argv)
 
 
+@pytest.mark.parametrize("on_path, missing", [((), "pdsh and ssh are"), (("ssh",), "pdsh is"), (("pdsh",), "ssh is"),
+                                              (("pdsh", "ssh"), None)])
+def test_a_run_on_other_nodes_without_pdsh_or_ssh_here_is_refused_by_a_dry_run(tmp_path, monkeypatch, on_path, missing):
+    """DeepSpeed's launcher starts other nodes' ranks with pdsh over ssh: on a machine without them a multi_node run
+    planned, and a dry run printed its commands, and the launcher failed only as step 1 launched. A hostfile of this
+    machine alone launches without them."""
+    from training.pipeline.cli import run
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in on_path:
+        (tools / tool).write_text("#!/bin/sh\nexit 0\n")
+        (tools / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tools))
+    common = ["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node"]
+    others = [*common, "--hostfile", write(tmp_path / "others", "worker-1 slots=1\nworker-2 slots=1\n")]
+    if missing is None:
+        assert run(others)["commands"][1]
+    else:
+        with pytest.raises(UserError, match=f"^multi_node: {missing} not on PATH here.*install them here"):
+            run(others)
+    assert run([*common, "--hostfile", write(tmp_path / "here", "localhost slots=1\n")])["commands"][1]
+
+
 @pytest.mark.parametrize("first_host, nodes, master_addr, checked_here", [
     ("localhost", 1, None, True),  # a hostfile of this node alone: every rank, rank 0 too, runs here
     ("localhost", 2, None, True),  # rank 0 here, the others through pdsh

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,6 +108,7 @@ class Launcher:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
         command = [sys.executable, "-m", LAUNCHER_MODULE, "--no_local_rank"]
         if self.through_pdsh:
+            check_remote_shell_tools()
             check_remote_shell_reads(script, step_argv)
         if self.deployment is DeploymentType.MULTI_NODE:
             command += ["--hostfile", str(self.hostfile)]
@@ -186,6 +188,21 @@ def check_not_under_a_launcher() -> None:
             "pipeline. Run it once, as `python train.py ...` (--deployment-type single_node for this node's GPUs, "
             "multi_node with --hostfile for several nodes), or launch one step's main.py with deepspeed or torchrun"
         )
+
+
+def check_remote_shell_tools() -> None:
+    """On other nodes DeepSpeed's launcher starts the ranks with pdsh over ssh from this machine, and train.py passes
+    a stop request on with pdsh too: without them on PATH the launcher failed as step 1 launched ("launcher 'pdsh' not
+    installed", or ssh's FileNotFoundError in its ssh check), and a dry run said nothing. train.py launches through
+    DeepSpeed's pdsh launcher alone: its stop command and its quoting checks are pdsh's."""
+    missing = [tool for tool in ("pdsh", "ssh") if shutil.which(tool) is None]
+    if missing:
+        raise UserError(
+            f"multi_node: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH here, and "
+            "DeepSpeed's launcher starts the ranks on other nodes with pdsh over ssh from this machine (train.py "
+            "launches through its pdsh launcher only, not openmpi, mvapich, slurm, impi or mpich); install them "
+            "here (Debian, Ubuntu: apt-get install pdsh openssh-client; RHEL, Fedora: dnf install pdsh "
+            "pdsh-rcmd-ssh openssh-clients), or run on this node alone with --deployment-type single_node")
 
 
 # what a node's shell reads as itself, unquoted (DeepSpeed's test for its exports), less the `%` that pdsh reads first:
