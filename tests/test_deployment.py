@@ -482,6 +482,23 @@ def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_pa
     assert "names GPUs by UUID" in caplog.text
 
 
+@pytest.mark.parametrize("deployment", [DeploymentType.SINGLE_GPU, DeploymentType.MULTI_NODE])
+def test_a_gpu_plan_says_cuda_visible_devices_hides_every_gpu_where_it_does(monkeypatch, deployment):
+    """A GPU machine whose CUDA_VISIBLE_DEVICES hides every GPU was planned as one without GPUs (each GPU sized as
+    this machine's memory, 'no GPU found here'), its dry run giving no reason."""
+    hosts = [Host("worker-1", 1)] if deployment is DeploymentType.MULTI_NODE else None
+    for value in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        notes = plan_gpu(deployment, ModelSizes(SMALL, SMALL), TWO_CORES, hosts).notes
+        said = f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU from this process, so none is counted here"
+        assert any(note.startswith(said) for note in notes)
+        assert not any("CUDA_VISIBLE_DEVICES" in note for note in plan_gpu(deployment, ModelSizes(SMALL, SMALL),
+                                                                            LAPTOP_GPU, hosts).notes)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert not any("CUDA_VISIBLE_DEVICES" in note for note in plan_gpu(deployment, ModelSizes(SMALL, SMALL),
+                                                                        TWO_CORES, hosts).notes)
+
+
 @pytest.mark.parametrize("value, included", [("-1", None), ("", None), ("1,-1,0", "localhost:1"), ("3, -1", "localhost:3")])
 def test_a_cuda_visible_devices_that_hides_gpus_is_read_as_cuda_reads_it(tmp_path, monkeypatch, value, included):
     """CUDA reads CUDA_VISIBLE_DEVICES up to its first invalid entry: `-1` hides every GPU. It was taken for GPUs named
@@ -1447,6 +1464,7 @@ def test_each_launch_of_a_run_looks_its_master_address_up_once(monkeypatch, capl
     ("0,1", "localhost slots=2\nworker-2 slots=2\n", None),  # the GPUs it lists, as a scheduler sets it
     ("0,1,2,3", "localhost slots=2\nworker-2 slots=2\n", None),  # among those it lists
     ("2,3", "worker-1 slots=2\nworker-2 slots=2\n", None),  # no rank here
+    ("", "localhost slots=2\nworker-2 slots=2\n", "localhost slots=2"),  # every GPU hidden, yet ranks run on 0 and 1
 ])
 def test_a_cuda_visible_devices_a_multi_node_run_does_not_follow_is_said(tmp_path, tiny_model_dir, monkeypatch,
                                                                           capsys, visible, hosts, here):

@@ -135,9 +135,10 @@ class Launcher:
         later step starts, and another program may have taken the port since): where rank 0 runs on this machine,
         the given port checked free, else one free now. Another node's port is for that node to bind. `check_gpus`
         (False for a dry run, which launches nothing): refuse a `CUDA_VISIBLE_DEVICES` that hides every GPU."""
-        if check_gpus and self.deployment is not DeploymentType.MULTI_NODE and _cuda_visible_indices() == []:
-            raise UserError(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} hides every GPU from this "
-                            "process, and DeepSpeed's launcher would drop it and start the ranks on the GPUs from 0; "
+        hiding = visible_devices_hiding_every_gpu()
+        if check_gpus and self.deployment is not DeploymentType.MULTI_NODE and hiding is not None:
+            raise UserError(f"CUDA_VISIBLE_DEVICES={hiding!r} hides every GPU from this process, and DeepSpeed's "
+                            "launcher would drop it and start the ranks on the GPUs from 0; "
                             "unset it, list the GPUs to run on (nvidia-smi -L gives their indices), or run with "
                             "--deployment-type cpu")
         if self.settles_port_at_launch:
@@ -254,6 +255,11 @@ def visible_gpus() -> list[str]:
     index, or none visible: `check_gpus_visible` refuses that at launch). DeepSpeed's launcher drops the variable when
     it is given `--num_gpus` and numbers the GPUs from 0, so a restricted run names them in `--include` instead."""
     return _cuda_visible_indices() or []
+
+
+def visible_devices_hiding_every_gpu() -> str | None:
+    """`CUDA_VISIBLE_DEVICES` where it hides every GPU from this process (empty, `-1`), else None."""
+    return os.environ["CUDA_VISIBLE_DEVICES"] if _cuda_visible_indices() == [] else None
 
 
 def _cuda_visible_indices() -> list[str] | None:

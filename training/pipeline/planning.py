@@ -18,6 +18,7 @@ from .deployment import (
 )
 from .hardware import Hardware
 from .hostfile import Host, is_this_machine
+from .launch import visible_devices_hiding_every_gpu
 from .steps import STEPS, flag_value
 from .summary import runs_as_planned
 
@@ -44,7 +45,18 @@ def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, 
     """Settings for single_gpu, single_node and multi_node (nodes assumed alike to this one), sized from the memory
     installed (`host_memory_warnings` compares their offload with the memory available now)."""
     target, notes = gpu_target(deployment, hardware, hosts)
-    return _plan(deployment, target, [*notes, _host_memory_note(deployment, hardware)], sizes, workload, steps)
+    notes = [*notes, *_hidden_gpus_note(hardware), _host_memory_note(deployment, hardware)]
+    return _plan(deployment, target, notes, sizes, workload, steps)
+
+
+def _hidden_gpus_note(hardware: Hardware) -> list[str]:
+    """Why no GPU is found here, where CUDA_VISIBLE_DEVICES hides them all: a GPU machine so hidden was planned as a
+    login node is, unsaid (a dry run plans on; single_gpu and single_node runs are refused before any step)."""
+    hiding = visible_devices_hiding_every_gpu()
+    if hardware.num_gpus or hiding is None:
+        return []
+    return [(f"CUDA_VISIBLE_DEVICES={hiding!r} hides every GPU from this process, so none is counted here; unset it, "
+             "or list the GPUs to run on (nvidia-smi -L gives their indices), for a plan of this machine's GPUs")]
 
 
 def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[Host] | None,

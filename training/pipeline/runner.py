@@ -628,7 +628,7 @@ def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
     Said only where one of those GPUs is not among those it lists (not for `0,1` beside `localhost slots=2`, as a
     scheduler sets it), or it names GPUs otherwise than by index."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not (prepared.commands and visible and prepared.hosts):
+    if not (prepared.commands and visible is not None and prepared.hosts):
         return
     listed = {int(index) for index in visible_gpus()}
     here = next((host for host in prepared.hosts
