@@ -696,6 +696,11 @@ def test_a_conversation_cut_to_fit_says_so_after_the_answer():
     assert chat_session.history[0]["content"] == "how are you today"
 
 
+# The chat's imports alone took 3.5 min on 2 cores beside a training run and other test jobs; a chat that ends is
+# not waited on past its end.
+TERMINAL_CHAT_BOUND_S = 600
+
+
 def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: bytes = b"",
                                   readline: bool = True) -> str:
     """What the chat's prompt shows on a terminal where `typed_ahead` waits before the chat starts (lines typed while
@@ -704,9 +709,7 @@ def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: b
     message it reads printed as MESSAGE 'text', until a quit command. Without `readline`, the chat's Python has no
     readline module (plain `input`)."""
     pty = pytest.importorskip("pty")
-    import contextlib
     import select
-    import signal
     import time
 
     child, terminal = pty.fork()
@@ -719,35 +722,49 @@ def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: b
                     "    if message.strip().lower() in QUIT_COMMANDS: break")
         os.execve(sys.executable, [sys.executable, "-c", messages], step_env())
     os.write(terminal, typed_ahead)
-    shown, deadline, answered = b"", time.monotonic() + 60, []
-    while time.monotonic() < deadline:
+    shown, deadline, answered, closed = b"", time.monotonic() + TERMINAL_CHAT_BOUND_S, [], False
+    while not closed and time.monotonic() < deadline:
         if select.select([terminal], [], [], 0.2)[0]:
             try:
-                shown += os.read(terminal, 4096)
+                read = os.read(terminal, 4096)
             except OSError:  # the child exited: its terminal closed
-                break
+                read = b""
+            shown, closed = shown + read, not read
         elif shown.endswith(b"Human: ") and len(shown) not in answered:  # a prompt quiet for 0.2 s waits for keys
             os.write(terminal, b"\x04" if answered else keys)
             answered.append(len(shown))
         elif then and answered:  # quiet after the keys, and no new prompt: they left a line without its Enter
             os.write(terminal, then)
             then = b""
-    with contextlib.suppress(ProcessLookupError):  # one still waiting past the deadline
+    return _what_the_ended_chat_showed(child, shown.decode(errors="replace"), closed)
+
+
+def _what_the_ended_chat_showed(child: int, shown: str, closed: bool) -> str:
+    """`shown` once the chat's process `child` is reaped (killed if its terminal is still open: past the bound); a
+    chat that did not end, or ended in an error, fails the test with what it showed."""
+    import signal
+
+    if not closed:
         os.kill(child, signal.SIGKILL)
-    os.waitpid(child, 0)
-    return shown.decode(errors="replace")
+    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    if not closed:
+        pytest.fail(f"the chat's prompt did not end within {TERMINAL_CHAT_BOUND_S} s; it showed:\n{shown}")
+    if status != 0:
+        pytest.fail(f"the chat's prompt ended with status {status}; it showed:\n{shown}")
+    return shown
 
 
 def test_the_prompt_edits_its_line_as_a_shell_does():
     """`input` without readline took the keys as typed: 'helo', a left arrow and 'l' was the message 'helo\\x1b[Dl'."""
-    assert "MESSAGE 'hello'" in _messages_typed_on_a_terminal(b"helo\x1b[Dl\r")
+    shown = _messages_typed_on_a_terminal(b"helo\x1b[Dl\r")
+    assert "MESSAGE 'hello'" in shown, shown
 
 
 def test_lines_pasted_at_once_are_one_message():
     """A paste of three lines was three messages, each answered before the next was read."""
     shown = _messages_typed_on_a_terminal(b"Why does this fail?\r\rx = 1 +\rprint(x)\r")
-    assert shown.count("MESSAGE") == 1
-    assert "MESSAGE 'Why does this fail?\\n\\nx = 1 +\\nprint(x)'" in shown
+    assert shown.count("MESSAGE") == 1, shown
+    assert "MESSAGE 'Why does this fail?\\n\\nx = 1 +\\nprint(x)'" in shown, shown
 
 
 @pytest.mark.parametrize("readline", [pytest.param(True, id="readline"), pytest.param(False, id="plain_input")])
@@ -756,15 +773,15 @@ def test_a_pasted_last_line_without_its_newline_joins_the_message_at_its_enter(r
     (a Python without readline) the terminal held that line back from the check for more pasted lines: the lines
     before it were answered alone, and it became a message of its own."""
     shown = _messages_typed_on_a_terminal(b"Why does this fail?\rx = 1 +\rprint(x)", then=b"\r", readline=readline)
-    assert shown.count("MESSAGE") == 1
-    assert "MESSAGE 'Why does this fail?\\nx = 1 +\\nprint(x)'" in shown
+    assert shown.count("MESSAGE") == 1, shown
+    assert "MESSAGE 'Why does this fail?\\nx = 1 +\\nprint(x)'" in shown, shown
 
 
 def test_lines_typed_ahead_while_an_answer_streams_are_a_message_each():
     """Lines typed during an answer wait on the terminal before the next prompt: they were joined as a paste, a
     typed-ahead 'quit' sent to the model with the question before it instead of ending the chat."""
     shown = _messages_typed_on_a_terminal(b"\x04", typed_ahead=b"what is 2+2?\rquit\r")
-    assert "MESSAGE 'what is 2+2?'" in shown and "MESSAGE 'quit'" in shown and shown.count("MESSAGE") == 2
+    assert "MESSAGE 'what is 2+2?'" in shown and "MESSAGE 'quit'" in shown and shown.count("MESSAGE") == 2, shown
 
 
 def test_only_a_terminal_has_pasted_lines_waiting():
