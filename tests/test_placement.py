@@ -537,18 +537,36 @@ def test_profiled_calls_change_nothing_and_every_rank_reports_its_calls(tmp_path
         assert all(rank["peak_rss_gb"] > 0 for rank in records[-1]["ranks"])
 
 
-_STAGE_FUSION_RECEIVER = """
+_STAGE_FUSION_WAIT = """
 import datetime, sys, time
 import torch.distributed as dist
-from training.placement.exchange import Inbox
-rank, port, peer = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+from training.placement.exchange import Inbox, Outbox
+rank, port, peer, waiting = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
 group = dist.new_group(backend="gloo")
 if rank == 1:
-    time.sleep(900 if peer == "hangs" else 0)  # never sends: alive and stuck (the test ends it), or gone
+    time.sleep(900 if peer == "hangs" else 0)  # neither sends nor takes: alive and stuck (the test ends it), or gone
     sys.exit(0)
+if rank == 2:  # a live peer of rank 0, which the error must not name
+    if waiting == "receiver":
+        outbox = Outbox(group)
+        outbox.post(0, "rows")
+        outbox.close(0)
+        outbox.wait()
+    else:
+        list(Inbox(group, [0]).remaining())
+    sys.exit(0)
+timeout = datetime.timedelta(seconds=2)
 try:
-    list(Inbox(group, [1], timeout=datetime.timedelta(seconds=2)).remaining())
+    if waiting == "receiver":
+        for rows in Inbox(group, [1, 2], timeout=timeout).remaining():
+            print(rows)
+    else:
+        outbox = Outbox(group, timeout=timeout)
+        for destination in (2, 1):
+            outbox.post(destination, "rows")
+            outbox.close(destination)
+        outbox.wait()
 except RuntimeError as error:
     print(error)
 """
@@ -556,22 +574,29 @@ except RuntimeError as error:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("peer", ["hangs", "dies"])
-def test_stage_fusion_waits_for_a_silent_sender_a_bounded_time_and_names_it(peer):
+@pytest.mark.parametrize("waiting, said", [
+    ("receiver", "rows\nstage fusion: rank 0 got nothing from rank 1 within 2 s"),
+    ("sender", "stage fusion: rank 0 could not hand its finished rows to rank 1 within 2 s"),
+])
+def test_stage_fusion_waits_for_a_silent_peer_a_bounded_time_and_names_it(peer, waiting, said):
     """A stage-fusion rank received its rows with a blocking gloo recv, which has no bound: a sender that hung, or
-    died (gloo's recv kept waiting after the peer's process had exited), left the receiver waiting forever. The wait
-    is now bounded, and ends in an error naming the sender and what to check."""
+    died (gloo's recv kept waiting after the peer's process had exited), left the receiver waiting forever; and a
+    sender's Outbox.wait at the end of a phase, which lasts until each receiver takes its rows, waited forever for a
+    receiver that hung. Both waits are now bounded, and end in an error naming the silent rank (not rank 2, which
+    sent or took its rows: the receiver knows each message's sender from its header) and what to check."""
     from crash_resume import step_env
 
     port = str(free_port())
-    command = [sys.executable, "-c", _STAGE_FUSION_RECEIVER]
-    sender = subprocess.Popen([*command, "1", port, peer], cwd=REPO_ROOT, env=step_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    command = [sys.executable, "-c", _STAGE_FUSION_WAIT]
+    peers = [subprocess.Popen([*command, str(rank), port, peer, waiting], cwd=REPO_ROOT, env=step_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for rank in (1, 2)]
     try:
-        receiver = subprocess.run([*command, "0", port, peer], cwd=REPO_ROOT, env=step_env(), capture_output=True,
-                                  text=True, timeout=900, check=False)
+        waiter = subprocess.run([*command, "0", port, peer, waiting], cwd=REPO_ROOT, env=step_env(),
+                                capture_output=True, text=True, timeout=900, check=False)
     finally:
-        sender.kill()
-        sender.wait()
-    assert receiver.returncode == 0, receiver.stderr[-2000:]
-    assert "stage fusion: rank 0 got nothing from rank 1 within 2 s" in receiver.stdout, receiver.stdout
-    assert "look for its error in its log" in receiver.stdout and "DEEPSPEED_TIMEOUT" in receiver.stdout
+        for process in peers:
+            process.kill()
+            process.wait()
+    assert waiter.returncode == 0, waiter.stderr[-2000:]
+    assert said in waiter.stdout, waiter.stdout
+    assert "look for its error in its log" in waiter.stdout and "DEEPSPEED_TIMEOUT" in waiter.stdout

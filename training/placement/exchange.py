@@ -7,9 +7,10 @@ then run whichever call it owns next. Tensors travel on the CPU and return to th
 
 Stage fusion sends rows point to point instead (`post`, `Inbox`) over a gloo group of its own: a send never
 waits for its receiver, and each receiving rank takes its messages on a background thread, so a rank can decode
-its own answers while the rows of another's arrive, and score them between its decode steps. Each receive waits at
-most DeepSpeed's process-group timeout (`DEEPSPEED_TIMEOUT` minutes, the bound of every collective of the run): a
-sender that died or hangs ends the run with an error naming it, where a receive without a bound waited forever.
+its own answers while the rows of another's arrive, and score them between its decode steps. Each receive, and a
+sender's wait at the end of a phase for its messages to be taken, waits at most DeepSpeed's process-group timeout
+(`DEEPSPEED_TIMEOUT` minutes, the bound of every collective of the run): a rank at the other end that died or hangs
+ends the run with an error naming it, where a wait without a bound went on forever.
 """
 from __future__ import annotations
 
@@ -111,15 +112,23 @@ def broadcast_trainable_weights(module: torch.nn.Module, names: list[str], sourc
             parameter.data.copy_(buffer)
 
 
-_SIZE_TAG, _BODY_TAG = 1, 2
+_HEADER_TAG, _BODY_TAG = 1, 2
+
+
+def _stall_advice(slow: str) -> str:
+    """What a stage-fusion transfer that did not end in time tells to check; `slow`: when a live run takes as long."""
+    return (f"a rank that died or hangs; look for its error in its log or the launcher's output. If {slow}, raise "
+            "DEEPSPEED_TIMEOUT (minutes), which bounds every collective of the run too")
 
 
 class Outbox:
     """Messages (picklable values, tensors moved to the CPU) sent to other ranks of `group` without waiting for
-    them to be received; `wait` before the buffers may go (the end of a phase)."""
+    them to be received; `wait` before the buffers may go (the end of a phase). Each message starts with a header of
+    the sending rank and the body's size, so the receiver learns who sent it from the message itself."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: Any, timeout: timedelta = default_pg_timeout):
         self.group = group
+        self.timeout = timeout
         self.in_flight: list[tuple[Any, ...]] = []
 
     def post(self, destination: int, value: Any) -> None:
@@ -131,15 +140,27 @@ class Outbox:
 
     def _send(self, destination: int, message: tuple[str, Any]) -> None:
         body = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-        size = torch.tensor([body.numel()], dtype=torch.long)
-        self.in_flight.append((torch_dist.isend(size, destination, group=self.group, tag=_SIZE_TAG),
-                               torch_dist.isend(body, destination, group=self.group, tag=_BODY_TAG), size, body))
+        header = torch.tensor([torch_dist.get_rank(), body.numel()], dtype=torch.long)
+        sends = [torch_dist.isend(header, destination, group=self.group, tag=_HEADER_TAG),
+                 torch_dist.isend(body, destination, group=self.group, tag=_BODY_TAG)]
+        self.in_flight.append((destination, sends, (header, body)))  # the buffers live until sent
 
     def wait(self) -> None:
-        for size_sent, body_sent, *_ in self.in_flight:
-            size_sent.wait()
-            body_sent.wait()
+        """Wait until every message sent is taken, each within the timeout: a gloo send ends once its receiver asks
+        for it, which one that died or hangs never does."""
+        for destination, sends, _ in self.in_flight:
+            try:
+                for sent in sends:
+                    sent.wait(self.timeout)
+            except RuntimeError as error:
+                raise RuntimeError(self._untaken(destination, error)) from error
         self.in_flight = []
+
+    def _untaken(self, destination: int, error: RuntimeError) -> str:
+        """What a send that its receiver did not take in time says: to whom, how long, what to check."""
+        return (f"stage fusion: rank {torch_dist.get_rank()} could not hand its finished rows to rank {destination} "
+                f"within {self.timeout.total_seconds():g} s ({error}): "
+                + _stall_advice("the scoring rank truly starts the phase that much later than this one"))
 
 
 class Inbox:
@@ -158,9 +179,10 @@ class Inbox:
     def _receive(self, open_senders: set[int]) -> None:
         try:
             while open_senders:
-                size = torch.zeros(1, dtype=torch.long)
-                source = self._received(size, None, _SIZE_TAG, open_senders)
-                body = torch.empty(int(size.item()), dtype=torch.uint8)
+                header = torch.zeros(2, dtype=torch.long)
+                self._received(header, None, _HEADER_TAG, open_senders)
+                source, size = header.tolist()
+                body = torch.empty(size, dtype=torch.uint8)
                 self._received(body, source, _BODY_TAG, open_senders)
                 kind, value = pickle.loads(body.numpy().tobytes())
                 if kind == "close":
@@ -171,26 +193,20 @@ class Inbox:
             self.arrived.put(("error", error))
         self.arrived.put(("closed", None))
 
-    def _received(self, tensor: torch.Tensor, source: int | None, tag: int, open_senders: set[int]) -> int:
-        """Fill `tensor` from `source` (None: whichever rank sends first) within the timeout; the rank it came from."""
-        work = torch_dist.irecv(tensor, src=source, group=self.group, tag=tag)
+    def _received(self, tensor: torch.Tensor, source: int | None, tag: int, open_senders: set[int]) -> None:
+        """Fill `tensor` from `source` (None: whichever rank sends first) within the timeout."""
         try:
-            work.wait(self.timeout)
+            torch_dist.irecv(tensor, src=source, group=self.group, tag=tag).wait(self.timeout)
         except RuntimeError as error:
             raise RuntimeError(self._silence(open_senders, error)) from error
-        if source is not None:
-            return source
-        return torch_dist.get_global_rank(self.group, work._source_rank())  # as torch_dist.recv finds the sender
 
     def _silence(self, open_senders: set[int], error: RuntimeError) -> str:
         """What a receive that ended without its message says: who was waited for, how long, what to check."""
         ranks = ", ".join(str(rank) for rank in sorted(open_senders))
         peers = f"rank{'s' if len(open_senders) > 1 else ''} {ranks}"
         return (f"stage fusion: rank {torch_dist.get_rank()} got nothing from {peers} within "
-                f"{self.timeout.total_seconds():g} s, whose finished rows it still waits for ({error}): a rank that "
-                "died or hangs; look for its error in its log or the launcher's output. If generation truly takes "
-                "longer than that between finished rows, raise DEEPSPEED_TIMEOUT (minutes), which bounds every "
-                "collective of the run too")
+                f"{self.timeout.total_seconds():g} s, whose finished rows it still waits for ({error}): "
+                + _stall_advice("generation truly takes longer than that between finished rows"))
 
     def _next(self, block: bool) -> tuple[str, Any] | None:
         try:
