@@ -1294,6 +1294,33 @@ def test_a_resume_from_a_reward_model_replaced_at_the_same_path_is_refused(distr
     assert f"(--critic_model_name_or_path {own['reward']}: its files changed (" in error, error
 
 
+def test_a_step_3_checkpoint_that_recorded_a_step_1_flag_resumes(distributed, inputs, tmp_path, caplog, capsys):
+    """Before d3462bc train.py gave --whole_sequence_loss to step 3 too, so its checkpoints recorded it among the
+    flags a resume compares; now only step 1 gets it, and a resume must not refuse the checkpoint over a flag step 3
+    never read. A flag step 3 reads that differs (--seed) is still refused."""
+    from step3_rlhf.main import main
+    from training.reliability.checkpointing import MARKER_FILE
+
+    argv = step3_argv(inputs, tmp_path / "run", "--max_steps", "1", "--save_interval", "1")
+    main(argv)
+    [marker] = (tmp_path / "run").glob(f"checkpoints/*/{MARKER_FILE}")
+    recorded = json.loads(marker.read_text())
+
+    def record_flags(**flags):
+        marker.write_text(json.dumps({**recorded, "flags": {**recorded["flags"], **flags}}))
+
+    record_flags(whole_sequence_loss=True)
+    with caplog.at_level(logging.INFO):
+        main([*argv, "--resume"])
+    assert "resuming step 3 after PPO step 1" in caplog.text
+    record_flags(whole_sequence_loss=True, seed=1)
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--resume"])
+    error = capsys.readouterr().err
+    assert refused.value.code == EXIT_USER_ERROR and "--seed 1 -> 1234" in error, error
+    assert "whole_sequence_loss" not in error, error
+
+
 def test_resuming_a_finished_run_logs_its_last_evaluation_once(distributed, inputs, tmp_path):
     """The last PPO step is saved before the run's closing held-out evaluation is logged at the same step: a
     resume from that checkpoint cuts the metrics back to what it held, so the evaluation is logged once."""
