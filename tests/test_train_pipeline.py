@@ -1356,6 +1356,33 @@ def test_a_dry_run_plans_a_gpu_run_where_cuda_visible_devices_hides_the_gpus(tmp
     assert fakes.calls == [] and launched.ports == []
 
 
+def test_a_step_laying_conversations_out_otherwise_than_step_1_tuned_is_warned_of_by_a_dry_run(tmp_path, tiny_model_dir,
+                                                                                              capsys):
+    """Step 3 and DPO warned that step 1 had tuned their model under another --prompt_format only as they started,
+    after the steps before them had run for hours; a dry run said nothing. Warned while planning now, from the flags
+    step 1 runs with, or those its run recorded; not where the tokenizer lays both formats out alike."""
+    model = tiny_model_dir("llama")  # its tokenizer has a chat template: auto is chat_template
+    argv = ["--actor-model", model, "--reward-model", model, "--output-dir", str(tmp_path / "out"), "--dry-run"]
+
+    def warned(*flags: str) -> str:
+        run_pipeline(parse_config([*argv, *flags]), hardware=TWO_CORES)
+        return capsys.readouterr().err
+
+    said = warned("--step3-args", "--prompt_format human_assistant")
+    assert said.count("warning: the model ") == 1
+    assert f"warning: the model {tmp_path / 'out' / 'step1'} was tuned (--prompt_format auto)" in said
+    assert "but step 3 lays them out as ' Human:" in said and "Pass --prompt_format auto" in said
+    assert "was tuned" not in warned("--step3-args", "--prompt_format chat_template")
+    step1 = tmp_path / "step1"
+    shutil.copytree(model, step1)
+    save_run_args(step1, {"prompt_format": "human_assistant"})
+    said = warned("--algorithm", "dpo", "--step", "4", "--step1-output", str(step1))
+    assert f"warning: the model {step1} was tuned (--prompt_format human_assistant)" in said
+    assert "but step 4 lays them out as " in said
+    assert "was tuned" not in warned("--algorithm", "dpo", "--step", "4", "--step1-output", str(step1),
+                                     "--dpo-args", "--prompt_format human_assistant")
+
+
 @pytest.mark.parametrize("given_port", [False, True])
 def test_each_launched_step_gets_a_master_port_free_when_it_starts(tmp_path, fakes, monkeypatch, capsys, given_port):
     """The free master port was chosen once, at planning, for every step: a step launched hours later, after another

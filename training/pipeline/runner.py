@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
-from training.core.model_loading import EMBEDDED_MODEL_NAME
+from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
 from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
-from training.reliability.run_records import changed_flags, read_run_args, read_summary, run_id_of
+from training.reliability.layouts import tuned_layout_warning
+from training.reliability.run_records import args_of_model, changed_flags, read_run_args, read_summary, run_id_of
 from training.reliability.signals import (
     EXIT_INTERRUPTED,
     OUTPUT_UNREAD,
@@ -81,6 +82,7 @@ TRAINED_FROM_FILE = "trained_from.json"  # train.py's record, in a step's run fo
 DATA_VERSIONS_KEY = "data files"  # in it, beside the model flags: `_data_versions`
 RESUME_FLAG = "--resume"
 OTHER_NODES_ENV_FILE = "deepspeed_env"  # in the logs folder: what the launcher exports on other nodes
+PROMPT_FORMAT = "prompt_format"  # the flag (in each step's recorded flags) that lays conversations out
 
 
 def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str | None:
@@ -642,6 +644,30 @@ def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
           "follows it", file=sys.stderr, flush=True)
 
 
+def _say_layouts_unlike_step_1(config: PipelineConfig, prepared: PreparedRun) -> None:
+    """Warn, before any step starts and in a dry run alike, of a step that runs from step 1's model (step 3, DPO) and
+    lays conversations out otherwise than step 1 tunes it (`tuned_layout_warning`): the step warned of it only as it
+    started, after the steps before it had run for hours. Step 1's --prompt_format is the one it runs with in this
+    run, else the one its run recorded; the tokenizer is read only where the two differ."""
+    for step in prepared.commands:
+        for source, model in prepared.inputs[step]:
+            tuned = _step_1_prompt_format(prepared, model) if source.from_step == 1 else None
+            given = prepared.runs_with[step].get(PROMPT_FORMAT)
+            if tuned is None or given is None or tuned == given:
+                continue
+            tokenizer = load_tokenizer(config.actor_model if 1 in prepared.runs_with else model,
+                                       config.trust_remote_code)
+            if warning := tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}"):
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _step_1_prompt_format(prepared: PreparedRun, model: str) -> str | None:
+    """The --prompt_format step 1 tunes `model` under: this run's, where it runs step 1 (or skips it finished), else
+    the one recorded by the run that made `model` (None: no run of this project)."""
+    flags = prepared.runs_with[1] if 1 in prepared.runs_with else args_of_model(model)
+    return flags.get(PROMPT_FORMAT)
+
+
 def _say_model_flags_unused(config: PipelineConfig, inputs: Inputs) -> None:
     """Warn of an --actor-model or --reward-model given (not the embedded default) that no step of the run starts
     from, saying what the run uses instead: DPO and a step 3 scored by --reward_fn alone have no reward model, and a
@@ -799,6 +825,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     _say_variables_left_out(prepared)
     _say_visible_devices_not_followed(prepared)
     _say_model_flags_unused(config, prepared.inputs)
+    _say_layouts_unlike_step_1(config, prepared)
     running = {step: prepared.runs_with[step] for step in prepared.commands}
     for warning in host_memory_warnings(prepared.plan, hardware, prepared.hosts, running):
         print(f"warning: {warning}", file=sys.stderr, flush=True)

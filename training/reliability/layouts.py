@@ -32,11 +32,19 @@ def warn_tuned_on_other_layout(tokenizer: PreTrainedTokenizerBase, prompt_format
     recorded = args_of_model(model_path)
     if "prompt_format" not in recorded:
         return
-    tuned_format = recorded["prompt_format"]
+    warning = tuned_layout_warning(tokenizer, prompt_format, recorded["prompt_format"], model_path, step)
+    if warning is not None:
+        logger.warning("%s", warning)
+
+
+def tuned_layout_warning(tokenizer: PreTrainedTokenizerBase, prompt_format: str, tuned_format: str, model_path: str,
+                         step: str) -> str | None:
+    """What `warn_tuned_on_other_layout` says where the model in `model_path`, tuned (or to be tuned, as train.py
+    plans) under `tuned_format`, is given conversations laid out under `prompt_format` otherwise; None where the
+    tokenizer lays both out alike (`auto` and `chat_template` under a chat template)."""
     layouts = other_layout(tokenizer, prompt_format, tokenizer, tuned_format)
-    if layouts is not None:
-        logger.warning(
-            "the model %s was tuned (--prompt_format %s) on conversations laid out as %r, but %s lays them out as %r "
-            "(--prompt_format %s): it starts from a model asked in a layout it was not tuned on. Pass "
-            "--prompt_format %s, as its run did", model_path, tuned_format, layouts[0], step, layouts[1], prompt_format,
-            tuned_format)
+    if layouts is None:
+        return None
+    return (f"the model {model_path} was tuned (--prompt_format {tuned_format}) on conversations laid out as "
+            f"{layouts[0]!r}, but {step} lays them out as {layouts[1]!r} (--prompt_format {prompt_format}): it starts "
+            f"from a model asked in a layout it was not tuned on. Pass --prompt_format {tuned_format}, as its run did")
