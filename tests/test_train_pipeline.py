@@ -2,6 +2,7 @@
 end-to-end run on a tiny model with the chatbot answering from its result."""
 import argparse
 import dataclasses
+import datetime
 import functools
 import importlib
 import json
@@ -10,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -1067,6 +1069,138 @@ def test_a_run_a_stop_request_ends_says_so_in_its_summary(tmp_path, tiny_model_d
                                  "resume": "python train.py --step 1 2 3 --resume"}
 
 
+class RecordReadingSteps(FakeSteps):
+    """Fake steps that note, as each starts, what the run folder's summary.json says (`seen`, by step)."""
+
+    def __init__(self, model_dir: str, fail_step=None):
+        super().__init__(model_dir, fail_step=fail_step)
+        self.seen: dict[int, dict] = {}
+
+    def main(self, step: int):
+        finished = super().main(step).__wrapped__
+
+        def main(argv):
+            out = Path(self.parser(step).parse_args(argv).output_dir).parent
+            self.seen[step] = json.loads((out / SUMMARY_FILE).read_text())
+            return finished(argv)
+
+        return main
+
+
+def test_a_run_says_it_is_running_in_its_summary_from_before_its_first_step(tmp_path, tiny_model_dir, monkeypatch):
+    """An earlier run's summary.json (a failed one here) stayed in place while a new run went, until that one ended:
+    whoever read the run folder meanwhile took the earlier result for this run's. From before its first step it says
+    the run is running (when it started, the command, host and pid, the steps it runs, the finished ones it keeps),
+    and the end record replaces that; a dry run writes nothing."""
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py", "--step", "1", "2", "3"])
+    out = tmp_path / "out"
+    steps = RecordReadingSteps(tiny_model_dir("llama"), fail_step=3)
+    argv = common(tmp_path, steps.model_dir)
+    with pytest.raises(UserError):
+        run(argv, steps)
+    failed = (out / SUMMARY_FILE).read_text()
+    assert json.loads(failed)["status"] == "failed" and steps.seen[1]["status"] == "running"
+    run(argv + ["--dry-run"], steps)
+    assert (out / SUMMARY_FILE).read_text() == failed
+    steps.fail_step, steps.seen = None, {}
+    before = datetime.datetime.now().astimezone().replace(microsecond=0)
+    report = run(argv, steps)
+    running = steps.seen[3]
+    assert running["status"] == "running" and running["steps_to_run"] == [3] and running["deployment"] == "cpu"
+    assert running["command"] == "python train.py --step 1 2 3"
+    assert running["host"] == socket.gethostname() and running["pid"] == os.getpid()
+    assert before <= datetime.datetime.fromisoformat(running["started"]) <= datetime.datetime.now().astimezone()
+    assert running["steps"] == {step: report["steps"][step] for step in ("1", "2")}  # finished, kept as the end keeps
+    assert report["status"] == "completed" and json.loads((out / SUMMARY_FILE).read_text()) == report
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_stop_request_while_planning_is_recorded_unless_in_a_dry_run(tmp_path, fakes, monkeypatch, capsys, dry_run):
+    """A stop request taken while train.py planned ended it (status 3) leaving the earlier run's summary.json as it was,
+    there a completed run's: read as this run's result. It now records the stop and the finished steps it keeps."""
+    from training.pipeline import runner
+
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py"])
+    out = tmp_path / "out"
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    (out / "step3" / SUMMARY_FILE).unlink()  # step 3 runs again
+    earlier = (out / SUMMARY_FILE).read_text()
+    planned = runner.prepare_run
+
+    def signalled_while_planning(*args):
+        prepared = planned(*args)
+        record_signal(signal.SIGTERM)
+        return prepared
+
+    monkeypatch.setattr(runner, "prepare_run", signalled_while_planning)
+    fakes.calls.clear()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        run(argv + (["--dry-run"] if dry_run else []), fakes)
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert stopped.value.code == EXIT_INTERRUPTED and fakes.calls == []
+    assert said == ("train.py stopped on SIGTERM: stopped while planning, before any step started; to go on, run the "
+                    "same train.py command")
+    report = json.loads((out / SUMMARY_FILE).read_text())
+    if dry_run:
+        assert (out / SUMMARY_FILE).read_text() == earlier
+        return
+    assert report["status"] == "stopped" and [report["steps"][step]["skipped"] for step in report["steps"]] == [True] * 2
+    assert report["stopped"] == {"step": 3, "signal": "SIGTERM", "message": said, "resume": "python train.py --resume"}
+
+
+class AbortedSteps(FakeSteps):
+    """Fake steps of which step 2 is aborted by a second Ctrl-C, as its stop handler aborts it."""
+
+    def main(self, step: int):
+        finished = super().main(step).__wrapped__
+
+        def main(argv):
+            if step == 2:
+                record_signal(signal.SIGINT)
+                raise KeyboardInterrupt("second interrupt: aborting without a checkpoint")
+            return finished(argv)
+
+        return main
+
+
+def crash_in_train_py_after_step_1(monkeypatch) -> None:
+    """train.py's own code raising, past step 1 (its check of step 1's output)."""
+    from training.pipeline import runner
+
+    checked = runner._check_output
+
+    def check_output(config, step):
+        checked(config, step)
+        if step == 1:
+            raise RuntimeError("the output folder went away")
+
+    monkeypatch.setattr(runner, "_check_output", check_output)
+
+
+@pytest.mark.parametrize("ending", ["second_ctrl_c", "train_py_crashes"])
+def test_a_run_ended_past_its_running_mark_says_how_it_ended(tmp_path, tiny_model_dir, monkeypatch, ending):
+    """A second Ctrl-C while a step stopped in train.py's own process, and an exception of train.py's own, ended it
+    with no word in summary.json: it still said what an earlier run had left there, or that this one was running."""
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py"])
+    steps = AbortedSteps(tiny_model_dir("llama")) if ending == "second_ctrl_c" else FakeSteps(tiny_model_dir("llama"))
+    if ending == "train_py_crashes":
+        crash_in_train_py_after_step_1(monkeypatch)
+    with pytest.raises(KeyboardInterrupt if ending == "second_ctrl_c" else RuntimeError):
+        run(common(tmp_path, steps.model_dir), steps)
+    report = json.loads((tmp_path / "out" / SUMMARY_FILE).read_text())
+    if ending == "second_ctrl_c":
+        assert list(report["steps"]) == ["1"] and report["status"] == "stopped"
+        assert report["stopped"] == {"step": 2, "signal": "SIGINT", "resume": "python train.py --resume",
+                                     "message": "second interrupt: aborting without a checkpoint"}
+    else:
+        assert report["steps"] == {} and report["status"] == "failed"
+        assert report["failed"] == {"step": 1, "error": "train.py crashed: RuntimeError: the output folder went away; "
+                                                        "the traceback is on its stderr"}
+    take_received_signal()
+
+
 SIGNALLED_OUTSIDE_A_STEP = """
 import os, signal, sys
 from pathlib import Path
@@ -1111,7 +1245,7 @@ def test_a_stop_request_outside_a_step_ends_train_py_saying_how_to_go_on(tmp_pat
     assert done.returncode == EXIT_INTERRUPTED, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == f"train.py stopped on {signum}: {said}"
     assert "Traceback" not in done.stderr
-    assert (tmp_path / "out" / "summary.json").exists() == (where == "between steps")  # none while planning
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["status"] == "stopped"
 
 
 READER_LEAVING = """

@@ -1,7 +1,7 @@
 """Run the chosen steps in order, each one's output feeding the next, and summarise them.
 
 Layout under the output dir: `step1/`, `step2/`, `step3/`, `dpo/` (the steps' run folders),
-`logs/stepN.log`, and `summary.json` (the table printed at the end).
+`logs/stepN.log`, and `summary.json` (the run's status from before its first step, the table printed at the end).
 
 A step whose run folder holds a finished run (its `summary.json`) of the flags this run gives it is skipped, so
 the same command run again after a failure goes on where it stopped; with `--resume`, a step resumes from its
@@ -14,10 +14,13 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import signal
+import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Mapping, NoReturn
 
@@ -46,6 +49,7 @@ from utils.errors import EXIT_BROKEN_PIPE, UserError
 
 from .config import DPO, PipelineConfig
 from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
+from .failures import exception_cause
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, check_host_or_address, read_hostfile
 from .launch import (
@@ -83,6 +87,8 @@ DATA_VERSIONS_KEY = "data files"  # in it, beside the model flags: `_data_versio
 RESUME_FLAG = "--resume"
 OTHER_NODES_ENV_FILE = "deepspeed_env"  # in the logs folder: what the launcher exports on other nodes
 PROMPT_FORMAT = "prompt_format"  # the flag (in each step's recorded flags) that lays conversations out
+RUNNING, COMPLETED, FAILED, STOPPED = "running", "completed", "failed", "stopped"  # summary.json's status
+STOPPED_WHILE_PLANNING = "stopped while planning, before any step started; to go on, run the same train.py command"
 
 
 def _input_value(config: PipelineConfig, step: int, source: ModelInput) -> str | None:
@@ -730,8 +736,13 @@ def _stopped_mid_step(config: PipelineConfig, step: int) -> str:
 def _step_result(config: PipelineConfig, prepared: PreparedRun, step: int,
                  entry: Callable[[int], StepEntry]) -> StepResult:
     if step in prepared.finished:
-        return StepResult(step, STEPS[step].title, 0.0, prepared.finished[step], skipped=True)
+        return _skipped_result(step, prepared.finished[step])
     return _run_step(config, prepared, step, entry)
+
+
+def _skipped_result(step: int, summary: dict) -> StepResult:
+    """A step finished by an earlier run, which this one skips: that run's summary."""
+    return StepResult(step, STEPS[step].title, 0.0, summary, skipped=True)
 
 
 def _planned(config: PipelineConfig, prepared: PreparedRun, step: int) -> str:
@@ -775,11 +786,11 @@ def _said_between_steps(what: str, received: signal.Signals) -> str | None:
     return None if received == OUTPUT_UNREAD else _stopped_message(what, received)
 
 
-def _stopped_record(step: int, received: signal.Signals | None, message: str | None) -> dict:
+def _stopped_record(step: int | None, received: signal.Signals | None, message: str | None) -> dict:
     """What `summary.json` says of a run a stop request ended: the step a rerun goes on with (the one stopped, or the
-    next one), the signal (SIGPIPE: train.py's output left without a reader; None: a step's own, not train.py's),
-    what train.py said (None: it ended quietly), and the command that goes on (this one with --resume, which a step
-    with no checkpoint ignores)."""
+    next one that runs; None: none is left), the signal (SIGPIPE: train.py's output left without a reader; None: a
+    step's own, not train.py's), what train.py said (None: it ended quietly), and the command that goes on (this one
+    with --resume, which a step with no checkpoint ignores)."""
     return {"step": step, "signal": received.name if received is not None else None, "message": message,
             "resume": resume_command()}
 
@@ -829,54 +840,128 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     running = {step: prepared.runs_with[step] for step in prepared.commands}
     for warning in host_memory_warnings(prepared.plan, hardware, prepared.hosts, running):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    _stop_if_requested("stopped while planning, before any step started; to go on, run the same train.py command")
-    if config.dry_run:
-        if 3 in config.steps and config.passed_flag("--placement") == AUTO:
-            print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
-        return {"deployment": deployment, "commands": prepared.commands}
+    if not config.dry_run:
+        return _run_steps(config, prepared, entry)
+    _stop_if_requested(STOPPED_WHILE_PLANNING)
+    if 3 in config.steps and config.passed_flag("--placement") == AUTO:
+        print(_placement_plans(config, prepared, entry(3), hardware), flush=True)
+    return {"deployment": deployment, "commands": prepared.commands}
 
-    started = time.perf_counter()
-    results = []
-    for step, next_step in zip(config.steps, [*config.steps[1:], None]):
+
+@dataclass
+class RunRecord:
+    """train.py's `summary.json` as the run goes: `running` from before its first step (replacing an earlier run's
+    record), then what ended it, written once (`end`)."""
+
+    config: PipelineConfig
+    prepared: PreparedRun
+    results: list[StepResult] = field(default_factory=list)  # the steps gone through so far, in order
+    started: float = field(default_factory=time.perf_counter)
+    ended: bool = False
+
+    def mark_running(self) -> None:
+        _write_report(self.config, _running_record(self.prepared, self.steps_recorded()))
+
+    def end(self, failed: dict | None = None, stopped: dict | None = None) -> dict:
+        """Write the record of the run's end (completed, or `failed` or `stopped` as `_report` says) and return it."""
+        report = _report(self.prepared.plan.deployment.value, self.steps_recorded(),
+                         time.perf_counter() - self.started, failed=failed, stopped=stopped)
+        _write_report(self.config, report)
+        self.ended = True
+        return report
+
+    def steps_recorded(self) -> list[StepResult]:
+        """The steps gone through so far, then the later ones an earlier run finished (which this one skips)."""
+        gone_through = {result.step for result in self.results}
+        return [*self.results, *(_skipped_result(step, summary) for step, summary in self.prepared.finished.items()
+                                 if step not in gone_through)]
+
+    def step_to_go_on_with(self) -> int | None:
+        """The first step of the run that has not finished (None: none is left)."""
+        gone_through = {result.step for result in self.results}
+        return next((step for step in self.prepared.commands if step not in gone_through), None)
+
+    def end_as_raised(self, error: BaseException) -> None:
+        """Record what `error`, raised past the running mark and not recorded yet, ended the run as: a second
+        Ctrl-C as a stop (`KeyboardInterrupt`), a step's failure (`UserError`) or train.py's own as failed."""
+        step = self.step_to_go_on_with()
+        if isinstance(error, KeyboardInterrupt):
+            self.end(stopped=_stopped_record(step, signal.SIGINT, str(error) or None))
+        elif isinstance(error, UserError):
+            self.end(failed={"step": step, "error": str(error)})
+        else:
+            self.end(failed={"step": step, "error": f"train.py crashed: {exception_cause(error)}; the traceback is "
+                                                    "on its stderr"})
+
+
+def _running_record(prepared: PreparedRun, finished: list[StepResult]) -> dict:
+    """What `summary.json` says while the run goes: when it started, the command, the host and pid of train.py, the
+    steps it runs, and the `finished` ones it skips."""
+    return {"status": RUNNING, "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": shlex.join(sys.orig_argv), "host": socket.gethostname(), "pid": os.getpid(),
+            "deployment": prepared.plan.deployment.value, "steps_to_run": list(prepared.commands),
+            "steps": _steps_record(finished)}
+
+
+def _run_steps(config: PipelineConfig, prepared: PreparedRun, entry: Callable[[int], StepEntry]) -> dict:
+    """Run the planned steps, `summary.json` saying the run is running until it says how it ended, however it ends
+    (`RunRecord.end_as_raised`)."""
+    record = RunRecord(config, prepared)
+    record.mark_running()
+    try:
+        return _steps_run(config, prepared, entry, record)
+    except BaseException as error:
+        if not record.ended:
+            record.end_as_raised(error)
+        raise
+
+
+def _steps_run(config: PipelineConfig, prepared: PreparedRun, entry: Callable[[int], StepEntry],
+               record: RunRecord) -> dict:
+    """Each step in turn, a stop request before one of them or during one ending train.py there; returns the
+    completed run's record."""
+    for step in config.steps:
+        _stop_if_requested_before_step(record)
         try:
-            results.append(_step_result(config, prepared, step, entry))
+            record.results.append(_step_result(config, prepared, step, entry))
         except StepStopped:
             received, what = take_received_signal(), _stopped_mid_step(config, step)
-            _write_report(config, _report(deployment, results, time.perf_counter() - started,
-                                          stopped=_stopped_record(step, received,
-                                                                  _stopped_message(what, received))))
+            record.end(stopped=_stopped_record(step, received, _stopped_message(what, received)))
             _stop(what, received)
-        except UserError as error:
-            _write_report(config, _report(deployment, results, time.perf_counter() - started,
-                                          failed={"step": step, "error": str(error)}))
-            raise
-        if next_step is not None and (received := take_received_signal()) is not None:
-            what = (f"step {step} finished and the next did not start; to go on, run the same train.py command "
-                    f"(finished steps are skipped)")
-            _write_report(config, _report(deployment, results, time.perf_counter() - started,
-                                          stopped=_stopped_record(next_step, received,
-                                                                  _said_between_steps(what, received))))
-            _stop_between_steps(what, received)
-    total = time.perf_counter() - started
-    print("\n" + summary_table(results, total), flush=True)
-    report = _report(deployment, results, total)
-    _write_report(config, report)
+    report = record.end()
+    print("\n" + summary_table(record.results, report["total_seconds"]), flush=True)
     return report
+
+
+def _stop_if_requested_before_step(record: RunRecord) -> None:
+    """End train.py, recording it, on a stop request taken while it planned or since the last step."""
+    received = take_received_signal()
+    if received is None:
+        return
+    what = STOPPED_WHILE_PLANNING
+    if record.results:
+        what = (f"step {record.results[-1].step} finished and the next did not start; to go on, run the same train.py "
+                f"command (finished steps are skipped)")
+    record.end(stopped=_stopped_record(record.step_to_go_on_with(), received, _said_between_steps(what, received)))
+    _stop_between_steps(what, received)
 
 
 def _report(deployment: str, results: list[StepResult], total: float, failed: dict | None = None,
             stopped: dict | None = None) -> dict:
-    """What `summary.json` holds: the steps that finished (or were skipped), and the one that failed, or the stop
-    request that ended the run (`_stopped_record`), if one did."""
-    report = {
-        "deployment": deployment,
-        "total_seconds": total,
-        "steps": {str(r.step): {"title": r.title, "seconds": r.seconds, "skipped": r.skipped, "summary": dict(r.summary)}
-                  for r in results},
-    }
+    """What `summary.json` holds at the run's end: its status, the steps that finished (or were skipped), and the one
+    that failed, or the stop request that ended the run (`_stopped_record`), if one did."""
+    status = FAILED if failed is not None else STOPPED if stopped is not None else COMPLETED
+    report = {"status": status, "deployment": deployment, "total_seconds": total, "steps": _steps_record(results)}
     ending = {name: value for name, value in (("failed", failed), ("stopped", stopped)) if value is not None}
     return {**report, **ending}
 
 
+def _steps_record(results: list[StepResult]) -> dict:
+    """Each step's title, seconds, whether this run skipped it (finished by an earlier one), and its summary."""
+    return {str(r.step): {"title": r.title, "seconds": r.seconds, "skipped": r.skipped, "summary": dict(r.summary)}
+            for r in results}
+
+
 def _write_report(config: PipelineConfig, report: dict) -> None:
+    config.output_dir.mkdir(parents=True, exist_ok=True)  # the running mark comes before any step makes it
     atomic_write_text(config.output_dir / "summary.json", json.dumps(report, indent=2, default=str) + "\n")
