@@ -64,16 +64,30 @@ PIPELINE_RUNS = [(path, argv) for path, name, argv in PARSED if name == "pipelin
 
 
 def _check_train_flags(pipeline_argv: list[str]) -> None:
-    """bench/pipeline.py's `--` part as train.py takes it: its own flags parsed (argparse's SystemExit on a bad
-    value), the rest given to the steps that accept them (a `UserError` naming a flag no step accepts). Neither reads
-    a file, so a path only the measuring machine has (its --data_path) passes."""
+    """bench/pipeline.py's `--` part as train.py takes it, short of planning: its own flags and their values parsed
+    (argparse's SystemExit on a bad value); the rest routed to the run's steps (a `UserError` naming a flag no step
+    accepts); then each step's command, train.py's model and run-folder flags with the flags routed to it and its
+    --stepN-args, parsed by that step's own parser as train.py parses it (a `UserError` naming the step whose flag or
+    value it refuses). The plan's flags are left out (this machine's planner would give others), and no file is read,
+    so a path only the measuring machine has (its --data_path) passes."""
     from bench.pipeline import parse_args
     from training.pipeline.cli import parse_config
-    from training.pipeline.runner import route_user_flags
+    from training.pipeline.deployment import DeploymentPlan, DeploymentType
+    from training.pipeline.plans import StepPlan
+    from training.pipeline.runner import _parsed_step_commands, route_user_flags, step_argv
     from training.pipeline.steps import STEPS
 
+    def entry(step):
+        return STEPS[step].entry()
+
     _, train_argv = parse_args(pipeline_argv)
-    route_user_flags(parse_config(train_argv), lambda step: STEPS[step].entry())
+    config = parse_config(train_argv)
+    routed = route_user_flags(config, entry)
+    unplanned = DeploymentPlan(DeploymentType.CPU, 1, {step: StepPlan() for step in config.steps})
+    models = {step: [(source, f"{source.model.value}-model") for source in STEPS[step].inputs] for step in config.steps}
+    argvs = {step: step_argv(config, step, unplanned, routed, models) for step in config.steps}
+    user_flags = {step: [*routed.get(step, []), *config.step_args[step]] for step in config.steps}
+    _parsed_step_commands(config, user_flags, argvs, entry)
 
 
 @pytest.mark.parametrize("path, argv", PIPELINE_RUNS, ids=[path.name for path, _ in PIPELINE_RUNS])
@@ -88,6 +102,18 @@ def test_a_renamed_train_py_flag_in_a_committed_pipeline_command_is_caught():
     argv = next(argv for _, argv in PIPELINE_RUNS if "--deployment-type" in argv)
     renamed = ["--deployment-kind" if word == "--deployment-type" else word for word in argv]
     with pytest.raises(UserError, match="--deployment-kind is not a flag of train.py nor of step"):
+        _check_train_flags(renamed)
+
+
+def test_a_renamed_step_flag_or_value_in_a_committed_pipeline_command_is_caught():
+    """The flags routed to the steps were checked by name alone and --stepN-args not at all, so a committed command
+    whose --optimizer value or --step3-args flag a step had renamed still passed."""
+    argv = next(argv for _, argv in PIPELINE_RUNS if "torch_adamw" in argv)
+    _check_train_flags([*argv, "--step3-args", "--actor_learning_rate 1e-6"])
+    with pytest.raises(UserError, match=r"step 3's flags do not parse \(.*unrecognized arguments: --actor_lr 1e-6"):
+        _check_train_flags([*argv, "--step3-args", "--actor_lr 1e-6"])
+    renamed = ["torch_adam" if word == "torch_adamw" else word for word in argv]
+    with pytest.raises(UserError, match=r"step 1's flags do not parse \(.*--optimizer: invalid choice: 'torch_adam'"):
         _check_train_flags(renamed)
 
 
