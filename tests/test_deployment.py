@@ -182,6 +182,22 @@ def test_a_hostfile_is_read_in_the_lines_deepspeeds_launcher_reads(tmp_path, mon
         {"worker-1": 1, "worker-3": 2}
 
 
+@pytest.mark.parametrize("read", ["hostfile", ".deepspeed_env"])
+def test_a_hostfile_or_deepspeed_env_that_is_not_text_is_refused_naming_it(tmp_path, monkeypatch, read):
+    """A hostfile or .deepspeed_env with a byte its encoding does not read (a Latin-1 `\\xe9`, in UTF-8) ended
+    train.py in a UnicodeDecodeError's traceback; DeepSpeed's launcher reads both in the same encoding and fails on it
+    too. Refused naming the file."""
+    from training.pipeline.launch import env_for_other_nodes
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / read
+    path.write_bytes(b"worker-1 slots=1\nHF_HOME=/data/caf\xe9 slots=1\n")
+    with pytest.raises(UserError, match=re.escape(f"{path} is not ") + r"\S+ text \(a byte 0xe9: .*\); DeepSpeed's "
+                       r"launcher reads it as \S+ text and would fail on it"):
+        read_hostfile(path) if read == "hostfile" else env_for_other_nodes({}, tmp_path / "deepspeed_env")
+
+
 # --------------------------------------------------------------------------- planning
 
 

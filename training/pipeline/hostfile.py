@@ -83,9 +83,15 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
 def lines_as_deepspeed_reads(path: Path) -> list[str]:
     """The lines of `path` as DeepSpeed's launcher reads its hostfile and env file (open, readlines), each without its
     line break: broken at \\n, \\r and \\r\\n alone, where str.splitlines also breaks at \\v, a form feed, \\x1c-\\x1e,
-    \\x85, \\u2028 and \\u2029, which DeepSpeed's launcher keeps in the line."""
+    \\x85, \\u2028 and \\u2029, which DeepSpeed's launcher keeps in the line. Refused where it is not text in the
+    encoding the launcher reads it in, on which train.py ended in a UnicodeDecodeError's traceback."""
     with path.open() as text:
-        return [line.removesuffix("\n") for line in text]
+        try:
+            return [line.removesuffix("\n") for line in text]
+        except UnicodeDecodeError as error:
+            raise UserError(f"{path} is not {text.encoding} text (a byte {error.object[error.start]:#04x}: {error.reason}); "
+                            f"DeepSpeed's launcher reads it as {text.encoding} text and would fail on it: save it as "
+                            f"{text.encoding}") from None
 
 
 def _check_host_name(hostfile: Path, number: int, name: str) -> None:
