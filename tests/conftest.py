@@ -88,10 +88,13 @@ def remote_shell_stand_ins(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def remote_shell_tools_on_path(remote_shell_stand_ins, monkeypatch):
+def remote_shell_tools_on_path(remote_shell_stand_ins):
     """pdsh and ssh on PATH, stand-ins last, where this machine has none: train.py refuses to plan a run on other
-    nodes without them, and most multi_node tests plan one that they never launch. A real tool comes first."""
-    monkeypatch.setenv("PATH", f"{os.environ.get('PATH', '')}{os.pathsep}{remote_shell_stand_ins}")
+    nodes without them, and most multi_node tests plan one that they never launch. A real tool comes first. Set
+    apart from the test's own `monkeypatch`, whose undo() would take it away mid-test."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{os.environ.get('PATH', '')}{os.pathsep}{remote_shell_stand_ins}")
+        yield
 
 
 @pytest.fixture(scope="session")
