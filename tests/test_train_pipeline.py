@@ -709,6 +709,17 @@ def test_algorithm_dpo_runs_step_1_then_dpo_on_its_model(tmp_path, fakes):
     assert fakes.calls[1][1].output_dir == str(tmp_path / "out" / "dpo")
 
 
+def test_dpos_step_number_is_the_one_the_registry_gives_it_wherever_train_py_uses_it():
+    """DPO's number, 4, was written out in the step registry, --algorithm dpo's default steps, the check of --step
+    against --algorithm, its planner's quick-run budget and the name train.py's messages give it: one constant now."""
+    from training.pipeline.deployment import DPO_SAID, DPO_STEP, CpuQuickRun
+    from training.pipeline.steps import STEPS
+
+    assert STEPS[DPO_STEP].module == "step2_reward.dpo.main" and DPO_SAID == f"DPO (step {DPO_STEP})"
+    assert PipelineConfig(algorithm="dpo").steps == [1, DPO_STEP]
+    assert len(CpuQuickRun().step_budget_s) == len(STEPS)
+
+
 def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_model(tmp_path, tiny_model_dir):
     options = {1: ["--data_path"], 3: ["--data_path", "--algorithm", "--reward_fn", "--eval_samples"]}
     fakes = FakeSteps(tiny_model_dir("llama"), extra_options=options)
@@ -1763,6 +1774,20 @@ def test_a_launched_step_whose_rank_runs_out_of_host_memory_is_told_so(tmp_path,
 
     with pytest.raises(UserError, match=rf"^step 1 failed \(exit status 1\): {said}{HOST_MEMORY_SAID}"):
         run_subprocess([sys.executable, "-c", rank], tmp_path / "step1.log", "step 1")
+
+
+@pytest.mark.parametrize("module", ["numpy.core._exceptions", "numpy._core._exceptions"], ids=["numpy_1", "numpy_2"])
+def test_numpys_array_memory_error_in_a_ranks_output_is_told_of_host_memory_in_either_numpys_name(module):
+    """numpy 1.x names its MemoryError numpy.core._exceptions._ArrayMemoryError, numpy 2 numpy._core._exceptions...;
+    the launched-step test above raises the installed numpy's alone, so the other name, as a rank's traceback ends on
+    it, was read by no test."""
+    from training.pipeline.failures import cause_in_output
+
+    said = (f"{module}._ArrayMemoryError: Unable to allocate 8.00 TiB for an array with shape (1099511627776,) and "
+            "data type float64")
+    output = "\n".join(["[rank0]: Traceback (most recent call last):",
+                        '[rank0]:   File "main.py", line 9, in <module>', f"[rank0]: {said}", LAUNCHER_LINE.format(1)])
+    assert re.fullmatch(rf"{re.escape(said)}{HOST_MEMORY_SAID}.*", cause_in_output(output))
 
 
 def test_cudas_out_of_memory_error_is_not_told_of_host_memory():
