@@ -709,6 +709,17 @@ def test_algorithm_dpo_runs_step_1_then_dpo_on_its_model(tmp_path, fakes):
     assert fakes.calls[1][1].output_dir == str(tmp_path / "out" / "dpo")
 
 
+def test_dpos_step_number_is_the_one_the_registry_gives_it_wherever_train_py_uses_it():
+    """DPO's number, 4, was written out in the step registry, --algorithm dpo's default steps, the check of --step
+    against --algorithm, its planner's quick-run budget and the name train.py's messages give it: one constant now."""
+    from training.pipeline.deployment import DPO_SAID, DPO_STEP, CpuQuickRun
+    from training.pipeline.steps import STEPS
+
+    assert STEPS[DPO_STEP].module == "step2_reward.dpo.main" and DPO_SAID == f"DPO (step {DPO_STEP})"
+    assert PipelineConfig(algorithm="dpo").steps == [1, DPO_STEP]
+    assert len(CpuQuickRun().step_budget_s) == len(STEPS)
+
+
 def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_model(tmp_path, tiny_model_dir):
     options = {1: ["--data_path"], 3: ["--data_path", "--algorithm", "--reward_fn", "--eval_samples"]}
     fakes = FakeSteps(tiny_model_dir("llama"), extra_options=options)

@@ -16,7 +16,7 @@ from training.core.model_loading import EMBEDDED_MODEL_NAME
 from training.rewards.functions import is_builtin
 from utils.errors import UserError
 
-from .deployment import DeploymentType, Model, Workload
+from .deployment import DPO_SAID, DPO_STEP, DeploymentType, Model, Workload
 from .steps import STEPS, StepSpec, flag_value
 
 _ZERO_STAGES = (0, 1, 2, 3)
@@ -31,11 +31,12 @@ DEFAULT_TASK_DATA = "task:arithmetic"  # the data of a built-in verifier (--rewa
 class PipelineConfig:
     step: list[int] | None = field(default=None, metadata={
         "choices": tuple(STEPS),
-        "help": "which steps to run, in order (default: 1 2 3; 1 3 with --reward_fn alone; 1 4 with --algorithm dpo)"})
+        "help": f"which steps to run, in order (default: 1 2 3; 1 3 with --reward_fn alone; 1 {DPO_STEP} with "
+                "--algorithm dpo)"})
     algorithm: str = field(default="ppo", metadata={
         "choices": (*RL_ALGORITHMS.names(), DPO),
         "help": "step 3's RL algorithm (ppo needs a critic; grpo, rloo, reinforce_pp and remax do not), or dpo: "
-                "step 1 then DPO (step 4) on the preference pairs instead of steps 2 and 3"})
+                f"step 1 then {DPO_SAID} on the preference pairs instead of steps 2 and 3"})
     actor_model: str = field(default=EMBEDDED_MODEL_NAME, metadata={
         "help": f"step 1's base model: hub name or local folder (default: the embedded {EMBEDDED_MODEL_NAME})"})
     reward_model: str = field(default=EMBEDDED_MODEL_NAME, metadata={
@@ -76,7 +77,7 @@ class PipelineConfig:
         if self.step:
             return sorted(set(self.step))
         if self.algorithm == DPO:
-            return [1, 4]
+            return [1, DPO_STEP]
         return [1, 3] if self.reward_fn is not None else [1, 2, 3]
 
     def passed_flag(self, flag: str, step: int = 3) -> str | None:

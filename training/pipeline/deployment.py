@@ -81,7 +81,9 @@ _ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained paramet
 _LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
 _GPU_LORA_DIM = 128
 _HOST_OFFLOAD_SHARE = 0.7  # share of a node's memory that offload may fill (the rest: the processes, the OS)
-_STEPS_SAID = {4: "DPO (step 4)"}  # a step train.py's messages name otherwise than "step N"
+DPO_STEP = 4  # DPO's number in the step registry (`steps.STEPS`), by which train.py runs, plans and names it
+DPO_SAID = f"DPO (step {DPO_STEP})"  # how train.py's messages name it
+_STEPS_SAID = {DPO_STEP: DPO_SAID}  # a step train.py's messages name otherwise than "step N"
 
 
 @dataclass(frozen=True)
@@ -568,7 +570,7 @@ def plan_dpo(target: Target, sizes: ModelSizes, workload: Workload = Workload())
     quick = target.quick
     recipe = None if quick is None else _QuickRecipe(quick.dpo_step_s, quick.dpo_batch, quick.dpo_max_seq_len,
                                                      quick.dpo_learning_rate, quick.reward_eval_samples)
-    shape = _SupervisedShape(4, "DPO", Model.ACTOR, 2, 8, 32, frozen_copy=True)
+    shape = _SupervisedShape(DPO_STEP, "DPO", Model.ACTOR, 2, 8, 32, frozen_copy=True)
     plan = _plan_supervised(target, sizes.actor, shape, recipe)
     return DPOPlan(**{f.name: getattr(plan, f.name) for f in fields(plan)},
                    offload_reference_model=plan.offload if quick is None else None)

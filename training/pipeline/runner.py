@@ -48,7 +48,7 @@ from utils.data.unsupervised import text_source_fingerprint
 from utils.errors import EXIT_BROKEN_PIPE, UserError
 
 from .config import DPO, PipelineConfig
-from .deployment import DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
+from .deployment import DPO_SAID, DPO_STEP, DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
 from .failures import exception_cause
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, check_host_or_address, read_hostfile
@@ -465,11 +465,11 @@ def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None
                             f"but this run runs it (into {config.run_dir(step)}); drop one of the two")
     _check_outputs_taken(config)
     if config.algorithm == DPO and {2, 3} & set(config.steps):
-        raise UserError("--algorithm dpo runs step 1 then DPO (step 4), not steps 2 or 3; drop --step, or give "
-                        "--step 1 4 (or --step 4)")
-    if config.algorithm not in ("ppo", DPO) and 4 in config.steps:
-        raise UserError(f"--algorithm {config.algorithm} is step 3's RL algorithm, but this run runs DPO (step 4) "
-                        f"in its place; drop step 4, or give --algorithm dpo")
+        raise UserError(f"--algorithm dpo runs step 1 then {DPO_SAID}, not steps 2 or 3; drop --step, or give "
+                        f"--step 1 {DPO_STEP} (or --step {DPO_STEP})")
+    if config.algorithm not in ("ppo", DPO) and DPO_STEP in config.steps:
+        raise UserError(f"--algorithm {config.algorithm} is step 3's RL algorithm, but this run runs {DPO_SAID} "
+                        f"in its place; drop step {DPO_STEP}, or give --algorithm dpo")
 
 
 def _check_outputs_taken(config: PipelineConfig) -> None:

@@ -18,7 +18,7 @@ from training.core.reward_model import is_reward_model_dir
 from utils.data.args import STEP1_ONLY_FLAGS
 from utils.errors import UserError
 
-from .deployment import Model, ModelSizes, Target, Workload, plan_dpo, plan_reward, plan_rlhf, plan_sft
+from .deployment import DPO_STEP, Model, ModelSizes, Target, Workload, plan_dpo, plan_reward, plan_rlhf, plan_sft
 from .plans import DPOPlan, RLHFPlan, StepPlan, SupervisedPlan
 
 StepMain = Callable[[list[str]], dict]
@@ -119,7 +119,7 @@ STEPS: dict[int, StepSpec] = {spec.number: spec for spec in (
         zero_stage_fields={Model.ACTOR: "actor_zero_stage", Model.REWARD: "critic_zero_stage"},
     ),
     StepSpec(
-        4, "dpo", "DPO (instead of steps 2 and 3)", "step2_reward.dpo.main",
+        DPO_STEP, "dpo", "DPO (instead of steps 2 and 3)", "step2_reward.dpo.main",
         inputs=(ModelInput("--model_name_or_path", Model.ACTOR, from_step=1),),
         output=StepOutput("model", has_model),
         plan=DPOPlan, planner=plan_dpo, zero_stage_fields={Model.ACTOR: "zero_stage"},
