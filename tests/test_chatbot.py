@@ -25,6 +25,9 @@ from training.reliability.answer_limit import AnswerLimit
 from utils.errors import EXIT_USER_ERROR, UserError
 
 GREEDY = SamplingOptions(max_new_tokens=6, do_sample=False)
+# How long a test waits for a chat it starts as a process: the chat's imports alone took 3.5 min on 2 cores beside a
+# training run and other test jobs; a chat that ends is not waited on past its end.
+CHAT_PROCESS_BOUND_S = 600
 
 
 def session(prompt_format="auto", chat_template=True, options=GREEDY, tokenizer=None, system_prompt=None, limit=None):
@@ -307,7 +310,8 @@ def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     model = tiny_model_dir("gpt2")
     result = subprocess.run(
         [sys.executable, "-m", "inference.chatbot", "--path", model, "--greedy", "--max_new_tokens", "4"],
-        input="hello\nclear\nhow are you\nquit\nignored\n", cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=120,
+        input="hello\nclear\nhow are you\nquit\nignored\n", cwd=REPO_ROOT, env=step_env(), capture_output=True,
+        text=True, timeout=CHAT_PROCESS_BOUND_S,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Assistant: ") == 2
@@ -327,7 +331,8 @@ def test_scripted_output_holds_the_answers_alone_and_deepspeeds_warnings_go_to_s
     argv = [arg.format(model=model) for arg in tool]
     env = {key: value for key, value in step_env().items() if key != "DS_ACCELERATOR"}
     result = subprocess.run([sys.executable, *argv, "--max_new_tokens", "2"], cwd=REPO_ROOT, check=False,
-                            env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=120)
+                            env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                            timeout=CHAT_PROCESS_BOUND_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith(first_line), result.stdout[:300]
     assert "Setting accelerator to CPU" in result.stderr
@@ -340,8 +345,8 @@ def test_a_line_that_is_not_utf8_text_is_refused_and_the_chat_goes_on(tiny_model
     model = tiny_model_dir("gpt2")
     result = subprocess.run(
         [sys.executable, "-m", "inference.chatbot", "--path", model, "--greedy", "--max_new_tokens", "4"],
-        input="hello\ncafé\nhow are you\n".encode("latin-1"), cwd=REPO_ROOT, capture_output=True, timeout=120,
-        env={**step_env(), "PYTHONIOENCODING": "utf-8:strict"}, check=False)
+        input="hello\ncafé\nhow are you\n".encode("latin-1"), cwd=REPO_ROOT, capture_output=True,
+        env={**step_env(), "PYTHONIOENCODING": "utf-8:strict"}, check=False, timeout=CHAT_PROCESS_BOUND_S)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     printed = result.stdout.decode()
     assert "Human: caf\\udce9\nAssistant: (not answered: this message is not UTF-8 text (byte 0xe9 at character 4);" \
@@ -380,7 +385,7 @@ def test_a_reader_of_the_answers_that_leaves_ends_the_chat_without_a_traceback(t
     child.stdin.flush()
     answered = any(line.startswith(b"Assistant: ") for line in iter(child.stdout.readline, b""))
     child.stdout.close()  # the reader leaves after the first answer
-    _, errors = child.communicate(b"and again\n", timeout=120)
+    _, errors = child.communicate(b"and again\n", timeout=CHAT_PROCESS_BOUND_S)
     assert answered and child.returncode == 141, errors.decode()[-3000:]
     assert b"Traceback" not in errors and b"BrokenPipeError" not in errors
 
@@ -696,11 +701,6 @@ def test_a_conversation_cut_to_fit_says_so_after_the_answer():
     assert chat_session.history[0]["content"] == "how are you today"
 
 
-# The chat's imports alone took 3.5 min on 2 cores beside a training run and other test jobs; a chat that ends is
-# not waited on past its end.
-TERMINAL_CHAT_BOUND_S = 600
-
-
 def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: bytes = b"",
                                   readline: bool = True) -> str:
     """What the chat's prompt shows on a terminal where `typed_ahead` waits before the chat starts (lines typed while
@@ -722,7 +722,7 @@ def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: b
                     "    if message.strip().lower() in QUIT_COMMANDS: break")
         os.execve(sys.executable, [sys.executable, "-c", messages], step_env())
     os.write(terminal, typed_ahead)
-    shown, deadline, answered, closed = b"", time.monotonic() + TERMINAL_CHAT_BOUND_S, [], False
+    shown, deadline, answered, closed = b"", time.monotonic() + CHAT_PROCESS_BOUND_S, [], False
     while not closed and time.monotonic() < deadline:
         if select.select([terminal], [], [], 0.2)[0]:
             try:
@@ -748,7 +748,7 @@ def _what_the_ended_chat_showed(child: int, shown: str, closed: bool) -> str:
         os.kill(child, signal.SIGKILL)
     status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
     if not closed:
-        pytest.fail(f"the chat's prompt did not end within {TERMINAL_CHAT_BOUND_S} s; it showed:\n{shown}")
+        pytest.fail(f"the chat's prompt did not end within {CHAT_PROCESS_BOUND_S} s; it showed:\n{shown}")
     if status != 0:
         pytest.fail(f"the chat's prompt ended with status {status}; it showed:\n{shown}")
     return shown
