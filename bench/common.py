@@ -75,10 +75,10 @@ def git_output(*args: str) -> str | None:
 
 
 def code_version() -> dict:
-    """The commit of the code measured and whether the checkout differed from it (changed or new files): a figure
-    from a tree with uncommitted changes cannot be reproduced from its commit alone. bench/results is left out: the
-    benchmarks themselves rewrite its files, so a second benchmark run would otherwise always report changes. None
-    for both outside a git checkout."""
+    """The commit of the code measured and whether the checkout differed from it (changed, deleted or new files;
+    not those git ignores): a figure from a tree with uncommitted changes, a new module it imports too, cannot be
+    reproduced from its commit alone. bench/results is left out: the benchmarks themselves rewrite its files, so a
+    second benchmark run would otherwise always report changes. None for both outside a git checkout."""
     commit = git_output("rev-parse", "HEAD")
     changes = git_output("status", "--porcelain", "--", ".", ":(exclude)bench/results") if commit else None
     return {"git_commit": commit, "git_uncommitted_changes": bool(changes) if changes is not None else None}

@@ -131,14 +131,16 @@ def _report_from(code: Path, output: Path, monkeypatch) -> dict:
 
 def test_a_new_report_names_the_commit_of_the_code_it_measured(tmp_path, monkeypatch):
     """A report named the device, versions and command but not the code: a figure could not be traced to the
-    commit that produced it, nor told apart from one measured on a tree with uncommitted changes. Outside a git
-    checkout both are None."""
+    commit that produced it, nor told apart from one measured on a tree with uncommitted changes: a changed file or
+    a new one (which the commit does not hold either), not one git ignores nor a result in bench/results. Outside a
+    git checkout both are None."""
     import subprocess
 
     code = tmp_path / "code"
     code.mkdir()
     (code / "bench.py").write_text("print(1)\n")
-    for command in (["init", "-q"], ["add", "bench.py"],
+    (code / ".gitignore").write_text("runs/\n")
+    for command in (["init", "-q"], ["add", "bench.py", ".gitignore"],
                     ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "bench"]):
         subprocess.run(["git", *command], cwd=code, check=True, capture_output=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=code, capture_output=True, text=True,
@@ -150,6 +152,12 @@ def test_a_new_report_names_the_commit_of_the_code_it_measured(tmp_path, monkeyp
     results.mkdir(parents=True)
     (results / "earlier.json").write_text("{}\n")  # a result a benchmark wrote is no change of the code measured
     assert _report_from(code, results / "next.json", monkeypatch)["git_uncommitted_changes"] is False
+    (code / "runs").mkdir()
+    (code / "runs" / "log.txt").write_text("a run's output, which git ignores\n")
+    assert _report_from(code, tmp_path / "ignored.json", monkeypatch)["git_uncommitted_changes"] is False
+    (code / "helper.py").write_text("print(3)\n")  # a new module a benchmark may import: not in the commit either
+    assert _report_from(code, tmp_path / "new.json", monkeypatch)["git_uncommitted_changes"] is True
+    (code / "helper.py").unlink()
     (code / "bench.py").write_text("print(2)\n")
     assert _report_from(code, tmp_path / "changed.json", monkeypatch)["git_uncommitted_changes"] is True
     outside = _report_from(tmp_path, tmp_path / "outside.json", monkeypatch)
