@@ -25,6 +25,7 @@ import torch
 
 from training.core.save import save_hf_model, unwrap
 from training.core.zero import full_shape, is_zero3_param
+from training.placement.spec import ranks_text
 from utils.dist import get_rank, refuse_on_every_rank
 from utils.errors import UserError
 
@@ -124,7 +125,7 @@ def _gather_slices(share: torch.Tensor, into: torch.Tensor, group: Any, ranks: i
 def _layout_problem(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
     """What makes shares saved with layout `saved` unloadable into an EMA of layout `current`, or None."""
     def kind(layout: Mapping[str, Any]) -> str:
-        return f"{'ZeRO-3 partitions' if layout['zero3'] else 'slices'} over {layout['ranks']} rank(s)"
+        return f"{'ZeRO-3 partitions' if layout['zero3'] else 'slices'} over {ranks_text(layout['ranks'])}"
 
     if kind(saved) != kind(current):
         return f"the checkpoint holds the actor EMA as {kind(saved)}, this run as {kind(current)}"
