@@ -70,3 +70,19 @@ def test_the_lock_holder_removes_what_a_dead_run_left_staged_and_a_refused_run_r
     holder.release()
     with RunLock(tmp_path):
         assert sorted(path.name for path in tmp_path.iterdir()) == [".run.lock", OWNER_FILE, "model"]
+
+
+def test_a_look_at_the_lock_names_a_live_holder_alone_and_creates_nothing(tmp_path):
+    """A dry run of train.py takes no lock, but says where another run holds its folder now."""
+    output_dir = tmp_path / "run"
+    assert RunLock(output_dir).holder_now() is None and not output_dir.exists()
+    holder = start_holder(output_dir)
+    try:
+        assert RunLock(output_dir).holder_now().startswith(f"pid {holder.pid} on ")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert RunLock(output_dir).holder_now() is None  # its owner file stays, but the kernel dropped its lock
+    assert (output_dir / OWNER_FILE).exists()
+    with pytest.raises(UserError, match="choose another --output-dir$"), RunLock(output_dir):
+        RunLock(output_dir, flag="--output-dir").acquire()

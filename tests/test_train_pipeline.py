@@ -1,10 +1,12 @@
 """train.py: steps in order with outputs chained, prerequisites, flag routing, logs, summary; and a real
 end-to-end run on a tiny model with the chatbot answering from its result."""
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
 import importlib
+import io
 import json
 import logging
 import os
@@ -33,9 +35,10 @@ from training.pipeline.launch import StepStopped
 from training.pipeline.runner import run_pipeline
 from training.pipeline.steps import StepEntry
 from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, MARKER_FILE
+from training.reliability.run_lock import RunLock
 from training.reliability.run_records import ARGS_FILE, SUMMARY_FILE, save_run_args, save_summary
 from training.reliability.signals import EXIT_INTERRUPTED, record_signal, take_received_signal
-from utils.errors import EXIT_BROKEN_PIPE, UserError, run_cli
+from utils.errors import EXIT_BROKEN_PIPE, EXIT_USER_ERROR, UserError, run_cli
 
 TWO_CORES = Hardware(num_gpus=0, gpu_memory_gib=None, cpu_memory_gib=24, cpu_cores=2, bf16=True)
 MODEL_FLAGS = {1: ["--model_name_or_path"], 2: ["--model_name_or_path"],
@@ -1210,6 +1213,76 @@ def test_a_run_ended_past_its_running_mark_says_how_it_ended(tmp_path, tiny_mode
         assert report["failed"] == {"step": 1, "error": "train.py crashed: RuntimeError: the output folder went away; "
                                                         "the traceback is on its stderr"}
     take_received_signal()
+
+
+class LockingSteps(FakeSteps):
+    """Fake steps that hold their run folder's lock while they run, as the real steps do."""
+
+    def main(self, step: int):
+        finished = super().main(step).__wrapped__
+
+        def main(argv):
+            run_dir = Path(self.parser(step).parse_args(argv).output_dir)
+            with RunLock(run_dir):
+                self.started(step, run_dir)
+                return finished(argv)
+
+        return main
+
+    def started(self, step: int, run_dir: Path) -> None:
+        """Called as `step` starts, holding its run folder's lock."""
+
+
+class SecondTrainPyStartingSteps(LockingSteps):
+    """Locking fake steps of which step 1 starts a dry run and then a second train.py on the same --output-dir,
+    noting what each said on stderr, how the second ended and whether either changed summary.json."""
+
+    def __init__(self, model_dir: str, argv: list[str]):
+        super().__init__(model_dir)
+        self.argv = argv
+        self.second = LockingSteps(model_dir)
+        self.said: dict[str, str] = {}
+        self.summary_changed: dict[str, bool] = {}
+        self.second_exit: int | None = None
+
+    def started(self, step: int, run_dir: Path) -> None:
+        if step == 1:
+            self._start_others(run_dir.parent)
+
+    def _start_others(self, out: Path) -> None:
+        running = (out / SUMMARY_FILE).read_text()
+        for name, argv in (("dry run", [*self.argv, "--dry-run"]), ("second run", self.argv)):
+            said = io.StringIO()
+            with contextlib.redirect_stderr(said):
+                try:
+                    run_cli(lambda argv=argv: run(argv, self.second))()
+                except SystemExit as ended:
+                    self.second_exit = ended.code
+            self.said[name] = said.getvalue()
+            self.summary_changed[name] = (out / SUMMARY_FILE).read_text() != running
+
+
+def test_a_second_train_py_on_an_output_folder_in_use_is_refused_at_once(tmp_path, tiny_model_dir, monkeypatch):
+    """train.py took no lock on its --output-dir: a second one started there while the first ran wrote its running
+    mark over the first's, then its own failure (its step 1 refused by the step's lock) over that, so summary.json
+    told of the wrong run until the first ended. The first holds the folder for the whole run: the second is refused
+    before it plans (status 2, naming the folder and its holder) and writes nothing; a dry run says the folder is in
+    use. The steps' own locks, on their run folders below it, are taken as before."""
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py"])
+    out = tmp_path / "out"
+    argv = common(tmp_path, tiny_model_dir("llama"))
+    steps = SecondTrainPyStartingSteps(tiny_model_dir("llama"), argv)
+    report = run(argv, steps)
+    holder = rf"\(pid {os.getpid()} on {re.escape(socket.gethostname())}, started 20[-\d]+ [:\d]+\)"
+    assert re.search(rf"^error: output dir {re.escape(str(out))} is in use by another run {holder}; wait for it to "
+                     r"finish or choose another --output-dir$", steps.said["second run"].strip()), steps.said
+    assert steps.second_exit == EXIT_USER_ERROR and steps.second.calls == []
+    assert re.search(rf"warning: --output-dir {re.escape(str(out))} is in use by another run {holder}",
+                     steps.said["dry run"]), steps.said
+    assert steps.summary_changed == {"dry run": False, "second run": False}
+    assert [step for step, _, _ in steps.calls] == [1, 2, 3] and report["status"] == "completed"
+    run(argv, steps.second)  # the folder is free once the first has ended
+    assert json.loads((out / SUMMARY_FILE).read_text())["status"] == "completed"
 
 
 SIGNALLED_OUTSIDE_A_STEP = """

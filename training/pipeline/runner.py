@@ -30,6 +30,7 @@ from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.layouts import tuned_layout_warning
+from training.reliability.run_lock import RunLock
 from training.reliability.run_records import args_of_model, changed_flags, read_run_args, read_summary, run_id_of
 from training.reliability.signals import (
     EXIT_INTERRUPTED,
@@ -39,7 +40,7 @@ from training.reliability.signals import (
     stopped_by,
     take_received_signal,
 )
-from training.reliability.validation import check_folder_path
+from training.reliability.validation import check_folder_path, check_output_dir
 from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
 from utils.data.args import SOURCE_FLAGS, flags_another_step_reads
@@ -542,8 +543,6 @@ def route_user_flags(config: PipelineConfig, entry: Callable[[int], StepEntry]) 
 
 def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> PreparedRun:
     """Validate the inputs (hostfile, prerequisites, flags), plan the deployment, build each step's command."""
-    check_not_under_a_launcher()
-    check_folder_path(config.output_dir, "--output-dir")
     _check_step_args_of_steps_run(config)
     deployment = config.deployment_type or detect_deployment(hardware, config.hostfile is not None)
     _check_run_shape(config, deployment)
@@ -813,12 +812,33 @@ def run_pipeline(
     def entry(step: int) -> StepEntry:
         return (entries or {}).get(step) or STEPS[step].entry()
 
+    check_not_under_a_launcher()
+    check_folder_path(config.output_dir, "--output-dir")
     take_received_signal()  # a stop request before this run is not one for it
-    with GracefulInterrupt(on_receipt="train.py ends before its next step (a step under way stops at its next "
-                                      "checkpoint)", program="train.py", quiet_if_unread=True):
+    stops = GracefulInterrupt(on_receipt="train.py ends before its next step (a step under way stops at its next "
+                                         "checkpoint)", program="train.py", quiet_if_unread=True)
+    with _output_dir_lock(config), stops:
         report = _planned_and_run(config, entry, hardware or detect_hardware())
         _end_if_output_unread()
     return report
+
+
+def _output_dir_lock(config: PipelineConfig) -> contextlib.AbstractContextManager:
+    """The lock train.py holds on its --output-dir from before it plans to its end: a second train.py there is
+    refused at once, before it plans from step folders the first one writes, or writes its summary.json over the
+    first's. Each step's own lock is on its run folder below (`RunLock`). A dry run writes nothing and takes none."""
+    if config.dry_run:
+        return contextlib.nullcontext()
+    return RunLock(check_output_dir(config.output_dir, "--output-dir"), flag="--output-dir")
+
+
+def _say_output_dir_in_use(config: PipelineConfig) -> None:
+    """Warn, in a dry run (which takes no lock), where another run holds --output-dir now: the same command without
+    --dry-run would be refused."""
+    holder = RunLock(config.output_dir).holder_now()
+    if holder is not None:
+        print(f"warning: --output-dir {config.output_dir} is in use by another run ({holder}); run now, without "
+              "--dry-run, train.py would be refused until that run ends", file=sys.stderr, flush=True)
 
 
 def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardware: Hardware) -> dict:
@@ -837,6 +857,8 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     _say_visible_devices_not_followed(prepared)
     _say_model_flags_unused(config, prepared.inputs)
     _say_layouts_unlike_step_1(config, prepared)
+    if config.dry_run:
+        _say_output_dir_in_use(config)
     running = {step: prepared.runs_with[step] for step in prepared.commands}
     for warning in host_memory_warnings(prepared.plan, hardware, prepared.hosts, running):
         print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ when the holder exits for any reason (SIGKILL and power loss included), so a cra
 blocks the next one. Who holds it (pid, host, start time) is kept in a separate file, because
 older filelock versions truncate the lock file on every attempt to take it. Rank 0 takes the lock
 for the whole job and tells the other ranks whether it got it. Having taken it, rank 0 removes the staging
-folders and files (`utils.atomic`) a killed run left in the folder.
+folders and files (`utils.atomic`) a killed run left in the folder. train.py holds one on its --output-dir, and
+each step it runs one on its own run folder below it (another file), so the two never meet.
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ logger = logging.getLogger(__name__)
 class RunLock:
     """Hold `<output_dir>/.run.lock` while a run writes there (context manager; every rank enters it)."""
 
-    def __init__(self, output_dir: str | os.PathLike):
+    def __init__(self, output_dir: str | os.PathLike, flag: str = "--output_dir"):
         self.output_dir = Path(output_dir)
+        self.flag = flag  # the folder's flag, which the refusal says to change
         self._lock: filelock.BaseFileLock | None = None
 
     @property
@@ -45,6 +47,22 @@ class RunLock:
             return f"pid {owner['pid']} on {owner['host']}, started {owner['started']}"
         except (OSError, ValueError, KeyError, TypeError):
             return "pid unknown"
+
+    def holder_now(self) -> str | None:
+        """The description of the run holding the lock now, else None; takes it for no longer than a look, and
+        creates nothing (a dry run's look at the folder)."""
+        lock_path = self.output_dir / LOCK_FILE
+        if not lock_path.is_file():
+            return None
+        lock = filelock.FileLock(str(lock_path), timeout=0)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            return self._holder()
+        except OSError:  # a lock file this process may not open: nothing to tell from it
+            return None
+        lock.release()
+        return None
 
     def _try_acquire(self) -> str | None:
         """Take the lock; None on success, else the holder's description."""
@@ -70,7 +88,7 @@ class RunLock:
     def acquire(self) -> "RunLock":
         holder = self._try_acquire() if is_main_process() else None
         refuse_on_every_rank(None if holder is None else f"output dir {self.output_dir} is in use by another run "
-                             f"({holder}); wait for it to finish or choose another --output_dir")
+                             f"({holder}); wait for it to finish or choose another {self.flag}")
         return self
 
     def release(self) -> None:
