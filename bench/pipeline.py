@@ -31,6 +31,7 @@ from training.loops.metrics import read_metrics
 from training.pipeline.cli import parse_config, run
 from training.pipeline.config import PipelineConfig
 from training.pipeline.steps import STEPS
+from training.reliability.checkpointing import CheckpointManager
 from utils.dist import current_device
 from utils.errors import UserError, run_cli
 
@@ -74,9 +75,12 @@ def fresh_run_argv(train_argv: list[str]) -> list[str]:
 
 
 def holds_a_run(config: PipelineConfig) -> bool:
-    """Whether the run folder holds a finished run or step (DPO's `dpo/` included), which train.py would skip."""
-    return (config.output_dir / "summary.json").exists() or any(
-        (config.run_dir(step) / "summary.json").exists() for step in STEPS)
+    """Whether a step's run folder (DPO's `dpo/` included) holds what train.py would go on from instead of timing
+    the step: a finished run (its summary.json), which it skips, or a checkpoint, which `--resume` goes on from.
+    `<output-dir>/summary.json` alone is neither: train.py writes it (`running`) before step 1, so a run stopped or
+    killed before a step finished or saved leaves one."""
+    return any((config.run_dir(step) / "summary.json").exists()
+               or CheckpointManager(config.run_dir(step)).latest() is not None for step in STEPS)
 
 
 def ppo_step_seconds(step_dir: Path) -> dict[str, float]:

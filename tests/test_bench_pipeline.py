@@ -10,6 +10,7 @@ import pytest
 
 from bench import pipeline
 from training.pipeline.steps import STEPS
+from training.reliability.checkpointing import MARKER_FILE
 from utils.errors import UserError
 
 
@@ -68,14 +69,27 @@ def test_a_run_is_reported_step_by_step_beside_the_reference(tmp_path, monkeypat
     assert json.loads((tmp_path / "gpu.json").read_text())["results"] == report["results"]
 
 
-@pytest.mark.parametrize("finished", ["step1", "dpo"])
-def test_a_folder_that_holds_a_run_is_refused(tmp_path, finished):
-    """train.py would skip its finished steps: nothing would be timed. DPO's run folder is `dpo/`, which the check
-    once missed: a DPO run's step was then reported with the seconds of its skip."""
-    (tmp_path / "old" / finished).mkdir(parents=True)
-    (tmp_path / "old" / finished / "summary.json").write_text("{}")
+@pytest.mark.parametrize("record", ["step1/summary.json", "dpo/summary.json", f"step1/checkpoints/step3/{MARKER_FILE}"])
+def test_a_folder_that_holds_a_run_is_refused(tmp_path, record):
+    """train.py would skip its finished steps, or go on from a stopped one's checkpoint: nothing (or only the rest)
+    would be timed. DPO's run folder is `dpo/`, which the check once missed: a DPO run's step was then reported with
+    the seconds of its skip."""
+    (tmp_path / "old" / record).parent.mkdir(parents=True)
+    (tmp_path / "old" / record).write_text(json.dumps({"step": 3, "engines": ["model"]}))
     with pytest.raises(UserError, match="already holds a run"):
         pipeline.fresh_run_argv(["--algorithm", "dpo", "--step", "4", "--output-dir", str(tmp_path / "old")])
+
+
+@pytest.mark.parametrize("record", [{"status": "running", "steps": {}},
+                                    {"status": "stopped", "steps": {}, "stopped": {"step": 1, "signal": "SIGTERM"}}])
+def test_a_folder_whose_run_ended_before_any_step_finished_is_timed(tmp_path, record):
+    """train.py writes its summary.json (`running`) before step 1, so a run killed, or stopped while it planned,
+    leaves one where no step finished or saved: train.py would run every step anew, and the folder was refused as
+    one it would resume."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text(json.dumps(record))
+    argv = ["--output-dir", str(tmp_path / "old")]
+    assert pipeline.fresh_run_argv(argv) == argv
 
 
 def test_a_dpo_run_reports_its_held_out_pair_accuracy_and_margin(tmp_path, monkeypatch):
