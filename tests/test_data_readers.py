@@ -618,6 +618,21 @@ def test_a_jsonl_file_that_is_one_document_of_records_on_one_line_is_refused_say
     assert [s.chosen for s in samples_of(str(path))] == ["Blue."]
 
 
+def test_a_jsonl_file_of_one_row_with_a_list_column_is_that_row_and_one_split_is_one_record(tmp_path):
+    """Its one list was taken for the records of a one-line document: {"rejected": ..., "tags": ["a", "b"]}, a real row
+    (hh_rlhf stated, its prompt read from the rejected side), was refused as 'one JSON object of 2 records'; a
+    document of one record was said to be 'of 1 records'."""
+    path = tmp_path / "row.jsonl"
+    row = {"rejected": "\n\nHuman: hi\n\nAssistant: x", "tags": ["a", "b"]}
+    write_jsonl(path, [row])
+    assert load_source(parse_source_spec(f"{path}:hh_rlhf")).records == [row]
+    with pytest.raises(UserError, match=r"cannot tell the row format .* from its columns \['rejected', 'tags'\]"):
+        load_source(parse_source_spec(str(path)))
+    write_jsonl(path, [{"train": PAIRS[:1]}])
+    with pytest.raises(UserError, match=r"row.jsonl is one JSON object of 1 record on one line, not JSON lines"):
+        load_source(parse_source_spec(str(path)))
+
+
 @pytest.mark.parametrize("record, data_format", [
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
       "tools": [{"name": "search", "description": "web search"}]}, "messages"),

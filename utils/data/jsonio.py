@@ -140,12 +140,19 @@ def _refuse_one_line_document(record, path: Path) -> None:
         what = "one JSON array"
     else:
         records = _records_of(record) if isinstance(record, dict) and detect_format(record) is None else [record]
-        if records == [record]:
+        if records == [record] or not _are_rows(records):
             return
-        what = f"one JSON object of {len(records)} records"
+        what = f"one JSON object of {len(records)} record{'' if len(records) == 1 else 's'}"
     raise UserError(f"{path} is {what} on one line, not JSON lines (one record a line): rename it to "
                     f"{path.with_suffix('.json').name}, or write a record a line (pandas: df.to_json(..., "
                     "orient=\"records\", lines=True))")
+
+
+def _are_rows(records: list) -> bool:
+    """Whether `records`, what a one-line object holds, are rows: objects, a row format reading the columns of one at
+    least. A row's own list holds its tags or its messages ({"rejected": "...", "tags": ["a", "b"]} is one row, not
+    a document of two records)."""
+    return all(isinstance(item, dict) for item in records) and any(detect_format(item) is not None for item in records)
 
 
 def _pandas_layout(content) -> str | None:
