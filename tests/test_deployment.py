@@ -499,14 +499,17 @@ def test_a_node_restricted_by_cuda_visible_devices_launches_on_those_gpus(tmp_pa
 
 
 @pytest.mark.parametrize("deployment", [DeploymentType.SINGLE_GPU, DeploymentType.MULTI_NODE])
-def test_a_gpu_plan_says_cuda_visible_devices_hides_every_gpu_where_it_does(monkeypatch, deployment):
+def test_a_gpu_plan_says_cuda_visible_devices_lets_it_see_no_gpu_where_it_does(monkeypatch, deployment):
     """A GPU machine whose CUDA_VISIBLE_DEVICES hides every GPU was planned as one without GPUs (each GPU sized as
-    this machine's memory, 'no GPU found here'), its dry run giving no reason."""
+    this machine's memory, 'no GPU found here'), its dry run giving no reason. The reason then said the variable
+    'hides every GPU', untrue where the machine has none (CUDA_VISIBLE_DEVICES='' keeps a CI job on the CPU): it
+    holds either way now."""
     hosts = [Host("worker-1", 1)] if deployment is DeploymentType.MULTI_NODE else None
     for value in ("", "-1"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
         notes = plan_gpu(deployment, ModelSizes(SMALL, SMALL), TWO_CORES, hosts).notes
-        said = f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU from this process, so none is counted here"
+        said = (f"CUDA_VISIBLE_DEVICES={value!r} lets this process see no GPU, whether or not this machine has any, "
+                "so none is counted here; where it has some, unset the variable")
         assert any(note.startswith(said) for note in notes)
         assert not any("CUDA_VISIBLE_DEVICES" in note for note in plan_gpu(deployment, ModelSizes(SMALL, SMALL),
                                                                             LAPTOP_GPU, hosts).notes)

@@ -51,12 +51,14 @@ def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, 
 
 def _hidden_gpus_note(hardware: Hardware) -> list[str]:
     """Why no GPU is found here, where CUDA_VISIBLE_DEVICES hides them all: a GPU machine so hidden was planned as a
-    login node is, unsaid (a dry run plans on; single_gpu and single_node runs are refused before any step)."""
+    login node is, unsaid (a dry run plans on; single_gpu and single_node runs are refused before any step). Worded
+    true on a machine without GPUs too, where an empty variable is a common way to keep a CI job on the CPU."""
     hiding = visible_devices_hiding_every_gpu()
     if hardware.num_gpus or hiding is None:
         return []
-    return [(f"CUDA_VISIBLE_DEVICES={hiding!r} hides every GPU from this process, so none is counted here; unset it, "
-             "or list the GPUs to run on (nvidia-smi -L gives their indices), for a plan of this machine's GPUs")]
+    return [(f"CUDA_VISIBLE_DEVICES={hiding!r} lets this process see no GPU, whether or not this machine has any, so "
+             "none is counted here; where it has some, unset the variable, or list the GPUs to run on (nvidia-smi -L "
+             "gives their indices), for a plan of them")]
 
 
 def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[Host] | None,
