@@ -973,13 +973,17 @@ def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refu
     ("node 1", "is not a host name"),
     (" node-1", "is not a host name"),
     ("-node", "is not a host name"),
+    ("10.0.0.999", r"the last not all digits\); an IPv4 address is four numbers from 0 to 255"),
+    ("1.2.3", "an IPv4 address is four numbers from 0 to 255"),
     ("node-1.cluster.local", None),
+    ("node01", None),
     ("10.0.0.1", None),
     ("fe80::1%eth0", None),
 ])
 def test_a_master_address_that_is_no_host_is_refused_naming_the_flag(tmp_path, master_addr, refused):
     """--master-addr reached every rank unchecked: an empty one, 'host:port', a URL or a space failed in torch's
-    rendezvous on each node, naming neither the value nor the flag."""
+    rendezvous on each node, naming neither the value nor the flag. '10.0.0.999' and '1.2.3' passed as host names
+    (all-digit parts were allowed, the last too)."""
     from training.pipeline.cli import run
 
     hostfile = write(tmp_path / "hosts", "localhost slots=1\n")

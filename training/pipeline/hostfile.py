@@ -108,17 +108,26 @@ def _check_host_name(hostfile: Path, number: int, name: str) -> None:
 def check_host_or_address(value: str, flag: str) -> None:
     """Refuse a `flag` value that is neither a host name nor an IP address: the launcher hands it to every rank as
     rank 0's address, and torch's rendezvous failed there, on every node, on an empty one, 'host:port', a URL or a
-    space, with an error that named neither the value nor the flag."""
-    if _HOST_NAME.fullmatch(value) or _is_ip_address(value):
+    space, with an error that named neither the value nor the flag. A name whose last part is all digits
+    ('10.0.0.999', '1.2.3') is neither (RFC 1123: a top-level part is not all digits): the resolver looks
+    '10.0.0.999' up as a name, and reads '1.2.3' as 1.2.0.3."""
+    if _is_ip_address(value) or _is_host_name(value):
         return
     if "://" in value:
         hint = "; write the host alone, without the scheme"
     elif value.rpartition(":")[2].isdigit():
         hint = "; write the host alone, and the port with --master-port"
+    elif _HOST_NAME.fullmatch(value):
+        hint = "; an IPv4 address is four numbers from 0 to 255"
     else:
         hint = ""
     raise UserError(f"{flag} {value!r} is not a host name or an IP address (a name's parts between dots are letters, "
-                    f"digits, - and _, 1 to 63 of them){hint}")
+                    f"digits, - and _, 1 to 63 of them, the last not all digits){hint}")
+
+
+def _is_host_name(value: str) -> bool:
+    """Whether `value` is a host name: parts between dots of letters, digits, - and _, the last not all digits."""
+    return _HOST_NAME.fullmatch(value) is not None and not value.rstrip(".").rpartition(".")[2].isdigit()
 
 
 def _is_ip_address(value: str) -> bool:
