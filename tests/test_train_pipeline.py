@@ -1179,8 +1179,9 @@ class AbortedSteps(FakeSteps):
         return main
 
 
-def crash_in_train_py_after_step_1(monkeypatch) -> None:
-    """train.py's own code raising, past step 1 (its check of step 1's output)."""
+def crash_in_train_py_after_step_1(monkeypatch, error: type[BaseException] = RuntimeError,
+                                   message: str = "the output folder went away") -> None:
+    """train.py's own code raising `error(message)`, past step 1 (its check of step 1's output)."""
     from training.pipeline import runner
 
     checked = runner._check_output
@@ -1188,7 +1189,7 @@ def crash_in_train_py_after_step_1(monkeypatch) -> None:
     def check_output(config, step):
         checked(config, step)
         if step == 1:
-            raise RuntimeError("the output folder went away")
+            raise error(message)
 
     monkeypatch.setattr(runner, "_check_output", check_output)
 
@@ -1213,6 +1214,54 @@ def test_a_run_ended_past_its_running_mark_says_how_it_ended(tmp_path, tiny_mode
         assert report["failed"] == {"step": 1, "error": "train.py crashed: RuntimeError: the output folder went away; "
                                                         "the traceback is on its stderr"}
     take_received_signal()
+
+
+@pytest.mark.parametrize("reader_gone", [True, False])
+def test_a_print_meeting_train_pys_output_without_a_reader_is_recorded_as_a_stop(tmp_path, fakes, monkeypatch,
+                                                                              reader_gone):
+    """A print of train.py's that met its output left without a reader before the output watch did raised a
+    BrokenPipeError, which run_cli ends quietly on with status 141, but summary.json said 'failed', 'train.py
+    crashed: BrokenPipeError', where the watch's way records a stop by SIGPIPE. A BrokenPipeError of another pipe
+    (train.py's outputs still read) is still train.py's own crash."""
+    from utils import output_pipes
+
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py"])
+    monkeypatch.setattr(output_pipes, "pipes_among", lambda fds: list(fds))
+    monkeypatch.setattr(output_pipes, "without_reader", lambda fd: reader_gone)
+    crash_in_train_py_after_step_1(monkeypatch, BrokenPipeError, "Broken pipe")
+    with pytest.raises(BrokenPipeError):
+        run(common(tmp_path, fakes.model_dir), fakes)
+    report = json.loads((tmp_path / "out" / SUMMARY_FILE).read_text())
+    if reader_gone:
+        assert report["status"] == "stopped"
+        assert report["stopped"] == {"step": 1, "signal": "SIGPIPE", "message": None,
+                                     "resume": "python train.py --resume"}
+    else:
+        assert report["status"] == "failed" and report["failed"]["error"].startswith("train.py crashed: BrokenPipeError")
+
+
+def test_an_end_record_that_cannot_be_written_leaves_the_error_that_ended_the_run(tmp_path, fakes, monkeypatch,
+                                                                                capsys):
+    """A full disk as train.py recorded its own crash raised the OSError of that write in place of the crash, which
+    the user then never saw but in a traceback's 'During handling of the above exception'."""
+    from training.pipeline import runner
+
+    written = runner.atomic_write_text
+
+    def write_running_mark_only(path, text):
+        if Path(path).name == SUMMARY_FILE and json.loads(text)["status"] != "running":
+            raise OSError(28, "No space left on device", str(path))
+        written(path, text)
+
+    monkeypatch.setattr(runner, "atomic_write_text", write_running_mark_only)
+    crash_in_train_py_after_step_1(monkeypatch)
+    with pytest.raises(RuntimeError, match="the output folder went away"):
+        run(common(tmp_path, fakes.model_dir), fakes)
+    summary = tmp_path / "out" / SUMMARY_FILE
+    assert json.loads(summary.read_text())["status"] == "running"
+    warned = capsys.readouterr().err
+    assert f"warning: train.py could not record how this run ended in {summary}" in warned
+    assert "No space left on device" in warned
 
 
 class LockingSteps(FakeSteps):

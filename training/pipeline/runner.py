@@ -47,6 +47,7 @@ from utils.data.args import SOURCE_FLAGS, flags_another_step_reads
 from utils.data.sources import looks_local, parse_source_spec, source_fingerprint
 from utils.data.unsupervised import text_source_fingerprint
 from utils.errors import EXIT_BROKEN_PIPE, UserError
+from utils.output_pipes import unread_outputs
 
 from .config import DPO, PipelineConfig
 from .deployment import DPO_SAID, DPO_STEP, DeploymentPlan, DeploymentType, Model, ModelSizes, detect_deployment
@@ -904,16 +905,33 @@ class RunRecord:
         return next((step for step in self.prepared.commands if step not in gone_through), None)
 
     def end_as_raised(self, error: BaseException) -> None:
-        """Record what `error`, raised past the running mark and not recorded yet, ended the run as: a second
-        Ctrl-C as a stop (`KeyboardInterrupt`), a step's failure (`UserError`) or train.py's own as failed."""
+        """Record what `error`, raised past the running mark and not recorded yet, ended the run as (`_ending`);
+        where summary.json cannot be written, warn of it, so that `error` is still what ends train.py."""
+        try:
+            self.end(**self._ending(error))
+        except OSError as unwritten:
+            _say_end_unrecorded(self.config, unwritten)
+
+    def _ending(self, error: BaseException) -> dict[str, dict]:
+        """`end`'s `stopped` or `failed` for `error`: a second Ctrl-C (`KeyboardInterrupt`), or a print that met
+        train.py's output left without a reader before the output watch did (the `BrokenPipeError` `run_cli` ends
+        quietly on with the SIGPIPE status), as a stop; a step's failure (`UserError`) or train.py's own as failed."""
         step = self.step_to_go_on_with()
         if isinstance(error, KeyboardInterrupt):
-            self.end(stopped=_stopped_record(step, signal.SIGINT, str(error) or None))
-        elif isinstance(error, UserError):
-            self.end(failed={"step": step, "error": str(error)})
-        else:
-            self.end(failed={"step": step, "error": f"train.py crashed: {exception_cause(error)}; the traceback is "
-                                                    "on its stderr"})
+            return {"stopped": _stopped_record(step, signal.SIGINT, str(error) or None)}
+        if isinstance(error, BrokenPipeError) and unread_outputs():
+            return {"stopped": _stopped_record(step, OUTPUT_UNREAD, None)}
+        if isinstance(error, UserError):
+            return {"failed": {"step": step, "error": str(error)}}
+        return {"failed": {"step": step, "error": f"train.py crashed: {exception_cause(error)}; the traceback is on "
+                                                  "its stderr"}}
+
+
+def _say_end_unrecorded(config: PipelineConfig, unwritten: OSError) -> None:
+    """Warn that the record of the run's end could not be written (a full disk): summary.json still says `running`."""
+    print(f"warning: train.py could not record how this run ended in {config.output_dir / 'summary.json'} "
+          f"({unwritten}): it still says the run is running; free space there, or make it writable, before the next "
+          "run", file=sys.stderr, flush=True)
 
 
 def _running_record(prepared: PreparedRun, finished: list[StepResult]) -> dict:
