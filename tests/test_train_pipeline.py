@@ -681,6 +681,20 @@ def test_an_output_dir_a_file_blocks_is_refused_before_anything_runs(tmp_path, f
     assert (tmp_path / "afile").read_text() == "keep me" and fakes.calls == []
 
 
+@pytest.mark.parametrize("output", ["new", "new/under_a_new_folder", "there_before"])
+def test_a_run_refused_while_planning_leaves_no_folder_it_created(tmp_path, fakes, output):
+    """train.py's lock on --output-dir (taken before it plans) left the folder it created, its parents and its lock
+    file behind a run that planning refused, where it left nothing before: a folder of nothing but a lock. A folder
+    that was there before the run stays, empty as it was."""
+    runs = tmp_path / "runs"
+    (runs / "there_before").mkdir(parents=True)
+    argv = ["--actor-model", fakes.model_dir, "--reward-model", fakes.model_dir, "--output-dir", str(runs / output)]
+    with pytest.raises(UserError, match="--dpo-args is given, but step 4"):
+        run(argv + ["--dpo-args", "--dpo_beta 0.5"], fakes)
+    assert sorted(path.name for path in runs.rglob("*")) == ["there_before"]
+    assert fakes.calls == []
+
+
 def test_a_zero_stage_0_override_drops_the_planned_offload():
     """--actor-zero-stage 0 over a plan that offloads at ZeRO-3: the step would be refused (ZeRO-0 offloads
     nothing), so the offload goes with the stage."""

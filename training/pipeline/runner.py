@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from training.core.args import flag_values, same_result_flags
 from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
@@ -824,13 +824,42 @@ def run_pipeline(
     return report
 
 
-def _output_dir_lock(config: PipelineConfig) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _output_dir_lock(config: PipelineConfig) -> Iterator[None]:
     """The lock train.py holds on its --output-dir from before it plans to its end: a second train.py there is
     refused at once, before it plans from step folders the first one writes, or writes its summary.json over the
-    first's. Each step's own lock is on its run folder below (`RunLock`). A dry run writes nothing and takes none."""
+    first's. Each step's own lock is on its run folder below (`RunLock`). A dry run writes nothing and takes none.
+    A run that ends having written nothing there (refused while planning) leaves no lock file, nor the folders it
+    created for it."""
     if config.dry_run:
-        return contextlib.nullcontext()
-    return RunLock(check_output_dir(config.output_dir, "--output-dir"), flag="--output-dir")
+        yield
+        return
+    folder = check_folder_path(config.output_dir, "--output-dir")
+    created = _topmost_missing(folder)
+    with RunLock(check_output_dir(folder, "--output-dir"), flag="--output-dir") as lock:
+        try:
+            yield
+        finally:
+            if lock.remove_files_if_alone() and created is not None:
+                _remove_empty_folders(folder, created)
+
+
+def _topmost_missing(folder: Path) -> Path | None:
+    """The outermost of `folder` and its parents that does not exist yet (None: `folder` exists)."""
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]
+    return missing[-1] if missing else None
+
+
+def _remove_empty_folders(folder: Path, topmost: Path) -> None:
+    """Remove `folder` and its parents up to `topmost` (one of them), each only while empty: a folder another process
+    wrote into meanwhile stays."""
+    for path in (folder, *folder.parents):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == topmost:
+            return
 
 
 def _say_output_dir_in_use(config: PipelineConfig) -> None:

@@ -91,6 +91,20 @@ class RunLock:
                              f"({holder}); wait for it to finish or choose another {self.flag}")
         return self
 
+    def remove_files_if_alone(self) -> bool:
+        """While held, where the folder holds nothing but this lock's files (a run that ended before writing
+        anything): remove them, the lock file last, so the folder is as empty as before; whether it did. Removed while
+        held, the lock file is no other run's: one starting after makes its own."""
+        try:
+            others = [path for path in self.output_dir.iterdir() if path.name not in (LOCK_FILE, OWNER_FILE)]
+        except OSError:  # the folder gone or unreadable meanwhile: nothing to tidy
+            return False
+        if self._lock is None or others:
+            return False
+        self.owner_path.unlink(missing_ok=True)
+        (self.output_dir / LOCK_FILE).unlink(missing_ok=True)
+        return True
+
     def release(self) -> None:
         if self._lock is not None:
             self.owner_path.unlink(missing_ok=True)
