@@ -1456,6 +1456,22 @@ def test_a_host_name_the_resolver_cannot_encode_is_refused_naming_its_line(tmp_p
     assert "found no address" not in caplog.text
 
 
+@pytest.mark.parametrize("host", ["10.0.0.999", "1.2.3", "10.1.0.1."])
+def test_a_hostfile_host_whose_last_part_is_all_digits_and_is_no_address_is_refused_naming_its_line(
+        tmp_path, monkeypatch, host):
+    """`10.0.0.999 slots=1` passed as a host name (--master-addr refuses it since 417b32b): the resolver looks it up
+    as a name, found nowhere, and reads `1.2.3` as 1.2.0.3. Refused naming its line; an IP address and a name with
+    digits in it still read."""
+    monkeypatch.setattr(socket, "getaddrinfo", _stand_in_resolver)
+    path = write(tmp_path / "hosts", f"node1 slots=2\n{host} slots=2\n")
+    with pytest.raises(UserError, match=re.escape(f"{path}:2: host {host!r} is not a host name or an IP address (a "
+                                                  "name's last part between dots is not all digits); an IPv4 address "
+                                                  "is four numbers from 0 to 255")):
+        read_hostfile(path)
+    accepted = write(tmp_path / "other", "node01 slots=2\n10.1.0.2 slots=2\n2001:db8::7 slots=2\n")
+    assert [host.name for host in read_hostfile(accepted)] == ["node01", "10.1.0.2", "2001:db8::7"]
+
+
 def test_each_launch_of_a_run_looks_its_master_address_up_once(monkeypatch, caplog):
     """Whether rank 0 runs on this machine (its master port checked free here) asked the resolver for --master-addr
     at every step's launch, each waiting up to HOST_LOOKUP_TIMEOUT_S where the name server did not answer, and saying

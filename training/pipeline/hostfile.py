@@ -27,6 +27,7 @@ _EXAMPLE = "one node a line, e.g. 'worker-1 slots=8'"
 _PDSH_HOST_LIST = re.compile(r"[,\[\]]")  # pdsh's -w reads a name with these as several hosts (`node[1-4]`, `a,b`)
 _HOST_NAME_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"  # between dots: no - first or last
 _HOST_NAME = re.compile(rf"{_HOST_NAME_PART}(?:\.{_HOST_NAME_PART})*\.?")
+_IPV4_FORM = "an IPv4 address is four numbers from 0 to 255"
 HOST_LOOKUP_TIMEOUT_S = 5.0  # how long looking a hostfile's hosts up waits for the system's resolver
 _THIS_MACHINE = "this machine"  # what `_machines_named` gives for any of this machine's addresses
 Answer = TypeVar("Answer")
@@ -96,13 +97,18 @@ def lines_as_deepspeed_reads(path: Path) -> list[str]:
 
 def _check_host_name(hostfile: Path, number: int, name: str) -> None:
     """Refuse a host the system's resolver cannot be asked about (`a..b`): it encodes every name as IDNA, which
-    fails on an empty part between dots or one over 63 characters."""
+    fails on an empty part between dots or one over 63 characters. Refuse a mistyped IPv4 address too (`10.0.0.999`,
+    `1.2.3`), as --master-addr is refused: the resolver looks `10.0.0.999` up as a name and reads `1.2.3` as
+    1.2.0.3."""
     try:
         name.encode("idna")
     except UnicodeError as error:
         reason = error.__cause__ or error
         raise UserError(f"{hostfile}:{number}: host {name!r} is not a valid host name ({reason}: each part between "
                         "dots must be 1 to 63 characters); write the node's name or address") from None
+    if _is_mistyped_address(name):
+        raise UserError(f"{hostfile}:{number}: host {name!r} is not a host name or an IP address (a name's last part "
+                        f"between dots is not all digits); {_IPV4_FORM}; write the node's name or address")
 
 
 def check_host_or_address(value: str, flag: str) -> None:
@@ -117,8 +123,8 @@ def check_host_or_address(value: str, flag: str) -> None:
         hint = "; write the host alone, without the scheme"
     elif value.rpartition(":")[2].isdigit():
         hint = "; write the host alone, and the port with --master-port"
-    elif _HOST_NAME.fullmatch(value):
-        hint = "; an IPv4 address is four numbers from 0 to 255"
+    elif _is_mistyped_address(value):
+        hint = f"; {_IPV4_FORM}"
     else:
         hint = ""
     raise UserError(f"{flag} {value!r} is not a host name or an IP address (a name's parts between dots are letters, "
@@ -128,6 +134,12 @@ def check_host_or_address(value: str, flag: str) -> None:
 def _is_host_name(value: str) -> bool:
     """Whether `value` is a host name: parts between dots of letters, digits, - and _, the last not all digits."""
     return _HOST_NAME.fullmatch(value) is not None and not value.rstrip(".").rpartition(".")[2].isdigit()
+
+
+def _is_mistyped_address(value: str) -> bool:
+    """Whether `value` is written as a host name but its last part is all digits, and is no IP address either
+    (`10.0.0.999`, `1.2.3`): a mistyped IPv4 address, most likely."""
+    return _HOST_NAME.fullmatch(value) is not None and not _is_host_name(value) and not _is_ip_address(value)
 
 
 def _is_ip_address(value: str) -> bool:
