@@ -1,8 +1,10 @@
 """Test-wide settings: CPU DeepSpeed, no hub access, one distributed world per test process."""
+import json
 import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,6 +19,27 @@ sys.path.insert(0, str(TESTS_DIR))
 sys.path.insert(0, str(REPO_ROOT))
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty stand-in hub cache (HF_HUB_OFFLINE set above); `put(name, config)` places a model in it as if
+    downloaded: its config.json alone."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    def put(name: str, config: dict) -> None:
+        commit = "0" * 40
+        repo = cache / f"models--{name.replace('/', '--')}"
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        (repo / "snapshots" / commit / "config.json").write_text(json.dumps(config))
+
+    return SimpleNamespace(path=cache, put=put)
 
 
 def recorded_step_gradients(monkeypatch, module) -> dict:

@@ -1651,17 +1651,35 @@ def test_a_step_laying_conversations_out_otherwise_than_step_1_tuned_is_warned_o
 
     said = warned("--step3-args", "--prompt_format human_assistant")
     assert said.count("warning: the model ") == 1
-    assert f"warning: the model {tmp_path / 'out' / 'step1'} was tuned (--prompt_format auto)" in said
-    assert "but step 3 lays them out as ' Human:" in said and "Pass --prompt_format auto" in said
-    assert "was tuned" not in warned("--step3-args", "--prompt_format chat_template")
+    assert f"warning: the model {tmp_path / 'out' / 'step1'} will be tuned (--prompt_format auto)" in said
+    assert "but step 3 lays them out as ' Human:" in said
+    assert 'Pass --step3-args "--prompt_format auto", the format it will be tuned under' in said
+    assert "tuned (" not in warned("--step3-args", "--prompt_format chat_template")
     step1 = tmp_path / "step1"
     shutil.copytree(model, step1)
     save_run_args(step1, {"prompt_format": "human_assistant"})
     said = warned("--algorithm", "dpo", "--step", "4", "--step1-output", str(step1))
     assert f"warning: the model {step1} was tuned (--prompt_format human_assistant)" in said
     assert "but step 4 lays them out as " in said
+    assert 'Pass --dpo-args "--prompt_format human_assistant", the format it was tuned under' in said
     assert "was tuned" not in warned("--algorithm", "dpo", "--step", "4", "--step1-output", str(step1),
                                      "--dpo-args", "--prompt_format human_assistant")
+
+
+def test_a_dry_run_whose_step_1_tokenizer_is_not_at_hand_says_the_layout_check_was_skipped(tmp_path, tiny_model_dir,
+                                                                                          hub_cache, capsys):
+    """Where step 3's --prompt_format differs from step 1's, the plan reads step 1's tokenizer: offline, with a hub
+    model whose config.json alone the cache holds, train.py failed there, where the dry run had planned before. It
+    plans on now, saying the check was skipped and why."""
+    model = tiny_model_dir("llama")
+    hub_cache.put("some-org/tiny", json.loads((Path(model) / "config.json").read_text()))
+    argv = ["--actor-model", "some-org/tiny", "--reward-model", model, "--output-dir", str(tmp_path / "out"),
+            "--dry-run", "--step3-args", "--prompt_format human_assistant"]
+    assert "commands" in run_pipeline(parse_config(argv), hardware=TWO_CORES)
+    said = capsys.readouterr().err
+    assert ("warning: step 3's --prompt_format human_assistant was not checked against step 1's (auto) for a layout "
+            "unlike the one its model is tuned on, as the tokenizer does not load: the tokenizer of 'some-org/tiny' "
+            "does not load") in said
 
 
 @pytest.mark.parametrize("given_port", [False, True])

@@ -114,27 +114,6 @@ def test_an_unreachable_hub_is_waited_for_once_per_model_name(unreachable_hub):
         assert sum(unreachable_hub) == one_lookup
 
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty stand-in hub cache (HF_HUB_OFFLINE set by conftest); `put(name, config)` places a model in it as if
-    downloaded: its config.json alone."""
-    import huggingface_hub.constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-
-    def put(name: str, config: dict) -> None:
-        commit = "0" * 40
-        repo = cache / f"models--{name.replace('/', '--')}"
-        (repo / "snapshots" / commit).mkdir(parents=True)
-        (repo / "refs").mkdir()
-        (repo / "refs" / "main").write_text(commit)
-        (repo / "snapshots" / commit / "config.json").write_text(json.dumps(config))
-
-    return SimpleNamespace(path=cache, put=put)
-
-
 def test_a_hub_model_transformers_cannot_load_is_one_error(hub_cache):
     """A hub model whose type this transformers does not know (one newer than it) raised transformers' ValueError as a
     traceback; a local folder's was one error already."""

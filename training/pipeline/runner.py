@@ -661,10 +661,25 @@ def _say_layouts_unlike_step_1(config: PipelineConfig, prepared: PreparedRun) ->
             given = prepared.runs_with[step].get(PROMPT_FORMAT)
             if tuned is None or given is None or tuned == given:
                 continue
-            tokenizer = load_tokenizer(config.actor_model if 1 in prepared.runs_with else model,
-                                       config.trust_remote_code)
-            if warning := tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}"):
+            if warning := _layout_unlike_step_1(config, prepared, step, model, (given, tuned)):
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _layout_unlike_step_1(config: PipelineConfig, prepared: PreparedRun, step: int, model: str,
+                          formats: tuple[str, str]) -> str | None:
+    """`tuned_layout_warning` for `step`, given step 1's `model` under the first of `formats` where step 1 tunes it
+    under the second, naming the flag as train.py takes it. Where the tokenizer does not load (a hub model offline
+    whose tokenizer no cache holds), that the check was skipped and why: the plan went on without it before, and
+    the step that loads the tokenizer says so itself."""
+    given, tuned = formats
+    try:
+        tokenizer = load_tokenizer(config.actor_model if 1 in prepared.runs_with else model,
+                                   config.trust_remote_code)
+    except UserError as error:
+        return (f"step {step}'s --prompt_format {given} was not checked against step 1's ({tuned}) for a layout "
+                f"unlike the one its model is tuned on, as the tokenizer does not load: {error}")
+    return tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}", to_be_tuned=1 in prepared.commands,
+                                passing=f'--{STEPS[step].name}-args "--prompt_format {tuned}"')
 
 
 def _step_1_prompt_format(prepared: PreparedRun, model: str) -> str | None:

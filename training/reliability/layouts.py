@@ -38,13 +38,17 @@ def warn_tuned_on_other_layout(tokenizer: PreTrainedTokenizerBase, prompt_format
 
 
 def tuned_layout_warning(tokenizer: PreTrainedTokenizerBase, prompt_format: str, tuned_format: str, model_path: str,
-                         step: str) -> str | None:
-    """What `warn_tuned_on_other_layout` says where the model in `model_path`, tuned (or to be tuned, as train.py
-    plans) under `tuned_format`, is given conversations laid out under `prompt_format` otherwise; None where the
-    tokenizer lays both out alike (`auto` and `chat_template` under a chat template)."""
+                         step: str, to_be_tuned: bool = False, passing: str | None = None) -> str | None:
+    """What `warn_tuned_on_other_layout` says where the model in `model_path`, tuned under `tuned_format` (or, with
+    `to_be_tuned`, to be tuned by a step 1 that train.py plans), is given conversations laid out under
+    `prompt_format` otherwise; None where the tokenizer lays both out alike (`auto` and `chat_template` under a chat
+    template). `passing`: how the user gives `step` that format (train.py's `--step3-args "--prompt_format X"`); by
+    default the step's own flag."""
     layouts = other_layout(tokenizer, prompt_format, tokenizer, tuned_format)
     if layouts is None:
         return None
-    return (f"the model {model_path} was tuned (--prompt_format {tuned_format}) on conversations laid out as "
-            f"{layouts[0]!r}, but {step} lays them out as {layouts[1]!r} (--prompt_format {prompt_format}): it starts "
-            f"from a model asked in a layout it was not tuned on. Pass --prompt_format {tuned_format}, as its run did")
+    tuned = "will be tuned" if to_be_tuned else "was tuned"
+    return (f"the model {model_path} {tuned} (--prompt_format {tuned_format}) on conversations laid out as "
+            f"{layouts[0]!r}, but {step} lays them out as {layouts[1]!r} (--prompt_format {prompt_format}), asking "
+            f"it in a layout it is not tuned on. Pass {passing or f'--prompt_format {tuned_format}'}, the format it "
+            f"{tuned} under")
