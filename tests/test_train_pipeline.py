@@ -1142,18 +1142,10 @@ def test_a_run_says_it_is_running_in_its_summary_from_before_its_first_step(tmp_
     assert report["status"] == "completed" and json.loads((out / SUMMARY_FILE).read_text()) == report
 
 
-@pytest.mark.parametrize("dry_run", [False, True])
-def test_a_stop_request_while_planning_is_recorded_unless_in_a_dry_run(tmp_path, fakes, monkeypatch, capsys, dry_run):
-    """A stop request taken while train.py planned ended it (status 3) leaving the earlier run's summary.json as it was,
-    there a completed run's: read as this run's result. It now records the stop and the finished steps it keeps."""
+def stop_request_after_planning(monkeypatch) -> None:
+    """A SIGTERM taken as train.py plans, which it acts on before step 1."""
     from training.pipeline import runner
 
-    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py"])
-    out = tmp_path / "out"
-    argv = common(tmp_path, fakes.model_dir)
-    run(argv, fakes)
-    (out / "step3" / SUMMARY_FILE).unlink()  # step 3 runs again
-    earlier = (out / SUMMARY_FILE).read_text()
     planned = runner.prepare_run
 
     def signalled_while_planning(*args):
@@ -1162,6 +1154,19 @@ def test_a_stop_request_while_planning_is_recorded_unless_in_a_dry_run(tmp_path,
         return prepared
 
     monkeypatch.setattr(runner, "prepare_run", signalled_while_planning)
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_stop_request_while_planning_is_recorded_unless_in_a_dry_run(tmp_path, fakes, monkeypatch, capsys, dry_run):
+    """A stop request taken while train.py planned ended it (status 3) leaving the earlier run's summary.json as it was,
+    there a completed run's: read as this run's result. It now records the stop and the finished steps it keeps."""
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py"])
+    out = tmp_path / "out"
+    argv = common(tmp_path, fakes.model_dir)
+    run(argv, fakes)
+    (out / "step3" / SUMMARY_FILE).unlink()  # step 3 runs again
+    earlier = (out / SUMMARY_FILE).read_text()
+    stop_request_after_planning(monkeypatch)
     fakes.calls.clear()
     capsys.readouterr()
     with pytest.raises(SystemExit) as stopped:
@@ -1254,10 +1259,12 @@ def test_a_print_meeting_train_pys_output_without_a_reader_is_recorded_as_a_stop
         assert report["status"] == "failed" and report["failed"]["error"].startswith("train.py crashed: BrokenPipeError")
 
 
-def test_an_end_record_that_cannot_be_written_leaves_the_error_that_ended_the_run(tmp_path, fakes, monkeypatch,
-                                                                                capsys):
-    """A full disk as train.py recorded its own crash raised the OSError of that write in place of the crash, which
-    the user then never saw but in a traceback's 'During handling of the above exception'."""
+@pytest.mark.parametrize("ending", ["train_py_crashes", "stop_request"])
+def test_an_end_record_that_cannot_be_written_leaves_what_ended_the_run(tmp_path, fakes, monkeypatch, capsys,
+                                                                        ending):
+    """A full disk as train.py recorded its own crash, or a stop, raised the OSError of that write in place of what
+    ended the run: the crash shown only behind 'During handling of the above exception', the stop's message and
+    its status 3 not at all."""
     from training.pipeline import runner
 
     written = runner.atomic_write_text
@@ -1268,14 +1275,19 @@ def test_an_end_record_that_cannot_be_written_leaves_the_error_that_ended_the_ru
         written(path, text)
 
     monkeypatch.setattr(runner, "atomic_write_text", write_running_mark_only)
-    crash_in_train_py_after_step_1(monkeypatch)
-    with pytest.raises(RuntimeError, match="the output folder went away"):
+    if ending == "train_py_crashes":
+        crash_in_train_py_after_step_1(monkeypatch)
+    else:
+        stop_request_after_planning(monkeypatch)
+    with pytest.raises(RuntimeError if ending == "train_py_crashes" else SystemExit) as ended:
         run(common(tmp_path, fakes.model_dir), fakes)
+    said = capsys.readouterr()
+    if ending == "stop_request":
+        assert ended.value.code == EXIT_INTERRUPTED and "train.py stopped on SIGTERM" in said.out
     summary = tmp_path / "out" / SUMMARY_FILE
     assert json.loads(summary.read_text())["status"] == "running"
-    warned = capsys.readouterr().err
-    assert f"warning: train.py could not record how this run ended in {summary}" in warned
-    assert "No space left on device" in warned
+    assert said.err.count(f"warning: train.py could not record how this run ended in {summary}") == 1
+    assert "No space left on device" in said.err
 
 
 class LockingSteps(FakeSteps):

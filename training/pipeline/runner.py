@@ -933,9 +933,17 @@ class RunRecord:
         """Write the record of the run's end (completed, or `failed` or `stopped` as `_report` says) and return it."""
         report = _report(self.prepared.plan.deployment.value, self.steps_recorded(),
                          time.perf_counter() - self.started, failed=failed, stopped=stopped)
+        self.ended = True  # tried once: a write that fails is not recorded again as train.py's crash
         _write_report(self.config, report)
-        self.ended = True
         return report
+
+    def end_or_warn(self, failed: dict | None = None, stopped: dict | None = None) -> None:
+        """`end` where train.py ends on something else (a stop, an error): a record that cannot be written (a full
+        disk) is warned of (`_say_end_unrecorded`), so that what ended the run still ends train.py as it would."""
+        try:
+            self.end(failed=failed, stopped=stopped)
+        except OSError as unwritten:
+            _say_end_unrecorded(self.config, unwritten)
 
     def steps_recorded(self) -> list[StepResult]:
         """The steps gone through so far, then the later ones an earlier run finished (which this one skips)."""
@@ -951,10 +959,7 @@ class RunRecord:
     def end_as_raised(self, error: BaseException) -> None:
         """Record what `error`, raised past the running mark and not recorded yet, ended the run as (`_ending`);
         where summary.json cannot be written, warn of it, so that `error` is still what ends train.py."""
-        try:
-            self.end(**self._ending(error))
-        except OSError as unwritten:
-            _say_end_unrecorded(self.config, unwritten)
+        self.end_or_warn(**self._ending(error))
 
     def _ending(self, error: BaseException) -> dict[str, dict]:
         """`end`'s `stopped` or `failed` for `error`: a second Ctrl-C (`KeyboardInterrupt`), or a print that met
@@ -1010,7 +1015,7 @@ def _steps_run(config: PipelineConfig, prepared: PreparedRun, entry: Callable[[i
             record.results.append(_step_result(config, prepared, step, entry))
         except StepStopped:
             received, what = take_received_signal(), _stopped_mid_step(config, step)
-            record.end(stopped=_stopped_record(step, received, _stopped_message(what, received)))
+            record.end_or_warn(stopped=_stopped_record(step, received, _stopped_message(what, received)))
             _stop(what, received)
     report = record.end()
     print("\n" + summary_table(record.results, report["total_seconds"]), flush=True)
@@ -1026,7 +1031,8 @@ def _stop_if_requested_before_step(record: RunRecord) -> None:
     if record.results:
         what = (f"step {record.results[-1].step} finished and the next did not start; to go on, run the same train.py "
                 f"command (finished steps are skipped)")
-    record.end(stopped=_stopped_record(record.step_to_go_on_with(), received, _said_between_steps(what, received)))
+    record.end_or_warn(stopped=_stopped_record(record.step_to_go_on_with(), received,
+                                               _said_between_steps(what, received)))
     _stop_between_steps(what, received)
 
 

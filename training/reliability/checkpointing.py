@@ -615,8 +615,10 @@ def folder_fingerprint(folder: Path) -> dict[str, list]:
     were written, so a plain copy of the folder is the same model. A safetensors file is read by its tensors
     (`_safetensors_reads`), so a model trained again in any tensor (a fine-tune of one layer too) changes it; another
     file by its ends and chunks between (`_spread_reads`), whose last MiB holds a torch.save file's zip directory
-    and so a CRC-32 of each tensor (of fewer than about 10,000 tensors: a directory entry takes about 100 bytes).
-    Neither reads the weights' gigabytes."""
+    and so a CRC-32 of each tensor (of fewer than about 10,000 tensors: a directory entry takes about 100 bytes),
+    where torch wrote them: not after torch.serialization.set_crc32_options(False), which writes zeros, nor in a
+    legacy file (_use_new_zipfile_serialization=False), which has no zip directory; there a change only the samples
+    meet is seen. Neither reads the weights' gigabytes."""
     fingerprint = {}
     for path in sorted(folder.iterdir()):
         if path.is_file() and not path.name.startswith(".") and not NOT_MODEL_FILES.search(path.name):
