@@ -668,6 +668,21 @@ def test_a_json_object_with_a_list_that_is_not_records_is_one_record(tmp_path):
         load_source(parse_source_spec(str(tmp_path / "one.json")))
 
 
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_an_object_whose_one_list_holds_no_rows_is_one_row_in_a_json_file_as_on_a_jsonl_line(tmp_path, suffix):
+    """A .json file's object of no row format was read as the items of its one list: a conversation
+    {"id": 1, "turns": [...]} was refused 'from its columns ['content', 'role']', its messages taken for rows, and
+    {"rejected": ..., "tags": ["a", "b"]} with hh_rlhf stated was read as the records "a" and "b", where a .jsonl file
+    of that one line reads it as one row (59cd796). Both read the one row it is."""
+    path = tmp_path / f"row{suffix}"
+    path.write_text(json.dumps({"id": 1, "turns": chat(("user", "hi"), ("assistant", "yo"))}) + "\n")
+    with pytest.raises(UserError, match=r"cannot tell the row format .* from its columns \['id', 'turns'\]"):
+        load_source(parse_source_spec(str(path)))
+    row = {"rejected": "\n\nHuman: hi\n\nAssistant: x", "tags": ["a", "b"]}
+    path.write_text(json.dumps(row) + "\n")
+    assert load_source(parse_source_spec(f"{path}:hh_rlhf")).records == [row]
+
+
 def test_the_unsupervised_folder_fingerprint_leaves_out_the_files_its_reader_leaves_out(tmp_path):
     """Its own listing kept hidden and "_" files: a notebook's autosave changed the cache key (and train.py's record of
     a finished step's data) though no text read changed."""

@@ -133,14 +133,14 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
 
 def _refuse_one_line_document(record, path: Path) -> None:
     """Refuse a .jsonl file that is one document of records on one line: an array (pandas' orient="records" without
-    lines=True), or an object that is no row but holds rows, as a .json file's object is read (pandas'
+    lines=True), or an object a .json file's reader takes for records, not one row (`_records_of`: pandas'
     orient="table", {"schema": {...}, "data": [...]}; {"train": [...]}). Read as one record, it was refused as
     holding no columns, or from its columns ['data', 'schema'], or, its format stated, skipped whole as one bad row."""
     if isinstance(record, list):
         what = "one JSON array"
     else:
         records = _records_of(record) if isinstance(record, dict) and detect_format(record) is None else [record]
-        if records == [record] or not _are_rows(records):
+        if records == [record]:
             return
         what = f"one JSON object of {len(records)} record{'' if len(records) == 1 else 's'}"
     raise UserError(f"{path} is {what} on one line, not JSON lines (one record a line): rename it to "
@@ -149,9 +149,9 @@ def _refuse_one_line_document(record, path: Path) -> None:
 
 
 def _are_rows(records: list) -> bool:
-    """Whether `records`, what a one-line object holds, are rows: objects, a row format reading the columns of one at
+    """Whether `records`, what an object's lists hold, are rows: objects, a row format reading the columns of one at
     least. A row's own list holds its tags or its messages ({"rejected": "...", "tags": ["a", "b"]} is one row, not
-    a document of two records)."""
+    a document of two records; a message's role and content are no row format's columns)."""
     return all(isinstance(item, dict) for item in records) and any(detect_format(item) is not None for item in records)
 
 
@@ -206,8 +206,8 @@ def _json_lines_of_document(data: bytes, path: Path, name: str, skipped: Skipped
 def _records_of(content) -> list:
     """The records of a .json file's document: an array's elements; an object of columns, the rows of that table
     (`_table_rows`); an object that is a row itself (its keys detect as a row format: `{"messages": [...],
-    "tools": [...]}`) is one record; else the records of its one list, or of its several lists when each is a list of
-    records (`{"train": [...], "test": [...]}`, in name order)."""
+    "tools": [...]}`) is one record; else the items of its lists, in name order (`{"train": [...], "test": [...]}`),
+    where they are rows (`_are_rows`), or the object is one record (`{"id": 1, "turns": [...]}`, a conversation)."""
     if isinstance(content, list):
         return content
     rows = _table_rows(content)
@@ -215,12 +215,8 @@ def _records_of(content) -> list:
         return rows
     if not isinstance(content, dict) or detect_format(content) is not None:
         return [content]
-    lists = {key: value for key, value in content.items() if isinstance(value, list)}
-    if len(lists) == 1:
-        return next(iter(lists.values()))
-    if lists and all(isinstance(record, dict) for value in lists.values() for record in value):
-        return [record for _, records in sorted(lists.items()) for record in records]
-    return [content]
+    held = [item for _, value in sorted(content.items()) if isinstance(value, list) for item in value]
+    return held if _are_rows(held) else [content]
 
 
 def _table_rows(content) -> list[dict] | None:
