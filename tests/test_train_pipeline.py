@@ -1807,6 +1807,61 @@ def test_a_step_failing_on_another_node_names_the_node(tmp_path):
                        nodes=("worker-0", "worker-1"))
 
 
+RANK_TRAINING_UNTIL_STOPPED = """
+import os, sys, time
+from training.reliability.signals import GracefulInterrupt
+with GracefulInterrupt() as stop:
+    print("ready", os.getpid(), flush=True)
+    waited_until = time.monotonic() + 60
+    while not stop.requested and time.monotonic() < waited_until:
+        print("step", file=sys.stderr, flush=True)  # a progress bar
+        time.sleep(0.05)
+    open(sys.argv[1], "w").write(stop.received.name if stop.requested else "no stop request")
+    stop.exit_for_resume(1, "checkpoints/step1")
+"""
+
+TRAIN_PY_LAUNCHING_THROUGH_A_LAUNCHER = """
+import sys
+from pathlib import Path
+from training.pipeline.launch import run_subprocess
+from training.reliability.signals import GracefulInterrupt
+launcher = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"  # as DeepSpeed's: its ranks share its output
+with GracefulInterrupt():
+    run_subprocess([sys.executable, "-c", launcher, sys.executable, "-c", *sys.argv[1:3]], Path(sys.argv[3]), "step 1")
+"""
+
+
+def _launched_rank_pid(log: Path, train_py: subprocess.Popen) -> int:
+    """The pid of the rank whose 'ready <pid>' line train.py copied into the step's `log`, once it has."""
+    deadline = time.monotonic() + 300  # imports on 2 loaded cores
+    while time.monotonic() < deadline and train_py.poll() is None:
+        ready = re.search(r"^ready (\d+)$", log.read_text() if log.exists() else "", re.MULTILINE)
+        if ready:
+            return int(ready.group(1))
+        time.sleep(0.2)
+    raise AssertionError(f"the rank never got ready (train.py: {train_py.poll()}): {log.read_text()[-3000:]}")
+
+
+def test_a_launched_step_stops_and_saves_when_train_py_is_killed_outright(tmp_path):
+    """train.py killed outright (SIGKILL: a scheduler's hard kill, the OOM killer) does not leave its launched step
+    running on unwatched, holding its run folder's lock and memory: the launcher's ranks write to the pipe train.py
+    read, whose reader is gone, and take that as a stop request (their output's watch), so they save and end, for a
+    --resume to go on from. Checked with DeepSpeed's launcher by hand (its rank stopped 0.6 s after the kill)."""
+    import psutil
+
+    from training.reliability.signals import OUTPUT_UNREAD
+
+    got, log = tmp_path / "got", tmp_path / "step1.log"
+    train_py = subprocess.Popen([sys.executable, "-c", TRAIN_PY_LAUNCHING_THROUGH_A_LAUNCHER,
+                                 RANK_TRAINING_UNTIL_STOPPED, str(got), str(log)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=step_env())
+    rank = psutil.Process(_launched_rank_pid(log, train_py))
+    train_py.kill()
+    assert train_py.wait(timeout=60) == -signal.SIGKILL
+    rank.wait(timeout=60)
+    assert got.read_text() == OUTPUT_UNREAD.name
+
+
 LAUNCHER_LINE = ("[2026-11-27 21:51:45,360] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 'main.py', "
                  "'--data_path', 'x'] exits with return code = {}")
 

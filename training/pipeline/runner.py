@@ -933,8 +933,8 @@ class RunRecord:
         """Write the record of the run's end (completed, or `failed` or `stopped` as `_report` says) and return it."""
         report = _report(self.prepared.plan.deployment.value, self.steps_recorded(),
                          time.perf_counter() - self.started, failed=failed, stopped=stopped)
-        self.ended = True  # tried once: a write that fails is not recorded again as train.py's crash
         _write_report(self.config, report)
+        self.ended = True
         return report
 
     def end_or_warn(self, failed: dict | None = None, stopped: dict | None = None) -> None:
@@ -944,6 +944,7 @@ class RunRecord:
             self.end(failed=failed, stopped=stopped)
         except OSError as unwritten:
             _say_end_unrecorded(self.config, unwritten)
+            self.ended = True  # tried: not to be recorded again as train.py's crash
 
     def steps_recorded(self) -> list[StepResult]:
         """The steps gone through so far, then the later ones an earlier run finished (which this one skips)."""
