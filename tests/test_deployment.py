@@ -522,12 +522,18 @@ def test_a_gpu_plan_says_cuda_visible_devices_lets_it_see_no_gpu_where_it_does(m
 def test_a_cuda_visible_devices_that_hides_gpus_is_read_as_cuda_reads_it(tmp_path, monkeypatch, value, included):
     """CUDA reads CUDA_VISIBLE_DEVICES up to its first invalid entry: `-1` hides every GPU. It was taken for GPUs named
     by UUID (a warning saying so) and the ranks launched with --num_gpus, for which DeepSpeed's launcher drops the
-    variable: the run took GPU 0 on a node where the user had hidden them all."""
+    variable: the run took GPU 0 on a node where the user had hidden them all. The refusal said the variable 'hides
+    every GPU from this process', untrue on a machine without GPUs; it is worded as the plan's note is."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
     single = Launcher(DeploymentType.SINGLE_GPU, num_gpus=1)
     if included is None:
-        with pytest.raises(UserError, match=f"CUDA_VISIBLE_DEVICES={re.escape(repr(value))} hides every GPU"):
+        with pytest.raises(UserError) as refused:
             single.command_now(tmp_path / "main.py", [])
+        assert str(refused.value) == (
+            f"CUDA_VISIBLE_DEVICES={value!r} lets this process see no GPU, whether or not this machine has any, and "
+            "DeepSpeed's launcher would drop it and start the ranks on the GPUs from 0; where this machine has some, "
+            "unset the variable or list the GPUs to run on (nvidia-smi -L gives their indices), else run with "
+            "--deployment-type cpu")
         # a dry run launches nothing: it shows the command a machine without the restriction would run
         assert single.command_now(tmp_path / "main.py", [], check_gpus=False)[6:8] == ["--num_gpus", "1"]
     else:

@@ -1644,7 +1644,7 @@ def test_a_dry_run_plans_a_gpu_run_where_cuda_visible_devices_hides_the_gpus(tmp
     argv = common(tmp_path, fakes.model_dir) + ["--deployment-type", "single_gpu", "--step", "1", "2"]
     planned = run(argv + ["--dry-run"], fakes)
     assert all("--num_gpus" in command for command in planned["commands"].values())
-    with pytest.raises(UserError, match="CUDA_VISIBLE_DEVICES='' hides every GPU"):
+    with pytest.raises(UserError, match="CUDA_VISIBLE_DEVICES='' lets this process see no GPU"):
         run(argv, fakes)
     assert fakes.calls == [] and launched.ports == []
 

@@ -134,13 +134,13 @@ class Launcher:
         """`command` with its master port settled at this moment, not when the run was planned (hours before a
         later step starts, and another program may have taken the port since): where rank 0 runs on this machine,
         the given port checked free, else one free now. Another node's port is for that node to bind. `check_gpus`
-        (False for a dry run, which launches nothing): refuse a `CUDA_VISIBLE_DEVICES` that hides every GPU."""
-        hiding = visible_devices_hiding_every_gpu()
-        if check_gpus and self.deployment is not DeploymentType.MULTI_NODE and hiding is not None:
-            raise UserError(f"CUDA_VISIBLE_DEVICES={hiding!r} hides every GPU from this process, and DeepSpeed's "
-                            "launcher would drop it and start the ranks on the GPUs from 0; "
-                            "unset it, list the GPUs to run on (nvidia-smi -L gives their indices), or run with "
-                            "--deployment-type cpu")
+        (False for a dry run, which launches nothing): refuse a `CUDA_VISIBLE_DEVICES` that lets this process see no
+        GPU."""
+        no_gpu_seen = no_gpu_visible()
+        if check_gpus and self.deployment is not DeploymentType.MULTI_NODE and no_gpu_seen is not None:
+            raise UserError(f"{no_gpu_seen}, and DeepSpeed's launcher would drop it and start the ranks on the GPUs "
+                            "from 0; where this machine has some, unset the variable or list the GPUs to run on "
+                            "(nvidia-smi -L gives their indices), else run with --deployment-type cpu")
         if self.settles_port_at_launch:
             return replace(self, master_port=free_port()).command(script, step_argv)
         if not self.through_pdsh:
@@ -252,14 +252,18 @@ def check_port_free(port: int, what: str = "--master-port",
 
 def visible_gpus() -> list[str]:
     """The GPU indices `CUDA_VISIBLE_DEVICES` restricts this node to (empty: unset, GPUs named otherwise than by
-    index, or none visible: `check_gpus_visible` refuses that at launch). DeepSpeed's launcher drops the variable when
+    index, or none visible: `Launcher.command_now` refuses that at launch). DeepSpeed's launcher drops the variable when
     it is given `--num_gpus` and numbers the GPUs from 0, so a restricted run names them in `--include` instead."""
     return _cuda_visible_indices() or []
 
 
-def visible_devices_hiding_every_gpu() -> str | None:
-    """`CUDA_VISIBLE_DEVICES` where it hides every GPU from this process (empty, `-1`), else None."""
-    return os.environ["CUDA_VISIBLE_DEVICES"] if _cuda_visible_indices() == [] else None
+def no_gpu_visible() -> str | None:
+    """Where `CUDA_VISIBLE_DEVICES` lets this process see no GPU (empty, `-1`), that said, in words true on a machine
+    without GPUs too (an empty variable is a common way to keep a CI job on the CPU); else None."""
+    if _cuda_visible_indices() != []:
+        return None
+    return (f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} lets this process see no GPU, whether or "
+            "not this machine has any")
 
 
 def _cuda_visible_indices() -> list[str] | None:

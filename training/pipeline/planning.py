@@ -18,7 +18,7 @@ from .deployment import (
 )
 from .hardware import Hardware
 from .hostfile import Host, is_this_machine
-from .launch import visible_devices_hiding_every_gpu
+from .launch import no_gpu_visible
 from .steps import STEPS, flag_value
 from .summary import runs_as_planned
 
@@ -51,14 +51,12 @@ def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, 
 
 def _hidden_gpus_note(hardware: Hardware) -> list[str]:
     """Why no GPU is found here, where CUDA_VISIBLE_DEVICES hides them all: a GPU machine so hidden was planned as a
-    login node is, unsaid (a dry run plans on; single_gpu and single_node runs are refused before any step). Worded
-    true on a machine without GPUs too, where an empty variable is a common way to keep a CI job on the CPU."""
-    hiding = visible_devices_hiding_every_gpu()
-    if hardware.num_gpus or hiding is None:
+    login node is, unsaid (a dry run plans on; single_gpu and single_node runs are refused before any step)."""
+    no_gpu_seen = no_gpu_visible()
+    if hardware.num_gpus or no_gpu_seen is None:
         return []
-    return [(f"CUDA_VISIBLE_DEVICES={hiding!r} lets this process see no GPU, whether or not this machine has any, so "
-             "none is counted here; where it has some, unset the variable, or list the GPUs to run on (nvidia-smi -L "
-             "gives their indices), for a plan of them")]
+    return [(f"{no_gpu_seen}, so none is counted here; where it has some, unset the variable, or list the GPUs to run "
+             "on (nvidia-smi -L gives their indices), for a plan of them")]
 
 
 def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[Host] | None,
