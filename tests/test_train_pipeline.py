@@ -1290,6 +1290,25 @@ def test_an_end_record_that_cannot_be_written_leaves_what_ended_the_run(tmp_path
     assert "No space left on device" in said.err
 
 
+def test_a_running_mark_that_cannot_be_written_refuses_the_run_before_step_1(tmp_path, fakes, monkeypatch):
+    """A full disk as train.py wrote its running mark, before step 1, ended it in that OSError's traceback. It is now
+    a refusal naming summary.json and the OSError, saying what to do; no step runs and the folder it made is gone."""
+    from training.pipeline import runner
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(runner, "atomic_write_text", full_disk)
+    out = tmp_path / "out"
+    with pytest.raises(UserError) as refused:
+        run(common(tmp_path, fakes.model_dir), fakes)
+    assert str(refused.value) == (
+        f"train.py could not record that this run started in {out / SUMMARY_FILE} ([Errno 28] No space left on "
+        f"device: '{out / SUMMARY_FILE}'), so it ran no step; free space there, or make it writable, or choose another "
+        "--output-dir")
+    assert fakes.calls == [] and not out.exists()
+
+
 class LockingSteps(FakeSteps):
     """Fake steps that hold their run folder's lock while they run, as the real steps do."""
 

@@ -927,7 +927,12 @@ class RunRecord:
     ended: bool = False
 
     def mark_running(self) -> None:
-        _write_report(self.config, _running_record(self.prepared, self.steps_recorded()))
+        """Write the running mark; where it cannot be written (a full disk), the run does not start: a `UserError`."""
+        try:
+            _write_report(self.config, _running_record(self.prepared, self.steps_recorded()))
+        except OSError as unwritten:
+            raise UserError(f"{_not_recorded(self.config, 'that this run started', unwritten)}, so it ran no step; "
+                            f"{FREE_SUMMARY}, or choose another --output-dir") from unwritten
 
     def end(self, failed: dict | None = None, stopped: dict | None = None) -> dict:
         """Write the record of the run's end (completed, or `failed` or `stopped` as `_report` says) and return it."""
@@ -977,11 +982,18 @@ class RunRecord:
                                                   "its stderr"}}
 
 
+FREE_SUMMARY = "free space there, or make it writable"  # what to do where summary.json could not be written
+
+
+def _not_recorded(config: PipelineConfig, what: str, unwritten: OSError) -> str:
+    """That train.py could not record `what` in summary.json, and the OSError that stopped it."""
+    return f"train.py could not record {what} in {config.output_dir / 'summary.json'} ({unwritten})"
+
+
 def _say_end_unrecorded(config: PipelineConfig, unwritten: OSError) -> None:
     """Warn that the record of the run's end could not be written (a full disk): summary.json still says `running`."""
-    print(f"warning: train.py could not record how this run ended in {config.output_dir / 'summary.json'} "
-          f"({unwritten}): it still says the run is running; free space there, or make it writable, before the next "
-          "run", file=sys.stderr, flush=True)
+    print(f"warning: {_not_recorded(config, 'how this run ended', unwritten)}: it still says the run is running; "
+          f"{FREE_SUMMARY}, before the next run", file=sys.stderr, flush=True)
 
 
 def _running_record(prepared: PreparedRun, finished: list[StepResult]) -> dict:
