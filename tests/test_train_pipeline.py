@@ -1709,8 +1709,8 @@ def test_a_dry_run_whose_step_1_tokenizer_is_not_at_hand_says_the_layout_check_w
     assert "commands" in run_pipeline(parse_config(argv), hardware=TWO_CORES)
     said = capsys.readouterr().err
     assert ("warning: step 3's --prompt_format human_assistant was not checked against step 1's (auto) for a layout "
-            "unlike the one its model is tuned on, as the tokenizer does not load: the tokenizer of 'some-org/tiny' "
-            "does not load") in said
+            "unlike the one its model is tuned on, as the tokenizer does not load: tokenizer 'some-org/tiny' was not "
+            "found locally and could not be fetched from the hub: the hub cannot be reached from here") in said
 
 
 @pytest.mark.parametrize("given_port", [False, True])

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,13 @@ from transformers import AutoModelForCausalLM
 
 from training.core.engine import OptimizationSettings, create_train_engine
 from training.core.lora import apply_lora, lora_target_modules
-from training.core.model_loading import load_causal_lm, load_config, load_tokenizer, resolve_dtype
+from training.core.model_loading import (
+    EMBEDDED_MODEL_NAME,
+    load_causal_lm,
+    load_config,
+    load_tokenizer,
+    resolve_dtype,
+)
 from training.core.optim import LearningRateGroups
 from training.core.reward_model import RewardModel
 from training.core.save import save_hf_model
@@ -193,6 +200,26 @@ def test_a_hub_lookup_is_not_remembered_past_a_download_or_a_move(hub_cache, tmp
     (project / other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     monkeypatch.chdir(project)
     assert load_config(other).model_type == "gpt2"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_a_hub_tokenizer_no_cache_holds_says_so_offline(hub_cache, tiny_model_dir, model_type):
+    """Offline, a hub model whose config.json the cache holds but not its tokenizer's files was looked up by its
+    config.json alone, found, and transformers built the tokenizer from the model type: for llama an error asking to
+    install sentencepiece, for gpt2 a tokenizer of no vocabulary, loaded. It is said as an uncached model is; with
+    its tokenizer's files cached it loads."""
+    model = Path(tiny_model_dir(model_type))
+    config = json.loads((model / "config.json").read_text())
+    hub_cache.put("some-org/untokenized", config)
+    with pytest.raises(UserError) as raised:
+        load_tokenizer("some-org/untokenized")
+    assert str(raised.value) == ("tokenizer 'some-org/untokenized' was not found locally and could not be fetched "
+                                 "from the hub: the hub cannot be reached from here; download the model elsewhere and "
+                                 f"pass its local folder (or use the embedded default '{EMBEDDED_MODEL_NAME}')")
+    assert load_config("some-org/untokenized").model_type == model_type
+    hub_cache.put("some-org/tokenized", config, {name: (model / name).read_text()
+                                                 for name in ("tokenizer.json", "tokenizer_config.json")})
+    assert load_tokenizer("some-org/tokenized").get_vocab() == load_tokenizer(str(model)).get_vocab()
 
 
 def test_dtype_rules_on_cpu():

@@ -168,7 +168,7 @@ def _hub_call(what: str, name_or_path: str, load: Callable[[], T], trust_remote_
     """Run a from_pretrained call, turning 'not found' and 'offline' into one clear message, and a model whose own
     code it was not allowed to run into the flag that allows it; a hub name's hub is reached once first
     (`_hub_lookup_failure`)."""
-    failure = _hub_lookup_failure(resolve_model_path(name_or_path))
+    failure = _hub_lookup_failure(resolve_model_path(name_or_path), what)
     if failure is not None:
         raise _not_fetched_error(what, name_or_path, unreachable=True) from failure
     try:
@@ -283,32 +283,47 @@ def _not_fetched_error(what: str, name_or_path: str, unreachable: bool) -> UserE
     )
 
 
-def _hub_lookup_failure(path: str) -> LocalEntryNotFoundError | None:
-    """For a hub name (`path` not a folder) whose config.json no cache holds, the error of fetching it, where the hub
-    cannot be reached; None where it was fetched or found, or failed for another reason (a name the hub does not know,
-    a gated model: the loader says so). Each lookup of a file no cache holds waits out huggingface_hub's retries
-    (about 23 s) before it fails, and a loader made two (a model its adapter_config.json, then its config.json; a
-    tokenizer its config.json twice): an unreachable hub is said after one lookup, and at once for the name's next
-    load with the same hub settings. The folder and the cache are looked at each time, so a relative path is judged
-    from the working directory of the call and a copy downloaded since is used."""
+def _hub_lookup_failure(path: str, what: str = "model") -> LocalEntryNotFoundError | None:
+    """For a hub name (`path` not a folder) whose `what` ("model", "tokenizer") no cache holds, the error of fetching
+    it, where the hub cannot be reached; None where it was fetched or found, or failed for another reason (a name the
+    hub does not know, a gated model: the loader says so). Each lookup of a file no cache holds waits out
+    huggingface_hub's retries (about 23 s) before it fails, and a loader made two (a model its adapter_config.json,
+    then its config.json; a tokenizer its config.json twice): an unreachable hub is said after one lookup, and at once
+    for the name's next load with the same hub settings. The folder and the cache are looked at each time, so a
+    relative path is judged from the working directory of the call and a copy downloaded since is used."""
     if Path(path).is_dir():
         return None
-    try:
-        if isinstance(try_to_load_from_cache(path, "config.json", cache_dir=hub_constants.HF_HUB_CACHE), str):
-            return None
-    except ValueError:  # not a valid hub name: the loader says so
+    file = _uncached_hub_file(path, what)
+    if file is None:
         return None
-    return _remote_lookup_failure(path, hub_constants.HF_HUB_CACHE, hub_constants.ENDPOINT,
+    return _remote_lookup_failure(path, file, hub_constants.HF_HUB_CACHE, hub_constants.ENDPOINT,
                                   hub_constants.is_offline_mode(), os.environ.get("HF_HUB_OFFLINE"))
 
 
-@functools.cache
-def _remote_lookup_failure(name: str, cache_dir: str, endpoint: str, offline: bool,
-                           offline_env: str | None) -> LocalEntryNotFoundError | None:
-    """`_hub_lookup_failure` for a hub name no cache holds, once a process for the hub settings its outcome depends
-    on: the cache folder, the endpoint, offline mode (huggingface_hub's, and the variable `_hub_unreachable` reads)."""
+def _uncached_hub_file(name: str, what: str) -> str | None:
+    """The first file that hub name `name`'s `what` loads from and no cache holds: its config.json, then for a
+    tokenizer tokenizer_config.json where none of its files is cached (offline, transformers built one from the model
+    type alone: a GPT-2 tokenizer of no vocabulary, or an error asking for sentencepiece). None where all are cached,
+    or where `name` is no valid hub name (the loader says so)."""
+    needed = [("config.json",), _TOKENIZER_FILES] if what == "tokenizer" else [("config.json",)]
     try:
-        hf_hub_download(name, "config.json", cache_dir=cache_dir, endpoint=endpoint)
+        for files in needed:
+            if not any(isinstance(try_to_load_from_cache(name, file, cache_dir=hub_constants.HF_HUB_CACHE), str)
+                       for file in files):
+                return files[0]
+    except ValueError:
+        return None
+    return None
+
+
+@functools.cache
+def _remote_lookup_failure(name: str, file: str, cache_dir: str, endpoint: str, offline: bool,
+                           offline_env: str | None) -> LocalEntryNotFoundError | None:
+    """`_hub_lookup_failure` for a hub name's `file` no cache holds, once a process for the hub settings its outcome
+    depends on: the cache folder, the endpoint, offline mode (huggingface_hub's, and the variable `_hub_unreachable`
+    reads)."""
+    try:
+        hf_hub_download(name, file, cache_dir=cache_dir, endpoint=endpoint)
     except LocalEntryNotFoundError as err:
         return err if _hub_unreachable(err) else None
     except (OSError, ValueError):
