@@ -173,11 +173,13 @@ def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
     return answers
 
 
-def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False):
+def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code: bool = False,
+                        tokenizer: PreTrainedTokenizerBase | None = None):
     """The model a folder holds (a run folder of any step that trains a causal LM: `resolve_trained_model`) in
-    `dtype`, decoding by the tool's flags alone (`decode_by_flags_only`)."""
+    `dtype`, decoding by the tool's flags alone (`decode_by_flags_only`), with its `tokenizer` where already read."""
     path = resolve_trained_model(name_or_path)
-    tokenizer = load_tokenizer(path, trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, trust_remote_code)
     model = load_causal_lm(path, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code)
     decode_by_flags_only(model)
     return model.eval(), tokenizer
@@ -220,13 +222,16 @@ def compared_models(args: PromptEvalArguments) -> tuple[tuple[str, str, str], ..
             ("finetune", args.model_name_or_path_finetune, args.prompt_format))
 
 
-def check_prompts_before_loading(args: PromptEvalArguments, prompts: list[str], limit: AnswerLimit) -> None:
+def check_prompts_before_loading(args: PromptEvalArguments, prompts: list[str],
+                                 limit: AnswerLimit) -> dict[str, PreTrainedTokenizerBase]:
     """`checked_prompts` for both models from their tokenizers and configs, before either model loads: a prompt
     format or a prompt length the fine-tuned model refuses was refused once the baseline had loaded and answered
-    every prompt."""
-    for _, name, prompt_format in compared_models(args):
-        checked_prompts(load_tokenizer(name, args.trust_remote_code), load_config(name, args.trust_remote_code),
-                        prompts, prompt_format, limit)
+    every prompt. Returns each model's tokenizer by label, for its model to load with (read once)."""
+    tokenizers = {}
+    for label, name, prompt_format in compared_models(args):
+        tokenizers[label] = load_tokenizer(name, args.trust_remote_code)
+        checked_prompts(tokenizers[label], load_config(name, args.trust_remote_code), prompts, prompt_format, limit)
+    return tokenizers
 
 
 @run_cli
@@ -244,10 +249,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{DTYPE_NAMES[dtype]}, {decoding}, answers of at most {limit.max_new_tokens} tokens ({limit.source}), "
           f"prompts rendered as {args.baseline_prompt_format} (baseline) and {args.prompt_format} (finetune)\n",
           flush=True)
-    check_prompts_before_loading(args, prompts, limit)
+    tokenizers = check_prompts_before_loading(args, prompts, limit)
     answers = {}
     for label, name, prompt_format in compared_models(args):
-        model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code)
+        model, tokenizer = load_for_generation(name, dtype, args.trust_remote_code, tokenizers[label])
         set_seed(args.seed)  # each model samples from the same seed, whatever the other drew
         answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, prompt_format, limit)
         del model

@@ -135,6 +135,25 @@ def test_prompt_eval_says_once_that_a_train_py_folder_holds_only_its_step1_model
     assert caplog.text.count("holds no step-3 actor nor DPO model yet") == 1
 
 
+def test_prompt_eval_reads_each_models_tokenizer_once(tiny_model_dir, monkeypatch):
+    """prompt_eval read each model's tokenizer for its check of the prompts before either model loaded, then again to
+    load the model: twice each."""
+    from step1_sft import prompt_eval
+
+    baseline, finetune = tiny_model_dir("llama"), tiny_model_dir("opt")
+    read = []
+    load_tokenizer = prompt_eval.load_tokenizer
+
+    def counted(name, *args, **kwargs):
+        read.append(name)
+        return load_tokenizer(name, *args, **kwargs)
+
+    monkeypatch.setattr(prompt_eval, "load_tokenizer", counted)
+    prompt_eval.main(["--model_name_or_path_baseline", baseline, "--model_name_or_path_finetune", finetune,
+                      "--prompts", "hi", "--max_new_tokens", "2"])
+    assert read == [baseline, finetune]
+
+
 def test_a_reward_model_is_refused(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama")
     (tmp_path / "step2").mkdir()
