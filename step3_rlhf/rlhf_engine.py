@@ -31,7 +31,7 @@ from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_
 from training.core.reward_model import RewardModel
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
-from training.reliability.layouts import other_layout, warn_tuned_on_other_layout
+from training.reliability.layouts import scored_layout_warning, warn_tuned_on_other_layout
 from training.reliability.run_records import trained_prompt_format
 from utils.data import PromptFormatter
 from utils.dist import current_device, is_main_process
@@ -87,14 +87,10 @@ def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer
     scores the actor's tokens, prompts rendered by the actor's tokenizer under --prompt_format and answers ending where
     the actor's turn does, and step 2 rendered its pairs with the reward model's own tokenizer (another chat template,
     or none) under the --prompt_format its run recorded."""
-    trained_format = trained_prompt_format(reward_path)
-    layouts = other_layout(actor_tokenizer, prompt_format, reward_tokenizer, trained_format)
-    if layouts is not None:
-        logger.warning(
-            "the reward model %s was trained (--prompt_format %s) on conversations laid out as %r, but step 3 gives it "
-            "the actor's answers laid out as %r (--prompt_format %s): its scores may not carry over. Train the reward "
-            "model from a model whose tokenizer renders conversations as the actor's does, or with the --prompt_format "
-            "under which both render them alike", reward_path, trained_format, *layouts, prompt_format)
+    warning = scored_layout_warning(actor_tokenizer, prompt_format, reward_tokenizer,
+                                    trained_prompt_format(reward_path), reward_path)
+    if warning is not None:
+        logger.warning("%s", warning)
 
 
 @contextlib.contextmanager

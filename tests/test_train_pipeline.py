@@ -26,7 +26,7 @@ from crash_resume import step_env
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_custom_code_model_dir, make_tiny_model_dir
 
-from training.core.model_loading import EMBEDDED_MODEL_NAME
+from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
 from training.pipeline.cli import build_parser, parse_config
 from training.pipeline.config import PipelineConfig
 from training.pipeline.deployment import DeploymentType
@@ -1711,6 +1711,46 @@ def test_a_dry_run_whose_step_1_tokenizer_is_not_at_hand_says_the_layout_check_w
     assert ("warning: step 3's --prompt_format human_assistant was not checked against step 1's (auto) for a layout "
             "unlike the one its model is tuned on, as the tokenizer does not load: tokenizer 'some-org/tiny' was not "
             "found locally and could not be fetched from the hub: the hub cannot be reached from here") in said
+
+
+def test_a_reward_model_trained_on_another_layout_than_step_3_gives_it_is_warned_of_by_a_dry_run(
+        tmp_path, tiny_model_dir, hub_cache, monkeypatch, capsys):
+    """Step 3 warned that its reward model was trained on conversations laid out otherwise (another chat template:
+    --reward-model of another family; or another --prompt_format) only as it started, after steps 1 and 2 had run for
+    hours; a dry run said nothing. Warned while planning now, from step 2's flags in this run, or those its run
+    recorded; the tokenizers are not read for one model under one format, and one that does not load is said."""
+    from training.pipeline import runner
+
+    chat = tiny_model_dir("llama")
+    base = make_tiny_model_dir(tmp_path / "base", "llama", chat_template=False)  # the same vocabulary, no template
+    loaded = []
+    monkeypatch.setattr(runner, "load_tokenizer", lambda model, *args: loaded.append(model) or load_tokenizer(
+        model, *args))
+
+    def warned(actor: str, reward: str, *flags: str) -> str:
+        argv = ["--actor-model", actor, "--reward-model", reward, "--output-dir", str(tmp_path / "out"), "--dry-run"]
+        run_pipeline(parse_config([*argv, *flags]), hardware=TWO_CORES)
+        return capsys.readouterr().err
+
+    said = warned(chat, base)
+    assert said.count("warning: the reward model ") == 1
+    assert (f"warning: the reward model {tmp_path / 'out' / 'step2'} will be trained (--prompt_format auto) on "
+            "conversations laid out as ' Human:") in said
+    assert "but step 3 gives it the actor's answers laid out as '<|im_start|>user" in said
+    assert "trained (" not in warned(chat, chat) and loaded == [chat, base]  # read for the first run alone
+    step1, step2 = tmp_path / "step1", tmp_path / "step2"
+    shutil.copytree(chat, step1)
+    shutil.copytree(chat, step2)
+    (step2 / "reward_model.json").write_text("{}")
+    save_run_args(step2, {"prompt_format": "human_assistant"})
+    recorded = ["--step", "3", "--step1-output", str(step1), "--step2-output", str(step2)]
+    assert f"the reward model {step2} was trained (--prompt_format human_assistant)" in warned(chat, chat, *recorded)
+    assert "trained (" not in warned(chat, chat, *recorded, "--step3-args", "--prompt_format human_assistant")
+    hub_cache.put("some-org/tiny", json.loads((Path(base) / "config.json").read_text()))
+    said = warned(chat, "some-org/tiny")
+    assert ("warning: step 3's --prompt_format auto was not checked against step 2's (auto) for a layout unlike the "
+            "one its reward model is trained on, as the tokenizer does not load: tokenizer 'some-org/tiny' was not "
+            "found locally") in said
 
 
 @pytest.mark.parametrize("given_port", [False, True])

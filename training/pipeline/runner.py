@@ -29,9 +29,16 @@ from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
 from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
-from training.reliability.layouts import tuned_layout_warning
+from training.reliability.layouts import scored_layout_warning, tuned_layout_warning
 from training.reliability.run_lock import RunLock
-from training.reliability.run_records import args_of_model, changed_flags, read_run_args, read_summary, run_id_of
+from training.reliability.run_records import (
+    args_of_model,
+    changed_flags,
+    read_run_args,
+    read_summary,
+    run_id_of,
+    trained_prompt_format,
+)
 from training.reliability.signals import (
     EXIT_INTERRUPTED,
     OUTPUT_UNREAD,
@@ -668,18 +675,59 @@ def _say_layouts_unlike_step_1(config: PipelineConfig, prepared: PreparedRun) ->
 def _layout_unlike_step_1(config: PipelineConfig, prepared: PreparedRun, step: int, model: str,
                           formats: tuple[str, str]) -> str | None:
     """`tuned_layout_warning` for `step`, given step 1's `model` under the first of `formats` where step 1 tunes it
-    under the second, naming the flag as train.py takes it. Where the tokenizer does not load (a hub model offline
-    whose tokenizer no cache holds), that the check was skipped and why: the plan went on without it before, and
-    the step that loads the tokenizer says so itself."""
+    under the second, naming the flag as train.py takes it (`_checked_with_tokenizers`: or that it was not checked)."""
     given, tuned = formats
+    return _checked_with_tokenizers(
+        config, (_tokenizer_model(config, prepared, 1, model),),
+        lambda tokenizer: tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}",
+                                               to_be_tuned=1 in prepared.commands,
+                                               passing=f'--{STEPS[step].name}-args "--prompt_format {tuned}"'),
+        f"step {step}'s --prompt_format {given} was not checked against step 1's ({tuned}) for a layout unlike the one "
+        "its model is tuned on")
+
+
+def _say_reward_layout_unlike_step_2(config: PipelineConfig, prepared: PreparedRun) -> None:
+    """Warn, before any step starts and in a dry run alike, where step 3 gives its reward model the actor's tokens
+    laid out otherwise than step 2 trains it on (`scored_layout_warning`, which step 3 says only as it starts, after
+    steps 1 and 2 ran): another chat template (a reward model of another family) or --prompt_format. Step 2's
+    --prompt_format is the one it runs with in this run, else the one its run recorded; the tokenizers are read only
+    where the two models or the two formats differ."""
+    if 3 not in prepared.commands:
+        return
+    models = {source.from_step: model for source, model in prepared.inputs[3]}
+    if 2 not in models:  # scored by --reward_fn alone
+        return
+    given = prepared.runs_with[3][PROMPT_FORMAT]
+    trained = prepared.runs_with[2][PROMPT_FORMAT] if 2 in prepared.runs_with else trained_prompt_format(models[2])
+    actor, reward = (_tokenizer_model(config, prepared, step, models[step]) for step in (1, 2))
+    if actor == reward and given == trained:
+        return
+    warning = _checked_with_tokenizers(
+        config, (actor, reward),
+        lambda actor_tokenizer, reward_tokenizer: scored_layout_warning(
+            actor_tokenizer, given, reward_tokenizer, trained, models[2], to_be_trained=2 in prepared.commands),
+        f"step 3's --prompt_format {given} was not checked against step 2's ({trained}) for a layout unlike the one "
+        "its reward model is trained on")
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _tokenizer_model(config: PipelineConfig, prepared: PreparedRun, step: int, output: str) -> str:
+    """The model whose tokenizer lays out the conversations of `step`'s `output`: the base model it starts from where
+    this run runs `step` (its output may not be saved yet) or skips it finished, else the output."""
+    return config.base_model(STEPS[step].inputs[0].model) if step in prepared.runs_with else output
+
+
+def _checked_with_tokenizers(config: PipelineConfig, models: tuple[str, ...], check: Callable[..., str | None],
+                             unchecked: str) -> str | None:
+    """`check`'s warning, given the tokenizers of `models` (each read once). Where one does not load (a hub model
+    offline whose tokenizer no cache holds), `unchecked`, saying why: the plan went on without the check before,
+    and the step that loads the tokenizer says so itself."""
     try:
-        tokenizer = load_tokenizer(config.actor_model if 1 in prepared.runs_with else model,
-                                   config.trust_remote_code)
+        loaded = {model: load_tokenizer(model, config.trust_remote_code) for model in dict.fromkeys(models)}
     except UserError as error:
-        return (f"step {step}'s --prompt_format {given} was not checked against step 1's ({tuned}) for a layout "
-                f"unlike the one its model is tuned on, as the tokenizer does not load: {error}")
-    return tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}", to_be_tuned=1 in prepared.commands,
-                                passing=f'--{STEPS[step].name}-args "--prompt_format {tuned}"')
+        return f"{unchecked}, as the tokenizer does not load: {error}"
+    return check(*(loaded[model] for model in models))
 
 
 def _step_1_prompt_format(prepared: PreparedRun, model: str) -> str | None:
@@ -902,6 +950,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     _say_visible_devices_not_followed(prepared)
     _say_model_flags_unused(config, prepared.inputs)
     _say_layouts_unlike_step_1(config, prepared)
+    _say_reward_layout_unlike_step_2(config, prepared)
     if config.dry_run:
         _say_output_dir_in_use(config)
     running = {step: prepared.runs_with[step] for step in prepared.commands}

@@ -52,3 +52,21 @@ def tuned_layout_warning(tokenizer: PreTrainedTokenizerBase, prompt_format: str,
             f"{layouts[0]!r}, but {step} lays them out as {layouts[1]!r} (--prompt_format {prompt_format}), asking "
             f"it in a layout it is not tuned on. Pass {passing or f'--prompt_format {tuned_format}'}, the format it "
             f"{tuned} under")
+
+
+def scored_layout_warning(actor_tokenizer: PreTrainedTokenizerBase, prompt_format: str,
+                          reward_tokenizer: PreTrainedTokenizerBase, trained_format: str, reward_path: str,
+                          to_be_trained: bool = False) -> str | None:
+    """What step 3 warns of where the reward model in `reward_path`, trained by step 2 on conversations its own
+    tokenizer renders under `trained_format` (or, with `to_be_trained`, to be trained by a step 2 that train.py
+    plans), is given the actor's tokens, rendered by the actor's tokenizer under step 3's `prompt_format`, laid out
+    otherwise; None where both lay them out alike."""
+    layouts = other_layout(actor_tokenizer, prompt_format, reward_tokenizer, trained_format)
+    if layouts is None:
+        return None
+    trained = "will be trained" if to_be_trained else "was trained"
+    return (f"the reward model {reward_path} {trained} (--prompt_format {trained_format}) on conversations laid out as "
+            f"{layouts[0]!r}, but step 3 gives it the actor's answers laid out as {layouts[1]!r} (--prompt_format "
+            f"{prompt_format}): its scores may not carry over. Train the reward model from a model whose tokenizer "
+            "renders conversations as the actor's does, or with the --prompt_format under which both render them "
+            "alike")
