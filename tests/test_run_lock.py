@@ -1,13 +1,15 @@
 """One run per output folder: a second run is refused with a clear message; a killed holder frees the folder."""
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import REPO_ROOT
 
-from training.reliability.run_lock import OWNER_FILE, RunLock
+from training.reliability.run_lock import LOCK_FILE, OWNER_FILE, RunLock
 from utils.errors import UserError
 
 HOLDER = """
@@ -86,3 +88,19 @@ def test_a_look_at_the_lock_names_a_live_holder_alone_and_creates_nothing(tmp_pa
     assert (output_dir / OWNER_FILE).exists()
     with pytest.raises(UserError, match="choose another --output-dir$"), RunLock(output_dir):
         RunLock(output_dir, flag="--output-dir").acquire()
+
+
+def test_a_run_taking_the_lock_while_a_dry_run_looks_at_it_is_not_refused(tmp_path):
+    """A dry run looks at the lock by taking it for an instant (`holder_now`: a look that takes nothing cannot see an
+    flock on Linux); a run taking the lock at that instant was refused, 'in use by another run (pid unknown)'. The
+    look is held here for 0.2 s by another descriptor, as a look on a loaded machine might be."""
+    RunLock(tmp_path).acquire().release()  # the lock file a look finds
+    look = os.open(tmp_path / LOCK_FILE, os.O_RDWR)
+    fcntl.flock(look, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    looked = threading.Timer(0.2, os.close, [look])  # closing it drops the flock
+    looked.start()
+    try:
+        with RunLock(tmp_path):
+            assert f'"pid": {os.getpid()}' in (tmp_path / OWNER_FILE).read_text()
+    finally:
+        looked.join()

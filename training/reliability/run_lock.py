@@ -26,6 +26,8 @@ from utils.dist import is_main_process, refuse_on_every_rank
 
 LOCK_FILE = ".run.lock"
 OWNER_FILE = ".run.lock.json"
+# how long a run waits on a held lock before it is refused: a dry run's look (`RunLock.holder_now`) holds it an instant
+TAKER_WAIT_S = 1.0
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +52,10 @@ class RunLock:
 
     def holder_now(self) -> str | None:
         """The description of the run holding the lock now, else None; takes it for no longer than a look, and
-        creates nothing (a dry run's look at the folder)."""
+        creates nothing (a dry run's look at the folder). Taking it is the only look that sees an flock wherever one
+        is held: fcntl's F_GETLK does not see one on Linux, a shared lock would refuse a taker as much, and
+        /proc/locks lists neither another pid namespace's nor another host's on a shared file system. A run taking
+        the lock meanwhile waits that instant out (`TAKER_WAIT_S`)."""
         lock_path = self.output_dir / LOCK_FILE
         if not lock_path.is_file():
             return None
@@ -67,7 +72,7 @@ class RunLock:
     def _try_acquire(self) -> str | None:
         """Take the lock; None on success, else the holder's description."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(self.output_dir / LOCK_FILE), timeout=0)
+        lock = filelock.FileLock(str(self.output_dir / LOCK_FILE), timeout=TAKER_WAIT_S)
         try:
             lock.acquire()
         except filelock.Timeout:
