@@ -31,11 +31,10 @@ from training.core.model_loading import load_causal_lm, load_tokenizer, resolve_
 from training.core.reward_model import RewardModel
 from training.placement.groups import PlacementGroups
 from training.placement.spec import Placement
-from training.reliability.layouts import scored_layout_warning, warn_tuned_on_other_layout
+from training.reliability.layouts import check_same_vocabulary, scored_layout_warning, warn_tuned_on_other_layout
 from training.reliability.run_records import trained_prompt_format
 from utils.data import PromptFormatter
 from utils.dist import current_device, is_main_process
-from utils.errors import UserError
 
 if TYPE_CHECKING:  # settings.py imports ppo_trainer, which imports this module
     from step3_rlhf.settings import Step3Settings
@@ -69,16 +68,6 @@ class RLHFEngine:
             destroy = getattr(engine, "destroy", None)
             if destroy is not None:
                 destroy()
-
-
-def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_tokenizer: PreTrainedTokenizerBase,
-                          critic_path: str) -> None:
-    """The critic scores the actor's tokens one by one, so both must read token ids the same way."""
-    if actor_tokenizer.get_vocab() != critic_tokenizer.get_vocab():
-        raise UserError(
-            f"the reward/critic model {critic_path} uses a different tokenizer from the actor; train the "
-            "reward model (step 2) from the same base model family as the actor"
-        )
 
 
 def warn_other_layout(actor_tokenizer: PreTrainedTokenizerBase, reward_tokenizer: PreTrainedTokenizerBase,

@@ -1748,9 +1748,48 @@ def test_a_reward_model_trained_on_another_layout_than_step_3_gives_it_is_warned
     assert "trained (" not in warned(chat, chat, *recorded, "--step3-args", "--prompt_format human_assistant")
     hub_cache.put("some-org/tiny", json.loads((Path(base) / "config.json").read_text()))
     said = warned(chat, "some-org/tiny")
-    assert ("warning: step 3's --prompt_format auto was not checked against step 2's (auto) for a layout unlike the "
-            "one its reward model is trained on, as the tokenizer does not load: tokenizer 'some-org/tiny' was not "
-            "found locally") in said
+    assert ("warning: step 3's reward model was not checked for a vocabulary unlike the actor's, nor step 3's "
+            "--prompt_format auto against step 2's (auto) for a layout unlike the one the reward model is trained on, "
+            "as the tokenizer does not load: tokenizer 'some-org/tiny' was not found locally") in said
+
+
+def test_a_reward_model_of_another_vocabulary_is_refused_by_a_dry_run_with_the_plans_other_problems(tmp_path,
+                                                                                                     monkeypatch):
+    """Step 3 refused a reward model whose tokenizer reads token ids otherwise than the actor's only as it started,
+    after steps 1 and 2 had run for hours; a dry run planned it. Refused while planning now, in step 3's words, with
+    the plan's other problems, from the tokenizers the layout check reads. Two models of one vocabulary without a pad
+    token (loading adds one to each, and steps 1 and 2 save it) are not refused, nor are the outputs they save, as
+    step 3 would not refuse them; one model under one format reads no tokenizer (the default run)."""
+    from training.pipeline import runner
+    from training.pipeline.cli import run as run_train_py
+
+    actor = make_tiny_model_dir(tmp_path / "actor", "llama", with_unk=False)
+    alike = make_tiny_model_dir(tmp_path / "alike", "llama", with_unk=False)
+    other = make_tiny_model_dir(tmp_path / "other", "llama", vocab_size=300, with_unk=False)
+    loaded = []
+    monkeypatch.setattr(runner, "load_tokenizer", lambda model, *args: loaded.append(model) or load_tokenizer(
+        model, *args))
+
+    def planned(reward: str, *flags: str) -> dict:
+        return run_train_py(["--actor-model", actor, "--reward-model", reward, "--output-dir", str(tmp_path / "out"),
+                             "--deployment-type", "cpu", "--dry-run", *flags])
+
+    with pytest.raises(UserError) as refused:
+        planned(other, "--lora_learning_rate", "1e-3", "--step1-args", "--lora_dim 8")
+    said = str(refused.value)
+    assert said.startswith("2 steps refuse their flags, before any step runs: step 2: --lora_learning_rate needs")
+    assert (f"; step 3: the reward/critic model {other} uses a different tokenizer from the actor; train the reward "
+            "model (step 2) from the same base model family as the actor") in said
+    assert set(planned(alike)["commands"]) == {1, 2, 3} and loaded == [actor, other, actor, alike]
+    step1, step2 = tmp_path / "step1", tmp_path / "step2"
+    for base, output in ((actor, step1), (alike, step2)):
+        shutil.copytree(base, output)
+        load_tokenizer(base).save_pretrained(output)  # as steps 1 and 2 save the tokenizer they loaded
+    (step2 / "reward_model.json").write_text("{}")
+    assert set(planned(alike, "--step", "3", "--step1-output", str(step1), "--step2-output", str(step2))[
+        "commands"]) == {3}
+    loaded.clear()
+    assert set(planned(actor)["commands"]) == {1, 2, 3} and loaded == []
 
 
 @pytest.mark.parametrize("given_port", [False, True])

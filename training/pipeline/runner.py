@@ -29,7 +29,7 @@ from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
 from training.placement.machine import check_gpus_per_node
 from training.placement.spec import AUTO
 from training.reliability.checkpointing import CheckpointManager
-from training.reliability.layouts import scored_layout_warning, tuned_layout_warning
+from training.reliability.layouts import check_same_vocabulary, scored_layout_warning, tuned_layout_warning
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import (
     args_of_model,
@@ -375,6 +375,7 @@ class PreparedRun:
     inputs: Inputs  # each step's model flags and their values
     runs_with: dict[int, dict[str, Any]]  # each step's flag values as its command line gives them
     hosts: list[Host] | None = None  # multi_node: the hostfile's lines
+    reward_warning: str | None = None  # `_reward_model_checked`'s, said with the plan
 
 
 def _parsed_step_commands(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
@@ -421,12 +422,12 @@ def _parse_step_command(config: PipelineConfig, step: int, user_flags: list[str]
 
 
 def _check_step_flags(config: PipelineConfig, parsed: Mapping[int, Any], world_size: int,
-                      on_this_device: bool) -> None:
+                      on_this_device: bool, refused: Mapping[int, str]) -> None:
     """Each step's own flag checks (its settings' `check_flags`, which the step runs when it starts), for the steps
     in `parsed`, on `world_size` ranks: a value a step refuses fails now, not after the steps before it trained; and,
     `on_this_device` (the ranks run on devices like this process's), the precisions they cannot compute in
     (`check_device`). train.py gives a flag to every step that takes it, so one meant for one step may reach another
-    that refuses it."""
+    that refuses it. `refused`: the problems planning found before (step 3's reward model), refused with these."""
     problems = {}
     for step, settings in parsed.items():
         if isinstance(settings, argparse.Namespace):  # a plain argparse CLI: no settings, no checks
@@ -440,6 +441,8 @@ def _check_step_flags(config: PipelineConfig, parsed: Mapping[int, Any], world_s
     routed_to_others = config.extra_args and len(problems) < len(parsed)  # a step took what another refuses
     hint = ("; train.py gives a flag to every step that takes it: to give one to some steps only, pass it in "
             f"{step_args_flags()}") if routed_to_others else ""
+    for step, problem in refused.items():
+        problems[step] = f"{problems[step]}; {problem}" if step in problems else problem
     _refuse_step_problems(problems, hint)
 
 
@@ -579,8 +582,10 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     # steps run on devices this process does not see
     on_this_device = (deployment is DeploymentType.CPU or hardware.num_gpus > 0
                       or not (config.dry_run or deployment is DeploymentType.MULTI_NODE))
+    runs_with = {step: values for step, (values, _) in flags.items()}
+    reward_warning, refused = _reward_model_checked(config, inputs, runs_with, finished)
     _check_step_flags(config, {step: settings for step, settings in parsed.items() if step not in finished},
-                      plan.world_size, on_this_device)
+                      plan.world_size, on_this_device, refused)
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
     _check_no_stale_checkpoints(config, finished, inputs, argvs)
     _check_resumed_world_size(config, plan, {step: argv for step, argv in argvs.items() if step not in finished})
@@ -591,8 +596,7 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
         else ["python", "-m", STEPS[step].module, *argvs[step]]
         for step in config.steps if step not in finished
     }
-    runs_with = {step: values for step, (values, _) in flags.items()}
-    return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with, hosts)
+    return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with, hosts, reward_warning)
 
 
 def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
@@ -678,7 +682,7 @@ def _layout_unlike_step_1(config: PipelineConfig, prepared: PreparedRun, step: i
     under the second, naming the flag as train.py takes it (`_checked_with_tokenizers`: or that it was not checked)."""
     given, tuned = formats
     return _checked_with_tokenizers(
-        config, (_tokenizer_model(config, prepared, 1, model),),
+        config, (_tokenizer_model(config, prepared.runs_with, 1, model),),
         lambda tokenizer: tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}",
                                                to_be_tuned=1 in prepared.commands,
                                                passing=f'--{STEPS[step].name}-args "--prompt_format {tuned}"'),
@@ -686,36 +690,52 @@ def _layout_unlike_step_1(config: PipelineConfig, prepared: PreparedRun, step: i
         "its model is tuned on")
 
 
-def _say_reward_layout_unlike_step_2(config: PipelineConfig, prepared: PreparedRun) -> None:
-    """Warn, before any step starts and in a dry run alike, where step 3 gives its reward model the actor's tokens
-    laid out otherwise than step 2 trains it on (`scored_layout_warning`, which step 3 says only as it starts, after
-    steps 1 and 2 ran): another chat template (a reward model of another family) or --prompt_format. Step 2's
+def _reward_model_checked(config: PipelineConfig, inputs: Inputs, runs_with: Mapping[int, Mapping[str, Any]],
+                          finished: Mapping[int, dict]) -> tuple[str | None, dict[int, str]]:
+    """Step 3's reward model against its actor, before any step starts and in a dry run alike (step 3 checks it only
+    as it starts, after steps 1 and 2 ran): the warning of `_reward_layout_warning`, and step 3's refusal of a reward
+    model whose vocabulary is not the actor's (`check_same_vocabulary`), refused with the steps' other problems."""
+    if 3 not in runs_with or 3 in finished:
+        return None, {}
+    try:
+        return _reward_layout_warning(config, inputs, runs_with, finished), {}
+    except UserError as error:
+        return None, {3: f"step 3: {error}"}
+
+
+def _reward_layout_warning(config: PipelineConfig, inputs: Inputs, runs_with: Mapping[int, Mapping[str, Any]],
+                           finished: Mapping[int, dict]) -> str | None:
+    """The warning where step 3 gives its reward model the actor's tokens laid out otherwise than step 2 trains it on
+    (`scored_layout_warning`): another chat template (a reward model of another family) or --prompt_format. Step 2's
     --prompt_format is the one it runs with in this run, else the one its run recorded; the tokenizers are read only
-    where the two models or the two formats differ."""
-    if 3 not in prepared.commands:
-        return
-    models = {source.from_step: model for source, model in prepared.inputs[3]}
+    where the two models or the two formats differ, and their vocabularies compared there (a `UserError`, as step 3
+    refuses: the tokenizers are those steps 1 and 2 save, each what `load_tokenizer` makes of its base model, a pad
+    token added alike)."""
+    models = {source.from_step: model for source, model in inputs[3]}
     if 2 not in models:  # scored by --reward_fn alone
-        return
-    given = prepared.runs_with[3][PROMPT_FORMAT]
-    trained = prepared.runs_with[2][PROMPT_FORMAT] if 2 in prepared.runs_with else trained_prompt_format(models[2])
-    actor, reward = (_tokenizer_model(config, prepared, step, models[step]) for step in (1, 2))
+        return None
+    given = runs_with[3].get(PROMPT_FORMAT)
+    trained = runs_with[2].get(PROMPT_FORMAT) if 2 in runs_with else trained_prompt_format(models[2])
+    actor, reward = (_tokenizer_model(config, runs_with, step, models[step]) for step in (1, 2))
     if actor == reward and given == trained:
-        return
-    warning = _checked_with_tokenizers(
-        config, (actor, reward),
-        lambda actor_tokenizer, reward_tokenizer: scored_layout_warning(
-            actor_tokenizer, given, reward_tokenizer, trained, models[2], to_be_trained=2 in prepared.commands),
-        f"step 3's --prompt_format {given} was not checked against step 2's ({trained}) for a layout unlike the one "
-        "its reward model is trained on")
-    if warning is not None:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
+        return None
+
+    def checked(actor_tokenizer, reward_tokenizer) -> str | None:
+        check_same_vocabulary(actor_tokenizer, reward_tokenizer, reward)
+        if given is None or trained is None:
+            return None
+        return scored_layout_warning(actor_tokenizer, given, reward_tokenizer, trained, models[2],
+                                     to_be_trained=2 in runs_with and 2 not in finished)
+    return _checked_with_tokenizers(
+        config, (actor, reward), checked,
+        f"step 3's reward model was not checked for a vocabulary unlike the actor's, nor step 3's --prompt_format "
+        f"{given} against step 2's ({trained}) for a layout unlike the one the reward model is trained on")
 
 
-def _tokenizer_model(config: PipelineConfig, prepared: PreparedRun, step: int, output: str) -> str:
+def _tokenizer_model(config: PipelineConfig, runs_with: Mapping[int, Any], step: int, output: str) -> str:
     """The model whose tokenizer lays out the conversations of `step`'s `output`: the base model it starts from where
     this run runs `step` (its output may not be saved yet) or skips it finished, else the output."""
-    return config.base_model(STEPS[step].inputs[0].model) if step in prepared.runs_with else output
+    return config.base_model(STEPS[step].inputs[0].model) if step in runs_with else output
 
 
 def _checked_with_tokenizers(config: PipelineConfig, models: tuple[str, ...], check: Callable[..., str | None],
@@ -950,7 +970,8 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
     _say_visible_devices_not_followed(prepared)
     _say_model_flags_unused(config, prepared.inputs)
     _say_layouts_unlike_step_1(config, prepared)
-    _say_reward_layout_unlike_step_2(config, prepared)
+    if prepared.reward_warning is not None:
+        print(f"warning: {prepared.reward_warning}", file=sys.stderr, flush=True)
     if config.dry_run:
         _say_output_dir_in_use(config)
     running = {step: prepared.runs_with[step] for step in prepared.commands}

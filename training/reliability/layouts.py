@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from training.reliability.run_records import args_of_model
 from utils.data import PromptFormatter
 from utils.data.tokenization import probe_tokens
+from utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -70,3 +71,14 @@ def scored_layout_warning(actor_tokenizer: PreTrainedTokenizerBase, prompt_forma
             f"{prompt_format}): its scores may not carry over. Train the reward model from a model whose tokenizer "
             "renders conversations as the actor's does, or with the --prompt_format under which both render them "
             "alike")
+
+
+def check_same_vocabulary(actor_tokenizer: PreTrainedTokenizerBase, critic_tokenizer: PreTrainedTokenizerBase,
+                          critic_path: str) -> None:
+    """The critic scores the actor's tokens one by one, so both must read token ids the same way: step 3 refuses
+    another vocabulary as it starts, and train.py while it plans."""
+    if actor_tokenizer.get_vocab() != critic_tokenizer.get_vocab():
+        raise UserError(
+            f"the reward/critic model {critic_path} uses a different tokenizer from the actor; train the "
+            "reward model (step 2) from the same base model family as the actor"
+        )
