@@ -538,6 +538,21 @@ def test_unsupervised_text_becomes_fixed_blocks(tmp_path, tok, caplog):
         build_unsupervised_dataset(str(wrong_column), tok, 8, 0, str(tmp_path / "cache"))
 
 
+@pytest.mark.parametrize("split", ["train", "data"])
+def test_a_json_object_of_text_rows_is_read_as_those_documents(tmp_path, split):
+    """{"train": [{"text": ...}, ...]} (or "data") was read as one row whose column is the split, as no row format reads
+    a text row, and refused 'has no 'text' column in any row (its rows have ['train'])'. A row of its own, an id beside
+    its messages, is still one row."""
+    from utils.data.unsupervised import load_texts
+
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps({split: [{"text": "first document"}, {"text": "second document"}], "version": 2}))
+    assert load_texts(str(corpus))[0] == ["first document", "second document"]
+    corpus.write_text(json.dumps({"id": 1, "turns": [{"role": "user", "content": "hi"}]}))
+    with pytest.raises(UserError, match=r"has no 'text' column in any row \(its rows have \['id', 'turns'\]\)"):
+        load_texts(str(corpus))
+
+
 def test_a_folder_of_text_files_is_read_as_a_text_file_is_each_file_in_name_order(tmp_path):
     """A folder of .txt files (a corpus of one document a file) was refused as holding no .json/.jsonl/.parquet files;
     a .csv beside them is refused as in any data folder, and an edited file changes the source's fingerprint."""

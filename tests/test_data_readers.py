@@ -683,6 +683,24 @@ def test_an_object_whose_one_list_holds_no_rows_is_one_row_in_a_json_file_as_on_
     assert load_source(parse_source_spec(f"{path}:hh_rlhf")).records == [row]
 
 
+def test_an_object_of_row_lists_no_format_detects_holds_records_and_a_lone_message_list_is_one_row(tmp_path):
+    """{"data": [{"chosen": ...}, ...]} with hh_rlhf stated was read as one record whose column is data, as no row
+    format detects a row of chosen alone; it holds records by its shape, every list a list of objects (a one-line
+    .jsonl of it is refused as such a document). A lone list of messages is a conversation: one row, in both."""
+    rows = [{"chosen": HH_CHOSEN}, {"chosen": HH_CHOSEN.replace("Blue", "Red")}]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"data": rows}))
+    assert load_source(parse_source_spec(f"{path}:hh_rlhf")).records == rows
+    path.rename(tmp_path / "rows.jsonl")
+    with pytest.raises(UserError, match=r"rows.jsonl is one JSON object of 2 records on one line, not JSON lines"):
+        load_source(parse_source_spec(f"{tmp_path / 'rows.jsonl'}:hh_rlhf"))
+    for suffix in (".json", ".jsonl"):
+        path = tmp_path / f"conversation{suffix}"
+        path.write_text(json.dumps({"turns": chat(("user", "hi"), ("assistant", "yo"))}) + "\n")
+        with pytest.raises(UserError, match=r"cannot tell the row format .* from its columns \['turns'\]"):
+            load_source(parse_source_spec(str(path)))
+
+
 def test_the_unsupervised_folder_fingerprint_leaves_out_the_files_its_reader_leaves_out(tmp_path):
     """Its own listing kept hidden and "_" files: a notebook's autosave changed the cache key (and train.py's record of
     a finished step's data) though no text read changed."""

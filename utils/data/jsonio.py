@@ -148,11 +148,21 @@ def _refuse_one_line_document(record, path: Path) -> None:
                     "orient=\"records\", lines=True))")
 
 
-def _are_rows(records: list) -> bool:
-    """Whether `records`, what an object's lists hold, are rows: objects, a row format reading the columns of one at
-    least. A row's own list holds its tags or its messages ({"rejected": "...", "tags": ["a", "b"]} is one row, not
-    a document of two records; a message's role and content are no row format's columns)."""
-    return all(isinstance(item, dict) for item in records) and any(detect_format(item) is not None for item in records)
+_MESSAGE_KEYS = ({"role", "content"}, {"from", "value"})
+
+
+def _holds_records(content: dict) -> bool:
+    """Whether an object no row format reads is a document of records, by its shape: its lists hold objects, and
+    only objects, none a chat message ({"train": [...], "test": [...]}, {"data": [...]}, beside scalars or objects
+    such as a version or pandas' schema). A row's own lists hold its tags or its messages: {"rejected": "...",
+    "tags": ["a", "b"]}, {"id": 1, "turns": [{"role": ..., "content": ...}]} and a lone message list are one row."""
+    held = [item for value in content.values() if isinstance(value, list) for item in value]
+    return bool(held) and all(isinstance(item, dict) and not _is_message(item) for item in held)
+
+
+def _is_message(item: dict) -> bool:
+    """Whether `item` is a chat message, as the message-list formats write one ({role, content} or {from, value})."""
+    return any(keys <= item.keys() for keys in _MESSAGE_KEYS)
 
 
 def _pandas_layout(content) -> str | None:
@@ -207,7 +217,8 @@ def _records_of(content) -> list:
     """The records of a .json file's document: an array's elements; an object of columns, the rows of that table
     (`_table_rows`); an object that is a row itself (its keys detect as a row format: `{"messages": [...],
     "tools": [...]}`) is one record; else the items of its lists, in name order (`{"train": [...], "test": [...]}`),
-    where they are rows (`_are_rows`), or the object is one record (`{"id": 1, "turns": [...]}`, a conversation)."""
+    where its shape says it holds records (`_holds_records`), or the object is one record (`{"id": 1, "turns": [...]}`,
+    a conversation)."""
     if isinstance(content, list):
         return content
     rows = _table_rows(content)
@@ -215,8 +226,9 @@ def _records_of(content) -> list:
         return rows
     if not isinstance(content, dict) or detect_format(content) is not None:
         return [content]
-    held = [item for _, value in sorted(content.items()) if isinstance(value, list) for item in value]
-    return held if _are_rows(held) else [content]
+    if not _holds_records(content):
+        return [content]
+    return [item for _, value in sorted(content.items()) if isinstance(value, list) for item in value]
 
 
 def _table_rows(content) -> list[dict] | None:
