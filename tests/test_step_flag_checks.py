@@ -139,9 +139,9 @@ def test_every_steps_refusal_is_reported_at_once_naming_its_step(tmp_path, tiny_
     with pytest.raises(UserError) as refused:
         train(tmp_path, model, "--step1-args=--offload", "--step3-args", "--top_p 0.9", "--dry-run")
     message = str(refused.value)
-    assert message.startswith("2 steps refuse their flags, before any step runs: step 1: --offload needs --zero_stage")
+    assert message.startswith("2 steps can't run as given, before any step runs: step 1: --offload needs --zero_stage")
     assert "; step 3: --top_p 0.9 / --top_k 0: step 3 samples rollouts from the full distribution" in message
-    with pytest.raises(UserError, match=r"^2 steps refuse their flags, before any step runs: step 1's flags do not "
+    with pytest.raises(UserError, match=r"^2 steps can't run as given, before any step runs: step 1's flags do not "
                                         r"parse .*--learnin_rate.*; step 3's flags do not parse .*--ema_beta"):
         train(tmp_path, model, "--step1-args", "--learnin_rate 1", "--step3-args", "--ema_beta x", "--dry-run")
     with pytest.raises(UserError, match=r"^step 3: --kl_in_loss with --kl_estimator k1: "):  # refused as parsed

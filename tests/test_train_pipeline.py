@@ -33,7 +33,7 @@ from training.pipeline.deployment import DeploymentType
 from training.pipeline.hardware import Hardware, model_size
 from training.pipeline.launch import StepStopped
 from training.pipeline.runner import run_pipeline
-from training.pipeline.steps import StepEntry
+from training.pipeline.steps import StepEntry, step_args_flags
 from training.reliability.checkpointing import CHECKPOINTS_SUBDIR, MARKER_FILE
 from training.reliability.run_lock import RunLock
 from training.reliability.run_records import ARGS_FILE, SUMMARY_FILE, save_run_args, save_summary
@@ -1777,7 +1777,7 @@ def test_a_reward_model_of_another_vocabulary_is_refused_by_a_dry_run_with_the_p
     with pytest.raises(UserError) as refused:
         planned(other, "--lora_learning_rate", "1e-3", "--step1-args", "--lora_dim 8")
     said = str(refused.value)
-    assert said.startswith("2 steps refuse their flags, before any step runs: step 2: --lora_learning_rate needs")
+    assert said.startswith("2 steps can't run as given, before any step runs: step 2: --lora_learning_rate needs")
     assert (f"; step 3: the reward/critic model {other} uses a different tokenizer from the actor; train the reward "
             "model (step 2) from the same base model family as the actor") in said
     assert set(planned(alike)["commands"]) == {1, 2, 3} and loaded == [actor, other, actor, alike]
@@ -1790,6 +1790,59 @@ def test_a_reward_model_of_another_vocabulary_is_refused_by_a_dry_run_with_the_p
         "commands"]) == {3}
     loaded.clear()
     assert set(planned(actor)["commands"]) == {1, 2, 3} and loaded == []
+
+
+def test_a_reward_model_of_another_vocabulary_is_refused_without_the_hint_on_flags(tmp_path):
+    """The hint that train.py gives a flag to every step that takes it was added to the refusal of a reward model of
+    another vocabulary wherever a flag went to every step (--max_steps 3), a refusal no flag causes; and several
+    steps' problems were headed 'refuse their flags'. The hint comes with flag problems alone, under a header true
+    of both kinds."""
+    from training.pipeline.cli import run as run_train_py
+
+    actor = make_tiny_model_dir(tmp_path / "actor", "llama")
+    other = make_tiny_model_dir(tmp_path / "other", "llama", vocab_size=300)
+
+    def refused(*flags: str) -> str:
+        with pytest.raises(UserError) as error:
+            run_train_py(["--actor-model", actor, "--reward-model", other, "--output-dir", str(tmp_path / "out"),
+                          "--deployment-type", "cpu", "--dry-run", *flags])
+        return str(error.value)
+
+    hint = "train.py gives a flag to every step that takes it"
+    said = refused("--max_steps", "3")
+    assert said.startswith(f"step 3: the reward/critic model {other} uses a different tokenizer") and hint not in said
+    said = refused("--lora_learning_rate", "1e-3", "--step1-args", "--lora_dim 8")
+    assert said.startswith("2 steps can't run as given, before any step runs: step 2: --lora_learning_rate needs")
+    assert said.endswith(f"{hint}: to give one to some steps only, pass it in {step_args_flags()}")
+
+
+def test_a_reward_base_without_the_chat_template_step_2_is_given_is_refused_as_step_2s(tmp_path, tiny_model_dir):
+    """Planning step 3's reward-model check refused any error inside it as step 3's: a template-less reward base
+    given --step2-args "--prompt_format chat_template" was refused as 'step 3: --prompt_format chat_template needs a
+    tokenizer with a chat template', naming the wrong step. It is step 2's."""
+    chat = tiny_model_dir("llama")
+    base = make_tiny_model_dir(tmp_path / "base", "llama", chat_template=False)  # the same vocabulary, no template
+    argv = ["--actor-model", chat, "--reward-model", base, "--output-dir", str(tmp_path / "out"), "--dry-run",
+            "--step2-args", "--prompt_format chat_template"]
+    with pytest.raises(UserError, match=r"^step 2: --prompt_format chat_template needs a tokenizer with a chat "):
+        run_pipeline(parse_config(argv), hardware=TWO_CORES)
+
+
+def test_planning_reads_each_models_tokenizer_once(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """Where step 3's --prompt_format differs from step 1's and the reward model is not the actor, both layout
+    checks run, and each read the actor's tokenizer: read twice per planning. Once now."""
+    from training.pipeline import runner
+
+    chat = tiny_model_dir("llama")
+    base = make_tiny_model_dir(tmp_path / "base", "llama", chat_template=False)
+    loaded = []
+    monkeypatch.setattr(runner, "load_tokenizer", lambda model, *args: loaded.append(model) or load_tokenizer(
+        model, *args))
+    argv = ["--actor-model", chat, "--reward-model", base, "--output-dir", str(tmp_path / "out"), "--dry-run",
+            "--step3-args", "--prompt_format human_assistant"]
+    run_pipeline(parse_config(argv), hardware=TWO_CORES)
+    assert "warning: the model " in capsys.readouterr().err  # the step-1 check ran, and the reward one read `base`
+    assert sorted(loaded) == sorted([chat, base])
 
 
 @pytest.mark.parametrize("given_port", [False, True])

@@ -24,6 +24,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NoReturn
 
+from transformers import PreTrainedTokenizerBase
+
 from training.core.args import flag_values, same_result_flags
 from training.core.model_loading import EMBEDDED_MODEL_NAME, load_tokenizer
 from training.placement.machine import check_gpus_per_node
@@ -51,6 +53,7 @@ from training.reliability.validation import check_folder_path, check_output_dir
 from training.rewards import load_reward_fn
 from utils.atomic import atomic_write_text
 from utils.data.args import SOURCE_FLAGS, flags_another_step_reads
+from utils.data.formatting import resolve_prompt_format
 from utils.data.sources import looks_local, parse_source_spec, source_fingerprint
 from utils.data.unsupervised import text_source_fingerprint
 from utils.errors import EXIT_BROKEN_PIPE, UserError
@@ -376,6 +379,8 @@ class PreparedRun:
     runs_with: dict[int, dict[str, Any]]  # each step's flag values as its command line gives them
     hosts: list[Host] | None = None  # multi_node: the hostfile's lines
     reward_warning: str | None = None  # `_reward_model_checked`'s, said with the plan
+    # each model's tokenizer (or why it does not load) as the planning checks read it, read once
+    tokenizers: dict[str, PreTrainedTokenizerBase | UserError] = field(default_factory=dict)
 
 
 def _parsed_step_commands(config: PipelineConfig, user_flags: Mapping[int, list[str]], argvs: Mapping[int, list[str]],
@@ -438,7 +443,8 @@ def _check_step_flags(config: PipelineConfig, parsed: Mapping[int, Any], world_s
                 settings.check_device()
         except UserError as error:
             problems[step] = f"step {step}: {error}"
-    routed_to_others = config.extra_args and len(problems) < len(parsed)  # a step took what another refuses
+    # a step took what another refuses
+    routed_to_others = config.extra_args and problems and len(problems) < len(parsed)
     hint = ("; train.py gives a flag to every step that takes it: to give one to some steps only, pass it in "
             f"{step_args_flags()}") if routed_to_others else ""
     for step, problem in refused.items():
@@ -452,7 +458,7 @@ def _refuse_step_problems(problems: Mapping[int, str], hint: str = "") -> None:
         return
     listed = "; ".join(problems[step] for step in sorted(problems))
     if len(problems) > 1:
-        listed = f"{len(problems)} steps refuse their flags, before any step runs: {listed}"
+        listed = f"{len(problems)} steps can't run as given, before any step runs: {listed}"
     raise UserError(listed + hint)
 
 
@@ -583,7 +589,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
     on_this_device = (deployment is DeploymentType.CPU or hardware.num_gpus > 0
                       or not (config.dry_run or deployment is DeploymentType.MULTI_NODE))
     runs_with = {step: values for step, (values, _) in flags.items()}
-    reward_warning, refused = _reward_model_checked(config, inputs, runs_with, finished)
+    tokenizers: dict[str, PreTrainedTokenizerBase | UserError] = {}
+    reward_warning, refused = _reward_model_checked(config, inputs, runs_with, finished, tokenizers)
     _check_step_flags(config, {step: settings for step, settings in parsed.items() if step not in finished},
                       plan.world_size, on_this_device, refused)
     _check_step_inputs(config, {step: argv for step, argv in argvs.items() if step not in finished})
@@ -596,7 +603,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
         else ["python", "-m", STEPS[step].module, *argvs[step]]
         for step in config.steps if step not in finished
     }
-    return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with, hosts, reward_warning)
+    return PreparedRun(plan, launcher, argvs, commands, finished, inputs, runs_with, hosts, reward_warning,
+                       tokenizers)
 
 
 def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
@@ -682,7 +690,7 @@ def _layout_unlike_step_1(config: PipelineConfig, prepared: PreparedRun, step: i
     under the second, naming the flag as train.py takes it (`_checked_with_tokenizers`: or that it was not checked)."""
     given, tuned = formats
     return _checked_with_tokenizers(
-        config, (_tokenizer_model(config, prepared.runs_with, 1, model),),
+        config, prepared.tokenizers, (_tokenizer_model(config, prepared.runs_with, 1, model),),
         lambda tokenizer: tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}",
                                                to_be_tuned=1 in prepared.commands,
                                                passing=f'--{STEPS[step].name}-args "--prompt_format {tuned}"'),
@@ -690,27 +698,39 @@ def _layout_unlike_step_1(config: PipelineConfig, prepared: PreparedRun, step: i
         "its model is tuned on")
 
 
+class _StepRefuses(UserError):
+    """A refusal of `step`'s found while planning, refused with the steps' flag problems."""
+
+    def __init__(self, step: int, error: UserError):
+        super().__init__(f"step {step}: {error}")
+        self.step = step
+
+
 def _reward_model_checked(config: PipelineConfig, inputs: Inputs, runs_with: Mapping[int, Mapping[str, Any]],
-                          finished: Mapping[int, dict]) -> tuple[str | None, dict[int, str]]:
+                          finished: Mapping[int, dict], tokenizers: dict[str, PreTrainedTokenizerBase | UserError]
+                          ) -> tuple[str | None, dict[int, str]]:
     """Step 3's reward model against its actor, before any step starts and in a dry run alike (step 3 checks it only
-    as it starts, after steps 1 and 2 ran): the warning of `_reward_layout_warning`, and step 3's refusal of a reward
-    model whose vocabulary is not the actor's (`check_same_vocabulary`), refused with the steps' other problems."""
+    as it starts, after steps 1 and 2 ran): the warning of `_reward_layout_warning`, and the refusals it finds (step
+    3's of a reward model whose vocabulary is not the actor's, a step's of a format its tokenizer cannot render),
+    refused with the steps' other problems."""
     if 3 not in runs_with or 3 in finished:
         return None, {}
     try:
-        return _reward_layout_warning(config, inputs, runs_with, finished), {}
-    except UserError as error:
-        return None, {3: f"step 3: {error}"}
+        return _reward_layout_warning(config, inputs, runs_with, finished, tokenizers), {}
+    except _StepRefuses as refusal:
+        return None, {refusal.step: str(refusal)}
 
 
 def _reward_layout_warning(config: PipelineConfig, inputs: Inputs, runs_with: Mapping[int, Mapping[str, Any]],
-                           finished: Mapping[int, dict]) -> str | None:
+                           finished: Mapping[int, dict], tokenizers: dict[str, PreTrainedTokenizerBase | UserError]
+                           ) -> str | None:
     """The warning where step 3 gives its reward model the actor's tokens laid out otherwise than step 2 trains it on
     (`scored_layout_warning`): another chat template (a reward model of another family) or --prompt_format. Step 2's
     --prompt_format is the one it runs with in this run, else the one its run recorded; the tokenizers are read only
-    where the two models or the two formats differ, and their vocabularies compared there (a `UserError`, as step 3
-    refuses: the tokenizers are those steps 1 and 2 save, each what `load_tokenizer` makes of its base model, a pad
-    token added alike)."""
+    where the two models or the two formats differ, and their vocabularies compared there (step 3's `_StepRefuses`,
+    as step 3 refuses: the tokenizers are those steps 1 and 2 save, each what `load_tokenizer` makes of its base
+    model, a pad token added alike), and each format checked against the tokenizer that renders it (a `_StepRefuses`
+    of the step whose format it is: step 2's, step 3's)."""
     models = {source.from_step: model for source, model in inputs[3]}
     if 2 not in models:  # scored by --reward_fn alone
         return None
@@ -721,15 +741,25 @@ def _reward_layout_warning(config: PipelineConfig, inputs: Inputs, runs_with: Ma
         return None
 
     def checked(actor_tokenizer, reward_tokenizer) -> str | None:
-        check_same_vocabulary(actor_tokenizer, reward_tokenizer, reward)
+        _refused_as(3, check_same_vocabulary, actor_tokenizer, reward_tokenizer, reward)
         if given is None or trained is None:
             return None
+        _refused_as(2, resolve_prompt_format, trained, reward_tokenizer)
+        _refused_as(3, resolve_prompt_format, given, actor_tokenizer)
         return scored_layout_warning(actor_tokenizer, given, reward_tokenizer, trained, models[2],
                                      to_be_trained=2 in runs_with and 2 not in finished)
     return _checked_with_tokenizers(
-        config, (actor, reward), checked,
+        config, tokenizers, (actor, reward), checked,
         f"step 3's reward model was not checked for a vocabulary unlike the actor's, nor step 3's --prompt_format "
         f"{given} against step 2's ({trained}) for a layout unlike the one the reward model is trained on")
+
+
+def _refused_as(step: int, check: Callable[..., object], *args: Any) -> None:
+    """`check(*args)`, its `UserError` raised as `step`'s refusal."""
+    try:
+        check(*args)
+    except UserError as error:
+        raise _StepRefuses(step, error) from None
 
 
 def _tokenizer_model(config: PipelineConfig, runs_with: Mapping[int, Any], step: int, output: str) -> str:
@@ -738,16 +768,30 @@ def _tokenizer_model(config: PipelineConfig, runs_with: Mapping[int, Any], step:
     return config.base_model(STEPS[step].inputs[0].model) if step in runs_with else output
 
 
-def _checked_with_tokenizers(config: PipelineConfig, models: tuple[str, ...], check: Callable[..., str | None],
-                             unchecked: str) -> str | None:
-    """`check`'s warning, given the tokenizers of `models` (each read once). Where one does not load (a hub model
-    offline whose tokenizer no cache holds), `unchecked`, saying why: the plan went on without the check before,
-    and the step that loads the tokenizer says so itself."""
+def _checked_with_tokenizers(config: PipelineConfig, tokenizers: dict[str, PreTrainedTokenizerBase | UserError],
+                             models: tuple[str, ...], check: Callable[..., str | None], unchecked: str) -> str | None:
+    """`check`'s warning, given the tokenizers of `models` (`_planned_tokenizer`). Where one does not load (a hub
+    model offline whose tokenizer no cache holds), `unchecked`, saying why: the plan went on without the check
+    before, and the step that loads the tokenizer says so itself."""
     try:
-        loaded = {model: load_tokenizer(model, config.trust_remote_code) for model in dict.fromkeys(models)}
+        loaded = [_planned_tokenizer(config, tokenizers, model) for model in models]
     except UserError as error:
         return f"{unchecked}, as the tokenizer does not load: {error}"
-    return check(*(loaded[model] for model in models))
+    return check(*loaded)
+
+
+def _planned_tokenizer(config: PipelineConfig, tokenizers: dict[str, PreTrainedTokenizerBase | UserError],
+                       model: str) -> PreTrainedTokenizerBase:
+    """`model`'s tokenizer, read once per planning into `tokenizers` (the layout checks of steps 1 and 2 both read
+    the actor's); one that does not load is refused alike each time, not read again."""
+    if model not in tokenizers:
+        try:
+            tokenizers[model] = load_tokenizer(model, config.trust_remote_code)
+        except UserError as error:
+            tokenizers[model] = error
+    if isinstance(read := tokenizers[model], UserError):
+        raise read
+    return read
 
 
 def _step_1_prompt_format(prepared: PreparedRun, model: str) -> str | None:
