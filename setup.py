@@ -20,7 +20,7 @@ setup(
         "sentencepiece",
         "safetensors",
         "tokenizers",
-        "filelock",
+        "filelock>=3.21",  # retries a lock file unlinked before it locked it (run_lock.py)
         "psutil",
         "tqdm",
         "tensorboard",

@@ -1,5 +1,6 @@
 """One run per output folder: a second run is refused with a clear message; a killed holder frees the folder."""
 import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -104,3 +105,45 @@ def test_a_run_taking_the_lock_while_a_dry_run_looks_at_it_is_not_refused(tmp_pa
             assert f'"pid": {os.getpid()}' in (tmp_path / OWNER_FILE).read_text()
     finally:
         looked.join()
+
+
+
+class HolderTidiesUpWhileWaitedOn(logging.Handler):
+    """Run A's end as a run refused while planning (runner's tidy-up: its lock files, then the folders it made, then
+    the lock) at the moment filelock logs that run B's attempt found the lock held and B waits."""
+
+    def __init__(self, holder: RunLock, made_by_holder):
+        super().__init__(logging.DEBUG)
+        self.holder, self.made_by_holder = holder, made_by_holder
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.holder._lock is None or "not acquired" not in record.getMessage():
+            return
+        assert self.holder.remove_files_if_alone()
+        for folder in (self.holder.output_dir, *self.holder.output_dir.parents):
+            folder.rmdir()
+            if folder == self.made_by_holder:
+                break
+        self.holder.release()
+
+
+def test_a_run_waiting_for_the_lock_takes_it_where_the_holder_removes_the_folder_it_made(tmp_path):
+    """Run B waits for the lock while run A, refused while planning, removes its lock files and the folders it made:
+    B makes the folder again and takes the lock, where it died on FileNotFoundError naming .run.lock; a third run is
+    then refused, B's lock being the one at the path."""
+    made_by_a = tmp_path / "new"
+    output_dir = made_by_a / "out"
+    tidy_up = HolderTidiesUpWhileWaitedOn(RunLock(output_dir).acquire(), made_by_a)
+    filelock_logger = logging.getLogger("filelock")
+    level = filelock_logger.level
+    filelock_logger.addHandler(tidy_up)
+    filelock_logger.setLevel(logging.DEBUG)
+    try:
+        with RunLock(output_dir):
+            assert tidy_up.holder._lock is None, "run A was not waited on"
+            assert (output_dir / LOCK_FILE).is_file() and (output_dir / OWNER_FILE).is_file()
+            with pytest.raises(UserError, match="is in use by another run"):
+                RunLock(output_dir).acquire()
+    finally:
+        filelock_logger.removeHandler(tidy_up)
+        filelock_logger.setLevel(level)

@@ -69,13 +69,27 @@ class RunLock:
         lock.release()
         return None
 
+    def _take_before(self, deadline: float) -> filelock.BaseFileLock | None:
+        """The lock, taken before `deadline` (time.monotonic), else None: another run holds it. The folder is made
+        again where the run that held it removed it meanwhile with its lock files (`remove_files_if_alone`: a run
+        refused while planning leaves no folder it created), as filelock does not remake a folder removed during a
+        wait. Two runs never both hold it: filelock (3.21 on) retakes a lock file unlinked while it waited to lock it."""
+        while True:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            lock = filelock.FileLock(str(self.output_dir / LOCK_FILE), timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                lock.acquire()
+                return lock
+            except filelock.Timeout:
+                return None
+            except FileNotFoundError:  # the folder removed between making it and locking in it
+                if time.monotonic() >= deadline:
+                    raise
+
     def _try_acquire(self) -> str | None:
         """Take the lock; None on success, else the holder's description."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        lock = filelock.FileLock(str(self.output_dir / LOCK_FILE), timeout=TAKER_WAIT_S)
-        try:
-            lock.acquire()
-        except filelock.Timeout:
+        lock = self._take_before(time.monotonic() + TAKER_WAIT_S)
+        if lock is None:
             return self._holder()
         if isinstance(lock, filelock.SoftFileLock):
             warnings.warn(f"{self.output_dir} does not support OS file locks; a crashed run's lock must be "
