@@ -979,9 +979,10 @@ def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refu
     ("node 1", "is not a host name"),
     (" node-1", "is not a host name"),
     ("-node", "is not a host name"),
-    ("10.0.0.999", r"the last not all digits\); an IPv4 address is four numbers from 0 to 255"),
+    ("10.0.0.999", r"not all of them all digits\); an IPv4 address is four numbers from 0 to 255"),
     ("1.2.3", "an IPv4 address is four numbers from 0 to 255"),
     ("node-1.cluster.local", None),
+    ("gpu.1", None),
     ("node01", None),
     ("10.0.0.1", None),
     ("fe80::1%eth0", None),
@@ -989,7 +990,8 @@ def test_the_master_port_and_address_reach_the_launcher_and_a_taken_port_is_refu
 def test_a_master_address_that_is_no_host_is_refused_naming_the_flag(tmp_path, master_addr, refused):
     """--master-addr reached every rank unchecked: an empty one, 'host:port', a URL or a space failed in torch's
     rendezvous on each node, naming neither the value nor the flag. '10.0.0.999' and '1.2.3' passed as host names
-    (all-digit parts were allowed, the last too)."""
+    (all-digit parts were allowed, the last too). 'gpu.1', whose last part alone is all digits, is a name some
+    clusters' /etc/hosts resolve (it was refused as the last part was all digits)."""
     from training.pipeline.cli import run
 
     hostfile = write(tmp_path / "hosts", "localhost slots=1\n")
@@ -1463,19 +1465,19 @@ def test_a_host_name_the_resolver_cannot_encode_is_refused_naming_its_line(tmp_p
 
 
 @pytest.mark.parametrize("host", ["10.0.0.999", "1.2.3", "10.1.0.1."])
-def test_a_hostfile_host_whose_last_part_is_all_digits_and_is_no_address_is_refused_naming_its_line(
+def test_a_hostfile_host_of_all_digit_parts_that_is_no_address_is_refused_naming_its_line(
         tmp_path, monkeypatch, host):
     """`10.0.0.999 slots=1` passed as a host name (--master-addr refuses it since 417b32b): the resolver looks it up
     as a name, found nowhere, and reads `1.2.3` as 1.2.0.3. Refused naming its line; an IP address and a name with
-    digits in it still read."""
+    digits in it still read, and so does `gpu.1`, whose last part alone is all digits."""
     monkeypatch.setattr(socket, "getaddrinfo", _stand_in_resolver)
     path = write(tmp_path / "hosts", f"node1 slots=2\n{host} slots=2\n")
     with pytest.raises(UserError, match=re.escape(f"{path}:2: host {host!r} is not a host name or an IP address (a "
-                                                  "name's last part between dots is not all digits); an IPv4 address "
+                                                  "name's parts between dots are not all digits); an IPv4 address "
                                                   "is four numbers from 0 to 255")):
         read_hostfile(path)
-    accepted = write(tmp_path / "other", "node01 slots=2\n10.1.0.2 slots=2\n2001:db8::7 slots=2\n")
-    assert [host.name for host in read_hostfile(accepted)] == ["node01", "10.1.0.2", "2001:db8::7"]
+    accepted = write(tmp_path / "other", "node01 slots=2\n10.1.0.2 slots=2\n2001:db8::7 slots=2\ngpu.1 slots=2\n")
+    assert [host.name for host in read_hostfile(accepted)] == ["node01", "10.1.0.2", "2001:db8::7", "gpu.1"]
 
 
 def test_each_launch_of_a_run_looks_its_master_address_up_once(monkeypatch, caplog):

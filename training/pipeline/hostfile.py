@@ -98,7 +98,7 @@ def lines_as_deepspeed_reads(path: Path) -> list[str]:
 def _check_host_name(hostfile: Path, number: int, name: str) -> None:
     """Refuse a host the system's resolver cannot be asked about (`a..b`): it encodes every name as IDNA, which
     fails on an empty part between dots or one over 63 characters. Refuse a mistyped IPv4 address too (`10.0.0.999`,
-    `1.2.3`), as --master-addr is refused: the resolver looks `10.0.0.999` up as a name and reads `1.2.3` as
+    `1.2.3`: parts all digits, and no address), as --master-addr is refused: the resolver looks `10.0.0.999` up as a name and reads `1.2.3` as
     1.2.0.3."""
     try:
         name.encode("idna")
@@ -107,16 +107,16 @@ def _check_host_name(hostfile: Path, number: int, name: str) -> None:
         raise UserError(f"{hostfile}:{number}: host {name!r} is not a valid host name ({reason}: each part between "
                         "dots must be 1 to 63 characters); write the node's name or address") from None
     if _is_mistyped_address(name):
-        raise UserError(f"{hostfile}:{number}: host {name!r} is not a host name or an IP address (a name's last part "
-                        f"between dots is not all digits); {_IPV4_FORM}; write the node's name or address")
+        raise UserError(f"{hostfile}:{number}: host {name!r} is not a host name or an IP address (a name's parts "
+                        f"between dots are not all digits); {_IPV4_FORM}; write the node's name or address")
 
 
 def check_host_or_address(value: str, flag: str) -> None:
     """Refuse a `flag` value that is neither a host name nor an IP address: the launcher hands it to every rank as
     rank 0's address, and torch's rendezvous failed there, on every node, on an empty one, 'host:port', a URL or a
-    space, with an error that named neither the value nor the flag. A name whose last part is all digits
-    ('10.0.0.999', '1.2.3') is neither (RFC 1123: a top-level part is not all digits): the resolver looks
-    '10.0.0.999' up as a name, and reads '1.2.3' as 1.2.0.3."""
+    space, with an error that named neither the value nor the flag. A name whose parts are all digits and is
+    no address ('10.0.0.999', '1.2.3') is neither: the resolver looks '10.0.0.999' up as a name, and reads '1.2.3'
+    as 1.2.0.3. A name whose last part alone is all digits (`gpu.1`) is one some clusters' /etc/hosts resolve."""
     if _is_ip_address(value) or _is_host_name(value):
         return
     if "://" in value:
@@ -128,18 +128,24 @@ def check_host_or_address(value: str, flag: str) -> None:
     else:
         hint = ""
     raise UserError(f"{flag} {value!r} is not a host name or an IP address (a name's parts between dots are letters, "
-                    f"digits, - and _, 1 to 63 of them, the last not all digits){hint}")
+                    f"digits, - and _, 1 to 63 of them, not all of them all digits){hint}")
 
 
 def _is_host_name(value: str) -> bool:
-    """Whether `value` is a host name: parts between dots of letters, digits, - and _, the last not all digits."""
-    return _HOST_NAME.fullmatch(value) is not None and not value.rstrip(".").rpartition(".")[2].isdigit()
+    """Whether `value` is a host name: parts between dots of letters, digits, - and _, not all of them all digits
+    (a dotted number is an address or none)."""
+    return _HOST_NAME.fullmatch(value) is not None and not _is_dotted_number(value)
 
 
 def _is_mistyped_address(value: str) -> bool:
-    """Whether `value` is written as a host name but its last part is all digits, and is no IP address either
-    (`10.0.0.999`, `1.2.3`): a mistyped IPv4 address, most likely."""
-    return _HOST_NAME.fullmatch(value) is not None and not _is_host_name(value) and not _is_ip_address(value)
+    """Whether `value` is parts of digits between dots and no IP address (`10.0.0.999`, `1.2.3`): a mistyped IPv4
+    address, most likely."""
+    return _HOST_NAME.fullmatch(value) is not None and _is_dotted_number(value) and not _is_ip_address(value)
+
+
+def _is_dotted_number(value: str) -> bool:
+    """Whether every part of `value` between dots (a trailing dot left out) is all digits."""
+    return all(part.isdigit() for part in value.rstrip(".").split("."))
 
 
 def _is_ip_address(value: str) -> bool:
