@@ -24,21 +24,25 @@ import pytest  # noqa: E402
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     """An empty stand-in hub cache (HF_HUB_OFFLINE set above); `put(name, config)` places a model in it as if
-    downloaded: its config.json alone, and each of `files` (a file name and its text) given."""
+    downloaded: its config.json alone, and each of `files` (a file name and its text, or bytes) given."""
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
     cache.mkdir()
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
 
-    def put(name: str, config: dict, files: dict[str, str] | None = None) -> None:
+    def put(name: str, config: dict, files: dict[str, str | bytes] | None = None) -> None:
         commit = "0" * 40
         repo = cache / f"models--{name.replace('/', '--')}"
         (repo / "snapshots" / commit).mkdir(parents=True)
         (repo / "refs").mkdir()
         (repo / "refs" / "main").write_text(commit)
         for file, text in {"config.json": json.dumps(config), **(files or {})}.items():
-            (repo / "snapshots" / commit / file).write_text(text)
+            path = repo / "snapshots" / commit / file
+            if isinstance(text, bytes):
+                path.write_bytes(text)
+            else:
+                path.write_text(text)
 
     return SimpleNamespace(path=cache, put=put)
 

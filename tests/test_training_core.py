@@ -222,6 +222,41 @@ def test_a_hub_tokenizer_no_cache_holds_says_so_offline(hub_cache, tiny_model_di
     assert load_tokenizer("some-org/tokenized").get_vocab() == load_tokenizer(str(model)).get_vocab()
 
 
+def _bpe_vocabulary_files(tokenizer_json: str) -> dict[str, str]:
+    """The vocab.json and merges.txt of a byte-level BPE tokenizer.json, as an older GPT-2 repo holds them alone."""
+    bpe = json.loads(tokenizer_json)["model"]
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in bpe["merges"]]
+    return {"vocab.json": json.dumps(bpe["vocab"]), "merges.txt": "".join(f"{merge}\n" for merge in ["#version: 0.2", *merges])}
+
+
+def _sentencepiece_model() -> bytes:
+    """A tiny sentencepiece tokenizer.model, as an older Llama repo holds it alone."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["the quick brown fox jumps over a lazy dog"] * 20),
+                                             model_writer=model, vocab_size=40, model_type="bpe", minloglevel=2)
+    return model.getvalue()
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_a_hub_tokenizer_cached_as_an_older_repo_holds_it_loads_offline(hub_cache, tiny_model_dir, model_type):
+    """Offline, a hub model whose cache holds config.json and only vocab.json/merges.txt (GPT-2) or tokenizer.model
+    (Llama), older repos without tokenizer_config.json or tokenizer.json, was refused as not found locally, as if no
+    tokenizer file were cached; it loads from them, as before 6c262ad."""
+    model = Path(tiny_model_dir(model_type, vocab_size=300))  # some merges beyond the byte alphabet
+    if model_type == "gpt2":
+        files = _bpe_vocabulary_files((model / "tokenizer.json").read_text())
+    else:
+        files = {"tokenizer.model": _sentencepiece_model()}
+    hub_cache.put("some-org/older", json.loads((model / "config.json").read_text()), files)
+    vocabulary = load_tokenizer("some-org/older").get_vocab()
+    cached = json.loads(files["vocab.json"]) if model_type == "gpt2" else {}
+    assert len(vocabulary) >= 40 and cached.items() <= vocabulary.items()
+
+
 def test_dtype_rules_on_cpu():
     assert resolve_dtype("fp32") == torch.float32
     assert resolve_dtype("bf16") == torch.bfloat16

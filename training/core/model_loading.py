@@ -66,7 +66,8 @@ __all__ = [
 
 _PAD_TOKEN = "<|pad|>"
 _ADAPTER_CONFIG = "adapter_config.json"  # a PEFT (LoRA) adapter saved alone, without its base model
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+# a tokenizer loads from any of these (older repos: sentencepiece's tokenizer.model, or BPE's vocab.json and merges.txt)
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAVED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # config.json's
 
@@ -302,9 +303,9 @@ def _hub_lookup_failure(path: str, what: str = "model") -> LocalEntryNotFoundErr
 
 def _uncached_hub_file(name: str, what: str) -> str | None:
     """The first file that hub name `name`'s `what` loads from and no cache holds: its config.json, then for a
-    tokenizer tokenizer_config.json where none of its files is cached (offline, transformers built one from the model
-    type alone: a GPT-2 tokenizer of no vocabulary, or an error asking for sentencepiece). None where all are cached,
-    or where `name` is no valid hub name (the loader says so)."""
+    tokenizer tokenizer_config.json where none of its files (`_TOKENIZER_FILES`) is cached (offline, transformers built
+    one from the model type alone: a GPT-2 tokenizer of no vocabulary, or an error asking for sentencepiece). None
+    where all are cached, or where `name` is no valid hub name (the loader says so)."""
     needed = [("config.json",), _TOKENIZER_FILES] if what == "tokenizer" else [("config.json",)]
     try:
         for files in needed:
