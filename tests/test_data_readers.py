@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from utils.data import load_source, parse_source_spec, phase_splits, read_rows
-from utils.data.jsonio import decode_array_prefix
+from utils.data.jsonio import decode_array_prefix, read_json_file
 from utils.data.samples import Sample, SkippedRows
 from utils.errors import UserError
 
@@ -699,6 +699,22 @@ def test_an_object_of_row_lists_no_format_detects_holds_records_and_a_lone_messa
         path.write_text(json.dumps({"turns": chat(("user", "hi"), ("assistant", "yo"))}) + "\n")
         with pytest.raises(UserError, match=r"cannot tell the row format .* from its columns \['turns'\]"):
             load_source(parse_source_spec(str(path)))
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_row_of_text_beside_a_list_of_objects_is_one_row_not_a_document_of_them(tmp_path, suffix):
+    """A row that carries its text beside a list of objects ({"text": ..., "spans": [{...}, ...]}, a question with
+    its sources) was taken for a document of those objects (23f6ba3's shape rule): a one-line .jsonl of it was
+    refused as 'one JSON object of 2 records', and a .json file gave the spans as its rows, refused by the
+    pretraining reader for 'no text column (its rows have ['end', 'start'])'. Both read the one row it is."""
+    from utils.data.unsupervised import load_texts
+
+    path = tmp_path / f"text{suffix}"
+    path.write_text(json.dumps({"text": "hello world", "spans": [{"start": 0, "end": 5}, {"start": 6, "end": 11}]}))
+    assert load_texts(str(path))[0] == ["hello world"]
+    row = {"question": "Why?", "answer": "Because.", "sources": [{"url": "a"}, {"url": "b"}]}
+    path.write_text(json.dumps(row))
+    assert read_json_file(path, path.name, SkippedRows()).records == [row]
 
 
 def test_the_unsupervised_folder_fingerprint_leaves_out_the_files_its_reader_leaves_out(tmp_path):

@@ -149,13 +149,19 @@ def _refuse_one_line_document(record, path: Path) -> None:
 
 
 _MESSAGE_KEYS = ({"role", "content"}, {"from", "value"})
+# columns whose text a row carries (the row formats' and pretraining text's): a document's own strings are metadata
+_ROW_TEXT_COLUMNS = frozenset({"text", "prompt", "response", "chosen", "rejected", "question", "answer", "completion",
+                               "instruction", "input", "output", "content", "context"})
 
 
 def _holds_records(content: dict) -> bool:
     """Whether an object no row format reads is a document of records, by its shape: its lists hold objects, and
     only objects, none a chat message ({"train": [...], "test": [...]}, {"data": [...]}, beside scalars or objects
-    such as a version or pandas' schema). A row's own lists hold its tags or its messages: {"rejected": "...",
-    "tags": ["a", "b"]}, {"id": 1, "turns": [{"role": ..., "content": ...}]} and a lone message list are one row."""
+    such as a version or pandas' schema), and it carries no row's text itself. A row's own lists hold its tags,
+    spans, sources or messages: {"rejected": "...", "tags": ["a", "b"]}, {"text": "...", "spans": [{...}]},
+    {"id": 1, "turns": [{"role": ..., "content": ...}]} and a lone message list are one row."""
+    if any(isinstance(content.get(column), str) for column in _ROW_TEXT_COLUMNS):
+        return False
     held = [item for value in content.values() if isinstance(value, list) for item in value]
     return bool(held) and all(isinstance(item, dict) and not _is_message(item) for item in held)
 
