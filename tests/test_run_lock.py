@@ -129,6 +129,20 @@ class HolderTidiesUpWhileWaitedOn(logging.Handler):
         self.holder.release()
 
 
+def test_a_run_that_removed_its_lock_files_leaves_the_next_holders_alone_when_it_releases(tmp_path):
+    """A run that removed its lock files (`remove_files_if_alone`) then released its lock, which unlinked the owner
+    file again: a run that had taken the folder in between lost its owner file, and a third run was told the lock's
+    holder is 'pid unknown'."""
+    output_dir = tmp_path / "out"
+    first = RunLock(output_dir).acquire()
+    assert first.remove_files_if_alone()
+    with RunLock(output_dir):
+        first.release()
+        assert (output_dir / OWNER_FILE).is_file()
+        with pytest.raises(UserError, match=f"pid {os.getpid()}"):
+            RunLock(output_dir).acquire()
+
+
 def test_a_run_waiting_for_the_lock_takes_it_where_the_holder_removes_the_folder_it_made(tmp_path):
     """Run B waits for the lock while run A, refused while planning, removes its lock files and the folders it made:
     B makes the folder again and takes the lock, where it died on FileNotFoundError naming .run.lock; a third run is

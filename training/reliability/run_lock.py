@@ -112,8 +112,9 @@ class RunLock:
 
     def remove_files_if_alone(self) -> bool:
         """While held, where the folder holds nothing but this lock's files (a run that ended before writing
-        anything): remove them, the lock file last, so the folder is as empty as before; whether it did. Removed while
-        held, the lock file is no other run's: one starting after makes its own."""
+        anything): remove them, the lock file last, so the folder is as empty as before, and release the lock; whether
+        it did. Removed while held, the lock file is no other run's: one starting after makes its own, and its owner
+        file is its own (a release after this one unlinks nothing)."""
         try:
             others = [path for path in self.output_dir.iterdir() if path.name not in (LOCK_FILE, OWNER_FILE)]
         except OSError:  # the folder gone or unreadable meanwhile: nothing to tidy
@@ -122,6 +123,8 @@ class RunLock:
             return False
         self.owner_path.unlink(missing_ok=True)
         (self.output_dir / LOCK_FILE).unlink(missing_ok=True)
+        self._lock.release()
+        self._lock = None
         return True
 
     def release(self) -> None:
