@@ -11,11 +11,12 @@ on; the others run earlier on random weights of SmolLM2's shape and say so in th
 the shape is what counts, with EOS ignored).
 
 Not all of the GPU work fits one session: `SESSIONS` holds what is left in the order it should be done, and
-`COMPLETED` each stage that has run to its target on the current code, with the result file that shows it. Three
-sessions have run, all on an H200 (`bench/results/gpu_session1_h200.json` to `gpu_session3_h200.json`: every stage's
+`COMPLETED` each stage that has run to its target on the current code, with the result file that shows it. Four
+sessions have run, all on an H200 (`bench/results/gpu_session1_h200.json` to `gpu_session4_h200.json`: every stage's
 seconds). The third (2026-11-27) ran the first planned session: all 39 GPU tests passed, train.py and step 3 ran
-without a skipped update, and step 2 reached its held-out accuracy target; what is left is the generation figures
-at 7B, batch 64 and with CUDA graphs on and off, and step 3 at a 1B shape. The last session reruns the GPU tests
+without a skipped update, and step 2 reached its held-out accuracy target. The fourth (2026-11-28) ran the next:
+generation at 7B and step 3 at a 1B shape, then the GPU tests again (39 passed) in the time left; what is left is
+the generation figures at batch 64 and with CUDA graphs on and off. The last session reruns the GPU tests
 before its figures, so changes made on CPU since session 3 are checked on a GPU. Minutes marked measured come from
 those sessions; the others are estimates. Each GPU session corrects them from its calls' `status.json` and moves
 what it ran out of `SESSIONS`.
@@ -46,15 +47,7 @@ class PlannedCall:
 
 SESSIONS = (
     (
-        # 7B random weights made on the GPU and written (~1), loaded twice (the frozen ZeRO-3 actor, the baseline's
-        # plain copy), compiled, timed (~4.5: hf at ZeRO-3 runs its layers' hooks at every token, the slowest backend)
-        PlannedCall(("generation_7b",), 6.0),
-        # 1.1B random weights and value model made (~1.5), step 3 at that shape (~3.5, FusedAdam compiled again on this
-        # fresh machine)
-        PlannedCall(("step3_1b",), 5.5),
-    ),
-    (
-        # pytest -m gpu on 6 workers again, on the code of that day (39 tests: 242 s measured in session 3)
+        # pytest -m gpu on 6 workers again, on the code of that day (39 tests: 242 s in session 3, 248 s in session 4)
         PlannedCall(("tests",), 4.5),
         # SmolLM2's shape (random weights) at batch 8 and 64: ~140 s each measured at batch 8 (the hf backend at ZeRO-3
         # 67 s of it, the static-cache baseline's compile 31 s); SmolLM2's and GPT-2's shapes with and without CUDA
@@ -66,6 +59,8 @@ SESSIONS = (
 # Stages that have run to their targets on the current code, each with the file under bench/results that shows it.
 COMPLETED = {
     "attention": "gpu_session3_h200.json",
+    "generation_7b": "generation_h200_llama-7b-random_zero3_b8_bf16_frozen.json",
+    "step3_1b": "step3_h200_llama-1b-random_zero3_bf16.json",
     "train": "pipeline_h200_single_gpu_fused_adam.json",
     "step3": "step3_h200_smollm2_zero3_bf16.json",
     "step2_quality": "step2_quality_h200_smollm2_bf16.json",
