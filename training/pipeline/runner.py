@@ -941,27 +941,26 @@ def run_pipeline(
         return (entries or {}).get(step) or STEPS[step].entry()
 
     check_not_under_a_launcher()
-    check_folder_path(config.output_dir, "--output-dir")
+    folder = check_folder_path(config.output_dir, "--output-dir")
     take_received_signal()  # a stop request before this run is not one for it
     stops = GracefulInterrupt(on_receipt="train.py ends before its next step (a step under way stops at its next "
                                          "checkpoint)", program="train.py", quiet_if_unread=True)
-    with _output_dir_lock(config), stops:
+    with _output_dir_lock(folder, config.dry_run), stops:
         report = _planned_and_run(config, entry, hardware or detect_hardware())
         _end_if_output_unread()
     return report
 
 
 @contextlib.contextmanager
-def _output_dir_lock(config: PipelineConfig) -> Iterator[None]:
-    """The lock train.py holds on its --output-dir from before it plans to its end: a second train.py there is
+def _output_dir_lock(folder: Path, dry_run: bool) -> Iterator[None]:
+    """The lock train.py holds on its --output-dir (`folder`, checked) from before it plans to its end: a second train.py there is
     refused at once, before it plans from step folders the first one writes, or writes its summary.json over the
     first's. Each step's own lock is on its run folder below (`RunLock`). A dry run writes nothing and takes none.
     A run that ends having written nothing there (refused while planning) leaves no lock file, nor the folders it
     created for it."""
-    if config.dry_run:
+    if dry_run:
         yield
         return
-    folder = check_folder_path(config.output_dir, "--output-dir")
     created = _topmost_missing(folder)
     with RunLock(check_output_dir(folder, "--output-dir"), flag="--output-dir") as lock:
         try:
