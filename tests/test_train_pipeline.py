@@ -726,15 +726,27 @@ def test_algorithm_dpo_runs_step_1_then_dpo_on_its_model(tmp_path, fakes):
     assert fakes.calls[1][1].output_dir == str(tmp_path / "out" / "dpo")
 
 
-def test_dpos_step_number_is_the_one_the_registry_gives_it_wherever_train_py_uses_it():
-    """DPO's number, 4, was written out in the step registry, --algorithm dpo's default steps, the check of --step
-    against --algorithm, its planner's quick-run budget and the name train.py's messages give it: one constant now."""
-    from training.pipeline.deployment import DPO_SAID, DPO_STEP, CpuQuickRun
-    from training.pipeline.steps import STEPS
+def test_dpo_is_step_4_wherever_a_user_meets_its_number(tmp_path, fakes, capsys):
+    """DPO's number is one constant (deployment.DPO_STEP); a wrong one shows where a user meets the number: the
+    --step they give (README: 'DPO as step 4'), DPO's key in summary.json, its column of the settings table, the
+    refusal of it under another --algorithm and the quick-run budget the cpu note names as step 4's (DPO)."""
+    from training.pipeline.deployment import CpuQuickRun, ModelSizes
+    from training.pipeline.hardware import ModelSize
+    from training.pipeline.planning import plan_cpu
 
-    assert STEPS[DPO_STEP].module == "step2_reward.dpo.main" and DPO_SAID == f"DPO (step {DPO_STEP})"
-    assert PipelineConfig(algorithm="dpo").steps == [1, DPO_STEP]
-    assert len(CpuQuickRun().step_budget_s) == len(STEPS)
+    run(common(tmp_path, fakes.model_dir) + ["--algorithm", "dpo", "--step", "1", "4"], fakes)
+    assert [call[0] for call in fakes.calls] == [1, 4]
+    assert list(json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]) == ["1", "4"]
+    said = capsys.readouterr().out
+    assert re.search(r"\nsetting +step 1 +step 4\n", said) and "\n=== step 4: DPO" in said and "\n4 DPO" in said
+    with pytest.raises(UserError, match=r"this run runs DPO \(step 4\) in its place; drop step 4, or give"):
+        run(common(tmp_path, fakes.model_dir) + ["--algorithm", "grpo", "--step", "4"], fakes)
+    quick = CpuQuickRun()
+    reference = ModelSize(int(quick.reference_params), 576, 30, 49152)  # a quick-run step costs dpo_step_s
+    plan = plan_cpu(ModelSizes(reference, reference), TWO_CORES, quick)
+    assert "for steps 1, 2, 3 and 4 (DPO)" in plan.notes[0]
+    dpo_budget_s = quick.step_budget_s[3] - quick.step_overhead_s[3]
+    assert plan.steps[4].flags["max_steps"] == int(dpo_budget_s / quick.dpo_step_s)
 
 
 def test_a_builtin_verifier_runs_steps_1_and_3_on_the_task_without_a_reward_model(tmp_path, tiny_model_dir):
