@@ -1709,6 +1709,23 @@ def test_a_step_laying_conversations_out_otherwise_than_step_1_tuned_is_warned_o
                                      "--dpo-args", "--prompt_format human_assistant")
 
 
+@pytest.mark.parametrize("flags, step", [
+    (["--algorithm", "dpo", "--dpo-args", "--prompt_format chat_template"], 4),
+    (["--algorithm", "dpo", "--step1-args", "--prompt_format chat_template"], 1),
+    (["--algorithm", "grpo", "--reward_fn", "builtin:math", "--step3-args", "--prompt_format chat_template"], 3),
+], ids=["dpo", "step_1", "step_3"])
+def test_a_chat_template_format_step_1s_tokenizer_cannot_render_is_refused_as_its_steps(tmp_path, tiny_model_dir,
+                                                                                     flags, step):
+    """The step-1 layout check renders both formats with step 1's tokenizer: one without a chat template ended the
+    plan in the formatter's bare '--prompt_format chat_template needs a tokenizer ...', naming no step, where the
+    other plan refusals name the step whose flag it is."""
+    model = tiny_model_dir("llama", chat_template=False)
+    argv = ["--actor-model", model, "--output-dir", str(tmp_path / "out"), "--dry-run", *flags]
+    with pytest.raises(UserError, match=rf"^step {step}: --prompt_format chat_template needs a tokenizer with a chat "
+                                        "template; use auto or human_assistant$"):
+        run_pipeline(parse_config(argv), hardware=TWO_CORES)
+
+
 def test_a_dry_run_whose_step_1_tokenizer_is_not_at_hand_says_the_layout_check_was_skipped(tmp_path, tiny_model_dir,
                                                                                           hub_cache, capsys):
     """Where step 3's --prompt_format differs from step 1's, the plan reads step 1's tokenizer: offline, with a hub

@@ -687,13 +687,17 @@ def _say_layouts_unlike_step_1(config: PipelineConfig, prepared: PreparedRun) ->
 def _layout_unlike_step_1(config: PipelineConfig, prepared: PreparedRun, step: int, model: str,
                           formats: tuple[str, str]) -> str | None:
     """`tuned_layout_warning` for `step`, given step 1's `model` under the first of `formats` where step 1 tunes it
-    under the second, naming the flag as train.py takes it (`_checked_with_tokenizers`: or that it was not checked)."""
+    under the second, naming the flag as train.py takes it (`_checked_with_tokenizers`: or that it was not checked).
+    A format the tokenizer cannot render is refused as the `_StepRefuses` of the step whose format it is."""
     given, tuned = formats
+
+    def checked(tokenizer: PreTrainedTokenizerBase) -> str | None:
+        _refused_as(1, resolve_prompt_format, tuned, tokenizer)
+        _refused_as(step, resolve_prompt_format, given, tokenizer)
+        return tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}", to_be_tuned=1 in prepared.commands,
+                                    passing=f'--{STEPS[step].name}-args "--prompt_format {tuned}"')
     return _checked_with_tokenizers(
-        config, prepared.tokenizers, (_tokenizer_model(config, prepared.runs_with, 1, model),),
-        lambda tokenizer: tuned_layout_warning(tokenizer, given, tuned, model, f"step {step}",
-                                               to_be_tuned=1 in prepared.commands,
-                                               passing=f'--{STEPS[step].name}-args "--prompt_format {tuned}"'),
+        config, prepared.tokenizers, (_tokenizer_model(config, prepared.runs_with, 1, model),), checked,
         f"step {step}'s --prompt_format {given} was not checked against step 1's ({tuned}) for a layout unlike the one "
         "its model is tuned on")
 
