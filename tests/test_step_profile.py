@@ -123,9 +123,22 @@ def test_a_failed_profiled_step_names_a_log_that_outlives_the_calibration(tmp_pa
     assert log.is_relative_to(calibration.cache_dir()) and "the profiled step failed" in log.read_text()
 
 
+def cache_holding_the_converted_embedded_model(folder: Path) -> Path:
+    """An XDG cache folder whose project cache links to this machine's converted embedded model (converting it
+    there first if it is not yet): a test that moves the cache keeps its files apart without dequantising the GGUF
+    again, which took more of the profiled step's test than the step itself."""
+    from training.core.embedded_model import embedded_model_path
+
+    models = Path(embedded_model_path()).parent
+    (folder / "rlhf_pipeline").mkdir(parents=True)
+    (folder / "rlhf_pipeline" / models.name).symlink_to(models, target_is_directory=True)
+    return folder
+
+
 def test_a_profiled_step3_on_one_rank_measures_every_call_kind(tmp_path, monkeypatch):
     """A real (tiny) step 3 with every call timed: each kind of call the cost model has gets a positive factor."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the step's log is kept
+    # where the step's log and data are kept
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_holding_the_converted_embedded_model(tmp_path / "cache")))
     machine = replace(MACHINE, devices_per_node=1)
     fitted = profile_corrections(machine, "fp32", 1, 1, TINY_PROFILE_MODEL, ProfileShape(batch=2, prompt_len=32,
                                                                                          answer_len=8, steps=2))
