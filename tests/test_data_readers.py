@@ -1028,6 +1028,24 @@ def test_a_transcript_pair_one_side_of_which_does_not_read_gives_step_3_the_othe
         assert (len(split.train), split.skipped) == (1, reasons)
 
 
+@pytest.mark.parametrize("row, reason", [
+    ({"rejected": "\n\nAssistant:"}, "missing:chosen"),
+    ({"chosen": "\n\nAssistant:", "rejected": "\n\nHuman: Sky?"}, "no_assistant_reply:rejected"),
+    ({"rejected": chat(("assistant", ""))}, "missing:chosen"),
+    ({"chosen": chat(("user", "Sky?")), "rejected": chat(("assistant", ""))}, "no_assistant_reply:chosen"),
+], ids=["hh_rlhf_no_chosen", "hh_rlhf_rejected_without_reply", "chat_no_chosen", "chat_chosen_without_reply"])
+def test_a_pair_whose_only_readable_side_is_blank_is_skipped_for_the_other_sides_reason(tmp_path, row, reason):
+    """A side that reads but holds no context (a bare empty assistant turn) has no prompt to give step 3: every step
+    reported such a row as `no_prompt`, pointing away from the side that holds, or should hold, the conversation
+    (and that holds its prompt where its reply is the part missing). Each step now reports the other side's reason,
+    as steps 1 and 2 did before step 3 kept one side's prompt."""
+    good = {"chosen": HH_SKY, "rejected": HH_SKY_BAD} if isinstance(row["rejected"], str) else TRL_IMPLICIT
+    path = write_jsonl(tmp_path / "rows.jsonl", [row, good])
+    for phase, data_split in ((1, "1,0,0"), (2, "0,1,0"), (3, "0,0,1")):
+        (split,) = phase_splits(phase, [path], data_split, seed=0, eval_fraction=0)
+        assert (len(split.train), split.skipped) == (1, {reason: 1}), phase
+
+
 class ReadCounting(dict):
     """A message that counts how often its fields are read."""
 

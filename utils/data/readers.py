@@ -111,7 +111,9 @@ def _paired_replies_or_prompt(record: dict, group: int,
                               reply_of: Callable[[str], tuple[list[dict], str]]) -> list[Sample]:
     """`_paired_replies`, or where one side does not read (a missing or empty `chosen`, a `rejected` without an
     assistant reply), the context of the side that does, alone with that reason: step 3 reads only the prompt, which
-    each side carries. Sides whose contexts differ, or a speaker the prompt formats have no turn for, give none."""
+    each side carries. Sides whose contexts differ, or a speaker the prompt formats have no turn for, give none; nor
+    does a side holding no context (a bare empty assistant turn): the row is skipped for the other side's reason,
+    which names the column that holds, or should hold, the conversation, not as `no_prompt`."""
     try:
         return _paired_replies(record, group, reply_of)
     except SkipRow as skip:
@@ -122,7 +124,8 @@ def _paired_replies_or_prompt(record: dict, group: int,
                 context, _ = reply_of(key)
             except SkipRow:
                 continue
-            return [Sample(tuple(context), group=group, reply_error=skip.reason)]
+            if context:
+                return [Sample(tuple(context), group=group, reply_error=skip.reason)]
         raise
 
 
