@@ -170,6 +170,44 @@ def test_a_masked_token_with_a_minus_inf_logit_adds_nothing_to_entropy_or_kl():
                                kl_from_logits(finite, torch.zeros(1, 1, 3), torch.ones(1, 1)) + math.log(4 / 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_probs_entropy_and_kl_are_those_of_the_tokenizers_ids_only(dtype):
+    """Columns from `tokenizer_size` on (a model's embedding rows beyond its tokenizer, which generation never draws)
+    are left out of every distribution, here made the most likely on purpose: the log-probs (and their gradient,
+    none beyond the tokenizer), entropies and exact KL equal those of the first columns alone."""
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(2, 3, 11).to(dtype), torch.randn(2, 3, 11).to(dtype)
+    logits[..., 8:] += 6.0
+    ref_logits[..., 8:] -= 6.0
+    labels = torch.randint(0, 8, (2, 3))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    padded, kept = logits.clone().requires_grad_(), logits[..., :8].clone().requires_grad_()
+    token_logprobs(padded, labels, 0.7, tokenizer_size=8).sum().backward()
+    expected = token_logprobs(kept, labels, 0.7)
+    expected.sum().backward()
+    torch.testing.assert_close(token_logprobs(logits, labels, 0.7, tokenizer_size=8), expected.detach())
+    assert torch.equal(padded.grad[..., :8], kept.grad) and torch.all(padded.grad[..., 8:] == 0)
+    torch.testing.assert_close(token_entropies(logits, 0.7, tokenizer_size=8), token_entropies(logits[..., :8], 0.7))
+    torch.testing.assert_close(kl_from_logits(logits, ref_logits, mask, 0.7, tokenizer_size=8),
+                               kl_from_logits(logits[..., :8], ref_logits[..., :8], mask, 0.7))
+
+
+def test_a_tokenizer_as_large_as_the_models_rows_changes_no_digit():
+    """A model whose rows are its tokenizer's (the default quick run's SmolLM2: 49,152 of each) computes exactly what
+    it did before the tokenizer's size was taken into account: bit for bit, log-probs, gradient, entropy and KL."""
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(2, 3, 11), torch.randn(2, 3, 11)
+    labels, mask = torch.randint(0, 11, (2, 3)), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    results = []
+    for tokenizer_size in (None, 11):
+        leaf = logits.clone().requires_grad_()
+        logprobs = token_logprobs(leaf, labels, 0.7, tokenizer_size)
+        logprobs.sum().backward()
+        results.append((logprobs.detach(), leaf.grad, token_entropies(logits, 0.7, tokenizer_size),
+                        kl_from_logits(logits, ref_logits, mask, 0.7, tokenizer_size)))
+    assert all(torch.equal(before, after) for before, after in zip(*results))
+
+
 def test_whiten_uses_only_masked_entries():
     x = torch.tensor([[1.0, 2.0, 3.0, GARBAGE], [5.0, GARBAGE, GARBAGE, GARBAGE]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])

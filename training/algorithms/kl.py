@@ -24,7 +24,7 @@ import torch
 
 from training.algorithms.core import LOG_RATIO_MAX, masked_mean
 from utils.registry import Registry
-from training.core.sequences import last_token_index
+from training.core.sequences import last_token_index, tokenizer_columns
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
@@ -55,16 +55,18 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
 
 
 def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """Exact KL(p || q) between the next-token distributions p = softmax(logits / T) and q = softmax(ref_logits / T),
-    summed over each row's masked positions: logits/ref_logits [B, T, V], mask [B, T] -> [B] (fp32).
+                   temperature: float = 1.0, tokenizer_size: int | None = None) -> torch.Tensor:
+    """Exact KL(p || q) between the next-token distributions p = softmax(logits / T) and q = softmax(ref_logits / T)
+    over the tokenizer's ids (the first `tokenizer_size` columns, those generation draws from; None: all), summed
+    over each row's masked positions: logits/ref_logits [B, T, V], mask [B, T] -> [B] (fp32).
 
     One row at a time in fp32, so no [B, T, V] log-softmax tensor is ever built.
     """
+    columns = tokenizer_columns(logits, tokenizer_size)
     per_row = []
     for row_logits, row_ref_logits, row_mask in zip(logits, ref_logits, mask):
-        log_p = torch.log_softmax(row_logits.float() / temperature, dim=-1)
-        log_q = torch.log_softmax(row_ref_logits.float() / temperature, dim=-1)
+        log_p = torch.log_softmax(row_logits[:, :columns].float() / temperature, dim=-1)
+        log_q = torch.log_softmax(row_ref_logits[:, :columns].float() / temperature, dim=-1)
         p = log_p.exp()
         per_position = torch.where(p > 0, p * (log_p - log_q), 0).sum(-1)  # 0 * log 0 is 0 (a -inf logit)
         per_row.append(torch.where(row_mask.bool(), per_position, torch.zeros_like(per_position)).sum())

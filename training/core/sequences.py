@@ -1,6 +1,11 @@
 """Tensor helpers over token sequences that every model call shares: positions from the attention
 mask, the last real token, and the log-probabilities of chosen tokens (the one definition that
-generation, the PPO trainer and the parity tests all use)."""
+generation, the PPO trainer and the parity tests all use).
+
+A model's embedding may hold rows beyond its tokenizer (Qwen2.5's 151,936 for 151,665 tokens), ids that generation
+never draws (training/generation/generator.py). Given `tokenizer_size`, log-probs and entropies are those of the
+distribution over the tokenizer's ids only, the one tokens are drawn from: the logits' columns from it on are left
+out, a chunk of rows at a time (no copy of the logits without them is made)."""
 from __future__ import annotations
 
 import torch
@@ -25,61 +30,74 @@ def _chunk_rows(vocab_size: int) -> int:
     return max(1, _CHUNK_ELEMENTS // max(vocab_size, 1))
 
 
+def tokenizer_columns(logits: torch.Tensor, tokenizer_size: int | None) -> int:
+    """How many leading columns of `logits` [..., V] hold the tokenizer's ids: `tokenizer_size`, or all V where it
+    is None or not smaller (a model whose rows are its tokenizer's)."""
+    vocab = logits.shape[-1]
+    return vocab if tokenizer_size is None else min(tokenizer_size, vocab)
+
+
 class _ChosenTokenLogprob(torch.autograd.Function):
-    """log_softmax(logits / T)[token] without a full-vocab log-softmax: the chosen logit minus a logsumexp
-    taken a chunk of rows at a time in fp32, and a backward that rebuilds each chunk's softmax from the saved
-    logits and per-row logsumexp. Only the logits (model dtype) and one fp32 number per row are kept for the
-    backward, instead of an fp32 copy of every logit."""
+    """log_softmax(logits[:, :C] / T)[token] without a full-vocab log-softmax (C: `tokenizer_columns`): the chosen
+    logit minus a logsumexp taken a chunk of rows at a time in fp32, and a backward that rebuilds each chunk's
+    softmax from the saved logits and per-row logsumexp (the columns from C on get no gradient). Only the logits
+    (model dtype) and one fp32 number per row are kept for the backward, instead of an fp32 copy of every logit."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                tokenizer_size: int | None) -> torch.Tensor:
         flat, chosen = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+        columns = tokenizer_columns(logits, tokenizer_size)
         out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
         log_z = torch.empty_like(out)
         step = _chunk_rows(flat.shape[-1])
         for start in range(0, flat.shape[0], step):
             rows = slice(start, start + step)
-            scaled = flat[rows].float() / temperature
+            scaled = flat[rows, :columns].float() / temperature
             log_z[rows] = torch.logsumexp(scaled, dim=-1)
             out[rows] = scaled.gather(-1, chosen[rows]).squeeze(-1) - log_z[rows]
         ctx.save_for_backward(logits, tokens, log_z)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.columns = temperature, columns
         return out.reshape(tokens.shape)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, tokens, log_z = ctx.saved_tensors
-        temperature = ctx.temperature
+        temperature, columns = ctx.temperature, ctx.columns
         flat, chosen = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
         grad_rows = grad_out.reshape(-1, 1).float() / temperature
         grad = torch.empty_like(flat)
+        grad[:, columns:] = 0
         step = _chunk_rows(flat.shape[-1])
         for start in range(0, flat.shape[0], step):
             rows = slice(start, start + step)
             # d/dx [x_c / T - logsumexp(x / T)] = (onehot(c) - softmax(x / T)) / T
-            probs = (flat[rows].float() / temperature - log_z[rows, None]).exp_().neg_()
+            probs = (flat[rows, :columns].float() / temperature - log_z[rows, None]).exp_().neg_()
             probs.scatter_add_(-1, chosen[rows], torch.ones_like(chosen[rows], dtype=probs.dtype))
-            grad[rows] = probs.mul_(grad_rows[rows])
-        return grad.reshape(logits.shape), None, None
+            grad[rows, :columns] = probs.mul_(grad_rows[rows])
+        return grad.reshape(logits.shape), None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / temperature)[token] in fp32: logits [..., V], tokens [...] -> [...].
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   tokenizer_size: int | None = None) -> torch.Tensor:
+    """log_softmax(logits / temperature)[token] in fp32 over the tokenizer's ids (the first `tokenizer_size`
+    columns; None: all): logits [..., V], tokens [...] -> [...].
 
     Computed as logit[token] - logsumexp(logits), a chunk of rows at a time, so no [..., V] log-softmax or
     fp32 copy of the logits is ever built (in the forward or the backward)."""
-    return _ChosenTokenLogprob.apply(logits, tokens, float(temperature))
+    return _ChosenTokenLogprob.apply(logits, tokens, float(temperature), tokenizer_size)
 
 
 @torch.no_grad()
-def token_entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy (nats) of softmax(logits / temperature) at every position: [..., V] -> [...] fp32, chunked like
-    `token_logprobs` (no gradient: a statistic)."""
+def token_entropies(logits: torch.Tensor, temperature: float = 1.0, tokenizer_size: int | None = None) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits / temperature) over the tokenizer's ids (as `token_logprobs`) at every
+    position: [..., V] -> [...] fp32, chunked like `token_logprobs` (no gradient: a statistic)."""
     flat = logits.reshape(-1, logits.shape[-1])
+    columns = tokenizer_columns(logits, tokenizer_size)
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     step = _chunk_rows(flat.shape[-1])
     for start in range(0, flat.shape[0], step):
-        scaled = flat[start:start + step].float() / temperature
+        scaled = flat[start:start + step, :columns].float() / temperature
         log_z = torch.logsumexp(scaled, dim=-1)
         probs = (scaled - log_z[:, None]).exp_()
         # 0 * log 0 is 0: a -inf logit (a masked token) would make the product nan
@@ -106,8 +124,9 @@ def answer_logits(
 
 def answer_logprobs(
     module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-    temperature: float = 1.0,
+    temperature: float = 1.0, tokenizer_size: int | None = None,
 ) -> torch.Tensor:
-    """The train-mode log-probabilities of the answer tokens at `temperature`: [B, N] (not masked)."""
+    """The train-mode log-probabilities of the answer tokens at `temperature` over the tokenizer's ids
+    (`token_logprobs`): [B, N] (not masked)."""
     logits = answer_logits(module, sequences, attention_mask, prompt_length)
-    return token_logprobs(logits, sequences[:, prompt_length:], temperature)
+    return token_logprobs(logits, sequences[:, prompt_length:], temperature, tokenizer_size)
