@@ -127,6 +127,27 @@ def test_policy_equal_to_reference_gives_zero_rewards_and_log_2_loss(tmp_path):
     assert objective.evaluate(model, [_pair_batch([([5, 6, 7], [5, 6, 8], 2)])])["accuracy"] == 0.0  # a tie is wrong
 
 
+def test_a_policy_with_rows_beyond_its_tokenizer_is_compared_over_the_tokenizers_ids(tmp_path, monkeypatch):
+    """A policy whose rows beyond the tokenizer hold nearly all of the whole distribution's mass (their logits made
+    large on purpose) beside a reference that is the same model but for those rows: the two are one policy over the
+    ids it is ever sampled from, so the implicit rewards are 0 (over every row they were several nats apart)."""
+    from tiny_models import make_padded_vocab_model_dir
+
+    from step2_reward.dpo import objective as dpo_objective
+
+    policy = load_causal_lm(make_padded_vocab_model_dir(tmp_path / "policy", extra_row_scale=50.0)).eval()
+    reference_dir = make_padded_vocab_model_dir(tmp_path / "reference")
+    reference = load_causal_lm(reference_dir).eval()
+    reference.destroy = lambda: None
+    monkeypatch.setattr(dpo_objective, "create_reference_engine", lambda *args, **kwargs: reference)
+    args = build_parser().parse_args(["--output_dir", str(tmp_path / "run"), "--model_name_or_path", reference_dir])
+    objective = DPOObjective(DPOArguments(beta=1.0))
+    with objective.reference_model(args, load_tokenizer(reference_dir)):
+        result = objective.pair_loss(policy, _pair_batch([([5, 6, 7], [5, 6, 8, 9], 2), ([4, 7, 7, 7], [4, 9], 1)]))
+    torch.testing.assert_close(torch.cat([result.chosen_rewards, result.rejected_rewards]), torch.zeros(4),
+                               atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--dpo_loss", "kto"], "unknown preference loss 'kto'; choose one of: hinge, ipo, sigmoid"),
     (["--dpo_beta", "0"], "--dpo_beta must be positive"),

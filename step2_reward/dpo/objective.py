@@ -17,13 +17,13 @@ from training.reliability.layouts import warn_tuned_on_other_layout
 from utils.dist import is_main_process, sum_over_ranks
 
 
-def answer_logprob_sums(module: torch.nn.Module,
-                        batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of a `PairwiseCollator` batch ([2B] rows): the sum of its answer tokens' log-probs (fp32)
-    and the number of those tokens; prompt tokens and padding excluded."""
+def answer_logprob_sums(module: torch.nn.Module, batch: Mapping[str, torch.Tensor],
+                        tokenizer_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a `PairwiseCollator` batch ([2B] rows): the sum of its answer tokens' log-probs (fp32, over the
+    tokenizer's ids: `token_logprobs`) and the number of those tokens; prompt tokens and padding excluded."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     # the log-probs of tokens 1.. (all but the first, which nothing predicts); the mask keeps each row's answer
-    logprobs = answer_logprobs(module, input_ids, attention_mask, prompt_length=1)
+    logprobs = answer_logprobs(module, input_ids, attention_mask, prompt_length=1, tokenizer_size=tokenizer_size)
     answer_starts = batch["prompt_lengths"].repeat(2)  # a pair's chosen and rejected rows share its prompt
     positions = torch.arange(1, input_ids.shape[1], device=input_ids.device)
     mask = (positions.unsqueeze(0) >= answer_starts.unsqueeze(1)) & attention_mask[:, 1:].bool()
@@ -38,6 +38,8 @@ class DPOObjective:
         self.settings = settings
         self.preference_loss = settings.preference_loss()
         self.reference: torch.nn.Module | None = None
+        # the tokenizer's ids, the only ones the tuned policy is ever sampled from (set with the reference)
+        self.tokenizer_size: int | None = None
 
     @contextmanager
     def reference_model(self, args: DPOSettings, tokenizer: PreTrainedTokenizerBase) -> Iterator[None]:
@@ -50,7 +52,7 @@ class DPOObjective:
             args.model.model_name_or_path, tokenizer, args.run.dtype_name, args.training.zero_stage,
             offload=self.settings.offload_reference_model, trust_remote_code=args.run.trust_remote_code,
         )
-        self.reference = engine
+        self.reference, self.tokenizer_size = engine, len(tokenizer)
         try:
             yield
         finally:
@@ -58,7 +60,7 @@ class DPOObjective:
             engine.destroy()
 
     def _sequence_logprobs(self, module: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        sums, counts = answer_logprob_sums(module, batch)
+        sums, counts = answer_logprob_sums(module, batch, self.tokenizer_size)
         return sums / counts if self.preference_loss.per_token_mean else sums
 
     def pair_loss(self, policy: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> PairLoss:
