@@ -238,9 +238,9 @@ class Rollout(Answers):
 
 
 def kl_in_groups(actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor], groups: RowGroups,
-                 temperature: float) -> torch.Tensor:
-    """The exact KL per answer [B] from both models' window logits of the same `groups`."""
-    return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), temperature)
+                 temperature: float, tokenizer_size: int | None) -> torch.Tensor:
+    """The exact KL per answer [B] over the tokenizer's ids from both models' window logits of the same `groups`."""
+    return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), temperature, tokenizer_size)
                          for actor, ref, window in zip(actor_logits, ref_logits, groups.windows, strict=True)])
 
 
@@ -273,13 +273,14 @@ class GroupedLogits:
                 per_row[row] = logits[index, logits.shape[1] - lengths[row]:]
         return [per_row[row] for row in range(len(lengths))]
 
-    def exact_kl(self, reference: "GroupedLogits", answers: Answers, temperature: float) -> torch.Tensor:
-        """KL(this model || `reference`) per answer [B]: in the shared groups' windows where both grouped the rows
-        alike (the co-located arithmetic), otherwise row by row on each row's answer logits."""
+    def exact_kl(self, reference: "GroupedLogits", answers: Answers, temperature: float,
+                 tokenizer_size: int | None) -> torch.Tensor:
+        """KL(this model || `reference`) per answer [B] over the tokenizer's ids: in the shared groups' windows where
+        both grouped the rows alike (the co-located arithmetic), otherwise row by row on each row's answer logits."""
         if self.grouped_like(reference):
-            return kl_in_groups(self.logits, reference.logits, self.groups(answers), temperature)
+            return kl_in_groups(self.logits, reference.logits, self.groups(answers), temperature, tokenizer_size)
         return torch.cat([kl_from_logits(mine[None], theirs[None], torch.ones(1, len(mine), device=mine.device),
-                                         temperature)
+                                         temperature, tokenizer_size)
                           for mine, theirs in zip(self.answer_logits(answers), reference.answer_logits(answers))])
 
 
@@ -537,13 +538,14 @@ class PPOTrainer:
                     parts["old_logprobs"] = rollout.logprobs
                     continue
                 with clock.time(f"score_{role}"):
-                    parts[f"{name}_logprobs"], logits = groups.answer_logprobs(model, config.temperature)
+                    parts[f"{name}_logprobs"], logits = groups.answer_logprobs(model, config.temperature,
+                                                                                self.tokenizer_size)
                 if with_exact_kl:
                     parts[f"{role}_logits"] = GroupedLogits(groups.rows, logits)
                 del logits
             if with_exact_kl and "actor_logits" in parts and "reference_logits" in parts:
                 parts["exact_kl"] = kl_in_groups(parts.pop("actor_logits").logits, parts.pop("reference_logits").logits,
-                                                 groups, config.temperature)
+                                                 groups, config.temperature, self.tokenizer_size)
             if "critic" in roles:
                 with clock.time("score_critic"):
                     parts["old_values"] = groups.answer_values(engine.critic)
@@ -652,9 +654,10 @@ class PPOTrainer:
         step = actor.global_steps + 1
 
         groups = RowGroups.of(experience.sequences, experience.attention_mask, experience.prompt_length, (actor,))
-        logprobs, logits = groups.answer_logprobs(actor, config.temperature)
+        logprobs, logits = groups.answer_logprobs(actor, config.temperature, self.tokenizer_size)
         policy = self.policy_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config)
-        entropy = masked_mean(groups.answer_entropies([part.detach() for part in logits], config.temperature), mask)
+        entropy = masked_mean(groups.answer_entropies([part.detach() for part in logits], config.temperature,
+                                                      self.tokenizer_size), mask)
         del logits
         check_finite("actor loss", policy.loss, step, group=self._group("actor"))
         objective, extra_stats = policy.loss, {}

@@ -221,6 +221,46 @@ def test_rollouts_sampled_at_a_temperature_are_trained_on_that_temperatures_logp
     assert stats["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
 
 
+def test_an_actor_with_rows_beyond_its_tokenizer_is_trained_on_the_distribution_its_rollouts_are_drawn_from(
+        distributed, inputs):
+    """An actor whose rows beyond the tokenizer hold nearly all of the whole distribution's mass (their logits made
+    large on purpose), beside a reference that is the same model but for those rows: the sampled policies are one,
+    so the generator's log-probs, the old and reference log-probs, the KL in the reward and the exact KL, and the
+    entropy are all those of the distribution over the tokenizer's ids (the trainer's were over every row: a log-ratio
+    of several nats to a policy that did not move)."""
+    from tiny_models import make_padded_vocab_model_dir
+
+    root = inputs["root"]
+    actor_dir = make_padded_vocab_model_dir(root / "padded_actor", extra_row_scale=50.0)
+    tokenizer = load_tokenizer(actor_dir)
+    settings = OptimizationSettings(learning_rate=1e-3, num_training_steps=1000, micro_batch_size=4)
+    engine = RLHFEngine(
+        create_train_engine(load_causal_lm(actor_dir, tokenizer, disable_dropout_layers=True), settings),
+        create_frozen_engine(load_causal_lm(make_padded_vocab_model_dir(root / "padded_reference"), tokenizer,
+                                            disable_dropout_layers=True)),
+        create_train_engine(RewardModel.from_pretrained(inputs["reward"], disable_dropout_layers=True), settings),
+        create_frozen_engine(RewardModel.from_pretrained(inputs["reward"], disable_dropout_layers=True)), tokenizer)
+    generator = RecordingGenerator(HybridEngine(engine.actor, HybridEngineSettings(enable=True)))
+    trainer = PPOTrainer(engine, generator, PPOConfig(max_answer_seq_len=8, temperature=0.7,
+                                                      recompute_old_logprobs=True))
+    torch.manual_seed(0)
+    experience = trainer.generate_experience(prompt_batch(tokenizer, 4))
+    seqs, mask, P = experience.sequences, experience.attention_mask, experience.prompt_length
+    action = experience.action_mask.bool()
+    with torch.no_grad():
+        logits = engine.actor.module(input_ids=seqs, attention_mask=mask,
+                                     position_ids=position_ids_from_attention_mask(mask)).logits[:, P - 1:-1]
+    drawn_from = torch.log_softmax(logits[..., :len(tokenizer)].float() / 0.7, -1)
+    expected = drawn_from.gather(-1, seqs[:, P:, None]).squeeze(-1)
+    for logprobs in (generator.last.logprobs, experience.old_logprobs, experience.ref_logprobs):
+        torch.testing.assert_close(logprobs[action], expected[action], atol=1e-4, rtol=0)
+    torch.testing.assert_close(experience.kl, torch.zeros(4), atol=1e-4, rtol=0)
+    torch.testing.assert_close(trainer.evaluate_prompts(prompt_batch(tokenizer, 4)).exact_kl, torch.zeros(4),
+                               atol=1e-4, rtol=0)
+    entropy = -(drawn_from.exp() * drawn_from).sum(-1)[action].mean()
+    assert trainer.train_rlhf(experience)["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
+
+
 def test_every_rollout_chooses_among_the_tokenizers_ids_only(distributed, inputs):
     """An actor's embedding may hold rows beyond its tokenizer (Qwen2.5's padding): ids that decode to nothing, which
     the generators keep out of a rollout when told the tokenizer's size (tests/test_hybrid_engine.py,

@@ -163,15 +163,20 @@ def make_tiny_model_dir(path: str | os.PathLike, arch: str = "llama", seed: int 
     return str(path)
 
 
-def make_padded_vocab_model_dir(path: str | os.PathLike, arch: str = "llama", extra_rows: int = 61) -> str:
+def make_padded_vocab_model_dir(path: str | os.PathLike, arch: str = "llama", extra_rows: int = 61,
+                                extra_row_scale: float = 1.0) -> str:
     """A tiny model folder whose embedding holds `extra_rows` rows beyond its tokenizer's ids, as Qwen2.5's 151,936 rows
     hold 151,665 tokens: ids the tokenizer decodes to nothing, which a draw from the whole (near uniform) distribution
-    of this untrained model picks about once in six tokens."""
+    of this untrained model picks about once in six tokens. `extra_row_scale` multiplies those rows of the output
+    head, so their logits spread that much wider: at 50 they hold nearly all of the whole distribution's mass."""
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     config = make_config(arch, len(tokenizer) + extra_rows, tokenizer.pad_token_id, tokenizer.eos_token_id,
                          tokenizer.bos_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[len(tokenizer):] *= extra_row_scale
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 

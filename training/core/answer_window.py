@@ -205,12 +205,13 @@ class RowGroups:
         device = per_group[0].device
         return torch.cat(per_group).index_select(0, torch.argsort(torch.cat(self.rows).to(device)))
 
-    def answer_logprobs(self, module: torch.nn.Module,
-                        temperature: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The answer tokens' log-probs [B, N] (fp32) and each group's window logits [b_g, W_g, V]."""
+    def answer_logprobs(self, module: torch.nn.Module, temperature: float,
+                        tokenizer_size: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The answer tokens' log-probs [B, N] (fp32, over the tokenizer's ids: `token_logprobs`) and each group's
+        window logits [b_g, W_g, V] (every column)."""
         logits = [window.logits(module, embeds)
                   for window, embeds in zip(self.windows, self.shared_embeddings(module))]
-        logprobs = [window.to_answers(token_logprobs(group_logits, window.answer_tokens(), temperature))
+        logprobs = [window.to_answers(token_logprobs(group_logits, window.answer_tokens(), temperature, tokenizer_size))
                     for window, group_logits in zip(self.windows, logits)]
         return self.merge(logprobs), logits
 
@@ -219,9 +220,11 @@ class RowGroups:
         return self.merge([window.to_answers(window.values(critic, embeds))
                            for window, embeds in zip(self.windows, self.shared_embeddings(critic))])
 
-    def answer_entropies(self, logits: list[torch.Tensor], temperature: float) -> torch.Tensor:
-        """The entropy of each answer position's distribution from the groups' logits: [B, N] fp32 (no gradient)."""
-        return self.merge([window.to_answers(token_entropies(group_logits, temperature))
+    def answer_entropies(self, logits: list[torch.Tensor], temperature: float,
+                         tokenizer_size: int | None = None) -> torch.Tensor:
+        """The entropy of each answer position's distribution over the tokenizer's ids from the groups' logits:
+        [B, N] fp32 (no gradient)."""
+        return self.merge([window.to_answers(token_entropies(group_logits, temperature, tokenizer_size))
                            for window, group_logits in zip(self.windows, logits)])
 
     def end_scores(self, reward_model: torch.nn.Module) -> torch.Tensor:

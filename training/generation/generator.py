@@ -12,7 +12,8 @@ Conventions shared by every backend:
   Top-k and top-p truncation are not reflected in it (the RLHF trainer refuses them for that reason);
 - no backend chooses an id from `GenerationConfig.tokenizer_size` on: a model's embedding may hold rows beyond its
   tokenizer (Qwen2.5's 151,936 for 151,665 tokens; `match_tokenizer` rounds a grown one up to a multiple of 8),
-  untrained ids that decode to nothing. Log-probs stay those of every row, as the training forward computes them;
+  untrained ids that decode to nothing. Log-probs are those of the distribution over the tokenizer's ids that drew
+  the token, which the training forward computes given the same size (`answer_logprobs(..., tokenizer_size=...)`);
 - an answer ends at its first stop token (`GenerationConfig.eos_token_id`: the EOS, and for a chat template whose
   turns end in another special token, that token: `PromptFormatter.stop_token_ids`), which it includes, or at
   `max_new_tokens`; answers are right-padded with `pad_token_id` after it; N is the longest answer in the batch;
@@ -209,7 +210,7 @@ class TokenChoice:
         tokens = self.select(logits, uniforms)
         if self.sync_tokens is not None:
             tokens = self.sync_tokens(tokens)
-        return tokens, token_logprobs(logits, tokens, self.temperature)
+        return tokens, token_logprobs(logits, tokens, self.temperature, self.tokenizer_size)
 
     def select(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
         """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B], among
@@ -391,7 +392,7 @@ class HFGenerator:
             input_ids,
             attention_mask,
             answers,
-            token_logprobs(logits, answers, config.logprob_temperature),
+            token_logprobs(logits, answers, config.logprob_temperature, config.tokenizer_size),
             answer_mask_from_tokens(answers, config.eos_token_id),
             config.pad_token_id,
         )
