@@ -187,9 +187,12 @@ def make_prompts(tokenizer, batch_size: int, prompt_length: int, context_tokens:
 
 
 @torch.no_grad()
-def logprob_diff_vs_train_forward(module: torch.nn.Module, out: GenerationOutput, temperature: float) -> dict[str, float]:
-    """Max and mean |reported log-prob - train forward's| over the generated tokens (at the sampling temperature)."""
-    train_logprobs = answer_logprobs(module, out.sequences, out.attention_mask, out.prompt_length, temperature)
+def logprob_diff_vs_train_forward(module: torch.nn.Module, out: GenerationOutput,
+                                  config: GenerationConfig) -> dict[str, float]:
+    """Max and mean |reported log-prob - train forward's| over the generated tokens (at the sampling temperature,
+    over the tokenizer's ids: the distribution `config` draws from, as step 3's trainer computes it)."""
+    train_logprobs = answer_logprobs(module, out.sequences, out.attention_mask, out.prompt_length,
+                                     config.logprob_temperature, config.tokenizer_size)
     diff = (train_logprobs - out.logprobs).abs()[out.answer_mask.bool()]
     return {"max": float(diff.max()), "mean": float(diff.mean())}
 
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              DecodeWork.of(engine.module, decode_dtype(args, backend)),
                                              copy_bandwidth)}
     fast = outputs["hybrid"]
-    logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config.logprob_temperature)
+    logprob_error = {backend: logprob_diff_vs_train_forward(engine.module, out, config)
                      for backend, out in outputs.items()}
     summary = {
         **provenance(device_name(current_device())),

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
-from tiny_models import make_tiny_model, make_tokenizer
+from tiny_models import make_padded_vocab_model_dir, make_tiny_model, make_tokenizer
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from transformers import AutoModelForCausalLM
 
 from bench.decode_floor import DecodeWork, copy_bandwidth_bytes_per_s, mean_decode_context
-from bench.generation import build_actor, make_prompts, parse_args
+from bench.generation import build_actor, logprob_diff_vs_train_forward, make_prompts, parse_args
 from training.core.model_loading import load_tokenizer
 from utils.errors import UserError
 
@@ -32,6 +32,21 @@ def test_a_decode_step_reads_every_weight_but_an_untied_input_embedding_and_each
     # the prefill yields token 1; steps 1..3 attend over 5 prompt columns and 1, 2, 3 answer columns
     assert mean_decode_context(prompt_width=5, steps=3) == (6 + 7 + 8) / 3
     assert mean_decode_context(prompt_width=5, steps=3, first_step=2) == (7 + 8) / 2
+
+
+def test_the_log_prob_parity_of_a_model_with_rows_beyond_its_tokenizer_is_over_the_tokenizers_ids(tmp_path):
+    """The benchmark's parity figure compares what step 3 compares: the generator's log-probs with the training
+    forward's over the tokenizer's ids (a model such as Qwen2.5 has rows beyond them, here holding nearly all of the
+    whole distribution's mass); over every row it reported the mass there as a parity error."""
+    from training.generation.generator import GenerationConfig, HFGenerator
+
+    folder = make_padded_vocab_model_dir(tmp_path / "padded", extra_row_scale=50.0)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), load_tokenizer(folder)
+    ids = torch.randint(3, len(tokenizer), (4, 5), generator=torch.Generator().manual_seed(0))
+    config = GenerationConfig(max_new_tokens=8, seed=0, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id,
+                              tokenizer_size=len(tokenizer))
+    out = HFGenerator(model).generate(ids, torch.ones_like(ids), config)
+    assert logprob_diff_vs_train_forward(model, out, config)["max"] < 1e-4
 
 
 def test_the_copy_bandwidth_counts_bytes_read_and_written():
