@@ -33,6 +33,28 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+LAUNCHED_BY = "RLHF_LAUNCHER"  # train.py's --launcher, set for the ranks where its program does not set RANK
+# the variables srun sets for each rank of a job step, by the name torch.distributed reads it under
+SLURM_RANK_VARIABLES = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
+
+
+def take_slurm_ranks() -> None:
+    """Under train.py's `--launcher slurm` srun starts each rank as `python -u main.py` (DeepSpeed's Slurm runner),
+    setting its own SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, not RANK, WORLD_SIZE and LOCAL_RANK: without them
+    every rank started a world of one on GPU 0, N runs writing the same folders. Read only where train.py says srun
+    started the ranks (`LAUNCHED_BY`): a script run inside an allocation sees the batch step's SLURM_NTASKS too."""
+    if os.environ.get(LAUNCHED_BY) != "slurm" or "RANK" in os.environ:
+        return
+    missing = [name for name in SLURM_RANK_VARIABLES.values() if name not in os.environ]
+    if missing:
+        raise UserError(f"{LAUNCHED_BY}=slurm says srun started this rank, but {', '.join(missing)} is not set; "
+                        "start the step through train.py's --launcher slurm, or unset it")
+    os.environ.update({name: os.environ[slurm_name] for name, slurm_name in SLURM_RANK_VARIABLES.items()})
+    nodes = os.environ.get("SLURM_STEP_NUM_NODES")
+    if nodes and nodes.isdigit() and int(nodes) > 0:
+        os.environ["LOCAL_WORLD_SIZE"] = str(int(os.environ["WORLD_SIZE"]) // int(nodes))
+
+
 def launcher_variables(env: Mapping[str, str]) -> list[str]:
     """The names in `env` a launcher set for its worker: a world of its own started from a worker drops them."""
     return [key for key in env if key in LAUNCHER_VARIABLES or key.startswith("TORCHELASTIC_")]
@@ -58,6 +80,7 @@ def init_distributed() -> None:
 
     with watching_build_locks():  # DeepSpeed's CPU communication op compiles at its first initialisation
         if not is_initialized():
+            take_slurm_ranks()
             accelerator = get_accelerator()
             if accelerator.device_name() != "cpu":
                 accelerator.set_device(get_local_rank())

@@ -17,6 +17,7 @@ from training.rewards.functions import is_builtin
 from utils.errors import UserError
 
 from .deployment import DPO_SAID, DPO_STEP, DeploymentType, Model, Workload
+from .launch import LAUNCHER_PROGRAMS, PDSH
 from .steps import STEPS, StepSpec, flag_value
 
 _ZERO_STAGES = (0, 1, 2, 3)
@@ -59,6 +60,13 @@ class PipelineConfig:
     master_addr: str | None = field(default=None, metadata={
         "help": "multi_node: the launcher's --master_addr, the first node's address the others reach (default: "
                 "the first address `hostname -I` gives on that node, asked over ssh)"})
+    launcher: str = field(default=PDSH, metadata={
+        "choices": tuple(LAUNCHER_PROGRAMS),
+        "help": "multi_node: the program DeepSpeed's launcher starts the ranks with: pdsh (over ssh, from this "
+                "machine), slurm (srun, train.py run inside the allocation), mpich or impi (their mpirun)"})
+    launcher_args: str | None = field(default=None, metadata={
+        "metavar": "ARGS",
+        "help": "multi_node: flags of the --launcher's program (pdsh, srun, mpirun), as one quoted string"})
     dry_run: bool = field(default=False, metadata={
         "help": "print the settings and the commands, check inputs, and stop"})
     # not flags: the parse's remaining flags (for the steps that accept them) and the per-step flags' values

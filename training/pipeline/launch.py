@@ -30,7 +30,7 @@ from training.reliability.signals import (
     say_from_handler,
 )
 from utils.atomic import atomic_write_text
-from utils.dist import free_port, launcher_variables
+from utils.dist import LAUNCHED_BY, free_port, launcher_variables
 from utils.errors import UserError
 
 from .deployment import DeploymentType
@@ -57,6 +57,17 @@ LOOPBACK = "127.0.0.1"  # rank 0's address for ranks all on this machine
 OTHER_NODES_ENV_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "NCCL_", "RLHF_", "XDG_CACHE_HOME")
 DS_ENV_FILE = "DS_ENV_FILE"  # names the env file (VAR=value lines) DeepSpeed's launcher exports on every node
 DEFAULT_DS_ENV_FILE = ".deepspeed_env"  # the env file's name where DS_ENV_FILE is unset, in ~ and the working folder
+PDSH = "pdsh"
+SLURM = "slurm"
+# train.py's --launcher choices: DeepSpeed's runner's own names for them (its openmpi and mvapich runners start each
+# rank as `python script` with no rank, world size or master address, which its ranks then find only through mpi4py)
+LAUNCHER_PROGRAMS = {PDSH: ("pdsh", "ssh"), SLURM: ("srun", "sinfo"), "mpich": ("mpirun",), "impi": ("mpirun",)}
+LAUNCHER_SETUP = {  # how to have a --launcher's programs on PATH
+    SLURM: "run train.py inside a Slurm allocation (sbatch or salloc) on a node with Slurm's commands (module load "
+           "slurm, where your cluster uses modules)",
+    "mpich": "install MPICH here and on every node (module load mpich; Debian, Ubuntu: apt-get install mpich)",
+    "impi": "load Intel MPI here and on every node (module load intel-mpi, or source its setvars.sh)",
+}
 
 
 def check_launcher_installed() -> None:
@@ -85,12 +96,27 @@ class Launcher:
     nodes: int = 1  # the hostfile's
     on_this_machine: bool = False  # multi_node: the hostfile's first node is the machine train.py runs on
     hosts: tuple[str, ...] = ()  # multi_node: the hostfile's nodes, by name
+    backend: str = PDSH  # multi_node: --launcher, the program DeepSpeed's launcher starts the ranks with
+    backend_args: str | None = None  # multi_node: --launcher-args, that program's own flags
+
+    @property
+    def through_nodes_launcher(self) -> bool:
+        """multi_node: the ranks start through --launcher's program (pdsh, srun, mpirun). Under pdsh but those of a
+        hostfile of this machine alone, which the launcher starts itself; under Slurm and MPI always: srun and mpirun
+        place the ranks in the allocation, which DeepSpeed's own start on this machine would leave."""
+        return self.deployment is DeploymentType.MULTI_NODE and (
+            self.backend != PDSH or self.nodes > 1 or not self.on_this_machine)
 
     @property
     def through_pdsh(self) -> bool:
         """multi_node: every node's ranks start through pdsh and a remote shell, but those of one node that is this
         machine, which the launcher starts itself."""
-        return self.deployment is DeploymentType.MULTI_NODE and (self.nodes > 1 or not self.on_this_machine)
+        return self.through_nodes_launcher and self.backend == PDSH
+
+    @property
+    def output_prefixes(self) -> tuple[str, ...]:
+        """The node names that may lead the ranks' output lines: pdsh's `node: ` prefix (srun and mpirun add none)."""
+        return self.hosts if self.backend == PDSH else ()
 
     @property
     def master_on_this_machine(self) -> bool:
@@ -102,7 +128,25 @@ class Launcher:
     def settles_port_at_launch(self) -> bool:
         """Whether `command_now` picks a free master port at each launch: every rank on this machine, none given. With
         ranks on other nodes it stays DeepSpeed's, which their firewalls may open alone."""
-        return not self.through_pdsh and self.master_port is None
+        return not self.through_nodes_launcher and self.master_port is None
+
+    @property
+    def rank_0_address(self) -> str:
+        """Under Slurm and MPI, where no ssh asks the first node: --master-addr, else the hostfile's first node (this
+        machine's host name where it names this machine as `localhost`, which other nodes read as themselves)."""
+        if self.master_addr is not None:
+            return self.master_addr
+        return socket.gethostname() if self.on_this_machine else self.hosts[0]
+
+    def ranks_env(self) -> dict[str, str]:
+        """What the ranks need in the launcher's environment that --launcher's program does not give them: under
+        Slurm, whose srun passes this environment on to every rank (DeepSpeed's `--export=ALL`) and sets only its own
+        SLURM_PROCID and the like, the launcher's name (`utils.dist` reads its rank from those) and rank 0's address
+        and port. DeepSpeed's mpich and impi runners set RANK, WORLD_SIZE and the master's address themselves."""
+        if not (self.through_nodes_launcher and self.backend == SLURM):
+            return {}
+        return {LAUNCHED_BY: SLURM, "MASTER_ADDR": self.rank_0_address,
+                "MASTER_PORT": str(self.master_port or DEEPSPEED_MASTER_PORT)}
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
@@ -110,9 +154,16 @@ class Launcher:
         if self.through_pdsh:
             check_remote_shell_tools()
             check_remote_shell_reads(script, step_argv)
+        elif self.through_nodes_launcher:
+            check_launcher_programs(self.backend)
         if self.deployment is DeploymentType.MULTI_NODE:
             command += ["--hostfile", str(self.hostfile)]
-            if self.through_pdsh and self.nodes == 1:  # else the launcher starts a single node's ranks on this one
+            if self.backend_args is not None:
+                command.append(f"--launcher_args={self.backend_args}")  # one word: a value may begin with a dash
+            if self.backend != PDSH:  # no ssh: srun or mpirun reaches the nodes
+                command += ["--launcher", self.backend, "--force_multi", "--no_ssh_check",
+                            "--master_addr", self.rank_0_address]
+            elif self.through_pdsh and self.nodes == 1:  # else the launcher starts a single node's ranks on this one
                 command.append("--force_multi")
             elif not self.through_pdsh:  # which it does itself, yet asks ssh first (and for rank 0's address)
                 command += ["--no_ssh_check", "--master_addr", self.master_addr or LOOPBACK]
@@ -143,7 +194,7 @@ class Launcher:
                             "(nvidia-smi -L gives their indices), else run with --deployment-type cpu")
         if self.settles_port_at_launch:
             return replace(self, master_port=free_port()).command(script, step_argv)
-        if not self.through_pdsh:
+        if not self.through_nodes_launcher:
             check_port_free(self.master_port)
         elif self.master_on_this_machine and self.master_port is None:
             check_port_free(DEEPSPEED_MASTER_PORT, "DeepSpeed's default master port",
@@ -191,19 +242,39 @@ def check_not_under_a_launcher() -> None:
         )
 
 
+def check_launcher_programs(backend: str) -> None:
+    """--launcher's programs must be on PATH here: DeepSpeed's launcher failed only as step 1 launched ("launcher
+    'slurm' not installed", or mpirun's FileNotFoundError), and a dry run said nothing."""
+    missing = [program for program in LAUNCHER_PROGRAMS[backend] if shutil.which(program) is None]
+    if missing:
+        raise UserError(
+            f"multi_node --launcher {backend}: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on "
+            f"PATH here, and DeepSpeed's {backend} launcher starts every rank with {LAUNCHER_PROGRAMS[backend][0]}; "
+            f"{LAUNCHER_SETUP[backend]}, or pick another --launcher")
+
+
+def check_same_slots(backend: str, hostfile: str, slots: Sequence[int]) -> None:
+    """DeepSpeed's Slurm and MPI runners start the same number of ranks on every node (srun -n, mpirun -ppn), and
+    failed with a traceback at launch on a hostfile whose nodes have different slots."""
+    if backend != PDSH and len(set(slots)) > 1:
+        raise UserError(f"{hostfile}: its nodes have {', '.join(map(str, slots))} slots, and DeepSpeed's {backend} "
+                        "launcher starts as many ranks on every node; give every node the same slots, or use "
+                        "--launcher pdsh")
+
+
 def check_remote_shell_tools() -> None:
     """On other nodes DeepSpeed's launcher starts the ranks with pdsh over ssh from this machine, and train.py passes
     a stop request on with pdsh too: without them on PATH the launcher failed as step 1 launched ("launcher 'pdsh' not
-    installed", or ssh's FileNotFoundError in its ssh check), and a dry run said nothing. train.py launches through
-    DeepSpeed's pdsh launcher alone: its stop command and its quoting checks are pdsh's."""
-    missing = [tool for tool in ("pdsh", "ssh") if shutil.which(tool) is None]
+    installed", or ssh's FileNotFoundError in its ssh check), and a dry run said nothing (`--launcher pdsh`, the
+    default: its stop command and its quoting checks are pdsh's)."""
+    missing = [tool for tool in LAUNCHER_PROGRAMS[PDSH] if shutil.which(tool) is None]
     if missing:
         raise UserError(
             f"multi_node: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH here, and "
-            "DeepSpeed's launcher starts the ranks on other nodes with pdsh over ssh from this machine (train.py "
-            "launches through its pdsh launcher only, not openmpi, mvapich, slurm, impi or mpich); install them "
-            "here (Debian, Ubuntu: apt-get install pdsh openssh-client; RHEL, Fedora: dnf install pdsh "
-            "pdsh-rcmd-ssh openssh-clients), or run on this node alone with --deployment-type single_node")
+            "DeepSpeed's launcher starts the ranks on other nodes with pdsh over ssh from this machine (--launcher "
+            "pdsh, the default); install them here (Debian, Ubuntu: apt-get install pdsh openssh-client; RHEL, "
+            "Fedora: dnf install pdsh pdsh-rcmd-ssh openssh-clients), or on a Slurm or MPI cluster pass --launcher "
+            "slurm, mpich or impi, or run on this node alone with --deployment-type single_node")
 
 
 # what a node's shell reads as itself, unquoted (DeepSpeed's test for its exports), less the `%` that pdsh reads first:

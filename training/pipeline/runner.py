@@ -65,11 +65,13 @@ from .failures import exception_cause
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, check_host_or_address, read_hostfile
 from .launch import (
+    PDSH,
     REPO_ROOT,
     Launcher,
     StepStopped,
     check_launcher_installed,
     check_not_under_a_launcher,
+    check_same_slots,
     env_for_other_nodes,
     format_command,
     is_this_machine,
@@ -162,7 +164,8 @@ def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hard
     if deployment is DeploymentType.MULTI_NODE:
         return Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
                         master_addr=config.master_addr, nodes=len(hosts),
-                        on_this_machine=is_this_machine(hosts[0].name), hosts=tuple(host.name for host in hosts))
+                        on_this_machine=is_this_machine(hosts[0].name), hosts=tuple(host.name for host in hosts),
+                        backend=config.launcher, backend_args=config.launcher_args)
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
     return Launcher(deployment, num_gpus=gpus, master_port=config.master_port)
 
@@ -172,7 +175,9 @@ def _hosts(config: PipelineConfig, deployment: DeploymentType) -> list[Host] | N
         return None
     if not config.hostfile:
         raise UserError("--deployment-type multi_node needs --hostfile FILE (one node a line: 'worker-1 slots=8')")
-    return read_hostfile(config.hostfile)
+    hosts = read_hostfile(config.hostfile)
+    check_same_slots(config.launcher, config.hostfile, [host.slots for host in hosts])
+    return hosts
 
 
 def _check_slots_of_this_machine(config: PipelineConfig, hosts: list[Host] | None, hardware: Hardware) -> None:
@@ -465,7 +470,9 @@ def _refuse_step_problems(problems: Mapping[int, str], hint: str = "") -> None:
 def _check_run_shape(config: PipelineConfig, deployment: DeploymentType) -> None:
     """Refuse train.py flags this run would drop unseen: --hostfile off multi_node, an --NAME-output of a step that
     runs (its output is made anew) or that no step of the run takes, an --algorithm that the steps run contradict."""
-    for flag, given in (("--hostfile", config.hostfile), ("--master-addr", config.master_addr)):
+    launcher = None if config.launcher == PDSH else config.launcher
+    for flag, given in (("--hostfile", config.hostfile), ("--master-addr", config.master_addr),
+                        ("--launcher", launcher), ("--launcher-args", config.launcher_args)):
         if given is not None and deployment is not DeploymentType.MULTI_NODE:
             raise UserError(f"{flag} is for --deployment-type multi_node; this run is {deployment.value}: drop "
                             f"{flag}, or pass --deployment-type multi_node")
@@ -621,7 +628,7 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
             print(f"launch: {format_command(command)}", flush=True)  # its master port is settled now
             run_subprocess(command, config.log_path(step), label, env=_launch_env(config, prepared.launcher),
                            stop_ranks=prepared.launcher.ranks_stop_command(STEPS[step].script(), prepared.argvs[step]),
-                           nodes=prepared.launcher.hosts)
+                           nodes=prepared.launcher.output_prefixes)
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
         raise _with_resume_hint(config, step, error) from error
@@ -630,9 +637,10 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: C
 
 
 def _launch_env(config: PipelineConfig, launcher: Launcher) -> dict[str, str]:
-    """The launcher's environment; through pdsh with the env file that carries what the ranks on other nodes need,
-    in the run's logs folder (`env_for_other_nodes`)."""
-    env = launcher_env(REPO_ROOT)
+    """The launcher's environment, with what --launcher's program does not give the ranks (`Launcher.ranks_env`);
+    through pdsh with the env file that carries what the ranks on other nodes need, in the run's logs folder
+    (`env_for_other_nodes`)."""
+    env = {**launcher_env(REPO_ROOT), **launcher.ranks_env()}
     if not launcher.through_pdsh:
         return env
     return env_for_other_nodes(env, config.output_dir / "logs" / OTHER_NODES_ENV_FILE)

@@ -1,0 +1,167 @@
+"""train.py's --launcher: multi_node ranks started through Slurm's srun or MPI's mpirun by DeepSpeed's launcher.
+
+No cluster here: stand-ins for srun and mpirun, first on PATH, record the command DeepSpeed's launcher builds from
+train.py's and the environment it gives them; the srun stand-in also starts the ranks here, with the variables srun
+sets for each task, to check that they find one another.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training.pipeline.config import PipelineConfig
+from training.pipeline.deployment import DeploymentType
+from training.pipeline.launch import Launcher
+from training.pipeline.runner import _launch_env
+from utils.dist import free_port
+from utils.errors import UserError
+
+# srun's stand-in: records its arguments and environment, then starts the rank command that follows DeepSpeed's
+# --export=ALL,... word once for each of its -n tasks, with those exports and the variables srun sets for a task
+FAKE_SRUN = """#!{python}
+import json, os, subprocess, sys
+args = sys.argv[1:]
+with open(os.environ["LAUNCHER_RECORD"], "w") as record:
+    json.dump({{"argv": args, "env": dict(os.environ)}}, record)
+tasks = int(args[args.index("-n") + 1])
+export = next(i for i, word in enumerate(args) if word.startswith("--export="))
+exported = dict(pair.split("=", 1) for pair in args[export][len("--export="):].split(",")[1:])
+ranks = [subprocess.Popen(args[export + 1:], env={{**os.environ, **exported, "SLURM_PROCID": str(task),
+                                                  "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": str(task),
+                                                  "SLURM_STEP_NUM_NODES": "1"}})
+         for task in range(tasks)]
+sys.exit(max(rank.wait() for rank in ranks))
+"""
+FAKE_RECORDER = """#!{python}
+import json, os, sys
+with open(os.environ["LAUNCHER_RECORD"], "w") as record:
+    json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, record)
+"""
+# a step's stand-in: joins the world as the steps do, and says where it stands in it
+RANK_SCRIPT = """import json, os, sys
+import torch
+import torch.distributed as torch_dist
+from utils.dist import init_distributed
+init_distributed()
+total = torch.tensor([float(torch_dist.get_rank())])
+torch_dist.all_reduce(total)
+with open(os.path.join(sys.argv[sys.argv.index("--output_dir") + 1], f"rank{torch_dist.get_rank()}.json"), "w") as f:
+    json.dump({"rank": torch_dist.get_rank(), "world": torch_dist.get_world_size(), "total": total.item(),
+               "local_rank": os.environ["LOCAL_RANK"], "master": os.environ["MASTER_ADDR"]}, f)
+"""
+
+
+def stand_ins(folder: Path, **programs: str) -> Path:
+    """`folder`/bin holding each program named, its source formatted with this python."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    for name, source in programs.items():
+        (bin_dir / name).write_text(source.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def launched(tmp_path: Path, monkeypatch, launcher: Launcher, bin_dir: Path, argv: list[str]) -> dict:
+    """Run train.py's command for `launcher` (DeepSpeed's launcher, the stand-ins first on PATH) in the environment
+    train.py gives it; return what the stand-in recorded."""
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("LAUNCHER_RECORD", str(tmp_path / "record.json"))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    command = launcher.command_now(script, argv)
+    env = _launch_env(PipelineConfig(output_dir=tmp_path / "out"), launcher)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {**json.loads((tmp_path / "record.json").read_text()), "script": str(script)}
+
+
+def hostfile(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_slurm_launch_runs_srun_whose_ranks_join_one_world(tmp_path, monkeypatch):
+    """Under --launcher slurm DeepSpeed's launcher runs `srun -n RANKS ... --export=ALL,... python -u SCRIPT FLAGS`,
+    which sets SLURM_PROCID and the like for each rank, not RANK or WORLD_SIZE: the steps started a world of one each
+    (every rank training alone on GPU 0); they now read srun's variables, and train.py gives them rank 0's address."""
+    bin_dir = stand_ins(tmp_path, srun=FAKE_SRUN, sinfo="#!/bin/sh\nexit 0\n")
+    port = free_port()
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "localhost slots=2\n"), nodes=1,
+                        on_this_machine=True, hosts=("localhost",), backend="slurm", backend_args="--partition=gpu",
+                        master_addr="127.0.0.1", master_port=port)
+    (tmp_path / "run").mkdir()
+    record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", str(tmp_path / "run")])
+    argv = record["argv"]
+    assert argv[:3] == ["-n", "2", "--partition=gpu"]
+    assert argv[argv.index(record["script"]) - 2:] == [sys.executable, "-u", record["script"], "--output_dir",
+                                                       str(tmp_path / "run")]
+    assert record["env"]["MASTER_PORT"] == str(port) and record["env"]["RLHF_LAUNCHER"] == "slurm"
+    ranks = [json.loads((tmp_path / "run" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks == [{"rank": rank, "world": 2, "total": 1.0, "local_rank": str(rank), "master": "127.0.0.1"}
+                     for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("backend", ["mpich", "impi"])
+def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch, backend):
+    """Under --launcher mpich or impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank
+    WORLD_SIZE and the master's address and port (its RANK from the MPI's own variables), with no ssh from this
+    machine: rank 0's address is the hostfile's first node unless --master-addr names one."""
+    bin_dir = stand_ins(tmp_path, mpirun=FAKE_RECORDER)
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n"),
+                        nodes=2, hosts=("node-a", "node-b"), backend=backend, backend_args="-iface ib0")
+    record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", "/runs/x"])
+    words = " ".join(record["argv"])
+    assert words.startswith("-n 4 -ppn 2 -iface ib0" if backend == "mpich" else "-ppn 2 -iface ib0")
+    assert "-genv MASTER_ADDR node-a -genv MASTER_PORT 29500 -genv WORLD_SIZE 4" in words
+    assert "-hosts node-a,node-b" in words
+    assert words.endswith(f"{record['script']} --output_dir /runs/x")
+    if backend == "impi":
+        assert f"-n 1 -env RANK 1 -env LOCAL_RANK 1 {sys.executable} -u {record['script']}" in words
+
+
+@pytest.mark.parametrize("backend, missing", [("slurm", "srun and sinfo are"), ("mpich", "mpirun is"),
+                                              ("impi", "mpirun is")])
+def test_a_launcher_whose_program_is_not_on_path_is_refused_by_a_dry_run(tmp_path, monkeypatch, backend, missing):
+    """DeepSpeed's launcher failed only as step 1 launched ("launcher 'slurm' not installed", mpirun not found), and
+    a dry run printed its commands. With the program on PATH (and no pdsh nor ssh) the command goes through it,
+    with no ssh check, on a hostfile of this machine alone too."""
+    from training.pipeline.cli import run
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    argv = ["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
+            "--launcher", backend, "--hostfile", hostfile(tmp_path, "localhost slots=1\n")]
+    with pytest.raises(UserError, match=f"^multi_node --launcher {backend}: {missing} not on PATH here.*"
+                                        f"or pick another --launcher"):
+        run(argv)
+    bin_dir = stand_ins(tmp_path, srun="", sinfo="", mpirun="")
+    monkeypatch.setenv("PATH", str(bin_dir))
+    command = run(argv)["commands"][1]
+    assert {"--launcher", backend, "--force_multi", "--no_ssh_check", "--master_addr"} <= set(command)
+
+
+@pytest.mark.parametrize("flags", [["--deployment-type", "cpu", "--launcher", "slurm"],
+                                   ["--deployment-type", "cpu", "--launcher-args", "-p gpu"]])
+def test_a_launcher_off_multi_node_is_refused(tmp_path, flags):
+    from training.pipeline.cli import run
+
+    flag = flags[2]
+    with pytest.raises(UserError, match=f"^{flag} is for --deployment-type multi_node; this run is cpu"):
+        run(["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", *flags])
+
+
+def test_a_hostfile_of_unequal_slots_is_refused_under_slurm_and_mpi_not_pdsh(tmp_path):
+    """DeepSpeed's Slurm and MPI runners start as many ranks on every node, and failed at launch with a traceback."""
+    from training.pipeline.cli import run
+
+    argv = ["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
+            "--hostfile", hostfile(tmp_path, "worker-1 slots=2\nworker-2 slots=1\n")]
+    with pytest.raises(UserError, match="its nodes have 2, 1 slots, and DeepSpeed's slurm launcher starts as many"):
+        run([*argv, "--launcher", "slurm"])
+    assert run(argv)["commands"][1]
