@@ -27,7 +27,7 @@ from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
 from step3_rlhf.ema import ModelEMA
-from step3_rlhf.ppo_trainer import Experience, PPOConfig, PPOTrainer, experience_stats
+from step3_rlhf.ppo_trainer import Answers, Experience, GroupedLogits, PPOConfig, PPOTrainer, experience_stats
 from step3_rlhf.rlhf_engine import RLHFEngine, build_rlhf_engine
 from training.algorithms import ADVANTAGE_ESTIMATORS, actor_loss, register_advantage_estimator
 from training.core.args import ModelTrainingConfig, apply_model_options
@@ -259,6 +259,23 @@ def test_an_actor_with_rows_beyond_its_tokenizer_is_trained_on_the_distribution_
                                atol=1e-4, rtol=0)
     entropy = -(drawn_from.exp() * drawn_from).sum(-1)[action].mean()
     assert trainer.train_rlhf(experience)["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
+
+
+def test_the_exact_kl_of_an_actor_and_a_reference_scored_apart_is_over_the_tokenizers_ids():
+    """A placement that scores the actor and the reference on different ranks pairs their rows' logits one by one
+    (`GroupedLogits.exact_kl`, rows grouped otherwise on each side): over the tokenizer's ids, the columns beyond it
+    (made the most likely here, and unlike on the two sides) add nothing."""
+    torch.manual_seed(0)
+    answers = Answers(torch.randint(0, 8, (3, 6)), torch.ones(3, 6, dtype=torch.long), 2, torch.ones(3, 4))
+    logits, ref_logits = torch.randn(3, 4, 11), torch.randn(3, 4, 11)
+    logits[..., 8:] += 6.0
+    one_group = [torch.arange(3)]
+    two_groups = [torch.tensor([0, 2]), torch.tensor([1])]
+    actor = GroupedLogits(one_group, [logits])
+    reference = GroupedLogits(two_groups, [ref_logits[[0, 2]], ref_logits[[1]]])
+    per_row = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=logits[..., :8] / 0.7),
+                                                torch.distributions.Categorical(logits=ref_logits[..., :8] / 0.7))
+    torch.testing.assert_close(actor.exact_kl(reference, answers, 0.7, tokenizer_size=8), per_row.sum(-1))
 
 
 def test_every_rollout_chooses_among_the_tokenizers_ids_only(distributed, inputs):
