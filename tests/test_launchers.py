@@ -165,3 +165,19 @@ def test_a_hostfile_of_unequal_slots_is_refused_under_slurm_and_mpi_not_pdsh(tmp
     with pytest.raises(UserError, match="its nodes have 2, 1 slots, and DeepSpeed's slurm launcher starts as many"):
         run([*argv, "--launcher", "slurm"])
     assert run(argv)["commands"][1]
+
+
+def test_a_cuda_visible_devices_is_not_said_unfollowed_under_slurm(tmp_path, monkeypatch, capsys):
+    """Through pdsh DeepSpeed's per-node launcher gives a hostfile's ranks GPUs 0 to slots - 1, and train.py warns
+    where CUDA_VISIBLE_DEVICES lists others; srun leaves the variable to the ranks (each takes the GPU of its local
+    rank among those it lists), so the warning was untrue there."""
+    from training.pipeline.cli import run
+
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path, srun='', sinfo='')}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    argv = ["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
+            "--hostfile", hostfile(tmp_path, "localhost slots=2\nworker-2 slots=2\n")]
+    run([*argv, "--launcher", "slurm"])
+    assert "CUDA_VISIBLE_DEVICES" not in capsys.readouterr().err
+    run(argv)
+    assert "CUDA_VISIBLE_DEVICES=2,3 is not followed" in capsys.readouterr().err

@@ -661,9 +661,10 @@ def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
     DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node whatever it says (selecting others
     takes its --include, which train.py does not pass), so a run restricted to GPUs 2 and 3 ran on 0 and 1, unsaid.
     Said only where one of those GPUs is not among those it lists (not for `0,1` beside `localhost slots=2`, as a
-    scheduler sets it), or it names GPUs otherwise than by index."""
+    scheduler sets it), or it names GPUs otherwise than by index; and only through pdsh: srun and mpirun leave the
+    variable to the ranks, each taking the GPU of its local rank among those it lists."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not (prepared.commands and visible is not None and prepared.hosts):
+    if not (prepared.commands and visible is not None and prepared.hosts and prepared.launcher.backend == PDSH):
         return
     listed = {int(index) for index in visible_gpus()}
     here = next((host for host in prepared.hosts
