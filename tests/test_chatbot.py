@@ -2,11 +2,15 @@
 import io
 import json
 import os
+import re
+import select
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from conftest import REPO_ROOT
@@ -325,13 +329,77 @@ def test_the_chat_decodes_by_its_flags_alone_not_the_checkpoints_generation_conf
     assert chat(["--path", str(banning), *argv]) == chat(["--path", model, *argv])
 
 
+def _printed(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def _fail_unended(bound_s: float, stdout: bytes | str | None, stderr: bytes | str | None) -> NoReturn:
+    pytest.fail(f"the chat did not end within {bound_s} s; it printed:\n{_printed(stdout)[-3000:]}\n"
+                f"and on standard error:\n{_printed(stderr)[-3000:]}")
+
+
+def run_chat_process(argv: list[str], bound_s: float = CHAT_PROCESS_BOUND_S, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run` of a chat process from the repository's folder. One still running after `bound_s` (it hangs,
+    or waits for input it never gets) is killed and fails the test with what it printed: TimeoutExpired named only
+    the command."""
+    try:
+        return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, check=False, timeout=bound_s, **kwargs)
+    except subprocess.TimeoutExpired as hung:
+        _fail_unended(bound_s, hung.stdout, hung.stderr)
+
+
+def _until_first_answer(child: subprocess.Popen, bound_s: float = CHAT_PROCESS_BOUND_S) -> tuple[bytes, bytes]:
+    """What `child` (its output and error piped) printed to its output and error up to its first answer's line, or
+    to its end. A chat that shows neither within `bound_s` is killed and fails the test with what it printed: a
+    blocking readline waited for it without end."""
+    printed, errors, deadline = b"", b"", time.monotonic() + bound_s
+    while not re.search(rb"(?m)^Assistant: .*\n", printed):
+        ready, _, _ = select.select([child.stdout, child.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            child.kill()
+            rest, more_errors = child.communicate()
+            _fail_unended(bound_s, printed + rest, errors + more_errors)
+        if child.stderr in ready:
+            errors += os.read(child.stderr.fileno(), 65536)
+        if child.stdout in ready:
+            chunk = os.read(child.stdout.fileno(), 65536)
+            if not chunk:  # it ended without an answer
+                break
+            printed += chunk
+    return printed, errors
+
+
+def _errors_once_ended(child: subprocess.Popen, given: bytes, bound_s: float = CHAT_PROCESS_BOUND_S) -> bytes:
+    """`child`'s standard error once it ends, `given` on its input; one still running after `bound_s` is killed and
+    fails the test with what it printed (to its output too, where that is still read)."""
+    try:
+        return child.communicate(given, timeout=bound_s)[1]
+    except subprocess.TimeoutExpired:
+        child.kill()
+        _fail_unended(bound_s, *child.communicate())
+
+
+def test_a_chat_process_that_never_answers_fails_its_test_at_the_bound_with_what_it_printed():
+    """The subprocess tests' waits on a chat that hangs: a readline without a bound hung the suite, and
+    subprocess.run's TimeoutExpired named the command alone."""
+    hangs = [sys.executable, "-c", ("import sys, time; print('Human: loading', flush=True); "
+                                    "print('stuck loading', file=sys.stderr, flush=True); time.sleep(120)")]
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)within 1 s; it printed:\nHuman: loading.*stuck loading"):
+        run_chat_process(hangs, bound_s=1)
+    for wait in (_until_first_answer, lambda child, bound_s: _errors_once_ended(child, b"hello\n", bound_s)):
+        with subprocess.Popen(hangs, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+            with pytest.raises(pytest.fail.Exception, match=r"(?s)within 1 s; .*stuck loading"):
+                wait(child, bound_s=1)
+            assert child.poll() is not None
+    assert time.monotonic() - started < 60
+
+
 def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     model = tiny_model_dir("gpt2")
-    result = subprocess.run(
+    result = run_chat_process(
         [sys.executable, "-m", "inference.chatbot", "--path", model, "--greedy", "--max_new_tokens", "4"],
-        input="hello\nclear\nhow are you\nquit\nignored\n", cwd=REPO_ROOT, env=step_env(), capture_output=True,
-        text=True, timeout=CHAT_PROCESS_BOUND_S,
-    )
+        input="hello\nclear\nhow are you\nquit\nignored\n", env=step_env(), text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Assistant: ") == 2
     assert "(conversation cleared)" in result.stdout and "ignored" not in result.stdout
@@ -349,9 +417,8 @@ def test_scripted_output_holds_the_answers_alone_and_deepspeeds_warnings_go_to_s
     model = tiny_model_dir("gpt2")
     argv = [arg.format(model=model) for arg in tool]
     env = {key: value for key, value in step_env().items() if key != "DS_ACCELERATOR"}
-    result = subprocess.run([sys.executable, *argv, "--max_new_tokens", "2"], cwd=REPO_ROOT, check=False,
-                            env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-                            timeout=CHAT_PROCESS_BOUND_S)
+    result = run_chat_process([sys.executable, *argv, "--max_new_tokens", "2"], env={**env, "CUDA_VISIBLE_DEVICES": ""},
+                              text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith(first_line), result.stdout[:300]
     assert "Setting accelerator to CPU" in result.stderr
@@ -362,10 +429,9 @@ def test_a_line_that_is_not_utf8_text_is_refused_and_the_chat_goes_on(tiny_model
     strictly (a UTF-8 locale), else the tokenizer's TypeError on the byte Python kept as a lone surrogate (as it
     keeps an argument's: the next test)."""
     model = tiny_model_dir("gpt2")
-    result = subprocess.run(
+    result = run_chat_process(
         [sys.executable, "-m", "inference.chatbot", "--path", model, "--greedy", "--max_new_tokens", "4"],
-        input="hello\ncafé\nhow are you\n".encode("latin-1"), cwd=REPO_ROOT, capture_output=True,
-        env={**step_env(), "PYTHONIOENCODING": "utf-8:strict"}, check=False, timeout=CHAT_PROCESS_BOUND_S)
+        input="hello\ncafé\nhow are you\n".encode("latin-1"), env={**step_env(), "PYTHONIOENCODING": "utf-8:strict"})
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     printed = result.stdout.decode()
     assert "Human: caf\\udce9\nAssistant: (not answered: this message is not UTF-8 text (byte 0xe9 at character 4);" \
@@ -402,10 +468,10 @@ def test_a_reader_of_the_answers_that_leaves_ends_the_chat_without_a_traceback(t
          "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT, env=step_env())
     child.stdin.write(b"hello\n")
     child.stdin.flush()
-    answered = any(line.startswith(b"Assistant: ") for line in iter(child.stdout.readline, b""))
+    printed, errors = _until_first_answer(child)
     child.stdout.close()  # the reader leaves after the first answer
-    _, errors = child.communicate(b"and again\n", timeout=CHAT_PROCESS_BOUND_S)
-    assert answered and child.returncode == 141, errors.decode()[-3000:]
+    errors += _errors_once_ended(child, b"and again\n")
+    assert re.search(rb"(?m)^Assistant: ", printed) and child.returncode == 141, errors.decode()[-3000:]
     assert b"Traceback" not in errors and b"BrokenPipeError" not in errors
 
 
@@ -728,8 +794,6 @@ def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: b
     message it reads printed as MESSAGE 'text', until a quit command. Without `readline`, the chat's Python has no
     readline module (plain `input`)."""
     pty = pytest.importorskip("pty")
-    import select
-    import time
 
     child, terminal = pty.fork()
     if child == 0:  # the chat's prompt on a terminal
