@@ -611,7 +611,8 @@ def test_ctrl_c_while_the_model_answers_stops_that_answer_and_the_chat_goes_on()
     chat_session.model.forward = pressed_before_the_first_token
     out = io.StringIO()
     assert converse(chat_session, ["more"], out, interactive=True) == []
-    assert out.getvalue() == "Assistant: (stopped)\n\n" and len(chat_session.history) == 6  # nothing shown, nothing kept
+    # nothing shown, nothing kept
+    assert out.getvalue() == "Assistant: (stopped)\n\n" and len(chat_session.history) == 6
 
 
 @pytest.mark.parametrize("key", [EOFError, KeyboardInterrupt])

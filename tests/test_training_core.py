@@ -226,7 +226,8 @@ def _bpe_vocabulary_files(tokenizer_json: str) -> dict[str, str]:
     """The vocab.json and merges.txt of a byte-level BPE tokenizer.json, as an older GPT-2 repo holds them alone."""
     bpe = json.loads(tokenizer_json)["model"]
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in bpe["merges"]]
-    return {"vocab.json": json.dumps(bpe["vocab"]), "merges.txt": "".join(f"{merge}\n" for merge in ["#version: 0.2", *merges])}
+    return {"vocab.json": json.dumps(bpe["vocab"]),
+            "merges.txt": "".join(f"{merge}\n" for merge in ["#version: 0.2", *merges])}
 
 
 def _sentencepiece_model() -> bytes:
@@ -393,7 +394,8 @@ def test_save_then_load_gives_identical_logits(distributed, tiny_model_dir, tmp_
 def test_lora_saved_merged_matches_unmerged(distributed, tiny_model_dir, tmp_path, arch, module_name):
     path = tiny_model_dir(arch)
     tokenizer = load_tokenizer(path)
-    model = apply_lora(load_causal_lm(path, tokenizer), lora_dim=4, lora_module_name=module_name, only_optimize_lora=True)
+    model = apply_lora(load_causal_lm(path, tokenizer), lora_dim=4, lora_module_name=module_name,
+                       only_optimize_lora=True)
     assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
     settings = _settings(2, lora_learning_rate=5e-2)
     engine = create_train_engine(model, settings)
@@ -432,7 +434,8 @@ def test_the_logged_learning_rates_name_the_lora_adapters_own_rate(distributed, 
     assert logged_learning_rates(plain) == {"train/lr": 1e-2}
     assert logged_learning_rates(with_lora) == {"train/lr": 1e-2, "train/lora_lr": 5e-2}
     assert logged_learning_rates(only_lora) == {"train/lr": 5e-2, "train/lora_lr": 5e-2}
-    step3 = SimpleNamespace(engines={"actor": with_lora}, learning_rate_groups={"actor": LearningRateGroups.of(with_lora)})
+    step3 = SimpleNamespace(engines={"actor": with_lora},
+                            learning_rate_groups={"actor": LearningRateGroups.of(with_lora)})
     assert PPORun.learning_rates(step3) == {"train/actor_lr": 1e-2, "train/actor_lora_lr": 5e-2}
     # read at every logging step without walking the model's parameters again: from an engine with no model
     groups = LearningRateGroups.of(with_lora)
@@ -461,7 +464,8 @@ def test_two_process_zero_over_gloo_trains_and_saves(tiny_model_dir, tmp_path, s
     out = tmp_path / "zero-out"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(REPO_ROOT / "tests" / "scripts" / "zero_worker.py"), path, str(out), str(stage)]
+           "--master_port", str(free_port()), str(REPO_ROOT / "tests" / "scripts" / "zero_worker.py"), path, str(out),
+           str(stage)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "LOSS_FELL" in result.stdout

@@ -90,16 +90,16 @@ def lines_as_deepspeed_reads(path: Path) -> list[str]:
         try:
             return [line.removesuffix("\n") for line in text]
         except UnicodeDecodeError as error:
-            raise UserError(f"{path} is not {text.encoding} text (a byte {error.object[error.start]:#04x}: {error.reason}); "
-                            f"DeepSpeed's launcher reads it as {text.encoding} text and would fail on it: save it as "
-                            f"{text.encoding}") from None
+            raise UserError(f"{path} is not {text.encoding} text (a byte {error.object[error.start]:#04x}: "
+                            f"{error.reason}); DeepSpeed's launcher reads it as {text.encoding} text and would fail on "
+                            f"it: save it as {text.encoding}") from None
 
 
 def _check_host_name(hostfile: Path, number: int, name: str) -> None:
     """Refuse a host the system's resolver cannot be asked about (`a..b`): it encodes every name as IDNA, which
     fails on an empty part between dots or one over 63 characters. Refuse a mistyped IPv4 address too (`10.0.0.999`,
-    `1.2.3`: parts all digits, and no address), as --master-addr is refused: the resolver looks `10.0.0.999` up as a name and reads `1.2.3` as
-    1.2.0.3."""
+    `1.2.3`: parts all digits, and no address), as --master-addr is refused: the resolver looks `10.0.0.999` up as a
+    name and reads `1.2.3` as 1.2.0.3."""
     try:
         name.encode("idna")
     except UnicodeError as error:
@@ -253,7 +253,8 @@ def _lookup(host: str) -> _Asked[frozenset[str]]:
 
 
 def _addresses_of(host: str) -> frozenset[str]:
-    """`host`'s addresses from the system's resolver; none where it does not resolve or IDNA cannot encode it (`a..b`)."""
+    """`host`'s addresses from the system's resolver; none where it does not resolve or IDNA cannot encode it
+    (`a..b`)."""
     with contextlib.suppress(OSError, UnicodeError):
         return frozenset(info[4][0] for info in socket.getaddrinfo(host, None))
     return frozenset()
