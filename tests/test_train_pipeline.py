@@ -567,7 +567,8 @@ REFUSED_UP_FRONT = {
                        "into flags (No closing quotation); check its quotes"),
     "samples_not_a_number": (["--algorithm", "grpo", "--n_samples_per_prompt", "abc"],
                              "--n_samples_per_prompt must be a positive whole number, got 'abc'"),
-    "samples_zero": (["--algorithm", "grpo", "--n_samples_per_prompt", "0"], "must be a positive whole number, got '0'"),
+    "samples_zero": (["--algorithm", "grpo", "--n_samples_per_prompt", "0"],
+                     "must be a positive whole number, got '0'"),
     "samples_negative": (["--algorithm", "grpo", "--n_samples_per_prompt=-2"], "a positive whole number, got '-2'"),
     "model_flag_passed_to_a_step": (["--step1-args", "--model_name_or_path /m"],
                                     "--model_name_or_path was passed to step 1: train.py gives each step its model, "
@@ -587,7 +588,8 @@ REFUSED_UP_FRONT = {
                       "this run runs DPO (step 4)"),
     "unknown_builtin_reward": (["--algorithm", "grpo", "--reward_fn", "builtin:nosuch"], "nosuch"),
     "missing_step3_data": (["--step3-args", "--data_path /nonexistent/prompts.jsonl"],
-                           "step 3's --data_path /nonexistent/prompts.jsonl: /nonexistent/prompts.jsonl does not exist"),
+                           ("step 3's --data_path /nonexistent/prompts.jsonl: /nonexistent/prompts.jsonl does not "
+                            "exist")),
 }
 
 
@@ -877,8 +879,8 @@ def test_train_py_parses_each_steps_flags_once_before_the_steps_run(tmp_path, fa
     run(argv, fakes)
     parses = []
     parse_args = argparse.ArgumentParser.parse_args
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
-                        lambda parser, args=None, namespace=None: parses.append(args) or parse_args(parser, args, namespace))
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", lambda parser, args=None, namespace=None:
+                        parses.append(args) or parse_args(parser, args, namespace))
     fakes.calls.clear()
     run(argv, fakes)  # every step finished: none runs, each is checked against its recorded flags
     assert fakes.calls == [] and len(parses) == 3, parses
@@ -948,8 +950,8 @@ def test_checkpoints_of_a_step_whose_input_was_made_again_by_an_earlier_invocati
     fakes = FakeSteps(model, extra_options={step: ["--resume"] for step in (1, 2, 3)})
     run(argv + ["--step", "1"], fakes)
     fakes.calls.clear()
-    with pytest.raises(UserError, match=f"step 3 stopped with checkpoints in {out / 'step3'} from an earlier run of its "
-                                        "input .*step1 \\(--actor_model_name_or_path\\), which was trained again"):
+    with pytest.raises(UserError, match=f"step 3 stopped with checkpoints in {out / 'step3'} from an earlier run of "
+                                        "its input .*step1 \\(--actor_model_name_or_path\\), which was trained again"):
         run(argv + ["--step", "3", "--resume"], fakes)
     assert fakes.calls == []
 
@@ -1024,7 +1026,8 @@ def test_launcher_runs_tee_the_output_into_the_log(tmp_path):
     from training.pipeline.launch import run_subprocess
 
     log = tmp_path / "logs" / "step1.log"
-    run_subprocess([sys.executable, "-c", "import sys; print('to stdout'); print('to stderr', file=sys.stderr)"], log, "step 1")
+    run_subprocess([sys.executable, "-c", "import sys; print('to stdout'); print('to stderr', file=sys.stderr)"], log,
+                   "step 1")
     text = log.read_text()
     assert "to stdout" in text and "to stderr" in text and text.startswith("$ ")
     with pytest.raises(UserError, match=r"step 1 failed \(exit status 4\).*step1.log"):
@@ -1051,7 +1054,8 @@ class StoppingSteps(FakeSteps):
             if self.finishing:
                 return finished(argv)
             if self.checkpoint is not None:
-                saved = Path(self.parser(step).parse_args(argv).output_dir) / CHECKPOINTS_SUBDIR / f"step{self.checkpoint}"
+                output_dir = Path(self.parser(step).parse_args(argv).output_dir)
+                saved = output_dir / CHECKPOINTS_SUBDIR / f"step{self.checkpoint}"
                 saved.mkdir(parents=True)
                 (saved / MARKER_FILE).write_text(json.dumps({"step": self.checkpoint, "engines": ["model"],
                                                              "world_size": 1}))
@@ -1191,7 +1195,8 @@ def test_a_stop_request_while_planning_is_recorded_unless_in_a_dry_run(tmp_path,
     if dry_run:
         assert (out / SUMMARY_FILE).read_text() == earlier
         return
-    assert report["status"] == "stopped" and [report["steps"][step]["skipped"] for step in report["steps"]] == [True] * 2
+    assert report["status"] == "stopped"
+    assert [report["steps"][step]["skipped"] for step in report["steps"]] == [True] * 2
     assert report["stopped"] == {"step": 3, "signal": "SIGTERM", "message": said, "resume": "python train.py --resume"}
 
 
@@ -1268,7 +1273,8 @@ def test_a_print_meeting_train_pys_output_without_a_reader_is_recorded_as_a_stop
         assert report["stopped"] == {"step": 1, "signal": "SIGPIPE", "message": None,
                                      "resume": "python train.py --resume"}
     else:
-        assert report["status"] == "failed" and report["failed"]["error"].startswith("train.py crashed: BrokenPipeError")
+        assert report["status"] == "failed"
+        assert report["failed"]["error"].startswith("train.py crashed: BrokenPipeError")
 
 
 @pytest.mark.parametrize("ending", ["train_py_crashes", "stop_request"])
@@ -1600,7 +1606,8 @@ def test_the_settings_table_shows_what_each_step_runs_with_where_the_users_flags
     assert "planned" not in rows["max_seq_len"] and rows["max_seq_len"].split()[1:] == ["256", "192", "-"]
 
 
-def test_resuming_a_step_checkpointed_by_another_number_of_processes_is_refused_before_anything_runs(tmp_path, tiny_model_dir):
+def test_resuming_a_step_checkpointed_by_another_number_of_processes_is_refused_before_anything_runs(tmp_path,
+                                                                                                     tiny_model_dir):
     """A multi-node run relaunched after a crash with a node fewer: the step was launched on every node, and each
     rank then refused the checkpoint. train.py refuses it first, naming both counts and the way out."""
     fakes = FakeSteps(tiny_model_dir("llama"), extra_options={step: ["--resume"] for step in (1, 2, 3)})
@@ -1621,7 +1628,8 @@ def test_resuming_a_step_checkpointed_by_another_number_of_processes_is_refused_
 
 def test_a_step_that_fails_after_a_checkpoint_says_how_to_go_on_from_it(tmp_path, tiny_model_dir):
     """A crash hours into a step (a node lost, an out-of-memory) ended in 'failed (exit status 1)' alone, and the
-    same command again refused the step's folder for its checkpoints: the error now names the checkpoint and --resume."""
+    same command again refused the step's folder for its checkpoints: the error now names the checkpoint and
+    --resume."""
     fakes = FakeSteps(tiny_model_dir("llama"), extra_options={step: ["--resume"] for step in (1, 2, 3)}, fail_step=1)
     argv = common(tmp_path, fakes.model_dir)
     with pytest.raises(UserError) as failed:
@@ -1631,8 +1639,8 @@ def test_a_step_that_fails_after_a_checkpoint_says_how_to_go_on_from_it(tmp_path
     checkpoint.mkdir(parents=True)
     (checkpoint / MARKER_FILE).write_text(json.dumps({"step": 3, "engines": ["model"], "world_size": 1}))
     with pytest.raises(UserError, match=r"^step 1 \(.*\): the data file is empty; pass a bigger one; step 1 left a "
-                                        rf"checkpoint of its step 3 \({checkpoint}\): once the cause is fixed, the same "
-                                        r"train.py command with --resume goes on from it$"):
+                                        rf"checkpoint of its step 3 \({checkpoint}\): once the cause is fixed, the "
+                                        r"same train.py command with --resume goes on from it$"):
         run(argv, fakes)
     with pytest.raises(UserError, match=r"once the cause is fixed, the same train.py command goes on from it$"):
         run(argv + ["--resume"], fakes)  # it said: with --resume
@@ -2005,7 +2013,8 @@ import sys
 from pathlib import Path
 from training.pipeline.launch import run_subprocess
 from training.reliability.signals import GracefulInterrupt
-launcher = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"  # as DeepSpeed's: its ranks share its output
+# as DeepSpeed's: its ranks share its output
+launcher = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
 with GracefulInterrupt():
     run_subprocess([sys.executable, "-c", launcher, sys.executable, "-c", *sys.argv[1:3]], Path(sys.argv[3]), "step 1")
 """
