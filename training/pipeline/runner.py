@@ -95,7 +95,8 @@ UNTAKEN_ZERO_STAGE = {
 
 
 Inputs = dict[int, list[tuple[ModelInput, str]]]
-RecordedFlags = tuple[dict[str, Any], frozenset[str]]  # `_recorded_flags`: a step's flag values, and those free to differ
+# `_recorded_flags`: a step's flag values, and those free to differ
+RecordedFlags = tuple[dict[str, Any], frozenset[str]]
 TRAINED_FROM_FILE = "trained_from.json"  # train.py's record, in a step's run folder, of the inputs it trained from
 DATA_VERSIONS_KEY = "data files"  # in it, beside the model flags: `_data_versions`
 RESUME_FLAG = "--resume"
@@ -230,7 +231,8 @@ def _finished_summary(config: PipelineConfig, step: int, flags: RecordedFlags) -
         return None
     changed = changed_flags(recorded, flags[0], flags[1] | flags_another_step_reads(step))
     if changed:
-        changes = ", ".join(f"--{name} {json.dumps(then)} -> {json.dumps(now)}" for name, (then, now) in changed.items())
+        changes = ", ".join(f"--{name} {json.dumps(then)} -> {json.dumps(now)}"
+                            for name, (then, now) in changed.items())
         raise UserError(
             f"step {step} finished in {run_dir} with other settings than this run gives it ({changes}); run with the "
             f"same settings, or choose another --output-dir (or delete {run_dir} to run step {step} again)"
@@ -614,7 +616,8 @@ def prepare_run(config: PipelineConfig, entry: Callable[[int], StepEntry], hardw
                        tokenizers)
 
 
-def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int, entry: Callable[[int], StepEntry]) -> StepResult:
+def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int,
+              entry: Callable[[int], StepEntry]) -> StepResult:
     spec = STEPS[step]
     print(f"\n=== step {step}: {spec.title} -> {config.run_dir(step)} (log: {config.log_path(step)}) ===", flush=True)
     started = time.perf_counter()
@@ -966,11 +969,11 @@ def run_pipeline(
 
 @contextlib.contextmanager
 def _output_dir_lock(folder: Path, dry_run: bool) -> Iterator[None]:
-    """The lock train.py holds on its --output-dir (`folder`, checked) from before it plans to its end: a second train.py there is
-    refused at once, before it plans from step folders the first one writes, or writes its summary.json over the
-    first's. Each step's own lock is on its run folder below (`RunLock`). A dry run writes nothing and takes none.
-    A run that ends having written nothing there (refused while planning) leaves no lock file, nor the folders it
-    created for it."""
+    """The lock train.py holds on its --output-dir (`folder`, checked) from before it plans to its end: a second
+    train.py there is refused at once, before it plans from step folders the first one writes, or writes its
+    summary.json over the first's. Each step's own lock is on its run folder below (`RunLock`). A dry run writes
+    nothing and takes none. A run that ends having written nothing there (refused while planning) leaves no lock
+    file, nor the folders it created for it."""
     if dry_run:
         yield
         return
