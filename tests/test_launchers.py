@@ -106,6 +106,28 @@ def test_a_slurm_launch_runs_srun_whose_ranks_join_one_world(tmp_path, monkeypat
                      for rank in (0, 1)]
 
 
+SRUN_RANK_3_OF_4 = {"RLHF_LAUNCHER": "slurm", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+                    "SLURM_STEP_NUM_NODES": "2"}
+
+
+def test_a_step_started_by_srun_checks_its_flags_on_srun_s_world(tmp_path_factory, monkeypatch):
+    """Step 3 checks its flags against the world size (and sets its logging by its rank) before it joins the world:
+    srun's variables were read only as it joined, so every rank read rank 0 of 1 and refused a placement that needs
+    several ranks."""
+    from test_step3_rlhf import make_step3_inputs, step3_argv
+
+    from step3_rlhf.main import check_args, parse_args
+    from utils.dist import get_local_rank, get_rank, get_world_size, is_main_process
+
+    rank_variables = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    environ = {name: value for name, value in os.environ.items() if name not in rank_variables}
+    monkeypatch.setattr(os, "environ", {**environ, **SRUN_RANK_3_OF_4})  # the ranks it maps are undone with it
+    inputs = make_step3_inputs(tmp_path_factory)
+    check_args(parse_args(step3_argv(inputs, tmp_path_factory.mktemp("run"), "--placement", "disaggregate")))
+    assert (get_rank(), get_world_size(), get_local_rank(), is_main_process()) == (3, 4, 1, False)
+    assert os.environ["LOCAL_WORLD_SIZE"] == "2"
+
+
 @pytest.mark.parametrize("backend", ["mpich", "impi"])
 def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch, backend):
     """Under --launcher mpich or impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank

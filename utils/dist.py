@@ -107,16 +107,24 @@ def is_initialized() -> bool:
     return torch_dist.is_available() and torch_dist.is_initialized()
 
 
+def _rank_environ() -> Mapping[str, str]:
+    """The environment with the launcher's own rank variables read as RANK, WORLD_SIZE and LOCAL_RANK
+    (`take_slurm_ranks`): a step asks its rank and world size before `init_distributed` (its flag checks, its logging
+    level), and under srun read a world of one there, refusing a placement that needs more ranks in every rank."""
+    take_slurm_ranks()
+    return os.environ
+
+
 def get_rank() -> int:
-    return torch_dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+    return torch_dist.get_rank() if is_initialized() else int(_rank_environ().get("RANK", 0))
 
 
 def get_world_size() -> int:
-    return torch_dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    return torch_dist.get_world_size() if is_initialized() else int(_rank_environ().get("WORLD_SIZE", 1))
 
 
 def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
+    return int(_rank_environ().get("LOCAL_RANK", 0))
 
 
 def is_main_process() -> bool:
