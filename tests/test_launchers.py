@@ -6,11 +6,13 @@ sets for each task, to check that they find one another.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT
 
 from training.pipeline.config import PipelineConfig
 from training.pipeline.deployment import DeploymentType
@@ -128,26 +130,43 @@ def test_a_step_started_by_srun_checks_its_flags_on_srun_s_world(tmp_path_factor
     assert os.environ["LOCAL_WORLD_SIZE"] == "2"
 
 
-@pytest.mark.parametrize("backend", ["mpich", "impi"])
-def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch, backend):
-    """Under --launcher mpich or impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank
-    WORLD_SIZE and the master's address and port (its RANK from the MPI's own variables), with no ssh from this
-    machine: rank 0's address is the hostfile's first node unless --master-addr names one."""
+def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch):
+    """Under --launcher impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank its RANK,
+    WORLD_SIZE and the master's address and port, with no ssh from this machine: rank 0's address is the hostfile's
+    first node unless --master-addr names one. mpirun starts each rank itself, so a rank's exit code is mpirun's."""
     bin_dir = stand_ins(tmp_path, mpirun=FAKE_RECORDER)
     launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n"),
-                        nodes=2, hosts=("node-a", "node-b"), backend=backend, backend_args="-iface ib0")
+                        nodes=2, hosts=("node-a", "node-b"), backend="impi", backend_args="-iface ib0")
     record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", "/runs/x"])
     words = " ".join(record["argv"])
-    assert words.startswith("-n 4 -ppn 2 -iface ib0" if backend == "mpich" else "-ppn 2 -iface ib0")
+    assert words.startswith("-ppn 2 -iface ib0")
     assert "-genv MASTER_ADDR node-a -genv MASTER_PORT 29500 -genv WORLD_SIZE 4" in words
     assert "-hosts node-a,node-b" in words
     assert words.endswith(f"{record['script']} --output_dir /runs/x")
-    if backend == "impi":
-        assert f"-n 1 -env RANK 1 -env LOCAL_RANK 1 {sys.executable} -u {record['script']}" in words
+    assert f"-n 1 -env RANK 1 -env LOCAL_RANK 1 {sys.executable} -u {record['script']}" in words
+    assert "launcher_helper" not in words
 
 
-@pytest.mark.parametrize("backend, missing", [("slurm", "srun and sinfo are"), ("mpich", "mpirun is"),
-                                              ("impi", "mpirun is")])
+def test_mpich_is_not_offered_as_its_helper_reports_a_failed_rank_finished(tmp_path, capsys):
+    """DeepSpeed's mpich runner starts each rank through its launcher_helper.py, which waits for the rank and exits 0
+    whatever its exit code: a failed or stopped step was reported finished, with no resume hint."""
+    import deepspeed.launcher
+
+    from training.pipeline.cli import run
+
+    failing = tmp_path / "failing.py"
+    failing.write_text("import sys\nsys.exit(3)\n")
+    helper = Path(deepspeed.launcher.__file__).parent / "launcher_helper.py"
+    helped = subprocess.run([sys.executable, str(helper), "--launcher", "mpich", str(failing)], capture_output=True,
+                            env={**os.environ, "PMI_RANK": "0", "MPI_LOCALRANKID": "0"}, timeout=120, check=False)
+    assert helped.returncode == 0  # the rank's 3 is lost: offer mpich again where this fails
+    with pytest.raises(SystemExit):
+        run(["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
+             "--launcher", "mpich", "--hostfile", hostfile(tmp_path, "localhost slots=1\n")])
+    assert "invalid choice: 'mpich'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend, missing", [("slurm", "srun and sinfo are"), ("impi", "mpirun is")])
 def test_a_launcher_whose_program_is_not_on_path_is_refused_by_a_dry_run(tmp_path, monkeypatch, backend, missing):
     """DeepSpeed's launcher failed only as step 1 launched ("launcher 'slurm' not installed", mpirun not found), and
     a dry run printed its commands. With the program on PATH (and no pdsh nor ssh) the command goes through it,
@@ -203,3 +222,58 @@ def test_a_cuda_visible_devices_is_not_said_unfollowed_under_slurm(tmp_path, mon
     assert "CUDA_VISIBLE_DEVICES" not in capsys.readouterr().err
     run(argv)
     assert "CUDA_VISIBLE_DEVICES=2,3 is not followed" in capsys.readouterr().err
+
+
+SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "16",
+             "SLURM_PROCID": "3"}
+
+
+@pytest.mark.parametrize("variables, said", [
+    (SRUN_STEP, "started by srun as rank 3 of 16 processes (SLURM_STEP_NUM_TASKS=16)"),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
+     "started by OpenMPI's mpirun as rank 1 of 4 processes (OMPI_COMM_WORLD_SIZE=4)"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "2"}, "started by mpirun (MPICH, Intel MPI) as rank 2 of 4 processes (PMI_SIZE=4)"),
+])
+def test_train_py_started_as_one_of_several_tasks_of_srun_or_mpirun_is_refused(tmp_path, monkeypatch, variables,
+                                                                               said):
+    """`srun -n 16 python train.py` (or mpirun's) in a batch job started a whole pipeline in every task, all writing
+    the same folders: srun and mpirun set no WORLD_SIZE, which alone was looked at."""
+    from training.pipeline.cli import run
+
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    refusal = f"{re.escape(said)}.*Run it once.*as one task.*--launcher slurm.* start the ranks"
+    with pytest.raises(UserError, match=refusal):
+        run(["--deployment-type", "cpu", "--step", "1", "--output-dir", str(out), "--dry-run"])
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("variables", [
+    {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8", "SLURM_PROCID": "0",
+     "SLURM_LOCALID": "0", "ENVIRONMENT": "BATCH"},  # the batch script itself, run once on the first node
+    {**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"},  # srun -n 1
+    {"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0", "PMI_SIZE": "1", "PMI_RANK": "0"},  # mpirun -n 1
+])
+def test_train_py_run_once_in_a_batch_job_or_as_one_task_is_not_refused(monkeypatch, variables):
+    """A batch script has SLURM_NTASKS (its #SBATCH --ntasks) but is one process; srun -n 1 and mpirun -n 1 start
+    one."""
+    from training.pipeline.launch import SEVERAL_TASKS_VARIABLES, check_not_under_a_launcher
+
+    for name, (_, rank_name) in SEVERAL_TASKS_VARIABLES.items():
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(rank_name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    check_not_under_a_launcher()
+
+
+def test_train_py_run_by_srun_in_every_task_ends_before_planning(tmp_path):
+    """The whole train.py, in a process with srun's variables for one of 16 tasks: it ends with the error alone."""
+    argv = [sys.executable, "train.py", "--deployment-type", "cpu", "--output-dir", str(tmp_path / "out")]
+    result = subprocess.run(argv, cwd=REPO_ROOT, env={**os.environ, **SRUN_STEP}, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: train.py was started by srun as rank 3 of 16 processes (SLURM_STEP_NUM_TASKS=16)")
+    assert not (tmp_path / "out").exists()

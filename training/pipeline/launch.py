@@ -60,13 +60,15 @@ DEFAULT_DS_ENV_FILE = ".deepspeed_env"  # the env file's name where DS_ENV_FILE 
 PDSH = "pdsh"
 SLURM = "slurm"
 # train.py's --launcher choices: DeepSpeed's runner's own names for them (its openmpi and mvapich runners start each
-# rank as `python script` with no rank, world size or master address, which its ranks then find only through mpi4py)
-LAUNCHER_PROGRAMS = {PDSH: ("pdsh", "ssh"), SLURM: ("srun", "sinfo"), "mpich": ("mpirun",), "impi": ("mpirun",)}
+# rank as `python script` with no rank, world size or master address, which its ranks then find only through mpi4py;
+# its mpich runner starts each rank through launcher_helper.py, which exits 0 whatever the rank's exit code, so a
+# failed or stopped step would be reported finished; MPICH's Hydra mpirun reads the impi runner's flags too)
+LAUNCHER_PROGRAMS = {PDSH: ("pdsh", "ssh"), SLURM: ("srun", "sinfo"), "impi": ("mpirun",)}
 LAUNCHER_SETUP = {  # how to have a --launcher's programs on PATH
     SLURM: "run train.py inside a Slurm allocation (sbatch or salloc) on a node with Slurm's commands (module load "
            "slurm, where your cluster uses modules)",
-    "mpich": "install MPICH here and on every node (module load mpich; Debian, Ubuntu: apt-get install mpich)",
-    "impi": "load Intel MPI here and on every node (module load intel-mpi, or source its setvars.sh)",
+    "impi": "load Intel MPI or MPICH here and on every node (module load intel-mpi or mpich, or source Intel MPI's "
+            "setvars.sh)",
 }
 
 
@@ -142,7 +144,7 @@ class Launcher:
         """What the ranks need in the launcher's environment that --launcher's program does not give them: under
         Slurm, whose srun passes this environment on to every rank (DeepSpeed's `--export=ALL`) and sets only its own
         SLURM_PROCID and the like, the launcher's name (`utils.dist` reads its rank from those) and rank 0's address
-        and port. DeepSpeed's mpich and impi runners set RANK, WORLD_SIZE and the master's address themselves."""
+        and port. DeepSpeed's impi runner sets RANK, WORLD_SIZE and the master's address themselves."""
         if not (self.through_nodes_launcher and self.backend == SLURM):
             return {}
         return {LAUNCHED_BY: SLURM, "MASTER_ADDR": self.rank_0_address,
@@ -228,18 +230,40 @@ def _ere_literal(text: str) -> str:
     return re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", text)
 
 
+# what tells a process it is one of several a launcher started, by the variable holding how many: who started them
+# and the variable with its rank. srun's is a job step's own (SLURM_NTASKS is also a batch script's, which runs once);
+# Hydra's PMI_SIZE is MPICH's and Intel MPI's
+SEVERAL_TASKS_VARIABLES = {
+    "WORLD_SIZE": ("a launcher", "RANK"),
+    "SLURM_STEP_NUM_TASKS": ("srun", "SLURM_PROCID"),
+    "OMPI_COMM_WORLD_SIZE": ("OpenMPI's mpirun", "OMPI_COMM_WORLD_RANK"),
+    "PMI_SIZE": ("mpirun (MPICH, Intel MPI)", "PMI_RANK"),
+    "MV2_COMM_WORLD_SIZE": ("MVAPICH's mpirun", "MV2_COMM_WORLD_RANK"),
+}
+
+
 def check_not_under_a_launcher() -> None:
-    """train.py starts each step's processes itself: started by a launcher as one of several ranks, every rank
-    would plan and run the whole pipeline (for a GPU deployment each starting a launcher of its own on every GPU),
-    all writing the same folders."""
-    world_size = os.environ.get("WORLD_SIZE", "1")
-    if world_size.isdigit() and int(world_size) > 1:
-        raise UserError(
-            f"train.py was started by a launcher as rank {os.environ.get('RANK', '?')} of {world_size} processes "
-            f"(WORLD_SIZE={world_size}); it starts each step's processes itself, so every rank would run the whole "
-            "pipeline. Run it once, as `python train.py ...` (--deployment-type single_node for this node's GPUs, "
-            "multi_node with --hostfile for several nodes), or launch one step's main.py with deepspeed or torchrun"
-        )
+    """train.py starts each step's processes itself: started by a launcher as one of several ranks (torchrun, or srun
+    or mpirun inside a batch job), every rank would plan and run the whole pipeline (for a GPU deployment each
+    starting a launcher of its own on every GPU), all writing the same folders."""
+    for variable, (launcher, rank_variable) in SEVERAL_TASKS_VARIABLES.items():
+        count = os.environ.get(variable, "1")
+        if count.isdigit() and int(count) > 1:
+            raise UserError(
+                f"train.py was started by {launcher} as rank {os.environ.get(rank_variable, '?')} of {count} "
+                f"processes ({variable}={count}); it starts each step's processes itself, so every rank would run the "
+                "whole pipeline. Run it once, as `python train.py ...` (--deployment-type single_node for this "
+                f"node's GPUs, multi_node with --hostfile for several nodes), {_one_task_hint(variable)}")
+
+
+def _one_task_hint(variable: str) -> str:
+    """How to start train.py once where `variable` said it was one of several processes."""
+    if variable == "WORLD_SIZE":
+        return "or launch one step's main.py with deepspeed or torchrun"
+    launchers = [name for name in LAUNCHER_PROGRAMS if name != PDSH]
+    return ("as one task: in a Slurm batch script run it directly, not through srun or mpirun (or with srun -n 1), "
+            f"and let --launcher {', '.join(launchers[:-1])} or {launchers[-1]} start the ranks on the allocation's "
+            "nodes")
 
 
 def check_launcher_programs(backend: str) -> None:
@@ -274,7 +298,7 @@ def check_remote_shell_tools() -> None:
             "DeepSpeed's launcher starts the ranks on other nodes with pdsh over ssh from this machine (--launcher "
             "pdsh, the default); install them here (Debian, Ubuntu: apt-get install pdsh openssh-client; RHEL, "
             "Fedora: dnf install pdsh pdsh-rcmd-ssh openssh-clients), or on a Slurm or MPI cluster pass --launcher "
-            "slurm, mpich or impi, or run on this node alone with --deployment-type single_node")
+            "slurm or impi, or run on this node alone with --deployment-type single_node")
 
 
 # what a node's shell reads as itself, unquoted (DeepSpeed's test for its exports), less the `%` that pdsh reads first:
