@@ -155,7 +155,12 @@ def kill_after_checkpoint(run: StepProcess, min_step: int, sig: signal.Signals =
 
 def run_step(script: str | Path, argv: Sequence[str], log: str | Path, timeout: float = 400) -> str:
     """Run a step to completion in a subprocess; returns its output (asserts exit 0)."""
-    run = launch_step(script, argv, log)
+    return finished_output(launch_step(script, argv, log), timeout)
+
+
+def finished_output(run: StepProcess, timeout: float = 400) -> str:
+    """The output of a launched step once it has ended (asserts exit 0). A test that starts its uninterrupted
+    reference run with `launch_step` beside the run it interrupts collects it here: the two start-ups overlap."""
     code = run.wait(timeout)
     assert code == 0, f"{run.command} exited {code}; log:\n{run.output()[-3000:]}"
     return run.output()

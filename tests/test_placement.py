@@ -16,7 +16,14 @@ from safetensors.torch import load_file
 from conftest import REPO_ROOT, TESTS_DIR
 from supervised_data import arithmetic_rows, write_arithmetic_jsonl
 from tiny_models import make_custom_code_model_dir
-from crash_resume import assert_same_weights, kill_after_checkpoint, latest_checkpoint_step, launch_step, run_step
+from crash_resume import (
+    assert_same_weights,
+    finished_output,
+    kill_after_checkpoint,
+    latest_checkpoint_step,
+    launch_step,
+    run_step,
+)
 from test_step3_rlhf import make_step3_inputs
 from training.core.model_loading import load_causal_lm, load_tokenizer
 from training.placement.spec import build_placement, parse_placement_ratio
@@ -481,13 +488,14 @@ def test_a_placed_run_stopped_by_a_signal_resumes_to_the_uninterrupted_weights(t
                 "--enable_ema", "--ema_beta", "0.5", "--placement", preset,
                 *(["--placement_ratio", ratio] if ratio else [])]
 
-    run_step(launcher, argv("uninterrupted"), root / "uninterrupted.log")
+    uninterrupted = launch_step(launcher, argv("uninterrupted"), root / "uninterrupted.log")  # beside the stopped run
     stopped = argv("stopped")
     run = launch_step(launcher, stopped, root / "stopped.log")
     kill_after_checkpoint(run, min_step=1, sig=signal.SIGTERM)
     run.wait(timeout=120)
     assert "stopped on SIGTERM" in run.output(), run.output()[-3000:]
     assert latest_checkpoint_step(root / "stopped") < 5
+    finished_output(uninterrupted)
     # a fresh port: the launcher's own port may still be closing
     resumed = run_step(launcher, [*argv("stopped"), "--resume"], root / "resumed.log")
     assert "resuming step 3 after PPO step" in resumed
