@@ -277,3 +277,21 @@ def test_train_py_run_by_srun_in_every_task_ends_before_planning(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: train.py was started by srun as rank 3 of 16 processes (SLURM_STEP_NUM_TASKS=16)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cuda_visible_devices_sent_to_other_nodes_by_intel_mpi_is_said(tmp_path, monkeypatch, capsys):
+    """Hydra's mpirun (MPICH, Intel MPI) passes this machine's environment to every rank: a CUDA_VISIBLE_DEVICES set
+    here for this machine's GPUs restricted the ranks on other nodes to the same indices, unsaid. Not said for a
+    hostfile of this machine alone, whose ranks it is meant for."""
+    from training.pipeline.cli import run
+
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path, mpirun='')}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    argv = ["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
+            "--launcher", "impi"]
+    run([*argv, "--hostfile", hostfile(tmp_path, "localhost slots=2\nworker-2 slots=2\n")])
+    assert ("multi_node --launcher impi: CUDA_VISIBLE_DEVICES=2,3 is this machine's, and mpirun passes this "
+            "environment to the ranks on every node: those on worker-2 see only its GPUs 2,3 too") in \
+        capsys.readouterr().err
+    run([*argv, "--hostfile", hostfile(tmp_path, "localhost slots=2\n")])
+    assert "CUDA_VISIBLE_DEVICES" not in capsys.readouterr().err

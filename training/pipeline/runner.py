@@ -681,6 +681,23 @@ def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
           "follows it", file=sys.stderr, flush=True)
 
 
+def _say_visible_devices_sent_to_every_node(prepared: PreparedRun) -> None:
+    """Warn, where a multi_node step launches through `--launcher impi` on other nodes, that this machine's
+    CUDA_VISIBLE_DEVICES reaches their ranks too: Intel MPI's (or MPICH's) Hydra mpirun passes its environment to
+    every rank, so a list set here for this machine (by a scheduler, or by hand) restricts every node's ranks to the
+    same GPU indices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not (prepared.commands and visible is not None and prepared.hosts and prepared.launcher.backend == "impi"):
+        return
+    other = next((host.name for host in prepared.hosts if not is_this_machine(host.name)), None)
+    if other is None:
+        return
+    print(f"warning: multi_node --launcher {prepared.launcher.backend}: CUDA_VISIBLE_DEVICES={visible} is this "
+          "machine's, and mpirun passes this environment to the ranks on every node: those on "
+          f"{other} see only its GPUs {visible} too (each rank takes the one of its local rank among them); to have "
+          "each node's ranks on its own GPUs 0 to slots - 1, unset it here", file=sys.stderr, flush=True)
+
+
 def _say_layouts_unlike_step_1(config: PipelineConfig, prepared: PreparedRun) -> None:
     """Warn, before any step starts and in a dry run alike, of a step that runs from step 1's model (step 3, DPO) and
     lays conversations out otherwise than step 1 tunes it (`tuned_layout_warning`): the step warned of it only as it
@@ -1027,6 +1044,7 @@ def _planned_and_run(config: PipelineConfig, entry: Callable[[int], StepEntry], 
         print(f"  step {step}: {_planned(config, prepared, step)}", flush=True)
     _say_variables_left_out(prepared)
     _say_visible_devices_not_followed(prepared)
+    _say_visible_devices_sent_to_every_node(prepared)
     _say_model_flags_unused(config, prepared.inputs)
     _say_layouts_unlike_step_1(config, prepared)
     if prepared.reward_warning is not None:
