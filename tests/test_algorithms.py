@@ -192,20 +192,47 @@ def test_log_probs_entropy_and_kl_are_those_of_the_tokenizers_ids_only(dtype):
                                kl_from_logits(logits[..., :8], ref_logits[..., :8], mask, 0.7))
 
 
-def test_a_tokenizer_as_large_as_the_models_rows_changes_no_digit():
+def plain_logprobs_gradient_entropy_kl(logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor,
+                                       weights: torch.Tensor, mask: torch.Tensor,
+                                       temperature: float) -> tuple[torch.Tensor, ...]:
+    """The arithmetic of token_logprobs (and its backward), token_entropies and kl_from_logits before they took the
+    tokenizer's size (656ef2b~1), written out over every column and every row at once: log-probs, the gradient of
+    their sum weighted by `weights`, entropies, KL."""
+    scaled = logits.float() / temperature
+    log_z = torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(-1, labels[..., None]).squeeze(-1) - log_z
+    gradient = (scaled - log_z[..., None]).exp_().neg_()
+    gradient.scatter_add_(-1, labels[..., None], torch.ones_like(labels[..., None], dtype=gradient.dtype))
+    gradient = gradient.mul_(weights[..., None].float() / temperature).to(logits.dtype)
+    probs = (scaled - log_z[..., None]).exp_()
+    entropies = log_z - probs.mul_(scaled).masked_fill_(probs == 0, 0).sum(-1)
+    log_p = torch.log_softmax(scaled, dim=-1)
+    log_q = torch.log_softmax(ref_logits.float() / temperature, dim=-1)
+    p = log_p.exp()
+    per_position = torch.where(p > 0, p * (log_p - log_q), 0).sum(-1)
+    kl = torch.where(mask.bool(), per_position, torch.zeros_like(per_position)).sum(-1)
+    return logprobs, gradient, entropies, kl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokenizer_as_large_as_the_models_rows_changes_no_digit(dtype, monkeypatch):
     """A model whose rows are its tokenizer's (the default quick run's SmolLM2: 49,152 of each) computes exactly what
-    it did before the tokenizer's size was taken into account: bit for bit, log-probs, gradient, entropy and KL."""
+    it did before the tokenizer's size was taken into account: bit for bit, log-probs, gradient, entropy and KL, with
+    the size given or not, over several chunks of rows (3 rows a chunk here)."""
+    monkeypatch.setattr("training.core.sequences._CHUNK_ELEMENTS", 3 * 11)
     torch.manual_seed(0)
-    logits, ref_logits = torch.randn(2, 3, 11), torch.randn(2, 3, 11)
-    labels, mask = torch.randint(0, 11, (2, 3)), torch.tensor([[1, 1, 0], [1, 1, 1]])
-    results = []
+    logits, ref_logits = torch.randn(2, 5, 11).to(dtype), torch.randn(2, 5, 11).to(dtype)
+    labels, weights = torch.randint(0, 11, (2, 5)), torch.rand(2, 5)
+    mask = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 1, 1, 1]])
+    expected = plain_logprobs_gradient_entropy_kl(logits, ref_logits, labels, weights, mask, 0.7)
     for tokenizer_size in (None, 11):
         leaf = logits.clone().requires_grad_()
         logprobs = token_logprobs(leaf, labels, 0.7, tokenizer_size)
-        logprobs.sum().backward()
-        results.append((logprobs.detach(), leaf.grad, token_entropies(logits, 0.7, tokenizer_size),
-                        kl_from_logits(logits, ref_logits, mask, 0.7, tokenizer_size)))
-    assert all(torch.equal(before, after) for before, after in zip(*results))
+        (logprobs * weights).sum().backward()
+        results = (logprobs.detach(), leaf.grad, token_entropies(logits, 0.7, tokenizer_size),
+                   kl_from_logits(logits, ref_logits, mask, 0.7, tokenizer_size))
+        for name, result, plain in zip(("log-probs", "gradient", "entropies", "kl"), results, expected):
+            assert torch.equal(result, plain), (name, tokenizer_size, (result.float() - plain.float()).abs().max())
 
 
 def test_whiten_uses_only_masked_entries():
