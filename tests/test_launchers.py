@@ -130,6 +130,44 @@ def test_a_step_started_by_srun_checks_its_flags_on_srun_s_world(tmp_path_factor
     assert os.environ["LOCAL_WORLD_SIZE"] == "2"
 
 
+def test_a_slurm_launch_passes_the_users_env_file_lines_checked(tmp_path, monkeypatch):
+    """DeepSpeed's launcher reads ./.deepspeed_env itself, unchecked under srun and mpirun: a blank line there ended
+    step 1's launch in a ValueError's traceback. train.py passes its lines on in an env file of its own."""
+    bin_dir = stand_ins(tmp_path, srun=FAKE_SRUN, sinfo="#!/bin/sh\nexit 0\n")
+    (tmp_path / ".deepspeed_env").write_text("HF_FROM_ENV_FILE=yes\n\n")
+    monkeypatch.chdir(tmp_path)  # train.py's working folder, where DeepSpeed's launcher reads it
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "localhost slots=1\n"), nodes=1,
+                        on_this_machine=True, hosts=("localhost",), backend="slurm", master_addr="127.0.0.1",
+                        master_port=free_port())
+    (tmp_path / "run").mkdir()
+    record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", str(tmp_path / "run")])
+    assert next(word for word in record["argv"] if word.startswith("--export=")).endswith(",HF_FROM_ENV_FILE=yes")
+
+
+@pytest.mark.parametrize("backend, variable, value, said", [
+    ("slurm", None, "# a comment", "is not a variable's line"),
+    ("impi", None, "HF_HOME=/data/my models", "HF_HOME='/data/my models' would not reach the ranks as it is"),
+    ("impi", "PYTHONPATH", "/tmp/my dir", "would not reach the ranks as it is"),
+    ("slurm", "PYTHONWARNINGS", "ignore,default", "PYTHONWARNINGS='ignore,default' would not reach the ranks"),
+])
+def test_an_export_srun_or_mpirun_would_not_pass_as_it_is_is_refused_by_a_dry_run(tmp_path, monkeypatch, backend,
+                                                                                  variable, value, said):
+    """DeepSpeed's launcher wraps an exported value with a space (and the like) in double quotes, which no shell
+    removes under srun and mpirun (they arrived in the value), srun's --export cuts a value at a comma, and a comment
+    in the user's env file ended the launch in a traceback: a dry run said nothing of them."""
+    from training.pipeline.cli import run
+
+    monkeypatch.chdir(tmp_path)
+    if variable is None:
+        (tmp_path / ".deepspeed_env").write_text(f"{value}\n")
+    else:
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path, srun='', sinfo='', mpirun='')}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(UserError, match=re.escape(said)):
+        run(["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
+             "--launcher", backend, "--hostfile", hostfile(tmp_path, "localhost slots=1\n")])
+
+
 def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch):
     """Under --launcher impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank its RANK,
     WORLD_SIZE and the master's address and port, with no ssh from this machine: rank 0's address is the hostfile's

@@ -158,6 +158,7 @@ class Launcher:
             check_remote_shell_reads(script, step_argv)
         elif self.through_nodes_launcher:
             check_launcher_programs(self.backend)
+            check_exports_arrive_intact(self.backend, {**launcher_env(REPO_ROOT), **self.ranks_env()})
         if self.deployment is DeploymentType.MULTI_NODE:
             command += ["--hostfile", str(self.hostfile)]
             if self.backend_args is not None:
@@ -727,6 +728,39 @@ def env_for_other_nodes(env: Mapping[str, str], env_file: Path) -> dict[str, str
     env_file.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(env_file, "".join(f"{line}\n" for line in [*lines, *users_lines]))
     return {**env, DS_ENV_FILE: str(env_file)}
+
+
+def env_for_launcher_program(env: Mapping[str, str], env_file: Path) -> dict[str, str]:
+    """`env` for a launch through srun or mpirun, its `DS_ENV_FILE` naming `env_file`, written now with the lines of
+    the env files DeepSpeed's launcher would have read in its place (`_users_deepspeed_env`: checked, blank ones left
+    out), which it read unchecked: a comment or a blank line there ended step 1's launch in a ValueError's traceback.
+    srun and mpirun pass this environment on themselves."""
+    env_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(env_file, "".join(f"{line}\n" for line in _users_deepspeed_env(env)))
+    return {**env, DS_ENV_FILE: str(env_file)}
+
+
+def check_exports_arrive_intact(backend: str, env: Mapping[str, str]) -> None:
+    """Under srun and mpirun, which no shell reads, each variable DeepSpeed's launcher exports (the user's env file
+    lines, and its own PYTHON*, NCCL*, UCX*, MV2* and MLFLOW* of `env`) must reach the ranks as itself: it wraps a
+    value with other characters than letters, digits and @%+=:,./- in double quotes, which arrived in the value
+    (PYTHONPATH='"/tmp/my dir:..."', the project not importable), and srun's comma-separated --export cut a value at
+    its comma. Refused while planning, a dry run too."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.launcher.runner import EXPORT_ENVS
+
+    prefixes = (*EXPORT_ENVS, *get_accelerator().export_envs())
+    exported = {name: value for name, value in env.items() if name.startswith(prefixes)}
+    exported.update(line.split("=", 1) for line in _users_deepspeed_env(env))
+    for name, value in exported.items():
+        value = value.strip()
+        if not _DEEPSPEED_UNQUOTED.fullmatch(value) or (backend == SLURM and "," in value):
+            raise UserError(
+                f"multi_node --launcher {backend}: {name.strip()}={value!r} would not reach the ranks as it is: "
+                "DeepSpeed's launcher passes it to "
+                f"{'srun in its comma-separated --export' if backend == SLURM else 'mpirun'}, in double quotes where "
+                "it has other characters than letters, digits and @%+=:,./-, which no shell removes there; give it "
+                "a value without them (for PYTHONPATH: run train.py from a folder whose path has none), or unset it")
 
 
 def other_nodes_env_warnings(env: Mapping[str, str]) -> list[str]:

@@ -72,6 +72,7 @@ from .launch import (
     check_launcher_installed,
     check_not_under_a_launcher,
     check_same_slots,
+    env_for_launcher_program,
     env_for_other_nodes,
     format_command,
     is_this_machine,
@@ -642,11 +643,15 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int,
 def _launch_env(config: PipelineConfig, launcher: Launcher) -> dict[str, str]:
     """The launcher's environment, with what --launcher's program does not give the ranks (`Launcher.ranks_env`);
     through pdsh with the env file that carries what the ranks on other nodes need, in the run's logs folder
-    (`env_for_other_nodes`)."""
+    (`env_for_other_nodes`); through srun or mpirun with one of the user's checked env file lines alone
+    (`env_for_launcher_program`)."""
     env = {**launcher_env(REPO_ROOT), **launcher.ranks_env()}
-    if not launcher.through_pdsh:
-        return env
-    return env_for_other_nodes(env, config.output_dir / "logs" / OTHER_NODES_ENV_FILE)
+    env_file = config.output_dir / "logs" / OTHER_NODES_ENV_FILE
+    if launcher.through_pdsh:
+        return env_for_other_nodes(env, env_file)
+    if launcher.through_nodes_launcher:
+        return env_for_launcher_program(env, env_file)
+    return env
 
 
 def _say_variables_left_out(prepared: PreparedRun) -> None:
