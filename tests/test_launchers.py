@@ -168,6 +168,30 @@ def test_an_export_srun_or_mpirun_would_not_pass_as_it_is_is_refused_by_a_dry_ru
              "--launcher", backend, "--hostfile", hostfile(tmp_path, "localhost slots=1\n")])
 
 
+@pytest.mark.parametrize("backend, hosts, args, said", [
+    ("impi", "localhost slots=1\n", "-iface 'ib0", "--launcher-args \"-iface 'ib0\": No closing quotation"),
+    ("pdsh", "localhost slots=1\n", "-l other", "the hostfile names this machine alone"),
+])
+def test_launcher_args_that_would_fail_or_go_unused_are_refused_by_a_dry_run(tmp_path, monkeypatch, backend, hosts,
+                                                                           args, said):
+    """DeepSpeed's launcher splits --launcher-args as a shell does (an unclosed quote: a ValueError's traceback as
+    step 1 launched), and under pdsh with a hostfile of this machine alone starts the ranks without pdsh."""
+    from training.pipeline.cli import run
+
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path, mpirun='')}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(UserError, match=re.escape(said)):
+        run(["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
+             "--launcher", backend, "--launcher-args", args, "--hostfile", hostfile(tmp_path, hosts)])
+
+
+def test_the_pdsh_stop_command_runs_pdsh_with_the_launcher_args():
+    """The ranks' stop command reaches the nodes as DeepSpeed's pdsh launcher did, with --launcher-args' flags: without
+    them a `-l otheruser` launch had its stop request's pkill run as this user, matching no rank."""
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, hosts=("w1", "w2"), backend_args="-l other")
+    command = launcher.ranks_stop_command(Path("/repo/step1_sft/main.py"), ["--output_dir", "/runs/1"])
+    assert command[command.index("-w"):-1] == ["-w", "w1,w2", "-l", "other"]
+
+
 def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch):
     """Under --launcher impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank its RANK,
     WORLD_SIZE and the master's address and port, with no ssh from this machine: rank 0's address is the hostfile's

@@ -223,7 +223,7 @@ class Launcher:
         if run_dir is not None:
             rank += f".*--output_dir {_ere_literal(run_dir)}( |$)"
         return ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-S", "-w", ",".join(self.hosts),
-                f"pkill -TERM -f {shlex.quote(rank)}"]
+                *shlex.split(self.backend_args or ""), f"pkill -TERM -f {shlex.quote(rank)}"]
 
 
 def _ere_literal(text: str) -> str:
@@ -276,6 +276,23 @@ def check_launcher_programs(backend: str) -> None:
             f"multi_node --launcher {backend}: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on "
             f"PATH here, and DeepSpeed's {backend} launcher starts every rank with {LAUNCHER_PROGRAMS[backend][0]}; "
             f"{LAUNCHER_SETUP[backend]}, or pick another --launcher")
+
+
+def check_launcher_args(launcher: Launcher) -> None:
+    """--launcher-args, while planning: DeepSpeed's launcher splits it as a shell does, and ended step 1's launch in
+    a ValueError's traceback on an unclosed quote; under pdsh with a hostfile of this machine alone it starts the
+    ranks itself, no pdsh, so pdsh's flags went unused, unsaid."""
+    if launcher.backend_args is None:
+        return
+    try:
+        shlex.split(launcher.backend_args)
+    except ValueError as error:
+        raise UserError(f"--launcher-args {launcher.backend_args!r}: {error}; DeepSpeed's launcher splits it into "
+                        "words as a shell does: close the quote, or quote it as on a command line") from None
+    if launcher.backend == PDSH and not launcher.through_pdsh:
+        raise UserError(f"--launcher-args {launcher.backend_args!r}: the hostfile names this machine alone, whose "
+                        "ranks DeepSpeed's launcher starts itself, without pdsh, so pdsh's flags would go unused; "
+                        "drop --launcher-args (or pass the --launcher whose program they are for)")
 
 
 def check_same_slots(backend: str, hostfile: str, slots: Sequence[int]) -> None:

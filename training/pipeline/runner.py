@@ -69,6 +69,7 @@ from .launch import (
     REPO_ROOT,
     Launcher,
     StepStopped,
+    check_launcher_args,
     check_launcher_installed,
     check_not_under_a_launcher,
     check_same_slots,
@@ -164,10 +165,12 @@ def _launcher(config: PipelineConfig, deployment: DeploymentType, hardware: Hard
         return None
     check_launcher_installed()
     if deployment is DeploymentType.MULTI_NODE:
-        return Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
-                        master_addr=config.master_addr, nodes=len(hosts),
-                        on_this_machine=is_this_machine(hosts[0].name), hosts=tuple(host.name for host in hosts),
-                        backend=config.launcher, backend_args=config.launcher_args)
+        launcher = Launcher(deployment, hostfile=config.hostfile, master_port=config.master_port,
+                            master_addr=config.master_addr, nodes=len(hosts),
+                            on_this_machine=is_this_machine(hosts[0].name), hosts=tuple(host.name for host in hosts),
+                            backend=config.launcher, backend_args=config.launcher_args)
+        check_launcher_args(launcher)
+        return launcher
     gpus = 1 if deployment is DeploymentType.SINGLE_GPU else max(1, hardware.num_gpus)
     return Launcher(deployment, num_gpus=gpus, master_port=config.master_port)
 
