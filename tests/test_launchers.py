@@ -192,6 +192,19 @@ def test_the_pdsh_stop_command_runs_pdsh_with_the_launcher_args():
     assert command[command.index("-w"):-1] == ["-w", "w1,w2", "-l", "other"]
 
 
+def test_a_stray_launcher_name_in_train_pys_environment_leaves_its_own_steps_a_world_of_one(tmp_path, monkeypatch):
+    """RLHF_LAUNCHER=slurm exported in a batch script (SLURM_NTASKS=4 there) made a cpu run's step, run in train.py's
+    process, read srun's variables and wait for 3 ranks that never came: train.py sets it only for what it launches."""
+    from training.pipeline.cli import run
+    from utils.dist import get_world_size
+
+    batch_script = {"RLHF_LAUNCHER": "slurm", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0"}
+    environ = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    monkeypatch.setattr(os, "environ", {**environ, **batch_script})
+    run(["--deployment-type", "cpu", "--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run"])
+    assert "RLHF_LAUNCHER" not in os.environ and get_world_size() == 1
+
+
 def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch):
     """Under --launcher impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank its RANK,
     WORLD_SIZE and the master's address and port, with no ssh from this machine: rank 0's address is the hostfile's

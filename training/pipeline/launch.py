@@ -243,6 +243,14 @@ SEVERAL_TASKS_VARIABLES = {
 }
 
 
+def drop_stray_launcher_name() -> None:
+    """Take `LAUNCHED_BY` out of train.py's own environment: it tells a step that srun started it (`utils.dist` then
+    reads SLURM_PROCID and the like as its rank), and train.py sets it for the ranks it launches so alone
+    (`Launcher.ranks_env`). One exported in a batch script made a cpu run's step, run in this process, wait to join
+    a world of SLURM_NTASKS ranks that no one started."""
+    os.environ.pop(LAUNCHED_BY, None)
+
+
 def check_not_under_a_launcher() -> None:
     """train.py starts each step's processes itself: started by a launcher as one of several ranks (torchrun, or srun
     or mpirun inside a batch job), every rank would plan and run the whole pipeline (for a GPU deployment each

@@ -73,6 +73,7 @@ from .launch import (
     check_launcher_installed,
     check_not_under_a_launcher,
     check_same_slots,
+    drop_stray_launcher_name,
     env_for_launcher_program,
     env_for_other_nodes,
     format_command,
@@ -982,6 +983,7 @@ def run_pipeline(
         return (entries or {}).get(step) or STEPS[step].entry()
 
     check_not_under_a_launcher()
+    drop_stray_launcher_name()
     folder = check_folder_path(config.output_dir, "--output-dir")
     take_received_signal()  # a stop request before this run is not one for it
     stops = GracefulInterrupt(on_receipt="train.py ends before its next step (a step under way stops at its next "
