@@ -88,11 +88,11 @@ def test_rows_of_very_different_lengths_are_grouped_and_their_results_merged_bac
     one_window = AnswerWindow.of(sequences, mask, 60)
     assert sum(window.sequences.numel() for window in groups.windows) < 0.6 * one_window.sequences.numel()
     with torch.no_grad():
-        logprobs, logits = groups.answer_logprobs(model, 0.8)
+        logprobs, logits = groups.answer_logprobs(model, 0.8, None)
         plain_logits = answer_logits(model, sequences, mask, 60)
         expected = token_logprobs(plain_logits, sequences[:, 60:], 0.8)
         torch.testing.assert_close(logprobs[answer], expected[answer], rtol=0, atol=1e-5)
-        entropies = groups.answer_entropies(logits, 0.8)
+        entropies = groups.answer_entropies(logits, 0.8, None)
         torch.testing.assert_close(entropies[answer], token_entropies(plain_logits, 0.8)[answer], rtol=0, atol=1e-5)
         plain = critic(input_ids=sequences, attention_mask=mask)
         torch.testing.assert_close(groups.answer_values(critic)[answer], plain["values"][:, 59:-1][answer],
@@ -163,7 +163,7 @@ def test_a_training_forward_over_several_groups_looks_up_the_embeddings_once(rol
         assert groups.shared_embeddings(model) == [None, None]  # scoring: nothing to save, token ids as before
     # the real entry points take the shared path
     model.zero_grad()
-    result = groups.answer_logprobs(model, 1.0)[0] if role == "actor" else groups.answer_values(model)
+    result = groups.answer_logprobs(model, 1.0, None)[0] if role == "actor" else groups.answer_values(model)
     assert _embedding_backwards(result) == 1 and torch.equal(result.detach(), out)
 
 
@@ -195,6 +195,21 @@ def test_rows_alike_stay_one_group():
     sequences, mask, prompt_length = rows(100)
     groups = RowGroups.of(sequences, mask, prompt_length)
     assert len(groups.windows) == 1 and sorted(groups.rows[0].tolist()) == [0, 1, 2, 3]
+
+
+def test_grouped_log_probs_and_entropies_are_never_taken_without_the_tokenizers_size():
+    """A caller that left the tokenizer's size out would get, on a model with rows beyond its tokenizer, a
+    distribution over every row, not the one generation draws from: like the exact KL, they take it with no default
+    (None, every row, said outright)."""
+    tokenizer = make_tokenizer()
+    model = make_tiny_model("llama", tokenizer)[0].eval()
+    groups = RowGroups.of(*rows(len(tokenizer)))
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="tokenizer_size"):
+            groups.answer_logprobs(model, 1.0)
+        logits = groups.answer_logprobs(model, 1.0, None)[1]
+        with pytest.raises(TypeError, match="tokenizer_size"):
+            groups.answer_entropies(logits, 1.0)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -238,7 +253,7 @@ def test_bf16_window_and_group_results_at_positions_past_500_are_as_close_to_fp3
         model, critic = load(torch.bfloat16)
         plain_logprobs, plain_values = plain_results(model, critic)
         windowed = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens()))[answer]
-        grouped = groups.answer_logprobs(model, 1.0)[0][answer]
+        grouped = groups.answer_logprobs(model, 1.0, None)[0][answer]
         grouped_values = groups.answer_values(critic)[answer]
     for name, result, plain, exact in (("window log-probs", windowed, plain_logprobs, exact_logprobs),
                                        ("grouped log-probs", grouped, plain_logprobs, exact_logprobs),

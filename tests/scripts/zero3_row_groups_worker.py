@@ -32,13 +32,13 @@ def main(actor_path: str, reference_path: str) -> None:
     groups = RowGroups.of(sequences, mask, 60, (actor, reference), group_cost_tokens=8)
     assert len(groups.windows) == 1
     with torch.no_grad():
-        scored = {name: groups.answer_logprobs(engine, 1.0)[0] for name, engine in
+        scored = {name: groups.answer_logprobs(engine, 1.0, None)[0] for name, engine in
                   (("actor", actor), ("reference", reference))}
     answer = mask[:, 60:].bool()
     for name, path in (("actor", actor_path), ("reference", reference_path)):
         plain = load_causal_lm(path, tokenizer).eval()
         with torch.no_grad():
-            expected = alone.answer_logprobs(plain, 1.0)[0]
+            expected = alone.answer_logprobs(plain, 1.0, None)[0]
         torch.testing.assert_close(scored[name][answer], expected[answer], rtol=0, atol=1e-5)
     print(f"ROW_GROUPS_OK rank {get_rank()}", flush=True)
 

@@ -206,9 +206,10 @@ class RowGroups:
         return torch.cat(per_group).index_select(0, torch.argsort(torch.cat(self.rows).to(device)))
 
     def answer_logprobs(self, module: torch.nn.Module, temperature: float,
-                        tokenizer_size: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The answer tokens' log-probs [B, N] (fp32, over the tokenizer's ids: `token_logprobs`) and each group's
-        window logits [b_g, W_g, V] (every column)."""
+                        tokenizer_size: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The answer tokens' log-probs [B, N] (fp32, over the tokenizer's `tokenizer_size` ids: `token_logprobs`;
+        no default: None, every row of the model, is said outright) and each group's window logits [b_g, W_g, V]
+        (every column)."""
         logits = [window.logits(module, embeds)
                   for window, embeds in zip(self.windows, self.shared_embeddings(module))]
         logprobs = [window.to_answers(token_logprobs(group_logits, window.answer_tokens(), temperature, tokenizer_size))
@@ -221,7 +222,7 @@ class RowGroups:
                            for window, embeds in zip(self.windows, self.shared_embeddings(critic))])
 
     def answer_entropies(self, logits: list[torch.Tensor], temperature: float,
-                         tokenizer_size: int | None = None) -> torch.Tensor:
+                         tokenizer_size: int | None) -> torch.Tensor:
         """The entropy of each answer position's distribution over the tokenizer's ids from the groups' logits:
         [B, N] fp32 (no gradient)."""
         return self.merge([window.to_answers(token_entropies(group_logits, temperature, tokenizer_size))
