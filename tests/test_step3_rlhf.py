@@ -225,9 +225,9 @@ def test_an_actor_with_rows_beyond_its_tokenizer_is_trained_on_the_distribution_
         distributed, inputs):
     """An actor whose rows beyond the tokenizer hold nearly all of the whole distribution's mass (their logits made
     large on purpose), beside a reference that is the same model but for those rows: the sampled policies are one,
-    so the generator's log-probs, the old and reference log-probs, the KL in the reward and the exact KL, and the
-    entropy are all those of the distribution over the tokenizer's ids (the trainer's were over every row: a log-ratio
-    of several nats to a policy that did not move)."""
+    so the generator's log-probs, the old and reference log-probs, the KL in the reward and the exact KL, and the first
+    update's ratios and entropy are all those of the distribution over the tokenizer's ids (the trainer's were over
+    every row: a log-ratio of several nats to a policy that did not move)."""
     from tiny_models import make_padded_vocab_model_dir
 
     root = inputs["root"]
@@ -257,8 +257,10 @@ def test_an_actor_with_rows_beyond_its_tokenizer_is_trained_on_the_distribution_
     torch.testing.assert_close(experience.kl, torch.zeros(4), atol=1e-4, rtol=0)
     torch.testing.assert_close(trainer.evaluate_prompts(prompt_batch(tokenizer, 4)).exact_kl, torch.zeros(4),
                                atol=1e-4, rtol=0)
+    stats = trainer.train_rlhf(experience)
+    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-5) and stats["clip_fraction"] == 0.0  # ratio 1 at first
     entropy = -(drawn_from.exp() * drawn_from).sum(-1)[action].mean()
-    assert trainer.train_rlhf(experience)["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
+    assert stats["entropy"] == pytest.approx(entropy.item(), abs=1e-5)
 
 
 def test_the_exact_kl_of_an_actor_and_a_reference_scored_apart_is_over_the_tokenizers_ids():
