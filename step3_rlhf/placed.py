@@ -132,8 +132,8 @@ class PlacedPPO:
         for chunk, rollout in rollouts.items():
             chunk_parts = parts[chunk]
             if with_exact_kl and "exact_kl" not in chunk_parts:  # the actor and the reference on different ranks
-                chunk_parts["exact_kl"] = chunk_parts.pop("actor_logits").exact_kl(
-                    chunk_parts.pop("reference_logits"), rollout, trainer.config.temperature, trainer.tokenizer_size)
+                chunk_parts["exact_kl"] = trainer.exact_kl(chunk_parts.pop("actor_logits"),
+                                                           chunk_parts.pop("reference_logits"), rollout)
             experiences[chunk] = trainer.assemble_experience(rollout, chunk_parts)
         self.last_timing = {"generation_s": generated - started, "scoring_s": time.perf_counter() - generated,
                             "generated_tokens": float(sum(r.action_mask.sum().item() for r in rollouts.values()))}

@@ -544,8 +544,7 @@ class PPOTrainer:
                     parts[f"{role}_logits"] = GroupedLogits(groups.rows, logits)
                 del logits
             if with_exact_kl and "actor_logits" in parts and "reference_logits" in parts:
-                parts["exact_kl"] = kl_in_groups(parts.pop("actor_logits").logits, parts.pop("reference_logits").logits,
-                                                 groups, config.temperature, self.tokenizer_size)
+                parts["exact_kl"] = self.exact_kl(parts.pop("actor_logits"), parts.pop("reference_logits"), rollout)
             if "critic" in roles:
                 with clock.time("score_critic"):
                     parts["old_values"] = groups.answer_values(engine.critic)
@@ -555,6 +554,11 @@ class PPOTrainer:
                 if rollout.greedy is not None:
                     parts["baseline"] = self.baseline_scores(rollout)
         return parts
+
+    def exact_kl(self, actor_logits: GroupedLogits, reference_logits: GroupedLogits, answers: Answers) -> torch.Tensor:
+        """KL(actor || reference) per answer [B] of the distributions rollouts are drawn from (this trainer's
+        temperature, over the tokenizer's ids), from the two models' window logits scored on one rank or apart."""
+        return actor_logits.exact_kl(reference_logits, answers, self.config.temperature, self.tokenizer_size)
 
     @torch.no_grad()
     def baseline_scores(self, rollout: Rollout) -> torch.Tensor:

@@ -225,9 +225,10 @@ def test_an_actor_with_rows_beyond_its_tokenizer_is_trained_on_the_distribution_
         distributed, inputs):
     """An actor whose rows beyond the tokenizer hold nearly all of the whole distribution's mass (their logits made
     large on purpose), beside a reference that is the same model but for those rows: the sampled policies are one,
-    so the generator's log-probs, the old and reference log-probs, the KL in the reward and the exact KL, and the first
-    update's ratios and entropy are all those of the distribution over the tokenizer's ids (the trainer's were over
-    every row: a log-ratio of several nats to a policy that did not move)."""
+    so the generator's log-probs, the old and reference log-probs, the KL in the reward and the exact KL (the actor and
+    the reference scored together or apart), and the first update's ratios and entropy are all those of the
+    distribution over the tokenizer's ids (the trainer's were over every row: a log-ratio of several nats to a policy
+    that did not move)."""
     from tiny_models import make_padded_vocab_model_dir
 
     root = inputs["root"]
@@ -257,6 +258,10 @@ def test_an_actor_with_rows_beyond_its_tokenizer_is_trained_on_the_distribution_
     torch.testing.assert_close(experience.kl, torch.zeros(4), atol=1e-4, rtol=0)
     torch.testing.assert_close(trainer.evaluate_prompts(prompt_batch(tokenizer, 4)).exact_kl, torch.zeros(4),
                                atol=1e-4, rtol=0)
+    greedy = trainer.generate_rollout(prompt_batch(tokenizer, 4), do_sample=False)
+    scored_apart = [trainer.score_rollout(greedy, [role], with_exact_kl=True)[f"{role}_logits"]
+                    for role in ("actor", "reference")]  # as a placement's ranks score them (step3_rlhf/placed.py)
+    torch.testing.assert_close(trainer.exact_kl(*scored_apart, greedy), torch.zeros(4), atol=1e-4, rtol=0)
     stats = trainer.train_rlhf(experience)
     assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-5) and stats["clip_fraction"] == 0.0  # ratio 1 at first
     entropy = -(drawn_from.exp() * drawn_from).sum(-1)[action].mean()
