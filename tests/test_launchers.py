@@ -205,6 +205,20 @@ def test_a_stray_launcher_name_in_train_pys_environment_leaves_its_own_steps_a_w
     assert "RLHF_LAUNCHER" not in os.environ and get_world_size() == 1
 
 
+def test_a_slurm_launch_gives_srun_the_hostfiles_nodes_and_ranks_a_node(tmp_path, monkeypatch):
+    """DeepSpeed's launcher gives srun `-n RANKS` alone: inside a batch job srun took the job's node count and tasks a
+    node, which may not be the hostfile's (rank 0 away from MASTER_ADDR, each rank's LOCAL_WORLD_SIZE wrong). srun
+    reads SLURM_NNODES and SLURM_NTASKS_PER_NODE as --nodes and --ntasks-per-node."""
+    bin_dir = stand_ins(tmp_path, srun=FAKE_RECORDER, sinfo="#!/bin/sh\nexit 0\n")
+    for name, value in {"SLURM_NNODES": "4", "SLURM_NTASKS_PER_NODE": "8"}.items():  # the batch job's
+        monkeypatch.setenv(name, value)
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n"),
+                        nodes=2, hosts=("node-a", "node-b"), backend="slurm", slots=2)
+    record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", "/runs/x"])
+    assert record["argv"][:2] == ["-n", "4"]
+    assert (record["env"]["SLURM_NNODES"], record["env"]["SLURM_NTASKS_PER_NODE"]) == ("2", "2")
+
+
 def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch):
     """Under --launcher impi DeepSpeed's launcher runs mpirun on the hostfile's nodes, giving every rank its RANK,
     WORLD_SIZE and the master's address and port, with no ssh from this machine: rank 0's address is the hostfile's

@@ -100,6 +100,7 @@ class Launcher:
     hosts: tuple[str, ...] = ()  # multi_node: the hostfile's nodes, by name
     backend: str = PDSH  # multi_node: --launcher, the program DeepSpeed's launcher starts the ranks with
     backend_args: str | None = None  # multi_node: --launcher-args, that program's own flags
+    slots: int = 0  # multi_node: the hostfile's slots a node (the same on every node but under pdsh and OpenMPI)
 
     @property
     def through_nodes_launcher(self) -> bool:
@@ -139,6 +140,16 @@ class Launcher:
         if self.master_addr is not None:
             return self.master_addr
         return socket.gethostname() if self.on_this_machine else self.hosts[0]
+
+    def program_env(self) -> dict[str, str]:
+        """Under Slurm, the hostfile's layout for srun, to which DeepSpeed's launcher gives `-n RANKS` alone: srun
+        reads SLURM_NNODES and SLURM_NTASKS_PER_NODE as its --nodes and --ntasks-per-node (--launcher-args' own
+        win). Without them srun could spread the ranks over other nodes, or unevenly, than the hostfile's, so that
+        rank 0 ran elsewhere than MASTER_ADDR and a rank's LOCAL_WORLD_SIZE (WORLD_SIZE // SLURM_STEP_NUM_NODES) was
+        wrong; inside a batch job they were the job's own, not the hostfile's."""
+        if not (self.through_nodes_launcher and self.backend == SLURM):
+            return {}
+        return {"SLURM_NNODES": str(self.nodes), "SLURM_NTASKS_PER_NODE": str(self.slots)}
 
     def ranks_env(self) -> dict[str, str]:
         """What the ranks need in the launcher's environment that --launcher's program does not give them: under
