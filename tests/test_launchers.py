@@ -37,6 +37,26 @@ ranks = [subprocess.Popen(args[export + 1:], env={{**os.environ, **exported, "SL
          for task in range(tasks)]
 sys.exit(max(rank.wait() for rank in ranks))
 """
+# OpenMPI's mpirun as on other nodes: records its arguments and environment, then starts the rank command (from this
+# python on) once for each of its -n tasks with a node's own few variables, those its -x flags export (by name: its
+# own value) and the variables mpirun sets for a rank
+FAKE_OPENMPI = """#!{python}
+import json, os, subprocess, sys
+args = sys.argv[1:]
+tasks = int(args[args.index("-n") + 1])
+command = args.index({python!r})
+exported = dict(pair.split("=", 1) if "=" in pair else (pair, os.environ[pair])
+                for flag, pair in zip(args[:command], args[1:command]) if flag == "-x")
+with open(os.environ["LAUNCHER_RECORD"], "w") as record:
+    json.dump({{"argv": args, "env": dict(os.environ), "exported": exported}}, record)
+node = {{name: os.environ[name] for name in ("PATH", "HOME", "DS_ACCELERATOR")}}
+ranks = [subprocess.Popen(args[command:], env={{**node, **exported, "OMPI_COMM_WORLD_RANK": str(task),
+                                               "OMPI_COMM_WORLD_SIZE": str(tasks),
+                                               "OMPI_COMM_WORLD_LOCAL_RANK": str(task),
+                                               "OMPI_COMM_WORLD_LOCAL_SIZE": str(tasks)}})
+         for task in range(tasks)]
+sys.exit(max(rank.wait() for rank in ranks))
+"""
 FAKE_RECORDER = """#!{python}
 import json, os, sys
 with open(os.environ["LAUNCHER_RECORD"], "w") as record:
@@ -255,7 +275,45 @@ def test_mpich_is_not_offered_as_its_helper_reports_a_failed_rank_finished(tmp_p
     assert "invalid choice: 'mpich'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("backend, missing", [("slurm", "srun and sinfo are"), ("impi", "mpirun is")])
+def test_an_openmpi_launch_exports_what_its_ranks_need_and_they_join_one_world(tmp_path, monkeypatch):
+    """Under --launcher openmpi DeepSpeed's launcher runs `mpirun -n RANKS -hostfile FILE ... python -u SCRIPT FLAGS`:
+    its ranks get OMPI_COMM_WORLD_RANK and the like, not RANK or WORLD_SIZE, and on other nodes none of this
+    environment but what mpirun exports (-x). train.py exports rank 0's address and port, its launcher's name and the
+    variables pdsh's env file would carry (HF_*, TORCH_*, ...) by name, so their values arrive as they are, and the
+    ranks read mpirun's variables. --launcher-args naming btl_tcp_if_include replaces DeepSpeed's eth0."""
+    bin_dir = stand_ins(tmp_path, mpirun=FAKE_OPENMPI, ompi_info="#!/bin/sh\nexit 0\n")
+    port = free_port()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf home, with a comma"))
+    launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "localhost slots=2\n"), nodes=1,
+                        on_this_machine=True, hosts=("localhost",), backend="openmpi",
+                        backend_args="--mca btl_tcp_if_include lo", master_addr="127.0.0.1", master_port=port)
+    (tmp_path / "run").mkdir()
+    record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", str(tmp_path / "run")])
+    words = " ".join(record["argv"])
+    assert words.startswith(f"-n 2 -hostfile {launcher.hostfile} --mca btl ^openib --mca btl_tcp_if_include lo")
+    assert "eth0" not in words
+    for name in ("HF_HOME", "MASTER_ADDR", "MASTER_PORT", "RLHF_LAUNCHER", "TORCH_EXTENSIONS_DIR"):
+        assert f"-x {name} " in words
+    assert record["env"]["RLHF_LAUNCHER"] == "openmpi" and record["env"]["MASTER_PORT"] == str(port)
+    assert record["exported"]["HF_HOME"] == str(tmp_path / "hf home, with a comma")
+    ranks = [json.loads((tmp_path / "run" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks == [{"rank": rank, "world": 2, "total": 1.0, "local_rank": str(rank), "master": "127.0.0.1"}
+                     for rank in (0, 1)]
+
+
+def test_a_hostfile_of_unequal_slots_is_taken_under_openmpi(tmp_path, monkeypatch):
+    """OpenMPI's mpirun fills each node's slots as the hostfile gives them (-hostfile, no -ppn)."""
+    from training.pipeline.cli import run
+
+    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path, mpirun='', ompi_info='')}{os.pathsep}{os.environ['PATH']}")
+    command = run(["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type",
+                   "multi_node", "--launcher", "openmpi", "--hostfile",
+                   hostfile(tmp_path, "worker-1 slots=2\nworker-2 slots=1\n")])["commands"][1]
+    assert command[command.index("--launcher") + 1] == "openmpi"
+
+
+@pytest.mark.parametrize("backend, missing", [("slurm", "srun and sinfo are"), ("impi", "mpirun is"),
+                                              ("openmpi", "mpirun and ompi_info are")])
 def test_a_launcher_whose_program_is_not_on_path_is_refused_by_a_dry_run(tmp_path, monkeypatch, backend, missing):
     """DeepSpeed's launcher failed only as step 1 launched ("launcher 'slurm' not installed", mpirun not found), and
     a dry run printed its commands. With the program on PATH (and no pdsh nor ssh) the command goes through it,
@@ -270,7 +328,7 @@ def test_a_launcher_whose_program_is_not_on_path_is_refused_by_a_dry_run(tmp_pat
     with pytest.raises(UserError, match=f"^multi_node --launcher {backend}: {missing} not on PATH here.*"
                                         f"or pick another --launcher"):
         run(argv)
-    bin_dir = stand_ins(tmp_path, srun="", sinfo="", mpirun="")
+    bin_dir = stand_ins(tmp_path, srun="", sinfo="", mpirun="", ompi_info="")
     monkeypatch.setenv("PATH", str(bin_dir))
     command = run(argv)["commands"][1]
     assert {"--launcher", backend, "--force_multi", "--no_ssh_check", "--master_addr"} <= set(command)

@@ -34,24 +34,33 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
 
 
 LAUNCHED_BY = "RLHF_LAUNCHER"  # train.py's --launcher, set for the ranks where its program does not set RANK
-# the variables srun sets for each rank of a job step, by the name torch.distributed reads it under
-SLURM_RANK_VARIABLES = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
+# the variables srun and OpenMPI's mpirun set for each rank, by the name torch.distributed reads it under
+LAUNCHERS_RANK_VARIABLES = {
+    "slurm": {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"},
+    "openmpi": {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+                "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_WORLD_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"},
+}
+LAUNCHERS_PROGRAM = {"slurm": "srun", "openmpi": "OpenMPI's mpirun"}
 
 
-def take_slurm_ranks() -> None:
-    """Under train.py's `--launcher slurm` srun starts each rank as `python -u main.py` (DeepSpeed's Slurm runner),
-    setting its own SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID, not RANK, WORLD_SIZE and LOCAL_RANK: without them
-    every rank started a world of one on GPU 0, N runs writing the same folders. Read only where train.py says srun
-    started the ranks (`LAUNCHED_BY`): a script run inside an allocation sees the batch step's SLURM_NTASKS too."""
-    if os.environ.get(LAUNCHED_BY) != "slurm" or "RANK" in os.environ:
+def take_launcher_ranks() -> None:
+    """Under train.py's `--launcher slurm` or `openmpi` srun or mpirun starts each rank as `python -u main.py`
+    (DeepSpeed's runners), setting its own rank variables (SLURM_PROCID, OMPI_COMM_WORLD_RANK, ...), not RANK,
+    WORLD_SIZE and LOCAL_RANK: without them every rank started a world of one on GPU 0, N runs writing the same
+    folders. Read only where train.py says its launcher started the ranks (`LAUNCHED_BY`): a script run inside an
+    allocation sees the batch step's SLURM_NTASKS too."""
+    launcher = os.environ.get(LAUNCHED_BY)
+    if launcher not in LAUNCHERS_RANK_VARIABLES or "RANK" in os.environ:
         return
-    missing = [name for name in SLURM_RANK_VARIABLES.values() if name not in os.environ]
+    variables = LAUNCHERS_RANK_VARIABLES[launcher]
+    missing = [name for name in variables.values() if name not in os.environ]
     if missing:
-        raise UserError(f"{LAUNCHED_BY}=slurm says srun started this rank, but {', '.join(missing)} is not set; "
-                        "start the step through train.py's --launcher slurm, or unset it")
-    os.environ.update({name: os.environ[slurm_name] for name, slurm_name in SLURM_RANK_VARIABLES.items()})
+        raise UserError(f"{LAUNCHED_BY}={launcher} says {LAUNCHERS_PROGRAM[launcher]} started this rank, but "
+                        f"{', '.join(missing)} is not set; start the step through train.py's --launcher {launcher}, "
+                        "or unset it")
+    os.environ.update({name: os.environ[launchers_name] for name, launchers_name in variables.items()})
     nodes = os.environ.get("SLURM_STEP_NUM_NODES")
-    if nodes and nodes.isdigit() and int(nodes) > 0:
+    if launcher == "slurm" and nodes and nodes.isdigit() and int(nodes) > 0:
         os.environ["LOCAL_WORLD_SIZE"] = str(int(os.environ["WORLD_SIZE"]) // int(nodes))
 
 
@@ -80,7 +89,7 @@ def init_distributed() -> None:
 
     with watching_build_locks():  # DeepSpeed's CPU communication op compiles at its first initialisation
         if not is_initialized():
-            take_slurm_ranks()
+            take_launcher_ranks()
             accelerator = get_accelerator()
             if accelerator.device_name() != "cpu":
                 accelerator.set_device(get_local_rank())
@@ -109,9 +118,10 @@ def is_initialized() -> bool:
 
 def _rank_environ() -> Mapping[str, str]:
     """The environment with the launcher's own rank variables read as RANK, WORLD_SIZE and LOCAL_RANK
-    (`take_slurm_ranks`): a step asks its rank and world size before `init_distributed` (its flag checks, its logging
-    level), and under srun read a world of one there, refusing a placement that needs more ranks in every rank."""
-    take_slurm_ranks()
+    (`take_launcher_ranks`): a step asks its rank and world size before `init_distributed` (its flag checks, its
+    logging level), and under srun read a world of one there, refusing a placement that needs more ranks in every
+    rank."""
+    take_launcher_ranks()
     return os.environ
 
 

@@ -63,7 +63,8 @@ class PipelineConfig:
     launcher: str = field(default=PDSH, metadata={
         "choices": tuple(LAUNCHER_PROGRAMS),
         "help": "multi_node: the program DeepSpeed's launcher starts the ranks with: pdsh (over ssh, from this "
-                "machine), slurm (srun, train.py run inside the allocation), impi (Intel MPI's or MPICH's mpirun)"})
+                "machine), slurm (srun, train.py run inside the allocation), impi (Intel MPI's or MPICH's mpirun), "
+                "openmpi (OpenMPI's mpirun)"})
     launcher_args: str | None = field(default=None, metadata={
         "metavar": "ARGS",
         "help": "multi_node: flags of the --launcher's program (pdsh, srun, mpirun), as one quoted string"})

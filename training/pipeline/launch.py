@@ -59,16 +59,21 @@ DS_ENV_FILE = "DS_ENV_FILE"  # names the env file (VAR=value lines) DeepSpeed's 
 DEFAULT_DS_ENV_FILE = ".deepspeed_env"  # the env file's name where DS_ENV_FILE is unset, in ~ and the working folder
 PDSH = "pdsh"
 SLURM = "slurm"
-# train.py's --launcher choices: DeepSpeed's runner's own names for them (its openmpi and mvapich runners start each
-# rank as `python script` with no rank, world size or master address, which its ranks then find only through mpi4py;
-# its mpich runner starts each rank through launcher_helper.py, which exits 0 whatever the rank's exit code, so a
-# failed or stopped step would be reported finished; MPICH's Hydra mpirun reads the impi runner's flags too)
-LAUNCHER_PROGRAMS = {PDSH: ("pdsh", "ssh"), SLURM: ("srun", "sinfo"), "impi": ("mpirun",)}
+OPENMPI = "openmpi"
+# train.py's --launcher choices: DeepSpeed's runner's own names for them, with the programs it looks for (its mvapich
+# runner starts each rank as `python script` with no rank, world size or master address, which its ranks then find
+# only through mpi4py; its mpich runner starts each rank through launcher_helper.py, which exits 0 whatever the rank's
+# exit code, so a failed or stopped step would be reported finished; MPICH's Hydra mpirun reads the impi runner's
+# flags too)
+LAUNCHER_PROGRAMS = {PDSH: ("pdsh", "ssh"), SLURM: ("srun", "sinfo"), "impi": ("mpirun",),
+                     OPENMPI: ("mpirun", "ompi_info")}
 LAUNCHER_SETUP = {  # how to have a --launcher's programs on PATH
     SLURM: "run train.py inside a Slurm allocation (sbatch or salloc) on a node with Slurm's commands (module load "
            "slurm, where your cluster uses modules)",
     "impi": "load Intel MPI or MPICH here and on every node (module load intel-mpi or mpich, or source Intel MPI's "
             "setvars.sh)",
+    OPENMPI: "load OpenMPI here and on every node (module load openmpi; Debian, Ubuntu: apt-get install "
+             "openmpi-bin)",
 }
 
 
@@ -155,11 +160,25 @@ class Launcher:
         """What the ranks need in the launcher's environment that --launcher's program does not give them: under
         Slurm, whose srun passes this environment on to every rank (DeepSpeed's `--export=ALL`) and sets only its own
         SLURM_PROCID and the like, the launcher's name (`utils.dist` reads its rank from those) and rank 0's address
-        and port. DeepSpeed's impi runner sets RANK, WORLD_SIZE and the master's address themselves."""
-        if not (self.through_nodes_launcher and self.backend == SLURM):
+        and port; under OpenMPI, whose mpirun sets only its OMPI_COMM_WORLD_RANK and the like, the same, which it
+        exports to the ranks by name (`launcher_args`). DeepSpeed's impi runner sets RANK, WORLD_SIZE and the master's
+        address themselves."""
+        if not (self.through_nodes_launcher and self.backend in (SLURM, OPENMPI)):
             return {}
-        return {LAUNCHED_BY: SLURM, "MASTER_ADDR": self.rank_0_address,
+        return {LAUNCHED_BY: self.backend, "MASTER_ADDR": self.rank_0_address,
                 "MASTER_PORT": str(self.master_port or DEEPSPEED_MASTER_PORT)}
+
+    def launcher_args(self) -> str | None:
+        """DeepSpeed's --launcher_args: --launcher-args, and under OpenMPI an `-x NAME` for each variable the ranks need
+        from the launcher's environment (`ranks_env`'s, and those `_taken_for_other_nodes`, as pdsh's env file carries
+        them): its mpirun gives the ranks on other nodes no other variables than those it exports, and `-x NAME` takes
+        the value from its own environment as it is (where DeepSpeed's `-x NAME=VALUE` would wrap it in quotes)."""
+        if self.backend != OPENMPI:
+            return self.backend_args
+        env = launcher_env(REPO_ROOT)
+        names = sorted({*self.ranks_env(), *_taken_for_other_nodes(env, _users_deepspeed_env(env))})
+        exports = shlex.join([word for name in names for word in ("-x", name)])
+        return exports if self.backend_args is None else f"{self.backend_args} {exports}"
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
@@ -172,8 +191,8 @@ class Launcher:
             check_exports_arrive_intact(self.backend, {**launcher_env(REPO_ROOT), **self.ranks_env()})
         if self.deployment is DeploymentType.MULTI_NODE:
             command += ["--hostfile", str(self.hostfile)]
-            if self.backend_args is not None:
-                command.append(f"--launcher_args={self.backend_args}")  # one word: a value may begin with a dash
+            if (launcher_args := self.launcher_args()) is not None:
+                command.append(f"--launcher_args={launcher_args}")  # one word: a value may begin with a dash
             if self.backend != PDSH:  # no ssh: srun or mpirun reaches the nodes
                 command += ["--launcher", self.backend, "--force_multi", "--no_ssh_check",
                             "--master_addr", self.rank_0_address]
@@ -315,9 +334,10 @@ def check_launcher_args(launcher: Launcher) -> None:
 
 
 def check_same_slots(backend: str, hostfile: str, slots: Sequence[int]) -> None:
-    """DeepSpeed's Slurm and MPI runners start the same number of ranks on every node (srun -n, mpirun -ppn), and
-    failed with a traceback at launch on a hostfile whose nodes have different slots."""
-    if backend != PDSH and len(set(slots)) > 1:
+    """DeepSpeed's Slurm and Intel MPI runners start the same number of ranks on every node (srun -n, mpirun -ppn),
+    and failed with a traceback at launch on a hostfile whose nodes have different slots (OpenMPI's mpirun fills each
+    node's slots as the hostfile gives them)."""
+    if backend not in (PDSH, OPENMPI) and len(set(slots)) > 1:
         raise UserError(f"{hostfile}: its nodes have {', '.join(map(str, slots))} slots, and DeepSpeed's {backend} "
                         "launcher starts as many ranks on every node; give every node the same slots, or use "
                         "--launcher pdsh")
@@ -335,7 +355,7 @@ def check_remote_shell_tools() -> None:
             "DeepSpeed's launcher starts the ranks on other nodes with pdsh over ssh from this machine (--launcher "
             "pdsh, the default); install them here (Debian, Ubuntu: apt-get install pdsh openssh-client; RHEL, "
             "Fedora: dnf install pdsh pdsh-rcmd-ssh openssh-clients), or on a Slurm or MPI cluster pass --launcher "
-            "slurm or impi, or run on this node alone with --deployment-type single_node")
+            "slurm, impi or openmpi, or run on this node alone with --deployment-type single_node")
 
 
 # what a node's shell reads as itself, unquoted (DeepSpeed's test for its exports), less the `%` that pdsh reads first:
