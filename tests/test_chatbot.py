@@ -7,6 +7,7 @@ import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -353,14 +354,19 @@ def _until_first_answer(child: subprocess.Popen, bound_s: float = CHAT_PROCESS_B
     to its end. A chat that shows neither within `bound_s` is killed and fails the test with what it printed: a
     blocking readline waited for it without end."""
     printed, errors, deadline = b"", b"", time.monotonic() + bound_s
+    open_streams = [child.stdout, child.stderr]
     while not re.search(rb"(?m)^Assistant: .*\n", printed):
-        ready, _, _ = select.select([child.stdout, child.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        left_s = deadline - time.monotonic()
+        ready = select.select(open_streams, [], [], left_s)[0] if left_s > 0 else []
         if not ready:
             child.kill()
             rest, more_errors = child.communicate()
             _fail_unended(bound_s, printed + rest, errors + more_errors)
         if child.stderr in ready:
-            errors += os.read(child.stderr.fileno(), 65536)
+            error_chunk = os.read(child.stderr.fileno(), 65536)
+            errors += error_chunk
+            if not error_chunk:  # closed: a stream at its end is always ready, and would keep the loop from waiting
+                open_streams.remove(child.stderr)
         if child.stdout in ready:
             chunk = os.read(child.stdout.fileno(), 65536)
             if not chunk:  # it ended without an answer
@@ -394,6 +400,26 @@ def test_a_chat_process_that_never_answers_fails_its_test_at_the_bound_with_what
             assert child.poll() is not None
     assert time.monotonic() - started < 60
 
+
+def test_a_chat_that_closes_its_error_output_and_hangs_fails_at_the_bound():
+    """A closed stream is always ready to `select`: the wait read its end over and over, at full speed, never reaching
+    the bound."""
+    closes = [sys.executable, "-c", "import os, time; print('Human: loading', flush=True); os.close(2); time.sleep(60)"]
+    failures = []
+
+    def wait() -> None:
+        with subprocess.Popen(closes, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as child:
+            try:
+                _until_first_answer(child, bound_s=1)
+            except pytest.fail.Exception as failed:
+                failures.append(str(failed))
+            finally:
+                child.kill()
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert failures and "within 1 s; it printed:\nHuman: loading" in failures[0]
 
 def test_prompts_on_standard_input_are_answered_in_a_subprocess(tiny_model_dir):
     model = tiny_model_dir("gpt2")
