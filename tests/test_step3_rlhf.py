@@ -260,7 +260,7 @@ def test_an_actor_with_rows_beyond_its_tokenizer_is_trained_on_the_distribution_
                                atol=1e-4, rtol=0)
     greedy = trainer.generate_rollout(prompt_batch(tokenizer, 4), do_sample=False)
     scored_apart = [trainer.score_rollout(greedy, [role], with_exact_kl=True)[f"{role}_logits"]
-                    for role in ("actor", "reference")]  # as a placement's ranks score them (step3_rlhf/placed.py)
+                    for role in ("actor", "reference")]  # the call placed.py makes; on one rank the rows group alike
     torch.testing.assert_close(trainer.exact_kl(*scored_apart, greedy), torch.zeros(4), atol=1e-4, rtol=0)
     stats = trainer.train_rlhf(experience)
     assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-5) and stats["clip_fraction"] == 0.0  # ratio 1 at first
