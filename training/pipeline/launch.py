@@ -146,16 +146,6 @@ class Launcher:
             return self.master_addr
         return socket.gethostname() if self.on_this_machine else self.hosts[0]
 
-    def program_env(self) -> dict[str, str]:
-        """Under Slurm, the hostfile's layout for srun, to which DeepSpeed's launcher gives `-n RANKS` alone: srun
-        reads SLURM_NNODES and SLURM_NTASKS_PER_NODE as its --nodes and --ntasks-per-node (--launcher-args' own
-        win). Without them srun could spread the ranks over other nodes, or unevenly, than the hostfile's, so that
-        rank 0 ran elsewhere than MASTER_ADDR and a rank's LOCAL_WORLD_SIZE (WORLD_SIZE // SLURM_STEP_NUM_NODES) was
-        wrong; inside a batch job they were the job's own, not the hostfile's."""
-        if not (self.through_nodes_launcher and self.backend == SLURM):
-            return {}
-        return {"SLURM_NNODES": str(self.nodes), "SLURM_NTASKS_PER_NODE": str(self.slots)}
-
     def ranks_env(self) -> dict[str, str]:
         """What the ranks need in the launcher's environment that --launcher's program does not give them: under
         Slurm, whose srun passes this environment on to every rank (DeepSpeed's `--export=ALL`) and sets only its own
@@ -169,16 +159,30 @@ class Launcher:
                 "MASTER_PORT": str(self.master_port or DEEPSPEED_MASTER_PORT)}
 
     def launcher_args(self) -> str | None:
-        """DeepSpeed's --launcher_args: --launcher-args, and under OpenMPI an `-x NAME` for each variable the ranks need
-        from the launcher's environment (`ranks_env`'s, and those `_taken_for_other_nodes`, as pdsh's env file carries
-        them): its mpirun gives the ranks on other nodes no other variables than those it exports, and `-x NAME` takes
-        the value from its own environment as it is (where DeepSpeed's `-x NAME=VALUE` would wrap it in quotes)."""
-        if self.backend != OPENMPI:
-            return self.backend_args
+        """DeepSpeed's --launcher_args: --launcher-args, after srun's layout flags under Slurm (`srun_layout`: the
+        user's later flags win) and before mpirun's exports under OpenMPI (`openmpi_exports`)."""
+        if self.backend == SLURM:
+            return _joined(self.srun_layout(), self.backend_args)
+        if self.backend == OPENMPI:
+            return _joined(self.backend_args, self.openmpi_exports())
+        return self.backend_args
+
+    def srun_layout(self) -> str:
+        """The hostfile's layout as srun's flags, `--nodes N --ntasks-per-node SLOTS`: DeepSpeed's Slurm runner gives
+        srun `-n RANKS` alone, and inside a batch job srun took the job's node count (SLURM_JOB_NUM_NODES, which it
+        reads before SLURM_NNODES since Slurm 20.11) and spread the ranks over other nodes, or unevenly, than the
+        hostfile's: rank 0 away from MASTER_ADDR, a rank's LOCAL_WORLD_SIZE (WORLD_SIZE // SLURM_STEP_NUM_NODES)
+        wrong. Flags, not srun's input variables: they show in the logged command and win over the job's."""
+        return f"--nodes {self.nodes} --ntasks-per-node {self.slots}"
+
+    def openmpi_exports(self) -> str:
+        """An `-x NAME` for each variable the ranks need from the launcher's environment (`ranks_env`'s, and those
+        `_taken_for_other_nodes`, as pdsh's env file carries them): OpenMPI's mpirun gives the ranks on other nodes no
+        other variables than those it exports, and `-x NAME` takes the value from its own environment as it is (where
+        DeepSpeed's `-x NAME=VALUE` would wrap it in quotes)."""
         env = launcher_env(REPO_ROOT)
         names = sorted({*self.ranks_env(), *_taken_for_other_nodes(env, _users_deepspeed_env(env))})
-        exports = shlex.join([word for name in names for word in ("-x", name)])
-        return exports if self.backend_args is None else f"{self.backend_args} {exports}"
+        return shlex.join([word for name in names for word in ("-x", name)])
 
     def command(self, script: Path, step_argv: Sequence[str]) -> list[str]:
         # --no_local_rank: the steps read LOCAL_RANK from the environment the launcher sets
@@ -254,6 +258,11 @@ class Launcher:
             rank += f".*--output_dir {_ere_literal(run_dir)}( |$)"
         return ["env", "PDSH_RCMD_TYPE=ssh", "pdsh", "-S", "-w", ",".join(self.hosts),
                 *shlex.split(self.backend_args or ""), f"pkill -TERM -f {shlex.quote(rank)}"]
+
+
+def _joined(*flags: str | None) -> str:
+    """Flag strings for one command line, in order, those not given left out."""
+    return " ".join(words for words in flags if words is not None)
 
 
 def _ere_literal(text: str) -> str:

@@ -645,11 +645,11 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int,
 
 
 def _launch_env(config: PipelineConfig, launcher: Launcher) -> dict[str, str]:
-    """The launcher's environment, with the hostfile's layout for srun (`Launcher.program_env`) and what --launcher's
-    program does not give the ranks (`Launcher.ranks_env`); through pdsh with the env file that carries what the
-    ranks on other nodes need, in the run's logs folder (`env_for_other_nodes`); through srun or mpirun with one of
-    the user's checked env file lines alone (`env_for_launcher_program`)."""
-    env = {**launcher_env(REPO_ROOT), **launcher.program_env(), **launcher.ranks_env()}
+    """The launcher's environment, with what --launcher's program does not give the ranks (`Launcher.ranks_env`);
+    through pdsh with the env file that carries what the ranks on other nodes need, in the run's logs folder
+    (`env_for_other_nodes`); through srun or mpirun with one of the user's checked env file lines alone
+    (`env_for_launcher_program`)."""
+    env = {**launcher_env(REPO_ROOT), **launcher.ranks_env()}
     env_file = config.output_dir / "logs" / OTHER_NODES_ENV_FILE
     if launcher.through_pdsh:
         return env_for_other_nodes(env, env_file)
