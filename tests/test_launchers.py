@@ -415,6 +415,29 @@ def test_train_py_run_once_in_a_batch_job_or_as_one_task_is_not_refused(monkeypa
     check_not_under_a_launcher()
 
 
+MPIRUN_ONE_TASK = {"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                   "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "PMIX_RANK": "0", "PMI_SIZE": "1", "PMI_RANK": "0",
+                   "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1", "MV2_COMM_WORLD_RANK": "0"}
+
+
+def test_the_ranks_of_train_py_run_by_mpirun_as_one_task_get_none_of_its_task_variables(tmp_path, monkeypatch):
+    """`mpirun -n 1 python train.py`: mpirun's rank 0 of 1 reached every rank DeepSpeed's launcher started, and
+    DeepSpeed's engine asserts LOCAL_RANK == OMPI_COMM_WORLD_LOCAL_RANK, so each rank of local rank 1 or more failed
+    in deepspeed.initialize. The job's own variables stay (a nested srun finds its allocation through them)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    for name, value in {**MPIRUN_ONE_TASK, "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(name, value)
+    env = _launch_env(PipelineConfig(output_dir=tmp_path / "out"), Launcher(DeploymentType.SINGLE_NODE, num_gpus=2))
+    assert not set(MPIRUN_ONE_TASK) & set(env) and env["SLURM_JOB_ID"] == "7"
+    monkeypatch.setattr(os, "environ", {**env, "LOCAL_RANK": "1"})  # as the launcher starts the second rank
+    engine = SimpleNamespace()
+    DeepSpeedEngine._configure_with_arguments(engine, SimpleNamespace(), None)
+    assert engine.local_rank == 1
+
+
 def test_train_py_run_by_srun_in_every_task_ends_before_planning(tmp_path):
     """The whole train.py, in a process with srun's variables for one of 16 tasks: it ends with the error alone."""
     argv = [sys.executable, "train.py", "--deployment-type", "cpu", "--output-dir", str(tmp_path / "out")]

@@ -64,9 +64,19 @@ def take_launcher_ranks() -> None:
         os.environ["LOCAL_WORLD_SIZE"] = str(int(os.environ["WORLD_SIZE"]) // int(nodes))
 
 
+# what mpirun sets for each of its tasks (OpenMPI, Hydra's MPICH and Intel MPI, MVAPICH, PMIx): DeepSpeed's engine
+# reads OMPI_COMM_WORLD_LOCAL_RANK beside LOCAL_RANK and asserts they are equal. srun's task variables stay: a nested
+# srun finds its allocation through the job's, and sets SLURM_PROCID and the like anew for its own tasks
+MPI_TASK_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+MPI_TASK_PREFIXES = ("OMPI_COMM_WORLD_", "MV2_COMM_WORLD_")
+
+
 def launcher_variables(env: Mapping[str, str]) -> list[str]:
-    """The names in `env` a launcher set for its worker: a world of its own started from a worker drops them."""
-    return [key for key in env if key in LAUNCHER_VARIABLES or key.startswith("TORCHELASTIC_")]
+    """The names in `env` a launcher set for its worker: a world of its own started from a worker drops them, and so
+    do the ranks train.py launches where `mpirun -n 1` started it (its rank 0 of 1 reached every rank, and a rank of
+    local rank 1 failed in deepspeed.initialize on LOCAL_RANK 1 != OMPI_COMM_WORLD_LOCAL_RANK 0)."""
+    return [key for key in env if key in LAUNCHER_VARIABLES or key in MPI_TASK_VARIABLES
+            or key.startswith(("TORCHELASTIC_", *MPI_TASK_PREFIXES))]
 
 
 def _start_single_process_world(backend: str) -> None:
