@@ -377,6 +377,7 @@ SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "0", "S
 
 @pytest.mark.parametrize("variables, said", [
     (SRUN_STEP, "started by srun as rank 3 of 16 processes (SLURM_STEP_NUM_TASKS=16)"),
+    ({**SRUN_STEP, "SLURM_PTY_PORT": "40123"}, "started by srun as rank 3 of 16 processes"),  # not --pty's task 0
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
      "started by OpenMPI's mpirun as rank 1 of 4 processes (OMPI_COMM_WORLD_SIZE=4)"),
     ({"PMI_SIZE": "4", "PMI_RANK": "2"}, "started by mpirun (MPICH, Intel MPI) as rank 2 of 4 processes (PMI_SIZE=4)"),
@@ -401,15 +402,17 @@ def test_train_py_started_as_one_of_several_tasks_of_srun_or_mpirun_is_refused(t
      "SLURM_LOCALID": "0", "ENVIRONMENT": "BATCH"},  # the batch script itself, run once on the first node
     {**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"},  # srun -n 1
     {"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0", "PMI_SIZE": "1", "PMI_RANK": "0"},  # mpirun -n 1
+    {**SRUN_STEP, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "8", "SLURM_PTY_PORT": "40123"},  # srun -n 8 --pty bash
 ])
 def test_train_py_run_once_in_a_batch_job_or_as_one_task_is_not_refused(monkeypatch, variables):
     """A batch script has SLURM_NTASKS (its #SBATCH --ntasks) but is one process; srun -n 1 and mpirun -n 1 start
-    one."""
+    one; an interactive `srun -n 8 --pty bash` gives its terminal to task 0 alone."""
     from training.pipeline.launch import SEVERAL_TASKS_VARIABLES, check_not_under_a_launcher
 
     for name, (_, rank_name) in SEVERAL_TASKS_VARIABLES.items():
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(rank_name, raising=False)
+    monkeypatch.delenv("SLURM_PTY_PORT", raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     check_not_under_a_launcher()

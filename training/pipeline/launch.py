@@ -296,12 +296,20 @@ def check_not_under_a_launcher() -> None:
     starting a launcher of its own on every GPU), all writing the same folders."""
     for variable, (launcher, rank_variable) in SEVERAL_TASKS_VARIABLES.items():
         count = os.environ.get(variable, "1")
-        if count.isdigit() and int(count) > 1:
+        if count.isdigit() and int(count) > 1 and not _in_srun_pty_shell(variable):
             raise UserError(
                 f"train.py was started by {launcher} as rank {os.environ.get(rank_variable, '?')} of {count} "
                 f"processes ({variable}={count}); it starts each step's processes itself, so every rank would run the "
                 "whole pipeline. Run it once, as `python train.py ...` (--deployment-type single_node for this "
                 f"node's GPUs, multi_node with --hostfile for several nodes), {_one_task_hint(variable)}")
+
+
+def _in_srun_pty_shell(variable: str) -> bool:
+    """Whether srun's task count `variable` is that of an interactive step (`srun -n 8 --pty bash`, SLURM_PTY_PORT
+    set) seen from its task 0: srun gives the terminal to task 0 alone, so train.py typed in that shell runs once
+    (the other tasks' shells end at once on no input)."""
+    return variable == "SLURM_STEP_NUM_TASKS" and "SLURM_PTY_PORT" in os.environ and \
+        os.environ.get("SLURM_PROCID") == "0"
 
 
 def _one_task_hint(variable: str) -> str:
