@@ -146,6 +146,14 @@ class Launcher:
             return self.master_addr
         return socket.gethostname() if self.on_this_machine else self.hosts[0]
 
+    @property
+    def stop_status(self) -> int | None:
+        """The launcher's exit status that says its ranks stopped on a stop request of their own (a signal that reached
+        them, not through train.py): `EXIT_INTERRUPTED`. None under Intel MPI, whose mpirun (Hydra) ORs the ranks'
+        exit statuses, so that one rank's 1 and another's 2 also made 3: there only a stop request train.py passed on
+        makes a stop."""
+        return None if self.through_nodes_launcher and self.backend == "impi" else EXIT_INTERRUPTED
+
     def ranks_env(self) -> dict[str, str]:
         """What the ranks need in the launcher's environment that --launcher's program does not give them: under
         Slurm, whose srun passes this environment on to every rank (DeepSpeed's `--export=ALL`) and sets only its own
@@ -704,14 +712,16 @@ def _signal_process_tree(pid: int, signum: signal.Signals) -> None:
 
 
 def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict[str, str] | None = None,
-                   stop_ranks: Sequence[str] | None = None, nodes: Sequence[str] = ()) -> None:
+                   stop_ranks: Sequence[str] | None = None, nodes: Sequence[str] = (),
+                   stop_status: int | None = EXIT_INTERRUPTED) -> None:
     """Run a launcher command, streaming its combined output to the console and the log as it comes; a stop
     request during it ends in `StepStopped` unless the step finished all the same. With `stop_ranks` (ranks on other
     nodes: `Launcher.ranks_stop_command`) the launcher runs in a session of its own, which a terminal's Ctrl-C does
     not reach: its handler would kill pdsh, and with it the ranks' output. Where copying the output fails (the disk
     full, the console gone), the step's processes are stopped as on a stop request and waited for before the error
     goes on: train.py does not end leaving them running unwatched. `nodes`: the hostfile's, whose names pdsh puts ahead
-    of their ranks' lines (`cause_in_output`)."""
+    of their ranks' lines (`cause_in_output`). `stop_status`: the exit status read as the ranks' own stop
+    (`Launcher.stop_status`)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log, _stop_requests_passed_on(stop_ranks) as stop_requests:
         attempt_start = log.tell()
@@ -730,7 +740,7 @@ def run_subprocess(command: Sequence[str], log_path: Path, label: str, env: dict
         finally:
             status = process.wait()
             stop_requests.launcher_ended()
-    if status != 0 and (stop_requests.taken or status == EXIT_INTERRUPTED):
+    if status != 0 and (stop_requests.taken or status == stop_status):
         raise StepStopped(label)
     if status != 0:
         cause = _failure_cause(status, log_path, attempt_start, nodes)

@@ -636,7 +636,7 @@ def _run_step(config: PipelineConfig, prepared: PreparedRun, step: int,
             print(f"launch: {format_command(command)}", flush=True)  # its master port is settled now
             run_subprocess(command, config.log_path(step), label, env=_launch_env(config, prepared.launcher),
                            stop_ranks=prepared.launcher.ranks_stop_command(STEPS[step].script(), prepared.argvs[step]),
-                           nodes=prepared.launcher.output_prefixes)
+                           nodes=prepared.launcher.output_prefixes, stop_status=prepared.launcher.stop_status)
             summary = read_summary(config.run_dir(step)) or {}
     except UserError as error:
         raise _with_resume_hint(config, step, error) from error
