@@ -351,6 +351,16 @@ def test_a_launcher_whose_program_is_not_on_path_is_refused_by_a_dry_run(tmp_pat
     assert {"--launcher", backend, "--force_multi", "--no_ssh_check", "--master_addr"} <= set(command)
 
 
+def test_launcher_args_of_one_flag_are_shown_in_the_form_argparse_takes():
+    """`--launcher-args --allow-run-as-root` ends in argparse's 'expected one argument' (a lone word beginning with a
+    dash is read as a flag), the form README showed; README and the flag's help show `--launcher-args=--flag`."""
+    from training.pipeline.cli import build_parser, parse_config
+
+    assert "--launcher-args=--allow-run-as-root" in (REPO_ROOT / "README.md").read_text()
+    assert "--launcher-args=--allow-run-as-root" in "".join(build_parser().format_help().split())
+    assert parse_config(["--launcher-args=--allow-run-as-root"]).launcher_args == "--allow-run-as-root"
+
+
 @pytest.mark.parametrize("flags", [["--deployment-type", "cpu", "--launcher", "slurm"],
                                    ["--deployment-type", "cpu", "--launcher-args", "-p gpu"]])
 def test_a_launcher_off_multi_node_is_refused(tmp_path, flags):

@@ -67,7 +67,8 @@ class PipelineConfig:
                 "openmpi (OpenMPI's mpirun)"})
     launcher_args: str | None = field(default=None, metadata={
         "metavar": "ARGS",
-        "help": "multi_node: flags of the --launcher's program (pdsh, srun, mpirun), as one quoted string"})
+        "help": "multi_node: flags of the --launcher's program (pdsh, srun, mpirun), as one quoted string; a single "
+                "word beginning with a dash takes '=' (--launcher-args=--allow-run-as-root)"})
     dry_run: bool = field(default=False, metadata={
         "help": "print the settings and the commands, check inputs, and stop"})
     # not flags: the parse's remaining flags (for the steps that accept them) and the per-step flags' values
