@@ -361,6 +361,15 @@ def test_launcher_args_of_one_flag_are_shown_in_the_form_argparse_takes():
     assert parse_config(["--launcher-args=--allow-run-as-root"]).launcher_args == "--allow-run-as-root"
 
 
+def test_master_addrs_help_gives_its_default_under_each_launcher():
+    """Under slurm, impi and openmpi rank 0's address defaults to the hostfile's first node (`rank_0_address`), asked
+    over no ssh; --master-addr's help gave pdsh's ssh default alone."""
+    from training.pipeline.cli import build_parser
+
+    help_text = " ".join(build_parser().format_help().split())
+    assert "under slurm, impi and openmpi the hostfile's first node's name" in help_text
+
+
 @pytest.mark.parametrize("flags", [["--deployment-type", "cpu", "--launcher", "slurm"],
                                    ["--deployment-type", "cpu", "--launcher-args", "-p gpu"]])
 def test_a_launcher_off_multi_node_is_refused(tmp_path, flags):

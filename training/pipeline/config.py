@@ -59,7 +59,9 @@ class PipelineConfig:
                 "port free when each step starts, DeepSpeed's 29500 on multi_node)"})
     master_addr: str | None = field(default=None, metadata={
         "help": "multi_node: the launcher's --master_addr, the first node's address the others reach (default: "
-                "the first address `hostname -I` gives on that node, asked over ssh)"})
+                "under --launcher pdsh the first address `hostname -I` gives on that node, asked over ssh, or "
+                "127.0.0.1 for a hostfile of this machine alone; under slurm, impi and openmpi the hostfile's first "
+                "node's name, this machine's host name for localhost)"})
     launcher: str = field(default=PDSH, metadata={
         "choices": tuple(LAUNCHER_PROGRAMS),
         "help": "multi_node: the program DeepSpeed's launcher starts the ranks with: pdsh (over ssh, from this "
