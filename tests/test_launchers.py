@@ -158,7 +158,7 @@ def test_a_slurm_launch_passes_the_users_env_file_lines_checked(tmp_path, monkey
     monkeypatch.chdir(tmp_path)  # train.py's working folder, where DeepSpeed's launcher reads it
     launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "localhost slots=1\n"), nodes=1,
                         on_this_machine=True, hosts=("localhost",), backend="slurm", master_addr="127.0.0.1",
-                        master_port=free_port())
+                        master_port=free_port(), slots=1)
     (tmp_path / "run").mkdir()
     record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", str(tmp_path / "run")])
     assert next(word for word in record["argv"] if word.startswith("--export=")).endswith(",HF_FROM_ENV_FILE=yes")
@@ -237,6 +237,13 @@ def test_a_slurm_launch_gives_srun_the_hostfiles_nodes_and_ranks_a_node(tmp_path
                         nodes=2, hosts=("node-a", "node-b"), backend="slurm", slots=2, backend_args="--nodes 3")
     record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", "/runs/x"])
     assert record["argv"][:8] == ["-n", "4", "--nodes", "2", "--ntasks-per-node", "2", "--nodes", "3"]
+
+
+def test_a_slurm_launcher_is_not_built_without_the_hostfiles_slots():
+    """srun's --ntasks-per-node is the hostfile's slots: a Launcher built without them gave srun `--ntasks-per-node 0`
+    (the field's old default), unsaid."""
+    with pytest.raises(ValueError, match="needs the hostfile's slots a node"):
+        Launcher(DeploymentType.MULTI_NODE, hostfile="/h", nodes=2, hosts=("node-a", "node-b"), backend="slurm")
 
 
 def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(tmp_path, monkeypatch):

@@ -59,18 +59,19 @@ DS_ENV_FILE = "DS_ENV_FILE"  # names the env file (VAR=value lines) DeepSpeed's 
 DEFAULT_DS_ENV_FILE = ".deepspeed_env"  # the env file's name where DS_ENV_FILE is unset, in ~ and the working folder
 PDSH = "pdsh"
 SLURM = "slurm"
+IMPI = "impi"
 OPENMPI = "openmpi"
 # train.py's --launcher choices: DeepSpeed's runner's own names for them, with the programs it looks for (its mvapich
 # runner starts each rank as `python script` with no rank, world size or master address, which its ranks then find
 # only through mpi4py; its mpich runner starts each rank through launcher_helper.py, which exits 0 whatever the rank's
 # exit code, so a failed or stopped step would be reported finished; MPICH's Hydra mpirun reads the impi runner's
 # flags too)
-LAUNCHER_PROGRAMS = {PDSH: ("pdsh", "ssh"), SLURM: ("srun", "sinfo"), "impi": ("mpirun",),
+LAUNCHER_PROGRAMS = {PDSH: ("pdsh", "ssh"), SLURM: ("srun", "sinfo"), IMPI: ("mpirun",),
                      OPENMPI: ("mpirun", "ompi_info")}
 LAUNCHER_SETUP = {  # how to have a --launcher's programs on PATH
     SLURM: "run train.py inside a Slurm allocation (sbatch or salloc) on a node with Slurm's commands (module load "
            "slurm, where your cluster uses modules)",
-    "impi": "load Intel MPI or MPICH here and on every node (module load intel-mpi or mpich, or source Intel MPI's "
+    IMPI: "load Intel MPI or MPICH here and on every node (module load intel-mpi or mpich, or source Intel MPI's "
             "setvars.sh)",
     OPENMPI: "load OpenMPI here and on every node (module load openmpi; Debian, Ubuntu: apt-get install "
              "openmpi-bin)",
@@ -105,7 +106,13 @@ class Launcher:
     hosts: tuple[str, ...] = ()  # multi_node: the hostfile's nodes, by name
     backend: str = PDSH  # multi_node: --launcher, the program DeepSpeed's launcher starts the ranks with
     backend_args: str | None = None  # multi_node: --launcher-args, that program's own flags
-    slots: int = 0  # multi_node: the hostfile's slots a node (the same on every node but under pdsh and OpenMPI)
+    slots: int | None = None  # multi_node: the hostfile's slots a node (the same on every node but under pdsh and
+    # OpenMPI); needed under Slurm (`srun_layout`)
+
+    def __post_init__(self) -> None:
+        if self.deployment is DeploymentType.MULTI_NODE and self.backend == SLURM and not self.slots:
+            raise ValueError(f"a multi_node Launcher under {SLURM} needs the hostfile's slots a node (srun's "
+                             f"--ntasks-per-node), got {self.slots!r}")
 
     @property
     def through_nodes_launcher(self) -> bool:
@@ -152,7 +159,7 @@ class Launcher:
         them, not through train.py): `EXIT_INTERRUPTED`. None under Intel MPI, whose mpirun (Hydra) ORs the ranks'
         exit statuses, so that one rank's 1 and another's 2 also made 3: there only a stop request train.py passed on
         makes a stop."""
-        return None if self.through_nodes_launcher and self.backend == "impi" else EXIT_INTERRUPTED
+        return None if self.through_nodes_launcher and self.backend == IMPI else EXIT_INTERRUPTED
 
     def ranks_env(self) -> dict[str, str]:
         """What the ranks need in the launcher's environment that --launcher's program does not give them: under
@@ -333,12 +340,17 @@ def _one_task_hint(variable: str) -> str:
 def check_launcher_programs(backend: str) -> None:
     """--launcher's programs must be on PATH here: DeepSpeed's launcher failed only as step 1 launched ("launcher
     'slurm' not installed", or mpirun's FileNotFoundError), and a dry run said nothing."""
+    _check_on_path(backend, f"multi_node --launcher {backend}", f"DeepSpeed's {backend} launcher starts every rank "
+                   f"with {LAUNCHER_PROGRAMS[backend][0]}; {LAUNCHER_SETUP[backend]}, or pick another --launcher")
+
+
+def _check_on_path(backend: str, run: str, why_and_way_out: str) -> None:
+    """Refuse a `run` whose --launcher `backend`'s programs (`LAUNCHER_PROGRAMS`) are not all on PATH here, naming
+    those missing, then `why_and_way_out`: what needs them and what to do."""
     missing = [program for program in LAUNCHER_PROGRAMS[backend] if shutil.which(program) is None]
     if missing:
-        raise UserError(
-            f"multi_node --launcher {backend}: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on "
-            f"PATH here, and DeepSpeed's {backend} launcher starts every rank with {LAUNCHER_PROGRAMS[backend][0]}; "
-            f"{LAUNCHER_SETUP[backend]}, or pick another --launcher")
+        raise UserError(f"{run}: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH here, "
+                        f"and {why_and_way_out}")
 
 
 def check_launcher_args(launcher: Launcher) -> None:
@@ -373,14 +385,11 @@ def check_remote_shell_tools() -> None:
     a stop request on with pdsh too: without them on PATH the launcher failed as step 1 launched ("launcher 'pdsh' not
     installed", or ssh's FileNotFoundError in its ssh check), and a dry run said nothing (`--launcher pdsh`, the
     default: its stop command and its quoting checks are pdsh's)."""
-    missing = [tool for tool in LAUNCHER_PROGRAMS[PDSH] if shutil.which(tool) is None]
-    if missing:
-        raise UserError(
-            f"multi_node: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH here, and "
-            "DeepSpeed's launcher starts the ranks on other nodes with pdsh over ssh from this machine (--launcher "
-            "pdsh, the default); install them here (Debian, Ubuntu: apt-get install pdsh openssh-client; RHEL, "
-            "Fedora: dnf install pdsh pdsh-rcmd-ssh openssh-clients), or on a Slurm or MPI cluster pass --launcher "
-            "slurm, impi or openmpi, or run on this node alone with --deployment-type single_node")
+    _check_on_path(PDSH, "multi_node", "DeepSpeed's launcher starts the ranks on other nodes with pdsh over ssh from "
+                   "this machine (--launcher pdsh, the default); install them here (Debian, Ubuntu: apt-get install "
+                   "pdsh openssh-client; RHEL, Fedora: dnf install pdsh pdsh-rcmd-ssh openssh-clients), or on a Slurm "
+                   "or MPI cluster pass --launcher slurm, impi or openmpi, or run on this node alone with "
+                   "--deployment-type single_node")
 
 
 # what a node's shell reads as itself, unquoted (DeepSpeed's test for its exports), less the `%` that pdsh reads first:

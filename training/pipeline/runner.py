@@ -65,6 +65,7 @@ from .failures import exception_cause
 from .hardware import Hardware, detect_hardware, model_size
 from .hostfile import Host, check_host_or_address, read_hostfile
 from .launch import (
+    IMPI,
     PDSH,
     REPO_ROOT,
     Launcher,
@@ -696,7 +697,7 @@ def _say_visible_devices_sent_to_every_node(prepared: PreparedRun) -> None:
     every rank, so a list set here for this machine (by a scheduler, or by hand) restricts every node's ranks to the
     same GPU indices."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not (prepared.commands and visible is not None and prepared.hosts and prepared.launcher.backend == "impi"):
+    if not (prepared.commands and visible is not None and prepared.hosts and prepared.launcher.backend == IMPI):
         return
     other = next((host.name for host in prepared.hosts if not is_this_machine(host.name)), None)
     if other is None:
