@@ -263,21 +263,23 @@ def test_an_mpi_launch_runs_mpirun_on_the_hostfiles_nodes_with_rank_0s_address(t
     assert "launcher_helper" not in words
 
 
-def test_an_impi_launch_exiting_3_with_no_stop_request_is_a_failure(tmp_path):
+def test_an_impi_launch_exiting_3_with_no_stop_request_is_a_failure(tmp_path, monkeypatch):
     """Intel MPI's mpirun (Hydra) ORs its ranks' exit statuses: one rank's 1 and another's 2 gave 3, train.py's
     EXIT_INTERRUPTED, and a failed step was reported stopped. There only a stop request train.py passed on makes a
-    stop; through pdsh a launcher's 3 is still the ranks' own stop."""
+    stop: a step train.py launches through mpirun, which exits 3, is reported failed; through pdsh a launcher's 3 is
+    still the ranks' own stop."""
+    from training.pipeline.cli import run
     from training.pipeline.launch import StepStopped, run_subprocess
 
-    mpirun = str(stand_ins(tmp_path, mpirun="#!/bin/sh\nexit 3\n") / "mpirun")
-    nodes = {"hostfile": hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n"), "nodes": 2,
-             "hosts": ("node-a", "node-b"), "slots": 2}
-    impi = Launcher(DeploymentType.MULTI_NODE, backend="impi", **nodes)
-    with pytest.raises(UserError, match=r"^step 1 failed \(exit status 3\)"):
-        run_subprocess([mpirun], tmp_path / "step1.log", "step 1", stop_status=impi.stop_status)
-    pdsh = Launcher(DeploymentType.MULTI_NODE, **nodes)
+    mpirun = stand_ins(tmp_path, mpirun="#!/bin/sh\nexit 3\n") / "mpirun"
+    monkeypatch.setenv("PATH", f"{mpirun.parent}{os.pathsep}{os.environ['PATH']}")
+    nodes = hostfile(tmp_path, "node-a slots=1\nnode-b slots=1\n")
+    with pytest.raises(UserError, match=r"^step 1 \(.*\) failed \(exit status 3\)"):
+        run(["--step", "1", "--output-dir", str(tmp_path / "out"), "--deployment-type", "multi_node",
+             "--launcher", "impi", "--hostfile", nodes])
+    pdsh = Launcher(DeploymentType.MULTI_NODE, hostfile=nodes, nodes=2, hosts=("node-a", "node-b"))
     with pytest.raises(StepStopped):
-        run_subprocess([mpirun], tmp_path / "step1.log", "step 1", stop_status=pdsh.stop_status)
+        run_subprocess([str(mpirun)], tmp_path / "step1.log", "step 1", stop_status=pdsh.stop_status)
 
 
 def test_mpich_is_not_offered_as_its_helper_reports_a_failed_rank_finished(tmp_path, capsys):
