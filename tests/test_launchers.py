@@ -117,9 +117,10 @@ def test_a_slurm_launch_runs_srun_whose_ranks_join_one_world(tmp_path, monkeypat
                         on_this_machine=True, hosts=("localhost",), backend="slurm", backend_args="--partition=gpu",
                         master_addr="127.0.0.1", master_port=port, slots=2)
     (tmp_path / "run").mkdir()
+    monkeypatch.setenv("SLURMD_NODENAME", "node-0")  # Slurm's name for this machine, the hostfile's `localhost`
     record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", str(tmp_path / "run")])
     argv = record["argv"]
-    assert argv[:7] == ["-n", "2", "--nodes", "1", "--ntasks-per-node", "2", "--partition=gpu"]
+    assert argv[:9] == ["-n", "2", "--nodes", "1", "--ntasks-per-node", "2", "--nodelist", "node-0", "--partition=gpu"]
     assert argv[argv.index(record["script"]) - 2:] == [sys.executable, "-u", record["script"], "--output_dir",
                                                        str(tmp_path / "run")]
     assert record["env"]["MASTER_PORT"] == str(port) and record["env"]["RLHF_LAUNCHER"] == "slurm"
@@ -227,16 +228,17 @@ def test_a_stray_launcher_name_in_train_pys_environment_leaves_its_own_steps_a_w
 
 def test_a_slurm_launch_gives_srun_the_hostfiles_nodes_and_ranks_a_node(tmp_path, monkeypatch):
     """DeepSpeed's launcher gives srun `-n RANKS` alone: inside a batch job srun took the job's node count
-    (SLURM_JOB_NUM_NODES, read before SLURM_NNODES since Slurm 20.11), which may not be the hostfile's (rank 0 away
-    from MASTER_ADDR, each rank's LOCAL_WORLD_SIZE wrong). train.py gives srun the hostfile's layout as flags ahead of
-    --launcher-args, whose own later flags win."""
+    (SLURM_JOB_NUM_NODES, read before SLURM_NNODES since Slurm 20.11) and any of its nodes, which may not be the
+    hostfile's (rank 0 away from MASTER_ADDR, each rank's LOCAL_WORLD_SIZE wrong). train.py gives srun the hostfile's
+    layout and node names as flags ahead of --launcher-args, whose own later flags win."""
     bin_dir = stand_ins(tmp_path, srun=FAKE_RECORDER, sinfo="#!/bin/sh\nexit 0\n")
     for name, value in {"SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "4", "SLURM_NTASKS_PER_NODE": "8"}.items():
         monkeypatch.setenv(name, value)  # the batch job's
     launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n"),
                         nodes=2, hosts=("node-a", "node-b"), backend="slurm", slots=2, backend_args="--nodes 3")
     record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", "/runs/x"])
-    assert record["argv"][:8] == ["-n", "4", "--nodes", "2", "--ntasks-per-node", "2", "--nodes", "3"]
+    assert record["argv"][:10] == ["-n", "4", "--nodes", "2", "--ntasks-per-node", "2", "--nodelist", "node-a,node-b",
+                                   "--nodes", "3"]
 
 
 def test_a_slurm_launcher_is_not_built_without_the_hostfiles_slots():

@@ -183,12 +183,23 @@ class Launcher:
         return self.backend_args
 
     def srun_layout(self) -> str:
-        """The hostfile's layout as srun's flags, `--nodes N --ntasks-per-node SLOTS`: DeepSpeed's Slurm runner gives
-        srun `-n RANKS` alone, and inside a batch job srun took the job's node count (SLURM_JOB_NUM_NODES, which it
-        reads before SLURM_NNODES since Slurm 20.11) and spread the ranks over other nodes, or unevenly, than the
-        hostfile's: rank 0 away from MASTER_ADDR, a rank's LOCAL_WORLD_SIZE (WORLD_SIZE // SLURM_STEP_NUM_NODES)
-        wrong. Flags, not srun's input variables: they show in the logged command and win over the job's."""
-        return f"--nodes {self.nodes} --ntasks-per-node {self.slots}"
+        """The hostfile's layout as srun's flags, `--nodes N --ntasks-per-node SLOTS --nodelist NODE,...`: DeepSpeed's
+        Slurm runner gives srun `-n RANKS` alone, and inside a batch job srun took the job's node count
+        (SLURM_JOB_NUM_NODES, which it reads before SLURM_NNODES since Slurm 20.11) and any of the job's nodes, so the
+        ranks ran on other nodes, or unevenly, than the hostfile's: rank 0 away from MASTER_ADDR (the hostfile's
+        first node), a rank's LOCAL_WORLD_SIZE (WORLD_SIZE // SLURM_STEP_NUM_NODES) wrong. Flags, not srun's input
+        variables: they show in the logged command and win over the job's."""
+        nodelist = ",".join(self.slurm_node_names)
+        return f"--nodes {self.nodes} --ntasks-per-node {self.slots} --nodelist {shlex.quote(nodelist)}"
+
+    @property
+    def slurm_node_names(self) -> tuple[str, ...]:
+        """The hostfile's nodes as srun's --nodelist takes them: the first, where it is this machine, by Slurm's name
+        for it (SLURMD_NODENAME in a batch job, else this machine's host name), as a hostfile's `localhost` or
+        address names no Slurm node."""
+        if not self.on_this_machine:
+            return self.hosts
+        return (os.environ.get("SLURMD_NODENAME", socket.gethostname()), *self.hosts[1:])
 
     def openmpi_exports(self) -> str:
         """An `-x NAME` for each variable the ranks need from the launcher's environment (`ranks_env`'s, and those
