@@ -425,6 +425,8 @@ SRUN_STEP = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "0", "S
 @pytest.mark.parametrize("variables, said", [
     (SRUN_STEP, "started by srun as rank 3 of 16 processes (SLURM_STEP_NUM_TASKS=16)"),
     ({**SRUN_STEP, "SLURM_PTY_PORT": "40123"}, "started by srun as rank 3 of 16 processes"),  # not --pty's task 0
+    ({**SRUN_STEP, "SLURM_PTY_PORT": "40123", "SLURM_PROCID": "0"},  # a nested srun's task 0, with no terminal
+     "started by srun as rank 0 of 16 processes"),
     ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
      "started by OpenMPI's mpirun as rank 1 of 4 processes (OMPI_COMM_WORLD_SIZE=4)"),
     ({"PMI_SIZE": "4", "PMI_RANK": "2"}, "started by mpirun (MPICH, Intel MPI) as rank 2 of 4 processes (PMI_SIZE=4)"),
@@ -437,6 +439,7 @@ def test_train_py_started_as_one_of_several_tasks_of_srun_or_mpirun_is_refused(t
 
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "isatty", lambda fd: False)  # started by srun, not typed at srun --pty's terminal
     out = tmp_path / "out"
     refusal = f"{re.escape(said)}.*Run it once.*as one task.*--launcher slurm.* start the ranks"
     with pytest.raises(UserError, match=refusal):
@@ -462,6 +465,7 @@ def test_train_py_run_once_in_a_batch_job_or_as_one_task_is_not_refused(monkeypa
     monkeypatch.delenv("SLURM_PTY_PORT", raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "isatty", lambda fd: fd == 0)  # typed at a terminal (srun --pty's, for task 0)
     check_not_under_a_launcher()
 
 

@@ -332,10 +332,11 @@ def check_not_under_a_launcher() -> None:
 
 def _in_srun_pty_shell(variable: str) -> bool:
     """Whether srun's task count `variable` is that of an interactive step (`srun -n 8 --pty bash`, SLURM_PTY_PORT
-    set) seen from its task 0: srun gives the terminal to task 0 alone, so train.py typed in that shell runs once
-    (the other tasks' shells end at once on no input)."""
+    set) seen from its task 0 at the terminal: srun gives the terminal to task 0 alone, so train.py typed in that shell
+    runs once (the other tasks' shells end at once on no input). A terminal on standard input too: a nested
+    `srun -n 8 python train.py` typed there may inherit SLURM_PTY_PORT, and its task 0 has no terminal."""
     return variable == "SLURM_STEP_NUM_TASKS" and "SLURM_PTY_PORT" in os.environ and \
-        os.environ.get("SLURM_PROCID") == "0"
+        os.environ.get("SLURM_PROCID") == "0" and os.isatty(0)
 
 
 def _one_task_hint(variable: str) -> str:
