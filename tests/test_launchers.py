@@ -192,14 +192,18 @@ def test_an_export_srun_or_mpirun_would_not_pass_as_it_is_is_refused_by_a_dry_ru
 @pytest.mark.parametrize("backend, hosts, args, said", [
     ("impi", "localhost slots=1\n", "-iface 'ib0", "--launcher-args \"-iface 'ib0\": No closing quotation"),
     ("pdsh", "localhost slots=1\n", "-l other", "the hostfile names this machine alone"),
+    ("slurm", "localhost slots=1\n", "-p gpu --nodes=3 -w node-a", "--nodes=3, -w would override the layout"),
 ])
 def test_launcher_args_that_would_fail_or_go_unused_are_refused_by_a_dry_run(tmp_path, monkeypatch, backend, hosts,
                                                                            args, said):
     """DeepSpeed's launcher splits --launcher-args as a shell does (an unclosed quote: a ValueError's traceback as
-    step 1 launched), and under pdsh with a hostfile of this machine alone starts the ranks without pdsh."""
+    step 1 launched), and under pdsh with a hostfile of this machine alone starts the ranks without pdsh; srun's own
+    --nodes, --ntasks-per-node or --nodelist would override the hostfile's layout that MASTER_ADDR and
+    LOCAL_WORLD_SIZE follow."""
     from training.pipeline.cli import run
 
-    monkeypatch.setenv("PATH", f"{stand_ins(tmp_path, mpirun='')}{os.pathsep}{os.environ['PATH']}")
+    bin_dir = stand_ins(tmp_path, mpirun='', srun='', sinfo='')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(UserError, match=re.escape(said)):
         run(["--step", "1", "--output-dir", str(tmp_path / "out"), "--dry-run", "--deployment-type", "multi_node",
              "--launcher", backend, "--launcher-args", args, "--hostfile", hostfile(tmp_path, hosts)])
@@ -230,15 +234,15 @@ def test_a_slurm_launch_gives_srun_the_hostfiles_nodes_and_ranks_a_node(tmp_path
     """DeepSpeed's launcher gives srun `-n RANKS` alone: inside a batch job srun took the job's node count
     (SLURM_JOB_NUM_NODES, read before SLURM_NNODES since Slurm 20.11) and any of its nodes, which may not be the
     hostfile's (rank 0 away from MASTER_ADDR, each rank's LOCAL_WORLD_SIZE wrong). train.py gives srun the hostfile's
-    layout and node names as flags ahead of --launcher-args, whose own later flags win."""
+    layout and node names as flags ahead of --launcher-args."""
     bin_dir = stand_ins(tmp_path, srun=FAKE_RECORDER, sinfo="#!/bin/sh\nexit 0\n")
     for name, value in {"SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "4", "SLURM_NTASKS_PER_NODE": "8"}.items():
         monkeypatch.setenv(name, value)  # the batch job's
     launcher = Launcher(DeploymentType.MULTI_NODE, hostfile=hostfile(tmp_path, "node-a slots=2\nnode-b slots=2\n"),
-                        nodes=2, hosts=("node-a", "node-b"), backend="slurm", slots=2, backend_args="--nodes 3")
+                        nodes=2, hosts=("node-a", "node-b"), backend="slurm", slots=2, backend_args="-p gpu")
     record = launched(tmp_path, monkeypatch, launcher, bin_dir, ["--output_dir", "/runs/x"])
     assert record["argv"][:10] == ["-n", "4", "--nodes", "2", "--ntasks-per-node", "2", "--nodelist", "node-a,node-b",
-                                   "--nodes", "3"]
+                                   "-p", "gpu"]
 
 
 def test_a_slurm_launcher_is_not_built_without_the_hostfiles_slots():

@@ -174,8 +174,9 @@ class Launcher:
                 "MASTER_PORT": str(self.master_port or DEEPSPEED_MASTER_PORT)}
 
     def launcher_args(self) -> str | None:
-        """DeepSpeed's --launcher_args: --launcher-args, after srun's layout flags under Slurm (`srun_layout`: the
-        user's later flags win) and before mpirun's exports under OpenMPI (`openmpi_exports`)."""
+        """DeepSpeed's --launcher_args: --launcher-args, after srun's layout flags under Slurm (`srun_layout`; the
+        user's own are refused while planning, `check_launcher_args`) and before mpirun's exports under OpenMPI
+        (`openmpi_exports`)."""
         if self.backend == SLURM:
             return _joined(self.srun_layout(), self.backend_args)
         if self.backend == OPENMPI:
@@ -380,6 +381,21 @@ def check_launcher_args(launcher: Launcher) -> None:
         raise UserError(f"--launcher-args {launcher.backend_args!r}: the hostfile names this machine alone, whose "
                         "ranks DeepSpeed's launcher starts itself, without pdsh, so pdsh's flags would go unused; "
                         "drop --launcher-args (or pass the --launcher whose program they are for)")
+    if launcher.backend == SLURM and (layout := _srun_layout_flags(launcher.backend_args)):
+        raise UserError(f"--launcher-args {launcher.backend_args!r}: {', '.join(layout)} would override the layout "
+                        "train.py gives srun from the hostfile (--nodes, --ntasks-per-node, --nodelist), which rank 0's "
+                        "address (MASTER_ADDR) and each rank's LOCAL_WORLD_SIZE follow; drop them and give the nodes "
+                        "and slots in the hostfile")
+
+
+SRUN_LAYOUT_FLAGS = ("--nodes", "-N", "--ntasks-per-node", "--nodelist", "-w")  # `Launcher.srun_layout`'s, long and short
+
+
+def _srun_layout_flags(backend_args: str) -> list[str]:
+    """The words of `backend_args` that set srun's layout (`SRUN_LAYOUT_FLAGS`): `--nodes 3`, `--nodes=3`, `-N3`."""
+    return [word for word in shlex.split(backend_args)
+            if any(word == flag or word.startswith(f"{flag}=" if flag.startswith("--") else flag)
+                   for flag in SRUN_LAYOUT_FLAGS)]
 
 
 def check_same_slots(backend: str, hostfile: str, slots: Sequence[int]) -> None:
