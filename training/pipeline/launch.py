@@ -100,7 +100,8 @@ class Launcher:
     num_gpus: int = 1
     hostfile: str | None = None
     master_port: int | None = None  # given by the user; None: one free at each launch, every rank here; else 29500
-    master_addr: str | None = None  # multi_node; None: the launcher asks the first node (`hostname -I`), or 127.0.0.1
+    master_addr: str | None = None  # multi_node; None: under pdsh the launcher asks the first node (`hostname -I`),
+    # or 127.0.0.1 for this machine alone; under slurm, impi and openmpi the hostfile's first node (`rank_0_address`)
     nodes: int = 1  # the hostfile's
     on_this_machine: bool = False  # multi_node: the hostfile's first node is the machine train.py runs on
     hosts: tuple[str, ...] = ()  # multi_node: the hostfile's nodes, by name
