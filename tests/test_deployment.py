@@ -1343,7 +1343,7 @@ def _launch_env_of_step_1(monkeypatch, tmp_path: Path, model: str, hosts: str) -
     from training.pipeline import runner
     from training.pipeline.cli import run
 
-    def launched(command, log_path, label, env=None, stop_ranks=None, nodes=()):
+    def launched(command, log_path, label, env=None, stop_ranks=None, nodes=(), stop_status=None):
         raise _Launched(env)
 
     monkeypatch.setattr(runner, "run_subprocess", launched)

@@ -1656,7 +1656,7 @@ class LaunchedSteps:
         self.ports: list[int] = []
         self.taken: list = []
 
-    def __call__(self, command, log_path, label, env=None, stop_ranks=None, nodes=()):
+    def __call__(self, command, log_path, label, env=None, stop_ranks=None, nodes=(), stop_status=None):
         import socket
 
         from deepspeed.launcher.runner import parse_args
