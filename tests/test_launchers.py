@@ -140,11 +140,13 @@ def test_a_step_started_by_srun_checks_its_flags_on_srun_s_world(tmp_path_factor
     from test_step3_rlhf import make_step3_inputs, step3_argv
 
     from step3_rlhf.main import check_args, parse_args
+    from utils import dist
     from utils.dist import get_local_rank, get_rank, get_world_size, is_main_process
 
     rank_variables = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     environ = {name: value for name, value in os.environ.items() if name not in rank_variables}
     monkeypatch.setattr(os, "environ", {**environ, **SRUN_RANK_3_OF_4})  # the ranks it maps are undone with it
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # before it joins: not the world of an earlier test
     inputs = make_step3_inputs(tmp_path_factory)
     check_args(parse_args(step3_argv(inputs, tmp_path_factory.mktemp("run"), "--placement", "disaggregate")))
     assert (get_rank(), get_world_size(), get_local_rank(), is_main_process()) == (3, 4, 1, False)
