@@ -669,6 +669,15 @@ def _say_variables_left_out(prepared: PreparedRun) -> None:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
 
+def _visible_devices_launched_through(prepared: PreparedRun, backend: str) -> str | None:
+    """This machine's CUDA_VISIBLE_DEVICES where a step of the run launches ranks on a hostfile's nodes through
+    `backend`, the state both warnings below read (None where it is unset or no step launches so)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if prepared.commands and visible is not None and prepared.hosts and prepared.launcher.backend == backend:
+        return visible
+    return None
+
+
 def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
     """Warn, where a multi_node step will launch ranks on this machine, that its CUDA_VISIBLE_DEVICES is not followed:
     DeepSpeed's launcher gives a hostfile's ranks GPUs 0 to slots - 1 of each node whatever it says (selecting others
@@ -676,8 +685,8 @@ def _say_visible_devices_not_followed(prepared: PreparedRun) -> None:
     Said only where one of those GPUs is not among those it lists (not for `0,1` beside `localhost slots=2`, as a
     scheduler sets it), or it names GPUs otherwise than by index; and only through pdsh: srun and mpirun leave the
     variable to the ranks, each taking the GPU of its local rank among those it lists."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not (prepared.commands and visible is not None and prepared.hosts and prepared.launcher.backend == PDSH):
+    visible = _visible_devices_launched_through(prepared, PDSH)
+    if visible is None:
         return
     listed = {int(index) for index in visible_gpus()}
     here = next((host for host in prepared.hosts
@@ -696,8 +705,8 @@ def _say_visible_devices_sent_to_every_node(prepared: PreparedRun) -> None:
     CUDA_VISIBLE_DEVICES reaches their ranks too: Intel MPI's (or MPICH's) Hydra mpirun passes its environment to
     every rank, so a list set here for this machine (by a scheduler, or by hand) restricts every node's ranks to the
     same GPU indices."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not (prepared.commands and visible is not None and prepared.hosts and prepared.launcher.backend == IMPI):
+    visible = _visible_devices_launched_through(prepared, IMPI)
+    if visible is None:
         return
     other = next((host.name for host in prepared.hosts if not is_this_machine(host.name)), None)
     if other is None:
