@@ -165,10 +165,14 @@ def measure_optimizer_s_per_param(dtype: torch.dtype, parameters: int, repeats: 
     grads = [torch.randn(numel, dtype=dtype) for _ in range(chunks)]
     if dtype == torch.bfloat16 and uses_master_weights("bf16", 0, False, "auto"):
         trained = [torch.nn.Parameter(weight) for weight in weights]
-        for parameter, grad in zip(trained, grads):
-            parameter.grad = grad
         optimizer = MasterWeightAdamW([{"params": trained}], lr=1e-6, betas=(0.9, 0.95), max_grad_norm=1.0)
-        return best_of(repeats, optimizer.step) / (numel * chunks)
+
+        def master_weight_step() -> None:
+            for parameter, grad in zip(trained, grads):
+                parameter.grad = grad  # the step adds it into the fp32 sum and releases it
+            optimizer.step()
+
+        return best_of(repeats, master_weight_step) / (numel * chunks)
     master = [torch.nn.Parameter(torch.cat([w.float() for w in weights]))] if mixed else \
         [torch.nn.Parameter(w) for w in weights]
     optimizer = optimizer_of_kind(resolve_optimizer_kind("auto", offload=False), [{"params": master}], 1e-6)
