@@ -3,6 +3,7 @@ partitions."""
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -183,11 +184,10 @@ def test_zero3_ema_tracks_partitions_and_saves_ema_weights(persistence_threshold
         assert torch.equal(value, expected[name]), name
 
 
-def _two_rank_worker() -> None:
-    """Run under `torch.distributed.run --nproc_per_node 2`: odd-sized parameters, so partitions are padded."""
-    from utils.dist import get_rank, init_distributed
+def _partitions_case() -> None:
+    """Odd-sized parameters, so ZeRO-3 partitions are padded."""
+    from utils.dist import get_rank
 
-    init_distributed()
     rank = get_rank()
     for threshold in (0, 10_000):
         torch.manual_seed(0)
@@ -227,9 +227,6 @@ def _two_rank_worker() -> None:
         if rank == 0:
             for name in expected:
                 assert torch.equal(resumed_weights[name], expected[name]), (threshold, "resume", name)
-    if rank == 0:
-        print("EMA_TWO_RANKS_OK", flush=True)
-    _leave()
 
 
 class _TiedOddModel(torch.nn.Module):
@@ -246,13 +243,12 @@ class _TiedOddModel(torch.nn.Module):
         return self.head(torch.tanh(self.mid(self.embed(ids))))
 
 
-def _tied_worker() -> None:
-    """Run under `torch.distributed.run --nproc_per_node 2`: ZeRO-2 slices and ZeRO-3 padded partitions of a tied,
-    odd-sized model; the EMA one rank computes from the gathered weights (beta 0: the actor's; beta 0.5: the exact
-    average), inside `applied_to` (the tied head too) and after a resume."""
-    from utils.dist import get_rank, init_distributed
+def _tied_case() -> None:
+    """ZeRO-2 slices and ZeRO-3 padded partitions of a tied, odd-sized model; the EMA one rank computes from the
+    gathered weights (beta 0: the actor's; beta 0.5: the exact average), inside `applied_to` (the tied head too) and
+    after a resume."""
+    from utils.dist import get_rank
 
-    init_distributed()
     rank = get_rank()
     probe = torch.tensor([[0, 3, 6, 1]])
     for stage in (2, 3):
@@ -288,9 +284,6 @@ def _tied_worker() -> None:
                 reference = _TiedOddModel()
                 reference.load_state_dict({**expected, "head.weight": expected["embed.weight"]})
                 torch.testing.assert_close(ema_output, reference(probe))
-    if rank == 0:
-        print("EMA_TIED_OK", flush=True)
-    _leave()
 
 
 def _tensors_in(value) -> list:
@@ -301,18 +294,16 @@ def _tensors_in(value) -> list:
     return [tensor for item in items for tensor in _tensors_in(item)]
 
 
-def _resume_worker(stage: str, folder: str) -> None:
-    """Run under `torch.distributed.run --nproc_per_node 2`: a ZeRO-`stage` actor EMA (odd-sized parameters) saved in
-    a resume checkpoint through `PPOTrainer` -- the client state without a tensor, each rank about half the
-    elements in its rank state -- and resumed exactly on both ranks; then resumed from a checkpoint of the earlier
-    layout (rank 0's full tensors in the client state, no rank state). A share missing on one rank is refused on
-    both."""
+def _resume_case(stage: str, folder: Path) -> None:
+    """A ZeRO-`stage` actor EMA (odd-sized parameters) saved in a resume checkpoint through `PPOTrainer` -- the
+    client state without a tensor, each rank about half the elements in its rank state -- and resumed exactly on
+    both ranks; then resumed from a checkpoint of the earlier layout (rank 0's full tensors in the client state, no
+    rank state). A share missing on one rank is refused on both."""
     from step3_rlhf.ppo_trainer import PPOTrainer
     from training.algorithms.kl import FixedKLController
     from training.reliability.checkpointing import CLIENT_STATE_FILE, RANK_STATE_DIR, CheckpointManager, safe_load
-    from utils.dist import all_gather_objects, get_rank, init_distributed
+    from utils.dist import all_gather_objects, get_rank
 
-    init_distributed()
     rank = get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -343,7 +334,7 @@ def _resume_worker(stage: str, folder: str) -> None:
             assert torch.equal(value, expected[name]), (stage, what, name)
 
     trainer = trainer_of(ema)
-    shares = CheckpointManager(Path(folder) / "shares")
+    shares = CheckpointManager(folder / "shares")
     saved = shares.save(3, {}, {"trainer": trainer.state_dict()}, trainer.rank_state())
     assert _tensors_in(safe_load(saved / CLIENT_STATE_FILE)) == [], "the client state holds EMA tensors"
     own = safe_load(saved / RANK_STATE_DIR / f"rank{rank}.pt")["actor_ema"]
@@ -357,13 +348,42 @@ def _resume_worker(stage: str, folder: str) -> None:
     with pytest.raises(UserError, match=r"the checkpoint is damaged: rank 1's share"):
         ModelEMA(engine, beta=0.9).load_state_dict(ema.state_dict(), ema.local_state_dict() if rank == 0 else {})
 
-    earlier = CheckpointManager(Path(folder) / "earlier_layout")
+    earlier = CheckpointManager(folder / "earlier_layout")
     full = {"beta": 0.5, "num_updates": 3, "shadow": expected if rank == 0 else {}}
     earlier.save(3, {}, {"trainer": {"kl_controller": FixedKLController(0.1).state_dict(), "actor_ema": full}})
     check_resumed(earlier, "earlier layout")
-    if rank == 0:
-        print("EMA_RESUME_OK", flush=True)
+
+
+# the two-rank cases, run one after the other in one launch: each launch spends most of its time starting its ranks
+TWO_RANK_CASES = {
+    "partitions": lambda folder: _partitions_case(),
+    "resume-stage2": lambda folder: _resume_case("2", folder / "stage2"),
+    "resume-stage3": lambda folder: _resume_case("3", folder / "stage3"),
+    "tied": lambda folder: _tied_case(),
+}
+
+
+def _two_rank_cases_worker(folder: str) -> None:
+    """Run under `torch.distributed.run --nproc_per_node 2`: every case of `TWO_RANK_CASES` in turn, each rank
+    printing `case_passed(name, rank)` after it. A case failing on a rank ends that rank at once, its traceback
+    naming the case (its peer may be waiting in a collective that it will never join); the launch's later cases
+    then do not run."""
+    from utils.dist import get_rank, init_distributed
+
+    init_distributed()
+    for name, case in TWO_RANK_CASES.items():
+        try:
+            case(Path(folder))
+        except BaseException:  # noqa: BLE001 -- pytest.raises' own failure is no Exception
+            print(f"two-rank case {name!r} failed on rank {get_rank()}:\n{traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
+            os._exit(1)
+        print(case_passed(name, get_rank()), flush=True)
     _leave()
+
+
+def case_passed(name: str, rank: int) -> str:
+    return f"EMA_CASE_PASSED {name} on rank {rank}"
 
 
 def _leave() -> None:
@@ -375,37 +395,42 @@ def _leave() -> None:
     os._exit(0)
 
 
-def _run_two_ranks(*args: str) -> str:
-    """This file's worker `args[0]` (`WORKERS`) with the other `args` on 2 local ranks; its stdout."""
+@pytest.fixture(scope="module")
+def two_rank_cases(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One launch of `_two_rank_cases_worker` on 2 local ranks, whose output each two-rank test reads."""
     from utils.dist import free_port
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), __file__, *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+           "--master_port", str(free_port()), __file__, str(tmp_path_factory.mktemp("ema_two_ranks"))]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+
+
+def assert_two_rank_case_passed(launch: subprocess.CompletedProcess, name: str) -> None:
+    lines = launch.stdout.splitlines()
+    assert all(case_passed(name, rank) in lines for rank in (0, 1)), \
+        (f"two-rank case {name!r} did not pass on both ranks (launch exit status {launch.returncode}; a case that "
+         f"failed before it ends the launch):\n{launch.stdout[-3000:]}{launch.stderr[-3000:]}")
 
 
 @pytest.mark.slow
-def test_zero3_ema_over_two_ranks_with_padded_partitions():
-    assert "EMA_TWO_RANKS_OK" in _run_two_ranks("partitions")
+def test_zero3_ema_over_two_ranks_with_padded_partitions(two_rank_cases):
+    assert_two_rank_case_passed(two_rank_cases, "partitions")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["2", "3"])
-def test_each_of_two_ranks_saves_its_half_of_the_ema_and_a_resume_restores_it_exactly(stage, tmp_path):
+def test_each_of_two_ranks_saves_its_half_of_the_ema_and_a_resume_restores_it_exactly(two_rank_cases, stage):
     """ZeRO-2: each rank a balanced slice of the copy both hold; ZeRO-3: each rank its partition. Also from a
     checkpoint of the earlier layout (full tensors in the client state), which older runs wrote."""
-    assert "EMA_RESUME_OK" in _run_two_ranks("resume", stage, str(tmp_path))
+    assert_two_rank_case_passed(two_rank_cases, f"resume-stage{stage}")
 
 
 @pytest.mark.slow
-def test_the_ema_of_tied_odd_sized_weights_over_two_ranks_is_the_one_rank_ema_and_resumes_exactly():
-    assert "EMA_TIED_OK" in _run_two_ranks("tied")
+def test_the_ema_of_tied_odd_sized_weights_over_two_ranks_is_the_one_rank_ema_and_resumes_exactly(two_rank_cases):
+    assert_two_rank_case_passed(two_rank_cases, "tied")
 
-
-WORKERS = {"partitions": _two_rank_worker, "resume": _resume_worker, "tied": _tied_worker}
 
 if __name__ == "__main__":
-    WORKERS[sys.argv[1]](*sys.argv[2:])
+    _two_rank_cases_worker(sys.argv[1])
