@@ -52,6 +52,21 @@ def test_phase_shards_are_disjoint_cover_the_source_and_are_deterministic(tmp_pa
     assert prompts_of(other_seed.train) != shards[1][0]
 
 
+@pytest.mark.parametrize("decimals", ["0.2,0.4,0.4", "0.1,0.2,0.7"])
+def test_a_data_split_written_as_decimals_cuts_and_matches_as_its_proportions(decimals):
+    """'2,4,4' and '0.2,0.4,0.4' are the same proportions: the shard check compared float sums (0.6000000000000001 is
+    not 0.6) and refused them, and '0.1,0.2,0.7' cut a 15-record source otherwise than '1,2,7' (4.500000000000001
+    rounds up)."""
+    from utils.data.splits import phase_shard, same_shards
+
+    integers = ",".join(str(round(float(part) * 10)) for part in decimals.split(","))
+    assert same_shards(1, integers, 1, decimals)
+    assert not same_shards(1, integers, 1, "0.2,0.4,0.5")
+    for records in range(1, 60):
+        for phase in (1, 2, 3):
+            assert np.array_equal(phase_shard(records, integers, phase, 0), phase_shard(records, decimals, phase, 0))
+
+
 def test_a_small_shard_holds_out_at_least_one_record_where_it_can():
     """round(3 x 0.1) is 0: a shard of two or more records still holds one out (with a positive --eval_fraction),
     a shard of one cannot, and --eval_fraction 0 holds out none."""

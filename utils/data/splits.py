@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -52,15 +53,33 @@ def parse_data_split(data_split: str) -> list[float]:
     return weights
 
 
+def _exact_weight(part: str) -> Fraction:
+    """A weight as the number written ('0.2' is 1/5, not the float nearest it); a form `Fraction` does not read, as
+    the float `parse_data_split` read."""
+    try:
+        return Fraction(part.strip())
+    except ValueError:
+        return Fraction(float(part))
+
+
+def shard_bounds(data_split: str) -> tuple[Fraction, ...]:
+    """Where the shards start and end, as exact fractions of a source: '2,4,4', '1,2,2' and '0.2,0.4,0.4' cut alike."""
+    parse_data_split(data_split)
+    weights = [_exact_weight(part) for part in str(data_split).split(",")]
+    total, bounds = sum(weights), [Fraction(0)]
+    for weight in weights:
+        bounds.append(bounds[-1] + weight)
+    return tuple(bound / total for bound in bounds)
+
+
 def shard_fractions(data_split: str) -> np.ndarray:
-    """Where the shards start and end, as fractions of a source: '2,4,4' and '1,2,2' cut alike."""
-    weights = parse_data_split(data_split)
-    return np.cumsum([0.0] + weights) / sum(weights)
+    """`shard_bounds` as floats: equal proportions give the same floats, whichever numbers write them."""
+    return np.array([float(bound) for bound in shard_bounds(data_split)])
 
 
 def same_shards(seed: int, data_split: str, other_seed: int, other_data_split: str) -> bool:
     """Whether both settings put every record of any source in the same shard."""
-    return seed == other_seed and np.array_equal(shard_fractions(data_split), shard_fractions(other_data_split))
+    return seed == other_seed and shard_bounds(data_split) == shard_bounds(other_data_split)
 
 
 def phase_shard(num_records: int, data_split: str, phase: int, seed: int) -> np.ndarray:
