@@ -408,10 +408,15 @@ def two_rank_cases(tmp_path_factory) -> subprocess.CompletedProcess:
 
 
 def assert_two_rank_case_passed(launch: subprocess.CompletedProcess, name: str) -> None:
-    lines = launch.stdout.splitlines()
+    """Case `name` passed on both ranks, and the launch exited 0 where every case passed (a rank's teardown)."""
+    lines = set(launch.stdout.splitlines())
+    output = f"{launch.stdout[-3000:]}{launch.stderr[-3000:]}"
     assert all(case_passed(name, rank) in lines for rank in (0, 1)), \
         (f"two-rank case {name!r} did not pass on both ranks (launch exit status {launch.returncode}; a case that "
-         f"failed before it ends the launch):\n{launch.stdout[-3000:]}{launch.stderr[-3000:]}")
+         f"failed before it ends the launch):\n{output}")
+    every_case_passed = all(case_passed(case, rank) in lines for case in TWO_RANK_CASES for rank in (0, 1))
+    assert not every_case_passed or launch.returncode == 0, \
+        f"every two-rank case passed, yet the launch exited with status {launch.returncode}:\n{output}"
 
 
 @pytest.mark.slow
