@@ -100,7 +100,7 @@ def check_args(args: Step3Settings) -> list[InputRunRecord]:
             continue
         check_model_source(model, f"--{flag}")
         check_remote_code(model, args.run.trust_remote_code, f"--{flag}")
-        input_run = check_input_run_shards(model, args.data, f"--{flag}")
+        input_run = check_input_run_shards(model, args.data, 3, f"--{flag}")
         if input_run is not None:
             input_runs.append(input_run)
     check_output_apart_from_inputs(args.run.output_dir, {f"--{flag}": model for flag, model in asdict(args.models).items()},
@@ -242,7 +242,7 @@ def run_step3(args: Step3Settings) -> dict:
         # after every check (the models' LoRA and vocabulary ones included), so a refused run never overwrites an
         # earlier one's
         save_run_args(run_dir, given)  # what --placement auto changed is in its AUTO_PLAN_FILE
-        write_split_record(run_dir, phase_data.records)
+        write_split_record(run_dir, phase_data.records, 3)
         metrics = MetricsLogger(run_dir)
         logger.info("step3_rlhf: %d prompts, %d PPO steps of %d rollouts per rank, generation backend %s%s",
                     len(prompts.dataset), total_steps, experiences_per_step(args), type(generator).__name__,

@@ -355,7 +355,7 @@ def test_the_shard_check_finds_a_relative_data_path_from_another_directory(setup
     step2 = SettingsParser(_DataCLI).parse_args(["--data_path", "../data/pairs.jsonl", "--data_split", "1,1,0",
                                                  "--seed", "7"]).data
     with pytest.raises(UserError, match="was trained on"):
-        check_input_run_shards(str(run), step2)
+        check_input_run_shards(str(run), step2, 2)
 
 
 def test_input_runs_with_the_same_shards_or_other_data_pass_the_shard_check(setup, tmp_path):
@@ -363,11 +363,46 @@ def test_input_runs_with_the_same_shards_or_other_data_pass_the_shard_check(setu
     from training.reliability.validation import check_input_run_shards
 
     args = SettingsParser(_DataCLI).parse_args(["--data_path", setup.data, "--data_split", "2,2,0"]).data
-    check_input_run_shards(str(write_earlier_run(setup, "same", data_split="1,1,0")), args)  # 2,2,0 cuts as 1,1,0
-    check_input_run_shards(str(write_earlier_run(setup, "other_data", seed=7, data_path=["embedded"])), args)
-    check_input_run_shards(setup.model, args)  # a plain model folder: no args.json
+    check_input_run_shards(str(write_earlier_run(setup, "same", data_split="1,1,0")), args, 2)  # 2,2,0 cuts as 1,1,0
+    check_input_run_shards(str(write_earlier_run(setup, "other_data", seed=7, data_path=["embedded"])), args, 2)
+    check_input_run_shards(setup.model, args, 2)  # a plain model folder: no args.json
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "args.json").write_text('{"seed": 7}')  # not this project's run arguments
-    check_input_run_shards(str(tmp_path / "foreign"), args)
+    check_input_run_shards(str(tmp_path / "foreign"), args, 2)
     with pytest.raises(UserError, match="was trained on"):
-        check_input_run_shards(str(write_earlier_run(setup, "other_seed", seed=7)), args)
+        check_input_run_shards(str(write_earlier_run(setup, "other_seed", seed=7)), args, 2)
+
+
+def test_a_run_of_the_same_step_holds_out_no_record_its_input_run_trained_on(setup):
+    """Step 2 started from a step-2 run (its data_split.json says so) with a larger --eval_fraction held out records
+    that run trained on (40 of 80 held-out records of 1,000 at 0.2 against 0.1), and step 1 with another --seed cut
+    the held-out part of a step-1-only source anew: both passed the check, which compared --seed and --data_split
+    alone. A smaller --eval_fraction holds out a part of what the run held out; another step's shard, and a run whose
+    record does not say its step (written before it did), are not checked for it."""
+    from training.core.args import SettingsParser
+    from training.reliability.validation import check_input_run_shards
+    from utils.data import write_split_record
+
+    def data(*flags: str) -> DataArguments:
+        return SettingsParser(_DataCLI).parse_args(["--data_path", setup.data, "--data_split", "1,1,0", *flags]).data
+
+    step2_run = write_earlier_run(setup, "step2_run")  # --eval_fraction 0.1
+    write_split_record(step2_run, [(setup.data, 30)], 2)
+    with pytest.raises(UserError, match="would hold out records that model trained on and score it on them; rerun "
+                                        "with --eval_fraction 0.1 or less"):
+        check_input_run_shards(str(step2_run), data("--eval_fraction", "0.3"), 2)
+    check_input_run_shards(str(step2_run), data("--eval_fraction", "0.05"), 2)
+    check_input_run_shards(str(step2_run), data("--eval_fraction", "0.3"), 3)
+    check_input_run_shards(str(write_earlier_run(setup, "unrecorded")), data("--eval_fraction", "0.3"), 2)
+    step1_run = write_earlier_run(setup, "step1_run", data_path=["embedded"], sft_only_data_path=[setup.data])
+    write_split_record(step1_run, [("embedded", 1000)], 1)
+
+    def step1(*flags: str) -> DataArguments:
+        return SettingsParser(_DataCLI).parse_args(["--data_path", "task:arithmetic", "--sft_only_data_path",
+                                                    setup.data, *flags]).data
+
+    with pytest.raises(UserError, match="--sft_only_data_path.* cut with --seed 1234.*rerun with --seed 1234"):
+        check_input_run_shards(str(step1_run), step1("--seed", "7"), 1)
+    with pytest.raises(UserError, match="rerun with --eval_fraction 0.1 or less"):
+        check_input_run_shards(str(step1_run), step1("--eval_fraction", "0.2"), 1)
+    check_input_run_shards(str(step1_run), step1(), 1)

@@ -36,12 +36,12 @@ def run_step1(data: DataArguments, tok, run) -> None:
     records = data.build(1, tok).records
     run.mkdir()
     (run / "args.json").write_text(json.dumps({key: getattr(data, key) for key in ("data_path", "seed", "data_split")}))
-    write_split_record(run, records)
+    write_split_record(run, records, 1)
 
 
 def input_runs(run, data: DataArguments) -> list:
-    """What a step started from `run` hands its data build (`check_input_run_shards`, none for an unchecked run)."""
-    record = check_input_run_shards(str(run), data)
+    """What step 2 started from `run` hands its data build (`check_input_run_shards`, none for an unchecked run)."""
+    record = check_input_run_shards(str(run), data, 2)
     return [] if record is None else [record]
 
 
@@ -67,8 +67,8 @@ def step2_data(step1_data: DataArguments, **changes) -> DataArguments:
 
 def test_a_step_records_the_record_count_of_each_source_it_cut(step1):
     run, data = step1
-    assert json.loads((run / SPLIT_RECORD_FILE).read_text()) == {"sources": [{"source": data.data_path[0],
-                                                                              "records": 99}]}
+    assert json.loads((run / SPLIT_RECORD_FILE).read_text()) == {"phase": 1, "sources": [
+        {"source": data.data_path[0], "records": 99}]}
 
 
 def test_a_source_whose_record_count_changed_since_the_input_run_cut_it_is_refused(step1, tmp_path, tok):
@@ -95,7 +95,7 @@ def test_the_record_holds_the_count_the_build_cut_not_the_one_at_write_time(tmp_
     (tmp_path / "step1").mkdir()
     (tmp_path / "step1" / "args.json").write_text(json.dumps({"data_path": data.data_path, "seed": data.seed,
                                                               "data_split": data.data_split}))
-    write_split_record(tmp_path / "step1", records)
+    write_split_record(tmp_path / "step1", records, 1)
     assert recorded(tmp_path / "step1") == [99]
     step2 = step2_data(data)
     runs = input_runs(tmp_path / "step1", step2)
@@ -154,7 +154,7 @@ def test_a_cached_build_is_checked_as_the_count_its_items_were_cut_from(tmp_path
     records = step2.build(2, tok, runs).records
     assert hub["reads"] == 0
     (tmp_path / "step2").mkdir()
-    write_split_record(tmp_path / "step2", records)
+    write_split_record(tmp_path / "step2", records, 2)
     assert recorded(tmp_path / "step2") == [99]
     retrained = DataArguments(data_path=["someone/pairs"], data_split="1,1,1", rebuild_data_cache=True,
                               data_output_path=str(tmp_path / "cache"))
@@ -180,5 +180,5 @@ def test_the_check_before_the_build_reads_no_source_and_each_step_reads_it_once(
         assert hub["reads"] == 0
         records = step2.build(2, tok, runs).records
         (tmp_path / "step2").mkdir(exist_ok=True)
-        write_split_record(tmp_path / "step2", records)
+        write_split_record(tmp_path / "step2", records, 2)
         assert hub["reads"] == 1 and recorded(tmp_path / "step2") == [99]

@@ -228,7 +228,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
     model_name = args.model.model_name_or_path
     check_model_source(model_name)
     check_remote_code(model_name, args.run.trust_remote_code)
-    input_run = check_input_run_shards(model_name, args.data)
+    input_run = check_input_run_shards(model_name, args.data, args.phase)
     check_output_apart_from_inputs(args.run.output_dir, {"--model_name_or_path": model_name},
                                    (FINAL_MODEL_SUBDIR, CHECKPOINTS_SUBDIR))
     init_distributed()
@@ -257,7 +257,7 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         check_disk_space(run_dir, _output_bytes(model, dtype, args.checkpoints.keep_last_checkpoints,
                                                 len(checkpoints.complete_checkpoints())), step.name)
         save_run_args(run_dir, flag_values(args))  # only now: a bad argument must leave an earlier run's files as they were
-        write_split_record(run_dir, cut_records)
+        write_split_record(run_dir, cut_records, args.phase)
         engine = create_train_engine(model, settings)
         metrics = MetricsLogger(run_dir)
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),

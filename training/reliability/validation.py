@@ -321,12 +321,13 @@ def check_reward_model_dir(
     return folder
 
 
-def check_input_run_shards(name_or_path: str, data: DataArguments,
+def check_input_run_shards(name_or_path: str, data: DataArguments, phase: int,
                            flag: str = "--model_name_or_path") -> InputRunRecord | None:
     """A model an earlier step of this project trained must come from the same data shards as this step's.
 
     Its run folder's args.json says how it cut the data (`utils.data.shard_match`); a model without
-    one (the embedded default, a hub name, a plain HF folder) is not checked. Returns the record counts the run cut
+    one (the embedded default, a hub name, a plain HF folder) is not checked; `phase` is the shard this step trains
+    on. Returns the record counts the run cut
     the sources it shares with this step from (its data_split.json), for this step's data build to compare with the
     counts it cuts (`DataArguments.build`): no source is read here.
     """
@@ -336,4 +337,4 @@ def check_input_run_shards(name_or_path: str, data: DataArguments,
     earlier = read_run_args(run_dir) if run_dir is not None else None
     if earlier is None:
         return None
-    return check_same_shards(vars(data), earlier, f"{flag} {name_or_path}", str(run_dir))
+    return check_same_shards(vars(data), earlier, f"{flag} {name_or_path}", str(run_dir), phase)

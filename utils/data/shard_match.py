@@ -4,8 +4,11 @@ Step N trains on shard N of every source: `--seed` permutes a source's records a
 `--data_split` cut the permutation. A step that starts from an earlier step's model but has other
 values cuts a shared source differently, so its shard overlaps the rows that model trained on
 (seeds 1234 and 7 put 68 of step 1's 200 records of 1,000 into step 2's shard). Only those
-two settings decide the shards: `--eval_fraction` splits a shard within one step, and a stated
-format (`PATH:FORMAT`) changes how rows parse, not which rows a shard holds. A source the earlier step
+two settings decide the shards; a stated format (`PATH:FORMAT`) changes how rows parse, not which rows a shard holds.
+`--eval_fraction` splits a shard within one step: a step started from a run of the same step (its `data_split.json`
+says which shard that run trained on; a record written before it said so is not checked for this) holds out the
+first records of the same shard, so it must hold out no more than that run did, which trained on the rest; step 1's
+`--sft_only_data_path` sources are held out alike, cut by `--seed` alone. A source the earlier step
 trained on whole (step 1's `--sft_only_data_path`) overlaps any shard of it, whatever the settings. A source
 whose record count changed between the runs (a malformed line fixed, a row added, a hub copy updated) is permuted
 anew too: the earlier run's folder records the counts its build cut (`split_record`), which this step's build compares
@@ -20,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from utils.errors import UserError
 
 from .sources import source_identity
-from .split_record import read_split_record
+from .split_record import read_split_phase, read_split_record
 from .splits import same_shards
 
 RUN_DATA_KEYS = ("data_path", "seed", "data_split")
@@ -42,15 +45,16 @@ def shared_sources(data_paths: Sequence[str], other_data_paths: Sequence[str]) -
 
 
 def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str,
-                      earlier_run: str) -> InputRunRecord | None:
-    """Refuse a step whose shards would overlap those of the run that trained its input model, as far as the settings
-    tell; return the record counts that run cut the shared sources from, for the step's build to compare with the
-    counts it cuts (`check_same_record_counts`), or None where it recorded none. No source is read.
+                      earlier_run: str, phase: int) -> InputRunRecord | None:
+    """Refuse a step whose shards, or held-out part, would overlap the rows the run that trained its input model
+    trained on, as far as the settings tell; return the record counts that run cut the shared sources from, for the
+    step's build to compare with the counts it cuts (`check_same_record_counts`), or None where it recorded none. No
+    source is read.
 
     `current` and `earlier` are run arguments (a step's parsed flags; the input run's `args.json`);
     `earlier_name` says where the input came from (its flag and value), `earlier_run` is its run
-    folder. Arguments that hold no data settings (not this project's) and runs that share no data
-    source with this step are not checked.
+    folder, `phase` the shard this step trains on. Arguments that hold no data settings (not this project's) and runs
+    that share no data source with this step are not checked.
     """
     if not all(key in earlier for key in RUN_DATA_KEYS) or not isinstance(earlier["data_path"], list):
         return None
@@ -60,11 +64,14 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
             f"{earlier_name} was trained on all of {', '.join(trained_whole)} (--sft_only_data_path), so any shard "
             f"of it this step trains or evaluates on holds rows that model trained on; drop it from --data_path, "
             f"or retrain {earlier_run} with it in --data_path instead")
+    same_step = read_split_phase(earlier_run) == phase
+    if same_step and phase == 1:
+        _check_same_whole_cut(current, earlier, earlier_name, earlier_run)
     shared = shared_sources(current["data_path"], earlier["data_path"])
-    seed, data_split = int(current["seed"]), str(current["data_split"])
-    earlier_seed, earlier_split = int(earlier["seed"]), str(earlier["data_split"])
     if not shared:
         return None
+    seed, data_split = int(current["seed"]), str(current["data_split"])
+    earlier_seed, earlier_split = int(earlier["seed"]), str(earlier["data_split"])
     if not same_shards(seed, data_split, earlier_seed, earlier_split):
         theirs = f"--seed {earlier_seed} --data_split {earlier_split}"
         ours = f"--seed {seed} --data_split {data_split}"
@@ -73,12 +80,43 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
             f"so its shard would overlap the rows that model trained on; rerun with {theirs} to match {earlier_run}, "
             f"or retrain {earlier_run} with {ours}"
         )
+    if same_step:
+        _check_held_out_within(shared, current, earlier, earlier_name, earlier_run)
     recorded = read_split_record(earlier_run)
     if recorded is None:
         return None
     identities = {source_identity(path) for path in shared}
     return InputRunRecord(earlier_name, earlier_run, {source: count for source, count in recorded.items()
                                                       if source in identities})
+
+
+def _check_same_whole_cut(current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str,
+                          earlier_run: str) -> None:
+    """Step 1 started from a step-1 run: a step-1-only source both read is permuted by `--seed` alone before its
+    held-out part is taken, so another seed holds out records that run trained on."""
+    shared = shared_sources(current.get("sft_only_data_path") or [], earlier.get("sft_only_data_path") or [])
+    if shared and int(current["seed"]) != int(earlier["seed"]):
+        raise UserError(
+            f"{earlier_name} is a step-1 run that held out a part of {', '.join(shared)} (--sft_only_data_path) cut "
+            f"with --seed {earlier['seed']}, and trained on the rest; this step cuts it with --seed {current['seed']}, "
+            f"so its held-out part would hold records that model trained on; rerun with --seed {earlier['seed']}")
+    if shared:
+        _check_held_out_within(shared, current, earlier, earlier_name, earlier_run)
+
+
+def _check_held_out_within(shared: Sequence[str], current: Mapping[str, Any], earlier: Mapping[str, Any],
+                           earlier_name: str, earlier_run: str) -> None:
+    """A run of the same step, cut alike, held out the first `--eval_fraction` of each shared source's records and
+    trained on the rest: this step may hold out as many or fewer (a part of those), not more."""
+    if earlier.get("eval_fraction") is None:
+        return
+    fraction, earlier_fraction = float(current["eval_fraction"]), float(earlier["eval_fraction"])
+    if fraction > earlier_fraction:
+        raise UserError(
+            f"{earlier_name} is a run of this same step that held out --eval_fraction {earlier_fraction:g} of "
+            f"{', '.join(shared)} and trained on the rest; this step's --eval_fraction {fraction:g} would hold out "
+            f"records that model trained on and score it on them; rerun with --eval_fraction {earlier_fraction:g} "
+            f"or less to continue {earlier_run}")
 
 
 def check_same_record_counts(cut: Sequence[tuple[str, int]], input_runs: Sequence[InputRunRecord]) -> None:
