@@ -8,8 +8,9 @@
 chosen + rejected, hh-rlhf transcripts, ...). Rows with a rejected answer also get a verdict and
 the file's accuracy and mean margin. Prompts are rendered and tokenised as in training, with the run's
 `--max_seq_len` and `--prompt_format` (its args.json) unless given; a row whose prompt alone fills
-`--max_seq_len`, or whose two answers are the same once cut, is skipped and counted, as step 2 drops it (both
-would tie and count as wrong); `RewardScorer.score`, which returns one score a pair, refuses such a pair.
+`--max_seq_len`, whose two answers are the same once cut, or whose two answers differ in whitespace alone
+(`identical_replies`, marked by `read_rows`) is skipped and counted, as step 2 drops it (both would tie and count as
+wrong); `RewardScorer.score`, which returns one score a pair, refuses such a pair.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from utils.data.tokenization import TokenLimits, check_max_seq_len, pair_sequenc
 from utils.errors import UserError, refuse_all, run_cli
 
 FALLBACK_MAX_SEQ_LEN = 512  # for a model no run of this project trained
+CUT_REASONS = ("prompt_too_long", "identical_after_truncation")  # the pairs step 2 drops at its --max_seq_len
 
 
 class RewardScorer:
@@ -107,10 +109,11 @@ class RewardScorer:
     @torch.no_grad()
     def score_rows(self, rows: list[dict]) -> list[dict]:
         """Add `chosen_score` (and `rejected_score`, `chosen_preferred`) to canonical rows; a row step 2 would drop
-        (its prompt fills `max_seq_len`, or both answers are the same once cut) gets `skipped`, its reason."""
+        (its prompt fills `max_seq_len`, or both answers are the same once cut) gets `skipped`, its reason, and one
+        `read_rows` marked `skipped` (its answers differ in whitespace alone) keeps it."""
         results, sequences = [], []
         for row in rows:
-            found = self._sequences(row)
+            found = row["skipped"] if "skipped" in row else self._sequences(row)
             results.append({**row, "skipped": found} if isinstance(found, str) else {**row})
             sequences.append([] if isinstance(found, str) else found)
         scores = iter(self._score([sequence for found in sequences for sequence in found]))
@@ -278,8 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = scorer.score_rows(rows)
     for row in results:
         if "skipped" in row:
-            print(f"skipped ({row['skipped']} at --max_seq_len {args.max_seq_len})  | {_short(row['prompt'], -60)}",
-                  flush=True)
+            where = f" at --max_seq_len {args.max_seq_len}" if row["skipped"] in CUT_REASONS else ""
+            print(f"skipped ({row['skipped']}{where})  | {_short(row['prompt'], -60)}", flush=True)
             continue
         line = f"score {row['chosen_score']:+.4f}"
         if "rejected_score" in row:

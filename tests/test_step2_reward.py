@@ -154,6 +154,22 @@ def test_rw_eval_cuts_as_the_run_trained_and_skips_what_step_2_drops(trained, tm
     assert "chosen_score" not in scored["results"][1]
 
 
+def test_rw_eval_skips_a_pair_whose_answers_differ_in_whitespace_alone_as_step_2_does(trained, tmp_path, capsys):
+    """Step 2 drops a pair whose answers differ in whitespace alone (identical_replies): rw_eval scored it and counted
+    it in the accuracy, and skipped two identical answers as identical_after_truncation at --max_seq_len 64, as if a
+    larger --max_seq_len would tell them apart."""
+    rows = [{"prompt": "What is 2 plus 2?", "chosen": "2 plus 2 is 4.", "rejected": "I do not know."},
+            {"prompt": "What is 3 plus 3?", "chosen": "3 plus 3 is 6.", "rejected": "3 plus  3 is\n6."},
+            {"prompt": "What is 4 plus 4?", "chosen": "4 plus 4 is 8.", "rejected": "4 plus 4 is 8."}]
+    data = tmp_path / "spacing.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    scored = rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", str(data)])
+    assert (scored["rows"], scored["skipped"], scored["pairs"]) == (3, 2, 1)
+    assert [row.get("skipped") for row in scored["results"]] == [None, "identical_replies", "identical_replies"]
+    out = capsys.readouterr().out
+    assert out.count("skipped (identical_replies)  | ") == 2 and "max_seq_len" not in out
+
+
 def test_rw_eval_scores_a_pair_whose_preferred_reply_is_empty(trained, tmp_path):
     """An hh-rlhf refusal pair (the preferred reply empty) is a pair step 2 trains on, so rw_eval scores it too."""
     def transcript(prompt: str, reply: str) -> str:
