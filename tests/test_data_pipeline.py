@@ -281,6 +281,21 @@ def test_no_training_items_left_names_the_flag_that_limits_this_step(tmp_path, t
     assert hint in str(error.value) and not_hint not in str(error.value)
 
 
+def test_an_empty_held_out_part_is_said_from_what_emptied_it():
+    """The warning blamed --eval_fraction whenever a step had no held-out item, though held-out items dropped in
+    tokenisation (prompt_too_long) emptied it: --eval_fraction is not what to change then."""
+    from utils.data.phases import no_eval_items_note
+
+    dropped = no_eval_items_note(2, 0.1, {"dropped:prompt_too_long": 3, "dropped:identical_after_truncation": 1,
+                                          "items": 0})
+    assert dropped.startswith("every held-out item of step 2 was dropped in tokenisation (dropped:prompt_too_long=3, "
+                              "dropped:identical_after_truncation=1)")
+    assert "raise --max_seq_len" in dropped and "--eval_fraction" not in dropped
+    assert "raise --max_prompt_seq_len" in no_eval_items_note(3, 0.1, {"dropped:prompt_too_long": 1})
+    none = no_eval_items_note(1, 0.1, {"items": 0})
+    assert none.startswith("--eval_fraction 0.1 held out no usable item of step 1") and "held_out_in_training" in none
+
+
 def test_no_training_items_left_when_eval_fraction_holds_out_the_whole_shard(tmp_path, tok):
     path = write_pairs(tmp_path / "six.jsonl", 6, "six")
     with pytest.raises(UserError, match="--eval_fraction 0.9 holds out every record") as error:

@@ -65,6 +65,7 @@ from training.reliability.validation import (
 )
 from utils.data import DataArguments, PromptFormatter, write_split_record
 from utils.data.args import flags_another_step_reads
+from utils.data.phases import no_eval_items_note
 from utils.dist import get_world_size, init_distributed
 from utils.errors import refuse_all
 from utils.log import setup_logging
@@ -263,9 +264,8 @@ def _train_and_save(args: SupervisedSettings, step: SupervisedStep) -> dict[str,
         logger.info("%s: %d train / %d eval items, %d optimizer steps, %s, ZeRO-%d", step.name, len(train_data),
                     len(eval_data), num_steps, settings.dtype, settings.zero_stage)
         if not len(eval_data) and args.data.eval_fraction > 0 and args.data.max_eval_samples != 0:
-            logger.warning("%s: --eval_fraction %g held out no item of this step's %d: the run reports no held-out "
-                           "metrics; give it more data or a larger --eval_fraction", step.name,
-                           args.data.eval_fraction, len(train_data))
+            logger.warning("%s: %s", step.name, no_eval_items_note(args.phase, args.data.eval_fraction,
+                                                                   eval_data.stats))
         frozen = step.frozen_models(args, tokenizer) if step.frozen_models else nullcontext()
         try:
             with GracefulInterrupt() as interrupt:

@@ -5,7 +5,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -210,15 +210,34 @@ def _no_training_items(phase: int, splits: Sequence[SourceSplit], train_stats: d
     if not any(split.train for split in splits):
         return UserError(f"no step-{phase} training items: every record left for training was skipped (see the data "
                          "source lines above); check the sources and their format (PATH:FORMAT)")
+    return UserError(f"no step-{phase} training items are left after tokenisation ({train_stats}); "
+                     f"{_drop_hints(phase, train_stats, template_error)}")
+
+
+def _drop_hints(phase: int, stats: Mapping[str, int], template_error: str | None = None) -> str:
+    """What to change for the items tokenisation dropped, as `stats` counts them (`dropped:<reason>`), for `phase`."""
+    failed = f"the chat template failed ({template_error})" if template_error else "the chat template failed"
     hints = {
         "prompt_too_long": "raise --max_prompt_seq_len or use --prompt_overflow left_truncate" if phase == 3
                            else "raise --max_seq_len (it must hold a prompt and the start of its reply)",
         "identical_after_truncation": "raise --max_seq_len (the two replies differ only after it)",
-        "chat_template_error": f"the chat template failed ({template_error}); use --prompt_format human_assistant, "
-                               "or change the rows it refuses",
+        "chat_template_error": f"{failed}; use --prompt_format human_assistant, or change the rows it refuses",
     }
-    said = "; ".join(hint for reason, hint in hints.items() if train_stats.get(f"dropped:{reason}"))
-    return UserError(f"no step-{phase} training items are left after tokenisation ({train_stats}); {said}")
+    return "; ".join(hint for reason, hint in hints.items() if stats.get(f"dropped:{reason}"))
+
+
+def no_eval_items_note(phase: int, eval_fraction: float, eval_stats: Mapping[str, int]) -> str:
+    """The warning for a step with no held-out item, from its held-out data's stats: the items tokenisation dropped
+    (each reason, and what to change), or, with none dropped, no usable record held out (a small --eval_fraction, or
+    held-out rows skipped before tokenisation, held_out_in_training among them, as the data source lines count)."""
+    dropped = {key: count for key, count in eval_stats.items() if key.startswith("dropped:")}
+    if dropped:
+        said = ", ".join(f"{key}={count}" for key, count in dropped.items())
+        return (f"every held-out item of step {phase} was dropped in tokenisation ({said}): the run reports no "
+                f"held-out metrics; {_drop_hints(phase, dropped)}")
+    return (f"--eval_fraction {eval_fraction:g} held out no usable item of step {phase}: the run reports no held-out "
+            "metrics; the data source lines above count held-out rows skipped (held_out_in_training: the same text "
+            "as a training item); give the step more data or a larger --eval_fraction")
 
 
 def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: PromptFormatter, limits: TokenLimits,
