@@ -192,7 +192,7 @@ def logprob_diff_vs_train_forward(module: torch.nn.Module, out: GenerationOutput
     """Max and mean |reported log-prob - train forward's| over the generated tokens (at the sampling temperature,
     over the tokenizer's ids: the distribution `config` draws from, as step 3's trainer computes it)."""
     train_logprobs = answer_logprobs(module, out.sequences, out.attention_mask, out.prompt_length,
-                                     config.logprob_temperature, config.tokenizer_size)
+                                     config.logprob_temperature, tokenizer_size=config.tokenizer_size)
     diff = (train_logprobs - out.logprobs).abs()[out.answer_mask.bool()]
     return {"max": float(diff.max()), "mean": float(diff.mean())}
 

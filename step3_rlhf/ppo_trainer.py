@@ -240,7 +240,8 @@ class Rollout(Answers):
 def kl_in_groups(actor_logits: list[torch.Tensor], ref_logits: list[torch.Tensor], groups: RowGroups,
                  temperature: float, tokenizer_size: int | None) -> torch.Tensor:
     """The exact KL per answer [B] over the tokenizer's ids from both models' window logits of the same `groups`."""
-    return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), temperature, tokenizer_size)
+    return groups.merge([kl_from_logits(actor, ref, window.answer_mask(), temperature,
+                                        tokenizer_size=tokenizer_size)
                          for actor, ref, window in zip(actor_logits, ref_logits, groups.windows, strict=True)])
 
 
@@ -280,7 +281,7 @@ class GroupedLogits:
         if self.grouped_like(reference):
             return kl_in_groups(self.logits, reference.logits, self.groups(answers), temperature, tokenizer_size)
         return torch.cat([kl_from_logits(mine[None], theirs[None], torch.ones(1, len(mine), device=mine.device),
-                                         temperature, tokenizer_size)
+                                         temperature, tokenizer_size=tokenizer_size)
                           for mine, theirs in zip(self.answer_logits(answers), reference.answer_logits(answers))])
 
 

@@ -136,12 +136,13 @@ def test_log_probs_and_entropy():
     logits = torch.randn(2, 3, 11)
     labels = torch.randint(0, 11, (2, 3))
     expected = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(token_logprobs(logits, labels), expected)
+    torch.testing.assert_close(token_logprobs(logits, labels, tokenizer_size=None), expected)
     uniform = torch.zeros(1, 2, 8)
     peaked = torch.full((1, 2, 8), -1e4)
     peaked[..., 0] = 0.0
     both = torch.cat([uniform, peaked], dim=1)
-    torch.testing.assert_close(token_entropies(both), torch.tensor([[math.log(8)] * 2 + [0.0] * 2]))
+    torch.testing.assert_close(token_entropies(both, tokenizer_size=None),
+                               torch.tensor([[math.log(8)] * 2 + [0.0] * 2]))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
@@ -153,21 +154,25 @@ def test_kl_from_logits_is_the_exact_kl_summed_over_masked_positions(temperature
     ref_logits[0, 0] = GARBAGE  # masked-out positions never reach the result
     per_position = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=logits / temperature),
                                                      torch.distributions.Categorical(logits=ref_logits / temperature))
-    exact = kl_from_logits(logits, ref_logits, mask, temperature)
+    exact = kl_from_logits(logits, ref_logits, mask, temperature, tokenizer_size=None)
     torch.testing.assert_close(exact, (per_position * mask).sum(-1))
     assert torch.all(exact > 0)
-    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), mask, temperature), torch.zeros(2))
+    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), mask, temperature, tokenizer_size=None),
+                               torch.zeros(2))
 
 
 def test_a_masked_token_with_a_minus_inf_logit_adds_nothing_to_entropy_or_kl():
     """softmax gives a -inf logit probability 0, and 0 * -inf made the position's entropy and the exact KL nan."""
     logits = torch.tensor([[[1.0, 2.0, float("-inf"), 0.5]]])
     finite = logits[..., [0, 1, 3]]
-    torch.testing.assert_close(token_entropies(logits), token_entropies(finite))
-    assert torch.isfinite(token_entropies(finite)).all()
-    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), torch.ones(1, 1)), torch.zeros(1))
-    torch.testing.assert_close(kl_from_logits(logits, torch.zeros(1, 1, 4), torch.ones(1, 1)),
-                               kl_from_logits(finite, torch.zeros(1, 1, 3), torch.ones(1, 1)) + math.log(4 / 3))
+    torch.testing.assert_close(token_entropies(logits, tokenizer_size=None),
+                               token_entropies(finite, tokenizer_size=None))
+    assert torch.isfinite(token_entropies(finite, tokenizer_size=None)).all()
+    torch.testing.assert_close(kl_from_logits(logits, logits.clone(), torch.ones(1, 1), tokenizer_size=None),
+                               torch.zeros(1))
+    torch.testing.assert_close(kl_from_logits(logits, torch.zeros(1, 1, 4), torch.ones(1, 1), tokenizer_size=None),
+                               kl_from_logits(finite, torch.zeros(1, 1, 3), torch.ones(1, 1), tokenizer_size=None)
+                               + math.log(4 / 3))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -183,13 +188,14 @@ def test_log_probs_entropy_and_kl_are_those_of_the_tokenizers_ids_only(dtype):
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     padded, kept = logits.clone().requires_grad_(), logits[..., :8].clone().requires_grad_()
     token_logprobs(padded, labels, 0.7, tokenizer_size=8).sum().backward()
-    expected = token_logprobs(kept, labels, 0.7)
+    expected = token_logprobs(kept, labels, 0.7, tokenizer_size=None)
     expected.sum().backward()
     torch.testing.assert_close(token_logprobs(logits, labels, 0.7, tokenizer_size=8), expected.detach())
     assert torch.equal(padded.grad[..., :8], kept.grad) and torch.all(padded.grad[..., 8:] == 0)
-    torch.testing.assert_close(token_entropies(logits, 0.7, tokenizer_size=8), token_entropies(logits[..., :8], 0.7))
+    torch.testing.assert_close(token_entropies(logits, 0.7, tokenizer_size=8),
+                               token_entropies(logits[..., :8], 0.7, tokenizer_size=None))
     torch.testing.assert_close(kl_from_logits(logits, ref_logits, mask, 0.7, tokenizer_size=8),
-                               kl_from_logits(logits[..., :8], ref_logits[..., :8], mask, 0.7))
+                               kl_from_logits(logits[..., :8], ref_logits[..., :8], mask, 0.7, tokenizer_size=None))
 
 
 def plain_logprobs_gradient_entropy_kl(logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor,
@@ -227,10 +233,10 @@ def test_a_tokenizer_as_large_as_the_models_rows_changes_no_digit(dtype, monkeyp
     expected = plain_logprobs_gradient_entropy_kl(logits, ref_logits, labels, weights, mask, 0.7)
     for tokenizer_size in (None, 11):
         leaf = logits.clone().requires_grad_()
-        logprobs = token_logprobs(leaf, labels, 0.7, tokenizer_size)
+        logprobs = token_logprobs(leaf, labels, 0.7, tokenizer_size=tokenizer_size)
         (logprobs * weights).sum().backward()
-        results = (logprobs.detach(), leaf.grad, token_entropies(logits, 0.7, tokenizer_size),
-                   kl_from_logits(logits, ref_logits, mask, 0.7, tokenizer_size))
+        results = (logprobs.detach(), leaf.grad, token_entropies(logits, 0.7, tokenizer_size=tokenizer_size),
+                   kl_from_logits(logits, ref_logits, mask, 0.7, tokenizer_size=tokenizer_size))
         for name, result, plain in zip(("log-probs", "gradient", "entropies", "kl"), results, expected):
             assert torch.equal(result, plain), (name, tokenizer_size, (result.float() - plain.float()).abs().max())
 

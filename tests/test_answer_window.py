@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from training.core import sequences as sequences_module
 from training.core.answer_window import AnswerWindow, RowGroups, flush_right
-from training.core.sequences import answer_logits, token_entropies, token_logprobs
+from training.algorithms import kl_from_logits
+from training.core.sequences import answer_logits, answer_logprobs, token_entropies, token_logprobs
 from training.core.reward_model import RewardModel
 from utils.dist import free_port
 
@@ -62,8 +63,9 @@ def test_window_logprobs_and_values_equal_the_rollout_layouts_and_the_head_runs_
         lambda _, args: head_inputs.append((args[0].shape[1], args[0].is_contiguous())))
     window = AnswerWindow.of(sequences, mask, prompt_length)
     with torch.no_grad():
-        got = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens()))
-        expected = token_logprobs(answer_logits(model, sequences, mask, prompt_length), sequences[:, prompt_length:])
+        got = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens(), tokenizer_size=None))
+        expected = token_logprobs(answer_logits(model, sequences, mask, prompt_length), sequences[:, prompt_length:],
+                                  tokenizer_size=None)
         values = window.to_answers(window.values(critic))
         expected_values = critic(input_ids=sequences, attention_mask=mask)["values"][:, prompt_length - 1:-1]
     answer = ANSWER_MASK.bool()
@@ -90,10 +92,11 @@ def test_rows_of_very_different_lengths_are_grouped_and_their_results_merged_bac
     with torch.no_grad():
         logprobs, logits = groups.answer_logprobs(model, 0.8, None)
         plain_logits = answer_logits(model, sequences, mask, 60)
-        expected = token_logprobs(plain_logits, sequences[:, 60:], 0.8)
+        expected = token_logprobs(plain_logits, sequences[:, 60:], 0.8, tokenizer_size=None)
         torch.testing.assert_close(logprobs[answer], expected[answer], rtol=0, atol=1e-5)
         entropies = groups.answer_entropies(logits, 0.8, None)
-        torch.testing.assert_close(entropies[answer], token_entropies(plain_logits, 0.8)[answer], rtol=0, atol=1e-5)
+        torch.testing.assert_close(entropies[answer], token_entropies(plain_logits, 0.8, tokenizer_size=None)[answer],
+                                   rtol=0, atol=1e-5)
         plain = critic(input_ids=sequences, attention_mask=mask)
         torch.testing.assert_close(groups.answer_values(critic)[answer], plain["values"][:, 59:-1][answer],
                                    rtol=0, atol=1e-5)
@@ -141,7 +144,8 @@ def test_a_training_forward_over_several_groups_looks_up_the_embeddings_once(rol
         model.zero_grad()
         embeds = groups.shared_embeddings(model) if shared else [None] * len(groups.windows)
         if role == "actor":
-            per_group = [window.to_answers(token_logprobs(window.logits(model, e), window.answer_tokens()))
+            per_group = [window.to_answers(token_logprobs(window.logits(model, e), window.answer_tokens(),
+                                                          tokenizer_size=None))
                          for window, e in zip(groups.windows, embeds)]
         else:
             per_group = [window.to_answers(window.values(model, e)) for window, e in zip(groups.windows, embeds)]
@@ -212,6 +216,21 @@ def test_grouped_log_probs_and_entropies_are_never_taken_without_the_tokenizers_
             groups.answer_entropies(logits, 1.0)
 
 
+@pytest.mark.parametrize("left_out", ["token_logprobs", "token_entropies", "kl_from_logits", "answer_logprobs"])
+def test_log_probs_entropies_and_kl_are_never_taken_without_the_tokenizers_size(left_out):
+    """As the grouped ones above: each of these takes the tokenizer's size with no default."""
+    tokenizer = make_tokenizer()
+    model = make_tiny_model("llama", tokenizer)[0].eval()
+    sequences, mask, prompt_length = rows(len(tokenizer))
+    logits, tokens = torch.zeros(1, 2, 5), torch.zeros(1, 2, dtype=torch.long)
+    calls = {"token_logprobs": lambda: token_logprobs(logits, tokens, 1.0),
+             "token_entropies": lambda: token_entropies(logits, 1.0),
+             "kl_from_logits": lambda: kl_from_logits(logits, logits, torch.ones(1, 2), 1.0),
+             "answer_logprobs": lambda: answer_logprobs(model, sequences, mask, prompt_length, 1.0)}
+    with torch.no_grad(), pytest.raises(TypeError, match="tokenizer_size"):
+        calls[left_out]()
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_bf16_window_and_group_results_at_positions_past_500_are_as_close_to_fp32_as_the_rollout_layouts(arch,
                                                                                                           tmp_path):
@@ -245,14 +264,15 @@ def test_bf16_window_and_group_results_at_positions_past_500_are_as_close_to_fp3
     answer = answer_mask.bool()
 
     def plain_results(model: torch.nn.Module, critic: RewardModel) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = token_logprobs(answer_logits(model, sequences, mask, 520), sequences[:, 520:])
+        logprobs = token_logprobs(answer_logits(model, sequences, mask, 520), sequences[:, 520:], tokenizer_size=None)
         return logprobs[answer], critic(sequences, mask)["values"][:, 519:-1].float()[answer]
 
     with torch.no_grad():
         exact_logprobs, exact_values = plain_results(*load(torch.float32))
         model, critic = load(torch.bfloat16)
         plain_logprobs, plain_values = plain_results(model, critic)
-        windowed = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens()))[answer]
+        windowed = window.to_answers(token_logprobs(window.logits(model), window.answer_tokens(),
+                                                    tokenizer_size=None))[answer]
         grouped = groups.answer_logprobs(model, 1.0, None)[0][answer]
         grouped_values = groups.answer_values(critic)[answer]
     for name, result, plain, exact in (("window log-probs", windowed, plain_logprobs, exact_logprobs),
@@ -271,7 +291,7 @@ def test_chunked_logprobs_and_their_gradient_equal_log_softmax_without_an_fp32_c
     weights = torch.randn(2, 35, generator=torch.Generator().manual_seed(2))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
-        got = token_logprobs(logits, tokens, temperature=0.7)
+        got = token_logprobs(logits, tokens, temperature=0.7, tokenizer_size=None)
     (got * weights).sum().backward()
     got_grad, logits.grad = logits.grad.clone(), None
     expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
@@ -289,4 +309,4 @@ def test_chunked_entropies_equal_the_full_softmax_entropy(monkeypatch):
     logits = torch.randn(3, 11, 50, generator=torch.Generator().manual_seed(0)) * 3
     probs = torch.softmax(logits / 1.3, -1)
     expected = -(probs * torch.log_softmax(logits / 1.3, -1)).sum(-1)
-    torch.testing.assert_close(token_entropies(logits, 1.3), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(token_entropies(logits, 1.3, tokenizer_size=None), expected, rtol=0, atol=1e-5)

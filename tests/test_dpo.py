@@ -98,18 +98,26 @@ def test_answer_logprobs_sum_the_answer_tokens_only():
     # pair 1: prompt [1, 2], chosen answer [3, 0], rejected answer [1]; pair 2: prompt [0], chosen answer [2],
     # rejected answer [3, 3, 3]; rows are padded to 4 with id 2, whose log-prob must not count
     batch = _pair_batch([([1, 2, 3, 0], [1, 2, 1], 2), ([0, 2], [0, 3, 3, 3], 1)], pad=2)
-    sums, counts = answer_logprob_sums(FixedDistribution(), batch)
+    sums, counts = answer_logprob_sums(FixedDistribution(), batch, tokenizer_size=None)
     p = FixedDistribution.PROBS.double().log()
     expected = [p[3] + p[0], p[2], p[1], 3 * p[3]]  # chosen 1, chosen 2, rejected 1, rejected 2
     assert counts.tolist() == [2, 1, 1, 3]
     assert sums.tolist() == pytest.approx([value.item() for value in expected], rel=1e-6)
 
 
+def test_answer_logprobs_are_never_summed_without_the_tokenizers_size():
+    """Left out, a policy with embedding rows beyond its tokenizer would be scored over every row, not over the ids it
+    is sampled from: the size has no default (None, every row, is said outright)."""
+    with pytest.raises(TypeError, match="tokenizer_size"):
+        answer_logprob_sums(FixedDistribution(), _pair_batch([([1, 2, 3], [1, 2], 2)]))
+
+
 def test_answer_logprobs_of_a_real_model_do_not_depend_on_padding(tmp_path):
     model = load_causal_lm(make_tiny_model_dir(tmp_path / "tiny", "llama")).eval()
     long, short = [5, 6, 7, 8, 9, 10], [5, 6, 7, 11]
-    together, _ = answer_logprob_sums(model, _pair_batch([(long, short, 3)]))
-    alone = [answer_logprob_sums(model, _pair_batch([(ids, ids, 3)]))[0][0] for ids in (long, short)]
+    together, _ = answer_logprob_sums(model, _pair_batch([(long, short, 3)]), tokenizer_size=None)
+    alone = [answer_logprob_sums(model, _pair_batch([(ids, ids, 3)]), tokenizer_size=None)[0][0]
+             for ids in (long, short)]
     with torch.no_grad():
         logprobs = model(torch.tensor([long])).logits.log_softmax(-1)[0]
     by_hand = sum(logprobs[t - 1, long[t]] for t in range(3, len(long)))

@@ -99,8 +99,10 @@ def test_hf_backend_never_draws_an_id_beyond_the_tokenizer_and_its_log_probs_are
     out = HFGenerator(model).generate(ids, torch.ones_like(ids), config)
     assert out.answers.max() < len(tokenizer)
     with torch.no_grad():
-        expected = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length, 0.8, len(tokenizer))
-        every_row = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length, 0.8)
+        expected = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length, 0.8,
+                                   tokenizer_size=len(tokenizer))
+        every_row = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length, 0.8,
+                                    tokenizer_size=None)
     torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=atol)
     assert (expected - every_row).min() > 1.0
 
@@ -169,7 +171,7 @@ def test_token_logprobs_are_log_softmax_of_raw_logits():
     logits = torch.randn(3, 5, 11)
     tokens = torch.randint(0, 11, (3, 5))
     expected = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
-    torch.testing.assert_close(token_logprobs(logits, tokens), expected)
+    torch.testing.assert_close(token_logprobs(logits, tokens, tokenizer_size=None), expected)
 
 
 def test_invalid_configs_are_refused():
@@ -198,7 +200,8 @@ def test_hf_backend_reports_train_forward_logprobs_and_pads_after_eos(arch):
     assert model.training  # the generator restores the module's mode
     model.eval()  # the reference forward without dropout (OPT's tiny config has some), as RLHF trains
     with torch.no_grad():
-        expected = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length) * out.answer_mask
+        expected = answer_logprobs(model, out.sequences, out.attention_mask, out.prompt_length,
+                                   tokenizer_size=None) * out.answer_mask
     torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-4)
 
 

@@ -84,7 +84,7 @@ def test_grpos_kl_in_the_loss_moves_the_actor(distributed, inputs, monkeypatch):
 
     parameters = [parameter for parameter in engine.actor.module.parameters() if parameter.requires_grad]
     logprobs = answer_logprobs(engine.actor.module, experience.sequences, experience.attention_mask,
-                               experience.prompt_length)
+                               experience.prompt_length, tokenizer_size=None)
     mask = trainer.loss_mask(experience.action_mask)
     policy = trainer.policy_loss(logprobs, experience.old_logprobs, experience.advantages, mask, config).loss
     kl = kl_loss(logprobs, experience.ref_logprobs, mask, "k3")

@@ -162,8 +162,8 @@ def test_experience_places_reward_and_kl_on_the_right_tokens(distributed, inputs
 
     seqs, mask = experience.sequences, experience.attention_mask
     with torch.no_grad():
-        actor_lp = answer_logprobs(engine.actor.module, seqs, mask, P)
-        ref_lp = answer_logprobs(engine.reference.module, seqs, mask, P)
+        actor_lp = answer_logprobs(engine.actor.module, seqs, mask, P, tokenizer_size=None)
+        ref_lp = answer_logprobs(engine.reference.module, seqs, mask, P, tokenizer_size=None)
         raw = engine.reward(input_ids=seqs, attention_mask=mask)["end_scores"]
     action = experience.action_mask.bool()
     torch.testing.assert_close(experience.old_logprobs[action], actor_lp[action], atol=1e-5, rtol=0)
@@ -351,7 +351,7 @@ def test_half_precision_rollouts_get_their_old_logprobs_recomputed(distributed, 
     assert trainer.clock.take()["score_actor"]["s"] > 0
     seqs, mask, P = experience.sequences, experience.attention_mask, experience.prompt_length
     with torch.no_grad():
-        expected = answer_logprobs(engine.actor.module, seqs, mask, P)
+        expected = answer_logprobs(engine.actor.module, seqs, mask, P, tokenizer_size=None)
     action = experience.action_mask.bool()
     torch.testing.assert_close(experience.old_logprobs[action], expected[action], atol=1e-5, rtol=0)
 
@@ -485,7 +485,8 @@ def test_the_default_ptx_coefficient_leaves_the_policy_gradient_in_charge(distri
     def gradient_norm(loss: torch.Tensor) -> float:
         return torch.cat([grad.flatten() for grad in torch.autograd.grad(loss, parameters)]).norm().item()
 
-    logprobs = answer_logprobs(module, experience.sequences, experience.attention_mask, experience.prompt_length)
+    logprobs = answer_logprobs(module, experience.sequences, experience.attention_mask, experience.prompt_length,
+                               tokenizer_size=None)
     policy = actor_loss(logprobs, experience.old_logprobs, experience.advantages, experience.action_mask, 0.2).loss
     text = text_batch(tokenizer, ["The quick brown fox jumps over the lazy dog.", "how are you today"])
     language_model = module(**text, use_cache=False).loss
@@ -527,7 +528,8 @@ def test_ptx_takes_one_actor_step_per_micro_batch_on_the_summed_loss(distributed
     batches, lm_losses = iter(unsupervised), []
     for _ in range(args.loop.ppo_epochs):
         for part in experience.split(args.loop.per_device_training_batch_size):
-            logprobs = answer_logprobs(twin.actor, part.sequences, part.attention_mask, part.prompt_length)
+            logprobs = answer_logprobs(twin.actor, part.sequences, part.attention_mask, part.prompt_length,
+                                       tokenizer_size=None)
             policy = actor_loss(logprobs, part.old_logprobs, part.advantages, part.action_mask, config.cliprange)
             lm_loss = twin.actor(**next(batches), use_cache=False).loss
             twin.actor.backward(policy.loss + config.unsup_coef * lm_loss)

@@ -17,10 +17,11 @@ from training.reliability.layouts import warn_tuned_on_other_layout
 from utils.dist import is_main_process, sum_over_ranks
 
 
-def answer_logprob_sums(module: torch.nn.Module, batch: Mapping[str, torch.Tensor],
-                        tokenizer_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_logprob_sums(module: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
+                        tokenizer_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a `PairwiseCollator` batch ([2B] rows): the sum of its answer tokens' log-probs (fp32, over the
-    tokenizer's ids: `token_logprobs`) and the number of those tokens; prompt tokens and padding excluded."""
+    tokenizer's ids: `token_logprobs`, no default) and the number of those tokens; prompt tokens and padding
+    excluded."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     # the log-probs of tokens 1.. (all but the first, which nothing predicts); the mask keeps each row's answer
     logprobs = answer_logprobs(module, input_ids, attention_mask, prompt_length=1, tokenizer_size=tokenizer_size)
@@ -60,7 +61,7 @@ class DPOObjective:
             engine.destroy()
 
     def _sequence_logprobs(self, module: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        sums, counts = answer_logprob_sums(module, batch, self.tokenizer_size)
+        sums, counts = answer_logprob_sums(module, batch, tokenizer_size=self.tokenizer_size)
         return sums / counts if self.preference_loss.per_token_mean else sums
 
     def pair_loss(self, policy: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> PairLoss:

@@ -130,7 +130,7 @@ def frequent_token(sequences: torch.Tensor, prompt_length: int) -> int:
 def train_mode_logprobs(engine, output, temperature: float = 1.0, tokenizer_size: int | None = None) -> torch.Tensor:
     with torch.no_grad():
         return answer_logprobs(engine.module, output.sequences, output.attention_mask, output.prompt_length,
-                               temperature, tokenizer_size)
+                               temperature, tokenizer_size=tokenizer_size)
 
 
 def check_group_repeats(generator, ids, mask, config, single, per_prompt=2, atol=1e-4):

@@ -55,10 +55,10 @@ def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tens
 
 
 def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor, mask: torch.Tensor,
-                   temperature: float = 1.0, tokenizer_size: int | None = None) -> torch.Tensor:
+                   temperature: float = 1.0, *, tokenizer_size: int | None) -> torch.Tensor:
     """Exact KL(p || q) between the next-token distributions p = softmax(logits / T) and q = softmax(ref_logits / T)
-    over the tokenizer's ids (the first `tokenizer_size` columns, those generation draws from; None: all), summed
-    over each row's masked positions: logits/ref_logits [B, T, V], mask [B, T] -> [B] (fp32).
+    over the tokenizer's ids (the first `tokenizer_size` columns, those generation draws from; no default: None, all,
+    is said outright), summed over each row's masked positions: logits/ref_logits [B, T, V], mask [B, T] -> [B] (fp32).
 
     One row at a time in fp32, so no [B, T, V] log-softmax tensor is ever built.
     """

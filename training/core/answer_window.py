@@ -212,7 +212,8 @@ class RowGroups:
         (every column)."""
         logits = [window.logits(module, embeds)
                   for window, embeds in zip(self.windows, self.shared_embeddings(module))]
-        logprobs = [window.to_answers(token_logprobs(group_logits, window.answer_tokens(), temperature, tokenizer_size))
+        logprobs = [window.to_answers(token_logprobs(group_logits, window.answer_tokens(), temperature,
+                                                     tokenizer_size=tokenizer_size))
                     for window, group_logits in zip(self.windows, logits)]
         return self.merge(logprobs), logits
 
@@ -225,7 +226,7 @@ class RowGroups:
                          tokenizer_size: int | None) -> torch.Tensor:
         """The entropy of each answer position's distribution over the tokenizer's ids from the groups' logits:
         [B, N] fp32 (no gradient)."""
-        return self.merge([window.to_answers(token_entropies(group_logits, temperature, tokenizer_size))
+        return self.merge([window.to_answers(token_entropies(group_logits, temperature, tokenizer_size=tokenizer_size))
                            for window, group_logits in zip(self.windows, logits)])
 
     def end_scores(self, reward_model: torch.nn.Module) -> torch.Tensor:

@@ -78,10 +78,10 @@ class _ChosenTokenLogprob(torch.autograd.Function):
         return grad.reshape(logits.shape), None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                   tokenizer_size: int | None = None) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *,
+                   tokenizer_size: int | None) -> torch.Tensor:
     """log_softmax(logits / temperature)[token] in fp32 over the tokenizer's ids (the first `tokenizer_size`
-    columns; None: all): logits [..., V], tokens [...] -> [...].
+    columns; no default: None, every column, is said outright): logits [..., V], tokens [...] -> [...].
 
     Computed as logit[token] - logsumexp(logits), a chunk of rows at a time, so no [..., V] log-softmax or
     fp32 copy of the logits is ever built (in the forward or the backward)."""
@@ -89,7 +89,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 @torch.no_grad()
-def token_entropies(logits: torch.Tensor, temperature: float = 1.0, tokenizer_size: int | None = None) -> torch.Tensor:
+def token_entropies(logits: torch.Tensor, temperature: float = 1.0, *, tokenizer_size: int | None) -> torch.Tensor:
     """Entropy (nats) of softmax(logits / temperature) over the tokenizer's ids (as `token_logprobs`) at every
     position: [..., V] -> [...] fp32, chunked like `token_logprobs` (no gradient: a statistic)."""
     flat = logits.reshape(-1, logits.shape[-1])
@@ -124,9 +124,9 @@ def answer_logits(
 
 def answer_logprobs(
     module: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-    temperature: float = 1.0, tokenizer_size: int | None = None,
+    temperature: float = 1.0, *, tokenizer_size: int | None,
 ) -> torch.Tensor:
     """The train-mode log-probabilities of the answer tokens at `temperature` over the tokenizer's ids
     (`token_logprobs`): [B, N] (not masked)."""
     logits = answer_logits(module, sequences, attention_mask, prompt_length)
-    return token_logprobs(logits, sequences[:, prompt_length:], temperature, tokenizer_size)
+    return token_logprobs(logits, sequences[:, prompt_length:], temperature, tokenizer_size=tokenizer_size)

@@ -210,7 +210,7 @@ class TokenChoice:
         tokens = self.select(logits, uniforms)
         if self.sync_tokens is not None:
             tokens = self.sync_tokens(tokens)
-        return tokens, token_logprobs(logits, tokens, self.temperature, self.tokenizer_size)
+        return tokens, token_logprobs(logits, tokens, self.temperature, tokenizer_size=self.tokenizer_size)
 
     def select(self, logits: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
         """Greedy argmax, or a draw from the temperature / top-k / top-p filtered distribution: [B, V] -> [B], among
@@ -392,7 +392,7 @@ class HFGenerator:
             input_ids,
             attention_mask,
             answers,
-            token_logprobs(logits, answers, config.logprob_temperature, config.tokenizer_size),
+            token_logprobs(logits, answers, config.logprob_temperature, tokenizer_size=config.tokenizer_size),
             answer_mask_from_tokens(answers, config.eos_token_id),
             config.pad_token_id,
         )
