@@ -585,3 +585,29 @@ def test_a_model_trained_with_gradient_checkpointing_is_saved_with_its_kv_cache_
     save_hf_model(model, tokenizer, tmp_path / "saved")
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["use_cache"] is True
     assert model.config.use_cache is False
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "lora", "reward_model"])
+def test_a_model_trained_without_dropout_is_saved_with_its_own_dropout(tiny_model_dir, tmp_path, kind):
+    """`disable_dropout` zeroes the config's dropout probabilities too, and the saved config.json kept the zeros: step
+    3's actor, its EMA and critic, and DPO's model (always trained without dropout) said 0.0, so a run trained further
+    from them silently had no dropout. The live model keeps dropout off."""
+    from training.core.args import ModelTrainingConfig, apply_model_options
+
+    source_dropout = {"dropout": 0.1, "attention_dropout": 0.1, "layerdrop": 0.05}
+    path = tiny_model_dir("opt", config_overrides=source_dropout)
+    tokenizer = load_tokenizer(path)
+    if kind == "reward_model":
+        model = RewardModel.from_causal_lm(load_causal_lm(path, tokenizer, disable_dropout_layers=True), tokenizer)
+    else:
+        model = load_causal_lm(path, tokenizer, disable_dropout_layers=True)
+    model = apply_model_options(model, ModelTrainingConfig(lora_dim=4 if kind == "lora" else 0))
+    save_hf_model(model, tokenizer, tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert {key: saved[key] for key in source_dropout} == source_dropout
+    assert {key: getattr(model.config, key) for key in source_dropout} == dict.fromkeys(source_dropout, 0.0)
+    ids = torch.tensor([tokenizer("Human: What is 2 plus 3? Assistant: 5")["input_ids"]])
+    output = "values" if kind == "reward_model" else "logits"
+    model.train()
+    first, second = (model(input_ids=ids, attention_mask=torch.ones_like(ids))[output] for _ in range(2))
+    assert torch.equal(first, second), "dropout back on in the live model after the save"

@@ -5,6 +5,7 @@ import functools
 import logging
 import os
 import pickle
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,6 +62,7 @@ __all__ = [
     "answer_stop_ids",
     "no_model_error",
     "disable_dropout",
+    "configs_dropout_as_loaded",
     "zero3_construction",
 ]
 
@@ -426,14 +428,61 @@ def disable_dropout(model: torch.nn.Module) -> None:
     """Zero every dropout probability (RLHF needs deterministic log-probs): the `nn.Dropout` modules, the
     probabilities layers copied from the config when they were built and pass to `F.dropout` themselves (OPT's
     decoder layers and attention, Llama's and Qwen's attention, Falcon's and BLOOM's hidden dropout, OPT's layer
-    drop), and the config's own."""
+    drop), and the config's own. The config's values are remembered for `configs_dropout_as_loaded`."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        for holder in (module, getattr(module, "config", None)):
-            for key, value in (vars(holder) if holder is not None else {}).items():
-                if _is_dropout_probability(key, value):
-                    setattr(holder, key, 0.0)
+        _zero_dropout_probabilities(module)
+        config = getattr(module, "config", None)
+        if config is not None:
+            _remember_dropout_as_loaded(config, _zero_dropout_probabilities(config))
+
+
+# id(config) -> the dropout probabilities `disable_dropout` zeroed in it; an entry leaves with its config
+_DROPOUT_AS_LOADED: dict[int, dict[str, float]] = {}
+
+
+def _zero_dropout_probabilities(holder: object) -> dict[str, float]:
+    """Set each dropout probability attribute of `holder` to 0; return the values they had."""
+    zeroed = {key: value for key, value in vars(holder).items() if _is_dropout_probability(key, value)}
+    for key in zeroed:
+        setattr(holder, key, 0.0)
+    return zeroed
+
+
+def _remember_dropout_as_loaded(config: object, zeroed: dict[str, float]) -> None:
+    """Keyed by identity (a transformers config is unhashable, and an attribute of its own would be written into
+    config.json); a value zeroed earlier is kept, a second `disable_dropout` finding 0."""
+    if not zeroed:
+        return
+    if id(config) not in _DROPOUT_AS_LOADED:
+        _DROPOUT_AS_LOADED[id(config)] = {}
+        weakref.finalize(config, _DROPOUT_AS_LOADED.pop, id(config), None)
+    for key, value in zeroed.items():
+        _DROPOUT_AS_LOADED[id(config)].setdefault(key, value)
+
+
+@contextmanager
+def configs_dropout_as_loaded(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, the configs of `model` hold the dropout probabilities `disable_dropout` zeroed, so a config.json
+    written there keeps the model's own (step 3 and DPO always train without dropout, and a model trained further
+    from their folders would otherwise silently get none). The layers keep dropout off."""
+    configs = {id(config): config for module in model.modules()
+               if (config := getattr(module, "config", None)) is not None and id(config) in _DROPOUT_AS_LOADED}
+    training_values = {key: {name: getattr(config, name) for name in _DROPOUT_AS_LOADED[key]}
+                       for key, config in configs.items()}
+    for key, config in configs.items():
+        _set_attributes(config, _DROPOUT_AS_LOADED[key])
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            _set_attributes(config, training_values[key])
+
+
+def _set_attributes(holder: object, values: dict[str, object]) -> None:
+    for name, value in values.items():
+        setattr(holder, name, value)
 
 
 def _is_dropout_probability(name: str, value: object) -> bool:

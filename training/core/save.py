@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 from peft import PeftModel
 
+from training.core.model_loading import configs_dropout_as_loaded
 from training.core.zero import is_zero3_param
 from utils.atomic import atomic_directory
 from utils.dist import barrier, is_main_process
@@ -115,7 +116,8 @@ def save_hf_model(model: torch.nn.Module, tokenizer, output_dir: str | os.PathLi
         if isinstance(module, PeftModel):
             state = merge_lora_state_dict(module, state)
             module = module.get_base_model()
-        with atomic_directory(output_dir) as tmp, _writes_on_this_rank(), _cache_on_in_saved_config(module):
+        with (atomic_directory(output_dir) as tmp, _writes_on_this_rank(), _cache_on_in_saved_config(module),
+              configs_dropout_as_loaded(module)):
             module.save_pretrained(tmp, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
