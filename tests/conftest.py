@@ -20,6 +20,30 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import pytest  # noqa: E402
 
+# pytest-xdist workers of a run that names no -n: CI's 2 cores. No more on a bigger machine: each worker's two-rank
+# and subprocess tests start up to 3 processes of 1-2 GB each, sized for CI's 24 GiB; `-n N` asks for N.
+DEFAULT_XDIST_WORKERS = 2
+
+
+def default_xdist_workers() -> int:
+    """`DEFAULT_XDIST_WORKERS`, or 0 (a serial run) where this process may use fewer CPUs than that."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return DEFAULT_XDIST_WORKERS if cpus >= DEFAULT_XDIST_WORKERS else 0
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config):
+    """A run whose command line names no -n (nor --tx) gets `default_xdist_workers()` workers, tests handed out by
+    xdist's --dist load. Set here, not as pytest.ini's addopts, so that `-p no:xdist` (no -n option then) runs
+    serially too, as `-n 0` does. A wrapper, to come before xdist's own hook, which turns -n into workers; not in a
+    worker, which must start none of its own, nor under --pdb, which needs the terminal. No --dist loadgroup: under
+    pytest 9.2 xdist 3.8's `xdist_group` marks are ignored without a word (pytest-xdist issue #1386)."""
+    xdist_default = (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+                     and not config.option.usepdb)
+    if xdist_default and config.option.numprocesses is None and not config.option.tx:
+        config.option.numprocesses = default_xdist_workers()
+    return (yield)
+
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
