@@ -662,6 +662,36 @@ def test_a_hub_text_sources_skipped_rows_name_their_row(monkeypatch):
     assert skipped.report() == "missing:text=1 (someone/corpus[train] row 2)"
 
 
+def test_no_step_trains_on_a_hub_datasets_test_or_validation_split(tmp_path, monkeypatch, caplog):
+    """A hub dataset's splits were joined before the shards were cut, so Anthropic/hh-rlhf's and Dahoas/rm-static's
+    test rows landed in the steps' training shards; its evaluation splits are left out (said), unless it has no
+    other, and --eval_fraction holds out part of the rest. So are those of a saved DatasetDict and of a local .json
+    object of splits."""
+    import datasets
+
+    from utils.data.sources import load_source, parse_source_spec
+
+    def pairs(*prompts: str) -> datasets.Dataset:
+        return datasets.Dataset.from_list([{"prompt": p, "chosen": "yes", "rejected": "no"} for p in prompts])
+
+    published = {"someone/pairs": datasets.DatasetDict({"train": pairs("a", "b"), "test": pairs("c"),
+                                                        "validation": pairs("d"), "test_prefs": pairs("e")}),
+                 "someone/benchmark": datasets.DatasetDict({"test": pairs("f", "g")})}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: published[name])
+    with caplog.at_level("INFO", logger="utils.data"):
+        assert [row["prompt"] for row in load_source(parse_source_spec("someone/pairs")).records] == ["a", "b"]
+        assert [row["prompt"] for row in load_source(parse_source_spec("someone/benchmark")).records] == ["f", "g"]
+    assert "its evaluation splits test, test_prefs, validation left out" in caplog.text
+    assert "data source 'someone/benchmark' holds evaluation splits alone (test): the steps train on them" in caplog.text
+    (split,) = phase_splits(1, ["someone/pairs"], "1,0,0", seed=0, eval_fraction=0.5)
+    assert sorted(sample.turns[0]["content"] for sample in split.train + split.eval) == ["a", "b"]
+    published["someone/pairs"].save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "splits.json").write_text(json.dumps({name: split.to_list()
+                                                      for name, split in published["someone/pairs"].items()}))
+    for local in ("saved", "splits.json"):
+        assert [row["prompt"] for row in load_source(parse_source_spec(str(tmp_path / local))).records] == ["a", "b"]
+
+
 def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypatch):
     import utils.data.cache as cache
 

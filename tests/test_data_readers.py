@@ -493,7 +493,7 @@ def test_a_folder_saved_by_datasets_is_loaded_as_that_dataset(tmp_path):
 
     datasets.Dataset.from_list(PAIRS).save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(PAIRS[:20]),
-                          "test": datasets.Dataset.from_list(PAIRS[20:])}).save_to_disk(str(tmp_path / "saved_dict"))
+                          "extra": datasets.Dataset.from_list(PAIRS[20:])}).save_to_disk(str(tmp_path / "saved_dict"))
     assert [s.chosen for s in samples_of(str(tmp_path / "saved"))] == [row["chosen"] for row in PAIRS]
     assert sorted(s.chosen for s in samples_of(str(tmp_path / "saved_dict"))) == sorted(row["chosen"] for row in PAIRS)
 
@@ -544,9 +544,10 @@ def test_a_file_of_a_saved_dataset_is_refused_naming_its_folder(tmp_path, name):
 
 
 def test_a_json_object_of_several_record_lists_reads_them_all(tmp_path):
-    """{"train": [...], "test": [...]} (a hub dataset's splits written as one object) was read as one record whose
-    columns are train and test; like a hub dataset's splits, its lists are read one after the other in name order."""
-    (tmp_path / "splits.json").write_text(json.dumps({"train": PAIRS[:20], "test": PAIRS[20:], "version": "1.0"}))
+    """{"train": [...], "extra": [...]} (a hub dataset's splits written as one object) was read as one record whose
+    columns are train and extra; like a hub dataset's splits, its lists are read one after the other in name order
+    (an evaluation split's left out: test_data_pipeline's test_no_step_trains_on_a_hub_datasets_test_or_...)."""
+    (tmp_path / "splits.json").write_text(json.dumps({"train": PAIRS[:20], "extra": PAIRS[20:], "version": "1.0"}))
     assert [s.chosen for s in samples_of(str(tmp_path / "splits.json"))] == \
         [r["chosen"] for r in PAIRS[20:] + PAIRS[:20]]
 
@@ -613,7 +614,7 @@ def test_a_jsonl_file_that_is_one_document_of_records_on_one_line_is_refused_say
 
     path = tmp_path / "pairs.jsonl"
     if orient == "splits":
-        path.write_text(json.dumps({"train": PAIRS[:3], "test": PAIRS[3:5]}))
+        path.write_text(json.dumps({"train": PAIRS[:3], "extra": PAIRS[3:5]}))
     else:
         pd.DataFrame(PAIRS[:5]).to_json(path, orient=orient)
     for spec in (str(path), f"{path}:deepspeed_chat"):
@@ -812,12 +813,12 @@ def test_the_bad_row_report_names_a_hub_datasets_split_and_row(monkeypatch, capl
     def pairs(*prompts):
         return datasets.Dataset.from_list([{"prompt": prompt, "chosen": "yes", "rejected": "no"} for prompt in prompts])
 
-    splits = datasets.DatasetDict({"train": pairs("a", "b", "", "a"), "test": pairs("c", "")})
+    splits = datasets.DatasetDict({"train": pairs("a", "b", "", "a"), "extra": pairs("c", "")})
     monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: splits)
     with caplog.at_level(logging.INFO, logger="utils.data"):
         rows = read_rows("someone/pairs")
     assert len(rows) == 3
-    assert "duplicate=1 (someone/pairs[train] row 4), empty:prompt=2 (someone/pairs[test] row 2, " \
+    assert "duplicate=1 (someone/pairs[train] row 4), empty:prompt=2 (someone/pairs[extra] row 2, " \
            "someone/pairs[train] row 3)" in caplog.text
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from utils.errors import UserError
 
+from .eval_splits import training_splits
 from .readers import detect_format
 from .samples import METADATA_COLUMN, SkippedRows
 
@@ -128,7 +129,7 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
                                      "there on") from error
         return _json_lines_of_document(data, path, name, skipped, error)
     _refuse_pandas_layout(content, path)
-    return FileRecords.numbered(name, "record", _records_of(content))
+    return FileRecords.numbered(name, "record", _records_of(content, name))
 
 
 def _refuse_one_line_document(record, path: Path) -> None:
@@ -139,7 +140,7 @@ def _refuse_one_line_document(record, path: Path) -> None:
     if isinstance(record, list):
         what = "one JSON array"
     else:
-        records = _records_of(record) if isinstance(record, dict) and detect_format(record) is None else [record]
+        records = _records_of(record, path.name) if isinstance(record, dict) and detect_format(record) is None else [record]
         if records == [record]:
             return
         what = f"one JSON object of {len(records)} record{'' if len(records) == 1 else 's'}"
@@ -219,12 +220,12 @@ def _json_lines_of_document(data: bytes, path: Path, name: str, skipped: Skipped
     return read
 
 
-def _records_of(content) -> list:
-    """The records of a .json file's document: an array's elements; an object of columns, the rows of that table
-    (`_table_rows`); an object that is a row itself (its keys detect as a row format: `{"messages": [...],
-    "tools": [...]}`) is one record; else the items of its lists, in name order (`{"train": [...], "test": [...]}`),
-    where its shape says it holds records (`_holds_records`), or the object is one record (`{"id": 1, "turns": [...]}`,
-    a conversation)."""
+def _records_of(content, name: str) -> list:
+    """The records of a .json file's document (`name`): an array's elements; an object of columns, the rows of that
+    table (`_table_rows`); an object that is a row itself (its keys detect as a row format: `{"messages": [...],
+    "tools": [...]}`) is one record; else the items of its lists, in name order, less an evaluation split's
+    (`{"train": [...], "test": [...]}`: `training_splits`), where its shape says it holds records (`_holds_records`),
+    or the object is one record (`{"id": 1, "turns": [...]}`, a conversation)."""
     if isinstance(content, list):
         return content
     rows = _table_rows(content)
@@ -234,7 +235,8 @@ def _records_of(content) -> list:
         return [content]
     if not _holds_records(content):
         return [content]
-    return [item for _, value in sorted(content.items()) if isinstance(value, list) for item in value]
+    lists = {key: value for key, value in content.items() if isinstance(value, list)}
+    return [item for key in training_splits(name, sorted(lists)) for item in lists[key]]
 
 
 def _table_rows(content) -> list[dict] | None:

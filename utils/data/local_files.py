@@ -3,8 +3,8 @@
 A folder is read recursively (into linked folders too), its .json/.jsonl/.parquet files in name order. Files and
 folders inside it whose names start with "." or "_" are left out, as `datasets` leaves them out: a notebook's
 `.ipynb_checkpoints/` copies of older files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`'
-`save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, as a
-hub dataset's are); a folder holding one is refused naming it. The files `datasets` writes beside rows
+`save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, less
+its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. The files `datasets` writes beside rows
 (dataset_info.json, dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 
 from utils.errors import UserError
 
+from .eval_splits import training_splits
 from .jsonio import FileRecords, read_json_file
 from .samples import SkippedRows
 
@@ -156,7 +157,7 @@ def _read_saved_dataset(path: Path) -> list[FileRecords]:
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         return [FileRecords.numbered(split_name(path.name, split), "row", loaded[split].to_list())
-                for split in sorted(loaded)]
+                for split in training_splits(str(path), sorted(loaded))]
     return [FileRecords.numbered(path.name, "row", loaded.to_list())]
 
 

@@ -2,8 +2,9 @@
 
 A source is `embedded`, a generated task (`task:arithmetic?difficulty=3`, see tasks.py), a local
 json/jsonl/parquet file or folder (see local_files.py), or a Hugging Face hub name (loaded with
-`datasets.load_dataset`, all splits concatenated in name order: the pipeline makes its own phase and eval
-splits). Append `:FORMAT` to state the row format instead of detecting it from the columns, e.g.
+`datasets.load_dataset`, its splits concatenated in name order, less its evaluation splits, `test` and `validation`,
+where it has any other: the pipeline makes its own phase and eval splits, and trains on none of the dataset's
+held-out rows). Append `:FORMAT` to state the row format instead of detecting it from the columns, e.g.
 `pairs.jsonl:hh_rlhf`; each file of a folder is detected on its own, and a folder whose files differ is
 refused. A local row's dict column `metadata` is kept with its samples.
 
@@ -26,6 +27,7 @@ from typing import Any
 from utils.errors import UserError
 
 from . import embedded, tasks
+from .eval_splits import training_splits
 from .jsonio import FileRecords
 from .local_files import (
     LOCAL_SUFFIXES,
@@ -155,8 +157,8 @@ def hub_error(name: str, err: Exception, what: str = "dataset") -> UserError:
 
 
 def load_hub_dataset(name: str, config_name: str | None = None, split: str | None = None) -> tuple[Any, RecordOrigins]:
-    """The dataset's `split` (None: all its splits, one after the other in name order) as one `datasets.Dataset`, and
-    where each of its rows was read ("name[train] row 7", for the bad-row report)."""
+    """The dataset's `split` (None: its `training_splits`, one after the other in name order) as one
+    `datasets.Dataset`, and where each of its rows was read ("name[train] row 7", for the bad-row report)."""
     import datasets
 
     try:
@@ -164,7 +166,7 @@ def load_hub_dataset(name: str, config_name: str | None = None, split: str | Non
     except (ConnectionError, FileNotFoundError, ValueError) as err:
         raise hub_error(name, err) from err
     if isinstance(loaded, datasets.DatasetDict):
-        parts = {split_name(name, key): loaded[key] for key in sorted(loaded)}
+        parts = {split_name(name, key): loaded[key] for key in training_splits(name, sorted(loaded))}
         dataset = datasets.concatenate_datasets(list(parts.values()))
     else:
         parts, dataset = {name if split is None else split_name(name, split): loaded}, loaded
