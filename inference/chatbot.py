@@ -157,6 +157,7 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.history: list[dict] = []
         self.dropped_exchanges = 0  # the oldest exchanges the last reply left out to fit
+        self.cut_at: int | None = None  # the length limit the last reply ran into unfinished, in tokens
         greeting = self._prompt_ids([{"role": "user", "content": "Hi"}])  # a template refusing --system fails here
         if system_prompt is not None:  # else every message was refused in turn, each told to shorten itself
             self.limit.check(model.config, greeting.shape[1], "--system, with the chat format and a one-word message,")
@@ -206,6 +207,7 @@ class ChatSession:
         was) where the message does not fit the model's positions with the answer. A `KeyboardInterrupt` (Ctrl-C)
         while it answers ends the answer there: the conversation keeps what `on_text` was given of it."""
         self.dropped_exchanges = 0
+        self.cut_at = None
         refuse_undecodable(message, "this message")
         input_ids, history = self._encode([*self.history, {"role": "user", "content": message}])
         self.dropped_exchanges = (len(self.history) + 1 - len(history)) // 2
@@ -213,8 +215,9 @@ class ChatSession:
         stop_text = _HUMAN_STOP if self.style == "human_assistant" else None
         streamer = ReplyStreamer(self.tokenizer, on_text, stop_text)
         stop = {"stop_strings": [stop_text], "tokenizer": self.tokenizer} if stop_text is not None else {}
+        max_new_tokens = self.limit.after(input_ids.shape[1])
         try:
-            self.model.generate(
+            sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 streamer=streamer,
@@ -223,7 +226,7 @@ class ChatSession:
                 **stop,
                 **tokenizer_ids_only(len(self.tokenizer)),
                 **self.options.generate_kwargs(),
-                max_new_tokens=self.limit.after(input_ids.shape[1]),
+                max_new_tokens=max_new_tokens,
             )
         except KeyboardInterrupt:
             shown = streamer.reply(final=False).strip()
@@ -232,7 +235,16 @@ class ChatSession:
             raise
         answer = streamer.reply().strip()
         self.history = [*history, {"role": "assistant", "content": answer}]
+        if self._ran_into_limit(sequences[0, input_ids.shape[1]:], max_new_tokens, streamer):
+            self.cut_at = max_new_tokens
         return answer
+
+    def _ran_into_limit(self, answer_ids: torch.Tensor, max_new_tokens: int, streamer: ReplyStreamer) -> bool:
+        """Whether generation stopped at `max_new_tokens` rather than at a stop token or the stop text: the answer
+        ends where it was cut, mid-sentence or mid-word."""
+        ended_at_stop_text = streamer.stop is not None and streamer.stop in streamer.text
+        return (len(answer_ids) >= max_new_tokens and int(answer_ids[-1]) not in self.stop_token_ids
+                and not ended_at_stop_text)
 
 
 def refuse_undecodable(text: str, what: str) -> None:
@@ -259,6 +271,11 @@ def dropped_note(exchanges: int) -> str:
     which = "exchange was" if exchanges == 1 else f"{exchanges} exchanges were"
     return (f"the oldest {which} left out of the conversation to leave room for this answer; 'clear' starts a new "
             "one")
+
+
+def cut_note(tokens: int) -> str:
+    """What the chat says after an answer that ran into its length limit: silently, it read as complete."""
+    return f"the answer was cut at the limit of {tokens} tokens; --max_new_tokens raises it"
 
 
 def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interactive: bool = False) -> list[str]:
@@ -294,6 +311,8 @@ def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interac
 
         try:
             answers.append(session.reply(message, stream))
+            if session.cut_at is not None:
+                out.write(f"\n({cut_note(session.cut_at)})")
             if session.dropped_exchanges:
                 out.write(f"\n({dropped_note(session.dropped_exchanges)})")
         except UserError as err:  # the conversation goes on without this message

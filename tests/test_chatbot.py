@@ -813,6 +813,28 @@ def test_a_conversation_cut_to_fit_says_so_after_the_answer():
     assert chat_session.history[0]["content"] == "how are you today"
 
 
+def test_an_answer_cut_at_the_length_limit_says_so_after_it():
+    """An answer that ran into --max_new_tokens stopped mid-word without a word, and read as complete. One that ends
+    at a stop token or the stop text on the limit's last token is not cut."""
+    tokenizer = make_tokenizer()
+
+    def printed(successors: dict[str, str], prompt_format: str = "auto", limit: int = 6) -> str:
+        scripted = scripted_session(tokenizer, successors)
+        chat_session = ChatSession(scripted.model, tokenizer, GREEDY, prompt_format, limit=AnswerLimit(limit))
+        out = io.StringIO()
+        converse(chat_session, ["hello"], out)
+        return out.getvalue()
+
+    assert printed({"Ċ": "H", "H": "u", "u": "u"}).endswith(
+        "Assistant: Huuuuu\n(the answer was cut at the limit of 6 tokens; --max_new_tokens raises it)\n\n")
+    assert printed({"Ċ": "a", "a": "b", "b": "c", "c": "d", "d": "e", "e": "<|im_end|>"}).endswith(
+        "Assistant: abcde\n\n")
+    ok_then_human = {":": "O", "O": "k", "k": "Ġ", "Ġ": "H", "H": "u", "u": "m", "m": "a", "a": "n", "n": ":"}
+    assert printed(ok_then_human, "human_assistant", limit=9).endswith("Assistant: Ok \n\n")
+    assert printed(ok_then_human, "human_assistant", limit=8).endswith(
+        "Assistant: Ok Human\n(the answer was cut at the limit of 8 tokens; --max_new_tokens raises it)\n\n")
+
+
 def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: bytes = b"",
                                   readline: bool = True) -> str:
     """What the chat's prompt shows on a terminal where `typed_ahead` waits before the chat starts (lines typed while
