@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import deepspeed
 import pytest
 import torch
+from shared_launch import launched_once
 from transformers import AutoModelForCausalLM
 
 from step3_rlhf.ema import ModelEMA, save_ema_model
@@ -395,16 +396,20 @@ def _leave() -> None:
     os._exit(0)
 
 
-@pytest.fixture(scope="module")
-def two_rank_cases(tmp_path_factory) -> subprocess.CompletedProcess:
-    """One launch of `_two_rank_cases_worker` on 2 local ranks, whose output each two-rank test reads."""
+def _launch_two_rank_cases(folder: Path) -> subprocess.CompletedProcess:
+    """`_two_rank_cases_worker` on 2 local ranks, writing under `folder`."""
     from utils.dist import free_port
 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), __file__, str(tmp_path_factory.mktemp("ema_two_ranks"))]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
+           "--master_port", str(free_port()), __file__, str(folder)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def two_rank_cases(tmp_path_factory) -> subprocess.CompletedProcess:
+    """The one launch of `_two_rank_cases_worker` in this test run, whose output each two-rank test reads."""
+    return launched_once(tmp_path_factory, "ema_two_rank_cases", _launch_two_rank_cases)
 
 
 def assert_two_rank_case_passed(launch: subprocess.CompletedProcess, name: str) -> None:
