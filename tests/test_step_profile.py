@@ -159,3 +159,15 @@ def test_a_calibration_started_by_a_launched_rank_makes_a_world_of_its_own():
     finished = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=120)
     assert finished.returncode == 0 and "matmul_flops" in finished.stdout, finished.stderr[-3000:]
+
+
+def test_a_calibration_rank_ends_without_the_interpreters_finalization(tmp_path):
+    """A calibration rank aborted now and then after its work ('terminate called without an active exception',
+    SIGABRT): the profiler keeps its gloo group, and the group's threads, alive past destroy_process_group, and a
+    gloo thread freeing the last collective's tensor while the interpreter finalizes cannot take the GIL and is
+    ended inside gloo. Each rank now leaves once its result is handed over: its exit handlers never run."""
+    finished = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "scripts" / "calibration_teardown_worker.py"),
+                               str(tmp_path)], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300, check=False)
+    assert finished.returncode == 0 and "collectives" in finished.stdout, finished.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []

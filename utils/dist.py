@@ -10,6 +10,7 @@ import atexit
 import gc
 import os
 import socket
+import sys
 from typing import Mapping, Sequence
 
 import torch
@@ -120,6 +121,18 @@ def end_distributed() -> None:
     if is_initialized():
         torch_dist.destroy_process_group()
         gc.collect()
+
+
+def leave_spawned_rank() -> None:
+    """End a spawned rank whose work is done and whose result is handed over, without the interpreter's finalization.
+    A gloo group that torch's profiler or a DeepSpeed import still holds outlives `destroy_process_group`, and one of
+    its worker threads may free the last collective's tensor after this thread let go of it; freeing it takes the
+    GIL, and a thread asking for the GIL while the interpreter finalizes is ended by CPython, which aborts the rank
+    inside gloo ("terminate called without an active exception", SIGABRT)."""
+    torch_dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def is_initialized() -> bool:

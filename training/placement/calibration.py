@@ -177,7 +177,7 @@ def _rank_worker(rank: int, world_size: int, port: int, dtype: str, threads: int
     """Every rank measures its compute constants at the same time, then the collectives; rank 0 reports."""
     import torch.distributed as dist
 
-    from utils.dist import launcher_variables
+    from utils.dist import launcher_variables, leave_spawned_rank
 
     for key in launcher_variables(os.environ):  # spawned by a launched rank (`--placement auto --calibrate`)
         del os.environ[key]
@@ -188,7 +188,7 @@ def _rank_worker(rank: int, world_size: int, port: int, dtype: str, threads: int
     measured |= measure_collectives(world_size, TORCH_DTYPES[dtype])
     if rank == 0:
         results.put(measured)
-    dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def measure_ranks(dtype: str, threads: int, world_size: int, quick: bool) -> dict[str, float]:
