@@ -2,7 +2,7 @@
 import pytest
 import torch
 from conftest import run_on_two_ranks
-from fp32_gradient_sums import check_against_reference
+from fp32_gradient_sums import check_against_reference, step_inputs, trained_engine
 from test_training_core import _batch, _settings, _train
 
 import training.core.engine as engine_module
@@ -171,3 +171,15 @@ def test_two_ranks_average_their_fp32_gradient_sums(tmp_path):
     ranks' fp32 sums (it averaged their bf16 sums): each rank's weights are the reference's bit for bit."""
     stdout = run_on_two_ranks(TWO_RANKS_FP32_SUMS, tmp_path)
     assert stdout.count("FP32_SUMS_AVERAGED") == 2, stdout[-3000:]
+
+
+def test_zero_grad_drops_the_gradients_summed_so_far(distributed):
+    """`optimizer.zero_grad()` between two backwards: the step takes the second backward's gradient alone (torch's
+    own zero_grad cleared the fp32 buffers but left the summed gradient in the bf16 weights)."""
+    engine = trained_engine(accumulation=1)
+    dropped, kept = step_inputs(0, rank=0, accumulation=2)
+    for inputs in (dropped, kept):
+        engine.optimizer.zero_grad()
+        engine.backward(engine(inputs.to(torch.bfloat16)).sum())
+    engine.step()
+    assert engine.get_global_grad_norm() == float(torch.linalg.vector_norm(kept))
