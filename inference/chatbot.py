@@ -41,7 +41,7 @@ from training.core.model_loading import (
     resolve_trained_model,
 )
 from training.core.reward_model import is_reward_model_dir
-from training.generation.generator import DecodingSettings, decode_by_flags_only, tokenizer_ids_only
+from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter, resolve_prompt_format
@@ -76,7 +76,8 @@ class SamplingOptions(DecodingSettings):
     do_sample: bool = field(default=True, metadata={
         "flag": "greedy", "negated": True,
         "help": "pick the most likely token (no sampling; --repetition_penalty still applies: 1.0 for plain argmax)"})
-    repetition_penalty: float = field(default=1.1, metadata={"help": "transformers' repetition penalty (1.0: none)"})
+    repetition_penalty: float = field(default=1.1, metadata={
+        "help": "transformers' repetition penalty, sparing the ids an answer stops at (1.0: none)"})
 
 
 @dataclass
@@ -224,8 +225,7 @@ class ChatSession:
                 pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.stop_token_ids,
                 **stop,
-                **tokenizer_ids_only(len(self.tokenizer)),
-                **self.options.generate_kwargs(),
+                **self.options.generate_kwargs(len(self.tokenizer), self.stop_token_ids),
                 max_new_tokens=max_new_tokens,
             )
         except KeyboardInterrupt:

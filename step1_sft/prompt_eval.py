@@ -16,7 +16,7 @@ fine-tuned model's run let answers be, unless `--max_new_tokens`. `--output_file
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -41,7 +41,7 @@ from training.core.model_loading import (
     resolve_trained_dtype,
     resolve_trained_model,
 )
-from training.generation.generator import DecodingSettings, decode_by_flags_only, tokenizer_ids_only
+from training.generation.generator import DecodingSettings, decode_by_flags_only
 from training.reliability.answer_limit import AnswerLimit, answer_limit
 from training.reliability.run_records import trained_prompt_format
 from training.reliability.validation import check_output_file
@@ -65,8 +65,8 @@ class GenerationSettings(DecodingSettings):
     num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (1: none)"})
     batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
 
-    def generate_kwargs(self) -> dict:
-        return {**super().generate_kwargs(), "num_beams": self.num_beams}
+    def generate_kwargs(self, tokenizer_size: int, stop_token_ids: Sequence[int]) -> dict:
+        return {**super().generate_kwargs(tokenizer_size, stop_token_ids), "num_beams": self.num_beams}
 
     def flag_rules(self) -> list[tuple[str, bool, str]]:
         return [*super().flag_rules(), ("num_beams", self.num_beams < 1, "must be at least 1"),
@@ -165,9 +165,9 @@ def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
             batch_rows = group[start : start + settings.batch_size]
             batch = tokenizer([rendered[row] for row in batch_rows], return_tensors="pt", padding=True,
                               add_special_tokens=add_special_tokens).to(device)
-            output = model.generate(**batch, **{**settings.generate_kwargs(), "max_new_tokens": budget},
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids,
-                                    **tokenizer_ids_only(len(tokenizer)))
+            output = model.generate(**batch, **settings.generate_kwargs(len(tokenizer), stop_token_ids),
+                                    max_new_tokens=budget, pad_token_id=tokenizer.pad_token_id,
+                                    eos_token_id=stop_token_ids)
             for row, new_tokens in zip(batch_rows, output[:, batch["input_ids"].shape[1]:]):
                 answers[row] = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
     return answers

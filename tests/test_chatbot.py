@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 from crash_resume import step_env
 from tiny_models import make_scripted_llama, make_tiny_model, make_tokenizer, save_model_also_stopping_at_endoftext
@@ -833,6 +834,37 @@ def test_an_answer_cut_at_the_length_limit_says_so_after_it():
     assert printed(ok_then_human, "human_assistant", limit=9).endswith("Assistant: Ok \n\n")
     assert printed(ok_then_human, "human_assistant", limit=8).endswith(
         "Assistant: Ok Human\n(the answer was cut at the limit of 8 tokens; --max_new_tokens raises it)\n\n")
+
+
+def test_the_repetition_penalty_spares_the_ids_an_answer_stops_at():
+    """transformers' repetition penalty divides the positive logit of every id the input holds by it, and a chat
+    prompt holds the template's end-of-turn token after each message (<|im_end|>, SmolLM2-Instruct's EOS): under the
+    chatbot's default 1.1 every answer was less likely to end, and ran on. Here the model ends its answer 'H' at
+    <|im_end|>, 'x' a close second: penalised, the end fell below it and the answer ran on to 'Hx'. The penalty now
+    spares the ids an answer stops at; other ids the conversation holds are penalised as before."""
+    tokenizer = make_tokenizer()
+    scripted = scripted_session(tokenizer, {"Ċ": "H", "H": "<|im_end|>"})
+    ids = tokenizer.convert_tokens_to_ids
+    head = scripted.model.lm_head.weight
+    with torch.no_grad():
+        head[ids("x"), ids("H")] = 0.95 * head[ids("<|im_end|>"), ids("H")]
+    options = SamplingOptions(max_new_tokens=3, do_sample=False)
+    assert options.repetition_penalty == 1.1  # the chatbot's default
+    assert ChatSession(scripted.model, tokenizer, options).reply("hello") == "H"
+
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from training.generation.generator import RepetitionPenaltySparingStops
+
+    prompt = torch.tensor([[ids("<|im_end|>"), ids("h"), ids("<|im_end|>")]])
+    scores = torch.full((1, len(tokenizer)), 2.0)
+    scores[0, ids("h")] = -2.0
+    penalised = RepetitionPenaltySparingStops(1.1, [ids("<|im_end|>")])(prompt, scores.clone())
+    assert RepetitionPenaltyLogitsProcessor(1.1)(prompt, scores.clone())[0, ids("<|im_end|>")] < 2.0
+    assert penalised[0, ids("<|im_end|>")] == 2.0 and penalised[0, ids("h")] == pytest.approx(-2.2)
+    untouched = torch.ones_like(scores, dtype=torch.bool)
+    untouched[0, ids("h")] = False
+    assert torch.equal(penalised[untouched], scores[untouched])
 
 
 def _messages_typed_on_a_terminal(keys: bytes, typed_ahead: bytes = b"", then: bytes = b"",

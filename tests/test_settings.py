@@ -128,18 +128,24 @@ def test_args_json_has_one_key_per_flag(step, tmp_path):
         assert recorded["actor_zero_stage"] == 0 and recorded["disable_advantage_whitening"] is False
 
 
+def _decoding(settings) -> tuple[dict, list[str]]:
+    """A tool's `generate` keyword arguments, and the names of the logits processors among them."""
+    kwargs = settings.generate_kwargs(64, [0])
+    return kwargs, [type(processor).__name__ for processor in kwargs.pop("logits_processor")]
+
+
 def test_each_tool_keeps_its_sampling_defaults():
     chat = chatbot.build_parser().parse_args([]).sampling
     assert (chat.max_new_tokens, chat.temperature, chat.top_p, chat.top_k, chat.repetition_penalty) == \
         (None, 0.7, 0.9, 50, 1.1)  # None: as long as the model's run let answers be (`answer_limit`)
-    assert chat.generate_kwargs() == {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50,
-                                      "repetition_penalty": 1.1}
+    assert _decoding(chat) == ({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50},
+                               ["BeyondTokenizerBan", "RepetitionPenaltySparingStops"])
     greedy = chatbot.build_parser().parse_args(["--greedy", "--model", "m"])
     assert greedy.chat.path == "m"
-    assert greedy.sampling.generate_kwargs() == {"do_sample": False, "repetition_penalty": 1.1}
+    assert _decoding(greedy.sampling) == ({"do_sample": False}, ["BeyondTokenizerBan", "RepetitionPenaltySparingStops"])
     evaluation = prompt_eval.parse_args(["--model_name_or_path_finetune", "f"]).generation
     assert (evaluation.do_sample, evaluation.temperature, evaluation.top_p, evaluation.top_k) == (False, 1.0, 1.0, 50)
-    assert evaluation.generate_kwargs() == {"do_sample": False, "repetition_penalty": 1.0, "num_beams": 1}
+    assert _decoding(evaluation) == ({"do_sample": False, "num_beams": 1}, ["BeyondTokenizerBan"])  # penalty 1.0: none
     assert prompt_eval.answer_limit(evaluation.max_new_tokens, "f").max_new_tokens == 128  # not a run of this project
     rollout = step3_parser().parse_args(_minimal_argv("step3")).sampling
     assert (rollout.temperature, rollout.top_p, rollout.top_k) == (1.0, 1.0, 0)

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 from transformers import GenerationConfig as TransformersGenerationConfig
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from training.core.sequences import token_logprobs
 from training.core.zero import is_zero3_module
@@ -96,7 +96,8 @@ class DecodingSettings(SamplingSettings):
                 "--max_answer_seq_len; a step-1 or DPO run's --max_seq_len, prompt and answer together; else "
                 f"{DEFAULT_MAX_NEW_TOKENS}; prompt_eval: the fine-tuned model's run)"})
     do_sample: bool = field(default=False, metadata={"help": "sample instead of greedy decoding"})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty (1.0: none)"})
+    repetition_penalty: float = field(default=1.0, metadata={
+        "help": "transformers' repetition penalty, sparing the ids an answer stops at (1.0: none)"})
 
     def check(self) -> None:
         """A `UserError` naming the flag whose value `model.generate` would refuse with a traceback (or, for
@@ -116,10 +117,14 @@ class DecodingSettings(SamplingSettings):
             ("top_k", self.do_sample and self.top_k < 0, "must be 0 (all tokens) or positive"),
         ]
 
-    def generate_kwargs(self) -> dict:
-        """The `model.generate` keyword arguments, but for `max_new_tokens` (each answer's `AnswerLimit`); the
-        sampling ones only when sampling."""
-        kwargs = {"do_sample": self.do_sample, "repetition_penalty": self.repetition_penalty}
+    def generate_kwargs(self, tokenizer_size: int, stop_token_ids: Sequence[int]) -> dict:
+        """The `model.generate` keyword arguments, but for `max_new_tokens` (each answer's `AnswerLimit`) and the
+        `stop_token_ids` themselves: choices kept to the tokenizer's ids (`BeyondTokenizerBan`), the repetition
+        penalty sparing the stop ids (`RepetitionPenaltySparingStops`), the sampling ones only when sampling."""
+        processors = [BeyondTokenizerBan(tokenizer_size)]
+        if self.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltySparingStops(self.repetition_penalty, stop_token_ids))
+        kwargs = {"do_sample": self.do_sample, "logits_processor": LogitsProcessorList(processors)}
         if self.do_sample:
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         return kwargs
@@ -253,6 +258,22 @@ class BeyondTokenizerBan(LogitsProcessor):
         beyond = torch.arange(self.tokenizer_size, scores.shape[-1], device=scores.device)
         # a new tensor: `generate` keeps the one it passes in as the step's raw logits (`output_logits`)
         return scores.index_fill(-1, beyond, float("-inf"))
+
+
+class RepetitionPenaltySparingStops(LogitsProcessor):
+    """transformers' repetition penalty on every id the sequence holds but the ids an answer stops at. A chat prompt
+    holds the end-of-turn token after each message (ChatML's <|im_end|>, SmolLM2-Instruct's EOS too), so transformers'
+    own penalty made the end of every answer less likely (a positive logit divided by the penalty) and answers ran
+    on."""
+
+    def __init__(self, penalty: float, stop_token_ids: Sequence[int]):
+        self.penalize = RepetitionPenaltyLogitsProcessor(penalty)
+        self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        stops = self.stop_token_ids[self.stop_token_ids < scores.shape[-1]].to(scores.device)
+        unpenalized = scores.index_select(-1, stops)
+        return self.penalize(input_ids, scores).index_copy(-1, stops, unpenalized)
 
 
 def tokenizer_ids_only(tokenizer_size: int | None) -> dict:
