@@ -5,12 +5,14 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO_ROOT, TESTS_DIR
 from scripts.hybrid_engine_worker import (
     LONG_POSITION_BIASED_MODEL,
+    LONG_POSITION_LLAMA,
     LONG_POSITION_MODEL,
     LONG_POSITION_MODES,
     MODES,
@@ -28,6 +30,8 @@ from scripts.hybrid_engine_worker import (
     train_mode_logprobs,
     train_step,
 )
+from shared_launch import launched_once
+from tiny_models import make_tiny_model_dir
 from transformers.pytorch_utils import Conv1D
 
 from training.core.zero import full_shape
@@ -508,40 +512,61 @@ def test_the_fused_path_makes_its_attention_mask_additive_once_with_aligned_rows
     assert torch.equal(mask, torch.zeros(attend.shape, dtype=dtype).masked_fill_(~attend, float("-inf")))
 
 
+def launch_two_gloo_ranks(models_dir: Path) -> subprocess.CompletedProcess:
+    """A torchrun launch of the hybrid-engine worker on 2 gloo ranks, every mode of `MODES` then of
+    `LONG_POSITION_MODES` in turn, its tiny models written to `models_dir` first."""
+    for arch in modes_architectures(MODES):
+        make_tiny_model_dir(models_dir / f"tiny-{arch}", arch)
+    make_tiny_model_dir(models_dir / LONG_POSITION_LLAMA, "llama", **LONG_POSITION_MODEL)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(TESTS_DIR / "scripts" / "hybrid_engine_worker.py"), str(models_dir), *TWO_GLOO_RANK_MODES],
+        capture_output=True, text=True, env=env, timeout=900, check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_gloo_ranks(tmp_path_factory) -> subprocess.CompletedProcess:
+    """The one `launch_two_gloo_ranks` of this test run, whose output the two-rank tests read (a launch spends much
+    of its time starting its ranks)."""
+    return launched_once(tmp_path_factory, "hybrid_engine_two_gloo_ranks", launch_two_gloo_ranks)
+
+
+TWO_GLOO_RANK_MODES = [*MODES, *LONG_POSITION_MODES]  # the order the launch runs them in
+
+
+def assert_modes_passed(launch: subprocess.CompletedProcess, modes) -> None:
+    """Each of `modes` passed on both ranks in `launch`, and the launch exited 0 where every mode passed; else the
+    message names the mode the launch stopped in."""
+    passed = {line.split()[1] for line in launch.stdout.splitlines() if line.startswith("HYBRID_OK ")}
+    failed = [mode for mode in modes if mode not in passed]
+    stopped_in = next((mode for mode in TWO_GLOO_RANK_MODES if mode not in passed), None)
+    output = f"{launch.stdout[-2000:]}{launch.stderr[-4000:]}"
+    assert not failed, (f"modes {failed} did not pass on 2 gloo ranks: the launch (exit status {launch.returncode}) "
+                        f"stopped in mode {stopped_in!r}\n{output}")
+    assert stopped_in is not None or launch.returncode == 0, \
+        f"every mode passed, yet the launch exited with status {launch.returncode}\n{output}"
+
+
 @pytest.mark.slow
-def test_two_gloo_ranks_with_zero3_lora_and_tensor_parallel(tiny_model_dir, tmp_path):
+def test_two_gloo_ranks_with_zero3_lora_and_tensor_parallel(two_gloo_ranks):
     """torchrun, 2 ranks with unequal prompt batches: ZeRO-3, ZeRO-3 + LoRA + --inference_tp_size 2 (and the same
     with --keep_inference_copy, checked again after a training step), ZeRO-2 + TP 2, unpinned ZeRO-3 (collective forwards until both ranks finish), and TP 2 for Qwen2 (fused path,
     q/k/v biases sharded with their projections) and a windowed Mistral (transformers-forward path) with their
     linear layers packed and not."""
-    for arch in modes_architectures(MODES):
-        tiny_model_dir(arch)
-    run_two_gloo_ranks(tmp_path, list(MODES))
+    assert_modes_passed(two_gloo_ranks, MODES)
 
 
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_sample_bf16_rollouts_from_the_trained_distribution_past_position_500(
-        tiny_model_dir):
+        two_gloo_ranks):
     """ZeRO-3 in bf16, `--inference_tp_size 2`: each rank's next-token distributions at positions 520-551 within
     `check_long_position_parity`'s tolerance of the training forward's, on the fused path without and with trained
     LoRA adapters and on the transformers forward with them. Measured: 0 without LoRA, 5e-5 on average (3e-3 at
     worst) with it. What failed it: each rank's row-parallel partial rounded to bf16 and the sum rounded again
     (7.6e-3 on average), LoRA then folded into the shards' bf16 weights (1.9e-2)."""
-    model = tiny_model_dir("llama", **LONG_POSITION_MODEL)
-    run_two_gloo_ranks(os.path.dirname(model), list(LONG_POSITION_MODES))
-
-
-def run_two_gloo_ranks(models_dir: str | os.PathLike, modes: list[str]) -> None:
-    """The hybrid-engine worker's `modes` under torchrun on 2 gloo ranks, each of which must pass."""
-    env = {**os.environ, "PYTHONPATH": f"{TESTS_DIR}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(TESTS_DIR / "scripts" / "hybrid_engine_worker.py"), str(models_dir), *modes],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    for mode in modes:
-        assert f"HYBRID_OK {mode}" in result.stdout, result.stdout
+    assert_modes_passed(two_gloo_ranks, LONG_POSITION_MODES)
 
 
 def test_a_decode_step_the_compiler_cannot_build_decodes_eagerly_and_says_so(distributed, tiny_model_dir, monkeypatch,

@@ -6,8 +6,8 @@ generates for its own prompts with the hybrid engine and checks, on every rank: 
 the `hf` backend's, the reported log-probs equal the train-mode forward's, two continuations per
 prompt repeat each greedy answer twice, and the next training
 step's loss equals that of a twin engine that never generated (a `LONG_POSITION_MODES` mode instead checks bf16
-distributions past position 500, its tiny-llama made with LONG_POSITION_MODEL). Rank 0 prints `HYBRID_OK <mode>`
-when all ranks passed.
+distributions past position 500, on MODELS_DIR/`LONG_POSITION_LLAMA`, a tiny-llama made with LONG_POSITION_MODEL).
+Rank 0 prints `HYBRID_OK <mode>` when all ranks passed; a failing mode ends the launch, its later modes unrun.
 """
 from __future__ import annotations
 
@@ -311,6 +311,7 @@ MODES = {  # mode: (architecture, ZeRO stage, LoRA, hybrid engine settings)
 
 # bf16 at ZeRO-3 decoded by two tensor-parallel ranks, `check_long_position_parity` on each (a tiny-llama made with
 # LONG_POSITION_MODEL): mode: (LoRA, hybrid engine settings)
+LONG_POSITION_LLAMA = "tiny-llama-long-positions"  # the folder under MODELS_DIR of LONG_POSITION_MODES' model
 LONG_POSITION_MODES = {
     "bf16_zero3_tp2_long_positions": (False, dict(inference_tp_size=2)),
     "bf16_zero3_lora_tp2_long_positions": (True, dict(inference_tp_size=2)),
@@ -343,7 +344,7 @@ def check_mode(models_dir: str, mode: str, rank: int) -> None:
 def check_long_position_mode(models_dir: str, mode: str) -> None:
     """Long-position parity in bf16 on this rank (`LONG_POSITION_MODES`)."""
     lora, settings = LONG_POSITION_MODES[mode]
-    check_long_position_parity(str(Path(models_dir) / "tiny-llama"), "bf16",
+    check_long_position_parity(str(Path(models_dir) / LONG_POSITION_LLAMA), "bf16",
                                lambda engine: hybrid_engine(engine, **settings), stage=3,
                                lora_arch="llama" if lora else None)
 
