@@ -275,22 +275,18 @@ def test_whitening_pieces_together_is_whitening_them_as_one_batch():
     assert (alone - together[1]).abs().max() > 0.1  # each piece on its own scale was the per-rank whitening
 
 
-# Each rank loads training/algorithms/core.py alone: the package's __init__ imports every algorithm module and,
-# through training.core, transformers and DeepSpeed, most of a rank's start-up, none of which `whiten` uses.
+# Each rank joins the world through torch alone (torchrun's variables): `whiten` needs no DeepSpeed.
 TWO_RANKS_WHITENING = """
-import importlib.util
 import sys
 import torch
 import torch.distributed as torch_dist
 torch_dist.init_process_group("gloo")
-spec = importlib.util.spec_from_file_location("algorithms_core", sys.argv[2])
-core = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(core)
+from training.algorithms import whiten
 torch.manual_seed(0)
 x, mask = torch.randn(2, 5) * 3 + 1, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
 if torch_dist.get_rank() == 1:
     x, mask = torch.randn(3, 4) - 2, torch.tensor([[1, 0, 0, 0]] * 3)
-[out] = core.whiten([x], [mask], over_ranks=True)
+[out] = whiten([x], [mask], over_ranks=True)
 torch.save({"x": x, "mask": mask, "out": out}, f"{sys.argv[1]}/rank{torch_dist.get_rank()}.pt")
 torch_dist.destroy_process_group()
 """
@@ -302,9 +298,7 @@ def test_whitening_over_ranks_takes_every_ranks_rows_together(tmp_path):
     ranks' rows, as one process whitening them all (per-rank statistics gave each rank its own scale)."""
     from conftest import run_on_two_ranks
 
-    from training.algorithms import core as algorithms_core
-
-    run_on_two_ranks(TWO_RANKS_WHITENING, tmp_path, str(tmp_path), algorithms_core.__file__)
+    run_on_two_ranks(TWO_RANKS_WHITENING, tmp_path, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
     expected = whiten([r["x"] for r in ranks], [r["mask"] for r in ranks])
     for rank, want in zip(ranks, expected):
