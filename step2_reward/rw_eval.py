@@ -5,7 +5,8 @@
     python step2_reward/rw_eval.py --model_name_or_path runs/step2 --input_file pairs.jsonl
 
 `--input_file` takes any `--data_path` source (json/jsonl/parquet; prompt + response, prompt +
-chosen + rejected, hh-rlhf transcripts, ...). Rows with a rejected answer also get a verdict and
+chosen + rejected, hh-rlhf transcripts, ...); of a dataset with evaluation splits (test, validation) it reads those,
+unless the source names its split (`NAME[SPLIT]`). Rows with a rejected answer also get a verdict and
 the file's accuracy and mean margin. Prompts are rendered and tokenised as in training, with the run's
 `--max_seq_len` and `--prompt_format` (its args.json) unless given; a row whose prompt alone fills
 `--max_seq_len`, whose two answers are the same once cut, or whose two answers differ in whitespace alone
@@ -151,7 +152,8 @@ class RewardEvalArguments:
     answer: list[str] = field(default_factory=list, metadata={
         "action": "append", "nargs": None, "help": "an answer to --prompt; repeat to compare several"})
     input_file: str | None = field(default=None, metadata={
-        "help": "a data file of prompt/answer rows (any --data_path format)"})
+        "help": "a data file of prompt/answer rows (any --data_path source; a dataset's evaluation splits where it has "
+                "any, unless it names one as NAME[SPLIT])"})
     prompt_format: str | None = field(default=None, metadata={
         "choices": PROMPT_FORMATS, "help": "default: the step-2 run's (args.json), else auto"})
     max_seq_len: int | None = field(default=None, metadata={
@@ -229,7 +231,7 @@ def _rows(args: RewardEvalArguments, tokenizer: PreTrainedTokenizerBase) -> list
         rows += [{"prompt": rendered, "chosen": formatter.answer(turns, a, rendered), "rejected": None}
                  for a in args.answer]
     if args.input_file:
-        read = read_rows(args.input_file, tokenizer, args.prompt_format)
+        read = read_rows(args.input_file, tokenizer, args.prompt_format, evaluating=True)
         file_rows = [row for row in read if row.get("chosen") is not None]
         if not file_rows:
             raise UserError(f"{args.input_file} has no rows with a prompt and an answer to score")

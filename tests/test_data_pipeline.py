@@ -692,6 +692,45 @@ def test_no_step_trains_on_a_hub_datasets_test_or_validation_split(tmp_path, mon
         assert [row["prompt"] for row in load_source(parse_source_spec(str(tmp_path / local))).records] == ["a", "b"]
 
 
+def test_a_source_names_the_split_it_reads_and_rw_eval_reads_the_evaluation_splits(tmp_path, monkeypatch, caplog):
+    """A hub source could not name a split, so rw_eval.py --input_file on a hub name scored its training split alone
+    and no step could read a split left out as an evaluation split. NAME[split] reads that split (an evaluation
+    split too; with :FORMAT after it), of a hub dataset, a saved DatasetDict and a .json object of splits; rw_eval
+    (read_rows evaluating) reads a dataset's evaluation splits where no split is named, and says so."""
+    import datasets
+
+    from utils.data.rows import read_rows
+    from utils.data.sources import load_source, parse_source_spec, source_identity
+
+    def pairs(*prompts: str) -> datasets.Dataset:
+        return datasets.Dataset.from_list([{"prompt": p, "chosen": "yes", "rejected": "no"} for p in prompts])
+
+    published = datasets.DatasetDict({"train": pairs("a", "b", "c"), "test": pairs("d", "e"), "dev": pairs("f")})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: published)
+    published.save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "splits.json").write_text(json.dumps({name: split.to_list() for name, split in published.items()}))
+
+    def prompts(entry: str) -> list[str]:
+        return [row["prompt"] for row in load_source(parse_source_spec(entry)).records]
+
+    for source in ("someone/rm-static", str(tmp_path / "saved"), str(tmp_path / "splits.json")):
+        assert prompts(f"{source}[test]") == ["d", "e"]
+        assert prompts(f"{source}[dev]:deepspeed_chat") == ["f"]
+        assert prompts(source) == ["a", "b", "c"]
+        with pytest.raises(UserError, match="has no split 'tset': its splits are dev, test, train"):
+            prompts(f"{source}[tset]")
+    assert parse_source_spec("someone/rm-static[test]:hh_rlhf").split == "test"
+    assert source_identity("someone/rm-static[test]") != source_identity("someone/rm-static")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "yes", "rejected": "no"}) + "\n")
+    with pytest.raises(UserError, match=r"holds no splits.*drop \[test\]"):
+        prompts(str(tmp_path / "rows.jsonl[test]"))
+    with caplog.at_level("INFO", logger="utils.data"):
+        assert [row["prompt"] for row in read_rows("someone/rm-static", evaluating=True)] == \
+            [" Human: f Assistant:", " Human: d Assistant:", " Human: e Assistant:"]
+        assert len(read_rows("someone/rm-static[train]", evaluating=True)) == 3
+    assert "its evaluation splits dev, test are read" in caplog.text
+
+
 def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypatch):
     import utils.data.cache as cache
 

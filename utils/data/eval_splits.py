@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from utils.errors import UserError
 
 # The words that name a held-out split ("test", "validation", "test_prefs", "dev").
 EVAL_SPLIT_WORDS = frozenset({"test", "validation", "valid", "val", "dev", "eval", "evaluation"})
@@ -32,3 +35,40 @@ def training_splits(dataset: str, splits: Sequence[str]) -> list[str]:
         logger.info("data source '%s': its splits %s are read, its evaluation splits %s left out (no step trains on "
                     "them; --eval_fraction holds out part of the rest)", dataset, ", ".join(kept), ", ".join(left_out))
     return kept
+
+
+def evaluation_splits(dataset: str, splits: Sequence[str]) -> list[str]:
+    """The splits of `dataset` an evaluation tool reads (rw_eval): its evaluation splits (`is_eval_split`), said in an
+    info line; all of them where it has none."""
+    chosen = [split for split in splits if is_eval_split(split)]
+    if not chosen:
+        return list(splits)
+    logger.info("data source '%s': its evaluation splits %s are read (name another split to read as NAME[split])",
+                dataset, ", ".join(chosen))
+    return chosen
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """Which splits of a dataset a source reads: the one its spec names (`NAME[split]`, read even if an evaluation
+    split: the user asked for it), else the steps' `training_splits`, or an evaluation tool's `evaluation_splits`."""
+
+    named: str | None = None
+    evaluating: bool = False
+
+    def of(self, dataset: str, splits: Sequence[str]) -> list[str]:
+        if self.named is None:
+            return evaluation_splits(dataset, splits) if self.evaluating else training_splits(dataset, splits)
+        if self.named not in splits:
+            raise UserError(f"data source '{dataset}' has no split '{self.named}': its splits are "
+                            f"{', '.join(splits)}; name one of them as {dataset}[SPLIT], or none")
+        return [self.named]
+
+    def refuse_named(self, source: str) -> None:
+        """Refuse a named split for a source that holds no splits (one file of records, one saved `Dataset`)."""
+        if self.named is not None:
+            raise UserError(f"data source '{source}' holds no splits, so it has no split '{self.named}' to read: drop "
+                            f"[{self.named}] from its entry")
+
+
+TRAINING = SplitChoice()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from utils.errors import UserError
 
-from .eval_splits import training_splits
+from .eval_splits import TRAINING, SplitChoice
 from .readers import detect_format
 from .samples import METADATA_COLUMN, SkippedRows
 
@@ -104,9 +104,9 @@ def _refuse_unreadable_json_lines(data: bytes, path: Path) -> None:
                     f"to {path.with_suffix('.json').name}")
 
 
-def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
+def read_json_file(path: Path, name: str, skipped: SkippedRows, choice: SplitChoice = TRAINING) -> FileRecords:
     """Records of a .jsonl file, or of a .json file: an array, an object holding one list or several lists of
-    records (read one after the other in name order, as a hub dataset's splits are), or JSON lines."""
+    records (the splits `choice` picks, one after the other in name order, as a hub dataset's are), or JSON lines."""
     data = path.read_bytes()
     if path.suffix == ".jsonl":
         read = read_json_lines(data, name, skipped)
@@ -129,7 +129,7 @@ def read_json_file(path: Path, name: str, skipped: SkippedRows) -> FileRecords:
                                      "there on") from error
         return _json_lines_of_document(data, path, name, skipped, error)
     _refuse_pandas_layout(content, path)
-    return FileRecords.numbered(name, "record", _records_of(content, name))
+    return FileRecords.numbered(name, "record", _records_of(content, name, choice))
 
 
 def _refuse_one_line_document(record, path: Path) -> None:
@@ -140,13 +140,22 @@ def _refuse_one_line_document(record, path: Path) -> None:
     if isinstance(record, list):
         what = "one JSON array"
     else:
-        records = _records_of(record, path.name) if isinstance(record, dict) and detect_format(record) is None else [record]
+        records = _records_in_line(record)
         if records == [record]:
             return
         what = f"one JSON object of {len(records)} record{'' if len(records) == 1 else 's'}"
     raise UserError(f"{path} is {what} on one line, not JSON lines (one record a line): rename it to "
                     f"{path.with_suffix('.json').name}, or write a record a line (pandas: df.to_json(..., "
                     "orient=\"records\", lines=True))")
+
+
+def _records_in_line(record) -> list:
+    """The records a .json file's reader takes from a JSON line's value (`_records_of`), every split's: counted for a
+    refusal, without the split choice's log lines."""
+    if not isinstance(record, dict) or detect_format(record) is not None:
+        return [record]
+    lists = _record_lists(record)
+    return _records_of_one_table(record) if lists is None else [item for items in lists.values() for item in items]
 
 
 _MESSAGE_KEYS = ({"role", "content"}, {"from", "value"})
@@ -220,23 +229,34 @@ def _json_lines_of_document(data: bytes, path: Path, name: str, skipped: Skipped
     return read
 
 
-def _records_of(content, name: str) -> list:
+def _records_of(content, name: str, choice: SplitChoice = TRAINING) -> list:
     """The records of a .json file's document (`name`): an array's elements; an object of columns, the rows of that
     table (`_table_rows`); an object that is a row itself (its keys detect as a row format: `{"messages": [...],
     "tools": [...]}`) is one record; else the items of its lists, in name order, less an evaluation split's
-    (`{"train": [...], "test": [...]}`: `training_splits`), where its shape says it holds records (`_holds_records`),
+    (`{"train": [...], "test": [...]}`: `SplitChoice`), where its shape says it holds records (`_holds_records`),
     or the object is one record (`{"id": 1, "turns": [...]}`, a conversation)."""
+    lists = _record_lists(content)
+    if lists is None:
+        choice.refuse_named(name)
+        return _records_of_one_table(content)
+    return [item for key in choice.of(name, sorted(lists)) for item in lists[key]]
+
+
+def _record_lists(content) -> dict[str, list] | None:
+    """A document's lists of records by name (`{"train": [...], "test": [...]}`), where it is an object of them."""
+    if isinstance(content, list) or _table_rows(content) is not None:
+        return None
+    if not isinstance(content, dict) or detect_format(content) is not None or not _holds_records(content):
+        return None
+    return {key: value for key, value in content.items() if isinstance(value, list)}
+
+
+def _records_of_one_table(content) -> list:
+    """The records of a document that holds no lists of records: an array's elements, a table's rows, else itself."""
     if isinstance(content, list):
         return content
     rows = _table_rows(content)
-    if rows is not None:
-        return rows
-    if not isinstance(content, dict) or detect_format(content) is not None:
-        return [content]
-    if not _holds_records(content):
-        return [content]
-    lists = {key: value for key, value in content.items() if isinstance(value, list)}
-    return [item for key in training_splits(name, sorted(lists)) for item in lists[key]]
+    return [content] if rows is None else rows
 
 
 def _table_rows(content) -> list[dict] | None:

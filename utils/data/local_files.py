@@ -17,7 +17,7 @@ import numpy as np
 
 from utils.errors import UserError
 
-from .eval_splits import training_splits
+from .eval_splits import TRAINING, SplitChoice
 from .jsonio import FileRecords, read_json_file
 from .samples import SkippedRows
 
@@ -151,23 +151,27 @@ def split_name(dataset: str, split: str) -> str:
     return f"{dataset}[{split}]"
 
 
-def _read_saved_dataset(path: Path) -> list[FileRecords]:
+def _read_saved_dataset(path: Path, choice: SplitChoice) -> list[FileRecords]:
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         return [FileRecords.numbered(split_name(path.name, split), "row", loaded[split].to_list())
-                for split in training_splits(str(path), sorted(loaded))]
+                for split in choice.of(str(path), sorted(loaded))]
+    choice.refuse_named(str(path))
     return [FileRecords.numbered(path.name, "row", loaded.to_list())]
 
 
-def read_local_files(path: Path, skipped: SkippedRows) -> list[FileRecords]:
-    """The records of each file of `path` (a file or folder); bad lines of JSON-lines files are counted in `skipped`."""
+def read_local_files(path: Path, skipped: SkippedRows, choice: SplitChoice = TRAINING) -> list[FileRecords]:
+    """The records of each file of `path` (a file or folder) of the splits `choice` picks; bad lines of JSON-lines
+    files are counted in `skipped`. A split is named only of a saved `DatasetDict` or a .json file's object of lists."""
     if is_saved_dataset(path):
-        return _read_saved_dataset(path)
+        return _read_saved_dataset(path, choice)
+    if path.suffix != ".json":
+        choice.refuse_named(str(path))
     root = path if path.is_dir() else path.parent
     return [_read_parquet(file, str(file.relative_to(root))) if file.suffix == ".parquet"
-            else read_json_file(file, str(file.relative_to(root)), skipped) for file in local_files(path)]
+            else read_json_file(file, str(file.relative_to(root)), skipped, choice) for file in local_files(path)]
 
 
 class RecordOrigins:

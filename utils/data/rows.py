@@ -10,13 +10,14 @@ from .sources import load_source, parse_source_spec
 logger = logging.getLogger("utils.data")
 
 
-def read_rows(path: str, tokenizer=None, prompt_format: str = "auto") -> list[dict]:
-    """Every usable row of `path` (a `--data_path` entry), prompts rendered for `tokenizer`.
+def read_rows(path: str, tokenizer=None, prompt_format: str = "auto", evaluating: bool = False) -> list[dict]:
+    """Every usable row of `path` (a `--data_path` entry), prompts rendered for `tokenizer`; of a dataset's evaluation
+    splits where it has any, `evaluating` and no split named (`sources.load_source`).
 
     Without a tokenizer prompts use the " Human: ... Assistant:" format. Unusable records are
     skipped, counted per reason and logged in one line; a pair that step 2 drops is kept, marked (`_row`).
     """
-    source = load_source(parse_source_spec(path))
+    source = load_source(parse_source_spec(path), evaluating)
     formatter = PromptFormatter(tokenizer, prompt_format)
     skipped = source.load_skips.copy()
     rows = []

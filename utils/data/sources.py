@@ -4,7 +4,8 @@ A source is `embedded`, a generated task (`task:arithmetic?difficulty=3`, see ta
 json/jsonl/parquet file or folder (see local_files.py), or a Hugging Face hub name (loaded with
 `datasets.load_dataset`, its splits concatenated in name order, less its evaluation splits, `test` and `validation`,
 where it has any other: the pipeline makes its own phase and eval splits, and trains on none of the dataset's
-held-out rows). Append `:FORMAT` to state the row format instead of detecting it from the columns, e.g.
+held-out rows). Append `[SPLIT]` to a hub name, a saved `DatasetDict` or a .json object of lists to read that one
+split alone (an evaluation split too), e.g. `Dahoas/rm-static[test]`. Append `:FORMAT` to state the row format instead of detecting it from the columns, e.g.
 `pairs.jsonl:hh_rlhf`; each file of a folder is detected on its own, and a folder whose files differ is
 refused. A local row's dict column `metadata` is kept with its samples.
 
@@ -18,6 +19,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from typing import Any
 from utils.errors import UserError
 
 from . import embedded, tasks
-from .eval_splits import training_splits
+from .eval_splits import TRAINING, SplitChoice
 from .jsonio import FileRecords
 from .local_files import (
     LOCAL_SUFFIXES,
@@ -48,9 +50,11 @@ _DETECT_SAMPLE = 20
 class SourceSpec:
     path: str
     format: str | None = None  # None: detect from the columns
+    split: str | None = None  # None: the splits `eval_splits.SplitChoice` picks
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.format}" if self.format else self.path
+        named = f"{self.path}[{self.split}]" if self.split is not None else self.path
+        return f"{named}:{self.format}" if self.format else named
 
     @property
     def is_embedded(self) -> bool:
@@ -62,15 +66,27 @@ class SourceSpec:
 
 
 def parse_source_spec(text: str) -> SourceSpec:
-    """`PATH` or `PATH:FORMAT` (FORMAT one of `readers.FORMATS`), or a task with all its options written out."""
+    """`PATH`, `PATH[SPLIT]`, either with `:FORMAT` after it (FORMAT one of `readers.FORMATS`), or a task with all
+    its options written out."""
     if tasks.is_task_spec(text):
         return SourceSpec(tasks.canonical_task_spec(text))
     path, _, suffix = text.rpartition(":")
     if path and suffix in FORMATS:
-        return SourceSpec(path, suffix)
+        return _with_split(path, suffix)
     if path and suffix and not os.path.exists(text) and "/" not in suffix and "\\" not in suffix:
         raise UserError(f"unknown data format '{suffix}' in '{text}'; use one of {', '.join(FORMATS)}")
-    return SourceSpec(text)
+    return _with_split(text, None)
+
+
+def _with_split(text: str, data_format: str | None) -> SourceSpec:
+    """`text` read as `PATH[SPLIT]` where it ends so (and names no existing file)."""
+    named = _NAMED_SPLIT.fullmatch(text)
+    if named is None or os.path.exists(text):
+        return SourceSpec(text, data_format)
+    return SourceSpec(named["path"], data_format, named["split"])
+
+
+_NAMED_SPLIT = re.compile(r"(?P<path>.+)\[(?P<split>[^\[\]]+)\]")
 
 
 def looks_local(path: str) -> bool:
@@ -88,15 +104,18 @@ def _resolved_path(spec: SourceSpec) -> str:
 
 
 def source_identity(text: str) -> str:
-    """What a `--data_path` entry reads, whatever its stated format: a local path resolved, else the name."""
-    return _resolved_path(parse_source_spec(text))
+    """What a `--data_path` entry reads, whatever its stated format: a local path resolved, else the name; a named
+    split with it."""
+    spec = parse_source_spec(text)
+    return str(SourceSpec(_resolved_path(spec), split=spec.split))
 
 
 def resolved_source(text: str) -> str:
-    """A `--data_path` entry with a local path made absolute (a stated format kept); any other entry as given."""
+    """A `--data_path` entry with a local path made absolute (a stated format and split kept); any other entry as
+    given."""
     spec = parse_source_spec(text)
     resolved = _resolved_path(spec)
-    return text if resolved == spec.path else str(SourceSpec(resolved, spec.format))
+    return text if resolved == spec.path else str(dataclasses.replace(spec, path=resolved))
 
 
 _HASH_CHUNK = 1 << 20
@@ -156,8 +175,9 @@ def hub_error(name: str, err: Exception, what: str = "dataset") -> UserError:
     )
 
 
-def load_hub_dataset(name: str, config_name: str | None = None, split: str | None = None) -> tuple[Any, RecordOrigins]:
-    """The dataset's `split` (None: its `training_splits`, one after the other in name order) as one
+def load_hub_dataset(name: str, config_name: str | None = None, split: str | None = None,
+                     choice: SplitChoice = TRAINING) -> tuple[Any, RecordOrigins]:
+    """The dataset's `split` (None: the splits `choice` picks, one after the other in name order) as one
     `datasets.Dataset`, and where each of its rows was read ("name[train] row 7", for the bad-row report)."""
     import datasets
 
@@ -166,9 +186,10 @@ def load_hub_dataset(name: str, config_name: str | None = None, split: str | Non
     except (ConnectionError, FileNotFoundError, ValueError) as err:
         raise hub_error(name, err) from err
     if isinstance(loaded, datasets.DatasetDict):
-        parts = {split_name(name, key): loaded[key] for key in training_splits(name, sorted(loaded))}
+        parts = {split_name(name, key): loaded[key] for key in choice.of(name, sorted(loaded))}
         dataset = datasets.concatenate_datasets(list(parts.values()))
     else:
+        choice.refuse_named(name)
         parts, dataset = {name if split is None else split_name(name, split): loaded}, loaded
     return dataset, RecordOrigins.numbered([f"{part} row" for part in parts], [len(rows) for rows in parts.values()])
 
@@ -213,9 +234,10 @@ def _column_values(records: Any) -> dict[str, Any]:
     return columns
 
 
-def load_source(spec: SourceSpec) -> LoadedSource:
-    """The source's records, without duplicates (`without_duplicates`)."""
-    return without_duplicates(_read_source(spec))
+def load_source(spec: SourceSpec, evaluating: bool = False) -> LoadedSource:
+    """The source's records, without duplicates (`without_duplicates`): of its named split, else of the splits a step
+    trains on, or, `evaluating` (an evaluation tool), of its evaluation splits where it has any (`SplitChoice`)."""
+    return without_duplicates(_read_source(spec, SplitChoice(spec.split, evaluating)))
 
 
 def without_duplicates(source: LoadedSource) -> LoadedSource:
@@ -257,7 +279,9 @@ def _comparable_reply(reply: str | None) -> str | None:
     return None if reply is None else comparable_text(reply)
 
 
-def _read_source(spec: SourceSpec) -> LoadedSource:
+def _read_source(spec: SourceSpec, choice: SplitChoice) -> LoadedSource:
+    if spec.is_embedded or spec.is_task:
+        choice.refuse_named(str(spec))
     if spec.is_embedded:
         return LoadedSource(
             spec, embedded.load_embedded_conversations(), "sharegpt", embedded.parse_embedded,
@@ -268,11 +292,11 @@ def _read_source(spec: SourceSpec) -> LoadedSource:
     skipped = SkippedRows()
     local = looks_local(spec.path)
     if local:
-        files = read_local_files(Path(spec.path).expanduser(), skipped)
+        files = read_local_files(Path(spec.path).expanduser(), skipped, choice)
         records = [record for file in files for record in file.records]
         origins, data_format = RecordOrigins.of(files), spec.format or _detect_local_format(spec, files)
     else:
-        records, origins = load_hub_dataset(spec.path)
+        records, origins = load_hub_dataset(spec.path, choice=choice)
         data_format = spec.format or detect_format(_column_values(records))
     if len(records) == 0:
         said = f" (skipped: {skipped.report()})" if skipped else ""
