@@ -276,12 +276,23 @@ def test_a_call_after_the_install_still_names_its_device_and_versions(tmp_path):
         [str(arg) for arg in environment.argv]
 
 
+@pytest.mark.parametrize(("workers", "n"), [(1, "0"), (6, "6")])
+def test_the_tests_stage_runs_its_workers_and_one_worker_serially(tmp_path, workers, n):
+    """`--tests_workers 1` means one after another: pytest is told `-n 0`, as the tests' conftest gives a command
+    line without `-n` two xdist workers."""
+    ctx = _context(tmp_path)
+    ctx.settings.tests_workers = workers
+    (tests,) = build_tests(ctx)
+    argv = [str(arg) for arg in tests.argv]
+    assert argv[argv.index("-n") + 1] == n
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="shows what the tests stage does on a machine without CUDA")
 def test_the_tests_stage_fails_where_cuda_is_missing_rather_than_skipping_every_test(tmp_path):
     """A GPU machine whose torch saw no CUDA skipped every GPU test, and the tests stage reported ok."""
     ctx = _context(tmp_path)
     (tests,), env = build_tests(ctx), ctx.env()
-    argv = [*tests.argv[:tests.argv.index("-m", 3)], "-p", "no:cacheprovider", "-q"]  # pytest test_gpu.py, no xdist
+    argv = [*tests.argv[:tests.argv.index("-m", 3)], "-p", "no:cacheprovider", "-p", "no:xdist", "-q"]
     required = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert required.returncode != 0 and "RLHF_REQUIRE_CUDA=1 but torch" in required.stdout, required.stdout[-2000:]
     del env[REQUIRE_CUDA_ENV]

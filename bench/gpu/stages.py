@@ -205,10 +205,11 @@ def build_embedded(ctx: Context) -> Built:
 
 def build_tests(ctx: Context) -> Built:
     """The GPU tests' module alone (collecting every test module would import them all, in every worker), its
-    tests spread over `tests_workers` processes (pytest-xdist, on the image): each test is a subprocess of its
-    own on its own port, mostly waiting on imports and compilers, with GPU memory to spare."""
+    tests spread over `tests_workers` processes (pytest-xdist, on the image; `-n 0` for one, which the tests'
+    conftest would otherwise make 2): each test is a subprocess of its own on its own port, mostly waiting on
+    imports and compilers, with GPU memory to spare."""
     selection = ("-k", ctx.settings.tests_filter) if ctx.settings.tests_filter else ()
-    workers = ("-n", str(ctx.settings.tests_workers)) if ctx.settings.tests_workers > 1 else ()
+    workers = ("-n", str(ctx.settings.tests_workers if ctx.settings.tests_workers > 1 else 0))
     return [Command(ctx.py("-m", "pytest", GPU_TESTS, "-m", "gpu", *workers, *selection, "-p", "no:cacheprovider",
                            "-ra", "--junitxml", ctx.out / "gpu_tests.xml"), "gpu_tests.log")]
 
