@@ -731,6 +731,33 @@ def test_a_source_names_the_split_it_reads_and_rw_eval_reads_the_evaluation_spli
     assert "its evaluation splits dev, test are read" in caplog.text
 
 
+def test_a_folder_of_per_split_files_is_read_less_its_evaluation_splits(tmp_path, caplog):
+    """A folder of a split's files each (a cloned hub repository's data/train-00000-of-00001.parquet beside
+    data/test-...) was read whole, so the steps trained on its test split; its evaluation splits' files are left out,
+    as a hub dataset's splits are, said, and a folder of evaluation splits alone is read whole, with a warning."""
+    from utils.data.sources import load_source, parse_source_spec
+
+    def write(name: str, *prompts: str) -> None:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": p, "chosen": "yes", "rejected": "no"}) + "\n"
+                                             for p in prompts))
+
+    def prompts(entry: str) -> list[str]:
+        return [row["prompt"] for row in load_source(parse_source_spec(entry)).records]
+
+    write("repo/data/train-00000-of-00002.jsonl", "a", "b")
+    write("repo/data/train-00001-of-00002.jsonl", "c")
+    write("repo/data/test-00000-of-00001.jsonl", "d", "e")
+    write("only_test/test.jsonl", "f")
+    with caplog.at_level("INFO", logger="utils.data"):
+        assert prompts(str(tmp_path / "repo")) == ["a", "b", "c"]
+        assert prompts(str(tmp_path / "only_test")) == ["f"]
+    assert "its splits train are read, its evaluation splits test left out" in caplog.text
+    assert "holds evaluation splits alone (test): the steps train on them" in caplog.text
+    assert prompts(str(tmp_path / "repo[test]")) == ["d", "e"]
+    assert prompts(str(tmp_path / "repo" / "data" / "test-00000-of-00001.jsonl")) == ["d", "e"]  # a file, named
+
+
 def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypatch):
     import utils.data.cache as cache
 

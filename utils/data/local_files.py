@@ -4,7 +4,8 @@ A folder is read recursively (into linked folders too), its .json/.jsonl/.parque
 folders inside it whose names start with "." or "_" are left out, as `datasets` leaves them out: a notebook's
 `.ipynb_checkpoints/` copies of older files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`'
 `save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, less
-its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. The files `datasets` writes beside rows
+its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. So are the
+files of a folder's evaluation splits, by the split their names give them (`file_split`: `data/test-00000-of-00001.parquet`). The files `datasets` writes beside rows
 (dataset_info.json, dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
@@ -162,16 +163,32 @@ def _read_saved_dataset(path: Path, choice: SplitChoice) -> list[FileRecords]:
     return [FileRecords.numbered(path.name, "row", loaded.to_list())]
 
 
+def file_split(file: Path) -> str:
+    """The split a data file's name gives it, as `datasets` names a split's files (a cloned hub repository's
+    `data/train-00000-of-00001.parquet` is train's, `test.jsonl` test's): its name up to the first "-" or "."."""
+    return file.name.split("-", 1)[0].split(".", 1)[0]
+
+
+def _files_of_splits(folder: Path, files: Sequence[Path], choice: SplitChoice) -> list[Path]:
+    """The files of the splits `choice` picks among the files' splits (`file_split`), as of a hub dataset's."""
+    chosen = set(choice.of(str(folder), sorted({file_split(file) for file in files})))
+    return [file for file in files if file_split(file) in chosen]
+
+
 def read_local_files(path: Path, skipped: SkippedRows, choice: SplitChoice = TRAINING) -> list[FileRecords]:
-    """The records of each file of `path` (a file or folder) of the splits `choice` picks; bad lines of JSON-lines
-    files are counted in `skipped`. A split is named only of a saved `DatasetDict` or a .json file's object of lists."""
+    """The records of each file of `path` (a file or folder) of the splits `choice` picks (a folder's files by their
+    names' splits, `file_split`); bad lines of JSON-lines files are counted in `skipped`. A split is named only of a
+    saved `DatasetDict`, a folder's files or a .json file's object of lists."""
     if is_saved_dataset(path):
         return _read_saved_dataset(path, choice)
-    if path.suffix != ".json":
+    files = local_files(path)
+    if path.is_dir():
+        files, choice = _files_of_splits(path, files, choice), SplitChoice(evaluating=choice.evaluating)
+    elif path.suffix != ".json":
         choice.refuse_named(str(path))
     root = path if path.is_dir() else path.parent
     return [_read_parquet(file, str(file.relative_to(root))) if file.suffix == ".parquet"
-            else read_json_file(file, str(file.relative_to(root)), skipped, choice) for file in local_files(path)]
+            else read_json_file(file, str(file.relative_to(root)), skipped, choice) for file in files]
 
 
 class RecordOrigins:
