@@ -1,4 +1,7 @@
 """bf16 at ZeRO-0 trains through `MasterWeightAdamW`: the same update as DeepSpeed's bf16 wrapper, resumable."""
+import gc
+import weakref
+
 import pytest
 import torch
 from conftest import run_on_two_ranks
@@ -183,3 +186,26 @@ def test_zero_grad_drops_the_gradients_summed_so_far(distributed):
         engine.backward(engine(inputs.to(torch.bfloat16)).sum())
     engine.step()
     assert engine.get_global_grad_norm() == float(torch.linalg.vector_norm(kept))
+
+
+def _linear_optimizer(model: torch.nn.Module) -> MasterWeightAdamW:
+    return MasterWeightAdamW([{"params": list(model.parameters()), "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
+
+
+def test_a_dropped_optimizer_lets_go_of_its_weights_and_a_new_one_trains_them():
+    """The gradient hooks reach their optimizer through a weak reference: once the first optimizer is dropped it
+    is freed (its fp32 masters and Adam state with it), a backward leaves the weight its gradient, and a second
+    optimizer over the same weights sums that gradient (its hook had failed on the gradient the first one took)."""
+    model = torch.nn.Linear(4, 1, bias=False, dtype=torch.bfloat16)
+    inputs = torch.tensor([[1.0, 0.5, -1.0, 0.25]], dtype=torch.bfloat16)
+    first = weakref.ref(_linear_optimizer(model))
+    gc.collect()
+    assert first() is None
+    model(inputs).sum().backward()
+    assert torch.equal(model.weight.grad, inputs)
+    model.weight.grad = None
+    second = _linear_optimizer(model)
+    model(inputs).sum().backward()
+    second.step()
+    assert second.masters()[0].grad.tolist() == inputs.float().tolist()
+    assert model.weight.grad is None

@@ -23,10 +23,12 @@ start at 0, as torch's AdamW does for fp32 weights.
 from __future__ import annotations
 
 import math
+import weakref
 from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
@@ -49,8 +51,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self._global_grad_norm = 0.0
         self._masters = self.masters()
         self._summed: set[int] = set()  # indexes of the masters whose `grad` holds this step's sum so far
-        for index, param in enumerate(self.model_params):
-            param.register_post_accumulate_grad_hook(partial(self._add_gradient, index))
+        self._hooks = [param.register_post_accumulate_grad_hook(partial(_hand_gradient_over, weakref.ref(self), index))
+                       for index, param in enumerate(self.model_params)]
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     def masters(self) -> list[torch.Tensor]:
         return [master for group in self.param_groups for master in group["params"]]
@@ -59,6 +62,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def _add_gradient(self, index: int, param: torch.Tensor) -> None:
         """Add `param`'s gradient into its master's fp32 sum and release it, so that the next backward's gradient
         is not summed with this one in `param`'s precision."""
+        if param.grad is None:  # taken by another hook on the same weight
+            return
         master = self._masters[index]
         if index in self._summed:
             master.grad.add_(param.grad)
@@ -132,3 +137,17 @@ class MasterWeightAdamW(torch.optim.AdamW):
         with torch.no_grad():
             for master, value in zip(self.masters(), saved, strict=True):
                 master.copy_(value)
+
+
+def _hand_gradient_over(optimizer: weakref.ref[MasterWeightAdamW], index: int, param: torch.Tensor) -> None:
+    """A trained weight's gradient hook: it holds its optimizer weakly, so that the hooks, which live as long as the
+    weight, do not keep a dropped optimizer (its fp32 masters and Adam state) alive."""
+    alive = optimizer()
+    if alive is not None:
+        alive._add_gradient(index, param)
+
+
+def _remove_hooks(hooks: list[RemovableHandle]) -> None:
+    """Once an optimizer is freed, its hooks leave its weights: a later backward keeps the gradient in `grad`."""
+    for hook in hooks:
+        hook.remove()
