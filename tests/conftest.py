@@ -31,15 +31,21 @@ def default_xdist_workers() -> int:
     return DEFAULT_XDIST_WORKERS if cpus >= DEFAULT_XDIST_WORKERS else 0
 
 
+def needs_the_terminal(config: pytest.Config) -> bool:
+    """Whether the run asks for the terminal, which xdist's workers do not have: `--pdb` and `--trace` stop in a
+    debugger, `-s` (`--capture=no`) shows what the tests print; on a worker each would be ignored without a word."""
+    return config.option.usepdb or config.option.trace or config.option.capture == "no"
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config: pytest.Config):
     """A run whose command line names no -n (nor --tx) gets `default_xdist_workers()` workers, tests handed out by
     xdist's --dist load. Set here, not as pytest.ini's addopts, so that `-p no:xdist` (no -n option then) runs
     serially too, as `-n 0` does. A wrapper, to come before xdist's own hook, which turns -n into workers; not in a
-    worker, which must start none of its own, nor under --pdb, which needs the terminal. No --dist loadgroup: under
+    worker, which must start none of its own, nor where the run `needs_the_terminal`. No --dist loadgroup: under
     pytest 9.2 xdist 3.8's `xdist_group` marks are ignored without a word (pytest-xdist issue #1386)."""
     xdist_default = (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
-                     and not config.option.usepdb)
+                     and not needs_the_terminal(config))
     if xdist_default and config.option.numprocesses is None and not config.option.tx:
         config.option.numprocesses = default_xdist_workers()
     return (yield)
