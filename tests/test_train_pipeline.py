@@ -158,13 +158,15 @@ def _planned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gp
 
 
 def _offload_warned_with_memory(monkeypatch, installed_gib: int, available_gib: int, gpus: int, sizes, workload,
-                                steps) -> list[str]:
-    """The host memory warnings of `_planned_with_memory`'s plan, all its steps running with its flags."""
+                                steps, user_flags: dict | None = None) -> list[str]:
+    """The host memory warnings of `_planned_with_memory`'s plan, all its steps running with its flags, each step's
+    `user_flags` (step: {flag: value}) over them."""
     from training.pipeline.planning import host_memory_warnings
 
     plan = _planned_with_memory(monkeypatch, installed_gib, available_gib, gpus, sizes, workload, steps)
+    runs_with = {step: {**plan.steps[step].flags, **(user_flags or {}).get(step, {})} for step in steps}
     return host_memory_warnings(plan, _machine_with_memory(monkeypatch, installed_gib, available_gib, gpus), None,
-                                {step: plan.steps[step].flags for step in steps})
+                                runs_with)
 
 
 def test_the_same_command_plans_the_same_flags_whatever_memory_other_jobs_hold_now(monkeypatch):
@@ -269,6 +271,57 @@ def test_dpos_offload_is_warned_of_by_its_name(monkeypatch):
     assert warning.startswith("DPO (step 4)'s offload puts")
 
 
+def test_offload_the_users_flags_turn_on_is_warned_of_by_its_own_need(monkeypatch):
+    """A step whose memory flags the user changed was not warned of at all, as its need was not the planned one: a
+    0.5B step 1 planned without offload, run with --zero_stage 3 --offload true where 8 GiB are available, went
+    unwarned though its offload puts 7.5 GiB there. Its need is counted from the flags it runs with; flags that
+    lower the need below what is available stay unwarned."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+
+    b05 = ModelSize(parameters=500_000_000, hidden_size=1024, num_layers=24, vocab_size=32000)
+    sizes = ModelSizes(b05, b05)
+    assert not _planned_with_memory(monkeypatch, 64, 8, 1, sizes, Workload(), [1]).steps[1].flags["offload"]
+    assert _offload_warned_with_memory(monkeypatch, 64, 8, 1, sizes, Workload(), [1]) == []
+    (warning,) = _offload_warned_with_memory(monkeypatch, 64, 8, 1, sizes, Workload(), [1],
+                                             {1: {"zero_stage": 3, "offload": True}})
+    assert warning.startswith("step 1's offload, as your --zero_stage, --offload set it, puts 7.5 GiB in host memory, "
+                              "more than 70% of the 8 GiB available on this machine now (5.6 GiB;")
+    assert warning.endswith("offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes")
+    b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
+    assert _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), Workload(), [1])
+    assert _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), Workload(), [1],
+                                       {1: {"offload": False}}) == []
+
+
+def test_step_3s_offload_is_counted_model_by_model_from_the_flags_it_runs_with(monkeypatch):
+    """Step 3 has an offload flag for each of its four models and a ZeRO stage and LoRA for each trained one; its need
+    adds up each model's by its own flags, the planner's figure where they are the plan's."""
+    from training.pipeline.deployment import MemoryChoice, ModelSizes, Workload, host_bytes_as_run, host_bytes_per_node
+    from training.pipeline.hardware import ModelSize
+
+    b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
+    grpo = Workload(critic=False, samples_per_prompt=4)
+    plan = _planned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), grpo, [3])
+    assert host_bytes_as_run(plan.host_models[3], plan.steps[3].flags, plan.nodes) == \
+        host_bytes_per_node([b7], [b7, b7], MemoryChoice(3, offload=True, lora=True), 1)
+    frozen_kept_on_gpu = {"offload_reference_model": False, "offload_reward_model": False}
+    (warning,) = _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), grpo, [3],
+                                             {3: frozen_kept_on_gpu})
+    assert warning.startswith("step 3's offload, as your --offload_reference_model, --offload_reward_model set it, "
+                              "puts 14.0 GiB")  # the ZeRO-3 actor's weights and LoRA optimizer state
+    assert _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), grpo, [3],
+                                       {3: {**frozen_kept_on_gpu, "actor_offload": False}}) == []
+    b025 = ModelSize(parameters=250_000_000, hidden_size=1024, num_layers=16, vocab_size=32000)
+    ppo = _planned_with_memory(monkeypatch, 64, 4, 1, ModelSizes(b025, b025), Workload(), [3])
+    assert not any(value for name, value in ppo.steps[3].flags.items() if "offload" in name)
+    (warning,) = _offload_warned_with_memory(
+        monkeypatch, 64, 4, 1, ModelSizes(b025, b025), Workload(), [3],
+        {3: {"actor_zero_stage": 3, "actor_offload": True, "offload_reference_model": True}})
+    assert warning.startswith("step 3's offload, as your --actor_zero_stage, --actor_offload, "
+                              "--offload_reference_model set it, puts 4.2 GiB")
+
+
 def _seventy_b_on_one_gpu(tmp_path, model: str, monkeypatch, *flags: str, deployment: str = "single_gpu",
                           available_gib: int = 100) -> tuple[PipelineConfig, Hardware]:
     """train.py's dry run of `flags` with a 70B model (every model given) on one 80 GiB GPU of a 256 GiB machine with
@@ -317,7 +370,7 @@ def test_a_finished_steps_offload_is_not_warned_of_on_a_rerun(tmp_path, tiny_mod
 def test_a_zero_stage_the_user_sets_is_not_warned_of_with_the_planned_offloads_figure(tmp_path, tiny_model_dir,
                                                                                       monkeypatch, capsys):
     """The need was recorded as planned, before --actor-zero-stage: at ZeRO-0 nothing is offloaded, yet step 1 was
-    warned of the planned offload's figure. A step whose stage the user sets has no planned figure to warn of."""
+    warned of the planned offload's figure. A step whose stage the user sets is warned of by its own need."""
     config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1", "2",
                                          "--actor-zero-stage", "0")
     assert "--offload" not in run_pipeline(config, hardware=node)["commands"][1]
@@ -326,13 +379,17 @@ def test_a_zero_stage_the_user_sets_is_not_warned_of_with_the_planned_offloads_f
 
 @pytest.mark.parametrize("flags, warned", [
     (("--step1-args", "--offload false"), {"step 2"}),
-    (("--step1-args", "--lora_dim 8"), {"step 2"}),
-    (("--zero_stage", "2"), set()),  # routed to each step that takes it: 1 and 2
-], ids=["step_args_offload", "step_args_lora", "routed_stage"])
-def test_a_step_the_users_flags_run_with_other_memory_flags_is_not_warned_of(flags, warned, tmp_path, tiny_model_dir,
-                                                                            monkeypatch, capsys):
+    (("--step1-args", "--lora_dim 8"), {"step 1", "step 2"}),  # the ZeRO-3 offload's weights stay in host memory
+    (("--step1-args", "--only_optimize_lora false"), {"step 1", "step 2"}),  # every weight's optimizer state too
+    (("--zero_stage", "2"), set()),  # routed to each step that takes it: 1 and 2; no weight offloaded
+], ids=["step_args_offload", "step_args_lora", "step_args_full_training", "routed_stage"])
+def test_a_step_the_users_flags_run_with_other_memory_flags_is_warned_of_by_their_need(flags, warned, tmp_path,
+                                                                                       tiny_model_dir, monkeypatch,
+                                                                                       capsys):
     """The user's own step flags come after the plan's: with --step1-args "--offload false" step 1 offloads nothing,
-    yet was warned of the planned offload's figure. Only a step run with the memory flags it was sized for is."""
+    yet was warned of the planned offload's figure; then no step whose memory flags the user changed was warned of,
+    though theirs may need more host memory than the plan's. A step is warned of by the need of the flags it runs
+    with."""
     config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1", "2", *flags)
     run_pipeline(config, hardware=node)
     assert _offload_warnings_said(capsys) == warned
@@ -364,7 +421,8 @@ def test_a_multi_node_offload_is_warned_of_only_where_a_hostfile_line_is_this_ma
 
 def _offload_warnings_said(capsys) -> set[str]:
     """The steps train.py warned of on stderr that their offload may not fit the memory available now."""
-    return set(re.findall(r"^warning: (step \d)'s offload puts", capsys.readouterr().err, re.MULTILINE))
+    return set(re.findall(r"^warning: (step \d)'s offload(?:, as your .+? set it,)? puts", capsys.readouterr().err,
+                          re.MULTILINE))
 
 
 @pytest.mark.parametrize("command", ["train.py", "rlhf-train"])

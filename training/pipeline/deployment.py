@@ -44,10 +44,10 @@ class DeploymentPlan:
     world_size: int
     steps: dict[int, StepPlan]
     notes: list[str] = field(default_factory=list)
-    # what each step's planned offload puts in one node's memory, by step number (`host_memory_short_now`), and the
-    # memory flags as planned that it was sized for (`planning.memory_flags`): a step run otherwise is not warned of
-    host_needs: dict[int, float] = field(default_factory=dict)
-    sized_for: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # the models whose offload each step's host need counts, by step number, and the nodes that share it: the need
+    # of the flags a step runs with, the user's or the plan's (`host_bytes_as_run`, `host_memory_short_now`)
+    host_models: dict[int, tuple[HostModel, ...]] = field(default_factory=dict)
+    nodes: int = 1
 
 
 class Model(str, enum.Enum):
@@ -139,6 +139,46 @@ def host_bytes_per_node(trained: list[ModelSize], frozen: list[ModelSize], choic
 
 
 @dataclass(frozen=True)
+class HostModel:
+    """A model of a step as its offload's host need counts it, and the step's flags that set its memory choice: a
+    trained model's `{prefix}zero_stage`, `{prefix}offload`, `{prefix}lora_dim` and `{prefix}only_optimize_lora`; a
+    frozen model's one offload flag (`frozen_offload`), which moves its weights at any stage."""
+
+    size: ModelSize
+    prefix: str = ""
+    frozen_offload: str | None = None
+
+    @property
+    def trained(self) -> bool:
+        return self.frozen_offload is None
+
+    @property
+    def flag_names(self) -> tuple[str, ...]:
+        if not self.trained:
+            return (self.frozen_offload,)
+        return tuple(f"{self.prefix}{name}" for name in ("zero_stage", "offload", "lora_dim", "only_optimize_lora"))
+
+    def choice(self, flags: Mapping[str, Any]) -> MemoryChoice:
+        """The memory choice that a step's flag values `flags` make for this model (a plain argparse step gives them
+        as text; a flag left out is off)."""
+        if not self.trained:
+            return MemoryChoice(0, offload=_switched_on(flags.get(self.frozen_offload)))
+        stage, offload, lora_dim, only_lora = (flags.get(name) for name in self.flag_names)
+        return MemoryChoice(int(stage or 0), _switched_on(offload), int(lora_dim or 0) > 0 and _switched_on(only_lora))
+
+
+def _switched_on(value: Any) -> bool:
+    return value is True or str(value).lower() == "true"
+
+
+def host_bytes_as_run(models: tuple[HostModel, ...], flags: Mapping[str, Any], nodes: int) -> float:
+    """What a step's offload puts in one node's memory with the flag values `flags`, each model by its own flags
+    (`host_bytes_per_node` adds the models up: with the plan's flags, the planned need)."""
+    return sum(host_bytes_per_node([model.size] if model.trained else [], [] if model.trained else [model.size],
+                                   model.choice(flags), nodes) for model in models)
+
+
+@dataclass(frozen=True)
 class _Fit:
     choice: MemoryChoice
     micro_batch: int
@@ -176,29 +216,46 @@ def _host_budget(hardware: Hardware) -> float:
     return _HOST_OFFLOAD_SHARE * hardware.cpu_memory_gib * GIB
 
 
-def host_memory_short_now(hardware: Hardware, needs: Mapping[int, float]) -> list[str]:
+def host_memory_short_now(hardware: Hardware, needs: Mapping[int, float],
+                          user_set: Mapping[int, list[str]] | None = None) -> list[str]:
     """Warnings for the steps in `needs` (step: bytes its offload puts in host memory) that this machine's memory
-    available now does not hold, at the share the plan gives offload of the memory installed. The plan is not
-    changed: it depends on the machine, not on what other jobs hold at the moment (a rerun would plan other flags
+    available now does not hold, at the share the plan gives offload of the memory installed; `user_set` names, by
+    step, the memory flags the user's flags set otherwise than the plan, which the need is counted with. The plan is
+    not changed: it depends on the machine, not on what other jobs hold at the moment (a rerun would plan other flags
     and refuse the finished steps and checkpoints)."""
     available = hardware.cpu_memory_available_gib
     if available is None:
         return []
     budget = _HOST_OFFLOAD_SHARE * available * GIB
-    return [f"{_STEPS_SAID.get(step, f'step {step}')}'s offload puts {need / GIB:.1f} GiB in host memory, more than "
-            f"{_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} GiB available on this machine now ({budget / GIB:.1f} "
-            f"GiB; the plan counts its {hardware.cpu_memory_said}, other processes hold the rest), so "
-            f"the step may run out of host memory once it loads; free memory here before it starts (other jobs), or "
-            f"plan less offload: a smaller model, more GPUs or nodes"
+    user_set = user_set or {}
+    return [f"{_STEPS_SAID.get(step, f'step {step}')}'s offload{_as_the_user_set_it(user_set.get(step))} puts "
+            f"{need / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} GiB "
+            f"available on this machine now ({budget / GIB:.1f} GiB; the plan counts its {hardware.cpu_memory_said}, "
+            f"other processes hold the rest), so the step may run out of host memory once it loads; free memory here "
+            f"before it starts (other jobs), or {_less_offload(user_set.get(step))}"
             for step, need in sorted(needs.items()) if need > budget]
 
 
+def _as_the_user_set_it(flags: list[str] | None) -> str:
+    return f", as your {', '.join(f'--{name}' for name in flags)} set it," if flags else ""
+
+
+def _less_offload(user_set: list[str] | None) -> str:
+    """What lowers the need: the plan's flags back for a step the user's flags raised it, else a smaller run."""
+    smaller = "a smaller model, more GPUs or nodes"
+    return f"offload less: leave those flags to the plan, or {smaller}" if user_set else f"plan less offload: {smaller}"
+
+
 def _fit_training(
-    target: Target, trained: list[ModelSize], frozen: list[ModelSize], seq_len: int, seqs_per_sample: int, cap: int,
+    target: Target, held: tuple[HostModel, ...], seq_len: int, seqs_per_sample: int, cap: int,
     step: int, what: str, models: tuple[Model, ...], extra_per_sample: float = 0.0,
 ) -> _Fit:
     """The first ladder choice whose states fit the accelerators and whose offload fits host memory, and the largest
-    power-of-two micro batch beside them; else a refusal naming the limit that failed (`models`: whose size counts)."""
+    power-of-two micro batch beside them, for the models the step holds (`held`); else a refusal naming the limit
+    that failed (`models`: whose size counts)."""
+    trained = [model.size for model in held if model.trained]
+    frozen = [model.size for model in held if not model.trained]
+    target.host_models[step] = held
     host_bound = []  # choices that fit the accelerators but offload more than host memory holds
     for choice in _ladder(target.world):
         fit = _fit_on_accelerators(target, trained, frozen, choice, seq_len, seqs_per_sample, cap, extra_per_sample)
@@ -206,7 +263,6 @@ def _fit_training(
             continue
         host_bytes = host_bytes_per_node(trained, frozen, choice, target.nodes)
         if host_bytes <= _host_budget(target.hardware):
-            target.host_needs[step] = host_bytes
             return fit
         host_bound.append(choice)
     raise _not_fitting(target, trained, frozen, what, models, host_bound)
@@ -359,8 +415,8 @@ class Target:
     nodes: int
     dtype: str
     quick: CpuQuickRun | None = None
-    # what each step's chosen offload puts in one node's memory, by step number, filled as it is planned
-    host_needs: dict[int, float] = field(default_factory=dict, compare=False)
+    # the models whose offload each step's host need counts, by step number, filled as it is planned
+    host_models: dict[int, tuple[HostModel, ...]] = field(default_factory=dict, compare=False)
 
     def cpu_cost(self, size: ModelSize) -> float:
         """A quick-run step's time for a model of `size`, relative to the reference model on the reference cores."""
@@ -461,7 +517,8 @@ def _plan_supervised(target: Target, size: ModelSize, shape: _SupervisedShape,
         return _quick_supervised(quick, target.dtype, steps, recipe.batch, fit_length(recipe.max_seq_len, size),
                                  recipe.learning_rate, recipe.eval_samples)
     seq_len = fit_length(_SEQ_LEN, size)
-    fit = _fit_training(target, [size], [size] if shape.frozen_copy else [], seq_len, shape.seqs_per_sample,
+    frozen_copy = (HostModel(size, frozen_offload="offload_reference_model"),) if shape.frozen_copy else ()  # DPO's
+    fit = _fit_training(target, (HostModel(size), *frozen_copy), seq_len, shape.seqs_per_sample,
                         shape.micro_batch_cap, shape.step, shape.what, (shape.model,))
     return _gpu_supervised(target, fit, shape, seq_len, size)
 
@@ -509,8 +566,10 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
     rl_seq = prompt_len + answer_len
     kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
     models = (Model.ACTOR, Model.REWARD) if critic_sizes or reward_sizes else (Model.ACTOR,)
-    fit = _fit_training(target, [sizes.actor, *critic_sizes], [sizes.actor, *reward_sizes], rl_seq, 1, 16, 3,
-                        "step 3", models, extra_per_sample=kv_cache)
+    held = (HostModel(sizes.actor, "actor_"), *(HostModel(size, "critic_") for size in critic_sizes),
+            HostModel(sizes.actor, frozen_offload="offload_reference_model"),
+            *(HostModel(size, frozen_offload="offload_reward_model") for size in reward_sizes))
+    fit = _fit_training(target, held, rl_seq, 1, 16, 3, "step 3", models, extra_per_sample=kv_cache)
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
     critic_blocks = (sizes.reward if workload.reward_model else sizes.actor).blocks_name  # what the critic starts from
     # the critic's flags only for a critic, which a critic-free step 3 refuses as doing nothing

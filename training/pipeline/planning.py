@@ -14,6 +14,7 @@ from .deployment import (
     Workload,
     cpu_target,
     gpu_target,
+    host_bytes_as_run,
     host_memory_short_now,
 )
 from .hardware import Hardware
@@ -22,8 +23,6 @@ from .launch import no_gpu_visible
 from .steps import STEPS, flag_value
 from .summary import runs_as_planned
 
-_MEMORY_FLAG_WORDS = ("zero_stage", "offload", "lora_dim", "only_optimize_lora")  # in `memory_flags`' names
-
 
 def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: ModelSizes,
           workload: Workload, steps: Collection[int] | None) -> DeploymentPlan:
@@ -31,13 +30,7 @@ def _plan(deployment: DeploymentType, target: Target, notes: list[str], sizes: M
     fits none of its memory choices (step 3's four models, where step 1 trains one) refuses no run without it."""
     plans = {number: spec.planner(target, sizes, workload) for number, spec in STEPS.items()
              if steps is None or number in steps}
-    return DeploymentPlan(deployment, target.world, plans, notes, dict(target.host_needs),
-                          {number: memory_flags(plan.flags) for number, plan in plans.items()})
-
-
-def memory_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
-    """The flags among a step's `flags` that its offload's host memory depends on: ZeRO stages, offload, LoRA."""
-    return {name: value for name, value in flags.items() if any(word in name for word in _MEMORY_FLAG_WORDS)}
+    return DeploymentPlan(deployment, target.world, plans, notes, dict(target.host_models), target.nodes)
 
 
 def plan_gpu(deployment: DeploymentType, sizes: ModelSizes, hardware: Hardware, hosts: list[Host] | None,
@@ -62,21 +55,27 @@ def _hidden_gpus_note(hardware: Hardware) -> list[str]:
 def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[Host] | None,
                          runs_with: Mapping[int, Mapping[str, Any]]) -> list[str]:
     """Warnings for the steps that run (`runs_with`: each one's flag values as its command line gives them) whose
-    planned offload the memory available on this machine now does not hold; not for a step whose memory flags the
-    user's change (--actor-zero-stage, --stepN-args "--offload false"), whose need is not the planned one. None
-    where no rank runs here, as this machine's available memory is not theirs: planned where no GPU is (a login
-    node), or on multi_node with a hostfile that does not list this machine."""
-    warnings = host_memory_short_now(hardware, {step: need for step, need in plan.host_needs.items()
-                                                if step in runs_with and _runs_as_sized(plan, step, runs_with[step])})
+    offload the memory available on this machine now does not hold, counted with the memory flags each runs with:
+    the plan's (--actor-zero-stage included, which sets the plan's stage), or the user's step flags over them
+    (--stepN-args "--offload true"), which the warning names. None where no rank runs here, as this machine's
+    available memory is not theirs: planned where no GPU is (a login node), or on multi_node with a hostfile that
+    does not list this machine."""
+    running = {step: flags for step, flags in runs_with.items() if step in plan.host_models}
+    needs = {step: host_bytes_as_run(plan.host_models[step], {**plan.steps[step].flags, **flags}, plan.nodes)
+             for step, flags in running.items()}
+    user_set = {step: _memory_flags_the_user_set(plan, step, flags) for step, flags in running.items()}
+    warnings = host_memory_short_now(hardware, needs, user_set)
     if warnings and _ranks_run_here(plan.deployment, hardware, hosts):
         return warnings
     return []
 
 
-def _runs_as_sized(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) -> bool:
-    """Whether `step` runs with the memory flags its planned host need was sized for."""
-    return all(runs_as_planned(planned, runs_with.get(name, planned))
-               for name, planned in plan.sized_for[step].items())
+def _memory_flags_the_user_set(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) -> list[str]:
+    """The flags of `step`'s models' memory choices (`HostModel.flag_names`) that it runs with otherwise than
+    planned."""
+    planned = plan.steps[step].flags
+    return [name for model in plan.host_models[step] for name in model.flag_names
+            if name in runs_with and not runs_as_planned(planned.get(name), runs_with[name])]
 
 
 def _ranks_run_here(deployment: DeploymentType, hardware: Hardware, hosts: list[Host] | None) -> bool:
