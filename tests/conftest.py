@@ -78,8 +78,9 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 def recorded_step_gradients(monkeypatch, module) -> dict:
-    """Patch `module`'s `step_engine` to record, at each optimizer step, the gradient its engine holds in
-    `param.grad` (ZeRO-0; none under ZeRO-3), flattened, under the engine's name; returns the record."""
+    """Patch `module`'s `step_engine` to record, at each optimizer step, the gradient its engine holds, flattened,
+    under the engine's name: at ZeRO-0 `param.grad`, or the fp32 sums of an optimizer that holds them
+    (`get_grads_for_reduction`: bf16's `MasterWeightAdamW`); none under ZeRO-3. Returns the record."""
     import torch
 
     from training.reliability.guards import step_engine
@@ -87,7 +88,10 @@ def recorded_step_gradients(monkeypatch, module) -> dict:
     gradients = {}
 
     def recording(engine, name):
-        held = [p.grad.flatten() for p in engine.module.parameters() if p.grad is not None]
+        if hasattr(engine.optimizer, "get_grads_for_reduction"):
+            held = [grad.flatten() for grad in engine.optimizer.get_grads_for_reduction()[0]]
+        else:
+            held = [p.grad.flatten() for p in engine.module.parameters() if p.grad is not None]
         if engine.is_gradient_accumulation_boundary() and held:
             gradients[name] = torch.cat(held)
         return step_engine(engine, name)

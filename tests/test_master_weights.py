@@ -1,10 +1,11 @@
 """bf16 at ZeRO-0 trains through `MasterWeightAdamW`: the same update as DeepSpeed's bf16 wrapper, resumable."""
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_on_two_ranks
+from conftest import recorded_step_gradients, run_on_two_ranks
 from fp32_gradient_sums import check_against_reference, step_inputs, trained_engine
 from test_training_core import _batch, _settings, _train
 
@@ -209,3 +210,18 @@ def test_a_dropped_optimizer_lets_go_of_its_weights_and_a_new_one_trains_them():
     second.step()
     assert second.masters()[0].grad.tolist() == inputs.float().tolist()
     assert model.weight.grad is None
+
+
+def test_the_recorded_step_gradient_of_a_master_weight_engine_is_its_fp32_sum(distributed, monkeypatch):
+    """tests/conftest.py's `recorded_step_gradients` reads a master-weight engine's fp32 sums (its weights hold no
+    gradient after a backward): two micro-batches' gradients, summed in fp32."""
+    from training.reliability import guards
+
+    stepping = SimpleNamespace(step_engine=guards.step_engine)
+    gradients = recorded_step_gradients(monkeypatch, stepping)
+    engine = trained_engine(accumulation=2)
+    micro_batches = step_inputs(0, rank=0, accumulation=2)
+    for inputs in micro_batches:
+        engine.backward(engine(inputs.to(torch.bfloat16)).sum())
+        stepping.step_engine(engine, "actor")
+    assert gradients["actor"].tolist() == sum(inputs.float() / 2 for inputs in micro_batches).flatten().tolist()
