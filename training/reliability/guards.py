@@ -92,7 +92,9 @@ def _skipped_if_non_finite_fp32(engine: "deepspeed.DeepSpeedEngine") -> Iterator
     """Around an fp32 ZeRO-0 engine's optimizer step whose gradients are not all finite: the optimizer's step a no-op
     that reports an overflow, which DeepSpeed's engine counts as a skipped step (no update, no learning-rate step,
     the gradients cleared), as it counts its mixed-precision optimizers' (they set `overflow`; a torch optimizer
-    has none). ZeRO-0 has all-reduced the gradients by now, so every rank decides alike."""
+    has none). ZeRO-0 has all-reduced the gradients by now, so every rank decides alike. A bf16 engine of
+    `MasterWeightAdamW` (fp32 mode to DeepSpeed) passes through: its weights hold no gradient here (their fp32 sums
+    are the optimizer's), and that optimizer sets `overflow` itself from the all-reduced sums' norm."""
     if (engine.zero_optimization_stage() != 0 or engine.fp16_enabled() or engine.bfloat16_enabled()
             or not engine.is_gradient_accumulation_boundary() or _gradients_finite(engine.module)):
         yield
