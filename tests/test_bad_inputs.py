@@ -406,3 +406,27 @@ def test_a_run_of_the_same_step_holds_out_no_record_its_input_run_trained_on(set
     with pytest.raises(UserError, match="rerun with --eval_fraction 0.1 or less"):
         check_input_run_shards(str(step1_run), step1("--eval_fraction", "0.2"), 1)
     check_input_run_shards(str(step1_run), step1(), 1)
+
+
+def test_step_1_refuses_a_source_its_step_1_input_run_sharded_and_it_reads_whole(setup):
+    """A source moved from --data_path to --sft_only_data_path between two step-1 runs was not refused (the check
+    returned None): the step-1-only source's held-out part is cut by --seed alone, so it held out records the input
+    run trained on. And step 2 started from a DPO run (both train on shard 2) was told the input was a run of 'this
+    same step'."""
+    from training.core.args import SettingsParser
+    from training.reliability.validation import check_input_run_shards
+    from utils.data import write_split_record
+
+    step1_run = write_earlier_run(setup, "step1_run")
+    write_split_record(step1_run, [(setup.data, 16)], 1)
+    moved = SettingsParser(_DataCLI).parse_args(["--data_path", "embedded", "--sft_only_data_path", setup.data]).data
+    with pytest.raises(UserError, match=r"cut .*pairs.jsonl into shards \(--data_path\).* reads it whole "
+                                        r"\(--sft_only_data_path\).*keep it in --data_path"):
+        check_input_run_shards(str(step1_run), moved, 1)
+    check_input_run_shards(str(step1_run), moved, 2)  # step 2 reads no step-1-only source
+    dpo_run = write_earlier_run(setup, "dpo_run")
+    write_split_record(dpo_run, [(setup.data, 16)], 2)
+    larger = SettingsParser(_DataCLI).parse_args(["--data_path", setup.data, "--data_split", "1,1,0",
+                                                  "--eval_fraction", "0.3"]).data
+    with pytest.raises(UserError, match=r"was trained on this step's shard \(a run of this step, or of DPO for step 2"):
+        check_input_run_shards(str(dpo_run), larger, 2)

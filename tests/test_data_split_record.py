@@ -182,3 +182,28 @@ def test_the_check_before_the_build_reads_no_source_and_each_step_reads_it_once(
         (tmp_path / "step2").mkdir(exist_ok=True)
         write_split_record(tmp_path / "step2", records, 2)
         assert hub["reads"] == 1 and recorded(tmp_path / "step2") == [99]
+
+
+def test_step_1_from_a_step_1_run_refuses_a_step_1_only_source_whose_count_changed(tmp_path, tok):
+    """Step 1 started from a step-1 run compared the --seed of their --sft_only_data_path sources alone: such a source
+    that gained a row was permuted anew (100 -> 101 records at --seed 1234, --eval_fraction 0.1: 5 of the 10 held-out
+    records had been trained on), unrefused, as only --data_path counts were recorded. A count that dropped also says
+    that this version leaves a dataset's evaluation splits out."""
+    whole = write_lines(tmp_path / "sft.jsonl", LINES)
+    data = DataArguments(data_path=["embedded"], sft_only_data_path=[whole], data_split="1,1,1",
+                         data_output_path=str(tmp_path / "cache"))
+    run = tmp_path / "step1"
+    records = data.build(1, tok).records
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({key: getattr(data, key) for key in
+                                               ("data_path", "sft_only_data_path", "seed", "data_split")}))
+    write_split_record(run, records, 1)
+    assert recorded(run)[1:] == [100]
+    for lines, now in ((LINES + [json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"})], 101), (LINES[:99], 99)):
+        write_lines(tmp_path / "sft.jsonl", lines)
+        again = DataArguments(data_path=["embedded"], sft_only_data_path=[whole], data_split="1,1,1",
+                              data_output_path=str(tmp_path / "cache"))
+        record = check_input_run_shards(str(run), again, 1)
+        with pytest.raises(UserError, match=REFUSED.format(run=run, source=".*sft.jsonl", then=100, now=now)) as err:
+            again.build(1, tok, [record])
+        assert ("this version leaves them out" in str(err.value)) == (now < 100)

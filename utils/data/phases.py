@@ -244,8 +244,9 @@ def _build(phase: int, kind: str, splits_args: dict, tokenizer, formatter: Promp
            seed: int) -> dict:
     splits = phase_splits(phase, kind=kind, seed=seed, **splits_args)
     has_share = parse_data_split(splits_args["data_split"])[phase - 1] > 0
-    # the records each sharded source was cut from (step-1-only sources follow them in `splits`), kept with the items
-    records = [[path, len(split.source)] for path, split in zip(splits_args["data_paths"], splits)]
+    # the records each source was cut from (step-1-only sources follow the sharded ones in `splits`), kept with the items
+    paths = (*splits_args["data_paths"], *splits_args["sft_only_data_paths"])
+    records = [[path, len(split.source)] for path, split in zip(paths, splits, strict=True)]
     for split in splits:
         logger.log(logging.WARNING if split.skipped or split.source.load_skips else logging.INFO, split.summary(phase, kind))
         if not split.train and not split.eval and (split.records or has_share):  # a zero share: nothing, as asked
@@ -275,7 +276,8 @@ def cut_answers_note(phase: int, train: TokenizedDataset, evaluation: TokenizedD
 
 
 class PhaseData(NamedTuple):
-    """A step's tokenised data, and the records each `--data_path` source was cut from (`(entry, count)`, in order)."""
+    """A step's tokenised data, and the records each source was cut from (`(entry, count)`, in order: the `--data_path`
+    sources, then step 1's `--sft_only_data_path` sources)."""
 
     train: TokenizedDataset
     eval: TokenizedDataset
@@ -354,7 +356,8 @@ def build_phase_data(
     state, built = build_or_load(
         path, lambda: _build(phase, kind, splits_args, tokenizer, formatter, limits, seed), rebuild=rebuild_cache
     )
-    records = [(path, int(count)) for path, (_, count) in zip(data_paths, state[RECORDS_KEY], strict=True)]
+    records = [(path, int(count)) for path, (_, count) in zip((*data_paths, *whole_sources), state[RECORDS_KEY],
+                                                               strict=True)]
     check_same_record_counts(records, input_runs)
     train = TokenizedDataset.from_state(state["train"]).head(max_train_samples)
     evaluation = TokenizedDataset.from_state(state["eval"]).head(max_eval_samples)

@@ -8,7 +8,8 @@ two settings decide the shards; a stated format (`PATH:FORMAT`) changes how rows
 `--eval_fraction` splits a shard within one step: a step started from a run of the same step (its `data_split.json`
 says which shard that run trained on; a record written before it said so is not checked for this) holds out the
 first records of the same shard, so it must hold out no more than that run did, which trained on the rest; step 1's
-`--sft_only_data_path` sources are held out alike, cut by `--seed` alone. A source the earlier step
+`--sft_only_data_path` sources are held out alike, cut by `--seed` alone over their record counts (recorded and
+compared as the sharded sources' are), and one that run sharded (its `--data_path`) would be held out otherwise. A source the earlier step
 trained on whole (step 1's `--sft_only_data_path`) overlaps any shard of it, whatever the settings. A source
 whose record count changed between the runs (a malformed line fixed, a row added, a hub copy updated) is permuted
 anew too: the earlier run's folder records the counts its build cut (`split_record`), which this step's build compares
@@ -65,11 +66,18 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
             f"of it this step trains or evaluates on holds rows that model trained on; drop it from --data_path, "
             f"or retrain {earlier_run} with it in --data_path instead")
     same_step = read_split_phase(earlier_run) == phase
-    if same_step and phase == 1:
-        _check_same_whole_cut(current, earlier, earlier_name, earlier_run)
+    shared_whole = _check_same_whole_cut(current, earlier, earlier_name, earlier_run) if same_step and phase == 1 else []
     shared = shared_sources(current["data_path"], earlier["data_path"])
-    if not shared:
-        return None
+    if shared:
+        _check_same_cut(shared, current, earlier, earlier_name, earlier_run)
+        if same_step:
+            _check_held_out_within(shared, current, earlier, earlier_name, earlier_run)
+    return _recorded_counts(earlier_name, earlier_run, [*shared, *shared_whole])
+
+
+def _check_same_cut(shared: Sequence[str], current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str,
+                    earlier_run: str) -> None:
+    """The sources both runs shard must be cut by the same --seed and --data_split proportions."""
     seed, data_split = int(current["seed"]), str(current["data_split"])
     earlier_seed, earlier_split = int(earlier["seed"]), str(earlier["data_split"])
     if not same_shards(seed, data_split, earlier_seed, earlier_split):
@@ -80,9 +88,12 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
             f"so its shard would overlap the rows that model trained on; rerun with {theirs} to match {earlier_run}, "
             f"or retrain {earlier_run} with {ours}"
         )
-    if same_step:
-        _check_held_out_within(shared, current, earlier, earlier_name, earlier_run)
-    recorded = read_split_record(earlier_run)
+
+
+def _recorded_counts(earlier_name: str, earlier_run: str, shared: Sequence[str]) -> InputRunRecord | None:
+    """The record counts the earlier run recorded for the `shared` sources; None where it shares none or recorded
+    none."""
+    recorded = read_split_record(earlier_run) if shared else None
     if recorded is None:
         return None
     identities = {source_identity(path) for path in shared}
@@ -91,9 +102,17 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
 
 
 def _check_same_whole_cut(current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str,
-                          earlier_run: str) -> None:
+                          earlier_run: str) -> list[str]:
     """Step 1 started from a step-1 run: a step-1-only source both read is permuted by `--seed` alone before its
-    held-out part is taken, so another seed holds out records that run trained on."""
+    held-out part is taken, so another seed holds out records that run trained on; one that run sharded (its
+    --data_path) is held out otherwise too. Returns the step-1-only sources both read, whose counts are compared."""
+    moved = shared_sources(current.get("sft_only_data_path") or [], earlier["data_path"])
+    if moved:
+        raise UserError(
+            f"{earlier_name} is a step-1 run that cut {', '.join(moved)} into shards (--data_path), trained on shard "
+            f"1 and held out a part of it; this step reads it whole (--sft_only_data_path), its held-out part cut by "
+            f"--seed alone, which would hold records that model trained on; keep it in --data_path to continue "
+            f"{earlier_run}, or train from that run's input model")
     shared = shared_sources(current.get("sft_only_data_path") or [], earlier.get("sft_only_data_path") or [])
     if shared and int(current["seed"]) != int(earlier["seed"]):
         raise UserError(
@@ -102,6 +121,7 @@ def _check_same_whole_cut(current: Mapping[str, Any], earlier: Mapping[str, Any]
             f"so its held-out part would hold records that model trained on; rerun with --seed {earlier['seed']}")
     if shared:
         _check_held_out_within(shared, current, earlier, earlier_name, earlier_run)
+    return shared
 
 
 def _check_held_out_within(shared: Sequence[str], current: Mapping[str, Any], earlier: Mapping[str, Any],
@@ -113,10 +133,17 @@ def _check_held_out_within(shared: Sequence[str], current: Mapping[str, Any], ea
     fraction, earlier_fraction = float(current["eval_fraction"]), float(earlier["eval_fraction"])
     if fraction > earlier_fraction:
         raise UserError(
-            f"{earlier_name} is a run of this same step that held out --eval_fraction {earlier_fraction:g} of "
+            f"{earlier_name} was trained on this step's shard (a run of this step, or of DPO for step 2: they share "
+            f"one) and held out --eval_fraction {earlier_fraction:g} of "
             f"{', '.join(shared)} and trained on the rest; this step's --eval_fraction {fraction:g} would hold out "
             f"records that model trained on and score it on them; rerun with --eval_fraction {earlier_fraction:g} "
             f"or less to continue {earlier_run}")
+
+
+_EVAL_SPLITS_NOTE = (
+    ". If the source has evaluation splits (test, validation: a hub dataset, a save_to_disk DatasetDict, a .json "
+    "object of lists, a folder of per-split files), this version leaves them out, and a run cut before it counted "
+    "them: retrain that run on the data as this version reads it")
 
 
 def check_same_record_counts(cut: Sequence[tuple[str, int]], input_runs: Sequence[InputRunRecord]) -> None:
@@ -131,4 +158,4 @@ def check_same_record_counts(cut: Sequence[tuple[str, int]], input_runs: Sequenc
                     f"{run.name} was trained on a shard of {path} cut from its {then} records, but it holds {now} "
                     f"now (a record fixed, added or removed): cut anew, this step's shard would overlap the rows "
                     f"that model trained on; restore the data as {run.run} read it, or retrain {run.run} on the "
-                    "data as it is now")
+                    f"data as it is now{_EVAL_SPLITS_NOTE if now < then else ''}")

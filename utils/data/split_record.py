@@ -3,7 +3,8 @@
 The seeded permutation that cuts a source into the steps' shards (`splits.phase_shard`) is drawn over its record
 count: a source that gained or lost a record between two steps (a malformed line fixed, a row added, a hub copy
 updated) is permuted anew, and the later step's shard overlaps the rows the earlier one trained on. The build that
-cuts a step's shards keeps the count it cut each `--data_path` source from with its tokenised data (the cached
+cuts a step's shards keeps the count it cut each source from (step 1's `--sft_only_data_path` sources too: their
+held-out part is drawn over their count alike) with its tokenised data (the cached
 state's `RECORDS_KEY`: a cache hit gives the count its items were cut from, and no source is read to count it); the
 step writes those counts in its run folder (`SPLIT_RECORD_FILE`, beside its args.json), and a later step started
 from that run compares them with the counts its own build cut (`shard_match.check_same_record_counts`). The record
@@ -23,7 +24,7 @@ from utils.dist import is_main_process
 from .sources import source_identity
 
 SPLIT_RECORD_FILE = "data_split.json"
-RECORDS_KEY = "records"  # in a step's cached data state: [[--data_path entry, records it was cut from], ...]
+RECORDS_KEY = "records"  # in a step's cached data state: [[source entry, records it was cut from], ...]
 
 
 def write_split_record(run_dir: str | os.PathLike, records: Sequence[tuple[str, int]], phase: int) -> None:
