@@ -407,9 +407,9 @@ def _launch_two_rank_cases(folder: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def two_rank_cases(tmp_path_factory) -> subprocess.CompletedProcess:
+def two_rank_cases(request) -> subprocess.CompletedProcess:
     """The one launch of `_two_rank_cases_worker` in this test run, whose output each two-rank test reads."""
-    return launched_once(tmp_path_factory, "ema_two_rank_cases", _launch_two_rank_cases)
+    return launched_once(request, "ema_two_rank_cases", _launch_two_rank_cases)
 
 
 def assert_two_rank_case_passed(launch: subprocess.CompletedProcess, name: str) -> None:

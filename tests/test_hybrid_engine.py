@@ -527,10 +527,10 @@ def launch_two_gloo_ranks(models_dir: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def two_gloo_ranks(tmp_path_factory) -> subprocess.CompletedProcess:
+def two_gloo_ranks(request) -> subprocess.CompletedProcess:
     """The one `launch_two_gloo_ranks` of this test run, whose output the two-rank tests read (a launch spends much
     of its time starting its ranks)."""
-    return launched_once(tmp_path_factory, "hybrid_engine_two_gloo_ranks", launch_two_gloo_ranks)
+    return launched_once(request, "hybrid_engine_two_gloo_ranks", launch_two_gloo_ranks)
 
 
 TWO_GLOO_RANK_MODES = [*MODES, *LONG_POSITION_MODES]  # the order the launch runs them in

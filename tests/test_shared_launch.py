@@ -6,12 +6,19 @@ import pytest
 from shared_launch import launched_once
 
 
-def test_a_launch_runs_once_per_run_and_one_that_raised_runs_again(tmp_path, monkeypatch):
-    """Callers in pytest-xdist workers (PYTEST_XDIST_WORKER) share the run's folder, above each worker's own."""
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+def fixture_request(basetemp, worker: str | None) -> SimpleNamespace:
+    """A stand-in for a test's `request` in a pytest process whose basetemp is `basetemp`: a pytest-xdist worker's
+    (its config's workerinput naming `worker`), or a serial run's (None)."""
+    config = SimpleNamespace() if worker is None else SimpleNamespace(workerinput={"workerid": worker})
+    tmp_path_factory = SimpleNamespace(getbasetemp=lambda: basetemp)
+    return SimpleNamespace(config=config, getfixturevalue={"tmp_path_factory": tmp_path_factory}.__getitem__)
+
+
+def test_a_launch_runs_once_per_run_and_one_that_raised_runs_again(tmp_path):
+    """Callers in pytest-xdist workers share the run's folder, above each worker's own."""
     worker_temp = tmp_path / "gw1"
     worker_temp.mkdir()
-    tmp_path_factory = SimpleNamespace(getbasetemp=lambda: worker_temp)
+    request = fixture_request(worker_temp, "gw1")
     folders = []
 
     def launch(folder):
@@ -21,10 +28,25 @@ def test_a_launch_runs_once_per_run_and_one_that_raised_runs_again(tmp_path, mon
         return subprocess.CompletedProcess(["worker", folder], 3, stdout="out", stderr="err")
 
     with pytest.raises(subprocess.TimeoutExpired):
-        launched_once(tmp_path_factory, "shared", launch)
-    first, again = (launched_once(tmp_path_factory, "shared", launch) for _ in range(2))
+        launched_once(request, "shared", launch)
+    first, again = (launched_once(request, "shared", launch) for _ in range(2))
     assert len(folders) == 2 and folders[0] != folders[1] and all(folder.is_dir() for folder in folders)
     assert folders[1].parent == tmp_path
     for result in (first, again):
         assert (result.args, result.returncode, result.stdout, result.stderr) == \
             (["worker", str(folders[1])], 3, "out", "err")
+
+
+def test_a_serial_run_started_from_a_workers_test_keeps_its_launch_in_its_own_folder(tmp_path, monkeypatch):
+    """A pytest started by a test on a worker inherits PYTEST_XDIST_WORKER; as a serial run it keeps its record in
+    its own basetemp, not in the folder above, which holds every run's and outlives them: a later run read an
+    earlier one's result from there."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    results = []
+    for run in ("first", "second"):
+        basetemp = tmp_path / f"pytest-{run}"
+        basetemp.mkdir()
+        results.append(launched_once(fixture_request(basetemp, None), "shared",
+                                     lambda folder, run=run: subprocess.CompletedProcess([run], 0, "", "")))
+    assert [result.args for result in results] == [["first"], ["second"]]
+    assert not list(tmp_path.glob("*.json"))
