@@ -53,10 +53,13 @@ REFERENCE = LayerShape(hidden=512, rows=2, seq=256, heads=8)
 QUICK = LayerShape(hidden=256, rows=1, seq=128, heads=4)
 
 
-def best_of(repeats: int, run: Callable[[], object]) -> float:
+def best_of(repeats: int, run: Callable[[], object], prepare: Callable[[], object] = lambda: None) -> float:
+    """The shortest of `repeats` timed calls of `run`, after a warm-up one; `prepare` runs untimed before each."""
+    prepare()
     run()  # warm-up: first-call allocation and kernel selection
     best = float("inf")
     for _ in range(repeats):
+        prepare()
         started = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - started)
@@ -167,12 +170,13 @@ def measure_optimizer_s_per_param(dtype: torch.dtype, parameters: int, repeats: 
         trained = [torch.nn.Parameter(weight) for weight in weights]
         optimizer = MasterWeightAdamW([{"params": trained}], lr=1e-6, betas=(0.9, 0.95), max_grad_norm=1.0)
 
-        def master_weight_step() -> None:
+        def sum_gradients() -> None:
+            """What training's backward hooks do (a backward's cost): each gradient cast into its fp32 sum."""
             for parameter, grad in zip(trained, grads):
-                parameter.grad = grad  # the step adds it into the fp32 sum and releases it
-            optimizer.step()
+                parameter.grad = grad
+            optimizer.get_grads_for_reduction()
 
-        return best_of(repeats, master_weight_step) / (numel * chunks)
+        return best_of(repeats, optimizer.step, sum_gradients) / (numel * chunks)
     master = [torch.nn.Parameter(torch.cat([w.float() for w in weights]))] if mixed else \
         [torch.nn.Parameter(w) for w in weights]
     optimizer = optimizer_of_kind(resolve_optimizer_kind("auto", offload=False), [{"params": master}], 1e-6)
