@@ -86,6 +86,26 @@ def test_step2_from_a_reward_model_trains_on_from_its_value_head(trained, tmp_pa
     assert again["eval_margin_before"] == pytest.approx(summary["eval_margin_after"], abs=1e-5)
 
 
+def test_each_step_records_the_shard_it_trained_on(trained, tmp_path):
+    """The same-shard checks read the phase a run's data_split.json records: steps 1, 2, DPO and 3 each write their
+    own (no other test reads it back from a step's run, so a step writing another went unseen)."""
+    from step2_reward.dpo.main import main as dpo_main
+    from step3_rlhf.main import main as step3_main
+    from utils.data.split_record import read_split_phase
+
+    root = trained["root"]
+    dpo_main(["--model_name_or_path", str(root / "step1"), "--learning_rate", "1e-3", "--max_steps", "1",
+              "--dtype", "fp32", *_common(trained["data"], root / "cache", tmp_path / "dpo")])
+    step3_main(["--actor_model_name_or_path", str(root / "step1"), "--critic_model_name_or_path", str(trained["run"]),
+                "--output_dir", str(tmp_path / "step3"), "--data_path", write_arithmetic_jsonl(tmp_path / "p.jsonl", 8),
+                "--data_split", "0,0,1", "--data_output_path", str(tmp_path / "cache"), "--max_prompt_seq_len", "48",
+                "--max_answer_seq_len", "8", "--eval_samples", "8", "--dtype", "fp32", "--max_steps", "1"])
+    phases = {run: read_split_phase(folder) for run, folder in
+              (("step1", root / "step1"), ("step2", trained["run"]), ("dpo", tmp_path / "dpo"),
+               ("step3", tmp_path / "step3"))}
+    assert phases == {"step1": 1, "step2": 2, "dpo": 2, "step3": 3}
+
+
 def test_rw_eval_scores_command_line_pairs_and_files(trained, tmp_path):
     run = str(trained["run"])
     cli = rw_eval.main(["--model_name_or_path", run, "--prompt", "What is 3 plus 4?",
@@ -137,6 +157,18 @@ def test_rw_eval_says_how_many_rows_of_a_file_hold_a_prompt_alone(trained, tmp_p
     scored = rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", str(path)])
     assert scored["rows"] == 1
     assert f"{path}: 2 of its 3 rows hold a prompt alone, no answer to score: left out" in capsys.readouterr().out
+
+
+def test_rw_eval_scores_a_datasets_evaluation_splits_unless_a_split_is_named(trained, tmp_path):
+    """rw_eval read a source as the steps do, its training splits alone, so a dataset's test split went unscored; it
+    reads the evaluation splits where a dataset has any, and the split a source names (NAME[SPLIT])."""
+    def pairs(*questions: str) -> list[dict]:
+        return [{"prompt": f"What is {q}?", "chosen": "It is 4.", "rejected": "I do not know."} for q in questions]
+
+    data = tmp_path / "splits.json"
+    data.write_text(json.dumps({"train": pairs("1 plus 1", "1 plus 2", "1 plus 3"), "test": pairs("2 plus 2", "3 plus 1")}))
+    for entry, rows in ((str(data), 2), (f"{data}[train]", 3)):
+        assert rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", entry])["rows"] == rows
 
 
 def test_rw_eval_cuts_as_the_run_trained_and_skips_what_step_2_drops(trained, tmp_path):
