@@ -65,8 +65,9 @@ class GenerationSettings(DecodingSettings):
     num_beams: int = field(default=1, metadata={"help": "beam search with this many beams (1: none)"})
     batch_size: int = field(default=8, metadata={"help": "prompts answered together"})
 
-    def generate_kwargs(self, tokenizer_size: int, stop_token_ids: Sequence[int]) -> dict:
-        return {**super().generate_kwargs(tokenizer_size, stop_token_ids), "num_beams": self.num_beams}
+    def generate_kwargs(self, tokenizer_size: int, stop_token_ids: Sequence[int],
+                        attention_mask: torch.Tensor | None = None) -> dict:
+        return {**super().generate_kwargs(tokenizer_size, stop_token_ids, attention_mask), "num_beams": self.num_beams}
 
     def flag_rules(self) -> list[tuple[str, bool, str]]:
         return [*super().flag_rules(), ("num_beams", self.num_beams < 1, "must be at least 1"),
@@ -165,8 +166,8 @@ def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
             batch_rows = group[start : start + settings.batch_size]
             batch = tokenizer([rendered[row] for row in batch_rows], return_tensors="pt", padding=True,
                               add_special_tokens=add_special_tokens).to(device)
-            output = model.generate(**batch, **settings.generate_kwargs(len(tokenizer), stop_token_ids),
-                                    max_new_tokens=budget, pad_token_id=tokenizer.pad_token_id,
+            decoding = settings.generate_kwargs(len(tokenizer), stop_token_ids, batch["attention_mask"])
+            output = model.generate(**batch, **decoding, max_new_tokens=budget, pad_token_id=tokenizer.pad_token_id,
                                     eos_token_id=stop_token_ids)
             for row, new_tokens in zip(batch_rows, output[:, batch["input_ids"].shape[1]:]):
                 answers[row] = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()

@@ -15,6 +15,7 @@ from training.generation.generator import (
     BeyondTokenizerBan,
     GenerationConfig,
     HFGenerator,
+    RepetitionPenaltySparingStops,
     TokenChoice,
     answer_mask_from_tokens,
     assemble_output,
@@ -81,6 +82,28 @@ def test_transformers_generate_is_kept_to_the_tokenizers_ids_without_touching_it
     assert torch.equal(scores, kept)  # `generate` reports these as the step's logits
     assert torch.equal(banned[:, :40], kept[:, :40]) and torch.isneginf(banned[:, 40:]).all()
     assert BeyondTokenizerBan(50)(None, scores) is scores
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_the_repetition_penalty_of_a_left_padded_batch_leaves_the_padding_out(beams):
+    """prompt_eval answers left-padded batches: transformers' own penalty left the padding out (from the attention
+    mask), RepetitionPenaltySparingStops penalised the pad id in the shorter prompts' rows alone, so an answer
+    depended on which prompts shared its batch. Each row's scores are now those of its prompt alone, with the
+    generated part penalised and the stop id spared; `generate` holds each prompt's beams in consecutive rows."""
+    pad, stop, vocab = 0, 9, 10
+    long_prompt, short_prompt = [5, stop, 6, 4], [7, stop]
+    batch = torch.tensor([long_prompt, [pad, pad, *short_prompt]]).repeat_interleave(beams, dim=0)
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    generated = torch.tensor([[3], [8]]).repeat_interleave(beams, dim=0)
+    scores = torch.linspace(-2.0, 2.0, vocab).abs().add(0.5).expand(2 * beams, vocab).clone()
+    penalised = RepetitionPenaltySparingStops(1.5, [stop], mask)(torch.cat([batch, generated], dim=1), scores.clone())
+    for row, prompt in enumerate((long_prompt, short_prompt)):
+        alone = RepetitionPenaltySparingStops(1.5, [stop])(torch.tensor([[*prompt, *generated[row * beams]]]),
+                                                           scores[:1].clone())
+        for beam in range(beams):
+            assert torch.equal(penalised[row * beams + beam], alone[0]), (row, beam)
+    assert (penalised[:, [pad, stop]] == scores[:, [pad, stop]]).all()
+    assert (penalised[:, [3, 6]] < scores[:, [3, 6]]).tolist() == [[True, True]] * beams + [[False, False]] * beams
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])

@@ -117,13 +117,15 @@ class DecodingSettings(SamplingSettings):
             ("top_k", self.do_sample and self.top_k < 0, "must be 0 (all tokens) or positive"),
         ]
 
-    def generate_kwargs(self, tokenizer_size: int, stop_token_ids: Sequence[int]) -> dict:
+    def generate_kwargs(self, tokenizer_size: int, stop_token_ids: Sequence[int],
+                        attention_mask: torch.Tensor | None = None) -> dict:
         """The `model.generate` keyword arguments, but for `max_new_tokens` (each answer's `AnswerLimit`) and the
         `stop_token_ids` themselves: choices kept to the tokenizer's ids (`BeyondTokenizerBan`), the repetition
-        penalty sparing the stop ids (`RepetitionPenaltySparingStops`), the sampling ones only when sampling."""
+        penalty sparing the stop ids and the left padding of the prompts' `attention_mask` (None: prompts without
+        padding; `RepetitionPenaltySparingStops`), the sampling ones only when sampling."""
         processors = [BeyondTokenizerBan(tokenizer_size)]
         if self.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltySparingStops(self.repetition_penalty, stop_token_ids))
+            processors.append(RepetitionPenaltySparingStops(self.repetition_penalty, stop_token_ids, attention_mask))
         kwargs = {"do_sample": self.do_sample, "logits_processor": LogitsProcessorList(processors)}
         if self.do_sample:
             kwargs.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
@@ -261,19 +263,30 @@ class BeyondTokenizerBan(LogitsProcessor):
 
 
 class RepetitionPenaltySparingStops(LogitsProcessor):
-    """transformers' repetition penalty on every id the sequence holds but the ids an answer stops at. A chat prompt
-    holds the end-of-turn token after each message (ChatML's <|im_end|>, SmolLM2-Instruct's EOS too), so transformers'
-    own penalty made the end of every answer less likely (a positive logit divided by the penalty) and answers ran
-    on."""
+    """transformers' repetition penalty on every id the sequence holds but the ids an answer stops at and the left
+    padding of its prompt. A chat prompt holds the end-of-turn token after each message (ChatML's <|im_end|>,
+    SmolLM2-Instruct's EOS too), so transformers' own penalty made the end of every answer less likely (a positive
+    logit divided by the penalty) and answers ran on. The padding is left out as `generate`'s own penalty leaves it
+    (from the attention mask), so that an answer does not depend on the prompts that share its batch."""
 
-    def __init__(self, penalty: float, stop_token_ids: Sequence[int]):
-        self.penalize = RepetitionPenaltyLogitsProcessor(penalty)
+    def __init__(self, penalty: float, stop_token_ids: Sequence[int], attention_mask: torch.Tensor | None = None):
+        self.penalty = penalty
         self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long)
+        self.padding_lengths = None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         stops = self.stop_token_ids[self.stop_token_ids < scores.shape[-1]].to(scores.device)
         unpenalized = scores.index_select(-1, stops)
-        return self.penalize(input_ids, scores).index_copy(-1, stops, unpenalized)
+        penalize = RepetitionPenaltyLogitsProcessor(self.penalty, self._padding_of_rows(input_ids))
+        return penalize(input_ids, scores).index_copy(-1, stops, unpenalized)
+
+    def _padding_of_rows(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Each row's left padding: its prompt's, for each of the prompt's beams (`generate` holds a prompt's beams
+        in consecutive rows)."""
+        if self.padding_lengths is None:
+            return None
+        beams = input_ids.shape[0] // self.padding_lengths.shape[0]
+        return self.padding_lengths.repeat_interleave(beams).to(input_ids.device)
 
 
 def tokenizer_ids_only(tokenizer_size: int | None) -> dict:
