@@ -156,8 +156,9 @@ def test_a_calibration_started_by_a_launched_rank_makes_a_world_of_its_own():
               "print(sorted(measure_ranks('fp32', 1, 2, quick=True)))")
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONPATH": str(REPO_ROOT)}
+    # the timeout guards against the hang alone: the calibration took 71-103 s on a loaded 2-core machine
     finished = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=120)
+                              timeout=300)
     assert finished.returncode == 0 and "matmul_flops" in finished.stdout, finished.stderr[-3000:]
 
 
