@@ -166,7 +166,8 @@ def test_rw_eval_scores_a_datasets_evaluation_splits_unless_a_split_is_named(tra
         return [{"prompt": f"What is {q}?", "chosen": "It is 4.", "rejected": "I do not know."} for q in questions]
 
     data = tmp_path / "splits.json"
-    data.write_text(json.dumps({"train": pairs("1 plus 1", "1 plus 2", "1 plus 3"), "test": pairs("2 plus 2", "3 plus 1")}))
+    data.write_text(json.dumps({"train": pairs("1 plus 1", "1 plus 2", "1 plus 3"),
+                                "test": pairs("2 plus 2", "3 plus 1")}))
     for entry, rows in ((str(data), 2), (f"{data}[train]", 3)):
         assert rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", entry])["rows"] == rows
 

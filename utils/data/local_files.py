@@ -4,9 +4,10 @@ A folder is read recursively (into linked folders too), its .json/.jsonl/.parque
 folders inside it whose names start with "." or "_" are left out, as `datasets` leaves them out: a notebook's
 `.ipynb_checkpoints/` copies of older files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`'
 `save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, less
-its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. So are the
-files of a folder's evaluation splits, by the split their names give them (`file_split`: `data/test-00000-of-00001.parquet`). The files `datasets` writes beside rows
-(dataset_info.json, dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
+its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. A folder's
+files of its evaluation splits are left out too, by the split their names give them (`file_split`:
+`data/test-00000-of-00001.parquet`). The files `datasets` writes beside rows (dataset_info.json,
+dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ two settings decide the shards; a stated format (`PATH:FORMAT`) changes how rows
 says which shard that run trained on; a record written before it said so is not checked for this) holds out the
 first records of the same shard, so it must hold out no more than that run did, which trained on the rest; step 1's
 `--sft_only_data_path` sources are held out alike, cut by `--seed` alone over their record counts (recorded and
-compared as the sharded sources' are), and one that run sharded (its `--data_path`) would be held out otherwise. A source the earlier step
-trained on whole (step 1's `--sft_only_data_path`) overlaps any shard of it, whatever the settings. A source
-whose record count changed between the runs (a malformed line fixed, a row added, a hub copy updated) is permuted
-anew too: the earlier run's folder records the counts its build cut (`split_record`), which this step's build compares
-with the counts it cuts (`check_same_record_counts`; the check before the build reads no source); a run folder
-written before that record is not checked for it.
+compared as the sharded sources' are), and one that run sharded (its `--data_path`) would be held out otherwise.
+A source the earlier step trained on whole (step 1's `--sft_only_data_path`) overlaps any shard of it, whatever the
+settings. A source whose record count changed between the runs (a malformed line fixed, a row added, a hub copy
+updated) is permuted anew too: the earlier run's folder records the counts its build cut (`split_record`), which
+this step's build compares with the counts it cuts (`check_same_record_counts`; the check before the build reads no
+source); a run folder written before that record is not checked for it.
 """
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def check_same_shards(current: Mapping[str, Any], earlier: Mapping[str, Any], ea
             f"of it this step trains or evaluates on holds rows that model trained on; drop it from --data_path, "
             f"or retrain {earlier_run} with it in --data_path instead")
     same_step = read_split_phase(earlier_run) == phase
-    shared_whole = _check_same_whole_cut(current, earlier, earlier_name, earlier_run) if same_step and phase == 1 else []
+    shared_whole = (_check_same_whole_cut(current, earlier, earlier_name, earlier_run) if same_step and phase == 1
+                    else [])
     shared = shared_sources(current["data_path"], earlier["data_path"])
     if shared:
         _check_same_cut(shared, current, earlier, earlier_name, earlier_run)

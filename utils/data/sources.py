@@ -5,9 +5,10 @@ json/jsonl/parquet file or folder (see local_files.py), or a Hugging Face hub na
 `datasets.load_dataset`, its splits concatenated in name order, less its evaluation splits, `test` and `validation`,
 where it has any other: the pipeline makes its own phase and eval splits, and trains on none of the dataset's
 held-out rows). Append `[SPLIT]` to a hub name, a saved `DatasetDict`, a folder of per-split files or a .json object of
-lists to read that one split alone (an evaluation split too), e.g. `Dahoas/rm-static[test]`. Append `:FORMAT` to state the row format instead of detecting it from the columns, e.g.
-`pairs.jsonl:hh_rlhf`; each file of a folder is detected on its own, and a folder whose files differ is
-refused. A local row's dict column `metadata` is kept with its samples.
+lists to read that one split alone (an evaluation split too), e.g. `Dahoas/rm-static[test]`. Append `:FORMAT` to
+state the row format instead of detecting it from the columns, e.g. `pairs.jsonl:hh_rlhf`; each file of a folder
+is detected on its own, and a folder whose files differ is refused. A local row's dict column `metadata` is kept
+with its samples.
 
 A local source is fingerprinted by its files' paths, sizes and content hashes; a hub dataset by its name
 only, so pass --rebuild_data_cache after the hub copy changes.
