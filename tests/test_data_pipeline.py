@@ -758,6 +758,39 @@ def test_a_folder_of_per_split_files_is_read_less_its_evaluation_splits(tmp_path
     assert prompts(str(tmp_path / "repo" / "data" / "test-00000-of-00001.jsonl")) == ["d", "e"]  # a file, named
 
 
+@pytest.mark.parametrize("kept, left_out", [
+    (["train/part0.jsonl"], ["test/part0.jsonl"]),
+    (["default/train/0000.jsonl"], ["default/test/0000.jsonl", "default/validation/0000.jsonl"]),
+    (["hh-rlhf-train.jsonl"], ["hh-rlhf-test.jsonl"]),
+    (["rm_static_train.jsonl", "notes.jsonl"], ["rm_static_test.jsonl", "my-test-data.jsonl", "dev 2.jsonl"]),
+])
+def test_a_folder_names_its_splits_in_its_folders_or_anywhere_in_a_files_name(tmp_path, kept, left_out):
+    """A file's split was its name's part before the first '-' or '.', so a split given by a subfolder
+    (default/test/0000.jsonl, the hub's parquet-export layout) or after a prefix (hh-rlhf-test.jsonl: 'hh') was
+    trained on; a split word is found as datasets finds one, in a folder or between separators of the name; a file
+    naming none is read with the training splits."""
+    from utils.data.sources import load_source, parse_source_spec
+
+    for name in kept + left_out:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"prompt": name, "chosen": "yes", "rejected": "no"}) + "\n")
+    assert [row["prompt"] for row in load_source(parse_source_spec(str(tmp_path))).records] == sorted(kept)
+
+
+def test_a_folder_whose_files_name_no_split_is_read_whole(tmp_path):
+    """A folder of files naming no split (part-0.jsonl, shard_1.jsonl) is one split, read whole."""
+    from utils.data.sources import load_source, parse_source_spec
+
+    names = ["a/part-0.jsonl", "shard_1.jsonl", "shard_2.parquet"]
+    for name in names[:2]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps({"prompt": name, "chosen": "yes", "rejected": "no"}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([{"prompt": names[2], "chosen": "yes", "rejected": "no"}]), tmp_path / names[2])
+    assert [row["prompt"] for row in load_source(parse_source_spec(str(tmp_path))).records] == names
+
+
 def test_other_ranks_wait_and_load_what_local_rank_zero_built(tmp_path, monkeypatch):
     import utils.data.cache as cache
 

@@ -5,13 +5,14 @@ folders inside it whose names start with "." or "_" are left out, as `datasets` 
 `.ipynb_checkpoints/` copies of older files, Spark's `_SUCCESS` and `_temporary/`. A folder written by `datasets`'
 `save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, less
 its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. A folder's
-files of its evaluation splits are left out too, by the split their names give them (`file_split`:
-`data/test-00000-of-00001.parquet`). The files `datasets` writes beside rows (dataset_info.json,
+files of its evaluation splits are left out too, by the split word of their folders or names (`file_split`:
+`default/test/0000.parquet`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl`). The files `datasets` writes beside rows (dataset_info.json,
 dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from utils.errors import UserError
 
-from .eval_splits import TRAINING, SplitChoice
+from .eval_splits import EVAL_SPLIT_WORDS, TRAINING, SplitChoice
 from .jsonio import FileRecords, read_json_file
 from .samples import SkippedRows
 
@@ -164,16 +165,33 @@ def _read_saved_dataset(path: Path, choice: SplitChoice) -> list[FileRecords]:
     return [FileRecords.numbered(path.name, "row", loaded.to_list())]
 
 
-def file_split(file: Path) -> str:
-    """The split a data file's name gives it, as `datasets` names a split's files (a cloned hub repository's
-    `data/train-00000-of-00001.parquet` is train's, `test.jsonl` test's): its name up to the first "-" or "."."""
-    return file.name.split("-", 1)[0].split(".", 1)[0]
+# The words that name a split in a folder's or file's name, as `datasets` finds a data folder's splits
+# (data_files.py's SPLIT_KEYWORDS); the evaluation splits' words are `eval_splits`' own.
+_SPLIT_WORDS = EVAL_SPLIT_WORDS | {"train", "training"}
+# What separates those words in a name, as `datasets` separates them (NON_WORDS_CHARS): "hh-rlhf-test", "train0".
+_NAME_SEPARATORS = re.compile(r"[-._ 0-9]+")
+# The split of a file whose folders and name give none: `datasets` reads such a folder as its train split.
+UNNAMED_SPLIT = "train"
+
+
+def file_split(file: Path, folder: Path) -> str:
+    """The split a file of `folder` has by its path inside it, as `datasets` finds a data folder's splits: the first
+    split word (`_SPLIT_WORDS`, between separators `_NAME_SEPARATORS`) of its folders below `folder`, outermost first,
+    then of its name (`default/test/0000.jsonl`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl` and
+    `rm_static_test.jsonl` are test's); `UNNAMED_SPLIT` where none names one."""
+    relative = file.relative_to(folder)
+    for part in (*relative.parent.parts, relative.stem):
+        word = next((word for word in _NAME_SEPARATORS.split(part.lower()) if word in _SPLIT_WORDS), None)
+        if word is not None:
+            return word
+    return UNNAMED_SPLIT
 
 
 def _files_of_splits(folder: Path, files: Sequence[Path], choice: SplitChoice) -> list[Path]:
     """The files of the splits `choice` picks among the files' splits (`file_split`), as of a hub dataset's."""
-    chosen = set(choice.of(str(folder), sorted({file_split(file) for file in files})))
-    return [file for file in files if file_split(file) in chosen]
+    splits = {file: file_split(file, folder) for file in files}
+    chosen = set(choice.of(str(folder), sorted(set(splits.values()))))
+    return [file for file in files if splits[file] in chosen]
 
 
 def read_local_files(path: Path, skipped: SkippedRows, choice: SplitChoice = TRAINING) -> list[FileRecords]:
