@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from utils.log import deepspeed_logs_to_stderr
+from utils.log import deepspeed_logs_to_stderr, setup_logging
 
 deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the scores alone
 
@@ -273,6 +273,7 @@ def _prepared_rows(args: RewardEvalArguments) -> tuple[PreTrainedTokenizerBase, 
 
 @run_cli
 def main(argv: list[str] | None = None) -> dict:
+    setup_logging()  # on standard error: which splits of --input_file are scored (eval_splits' info line)
     args = parse_args(argv)
     tokenizer, rows = _prepared_rows(args)
     model = RewardModel.from_pretrained(args.model_name_or_path,

@@ -950,6 +950,20 @@ def test_inspect_data_counts_tokenised_items_and_names_each_sources_format_and_s
     assert "(format deepspeed_chat), step 3 prompts: 10 records -> 9 train / 1 eval samples; skipped: none" in printed
 
 
+def test_inspect_data_says_which_splits_of_a_source_it_leaves_out(tmp_path):
+    """inspect_data logged at WARNING alone, so it counted a folder less its test split's files without saying so."""
+    import subprocess
+    import sys
+
+    for split, count in (("train", 30), ("test", 5)):
+        (tmp_path / f"{split}.jsonl").write_text("".join(
+            json.dumps({"prompt": f"{split} {i}", "chosen": "yes", "rejected": "no"}) + "\n" for i in range(count)))
+    done = subprocess.run([sys.executable, "-m", "training.pipeline.inspect_data", "--data_path", str(tmp_path),
+                           "--data_output_path", str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=600, check=True)
+    assert "its splits train are read, its evaluation splits test left out" in done.stderr
+
+
 def test_inspect_data_counts_with_a_tokenizer_that_ships_its_own_code(tmp_path, capsys):
     """inspect_data had no --trust_remote_code: the tokenizer of a model that ships its own code, which the steps
     load with that flag, could not count the items they train on."""

@@ -172,6 +172,22 @@ def test_rw_eval_scores_a_datasets_evaluation_splits_unless_a_split_is_named(tra
         assert rw_eval.main(["--model_name_or_path", str(trained["run"]), "--input_file", entry])["rows"] == rows
 
 
+def test_rw_eval_says_which_splits_of_its_input_it_scores(trained, tmp_path):
+    """rw_eval set up no logging, so the info line naming the evaluation splits it scored was never shown: a user
+    scoring a hub name got its test split alone without a word. It is on standard error, the scores on standard
+    output."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "splits.json"
+    data.write_text(json.dumps({split: [{"prompt": "What is 2 plus 2?", "chosen": "It is 4.", "rejected": "No."}]
+                                for split in ("train", "test")}))
+    done = subprocess.run([sys.executable, "-m", "step2_reward.rw_eval", "--model_name_or_path", str(trained["run"]),
+                           "--input_file", str(data)], capture_output=True, text=True, timeout=600, check=True)
+    assert "its evaluation splits test are read" in done.stderr
+    assert "its evaluation splits" not in done.stdout
+
+
 def test_rw_eval_cuts_as_the_run_trained_and_skips_what_step_2_drops(trained, tmp_path):
     """The run trained at --max_seq_len 64 (its args.json): a prompt that alone fills it, and two answers the same
     once cut, are skipped and counted, as step 2 dropped such pairs (they would tie and count as wrong)."""

@@ -8,7 +8,6 @@ items survive the length limits.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 
 from training.core.args import SettingsParser, trust_remote_code_field
@@ -18,6 +17,7 @@ from utils.data.phases import SourceSplit, gives_step_data, phase_splits, warn_r
 from utils.data.samples import KINDS, PHASE_KINDS
 from utils.data.sources import load_source
 from utils.errors import run_cli
+from utils.log import setup_logging
 
 _KIND_LABELS = {"sft": "SFT pairs", "pairs": "preference pairs", "prompts": "prompts"}
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = settings.data
     # the steps' data checks as step 1 runs them: the step-1-only sources go to step 1 alone, as train.py gives them
     data.check_flags(phase=1)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()  # the info lines too: which splits of a source are read and which left out
     warn_repeated_sources(data.data_path, data.sft_only_data_path)
     splits = shard_splits(data)
     counts = raw_counts(splits)
