@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from supervised_data import build_phase_datasets, write_arithmetic_jsonl
+from supervised_data import arithmetic_rows, build_phase_datasets, write_arithmetic_jsonl
 from tiny_models import make_tiny_model, make_tiny_model_dir, make_tokenizer, save_model_also_stopping_at_endoftext
 from transformers import AutoModelForCausalLM, set_seed
 
@@ -346,6 +346,26 @@ def test_a_resume_on_other_data_is_refused(distributed, tiny_model_dir, tmp_path
     error = capsys.readouterr().err
     assert refused.value.code == 2 and "but its data differ from that run's (eval: " in error, error
     assert "train: 7 items -> 14" in error
+
+
+def test_a_resume_on_data_that_lost_its_evaluation_splits_says_this_version_leaves_them_out(
+        distributed, tiny_model_dir, tmp_path, capsys):
+    """A run checkpointed before this version read a folder's evaluation-split files; now left out, its resume was
+    refused as 'the data files changed', though no file had: the refusal says that this version leaves them out."""
+    model_dir = tiny_model_dir("llama")
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rows = [json.dumps(row) + "\n" for row in arithmetic_rows(32)]
+    (folder / "train.jsonl").write_text("".join(rows[:16]))
+    (folder / "held.jsonl").write_text("".join(rows[16:]))  # test.jsonl as an earlier version read it: kept
+    args = _args(model_dir, str(folder), tmp_path, "--max_steps", "1", "--save_interval", "1")
+    main(args)
+    (folder / "held.jsonl").rename(folder / "test.jsonl")
+    with pytest.raises(SystemExit) as refused:
+        main([*args, "--resume"])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and "but its data differ from that run's" in error, error
+    assert "If a source has evaluation splits" in error and "this version leaves them out" in error, error
 
 
 def test_a_resume_from_an_input_model_replaced_at_the_same_path_is_refused(distributed, tiny_model_dir, tmp_path,

@@ -58,6 +58,7 @@ from utils.atomic import (
     remove_temporaries,
     shared_atomic_directory,
 )
+from utils.data.eval_splits import EVAL_SPLITS_NOTE
 from utils.dist import (
     all_gather_objects,
     barrier,
@@ -303,7 +304,7 @@ class CheckpointManager:
                 problem = (f"--resume continues the run checkpointed in {info.path}, but its data differ from that "
                            f"run's ({_data_changes(recorded, self.data)}): the data files changed, or flags that "
                            f"pick the items did. Resume on that run's data, or start a new run in another "
-                           f"--output_dir")
+                           f"--output_dir{_eval_splits_note(recorded, self.data)}")
         refuse_on_every_rank(problem)
 
     def check_inputs(self, models: Mapping[str, str | None], resume: bool) -> None:
@@ -761,6 +762,13 @@ def _data_changes(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> st
             same_size = then.get("items") == now.get("items")
             changes.append(f"{name}: {then.get('items')} items -> {now.get('items')}{', other items' if same_size else ''}")
     return "; ".join(changes)
+
+
+def _eval_splits_note(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str:
+    """Where a dataset lost items, that this version leaves out evaluation splits a run checkpointed before it read."""
+    dropped = any((current.get(name) or {}).get("items", 0) < (then or {}).get("items", 0)
+                  for name, then in recorded.items())
+    return f". {EVAL_SPLITS_NOTE}: start a new run on the data as this version reads it" if dropped else ""
 
 
 def _damaged(info: CheckpointInfo, what: str) -> str:

@@ -15,6 +15,12 @@ EVAL_SPLIT_WORDS = frozenset({"test", "validation", "valid", "val", "dev", "eval
 
 logger = logging.getLogger("utils.data")
 
+# Said where a run's data count dropped: a run cut before this version (763e8ef, 2079559) counted the rows of
+# evaluation splits that are now left out. A sentence, followed by ": " and the way out.
+EVAL_SPLITS_NOTE = ("If a source has evaluation splits (test, validation: a hub dataset, a save_to_disk DatasetDict, "
+                    "a .json object of lists, a folder of per-split files), this version leaves them out, and a run "
+                    "cut before it counted them")
+
 
 def is_eval_split(split: str) -> bool:
     """Whether a split's name says it holds a dataset's held-out rows (`EVAL_SPLIT_WORDS`: "test", "test_prefs")."""

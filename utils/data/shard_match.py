@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from utils.errors import UserError
 
+from .eval_splits import EVAL_SPLITS_NOTE
 from .sources import source_identity
 from .split_record import read_split_phase, read_split_record
 from .splits import same_shards
@@ -141,10 +142,7 @@ def _check_held_out_within(shared: Sequence[str], current: Mapping[str, Any], ea
             f"or less to continue {earlier_run}")
 
 
-_EVAL_SPLITS_NOTE = (
-    ". If the source has evaluation splits (test, validation: a hub dataset, a save_to_disk DatasetDict, a .json "
-    "object of lists, a folder of per-split files), this version leaves them out, and a run cut before it counted "
-    "them: retrain that run on the data as this version reads it")
+_EVAL_SPLITS_RETRAIN = f". {EVAL_SPLITS_NOTE}: retrain that run on the data as this version reads it"
 
 
 def check_same_record_counts(cut: Sequence[tuple[str, int]], input_runs: Sequence[InputRunRecord]) -> None:
@@ -159,4 +157,4 @@ def check_same_record_counts(cut: Sequence[tuple[str, int]], input_runs: Sequenc
                     f"{run.name} was trained on a shard of {path} cut from its {then} records, but it holds {now} "
                     f"now (a record fixed, added or removed): cut anew, this step's shard would overlap the rows "
                     f"that model trained on; restore the data as {run.run} read it, or retrain {run.run} on the "
-                    f"data as it is now{_EVAL_SPLITS_NOTE if now < then else ''}")
+                    f"data as it is now{_EVAL_SPLITS_RETRAIN if now < then else ''}")
