@@ -159,6 +159,14 @@ def test_stated_format_overrides_detection(tmp_path):
         parse_source_spec(f"{path}:nonsense")
 
 
+def test_a_split_named_after_the_format_is_refused_saying_it_goes_before():
+    """`Dahoas/rm-static:deepspeed_chat[test]` was refused as an unknown data format 'deepspeed_chat[test]'."""
+    with pytest.raises(UserError, match=r"write \[SPLIT\] before :FORMAT, 'Dahoas/rm-static\[test\]:deepspeed_chat'"):
+        parse_source_spec("Dahoas/rm-static:deepspeed_chat[test]")
+    with pytest.raises(UserError, match="unknown data format 'nonsense\\[test\\]'"):
+        parse_source_spec("Dahoas/rm-static:nonsense[test]")
+
+
 def test_undetectable_format_is_a_user_error(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"foo": 1}])
     with pytest.raises(UserError, match="PATH:FORMAT"):

@@ -75,8 +75,17 @@ def parse_source_spec(text: str) -> SourceSpec:
     if path and suffix in FORMATS:
         return _with_split(path, suffix)
     if path and suffix and not os.path.exists(text) and "/" not in suffix and "\\" not in suffix:
+        _refuse_split_after_format(text, path, suffix)
         raise UserError(f"unknown data format '{suffix}' in '{text}'; use one of {', '.join(FORMATS)}")
     return _with_split(text, None)
+
+
+def _refuse_split_after_format(text: str, path: str, suffix: str) -> None:
+    """Refuse `PATH:FORMAT[SPLIT]` (a known FORMAT) naming the order `[SPLIT]` and `:FORMAT` go in."""
+    named = _NAMED_SPLIT.fullmatch(suffix)
+    if named is not None and named["path"] in FORMATS:
+        raise UserError(f"data source '{text}' names its split after its format: write [SPLIT] before :FORMAT, "
+                        f"'{path}[{named['split']}]:{named['path']}'")
 
 
 def _with_split(text: str, data_format: str | None) -> SourceSpec:
