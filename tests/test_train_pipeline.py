@@ -220,7 +220,7 @@ def test_host_memory_is_counted_up_to_the_cgroup_memory_limit(proc_self_cgroup, 
     """psutil's memory installed ignores a cgroup's limit (Slurm's --mem, Kubernetes, docker --memory): a 1 TiB node
     running a 64 GiB job was planned as 1 TiB, offload sized for memory the job may not use, and the job killed. The
     plan counts the limit where one is set below what is installed, and its note says so."""
-    from training.pipeline.deployment import ModelSizes, Workload, host_memory_short_now
+    from training.pipeline.deployment import HostNeed, ModelSizes, Workload, host_memory_short_now
     from training.pipeline.hardware import GIB, ModelSize, cgroup_memory_limit
 
     b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
@@ -232,7 +232,7 @@ def test_host_memory_is_counted_up_to_the_cgroup_memory_limit(proc_self_cgroup, 
     plan = _planned_with_memory(monkeypatch, 1024, 900, 1, ModelSizes(b7, b7), Workload(), [1], cgroups)
     assert f"host memory counted for offload: {counted} on this machine" in plan.notes
     if capped:  # the offload warning names the figure the plan counted as the note does, not "installed" alone
-        (warning,) = host_memory_short_now(here, {1: limit_gib * GIB})
+        (warning,) = host_memory_short_now(here, {1: HostNeed(limit_gib * GIB, limit_gib * GIB)})
         assert f"the plan counts its {counted}, other processes hold the rest" in warning
 
 
@@ -308,8 +308,9 @@ def test_step_3s_offload_is_counted_model_by_model_from_the_flags_it_runs_with(m
     frozen_kept_on_gpu = {"offload_reference_model": False, "offload_reward_model": False}
     (warning,) = _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), grpo, [3],
                                              {3: frozen_kept_on_gpu})
-    assert warning.startswith("step 3's offload, as your --offload_reference_model, --offload_reward_model set it, "
-                              "puts 14.0 GiB")  # the ZeRO-3 actor's weights and LoRA optimizer state
+    assert warning.startswith("step 3's offload puts 14.0 GiB")  # the ZeRO-3 actor's weights and LoRA optimizer state
+    assert warning.endswith("plan less offload: a smaller model, more GPUs or nodes (your --offload_reference_model, "
+                            "--offload_reward_model lowered it from the plan's 40.0 GiB)")
     assert _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), grpo, [3],
                                        {3: {**frozen_kept_on_gpu, "actor_offload": False}}) == []
     b025 = ModelSize(parameters=250_000_000, hidden_size=1024, num_layers=16, vocab_size=32000)
@@ -320,6 +321,55 @@ def test_step_3s_offload_is_counted_model_by_model_from_the_flags_it_runs_with(m
         {3: {"actor_zero_stage": 3, "actor_offload": True, "offload_reference_model": True}})
     assert warning.startswith("step 3's offload, as your --actor_zero_stage, --actor_offload, "
                               "--offload_reference_model set it, puts 4.2 GiB")
+
+
+@pytest.mark.parametrize("off", [False, "false", "False", "0", "no"], ids=["bool", "false", "False", "0", "no"])
+def test_a_flag_that_lowers_the_need_is_not_blamed_for_it(off, monkeypatch):
+    """2d2ed93 named every memory flag set otherwise than planned as the one to blame: DPO 7B where 16 GiB are
+    available, with --offload_reference_model false (its offload 14.0 GiB, the plan's 27.0), was warned of "as your
+    --offload_reference_model set it", advising to leave it to the plan, which raises the need. A flag that lowered
+    it is said to have, in any spelling the step's parser reads as false."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+
+    b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
+    (warning,) = _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), Workload(), [4],
+                                             {4: {"offload_reference_model": off}})
+    assert warning.startswith("DPO (step 4)'s offload puts 14.0 GiB in host memory")
+    assert warning.endswith("plan less offload: a smaller model, more GPUs or nodes (your --offload_reference_model "
+                            "lowered it from the plan's 27.0 GiB)")
+
+
+@pytest.mark.parametrize("on", [True, "true", "True", "1", "yes"], ids=["bool", "true", "True", "1", "yes"])
+def test_offload_is_on_in_any_spelling_the_steps_parser_reads_as_true(on, monkeypatch):
+    """A plain argparse step gives its flags as text, which the need was counted on only as "true": "--offload 1"
+    or "yes", which the settings parser reads as true, counted no offload, and went unwarned."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+
+    b05 = ModelSize(parameters=500_000_000, hidden_size=1024, num_layers=24, vocab_size=32000)
+    (warning,) = _offload_warned_with_memory(monkeypatch, 64, 8, 1, ModelSizes(b05, b05), Workload(), [1],
+                                             {1: {"zero_stage": "3", "offload": on}})
+    assert warning.startswith("step 1's offload, as your --zero_stage, --offload set it, puts 7.5 GiB")
+
+
+def test_a_zero_stage_train_py_sets_is_named_where_it_raises_the_need(monkeypatch):
+    """--actor-zero-stage changes the plan's own flags: a 3B step 1 planned as ZeRO-2 with offload (39.1 GiB, under
+    70% of 60 GiB available) run at ZeRO-3 also offloads the weights (44.7 GiB), and was warned of without naming the
+    flag that did it, advising "plan less offload" alone."""
+    from training.pipeline.deployment import Model, ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+    from training.pipeline.planning import apply_zero_overrides, host_memory_warnings
+
+    b3 = ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000)
+    plan = _planned_with_memory(monkeypatch, 96, 60, 1, ModelSizes(b3, b3), Workload(), [1])
+    here = _machine_with_memory(monkeypatch, 96, 60, 1)
+    assert (plan.steps[1].flags["zero_stage"], plan.steps[1].flags["offload"]) == (2, True)
+    assert host_memory_warnings(plan, here, None, {1: plan.steps[1].flags}) == []
+    apply_zero_overrides(plan, {Model.ACTOR: 3, Model.REWARD: None}, [1])
+    (warning,) = host_memory_warnings(plan, here, None, {1: plan.steps[1].flags})
+    assert warning.startswith("step 1's offload, as your --actor-zero-stage set it, puts 44.7 GiB")
+    assert warning.endswith("offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes")
 
 
 def _seventy_b_on_one_gpu(tmp_path, model: str, monkeypatch, *flags: str, deployment: str = "single_gpu",
@@ -393,6 +443,17 @@ def test_a_step_the_users_flags_run_with_other_memory_flags_is_warned_of_by_thei
     config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1", "2", *flags)
     run_pipeline(config, hardware=node)
     assert _offload_warnings_said(capsys) == warned
+
+
+def test_a_flag_that_leaves_the_need_as_planned_is_not_named(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """70B's step 1 with --lora_dim 64 offloads what the plan's LoRA 128 does, yet was warned of "as your --lora_dim
+    set it", advising to leave it to the plan, which changes nothing."""
+    config, node = _seventy_b_on_one_gpu(tmp_path, tiny_model_dir("llama"), monkeypatch, "--step", "1",
+                                         "--step1-args", "--lora_dim 64")
+    run_pipeline(config, hardware=node)
+    (warning,) = re.findall(r"^warning: step 1's offload.*", capsys.readouterr().err, re.MULTILINE)
+    assert warning.startswith("warning: step 1's offload puts 139.5 GiB")
+    assert warning.endswith("plan less offload: a smaller model, more GPUs or nodes")
 
 
 @pytest.mark.parametrize("hosts, warned", [

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 import math
+from argparse import ArgumentTypeError
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from transformers.hf_argparser import string_to_bool
 
 from utils.errors import UserError
 
@@ -48,6 +51,17 @@ class DeploymentPlan:
     # of the flags a step runs with, the user's or the plan's (`host_bytes_as_run`, `host_memory_short_now`)
     host_models: dict[int, tuple[HostModel, ...]] = field(default_factory=dict)
     nodes: int = 1
+    # the step flags train.py's --actor-zero-stage/--reward-zero-stage set otherwise than planned, by step number
+    # (`planning.apply_zero_overrides`): the host need as planned counts their planned values
+    stage_flags_set: dict[int, dict[str, StageFlagSet]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageFlagSet:
+    """A step flag that one of train.py's ZeRO stage flags set otherwise than planned."""
+
+    given: str  # train.py's flag: --actor-zero-stage
+    planned: Any  # the step flag's planned value
 
 
 class Model(str, enum.Enum):
@@ -166,16 +180,39 @@ class HostModel:
         stage, offload, lora_dim, only_lora = (flags.get(name) for name in self.flag_names)
         return MemoryChoice(int(stage or 0), _switched_on(offload), int(lora_dim or 0) > 0 and _switched_on(only_lora))
 
+    def host_bytes(self, flags: Mapping[str, Any], nodes: int) -> float:
+        """What this model's offload puts in one node's memory with a step's flag values `flags`."""
+        trained, frozen = ([self.size], []) if self.trained else ([], [self.size])
+        return host_bytes_per_node(trained, frozen, self.choice(flags), nodes)
+
 
 def _switched_on(value: Any) -> bool:
-    return value is True or str(value).lower() == "true"
+    """Whether a switch's value is on: a settings step gives a bool, a plain argparse step its text, read in every
+    spelling the settings parser takes (transformers' `string_to_bool`: true, yes, 1, ...); other text is off."""
+    if value is None:
+        return False
+    try:
+        return string_to_bool(value if isinstance(value, bool) else str(value))
+    except ArgumentTypeError:
+        return False
 
 
 def host_bytes_as_run(models: tuple[HostModel, ...], flags: Mapping[str, Any], nodes: int) -> float:
     """What a step's offload puts in one node's memory with the flag values `flags`, each model by its own flags
     (`host_bytes_per_node` adds the models up: with the plan's flags, the planned need)."""
-    return sum(host_bytes_per_node([model.size] if model.trained else [], [] if model.trained else [model.size],
-                                   model.choice(flags), nodes) for model in models)
+    return sum(model.host_bytes(flags, nodes) for model in models)
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """What a step's offload puts in one node's memory with the flags it runs with and with the planned ones, and
+    the flags that moved it, those that set a model's need above its planned one (`raised_by`) or below
+    (`lowered_by`)."""
+
+    as_run: float
+    as_planned: float
+    raised_by: tuple[str, ...] = ()
+    lowered_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -216,34 +253,37 @@ def _host_budget(hardware: Hardware) -> float:
     return _HOST_OFFLOAD_SHARE * hardware.cpu_memory_gib * GIB
 
 
-def host_memory_short_now(hardware: Hardware, needs: Mapping[int, float],
-                          user_set: Mapping[int, list[str]] | None = None) -> list[str]:
-    """Warnings for the steps in `needs` (step: bytes its offload puts in host memory) that this machine's memory
-    available now does not hold, at the share the plan gives offload of the memory installed; `user_set` names, by
-    step, the memory flags the user's flags set otherwise than the plan, which the need is counted with. The plan is
-    not changed: it depends on the machine, not on what other jobs hold at the moment (a rerun would plan other flags
-    and refuse the finished steps and checkpoints)."""
+def host_memory_short_now(hardware: Hardware, needs: Mapping[int, HostNeed]) -> list[str]:
+    """Warnings for the steps in `needs` (step: what its offload puts in host memory) that this machine's memory
+    available now does not hold, at the share the plan gives offload of the memory installed, naming the flags that
+    raised a model's need above the plan's. The plan is not changed: it depends on the machine, not on what other
+    jobs hold at the moment (a rerun would plan other flags and refuse the finished steps and checkpoints)."""
     available = hardware.cpu_memory_available_gib
     if available is None:
         return []
     budget = _HOST_OFFLOAD_SHARE * available * GIB
-    user_set = user_set or {}
-    return [f"{_STEPS_SAID.get(step, f'step {step}')}'s offload{_as_the_user_set_it(user_set.get(step))} puts "
-            f"{need / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} GiB "
-            f"available on this machine now ({budget / GIB:.1f} GiB; the plan counts its {hardware.cpu_memory_said}, "
-            f"other processes hold the rest), so the step may run out of host memory once it loads; free memory here "
-            f"before it starts (other jobs), or {_less_offload(user_set.get(step))}"
-            for step, need in sorted(needs.items()) if need > budget]
+    return [f"{_STEPS_SAID.get(step, f'step {step}')}'s offload{_as_your_flags_set_it(need.raised_by)} puts "
+            f"{need.as_run / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} "
+            f"GiB available on this machine now ({budget / GIB:.1f} GiB; the plan counts its "
+            f"{hardware.cpu_memory_said}, other processes hold the rest), so the step may run out of host memory once "
+            f"it loads; free memory here before it starts (other jobs), or {_less_offload(need)}"
+            for step, need in sorted(needs.items()) if need.as_run > budget]
 
 
-def _as_the_user_set_it(flags: list[str] | None) -> str:
-    return f", as your {', '.join(f'--{name}' for name in flags)} set it," if flags else ""
+def _as_your_flags_set_it(flags: tuple[str, ...]) -> str:
+    return f", as your {', '.join(flags)} set it," if flags else ""
 
 
-def _less_offload(user_set: list[str] | None) -> str:
-    """What lowers the need: the plan's flags back for a step the user's flags raised it, else a smaller run."""
+def _less_offload(need: HostNeed) -> str:
+    """What lowers the need: the plan's flags back where the flags a step runs with raised it above the plan's, else
+    a smaller run (saying so where those flags already lowered it)."""
     smaller = "a smaller model, more GPUs or nodes"
-    return f"offload less: leave those flags to the plan, or {smaller}" if user_set else f"plan less offload: {smaller}"
+    if need.as_run > need.as_planned:
+        return f"offload less: leave those flags to the plan, or {smaller}"
+    if need.as_run < need.as_planned:
+        return (f"plan less offload: {smaller} (your {', '.join(need.lowered_by)} lowered it from the plan's "
+                f"{need.as_planned / GIB:.1f} GiB)")
+    return f"plan less offload: {smaller}"
 
 
 def _fit_training(

@@ -8,8 +8,11 @@ from .deployment import (
     CpuQuickRun,
     DeploymentPlan,
     DeploymentType,
+    HostModel,
+    HostNeed,
     Model,
     ModelSizes,
+    StageFlagSet,
     Target,
     Workload,
     cpu_target,
@@ -56,26 +59,52 @@ def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[H
                          runs_with: Mapping[int, Mapping[str, Any]]) -> list[str]:
     """Warnings for the steps that run (`runs_with`: each one's flag values as its command line gives them) whose
     offload the memory available on this machine now does not hold, counted with the memory flags each runs with:
-    the plan's (--actor-zero-stage included, which sets the plan's stage), or the user's step flags over them
-    (--stepN-args "--offload true"), which the warning names. None where no rank runs here, as this machine's
-    available memory is not theirs: planned where no GPU is (a login node), or on multi_node with a hostfile that
-    does not list this machine."""
-    running = {step: flags for step, flags in runs_with.items() if step in plan.host_models}
-    needs = {step: host_bytes_as_run(plan.host_models[step], {**plan.steps[step].flags, **flags}, plan.nodes)
-             for step, flags in running.items()}
-    user_set = {step: _memory_flags_the_user_set(plan, step, flags) for step, flags in running.items()}
-    warnings = host_memory_short_now(hardware, needs, user_set)
+    the plan's, train.py's --actor-zero-stage/--reward-zero-stage or the user's step flags over them (--stepN-args
+    "--offload true"); the warning names those that raised a model's need above the plan's. None where no rank runs
+    here, as this machine's available memory is not theirs: planned where no GPU is (a login node), or on
+    multi_node with a hostfile that does not list this machine."""
+    needs = {step: _host_need(plan, step, flags) for step, flags in runs_with.items() if step in plan.host_models}
+    warnings = host_memory_short_now(hardware, needs)
     if warnings and _ranks_run_here(plan.deployment, hardware, hosts):
         return warnings
     return []
 
 
-def _memory_flags_the_user_set(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) -> list[str]:
-    """The flags of `step`'s models' memory choices (`HostModel.flag_names`) that it runs with otherwise than
-    planned."""
-    planned = plan.steps[step].flags
-    return [name for model in plan.host_models[step] for name in model.flag_names
-            if name in runs_with and not runs_as_planned(planned.get(name), runs_with[name])]
+def _host_need(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) -> HostNeed:
+    """`step`'s host need with the flags it runs with and as planned, model by model, and the flags that moved a
+    model's need: a flag that leaves it as planned (70B's --lora_dim 64 for the plan's 128) is not named."""
+    as_run = {**plan.steps[step].flags, **runs_with}
+    as_planned = _flags_as_planned(plan, step)
+    raised, lowered = [], []
+    for model in plan.host_models[step]:
+        change = model.host_bytes(as_run, plan.nodes) - model.host_bytes(as_planned, plan.nodes)
+        if change:
+            (raised if change > 0 else lowered).extend(_flags_setting_otherwise(plan, step, model, as_run, as_planned))
+    return HostNeed(host_bytes_as_run(plan.host_models[step], as_run, plan.nodes),
+                    host_bytes_as_run(plan.host_models[step], as_planned, plan.nodes),
+                    tuple(dict.fromkeys(raised)), tuple(dict.fromkeys(lowered)))
+
+
+def _flags_as_planned(plan: DeploymentPlan, step: int) -> dict[str, Any]:
+    """`step`'s flags as the planner set them, before train.py's ZeRO stage flags."""
+    return {**plan.steps[step].flags,
+            **{name: stage_flag.planned for name, stage_flag in plan.stage_flags_set.get(step, {}).items()}}
+
+
+def _flags_setting_otherwise(plan: DeploymentPlan, step: int, model: HostModel, as_run: Mapping[str, Any],
+                             as_planned: Mapping[str, Any]) -> list[str]:
+    """The flags that set `model`'s memory flags in `step` otherwise than planned, as the user gave them: the step
+    flag itself (--offload), or train.py's stage flag that set it (--actor-zero-stage) where no step flag did."""
+    stage_flags = plan.stage_flags_set.get(step, {})
+    flags = []
+    for name in model.flag_names:
+        if runs_as_planned(as_planned.get(name), as_run.get(name)):
+            continue
+        stage_flag = stage_flags.get(name)
+        set_by_step_flag = stage_flag is None or not runs_as_planned(plan.steps[step].flags.get(name),
+                                                                     as_run.get(name))
+        flags.append(f"--{name}" if set_by_step_flag else stage_flag.given)
+    return flags
 
 
 def _ranks_run_here(deployment: DeploymentType, hardware: Hardware, hosts: list[Host] | None) -> bool:
@@ -110,19 +139,26 @@ def plan_deployment(
 def apply_zero_overrides(plan: DeploymentPlan, stages: Mapping[Model, int | None],
                          steps: Collection[int]) -> set[Model]:
     """Set each model's ZeRO stage (None: keep the planned one) in the plan field each step names for it, where the
-    plan sets that field (step 3's plan leaves --critic_zero_stage out of a run without critic and reward model).
-    Returns the models given a stage that no step of `steps` takes."""
+    plan sets that field (step 3's plan leaves --critic_zero_stage out of a run without critic and reward model),
+    recording the planned values they replace (`DeploymentPlan.stage_flags_set`). Returns the models given a stage
+    that no step of `steps` takes."""
     taken = set()
     for number, spec in STEPS.items():
         if number not in plan.steps:
             continue
         planned = plan.steps[number].flags
-        overrides = {name: stages[model] for model, name in spec.zero_stage_fields.items()
-                     if stages[model] is not None and name in planned}
+        set_by = {name: model for model, name in spec.zero_stage_fields.items()
+                  if stages[model] is not None and name in planned}
         if number in steps:
-            taken |= {model for model, name in spec.zero_stage_fields.items() if name in overrides}
+            taken |= set(set_by.values())
+        overrides = {name: stages[model] for name, model in set_by.items()}
         # ZeRO-0 offloads nothing: an offload planned for another stage goes with it
-        overrides |= {name.replace("zero_stage", "offload"): False for name, stage in overrides.items() if stage == 0}
+        offloads = {name.replace("zero_stage", "offload"): name for name, stage in overrides.items() if stage == 0}
+        overrides |= dict.fromkeys(offloads, False)
+        set_by |= {offload: set_by[stage_flag] for offload, stage_flag in offloads.items()}
+        if replaced := {name: StageFlagSet(f"--{set_by[name].value}-zero-stage", planned.get(name))
+                        for name, value in overrides.items() if not runs_as_planned(planned.get(name), value)}:
+            plan.stage_flags_set[number] = replaced
         if overrides:
             plan.steps[number] = replace(plan.steps[number], **overrides)
     return {model for model, stage in stages.items() if stage is not None} - taken
