@@ -1438,7 +1438,7 @@ def test_this_machines_fully_qualified_name_is_waited_for_in_bounded_time(monkey
     started = time.monotonic()
     assert not hostfile.is_this_machine("worker-1")
     assert hostfile.is_this_machine("GPU-NODE-7") and not hostfile.is_this_machine("node2")
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 2.5  # the unbounded getfqdn alone takes 3 s; slack for a loaded machine
     assert len(asked) == 1
 
 
