@@ -369,7 +369,7 @@ def _two_rank_cases_worker(folder: str) -> None:
     printing `case_passed(name, rank)` after it. A case failing on a rank ends that rank at once, its traceback
     naming the case (its peer may be waiting in a collective that it will never join); the launch's later cases
     then do not run."""
-    from utils.dist import get_rank, init_distributed
+    from utils.dist import get_rank, init_distributed, leave_spawned_rank
 
     init_distributed()
     for name, case in TWO_RANK_CASES.items():
@@ -380,20 +380,11 @@ def _two_rank_cases_worker(folder: str) -> None:
                   flush=True)
             os._exit(1)
         print(case_passed(name, get_rank()), flush=True)
-    _leave()
+    leave_spawned_rank()  # the interpreter's teardown of ZeRO-3 engines' native state has aborted a rank in CI
 
 
 def case_passed(name: str, rank: int) -> str:
     return f"EMA_CASE_PASSED {name} on rank {rank}"
-
-
-def _leave() -> None:
-    """End a worker whose checks are done. The interpreter's teardown of ZeRO-3 engines' native state has aborted a
-    rank ("terminate called without an active exception", SIGABRT) now and then in CI, even after the process
-    group is destroyed, so the worker leaves without it."""
-    torch.distributed.destroy_process_group()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _launch_two_rank_cases(folder: Path) -> subprocess.CompletedProcess:
