@@ -1,6 +1,7 @@
 """Actor EMA: exact update arithmetic, swapping weights in and out, resume state (each rank its share), ZeRO-3
 partitions."""
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -383,7 +384,7 @@ def _two_rank_cases_worker(folder: str) -> None:
     leave_spawned_rank()  # the interpreter's teardown of ZeRO-3 engines' native state has aborted a rank in CI
 
 
-def case_passed(name: str, rank: int) -> str:
+def case_passed(name: str, rank: int | str) -> str:
     return f"EMA_CASE_PASSED {name} on rank {rank}"
 
 
@@ -404,13 +405,15 @@ def two_rank_cases(request) -> subprocess.CompletedProcess:
 
 
 def assert_two_rank_case_passed(launch: subprocess.CompletedProcess, name: str) -> None:
-    """Case `name` passed on both ranks, and the launch exited 0 where every case passed (a rank's teardown)."""
-    lines = set(launch.stdout.splitlines())
+    """Case `name` passed on both ranks, and the launch exited 0 where every case passed (a rank's teardown). The
+    markers are found anywhere in the output: the two ranks share one stdout, where one rank's marker can come
+    before the other's newline ("... on rank 0EMA_CASE_PASSED ... on rank 1")."""
+    passed = set(re.findall(case_passed(r"(\S+)", r"(\d+)"), launch.stdout))
     output = f"{launch.stdout[-3000:]}{launch.stderr[-3000:]}"
-    assert all(case_passed(name, rank) in lines for rank in (0, 1)), \
+    assert all((name, str(rank)) in passed for rank in (0, 1)), \
         (f"two-rank case {name!r} did not pass on both ranks (launch exit status {launch.returncode}; a case that "
          f"failed before it ends the launch):\n{output}")
-    every_case_passed = all(case_passed(case, rank) in lines for case in TWO_RANK_CASES for rank in (0, 1))
+    every_case_passed = all((case, str(rank)) in passed for case in TWO_RANK_CASES for rank in (0, 1))
     assert not every_case_passed or launch.returncode == 0, \
         f"every two-rank case passed, yet the launch exited with status {launch.returncode}:\n{output}"
 
