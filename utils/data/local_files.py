@@ -6,8 +6,8 @@ folders inside it whose names start with "." or "_" are left out, as `datasets` 
 `save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, less
 its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. A folder's
 files of its evaluation splits are left out too, by the split word of their folders or names (`file_split`:
-`default/test/0000.parquet`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl`). The files `datasets` writes beside rows (dataset_info.json,
-dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
+`default/test/0000.parquet`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl`). The files `datasets` writes
+beside rows (dataset_info.json, dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
 
