@@ -42,7 +42,7 @@ from training.core.model_loading import (
 )
 from training.core.reward_model import is_reward_model_dir
 from training.generation.generator import DecodingSettings, decode_by_flags_only
-from training.reliability.answer_limit import AnswerLimit, answer_limit
+from training.reliability.answer_limit import AnswerLimit, answer_limit, cut_note
 from training.reliability.run_records import trained_prompt_format
 from utils.data.formatting import PROMPT_FORMATS, PromptFormatter, resolve_prompt_format
 from utils.data.samples import SkipRow
@@ -271,11 +271,6 @@ def dropped_note(exchanges: int) -> str:
     which = "exchange was" if exchanges == 1 else f"{exchanges} exchanges were"
     return (f"the oldest {which} left out of the conversation to leave room for this answer; 'clear' starts a new "
             "one")
-
-
-def cut_note(tokens: int) -> str:
-    """What the chat says after an answer that ran into its length limit: silently, it read as complete."""
-    return f"the answer was cut at the limit of {tokens} tokens; --max_new_tokens raises it"
 
 
 def converse(session: ChatSession, messages: Iterable[str], out: TextIO, interactive: bool = False) -> list[str]:

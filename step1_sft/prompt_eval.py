@@ -11,7 +11,8 @@ another (`PromptFormatter.stop_token_ids`); and at every other id the model's ge
 chatbot's (`answer_stop_ids`).
 Decoding is greedy unless `--do_sample`, and follows these flags alone for both models (not a checkpoint's
 generation_config.json); both run in one dtype, so a difference is the fine-tuning's. An answer is as long as the
-fine-tuned model's run let answers be, unless `--max_new_tokens`. `--output_file` also writes the answers as JSONL.
+fine-tuned model's run let answers be, unless `--max_new_tokens`; one that ran into that limit is shown as cut there.
+`--output_file` also writes the answers as JSONL.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
@@ -42,7 +44,7 @@ from training.core.model_loading import (
     resolve_trained_model,
 )
 from training.generation.generator import DecodingSettings, decode_by_flags_only
-from training.reliability.answer_limit import AnswerLimit, answer_limit
+from training.reliability.answer_limit import AnswerLimit, answer_limit, cut_note
 from training.reliability.run_records import trained_prompt_format
 from training.reliability.validation import check_output_file
 from utils.data import PROMPT_FORMATS, PromptFormatter
@@ -100,7 +102,8 @@ class PromptEvalArguments:
     seed: int = field(default=1234, metadata={"help": "seed each model samples from (with --do_sample)"})
     trust_remote_code: bool = trust_remote_code_field()
     output_file: str | None = field(default=None, metadata={
-        "help": "also write {prompt, baseline, finetune} rows to this JSONL file"})
+        "help": "also write {prompt, baseline, finetune, baseline_cut_at, finetune_cut_at} rows to this JSONL file (a "
+                "*_cut_at: the token limit that answer was cut at, null where it ended)"})
 
 
 @dataclass
@@ -125,15 +128,23 @@ def padding_on(tokenizer: PreTrainedTokenizerBase, side: str) -> Iterator[None]:
         tokenizer.padding_side = found
 
 
+class Answer(NamedTuple):
+    """A model's answer (special tokens stripped) and, where it ran into its length limit rather than ending at a
+    stop id, that limit in tokens: a cut answer read as complete."""
+
+    text: str
+    cut_at: int | None = None
+
+
 @torch.no_grad()
 def generate_answers(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], settings: GenerationSettings,
     prompt_format: str = "auto", limit: AnswerLimit | None = None,
-) -> list[str]:
-    """The model's answer to each user prompt (batched, left-padded; special tokens stripped), each at most as long
-    as `limit` lets it be (default: `settings.max_new_tokens`). A batch holds prompts of one budget: under a run's
-    window a short prompt's longer budget, generated for the whole batch, ran a long prompt's row past the window
-    (and past a model's learned positions)."""
+) -> list[Answer]:
+    """The model's answer to each user prompt (batched, left-padded), each at most as long as `limit` lets it be
+    (default: `settings.max_new_tokens`). A batch holds prompts of one budget: under a run's window a short prompt's
+    longer budget, generated for the whole batch, ran a long prompt's row past the window (and past a model's
+    learned positions)."""
     with padding_on(tokenizer, "left"):
         return _answers(model, tokenizer, prompts, settings, prompt_format, limit or answer_limit(settings.max_new_tokens))
 
@@ -152,14 +163,14 @@ def checked_prompts(tokenizer: PreTrainedTokenizerBase, config, prompts: list[st
 
 
 def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str],
-             settings: GenerationSettings, prompt_format: str, limit: AnswerLimit) -> list[str]:
+             settings: GenerationSettings, prompt_format: str, limit: AnswerLimit) -> list[Answer]:
     """`generate_answers` with the tokenizer already padding on the left."""
     formatter, rendered, lengths = checked_prompts(tokenizer, model.config, prompts, prompt_format, limit)
     add_special_tokens = formatter.adds_special_tokens
     stop_token_ids = answer_stop_ids(formatter.stop_token_ids, listed_stop_ids(model))
     device = next(model.parameters()).device
     budgets = [limit.after(length) for length in lengths]
-    answers = [""] * len(prompts)
+    answers = [Answer("")] * len(prompts)
     for budget, group in groupby(sorted(range(len(prompts)), key=budgets.__getitem__), key=budgets.__getitem__):
         group = list(group)
         for start in range(0, len(group), settings.batch_size):
@@ -170,7 +181,9 @@ def _answers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
             output = model.generate(**batch, **decoding, max_new_tokens=budget, pad_token_id=tokenizer.pad_token_id,
                                     eos_token_id=stop_token_ids)
             for row, new_tokens in zip(batch_rows, output[:, batch["input_ids"].shape[1]:]):
-                answers[row] = tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+                cut = len(new_tokens) >= budget and not set(new_tokens.tolist()) & set(stop_token_ids)
+                answers[row] = Answer(tokenizer.decode(new_tokens, skip_special_tokens=True).strip(),
+                                      budget if cut else None)
     return answers
 
 
@@ -235,6 +248,18 @@ def check_prompts_before_loading(args: PromptEvalArguments, prompts: list[str],
     return tokenizers
 
 
+def answer_row(prompt: str, baseline: Answer, finetune: Answer) -> dict:
+    """A prompt's row of --output_file: both answers, and for each the limit it was cut at (null: it ended)."""
+    return {"prompt": prompt, "baseline": baseline.text, "finetune": finetune.text,
+            "baseline_cut_at": baseline.cut_at, "finetune_cut_at": finetune.cut_at}
+
+
+def shown(label: str, answer: Answer) -> str:
+    """An answer as printed under its model's label, which says where it was cut."""
+    note = f" ({cut_note(answer.cut_at)})" if answer.cut_at is not None else ""
+    return f"---- {label}{note}:\n{answer.text}"
+
+
 @run_cli
 def main(argv: list[str] | None = None) -> list[dict]:
     settings = parse_args(argv)
@@ -257,10 +282,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         set_seed(args.seed)  # each model samples from the same seed, whatever the other drew
         answers[label] = generate_answers(model, tokenizer, prompts, settings.generation, prompt_format, limit)
         del model
-    rows = [{"prompt": p, "baseline": b, "finetune": f} for p, b, f in zip(prompts, answers["baseline"], answers["finetune"])]
-    for row in rows:
-        print(f"==== prompt: {row['prompt']}\n---- baseline:\n{row['baseline']}\n---- finetune:\n{row['finetune']}\n",
-              flush=True)
+    rows = [answer_row(prompt, baseline, finetune)
+            for prompt, baseline, finetune in zip(prompts, answers["baseline"], answers["finetune"])]
+    for prompt, baseline, finetune in zip(prompts, answers["baseline"], answers["finetune"]):
+        print(f"==== prompt: {prompt}\n{shown('baseline', baseline)}\n{shown('finetune', finetune)}\n", flush=True)
     if args.output_file:
         Path(args.output_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_file).write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")

@@ -198,7 +198,23 @@ def test_prompt_eval_answers_end_at_the_end_of_turn_token():
     tokenizer = turn_end_tokenizer(GEMMA)
     model = make_scripted_llama(tokenizer, {"Ċ": "H", "H": "<end_of_turn>", **RUN_ON})
     settings = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS)
-    assert generate_answers(model, tokenizer, ["hello"], settings) == ["H"]
+    assert [answer.text for answer in generate_answers(model, tokenizer, ["hello"], settings)] == ["H"]
+
+
+def test_prompt_eval_says_which_answers_ran_into_their_length_limit():
+    """An answer cut at its token limit read as complete: the chatbot said so after it, prompt_eval did not."""
+    from step1_sft.prompt_eval import Answer, GenerationSettings, generate_answers, shown
+
+    tokenizer = turn_end_tokenizer(GEMMA)
+    settings = GenerationSettings(max_new_tokens=MAX_NEW_TOKENS, batch_size=2)
+    ending = make_scripted_llama(tokenizer, {"Ċ": "H", "H": "<end_of_turn>", **RUN_ON})
+    running_on = make_scripted_llama(tokenizer, {"Ċ": "H", "H": "u", "u": "u"})
+    assert generate_answers(ending, tokenizer, ["hello", "hi"], settings) == [Answer("H"), Answer("H")]
+    assert [answer.cut_at for answer in generate_answers(running_on, tokenizer, ["hello", "hi"], settings)] == [
+        MAX_NEW_TOKENS, MAX_NEW_TOKENS]
+    assert shown("finetune", Answer("Hu", 6)) == (
+        "---- finetune (the answer was cut at the limit of 6 tokens; --max_new_tokens raises it):\nHu")
+    assert shown("baseline", Answer("H")) == "---- baseline:\nH"
 
 
 # (c) step 3's rewards ----------------------------------------------------------------------------------------------

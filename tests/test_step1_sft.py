@@ -172,7 +172,8 @@ def test_prompt_eval_answers_end_at_every_id_the_models_generation_config_stops_
     folder = save_model_also_stopping_at_endoftext(tmp_path / "instruct")
     rows = prompt_eval.main(["--model_name_or_path_baseline", str(folder), "--model_name_or_path_finetune",
                              str(folder), "--prompts", "hello", "--max_new_tokens", "5", "--dtype", "fp32"])
-    assert rows == [{"prompt": "hello", "baseline": "H", "finetune": "H"}]
+    assert rows == [{"prompt": "hello", "baseline": "H", "finetune": "H", "baseline_cut_at": None,
+                     "finetune_cut_at": None}]
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -258,7 +259,8 @@ def test_prompt_eval_answers_as_long_as_the_fine_tuned_models_run_let_answers_be
     assert "answers of at most 3 tokens (its run's --max_answer_seq_len)" in capsys.readouterr().out
     loaded, tokenizer = prompt_eval.load_for_generation(model, torch.float32)
     three = prompt_eval.GenerationSettings(max_new_tokens=3)
-    assert rows[0]["finetune"] == prompt_eval.generate_answers(loaded, tokenizer, ["Compute 3 + 4."], three)[0]
+    answer = prompt_eval.generate_answers(loaded, tokenizer, ["Compute 3 + 4."], three)[0]
+    assert (rows[0]["finetune"], rows[0]["finetune_cut_at"]) == answer
 
     # each answer of a batch fills its own prompt's window, as if generated alone
     prompts = ["hi", "Tell me a joke."]

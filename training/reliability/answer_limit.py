@@ -43,6 +43,12 @@ class AnswerLimit:
         check_generation_fits(config, prompt_tokens, self.after(prompt_tokens), what)
 
 
+def cut_note(tokens: int) -> str:
+    """What the chatbot and prompt_eval say of an answer that ran into its length limit: silently, it read as
+    complete."""
+    return f"the answer was cut at the limit of {tokens} tokens; --max_new_tokens raises it"
+
+
 def answer_limit(max_new_tokens: int | None, model: str | None = None) -> AnswerLimit:
     """`--max_new_tokens` where given; else the limit `model`'s run answered within (its args.json): a step-3 run's
     --max_answer_seq_len, a step-1 or DPO run's --max_seq_len (prompt and answer together); else
