@@ -364,6 +364,53 @@ def test_an_offload_plan_fits_the_offloaded_weights_in_host_memory():
     assert host_bytes_per_node([B7], [B7], MemoryChoice(3, lora=True), nodes=1) == 0
 
 
+HOST_NEED_SIZES = (ModelSize(parameters=500_000_000, hidden_size=1024, num_layers=24, vocab_size=32000),
+                   ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000), B7, B70)
+HOST_NEED_MACHINES = {
+    "single_gpu": (LAPTOP_GPU, None), "single_gpu_80": (dataclasses.replace(H100, num_gpus=1, cpu_memory_gib=256), None),
+    "single_node": (H100, None), "multi_node": (H100, [Host("worker-1", 8), Host("worker-2", 8)])}
+HOST_NEED_RUNS = ((1, Workload()), (2, Workload()), (3, Workload()), (3, Workload(critic=False, samples_per_prompt=4)),
+                  (4, Workload(critic=False, reward_model=False)))
+HOST_NEED_FLAGS = ({}, {"zero_stage": 3, "offload": True}, {"offload": "false"}, {"lora_dim": 0},
+                   {"only_optimize_lora": False, "lora_dim": 16}, {"offload_reference_model": True},
+                   {"offload_reference_model": "0"}, {"actor_zero_stage": "3", "actor_offload": "yes"},
+                   {"critic_offload": True, "critic_zero_stage": 2, "offload_reward_model": False},
+                   {"actor_lora_dim": 0, "critic_lora_dim": 0, "actor_offload": False})
+
+
+def _plans_with_host_needs():
+    """(plan, step) for every step HOST_NEED_* plans: each size on each machine, each step's workload."""
+    for sizes in HOST_NEED_SIZES:
+        for deployment, (hardware, hosts) in HOST_NEED_MACHINES.items():
+            for step, workload in HOST_NEED_RUNS:
+                try:
+                    plan = plan_gpu(DeploymentType(deployment.removesuffix("_80")), ModelSizes(sizes, sizes),
+                                    hardware, hosts, workload, [step])
+                except UserError:
+                    continue
+                yield plan, step
+
+
+def test_a_steps_host_need_adds_up_each_models_need_as_run_and_as_planned():
+    """A step's host need as run and as planned is the sum of its models' needs, each from its own flags, over plans
+    of several sizes, machines and workloads (offload planned and not), with user flags over the plan's."""
+    from training.pipeline.planning import _host_need
+
+    def each_model(plan, step: int, flags) -> float:
+        return sum(host_bytes_per_node([model.size] if model.trained else [], [] if model.trained else [model.size],
+                                       model.choice(flags), plan.nodes) for model in plan.host_models[step])
+
+    checked = set()
+    for plan, step in _plans_with_host_needs():
+        for user in HOST_NEED_FLAGS:
+            runs_with = {**plan.steps[step].flags, **user}
+            need = _host_need(plan, step, runs_with)
+            assert (need.as_run, need.as_planned) == (each_model(plan, step, runs_with),
+                                                      each_model(plan, step, plan.steps[step].flags))
+            checked.add((step, need.as_planned > 0, need.as_run > 0, need.as_run == need.as_planned))
+    assert len(checked) >= 16  # offload planned or not, raised, lowered and kept by the user's flags, in every step
+
+
 def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
     """Every registered step was planned, whichever ran: a 70B actor that step 1 fits on one 80 GB GPU of a 256 GB
     machine (its weights offloaded there) but step 3 does not (its frozen copy's weights too) refused `--step 1`."""

@@ -297,13 +297,14 @@ def test_offload_the_users_flags_turn_on_is_warned_of_by_its_own_need(monkeypatc
 def test_step_3s_offload_is_counted_model_by_model_from_the_flags_it_runs_with(monkeypatch):
     """Step 3 has an offload flag for each of its four models and a ZeRO stage and LoRA for each trained one; its need
     adds up each model's by its own flags, the planner's figure where they are the plan's."""
-    from training.pipeline.deployment import MemoryChoice, ModelSizes, Workload, host_bytes_as_run, host_bytes_per_node
+    from training.pipeline.deployment import MemoryChoice, ModelSizes, Workload, host_bytes_per_node
     from training.pipeline.hardware import ModelSize
+    from training.pipeline.planning import _host_need
 
     b7 = ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)
     grpo = Workload(critic=False, samples_per_prompt=4)
     plan = _planned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), grpo, [3])
-    assert host_bytes_as_run(plan.host_models[3], plan.steps[3].flags, plan.nodes) == \
+    assert _host_need(plan, 3, plan.steps[3].flags).as_planned == \
         host_bytes_per_node([b7], [b7, b7], MemoryChoice(3, offload=True, lora=True), 1)
     frozen_kept_on_gpu = {"offload_reference_model": False, "offload_reward_model": False}
     (warning,) = _offload_warned_with_memory(monkeypatch, 64, 16, 1, ModelSizes(b7, b7), grpo, [3],

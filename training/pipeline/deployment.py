@@ -48,7 +48,7 @@ class DeploymentPlan:
     steps: dict[int, StepPlan]
     notes: list[str] = field(default_factory=list)
     # the models whose offload each step's host need counts, by step number, and the nodes that share it: the need
-    # of the flags a step runs with, the user's or the plan's (`host_bytes_as_run`, `host_memory_short_now`)
+    # of the flags a step runs with, the user's or the plan's (`planning._host_need`, `host_memory_short_now`)
     host_models: dict[int, tuple[HostModel, ...]] = field(default_factory=dict)
     nodes: int = 1
     # the step flags train.py's --actor-zero-stage/--reward-zero-stage set otherwise than planned, by step number
@@ -195,12 +195,6 @@ def _switched_on(value: Any) -> bool:
         return string_to_bool(value if isinstance(value, bool) else str(value))
     except ArgumentTypeError:
         return False
-
-
-def host_bytes_as_run(models: tuple[HostModel, ...], flags: Mapping[str, Any], nodes: int) -> float:
-    """What a step's offload puts in one node's memory with the flag values `flags`, each model by its own flags
-    (`host_bytes_per_node` adds the models up: with the plan's flags, the planned need)."""
-    return sum(model.host_bytes(flags, nodes) for model in models)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from .deployment import (
     Workload,
     cpu_target,
     gpu_target,
-    host_bytes_as_run,
     host_memory_short_now,
 )
 from .hardware import Hardware
@@ -75,14 +74,14 @@ def _host_need(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) ->
     model's need: a flag that leaves it as planned (70B's --lora_dim 64 for the plan's 128) is not named."""
     as_run = {**plan.steps[step].flags, **runs_with}
     as_planned = _flags_as_planned(plan, step)
+    models = plan.host_models[step]
+    run_bytes = [model.host_bytes(as_run, plan.nodes) for model in models]
+    planned_bytes = [model.host_bytes(as_planned, plan.nodes) for model in models]
     raised, lowered = [], []
-    for model in plan.host_models[step]:
-        change = model.host_bytes(as_run, plan.nodes) - model.host_bytes(as_planned, plan.nodes)
-        if change:
-            (raised if change > 0 else lowered).extend(_flags_setting_otherwise(plan, step, model, as_run, as_planned))
-    return HostNeed(host_bytes_as_run(plan.host_models[step], as_run, plan.nodes),
-                    host_bytes_as_run(plan.host_models[step], as_planned, plan.nodes),
-                    tuple(dict.fromkeys(raised)), tuple(dict.fromkeys(lowered)))
+    for model, run, planned in zip(models, run_bytes, planned_bytes):
+        if run != planned:
+            (raised if run > planned else lowered).extend(_flags_setting_otherwise(plan, step, model, as_run, as_planned))
+    return HostNeed(sum(run_bytes), sum(planned_bytes), tuple(dict.fromkeys(raised)), tuple(dict.fromkeys(lowered)))
 
 
 def _flags_as_planned(plan: DeploymentPlan, step: int) -> dict[str, Any]:
