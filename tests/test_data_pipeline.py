@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from datasets.data_files import SPLIT_KEYWORDS as DATASETS_SPLIT_KEYWORDS
 from supervised_data import build_phase_datasets
 from tiny_models import make_custom_code_model_dir, make_tokenizer
 
@@ -762,19 +763,62 @@ def test_a_folder_of_per_split_files_is_read_less_its_evaluation_splits(tmp_path
     (["train/part0.jsonl"], ["test/part0.jsonl"]),
     (["default/train/0000.jsonl"], ["default/test/0000.jsonl", "default/validation/0000.jsonl"]),
     (["hh-rlhf-train.jsonl"], ["hh-rlhf-test.jsonl"]),
-    (["rm_static_train.jsonl", "notes.jsonl"], ["rm_static_test.jsonl", "my-test-data.jsonl", "dev 2.jsonl"]),
+    (["rm_static_train.jsonl"], ["rm_static_test.jsonl", "my-test-data.jsonl", "dev 2.jsonl"]),
+    (["train(1).jsonl", "training/0.jsonl"], ["hh+test.jsonl", "Test.jsonl", "testing/0.jsonl"]),
+    (["data/holdout-00000-of-00001.jsonl", "data/train-00000-of-00001.jsonl"], ["data/test-00000-of-00001.jsonl"]),
 ])
 def test_a_folder_names_its_splits_in_its_folders_or_anywhere_in_a_files_name(tmp_path, kept, left_out):
     """A file's split was its name's part before the first '-' or '.', so a split given by a subfolder
     (default/test/0000.jsonl, the hub's parquet-export layout) or after a prefix (hh-rlhf-test.jsonl: 'hh') was
-    trained on; a split word is found as datasets finds one, in a folder or between separators of the name; a file
-    naming none is read with the training splits."""
+    trained on; a split word is found as datasets finds one, in a folder or between separators of the name, and
+    between any other non-letters too (hh+test.jsonl and testing/, whose word datasets has but this did not, were
+    trained on); datasets' sharded layout names a split by the name before the shard's number (holdout)."""
+    write_split_files(tmp_path, kept + left_out)
+    assert folder_prompts(tmp_path) == sorted(kept)
+
+
+def write_split_files(folder, names) -> None:
+    """A file of one pair at each of `names` under `folder`, its prompt the file's name."""
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps({"prompt": name, "chosen": "yes", "rejected": "no"}) + "\n")
+
+
+def folder_prompts(entry) -> list[str]:
     from utils.data.sources import load_source, parse_source_spec
 
-    for name in kept + left_out:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(json.dumps({"prompt": name, "chosen": "yes", "rejected": "no"}) + "\n")
-    assert [row["prompt"] for row in load_source(parse_source_spec(str(tmp_path))).records] == sorted(kept)
+    return [row["prompt"] for row in load_source(parse_source_spec(str(entry))).records]
+
+
+def test_a_folder_of_files_naming_splits_beside_files_naming_none_is_refused_naming_them(tmp_path):
+    """A file naming no split beside files naming one (data.jsonl beside test.jsonl) was read as train, where
+    datasets' load_dataset leaves it unread: which split it holds is not known (a heldout.jsonl), so it is refused,
+    naming the files."""
+    write_split_files(tmp_path, ["data.jsonl", "heldout.jsonl", "test.jsonl", "train.jsonl"])
+    with pytest.raises(UserError, match=r"holds files naming a split \(test.jsonl, train.jsonl\) beside files naming "
+                                        r"none \(data.jsonl, heldout.jsonl\).*put their split in their names"):
+        folder_prompts(tmp_path)
+
+
+def test_the_split_words_are_datasets_own():
+    from utils.data.eval_splits import SPLIT_KEYWORDS
+
+    assert SPLIT_KEYWORDS == {str(split): tuple(words) for split, words in DATASETS_SPLIT_KEYWORDS.items()}
+
+
+@pytest.mark.parametrize("word", [*DATASETS_SPLIT_KEYWORDS["validation"], *DATASETS_SPLIT_KEYWORDS["test"]])
+def test_each_of_datasets_evaluation_split_words_names_a_split_no_step_trains_on(tmp_path, monkeypatch, word):
+    """datasets reads a folder's file named by `testing` into its test split, but `testing` named no evaluation
+    split here: a folder's testing.jsonl, and a hub dataset's split `testing`, were trained on. The words are
+    datasets' own (data_files.SPLIT_KEYWORDS), each leaving its split out."""
+    import datasets
+
+    write_split_files(tmp_path, ["train.jsonl", f"{word}.jsonl"])
+    assert folder_prompts(tmp_path) == ["train.jsonl"]
+    published = datasets.DatasetDict({split: datasets.Dataset.from_list([{"prompt": split, "chosen": "y", "rejected":
+                                                                          "n"}]) for split in ("train", word)})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: published)
+    assert folder_prompts("someone/pairs") == ["train"]
 
 
 def test_a_folder_whose_files_name_no_split_is_read_whole(tmp_path):

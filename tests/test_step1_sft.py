@@ -359,10 +359,10 @@ def test_a_resume_on_data_that_lost_its_evaluation_splits_says_this_version_leav
     folder.mkdir()
     rows = [json.dumps(row) + "\n" for row in arithmetic_rows(32)]
     (folder / "train.jsonl").write_text("".join(rows[:16]))
-    (folder / "held.jsonl").write_text("".join(rows[16:]))  # test.jsonl as an earlier version read it: kept
+    (folder / "train_held.jsonl").write_text("".join(rows[16:]))  # test.jsonl as an earlier version read it: kept
     args = _args(model_dir, str(folder), tmp_path, "--max_steps", "1", "--save_interval", "1")
     main(args)
-    (folder / "held.jsonl").rename(folder / "test.jsonl")
+    (folder / "train_held.jsonl").rename(folder / "test.jsonl")
     with pytest.raises(SystemExit) as refused:
         main([*args, "--resume"])
     error = capsys.readouterr().err

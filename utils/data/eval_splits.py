@@ -10,8 +10,13 @@ from dataclasses import dataclass
 
 from utils.errors import UserError
 
+# The words that name a split, by the split `datasets` reads a data folder's file naming one into (its data_files.py
+# SPLIT_KEYWORDS: `dev.jsonl` is validation's, `testing/0.jsonl` test's).
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+TRAIN_SPLIT = "train"
 # The words that name a held-out split ("test", "validation", "test_prefs", "dev").
-EVAL_SPLIT_WORDS = frozenset({"test", "validation", "valid", "val", "dev", "eval", "evaluation"})
+EVAL_SPLIT_WORDS = frozenset(SPLIT_KEYWORDS["validation"] + SPLIT_KEYWORDS["test"])
 
 logger = logging.getLogger("utils.data")
 
@@ -22,9 +27,16 @@ EVAL_SPLITS_NOTE = ("If a source has evaluation splits (test, validation: a hub 
                     "cut before it counted them")
 
 
+def name_words(name: str) -> list[str]:
+    """The words of a split's or file's name, lower-cased: its runs of letters. `datasets` separates a file name's
+    words by -, _, ., space and digits alone, and case-sensitively, so it reads `hh+test.jsonl`, `train(1).jsonl` and
+    `TEST.jsonl` as naming no split; here they name the split a reader sees in them."""
+    return re.findall(r"[^\W\d_]+", name.lower())
+
+
 def is_eval_split(split: str) -> bool:
     """Whether a split's name says it holds a dataset's held-out rows (`EVAL_SPLIT_WORDS`: "test", "test_prefs")."""
-    return any(word in EVAL_SPLIT_WORDS for word in re.split(r"[^a-z]+", split.lower()))
+    return any(word in EVAL_SPLIT_WORDS for word in name_words(split))
 
 
 def training_splits(dataset: str, splits: Sequence[str]) -> list[str]:

@@ -6,21 +6,22 @@ folders inside it whose names start with "." or "_" are left out, as `datasets` 
 `save_to_disk` is loaded as the dataset it holds (a `DatasetDict`'s splits one after the other in name order, less
 its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. A folder's
 files of its evaluation splits are left out too, by the split word of their folders or names (`file_split`:
-`default/test/0000.parquet`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl`). The files `datasets` writes
+`default/test/0000.parquet`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl`); files naming no split beside
+files naming one are refused, a folder whose files name none read whole. The files `datasets` writes
 beside rows (dataset_info.json, dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from utils.errors import UserError
 
-from .eval_splits import EVAL_SPLIT_WORDS, TRAINING, SplitChoice
+from .eval_splits import SPLIT_KEYWORDS, TRAIN_SPLIT, TRAINING, SplitChoice, name_words
 from .jsonio import FileRecords, read_json_file
 from .samples import SkippedRows
 
@@ -126,13 +127,18 @@ def _refuse_saved_datasets_inside(folder: Path, files: Sequence[Path]) -> None:
                         f"{' and '.join(map(str, saved))}{each} instead")
 
 
+def _listed(folder: Path, files: Sequence[Path]) -> str:
+    """The first three of `files`, by their paths inside `folder`, and how many more."""
+    names = [str(file.relative_to(folder)) for file in files[:3]]
+    return ", ".join(names) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
 def _refuse_unread_data_files(folder: Path, files: Sequence[Path]) -> None:
     """Refuse a folder holding data files of a format not read (a .jsonl.gz, a .csv beside .jsonl files): their rows
     would be left out unseen, or the folder said to hold no data files."""
-    unread = [str(file.relative_to(folder)) for file in files if file.suffix in UNREAD_DATA_SUFFIXES]
+    unread = [file for file in files if file.suffix in UNREAD_DATA_SUFFIXES]
     if unread:
-        named = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
-        raise UserError(f"data folder {folder} holds {named}, which would not be read: only "
+        raise UserError(f"data folder {folder} holds {_listed(folder, unread)}, which would not be read: only "
                         f"{', '.join(LOCAL_SUFFIXES)} files are (decompress them, or convert them to .jsonl or "
                         ".parquet), or move them out of the folder")
 
@@ -165,33 +171,50 @@ def _read_saved_dataset(path: Path, choice: SplitChoice) -> list[FileRecords]:
     return [FileRecords.numbered(path.name, "row", loaded.to_list())]
 
 
-# The words that name a split in a folder's or file's name, as `datasets` finds a data folder's splits
-# (data_files.py's SPLIT_KEYWORDS); the evaluation splits' words are `eval_splits`' own.
-_SPLIT_WORDS = EVAL_SPLIT_WORDS | {"train", "training"}
-# What separates those words in a name, as `datasets` separates them (NON_WORDS_CHARS): "hh-rlhf-test", "train0".
-_NAME_SEPARATORS = re.compile(r"[-._ 0-9]+")
-# The split of a file whose folders and name give none: `datasets` reads such a folder as its train split.
-UNNAMED_SPLIT = "train"
+# The split each split word names (`eval_splits.SPLIT_KEYWORDS`): "training" and "train" name train's.
+_SPLIT_OF_WORD = {word: split for split, words in SPLIT_KEYWORDS.items() for word in words}
+# A file of `datasets`' sharded layout, named by its split whatever the split's name (SPLIT_PATTERN_SHARDED):
+# data/train_prefs-00000-of-00001.parquet.
+_SHARDED_FILE = re.compile(r"data/(?P<split>\w+(?:\.\w+)*)-\d{5}-of-\d{5}[^/]*")
 
 
-def file_split(file: Path, folder: Path) -> str:
-    """The split a file of `folder` has by its path inside it, as `datasets` finds a data folder's splits: the first
-    split word (`_SPLIT_WORDS`, between separators `_NAME_SEPARATORS`) of its folders below `folder`, outermost first,
-    then of its name (`default/test/0000.jsonl`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl` and
-    `rm_static_test.jsonl` are test's); `UNNAMED_SPLIT` where none names one."""
+def file_split(file: Path, folder: Path) -> str | None:
+    """The split a file of `folder` has by its path inside it, as `datasets` finds a data folder's splits: in its
+    sharded layout (`data/SPLIT-00000-of-00001.parquet`) the name before the shard's number; else the split of the
+    first split word (`eval_splits.name_words`, `SPLIT_KEYWORDS`) of its folders below `folder`, outermost first, then
+    of its name (`default/test/0000.jsonl`, `hh-rlhf-test.jsonl` and `rm_static_test.jsonl` are test's, `dev.jsonl`
+    validation's); None where none names one."""
     relative = file.relative_to(folder)
+    sharded = _SHARDED_FILE.fullmatch(relative.as_posix())
+    if sharded is not None:
+        return sharded["split"]
     for part in (*relative.parent.parts, relative.stem):
-        word = next((word for word in _NAME_SEPARATORS.split(part.lower()) if word in _SPLIT_WORDS), None)
-        if word is not None:
-            return word
-    return UNNAMED_SPLIT
+        split = next((_SPLIT_OF_WORD[word] for word in name_words(part) if word in _SPLIT_OF_WORD), None)
+        if split is not None:
+            return split
+    return None
 
 
 def _files_of_splits(folder: Path, files: Sequence[Path], choice: SplitChoice) -> list[Path]:
-    """The files of the splits `choice` picks among the files' splits (`file_split`), as of a hub dataset's."""
+    """The files of the splits `choice` picks among the files' splits (`file_split`), as of a hub dataset's; a folder
+    whose files name no split is one split, train, read whole (as `datasets` reads it)."""
     splits = {file: file_split(file, folder) for file in files}
+    _refuse_files_naming_no_split(folder, splits)
+    splits = {file: TRAIN_SPLIT if split is None else split for file, split in splits.items()}
     chosen = set(choice.of(str(folder), sorted(set(splits.values()))))
     return [file for file in files if splits[file] in chosen]
+
+
+def _refuse_files_naming_no_split(folder: Path, splits: Mapping[Path, str | None]) -> None:
+    """Refuse a folder whose files name splits (`file_split`) beside files naming none: `datasets` leaves those out,
+    unread, and reading them as training rows would guess (a `heldout.jsonl` beside `train.jsonl` is not)."""
+    unnamed = [file for file, split in splits.items() if split is None]
+    if unnamed and len(unnamed) < len(splits):
+        named = [file for file, split in splits.items() if split is not None]
+        raise UserError(f"data folder {folder} holds files naming a split ({_listed(folder, named)}) beside files "
+                        f"naming none ({_listed(folder, unnamed)}), whose split is not known (datasets leaves them "
+                        "unread): put their split in their names or folders (train.jsonl, test/part0.jsonl), or move "
+                        "them out of the folder")
 
 
 def read_local_files(path: Path, skipped: SkippedRows, choice: SplitChoice = TRAINING) -> list[FileRecords]:
