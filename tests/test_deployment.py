@@ -411,6 +411,31 @@ def test_a_steps_host_need_adds_up_each_models_need_as_run_and_as_planned():
     assert len(checked) >= 16  # offload planned or not, raised, lowered and kept by the user's flags, in every step
 
 
+@pytest.mark.parametrize("user, total", [
+    ({"actor_zero_stage": 3, "offload_reference_model": False, "offload_reward_model": False}, "fell"),
+    ({"actor_zero_stage": 3, "offload_reference_model": False}, "kept")])
+def test_a_flag_that_raised_a_models_need_is_advised_against_where_the_total_did_not_rise(user, total):
+    """A 7B GRPO step 3 planned as ZeRO-2 with every model offloaded (117.3 GiB), run at --actor_zero_stage 3 (the
+    actor's weights too: +13.0 GiB) with a frozen model on the GPU (-13.0 GiB each): the warning named
+    --actor_zero_stage as setting the need but advised "plan less offload" alone, where leaving it to the plan lowers
+    the need by 13.0 GiB."""
+    from training.pipeline.planning import host_memory_warnings
+
+    node = Hardware(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=8, bf16=True,
+                    cpu_memory_available_gib=100)
+    plan = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), node, None,
+                    Workload(critic=False, samples_per_prompt=4), [3])
+    assert (plan.steps[3].flags["actor_zero_stage"], plan.steps[3].flags["offload_reward_model"]) == (2, True)
+    (warning,) = host_memory_warnings(plan, node, None, {3: {**plan.steps[3].flags, **user}})
+    advice = "offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes"
+    if total == "fell":
+        assert warning.startswith("step 3's offload, as your --actor_zero_stage set it, puts 104.3 GiB")
+        assert warning.endswith(f"{advice} (your --offload_reference_model, --offload_reward_model lowered it from "
+                                "the plan's 117.3 GiB)")
+    else:
+        assert warning.startswith("step 3's offload, as your --actor_zero_stage set it, puts 117.3 GiB")
+        assert warning.endswith(advice)
+
 def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
     """Every registered step was planned, whichever ran: a 70B actor that step 1 fits on one 80 GB GPU of a 256 GB
     machine (its weights offloaded there) but step 3 does not (its frozen copy's weights too) refused `--step 1`."""

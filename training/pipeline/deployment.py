@@ -269,15 +269,15 @@ def _as_your_flags_set_it(flags: tuple[str, ...]) -> str:
 
 
 def _less_offload(need: HostNeed) -> str:
-    """What lowers the need: the plan's flags back where the flags a step runs with raised it above the plan's, else
-    a smaller run (saying so where those flags already lowered it)."""
+    """What lowers the need: the plan's values back for the flags that raised a model's need above the plan's, also
+    where others lowered the total as much or more; else a smaller run. Where the flags a step runs with lowered the
+    total below the plan's, it says so."""
     smaller = "a smaller model, more GPUs or nodes"
-    if need.as_run > need.as_planned:
-        return f"offload less: leave those flags to the plan, or {smaller}"
+    advice = f"offload less: leave those flags to the plan, or {smaller}" if need.raised_by else \
+        f"plan less offload: {smaller}"
     if need.as_run < need.as_planned:
-        return (f"plan less offload: {smaller} (your {', '.join(need.lowered_by)} lowered it from the plan's "
-                f"{need.as_planned / GIB:.1f} GiB)")
-    return f"plan less offload: {smaller}"
+        return f"{advice} (your {', '.join(need.lowered_by)} lowered it from the plan's {need.as_planned / GIB:.1f} GiB)"
+    return advice
 
 
 def _fit_training(
