@@ -207,3 +207,30 @@ def test_step_1_from_a_step_1_run_refuses_a_step_1_only_source_whose_count_chang
         with pytest.raises(UserError, match=REFUSED.format(run=run, source=".*sft.jsonl", then=100, now=now)) as err:
             again.build(1, tok, [record])
         assert ("this version leaves them out" in str(err.value)) == (now < 100)
+
+
+@pytest.mark.parametrize("splits, counted", [(("train", "test"), True), (("train", "extra"), False)])
+def test_a_later_step_naming_the_train_split_is_checked_as_the_source_its_input_run_read(tmp_path, tok, monkeypatch,
+                                                                                           splits, counted):
+    """X[train] and X were two sources to the shard checks, though they read the same rows of a dataset of train and
+    test splits: step 2 on someone/pairs[train] after a step 1 on someone/pairs was cut with any --seed, unchecked,
+    its shard overlapping step 1's. They are one source: another --seed is refused, and the counts are compared,
+    equal where train is the one training split, refused where another training split adds to X's (the two read
+    rows in common)."""
+    published = datasets.DatasetDict({splits[0]: datasets.Dataset.from_list(ROWS[:90]),
+                                      splits[1]: datasets.Dataset.from_list(ROWS[90:])})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: published)
+    data = DataArguments(data_path=["someone/pairs"], data_split="1,1,1", data_output_path=str(tmp_path / "cache"))
+    run_step1(data, tok, tmp_path / "step1")
+    with pytest.raises(UserError, match=r"trained on someone/pairs\[train\] cut with --seed 1234 --data_split 1,1,1, "
+                                        r"but this step cuts it with --seed 7"):
+        check_input_run_shards(str(tmp_path / "step1"), step2_data(data, data_path=["someone/pairs[train]"], seed=7), 2)
+    step2 = step2_data(data, data_path=["someone/pairs[train]"])
+    runs = input_runs(tmp_path / "step1", step2)
+    assert runs[0].records == {"someone/pairs": 90 if counted else 100}
+    if counted:
+        step2.build(2, tok, runs)
+    else:
+        with pytest.raises(UserError, match=REFUSED.format(run=tmp_path / "step1", source=r"someone/pairs\[train\]",
+                                                            then=100, now=90)):
+            step2.build(2, tok, runs)

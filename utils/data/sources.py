@@ -30,7 +30,7 @@ from typing import Any
 from utils.errors import UserError
 
 from . import embedded, tasks
-from .eval_splits import TRAINING, SplitChoice
+from .eval_splits import TRAIN_SPLIT, TRAINING, SplitChoice
 from .jsonio import FileRecords
 from .local_files import (
     LOCAL_SUFFIXES,
@@ -115,9 +115,11 @@ def _resolved_path(spec: SourceSpec) -> str:
 
 def source_identity(text: str) -> str:
     """What a `--data_path` entry reads, whatever its stated format: a local path resolved, else the name; a named
-    split with it."""
+    split with it, but for train: `X[train]` reads the rows `X` does where train is X's one training split (hh-rlhf's
+    and rm-static's train and test), and where X has others its record count differs, which the shard checks refuse,
+    the two reading rows in common."""
     spec = parse_source_spec(text)
-    return str(SourceSpec(_resolved_path(spec), split=spec.split))
+    return str(SourceSpec(_resolved_path(spec), split=None if spec.split == TRAIN_SPLIT else spec.split))
 
 
 def resolved_source(text: str) -> str:
