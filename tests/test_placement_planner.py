@@ -124,6 +124,50 @@ def test_the_gradient_all_reduce_runs_at_the_reduce_efficiency_of_the_link():
     assert full.seconds == pytest.approx(0.24 + 1e-5 + 0.2)
 
 
+def test_a_master_weight_model_all_reduces_and_holds_its_fp32_gradient_sums():
+    """`MasterWeightAdamW` (bf16 at ZeRO-0 through torch's AdamW) sums each micro-batch's gradient in fp32 and hands
+    the engine those sums to all-reduce (4 B a parameter, not 2); its hook frees each bf16 gradient once added, and
+    its step casts nothing: 4 B of gradients a parameter held (not 2 + 4) and no optimizer-step transient."""
+    master = replace(WORKLOAD, master_weights=("actor", "critic"))
+    reduce = training_calls(master, "critic", build_placement("colocate", 2), MACHINE)[2]
+    # 6 copy passes over 4e9 B at 5e10 B/s + 2 * 4e9 B * (2 - 1) / 2 = 4e9 B at 1e10 B/s * 0.5
+    assert reduce.kind == "gradient all-reduce" and reduce.bytes == 8e9
+    assert reduce.seconds == pytest.approx(0.48 + 1e-5 + 0.8)
+    lone = replace(master, critic=None, reward=None)
+    placement = build_placement("colocate", 1, ("actor", "reference"))
+    # actor: 2 B weights + 4 B fp32 sums + 12 B fp32 master and Adam moments; reference: 2 B weights; the largest
+    # transient is the training micro-batch's (as in the ZeRO test above), not a 4 B-a-parameter cast
+    transient = 1.36e8 + 4.04e5 + 3.2e6
+    assert rank_memory_gib(lone, placement, MACHINE, 0) == pytest.approx(1.0 + (18e9 + 2e9 + transient) / GIB)
+
+
+def test_the_workload_names_the_models_that_train_through_master_weights_as_training_decides():
+    """`Step3Workload.master_weights` comes from the very rule that picks the optimizer (`uses_master_weights`),
+    with `--optimizer auto` resolved for the device planned for: this CPU, or a hardware file's GPUs (FusedAdam)."""
+    from step3_rlhf.main import parse_args
+    from training.core.args import optimization_settings
+    from training.placement.workload import step3_workload
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
+
+    def roles(*flags: str, dtype: str = "bf16") -> tuple[str, ...]:
+        return step3_workload(parse_args([*base, *flags]), BILLION, BILLION, BILLION, dtype).master_weights
+
+    def trained_with_master_weights(*flags: str) -> tuple[str, ...]:
+        """What step 3's engines on this CPU decide for the same flags."""
+        args = parse_args([*base, *flags])
+        return tuple(role for role, model in (("actor", args.actor), ("critic", args.critic))
+                     if optimization_settings(model, args.schedule, "bf16", 1, 1).master_weights)
+
+    for flags in [(), ("--actor_zero_stage", "1"), ("--critic_zero_stage", "2", "--critic_offload"),
+                  ("--optimizer", "fused_adam"), ("--optimizer", "torch_adamw", "--actor_zero_stage", "3")]:
+        assert roles(*flags) == trained_with_master_weights(*flags), flags
+    assert roles() == ("actor", "critic") and roles("--actor_zero_stage", "1") == ("critic",)
+    assert roles(dtype="fp16") == roles(dtype="fp32") == ()  # DeepSpeed's own precision
+    assert roles("--hardware_file", "a100-80gb") == ()  # auto is FusedAdam on GPUs
+    assert roles("--hardware_file", "a100-80gb", "--optimizer", "torch_adamw") == ("actor", "critic")
+
+
 def test_a_model_trained_on_one_rank_at_zero_0_has_no_gradient_all_reduce():
     """The engine skips ZeRO-0's all-reduce over a single rank (a sum over one rank); at ZeRO-1 DeepSpeed still
     flattens, averages and copies the gradients back."""
@@ -416,6 +460,43 @@ def test_each_of_two_ranks_on_two_cores_is_calibrated_on_one_core(monkeypatch, t
     auto.planning_machine(None, False, "bf16", 2, cores=2)
     auto.planning_machine(None, False, "bf16", 1, cores=2)
     assert asked == [(1, 2), (2, 1)]  # two groups at once: a core each; alone: both
+
+
+def test_a_calibration_times_the_gradient_all_reduce_in_the_dtype_training_reduces(monkeypatch):
+    """bf16 on a CPU trains through `MasterWeightAdamW`, whose fp32 gradient sums DeepSpeed all-reduces: a rank of the
+    calibration times its all-reduce in fp32 there (it timed bf16); fp16 and fp32 reduce in their own dtype."""
+    import queue
+
+    import torch
+    import torch.distributed as dist
+
+    import utils.dist
+
+    reduced = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(utils.dist, "launcher_variables", lambda environ: [])
+    monkeypatch.setattr(utils.dist, "leave_spawned_rank", lambda: None)
+    monkeypatch.setattr(calibration, "measure_rank", lambda dtype, quick, sync: {})
+    monkeypatch.setattr(calibration, "measure_collectives", lambda world, dtype: reduced.append(dtype) or {})
+    for dtype in ("bf16", "fp16", "fp32"):
+        calibration._rank_worker(1, 2, 0, dtype, torch.get_num_threads(), True, queue.SimpleQueue())
+    assert reduced == [torch.float32, torch.float16, torch.float32]
+
+
+def test_the_profiled_steps_workload_is_the_one_its_flags_give():
+    """A calibration scales each kind of call by its time in a profiled step over the cost model's estimate of that
+    step: the estimate must be of the step its flags run (master weights included: a bf16 step on this CPU trains
+    through `MasterWeightAdamW`), or the factors carry the difference into every later plan."""
+    from pathlib import Path
+
+    from step3_rlhf.main import parse_args
+    from training.placement.step_profile import profile_argv, profile_workload
+    from training.placement.workload import step3_workload
+
+    for dtype in ("bf16", "fp32"):
+        args = parse_args(profile_argv(Path("actor"), Path("reward"), Path("run"), dtype))
+        assert profile_workload(BILLION, SMALL, dtype) == step3_workload(args, BILLION, SMALL, SMALL, dtype), dtype
 
 
 def test_call_times_are_exclusive_of_the_calls_nested_in_them():

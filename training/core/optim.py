@@ -80,14 +80,18 @@ class LearningRateGroups:
         return logged
 
 
-def resolve_optimizer_kind(kind: str, offload: bool) -> str:
+def resolve_optimizer_kind(kind: str, offload: bool, device: str | None = None) -> str:
+    """The Adam `kind` ("auto" resolved) on `device`, an accelerator's device name ("cpu", "cuda"; default: this
+    process's, where the model trains; the placement planner names the device it plans for)."""
     if kind != "auto":
         return kind
-    from deepspeed.accelerator import get_accelerator
-
     if offload:
         return "cpu_adam"
-    return "torch_adamw" if get_accelerator().device_name() == "cpu" else "fused_adam"
+    if device is None:
+        from deepspeed.accelerator import get_accelerator
+
+        device = get_accelerator().device_name()
+    return "torch_adamw" if device == "cpu" else "fused_adam"
 
 
 def build_optimizer(
@@ -110,12 +114,13 @@ def build_optimizer(
     return optimizer_of_kind(resolve_optimizer_kind(kind, offload), groups, learning_rate, betas)
 
 
-def uses_master_weights(dtype: str, zero_stage: int, offload: bool, kind: str) -> bool:
+def uses_master_weights(dtype: str, zero_stage: int, offload: bool, kind: str, device: str | None = None) -> bool:
     """Whether a trained model's update runs in `MasterWeightAdamW`: bf16 weights at ZeRO-0, optimizer state on
-    the weights' device, torch's AdamW (`kind` "auto" on a CPU machine). DeepSpeed then runs in fp32 mode and
-    leaves precision and clipping to that optimizer. fp16 keeps DeepSpeed's wrapper (it needs loss scaling), as
-    do the ZeRO stages, which own their masters."""
-    return dtype == "bf16" and zero_stage == 0 and not offload and resolve_optimizer_kind(kind, offload) == "torch_adamw"
+    the weights' device, torch's AdamW (`kind` "auto" on a CPU machine; `device` as `resolve_optimizer_kind` takes
+    it). DeepSpeed then runs in fp32 mode and leaves precision and clipping to that optimizer. fp16 keeps
+    DeepSpeed's wrapper (it needs loss scaling), as do the ZeRO stages, which own their masters."""
+    return dtype == "bf16" and zero_stage == 0 and not offload and \
+        resolve_optimizer_kind(kind, offload, device) == "torch_adamw"
 
 
 def optimizer_of_kind(kind: str, groups: list[dict], learning_rate: float,

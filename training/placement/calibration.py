@@ -24,6 +24,7 @@ from typing import Callable
 import psutil
 import torch
 
+from training.core.optim import uses_master_weights
 from training.generation.cpu_linear import LinearWeight
 from training.pipeline.hardware import GIB
 from utils.cpu import cpu_model_name
@@ -154,10 +155,16 @@ def _line_fit(moved: Callable[[int], float], small: int, large: int, t_small: fl
     return bandwidth, max(t_small - moved(small) / bandwidth, 1e-6)
 
 
+def gradient_reduce_dtype(dtype: str) -> str:
+    """The dtype of a ZeRO-0 gradient all-reduce when training in `dtype` on this machine with `--optimizer auto`:
+    fp32 where `MasterWeightAdamW` updates the model (it hands DeepSpeed its fp32 gradient sums), else `dtype`."""
+    return "fp32" if uses_master_weights(dtype, 0, False, "auto") else dtype
+
+
 def measure_collectives(world_size: int, dtype: torch.dtype) -> dict[str, float]:
     """Link bandwidth and latency of gloo all-gather + broadcast (float32, as the experience exchange moves), and
-    an all-reduce's bandwidth (in `dtype`, as DeepSpeed reduces gradients, on a flat buffer of a small model's
-    gradients) over the link's: a CPU sums with its cores."""
+    an all-reduce's bandwidth (in `dtype`, the gradients' as DeepSpeed reduces them: `gradient_reduce_dtype`, on a
+    flat buffer of a small model's gradients) over the link's: a CPU sums with its cores."""
     import torch.distributed as dist
 
     n, small, large = world_size, 256, 4 * 2**20
@@ -185,7 +192,7 @@ def _rank_worker(rank: int, world_size: int, port: int, dtype: str, threads: int
     torch.set_num_threads(threads)
     measured = measure_rank(TORCH_DTYPES[dtype], quick, dist.barrier)
     dist.barrier()
-    measured |= measure_collectives(world_size, TORCH_DTYPES[dtype])
+    measured |= measure_collectives(world_size, TORCH_DTYPES[gradient_reduce_dtype(dtype)])
     if rank == 0:
         results.put(measured)
     leave_spawned_rank()

@@ -156,6 +156,12 @@ def _trainable(workload: Step3Workload, role: str, size: ModelSize) -> float:
     return size.parameters * LORA_TRAINABLE if role == "actor" and workload.actor_lora else float(size.parameters)
 
 
+def _gradient_bytes(workload: Step3Workload, role: str) -> int:
+    """Bytes per trained parameter of the gradient a step's all-reduce sums: `MasterWeightAdamW`'s fp32 sums
+    (`Step3Workload.master_weights`), else the gradient in the model's dtype."""
+    return 4 if role in workload.master_weights else workload.dtype_bytes
+
+
 def _stage(workload: Step3Workload, role: str) -> int:
     """A trained model's ZeRO stage; a frozen one is sharded (stage 3) exactly when its trained partner is."""
     stage = workload.actor_zero_stage if role in ("actor", "reference") else workload.critic_zero_stage
@@ -248,8 +254,9 @@ def training_calls(workload: Step3Workload, role: str, placement: Placement, mac
     calls = [in_step_call(machine, "training", role, "train forward", forward, flops, weights, micro_batches),
              in_step_call(machine, "training", role, "backward", backward, 2 * flops, 2 * weights, micro_batches)]
     if stage < 3 and runs_gradient_allreduce(stage, len(members)):
+        reduced = trainable * _gradient_bytes(workload, role)
         calls.append(in_step_call(machine, "training", role, "gradient all-reduce",
-                                  gradient_reduce_s(trainable * b, members, machine), 0.0, 2 * trainable * b, steps))
+                                  gradient_reduce_s(reduced, members, machine), 0.0, 2 * reduced, steps))
     updated = trainable / (n if stage >= 1 else 1)
     calls.append(in_step_call(machine, "training", role, "optimizer step", updated * machine.optimizer_s_per_param,
                               0.0, updated * (2 * (12 + b)), steps))
@@ -269,8 +276,18 @@ def _persistent_bytes(workload: Step3Workload, role: str, placement: Placement) 
         return weights
     trainable = _trainable(workload, role, size)
     optimizer = 12 if b < 4 else 8  # fp32 master + Adam's two moments; fp32 training keeps no master copy
-    grads = trainable * (b + (4 if b < 4 else 0)) / (n if stage >= 2 else 1)  # + the fp32 master's gradients
+    grads = trainable * _persistent_gradient_bytes(workload, role) / (n if stage >= 2 else 1)
     return weights + grads + trainable * optimizer / (n if stage >= 1 else 1)
+
+
+def _persistent_gradient_bytes(workload: Step3Workload, role: str) -> int:
+    """Gradient bytes held per trained parameter: `MasterWeightAdamW`'s fp32 sums alone (its hook releases each
+    low-precision gradient once added); under DeepSpeed's mixed precision the low-precision gradient and the fp32
+    master's; in fp32 the one gradient."""
+    b = workload.dtype_bytes
+    if role in workload.master_weights:
+        return 4
+    return b + (4 if b < 4 else 0)
 
 
 def _inference_copy_bytes(workload: Step3Workload, placement: Placement) -> float:
@@ -307,9 +324,10 @@ def _training_bytes(workload: Step3Workload, role: str) -> float:
 
 
 def _optimizer_step_bytes(workload: Step3Workload, role: str, placement: Placement) -> float:
-    """Mixed precision: the optimizer step casts every gradient to fp32 before flattening them into the master's
-    gradient buffer, so the casts and the buffer are alive together (the buffer is counted as persistent)."""
-    if workload.dtype_bytes >= 4:
+    """DeepSpeed's mixed precision: the optimizer step casts every gradient to fp32 before flattening them into the
+    master's gradient buffer, so the casts and the buffer are alive together (the buffer is counted as persistent).
+    `MasterWeightAdamW` steps on the fp32 sums it holds, casting nothing."""
+    if workload.dtype_bytes >= 4 or role in workload.master_weights:
         return 0.0
     sharded = len(placement.ranks[role]) if _stage(workload, role) >= 2 else 1
     return _trainable(workload, role, _size(workload, role)) * 4 / sharded

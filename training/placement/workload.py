@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from training.core.optim import uses_master_weights
 from training.pipeline.hardware import ModelSize
 
 if TYPE_CHECKING:
     from step3_rlhf.settings import Step3Settings
+    from training.core.args import ModelTrainingConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -43,6 +45,9 @@ class Step3Workload:
     generation_batches: int = 1  # the chunk's prompts come in this many generation batches, each split on its own
     accumulation: int = 1  # --gradient_accumulation_steps: a PPO step's micro-batches must make whole steps of it
     optimizer_offloaded: tuple[str, ...] = ()  # trained models whose optimizer state is in CPU memory (ZeRO >= 1)
+    # trained models updated by `MasterWeightAdamW` (`master_weight_roles`): their gradients are summed, and
+    # all-reduced, in fp32
+    master_weights: tuple[str, ...] = ()
     hybrid_engine: bool = True
     inference_tp: int = 1
     keep_inference_copy: bool = False  # the hybrid engine's inference copy held through training too
@@ -96,11 +101,27 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         generation_batches=args.loop.generation_batches, accumulation=args.schedule.gradient_accumulation_steps,
         optimizer_offloaded=tuple(role for role, model in (("actor", args.actor), ("critic", args.critic))
                                   if model.offload),
+        master_weights=master_weight_roles({"actor": args.actor, "critic": args.critic}, args.schedule.optimizer,
+                                           dtype or args.run.dtype_name, planned_device(args.placement.hardware_file)),
         hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size,
         keep_inference_copy=args.hybrid.keep_inference_copy,
         stage_fusion=args.placement.enable_stage_fusion,
         stage_fusion_micro_batch=args.placement.stage_fusion_micro_batch_size,
         offloaded=offloaded_models(args))
+
+
+def planned_device(hardware_file: str | None) -> str:
+    """The device the planned ranks train on, as `--optimizer auto` is resolved for it: a hardware file's GPUs, else
+    this machine's CPU (`auto.planning_machine` plans a CPU calibration or a hardware file)."""
+    return "cuda" if hardware_file else "cpu"
+
+
+def master_weight_roles(models: dict[str, ModelTrainingConfig], optimizer: str, dtype: str,
+                        device: str) -> tuple[str, ...]:
+    """The trained models (role -> its settings) that `training.core.optim.uses_master_weights` updates through
+    `MasterWeightAdamW` at `dtype` with `--optimizer optimizer` on `device`."""
+    return tuple(role for role, model in models.items()
+                 if uses_master_weights(dtype, model.zero_stage, model.offload, optimizer, device))
 
 
 def offloaded_models(args: Step3Settings) -> tuple[str, ...]:
