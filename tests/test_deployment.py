@@ -367,15 +367,16 @@ def test_an_offload_plan_fits_the_offloaded_weights_in_host_memory():
 HOST_NEED_SIZES = (ModelSize(parameters=500_000_000, hidden_size=1024, num_layers=24, vocab_size=32000),
                    ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000), B7, B70)
 HOST_NEED_MACHINES = {
-    "single_gpu": (LAPTOP_GPU, None), "single_gpu_80": (dataclasses.replace(H100, num_gpus=1, cpu_memory_gib=256), None),
-    "single_node": (H100, None), "multi_node": (H100, [Host("worker-1", 8), Host("worker-2", 8)])}
+    "single_gpu": (LAPTOP_GPU, None),
+    "single_gpu_80": (dataclasses.replace(H100, num_gpus=1, cpu_memory_gib=256), None), "single_node": (H100, None), "multi_node": (H100, [Host("worker-1", 8), Host("worker-2", 8)])}
 HOST_NEED_RUNS = ((1, Workload()), (2, Workload()), (3, Workload()), (3, Workload(critic=False, samples_per_prompt=4)),
                   (4, Workload(critic=False, reward_model=False)))
 HOST_NEED_FLAGS = ({}, {"zero_stage": 3, "offload": True}, {"offload": "false"}, {"lora_dim": 0},
                    {"only_optimize_lora": False, "lora_dim": 16}, {"offload_reference_model": True},
                    {"offload_reference_model": "0"}, {"actor_zero_stage": "3", "actor_offload": "yes"},
                    {"critic_offload": True, "critic_zero_stage": 2, "offload_reward_model": False},
-                   {"actor_lora_dim": 0, "critic_lora_dim": 0, "actor_offload": False})
+                   {"actor_lora_dim": 0, "critic_lora_dim": 0, "actor_offload": False},
+                   {"enable_ema": True, "actor_zero_stage": 2, "actor_offload": True})
 
 
 def _plans_with_host_needs():
@@ -397,8 +398,7 @@ def test_a_steps_host_need_adds_up_each_models_need_as_run_and_as_planned():
     from training.pipeline.planning import _host_need
 
     def each_model(plan, step: int, flags) -> float:
-        return sum(host_bytes_per_node([model.size] if model.trained else [], [] if model.trained else [model.size],
-                                       model.choice(flags), plan.nodes) for model in plan.host_models[step])
+        return sum(model.host_bytes(flags, plan.world_size, plan.nodes) for model in plan.host_models[step])
 
     checked = set()
     for plan, step in _plans_with_host_needs():
@@ -435,6 +435,45 @@ def test_a_flag_that_raised_a_models_need_is_advised_against_where_the_total_did
     else:
         assert warning.startswith("step 3's offload, as your --actor_zero_stage set it, puts 117.3 GiB")
         assert warning.endswith(advice)
+
+
+@pytest.mark.parametrize("deployment, stage, lora, offload, copies", [
+    ("single_gpu", 2, False, True, 1), ("single_node", 2, False, True, 8), ("multi_node", 2, False, True, 8),
+    ("single_node", 3, False, True, 1), ("multi_node", 3, False, True, 1 / 2), ("single_node", 3, True, True, 1),
+    ("single_node", 2, False, False, 0)])
+def test_step_3s_ema_of_an_offloaded_actor_is_counted_in_host_memory_as_each_rank_holds_it(deployment, stage, lora,
+                                                                                           offload, copies):
+    """--enable_ema keeps an fp32 copy of the actor's trained parameters in CPU memory where the actor is offloaded
+    (step3_rlhf/ema.py): each rank its ZeRO-3 partition, or at ZeRO 0-2 a whole copy. Neither the warning nor its
+    flags counted it: a 7B GRPO step 3 at ZeRO-2 with offload on one 80 GiB GPU, 200 GiB available, put 117.3 GiB in
+    host memory by the warning's count and 143.4 GiB with the EMA, unwarned; on 8 GPUs the EMA alone is 208.6 GiB."""
+    from training.pipeline.deployment import trained_parameters
+    from training.pipeline.planning import _host_need
+
+    node = Hardware(num_gpus=8, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=8, bf16=True)
+    hosts = [Host("worker-1", 8), Host("worker-2", 8)] if deployment == "multi_node" else None
+    plan = plan_gpu(DeploymentType(deployment), ModelSizes(B7, B7), node, hosts,
+                    Workload(critic=False, samples_per_prompt=4), [3])
+    runs_with = {**plan.steps[3].flags, "actor_zero_stage": stage, "actor_offload": offload,
+                 "actor_lora_dim": 128 if lora else 0, "actor_only_optimize_lora": lora}
+    ema = _host_need(plan, 3, {**runs_with, "enable_ema": True}).as_run - _host_need(plan, 3, runs_with).as_run
+    assert ema == pytest.approx(4 * trained_parameters([B7], MemoryChoice(stage, offload, lora)) * copies)
+    if copies:
+        assert _host_need(plan, 3, {**runs_with, "enable_ema": True}).raised_by[-1] == "--enable_ema"
+
+
+def test_an_ema_that_needs_more_host_memory_than_is_available_is_warned_of_naming_enable_ema():
+    from training.pipeline.planning import host_memory_warnings
+
+    node = Hardware(num_gpus=1, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=8, bf16=True,
+                    cpu_memory_available_gib=200)
+    plan = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(B7, B7), node, None,
+                    Workload(critic=False, samples_per_prompt=4), [3])
+    assert (plan.steps[3].flags["actor_zero_stage"], plan.steps[3].flags["actor_offload"]) == (2, True)
+    assert host_memory_warnings(plan, node, None, {3: {**plan.steps[3].flags, "enable_ema": False}}) == []
+    (warning,) = host_memory_warnings(plan, node, None, {3: {**plan.steps[3].flags, "enable_ema": True}})
+    assert warning.startswith("step 3's offload, as your --enable_ema set it, puts 143.4 GiB in host memory")
+    assert warning.endswith("offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes")
 
 def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
     """Every registered step was planned, whichever ran: a 70B actor that step 1 fits on one 80 GB GPU of a 256 GB

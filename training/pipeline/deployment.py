@@ -49,7 +49,7 @@ class DeploymentPlan:
     notes: list[str] = field(default_factory=list)
     # the models whose offload each step's host need counts, by step number, and the nodes that share it: the need
     # of the flags a step runs with, the user's or the plan's (`planning._host_need`, `host_memory_short_now`)
-    host_models: dict[int, tuple[HostModel, ...]] = field(default_factory=dict)
+    host_models: dict[int, tuple[HostModel | HostEMA, ...]] = field(default_factory=dict)
     nodes: int = 1
     # the step flags train.py's --actor-zero-stage/--reward-zero-stage set otherwise than planned, by step number
     # (`planning.apply_zero_overrides`): the host need as planned counts their planned values
@@ -92,6 +92,7 @@ class Workload:
 
 _STATE_BUDGET = 0.55  # share of accelerator memory for weights/gradients/optimizer; the rest is activations
 _ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained parameter
+_EMA_BYTES = 4  # step 3's EMA of the actor: an fp32 copy of each trained parameter (step3_rlhf/ema.py)
 _LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
 _GPU_LORA_DIM = 128
 _HOST_OFFLOAD_SHARE = 0.7  # share of a node's memory that offload may fill (the rest: the processes, the OS)
@@ -146,10 +147,15 @@ def host_bytes_per_node(trained: list[ModelSize], frozen: list[ModelSize], choic
     through ZeRO-3 at any stage). Nothing without offload."""
     if not choice.offload:
         return 0.0
-    trainable = sum(m.parameters for m in trained) * (_LORA_TRAINABLE if choice.lora else 1)
+    trainable = trained_parameters(trained, choice)
     weights = sum(m.parameters for m in trained) if choice.zero_stage == 3 else 0
     weights += sum(m.parameters for m in frozen)
     return ((_ADAM_BYTES + 2) * trainable + 2 * weights) / nodes
+
+
+def trained_parameters(trained: list[ModelSize], choice: MemoryChoice) -> float:
+    """The parameters a memory choice trains of the models `trained`: under LoRA, its adapters'."""
+    return sum(m.parameters for m in trained) * (_LORA_TRAINABLE if choice.lora else 1)
 
 
 @dataclass(frozen=True)
@@ -180,10 +186,33 @@ class HostModel:
         stage, offload, lora_dim, only_lora = (flags.get(name) for name in self.flag_names)
         return MemoryChoice(int(stage or 0), _switched_on(offload), int(lora_dim or 0) > 0 and _switched_on(only_lora))
 
-    def host_bytes(self, flags: Mapping[str, Any], nodes: int) -> float:
-        """What this model's offload puts in one node's memory with a step's flag values `flags`."""
+    def host_bytes(self, flags: Mapping[str, Any], world: int, nodes: int) -> float:
+        """What this model's offload puts in one node's memory with a step's flag values `flags` (its state partitioned
+        over the `world` ranks, whatever their number)."""
         trained, frozen = ([self.size], []) if self.trained else ([], [self.size])
         return host_bytes_per_node(trained, frozen, self.choice(flags), nodes)
+
+
+@dataclass(frozen=True)
+class HostEMA:
+    """Step 3's EMA of a trained model (the actor), switched on by `--enable_ema`: an fp32 copy of its trained
+    parameters, in CPU memory where the model is offloaded, else on the accelerators (`step3_rlhf.ema.ModelEMA`). Each
+    rank holds its ZeRO-3 partition of it, or at ZeRO 0-2 a whole copy. The plan leaves it off."""
+
+    of: HostModel
+    switch: str = "enable_ema"
+
+    @property
+    def flag_names(self) -> tuple[str, ...]:
+        return (*self.of.flag_names, self.switch)
+
+    def host_bytes(self, flags: Mapping[str, Any], world: int, nodes: int) -> float:
+        """What the EMA puts in one node's memory with a step's flag values `flags` on `world` ranks."""
+        choice = self.of.choice(flags)
+        if not (choice.offload and _switched_on(flags.get(self.switch))):
+            return 0.0
+        copies = 1 if choice.zero_stage == 3 else world
+        return _EMA_BYTES * trained_parameters([self.of.size], choice) * copies / nodes
 
 
 def _switched_on(value: Any) -> bool:
@@ -276,20 +305,23 @@ def _less_offload(need: HostNeed) -> str:
     advice = f"offload less: leave those flags to the plan, or {smaller}" if need.raised_by else \
         f"plan less offload: {smaller}"
     if need.as_run < need.as_planned:
-        return f"{advice} (your {', '.join(need.lowered_by)} lowered it from the plan's {need.as_planned / GIB:.1f} GiB)"
+        lowered = ", ".join(need.lowered_by)
+        return f"{advice} (your {lowered} lowered it from the plan's {need.as_planned / GIB:.1f} GiB)"
     return advice
 
 
 def _fit_training(
     target: Target, held: tuple[HostModel, ...], seq_len: int, seqs_per_sample: int, cap: int,
     step: int, what: str, models: tuple[Model, ...], extra_per_sample: float = 0.0,
+    unplanned: tuple[HostEMA, ...] = (),
 ) -> _Fit:
     """The first ladder choice whose states fit the accelerators and whose offload fits host memory, and the largest
     power-of-two micro batch beside them, for the models the step holds (`held`); else a refusal naming the limit
-    that failed (`models`: whose size counts)."""
+    that failed (`models`: whose size counts). What the plan leaves off (`unplanned`: step 3's EMA) is not sized for,
+    only counted in the host need of the flags a step runs with."""
     trained = [model.size for model in held if model.trained]
     frozen = [model.size for model in held if not model.trained]
-    target.host_models[step] = held
+    target.host_models[step] = (*held, *unplanned)
     host_bound = []  # choices that fit the accelerators but offload more than host memory holds
     for choice in _ladder(target.world):
         fit = _fit_on_accelerators(target, trained, frozen, choice, seq_len, seqs_per_sample, cap, extra_per_sample)
@@ -450,7 +482,7 @@ class Target:
     dtype: str
     quick: CpuQuickRun | None = None
     # the models whose offload each step's host need counts, by step number, filled as it is planned
-    host_models: dict[int, tuple[HostModel, ...]] = field(default_factory=dict, compare=False)
+    host_models: dict[int, tuple[HostModel | HostEMA, ...]] = field(default_factory=dict, compare=False)
 
     def cpu_cost(self, size: ModelSize) -> float:
         """A quick-run step's time for a model of `size`, relative to the reference model on the reference cores."""
@@ -600,10 +632,12 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
     rl_seq = prompt_len + answer_len
     kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
     models = (Model.ACTOR, Model.REWARD) if critic_sizes or reward_sizes else (Model.ACTOR,)
-    held = (HostModel(sizes.actor, "actor_"), *(HostModel(size, "critic_") for size in critic_sizes),
+    actor = HostModel(sizes.actor, "actor_")
+    held = (actor, *(HostModel(size, "critic_") for size in critic_sizes),
             HostModel(sizes.actor, frozen_offload="offload_reference_model"),
             *(HostModel(size, frozen_offload="offload_reward_model") for size in reward_sizes))
-    fit = _fit_training(target, held, rl_seq, 1, 16, 3, "step 3", models, extra_per_sample=kv_cache)
+    fit = _fit_training(target, held, rl_seq, 1, 16, 3, "step 3", models, extra_per_sample=kv_cache,
+                        unplanned=(HostEMA(actor),))
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
     critic_blocks = (sizes.reward if workload.reward_model else sizes.actor).blocks_name  # what the critic starts from
     # the critic's flags only for a critic, which a critic-free step 3 refuses as doing nothing

@@ -8,6 +8,7 @@ from .deployment import (
     CpuQuickRun,
     DeploymentPlan,
     DeploymentType,
+    HostEMA,
     HostModel,
     HostNeed,
     Model,
@@ -75,12 +76,13 @@ def _host_need(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) ->
     as_run = {**plan.steps[step].flags, **runs_with}
     as_planned = _flags_as_planned(plan, step)
     models = plan.host_models[step]
-    run_bytes = [model.host_bytes(as_run, plan.nodes) for model in models]
-    planned_bytes = [model.host_bytes(as_planned, plan.nodes) for model in models]
+    run_bytes = [model.host_bytes(as_run, plan.world_size, plan.nodes) for model in models]
+    planned_bytes = [model.host_bytes(as_planned, plan.world_size, plan.nodes) for model in models]
     raised, lowered = [], []
     for model, run, planned in zip(models, run_bytes, planned_bytes):
         if run != planned:
-            (raised if run > planned else lowered).extend(_flags_setting_otherwise(plan, step, model, as_run, as_planned))
+            moved_by = _flags_setting_otherwise(plan, step, model, as_run, as_planned)
+            (raised if run > planned else lowered).extend(moved_by)
     return HostNeed(sum(run_bytes), sum(planned_bytes), tuple(dict.fromkeys(raised)), tuple(dict.fromkeys(lowered)))
 
 
@@ -90,7 +92,7 @@ def _flags_as_planned(plan: DeploymentPlan, step: int) -> dict[str, Any]:
             **{name: stage_flag.planned for name, stage_flag in plan.stage_flags_set.get(step, {}).items()}}
 
 
-def _flags_setting_otherwise(plan: DeploymentPlan, step: int, model: HostModel, as_run: Mapping[str, Any],
+def _flags_setting_otherwise(plan: DeploymentPlan, step: int, model: HostModel | HostEMA, as_run: Mapping[str, Any],
                              as_planned: Mapping[str, Any]) -> list[str]:
     """The flags that set `model`'s memory flags in `step` otherwise than planned, as the user gave them: the step
     flag itself (--offload), or train.py's stage flag that set it (--actor-zero-stage) where no step flag did."""
