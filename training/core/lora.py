@@ -11,13 +11,26 @@ from utils.errors import UserError
 _LINEAR_TYPES = (torch.nn.Linear, Conv1D)
 
 
+def is_lora_target(name: str, lora_module_name: str) -> bool:
+    """Whether LoRA adapts the linear layer of full name `name`: its path contains `lora_module_name`, and it is not
+    the LM head."""
+    return lora_module_name in name and "lm_head" not in name
+
+
+def linear_features(model: torch.nn.Module) -> tuple[tuple[str, int], ...]:
+    """(full name, input + output features) of each linear layer of `model`: a rank-r adapter on one trains r times
+    its features (A: r x in, B: out x r). Read from the weights' shapes, so a model on the meta device does."""
+    return tuple((name, sum(module.weight.shape)) for name, module in model.named_modules()
+                 if isinstance(module, _LINEAR_TYPES))
+
+
 def lora_target_modules(model: torch.nn.Module, lora_module_name: str, flag_prefix: str = "") -> list[str]:
     """Full names of the linear layers whose path contains `lora_module_name` (never the LM head); `flag_prefix`
     names the model's flag in the error (`actor_`)."""
     names = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, _LINEAR_TYPES) and lora_module_name in name and "lm_head" not in name
+        if isinstance(module, _LINEAR_TYPES) and is_lora_target(name, lora_module_name)
     ]
     if not names:
         raise UserError(

@@ -1,12 +1,13 @@
 """What the planner needs to know about the machine and the models: memory, cores, parameter counts."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import psutil
 import torch
 
+from training.core.lora import is_lora_target, linear_features
 from training.core.model_loading import load_config
 from utils.cpu import cpu_cores, cpu_has_native_bf16
 
@@ -111,6 +112,22 @@ class ModelSize:
     # the name of the list of decoder blocks plus "." ("h." in GPT-2, Falcon, BLOOM): the --lora_module_name that
     # adapts every block's linear layers in the causal LM and in a reward model on its backbone alike
     blocks_name: str = "layers."
+    # (full name, input + output features) of each linear layer (`training.core.lora.linear_features`), which LoRA's
+    # adapters are sized by (`lora_trainable_parameters`); empty where the model was not built
+    linear_features: tuple[tuple[str, int], ...] = field(default=(), repr=False)
+
+
+ESTIMATED_BLOCK_FEATURES = 18  # a block's linear features in hidden sizes: 4 attention projections, a 4h-wide MLP's 2
+
+
+def lora_trainable_parameters(size: ModelSize, lora_dim: int, lora_module_name: str | None = None) -> int:
+    """The parameters rank-`lora_dim` LoRA adapters train on the linear layers that `lora_module_name` selects
+    (default: every block's, `size.blocks_name`), as `training.core.lora.apply_lora` makes them. A size read without
+    its layers (the model could not be built) counts every block's, estimated as `ESTIMATED_BLOCK_FEATURES`."""
+    if not size.linear_features:
+        return lora_dim * ESTIMATED_BLOCK_FEATURES * size.hidden_size * size.num_layers
+    selected = lora_module_name or size.blocks_name
+    return lora_dim * sum(features for name, features in size.linear_features if is_lora_target(name, selected))
 
 
 def model_size(name_or_path: str, trust_remote_code: bool = False) -> ModelSize:
@@ -124,10 +141,11 @@ def model_size(name_or_path: str, trust_remote_code: bool = False) -> ModelSize:
     positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     model = _meta_model(config, trust_remote_code)
     if model is None:
-        parameters, blocks = 12 * layers * hidden * hidden + vocab * hidden, "layers."  # the usual estimate
+        parameters, blocks, linears = 12 * layers * hidden * hidden + vocab * hidden, "layers.", ()  # the usual estimate
     else:
-        parameters, blocks = sum(p.numel() for p in model.parameters()), _blocks_name(model)
-    return ModelSize(parameters, hidden, layers, vocab, int(positions) if positions else None, blocks)
+        parameters, blocks, linears = sum(p.numel() for p in model.parameters()), _blocks_name(model), \
+            linear_features(model)
+    return ModelSize(parameters, hidden, layers, vocab, int(positions) if positions else None, blocks, linears)
 
 
 def _meta_model(config, trust_remote_code: bool) -> torch.nn.Module | None:

@@ -17,12 +17,11 @@ import math
 from dataclasses import dataclass, replace
 
 from training.core.ds_config import runs_gradient_allreduce
-from training.pipeline.hardware import GIB, ModelSize
+from training.pipeline.hardware import GIB, ModelSize, lora_trainable_parameters
 from training.placement.machine import MachineSpec
 from training.placement.spec import Placement
 from training.placement.workload import Step3Workload
 
-LORA_TRAINABLE = 0.01  # share of the parameters a LoRA adapter trains
 EXPERIENCE_TENSORS = 8  # per-token tensors an experience row carries (sequence, mask, log-probs, values, ...)
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # Korthikanti et al.: ~34*s*h bytes per layer at 2-byte activations
 LM_HEAD_ROLES = ("actor", "reference", "rollout")  # their forward makes vocabulary logits; critic/reward a value
@@ -153,7 +152,10 @@ def elementwise_s(size: ModelSize, tokens: int, machine: MachineSpec, backward: 
 
 
 def _trainable(workload: Step3Workload, role: str, size: ModelSize) -> float:
-    return size.parameters * LORA_TRAINABLE if role == "actor" and workload.actor_lora else float(size.parameters)
+    """The parameters `role` trains: the actor's LoRA adapters alone where only they train, else every one."""
+    if role == "actor" and workload.actor_lora:
+        return float(lora_trainable_parameters(size, workload.actor_lora_dim, workload.actor_lora_module_name))
+    return float(size.parameters)
 
 
 def _gradient_bytes(workload: Step3Workload, role: str) -> int:

@@ -41,7 +41,10 @@ class Step3Workload:
     dtype: str = "bf16"
     actor_zero_stage: int = 0
     critic_zero_stage: int = 0
-    actor_lora: bool = False  # only the actor's LoRA adapters train (--actor_lora_dim with --actor_only_optimize_lora)
+    # the rank of the actor's LoRA adapters where only they train (--actor_lora_dim with --actor_only_optimize_lora;
+    # 0: every weight trains), on the linear layers --actor_lora_module_name selects
+    actor_lora_dim: int = 0
+    actor_lora_module_name: str = "layers."
     generation_batches: int = 1  # the chunk's prompts come in this many generation batches, each split on its own
     accumulation: int = 1  # --gradient_accumulation_steps: a PPO step's micro-batches must make whole steps of it
     optimizer_offloaded: tuple[str, ...] = ()  # trained models whose optimizer state is in CPU memory (ZeRO >= 1)
@@ -54,6 +57,10 @@ class Step3Workload:
     stage_fusion: bool = False  # finished rows scored while generation goes on (`step3_rlhf.stage_fusion`)
     stage_fusion_micro_batch: int = 2
     offloaded: tuple[str, ...] = ()  # frozen models kept in CPU memory (ZeRO-3 parameter offload)
+
+    @property
+    def actor_lora(self) -> bool:
+        return self.actor_lora_dim > 0
 
     @property
     def rows_per_chunk(self) -> int:
@@ -97,7 +104,8 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         ppo_epochs=args.loop.ppo_epochs, train_micro_batch=args.loop.per_device_training_batch_size,
         dtype=dtype or args.run.dtype_name, actor_zero_stage=args.actor.zero_stage,
         critic_zero_stage=args.critic.zero_stage,
-        actor_lora=args.actor.lora_dim > 0 and args.actor.only_optimize_lora,
+        actor_lora_dim=args.actor.lora_dim if args.actor.only_optimize_lora else 0,
+        actor_lora_module_name=args.actor.lora_module_name,
         generation_batches=args.loop.generation_batches, accumulation=args.schedule.gradient_accumulation_steps,
         optimizer_offloaded=tuple(role for role, model in (("actor", args.actor), ("critic", args.critic))
                                   if model.offload),
