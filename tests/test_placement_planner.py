@@ -129,7 +129,7 @@ def test_a_master_weight_model_all_reduces_and_holds_its_fp32_gradient_sums():
     """`MasterWeightAdamW` (bf16 at ZeRO-0 through torch's AdamW) sums each micro-batch's gradient in fp32 and hands
     the engine those sums to all-reduce (4 B a parameter, not 2); its hook frees each bf16 gradient once added, and
     its step casts nothing: 4 B of gradients a parameter held (not 2 + 4) and no optimizer-step transient."""
-    master = replace(WORKLOAD, master_weights=("actor", "critic"))
+    master = replace(WORKLOAD, device="cpu")  # bf16 at ZeRO-0, --optimizer auto on a CPU: torch's AdamW
     reduce = training_calls(master, "critic", build_placement("colocate", 2), MACHINE)[2]
     # 6 copy passes over 4e9 B at 5e10 B/s + 2 * 4e9 B * (2 - 1) / 2 = 4e9 B at 1e10 B/s * 0.5
     assert reduce.kind == "gradient all-reduce" and reduce.bytes == 8e9
@@ -152,7 +152,8 @@ def test_the_workload_names_the_models_that_train_through_master_weights_as_trai
     base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
 
     def roles(*flags: str, dtype: str = "bf16") -> tuple[str, ...]:
-        return step3_workload(parse_args([*base, *flags]), BILLION, BILLION, BILLION, dtype).master_weights
+        workload = step3_workload(parse_args([*base, *flags]), BILLION, BILLION, BILLION, dtype)
+        return tuple(role for role in ("actor", "critic") if workload.master_weights(role))
 
     def trained_with_master_weights(*flags: str) -> tuple[str, ...]:
         """What step 3's engines on this CPU decide for the same flags."""
@@ -167,6 +168,25 @@ def test_the_workload_names_the_models_that_train_through_master_weights_as_trai
     assert roles(dtype="fp16") == roles(dtype="fp32") == ()  # DeepSpeed's own precision
     assert roles("--hardware_file", "a100-80gb") == ()  # auto is FusedAdam on GPUs
     assert roles("--hardware_file", "a100-80gb", "--optimizer", "torch_adamw") == ("actor", "critic")
+
+
+def test_a_plan_at_another_zero_stage_than_the_runs_is_sized_as_that_stage_trains():
+    """The planner tries every ZeRO stage on the run's workload: a ZeRO-1 plan of a bf16 ZeRO-0 run on this CPU
+    trains through DeepSpeed's ZeRO optimizer, not `MasterWeightAdamW`, and a ZeRO-0 plan of a ZeRO-1 run through
+    it; each is estimated as the run at that stage is."""
+    from step3_rlhf.main import parse_args
+    from training.placement.workload import step3_workload
+
+    base = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o"]
+
+    def workload(stage: int) -> Step3Workload:
+        flags = ["--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage)]
+        return step3_workload(parse_args([*base, *flags]), BILLION, BILLION, BILLION, "bf16")
+
+    placement = build_placement("colocate", 2)
+    for run, planned in ((0, 1), (1, 0)):
+        tried = replace(workload(run), actor_zero_stage=planned, critic_zero_stage=planned)
+        assert estimate_step(tried, placement, MACHINE) == estimate_step(workload(planned), placement, MACHINE), run
 
 
 def test_a_model_trained_on_one_rank_at_zero_0_has_no_gradient_all_reduce():

@@ -161,7 +161,7 @@ def _trainable(workload: Step3Workload, role: str, size: ModelSize) -> float:
 def _gradient_bytes(workload: Step3Workload, role: str) -> int:
     """Bytes per trained parameter of the gradient a step's all-reduce sums: `MasterWeightAdamW`'s fp32 sums
     (`Step3Workload.master_weights`), else the gradient in the model's dtype."""
-    return 4 if role in workload.master_weights else workload.dtype_bytes
+    return 4 if workload.master_weights(role) else workload.dtype_bytes
 
 
 def _stage(workload: Step3Workload, role: str) -> int:
@@ -287,7 +287,7 @@ def _persistent_gradient_bytes(workload: Step3Workload, role: str) -> int:
     low-precision gradient once added); under DeepSpeed's mixed precision the low-precision gradient and the fp32
     master's; in fp32 the one gradient."""
     b = workload.dtype_bytes
-    if role in workload.master_weights:
+    if workload.master_weights(role):
         return 4
     return b + (4 if b < 4 else 0)
 
@@ -329,7 +329,7 @@ def _optimizer_step_bytes(workload: Step3Workload, role: str, placement: Placeme
     """DeepSpeed's mixed precision: the optimizer step casts every gradient to fp32 before flattening them into the
     master's gradient buffer, so the casts and the buffer are alive together (the buffer is counted as persistent).
     `MasterWeightAdamW` steps on the fp32 sums it holds, casting nothing."""
-    if workload.dtype_bytes >= 4 or role in workload.master_weights:
+    if workload.dtype_bytes >= 4 or workload.master_weights(role):
         return 0.0
     sharded = len(placement.ranks[role]) if _stage(workload, role) >= 2 else 1
     return _trainable(workload, role, _size(workload, role)) * 4 / sharded

@@ -159,16 +159,12 @@ def profile_argv(actor: Path, reward: Path, output_dir: Path, dtype: str,
 
 def profile_workload(actor: ModelSize, critic: ModelSize, dtype: str,
                      shape: ProfileShape = PROFILE_SHAPE) -> Step3Workload:
-    """The profiled run's step as the cost model sees it (`profile_argv`'s settings: the trained models' and the
-    optimizer's flags at their defaults, on this machine's CPU)."""
-    from training.core.args import ModelTrainingConfig, ScheduleSettings
-    from training.placement.workload import Step3Workload, master_weight_roles
+    """The profiled run's step as the cost model sees it (`profile_argv`'s settings, on this machine's CPU)."""
+    from training.placement.workload import Step3Workload
 
-    trained = {"actor": ModelTrainingConfig(), "critic": ModelTrainingConfig()}
     return Step3Workload(actor=actor, critic=critic, reward=critic, prompts_per_rank=shape.batch,
                          samples_per_prompt=1, prompt_len=shape.prompt_len, answer_len=shape.answer_len,
-                         train_micro_batch=shape.batch, dtype=dtype, hybrid_engine=True,
-                         master_weights=master_weight_roles(trained, ScheduleSettings().optimizer, dtype, "cpu"))
+                         train_micro_batch=shape.batch, dtype=dtype, hybrid_engine=True, device="cpu")
 
 
 def launch_env(threads: int) -> dict[str, str]:

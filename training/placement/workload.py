@@ -12,7 +12,6 @@ from training.pipeline.hardware import ModelSize
 
 if TYPE_CHECKING:
     from step3_rlhf.settings import Step3Settings
-    from training.core.args import ModelTrainingConfig
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -48,15 +47,21 @@ class Step3Workload:
     generation_batches: int = 1  # the chunk's prompts come in this many generation batches, each split on its own
     accumulation: int = 1  # --gradient_accumulation_steps: a PPO step's micro-batches must make whole steps of it
     optimizer_offloaded: tuple[str, ...] = ()  # trained models whose optimizer state is in CPU memory (ZeRO >= 1)
-    # trained models updated by `MasterWeightAdamW` (`master_weight_roles`): their gradients are summed, and
-    # all-reduced, in fp32
-    master_weights: tuple[str, ...] = ()
+    optimizer: str = "auto"  # --optimizer, resolved for `device` (`master_weights`)
+    device: str = "cuda"  # the planned ranks' device: "cpu" where planned from this machine's calibration
     hybrid_engine: bool = True
     inference_tp: int = 1
     keep_inference_copy: bool = False  # the hybrid engine's inference copy held through training too
     stage_fusion: bool = False  # finished rows scored while generation goes on (`step3_rlhf.stage_fusion`)
     stage_fusion_micro_batch: int = 2
     offloaded: tuple[str, ...] = ()  # frozen models kept in CPU memory (ZeRO-3 parameter offload)
+
+    def master_weights(self, role: str) -> bool:
+        """Whether the trained model `role` is updated by `MasterWeightAdamW` at its ZeRO stage here (the planner
+        tries several), as `training.core.optim.uses_master_weights` decides for the run: its gradients are then
+        summed, and all-reduced, in fp32."""
+        stage = self.actor_zero_stage if role == "actor" else self.critic_zero_stage
+        return uses_master_weights(self.dtype, stage, role in self.optimizer_offloaded, self.optimizer, self.device)
 
     @property
     def actor_lora(self) -> bool:
@@ -109,8 +114,7 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         generation_batches=args.loop.generation_batches, accumulation=args.schedule.gradient_accumulation_steps,
         optimizer_offloaded=tuple(role for role, model in (("actor", args.actor), ("critic", args.critic))
                                   if model.offload),
-        master_weights=master_weight_roles({"actor": args.actor, "critic": args.critic}, args.schedule.optimizer,
-                                           dtype or args.run.dtype_name, planned_device(args.placement.hardware_file)),
+        optimizer=args.schedule.optimizer, device=planned_device(args.placement.hardware_file),
         hybrid_engine=args.hybrid.backend == "hybrid", inference_tp=args.hybrid.inference_tp_size,
         keep_inference_copy=args.hybrid.keep_inference_copy,
         stage_fusion=args.placement.enable_stage_fusion,
@@ -122,14 +126,6 @@ def planned_device(hardware_file: str | None) -> str:
     """The device the planned ranks train on, as `--optimizer auto` is resolved for it: a hardware file's GPUs, else
     this machine's CPU (`auto.planning_machine` plans a CPU calibration or a hardware file)."""
     return "cuda" if hardware_file else "cpu"
-
-
-def master_weight_roles(models: dict[str, ModelTrainingConfig], optimizer: str, dtype: str,
-                        device: str) -> tuple[str, ...]:
-    """The trained models (role -> its settings) that `training.core.optim.uses_master_weights` updates through
-    `MasterWeightAdamW` at `dtype` with `--optimizer optimizer` on `device`."""
-    return tuple(role for role, model in models.items()
-                 if uses_master_weights(dtype, model.zero_stage, model.offload, optimizer, device))
 
 
 def offloaded_models(args: Step3Settings) -> tuple[str, ...]:
