@@ -54,9 +54,11 @@ def code_version() -> dict:
     It hashes the source of the whole data package, not a list of the modules that tokenise and
     format: a list goes stale when a helper moves or a module is added, and a forgotten constant
     bump silently reuses data built by older code, whereas a needless rebuild after an unrelated edit
-    costs only the build time. The tokenizer libraries' versions join it, since they encode the text.
+    costs only the build time. The versions of the libraries that read the rows (datasets: a json column's type, a
+    parquet file's nulls) and encode the text (transformers, tokenizers) join it.
     """
-    return {"data_code": source_version(), "transformers": version("transformers"), "tokenizers": version("tokenizers")}
+    return {"data_code": source_version(), "datasets": version("datasets"), "transformers": version("transformers"),
+            "tokenizers": version("tokenizers")}
 
 
 def _probe_encodings(tokenizer) -> dict:
