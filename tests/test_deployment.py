@@ -368,7 +368,8 @@ HOST_NEED_SIZES = (ModelSize(parameters=500_000_000, hidden_size=1024, num_layer
                    ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000), B7, B70)
 HOST_NEED_MACHINES = {
     "single_gpu": (LAPTOP_GPU, None),
-    "single_gpu_80": (dataclasses.replace(H100, num_gpus=1, cpu_memory_gib=256), None), "single_node": (H100, None), "multi_node": (H100, [Host("worker-1", 8), Host("worker-2", 8)])}
+    "single_gpu_80": (dataclasses.replace(H100, num_gpus=1, cpu_memory_gib=256), None), "single_node": (H100, None),
+    "multi_node": (H100, [Host("worker-1", 8), Host("worker-2", 8)])}
 HOST_NEED_RUNS = ((1, Workload()), (2, Workload()), (3, Workload()), (3, Workload(critic=False, samples_per_prompt=4)),
                   (4, Workload(critic=False, reward_model=False)))
 HOST_NEED_FLAGS = ({}, {"zero_stage": 3, "offload": True}, {"offload": "false"}, {"lora_dim": 0},
@@ -474,6 +475,35 @@ def test_an_ema_that_needs_more_host_memory_than_is_available_is_warned_of_namin
     (warning,) = host_memory_warnings(plan, node, None, {3: {**plan.steps[3].flags, "enable_ema": True}})
     assert warning.startswith("step 3's offload, as your --enable_ema set it, puts 143.4 GiB in host memory")
     assert warning.endswith("offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes")
+
+
+@pytest.mark.parametrize("gpus, gpu_memory, available, ema, planned, most", [
+    (2, 40, 180, False, 117.3, 130.4),  # planned at ZeRO-2: auto may pick ZeRO-3, which offloads the weights too
+    (8, 24, 250, True, 156.5, 326.0)])  # planned at ZeRO-3: auto may pick ZeRO-1/2, an EMA copy on each rank
+def test_step_3_under_placement_auto_is_counted_at_the_zero_stages_it_may_pick(gpus, gpu_memory, available, ema,
+                                                                              planned, most):
+    """--placement auto picks the actor's and critic's ZeRO stages as step 3 starts (any of 1-3 for an offloaded
+    model on several ranks), but the warning counted the stages on the command line: a 7B GRPO step 3 on 2 GPUs
+    planned at ZeRO-2 with offload (117.3 GiB) may run at ZeRO-3 (130.4 GiB) and went unwarned with 180 GiB
+    available; one on 8 GPUs at ZeRO-3 with --enable_ema (156.5 GiB) may run at ZeRO-2, a whole EMA copy on each
+    rank (326.0 GiB). It is counted at the stages that put the most there, naming --placement auto."""
+    from training.pipeline.planning import host_memory_warnings
+
+    node = Hardware(num_gpus=gpus, gpu_memory_gib=gpu_memory, cpu_memory_gib=256, cpu_cores=8, bf16=True,
+                    cpu_memory_available_gib=available)
+    plan = plan_gpu(DeploymentType.SINGLE_NODE, ModelSizes(B7, B7), node, None,
+                    Workload(critic=False, samples_per_prompt=4), [3])
+    assert plan.steps[3].flags["actor_offload"]
+    runs_with = {**plan.steps[3].flags, "enable_ema": ema, "placement": "colocate"}
+    assert host_memory_warnings(plan, node, None, {3: runs_with}) == []
+    (warning,) = host_memory_warnings(plan, node, None, {3: {**runs_with, "placement": "auto"}})
+    flags = "--placement auto, --enable_ema" if ema else "--placement auto"
+    assert warning.startswith(f"step 3's offload, as your {flags} set it, puts up to {most} GiB in host memory")
+    assert warning.endswith("offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes")
+    if ema:
+        (without_auto,) = host_memory_warnings(plan, dataclasses.replace(node, cpu_memory_available_gib=200), None,
+                                               {3: runs_with})
+        assert f"puts {planned} GiB" in without_auto
 
 def test_a_run_plans_its_own_steps_alone(tmp_path, tiny_model_dir, monkeypatch):
     """Every registered step was planned, whichever ran: a 70B actor that step 1 fits on one 80 GB GPU of a 256 GB

@@ -236,6 +236,7 @@ class HostNeed:
     as_planned: float
     raised_by: tuple[str, ...] = ()
     lowered_by: tuple[str, ...] = ()
+    at_most: bool = False  # as_run is the most of what the step may pick as it starts (step 3's --placement auto)
 
 
 @dataclass(frozen=True)
@@ -286,10 +287,11 @@ def host_memory_short_now(hardware: Hardware, needs: Mapping[int, HostNeed]) -> 
         return []
     budget = _HOST_OFFLOAD_SHARE * available * GIB
     return [f"{_STEPS_SAID.get(step, f'step {step}')}'s offload{_as_your_flags_set_it(need.raised_by)} puts "
-            f"{need.as_run / GIB:.1f} GiB in host memory, more than {_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} "
-            f"GiB available on this machine now ({budget / GIB:.1f} GiB; the plan counts its "
-            f"{hardware.cpu_memory_said}, other processes hold the rest), so the step may run out of host memory once "
-            f"it loads; free memory here before it starts (other jobs), or {_less_offload(need)}"
+            f"{'up to ' if need.at_most else ''}{need.as_run / GIB:.1f} GiB in host memory, more than "
+            f"{_HOST_OFFLOAD_SHARE:.0%} of the {available:.0f} GiB available on this machine now ({budget / GIB:.1f} "
+            f"GiB; the plan counts its {hardware.cpu_memory_said}, other processes hold the rest), so the step may run "
+            f"out of host memory once it loads; free memory here before it starts (other jobs), or "
+            f"{_less_offload(need)}"
             for step, need in sorted(needs.items()) if need.as_run > budget]
 
 

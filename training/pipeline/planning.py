@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 from typing import Any, Collection, Mapping, Sequence
+
+from training.placement.planner import zero_stages_tried
+from training.placement.spec import AUTO
 
 from .deployment import (
     CpuQuickRun,
@@ -72,18 +76,36 @@ def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[H
 
 def _host_need(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) -> HostNeed:
     """`step`'s host need with the flags it runs with and as planned, model by model, and the flags that moved a
-    model's need: a flag that leaves it as planned (70B's --lora_dim 64 for the plan's 128) is not named."""
-    as_run = {**plan.steps[step].flags, **runs_with}
+    model's need: a flag that leaves it as planned (70B's --lora_dim 64 for the plan's 128) is not named. Where the
+    step picks some of its flags as it starts (`_flags_it_may_run_with`), the most it may need."""
+    given = {**plan.steps[step].flags, **runs_with}
     as_planned = _flags_as_planned(plan, step)
     models = plan.host_models[step]
-    run_bytes = [model.host_bytes(as_run, plan.world_size, plan.nodes) for model in models]
     planned_bytes = [model.host_bytes(as_planned, plan.world_size, plan.nodes) for model in models]
+    needs = [(flags, [model.host_bytes(flags, plan.world_size, plan.nodes) for model in models])
+             for flags in _flags_it_may_run_with(plan, step, given)]
+    as_run, run_bytes = max(needs, key=lambda need: sum(need[1]))
     raised, lowered = [], []
     for model, run, planned in zip(models, run_bytes, planned_bytes):
         if run != planned:
-            moved_by = _flags_setting_otherwise(plan, step, model, as_run, as_planned)
+            moved_by = _flags_setting_otherwise(plan, step, model, as_run, as_planned, given)
             (raised if run > planned else lowered).extend(moved_by)
-    return HostNeed(sum(run_bytes), sum(planned_bytes), tuple(dict.fromkeys(raised)), tuple(dict.fromkeys(lowered)))
+    at_most = len({sum(need) for _, need in needs}) > 1
+    return HostNeed(sum(run_bytes), sum(planned_bytes), tuple(dict.fromkeys(raised)), tuple(dict.fromkeys(lowered)),
+                    at_most)
+
+
+def _flags_it_may_run_with(plan: DeploymentPlan, step: int, given: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The flag values `step` may run with, `given` those of its command line over the plan's: those alone, or under
+    step 3's --placement auto, which picks the trained models' ZeRO stages as the step starts (an offloaded one's
+    may go to ZeRO-3, whose offload holds the weights too), each pick of stages it may make."""
+    if given.get("placement") != AUTO:
+        return [given]
+    trained = [model for model in plan.host_models[step] if isinstance(model, HostModel) and model.trained]
+    stage_flags = [f"{model.prefix}zero_stage" for model in trained]
+    picks = [zero_stages_tried(choice.offload, choice.zero_stage, plan.world_size)
+             for choice in (model.choice(given) for model in trained)]
+    return [{**given, **dict(zip(stage_flags, stages))} for stages in product(*picks)]
 
 
 def _flags_as_planned(plan: DeploymentPlan, step: int) -> dict[str, Any]:
@@ -93,13 +115,17 @@ def _flags_as_planned(plan: DeploymentPlan, step: int) -> dict[str, Any]:
 
 
 def _flags_setting_otherwise(plan: DeploymentPlan, step: int, model: HostModel | HostEMA, as_run: Mapping[str, Any],
-                             as_planned: Mapping[str, Any]) -> list[str]:
+                             as_planned: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
     """The flags that set `model`'s memory flags in `step` otherwise than planned, as the user gave them: the step
-    flag itself (--offload), or train.py's stage flag that set it (--actor-zero-stage) where no step flag did."""
+    flag itself (--offload), train.py's stage flag that set it (--actor-zero-stage) where no step flag did, or
+    --placement auto where it picks another value than the command line `given` (a ZeRO stage)."""
     stage_flags = plan.stage_flags_set.get(step, {})
     flags = []
     for name in model.flag_names:
         if runs_as_planned(as_planned.get(name), as_run.get(name)):
+            continue
+        if not runs_as_planned(given.get(name), as_run.get(name)):
+            flags.append(f"--placement {AUTO}")
             continue
         stage_flag = stage_flags.get(name)
         set_by_step_flag = stage_flag is None or not runs_as_planned(plan.steps[step].flags.get(name),

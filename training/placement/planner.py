@@ -106,12 +106,16 @@ def whole_step_micro_batches(workload: Step3Workload) -> list[int]:
 
 
 def _zero_stages(workload: Step3Workload, role: str, world_size: int) -> tuple[int, ...]:
-    """The ZeRO stages tried for a trained model: any on several ranks (one rank shards nothing: stage 0, or the
-    run's own stage where its optimizer state is offloaded), and never stage 0 with an offloaded optimizer."""
-    offloaded = role in workload.optimizer_offloaded
+    own = workload.actor_zero_stage if role == "actor" else workload.critic_zero_stage
+    return zero_stages_tried(role in workload.optimizer_offloaded, own, world_size)
+
+
+def zero_stages_tried(offloaded: bool, own_stage: int, world_size: int) -> tuple[int, ...]:
+    """The ZeRO stages tried for a trained model whose optimizer state is `offloaded` or not: any on several ranks
+    (one rank shards nothing: stage 0, or the run's `own_stage` where its optimizer state is offloaded), and never
+    stage 0 with an offloaded optimizer."""
     if world_size == 1:
-        own = workload.actor_zero_stage if role == "actor" else workload.critic_zero_stage
-        return (own,) if offloaded else (0,)
+        return (own_stage,) if offloaded else (0,)
     return (1, 2, 3) if offloaded else (0, 1, 2, 3)
 
 
