@@ -209,12 +209,13 @@ def test_deployment_is_detected_from_the_machine():
 
 
 def test_zero_partitions_the_training_states_across_ranks():
-    full = state_bytes_per_gpu(1_000, 1, MemoryChoice(0))
+    thousand = dataclasses.replace(SMALL, parameters=1_000)
+    full = state_bytes_per_gpu(thousand, 1, MemoryChoice(0))
     assert full == 16_000  # 2 weights + 2 grads + 12 Adam bytes per parameter
-    assert state_bytes_per_gpu(1_000, 8, MemoryChoice(1)) == 2_000 + 2_000 + 1_500
-    assert state_bytes_per_gpu(1_000, 8, MemoryChoice(2)) == 2_000 + 1_750
-    assert state_bytes_per_gpu(1_000, 8, MemoryChoice(3)) == 2_000
-    assert state_bytes_per_gpu(1_000, 1, MemoryChoice(2, offload=True)) == 4_000
+    assert state_bytes_per_gpu(thousand, 8, MemoryChoice(1)) == 2_000 + 2_000 + 1_500
+    assert state_bytes_per_gpu(thousand, 8, MemoryChoice(2)) == 2_000 + 1_750
+    assert state_bytes_per_gpu(thousand, 8, MemoryChoice(3)) == 2_000
+    assert state_bytes_per_gpu(thousand, 1, MemoryChoice(2, offload=True)) == 4_000
 
 
 def test_a_small_model_on_one_big_gpu_trains_plainly_with_large_batches():
@@ -290,6 +291,21 @@ def test_planned_lora_adapts_the_models_own_decoder_blocks(tiny_model_dir):
     assert (step3.actor.lora_module_name, step3.critic.lora_module_name) == ("h.", "h.")
 
 
+def test_a_lora_choice_counts_the_adapters_lora_makes_at_the_rank_it_runs(tiny_model_dir):
+    """The GPU plan and the host-memory check took a LoRA choice to train 1% of the model's parameters whatever the
+    rank: a rank-128 adapter on every block of a 7B Llama trains 4.6%. They count the plan's rank-128 adapters, or
+    the rank a step's --lora_dim sets, from the model's linear layers (`lora_trainable_parameters`)."""
+    from training.pipeline.deployment import HostModel, trained_parameters
+    from training.pipeline.hardware import lora_trainable_parameters, model_size
+
+    size = model_size(tiny_model_dir("llama"))
+    planned = MemoryChoice(3, offload=True, lora=True)
+    assert trained_parameters([size], planned) == lora_trainable_parameters(size, 128) > 0.01 * size.parameters
+    flags = {"zero_stage": 3, "offload": True, "lora_dim": 8, "only_optimize_lora": True}
+    # 12 B of Adam state and 2 B of gradients a trained parameter, the 2-byte weights of ZeRO-3's parameter offload
+    assert HostModel(size).host_bytes(flags, 1, 1) == 14 * lora_trainable_parameters(size, 8) + 2 * size.parameters
+
+
 @pytest.mark.parametrize("gpus, step1_global, step2_global",
                          [(8, 64, 32), (3, 63, 30), (1, 64, 32), (48, 48, 48), (128, 128, 128)])
 def test_the_global_batch_is_the_planned_one_on_any_number_of_gpus(gpus, step1_global, step2_global):
@@ -352,14 +368,15 @@ def test_an_offload_plan_fits_the_offloaded_weights_in_host_memory():
     of RAM under ZeRO-3, offload and LoRA (its bf16 weights alone take 335 GiB), to fail once its step loaded it."""
     b180 = ModelSize(parameters=180_000_000_000, hidden_size=14848, num_layers=80, vocab_size=32000)
     with pytest.raises(UserError, match=r"^step 1: 180\.0B parameters fit 1 accelerator\(s\) of 24 GiB only with "
-                                        r"offload, which puts 358\.7 GiB in host memory"):
+                                        r"offload, which puts 371\.0 GiB in host memory"):
         plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b180, SMALL), LAPTOP_GPU, None)
     big_host = dataclasses.replace(LAPTOP_GPU, cpu_memory_gib=1024)
     sft = plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(b180, SMALL), big_host, None).steps[1].flags
     assert (sft["zero_stage"], sft["offload"], sft["lora_dim"] > 0) == (3, True, True)
     lora_offload = MemoryChoice(3, offload=True, lora=True)
     two_trained = host_bytes_per_node([B7, B7], [B7], lora_offload, nodes=2)  # every model counts, per node
-    assert two_trained == pytest.approx((14 * 2 * 7e7 + 2 * 3 * 7e9) / 2)
+    adapters = 128 * 18 * 4096 * 32  # rank 128 on 32 blocks, estimated at 18 x 4096 linear features each
+    assert two_trained == pytest.approx((14 * 2 * adapters + 2 * 3 * 7e9) / 2)
     assert host_bytes_per_node([B7], [B7], MemoryChoice(2, offload=True), nodes=1) == 14 * 7e9 + 2 * 7e9
     assert host_bytes_per_node([B7], [B7], MemoryChoice(3, lora=True), nodes=1) == 0
 

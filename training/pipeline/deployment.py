@@ -18,7 +18,7 @@ from transformers.hf_argparser import string_to_bool
 
 from utils.errors import UserError
 
-from .hardware import GIB, Hardware, ModelSize
+from .hardware import GIB, Hardware, ModelSize, lora_trainable_parameters
 from .hostfile import Host
 from .plans import DPOPlan, RLHFPlan, StepPlan, SupervisedPlan
 
@@ -93,7 +93,6 @@ class Workload:
 _STATE_BUDGET = 0.55  # share of accelerator memory for weights/gradients/optimizer; the rest is activations
 _ADAM_BYTES = 12  # fp32 master weights and two Adam moments per trained parameter
 _EMA_BYTES = 4  # step 3's EMA of the actor: an fp32 copy of each trained parameter (step3_rlhf/ema.py)
-_LORA_TRAINABLE = 0.01  # a LoRA adapter trains about this share of the parameters
 _GPU_LORA_DIM = 128
 _HOST_OFFLOAD_SHARE = 0.7  # share of a node's memory that offload may fill (the rest: the processes, the OS)
 DPO_STEP = 4  # DPO's number in the step registry (`steps.STEPS`), by which train.py runs, plans and names it
@@ -106,6 +105,7 @@ class MemoryChoice:
     zero_stage: int
     offload: bool = False
     lora: bool = False
+    lora_dim: int = _GPU_LORA_DIM  # the adapters' rank where `lora` (only they train)
 
 
 def _ladder(world: int) -> list[MemoryChoice]:
@@ -115,12 +115,13 @@ def _ladder(world: int) -> list[MemoryChoice]:
                     MemoryChoice(3, lora=True), MemoryChoice(3, offload=True, lora=True)]
 
 
-def state_bytes_per_gpu(params: int, world: int, choice: MemoryChoice, trained: bool = True) -> float:
+def state_bytes_per_gpu(size: ModelSize, world: int, choice: MemoryChoice, trained: bool = True) -> float:
     """Weights + gradients + optimizer states on one accelerator (2-byte weights)."""
+    params = size.parameters
     if not trained:
         weights = 0.0 if choice.offload else 2 * params / (world if choice.zero_stage == 3 else 1)
         return weights
-    trainable = params * _LORA_TRAINABLE if choice.lora else params
+    trainable = trained_parameters([size], choice)
     weights = 0.0 if (choice.offload and choice.zero_stage == 3) else 2 * params / (world if choice.zero_stage == 3 else 1)
     grads = 2 * trainable / (world if choice.zero_stage >= 2 else 1)
     optimizer = 0.0 if choice.offload else _ADAM_BYTES * trainable / (world if choice.zero_stage >= 1 else 1)
@@ -154,8 +155,11 @@ def host_bytes_per_node(trained: list[ModelSize], frozen: list[ModelSize], choic
 
 
 def trained_parameters(trained: list[ModelSize], choice: MemoryChoice) -> float:
-    """The parameters a memory choice trains of the models `trained`: under LoRA, its adapters'."""
-    return sum(m.parameters for m in trained) * (_LORA_TRAINABLE if choice.lora else 1)
+    """The parameters a memory choice trains of the models `trained`: under LoRA, its adapters' (rank
+    `choice.lora_dim` on each model's decoder blocks, where the plan puts them: `lora_trainable_parameters`)."""
+    if not choice.lora:
+        return sum(m.parameters for m in trained)
+    return sum(lora_trainable_parameters(m, choice.lora_dim) for m in trained)
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ class HostModel:
         if not self.trained:
             return MemoryChoice(0, offload=_switched_on(flags.get(self.frozen_offload)))
         stage, offload, lora_dim, only_lora = (flags.get(name) for name in self.flag_names)
-        return MemoryChoice(int(stage or 0), _switched_on(offload), int(lora_dim or 0) > 0 and _switched_on(only_lora))
+        rank = int(lora_dim or 0)
+        return MemoryChoice(int(stage or 0), _switched_on(offload), rank > 0 and _switched_on(only_lora), rank)
 
     def host_bytes(self, flags: Mapping[str, Any], world: int, nodes: int) -> float:
         """What this model's offload puts in one node's memory with a step's flag values `flags` (its state partitioned
@@ -254,8 +259,8 @@ def _fit_on_accelerators(
     sample's activations beside them, do not fit an accelerator."""
     world, hardware = target.world, target.hardware
     memory = _accelerator_bytes(hardware)
-    states = sum(state_bytes_per_gpu(m.parameters, world, choice) for m in trained)
-    states += sum(state_bytes_per_gpu(m.parameters, world, choice, trained=False) for m in frozen)
+    states = sum(state_bytes_per_gpu(m, world, choice) for m in trained)
+    states += sum(state_bytes_per_gpu(m, world, choice, trained=False) for m in frozen)
     if states > _STATE_BUDGET * memory:
         return None
     free = memory * 0.9 - states
