@@ -1,4 +1,7 @@
 import json
+import time
+
+import pytest
 
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.reliability.run_records import save_run_args
@@ -49,3 +52,58 @@ def test_a_line_cut_short_by_a_kill_is_dropped_on_resume_and_when_read(tmp_path)
     resumed.rewind(2)
     resumed.log(3, {"loss": 30.0})
     assert [(row["step"], row["loss"]) for row in read_metrics(tmp_path)] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def tensorboard_points(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Each tag's (step, value) points as TensorBoard reads the run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(event.step, event.value) for event in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def jsonl_points(run_dir) -> dict[str, list[tuple[int, float]]]:
+    points = {}
+    for row in read_metrics(run_dir):
+        for tag, value in row.items():
+            if tag not in ("step", "time"):
+                points.setdefault(tag, []).append((row["step"], value))
+    return points
+
+
+# (what the crashed run logged, the checkpoint it left: step and lines, or None, what the next run logs)
+TRAIN, EVAL = "reward/score_mean", "eval/score_mean"
+CRASHED_RUNS = {
+    "resumed mid-run": ([(step, TRAIN) for step in range(1, 6)], (3, 3), [(step, TRAIN) for step in (4, 5, 6)]),
+    "restarted": ([(step, TRAIN) for step in range(1, 6)], None, [(1, TRAIN), (2, TRAIN)]),
+    "resumed after the last evaluation": ([(1, TRAIN), (2, TRAIN), (2, EVAL)], (2, 2), [(2, EVAL)]),
+}
+
+
+@pytest.mark.parametrize("case", CRASHED_RUNS)
+def test_tensorboard_shows_what_metrics_jsonl_keeps_after_a_resume_or_a_restart(tmp_path, case):
+    """The event files were appended to: after a resume from the checkpoint of step 3, TensorBoard read steps 4 and
+    5 twice (the crashed run's and the resumed run's); after a restart without a checkpoint, the earlier run's steps
+    beside the new ones; and a last evaluation logged after the checkpoint of its step, which the resumed run logs
+    again, twice. TensorBoard now reads each tag's points as metrics.jsonl holds them: the crashed run's up to the
+    checkpoint, then the new run's."""
+    crashed, checkpoint, logged_next = CRASHED_RUNS[case]
+    first = MetricsLogger(tmp_path)
+    first.rewind(None)
+    for step, tag in crashed:
+        first.log(step, {tag: float(step)})
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they were opened in, and read in that order
+    second = MetricsLogger(tmp_path)
+    second.rewind(*checkpoint) if checkpoint else second.rewind(None)
+    for step, tag in logged_next:
+        second.log(step, {tag: 100.0 + step})
+    second.close()
+    kept = crashed[:checkpoint[1]] if checkpoint else []
+    expected = {}
+    for step, tag, value in [(step, tag, float(step)) for step, tag in kept] + \
+            [(step, tag, 100.0 + step) for step, tag in logged_next]:
+        expected.setdefault(tag, []).append((step, value))
+    assert jsonl_points(tmp_path) == expected
+    assert tensorboard_points(tmp_path) == expected
