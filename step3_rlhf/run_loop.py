@@ -20,7 +20,7 @@ from training.core.optim import LearningRateGroups
 from training.core.save import save_hf_model
 from training.loops.batch_stream import BatchStream
 from training.loops.call_times import CALL_TIMES_FILE, CallTimer
-from training.loops.metrics import MetricsLogger, rewind_jsonl
+from training.loops.metrics import MetricsLogger, rewind_jsonl, sync_jsonl
 from training.reliability.checkpointing import CheckpointManager
 from training.reliability.guards import check_finite
 from training.reliability.signals import GracefulInterrupt
@@ -159,15 +159,23 @@ class PPORun:
         return self.trainer.rank_state() or None
 
     def save_checkpoint(self) -> Path:
+        """The checkpoint of this PPO step, the logs it counts synced to disk first (`MetricsLogger.sync`)."""
+        self.metrics.sync()
+        if is_main_process():
+            sync_jsonl(self.call_times_path)
         return self.checkpoints.save(self.step, self.engines, self.client_state(), self.rank_state())
+
+    @property
+    def call_times_path(self) -> Path:
+        return Path(self.args.run.output_dir) / CALL_TIMES_FILE
 
     def restore(self) -> dict | None:
         """Load the latest checkpoint with --resume (collective); returns its client state (None: a fresh run)."""
         state = self.checkpoints.restore(self.engines, self.args.checkpoints.resume)
         start = None if state is None else state["step"]  # the PPO step, as every checkpoint records it
         self.metrics.rewind(start, None if state is None else state.get("metrics_lines"))
-        if self.call_timer is not None and is_main_process():
-            rewind_jsonl(Path(self.args.run.output_dir) / CALL_TIMES_FILE, start)
+        if is_main_process():  # also where this run does not profile: the file is the run folder's
+            rewind_jsonl(self.call_times_path, start)
         if state is None:
             return None
         with self.checkpoints.reading_loaded_state():
@@ -216,7 +224,7 @@ class PPORun:
         per_rank = all_gather_objects({"calls": self.call_timer.take(), "peak_rss_gb": peak_rss_gb()})
         if is_main_process():
             record = {"step": self.step + 1, "step_s": step_s, "ranks": per_rank}
-            with open(Path(self.args.run.output_dir) / CALL_TIMES_FILE, "a") as out:
+            with open(self.call_times_path, "a") as out:
                 out.write(json.dumps(record) + "\n")
 
     def _ppo_step(self) -> dict[str, float]:

@@ -189,3 +189,18 @@ def tiny_model_dir(tmp_path):
         return make_tiny_model_dir(tmp_path / f"tiny-{arch}", arch, **kwargs)
 
     return make
+
+
+@pytest.fixture
+def fsynced_paths(monkeypatch) -> list[str]:
+    """The paths the test's code fsyncs (`os.fsync`, which still runs), in order."""
+    import os
+
+    synced, fsync = [], os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    return synced

@@ -1,8 +1,12 @@
 import json
+import logging
 import time
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 
+from training.loops.call_times import CALL_TIMES_FILE
 from training.loops.metrics import MetricsLogger, read_metrics
 from training.reliability.run_records import save_run_args
 
@@ -107,3 +111,61 @@ def test_tensorboard_shows_what_metrics_jsonl_keeps_after_a_resume_or_a_restart(
         expected.setdefault(tag, []).append((step, value))
     assert jsonl_points(tmp_path) == expected
     assert tensorboard_points(tmp_path) == expected
+
+
+def test_a_resume_finding_fewer_lines_than_its_checkpoint_recorded_says_so(tmp_path, caplog):
+    """The lines a checkpoint counted can be lost where the machine went down before they reached the disk: the
+    resumed run kept what was there without a word."""
+    earlier = MetricsLogger(tmp_path, enable_tensorboard=False)
+    for step in range(1, 4):
+        earlier.log(step, {"loss": float(step)})
+    lines = earlier.path.read_text().splitlines(keepends=True)
+    earlier.path.write_text("".join(lines[:2]))
+    resumed = MetricsLogger(tmp_path, enable_tensorboard=False)
+    with caplog.at_level(logging.WARNING, logger="training.loops.metrics"):
+        resumed.rewind(3, 3)
+    assert resumed.lines_written == 2
+    assert "metrics.jsonl holds 2 lines up to step 3 where the checkpoint recorded 3" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="training.loops.metrics"):
+        MetricsLogger(tmp_path, enable_tensorboard=False).rewind(3, 2)
+    assert not caplog.text
+
+
+def ppo_run(run_dir, checkpoints, call_timer=None):
+    """A step-3 loop around stand-ins: no models, a checkpoint manager of the test's."""
+    from step3_rlhf.run_loop import PPORun
+
+    args = SimpleNamespace(run=SimpleNamespace(output_dir=str(run_dir)), checkpoints=SimpleNamespace(resume=True))
+    stream = SimpleNamespace(load_state_dict=lambda state: None, state_dict=dict)
+    trainer = SimpleNamespace(load_state_dict=lambda state, rank_state: None, state_dict=dict, rank_state=dict)
+    return PPORun(args, SimpleNamespace(actor=None, critic=None), trainer, stream, None, None, total_steps=6,
+                  checkpoints=checkpoints, metrics=MetricsLogger(run_dir, enable_tensorboard=False),
+                  call_timer=call_timer)
+
+
+def write_call_times(run_dir, steps) -> None:
+    (run_dir / CALL_TIMES_FILE).write_text("".join(json.dumps({"step": step, "ranks": []}) + "\n" for step in steps))
+
+
+def test_a_resumed_step_3_cuts_call_times_back_to_its_checkpoint_also_without_profile_calls(tmp_path):
+    """call_times.jsonl was cut back only where the resumed run had --profile_calls: resumed without it, the run
+    folder kept the crashed run's lines past the checkpoint, which the placement cost model's fit then read."""
+    write_call_times(tmp_path, range(1, 6))
+    state = {"step": 3, "ppo_step": 3, "prompts": {}, "unsupervised": None, "trainer": {}, "evaluations": [],
+             "last_stats": {}, "metrics_lines": 0}
+    checkpoints = SimpleNamespace(restore=lambda engines, resume: state, reading_loaded_state=nullcontext)
+    ppo_run(tmp_path, checkpoints).restore()
+    assert [json.loads(line)["step"] for line in (tmp_path / CALL_TIMES_FILE).read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_step_3_checkpoint_is_saved_after_the_logs_it_counts_are_on_disk(tmp_path, fsynced_paths):
+    """The checkpoint is fsynced but metrics.jsonl and call_times.jsonl were not: after a power loss the checkpoint
+    could outlive the lines it counts."""
+    saved_after = []
+    checkpoints = SimpleNamespace(save=lambda *args: saved_after.append(list(fsynced_paths)))
+    run = ppo_run(tmp_path, checkpoints)
+    run.metrics.log(1, {"loss": 1.0})
+    write_call_times(tmp_path, [1])
+    run.save_checkpoint()
+    assert saved_after == [[str(tmp_path / "metrics.jsonl"), str(tmp_path / CALL_TIMES_FILE)]]

@@ -373,6 +373,17 @@ def test_a_resume_from_a_loop_state_without_the_position_names_the_checkpoint(di
         _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), checkpoints=manager, resume=True).fit()
 
 
+def test_a_checkpoint_is_saved_after_the_metrics_lines_it_counts_are_on_disk(distributed, tmp_path, fsynced_paths):
+    """The checkpoint is fsynced but metrics.jsonl was not: after a power loss the checkpoint could outlive the lines
+    it counts (`metrics_lines`)."""
+    manager = CheckpointManager(tmp_path, save_interval=3)
+    last_synced_before_saves = []
+    save = manager.save
+    manager.save = lambda *args: (last_synced_before_saves.append(fsynced_paths[-1:]), save(*args))[-1]
+    _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), checkpoints=manager).fit()
+    assert last_synced_before_saves == [[str(tmp_path / "metrics.jsonl")]] * 2
+
+
 def test_checkpoints_are_saved_every_save_interval_steps(distributed, tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2, save_interval=2)
     _trainer(tmp_path, LoopConfig(**RESUME_CONFIG), checkpoints=manager).fit()

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from utils.atomic import atomic_write_text
+from utils.atomic import atomic_write_text, fsync_path
 from utils.dist import is_main_process
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,12 @@ class MetricsLogger:
                 self._writer.add_scalar(key, value, record["step"], walltime=record["time"])
         self._writer.flush()
 
+    def sync(self) -> None:
+        """Put the file's lines on disk (fsync) before a checkpoint records how many it holds: the checkpoint is
+        fsynced, and after a power loss it would otherwise outlive its last lines."""
+        if self.enabled:
+            sync_jsonl(self.path)
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -114,12 +120,22 @@ def _complete_lines(path: Path) -> list[tuple[str, dict]]:
 def rewind_jsonl(path: Path, step: int | None, lines: int | None = None) -> list[dict]:
     """Keep the lines of a per-step JSONL file (each with a "step") up to `step`, at most the first `lines` of them,
     or none (step None); rewritten atomically, so a run stopped meanwhile keeps the old file whole. Returns the
-    records it kept."""
+    records it kept; warns where it holds fewer than the `lines` a checkpoint recorded."""
     complete = _complete_lines(path) if path.is_file() and step is not None else []
     kept = [(line, record) for line, record in complete if record["step"] <= step][:lines]
+    if lines is not None and len(kept) < lines:
+        logger.warning("%s holds %d lines up to step %d where the checkpoint recorded %d (lost when the machine "
+                       "went down before they reached the disk?): the metrics of those steps are missing from it",
+                       path, len(kept), step, lines)
     if path.is_file():
         atomic_write_text(path, "".join(f"{line}\n" for line, _ in kept))
     return [record for _, record in kept]
+
+
+def sync_jsonl(path: Path) -> None:
+    """fsync a per-step JSONL file, where there is one."""
+    if path.is_file():
+        fsync_path(path)
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

@@ -297,6 +297,7 @@ class SupervisedTrainer:
                     self.position.epoch, self.position.batches_done)
 
     def _save(self, step: int) -> Path:
+        self.metrics.sync()  # the checkpoint counts its lines
         return self.checkpoints.save(step, {ENGINE_NAME: self.engine}, self._client_state())
 
     def _after_step(self, step: int) -> None:
