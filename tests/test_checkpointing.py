@@ -769,3 +769,14 @@ def test_a_checkpoint_fingerprinting_its_input_folder_in_an_older_format_resumes
     (folder / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(UserError, match=r"its files changed \(config.json\)"):
         manager.check_inputs(models, resume=True)
+
+
+def test_a_checkpoint_missing_a_ranks_random_number_state_is_damaged(distributed, tmp_path):
+    """A rank's missing RNG file only warned, and that rank's random streams (dropout, sampling) restarted: the
+    resumed run silently went another way than the checkpointed one."""
+    manager = CheckpointManager(tmp_path / "run")
+    path = manager.save(2, {"actor": build_engine(0)}, {"epoch": 1})
+    (path / "rng" / "rank0.pt").unlink()
+    with pytest.raises(UserError, match=rf"checkpoint {path} is damaged: rank 0's random-number state "
+                                        r"\(rng/rank0.pt is missing\).* delete that folder"):
+        manager.restore({"actor": build_engine(0)}, resume=True)

@@ -558,12 +558,12 @@ class CheckpointManager:
         rank = get_rank()
         rng_file = info.path / RNG_DIR / f"rank{rank}.pt"
         with _damaged_if_unreadable(info, f"rank {rank}'s random-number state or the loop state"):
-            if rng_file.is_file():
-                rng_state = safe_load(rng_file)
-                with _refused_if_malformed(info.path, f"a random-number state ({RNG_DIR}/{rng_file.name})"):
-                    restore_rng_state(rng_state)
-            else:
-                logger.warning("%s has no RNG state for rank %d; its random streams restart", info.path, rank)
+            if not rng_file.is_file():  # every rank saves its own: restarting its streams would change the run
+                raise UserError(_damaged(info, f"rank {rank}'s random-number state ({RNG_DIR}/{rng_file.name} is "
+                                               "missing)"))
+            rng_state = safe_load(rng_file)
+            with _refused_if_malformed(info.path, f"a random-number state ({RNG_DIR}/{rng_file.name})"):
+                restore_rng_state(rng_state)
             client_state = _as_dict(safe_load(info.path / CLIENT_STATE_FILE, map_location="cpu"), info.path,
                                     f"a loop state ({CLIENT_STATE_FILE})")
             if client_state.get("step") != info.step:
