@@ -5,6 +5,7 @@ The logic lives in `training.pipeline`; `training.pipeline.cli.run(argv)` return
 from __future__ import annotations
 
 from training.pipeline.cli import run
+from utils.dist import run_as_program
 from utils.errors import run_cli
 
 
@@ -15,4 +16,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_program(main)

@@ -21,6 +21,7 @@ from training.loops.supervised_step import (
     supervised_step_parser,
 )
 from utils.data import SFTCollator
+from utils.dist import run_as_program
 from utils.errors import run_cli
 
 
@@ -60,4 +61,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_program(main)

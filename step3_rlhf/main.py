@@ -72,7 +72,7 @@ from utils.data import (
 from utils.data.args import flags_another_step_reads
 from utils.data.phases import PhaseData
 from utils.data.shard_match import InputRunRecord
-from utils.dist import get_world_size, init_distributed, is_main_process
+from utils.dist import get_world_size, init_distributed, is_main_process, run_as_program
 from utils.errors import UserError, run_cli
 from utils.log import setup_logging
 
@@ -281,4 +281,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_program(main)

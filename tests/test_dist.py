@@ -1,7 +1,9 @@
-"""A process's own world of one (no launcher), as every step and GPU test worker starts it."""
+"""A process's own world of one (no launcher), as every step and GPU test worker starts it, and how a rank ends."""
+import signal
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO_ROOT
 from crash_resume import step_env
 
@@ -87,3 +89,88 @@ def test_a_problem_one_rank_finds_is_raised_on_every_rank_naming_it(tmp_path):
         assert f"one {rank} refused: \"rank 1's file is cut short\"" in out, out
         assert f"both {rank} refused: \"rank 0's file is cut short\\nrank 1's file is cut short\"" in out, out
         assert f"in step {rank} 2.0" in out and "went on" not in out, out
+
+
+# A step rank's program: `SaysWhenFinalized` marks the interpreter's finalization (a module global is deleted there
+# and nowhere else), an exit handler marks that the exit handlers ran.
+FINALIZATION_MARKER = """
+import atexit, os, sys
+from pathlib import Path
+
+class SaysWhenFinalized:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    # bound now: by then the module's globals and the builtins may be gone
+    def __del__(self, create=os.open, close=os.close, flags=os.O_CREAT | os.O_WRONLY):
+        close(create(self.marker, flags))
+
+markers = Path(sys.argv[1])
+kept = SaysWhenFinalized(markers / "finalized")
+atexit.register((markers / "exit handlers ran").touch)
+"""
+
+ENDS_AS_A_RANK = FINALIZATION_MARKER + """
+import torch, torch.distributed as torch_dist
+from deepspeed.utils import groups
+import utils.dist as dist
+from utils.errors import UserError, run_cli
+
+def gloo_threads():
+    names = [Path(f"/proc/self/task/{task}/comm").read_text() for task in os.listdir("/proc/self/task")]
+    return sum(name.startswith("pt_gloo") for name in names)
+
+# registered before the world's teardown, so it runs after it
+atexit.register(lambda: (markers / "gloo threads after the teardown").write_text(str(gloo_threads())))
+
+@run_cli
+def main():
+    dist.init_distributed()
+    groups._clone_world_group()  # DeepSpeed holds the group it makes, as a ZeRO engine's state holds its groups
+    torch_dist.all_reduce(torch.ones(4))
+    outcome = sys.argv[2]
+    if outcome == "refusal":
+        raise UserError("a flag is wrong")
+    if outcome == "exception":
+        raise RuntimeError("a step failed")
+    if outcome == "interrupt":
+        raise KeyboardInterrupt
+
+dist.run_as_program(main)
+"""
+
+
+@pytest.mark.parametrize("outcome, status, said", [("return", 0, ""), ("refusal", 2, "error: a flag is wrong"),
+                                                   ("exception", 1, "RuntimeError: a step failed"),
+                                                   ("interrupt", -signal.SIGINT, "KeyboardInterrupt")])
+def test_a_rank_ends_with_its_status_after_its_exit_handlers_without_the_interpreters_finalization(
+        outcome, status, said, tmp_path):
+    """A DeepSpeed engine keeps its gloo groups alive past the world's teardown, and a gloo thread that frees a
+    tensor while the interpreter finalizes aborts the finished rank (SIGABRT): `run_as_program` ends the process
+    after its exit handlers, with the status the interpreter would give it, without finalizing."""
+    result = subprocess.run([sys.executable, "-c", ENDS_AS_A_RANK, str(tmp_path), outcome], cwd=REPO_ROOT,
+                            env=step_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == status and said in result.stderr, (result.returncode, result.stderr[-3000:])
+    assert (tmp_path / "exit handlers ran").is_file(), result.stderr[-3000:]
+    assert int((tmp_path / "gloo threads after the teardown").read_text()) > 0, "the hazard this guards against"
+    assert not (tmp_path / "finalized").exists(), "the interpreter finalized with gloo threads running"
+
+
+RUNS_AS_MAIN = FINALIZATION_MARKER + """
+import runpy
+sys.argv = [sys.argv[2], "--no_such_flag"]  # refused: the quickest way through
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("entry_point", ["step1_sft/main.py", "step2_reward/main.py", "step2_reward/dpo/main.py",
+                                         "step3_rlhf/main.py", "train.py"])
+def test_each_program_that_starts_a_world_ends_without_the_interpreters_finalization(entry_point, tmp_path):
+    """Every step whose ranks start a world, and train.py, which runs the steps in its own process on the cpu
+    deployment, ends through `run_as_program`: its status kept (2 on a refused flag), its exit handlers run, the
+    interpreter not finalized."""
+    result = subprocess.run([sys.executable, "-c", RUNS_AS_MAIN, str(tmp_path), entry_point], cwd=REPO_ROOT,
+                            env=step_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2 and "error:" in result.stderr, (result.returncode, result.stderr[-3000:])
+    assert (tmp_path / "exit handlers ran").is_file(), result.stderr[-3000:]
+    assert not (tmp_path / "finalized").exists(), f"{entry_point} ended through the interpreter's finalization"

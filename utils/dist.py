@@ -7,11 +7,14 @@ the OS gives it), which lets the same DeepSpeed code path run everywhere. Either
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
+import signal
 import socket
 import sys
-from typing import Mapping, Sequence
+import threading
+from typing import Callable, Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -130,9 +133,60 @@ def leave_spawned_rank() -> None:
     GIL, and a thread asking for the GIL while the interpreter finalizes is ended by CPython, which aborts the rank
     inside gloo ("terminate called without an active exception", SIGABRT)."""
     torch_dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_now(0)
+
+
+def run_as_program(main: Callable[[], object]) -> NoReturn:
+    """Run `main` as this process's program (the `__main__` of a step, and of train.py, which runs the steps in its
+    own process on the cpu deployment) and end the process as the interpreter would, less its finalization. A
+    DeepSpeed engine keeps its gloo groups alive past `end_distributed` (its ZeRO parameters and optimizer and
+    `deepspeed.utils.groups` hold them, and the engine is never collected), so their worker threads still run while
+    the interpreter finalizes: one that frees the last collective's tensor then asks for the GIL, is ended by CPython
+    inside gloo, and the finished rank aborts ("terminate called without an active exception", SIGABRT), as a
+    calibration rank did (`leave_spawned_rank`). What comes before the finalization is done as the interpreter does
+    it: the outcome said (a traceback, `sys.exit`'s message), the other threads that are no daemons joined, the exit
+    handlers run (the world's teardown, logging's), the standard streams flushed. The status is the interpreter's:
+    0, `sys.exit`'s code, 1 after an exception, death by SIGINT after a KeyboardInterrupt."""
+    status = _run_program(main)
+    _join_other_threads()
+    atexit._run_exitfuncs()
+    if status is None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        status = 128 + signal.SIGINT
+    _exit_now(status)
+
+
+def _run_program(main: Callable[[], object]) -> int | None:
+    """`main()`'s exit status as the interpreter gives a program's, its outcome said as the interpreter says it; None
+    for a KeyboardInterrupt, which ends the interpreter by SIGINT."""
+    try:
+        main()
+    except SystemExit as ended:
+        if ended.code is None or isinstance(ended.code, int):
+            return ended.code or 0
+        print(ended.code, file=sys.stderr)
+        return 1
+    except BaseException as error:  # noqa: BLE001 -- said and turned into a status, as the interpreter does
+        sys.excepthook(type(error), error, error.__traceback__)
+        return None if isinstance(error, KeyboardInterrupt) else 1
+    return 0
+
+
+def _join_other_threads() -> None:
+    """Wait for every other thread that is no daemon, as the interpreter does before its exit handlers."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End the process with `status` without the interpreter's finalization, the standard streams flushed first (one
+    without a reader any more is passed over: what it held has nowhere to go)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
 
 
 def is_initialized() -> bool:

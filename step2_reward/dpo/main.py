@@ -34,6 +34,7 @@ from training.loops.supervised_step import (
     supervised_step_parser,
 )
 from utils.data import PairwiseCollator
+from utils.dist import run_as_program
 from utils.errors import run_cli
 
 STEP_NAME = "dpo"
@@ -86,4 +87,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_program(main)
