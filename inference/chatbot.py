@@ -29,7 +29,6 @@ from utils.log import deepspeed_logs_to_stderr
 deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the answers alone
 
 from training.core.args import DTYPE_CHOICES, SettingsParser, trust_remote_code_field
-from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.model_loading import (
     EMBEDDED_MODEL_NAME,
     TRAINED_DTYPE_HELP,
@@ -37,6 +36,7 @@ from training.core.model_loading import (
     listed_stop_ids,
     load_causal_lm,
     load_tokenizer,
+    on_inference_device,
     resolve_trained_dtype,
     resolve_trained_model,
 )
@@ -410,9 +410,7 @@ def load_session(args: ChatSettings) -> ChatSession:
     model = load_causal_lm(path, tokenizer, dtype=resolve_trained_dtype(chat_args.dtype, path),
                            trust_remote_code=chat_args.trust_remote_code)
     decode_by_flags_only(model)  # the chatbot's flags, not what a checkpoint's generation_config.json adds to them
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    exclude_cudnn_attention(device.type)  # B200's cuDNN attention has corrupted grouped-query models' answers
-    model.to(device).eval()
+    on_inference_device(model)  # B200's cuDNN attention has corrupted grouped-query models' answers
     return ChatSession(model, tokenizer, args.sampling, prompt_format, chat_args.system,
                        answer_limit(args.sampling.max_new_tokens, path))
 

@@ -40,6 +40,7 @@ from training.core.model_loading import (
     load_causal_lm,
     load_config,
     load_tokenizer,
+    on_inference_device,
     resolve_trained_dtype,
     resolve_trained_model,
 )
@@ -196,7 +197,7 @@ def load_for_generation(name_or_path: str, dtype: torch.dtype, trust_remote_code
         tokenizer = load_tokenizer(path, trust_remote_code)
     model = load_causal_lm(path, tokenizer, dtype=dtype, trust_remote_code=trust_remote_code)
     decode_by_flags_only(model)
-    return model.eval(), tokenizer
+    return on_inference_device(model), tokenizer
 
 
 def read_prompts(args: PromptEvalArguments) -> list[str]:

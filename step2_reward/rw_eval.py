@@ -27,7 +27,13 @@ from utils.log import deepspeed_logs_to_stderr, setup_logging
 deepspeed_logs_to_stderr()  # before training.core imports DeepSpeed: standard output holds the scores alone
 
 from training.core.args import DTYPE_CHOICES, SettingsParser, trust_remote_code_field
-from training.core.model_loading import TRAINED_DTYPE_HELP, load_config, load_tokenizer, resolve_trained_dtype
+from training.core.model_loading import (
+    TRAINED_DTYPE_HELP,
+    load_config,
+    load_tokenizer,
+    on_inference_device,
+    resolve_trained_dtype,
+)
 from training.core.reward_model import RewardModel, resolve_reward_model, reward_model_folder
 from training.reliability.run_records import args_of_model
 from training.reliability.validation import check_output_file, check_sequence_lengths, model_max_positions
@@ -38,6 +44,13 @@ from utils.errors import UserError, refuse_all, run_cli
 
 FALLBACK_MAX_SEQ_LEN = 512  # for a model no run of this project trained
 CUT_REASONS = ("prompt_too_long", "identical_after_truncation")  # the pairs step 2 drops at its --max_seq_len
+
+
+def load_for_scoring(path: str, dtype: str, trust_remote_code: bool = False) -> RewardModel:
+    """The reward model at `path` in `dtype` (rw_eval's --dtype, `resolve_trained_dtype`), on the device tools run
+    their models on (`on_inference_device`)."""
+    return on_inference_device(RewardModel.from_pretrained(path, dtype=resolve_trained_dtype(dtype, path),
+                                                           trust_remote_code=trust_remote_code))
 
 
 class RewardScorer:
@@ -63,8 +76,7 @@ class RewardScorer:
         path = resolve_reward_model(path)
         prompt_format, max_seq_len = trained_scoring(path, prompt_format, max_seq_len)
         max_seq_len = _settled_max_seq_len(max_seq_len, load_config(path, trust_remote_code), path)
-        return cls(RewardModel.from_pretrained(path, dtype=resolve_trained_dtype(dtype, path),
-                                               trust_remote_code=trust_remote_code),
+        return cls(load_for_scoring(path, dtype, trust_remote_code),
                    load_tokenizer(path, trust_remote_code), prompt_format, max_seq_len, batch_size)
 
     def token_ids(self, text: str) -> list[int]:
@@ -276,10 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging()  # on standard error: which splits of --input_file are scored (eval_splits' info line)
     args = parse_args(argv)
     tokenizer, rows = _prepared_rows(args)
-    model = RewardModel.from_pretrained(args.model_name_or_path,
-                                        dtype=resolve_trained_dtype(args.dtype, args.model_name_or_path),
-                                        trust_remote_code=args.trust_remote_code)
-    scorer = RewardScorer(model, tokenizer, prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
+    scorer = RewardScorer(load_for_scoring(args.model_name_or_path, args.dtype, args.trust_remote_code), tokenizer, prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
                           batch_size=args.batch_size)
     results = scorer.score_rows(rows)
     for row in results:

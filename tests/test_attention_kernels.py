@@ -9,9 +9,11 @@ import torch
 
 import inference.chatbot as chatbot_module
 import training.core.engine as engine_module
+from training.core import attention_kernels
 from training.core.attention_kernels import exclude_cudnn_attention
 from training.core.engine import OptimizationSettings, create_frozen_engine, create_train_engine
-
+from training.core.model_loading import load_tokenizer
+from training.core.reward_model import RewardModel
 
 pytestmark = pytest.mark.usefixtures("cudnn_attention_restored")
 
@@ -51,8 +53,25 @@ def test_every_engine_chooses_its_devices_kernels(engines_without_deepspeed):
     assert engines_without_deepspeed == [engine_module.get_accelerator().device_name()] * 2 == ["cpu", "cpu"]
 
 
-def test_the_chatbot_chooses_its_devices_kernels(tiny_model_dir, monkeypatch):
+def test_each_tool_runs_its_model_on_the_accelerators_device_choosing_its_kernels(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """prompt_eval and rw_eval left their models on the CPU of a GPU machine (the chatbot moved its own): a reward
+    model was scored on the CPU, in the dtype chosen for the GPU. An accelerator named "meta" shows where each tool's
+    model goes."""
+    from deepspeed.accelerator import get_accelerator
+
+    from step1_sft import prompt_eval
+    from step2_reward import rw_eval
+
     seen = []
-    monkeypatch.setattr(chatbot_module, "exclude_cudnn_attention", seen.append)
-    chatbot_module.load_session(chatbot_module.build_parser().parse_args(["--path", tiny_model_dir("llama")]))
-    assert seen == ["cpu"]
+    monkeypatch.setattr(attention_kernels, "exclude_cudnn_attention", seen.append)
+    monkeypatch.setattr(type(get_accelerator()), "device_name", lambda self, device_index=None: "meta")
+    llama = tiny_model_dir("llama")
+    tokenizer = load_tokenizer(llama)
+    RewardModel.from_causal_lm(llama, tokenizer).save_pretrained(tmp_path / "reward")
+    tokenizer.save_pretrained(tmp_path / "reward")
+    models = [prompt_eval.load_for_generation(llama, torch.float32)[0],
+              rw_eval.RewardScorer.from_pretrained(str(tmp_path / "reward")).model,
+              chatbot_module.load_session(chatbot_module.build_parser().parse_args(["--path", llama])).model]
+    assert [next(model.parameters()).device.type for model in models] == seen == ["meta"] * 3
+    assert not any(model.training for model in models)

@@ -48,6 +48,7 @@ __all__ = [
     "resolve_model_path",
     "resolve_dtype",
     "resolve_trained_dtype",
+    "on_inference_device",
     "TRAINED_DTYPE_HELP",
     "resolve_trained_model",
     "asks_for_own_code",
@@ -165,6 +166,19 @@ def resolve_trained_dtype(name: str | None, model_path: str) -> torch.dtype:
         return best
     on_gpu = get_accelerator().device_name() != "cpu"
     return saved if saved in (torch.float32, best) or (saved == torch.float16 and on_gpu) else best
+
+
+def on_inference_device(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` in eval mode on the device a tool (the chatbot, prompt_eval, rw_eval) runs it on: the accelerator's
+    (whose dtype `resolve_trained_dtype` chose), with cuDNN's attention kernel left out on a GPU
+    (`exclude_cudnn_attention`). prompt_eval and rw_eval left their models on the CPU of a GPU machine."""
+    from deepspeed.accelerator import get_accelerator
+
+    from training.core.attention_kernels import exclude_cudnn_attention
+
+    device = torch.device(get_accelerator().device_name())
+    exclude_cudnn_attention(device.type)
+    return model.to(device).eval()
 
 
 def _hub_call(what: str, name_or_path: str, load: Callable[[], T], trust_remote_code: bool) -> T:
