@@ -451,6 +451,24 @@ def test_scripted_output_holds_the_answers_alone_and_deepspeeds_warnings_go_to_s
     assert "Setting accelerator to CPU" in result.stderr
 
 
+def test_deepspeeds_records_move_to_stderr_also_from_a_stream_closed_under_them(monkeypatch, tmp_path):
+    """A tool first imported in a test that captured its output left DeepSpeed's handler on that capture, closed
+    after the test, and the next tool's import raised 'I/O operation on closed file' (rw_eval after prompt_eval in a
+    narrow test run)."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    from utils.log import deepspeed_logs_to_stderr
+
+    closed = (tmp_path / "captured.txt").open("w", encoding="utf-8")  # pytest's captured output is a file
+    closed.close()
+    handler = next(handler for handler in logger.handlers if type(handler) is logging.StreamHandler)
+    monkeypatch.setattr(handler, "stream", closed)
+    deepspeed_logs_to_stderr()
+    assert handler.stream is sys.stderr
+
+
 def test_a_line_that_is_not_utf8_text_is_refused_and_the_chat_goes_on(tiny_model_dir):
     """A Latin-1 'café' piped in ended the chat in a traceback: a UnicodeDecodeError where standard input decodes
     strictly (a UTF-8 locale), else the tokenizer's TypeError on the byte Python kept as a lone surrogate (as it
