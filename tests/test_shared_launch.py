@@ -1,9 +1,11 @@
-"""`shared_launch.launched_once`: one launch per test run, whose result every caller reads."""
+"""`shared_launch.built_once` and `launched_once`: one build or launch per test run, whose result every caller
+reads."""
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from shared_launch import launched_once
+from shared_launch import built_once, launched_once
 
 
 def fixture_request(basetemp, worker: str | None) -> SimpleNamespace:
@@ -33,8 +35,7 @@ def test_a_launch_runs_once_per_run_and_one_that_raised_runs_again(tmp_path):
     assert len(folders) == 2 and folders[0] != folders[1] and all(folder.is_dir() for folder in folders)
     assert folders[1].parent == tmp_path
     for result in (first, again):
-        assert (result.args, result.returncode, result.stdout, result.stderr) == \
-            (["worker", str(folders[1])], 3, "out", "err")
+        assert (result.args, result.returncode, result.stdout, result.stderr) == (["worker", folders[1]], 3, "out", "err")
 
 
 def test_a_serial_run_started_from_a_workers_test_keeps_its_launch_in_its_own_folder(tmp_path, monkeypatch):
@@ -50,3 +51,22 @@ def test_a_serial_run_started_from_a_workers_test_keeps_its_launch_in_its_own_fo
                                      lambda folder, run=run: subprocess.CompletedProcess([run], 0, "", "")))
     assert [result.args for result in results] == [["first"], ["second"]]
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_build_is_made_once_and_each_caller_gets_its_result_as_built(tmp_path):
+    """A module-scoped fixture's in-process build (a training run's folder and summary): one build for the run's
+    workers, and for a worker that asks again (its module's fixture set up anew after another module's tests), each
+    caller getting the build's objects, not their text."""
+    builds = []
+
+    def build(folder: Path) -> tuple[Path, dict]:
+        builds.append(folder)
+        return folder / "run", {"steps": (1, 2), "loss": 0.1 + 0.2}
+
+    results = []
+    for worker in ("gw0", "gw1", "gw0"):
+        worker_temp = tmp_path / worker
+        worker_temp.mkdir(exist_ok=True)
+        results.append(built_once(fixture_request(worker_temp, worker), "trained", build))
+    assert len(builds) == 1 and builds[0].parent == tmp_path
+    assert results == [(builds[0] / "run", {"steps": (1, 2), "loss": 0.1 + 0.2})] * 3
