@@ -111,6 +111,7 @@ atexit.register((markers / "exit handlers ran").touch)
 """
 
 ENDS_AS_A_RANK = FINALIZATION_MARKER + """
+import logging
 import torch, torch.distributed as torch_dist
 from deepspeed.utils import groups
 import utils.dist as dist
@@ -128,6 +129,8 @@ def main():
     dist.init_distributed()
     groups._clone_world_group()  # DeepSpeed holds the group it makes, as a ZeRO engine's state holds its groups
     torch_dist.all_reduce(torch.ones(4))
+    print("the rank's last words")  # into a pipe: buffered until the end
+    logging.getLogger("DeepSpeed").handlers.clear()  # its handler on standard output flushes it at logging's exit
     outcome = sys.argv[2]
     if outcome == "refusal":
         raise UserError("a flag is wrong")
@@ -148,9 +151,11 @@ def test_a_rank_ends_with_its_status_after_its_exit_handlers_without_the_interpr
     """A DeepSpeed engine keeps its gloo groups alive past the world's teardown, and a gloo thread that frees a
     tensor while the interpreter finalizes aborts the finished rank (SIGABRT): `run_as_program` ends the process
     after its exit handlers, with the status the interpreter would give it, without finalizing."""
+    buffered = {key: value for key, value in step_env().items() if key != "PYTHONUNBUFFERED"}
     result = subprocess.run([sys.executable, "-c", ENDS_AS_A_RANK, str(tmp_path), outcome], cwd=REPO_ROOT,
-                            env=step_env(), capture_output=True, text=True, timeout=300, check=False)
+                            env=buffered, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == status and said in result.stderr, (result.returncode, result.stderr[-3000:])
+    assert "the rank's last words" in result.stdout, "what it printed was lost"
     assert (tmp_path / "exit handlers ran").is_file(), result.stderr[-3000:]
     assert int((tmp_path / "gloo threads after the teardown").read_text()) > 0, "the hazard this guards against"
     assert not (tmp_path / "finalized").exists(), "the interpreter finalized with gloo threads running"

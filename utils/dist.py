@@ -150,11 +150,12 @@ def run_as_program(main: Callable[[], object]) -> NoReturn:
     status = _run_program(main)
     _join_other_threads()
     atexit._run_exitfuncs()
+    _flush_standard_streams()
     if status is None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         status = 128 + signal.SIGINT
-    _exit_now(status)
+    os._exit(status)
 
 
 def _run_program(main: Callable[[], object]) -> int | None:
@@ -181,12 +182,17 @@ def _join_other_threads() -> None:
 
 
 def _exit_now(status: int) -> NoReturn:
-    """End the process with `status` without the interpreter's finalization, the standard streams flushed first (one
-    without a reader any more is passed over: what it held has nowhere to go)."""
+    """End the process with `status` without the interpreter's finalization, the standard streams flushed first."""
+    _flush_standard_streams()
+    os._exit(status)
+
+
+def _flush_standard_streams() -> None:
+    """Flush standard output and error, as the interpreter does before it ends (also before it ends by SIGINT); one
+    without a reader any more is passed over: what it held has nowhere to go."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
-    os._exit(status)
 
 
 def is_initialized() -> bool:
