@@ -43,7 +43,10 @@ def pytest_cmdline_main(config: pytest.Config):
     xdist's --dist load. Set here, not as pytest.ini's addopts, so that `-p no:xdist` (no -n option then) runs
     serially too, as `-n 0` does. A wrapper, to come before xdist's own hook, which turns -n into workers; not in a
     worker, which must start none of its own, nor where the run `needs_the_terminal`. No --dist loadgroup: under
-    pytest 9.2 xdist 3.8's `xdist_group` marks are ignored without a word (pytest-xdist issue #1386)."""
+    pytest 9.2 xdist 3.8's `xdist_group` marks are ignored without a word (pytest-xdist issue #1386). Nor loadfile or
+    loadscope, which would hold a whole module to one worker (test_crash_resume's and test_step3_rlhf's take ~23 and
+    ~17 min of a worker under load); the training runs a module's tests share are made once a run instead
+    (`tests/shared_launch.py`), whichever workers its tests go to."""
     xdist_default = (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
                      and not needs_the_terminal(config))
     if xdist_default and config.option.numprocesses is None and not config.option.tx:

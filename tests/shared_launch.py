@@ -1,6 +1,6 @@
 """A launch or a build whose output several tests read, made once per test run. A module-scoped fixture alone would
-make it once in each pytest-xdist worker that runs one of its tests (and again in a worker that ran another module's
-test in between); here the first process to ask makes it and the others wait for it and read its saved result."""
+make it once in each pytest-xdist worker that runs one of its tests; here the first process to ask makes it and the
+others wait for it and read its saved result."""
 import pickle
 import subprocess
 import tempfile

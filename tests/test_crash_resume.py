@@ -22,6 +22,7 @@ from crash_resume import (
     step_env,
     wait_for_stalled_save,
 )
+from shared_launch import built_once
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
@@ -38,8 +39,12 @@ TOTAL_STEPS = 12  # 2 epochs of 6 micro-batches: a resume at step 4 must also cr
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("inputs")
+def inputs(request):
+    """One set for the test run's workers (`built_once`): a test resumes a copy of `reference` with its flags."""
+    return built_once(request, "crash_resume_inputs", write_inputs)
+
+
+def write_inputs(folder: Path) -> dict:
     return {
         "model": make_tiny_model_dir(folder / "tiny-gpt2", "gpt2"),
         "data": write_arithmetic_jsonl(folder / "pairs.jsonl", 24),
@@ -58,12 +63,15 @@ def step1_args(inputs, output_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(distributed, inputs, tmp_path_factory):
-    """The uninterrupted run's final model folder."""
-    output_dir = tmp_path_factory.mktemp("reference") / "run"
-    summary = step1_main(step1_args(inputs, output_dir))
-    assert summary["optimizer_steps"] == TOTAL_STEPS
-    return output_dir / "model"
+def reference(distributed, inputs, request):
+    """The uninterrupted run's final model folder, trained once for the test run's workers (`built_once`): tests
+    read it or copy it."""
+    def train(folder: Path) -> Path:
+        summary = step1_main(step1_args(inputs, folder / "run"))
+        assert summary["optimizer_steps"] == TOTAL_STEPS
+        return folder / "run" / "model"
+
+    return built_once(request, "crash_resume_reference", train)
 
 
 def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_weights(reference, inputs, tmp_path):
@@ -212,10 +220,11 @@ main(sys.argv[3:])
 
 
 @pytest.fixture(scope="module")
-def step3_inputs(tmp_path_factory):
-    from test_step3_rlhf import make_step3_inputs
+def step3_inputs(request):
+    """One set for the test run's workers (`built_once`), as `step3_reference` is."""
+    from test_step3_rlhf import write_step3_inputs
 
-    return make_step3_inputs(tmp_path_factory)
+    return built_once(request, "crash_resume_step3_inputs", write_step3_inputs)
 
 
 def step3_args(inputs, output_dir) -> list[str]:
@@ -225,11 +234,13 @@ def step3_args(inputs, output_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def step3_reference(step3_inputs, tmp_path_factory) -> Path:
-    """The uninterrupted step-3 run's folder."""
-    run = tmp_path_factory.mktemp("step3_reference") / "run"
-    run_step(STEP3, step3_args(step3_inputs, run), run.parent / "reference.log")
-    return run
+def step3_reference(step3_inputs, request) -> Path:
+    """The uninterrupted step-3 run's folder, run once for the test run's workers (`built_once`): tests read it."""
+    def run_reference(folder: Path) -> Path:
+        run_step(STEP3, step3_args(step3_inputs, folder / "run"), folder / "reference.log")
+        return folder / "run"
+
+    return built_once(request, "crash_resume_step3_reference", run_reference)
 
 
 def logged_values(run: Path) -> list[dict]:

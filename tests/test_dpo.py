@@ -3,11 +3,13 @@ padding, and the step end to end on a tiny Llama (rewards 0 before training, a m
 after a crash, a bad loss name refused)."""
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from crash_resume import assert_same_weights
+from shared_launch import built_once
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
@@ -191,8 +193,12 @@ def test_dpo_flags_and_defaults(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dpo_inputs")
+def inputs(request):
+    """One set for the test run's workers (`built_once`), so that a test's run and `trained` read the same paths."""
+    return built_once(request, "dpo_inputs", write_inputs)
+
+
+def write_inputs(folder: Path) -> dict:
     return {
         "model": make_tiny_model_dir(folder / "tiny-llama", "llama"),
         "data": write_arithmetic_jsonl(folder / "pairs.jsonl", 48),
@@ -208,9 +214,10 @@ def _argv(inputs, output_dir, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(distributed, inputs, tmp_path_factory):
-    run = tmp_path_factory.mktemp("dpo") / "run"
-    return run, dpo_main(_argv(inputs, run, "--num_train_epochs", "2"))
+def trained(distributed, inputs, request):
+    """A 2-epoch run's folder and summary, trained once for the test run's workers (`built_once`): read it only."""
+    return built_once(request, "dpo_trained",
+                      lambda folder: (folder / "run", dpo_main(_argv(inputs, folder / "run", "--num_train_epochs", "2"))))
 
 
 def test_dpo_starts_at_zero_rewards_and_learns_the_preference(trained):

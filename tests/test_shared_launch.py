@@ -55,8 +55,7 @@ def test_a_serial_run_started_from_a_workers_test_keeps_its_launch_in_its_own_fo
 
 def test_a_build_is_made_once_and_each_caller_gets_its_result_as_built(tmp_path):
     """A module-scoped fixture's in-process build (a training run's folder and summary): one build for the run's
-    workers, and for a worker that asks again (its module's fixture set up anew after another module's tests), each
-    caller getting the build's objects, not their text."""
+    workers, and for a worker that asks again, each caller getting the build's objects, not their text."""
     builds = []
 
     def build(folder: Path) -> tuple[Path, dict]:

@@ -1,9 +1,11 @@
 """Step 2 (reward model): `main` end to end after step 1 in one process, the saved model scores as
 it did when training ended, and `rw_eval` scores pairs from the command line and from a file."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from shared_launch import built_once
 from supervised_data import build_phase_datasets, write_arithmetic_jsonl
 
 from step1_sft.main import main as step1_main
@@ -36,11 +38,15 @@ def _reload_scores(run_dir, data, cache, dtype=torch.float32):
 
 
 @pytest.fixture(scope="module")
-def trained(distributed, tmp_path_factory):
-    """Step 1 then step 2 on its run folder, in this one process (as train.py runs them on CPU)."""
+def trained(distributed, request):
+    """`train_steps_1_and_2`, once for the test run's workers (`built_once`): tests read its folders."""
+    return built_once(request, "step2_reward_trained", train_steps_1_and_2)
+
+
+def train_steps_1_and_2(root: Path) -> dict:
+    """Step 1 then step 2 on its run folder, in this one process (as train.py runs them on CPU), in `root`."""
     from tiny_models import make_tiny_model_dir
 
-    root = tmp_path_factory.mktemp("steps")
     model_dir = make_tiny_model_dir(root / "tiny", "llama")
     data = write_arithmetic_jsonl(root / "pairs.jsonl", 64)
     step1 = step1_main(["--model_name_or_path", model_dir, "--learning_rate", "3e-3", "--max_steps", "2",

@@ -23,6 +23,7 @@ from crash_resume import (
     run_step,
 )
 from safetensors.torch import load_file
+from shared_launch import built_once
 from supervised_data import write_arithmetic_jsonl
 from tiny_models import make_tiny_model_dir
 
@@ -55,8 +56,12 @@ def inputs(tmp_path_factory):
 
 
 def make_step3_inputs(tmp_path_factory) -> dict:
-    """A tiny step-1 model, a step-2-style reward model folder, prompts and pretraining text."""
-    root = tmp_path_factory.mktemp("step3_inputs")
+    """`write_step3_inputs` in a new folder of the test process's."""
+    return write_step3_inputs(tmp_path_factory.mktemp("step3_inputs"))
+
+
+def write_step3_inputs(root: Path) -> dict:
+    """A tiny step-1 model, a step-2-style reward model folder, prompts and pretraining text, in `root`."""
     actor = make_tiny_model_dir(root / "actor", "llama")
     tokenizer = load_tokenizer(actor)
     reward = RewardModel.from_causal_lm(make_tiny_model_dir(root / "reward_base", "llama", seed=1), tokenizer)
@@ -938,8 +943,10 @@ def run_step3_entry_point(inputs, name: str, *flags: str) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="module")
-def step3_run(distributed, inputs):
-    return run_step3_entry_point(inputs, "run")
+def step3_run(distributed, request) -> tuple[Path, dict]:
+    """A 3-step run's folder and summary, on inputs of its own equal to `inputs`, run once for the test run's workers
+    (`built_once`): tests read it."""
+    return built_once(request, "step3_run", lambda folder: run_step3_entry_point(write_step3_inputs(folder), "run"))
 
 
 def test_step3_writes_models_metrics_plot_and_summary(step3_run):

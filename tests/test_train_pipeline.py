@@ -341,6 +341,39 @@ def test_a_flag_that_lowers_the_need_is_not_blamed_for_it(off, monkeypatch):
                             "lowered it from the plan's 30.0 GiB)")
 
 
+@pytest.mark.parametrize("billions, available_gib, user, named, gib, note", [
+    (3, 60, {"zero_stage": 3, "lora_dim": 8}, "--zero_stage", 44.7, ""),
+    (3, 60, {"zero_stage": "3", "offload": "true", "only_optimize_lora": "false"}, "--zero_stage", 44.7, ""),
+    (3, 8, {"zero_stage": 3, "lora_dim": 8, "only_optimize_lora": True}, "--zero_stage", 5.7,
+     " (your --lora_dim, --only_optimize_lora lowered it from the plan's 39.1 GiB)"),
+    (7, 30, {"lora_dim": 0, "only_optimize_lora": False}, "--lora_dim, --only_optimize_lora", 104.3, "")],
+    ids=["rank_without_only_optimize_lora", "planned_values_as_text", "stage_raised_lora_lowered",
+         "lora_off_only_together"])
+def test_a_flag_is_named_only_where_it_moved_the_need_its_way(billions, available_gib, user, named, gib, note,
+                                                             monkeypatch):
+    """Every memory flag of a model whose need moved was named, compared with the plan's as text, in the way the
+    model's need moved: a 3B step 1 planned as ZeRO-2 with offload (39.1 GiB), run at ZeRO-3, was warned "as your
+    --zero_stage, --lora_dim set it" for --lora_dim 8, which without --only_optimize_lora trains every weight as
+    planned; "as your --zero_stage, --offload, --only_optimize_lora set it" for "true" and "false", the plan's True
+    and False as a plain argparse step reads them; and with LoRA on, "your --zero_stage, --lora_dim,
+    --only_optimize_lora lowered it", though ZeRO-3 raised it (the weights). A flag is named where the plan's value
+    for it alone would move the need the other way, or where it alone on the plan's values would: --lora_dim 0 and
+    --only_optimize_lora false turn a 7B plan's LoRA off only together."""
+    from training.pipeline.deployment import ModelSizes, Workload
+    from training.pipeline.hardware import ModelSize
+
+    size = {3: ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000),
+            7: ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)}[billions]
+    installed_gib = {3: 96, 7: 64}[billions]
+    plan = _planned_with_memory(monkeypatch, installed_gib, available_gib, 1, ModelSizes(size, size), Workload(), [1])
+    assert plan.steps[1].flags["offload"] and bool(plan.steps[1].flags["lora_dim"]) == (billions == 7)
+    (warning,) = _offload_warned_with_memory(monkeypatch, installed_gib, available_gib, 1, ModelSizes(size, size),
+                                             Workload(), [1], {1: user})
+    assert warning.startswith(f"step 1's offload, as your {named} set it, puts {gib} GiB in host memory")
+    advice = "offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes"
+    assert warning.endswith(f"{advice}{note}")
+
+
 @pytest.mark.parametrize("on", [True, "true", "True", "1", "yes"], ids=["bool", "true", "True", "1", "yes"])
 def test_offload_is_on_in_any_spelling_the_steps_parser_reads_as_true(on, monkeypatch):
     """A plain argparse step gives its flags as text, which the need was counted on only as "true": "--offload 1"

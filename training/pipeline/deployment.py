@@ -234,7 +234,7 @@ def _switched_on(value: Any) -> bool:
 @dataclass(frozen=True)
 class HostNeed:
     """What a step's offload puts in one node's memory with the flags it runs with and with the planned ones, and
-    the flags that moved it, those that set a model's need above its planned one (`raised_by`) or below
+    the flags that moved it, as the user gave them: those that raised it (`raised_by`), those that lowered it
     (`lowered_by`)."""
 
     as_run: float
@@ -285,7 +285,7 @@ def _host_budget(hardware: Hardware) -> float:
 def host_memory_short_now(hardware: Hardware, needs: Mapping[int, HostNeed]) -> list[str]:
     """Warnings for the steps in `needs` (step: what its offload puts in host memory) that this machine's memory
     available now does not hold, at the share the plan gives offload of the memory installed, naming the flags that
-    raised a model's need above the plan's. The plan is not changed: it depends on the machine, not on what other
+    raised the need. The plan is not changed: it depends on the machine, not on what other
     jobs hold at the moment (a rerun would plan other flags and refuse the finished steps and checkpoints)."""
     available = hardware.cpu_memory_available_gib
     if available is None:
@@ -305,9 +305,9 @@ def _as_your_flags_set_it(flags: tuple[str, ...]) -> str:
 
 
 def _less_offload(need: HostNeed) -> str:
-    """What lowers the need: the plan's values back for the flags that raised a model's need above the plan's, also
-    where others lowered the total as much or more; else a smaller run. Where the flags a step runs with lowered the
-    total below the plan's, it says so."""
+    """What lowers the need: the plan's values back for the flags that raised it, also where others lowered the total
+    as much or more; else a smaller run. Where the flags a step runs with lowered the total below the plan's, it says
+    so."""
     smaller = "a smaller model, more GPUs or nodes"
     advice = f"offload less: leave those flags to the plan, or {smaller}" if need.raised_by else \
         f"plan less offload: {smaller}"

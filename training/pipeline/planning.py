@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from itertools import product
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from training.placement.planner import zero_stages_tried
 from training.placement.spec import AUTO
@@ -12,7 +12,6 @@ from .deployment import (
     CpuQuickRun,
     DeploymentPlan,
     DeploymentType,
-    HostEMA,
     HostModel,
     HostNeed,
     Model,
@@ -64,7 +63,7 @@ def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[H
     """Warnings for the steps that run (`runs_with`: each one's flag values as its command line gives them) whose
     offload the memory available on this machine now does not hold, counted with the memory flags each runs with:
     the plan's, train.py's --actor-zero-stage/--reward-zero-stage or the user's step flags over them (--stepN-args
-    "--offload true"); the warning names those that raised a model's need above the plan's. None where no rank runs
+    "--offload true"); the warning names those that raised the need (`_flags_that_moved_it`). None where no rank runs
     here, as this machine's available memory is not theirs: planned where no GPU is (a login node), or on
     multi_node with a hostfile that does not list this machine."""
     needs = {step: _host_need(plan, step, flags) for step, flags in runs_with.items() if step in plan.host_models}
@@ -75,24 +74,43 @@ def host_memory_warnings(plan: DeploymentPlan, hardware: Hardware, hosts: list[H
 
 
 def _host_need(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) -> HostNeed:
-    """`step`'s host need with the flags it runs with and as planned, model by model, and the flags that moved a
-    model's need: a flag that leaves it as planned (70B's --lora_dim 64 for the plan's 128) is not named. Where the
-    step picks some of its flags as it starts (`_flags_it_may_run_with`), the most it may need."""
+    """`step`'s host need with the flags it runs with and as planned, and the flags that moved it
+    (`_flags_that_moved_it`). Where the step picks some of its flags as it starts (`_flags_it_may_run_with`), the
+    most it may need."""
     given = {**plan.steps[step].flags, **runs_with}
     as_planned = _flags_as_planned(plan, step)
     models = plan.host_models[step]
-    planned_bytes = [model.host_bytes(as_planned, plan.world_size, plan.nodes) for model in models]
-    needs = [(flags, [model.host_bytes(flags, plan.world_size, plan.nodes) for model in models])
-             for flags in _flags_it_may_run_with(plan, step, given)]
-    as_run, run_bytes = max(needs, key=lambda need: sum(need[1]))
+
+    def need(flags: Mapping[str, Any]) -> float:
+        return sum(model.host_bytes(flags, plan.world_size, plan.nodes) for model in models)
+
+    needs = [(flags, need(flags)) for flags in _flags_it_may_run_with(plan, step, given)]
+    as_run, run_bytes = max(needs, key=lambda flags_and_bytes: flags_and_bytes[1])
+
+    def as_the_user_set(names: list[str]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(_flag_that_set_it(plan, step, name, as_run, given) for name in names))
+
+    names = dict.fromkeys(name for model in models for name in model.flag_names)
+    raised, lowered = _flags_that_moved_it(need, as_run, as_planned, names)
+    at_most = len({need_bytes for _, need_bytes in needs}) > 1
+    return HostNeed(run_bytes, need(as_planned), as_the_user_set(raised), as_the_user_set(lowered), at_most)
+
+
+def _flags_that_moved_it(need: Callable[[Mapping[str, Any]], float], as_run: Mapping[str, Any],
+                         as_planned: Mapping[str, Any], names: Iterable[str]) -> tuple[list[str], list[str]]:
+    """The memory flags of `names` that raised a step's `need` with the flags it runs with (`as_run`), and those
+    that lowered it. A flag moved it where putting it alone back to the plan's value moves it (down: it raised it),
+    or, where that moves nothing, where setting it alone on the plan's values does: --lora_dim 0 beside
+    --only_optimize_lora false, which turn the plan's LoRA off only together. A flag that moves nothing is not named:
+    one read as the plan's value ("true" for True), or --lora_dim 8 where no --only_optimize_lora makes it count."""
+    run_bytes, planned_bytes = need(as_run), need(as_planned)
     raised, lowered = [], []
-    for model, run, planned in zip(models, run_bytes, planned_bytes):
-        if run != planned:
-            moved_by = _flags_setting_otherwise(plan, step, model, as_run, as_planned, given)
-            (raised if run > planned else lowered).extend(moved_by)
-    at_most = len({sum(need) for _, need in needs}) > 1
-    return HostNeed(sum(run_bytes), sum(planned_bytes), tuple(dict.fromkeys(raised)), tuple(dict.fromkeys(lowered)),
-                    at_most)
+    for name in names:
+        moved = (run_bytes - need({**as_run, name: as_planned.get(name)})
+                 or need({**as_planned, name: as_run.get(name)}) - planned_bytes)
+        if moved:
+            (raised if moved > 0 else lowered).append(name)
+    return raised, lowered
 
 
 def _flags_it_may_run_with(plan: DeploymentPlan, step: int, given: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -114,24 +132,17 @@ def _flags_as_planned(plan: DeploymentPlan, step: int) -> dict[str, Any]:
             **{name: stage_flag.planned for name, stage_flag in plan.stage_flags_set.get(step, {}).items()}}
 
 
-def _flags_setting_otherwise(plan: DeploymentPlan, step: int, model: HostModel | HostEMA, as_run: Mapping[str, Any],
-                             as_planned: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
-    """The flags that set `model`'s memory flags in `step` otherwise than planned, as the user gave them: the step
-    flag itself (--offload), train.py's stage flag that set it (--actor-zero-stage) where no step flag did, or
-    --placement auto where it picks another value than the command line `given` (a ZeRO stage)."""
-    stage_flags = plan.stage_flags_set.get(step, {})
-    flags = []
-    for name in model.flag_names:
-        if runs_as_planned(as_planned.get(name), as_run.get(name)):
-            continue
-        if not runs_as_planned(given.get(name), as_run.get(name)):
-            flags.append(f"--placement {AUTO}")
-            continue
-        stage_flag = stage_flags.get(name)
-        set_by_step_flag = stage_flag is None or not runs_as_planned(plan.steps[step].flags.get(name),
-                                                                     as_run.get(name))
-        flags.append(f"--{name}" if set_by_step_flag else stage_flag.given)
-    return flags
+def _flag_that_set_it(plan: DeploymentPlan, step: int, name: str, as_run: Mapping[str, Any],
+                      given: Mapping[str, Any]) -> str:
+    """The flag, as the user gave it, that set `step`'s memory flag `name` to its value `as_run`: the step flag itself
+    (--offload), train.py's stage flag that set it (--actor-zero-stage) where no step flag did, or --placement auto
+    where it picks another value than the command line `given` (a ZeRO stage)."""
+    if not runs_as_planned(given.get(name), as_run.get(name)):
+        return f"--placement {AUTO}"
+    stage_flag = plan.stage_flags_set.get(step, {}).get(name)
+    if stage_flag is None or not runs_as_planned(plan.steps[step].flags.get(name), as_run.get(name)):
+        return f"--{name}"
+    return stage_flag.given
 
 
 def _ranks_run_here(deployment: DeploymentType, hardware: Hardware, hosts: list[Host] | None) -> bool:
