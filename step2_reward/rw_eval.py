@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging()  # on standard error: which splits of --input_file are scored (eval_splits' info line)
     args = parse_args(argv)
     tokenizer, rows = _prepared_rows(args)
-    scorer = RewardScorer(load_for_scoring(args.model_name_or_path, args.dtype, args.trust_remote_code), tokenizer, prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
+    model = load_for_scoring(args.model_name_or_path, args.dtype, args.trust_remote_code)
+    scorer = RewardScorer(model, tokenizer, prompt_format=args.prompt_format, max_seq_len=args.max_seq_len,
                           batch_size=args.batch_size)
     results = scorer.score_rows(rows)
     for row in results:

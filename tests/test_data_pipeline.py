@@ -972,21 +972,21 @@ def test_the_cache_key_follows_the_data_code(tmp_path):
 
 
 def test_the_cache_key_follows_the_libraries_that_read_and_encode_the_rows(tmp_path, monkeypatch):
-    """A datasets upgrade that reads a source's rows otherwise reused the items built from the old reading: its
-    version was no part of the key (the tokenizer libraries' were)."""
+    """A datasets or pyarrow upgrade that reads a source's rows otherwise reused the items built from the old reading:
+    their versions were no part of the key (the tokenizer libraries' were)."""
     from importlib.metadata import version
 
     import utils.data.cache as cache
 
     keys = set()
-    for library in ("datasets", "transformers", "tokenizers"):
+    for library in ("datasets", "pyarrow", "transformers", "tokenizers"):
         monkeypatch.setattr(cache, "version", lambda name, bumped=library: "0.0.0" if name == bumped else version(name))
         cache.code_version.cache_clear()
         keys.add(cache.cache_file(tmp_path, "pairs", {"source": "a"}))
     monkeypatch.undo()
     cache.code_version.cache_clear()
     keys.add(cache.cache_file(tmp_path, "pairs", {"source": "a"}))
-    assert len(keys) == 4
+    assert len(keys) == 5
 
 
 def test_inspect_data_counts_tokenised_items_and_names_each_sources_format_and_skipped_rows(tmp_path, tok, capsys):

@@ -39,6 +39,9 @@ def stable_hash(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
+ROW_LIBRARIES = ("datasets", "pyarrow", "transformers", "tokenizers")  # their versions join the cache key
+
+
 def source_version(folder: Path = DATA_CODE_DIR) -> str:
     """Hash of the names and contents of the Python files in `folder` (by default this data package)."""
     digest = hashlib.sha256()
@@ -54,11 +57,10 @@ def code_version() -> dict:
     It hashes the source of the whole data package, not a list of the modules that tokenise and
     format: a list goes stale when a helper moves or a module is added, and a forgotten constant
     bump silently reuses data built by older code, whereas a needless rebuild after an unrelated edit
-    costs only the build time. The versions of the libraries that read the rows (datasets: a json column's type, a
-    parquet file's nulls) and encode the text (transformers, tokenizers) join it.
+    costs only the build time. The versions of the libraries that read the rows (datasets, and pyarrow, which reads
+    a parquet file for both: a column's type, its nulls) and encode the text (transformers, tokenizers) join it.
     """
-    return {"data_code": source_version(), "datasets": version("datasets"), "transformers": version("transformers"),
-            "tokenizers": version("tokenizers")}
+    return {"data_code": source_version(), **{library: version(library) for library in ROW_LIBRARIES}}
 
 
 def _probe_encodings(tokenizer) -> dict:
