@@ -19,6 +19,9 @@ ROWS = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}
 LINES = [json.dumps(row) for row in ROWS]
 REFUSED = (r"--model_name_or_path {run} was trained on a shard of {source} cut from its {then} records, but it holds "
            r"{now} now .*restore the data as .*step1 read it, or retrain .*step1 on the data as it is now")
+NAMED_OTHERWISE = (r"--model_name_or_path {run} was trained on a shard of {then}; this step's {now}, so its shard, "
+                   r"cut from another count, would overlap the rows that model trained on; name the source as "
+                   r".*step1 did \({named}\)$")
 
 
 def write_lines(path, lines):
@@ -231,6 +234,27 @@ def test_a_later_step_naming_the_train_split_is_checked_as_the_source_its_input_
     if counted:
         step2.build(2, tok, runs)
     else:
-        with pytest.raises(UserError, match=REFUSED.format(run=tmp_path / "step1", source=r"someone/pairs\[train\]",
-                                                            then=100, now=90)):
+        with pytest.raises(UserError, match=NAMED_OTHERWISE.format(
+                run=tmp_path / "step1", then=r"someone/pairs \(100 records: all its training splits\)",
+                now=r"someone/pairs\[train\] reads 90 records \(its train split alone\)", named="someone/pairs")):
             step2.build(2, tok, runs)
+
+
+def test_a_later_step_naming_its_source_otherwise_than_its_input_run_is_told_to_name_it_alike(tmp_path, tok,
+                                                                                          monkeypatch):
+    """Where X has training splits besides train, X and X[train] read different counts, and a step naming the source
+    otherwise than its input run did is refused, either way round. No record changed: the refusal said one was
+    "fixed, added or removed" and to restore the data or retrain; it says the two name different splits and to name
+    the source as that run did."""
+    published = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:90]),
+                                      "extra": datasets.Dataset.from_list(ROWS[90:])})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config_name=None, split=None: published)
+    data = DataArguments(data_path=["someone/pairs[train]"], data_split="1,1,1",
+                         data_output_path=str(tmp_path / "cache"))
+    run_step1(data, tok, tmp_path / "step1")
+    step2 = step2_data(data, data_path=["someone/pairs"])
+    with pytest.raises(UserError, match=NAMED_OTHERWISE.format(
+            run=tmp_path / "step1", then=r"someone/pairs\[train\] \(90 records: its train split alone\)",
+            now=r"someone/pairs reads 100 records \(all its training splits\)", named=r"someone/pairs\[train\]")) as err:
+        step2.build(2, tok, input_runs(tmp_path / "step1", step2))
+    assert "fixed, added or removed" not in str(err.value) and "evaluation splits" not in str(err.value)

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 from utils.errors import UserError
 
 from .eval_splits import EVAL_SPLITS_NOTE
-from .sources import source_identity
+from .sources import parse_source_spec, source_identity
 from .split_record import read_split_phase, read_split_record
 from .splits import same_shards
 
@@ -38,6 +38,7 @@ class InputRunRecord:
     name: str  # where the input came from: its flag and value
     run: str  # its run folder
     records: Mapping[str, int]  # {source identity: records}
+    named: Mapping[str, str]  # {source identity: the --data_path entry as that run named it}
 
 
 def shared_sources(data_paths: Sequence[str], other_data_paths: Sequence[str]) -> list[str]:
@@ -99,8 +100,9 @@ def _recorded_counts(earlier_name: str, earlier_run: str, shared: Sequence[str])
     if recorded is None:
         return None
     identities = {source_identity(path) for path in shared}
-    return InputRunRecord(earlier_name, earlier_run, {source: count for source, count in recorded.items()
-                                                      if source in identities})
+    kept = [(source_identity(path), path, count) for path, count in recorded if source_identity(path) in identities]
+    return InputRunRecord(earlier_name, earlier_run, {source: count for source, _, count in kept},
+                          {source: path for source, path, _ in kept})
 
 
 def _check_same_whole_cut(current: Mapping[str, Any], earlier: Mapping[str, Any], earlier_name: str,
@@ -151,10 +153,30 @@ def check_same_record_counts(cut: Sequence[tuple[str, int]], input_runs: Sequenc
     overlap."""
     for run in input_runs:
         for path, now in cut:
-            then = run.records.get(source_identity(path))
-            if then is not None and then != now:
+            source = source_identity(path)
+            then = run.records.get(source)
+            if then is None or then == now:
+                continue
+            named_then = run.named[source]
+            if _named_splits_differ(named_then, path):
                 raise UserError(
-                    f"{run.name} was trained on a shard of {path} cut from its {then} records, but it holds {now} "
-                    f"now (a record fixed, added or removed): cut anew, this step's shard would overlap the rows "
-                    f"that model trained on; restore the data as {run.run} read it, or retrain {run.run} on the "
-                    f"data as it is now{_EVAL_SPLITS_RETRAIN if now < then else ''}")
+                    f"{run.name} was trained on a shard of {named_then} ({then} records: {_split_read(named_then)}); "
+                    f"this step's {path} reads {now} records ({_split_read(path)}), so its shard, cut from another "
+                    f"count, would overlap the rows that model trained on; name the source as {run.run} did "
+                    f"({named_then})")
+            raise UserError(
+                f"{run.name} was trained on a shard of {path} cut from its {then} records, but it holds {now} "
+                f"now (a record fixed, added or removed): cut anew, this step's shard would overlap the rows "
+                f"that model trained on; restore the data as {run.run} read it, or retrain {run.run} on the "
+                f"data as it is now{_EVAL_SPLITS_RETRAIN if now < then else ''}")
+
+
+def _named_splits_differ(entry: str, other: str) -> bool:
+    """Whether two entries of one source (`source_identity`) differ in the split they name: one names its train
+    split (`X[train]`), the other none (`X`, all its training splits)."""
+    return parse_source_spec(entry).split != parse_source_spec(other).split
+
+
+def _split_read(entry: str) -> str:
+    """What an entry of a source reads, of the splits it names."""
+    return "all its training splits" if parse_source_spec(entry).split is None else "its train split alone"

@@ -21,8 +21,6 @@ from pathlib import Path
 from utils.atomic import atomic_write_text
 from utils.dist import is_main_process
 
-from .sources import source_identity
-
 SPLIT_RECORD_FILE = "data_split.json"
 RECORDS_KEY = "records"  # in a step's cached data state: [[source entry, records it was cut from], ...]
 
@@ -37,12 +35,12 @@ def write_split_record(run_dir: str | os.PathLike, records: Sequence[tuple[str, 
                       json.dumps({"phase": phase, "sources": sources}, indent=2) + "\n")
 
 
-def read_split_record(run_dir: str | os.PathLike) -> dict[str, int] | None:
-    """{source identity: records} as `write_split_record` recorded them in `run_dir`; None where it recorded none (a
-    run from before the record) or the record does not parse."""
+def read_split_record(run_dir: str | os.PathLike) -> list[tuple[str, int]] | None:
+    """`(--data_path entry, records)` as `write_split_record` recorded them in `run_dir`, each entry as that run named
+    it; None where it recorded none (a run from before the record) or the record does not parse."""
     try:
         sources = json.loads((Path(run_dir) / SPLIT_RECORD_FILE).read_text())["sources"]
-        return {source_identity(entry["source"]): int(entry["records"]) for entry in sources}
+        return [(str(entry["source"]), int(entry["records"])) for entry in sources]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
