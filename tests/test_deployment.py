@@ -572,6 +572,17 @@ def test_one_gpu_plans_the_llama_2_steps_readme_lists(gpu_memory, host_memory, s
             [(False, 128), (False, 128)]
 
 
+def test_the_readmes_refusal_of_ppo_with_llama_2_7b_on_one_gpu_is_the_planners():
+    """README's One GPU quotes the refusal of PPO's step 3 with Llama-2-7B on one 24 GiB GPU with 64 GiB of memory; it
+    kept the figures of a 1% LoRA share (52.0 GiB, 75 GiB) after the planner counted the adapters (58.1, 83)."""
+    readme = " ".join((REPO_ROOT / "README.md").read_text().split())
+    (quoted,) = re.findall(r"PPO with Llama-2-7B as actor and reward model, one 24 GiB GPU, 64 GiB of memory: "
+                           r"`(step 3: [^`]*), \.\.\.`", readme)
+    with pytest.raises(UserError) as refused:
+        plan_gpu(DeploymentType.SINGLE_GPU, ModelSizes(LLAMA_2["7B"], LLAMA_2["7B"]), LAPTOP_GPU, None, steps=[3])
+    assert str(refused.value).startswith(quoted)
+
+
 def test_a_refusal_names_the_memory_that_is_short_and_what_would_do():
     """Every refusal said the models did not fit the accelerators, also where their memory was not the limit: step 3's
     7B actor and 7B reward model fit one 24 GB GPU with offload, which 64 GB of RAM cannot hold (512 GB plans it), so
