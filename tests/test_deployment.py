@@ -306,6 +306,22 @@ def test_a_lora_choice_counts_the_adapters_lora_makes_at_the_rank_it_runs(tiny_m
     assert HostModel(size).host_bytes(flags, 1, 1) == 14 * lora_trainable_parameters(size, 8) + 2 * size.parameters
 
 
+def test_the_host_need_counts_the_adapters_on_the_layers_lora_module_name_selects(tiny_model_dir):
+    """The host-memory check read a step's --lora_dim but not its --lora_module_name: adapters on the attention alone
+    (`--lora_module_name self_attn`) were counted on every block's layers, as many as the MLP's too (review RV2: a 7B
+    Llama at ZeRO-3 offload, rank 128, counted 16.7 GiB for 14.3). Step 3's critic reads its prefixed flag."""
+    from training.pipeline.deployment import HostModel
+    from training.pipeline.hardware import lora_trainable_parameters, model_size
+
+    size = model_size(tiny_model_dir("llama"))
+    attention = lora_trainable_parameters(size, 8, "self_attn")
+    assert 0 < attention < lora_trainable_parameters(size, 8)
+    flags = {"zero_stage": 3, "offload": True, "lora_dim": 8, "only_optimize_lora": True, "lora_module_name": "self_attn"}
+    assert HostModel(size).host_bytes(flags, 1, 1) == 14 * attention + 2 * size.parameters
+    critic_flags = {f"critic_{name}": value for name, value in flags.items()}
+    assert HostModel(size, "critic_").host_bytes(critic_flags, 1, 1) == 14 * attention + 2 * size.parameters
+
+
 @pytest.mark.parametrize("gpus, step1_global, step2_global",
                          [(8, 64, 32), (3, 63, 30), (1, 64, 32), (48, 48, 48), (128, 128, 128)])
 def test_the_global_batch_is_the_planned_one_on_any_number_of_gpus(gpus, step1_global, step2_global):

@@ -106,6 +106,7 @@ class MemoryChoice:
     offload: bool = False
     lora: bool = False
     lora_dim: int = _GPU_LORA_DIM  # the adapters' rank where `lora` (only they train)
+    lora_module_name: str | None = None  # the layers they wrap (`training.core.lora.is_lora_target`); None: every block's
 
 
 def _ladder(world: int) -> list[MemoryChoice]:
@@ -156,17 +157,19 @@ def host_bytes_per_node(trained: list[ModelSize], frozen: list[ModelSize], choic
 
 def trained_parameters(trained: list[ModelSize], choice: MemoryChoice) -> float:
     """The parameters a memory choice trains of the models `trained`: under LoRA, its adapters' (rank
-    `choice.lora_dim` on each model's decoder blocks, where the plan puts them: `lora_trainable_parameters`)."""
+    `choice.lora_dim` on the layers `choice.lora_module_name` selects, by default each model's decoder blocks, where
+    the plan puts them: `lora_trainable_parameters`)."""
     if not choice.lora:
         return sum(m.parameters for m in trained)
-    return sum(lora_trainable_parameters(m, choice.lora_dim) for m in trained)
+    return sum(lora_trainable_parameters(m, choice.lora_dim, choice.lora_module_name) for m in trained)
 
 
 @dataclass(frozen=True)
 class HostModel:
     """A model of a step as its offload's host need counts it, and the step's flags that set its memory choice: a
-    trained model's `{prefix}zero_stage`, `{prefix}offload`, `{prefix}lora_dim` and `{prefix}only_optimize_lora`; a
-    frozen model's one offload flag (`frozen_offload`), which moves its weights at any stage."""
+    trained model's `{prefix}zero_stage`, `{prefix}offload`, `{prefix}lora_dim`, `{prefix}only_optimize_lora` and
+    `{prefix}lora_module_name`; a frozen model's one offload flag (`frozen_offload`), which moves its weights at any
+    stage."""
 
     size: ModelSize
     prefix: str = ""
@@ -180,16 +183,18 @@ class HostModel:
     def flag_names(self) -> tuple[str, ...]:
         if not self.trained:
             return (self.frozen_offload,)
-        return tuple(f"{self.prefix}{name}" for name in ("zero_stage", "offload", "lora_dim", "only_optimize_lora"))
+        return tuple(f"{self.prefix}{name}"
+                     for name in ("zero_stage", "offload", "lora_dim", "only_optimize_lora", "lora_module_name"))
 
     def choice(self, flags: Mapping[str, Any]) -> MemoryChoice:
         """The memory choice that a step's flag values `flags` make for this model (a plain argparse step gives them
         as text; a flag left out is off)."""
         if not self.trained:
             return MemoryChoice(0, offload=_switched_on(flags.get(self.frozen_offload)))
-        stage, offload, lora_dim, only_lora = (flags.get(name) for name in self.flag_names)
+        stage, offload, lora_dim, only_lora, module_name = (flags.get(name) for name in self.flag_names)
         rank = int(lora_dim or 0)
-        return MemoryChoice(int(stage or 0), _switched_on(offload), rank > 0 and _switched_on(only_lora), rank)
+        return MemoryChoice(int(stage or 0), _switched_on(offload), rank > 0 and _switched_on(only_lora), rank,
+                            module_name)
 
     def host_bytes(self, flags: Mapping[str, Any], world: int, nodes: int) -> float:
         """What this model's offload puts in one node's memory with a step's flag values `flags` (its state partitioned
