@@ -800,6 +800,17 @@ def test_a_folder_of_files_naming_splits_beside_files_naming_none_is_refused_nam
         folder_prompts(tmp_path)
 
 
+@pytest.mark.parametrize("names", [["data/my-split-00000-of-00001.jsonl", "data/train-00000-of-00001.jsonl"],
+                                   ["data/my-split-00000-of-00001.jsonl"]])
+def test_a_sharded_file_whose_split_datasets_refuses_as_no_split_name_is_refused_saying_so(tmp_path, names):
+    """datasets refuses data/my-split-00000-of-00001 (its split name holds a '-'); here it was a file naming no split:
+    refused as one beside train's shards, read whole as train alone. It is refused as the split name it is."""
+    write_split_files(tmp_path, names)
+    with pytest.raises(UserError, match=r"holds data/my-split-00000-of-00001.jsonl, of datasets' sharded layout .*"
+                                        r"split 'my-split' is no split name .*\(data/my_split-00000-of-00001.jsonl\)"):
+        folder_prompts(tmp_path)
+
+
 def test_the_split_words_are_datasets_own():
     from utils.data.eval_splits import SPLIT_KEYWORDS
 

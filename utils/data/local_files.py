@@ -7,7 +7,9 @@ folders inside it whose names start with "." or "_" are left out, as `datasets` 
 its evaluation splits, as a hub dataset's are: `eval_splits`); a folder holding one is refused naming it. A folder's
 files of its evaluation splits are left out too, by the split word of their folders or names (`file_split`:
 `default/test/0000.parquet`, `data/test-00000-of-00001.parquet`, `hh-rlhf-test.jsonl`); files naming no split beside
-files naming one are refused, a folder whose files name none read whole. The files `datasets` writes
+files naming one are refused, a folder whose files name none read whole. Each file goes by its own path: where
+`datasets` takes one layout (split folders, or the sharded `data/` files) and leaves the other files unread, those are
+read here by their splits too (a `train.jsonl` beside a `test/` folder is trained on). The files `datasets` writes
 beside rows (dataset_info.json, dataset_infos.json, state.json, dataset_dict.json) are no rows and are left out.
 """
 from __future__ import annotations
@@ -175,7 +177,9 @@ def _read_saved_dataset(path: Path, choice: SplitChoice) -> list[FileRecords]:
 _SPLIT_OF_WORD = {word: split for split, words in SPLIT_KEYWORDS.items() for word in words}
 # A file of `datasets`' sharded layout, named by its split whatever the split's name (SPLIT_PATTERN_SHARDED):
 # data/train_prefs-00000-of-00001.parquet.
-_SHARDED_FILE = re.compile(r"data/(?P<split>\w+(?:\.\w+)*)-\d{5}-of-\d{5}[^/]*")
+_SHARDED_FILE = re.compile(r"data/(?P<split>[^/]+?)-\d{5}-of-\d{5}[^/]*")
+# A split name `datasets` accepts (its split name check); it refuses a sharded file naming another (data/my-split-...).
+_VALID_SPLIT_NAME = re.compile(r"\w+(?:\.\w+)*")
 
 
 def file_split(file: Path, folder: Path) -> str | None:
@@ -187,12 +191,24 @@ def file_split(file: Path, folder: Path) -> str | None:
     relative = file.relative_to(folder)
     sharded = _SHARDED_FILE.fullmatch(relative.as_posix())
     if sharded is not None:
-        return sharded["split"]
+        return _sharded_split(sharded["split"], folder, relative)
     for part in (*relative.parent.parts, relative.stem):
         split = next((_SPLIT_OF_WORD[word] for word in name_words(part) if word in _SPLIT_OF_WORD), None)
         if split is not None:
             return split
     return None
+
+
+def _sharded_split(split: str, folder: Path, relative: Path) -> str:
+    """The split a file of `datasets`' sharded layout names, refused where `datasets` refuses it as no split name."""
+    if _VALID_SPLIT_NAME.fullmatch(split) is None:
+        name = relative.as_posix()
+        valid = re.sub(r"[^\w.]+", "_", split)
+        renamed = name.replace(f"data/{split}-", f"data/{valid}-", 1)
+        raise UserError(f"data folder {folder} holds {name}, of datasets' sharded layout (data/SPLIT-00000-of-00001), "
+                        f"whose split '{split}' is no split name (datasets refuses it: letters, digits and _, parts "
+                        f"joined by .): rename the split's files ({renamed})")
+    return split
 
 
 def _files_of_splits(folder: Path, files: Sequence[Path], choice: SplitChoice) -> list[Path]:
