@@ -383,6 +383,25 @@ def test_lora_counts_as_adapters_only_when_only_they_train(tmp_path):
     assert (adapters.actor_lora, adapters.actor_lora_dim, adapters.actor_lora_module_name) == (True, 8, "attn.")
 
 
+def test_a_critic_that_trains_only_its_adapters_is_costed_by_them():
+    """The cost model took only the actor's adapters as LoRA: a --critic_only_optimize_lora critic's optimizer step,
+    gradients and Adam state were counted for every parameter (review RV2). The critic is costed as the actor is."""
+    from step3_rlhf.main import parse_args
+    from training.placement.workload import step3_workload
+
+    argv = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c", "--output_dir", "o",
+            "--critic_lora_dim", "8", "--critic_only_optimize_lora", "--critic_lora_module_name", "attn."]
+    workload = step3_workload(parse_args(argv), BILLION, BILLION, BILLION)
+    assert workload.lora_adapters("critic") == (8, "attn.") and workload.lora_adapters("actor")[0] == 0
+    placement = build_placement("colocate", 4)
+    critic_lora = replace(WORKLOAD, critic_lora_dim=8)
+    critic_step = training_calls(critic_lora, "critic", placement, MACHINE)[-1]
+    actor_step = training_calls(replace(WORKLOAD, actor_lora_dim=8), "actor", placement, MACHINE)[-1]
+    # rank-8 adapters on every block's linear layers, estimated at 18 x 1000 features a block: 1.44e6 parameters
+    assert critic_step.seconds == actor_step.seconds == pytest.approx(8 * 18 * 1000 * 10 * 1e-9)
+    assert rank_memory_gib(critic_lora, placement, MACHINE, 0) < rank_memory_gib(WORKLOAD, placement, MACHINE, 0) - 10
+
+
 @pytest.mark.parametrize("arch, module_name", [("llama", None), ("llama", "self_attn."), ("gpt2", None),
                                                ("gpt2", "attn."), ("opt", None)])
 def test_the_lora_parameters_counted_are_those_lora_trains(tiny_model_dir, arch, module_name):

@@ -152,9 +152,11 @@ def elementwise_s(size: ModelSize, tokens: int, machine: MachineSpec, backward: 
 
 
 def _trainable(workload: Step3Workload, role: str, size: ModelSize) -> float:
-    """The parameters `role` trains: the actor's LoRA adapters alone where only they train, else every one."""
-    if role == "actor" and workload.actor_lora:
-        return float(lora_trainable_parameters(size, workload.actor_lora_dim, workload.actor_lora_module_name))
+    """The parameters `role` (the actor or the critic) trains: its LoRA adapters alone where only they train, else
+    every one."""
+    lora_dim, lora_module_name = workload.lora_adapters(role)
+    if lora_dim:
+        return float(lora_trainable_parameters(size, lora_dim, lora_module_name))
     return float(size.parameters)
 
 

@@ -41,9 +41,11 @@ class Step3Workload:
     actor_zero_stage: int = 0
     critic_zero_stage: int = 0
     # the rank of the actor's LoRA adapters where only they train (--actor_lora_dim with --actor_only_optimize_lora;
-    # 0: every weight trains), on the linear layers --actor_lora_module_name selects
+    # 0: every weight trains), on the linear layers --actor_lora_module_name selects; the critic's by its own flags
     actor_lora_dim: int = 0
     actor_lora_module_name: str = "layers."
+    critic_lora_dim: int = 0
+    critic_lora_module_name: str = "layers."
     generation_batches: int = 1  # the chunk's prompts come in this many generation batches, each split on its own
     accumulation: int = 1  # --gradient_accumulation_steps: a PPO step's micro-batches must make whole steps of it
     optimizer_offloaded: tuple[str, ...] = ()  # trained models whose optimizer state is in CPU memory (ZeRO >= 1)
@@ -66,6 +68,13 @@ class Step3Workload:
     @property
     def actor_lora(self) -> bool:
         return self.actor_lora_dim > 0
+
+    def lora_adapters(self, role: str) -> tuple[int, str]:
+        """The trained model `role`'s LoRA rank where only its adapters train (0: every weight trains) and the
+        --lora_module_name of the layers they wrap."""
+        if role == "actor":
+            return self.actor_lora_dim, self.actor_lora_module_name
+        return self.critic_lora_dim, self.critic_lora_module_name
 
     @property
     def rows_per_chunk(self) -> int:
@@ -111,6 +120,8 @@ def step3_workload(args: Step3Settings, actor: ModelSize, critic: ModelSize | No
         critic_zero_stage=args.critic.zero_stage,
         actor_lora_dim=args.actor.lora_dim if args.actor.only_optimize_lora else 0,
         actor_lora_module_name=args.actor.lora_module_name,
+        critic_lora_dim=args.critic.lora_dim if args.critic.only_optimize_lora else 0,
+        critic_lora_module_name=args.critic.lora_module_name,
         generation_batches=args.loop.generation_batches, accumulation=args.schedule.gradient_accumulation_steps,
         optimizer_offloaded=tuple(role for role, model in (("actor", args.actor), ("critic", args.critic))
                                   if model.offload),
