@@ -33,7 +33,7 @@ setup(
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3.6", "trl==1.12.0"], "bench": ["trl==1.12.0"]},
     entry_points={
         "console_scripts": [
-            "rlhf-train=train:main",
+            "rlhf-train=train:program",
             "rlhf-chat=inference.chatbot:main",
         ]
     },

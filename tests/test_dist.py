@@ -179,3 +179,51 @@ def test_each_program_that_starts_a_world_ends_without_the_interpreters_finaliza
     assert result.returncode == 2 and "error:" in result.stderr, (result.returncode, result.stderr[-3000:])
     assert (tmp_path / "exit handlers ran").is_file(), result.stderr[-3000:]
     assert not (tmp_path / "finalized").exists(), f"{entry_point} ended through the interpreter's finalization"
+
+
+RUNS_AS_CONSOLE_SCRIPT = FINALIZATION_MARKER + """
+from importlib.metadata import entry_points
+(script,) = entry_points(group="console_scripts", name=sys.argv[2])
+sys.argv = [sys.argv[2], "--no_such_flag"]
+sys.exit(script.load()())  # what the script pip writes does
+"""
+
+
+def test_the_rlhf_train_command_ends_without_the_interpreters_finalization(tmp_path):
+    """`rlhf-train` called train.py's `main` and returned to the interpreter, which finalized with the steps' engines
+    (cpu deployment) keeping their gloo threads running, where `python train.py` left through `run_as_program`."""
+    result = subprocess.run([sys.executable, "-c", RUNS_AS_CONSOLE_SCRIPT, str(tmp_path), "rlhf-train"],
+                            cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 2 and "error:" in result.stderr, (result.returncode, result.stderr[-3000:])
+    assert (tmp_path / "exit handlers ran").is_file(), result.stderr[-3000:]
+    assert not (tmp_path / "finalized").exists(), "rlhf-train ended through the interpreter's finalization"
+
+
+PROGRAM_WITH_AN_OPEN_POOL = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import utils.dist as dist
+
+pools = []
+
+def main():
+    pools.append(ThreadPoolExecutor(2))  # left open, as a library may leave one
+    pools[0].submit(print, "pooled")
+    print("the last words")
+
+dist.run_as_program(main)
+"""
+
+
+def test_a_program_ends_as_the_interpreter_ends_it_past_an_open_pool_and_a_failed_last_flush(tmp_path):
+    """An executor left open kept its worker threads waiting for the interpreter's word to stop, which the joins
+    before the exit handlers never gave: the program hung after its work. And a last flush that failed (standard
+    output on a full disk) ended with status 0, where the interpreter says 120."""
+    buffered = {key: value for key, value in step_env().items() if key != "PYTHONUNBUFFERED"}
+    ended = subprocess.run([sys.executable, "-c", PROGRAM_WITH_AN_OPEN_POOL], cwd=REPO_ROOT, env=buffered,
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert ended.returncode == 0 and "the last words" in ended.stdout, (ended.returncode, ended.stderr[-3000:])
+    with open("/dev/full", "w") as full:
+        on_a_full_disk = subprocess.run([sys.executable, "-c", PROGRAM_WITH_AN_OPEN_POOL], cwd=REPO_ROOT, env=buffered,
+                                        stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    assert on_a_full_disk.returncode == 120, on_a_full_disk.stderr[-3000:]

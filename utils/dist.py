@@ -7,7 +7,6 @@ the OS gives it), which lets the same DeepSpeed code path run everywhere. Either
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
 import os
 import signal
@@ -146,11 +145,13 @@ def run_as_program(main: Callable[[], object]) -> NoReturn:
     calibration rank did (`leave_spawned_rank`). What comes before the finalization is done as the interpreter does
     it: the outcome said (a traceback, `sys.exit`'s message), the other threads that are no daemons joined, the exit
     handlers run (the world's teardown, logging's), the standard streams flushed. The status is the interpreter's:
-    0, `sys.exit`'s code, 1 after an exception, death by SIGINT after a KeyboardInterrupt."""
+    0, `sys.exit`'s code, 1 after an exception, 120 where the last flush failed, death by SIGINT after a
+    KeyboardInterrupt."""
     status = _run_program(main)
-    _join_other_threads()
+    threading._shutdown()  # the interpreter's own step: executors told to stop, the threads that are no daemons joined
     atexit._run_exitfuncs()
-    _flush_standard_streams()
+    if not _flush_standard_streams():
+        status = 120 if status is not None else None  # the interpreter's status where its last flush fails
     if status is None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -174,25 +175,25 @@ def _run_program(main: Callable[[], object]) -> int | None:
     return 0
 
 
-def _join_other_threads() -> None:
-    """Wait for every other thread that is no daemon, as the interpreter does before its exit handlers."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-
-
 def _exit_now(status: int) -> NoReturn:
     """End the process with `status` without the interpreter's finalization, the standard streams flushed first."""
     _flush_standard_streams()
     os._exit(status)
 
 
-def _flush_standard_streams() -> None:
-    """Flush standard output and error, as the interpreter does before it ends (also before it ends by SIGINT); one
-    without a reader any more is passed over: what it held has nowhere to go."""
+def _flush_standard_streams() -> bool:
+    """Flush standard output and error, as the interpreter does before it ends (also before it ends by SIGINT);
+    whether what they held was written or had nowhere to go: a stream closed, or without a reader any more, is passed
+    over; another failure (a full disk) is not, as the interpreter's status 120 says."""
+    flushed = True
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
+        try:
             stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+        except OSError:
+            flushed = False
+    return flushed
 
 
 def is_initialized() -> bool:
