@@ -496,6 +496,26 @@ def test_step_3s_ema_of_an_offloaded_actor_is_counted_in_host_memory_as_each_ran
         assert _host_need(plan, 3, {**runs_with, "enable_ema": True}).raised_by[-1] == "--enable_ema"
 
 
+@pytest.mark.parametrize("deployment, placement, copies", [
+    ("single_node", {"placement": "disaggregate"}, 4), ("single_node", {"placement_ratio": "actor=0.25"}, 2),
+    ("multi_node", {"placement": "disaggregate"}, 8), ("single_node", {"placement": "colocate"}, 8)])
+def test_step_3s_ema_is_counted_on_the_ranks_the_placement_gives_the_actor(deployment, placement, copies):
+    """ModelEMA is built only on the ranks that hold the actor, but the warning counted a whole copy (ZeRO 0-2) on
+    every rank (review RV2): `--placement disaggregate` gives the actor 4 of 8 ranks, whose EMA was counted twice
+    over (200.8 GiB for 100.4). On two nodes of 8 it gives it the first node's 8: that node holds 8 copies. (Under
+    --placement auto, which may pick any layout, every rank counts: test_step_3_under_placement_auto_...)"""
+    from training.pipeline.deployment import trained_parameters
+    from training.pipeline.planning import _host_need
+
+    node = Hardware(num_gpus=8, gpu_memory_gib=80, cpu_memory_gib=256, cpu_cores=8, bf16=True)
+    hosts = [Host("worker-1", 8), Host("worker-2", 8)] if deployment == "multi_node" else None
+    plan = plan_gpu(DeploymentType(deployment), ModelSizes(B7, B7), node, hosts, Workload(), [3])
+    runs_with = {**plan.steps[3].flags, "actor_zero_stage": 2, "actor_offload": True, "actor_lora_dim": 0,
+                 "critic_zero_stage": 2, **placement}
+    ema = _host_need(plan, 3, {**runs_with, "enable_ema": True}).as_run - _host_need(plan, 3, runs_with).as_run
+    assert ema == pytest.approx(4 * trained_parameters([B7], MemoryChoice(2, True)) * copies)
+
+
 def test_an_ema_that_needs_more_host_memory_than_is_available_is_warned_of_naming_enable_ema():
     from training.pipeline.planning import host_memory_warnings
 

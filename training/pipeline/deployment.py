@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers.hf_argparser import string_to_bool
 
+from training.placement.spec import AUTO, MODEL_ROLES, build_placement, parse_placement_ratio
 from utils.errors import UserError
 
 from .hardware import GIB, Hardware, ModelSize, lora_trainable_parameters
@@ -207,10 +208,12 @@ class HostModel:
 class HostEMA:
     """Step 3's EMA of a trained model (the actor), switched on by `--enable_ema`: an fp32 copy of its trained
     parameters, in CPU memory where the model is offloaded, else on the accelerators (`step3_rlhf.ema.ModelEMA`). Each
-    rank holds its ZeRO-3 partition of it, or at ZeRO 0-2 a whole copy. The plan leaves it off."""
+    rank that holds the actor holds its ZeRO-3 partition of it, or at ZeRO 0-2 a whole copy. The plan leaves it off.
+    `roles`: the models the step holds, which a named --placement lays out."""
 
     of: HostModel
     switch: str = "enable_ema"
+    roles: tuple[str, ...] = MODEL_ROLES
 
     @property
     def flag_names(self) -> tuple[str, ...]:
@@ -221,8 +224,24 @@ class HostEMA:
         choice = self.of.choice(flags)
         if not (choice.offload and _switched_on(flags.get(self.switch))):
             return 0.0
-        copies = 1 if choice.zero_stage == 3 else world
-        return _EMA_BYTES * trained_parameters([self.of.size], choice) * copies / nodes
+        whole = _EMA_BYTES * trained_parameters([self.of.size], choice)
+        if choice.zero_stage == 3:  # partitioned over every rank: step 3 refuses ZeRO-3 on part of them
+            return whole / nodes
+        return whole * self._actor_ranks_on_a_node(flags, world, nodes)
+
+    def _actor_ranks_on_a_node(self, flags: Mapping[str, Any], world: int, nodes: int) -> int:
+        """The most ranks of one node that hold the actor: every one co-located or under --placement auto (the most
+        it may pick), the actor's alone under a named --placement (disaggregate gives it the first half) and
+        --placement_ratio; a layout the step refuses counts every one."""
+        per_node = world // nodes
+        name, ratio = flags.get("placement") or "colocate", flags.get("placement_ratio")
+        if name == AUTO:
+            return per_node
+        try:
+            placement = build_placement(name, world, self.roles, parse_placement_ratio(ratio) if ratio else None)
+        except UserError:
+            return per_node
+        return max(sum(1 for rank in placement.ranks["actor"] if rank // per_node == node) for node in range(nodes))
 
 
 def _switched_on(value: Any) -> bool:
@@ -645,11 +664,12 @@ def plan_rlhf(target: Target, sizes: ModelSizes, workload: Workload = Workload()
     kv_cache = 4 * rl_seq * sizes.actor.hidden_size * sizes.actor.num_layers
     models = (Model.ACTOR, Model.REWARD) if critic_sizes or reward_sizes else (Model.ACTOR,)
     actor = HostModel(sizes.actor, "actor_")
+    roles = ("actor", *(["critic"] if critic_sizes else []), "reference", *(["reward"] if reward_sizes else []))
     held = (actor, *(HostModel(size, "critic_") for size in critic_sizes),
             HostModel(sizes.actor, frozen_offload="offload_reference_model"),
             *(HostModel(size, frozen_offload="offload_reward_model") for size in reward_sizes))
     fit = _fit_training(target, held, rl_seq, 1, 16, 3, "step 3", models, extra_per_sample=kv_cache,
-                        unplanned=(HostEMA(actor),))
+                        unplanned=(HostEMA(actor, roles=roles),))
     lora_dim = _GPU_LORA_DIM if fit.choice.lora else 0
     critic_blocks = (sizes.reward if workload.reward_model else sizes.actor).blocks_name  # what the critic starts from
     # the critic's flags only for a critic, which a critic-free step 3 refuses as doing nothing
