@@ -346,9 +346,11 @@ def test_a_flag_that_lowers_the_need_is_not_blamed_for_it(off, monkeypatch):
     (3, 60, {"zero_stage": "3", "offload": "true", "only_optimize_lora": "false"}, "--zero_stage", 44.7, ""),
     (3, 8, {"zero_stage": 3, "lora_dim": 8, "only_optimize_lora": True}, "--zero_stage", 5.7,
      " (your --lora_dim, --only_optimize_lora lowered it from the plan's 39.1 GiB)"),
-    (7, 30, {"lora_dim": 0, "only_optimize_lora": False}, "--lora_dim, --only_optimize_lora", 104.3, "")],
+    (7, 30, {"lora_dim": 0, "only_optimize_lora": False}, "--lora_dim, --only_optimize_lora", 104.3, ""),
+    (1.3, 30, {"actor_offload": "false", "actor_zero_stage": "3", "critic_zero_stage": "3"}, "--critic_zero_stage",
+     24.2, " (your --actor_offload lowered it from the plan's 38.7 GiB)")],
     ids=["rank_without_only_optimize_lora", "planned_values_as_text", "stage_raised_lora_lowered",
-         "lora_off_only_together"])
+         "lora_off_only_together", "stage_of_a_model_not_offloaded"])
 def test_a_flag_is_named_only_where_it_moved_the_need_its_way(billions, available_gib, user, named, gib, note,
                                                              monkeypatch):
     """Every memory flag of a model whose need moved was named, compared with the plan's as text, in the way the
@@ -358,18 +360,24 @@ def test_a_flag_is_named_only_where_it_moved_the_need_its_way(billions, availabl
     and False as a plain argparse step reads them; and with LoRA on, "your --zero_stage, --lora_dim,
     --only_optimize_lora lowered it", though ZeRO-3 raised it (the weights). A flag is named where the plan's value
     for it alone would move the need the other way, or where it alone on the plan's values would: --lora_dim 0 and
-    --only_optimize_lora false turn a 7B plan's LoRA off only together."""
+    --only_optimize_lora false turn a 7B plan's LoRA off only together. Of a step 3 planned as ZeRO-2 with offload
+    for both models, run with --actor_offload false --actor_zero_stage 3 --critic_zero_stage 3, --actor_zero_stage
+    was named as raising the need, though the actor it stages is no longer offloaded."""
     from training.pipeline.deployment import ModelSizes, Workload
     from training.pipeline.hardware import ModelSize
 
-    size = {3: ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000),
+    size = {1.3: ModelSize(parameters=1_300_000_000, hidden_size=2048, num_layers=24, vocab_size=32000),
+            3: ModelSize(parameters=3_000_000_000, hidden_size=3072, num_layers=28, vocab_size=32000),
             7: ModelSize(parameters=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000)}[billions]
-    installed_gib = {3: 96, 7: 64}[billions]
-    plan = _planned_with_memory(monkeypatch, installed_gib, available_gib, 1, ModelSizes(size, size), Workload(), [1])
-    assert plan.steps[1].flags["offload"] and bool(plan.steps[1].flags["lora_dim"]) == (billions == 7)
+    installed_gib = {1.3: 64, 3: 96, 7: 64}[billions]
+    step, prefix = (3, "actor_") if billions == 1.3 else (1, "")
+    plan = _planned_with_memory(monkeypatch, installed_gib, available_gib, 1, ModelSizes(size, size), Workload(),
+                                [step])
+    flags = plan.steps[step].flags
+    assert flags[f"{prefix}offload"] and bool(flags[f"{prefix}lora_dim"]) == (billions == 7)
     (warning,) = _offload_warned_with_memory(monkeypatch, installed_gib, available_gib, 1, ModelSizes(size, size),
-                                             Workload(), [1], {1: user})
-    assert warning.startswith(f"step 1's offload, as your {named} set it, puts {gib} GiB in host memory")
+                                             Workload(), [step], {step: user})
+    assert warning.startswith(f"step {step}'s offload, as your {named} set it, puts {gib} GiB in host memory")
     advice = "offload less: leave those flags to the plan, or a smaller model, more GPUs or nodes"
     assert warning.endswith(f"{advice}{note}")
 

@@ -90,27 +90,36 @@ def _host_need(plan: DeploymentPlan, step: int, runs_with: Mapping[str, Any]) ->
     def as_the_user_set(names: list[str]) -> tuple[str, ...]:
         return tuple(dict.fromkeys(_flag_that_set_it(plan, step, name, as_run, given) for name in names))
 
-    names = dict.fromkeys(name for model in models for name in model.flag_names)
-    raised, lowered = _flags_that_moved_it(need, as_run, as_planned, names)
+    raised, lowered = _flags_that_moved_it(need, as_run, as_planned, [model.flag_names for model in models])
     at_most = len({need_bytes for _, need_bytes in needs}) > 1
     return HostNeed(run_bytes, need(as_planned), as_the_user_set(raised), as_the_user_set(lowered), at_most)
 
 
 def _flags_that_moved_it(need: Callable[[Mapping[str, Any]], float], as_run: Mapping[str, Any],
-                         as_planned: Mapping[str, Any], names: Iterable[str]) -> tuple[list[str], list[str]]:
-    """The memory flags of `names` that raised a step's `need` with the flags it runs with (`as_run`), and those
-    that lowered it. A flag moved it where putting it alone back to the plan's value moves it (down: it raised it),
-    or, where that moves nothing, where setting it alone on the plan's values does: --lora_dim 0 beside
-    --only_optimize_lora false, which turn the plan's LoRA off only together. A flag that moves nothing is not named:
-    one read as the plan's value ("true" for True), or --lora_dim 8 where no --only_optimize_lora makes it count."""
-    run_bytes, planned_bytes = need(as_run), need(as_planned)
-    raised, lowered = [], []
-    for name in names:
-        moved = (run_bytes - need({**as_run, name: as_planned.get(name)})
-                 or need({**as_planned, name: as_run.get(name)}) - planned_bytes)
-        if moved:
-            (raised if moved > 0 else lowered).append(name)
-    return raised, lowered
+                         as_planned: Mapping[str, Any],
+                         models_flags: Iterable[Iterable[str]]) -> tuple[list[str], list[str]]:
+    """The memory flags (`models_flags`: each model's) that raised a step's `need` with the flags it runs with
+    (`as_run`), and those that lowered it. A flag moved it where putting it alone back to the plan's value moves it
+    (down: it raised it). Of one model's flags that move nothing so, each moved it where putting them back together
+    moves it and putting back the others without it does not move it as much: --lora_dim 0 beside
+    --only_optimize_lora false, which turn the plan's LoRA off only together. A flag that moves nothing is not named: one read as the plan's
+    value ("true" for True), --lora_dim 8 where no --only_optimize_lora makes it count, or --actor_zero_stage 3 where
+    --actor_offload false leaves the actor on the GPUs."""
+    run_bytes = need(as_run)
+
+    def moved_back(names: Collection[str]) -> float:
+        return run_bytes - need({**as_run, **{name: as_planned.get(name) for name in names}})
+
+    moved: dict[str, float] = {}
+    for flags in models_flags:
+        alone = {name: moved_back([name]) for name in flags}
+        moved.update({name: bytes_moved for name, bytes_moved in alone.items() if bytes_moved})
+        together = [name for name, bytes_moved in alone.items() if not bytes_moved]
+        all_moved = moved_back(together)
+        moved.update({name: all_moved for name in together
+                      if all_moved and moved_back([other for other in together if other != name]) != all_moved})
+    return ([name for name, bytes_moved in moved.items() if bytes_moved > 0],
+            [name for name, bytes_moved in moved.items() if bytes_moved < 0])
 
 
 def _flags_it_may_run_with(plan: DeploymentPlan, step: int, given: Mapping[str, Any]) -> list[Mapping[str, Any]]:
