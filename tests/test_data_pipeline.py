@@ -1,6 +1,7 @@
 """Phase shards, eval hold-out, blending, step-1-only sources, the on-disk cache, unsupervised blocks."""
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -801,13 +802,18 @@ def test_a_folder_of_files_naming_splits_beside_files_naming_none_is_refused_nam
 
 
 @pytest.mark.parametrize("names", [["data/my-split-00000-of-00001.jsonl", "data/train-00000-of-00001.jsonl"],
-                                   ["data/my-split-00000-of-00001.jsonl"]])
+                                   ["data/my-split-00000-of-00001.jsonl"], ["data/my..split-00000-of-00001.jsonl"]],
+                         ids=["beside_train", "alone", "empty_part"])
 def test_a_sharded_file_whose_split_datasets_refuses_as_no_split_name_is_refused_saying_so(tmp_path, names):
     """datasets refuses data/my-split-00000-of-00001 (its split name holds a '-'); here it was a file naming no split:
-    refused as one beside train's shards, read whole as train alone. It is refused as the split name it is."""
+    refused as one beside train's shards, read whole as train alone. It is refused as the split name it is, with a
+    name datasets takes: data/my..split-... was told to rename to the same name (a part between dots is empty)."""
     write_split_files(tmp_path, names)
-    with pytest.raises(UserError, match=r"holds data/my-split-00000-of-00001.jsonl, of datasets' sharded layout .*"
-                                        r"split 'my-split' is no split name .*\(data/my_split-00000-of-00001.jsonl\)"):
+    name = names[0]
+    split = name.removeprefix("data/").removesuffix("-00000-of-00001.jsonl")
+    with pytest.raises(UserError, match=rf"holds {re.escape(name)}, of datasets' sharded layout .*split "
+                                        rf"'{re.escape(split)}' is no split name .*"
+                                        r"\(data/my_split-00000-of-00001.jsonl\)"):
         folder_prompts(tmp_path)
 
 

@@ -203,7 +203,7 @@ def _sharded_split(split: str, folder: Path, relative: Path) -> str:
     """The split a file of `datasets`' sharded layout names, refused where `datasets` refuses it as no split name."""
     if _VALID_SPLIT_NAME.fullmatch(split) is None:
         name = relative.as_posix()
-        valid = re.sub(r"[^\w.]+", "_", split)
+        valid = "_".join(re.findall(r"\w+", split)) or "split"
         renamed = name.replace(f"data/{split}-", f"data/{valid}-", 1)
         raise UserError(f"data folder {folder} holds {name}, of datasets' sharded layout (data/SPLIT-00000-of-00001), "
                         f"whose split '{split}' is no split name (datasets refuses it: letters, digits and _, parts "
