@@ -65,10 +65,6 @@ class Step3Workload:
         stage = self.actor_zero_stage if role == "actor" else self.critic_zero_stage
         return uses_master_weights(self.dtype, stage, role in self.optimizer_offloaded, self.optimizer, self.device)
 
-    @property
-    def actor_lora(self) -> bool:
-        return self.actor_lora_dim > 0
-
     def lora_adapters(self, role: str) -> tuple[int, str]:
         """The trained model `role`'s LoRA rank where only its adapters train (0: every weight trains) and the
         --lora_module_name of the layers they wrap."""
