@@ -107,7 +107,7 @@ class MemoryChoice:
     offload: bool = False
     lora: bool = False
     lora_dim: int = _GPU_LORA_DIM  # the adapters' rank where `lora` (only they train)
-    lora_module_name: str | None = None  # the layers they wrap (`training.core.lora.is_lora_target`); None: every block's
+    lora_module_name: str | None = None  # layers they wrap (`training.core.lora.is_lora_target`); None: every block's
 
 
 def _ladder(world: int) -> list[MemoryChoice]:
