@@ -1,4 +1,5 @@
 """A process's own world of one (no launcher), as every step and GPU test worker starts it, and how a rank ends."""
+import re
 import signal
 import subprocess
 import sys
@@ -182,17 +183,20 @@ def test_each_program_that_starts_a_world_ends_without_the_interpreters_finaliza
 
 
 RUNS_AS_CONSOLE_SCRIPT = FINALIZATION_MARKER + """
-from importlib.metadata import entry_points
-(script,) = entry_points(group="console_scripts", name=sys.argv[2])
-sys.argv = [sys.argv[2], "--no_such_flag"]
-sys.exit(script.load()())  # what the script pip writes does
+import importlib
+module, function = sys.argv[2].split(":")
+sys.argv = ["rlhf-train", "--no_such_flag"]
+sys.exit(getattr(importlib.import_module(module), function)())  # what the script pip writes does
 """
 
 
 def test_the_rlhf_train_command_ends_without_the_interpreters_finalization(tmp_path):
     """`rlhf-train` called train.py's `main` and returned to the interpreter, which finalized with the steps' engines
-    (cpu deployment) keeping their gloo threads running, where `python train.py` left through `run_as_program`."""
-    result = subprocess.run([sys.executable, "-c", RUNS_AS_CONSOLE_SCRIPT, str(tmp_path), "rlhf-train"],
+    (cpu deployment) keeping their gloo threads running, where `python train.py` left through `run_as_program`. The
+    entry point as setup.py declares it (an installed copy's metadata may be older)."""
+    entry = re.search(r'"rlhf-train=([\w.]+:\w+)"', (REPO_ROOT / "setup.py").read_text(encoding="utf-8"))
+    assert entry, "setup.py declares no rlhf-train console script"
+    result = subprocess.run([sys.executable, "-c", RUNS_AS_CONSOLE_SCRIPT, str(tmp_path), entry.group(1)],
                             cwd=REPO_ROOT, env=step_env(), capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 2 and "error:" in result.stderr, (result.returncode, result.stderr[-3000:])
     assert (tmp_path / "exit handlers ran").is_file(), result.stderr[-3000:]
@@ -227,3 +231,32 @@ def test_a_program_ends_as_the_interpreter_ends_it_past_an_open_pool_and_a_faile
         on_a_full_disk = subprocess.run([sys.executable, "-c", PROGRAM_WITH_AN_OPEN_POOL], cwd=REPO_ROOT, env=buffered,
                                         stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
     assert on_a_full_disk.returncode == 120, on_a_full_disk.stderr[-3000:]
+    assert "Exception ignored in" in on_a_full_disk.stderr and "No space left" in on_a_full_disk.stderr
+
+
+INTERRUPTED_WHILE_WAITING = FINALIZATION_MARKER + """
+import signal, threading, time
+import utils.dist as dist
+
+def interrupt_soon():
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGINT)
+
+def main():
+    threading.Thread(target=time.sleep, args=(4,)).start()  # no daemon: waited for at the end
+    threading.Thread(target=interrupt_soon, daemon=True).start()
+
+dist.run_as_program(main)
+"""
+
+
+def test_a_ctrl_c_while_the_program_waits_for_its_threads_is_said_and_the_program_ends_as_it_would(tmp_path):
+    """A KeyboardInterrupt while the end waited for a thread escaped `run_as_program`: the interpreter finalized (the
+    hazard it guards against) and the program died by SIGINT, where the interpreter says the exception and keeps the
+    program's status."""
+    result = subprocess.run([sys.executable, "-c", INTERRUPTED_WHILE_WAITING, str(tmp_path)], cwd=REPO_ROOT,
+                            env=step_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    assert "Exception ignored on threading shutdown" in result.stderr and "KeyboardInterrupt" in result.stderr
+    assert (tmp_path / "exit handlers ran").is_file(), result.stderr[-3000:]
+    assert not (tmp_path / "finalized").exists(), "the interpreter finalized"

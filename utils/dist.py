@@ -7,12 +7,14 @@ the OS gives it), which lets the same DeepSpeed code path run everywhere. Either
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import signal
 import socket
 import sys
 import threading
+import traceback
 from typing import Callable, Mapping, NoReturn, Sequence
 
 import torch
@@ -148,7 +150,10 @@ def run_as_program(main: Callable[[], object]) -> NoReturn:
     0, `sys.exit`'s code, 1 after an exception, 120 where the last flush failed, death by SIGINT after a
     KeyboardInterrupt."""
     status = _run_program(main)
-    threading._shutdown()  # the interpreter's own step: executors told to stop, the threads that are no daemons joined
+    try:
+        threading._shutdown()  # the interpreter's step: executors told to stop, the threads that are no daemons joined
+    except BaseException as error:  # noqa: BLE001 -- a Ctrl-C while waiting: said, and on to the exit handlers
+        _say_ignored("on threading shutdown", error)
     atexit._run_exitfuncs()
     if not _flush_standard_streams():
         status = 120 if status is not None else None  # the interpreter's status where its last flush fails
@@ -183,17 +188,29 @@ def _exit_now(status: int) -> NoReturn:
 
 def _flush_standard_streams() -> bool:
     """Flush standard output and error, as the interpreter does before it ends (also before it ends by SIGINT);
-    whether what they held was written or had nowhere to go: a stream closed, or without a reader any more, is passed
-    over; another failure (a full disk) is not, as the interpreter's status 120 says."""
+    whether what they held was written or had nowhere to go. A closed stream is passed over, as the interpreter
+    passes it; so is one without a reader any more (the interpreter says 120 there too: here the reader that left,
+    a `head` or train.py's output reader, chose to, and the program's own status stands). Another failure (a full
+    disk) is said and makes the status 120, as the interpreter's."""
     flushed = True
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (BrokenPipeError, ValueError):
             pass
-        except OSError:
+        except OSError as error:
+            _say_ignored(f"in: {stream!r}", error)
             flushed = False
     return flushed
+
+
+def _say_ignored(where: str, error: BaseException) -> None:
+    """Say on the process's error output, as the interpreter says an exception it ignores at its end, that `error`
+    happened `where`; said nowhere if that output fails too."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"Exception ignored {where}", file=sys.__stderr__)
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.__stderr__)
+        sys.__stderr__.flush()
 
 
 def is_initialized() -> bool:
