@@ -11,6 +11,8 @@ from typing import TypeVar
 import pytest
 from filelock import FileLock
 
+from utils.atomic import atomic_write_bytes
+
 Built = TypeVar("Built")
 
 
@@ -28,7 +30,7 @@ def built_once(request: pytest.FixtureRequest, name: str, build: Callable[[Path]
     record = root / f"{name}.pickle"
     with FileLock(f"{record}.lock"):
         if not record.is_file():
-            record.write_bytes(pickle.dumps(build(Path(tempfile.mkdtemp(prefix=name, dir=root)))))
+            atomic_write_bytes(record, pickle.dumps(build(Path(tempfile.mkdtemp(prefix=name, dir=root)))))
     return pickle.loads(record.read_bytes())
 
 

@@ -50,7 +50,7 @@ def test_a_serial_run_started_from_a_workers_test_keeps_its_launch_in_its_own_fo
         results.append(launched_once(fixture_request(basetemp, None), "shared",
                                      lambda folder, run=run: subprocess.CompletedProcess([run], 0, "", "")))
     assert [result.args for result in results] == [["first"], ["second"]]
-    assert not list(tmp_path.glob("*.json"))
+    assert not list(tmp_path.glob("*.pickle"))
 
 
 def test_a_build_is_made_once_and_each_caller_gets_its_result_as_built(tmp_path):
