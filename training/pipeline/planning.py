@@ -102,9 +102,9 @@ def _flags_that_moved_it(need: Callable[[Mapping[str, Any]], float], as_run: Map
     (`as_run`), and those that lowered it. A flag moved it where putting it alone back to the plan's value moves it
     (down: it raised it). Of one model's flags that move nothing so, each moved it where putting them back together
     moves it and putting back the others without it does not move it as much: --lora_dim 0 beside
-    --only_optimize_lora false, which turn the plan's LoRA off only together. A flag that moves nothing is not named: one read as the plan's
-    value ("true" for True), --lora_dim 8 where no --only_optimize_lora makes it count, or --actor_zero_stage 3 where
-    --actor_offload false leaves the actor on the GPUs."""
+    --only_optimize_lora false, which turn the plan's LoRA off only together. A flag that moves nothing is not named:
+    one read as the plan's value ("true" for True), --lora_dim 8 where no --only_optimize_lora makes it count, or
+    --actor_zero_stage 3 where --actor_offload false leaves the actor on the GPUs."""
     run_bytes = need(as_run)
 
     def moved_back(names: Collection[str]) -> float:
