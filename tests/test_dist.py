@@ -243,6 +243,7 @@ def interrupt_soon():
     os.kill(os.getpid(), signal.SIGINT)
 
 def main():
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # an xdist worker's children start with SIGINT ignored
     threading.Thread(target=time.sleep, args=(4,)).start()  # no daemon: waited for at the end
     threading.Thread(target=interrupt_soon, daemon=True).start()
 
